@@ -102,11 +102,13 @@ def xla_attention(
     window: int | None = None,
     scale: float | None = None,
     return_weights: bool = False,
+    weights_dropout: Callable[[Array], Array] | None = None,
 ) -> Array | tuple[Array, Array]:
     """Scaled dot-product attention, Attention(Q, K, V) = softmax(QK^T / sqrt(d_k)) V, materialising the scores.
 
     Scores and softmax are computed in float32 whatever the input dtype. With return_weights, also returns the
-    attention weights [B, N, T, S] (rows sum to 1, or to 0 for a query that sees no key).
+    attention weights [B, N, T, S] (rows sum to 1, or to 0 for a query that sees no key). weights_dropout, if
+    given, is applied to the weights before they multiply V (attention dropout; needs the materialised weights).
     """
     _check_shapes(q, k, v)
     batch, q_len, num_heads, head_dim = q.shape
@@ -136,7 +138,8 @@ def xla_attention(
     weights_BNTS = jax.nn.softmax(scores_BNTS, axis=-1)
     if mask is not None:
         weights_BNTS = jnp.where(any_visible, weights_BNTS, 0.0)
-    weights_BKGTS = weights_BNTS.reshape(batch, num_kv_heads, groups, q_len, kv_len)
+    used_BNTS = weights_BNTS if weights_dropout is None else weights_dropout(weights_BNTS)
+    weights_BKGTS = used_BNTS.reshape(batch, num_kv_heads, groups, q_len, kv_len)
     out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", weights_BKGTS.astype(v.dtype), v)
     out_BTNH = out_BTKGH.reshape(batch, q_len, num_heads, v.shape[-1])
     if return_weights:

@@ -1,0 +1,55 @@
+"""Every config loads with every argument, every sweep override applies, and the model it describes builds."""
+
+import importlib
+import pathlib
+
+import jax
+import pytest
+from flax import nnx
+
+from transformer_jax.model import build_model
+
+CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
+CONFIG_ARGS = {
+    "wmt14_ende": ["size=base", "size=big", "size=tiny", None],
+    "multi30k": [None, "direction=de-en", "size=tiny"],
+    "quickstart": [None],
+}
+
+
+def _config_modules() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.py") if p.stem not in ("__init__", "common"))
+
+
+def test_every_config_file_is_covered():
+    assert set(_config_modules()) <= set(CONFIG_ARGS), "add the new config file and its arguments to CONFIG_ARGS"
+
+
+def _cases():
+    for name, args in CONFIG_ARGS.items():
+        for arg in args:
+            yield pytest.param(name, arg, id=f"{name}:{arg}")
+
+
+@pytest.mark.parametrize("name,arg", _cases())
+def test_config_loads_locked_and_builds_a_model(name, arg):
+    module = importlib.import_module(f"configs.{name}")
+    config = module.get_config(arg)
+    assert config.is_locked
+    with pytest.raises(AttributeError):
+        config.model.d_modle = 3  # a misspelt key fails instead of silently adding one
+    for override in getattr(module, "get_sweep", lambda a: [])(arg):
+        variant = module.get_config(arg)
+        # A locked config raises on a key that does not exist, so a misspelt override fails here.
+        variant.update_from_flattened_dict({k: v for k, v in override.items() if k != "name"})
+    model = nnx.eval_shape(lambda: build_model(config, rngs=nnx.Rngs(0)))
+    assert sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) > 0
+
+
+def test_bad_config_argument_is_a_clear_error():
+    from configs import wmt14_ende
+
+    with pytest.raises(ValueError, match="unknown config argument 'sise'"):
+        wmt14_ende.get_config("sise=base")
+    with pytest.raises(ValueError, match="unknown size 'huge'"):
+        wmt14_ende.get_config("size=huge")

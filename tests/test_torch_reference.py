@@ -1,0 +1,96 @@
+"""An independent implementation agrees: the same weights in torch.nn.Transformer give the same outputs."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.model_helpers import random_tokens, tiny_model
+
+torch = pytest.importorskip("torch", reason="torch is not installed: `pip install torch==2.13.0` (CPU build)")
+
+
+def _t(x) -> "torch.Tensor":
+    return torch.from_numpy(np.array(x, dtype=np.float32))
+
+
+def _copy_attention(ours, theirs) -> None:
+    # torch keeps one in-projection [3D, D] stacked Q, K, V and stores Linear weights as [out, in].
+    theirs.in_proj_weight.copy_(
+        torch.cat([_t(ours.q_proj.kernel[...]).T, _t(ours.k_proj.kernel[...]).T, _t(ours.v_proj.kernel[...]).T])
+    )
+    theirs.in_proj_bias.copy_(
+        torch.cat([_t(ours.q_proj.bias[...]), _t(ours.k_proj.bias[...]), _t(ours.v_proj.bias[...])])
+    )
+    theirs.out_proj.weight.copy_(_t(ours.o_proj.kernel[...]).T)
+    theirs.out_proj.bias.copy_(_t(ours.o_proj.bias[...]))
+
+
+def _copy_linear(ours, theirs) -> None:
+    theirs.weight.copy_(_t(ours.kernel[...]).T)
+    theirs.bias.copy_(_t(ours.bias[...]))
+
+
+def _copy_norm(ours, theirs) -> None:
+    theirs.weight.copy_(_t(ours.scale_D[...]))
+    theirs.bias.copy_(_t(ours.bias_D[...]))
+
+
+def _rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_matches_torch_nn_transformer():
+    model = tiny_model(seed=4, d_model=32, num_heads=4, d_ff=64, num_encoder_layers=2, num_decoder_layers=3)
+    spec = model.spec
+    ref = torch.nn.Transformer(
+        d_model=spec.d_model,
+        nhead=spec.num_heads,
+        num_encoder_layers=spec.num_encoder_layers,
+        num_decoder_layers=spec.num_decoder_layers,
+        dim_feedforward=spec.d_ff,
+        dropout=0.0,
+        activation="relu",
+        layer_norm_eps=spec.norm_epsilon,
+        batch_first=True,
+        norm_first=False,
+    )
+    # torch.nn.Transformer always adds final encoder/decoder norms; the paper's post-LN stack has none.
+    ref.encoder.norm = None
+    ref.decoder.norm = None
+    ref.eval()
+    with torch.no_grad():
+        for ours, theirs in zip(model.encoder_layers, ref.encoder.layers, strict=True):
+            _copy_attention(ours.self_attn, theirs.self_attn)
+            _copy_linear(ours.ffn.w1, theirs.linear1)
+            _copy_linear(ours.ffn.w2, theirs.linear2)
+            _copy_norm(ours.self_attn_residual.norm, theirs.norm1)
+            _copy_norm(ours.ffn_residual.norm, theirs.norm2)
+        for ours, theirs in zip(model.decoder_layers, ref.decoder.layers, strict=True):
+            _copy_attention(ours.self_attn, theirs.self_attn)
+            _copy_attention(ours.cross_attn, theirs.multihead_attn)
+            _copy_linear(ours.ffn.w1, theirs.linear1)
+            _copy_linear(ours.ffn.w2, theirs.linear2)
+            _copy_norm(ours.self_attn_residual.norm, theirs.norm1)
+            _copy_norm(ours.cross_attn_residual.norm, theirs.norm2)
+            _copy_norm(ours.ffn_residual.norm, theirs.norm3)
+
+    src = random_tokens(0, (2, 7)).at[1, 5:].set(0)  # second sentence padded
+    tgt = random_tokens(1, (2, 6))
+    src_real = np.asarray(src != 0)
+    positions_s, positions_t = jnp.arange(7)[None], jnp.arange(6)[None]
+    # Embedding * sqrt(d_model) + PE is ours on both sides: torch.nn.Transformer starts after the embeddings.
+    x = _t(model._embed(src, positions_s, target=False))
+    y = _t(model._embed(tgt, positions_t, target=True))
+    with torch.no_grad():
+        pad_mask = torch.from_numpy(~src_real)
+        memory_ref = ref.encoder(x, src_key_padding_mask=pad_mask)
+        causal = torch.nn.Transformer.generate_square_subsequent_mask(6)
+        out_ref = ref.decoder(y, memory_ref, tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=pad_mask)
+        logits_ref = out_ref @ _t(model.src_embed.table_VD[...]).T
+
+    memory = model.encode(src)
+    logits = model.decode(memory, tgt, src_segment_ids=jnp.asarray(src_real, jnp.int32))
+    # Compare real positions only: torch leaves arbitrary values at padded encoder positions.
+    assert _rel_err(np.asarray(memory)[src_real], memory_ref.numpy()[src_real]) < 1e-5
+    assert _rel_err(logits, logits_ref.numpy()) < 1e-5

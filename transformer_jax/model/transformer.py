@@ -1,0 +1,288 @@
+"""The encoder-decoder Transformer (paper section 3): stacks of attention + FFN sublayers with residual + norm.
+
+Axis legend: B batch, S source length, T target length, L cache length, D d_model, V vocabulary.
+Public face: `encode(src) -> memory` and `decode(memory, tgt, cache=None) -> logits`; training, decoding and
+evaluation all go through these two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from transformer_jax.model.attention import MultiHeadAttention, append_to_cache, init_self_cache
+from transformer_jax.model.layers import Embedding, FeedForward, LearnedPositions, dense, make_norm, sinusoidal_encoding
+from transformer_jax.model.spec import TransformerSpec
+
+Array = jax.Array
+Cache = dict[str, Any]
+
+
+class Residual(nnx.Module):
+    """One sublayer connection: post-LN LayerNorm(x + Dropout(Sublayer(x))) (paper 5.4), or pre-LN
+    x + Dropout(Sublayer(LayerNorm(x)))."""
+
+    def __init__(self, spec: TransformerSpec, *, rngs: nnx.Rngs):
+        self.norm = make_norm(spec)
+        self.dropout = nnx.Dropout(spec.dropout_rate, rngs=rngs)
+        self.pre = spec.norm_position == "pre"
+
+    def __call__(self, x: Array, sublayer: Callable[[Array], Array]) -> Array:
+        if self.pre:
+            return x + self.dropout(sublayer(self.norm(x)))
+        return self.norm(x + self.dropout(sublayer(x)))
+
+
+class EncoderLayer(nnx.Module):
+    """Self-attention then FFN, each wrapped in a residual connection (paper 3.1)."""
+
+    def __init__(self, spec: TransformerSpec, *, rngs: nnx.Rngs):
+        self.self_attn = MultiHeadAttention(spec, rngs=rngs)
+        self.self_attn_residual = Residual(spec, rngs=rngs)
+        self.ffn = FeedForward(spec, rngs=rngs)
+        self.ffn_residual = Residual(spec, rngs=rngs)
+
+    def __call__(self, x_BSD: Array, segment_ids_BS: Array, positions_BS: Array) -> Array:
+        def self_attention(h: Array) -> Array:
+            return self.self_attn(
+                h,
+                self.self_attn.project_kv(h),
+                q_segment_ids=segment_ids_BS,
+                kv_segment_ids=segment_ids_BS,
+                q_positions=positions_BS,
+                kv_positions=positions_BS,
+                causal=False,
+            )
+
+        x_BSD = self.self_attn_residual(x_BSD, self_attention)
+        return self.ffn_residual(x_BSD, self.ffn)
+
+
+class DecoderLayer(nnx.Module):
+    """Masked self-attention, cross-attention over the encoder output, then FFN (paper 3.1)."""
+
+    def __init__(self, spec: TransformerSpec, *, rngs: nnx.Rngs):
+        self.self_attn = MultiHeadAttention(spec, rngs=rngs)
+        self.self_attn_residual = Residual(spec, rngs=rngs)
+        self.cross_attn = MultiHeadAttention(spec, rngs=rngs)
+        self.cross_attn_residual = Residual(spec, rngs=rngs)
+        self.ffn = FeedForward(spec, rngs=rngs)
+        self.ffn_residual = Residual(spec, rngs=rngs)
+
+    def __call__(
+        self,
+        y_BTD: Array,
+        cross_kv: tuple[Array, Array],
+        *,
+        tgt_segment_ids: Array | None,
+        tgt_positions: Array,
+        src_segment_ids: Array | None,
+        self_cache: dict[str, Array] | None,
+        cache_index: Array | None,
+    ) -> tuple[Array, dict[str, Array] | None]:
+        new_cache = None
+
+        def masked_self_attention(h: Array) -> Array:
+            nonlocal new_cache
+            k, v = self.self_attn.project_kv(h)
+            if self_cache is None:
+                kv, kv_positions, kv_segment_ids = (k, v), tgt_positions, tgt_segment_ids
+            else:
+                # Decoding: the new keys join the cache; cache slots beyond the query are masked by causality.
+                new_cache = append_to_cache(self_cache, k, v, cache_index)
+                kv = (new_cache["k"], new_cache["v"])
+                batch, cache_len = new_cache["k"].shape[:2]
+                kv_positions = jnp.broadcast_to(jnp.arange(cache_len, dtype=jnp.int32), (batch, cache_len))
+                kv_segment_ids = None
+            return self.self_attn(
+                h,
+                kv,
+                q_segment_ids=tgt_segment_ids,
+                kv_segment_ids=kv_segment_ids,
+                q_positions=tgt_positions,
+                kv_positions=kv_positions,
+                causal=True,
+            )
+
+        def cross_attention(h: Array) -> Array:
+            # Q from the decoder, K and V from the encoder output; no causality, only segments and padding.
+            return self.cross_attn(
+                h,
+                cross_kv,
+                q_segment_ids=tgt_segment_ids,
+                kv_segment_ids=src_segment_ids,
+                q_positions=None,
+                kv_positions=None,
+                causal=False,
+            )
+
+        y_BTD = self.self_attn_residual(y_BTD, masked_self_attention)
+        y_BTD = self.cross_attn_residual(y_BTD, cross_attention)
+        return self.ffn_residual(y_BTD, self.ffn), new_cache
+
+
+class Transformer(nnx.Module):
+    """The encoder-decoder of "Attention Is All You Need" (Vaswani et al., 2017)."""
+
+    def __init__(self, spec: TransformerSpec, *, rngs: nnx.Rngs):
+        self.spec = spec
+        self.src_embed = Embedding(spec.vocab_size, spec.d_model, spec.compute_dtype, rngs=rngs)
+        self.tgt_embed = (
+            None if spec.share_embeddings else Embedding(spec.vocab_size, spec.d_model, spec.compute_dtype, rngs=rngs)
+        )
+        self.output_proj = None if spec.tie_output else dense(spec.d_model, spec.vocab_size, spec, rngs, bias=False)
+        if spec.positional == "learned":
+            self.src_positions = LearnedPositions(spec.max_len, spec.d_model, rngs=rngs)
+            self.tgt_positions = (
+                self.src_positions if spec.share_embeddings else LearnedPositions(spec.max_len, spec.d_model, rngs=rngs)
+            )
+        self.embed_dropout = nnx.Dropout(spec.dropout_rate, rngs=rngs)
+        self.encoder_layers = nnx.List([EncoderLayer(spec, rngs=rngs) for _ in range(spec.num_encoder_layers)])
+        self.decoder_layers = nnx.List([DecoderLayer(spec, rngs=rngs) for _ in range(spec.num_decoder_layers)])
+        # Pre-LN stacks end with a norm, since their residual stream is never normalised otherwise.
+        pre = spec.norm_position == "pre"
+        self.encoder_norm = make_norm(spec) if pre else None
+        self.decoder_norm = make_norm(spec) if pre else None
+
+    # -- pieces ------------------------------------------------------------------------------------------------
+
+    def _embed(self, tokens_BT: Array, positions_BT: Array, target: bool) -> Array:
+        """Dropout(Embedding(tokens) * sqrt(d_model) + PE(positions)) (paper 3.4, 3.5, 5.4)."""
+        embed = self.tgt_embed if (target and self.tgt_embed is not None) else self.src_embed
+        x = embed(tokens_BT)
+        if self.spec.positional == "sinusoidal":
+            x = x + sinusoidal_encoding(positions_BT, self.spec.d_model).astype(x.dtype)
+        elif self.spec.positional == "learned":
+            table = self.tgt_positions if target else self.src_positions
+            x = x + table(positions_BT).astype(x.dtype)
+        return self.embed_dropout(x)
+
+    def _defaults(self, tokens_BT: Array, segment_ids: Array | None, positions: Array | None) -> tuple[Array, Array]:
+        """Unpacked inputs: segment 1 for real tokens, 0 for padding; positions 0, 1, 2, ..."""
+        batch, length = tokens_BT.shape
+        if self.spec.positional == "learned" and length > self.spec.max_len:
+            raise ValueError(f"sequence of {length} tokens exceeds model.max_len={self.spec.max_len}")
+        if segment_ids is None:
+            segment_ids = (tokens_BT != self.spec.pad_id).astype(jnp.int32)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        return segment_ids, positions
+
+    def logits(self, y_BTD: Array) -> Array:
+        """The pre-softmax linear transformation, sharing the embedding matrix when tied (paper 3.4)."""
+        if self.output_proj is not None:
+            return self.output_proj(y_BTD).astype(jnp.float32)
+        embed = self.tgt_embed if self.tgt_embed is not None else self.src_embed
+        return embed.attend(y_BTD)
+
+    # -- public face ----------------------------------------------------------------------------------------------
+
+    def encode(
+        self, src_tokens: Array, src_segment_ids: Array | None = None, src_positions: Array | None = None
+    ) -> Array:
+        """memory [B, S, D] = Encoder(src_tokens). Segment ids 0 mark padding; default: tokens != pad_id."""
+        src_segment_ids, src_positions = self._defaults(src_tokens, src_segment_ids, src_positions)
+        x_BSD = self._embed(src_tokens, src_positions, target=False)
+        for layer in self.encoder_layers:
+            x_BSD = layer(x_BSD, src_segment_ids, src_positions)
+        return x_BSD if self.encoder_norm is None else self.encoder_norm(x_BSD)
+
+    def decode(
+        self,
+        memory: Array | None,
+        tgt_tokens: Array,
+        *,
+        src_segment_ids: Array | None = None,
+        tgt_segment_ids: Array | None = None,
+        tgt_positions: Array | None = None,
+        cache: Cache | None = None,
+    ) -> Array | tuple[Array, Cache]:
+        """logits [B, T, V] (float32) of the next token at each target position, given the encoder memory.
+
+        Without a cache, tgt_tokens is the whole shifted target (BOS y_1 ... y_{T-1}) and the causal mask hides the
+        future. With a cache from `init_cache`, tgt_tokens are the next T tokens (usually T = 1), memory is not read
+        (the cache holds the projected cross-attention keys/values and the source segment ids), and the return
+        value is (logits, updated cache).
+        """
+        if cache is None:
+            if memory is None:
+                raise ValueError("decode needs the encoder memory when no cache is given")
+            if src_segment_ids is None:
+                src_segment_ids = jnp.ones(memory.shape[:2], jnp.int32)
+            tgt_segment_ids, tgt_positions = self._defaults(tgt_tokens, tgt_segment_ids, tgt_positions)
+            cross_kvs = [layer.cross_attn.project_kv(memory) for layer in self.decoder_layers]
+            index = None
+        else:
+            batch, length = tgt_tokens.shape
+            index = cache["index"]
+            tgt_positions = jnp.broadcast_to(index + jnp.arange(length, dtype=jnp.int32), (batch, length))
+            tgt_segment_ids, src_segment_ids = None, cache["src_segment_ids"]
+            cross_kvs = [(c["k"], c["v"]) for c in cache["cross"]]
+        y_BTD = self._embed(tgt_tokens, tgt_positions, target=True)
+        new_self = []
+        for i, layer in enumerate(self.decoder_layers):
+            y_BTD, layer_cache = layer(
+                y_BTD,
+                cross_kvs[i],
+                tgt_segment_ids=tgt_segment_ids,
+                tgt_positions=tgt_positions,
+                src_segment_ids=src_segment_ids,
+                self_cache=None if cache is None else cache["self"][i],
+                cache_index=index,
+            )
+            new_self.append(layer_cache)
+        if self.decoder_norm is not None:
+            y_BTD = self.decoder_norm(y_BTD)
+        logits_BTV = self.logits(y_BTD)
+        if cache is None:
+            return logits_BTV
+        return logits_BTV, {**cache, "self": new_self, "index": index + tgt_tokens.shape[1]}
+
+    def init_cache(self, memory: Array, src_segment_ids: Array | None, max_len: int) -> Cache:
+        """A decoding cache for up to max_len target tokens: cross-attention K/V projected once per sentence."""
+        if self.spec.positional == "learned" and max_len > self.spec.max_len:
+            raise ValueError(f"decoding {max_len} tokens exceeds model.max_len={self.spec.max_len}")
+        batch = memory.shape[0]
+        dtype = self.spec.compute_dtype
+        cross = []
+        for layer in self.decoder_layers:
+            k, v = layer.cross_attn.project_kv(memory)
+            cross.append({"k": k, "v": v})
+        return {
+            "index": jnp.zeros((), jnp.int32),
+            "src_segment_ids": jnp.ones(memory.shape[:2], jnp.int32) if src_segment_ids is None else src_segment_ids,
+            "cross": cross,
+            "self": [init_self_cache(layer.self_attn, batch, max_len, dtype) for layer in self.decoder_layers],
+        }
+
+    def __call__(
+        self,
+        src_tokens: Array,
+        tgt_in: Array,
+        *,
+        src_segment_ids: Array | None = None,
+        tgt_segment_ids: Array | None = None,
+        src_positions: Array | None = None,
+        tgt_positions: Array | None = None,
+    ) -> Array:
+        """Teacher-forced logits [B, T, V] for a (possibly packed) batch."""
+        src_segment_ids, src_positions = self._defaults(src_tokens, src_segment_ids, src_positions)
+        memory = self.encode(src_tokens, src_segment_ids, src_positions)
+        return self.decode(
+            memory,
+            tgt_in,
+            src_segment_ids=src_segment_ids,
+            tgt_segment_ids=tgt_segment_ids,
+            tgt_positions=tgt_positions,
+        )
+
+
+def capture_attention_weights(model: Transformer, enabled: bool = True) -> None:
+    """Makes every attention module sow its weights as nnx.Intermediate 'attention_weights' (see nnx.pop)."""
+    for _, module in model.iter_modules():
+        if isinstance(module, MultiHeadAttention):
+            module.capture_weights = enabled
