@@ -72,6 +72,7 @@ def data_config() -> ml_collections.ConfigDict:
     d.text_dir = "../shared/data/multi30k"  # directory with {split}.{lang} files, for source=text
     d.tfds_name = "wmt14_translate/de-en"  # TFDS builder/config, for source=tfds
     d.tfds_data_dir = ""  # TFDS data directory; empty means TFDS's default (~/tensorflow_datasets)
+    d.tfds_download = True  # download and prepare a missing TFDS dataset (needs internet); False fails at once
     d.cache_dir = ""  # where downloads are kept; empty means ~/.cache/transformer_jax
     d.src_lang = "en"  # source language code
     d.tgt_lang = "de"  # target language code
@@ -83,7 +84,8 @@ def data_config() -> ml_collections.ConfigDict:
     d.tokenizer_sample_sentences = 1_000_000  # sentences (both sides together) sampled to train the tokenizer
     d.batching = "pack"  # pack | bucket | pad
     d.batch_size = 64  # rows per batch, summed over devices (pack, pad)
-    d.tokens_per_batch = 4096  # source tokens per batch, summed over devices (bucket)
+    d.tokens_per_batch = 4096  # token slots per side per batch (rows x row length), summed over devices (bucket)
+    d.batch_window = 8192  # examples per host grouped at once by pack (first-fit) and bucket (length sort)
     d.max_len = 64  # tokens per side: the row length for pack/pad and the training length filter
     d.eval_max_len = 256  # tokens per source sentence at evaluation; longer ones are truncated and counted
     d.shuffle_seed = 0  # seed of the deterministic shuffle
@@ -115,7 +117,9 @@ def train_config() -> ml_collections.ConfigDict:
     t.bleu_every = 0  # steps between validation BLEU evaluations; 0 means never during training
     t.bleu_sentences = 200  # validation sentences decoded for BLEU during training
     t.mesh = "data"  # data (replicated params) | fsdp (parameters sharded over the data axis)
-    t.peak_flops = 0.0  # accelerator peak FLOP/s per device for MFU; 0 means measure/unknown
+    t.peak_flops = 0.0  # peak FLOP/s of one device, for MFU and --dry_run's estimate; 0: measure a matmul at start
+    t.assumed_mfu = 0.4  # model FLOPs utilisation assumed by --dry_run's time estimate (fraction of peak)
+    t.estimate_devices = 0  # devices assumed by --dry_run's time estimate; 0 means the devices present
     t.max_nonfinite_steps = 10  # consecutive non-finite updates before the run stops
     return t
 

@@ -1,0 +1,106 @@
+"""Data pipeline throughput and padding efficiency on Multi30k train, on one CPU core. Prints JSON lines.
+
+  .venv/bin/python -m benchmarks.data_pipeline [--vocab_size 8000] [--epochs 1] [--modes pack,bucket,pad]
+
+Each mode line times the whole path a training run takes: read the text files, tokenize every pair with
+SentencePiece's batch encoder (one thread), length-filter, then batch until one epoch of tokens has come out.
+tokens_per_s counts real tokens (source + target, EOS/BOS included; padding excluded) per wall-clock second.
+The tokenizer (a joint unigram model) is trained first and not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from configs import common
+from transformer_jax.data import batching, pipeline, sources
+from transformer_jax.data import tokenizer as tokenizer_lib
+
+DATA = Path(os.environ.get("TRANSFORMER_JAX_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
+
+
+def emit(**record) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def run_mode(config, tokenizer, mode: str, epochs: float) -> dict:
+    config.batching = mode
+    start = time.perf_counter()
+    it, stats = pipeline.make_train_iterator(config, tokenizer, process_index=0, process_count=1, num_threads=1)
+    setup_s = time.perf_counter() - start
+    target = epochs * (stats["src_tokens"] + stats["tgt_tokens"])
+    batches, real = [], 0
+    while real < target:
+        batch = next(it)
+        batches.append(batch)
+        real += int((batch["src_segment_ids"] > 0).sum() + (batch["tgt_segment_ids"] > 0).sum())
+    total_s = time.perf_counter() - start
+    eff = batching.padding_efficiency(batches)
+    slots = sum(b["src_segment_ids"].size + b["tgt_segment_ids"].size for b in batches)
+    shapes = sorted({(b["src_tokens"].shape[0], b["src_tokens"].shape[1], b["tgt_in"].shape[1]) for b in batches})
+    return {
+        "benchmark": "data_pipeline",
+        "mode": mode,
+        "tokens_per_s": round(real / total_s),
+        "batching_tokens_per_s": round(real / (total_s - setup_s)),
+        "real_tokens": real,
+        "seconds": round(total_s, 3),
+        "setup_seconds": round(setup_s, 3),
+        "batches": len(batches),
+        "padding_efficiency_src": round(eff["src"], 4),
+        "padding_efficiency_tgt": round(eff["tgt"], 4),
+        "padding_efficiency": round(real / slots, 4),
+        "shapes_seen": len(shapes),
+        "shapes": shapes[:20],
+        "kept": stats["kept"],
+        "dropped_too_long": stats["dropped_too_long"],
+        "max_len": config.max_len,
+        "batch_size": config.batch_size,
+        "tokens_per_batch": config.tokens_per_batch,
+        "batch_window": config.batch_window,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab_size", type=int, default=8000)
+    parser.add_argument("--epochs", type=float, default=1.0)
+    parser.add_argument("--modes", default="pack,bucket,pad")
+    parser.add_argument("--src_lang", default="en")
+    parser.add_argument("--tgt_lang", default="de")
+    args = parser.parse_args(argv)
+    if not (DATA / "multi30k" / "train.en").exists():
+        emit(benchmark="data_pipeline", skipped=f"shared corpora not found at {DATA} (set TRANSFORMER_JAX_DATA)")
+        return 0
+    if hasattr(os, "sched_setaffinity"):  # one core: SentencePiece and numpy both stay on it
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    config = common.data_config()
+    config.text_dir = str(DATA / "multi30k")
+    config.src_lang, config.tgt_lang = args.src_lang, args.tgt_lang
+    with tempfile.TemporaryDirectory() as workdir:
+        tokenizer = tokenizer_lib.get_tokenizer(config, workdir, vocab_size=args.vocab_size)
+        start = time.perf_counter()
+        pairs, _ = sources.read_text_split(config.text_dir, "train", config.src_lang, config.tgt_lang)
+        examples = batching.tokenize_pairs(pairs, tokenizer, num_threads=1)
+        seconds = time.perf_counter() - start
+        tokens = int(examples.src_lens.sum() + examples.tgt_lens.sum())
+        # Read + tokenize only, to see how much of the mode lines below is SentencePiece.
+        emit(
+            benchmark="data_pipeline",
+            mode="read_and_tokenize",
+            tokens_per_s=round(tokens / seconds),
+            real_tokens=tokens,
+        )
+        for mode in args.modes.split(","):
+            emit(**run_mode(config, tokenizer, mode, args.epochs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

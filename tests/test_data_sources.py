@@ -1,0 +1,186 @@
+"""Sources: local {split}.{lang} text files with every kind of bad input, and TFDS translation builders."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import tensorflow_datasets as tfds
+
+from configs import common
+from transformer_jax.data import sources
+from transformer_jax.data.errors import DataError
+
+DATA = Path(os.environ.get("TRANSFORMER_JAX_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
+
+
+def write(directory: Path, name: str, content: str | bytes) -> Path:
+    path = directory / name
+    path.write_bytes(content.encode("utf-8") if isinstance(content, str) else content)
+    return path
+
+
+def text_config(directory: Path, src: str = "en", tgt: str = "de"):
+    config = common.data_config()
+    config.source, config.text_dir, config.src_lang, config.tgt_lang = "text", str(directory), src, tgt
+    return config
+
+
+def test_reads_aligned_pairs_in_either_direction(tmp_path):
+    # U+2028 and U+0085 are line breaks to str.splitlines() but not to a corpus file; CRLF endings are tolerated.
+    write(tmp_path, "train.en", "A dog.\nTwo\u2028cats\u0085.\r\nA  spaced  line \n")
+    write(tmp_path, "train.de", "Ein Hund.\nZwei Katzen.\nEine Zeile\n")
+    assert sources.load_split(text_config(tmp_path), "train") == [
+        ("A dog.", "Ein Hund."),
+        ("Two\u2028cats\u0085.", "Zwei Katzen."),
+        ("A  spaced  line ", "Eine Zeile"),
+    ]
+    assert sources.load_split(text_config(tmp_path, "de", "en"), "train")[0] == ("Ein Hund.", "A dog.")
+
+
+def test_empty_lines_skip_the_pair_and_are_counted(tmp_path):
+    write(tmp_path, "train.en", "one\n\nthree\nfour\n  \nsix")  # no final newline: still six lines
+    write(tmp_path, "train.de", "eins\nzwei\n\nvier\nfünf\nsechs\n")
+    pairs, skipped = sources.read_text_split(tmp_path, "train", "en", "de")
+    assert pairs == [("one", "eins"), ("four", "vier"), ("six", "sechs")]
+    assert skipped == 3
+
+
+def test_mismatched_line_counts_name_both_files_and_counts(tmp_path):
+    src = write(tmp_path, "train.en", "a\nb\nc\n")
+    tgt = write(tmp_path, "train.de", "a\nb\n")
+    with pytest.raises(DataError) as e:
+        sources.read_text_split(tmp_path, "train", "en", "de")
+    assert str(src) in str(e.value) and str(tgt) in str(e.value)
+    assert "3 lines" in str(e.value) and "has 2" in str(e.value)
+
+
+def test_empty_file(tmp_path):
+    write(tmp_path, "train.en", "a\n")
+    tgt = write(tmp_path, "train.de", "")
+    with pytest.raises(DataError, match=f"{tgt} is empty"):
+        sources.read_text_split(tmp_path, "train", "en", "de")
+
+
+def test_only_empty_pairs_is_an_error(tmp_path):
+    write(tmp_path, "train.en", "\n\n")
+    write(tmp_path, "train.de", "x\n\n")
+    with pytest.raises(DataError, match="no pair with both sides non-empty"):
+        sources.read_text_split(tmp_path, "train", "en", "de")
+
+
+def test_invalid_utf8_names_file_and_line(tmp_path):
+    write(tmp_path, "train.en", "fine\nalso fine\n")
+    bad = write(tmp_path, "train.de", b"gut\nauch gut\n\xff kaputt\n")
+    with pytest.raises(DataError, match=f"{bad}, line 3: invalid UTF-8"):
+        sources.read_text_split(tmp_path, "train", "en", "de")
+
+
+def test_missing_split_lists_available_splits(tmp_path):
+    for split in ("train", "valid"):
+        for lang in ("en", "de"):
+            write(tmp_path, f"{split}.{lang}", "x\n")
+    with pytest.raises(DataError) as e:
+        sources.read_text_split(tmp_path, "test", "en", "de")
+    assert str(tmp_path / "test.en") in str(e.value) and "['train', 'valid']" in str(e.value)
+
+
+def test_unknown_language_lists_available_languages(tmp_path):
+    write(tmp_path, "train.en", "x\n")
+    write(tmp_path, "train.de", "x\n")
+    with pytest.raises(DataError, match=r"language 'fr'.*\['de', 'en'\]"):
+        sources.read_text_split(tmp_path, "train", "en", "fr")
+    with pytest.raises(DataError, match="does not exist"):
+        sources.read_text_split(tmp_path / "nope", "train", "en", "de")
+
+
+def test_unknown_source_name():
+    config = common.data_config()
+    config.source = "ftp"
+    with pytest.raises(DataError, match="unknown data.source 'ftp'"):
+        sources.open_split(config, "train")
+
+
+def test_relative_text_dir_resolves_against_the_repository_root(monkeypatch, tmp_path):
+    config = common.data_config()  # text_dir defaults to ../shared/data/multi30k, relative to the repository
+    if not (sources.REPO_ROOT / config.text_dir / "valid.en").exists():
+        pytest.skip(f"shared corpora not found at {sources.REPO_ROOT / config.text_dir}")
+    monkeypatch.chdir(tmp_path)  # a training run started elsewhere still finds them
+    assert len(sources.load_split(config, "valid")) == 1014
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# TFDS, through array_record random access and without TensorFlow.
+
+
+class TransformerJaxTinyTranslate(tfds.core.GeneratorBasedBuilder):
+    """A three-language translation builder small enough to prepare in a test."""
+
+    VERSION = tfds.core.Version("1.0.0")
+    BUILDER_CONFIGS = [tfds.core.BuilderConfig(name="de-en"), tfds.core.BuilderConfig(name="fr-en")]
+
+    def _info(self):
+        languages = tuple(self.builder_config.name.split("-"))
+        return tfds.core.DatasetInfo(builder=self, features=tfds.features.Translation(languages=languages))
+
+    def _split_generators(self, dl_manager):
+        return {"train": self._generate_examples(7), "validation": self._generate_examples(3)}
+
+    def _generate_examples(self, n):
+        a, b = self.builder_config.name.split("-")
+        for i in range(n):
+            yield i, {a: f"{a} Satz {i} \u00e4\u00df", b: f"{b} sentence {i}"}
+
+
+class TransformerJaxOfflineTranslate(TransformerJaxTinyTranslate):
+    """Preparing it fails the way a download without internet does."""
+
+    def _split_generators(self, dl_manager):
+        raise ConnectionError("Failed to resolve 'www.statmt.org'")
+
+
+def tfds_config(tmp_path, name="transformer_jax_tiny_translate/de-en", src="en", tgt="de", download=True):
+    config = common.data_config()
+    config.source, config.tfds_name, config.tfds_data_dir = "tfds", name, str(tmp_path)
+    config.src_lang, config.tgt_lang, config.tfds_download = src, tgt, download
+    return config
+
+
+def test_tfds_builder_in_both_directions(tmp_path):
+    forward = sources.load_split(tfds_config(tmp_path), "train")
+    backward = sources.load_split(tfds_config(tmp_path, src="de", tgt="en"), "train")
+    assert sorted(forward) == [(f"en sentence {i}", f"de Satz {i} \u00e4\u00df") for i in range(7)]
+    assert backward == [(t, s) for s, t in forward]
+    assert (tmp_path / "transformer_jax_tiny_translate" / "de-en" / "1.0.0").is_dir()
+    pairs = sources.open_split(tfds_config(tmp_path), "validation")  # random access, already prepared
+    assert len(pairs) == 3 and pairs[1][0].startswith("en sentence ")
+
+
+def test_tfds_errors_are_clear(tmp_path):
+    with pytest.raises(DataError, match="unknown TFDS dataset 'no_such_translate/de-en'"):
+        sources.load_split(tfds_config(tmp_path, name="no_such_translate/de-en"), "train")
+    with pytest.raises(DataError, match=r"languages \['en', 'fr'\].*en-de"):
+        sources.load_split(tfds_config(tmp_path, name="transformer_jax_tiny_translate/fr-en"), "train")
+    with pytest.raises(DataError, match=r"no split 'valid'; available splits: \['train', 'validation'\]"):
+        sources.load_split(tfds_config(tmp_path), "valid")
+
+
+def test_tfds_not_prepared_says_how_to_prepare(tmp_path):
+    name = "transformer_jax_offline_translate/de-en"
+    with pytest.raises(DataError) as e:
+        sources.load_split(tfds_config(tmp_path, name=name, download=False), "train")
+    assert "not prepared" in str(e.value) and f"tfds.builder('{name}'" in str(e.value)
+    assert "data.source=text" in str(e.value)
+    with pytest.raises(DataError) as e:
+        sources.load_split(tfds_config(tmp_path, name=name), "train")
+    assert "cannot download and prepare" in str(e.value) and "www.statmt.org" in str(e.value)
+    assert "download_and_prepare()" in str(e.value)
+
+
+def test_wmt14_builder_resolves_without_tensorflow(tmp_path):
+    """The real WMT14 builder is found (TFDS registers it lazily) and reports its language pair before preparing."""
+    with pytest.raises(DataError, match="wmt14_translate/de-en.*not prepared"):
+        sources.open_tfds_split("wmt14_translate/de-en", str(tmp_path), "train", "en", "de", download=False)
+    with pytest.raises(DataError, match=r"languages \['en', 'fr'\]"):
+        sources.open_tfds_split("wmt14_translate/fr-en", str(tmp_path), "train", "en", "de", download=False)

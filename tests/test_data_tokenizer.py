@@ -1,0 +1,125 @@
+"""SentencePiece tokenizer: exact roundtrip on real corpora, reserved ids, reuse, and clear errors."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from configs import common
+from transformer_jax.data import tokenizer as tokenizer_lib
+from transformer_jax.data.errors import DataError
+
+DATA = Path(os.environ.get("TRANSFORMER_JAX_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
+
+TRICKY = [
+    "  two leading, two inner  spaces and a trailing one ",
+    "tab\there, no-break\u00a0space, thin\u2009space",
+    "Ligature \ufb01 and full-width \uff21 stay as typed (no NFKC)",
+    "Emoji 😀🇩🇪, CJK 漢字, Devanagari नमस्ते, combining A\u0308 vs \u00c4",
+    "",
+    " ",
+]
+
+
+def corpus_lines(folder: str, split: str, lang: str, n: int) -> list[str]:
+    path = DATA / folder / f"{split}.{lang}"
+    if not path.exists():
+        pytest.skip(f"shared corpora not found at {DATA} (set TRANSFORMER_JAX_DATA)")
+    return path.read_text(encoding="utf-8").split("\n")[:n]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    """A workdir with a small unigram model trained through get_tokenizer on 1,500 Multi30k pairs."""
+    if not (DATA / "multi30k" / "train.en").exists():
+        pytest.skip(f"shared corpora not found at {DATA} (set TRANSFORMER_JAX_DATA)")
+    config = common.data_config()
+    config.text_dir = str(DATA / "multi30k")
+    config.tokenizer_sample_sentences = 3000
+    workdir = tmp_path_factory.mktemp("workdir")
+    tokenizer_lib.get_tokenizer(config, workdir, vocab_size=1000)
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def tokenizer(workdir) -> tokenizer_lib.Tokenizer:
+    return tokenizer_lib.Tokenizer(workdir / "spm.model")
+
+
+def test_reserved_ids_and_size(tokenizer):
+    assert (tokenizer.pad_id, tokenizer.eos_id, tokenizer.bos_id, tokenizer.unk_id) == (0, 1, 2, 3)
+    assert tokenizer.vocab_size == 1000
+    ids = tokenizer.encode("A man rides a bike.")
+    assert ids and min(ids) > 3, "ordinary text must not produce pad/eos/bos/unk"
+
+
+@pytest.mark.parametrize(
+    "folder, split",
+    [("multi30k", "test"), ("wmt14_ende", "test")],
+)
+def test_roundtrip_is_exact_on_real_corpora(tokenizer, folder, split):
+    for lang in ("en", "de"):
+        lines = corpus_lines(folder, split, lang, 300)
+        encoded = tokenizer.encode_batch(lines)
+        assert [tokenizer.decode(ids) for ids in encoded] == lines
+        assert encoded == [tokenizer.encode(line) for line in lines]
+        assert tokenizer.unk_id not in {i for ids in encoded for i in ids}  # byte fallback instead of <unk>
+
+
+def test_roundtrip_of_characters_never_seen_in_training(tokenizer):
+    for text in TRICKY:
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_decode_stops_at_eos_and_drops_padding(tokenizer):
+    ids = tokenizer.encode("Two dogs play.")
+    assert (
+        tokenizer.decode([tokenizer.bos_id, *ids, tokenizer.eos_id, *tokenizer.encode("junk"), 0, 0])
+        == "Two dogs play."
+    )
+    assert tokenizer.decode_batch([[*ids, 1, 0], [1]]) == ["Two dogs play.", ""]
+
+
+def test_workdir_model_is_reused_not_retrained(workdir, tokenizer, monkeypatch):
+    def no_training(*args, **kwargs):
+        raise AssertionError("the model in the workdir must be reused")
+
+    monkeypatch.setattr(tokenizer_lib, "train_tokenizer", no_training)
+    config = common.data_config()
+    reused = tokenizer_lib.get_tokenizer(config, workdir, vocab_size=1000)
+    assert reused.encode("A dog runs.") == tokenizer.encode("A dog runs.")
+    with pytest.raises(DataError, match="1000 pieces but model.vocab_size is 2000"):
+        tokenizer_lib.get_tokenizer(config, workdir, vocab_size=2000)
+
+
+def test_given_model_file(workdir, tmp_path):
+    config = common.data_config()
+    config.tokenizer_model = str(workdir / "spm.model")
+    assert tokenizer_lib.get_tokenizer(config, tmp_path, vocab_size=1200).vocab_size == 1000
+    assert not (tmp_path / "spm.model").exists()
+    with pytest.raises(DataError, match="ids would fall outside"):
+        tokenizer_lib.get_tokenizer(config, tmp_path, vocab_size=500)
+
+
+def test_unreadable_or_invalid_model_file(tmp_path):
+    config = common.data_config()
+    config.tokenizer_model = str(tmp_path / "missing.model")
+    with pytest.raises(DataError, match="cannot read tokenizer model .*missing.model"):
+        tokenizer_lib.get_tokenizer(config, tmp_path, vocab_size=1000)
+    garbage = tmp_path / "garbage.model"
+    garbage.write_bytes(b"not a protobuf \xff\x00")
+    with pytest.raises(DataError, match="garbage.model is not a SentencePiece model"):
+        tokenizer_lib.Tokenizer(garbage)
+
+
+def test_bpe_option_and_bad_type(tmp_path):
+    lines = corpus_lines("multi30k", "valid", "en", 1014) + corpus_lines("multi30k", "valid", "de", 1014)
+    bpe = tokenizer_lib.train_tokenizer(lines, tmp_path / "bpe.model", vocab_size=600, model_type="bpe")
+    assert bpe.vocab_size == 600 and (bpe.pad_id, bpe.eos_id) == (0, 1)
+    for text in lines[:50] + TRICKY:
+        assert bpe.decode(bpe.encode(text)) == text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bpe.model"], "no temporary files left behind"
+    with pytest.raises(DataError, match="unknown data.tokenizer_type 'wordpiece'"):
+        tokenizer_lib.train_tokenizer(lines, tmp_path / "x.model", vocab_size=600, model_type="wordpiece")

@@ -1,0 +1,33 @@
+"""Data: sources of raw sentence pairs, the SentencePiece tokenizer, and the grain batching pipeline.
+
+Training calls `get_tokenizer(config.data, workdir, vocab_size=...)` and then
+`make_train_iterator(config.data, tokenizer)`; evaluation calls `load_split(config.data, split)` and
+`eval_batches(...)`. The batch contract is documented in `batching`.
+"""
+
+from transformer_jax.data.batching import BATCH_KEYS, Examples, bucket_shapes, padding_efficiency, tokenize_pairs
+from transformer_jax.data.errors import DataError
+from transformer_jax.data.pipeline import WindowBatchIterator, eval_batches, make_train_iterator
+from transformer_jax.data.sources import load_split, open_split
+from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, get_tokenizer, train_tokenizer
+
+__all__ = [
+    "BATCH_KEYS",
+    "BOS_ID",
+    "EOS_ID",
+    "PAD_ID",
+    "UNK_ID",
+    "DataError",
+    "Examples",
+    "Tokenizer",
+    "WindowBatchIterator",
+    "bucket_shapes",
+    "eval_batches",
+    "get_tokenizer",
+    "load_split",
+    "make_train_iterator",
+    "open_split",
+    "padding_efficiency",
+    "tokenize_pairs",
+    "train_tokenizer",
+]

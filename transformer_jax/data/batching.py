@@ -1,0 +1,321 @@
+"""Tokenized examples as ragged numpy arrays, the three batching plans (pack, bucket, pad) and batch assembly.
+
+A plan says where each example of a batch goes: its row, its offset in that row on each side and its segment id.
+`assemble` turns a plan into the batch contract with a handful of vectorised numpy operations:
+
+  src_tokens      [B, S] int32  each sentence's ids then EOS=1, 0 at padding
+  src_segment_ids [B, S] int32  1, 2, ... per example packed in the row, 0 at padding
+  src_positions   [B, S] int32  0, 1, 2, ... restarting at each segment, 0 at padding
+  tgt_in          [B, T] int32  BOS=2 then the target ids, per segment
+  tgt_out         [B, T] int32  the target ids then EOS=1 (tgt_in shifted left by one)
+  tgt_segment_ids [B, T] int32  the same segment id k as the example's source side
+  tgt_positions   [B, T] int32
+
+Planners take the example ids of one window (carried-over ids first) and return the batches they can fill
+completely plus the ids they leave over for the next window, so every batch has a fixed shape and no example is
+dropped or repeated within an epoch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from transformer_jax.data.errors import DataError
+from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, Tokenizer
+
+ROW_MULTIPLE = 8  # default: bucket batches have a multiple of 8 rows, so they split evenly over up to 8 devices
+BATCH_KEYS = (
+    "src_tokens",
+    "src_segment_ids",
+    "src_positions",
+    "tgt_in",
+    "tgt_out",
+    "tgt_segment_ids",
+    "tgt_positions",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Examples:
+    """Tokenized pairs as ragged arrays: example i's source is src[src_starts[i]:src_starts[i+1]].
+
+    Each source is stored with its EOS, each target as ids then EOS (= tgt_out); tgt_in is derived when batching.
+    """
+
+    src: np.ndarray  # int32 [total source tokens]
+    src_starts: np.ndarray  # int64 [N + 1]
+    tgt: np.ndarray  # int32 [total target tokens]
+    tgt_starts: np.ndarray  # int64 [N + 1]
+
+    def __len__(self) -> int:
+        return len(self.src_starts) - 1
+
+    @property
+    def src_lens(self) -> np.ndarray:
+        """Tokens per source row segment, EOS included."""
+        return np.diff(self.src_starts)
+
+    @property
+    def tgt_lens(self) -> np.ndarray:
+        """Tokens per target row segment (len(y) + 1: tgt_in has BOS, tgt_out has EOS)."""
+        return np.diff(self.tgt_starts)
+
+    def pair(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source ids with EOS, target ids without EOS) of example i."""
+        src = self.src[self.src_starts[i] : self.src_starts[i + 1]]
+        return src, self.tgt[self.tgt_starts[i] : self.tgt_starts[i + 1] - 1]
+
+
+def _ragged(ids: Sequence[Sequence[int]], max_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenates id lists with an EOS after each; with max_len, keeps at most max_len - 1 ids (EOS stays)."""
+    if max_len is not None:
+        ids = [x[: max_len - 1] for x in ids]
+    lens = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(lens.sum()))
+    out = np.full(len(flat) + len(ids), EOS_ID, dtype=np.int32)
+    # Token j of sentence i moves right by i places, leaving one EOS slot after each sentence.
+    out[np.arange(len(flat)) + np.repeat(np.arange(len(ids)), lens)] = flat
+    starts = np.zeros(len(ids) + 1, dtype=np.int64)
+    np.cumsum(lens + 1, out=starts[1:])
+    return out, starts
+
+
+def from_ids(
+    src_ids: Sequence[Sequence[int]], tgt_ids: Sequence[Sequence[int]], max_len: int | None = None
+) -> Examples:
+    src, src_starts = _ragged(src_ids, max_len)
+    tgt, tgt_starts = _ragged(tgt_ids, max_len)
+    return Examples(src, src_starts, tgt, tgt_starts)
+
+
+def _join(flats: list[np.ndarray], starts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenates ragged arrays, shifting each part's starts by the tokens before it."""
+    offsets = np.cumsum([0] + [len(f) for f in flats])
+    shifted = [s[:-1] + o for s, o in zip(starts, offsets[:-1], strict=True)]
+    return np.concatenate(flats), np.concatenate([*shifted, offsets[-1:]])
+
+
+def tokenize_pairs(
+    pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer, *, num_threads: int = 1, chunk: int = 100_000
+) -> Examples:
+    """Tokenizes pairs with SentencePiece's batch encoder, `chunk` pairs at a time to bound the Python lists."""
+    parts = [from_ids([], [])]
+    for start in range(0, len(pairs), chunk):
+        src_text, tgt_text = zip(*pairs[start : start + chunk], strict=True)
+        parts.append(
+            from_ids(tokenizer.encode_batch(src_text, num_threads), tokenizer.encode_batch(tgt_text, num_threads))
+        )
+    if len(parts) == 2:
+        return parts[1]
+    src = _join([p.src for p in parts], [p.src_starts for p in parts])
+    tgt = _join([p.tgt for p in parts], [p.tgt_starts for p in parts])
+    return Examples(*src, *tgt)
+
+
+def length_filter(examples: Examples, max_len: int) -> tuple[np.ndarray, dict[str, int]]:
+    """Ids of examples whose both sides are non-empty and at most max_len tokens (EOS counted), and the counts."""
+    src_lens, tgt_lens = examples.src_lens, examples.tgt_lens
+    empty = (src_lens <= 1) | (tgt_lens <= 1)
+    too_long = ~empty & ((src_lens > max_len) | (tgt_lens > max_len))
+    kept = np.flatnonzero(~empty & ~too_long)
+    return kept, {
+        "examples": len(examples),
+        "kept": len(kept),
+        "dropped_empty": int(empty.sum()),
+        "dropped_too_long": int(too_long.sum()),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Plans.
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Where each example of one batch goes."""
+
+    items: np.ndarray  # example ids
+    rows: np.ndarray  # row of each example
+    src_offsets: np.ndarray  # first source slot of each example in its row
+    tgt_offsets: np.ndarray
+    segment_ids: np.ndarray  # 1-based segment id of each example within its row
+    shape: tuple[int, int, int]  # (rows, source length S, target length T)
+
+
+# A planner gets (example ids, how many of them are carried over) and a seeded generator, and returns
+# (the plans of the full batches, the ids left for the next window).
+Planner = Callable[[np.ndarray, int, np.random.Generator], tuple[list[Plan], np.ndarray]]
+
+
+def one_per_row(items: np.ndarray, shape: tuple[int, int, int]) -> Plan:
+    zeros = np.zeros(len(items), np.int64)
+    return Plan(items, np.arange(len(items)), zeros, zeros, np.ones(len(items), np.int64), shape)
+
+
+def pad_planner(batch_rows: int, max_len: int) -> Planner:
+    """One example per row, [batch_rows, max_len] on both sides."""
+
+    def plan(items: np.ndarray, num_carried: int, rng: np.random.Generator) -> tuple[list[Plan], np.ndarray]:
+        full = len(items) // batch_rows * batch_rows
+        batches = items[:full].reshape(-1, batch_rows)
+        return [one_per_row(b, (batch_rows, max_len, max_len)) for b in batches], items[full:]
+
+    return plan
+
+
+def bucket_lengths(max_len: int) -> list[int]:
+    """Row lengths for bucketing: multiples of 8 up to 64, then four steps per doubling, and max_len itself."""
+    lengths, length, step = [], 8, 8
+    while length < max_len:
+        lengths.append(length)
+        if length >= 64 and length & (length - 1) == 0:
+            step = length // 4
+        length += step
+    return [*lengths, max_len]
+
+
+def bucket_shapes(tokens_per_batch: int, max_len: int, row_multiple: int = ROW_MULTIPLE) -> list[tuple[int, int]]:
+    """(rows, row length) of each bucket: about tokens_per_batch slots per side, rows a multiple of row_multiple."""
+    shapes = []
+    for length in bucket_lengths(max_len):
+        rows = max(row_multiple, tokens_per_batch // length // row_multiple * row_multiple)
+        shapes.append((rows, length))
+    return shapes
+
+
+def bucket_planner(
+    src_lens: np.ndarray, tgt_lens: np.ndarray, tokens_per_batch: int, max_len: int, row_multiple: int = ROW_MULTIPLE
+) -> Planner:
+    """Length buckets with token-count batching: one (rows, length) shape per bucket, S = T = length."""
+    shapes = bucket_shapes(tokens_per_batch, max_len, row_multiple)
+    lengths = np.array([length for _, length in shapes])
+
+    def plan(items: np.ndarray, num_carried: int, rng: np.random.Generator) -> tuple[list[Plan], np.ndarray]:
+        bucket = np.searchsorted(lengths, np.maximum(src_lens[items], tgt_lens[items]))
+        plans, left = [], []
+        for b, (rows, length) in enumerate(shapes):
+            members = items[bucket == b]  # stable: carried ids come first, then the shuffled order
+            full = len(members) // rows * rows
+            plans.extend(one_per_row(m, (rows, length, length)) for m in members[:full].reshape(-1, rows))
+            left.append(members[full:])
+        # Interleave the buckets so that consecutive steps see different lengths.
+        order = rng.permutation(len(plans))
+        return [plans[i] for i in order], np.concatenate(left)
+
+    return plan
+
+
+def first_fit(src_lens: np.ndarray, tgt_lens: np.ndarray, row_len: int) -> tuple[np.ndarray, ...]:
+    """First-fit packing of examples, in the given order, into rows of row_len slots per side.
+
+    Returns (row, src_offset, tgt_offset, segment_id) per example; an example goes into the first row where both
+    of its sides fit.
+    """
+    n = len(src_lens)
+    src_used = np.zeros(n + 1, np.int64)
+    tgt_used = np.zeros(n + 1, np.int64)
+    segments = np.zeros(n + 1, np.int64)
+    row = np.empty(n, np.int64)
+    src_off = np.empty(n, np.int64)
+    tgt_off = np.empty(n, np.int64)
+    seg = np.empty(n, np.int64)
+    first_open, num_rows = 0, 0  # rows before first_open cannot take even the shortest example
+    for i, (s, t) in enumerate(zip(src_lens.tolist(), tgt_lens.tolist(), strict=True)):
+        lo = first_open
+        fits = (src_used[lo : num_rows + 1] <= row_len - s) & (tgt_used[lo : num_rows + 1] <= row_len - t)
+        r = lo + int(fits.argmax())  # row num_rows is empty, so some row always fits
+        row[i], src_off[i], tgt_off[i] = r, src_used[r], tgt_used[r]
+        src_used[r] += s
+        tgt_used[r] += t
+        segments[r] += 1
+        seg[i] = segments[r]
+        num_rows = max(num_rows, r + 1)
+        while first_open < num_rows and (src_used[first_open] > row_len - 2 or tgt_used[first_open] > row_len - 2):
+            first_open += 1
+    return row, src_off, tgt_off, seg
+
+
+def pack_planner(src_lens: np.ndarray, tgt_lens: np.ndarray, batch_rows: int, row_len: int) -> Planner:
+    """Packs a window first-fit-decreasing, emits its fullest rows as batches and carries over the rest.
+
+    Carried examples are placed first so none waits more than a window or two; the rows a window cannot fill
+    (usually the last few) go back into the next window instead of being emitted half empty.
+    """
+
+    def plan(items: np.ndarray, num_carried: int, rng: np.random.Generator) -> tuple[list[Plan], np.ndarray]:
+        s, t = src_lens[items], tgt_lens[items]
+        is_new = np.arange(len(items)) >= num_carried
+        order = np.lexsort((-(s + t), is_new))  # carried first, then longest first
+        items, s, t = items[order], s[order], t[order]
+        row, src_off, tgt_off, seg = first_fit(s, t, row_len)
+        num_rows = int(row.max()) + 1 if len(row) else 0
+        fill = np.bincount(row, weights=s + t, minlength=num_rows)
+        num_batches = num_rows // batch_rows
+        emitted = np.argsort(-fill, kind="stable")[: num_batches * batch_rows]
+        # Rows of a batch are drawn at random from the emitted rows, so each batch mixes long and short examples.
+        emitted = rng.permutation(emitted)
+        batch_of_row = np.full(num_rows, -1)
+        row_in_batch = np.zeros(num_rows, np.int64)
+        batch_of_row[emitted] = np.arange(len(emitted)) // batch_rows
+        row_in_batch[emitted] = np.arange(len(emitted)) % batch_rows
+        batch = batch_of_row[row]
+        plans = []
+        for b in range(num_batches):
+            m = batch == b
+            plans.append(
+                Plan(items[m], row_in_batch[row[m]], src_off[m], tgt_off[m], seg[m], (batch_rows, row_len, row_len))
+            )
+        return plans, items[batch < 0]
+
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Assembly.
+
+
+def _scatter(flat: np.ndarray, starts: np.ndarray, plan: Plan, offsets: np.ndarray, length: int):
+    """Token, source index, segment id and position of every slot a plan fills on one side."""
+    begin = starts[plan.items]
+    lens = starts[plan.items + 1] - begin
+    total = int(lens.sum())
+    pos = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
+    dest = np.repeat(plan.rows * length + offsets, lens) + pos
+    if np.any(offsets + lens > length):
+        raise DataError(f"an example longer than the row length {length} reached batching; this is a bug")
+    return dest, np.repeat(begin, lens) + pos, np.repeat(plan.segment_ids, lens), pos
+
+
+def assemble(examples: Examples, plan: Plan) -> dict[str, np.ndarray]:
+    """The batch dict of a plan; all arrays int32, 0 wherever a slot holds no token."""
+    num_rows, src_len, tgt_len = plan.shape
+    batch = {}
+    dest, index, seg, pos = _scatter(examples.src, examples.src_starts, plan, plan.src_offsets, src_len)
+    for key, values in (("src_tokens", examples.src[index]), ("src_segment_ids", seg), ("src_positions", pos)):
+        batch[key] = np.zeros(num_rows * src_len, np.int32)
+        batch[key][dest] = values
+    dest, index, seg, pos = _scatter(examples.tgt, examples.tgt_starts, plan, plan.tgt_offsets, tgt_len)
+    # tgt_in is tgt_out shifted right by one within each segment, with BOS in front.
+    tgt_in = np.where(pos == 0, BOS_ID, examples.tgt[index - 1])
+    for key, values in (
+        ("tgt_in", tgt_in),
+        ("tgt_out", examples.tgt[index]),
+        ("tgt_segment_ids", seg),
+        ("tgt_positions", pos),
+    ):
+        batch[key] = np.zeros(num_rows * tgt_len, np.int32)
+        batch[key][dest] = values
+    return {k: batch[k].reshape(num_rows, -1) for k in BATCH_KEYS}
+
+
+def padding_efficiency(batches: Sequence[dict[str, np.ndarray]]) -> dict[str, float]:
+    """Real tokens / slots on each side over some batches."""
+    src = sum(int((b["src_segment_ids"] > 0).sum()) for b in batches)
+    tgt = sum(int((b["tgt_segment_ids"] > 0).sum()) for b in batches)
+    src_slots = sum(b["src_segment_ids"].size for b in batches)
+    tgt_slots = sum(b["tgt_segment_ids"].size for b in batches)
+    return {"src": src / max(src_slots, 1), "tgt": tgt / max(tgt_slots, 1)}

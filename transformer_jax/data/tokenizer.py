@@ -1,0 +1,146 @@
+"""One joint SentencePiece vocabulary for both languages, trained on a sample of the training split and reused.
+
+Reserved ids: pad=0, eos=1, bos=2, unk=3. The model is trained with identity normalization, no whitespace
+folding and byte fallback, so `decode(encode(s)) == s` for any string: BLEU is computed on exactly the text the
+tokenizer was given, and no character is ever mapped to <unk>.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import ml_collections
+import sentencepiece as spm
+from absl import logging
+
+from transformer_jax.data import sources
+from transformer_jax.data.download import atomic_write
+from transformer_jax.data.errors import DataError
+
+PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
+MODEL_FILENAME = "spm.model"
+
+
+class Tokenizer:
+    """A SentencePiece model with the project's reserved ids; encode adds no BOS/EOS (the pipeline does)."""
+
+    pad_id, eos_id, bos_id, unk_id = PAD_ID, EOS_ID, BOS_ID, UNK_ID
+
+    def __init__(self, model_path: str | os.PathLike):
+        self.path = Path(model_path)
+        try:
+            proto = self.path.read_bytes()
+        except OSError as e:
+            raise DataError(f"cannot read tokenizer model {self.path}: {e.strerror or e}") from e
+        self._sp = spm.SentencePieceProcessor()
+        try:
+            self._sp.LoadFromSerializedProto(proto)
+        except Exception as e:  # sentencepiece raises RuntimeError/OSError with a terse message on bad files
+            raise DataError(f"{self.path} is not a SentencePiece model: {e}") from e
+        ids = (self._sp.pad_id(), self._sp.eos_id(), self._sp.bos_id(), self._sp.unk_id())
+        if ids != (PAD_ID, EOS_ID, BOS_ID, UNK_ID):
+            raise DataError(
+                f"tokenizer {self.path} reserves (pad, eos, bos, unk) = {ids}; this project needs (0, 1, 2, 3)"
+            )
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
+        """Encodes many strings in one call; `num_threads` threads inside SentencePiece (1 = this core only)."""
+        return self._sp.encode(list(texts), num_threads=num_threads)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """The text of `ids` up to the first EOS; padding and BOS are dropped (model outputs can be passed as is)."""
+        out = []
+        for i in ids:
+            i = int(i)
+            if i == EOS_ID:
+                break
+            if i not in (PAD_ID, BOS_ID):
+                out.append(i)
+        return self._sp.decode(out)
+
+    def decode_batch(self, batch: Iterable[Iterable[int]]) -> list[str]:
+        return [self.decode(ids) for ids in batch]
+
+
+def train_tokenizer(
+    sentences: Iterable[str], model_path: str | os.PathLike, *, vocab_size: int, model_type: str
+) -> Tokenizer:
+    """Trains a SentencePiece model (unigram or bpe) on `sentences` and writes it atomically to `model_path`."""
+    if model_type not in ("unigram", "bpe"):
+        raise DataError(f"unknown data.tokenizer_type {model_type!r}; choose unigram or bpe")
+    model_path = Path(model_path)
+    with atomic_write(model_path) as tmp:
+        # SentencePiece writes `prefix.model` and `prefix.vocab`; train under a temporary prefix and rename.
+        prefix = f"{tmp}.sp"
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=iter(sentences),
+                model_prefix=prefix,
+                vocab_size=vocab_size,
+                model_type=model_type,
+                pad_id=PAD_ID,
+                eos_id=EOS_ID,
+                bos_id=BOS_ID,
+                unk_id=UNK_ID,
+                # Exact roundtrip: no Unicode normalization, keep every space, spell unknown characters as bytes.
+                normalization_rule_name="identity",
+                remove_extra_whitespaces=False,
+                byte_fallback=True,
+                input_sentence_size=0,  # the caller already sampled
+                num_threads=os.cpu_count() or 1,
+                minloglevel=2,
+            )
+        except RuntimeError as e:
+            raise DataError(f"SentencePiece training failed (vocab_size={vocab_size}, {model_type}): {e}") from e
+        finally:
+            Path(f"{prefix}.vocab").unlink(missing_ok=True)
+        os.replace(f"{prefix}.model", tmp)
+    return Tokenizer(model_path)
+
+
+def sample_sentences(pairs: Sequence[tuple[str, str]], num_sentences: int, *, seed: int = 0) -> list[str]:
+    """About `num_sentences` sentences, both sides of a seeded uniform sample of pairs, empty sides left out."""
+    num_pairs = min(len(pairs), max(1, num_sentences // 2))
+    indices = sorted(random.Random(seed).sample(range(len(pairs)), num_pairs))
+    return [s for pair in sources.read_all(pairs, indices) for s in pair if s.strip()]
+
+
+def get_tokenizer(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, vocab_size: int) -> Tokenizer:
+    """The configured tokenizer: `config.tokenizer_model` if set, else `workdir/spm.model`, trained if missing.
+
+    `vocab_size` is the model's (config.model.vocab_size). A reused model must have exactly that many pieces
+    (a different size means the workdir belongs to another config); a given model may be smaller.
+    """
+    if config.tokenizer_model:
+        tokenizer = Tokenizer(sources.resolve_path(config.tokenizer_model))
+        if tokenizer.vocab_size > vocab_size:
+            raise DataError(
+                f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but model.vocab_size is {vocab_size}; "
+                "ids would fall outside the embedding table"
+            )
+        return tokenizer
+    path = Path(workdir) / MODEL_FILENAME
+    if path.exists():
+        tokenizer = Tokenizer(path)
+        if tokenizer.vocab_size != vocab_size:
+            raise DataError(
+                f"{path} has {tokenizer.vocab_size} pieces but model.vocab_size is {vocab_size}; "
+                "delete it to train a new one, or use the matching config"
+            )
+        logging.info("reusing tokenizer %s (%d pieces)", path, vocab_size)
+        return tokenizer
+    sentences = sample_sentences(sources.open_split(config, config.train_split), config.tokenizer_sample_sentences)
+    logging.info(
+        "training a %s tokenizer with %d pieces on %d sentences", config.tokenizer_type, vocab_size, len(sentences)
+    )
+    return train_tokenizer(sentences, path, vocab_size=vocab_size, model_type=config.tokenizer_type)
