@@ -7,6 +7,8 @@ import dataclasses
 import jax.numpy as jnp
 import ml_collections
 
+from transformer_jax.errors import ConfigError
+
 ACTIVATIONS = ("relu", "gelu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("post", "pre")
@@ -45,7 +47,7 @@ class TransformerSpec:
 
     def __post_init__(self) -> None:
         def fail(key: str, why: str) -> None:
-            raise ValueError(f"invalid config key {key}: {why}")
+            raise ConfigError(f"invalid config key {key}: {why}")
 
         for key in ("vocab_size", "d_model", "num_heads", "d_ff", "max_len"):
             if getattr(self, key) <= 0:
@@ -120,10 +122,10 @@ class TransformerSpec:
         values = {k: v for k, v in config.model.items() if k in fields}
         unknown = sorted(set(config.model.keys()) - fields)
         if unknown:
-            raise ValueError(f"config keys model.{unknown[0]} ... are not model hyperparameters: {unknown}")
+            raise ConfigError(f"config keys model.{unknown[0]} ... are not model hyperparameters: {unknown}")
         values["attention_impl"] = config.attention.impl
         values["attention_window"] = config.attention.window
         missing = sorted(fields - set(values))
         if missing:
-            raise ValueError(f"config is missing model keys: {['model.' + m for m in missing]}")
+            raise ConfigError(f"config is missing model keys: {['model.' + m for m in missing]}")
         return cls(**values)

@@ -1,0 +1,209 @@
+"""The training loop end to end on a tiny self-made corpus: metrics, exact resumption, preemption, failures."""
+
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from tests.training_helpers import synthetic_batch, tiny_train_config, write_corpus
+from transformer_jax.sharding import make_mesh
+from transformer_jax.training import checkpoints
+from transformer_jax.training.loop import NonFiniteError, train_and_evaluate
+from transformer_jax.training.metrics import read_metrics
+from transformer_jax.training.state import abstract_train_state, create_train_state
+from transformer_jax.training.step import compile_steps
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> pathlib.Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(corpus, tmp_path_factory) -> pathlib.Path:
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    train_and_evaluate(tiny_train_config(corpus), workdir)
+    return workdir
+
+
+def _train_losses(workdir: pathlib.Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(workdir / "metrics.jsonl") if "loss" in r}
+
+
+def _final_params(workdir: pathlib.Path, config) -> list[np.ndarray]:
+    _, abstract = abstract_train_state(config)
+    step = checkpoints.list_steps(workdir)[-1]
+    return [np.asarray(x) for x in jax.tree.leaves(checkpoints.load_model_params(workdir, step, abstract))]
+
+
+def test_metrics_are_logged_and_the_model_learns(uninterrupted):
+    records = read_metrics(uninterrupted / "metrics.jsonl")
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    for key in ("loss", "nll", "perplexity", "accuracy", "learning_rate", "tokens_per_s", "grad_norm", "mfu"):
+        assert np.isfinite(train[-1][key]), key
+    assert train[-1]["loss"] < train[0]["loss"]
+    valid = [r for r in records if "valid_loss" in r]
+    assert [r["step"] for r in valid] == [3, 6]
+    assert any(p.name.startswith("events.out.tfevents") for p in (uninterrupted / "tensorboard").iterdir())
+    assert checkpoints.list_steps(uninterrupted) == [3, 6]
+    assert (uninterrupted / "spm.model").exists()
+
+
+def test_resumed_run_equals_uninterrupted_run(corpus, uninterrupted, tmp_path):
+    train_and_evaluate(tiny_train_config(corpus, num_steps=3), tmp_path)
+    assert checkpoints.list_steps(tmp_path) == [3]
+    train_and_evaluate(tiny_train_config(corpus), tmp_path)  # resumes from step 3
+    assert _train_losses(tmp_path) == _train_losses(uninterrupted)  # exactly, not approximately
+    config = tiny_train_config(corpus)
+    for a, b in zip(_final_params(tmp_path, config), _final_params(uninterrupted, config), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_incompatible_checkpoint_lists_the_differing_keys(corpus, uninterrupted, tmp_path):
+    shutil.copytree(uninterrupted, tmp_path / "run")
+    config = tiny_train_config(corpus)
+    config.model.d_ff = 128
+    config.model.num_heads = 2
+    with pytest.raises(checkpoints.CheckpointError, match=r"model.num_heads: 4 -> 2; model.d_ff: 64 -> 128"):
+        train_and_evaluate(config, tmp_path / "run")
+
+
+def test_damaged_latest_checkpoint_falls_back_to_the_previous(corpus, uninterrupted, tmp_path):
+    shutil.copytree(uninterrupted, tmp_path / "run")
+    for f in (tmp_path / "run" / "checkpoints" / "6" / "state").rglob("*"):
+        if f.is_file() and f.stat().st_size > 0:
+            f.write_bytes(b"\0" * 7)
+    config = tiny_train_config(corpus)
+    graphs, abstract = abstract_train_state(config)
+    shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), abstract)
+    step, _, _ = checkpoints.Checkpointer(tmp_path / "run", config.ckpt).restore_latest(abstract, shardings, config)
+    assert step == 3
+
+
+def test_non_finite_losses_stop_the_run_with_a_checkpoint(corpus, tmp_path):
+    config = tiny_train_config(corpus, num_steps=20, max_nonfinite_steps=2, eval_every=0)
+    config.opt.learning_rate = 1e38  # the first update overflows the parameters; every later loss is NaN
+    config.ckpt.every_steps = 100
+    with pytest.raises(NonFiniteError, match="2 non-finite updates in a row"):
+        train_and_evaluate(config, tmp_path)
+    steps = checkpoints.list_steps(tmp_path)
+    assert len(steps) == 1 and steps[0] < 20
+
+
+def _launch(corpus: pathlib.Path, workdir: pathlib.Path, num_steps: int) -> subprocess.Popen:
+    overrides = {
+        "data.text_dir": str(corpus),
+        "train.num_steps": num_steps,
+        "ckpt.every_steps": 10,
+        "train.eval_every": 0,
+        "train.log_every": 5,
+    }
+    args = [f"--config.{k}={v}" for k, v in overrides.items()]
+    return subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "train.py"),
+            "--config",
+            str(REPO / "tests" / "tiny_train_config.py"),
+            "--workdir",
+            str(workdir),
+            *args,
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+
+
+def _wait_for_checkpoint(proc: subprocess.Popen, workdir: pathlib.Path, step: int, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while not (workdir / "checkpoints" / str(step)).is_dir():
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.time() < deadline, "no checkpoint appeared in time"
+        time.sleep(0.05)
+
+
+def test_killed_run_resumes_to_the_same_parameters(corpus, tmp_path):
+    proc = _launch(corpus, tmp_path / "killed", 400)
+    _wait_for_checkpoint(proc, tmp_path / "killed", 10)
+    proc.kill()  # SIGKILL: no chance to save anything more
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    steps = checkpoints.list_steps(tmp_path / "killed")
+    assert steps and steps[-1] < 400, "the run finished before it was killed; make it longer"
+    resumed = _launch(corpus, tmp_path / "killed", 40)
+    assert resumed.wait(timeout=300) == 0, resumed.stdout.read()
+    straight = _launch(corpus, tmp_path / "straight", 40)
+    assert straight.wait(timeout=300) == 0, straight.stdout.read()
+    # The killed run may have saved past 40 before dying; compare at step 40 where both have a checkpoint.
+    config = tiny_train_config(corpus)
+    _, abstract = abstract_train_state(config)
+    a = checkpoints.load_model_params(tmp_path / "killed", 40, abstract)
+    b = checkpoints.load_model_params(tmp_path / "straight", 40, abstract)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(corpus, tmp_path):
+    proc = _launch(corpus, tmp_path, 100_000)
+    _wait_for_checkpoint(proc, tmp_path, 10)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    match = re.search(r"SIGTERM: saved the checkpoint at step (\d+)", output)
+    assert match, output[-3000:]
+    assert checkpoints.list_steps(tmp_path)[-1] == int(match.group(1)) >= 10  # saved where it stopped
+
+
+def test_one_and_eight_devices_give_the_same_losses():
+    """Data parallel and FSDP over 8 simulated CPU devices match one device (float reduction order aside)."""
+    script = (
+        "import json, jax\n"
+        "from tests.training_helpers import synthetic_batch\n"
+        "from tests.test_training_loop import losses_on\n"
+        "print(json.dumps({m: losses_on(m) for m in ('data', 'fsdp')}))\n"
+    )
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    eight = json.loads(out.stdout.strip().splitlines()[-1])
+    one = losses_on("data")
+    for mode in ("data", "fsdp"):
+        np.testing.assert_allclose(eight[mode], one, rtol=2e-5)
+
+
+def losses_on(mode: str) -> list[float]:
+    """Losses of 3 train steps on fixed batches, on every visible device."""
+    from configs import common
+
+    config = common.base_config("tiny")
+    config.model.vocab_size = 64
+    config.model.dropout_rate = 0.0  # dropout masks depend on how the batch is laid out over devices
+    config.opt.warmup_steps = 1
+    mesh = make_mesh()
+    graphs, state = create_train_state(config)
+    step, _, shardings = compile_steps(graphs, state, mesh, mode, label_smoothing=0.1, accum_steps=1)
+    state = jax.device_put(state, shardings)
+    if mesh.size > 1 and mode == "fsdp":
+        table = nnx.to_pure_dict(state)[0]["src_embed"]["table_VD"]
+        assert len(table.sharding.device_set) == mesh.size  # really sharded, not replicated
+    losses = []
+    for seed in range(3):
+        state, metrics = step(state, synthetic_batch(seed, rows=8, vocab=64))
+        losses.append(float(metrics["loss_sum"]) / float(metrics["tokens"]))
+    return losses

@@ -1,0 +1,243 @@
+"""The training loop: config -> data -> jitted steps -> metrics and checkpoints, resumable exactly.
+
+The Python loop never waits on the device for the step it just dispatched: metrics are fetched one step late,
+batches are prepared and placed on the devices by a background thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import pathlib
+import queue
+import signal
+import threading
+import time
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from transformer_jax import data
+from transformer_jax.errors import ConfigError
+from transformer_jax.model.spec import TransformerSpec
+from transformer_jax.sharding import batch_sharding, make_mesh, state_shardings
+from transformer_jax.training import flops
+from transformer_jax.training.checkpoints import Checkpointer
+from transformer_jax.training.losses import summarize
+from transformer_jax.training.metrics import MetricWriter, Progress
+from transformer_jax.training.optim import learning_rate_schedule
+from transformer_jax.training.state import abstract_train_state, create_train_state
+from transformer_jax.training.step import BATCH_KEYS, compile_steps
+
+
+class NonFiniteError(RuntimeError):
+    """Too many non-finite updates in a row."""
+
+
+class Prefetcher:
+    """Pulls batches (with the iterator state after each) on a thread and places them on the devices."""
+
+    def __init__(self, iterator, sharding, depth: int = 2):
+        self.iterator, self.sharding = iterator, sharding
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                batch = next(self.iterator)
+                it_state = self.iterator.get_state()
+                real = int((batch["src_segment_ids"] > 0).sum() + (batch["tgt_segment_ids"] > 0).sum())
+                shape = (batch["src_tokens"].shape[0], batch["src_tokens"].shape[1], batch["tgt_in"].shape[1])
+                placed = {k: place(batch[k], self.sharding) for k in BATCH_KEYS}
+                self.queue.put((placed, it_state, real, shape))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            self.queue.put(e)
+
+    def next(self):
+        item = self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self.stop.set()
+        while self.thread.is_alive():  # unblock a put()
+            try:
+                self.queue.get_nowait()
+            except queue.Empty:
+                self.thread.join(timeout=0.1)
+
+
+def place(array: np.ndarray, sharding) -> jax.Array:
+    """This host's rows of a global batch, placed on its devices (multi-host aware)."""
+    return jax.make_array_from_process_local_data(sharding, np.asarray(array, np.int32))
+
+
+def validation_batches(config: ml_collections.ConfigDict, tokenizer) -> list[dict[str, np.ndarray]]:
+    pairs = data.load_split(config.data, config.data.valid_split)
+    batches, _ = data.eval_batches(
+        [s for s, _ in pairs],
+        tokenizer,
+        config.eval.batch_size,
+        config.data.eval_max_len,
+        targets=[t for _, t in pairs],
+    )
+    return [{k: b[k] for k in BATCH_KEYS} for b in batches]
+
+
+def evaluate_loss(eval_step, state, batches, sharding) -> dict[str, float]:
+    totals: dict[str, Any] = {}
+    for batch in batches:
+        sums = eval_step(state, {k: place(v, sharding) for k, v in batch.items()})
+        totals = sums if not totals else jax.tree.map(lambda a, b: a + b, totals, sums)
+    return summarize(jax.device_get(totals))
+
+
+class _Window:
+    """Host-side sums of the metrics of the steps since the last log line."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums = {"loss_sum": 0.0, "nll_sum": 0.0, "correct": 0.0, "tokens": 0.0}
+        self.grad_norms, self.real_tokens, self.flops, self.steps, self.start = [], 0, 0.0, 0, time.time()
+
+    def add(self, metrics: dict, real_tokens: int, step_flops: float) -> None:
+        for k in self.sums:
+            self.sums[k] += float(metrics[k])
+        if metrics["finite"]:
+            self.grad_norms.append(float(metrics["grad_norm"]))
+        self.real_tokens += real_tokens
+        self.flops += step_flops
+        self.steps += 1
+
+
+def check_batch_shapes(config: ml_collections.ConfigDict, mesh) -> int:
+    """Every batch must split into grad_accum_steps micro-batches, each split over the devices.
+
+    Returns the multiple that bucketed batches' row counts are rounded to (per host) so that they always do.
+    """
+    accum = config.train.grad_accum_steps
+    if accum < 1:
+        raise ConfigError(f"config key train.grad_accum_steps: must be >= 1, got {accum}")
+    local_multiple = accum * jax.local_device_count()
+    if config.data.batching != "bucket" and config.data.batch_size % (accum * mesh.size):
+        raise ConfigError(
+            f"config key data.batch_size: {config.data.batch_size} rows do not split into {accum} micro-batches "
+            f"(train.grad_accum_steps) over {mesh.size} devices; use a multiple of {accum * mesh.size}"
+        )
+    return math.lcm(8, local_multiple)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict[str, float]:
+    """Trains (or resumes) in workdir until config.train.num_steps; returns the last logged metrics."""
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+    mesh = make_mesh()
+    row_multiple = check_batch_shapes(config, mesh)
+    spec = TransformerSpec.from_config(config)
+
+    tokenizer = data.get_tokenizer(config.data, workdir, vocab_size=config.model.vocab_size)
+    train_iter, data_stats = data.make_train_iterator(config.data, tokenizer, row_multiple=row_multiple)
+    graphs, abstract = abstract_train_state(config)
+    shardings = state_shardings(abstract, mesh, config.train.mesh)
+    checkpointer = Checkpointer(workdir, config.ckpt)
+    restored = checkpointer.restore_latest(abstract, shardings, config)
+    if restored is None:
+        state = jax.jit(lambda: create_train_state(config)[1], out_shardings=shardings)()
+        step = 0
+    else:
+        step, state, it_state = restored
+        train_iter.set_state(it_state)
+        logging.info("resumed from the checkpoint at step %d in %s", step, workdir)
+    train_step, eval_step, _ = compile_steps(
+        graphs,
+        abstract,
+        mesh,
+        config.train.mesh,
+        label_smoothing=config.train.label_smoothing,
+        accum_steps=config.train.grad_accum_steps,
+    )
+    schedule = learning_rate_schedule(config.opt, config.train.num_steps)
+    valid = validation_batches(config, tokenizer) if config.train.eval_every else []
+    peak = config.train.peak_flops or flops.measure_matmul_peak()
+    writer = MetricWriter(workdir)
+    writer.write(step, {f"data_{k}": v for k, v in data_stats.items() if isinstance(v, int)})
+
+    stop_requested = threading.Event()
+    previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop_requested.set())
+    sharding = batch_sharding(mesh)
+    prefetcher = Prefetcher(train_iter, sharding)
+    progress = Progress(step, config.train.num_steps)
+    window, pending, last_logged, saved_step, it_state = _Window(), None, {}, step, None
+
+    def drain(entry) -> None:
+        """Fetch one finished step's metrics (the host sync happens one step late)."""
+        metrics, real, step_flops, at_step = entry
+        metrics = jax.device_get(metrics)
+        window.add(metrics, real, step_flops)
+        if int(metrics["nonfinite_in_a_row"]) >= config.train.max_nonfinite_steps:
+            raise NonFiniteError(
+                f"{int(metrics['nonfinite_in_a_row'])} non-finite updates in a row at step {at_step} "
+                f"(train.max_nonfinite_steps={config.train.max_nonfinite_steps}); the last good state is saved"
+            )
+
+    def log(at_step: int) -> dict[str, float]:
+        elapsed = max(time.time() - window.start, 1e-9)
+        metrics = summarize(window.sums)
+        metrics.update(
+            learning_rate=float(schedule(at_step - 1)),
+            grad_norm=float(np.mean(window.grad_norms)) if window.grad_norms else float("nan"),
+            tokens_per_s=window.real_tokens / elapsed,
+            steps_per_s=window.steps / elapsed,
+            mfu=window.flops / elapsed / (peak * mesh.size),
+        )
+        writer.write(at_step, metrics)
+        progress.update(at_step, metrics)
+        window.reset()
+        return metrics
+
+    try:
+        while step < config.train.num_steps and not stop_requested.is_set():
+            batch, it_state, real, shape = prefetcher.next()
+            state, metrics = train_step(state, batch)
+            step += 1
+            if pending is not None:
+                drain(pending)
+            pending = (metrics, real, flops.train_step_flops(spec, *shape), step)
+            if step % config.train.log_every == 0 or step == config.train.num_steps:
+                drain(pending)
+                pending = None
+                last_logged = log(step)
+            if config.train.eval_every and (step % config.train.eval_every == 0 or step == config.train.num_steps):
+                valid_metrics = evaluate_loss(eval_step, state, valid, sharding)
+                writer.write(step, valid_metrics, prefix="valid_")
+                logging.info("step %d validation: %s", step, json.dumps(valid_metrics))
+            if step % config.ckpt.every_steps == 0 or step == config.train.num_steps:
+                checkpointer.save(step, state, it_state, config)
+                saved_step = step
+        if pending is not None:
+            drain(pending)
+        if stop_requested.is_set() and saved_step != step:
+            checkpointer.save(step, state, it_state, config)
+    except NonFiniteError:
+        # Non-finite updates were skipped, so the state is the last good one.
+        checkpointer.save(step, state, it_state, config)
+        raise
+    finally:
+        if stop_requested.is_set():
+            logging.warning("SIGTERM: saved the checkpoint at step %d; exiting", step)
+        signal.signal(signal.SIGTERM, previous_handler)
+        prefetcher.close()
+        progress.close()
+        checkpointer.close()
+        writer.close()
+    return last_logged

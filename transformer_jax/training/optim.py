@@ -1,0 +1,70 @@
+"""Optax optimiser and learning-rate schedules from the `opt` config group."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from transformer_jax.errors import ConfigError
+
+SCHEDULES = ("paper", "rsqrt", "cosine", "constant")
+OPTIMIZERS = ("adam", "adamw")
+
+
+def learning_rate_schedule(opt: ml_collections.ConfigDict, num_steps: int) -> optax.Schedule:
+    """The learning rate at each optimizer step (0-based; the paper's step_num is step + 1).
+
+    paper:    lrate = learning_rate * min(step_num^-0.5, step_num * warmup^-1.5), learning_rate = d_model^-0.5 (5.3)
+    rsqrt:    linear warmup to learning_rate, then learning_rate * sqrt(warmup / step_num)
+    cosine:   linear warmup to learning_rate, then cosine decay to 0 at num_steps
+    constant: linear warmup to learning_rate, then constant
+    """
+    if opt.schedule not in SCHEDULES:
+        raise ConfigError(f"config key opt.schedule: unknown value {opt.schedule!r}; choose one of {list(SCHEDULES)}")
+    if opt.warmup_steps < 0:
+        raise ConfigError(f"config key opt.warmup_steps: must be >= 0, got {opt.warmup_steps}")
+    peak, warmup = float(opt.learning_rate), max(int(opt.warmup_steps), 1)
+
+    def paper(step):
+        step_num = jnp.asarray(step, jnp.float32) + 1.0
+        return peak * jnp.minimum(step_num**-0.5, step_num * warmup**-1.5)
+
+    def warmup_factor(step):
+        return jnp.minimum(1.0, (jnp.asarray(step, jnp.float32) + 1.0) / warmup)
+
+    def rsqrt(step):
+        step_num = jnp.asarray(step, jnp.float32) + 1.0
+        return peak * warmup_factor(step) * jnp.sqrt(warmup / jnp.maximum(step_num, warmup))
+
+    def cosine(step):
+        step_num = jnp.asarray(step, jnp.float32) + 1.0
+        progress = jnp.clip((step_num - warmup) / max(num_steps - warmup, 1), 0.0, 1.0)
+        return peak * warmup_factor(step) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+
+    def constant(step):
+        return peak * warmup_factor(step)
+
+    return {"paper": paper, "rsqrt": rsqrt, "cosine": cosine, "constant": constant}[opt.schedule]
+
+
+def make_optimizer(opt: ml_collections.ConfigDict, num_steps: int) -> optax.GradientTransformation:
+    """Adam (b1, b2, eps from the config; paper: 0.9, 0.98, 1e-9) or AdamW, with optional global-norm clipping."""
+    if opt.optimizer not in OPTIMIZERS:
+        raise ConfigError(
+            f"config key opt.optimizer: unknown value {opt.optimizer!r}; choose one of {list(OPTIMIZERS)}"
+        )
+    if opt.clip_grad_norm < 0:
+        raise ConfigError(f"config key opt.clip_grad_norm: must be >= 0 (0 = off), got {opt.clip_grad_norm}")
+    schedule = learning_rate_schedule(opt, num_steps)
+    if opt.optimizer == "adam":
+        if opt.weight_decay:
+            raise ConfigError(
+                "config key opt.weight_decay: Adam has no decoupled weight decay; use opt.optimizer=adamw"
+            )
+        tx = optax.adam(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps)
+    else:
+        tx = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay)
+    if opt.clip_grad_norm > 0:
+        tx = optax.chain(optax.clip_by_global_norm(opt.clip_grad_norm), tx)
+    return tx
