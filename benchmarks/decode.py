@@ -1,0 +1,213 @@
+"""Beam-search decoding speed with the KV cache and with full recompute; prints one JSON object.
+
+    python -m benchmarks.decode --config configs/wmt14_ende.py:size=base --beam_size 4 --num_sentences 16
+
+Random weights; sources are the first lines of newstest2014 (../shared/data/wmt14_ende/test.en), tokenized by a
+SentencePiece model trained on those 500 lines in a few seconds (--tokenizer spm) or as UTF-8 bytes (--tokenizer
+bytes). EOS is masked so every sentence decodes exactly --output_len tokens.
+
+Both modes run the same jitted beam search over a fixed buffer of --output_len target slots:
+  cache:     decode one token per step against the cached keys/values (transformer_jax.decoding.cached_decode_step);
+  recompute: decode the whole target buffer again every step, no cache (decoding.recompute_decode_step).
+Time per step = (t(n steps) - t(1 step)) / (n - 1), which removes the encoder and the one-off costs; recompute is
+timed over --recompute_steps steps (each of its steps costs the same, the buffer being fixed) and its whole-search
+time extrapolated. FLOPs per step come from XLA's cost analysis of one compiled step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from transformer_jax import decoding
+from transformer_jax.model import build_model
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wmt14_ende" / "test.en"
+NUM_LINES = 500
+
+
+def load_config(spec: str):
+    """'path/to/config.py[:arg]' -> get_config(arg)."""
+    path, _, arg = spec.partition(":")
+    module_spec = importlib.util.spec_from_file_location("bench_config", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config(arg or None)
+
+
+def source_ids(kind: str, vocab_size: int, num_sentences: int, max_len: int) -> tuple[list[list[int]], str]:
+    if not DATA.exists():
+        raise SystemExit(f"benchmarks.decode: {DATA} not found (the shared data folder is absent on this machine)")
+    lines = DATA.read_text(encoding="utf-8").splitlines()[:NUM_LINES]
+    if kind == "bytes":
+        ids = [[4 + b for b in line.encode("utf-8")] for line in lines]
+        how = "UTF-8 bytes -> ids 4..259"
+    else:
+        from transformer_jax.data.tokenizer import train_tokenizer
+
+        size = min(2000, vocab_size)
+        with tempfile.TemporaryDirectory() as tmp:
+            tok = train_tokenizer(lines, Path(tmp) / "spm.model", vocab_size=size, model_type="unigram")
+            ids = [tok.encode(line) for line in lines]
+        how = f"SentencePiece unigram, {size} pieces, trained on the {len(lines)} lines"
+    ids = [x[: max_len - 1] + [decoding.EOS_ID] for x in ids[:num_sentences]]
+    return ids, how
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "beam_size", "max_steps", "use_cache"))
+def run_search(graphdef, state, src_BS, max_len_B, *, beam_size, max_steps, use_cache):
+    """Beam search with EOS masked, so each sentence decodes exactly max_len_B tokens."""
+    model = nnx.merge(graphdef, state)
+    seg = (src_BS != 0).astype(jnp.int32)
+    make = decoding.cached_decode_step if use_cache else decoding.recompute_decode_step
+    step, cache = make(model, model.encode(src_BS, seg), seg, beam_size=beam_size, max_steps=max_steps)
+
+    def no_eos_step(tokens, cache):
+        logits, cache = step(tokens, cache)
+        return logits.at[..., decoding.EOS_ID].set(-jnp.inf), cache
+
+    return decoding.beam_search(no_eos_step, cache, max_len_B, beam_size=beam_size, alpha=0.6, max_steps=max_steps)
+
+
+def step_flops(model, src_BS, *, beam_size: int, max_steps: int, use_cache: bool) -> float:
+    """FLOPs of one decode step for B * beam_size rows, from XLA's cost analysis (encoder and cache setup excluded)."""
+    graphdef, state = nnx.split(model)
+    seg = (src_BS != 0).astype(jnp.int32)
+    memory = model.encode(src_BS, seg)
+    make = decoding.cached_decode_step if use_cache else decoding.recompute_decode_step
+
+    def one_step(state, memory, seg, cache, tokens):
+        m = nnx.merge(graphdef, state)
+        step, _ = make(m, memory, seg, beam_size=beam_size, max_steps=max_steps)
+        return step(tokens, cache)
+
+    def dynamic_cache(state, memory, seg):
+        m = nnx.merge(graphdef, state)
+        return decoding.tile_beams(make(m, memory, seg, beam_size=beam_size, max_steps=max_steps)[1], beam_size)
+
+    def setup(state, memory, seg):
+        """Everything a search does once per batch before its first step (returned, so none of it is pruned)."""
+        m = nnx.merge(graphdef, state)
+        if use_cache:
+            return decoding.tile_beams(m.init_cache(memory, seg, max_steps), beam_size)
+        return decoding.tile_beams((memory, seg), beam_size)
+
+    cache = jax.eval_shape(dynamic_cache, state, memory, seg)
+    tokens = jax.ShapeDtypeStruct((src_BS.shape[0] * beam_size, 1), jnp.int32)
+    # The cached step's closure projects the cross-attention keys/values from memory (done once per sentence in a
+    # search, not per step); subtract that setup by costing it alone.
+    full = jax.jit(one_step).lower(state, memory, seg, cache, tokens).compile().cost_analysis()
+    only_setup = jax.jit(setup).lower(state, memory, seg).compile().cost_analysis()
+    cost = lambda c: float((c[0] if isinstance(c, list) else c).get("flops", 0.0))
+    return cost(full) - cost(only_setup)
+
+
+def best_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/wmt14_ende.py:size=base")
+    parser.add_argument("--beam_size", type=int, default=4)
+    parser.add_argument("--num_sentences", type=int, default=16)
+    parser.add_argument("--output_len", type=int, default=50, help="target tokens decoded per sentence")
+    parser.add_argument("--recompute_steps", type=int, default=4, help="steps timed for recompute (>= 2); 0 skips")
+    parser.add_argument("--tokenizer", choices=["spm", "bytes"], default="spm")
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+
+    config = load_config(args.config)
+    model = build_model(config, rngs=nnx.Rngs(0))
+    model.eval()
+    ids, how = source_ids(args.tokenizer, config.model.vocab_size, args.num_sentences, config.data.eval_max_len)
+    batch, src_len = len(ids), max(len(x) for x in ids)
+    src = np.zeros((batch, src_len), np.int32)
+    for i, x in enumerate(ids):
+        src[i, : len(x)] = x
+    src = jnp.asarray(src)
+    graphdef, state = nnx.split(model)
+    length = args.output_len
+
+    def timed(use_cache: bool, steps: int) -> tuple[float, decoding.BeamResult]:
+        fn = functools.partial(
+            run_search,
+            graphdef,
+            state,
+            src,
+            jnp.full((batch,), steps, jnp.int32),
+            beam_size=args.beam_size,
+            max_steps=length,
+            use_cache=use_cache,
+        )
+        result = jax.block_until_ready(fn())  # compiles on the first call of a mode
+        return best_time(fn, args.repeats), result
+
+    report = {
+        "config": args.config,
+        "backend": jax.default_backend(),
+        "device": str(jax.devices()[0]),
+        "params": int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))),
+        "sentences": batch,
+        "beam_size": args.beam_size,
+        "source_tokens_max": src_len,
+        "source_tokens_mean": round(float(np.mean([len(x) for x in ids])), 1),
+        "tokenizer": how,
+        "output_len": length,
+    }
+    start = time.perf_counter()
+    t_full, cached = timed(True, length)
+    t_one, _ = timed(True, 1)
+    cached_step = (t_full - t_one) / (length - 1)
+    report["cache"] = {
+        "seconds": round(t_full, 3),
+        "sentences_per_s": round(batch / t_full, 2),
+        "target_tokens_per_s": round(batch * length / t_full, 1),
+        "ms_per_step": round(1e3 * cached_step, 2),
+        "gflops_per_step": round(
+            step_flops(model, src, beam_size=args.beam_size, max_steps=length, use_cache=True) / 1e9, 3
+        ),
+    }
+    if args.recompute_steps >= 2:
+        t_n, recomputed = timed(False, args.recompute_steps)
+        t_one, _ = timed(False, 1)
+        step = (t_n - t_one) / (args.recompute_steps - 1)
+        projected = t_one + step * (length - 1)
+        n = args.recompute_steps
+        report["recompute"] = {
+            "steps_timed": n,
+            "ms_per_step": round(1e3 * step, 2),
+            "projected_seconds": round(projected, 3),
+            "sentences_per_s": round(batch / projected, 3),
+            "target_tokens_per_s": round(batch * length / projected, 2),
+            "gflops_per_step": round(
+                step_flops(model, src, beam_size=args.beam_size, max_steps=length, use_cache=False) / 1e9, 3
+            ),
+            # The same n-step search with the cache must give the same tokens.
+            "tokens_equal_cache": bool(
+                np.array_equal(np.asarray(recomputed.tokens), np.asarray(timed(True, n)[1].tokens))
+            ),
+        }
+        report["speedup_per_step"] = round(step / cached_step, 2)
+        report["speedup_whole_search"] = round(projected / t_full, 2)
+    report["benchmark_seconds"] = round(time.perf_counter() - start, 1)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Scores: sacreBLEU as the library computes it, the tokenized (compound-split) BLEU, reading files like sacrebleu."""
+
+from __future__ import annotations
+
+import pytest
+from sacrebleu.metrics import BLEU, CHRF
+
+from transformer_jax.evaluation import bleu
+
+
+def test_split_compounds_is_get_ende_bleu_regex():
+    assert bleu.split_compounds("rich-text format") == "rich ##AT##-##AT## text format"
+    # perl's s{(\S)-(\S)}{...}g does not overlap matches: in a-b-c only the first hyphen is split.
+    assert bleu.split_compounds("a-b-c") == "a ##AT##-##AT## b-c"
+    assert bleu.split_compounds("B 33-Fußgängerampel") == "B 33 ##AT##-##AT## Fußgängerampel"
+    assert bleu.split_compounds("x - y -z w-") == "x - y -z w-"  # a hyphen next to a space is left alone
+
+
+def test_tokenized_bleu_tokenizes_then_splits_compounds():
+    hyp = ["Das Haus-Boot ist groß."]
+    ref = ["Das Haus-Tür ist groß."]
+    # By hand: 13a separates the final period; the compound splits into three tokens.
+    hand_hyp = ["Das Haus ##AT##-##AT## Boot ist groß ."]
+    hand_ref = ["Das Haus ##AT##-##AT## Tür ist groß ."]
+    expected = BLEU(tokenize="none").corpus_score(hand_hyp, [hand_ref]).score
+    got = bleu.tokenized_bleu(hyp, ref)
+    assert got["score"] == pytest.approx(expected, abs=1e-9)
+    assert got["name"] == "tokenized BLEU (tensor2tensor get_ende_bleu procedure, compound splitting)"
+    # Without the splitting step the compound is one token and the score differs.
+    unsplit = BLEU(tokenize="none").corpus_score(["Das Haus-Boot ist groß ."], [["Das Haus-Tür ist groß ."]]).score
+    assert abs(got["score"] - unsplit) > 1.0
+    assert bleu.tokenized_bleu(ref, ref)["score"] == pytest.approx(100.0)
+
+
+def test_sacrebleu_scores_equal_the_library_defaults_and_carry_signatures():
+    hyps = ["The cat sat on the mat.", "A dog barked loudly at night"]
+    refs = ["The cat sat on a mat.", "A dog barked at night."]
+    scores = bleu.score_all(hyps, refs)
+    assert scores["bleu"]["score"] == pytest.approx(BLEU().corpus_score(hyps, [refs]).score)
+    assert scores["chrf"]["score"] == pytest.approx(CHRF().corpus_score(hyps, [refs]).score)
+    assert scores["bleu"]["signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:")
+    assert "nc:6|nw:0" in scores["chrf"]["signature"]
+    text = bleu.format_scores(scores)
+    assert f"BLEU = {scores['bleu']['score']:.2f}" in text and f"chrF2 = {scores['chrf']['score']:.2f}" in text
+    assert "tokenized BLEU (tensor2tensor get_ende_bleu procedure, compound splitting) = " in text
+
+
+def test_read_lines_like_sacrebleu_and_line_count_check(tmp_path):
+    path = tmp_path / "h.txt"
+    path.write_bytes("one  \r\ntwo\u2028still two\n\nlast".encode())
+    # Split at LF only (U+2028 is not a line break for sacrebleu), trailing whitespace removed, empty line kept.
+    assert bleu.read_lines(path) == ["one", "two\u2028still two", "", "last"]
+    ref = tmp_path / "r.txt"
+    ref.write_text("a\nb\n", encoding="utf-8")
+    with pytest.raises(bleu.ScoreError, match=r"h\.txt has 4 lines, .*r\.txt has 2"):
+        bleu.score_files(path, ref)
+    with pytest.raises(bleu.ScoreError, match="cannot read"):
+        bleu.read_lines(tmp_path / "missing.txt")

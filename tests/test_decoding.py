@@ -1,0 +1,345 @@
+"""Greedy and beam search: stubs with known distributions checked against brute force, and the Transformer's cache.
+
+Stub decode steps follow the `decode_step(tokens, cache) -> (logits, cache)` interface. The hashing stub makes the
+next-token distribution depend on the whole prefix (through a per-row hash carried in the cache), so a beam whose
+cache row is not reordered with it gets the wrong distribution and the brute-force comparison fails.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tests.model_helpers import random_tokens, tiny_model
+from transformer_jax import decoding
+from transformer_jax.evaluation.translate import bucket_length, bucket_lengths, translate
+
+PAD, EOS, BOS = 0, 1, 2
+VOCAB = 6  # 0 pad, 1 eos, 2 bos, 3 unk (never produced by the stubs), 4 and 5 "words"
+WORDS = (EOS, 4, 5)
+HASH_MOD = 101
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def hash_table(seed: int) -> np.ndarray:
+    """[HASH_MOD, VOCAB] logits: only EOS and the two words are possible."""
+    logits = np.random.default_rng(seed).normal(size=(HASH_MOD, VOCAB)) * 1.5
+    logits[:, [PAD, BOS, 3]] = -np.inf
+    return logits.astype(np.float32)
+
+
+def _next_hash(h, token):
+    return (h * 31 + token + 1) % HASH_MOD
+
+
+def hash_stub(table: np.ndarray):
+    """decode_step whose logits are table[hash(source seed, every token fed so far)]."""
+    table = jnp.asarray(table)
+
+    def decode_step(tokens_N1, cache):
+        h = _next_hash(cache["h"], tokens_N1[:, 0])
+        return table[h][:, None, :], {"h": h, "calls": cache["calls"] + 1}
+
+    return decode_step
+
+
+def brute_force(table: np.ndarray, seed: int, max_len: int, alpha: float) -> list[tuple[float, tuple[int, ...]]]:
+    """(score, tokens) of every possible output, best first: EOS-ended up to max_len, or max_len words."""
+    out = []
+
+    def expand(h: int, last: int, prefix: tuple[int, ...], log_prob: float) -> None:
+        h = _next_hash(h, last)
+        log_probs = _log_softmax(table[h].astype(np.float64))
+        for token in WORDS:
+            seq, lp = prefix + (token,), log_prob + log_probs[token]
+            if token == EOS or len(seq) == max_len:
+                out.append((lp / ((5 + len(seq)) / 6) ** alpha, seq))
+            else:
+                expand(h, token, seq, lp)
+
+    expand(seed, BOS, (), 0.0)
+    return sorted(out, key=lambda x: -x[0])
+
+
+@functools.partial(jax.jit, static_argnames=("beam_size", "max_steps", "table_seed"))
+def _stub_beam(seeds_B, max_len_B, alpha, *, beam_size, max_steps, table_seed):
+    cache = {"h": seeds_B, "calls": jnp.zeros((), jnp.int32)}
+    step = hash_stub(hash_table(table_seed))
+    return decoding.beam_search(step, cache, max_len_B, beam_size=beam_size, alpha=alpha, max_steps=max_steps)
+
+
+@functools.partial(jax.jit, static_argnames=("max_steps", "table_seed"))
+def _stub_greedy(seeds_B, max_len_B, *, max_steps, table_seed):
+    cache = {"h": seeds_B, "calls": jnp.zeros((), jnp.int32)}
+    return decoding.greedy_search(hash_stub(hash_table(table_seed)), cache, max_len_B, max_steps=max_steps)
+
+
+def _strip(tokens: np.ndarray, length: int) -> tuple[int, ...]:
+    assert np.all(tokens[length:] == PAD), f"tokens after the end must be PAD: {tokens}"
+    return tuple(int(t) for t in tokens[:length])
+
+
+def test_exhaustive_beam_equals_brute_force_and_length_penalty_changes_the_winner():
+    table_seed, seeds, max_lens = 2, np.array([30, 39, 16]), np.array([3, 4, 4])
+    # Beam 32 keeps every candidate (at most 7 finished + 8 * 3 extensions), so the search is exhaustive.
+    winners = {}
+    for alpha in (0.0, 0.6, 2.0):
+        result = _stub_beam(seeds, max_lens, alpha, beam_size=32, max_steps=4, table_seed=table_seed)
+        for b, (seed, max_len) in enumerate(zip(seeds, max_lens, strict=True)):
+            expected = brute_force(hash_table(table_seed), int(seed), int(max_len), alpha)
+            n = len(expected)
+            got = [_strip(np.asarray(result.tokens[b, i]), int(result.lengths[b, i])) for i in range(n)]
+            np.testing.assert_allclose(result.scores[b, :n], [s for s, _ in expected], rtol=1e-5)
+            assert got[0] == expected[0][1]
+            assert sorted(got) == sorted(seq for _, seq in expected)  # every sequence exactly once
+            assert np.all(np.isneginf(result.scores[b, n:]))  # the rest are dead beams
+            np.testing.assert_allclose(
+                result.log_probs[b, :n], result.scores[b, :n] * ((5 + result.lengths[b, :n]) / 6) ** alpha, rtol=1e-5
+            )
+            winners[alpha, b] = expected[0][1]
+    # The case is one where the length penalty matters: every sentence's best output changes from alpha 0 to 0.6,
+    # and the second sentence's changes again at alpha 2.
+    assert all(winners[0.0, b] != winners[0.6, b] for b in range(len(seeds)))
+    assert winners[0.6, 1] != winners[2.0, 1]
+
+
+def test_small_beam_length_penalty_decides_between_short_and_long():
+    # Step 0: P(EOS) = P(a) = 0.5; after "a": P(EOS) = 0.98. "EOS" has the higher probability (0.5 > 0.49), but
+    # with alpha = 0.6, log 0.49 / lp(2) = -0.650 beats log 0.5 / lp(1) = -0.693.
+    def decode_step(tokens_N1, cache):
+        p_eos = jnp.where(cache["t"] == 0, 0.5, 0.98)
+        probs = jnp.zeros((VOCAB,)).at[EOS].set(p_eos).at[4].set(1 - p_eos)
+        logits = jnp.broadcast_to(jnp.log(probs), (tokens_N1.shape[0], 1, VOCAB))
+        return logits, {"t": cache["t"] + 1}
+
+    @jax.jit
+    def run(alpha):
+        return decoding.beam_search(
+            decode_step, {"t": jnp.zeros((), jnp.int32)}, jnp.array([3]), beam_size=2, alpha=alpha, max_steps=3
+        )
+
+    short, long = run(0.0), run(0.6)
+    assert _strip(np.asarray(short.tokens[0, 0]), int(short.lengths[0, 0])) == (EOS,)
+    assert _strip(np.asarray(long.tokens[0, 0]), int(long.lengths[0, 0])) == (4, EOS)
+    np.testing.assert_allclose(short.scores[0, 0], np.log(0.5), rtol=1e-6)
+    np.testing.assert_allclose(long.scores[0, 0], np.log(0.49) / (7 / 6) ** 0.6, rtol=1e-6)
+
+
+def test_finished_hypothesis_is_never_extended():
+    # P(EOS) = 0.7 first; afterwards token 4 has probability ~1. Extending the finished "EOS" with 4s would cost
+    # ~nothing in log-probability and gain from lp, so a search that extends finished beams returns a longer one.
+    def decode_step(tokens_N1, cache):
+        logits = jnp.where(
+            cache["t"] == 0,
+            jnp.log(jnp.array([0.0, 0.7, 0.0, 0.0, 0.3, 0.0])),
+            jnp.array([-jnp.inf, -8.0, -jnp.inf, -jnp.inf, 0.0, -9.0]),
+        )
+        return jnp.broadcast_to(logits, (tokens_N1.shape[0], 1, VOCAB)), {"t": cache["t"] + 1}
+
+    @jax.jit
+    def run():
+        cache = {"t": jnp.zeros((), jnp.int32)}
+        return decoding.beam_search(decode_step, cache, jnp.array([6]), beam_size=2, alpha=1.0, max_steps=6)
+
+    result = run()
+    np.testing.assert_array_equal(result.tokens[0, 0], [EOS, PAD, PAD, PAD, PAD, PAD])
+    assert int(result.lengths[0, 0]) == 1
+    np.testing.assert_allclose(result.scores[0, 0], np.log(0.7), rtol=1e-6)  # lp(1) = 1: the score never moved
+    # The runner-up is 4 x 6 cut at the length limit (no EOS): its score is its log-prob over lp(6).
+    np.testing.assert_array_equal(result.tokens[0, 1], [4, 4, 4, 4, 4, 4])
+    log_p = np.log(0.3) + 5 * _log_softmax(np.array([-np.inf, -8.0, -np.inf, -np.inf, 0.0, -9.0]))[4]
+    np.testing.assert_allclose(result.scores[0, 1], log_p / (11 / 6), rtol=1e-5)
+    for k in range(2):  # in every beam only PAD follows the first EOS
+        tokens = np.asarray(result.tokens[0, k])
+        if EOS in tokens:
+            assert np.all(tokens[list(tokens).index(EOS) + 1 :] == PAD)
+
+
+def test_beam_size_one_equals_greedy_on_stub():
+    seeds, max_lens = np.arange(16) * 7, np.array([2, 3, 4, 5] * 4)
+    greedy = _stub_greedy(seeds, max_lens, max_steps=5, table_seed=11)
+    for alpha in (0.0, 0.6):
+        beam = _stub_beam(seeds, max_lens, alpha, beam_size=1, max_steps=5, table_seed=11)
+        np.testing.assert_array_equal(beam.tokens[:, 0], greedy.tokens)
+        np.testing.assert_array_equal(beam.lengths[:, 0], greedy.lengths)
+        np.testing.assert_allclose(beam.log_probs[:, 0], greedy.log_probs, rtol=1e-6)
+    assert np.all(np.asarray(greedy.lengths) <= max_lens)
+    for b in range(len(seeds)):  # greedy output: argmax at each step, checked against the brute-force table walk
+        seq = _strip(np.asarray(greedy.tokens[b]), int(greedy.lengths[b]))
+        assert seq[-1] == EOS or len(seq) == max_lens[b]
+        h, last = int(seeds[b]), BOS
+        for token in seq:
+            h = _next_hash(h, last)
+            assert token == int(np.argmax(hash_table(11)[h]))
+            last = token
+
+
+# -- the Transformer ---------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _model():
+    return tiny_model(seed=1)
+
+
+def _source(batch: int = 2, length: int = 7):
+    """Sources of different lengths (length - 2 and length tokens, alternating), PAD-padded, EOS-terminated."""
+    src = np.array(random_tokens(3, (batch, length)))
+    src[:, -1] = EOS
+    src[::2, length - 3], src[::2, length - 2 :] = EOS, PAD
+    return jnp.asarray(src)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "beam_size", "max_steps"))
+def _cached_steps(graphdef, state, src_BS, tokens_NT, perms_TN, *, beam_size, max_steps):
+    """Feeds tokens_NT step by step through cached_decode_step, reordering the cache rows by perms_TN first."""
+    model = nnx.merge(graphdef, state)
+    seg = (src_BS != PAD).astype(jnp.int32)
+    step, cache = decoding.cached_decode_step(
+        model, model.encode(src_BS, seg), seg, beam_size=beam_size, max_steps=max_steps
+    )
+    cache = decoding.tile_beams(cache, beam_size)
+
+    def body(cache, xs):
+        tokens_N, perm_N = xs
+        logits, cache = step(tokens_N[:, None], decoding.gather_rows(cache, perm_N))
+        return cache, logits[:, 0]
+
+    _, logits_TNV = jax.lax.scan(body, cache, (tokens_NT.T, perms_TN))
+    return logits_TNV
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "beam_size"))
+def _full_logits(graphdef, state, src_BS, tgt_NT, *, beam_size):
+    """model.decode without a cache on whole target prefixes, the encoder output tiled over beams."""
+    model = nnx.merge(graphdef, state)
+    memory, seg = decoding.tile_beams((model.encode(src_BS), (src_BS != PAD).astype(jnp.int32)), beam_size)
+    return model.decode(memory, tgt_NT, src_segment_ids=seg)
+
+
+def test_cached_decode_step_with_beam_reordering_equals_full_recompute():
+    model, src, beam, steps = _model(), _source(), 2, 5
+    rng = np.random.default_rng(0)
+    n = src.shape[0] * beam
+    fed = np.array(random_tokens(4, (n, steps)))
+    fed[:, 0] = BOS
+    # perms[t][r]: the row that row r continues at step t (within its sentence); the identity at t = 0.
+    perms = [np.arange(n)] + [
+        np.concatenate([b * beam + rng.permutation(beam) for b in range(src.shape[0])]) for _ in range(steps - 1)
+    ]
+    # Each row's history as the cache sees it: reorder the rows, then append the fed token.
+    history = np.zeros((n, 0), np.int32)
+    histories = []
+    for t in range(steps):
+        history = np.concatenate([history[perms[t]], fed[:, t : t + 1]], 1)
+        histories.append(history)
+    graphdef, state = nnx.split(model)
+    logits = _cached_steps(
+        graphdef, state, src, jnp.asarray(fed), jnp.asarray(np.stack(perms)), beam_size=beam, max_steps=8
+    )
+    full = _full_logits(graphdef, state, src, jnp.asarray(histories[-1]), beam_size=beam)
+    # Row r at the end descends from row c_t(r) at step t: follow the permutations backwards.
+    ancestor = np.arange(n)
+    for t in reversed(range(steps)):
+        np.testing.assert_allclose(logits[t][ancestor], full[:, t], rtol=1e-5, atol=1e-5)
+        ancestor = perms[t][ancestor]
+
+
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _teacher_forced_log_probs(graphdef, state, src, tokens_BKL, lengths_BK):
+    """log P(tokens | src) of every beam, from one full decode (no cache)."""
+    model = nnx.merge(graphdef, state)
+    b, k, length = tokens_BKL.shape
+    memory, seg = decoding.tile_beams((model.encode(src), (src != PAD).astype(jnp.int32)), k)
+    flat = tokens_BKL.reshape(b * k, length)
+    tgt_in = jnp.concatenate([jnp.full((b * k, 1), BOS), flat[:, :-1]], 1)
+    log_probs = jax.nn.log_softmax(
+        model.decode(memory, tgt_in, src_segment_ids=seg, tgt_segment_ids=jnp.ones_like(tgt_in)), -1
+    )
+    per_token = jnp.take_along_axis(log_probs, flat[..., None], -1)[..., 0]
+    mask = jnp.arange(length) < lengths_BK.reshape(-1, 1)
+    return jnp.sum(jnp.where(mask, per_token, 0.0), -1).reshape(b, k)
+
+
+def test_beam_search_on_model_scores_equal_full_recompute_log_probs():
+    # The shapes of translate()'s batches in the test below (4 rows, bucket 16, 16 + 5 steps): one compilation.
+    model, src = _model(), _source(4, 16)
+    max_len = jnp.array([6, 21, 9, 3])
+    cached = decoding.search(model, src, max_len, beam_size=2, alpha=0.6, max_steps=21)
+    expected = _teacher_forced_log_probs(*nnx.split(model), src, cached.tokens, cached.lengths)
+    np.testing.assert_allclose(cached.log_probs, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(cached.scores, expected / decoding.length_penalty(cached.lengths, 0.6), rtol=1e-5)
+    assert np.all(np.asarray(cached.lengths) <= np.asarray(max_len)[:, None])
+    assert np.all(np.diff(np.asarray(cached.scores), axis=1) <= 0)  # best first
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_steps"))
+def _model_beam1(graphdef, state, src_BS, max_len_B, *, max_steps):
+    model = nnx.merge(graphdef, state)
+    seg = (src_BS != PAD).astype(jnp.int32)
+    step, cache = decoding.cached_decode_step(model, model.encode(src_BS, seg), seg, beam_size=1, max_steps=max_steps)
+    return decoding.beam_search(step, cache, max_len_B, beam_size=1, alpha=0.6, max_steps=max_steps)
+
+
+def test_beam_size_one_equals_greedy_on_model_and_search_runs_without_dropout():
+    model, src, max_len = _model(), _source(), jnp.array([8, 5])
+    beam = _model_beam1(*nnx.split(model), src, max_len, max_steps=8)
+    greedy = decoding.search(model, src, max_len, beam_size=1, alpha=0.6, max_steps=8)  # greedy search
+    np.testing.assert_array_equal(beam.tokens, greedy.tokens)
+    np.testing.assert_allclose(beam.log_probs, greedy.log_probs, rtol=1e-5)
+    # A model in train mode (as during training's validation BLEU) is searched with dropout off, and stays in
+    # train mode.
+    model.train()
+    try:
+        searched = decoding.search(model, src, max_len, beam_size=1, alpha=0.6, max_steps=8)
+        assert model.embed_dropout.deterministic is False
+    finally:
+        model.eval()
+    np.testing.assert_array_equal(searched.tokens, greedy.tokens)
+
+
+# -- translate ---------------------------------------------------------------------------------------------------
+
+
+class CharTokenizer:
+    """Characters <-> ids 4..49 (vocab 50 of the tiny model), enough to drive translate()."""
+
+    def encode(self, text: str) -> list[int]:
+        return [4 + ord(c) % 46 for c in text]
+
+    def decode(self, ids) -> str:
+        assert EOS not in ids and PAD not in ids
+        return "".join(chr(ord("a") + (i - 4) % 26) for i in ids)
+
+
+def test_bucket_lengths_are_a_small_fixed_set():
+    assert bucket_lengths(256) == [16, 32, 64, 128, 256]
+    assert bucket_lengths(100) == [16, 32, 64, 100]
+    assert {bucket_length(n, 100) for n in range(1, 101)} == set(bucket_lengths(100))
+
+
+def test_translate_keeps_order_empty_lines_and_is_independent_of_batching():
+    model, tok = _model(), CharTokenizer()
+    sentences = ["hello world", "", "a", "x" * 40, "   ", "the cat sat on the mat", "b c"]
+    settings = dict(beam_size=2, alpha=0.6, max_extra_len=5, max_input_len=16)
+    outputs, stats = translate(model, tok, sentences, batch_size=4, **settings)
+    assert len(outputs) == len(sentences)
+    assert outputs[1] == "" and outputs[4] == ""
+    assert stats["empty"] == 2 and stats["truncated"] == 2 and stats["truncated_lines"] == [4, 6]
+    assert stats["batches"] == 2
+    assert stats["shapes"] == [(4, 16, 21)]  # one shape: dummy rows fill the last batch
+    # Each sentence translated alone (other rows in its batch) gives the same output.
+    for i in (0, 3, 5):
+        alone, _ = translate(model, tok, [sentences[i]], batch_size=4, **settings)
+        assert alone == [outputs[i]]
+    for out, sentence in zip(outputs, sentences, strict=True):
+        if sentence.strip():
+            assert len(out) <= min(len(sentence) + 1, 16) + 5

@@ -1,0 +1,258 @@
+"""evaluate.py: scores-only mode against the sacrebleu command on real data, and the model mode with a fake restorer.
+
+The model-mode tests substitute the checkpoint reader (evaluate.Restorer) with a fake that serves parameters of a
+known mean, so they check evaluate.py's own logic: step selection, averaging, the config check, one output line
+per input line, the report, and that bad inputs fail early with clear messages.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import evaluate
+from configs import common
+from transformer_jax.evaluation import bleu
+from transformer_jax.model import build_model
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+SACREBLEU = str(Path(sys.executable).parent / "sacrebleu")
+WMT14_TEST_DE = REPO.parent / "shared" / "data" / "wmt14_ende" / "test.de"
+
+
+def perturb(lines: list[str], seed: int = 0) -> list[str]:
+    """A plausible 'system output': drop, duplicate and swap some words, leave some lines empty."""
+    rng = random.Random(seed)
+    out = []
+    for line in lines:
+        words = line.split()
+        if rng.random() < 0.01:
+            out.append("")
+            continue
+        words = [w for w in words if rng.random() > 0.1]
+        if len(words) > 3 and rng.random() < 0.3:
+            i = rng.randrange(len(words) - 1)
+            words[i], words[i + 1] = words[i + 1], words[i]
+        if words and rng.random() < 0.1:
+            words.append(words[0])
+        out.append(" ".join(words))
+    return out
+
+
+def run_evaluate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [PYTHON, str(REPO / "evaluate.py"), *args], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
+
+
+def test_scores_only_mode_equals_the_sacrebleu_command_on_newstest2014(tmp_path):
+    if not WMT14_TEST_DE.exists():
+        pytest.skip(f"real data not found: {WMT14_TEST_DE} (the shared data folder is absent on this machine)")
+    hyp = tmp_path / "hyp.de"
+    hyp.write_text("\n".join(perturb(bleu.read_lines(WMT14_TEST_DE))) + "\n", encoding="utf-8")
+    ours = run_evaluate("--hypotheses_file", str(hyp), "--references_file", str(WMT14_TEST_DE))
+    assert ours.returncode == 0, ours.stderr
+    lines = ours.stdout.splitlines()
+    ours_bleu = float(lines[0].split(" = ")[1].split()[0])
+    ours_chrf = float(lines[1].split(" = ")[1].split()[0])
+    ours_tok = float(lines[2].split(" = ")[1].split()[0])
+    assert lines[0].startswith("sacreBLEU BLEU = ") and "tok:13a|smooth:exp" in lines[0]
+    assert lines[2].startswith("tokenized BLEU (tensor2tensor get_ende_bleu procedure, compound splitting) = ")
+    # The sacrebleu command, at two decimals (-w 2) and at its default one decimal.
+    for width in ("2", "1"):
+        cli = subprocess.run(
+            [SACREBLEU, str(WMT14_TEST_DE), "-i", str(hyp), "-m", "bleu", "chrf", "-b", "-w", width],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert cli.returncode == 0, cli.stderr
+        cli_bleu, cli_chrf = json.loads(cli.stdout)
+        assert cli_bleu == round(ours_bleu, int(width)) and cli_chrf == round(ours_chrf, int(width))
+    assert 10 < ours_bleu < 90 and ours_tok != ours_bleu  # a real, different, number
+
+
+def test_scores_only_mode_line_count_mismatch_names_both_files(tmp_path):
+    hyp, ref = tmp_path / "hyp.txt", tmp_path / "ref.txt"
+    hyp.write_text("a\nb\nc\n", encoding="utf-8")
+    ref.write_text("a\nb\n", encoding="utf-8")
+    out = run_evaluate("--hypotheses_file", str(hyp), "--references_file", str(ref))
+    assert out.returncode != 0
+    assert f"{hyp} has 3 lines, {ref} has 2" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+# -- model mode with a fake checkpoint reader -------------------------------------------------------------------
+
+
+def tiny_config(**model_overrides):
+    config = common.base_config("tiny")
+    config.model.vocab_size = 50
+    config.model.update(model_overrides)
+    config.eval.beam_size = 2
+    config.eval.max_extra_len = 5  # with batch 4 and bucket 16: test_decoding's compiled search, when run together
+    config.eval.batch_size = 4
+    config.eval.average_last = 2
+    return config
+
+
+class CharTokenizer:
+    def encode(self, text: str) -> list[int]:
+        return [4 + ord(c) % 46 for c in text]
+
+    def decode(self, ids) -> str:
+        return "".join(chr(ord("a") + (int(i) - 4) % 26) for i in ids)
+
+
+class FakeRestorer:
+    """Checkpoints at `steps`; step s holds base + s / 1000 in every parameter."""
+
+    def __init__(self, steps=(100, 200, 300)):
+        self.steps, self.config, self.loaded = list(steps), tiny_config(), []
+        abstract = nnx.eval_shape(lambda: build_model(self.config, rngs=nnx.Rngs(0)))
+        shapes = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+        rng = np.random.default_rng(0)
+        self.base = jax.tree.map(lambda s: (0.1 * rng.normal(size=s.shape)).astype(np.float32), shapes)
+
+    def list_steps(self, workdir):
+        return self.steps
+
+    def load_config(self, workdir):
+        return self.config
+
+    def config_differences(self, saved, current):
+        a, b = saved.model.to_dict(), current.model.to_dict()
+        return [f"model.{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(a) if a.get(k) != b.get(k)]
+
+    def load_params(self, workdir, steps, config):
+        for step in steps:
+            self.loaded.append(step)
+            yield jax.tree.map(lambda x, step=step: x + np.float32(step / 1000), self.base)
+
+    def tokenizer(self, config, workdir):
+        return CharTokenizer()
+
+
+def test_restore_averages_the_last_checkpoints_up_to_the_chosen_step(tmp_path):
+    fake = FakeRestorer()
+    options = evaluate.Options(workdir=str(tmp_path), checkpoint="200", average_last=2)
+    _, model, steps = evaluate.restore_model(fake, options)
+    assert steps == [100, 200] and fake.loaded == [100, 200]
+    got = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    expected = jax.tree.map(lambda x: x + np.float32(0.15), fake.base)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), got, expected)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(checkpoint="250"), r"no checkpoint for step 250 .*available steps: \[100, 200, 300\]"),
+        (dict(average_last=4), r"last 4 checkpoints up to step 300, but only 3 exist: \[100, 200, 300\]"),
+        (dict(average_steps=[100, 150]), r"step\(s\) \[150\]; available steps: \[100, 200, 300\]"),
+        (dict(config=tiny_config(d_model=64, d_ff=96)), r"model.d_ff: 64 -> 96; model.d_model: 32 -> 64"),
+    ],
+)
+def test_restore_errors_are_clear(tmp_path, options, message):
+    fake = FakeRestorer()
+    with pytest.raises((evaluate.EvalError, ValueError), match=message):
+        evaluate.restore_model(fake, evaluate.Options(workdir=str(tmp_path), **options))
+    assert fake.loaded == []  # nothing was read
+
+
+def test_no_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(evaluate.EvalError, match="no checkpoint in .*checkpoints"):
+        evaluate.restore_model(FakeRestorer(steps=()), evaluate.Options(workdir=str(tmp_path)))
+
+
+def test_references_with_another_line_count_fail_before_the_model_is_restored(tmp_path):
+    src, ref = tmp_path / "src.en", tmp_path / "ref.de"
+    src.write_text("a\nb\nc\n", encoding="utf-8")
+    ref.write_text("a\nb\n", encoding="utf-8")
+    fake = FakeRestorer()
+    options = evaluate.Options(workdir=str(tmp_path), source_file=str(src), references_file=str(ref))
+    with pytest.raises(bleu.ScoreError, match=r"src\.en has 3 lines, .*ref\.de has 2"):
+        evaluate.evaluate_model(options, fake)
+    assert fake.loaded == []
+
+
+def test_translate_a_file_one_output_per_input_line_and_report(tmp_path, capsys):
+    sources = ["hello world", "", "a longer one", "short"]  # all in the 16-token bucket
+    src, ref = tmp_path / "src.en", tmp_path / "ref.de"
+    src.write_text("\n".join(sources) + "\n", encoding="utf-8")
+    ref.write_text("hallo welt\n\neine viel längere zeile\nkurz\n", encoding="utf-8")
+    out = tmp_path / "out" / "hyp.de"
+    options = evaluate.Options(
+        workdir=str(tmp_path), source_file=str(src), references_file=str(ref), output_file=str(out), alpha=0.0
+    )
+    report = evaluate.evaluate_model(options, FakeRestorer())
+    hypotheses = bleu.read_lines(out)
+    assert len(hypotheses) == len(sources) and hypotheses[1] == ""
+    assert report["checkpoint_steps"] == [200, 300]
+    assert report["decoding"] == {
+        "beam_size": 2,
+        "alpha": 0.0,
+        "max_extra_len": 5,
+        "batch_size": 4,
+        "max_input_len": 256,
+    }
+    assert report["stats"]["sentences"] == 4 and report["stats"]["empty"] == 1
+    assert set(report["scores"]) == {"bleu", "chrf", "tokenized_bleu"}
+    saved = json.loads(Path(f"{out}.json").read_text())
+    assert saved["checkpoint_steps"] == [200, 300] and saved["scores"]["bleu"]["signature"].startswith("nrefs:1")
+    printed = capsys.readouterr().out
+    assert "sacreBLEU BLEU = " in printed and '"checkpoint_steps"' in printed
+
+    # stdin, one line at a time: the same outputs (greedy-equal settings, batch of one) in the same order.
+    options = evaluate.Options(workdir=str(tmp_path), source_file="-", alpha=0.0, batch_size=1)
+    _, model, _ = evaluate.restore_model(FakeRestorer(), options)
+    stdin = io.StringIO("\n".join(sources) + "\n")
+    settings = {"beam_size": 2, "alpha": 0.0, "max_extra_len": 5, "batch_size": 1, "max_input_len": 256}
+    old_stdin, sys.stdin = sys.stdin, stdin
+    try:
+        streamed, stats = evaluate._translate_stream(model, CharTokenizer(), settings, None)
+    finally:
+        sys.stdin = old_stdin
+    assert capsys.readouterr().out.splitlines() == streamed
+    assert streamed == hypotheses and stats["sentences"] == 4 and stats["empty"] == 1
+
+
+@pytest.mark.slow
+def test_end_to_end_with_real_checkpoints_and_tokenizer(tmp_path):
+    """Saves two tiny checkpoints with the training code, trains a tokenizer, runs the command line."""
+    checkpoints = pytest.importorskip("transformer_jax.training.checkpoints")
+    state_lib = pytest.importorskip("transformer_jax.training.state")
+    from transformer_jax.data.tokenizer import train_tokenizer
+
+    multi30k = REPO.parent / "shared" / "data" / "multi30k" / "valid.en"
+    if not multi30k.exists():
+        pytest.skip(f"real data not found: {multi30k}")
+    config = tiny_config(vocab_size=500)
+    config.lock()
+    _, state = state_lib.create_train_state(config)
+    saver = checkpoints.Checkpointer(tmp_path, config.ckpt)
+    saver.save(10, state, {"position": 0}, config)
+    saver.save(20, state, {"position": 1}, config)
+    saver.close()
+    lines = bleu.read_lines(multi30k)[:500]
+    train_tokenizer(lines, tmp_path / "spm.model", vocab_size=500, model_type="unigram")
+    src = tmp_path / "src.en"
+    src.write_text("\n".join(lines[:5] + ["", lines[5]]) + "\n", encoding="utf-8")
+    out = tmp_path / "hyp.txt"
+    args = ["--workdir", str(tmp_path), "--source_file", str(src), "--references_file", str(src)]
+    result = run_evaluate(*args, "--output_file", str(out), "--beam_size", "2")
+    assert result.returncode == 0, result.stderr
+    assert len(bleu.read_lines(out)) == 7 and bleu.read_lines(out)[5] == ""
+    report = json.loads(Path(f"{out}.json").read_text())
+    assert report["checkpoint_steps"] == [10, 20] and report["decoding"]["beam_size"] == 2
+    missing = run_evaluate(*args, "--checkpoint", "15")
+    assert missing.returncode != 0 and "available steps: [10, 20]" in missing.stderr

@@ -1,0 +1,1 @@
+"""Evaluation: BLEU and chrF (`bleu`), checkpoint averaging (`averaging`), translating sentence lists (`translate`)."""

@@ -1,0 +1,139 @@
+"""Translate a list of sentences: tokenize, batch into a few fixed shapes, search, detokenize, in input order.
+
+Batch shapes come from a small fixed set so that jit compiles a bounded number of times: every batch has exactly
+`batch_size` rows (the last one is filled with dummy rows that are dropped) and its source length is rounded up
+to a bucket (16, 32, 64, ... up to max_input_len). Sentences are sorted by length so that a batch's rows are
+similar, which wastes little padding and lets the search stop early for batches of short sentences.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+from flax import nnx
+
+from transformer_jax import decoding
+
+MIN_BUCKET = 16  # tokens; the shortest source bucket
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+def bucket_length(length: int, max_input_len: int) -> int:
+    """The padded source length for a batch whose longest row has `length` tokens: 16 * 2^k, capped."""
+    bucket = MIN_BUCKET
+    while bucket < length:
+        bucket *= 2
+    return min(bucket, max_input_len)
+
+
+def bucket_lengths(max_input_len: int) -> list[int]:
+    """Every source length a batch can have (so at most this many compilations per decoding setting)."""
+    out, bucket = [], MIN_BUCKET
+    while bucket < max_input_len:
+        out.append(bucket)
+        bucket *= 2
+    return out + [max_input_len]
+
+
+def translate(
+    model: nnx.Module,
+    tokenizer: Tokenizer,
+    sentences: Sequence[str],
+    *,
+    beam_size: int,
+    alpha: float,
+    max_extra_len: int,
+    batch_size: int,
+    max_input_len: int,
+    progress: bool = False,
+) -> tuple[list[str], dict[str, Any]]:
+    """One output per input sentence, in order, and statistics.
+
+    Sources are the tokenizer's ids then EOS (as in training); a source with more than max_input_len tokens is cut
+    to max_input_len - 1 ids + EOS and counted. An empty (or blank) line gives an empty output without decoding.
+    Each output has at most (source tokens + max_extra_len) tokens, EOS included. beam_size 1 is greedy search.
+    """
+    if max_input_len < 2:
+        raise ValueError(f"max_input_len must be >= 2 (one token and EOS), got {max_input_len}")
+    if beam_size < 1 or batch_size < 1 or max_extra_len < 1:
+        raise ValueError(
+            f"beam_size, batch_size, max_extra_len must be >= 1; got {beam_size}, {batch_size}, {max_extra_len}"
+        )
+    start = time.perf_counter()
+    pad_id, eos_id = model.spec.pad_id, decoding.EOS_ID
+    position_limit = model.spec.max_len if model.spec.positional == "learned" else None
+    if position_limit is not None:
+        max_input_len = min(max_input_len, position_limit)  # a learned position table has no rows beyond
+
+    outputs = [""] * len(sentences)
+    sources: dict[int, list[int]] = {}
+    truncated_lines = []
+    for i, sentence in enumerate(sentences):
+        if not sentence.strip():
+            continue
+        ids = list(tokenizer.encode(sentence))
+        if len(ids) + 1 > max_input_len:
+            ids = ids[: max_input_len - 1]
+            truncated_lines.append(i + 1)
+        sources[i] = ids + [eos_id]
+
+    order = sorted(sources, key=lambda i: len(sources[i]))
+    batches = [order[j : j + batch_size] for j in range(0, len(order), batch_size)]
+    stats: dict[str, Any] = {
+        "sentences": len(sentences),
+        "empty": len(sentences) - len(sources),
+        "truncated": len(truncated_lines),
+        "truncated_lines": truncated_lines[:100],  # 1-based line numbers, the first 100
+        "hit_max_len": 0,
+        "batches": len(batches),
+        "src_tokens": int(sum(len(s) for s in sources.values())),
+        "tgt_tokens": 0,
+        "shapes": set(),
+    }
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(order), desc="translating", unit="sent", file=sys.stderr)
+    for rows in batches:
+        src_len = bucket_length(max(len(sources[i]) for i in rows), max_input_len)
+        max_steps = src_len + max_extra_len
+        if position_limit is not None:
+            max_steps = min(max_steps, position_limit)
+        src_BS = np.full((batch_size, src_len), pad_id, np.int32)
+        src_BS[:, 0] = eos_id  # dummy rows: an empty source, decoded for one step and dropped
+        max_len_B = np.ones((batch_size,), np.int32)
+        for r, i in enumerate(rows):
+            src_BS[r, : len(sources[i])] = sources[i]
+            max_len_B[r] = min(len(sources[i]) + max_extra_len, max_steps)
+        result = decoding.search(model, src_BS, max_len_B, beam_size=beam_size, alpha=alpha, max_steps=max_steps)
+        tokens_BL = np.asarray(result.tokens[:, 0])
+        lengths_B = np.asarray(result.lengths[:, 0])
+        stats["shapes"].add((batch_size, src_len, max_steps))
+        for r, i in enumerate(rows):
+            n = int(lengths_B[r])
+            ids = tokens_BL[r, :n].tolist()
+            if ids and ids[-1] == eos_id:
+                ids = ids[:-1]
+            else:
+                stats["hit_max_len"] += 1  # stopped by the length limit, not by EOS
+            stats["tgt_tokens"] += n
+            outputs[i] = tokenizer.decode([t for t in ids if t != pad_id])
+        if bar is not None:
+            bar.update(len(rows))
+    if bar is not None:
+        bar.close()
+    seconds = time.perf_counter() - start
+    stats["shapes"] = sorted(stats["shapes"])
+    stats["seconds"] = round(seconds, 3)
+    stats["sentences_per_s"] = round(len(sentences) / seconds, 2) if seconds > 0 else None
+    return outputs, stats
