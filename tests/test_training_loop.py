@@ -34,7 +34,7 @@ def corpus(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope="module")
 def uninterrupted(corpus, tmp_path_factory) -> pathlib.Path:
     workdir = tmp_path_factory.mktemp("uninterrupted")
-    train_and_evaluate(tiny_train_config(corpus), workdir)
+    train_and_evaluate(tiny_train_config(corpus, bleu_every=6, bleu_sentences=5), workdir)
     return workdir
 
 
@@ -57,6 +57,9 @@ def test_metrics_are_logged_and_the_model_learns(uninterrupted):
     assert train[-1]["loss"] < train[0]["loss"]
     valid = [r for r in records if "valid_loss" in r]
     assert [r["step"] for r in valid] == [3, 6]
+    bleu = [r for r in records if "valid_bleu" in r]
+    assert [r["step"] for r in bleu] == [6] and 0 <= bleu[0]["valid_bleu"] <= 100
+    assert "valid_tokenized_bleu" in bleu[0] and "valid_chrf" in bleu[0]
     assert any(p.name.startswith("events.out.tfevents") for p in (uninterrupted / "tensorboard").iterdir())
     assert checkpoints.list_steps(uninterrupted) == [3, 6]
     assert (uninterrupted / "spm.model").exists()

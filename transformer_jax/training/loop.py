@@ -91,6 +91,28 @@ def validation_batches(config: ml_collections.ConfigDict, tokenizer) -> list[dic
     return [{k: b[k] for k in BATCH_KEYS} for b in batches]
 
 
+def validation_bleu(config, graphs, state, tokenizer, pairs) -> dict[str, float]:
+    """sacreBLEU, tokenized BLEU and chrF of beam-search translations of a bounded validation subset."""
+    from flax import nnx
+
+    from transformer_jax.evaluation.bleu import score_all
+    from transformer_jax.evaluation.translate import translate
+
+    model = nnx.merge(graphs.eval, state)[0]
+    hypotheses, _ = translate(
+        model,
+        tokenizer,
+        [s for s, _ in pairs],
+        beam_size=config.eval.beam_size,
+        alpha=config.eval.alpha,
+        max_extra_len=config.eval.max_extra_len,
+        batch_size=config.eval.batch_size,
+        max_input_len=config.data.eval_max_len,
+    )
+    scores = score_all(hypotheses, [t for _, t in pairs])
+    return {name: float(value["score"]) for name, value in scores.items()}
+
+
 def evaluate_loss(eval_step, state, batches, sharding) -> dict[str, float]:
     totals: dict[str, Any] = {}
     for batch in batches:
@@ -168,6 +190,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     )
     schedule = learning_rate_schedule(config.opt, config.train.num_steps)
     valid = validation_batches(config, tokenizer) if config.train.eval_every else []
+    bleu_pairs = (
+        data.load_split(config.data, config.data.valid_split)[: config.train.bleu_sentences]
+        if config.train.bleu_every
+        else []
+    )
     peak = config.train.peak_flops or flops.measure_matmul_peak()
     writer = MetricWriter(workdir)
     writer.write(step, {f"data_{k}": v for k, v in data_stats.items() if isinstance(v, int)})
@@ -221,6 +248,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
                 valid_metrics = evaluate_loss(eval_step, state, valid, sharding)
                 writer.write(step, valid_metrics, prefix="valid_")
                 logging.info("step %d validation: %s", step, json.dumps(valid_metrics))
+            if config.train.bleu_every and (step % config.train.bleu_every == 0 or step == config.train.num_steps):
+                bleu = validation_bleu(config, graphs, state, tokenizer, bleu_pairs)
+                writer.write(step, bleu, prefix="valid_")
+                logging.info("step %d validation BLEU on %d sentences: %s", step, len(bleu_pairs), json.dumps(bleu))
             if step % config.ckpt.every_steps == 0 or step == config.train.num_steps:
                 checkpointer.save(step, state, it_state, config)
                 saved_step = step
