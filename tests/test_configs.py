@@ -14,6 +14,8 @@ CONFIG_ARGS = {
     "wmt14_ende": ["size=base", "size=big", "size=tiny", None],
     "multi30k": [None, "direction=de-en", "size=tiny"],
     "quickstart": [None],
+    "ablations_table3": ["scale=paper", "scale=small,steps=100", "scale=tiny,steps=4"],
+    "ablations_architecture": ["scale=small,steps=100"],
 }
 
 
