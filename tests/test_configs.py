@@ -7,7 +7,7 @@ import jax
 import pytest
 from flax import nnx
 
-from transformer_jax.model import build_model
+from transformer_jax.model import TransformerSpec, build_model
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
 CONFIG_ARGS = {
@@ -44,6 +44,7 @@ def test_config_loads_locked_and_builds_a_model(name, arg):
         variant = module.get_config(arg)
         # A locked config raises on a key that does not exist, so a misspelt override fails here.
         variant.update_from_flattened_dict({k: v for k, v in override.items() if k != "name"})
+        TransformerSpec.from_config(variant)  # every variant is a valid model (heads divide, impl exists, ...)
     model = nnx.eval_shape(lambda: build_model(config, rngs=nnx.Rngs(0)))
     assert sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) > 0
 
