@@ -1,0 +1,383 @@
+"""Every attention implementation matches the xla reference in values and dQ/dK/dV, under every mask.
+
+Fast by default: tiny shapes with 16-token tiles so that every case spans several tiles, partial tiles and
+skipped tiles. pallas runs in interpret mode here (about 2-4 s a case), so it gets a handful of combined cases;
+`-m slow` sweeps dtypes x head dims x masks for both blockwise and pallas.
+
+Axis legend: B batch, T query length, S key/value length, N query heads, K key/value heads, H head dim,
+D value head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer_jax import ops
+from transformer_jax.ops import blocks, dispatch, pallas_attention
+
+# Small tiles so that 20-60 tokens make several tiles of each kind (skipped, masked, unmasked, partial).
+TILES = {
+    "blockwise": dict(block_q=16, block_k=16),
+    "pallas": dict(block_sizes=pallas_attention.BlockSizes(16, 16, 16, 16, 16, 16)),
+}
+
+# Tests compile at XLA's lowest optimisation level: compiling, not running, dominates their time (~3x faster).
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def run_jit(fn, *args):  # noqa: ANN001, ANN201
+    """jax.jit(fn)(*args), compiled with FAST_COMPILE."""
+    return jax.jit(fn).lower(*args).compile(compiler_options=FAST_COMPILE)(*args)
+
+
+# Normalised max error, max |x - ref| / max |ref|, against the float32 reference on the same (rounded) inputs.
+# float32: exact algebra up to summation order, ~1e-6. Low precision: the kernels round P and dS to the input
+# dtype before their matmuls (as FlashAttention does), so the error is a few units of the format's epsilon:
+# bfloat16 has 8 mantissa bits (eps 7.8e-3), float16 11 (eps 9.8e-4).
+TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2, jnp.float16: 4e-3}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    batch: int = 2
+    q_len: int = 37
+    kv_len: int = 37
+    heads: int = 4
+    kv_heads: int = 4
+    head_dim: int = 32
+    value_dim: int | None = None  # None: head_dim
+    causal: bool = False
+    window: int | None = None
+    segments: str | None = None  # None | "packed" (both sides) | "padding" (kv tail) | "disjoint" (rows see nothing)
+    positions: bool = False  # explicit, shuffled positions
+
+    def shapes(self) -> tuple:
+        d = self.value_dim or self.head_dim
+        return (
+            (self.batch, self.q_len, self.heads, self.head_dim),
+            (self.batch, self.kv_len, self.kv_heads, self.head_dim),
+            (self.batch, self.kv_len, self.kv_heads, d),
+            (self.batch, self.q_len, self.heads, d),
+        )
+
+
+def mask_kwargs(case: Case, rng: np.random.Generator) -> dict:
+    kw: dict = dict(causal=case.causal, window=case.window)
+    b, t, s = case.batch, case.q_len, case.kv_len
+    if case.segments == "packed":
+        # Sorted ids 1..3 (packed sequences) with a padded (id 0) tail of a few tokens.
+        q_ids, kv_ids = np.sort(rng.integers(1, 4, (b, t)), 1), np.sort(rng.integers(1, 4, (b, s)), 1)
+        q_ids[:, t - 3 :], kv_ids[:, s - 4 :] = 0, 0
+        kw.update(q_segment_ids=jnp.asarray(q_ids, jnp.int32), kv_segment_ids=jnp.asarray(kv_ids, jnp.int32))
+    elif case.segments == "padding":
+        kv_ids = (np.arange(s)[None] < np.array([[s - 5], [s - 17]])[:b]).astype(np.int32)
+        kw.update(kv_segment_ids=jnp.asarray(kv_ids))
+    elif case.segments == "disjoint":
+        # Query rows with id 3 (and padding rows, id 0) match no key: they must give zeros and zero gradients.
+        q_ids = np.where(np.arange(t) % 3 == 0, 3, 1)[None].repeat(b, 0)
+        q_ids[:, :2] = 0
+        kw.update(q_segment_ids=jnp.asarray(q_ids, jnp.int32), kv_segment_ids=jnp.ones((b, s), jnp.int32))
+    if case.positions:
+        kw.update(
+            q_positions=jnp.asarray(np.stack([rng.permutation(t) for _ in range(b)]) + 5, jnp.int32),
+            kv_positions=jnp.asarray(np.stack([rng.permutation(s) for _ in range(b)]), jnp.int32),
+        )
+    return kw
+
+
+def make_inputs(case: Case, dtype: jnp.dtype, seed: int = 0) -> tuple[tuple, dict]:
+    rng = np.random.default_rng(seed)
+    arrays = tuple(jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype) for shape in case.shapes())
+    return arrays, mask_kwargs(case, rng)
+
+
+def forward_backward(impl: str, arrays: tuple, kw: dict, **impl_kwargs) -> tuple:
+    """(out, dq, dk, dv) with cotangent do for attention(q, k, v, impl=impl)."""
+    q, k, v, do = arrays
+
+    def f(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return ops.attention(q, k, v, impl=impl, **kw, **impl_kwargs)
+
+    out, vjp = jax.vjp(f, q, k, v)
+    return (out, *vjp(do.astype(out.dtype)))
+
+
+def reference(arrays: tuple, kw: dict) -> tuple:
+    """The xla reference in float32 at full matmul precision, on the same (possibly rounded) inputs."""
+    with jax.default_matmul_precision("highest"):
+        return run_jit(lambda a: forward_backward("xla", a, kw), tuple(x.astype(jnp.float32) for x in arrays))
+
+
+def assert_matches(got: tuple, want: tuple, dtype: jnp.dtype, what: str = "") -> None:
+    for label, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        g = np.asarray(g.astype(jnp.float32))
+        w = np.asarray(w)
+        assert g.shape == w.shape, (label, g.shape, w.shape)
+        assert np.all(np.isfinite(g)), f"{what} {label}: non-finite values"
+        err = np.max(np.abs(g - w)) / (np.max(np.abs(w)) + 1e-6)
+        assert err <= TOLERANCE[dtype], f"{what} {label}: normalised error {err:.2e} > {TOLERANCE[dtype]:.0e}"
+
+
+def check(impl: str, case: Case, dtype: jnp.dtype = jnp.float32) -> None:
+    arrays, kw = make_inputs(case, dtype)
+    got = run_jit(lambda a: forward_backward(impl, a, kw, **TILES.get(impl, {})), arrays)
+    assert_matches(got, reference(arrays, kw), dtype, f"{impl} {case.name} {jnp.dtype(dtype).name}")
+
+
+# --- blockwise: the whole semantics, cheaply -----------------------------------------------------------------
+
+BLOCKWISE_CASES = [
+    Case("plain_hd32"),
+    Case("cross_causal_gqa_hd64", q_len=37, kv_len=45, kv_heads=2, head_dim=64, causal=True),
+    Case("causal_more_queries_than_keys_hd80", q_len=45, kv_len=20, head_dim=80, causal=True),  # early rows see none
+    Case("packed_causal_mqa_hd128", q_len=40, kv_len=40, kv_heads=1, head_dim=128, segments="packed", causal=True),
+    Case("window_causal_positions_hd256", q_len=33, kv_len=50, head_dim=256, window=7, causal=True, positions=True),
+    Case("window_padding_value_dim", q_len=21, kv_len=50, head_dim=64, value_dim=24, window=9, segments="padding"),
+    Case("disjoint_rows", segments="disjoint", causal=True),
+]
+
+
+@pytest.mark.parametrize("case", BLOCKWISE_CASES, ids=lambda c: c.name)
+def test_blockwise_matches_reference(case: Case) -> None:
+    check("blockwise", case)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+def test_blockwise_low_precision(dtype: jnp.dtype) -> None:
+    check("blockwise", Case("packed_cross_gqa", q_len=30, kv_len=47, kv_heads=2, segments="packed", causal=True), dtype)
+
+
+# --- pallas (interpret mode on CPU): few, combined cases -------------------------------------------------------
+
+PALLAS_CASES = [
+    # Cross-attention, end-aligned causal, packed + padded segments, grouped heads, head dim 80 padded to 128.
+    (Case("cross_packed_causal_gqa_hd80", q_len=29, kv_len=43, kv_heads=2, head_dim=80, segments="packed",
+          causal=True), jnp.float32),
+    # Shuffled positions make every tile masked and the loop bounds non-trivial; value dim != head dim.
+    (Case("window_positions_value_dim", batch=1, q_len=40, kv_len=36, heads=2, kv_heads=2, head_dim=32,
+          value_dim=16, window=6, positions=True), jnp.float32),
+    (Case("causal_mqa_bf16", batch=1, q_len=48, kv_len=48, heads=2, kv_heads=1, head_dim=64, causal=True),
+     jnp.bfloat16),
+    (Case("disjoint_rows_f16", batch=1, q_len=33, kv_len=33, heads=2, kv_heads=2, segments="disjoint",
+          causal=True), jnp.float16),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case,dtype", PALLAS_CASES, ids=[c.name for c, _ in PALLAS_CASES])
+def test_pallas_matches_reference(case: Case, dtype: jnp.dtype) -> None:
+    check("pallas", case, dtype)
+
+
+def test_pallas_lowers_for_triton() -> None:
+    """The kernels lower to Triton IR for a GPU (no GPU needed); PTX compilation itself is not checked here."""
+    q = jax.ShapeDtypeStruct((2, 300, 4, 80), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 200, 2, 80), jnp.bfloat16)
+    seg_q, seg_kv = jax.ShapeDtypeStruct((2, 300), jnp.int32), jax.ShapeDtypeStruct((2, 200), jnp.int32)
+    for masked in (False, True):
+
+        def loss(q: jax.Array, k: jax.Array, v: jax.Array, sq: jax.Array, skv: jax.Array, masked: bool = masked):
+            kw = dict(causal=True, window=64, q_segment_ids=sq, kv_segment_ids=skv) if masked else {}
+            out = ops.attention(q, k, v, impl="pallas", backend="gpu", **kw)
+            return out.astype(jnp.float32).sum()
+
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, seg_q, seg_kv)
+        text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 3  # forward, dK/dV, dQ
+
+
+# --- properties shared by the implementations -------------------------------------------------------------------
+
+PADDED = Case("padded", q_len=26, kv_len=35, kv_heads=2, segments="packed", causal=True)
+
+
+@pytest.mark.parametrize("impl", ["blockwise", "pallas"])
+def test_padding_never_leaks(impl: str) -> None:
+    """NaN in padding tokens (segment id 0) changes nothing: outputs and gradients equal the clean reference."""
+    (q, k, v, do), kw = make_inputs(PADDED, jnp.float32)
+    want = reference((q, k, v, do), kw)
+    q_pad = (kw["q_segment_ids"] <= 0)[:, :, None, None]
+    kv_pad = (kw["kv_segment_ids"] <= 0)[:, :, None, None]
+    poisoned = (jnp.where(q_pad, jnp.nan, q), jnp.where(kv_pad, jnp.nan, k), jnp.where(kv_pad, jnp.nan, v), do)
+    got = run_jit(lambda a: forward_backward(impl, a, kw, **TILES[impl]), poisoned)
+    assert_matches(got, want, jnp.float32, f"{impl} with NaN padding")
+
+
+def test_fully_masked_rows_are_zero() -> None:
+    """Rows that see no key (causal with T > S, disjoint segments) give exact zeros and zero gradients."""
+    case = Case("disjoint", q_len=40, kv_len=24, segments="disjoint", causal=True)
+    arrays, kw = make_inputs(case, jnp.float32)
+    out, dq, _, _ = run_jit(lambda a: forward_backward("blockwise", a, kw, **TILES["blockwise"]), arrays)
+    mask = run_jit(lambda: ops.attention_mask(case.batch, case.q_len, case.kv_len, **kw))  # [B, 1, T, S]
+    blind = ~np.any(np.asarray(mask)[:, 0], axis=-1)  # [B, T]
+    assert int(blind.sum()) > 10
+    assert np.all(np.asarray(out)[blind] == 0.0) and np.all(np.asarray(dq)[blind] == 0.0)
+
+
+@pytest.mark.parametrize("impl", ["blockwise", "pallas"])
+def test_deterministic(impl: str) -> None:
+    case = Case("det", q_len=30, kv_len=41, kv_heads=2, segments="packed", causal=True)
+    arrays, kw = make_inputs(case, jnp.float32)
+    fn = jax.jit(lambda a: forward_backward(impl, a, kw, **TILES[impl])).lower(arrays).compile(FAST_COMPILE)
+    first, second = fn(arrays), fn(arrays)
+    for a, b in zip(first, second, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("impl", ["blockwise", "pallas"])
+def test_composes_with_vmap_remat_grad(impl: str) -> None:
+    """vmap over an extra leading axis, jax.checkpoint around the call, grad through both, all under jit."""
+    case = Case("compose", batch=1, q_len=20, kv_len=20, heads=2, kv_heads=1, causal=True)
+    (q, k, v, _), _ = make_inputs(case, jnp.float32)
+    q2, k2, v2 = (jnp.stack([x, 0.5 * x]) for x in (q, k, v))  # [2, B, T, N, H]
+
+    def loss(impl: str, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        extra = TILES.get(impl, {})
+        attend = jax.checkpoint(lambda q, k, v: ops.attention(q, k, v, causal=True, impl=impl, **extra))
+        return jnp.sum(jnp.sin(jax.vmap(attend)(q, k, v)))
+
+    with jax.default_matmul_precision("highest"):
+        want = run_jit(jax.value_and_grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2)), q2, k2, v2)
+    got = run_jit(jax.value_and_grad(lambda *a: loss(impl, *a), argnums=(0, 1, 2)), q2, k2, v2)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_tile_bounds_are_safe(seed: int) -> None:
+    """Loop bounds skip only tiles with nothing visible, and leave unmasked only tiles where all is visible."""
+    case = Case("bounds", batch=2, q_len=64, kv_len=80, segments="packed", positions=seed == 2, causal=seed != 1,
+                window=[None, 13, 30][seed])  # fmt: skip
+    _, kw = make_inputs(case, jnp.float32, seed)
+    kw = dict(q_segment_ids=None, kv_segment_ids=None, q_positions=None, kv_positions=None) | kw
+
+    def bounds_and_mask() -> tuple[jax.Array, jax.Array]:
+        vectors = blocks.mask_vectors(case.batch, case.q_len, case.kv_len, **kw)
+        visibility = blocks.tile_visibility(vectors, 16, 16, causal=kw["causal"], window=kw["window"])
+        return blocks.loop_bounds(*visibility), ops.attention_mask(case.batch, case.q_len, case.kv_len, **kw)
+
+    bounds_BI4, mask_B1TS = (np.asarray(x) for x in run_jit(bounds_and_mask))
+    mask_BIXJY = mask_B1TS[:, 0].reshape(2, 4, 16, 5, 16)
+    visible_BIJ, full_BIJ = mask_BIXJY.any((2, 4)), mask_BIXJY.all((2, 4))
+    assert visible_BIJ.any() and not visible_BIJ.all(), "the case should have skippable tiles"
+    for b in range(2):
+        for i in range(4):
+            lo, a, c, hi = bounds_BI4[b, i]
+            assert lo <= a <= c <= hi
+            for j in range(5):
+                if visible_BIJ[b, i, j]:
+                    assert lo <= j < hi, (b, i, j, bounds_BI4[b, i])
+                if a <= j < c:
+                    assert full_BIJ[b, i, j], (b, i, j, bounds_BI4[b, i])
+
+
+# --- cudnn and auto ----------------------------------------------------------------------------------------------
+
+
+def test_cudnn_fails_clearly_off_gpu() -> None:
+    q = jnp.zeros((1, 8, 2, 32), jnp.bfloat16)
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        ops.attention(q, q, q, impl="cudnn")
+
+
+def test_cudnn_refuses_what_it_cannot_compute() -> None:
+    q = jnp.zeros((1, 8, 4, 64), jnp.bfloat16)
+    kv = jnp.zeros((1, 12, 2, 64), jnp.bfloat16)
+    seg = jnp.ones((1, 8), jnp.int32)
+    assert dispatch.cudnn_unsupported(q, kv, kv, backend="gpu") == []
+    cases = {
+        "segment ids": dict(q_segment_ids=seg),
+        "sliding window": dict(window=4),
+        "causal masking with query length 8 != key length 12": dict(causal=True),
+        "explicit positions": dict(q_positions=seg, kv_positions=jnp.ones((1, 12), jnp.int32)),
+    }
+    for reason, kw in cases.items():
+        (got,) = dispatch.cudnn_unsupported(q, kv, kv, backend="gpu", **kw)
+        assert reason in got
+    assert "bfloat16 or all float16" in dispatch.cudnn_unsupported(q.astype(jnp.float32), kv, kv, backend="gpu")[0]
+    assert "value head dim" in dispatch.cudnn_unsupported(q, kv, kv[..., :32], backend="gpu")[0]
+
+
+def test_auto_choice() -> None:
+    small = jnp.zeros((2, 64, 4, 32), jnp.bfloat16)
+    long = jax.ShapeDtypeStruct((1, 8192, 4, 64), jnp.bfloat16)
+    seg = jnp.ones((2, 64), jnp.int32)
+    assert dispatch.choose_impl(small, small, small, backend="cpu") == "xla"
+    assert dispatch.choose_impl(long, long, long, backend="cpu") == "blockwise"
+    assert dispatch.choose_impl(small, small, small, backend="gpu", causal=True) == "cudnn"
+    assert dispatch.choose_impl(small, small, small, backend="gpu", q_segment_ids=seg) == "pallas"
+    f32 = small.astype(jnp.float32)
+    assert dispatch.choose_impl(f32, f32, f32, backend="gpu") == "pallas"
+    # auto runs end to end on this machine
+    arrays, kw = make_inputs(Case("auto", segments="packed", causal=True), jnp.float32)
+    out = run_jit(lambda a: ops.attention(*a, impl="auto", **kw), arrays[:3])
+    np.testing.assert_allclose(out, run_jit(lambda a: ops.attention(*a, impl="xla", **kw), arrays[:3]), atol=1e-5)
+
+
+def test_unsupported_combinations_fail_clearly() -> None:
+    q = jnp.zeros((1, 8, 2, 512), jnp.float32)
+    with pytest.raises(ValueError, match="head dims up to 256"):
+        ops.attention(q, q, q, impl="pallas")
+    small = jnp.zeros((1, 8, 2, 32), jnp.float32)
+    with pytest.raises(ValueError, match="one dtype"):
+        ops.attention(small, small, small.astype(jnp.bfloat16), impl="pallas")
+    with pytest.raises(NotImplementedError, match="Triton"):
+        ops.attention(small, small, small, impl="pallas", backend="tpu")
+    for impl in ("blockwise", "pallas"):
+        with pytest.raises(ValueError, match="positive number of tokens"):
+            ops.attention(small, small, small, impl=impl, window=0)
+        with pytest.raises(ValueError, match="query heads is not a multiple"):
+            ops.attention(small, small[:, :, :1].repeat(3, 2), small[:, :, :1].repeat(3, 2), impl=impl)
+
+
+# --- slow: the exhaustive sweep -------------------------------------------------------------------------------
+
+HEAD_DIMS = (32, 64, 80, 128, 256)
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+MASKS = [
+    Case("plain"),
+    Case("cross_causal", q_len=23, kv_len=50, causal=True),
+    Case("causal_t_gt_s", q_len=50, kv_len=23, causal=True),
+    Case("packed_causal_gqa", q_len=40, kv_len=40, kv_heads=2, segments="packed", causal=True),
+    Case("padding_mqa", q_len=35, kv_len=50, kv_heads=1, segments="padding"),
+    Case("window_causal", q_len=50, kv_len=50, window=10, causal=True),
+    Case("window_positions", q_len=30, kv_len=45, window=8, positions=True),
+    Case("disjoint", segments="disjoint"),
+    Case("value_dim", q_len=30, kv_len=30, value_dim=48, causal=True),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["blockwise", "pallas"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_sweep_dtype_head_dim(impl: str, dtype: jnp.dtype, head_dim: int) -> None:
+    check(impl, Case(f"hd{head_dim}", q_len=35, kv_len=45, kv_heads=2, head_dim=head_dim, segments="packed",
+                     causal=True), dtype)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["blockwise", "pallas"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("case", MASKS, ids=lambda c: c.name)
+def test_sweep_masks(impl: str, dtype: jnp.dtype, case: Case) -> None:
+    check(impl, case, dtype)
+
+
+@pytest.mark.slow
+def test_blockwise_long_sequence_memory_is_linear() -> None:
+    """Compiled fwd+bwd peak memory grows ~linearly with length (the reference grows quadratically)."""
+
+    def peak(impl: str, length: int) -> int:
+        spec = jax.ShapeDtypeStruct((1, length, 2, 64), jnp.float32)
+        fn = jax.jit(lambda q, k, v: jax.vjp(lambda *a: ops.attention(*a, impl=impl, causal=True), q, k, v)[1](q))
+        stats = fn.lower(spec, spec, spec).compile().memory_analysis()
+        return stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes
+
+    assert peak("blockwise", 16384) / peak("blockwise", 2048) <= 9
+    assert peak("xla", 4096) / peak("xla", 2048) >= 3
