@@ -1,0 +1,228 @@
+"""transformer_jax.visualization and its command line, transformer_jax.visualize: the arrays drawn are the model's
+(checked against a recomputation), the PNGs are valid and of the stated size, and bad arguments fail with messages
+that name them."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tests.training_helpers import tiny_train_config, write_corpus
+from transformer_jax import visualization as viz
+from transformer_jax import visualize
+from transformer_jax.data.tokenizer import get_tokenizer
+from transformer_jax.training.checkpoints import Checkpointer
+from transformer_jax.training.optim import learning_rate_schedule
+from transformer_jax.training.state import create_train_state
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SOURCE, TARGET = "the big dog runs in the park", "der große hund läuft"
+
+
+def png_size(path: pathlib.Path) -> tuple[int, int]:
+    """(width, height) from the IHDR chunk, after checking the PNG signature."""
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    assert head[12:16] == b"IHDR"
+    return struct.unpack(">II", head[16:24])
+
+
+def pixels(figsize: tuple[float, float]) -> tuple[int, int]:
+    return round(figsize[0] * viz.DPI), round(figsize[1] * viz.DPI)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A workdir with a tokenizer and checkpoints at steps 1 and 2 (different parameters), saved directly."""
+    corpus = write_corpus(tmp_path_factory.mktemp("corpus"), n_train=200, n_valid=4)
+    workdir = tmp_path_factory.mktemp("workdir")
+    config = tiny_train_config(corpus)
+    get_tokenizer(config.data, workdir, vocab_size=config.model.vocab_size)
+    graphs, state = create_train_state(config)
+    # Step 2: every float array scaled, so its attention weights differ from step 1's.
+    scaled = jax.tree.map(lambda x: x * 1.5 if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+    checkpointer = Checkpointer(workdir, config.ckpt)
+    checkpointer.save(1, state, {}, config)
+    checkpointer.save(2, scaled, {}, config)
+    checkpointer.close()
+    models = {1: nnx.merge(graphs.eval, state)[0], 2: nnx.merge(graphs.eval, scaled)[0]}  # references, eval mode
+    return workdir, config, models
+
+
+def tokenizer_of(run):
+    workdir, config, _ = run
+    return get_tokenizer(config.data, workdir, vocab_size=config.model.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def drawn(run, tmp_path_factory):
+    workdir, _, _ = run
+    return viz.attention(workdir, SOURCE, TARGET, tmp_path_factory.mktemp("attention"), checkpoint=1)
+
+
+def test_attention_weights_are_the_ones_the_model_computes(run, drawn):
+    _, _, models = run
+    model, maps = models[1], drawn.maps
+    assert drawn.step == 1
+    assert maps.src_pieces[-1] == "</s>" and maps.tgt_pieces[0] == "<s>"
+    assert "".join(maps.src_pieces[:-1]).replace("▁", " ").strip() == SOURCE
+    S, T, N = len(maps.src_pieces), len(maps.tgt_pieces), model.spec.num_heads
+    # Encoder layer 0 by hand: softmax(Q K^T / sqrt(d_k)) from the layer's own projections of the embeddings.
+    src_ids, _ = viz.encode_pair(tokenizer_of(run), SOURCE, TARGET)
+    src = jnp.asarray([src_ids], jnp.int32)
+    layer = model.encoder_layers[0].self_attn
+    x = model._embed(src, jnp.arange(S)[None], target=False)
+    q = layer.q_proj(x).reshape(1, S, N, -1)
+    k, _ = layer.project_kv(x)
+    expected = jax.nn.softmax(jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1]), axis=-1)[0]
+    np.testing.assert_allclose(maps.weights["encoder"][0], expected, rtol=1e-5, atol=1e-6)
+    shapes = {"encoder": (N, S, S), "decoder": (N, T, T), "cross": (N, T, S)}
+    for kind, layers in maps.weights.items():
+        assert len(layers) == 2
+        for w in layers:
+            assert w.shape == shapes[kind]
+            np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-5)
+            if kind == "decoder":
+                np.testing.assert_array_equal(np.triu(w, 1), 0.0)  # no query sees a later token
+
+
+def test_attention_figures_draw_those_arrays_at_the_stated_size(drawn):
+    maps = drawn.maps
+    assert len(drawn.paths) == 6  # 3 kinds x 2 layers
+    for kind in viz.ATTENTION_KINDS:
+        for i, w in enumerate(maps.weights[kind]):
+            path = next(p for p in drawn.paths if p.name == f"attention_{kind}_layer{i}.png")
+            np.testing.assert_array_equal(drawn.drawn[path], w)
+            assert png_size(path) == pixels(viz.attention_figsize(w.shape[0], w.shape[1], w.shape[2]))
+
+
+def test_one_head_of_one_layer_and_checkpoint_choice(run, tmp_path):
+    workdir, _, models = run
+    result = viz.attention(workdir, SOURCE, TARGET, tmp_path, layer=1, head=3)  # latest = step 2
+    assert result.step == 2
+    assert [p.name for p in result.paths] == [
+        f"attention_{k}_layer1_head3.png" for k in ("encoder", "decoder", "cross")
+    ]
+    cross = result.drawn[result.paths[2]]
+    np.testing.assert_array_equal(cross, result.maps.weights["cross"][1][3:4])
+    assert png_size(result.paths[2]) == pixels(viz.attention_figsize(1, *cross.shape[1:]))
+    # Step 2's parameters differ from step 1's, and the weights follow them.
+    src_ids, tgt_ids = viz.encode_pair(tokenizer_of(run), SOURCE, TARGET)
+    expected = viz.attention_weights(models[2], src_ids, tgt_ids)["cross"][1]
+    np.testing.assert_allclose(result.maps.weights["cross"][1], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(source=" "), "--source is empty"),
+        (dict(target=""), "--target is empty"),
+        (dict(checkpoint=5), r"no checkpoint for step 5 .*available steps: \[1, 2\]"),
+    ],
+)
+def test_attention_bad_arguments(run, tmp_path, kwargs, message):
+    args = {"source": SOURCE, "target": TARGET, **kwargs}
+    with pytest.raises(viz.VisualizeError, match=message):
+        viz.attention(run[0], args.pop("source"), args.pop("target"), tmp_path, **args)
+
+
+def test_unknown_layer_or_head_names_the_valid_range(drawn, tmp_path):
+    with pytest.raises(viz.VisualizeError, match=r"--layer 7: .* 2 encoder and 2 decoder layers; .* in 0\.\.1"):
+        viz.plot_attention(drawn.maps, tmp_path, layer=7)
+    with pytest.raises(viz.VisualizeError, match=r"--head -1: the model has 4 heads; choose a head in 0\.\.3"):
+        viz.plot_attention(drawn.maps, tmp_path, head=-1)
+
+
+def test_attention_needs_a_workdir_with_checkpoints(tmp_path):
+    with pytest.raises(viz.VisualizeError, match="no such directory"):
+        viz.attention(tmp_path / "missing", SOURCE, TARGET, tmp_path)
+    with pytest.raises(viz.VisualizeError, match="no checkpoint in .*checkpoints; train first"):
+        viz.attention(tmp_path, SOURCE, TARGET, tmp_path)
+
+
+def test_positional_dot_products_depend_on_the_offset_only(tmp_path):
+    d_model, max_len = 64, 80
+    result = viz.positional(d_model, max_len, tmp_path, positions=[0, 7, 20, 45])
+    assert result.pe_LD.shape == (max_len, d_model)
+    np.testing.assert_allclose(result.pe_LD[3, 0::2], np.sin(3 / 10000 ** (np.arange(0, d_model, 2) / d_model)), 1e-5)
+    assert len(result.offsets) == max_len - 45
+    closed_form = np.cos(np.outer(result.offsets, 1 / 10000 ** (np.arange(0, d_model, 2) / d_model))).sum(-1)
+    for pos, dots in result.dots.items():
+        np.testing.assert_allclose(dots, result.dots[0], atol=1e-3, err_msg=f"pos {pos}")
+        np.testing.assert_allclose(dots, closed_form, atol=1e-3, err_msg=f"pos {pos}")
+    assert [png_size(p) for p in result.paths] == [pixels(viz.PE_FIGSIZE), pixels(viz.DOTS_FIGSIZE)]
+    with pytest.raises(viz.VisualizeError, match="--d_model must be even"):
+        viz.positional(63, max_len, tmp_path)
+    with pytest.raises(viz.VisualizeError, match=r"--positions must be in 0\.\.78"):
+        viz.positional(d_model, max_len, tmp_path, positions=[79])
+
+
+def test_schedule_is_the_configs_warmup_then_inverse_sqrt(run, tmp_path):
+    config = run[1]
+    result = viz.schedule(config, tmp_path, num_steps=40)
+    assert png_size(result.path) == pixels(viz.SCHEDULE_FIGSIZE)
+    expected = learning_rate_schedule(config.opt, 40)(jnp.arange(40))
+    np.testing.assert_allclose(result.learning_rates, expected, rtol=1e-6)
+    warmup = config.opt.warmup_steps
+    assert result.steps[np.argmax(result.learning_rates)] == warmup
+    after = result.learning_rates[warmup - 1 :]  # update number s >= warmup: learning_rate * s^-0.5
+    np.testing.assert_allclose(after, config.opt.learning_rate * result.steps[warmup - 1 :] ** -0.5, rtol=1e-5)
+    # The CLI reads a config file as train.py does.
+    loaded = visualize.load_config_file(f"{REPO}/configs/wmt14_ende.py:size=tiny")
+    assert viz.schedule(loaded, tmp_path).steps[-1] == loaded.train.num_steps
+    with pytest.raises(viz.VisualizeError, match="--config nope.py: no such file"):
+        visualize.load_config_file("nope.py")
+
+
+def write_metrics(directory: pathlib.Path, records: list[dict]) -> pathlib.Path:
+    directory.mkdir(parents=True)
+    path = directory / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_curves_one_line_per_run_labelled_by_directory(tmp_path):
+    a = write_metrics(
+        tmp_path / "run_a", [{"step": s, "loss": 5 - s / 10} for s in (1, 2, 3)] + [{"step": 3, "valid_loss": 4.0}]
+    )
+    b = write_metrics(
+        tmp_path / "run_b", [{"step": s, "loss": 6 - s / 10} for s in (1, 2)] + [{"step": 2, "loss": 1.0}]
+    )
+    result = viz.curves([a, tmp_path / "run_b"], tmp_path / "out", keys=["loss", "valid_loss"])
+    assert png_size(result.path) == pixels(viz.curves_figsize(2))
+    assert set(result.data["loss"]) == {"run_a", "run_b"}
+    np.testing.assert_array_equal(result.data["loss"]["run_a"][0], [1, 2, 3])
+    np.testing.assert_allclose(result.data["loss"]["run_b"][1], [5.9, 1.0])  # a step logged twice: the last wins
+    assert set(result.data["valid_loss"]) == {"run_a"}
+    assert viz.curves([b], tmp_path / "out2").keys == ["loss"]  # default: the known keys present
+    with pytest.raises(viz.VisualizeError, match=r"--keys: unknown metrics key\(s\) \['bleu'\].*available"):
+        viz.curves([a], tmp_path, keys=["bleu"])
+    with pytest.raises(viz.VisualizeError, match="--metrics: no such file .*missing"):
+        viz.curves([a, tmp_path / "missing" / "metrics.jsonl"], tmp_path)
+
+
+def test_cli_prints_paths_and_reports_errors_without_traceback(run, tmp_path, capsys):
+    assert visualize.main(["positional", "--d_model", "16", "--max_len", "20", "--output_dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.split() == [
+        str(tmp_path / "positional_encoding.png"),
+        str(tmp_path / "positional_dot_products.png"),
+    ]
+    cases = [
+        (["curves", "--metrics", str(tmp_path / "none.jsonl")], "curves: error: --metrics: no such file"),
+        (["attention", "--workdir", str(run[0]), "--source", "a", "--target", "b", "--layer", "7"], "0..1"),
+        (["attention", "--workdir", str(tmp_path), "--source", "a", "--target", "b"], "no checkpoint"),
+        (["schedule", "--config", "missing.py"], "--config missing.py: no such file"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            visualize.main([*argv, "--output_dir", str(tmp_path)])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err

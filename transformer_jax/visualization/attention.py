@@ -1,0 +1,223 @@
+"""Attention weights of one sentence pair from a checkpoint: encoder self-attention, decoder masked self-attention
+and cross-attention, one PNG per (kind, layer) with a grid of heads (or one head), pieces on the axes.
+
+Axis legend: N heads, T query length, S key length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from transformer_jax.visualization.figures import VisualizeError, new_figure, save
+
+HEAD_COLUMNS = 4  # attention heads per row
+# kind -> (layer stack, attention module, title, query axis, key axis)
+ATTENTION_KINDS = {
+    "encoder": ("encoder_layers", "self_attn", "encoder self-attention", "source", "source"),
+    "decoder": ("decoder_layers", "self_attn", "decoder masked self-attention", "target input", "target input"),
+    "cross": ("decoder_layers", "cross_attn", "decoder-encoder cross-attention", "target input", "source"),
+}
+
+
+@dataclasses.dataclass
+class AttentionMaps:
+    """The attention weights of one sentence pair: kind -> one [N, T, S] float32 array per layer."""
+
+    src_pieces: list[str]  # source pieces then </s>
+    tgt_pieces: list[str]  # decoder input: <s> then the target pieces
+    weights: dict[str, list[np.ndarray]]
+
+
+@dataclasses.dataclass
+class AttentionResult:
+    paths: list[Path]
+    maps: AttentionMaps  # everything the model computed
+    drawn: dict[Path, np.ndarray]  # per file, the [panels, T, S] arrays read back from its images
+    step: int  # checkpoint step
+
+
+def attention_weights(model: Any, src_ids: Sequence[int], tgt_in_ids: Sequence[int]) -> dict[str, list[np.ndarray]]:
+    """The attention weights the model computes for one sentence pair (teacher forcing), per kind and layer.
+
+    They are the ones the forward pass uses: MultiHeadAttention sows them (model.capture_attention_weights) and
+    they are popped after one call of model(src, tgt_in). The model should be in eval mode (no dropout).
+    """
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from transformer_jax.model import capture_attention_weights
+
+    # Eager, not jitted: one sentence pair, and compiling the whole model would cost more than it saves.
+    capture_attention_weights(model)
+    try:
+        model(jnp.asarray([list(src_ids)], jnp.int32), jnp.asarray([list(tgt_in_ids)], jnp.int32))
+        sown = nnx.pop(model, nnx.Intermediate)
+    finally:
+        capture_attention_weights(model, False)
+    out = {}
+    for kind, (stack, module, *_) in ATTENTION_KINDS.items():
+        # Each sown value is a tuple of calls; one forward pass makes one call per module.
+        out[kind] = [
+            np.asarray(sown[stack][i][module]["attention_weights"][0][0], np.float32)
+            for i in range(len(getattr(model, stack)))
+        ]
+    return out
+
+
+def token_pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    """The SentencePiece piece of each id (▁ marks a word start; <0x..> are byte-fallback pieces)."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer.path))
+    return [sp.id_to_piece(int(i)) for i in ids]
+
+
+def _check_sentences(source: str, target: str) -> None:
+    for name, text in (("--source", source), ("--target", target)):
+        if not text.strip():
+            raise VisualizeError(f"{name} is empty; give a sentence")
+
+
+def encode_pair(tokenizer: Any, source: str, target: str) -> tuple[list[int], list[int]]:
+    """(source ids then EOS, BOS then target ids): the model's inputs in training and translation."""
+    _check_sentences(source, target)
+    return tokenizer.encode(source) + [tokenizer.eos_id], [tokenizer.bos_id] + tokenizer.encode(target)
+
+
+def _evaluate_module():
+    """evaluate.py (the repository-root script), whose restore helpers this module reuses."""
+    path = Path(__file__).resolve().parents[2] / "evaluate.py"  # the repository root
+    loaded = sys.modules.get("evaluate")
+    if loaded is not None:
+        # One instance only: evaluate.py defines absl flags, which a second import would define again.
+        if Path(getattr(loaded, "__file__", "") or "").resolve() != path:
+            raise VisualizeError(f"a module named 'evaluate' other than {path} is already imported")
+        return loaded
+    if not path.is_file():
+        raise VisualizeError(f"restoring a checkpoint uses evaluate.py's helpers, and {path} does not exist")
+    spec = importlib.util.spec_from_file_location("evaluate", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["evaluate"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_model(workdir: str | Path, config: Any = None, checkpoint: str | int = "latest") -> tuple[Any, Any, Any, int]:
+    """(config, model in eval mode, tokenizer, step) of one checkpoint; config None means the saved one."""
+    from transformer_jax.training.checkpoints import CheckpointError
+
+    if not Path(workdir).is_dir():
+        raise VisualizeError(f"--workdir {workdir}: no such directory")
+    evaluate = _evaluate_module()
+    restorer = evaluate.Restorer()
+    options = evaluate.Options(workdir=str(workdir), config=config, checkpoint=str(checkpoint), average_last=1)
+    try:
+        with warnings.catch_warnings():
+            # Orbax warns that it reads the shardings from the checkpoint: expected, restoring on one device.
+            warnings.filterwarnings("ignore", "Sharding info not provided", UserWarning)
+            config, model, steps = evaluate.restore_model(restorer, options)
+        tokenizer = restorer.tokenizer(config, str(workdir))
+    except (evaluate.EvalError, CheckpointError) as e:
+        raise VisualizeError(str(e)) from e
+    return config, model, tokenizer, steps[-1]
+
+
+def _check_selection(num_enc: int, num_dec: int, num_heads: int, layer: int | None, head: int | None) -> None:
+    num_layers = max(num_enc, num_dec)
+    if layer is not None and not 0 <= layer < num_layers:
+        raise VisualizeError(
+            f"--layer {layer}: the model has {num_enc} encoder and {num_dec} decoder layers; "
+            f"choose a layer in 0..{num_layers - 1}"
+        )
+    if head is not None and not 0 <= head < num_heads:
+        raise VisualizeError(f"--head {head}: the model has {num_heads} heads; choose a head in 0..{num_heads - 1}")
+
+
+def attention_figsize(num_panels: int, num_queries: int, num_keys: int) -> tuple[float, float]:
+    """Inches: a grid of HEAD_COLUMNS panels a row, each growing with the tokens on its axes (a lone head: larger)."""
+    cols = min(num_panels, HEAD_COLUMNS)
+    rows = math.ceil(num_panels / cols)
+    per_token, smallest = (0.17, 2.6) if num_panels > 1 else (0.3, 4.0)
+    panel_w = min(max(smallest, 0.9 + per_token * num_keys), 12.0)
+    panel_h = min(max(smallest, 0.9 + per_token * num_queries), 12.0)
+    return round(cols * panel_w + 1.6, 1), round(rows * panel_h + 0.9, 1)
+
+
+def _draw_heads(title: str, w_NTS: np.ndarray, heads: list[int], queries: list[str], keys: list[str], axes_names):
+    """A figure with one image per head (weights in [0, 1]) and the pieces on the axes; and the arrays drawn."""
+    fig = new_figure(attention_figsize(len(heads), len(queries), len(keys)))
+    cols = min(len(heads), HEAD_COLUMNS)
+    rows = math.ceil(len(heads) / cols)
+    axes = fig.subplots(rows, cols, squeeze=False)
+    drawn, image = [], None
+    fontsize = 8 if max(len(queries), len(keys)) <= 30 else 6
+    for n, ax in enumerate(axes.flat):
+        if n >= len(heads):
+            ax.set_axis_off()
+            continue
+        image = ax.imshow(w_NTS[heads[n]], vmin=0.0, vmax=1.0, cmap="viridis", interpolation="nearest")
+        drawn.append(np.asarray(image.get_array()))
+        ax.set_title(f"head {heads[n]}", fontsize=10)
+        ax.set_xticks(range(len(keys)), keys, rotation=90, fontsize=fontsize)
+        ax.set_yticks(range(len(queries)), queries, fontsize=fontsize)
+        ax.set_xlabel(f"{axes_names[1]} (keys)", fontsize=9)
+        if n % cols == 0:
+            ax.set_ylabel(f"{axes_names[0]} (queries)", fontsize=9)
+    fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
+    fig.suptitle(title)
+    return fig, np.stack(drawn)
+
+
+def plot_attention(
+    maps: AttentionMaps, output_dir: str | Path, *, layer: int | None = None, head: int | None = None
+) -> dict[Path, np.ndarray]:
+    """One PNG per (kind, layer): a grid of heads, or only `head`. Returns each file with the arrays drawn."""
+    w = maps.weights
+    _check_selection(len(w["encoder"]), len(w["decoder"]), (w["encoder"] or w["decoder"])[0].shape[0], layer, head)
+    out = {}
+    for kind, (_, _, title, q_name, k_name) in ATTENTION_KINDS.items():
+        queries = maps.src_pieces if q_name == "source" else maps.tgt_pieces
+        keys = maps.src_pieces if k_name == "source" else maps.tgt_pieces
+        for i, w_NTS in enumerate(maps.weights[kind]):
+            if layer is not None and i != layer:
+                continue
+            heads = list(range(w_NTS.shape[0])) if head is None else [head]
+            name = f"attention_{kind}_layer{i}" + ("" if head is None else f"_head{head}") + ".png"
+            fig, drawn = _draw_heads(f"{title}, layer {i}", w_NTS, heads, queries, keys, (q_name, k_name))
+            out[save(fig, Path(output_dir) / name)] = drawn
+    return out
+
+
+def attention(
+    workdir: str | Path,
+    source: str,
+    target: str,
+    output_dir: str | Path,
+    *,
+    config: Any = None,
+    checkpoint: str | int = "latest",
+    layer: int | None = None,
+    head: int | None = None,
+) -> AttentionResult:
+    """Restores a checkpoint, computes the attention weights of (source, target) and draws them."""
+    _check_sentences(source, target)  # before the (slow) restore
+    config, model, tokenizer, step = load_model(workdir, config, checkpoint)
+    spec = model.spec
+    _check_selection(spec.num_encoder_layers, spec.num_decoder_layers, spec.num_heads, layer, head)
+    src_ids, tgt_in_ids = encode_pair(tokenizer, source, target)
+    maps = AttentionMaps(
+        token_pieces(tokenizer, src_ids),
+        token_pieces(tokenizer, tgt_in_ids),
+        attention_weights(model, src_ids, tgt_in_ids),
+    )
+    drawn = plot_attention(maps, output_dir, layer=layer, head=head)
+    return AttentionResult(list(drawn), maps, drawn, step)

@@ -1,0 +1,27 @@
+"""What every picture shares: the error type, a fixed DPI, and figures of an exact pixel size.
+
+Figures are `matplotlib.figure.Figure`s (Agg canvas, no pyplot state) with an explicit size and DPI and no tight
+bounding box, so a PNG is exactly figsize * DPI pixels.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DPI = 100  # pixels per inch of every PNG
+
+
+class VisualizeError(ValueError):
+    """Bad arguments or inputs; the message names the argument or file. The CLI prints it and exits 2."""
+
+
+def new_figure(figsize: tuple[float, float]):
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=figsize, dpi=DPI, layout="constrained")
+
+
+def save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI, format="png")
+    return path
