@@ -102,3 +102,25 @@ def test_feed_forward_matches_formula(activation):
         w3, b3 = np.asarray(ffn.w3.kernel[...]), np.asarray(ffn.w3.bias[...])
         h = h / (1 + np.exp(-h)) * (x @ w3 + b3)
     np.testing.assert_allclose(ffn(jnp.asarray(x)), h @ w2 + b2, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("d_in, d_out", [(6, 10), (10, 6)])
+def test_matmul_last_gradients_equal_autodiff(d_in, d_out):
+    """The hand-written backward of matmul_last (both transposition branches) and of tied_logits."""
+    from transformer_jax.model.layers import matmul_last, tied_logits
+
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (3, 5, d_in))
+    w = jax.random.normal(kw, (d_in, d_out))
+    g = jax.random.normal(kg, (3, 5, d_out))
+    ours = jax.vjp(matmul_last, x, w)
+    ref = jax.vjp(jnp.matmul, x, w)
+    np.testing.assert_allclose(ours[0], ref[0], rtol=1e-6)
+    for a, b in zip(ours[1](g), ref[1](g), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    table = jax.random.normal(kw, (d_out, d_in))
+    ours = jax.vjp(tied_logits, x, table)
+    ref = jax.vjp(lambda x, t: jnp.einsum("btd,vd->btv", x, t), x, table)
+    np.testing.assert_allclose(ours[0], ref[0], rtol=1e-6)
+    for a, b in zip(ours[1](g), ref[1](g), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

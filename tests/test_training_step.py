@@ -34,6 +34,14 @@ def test_label_smoothed_cross_entropy_matches_hand_computation():
     np.testing.assert_allclose(sums["nll_sum"], (nll * weights).sum(), rtol=1e-5)
     assert float(sums["tokens"]) == 5
     assert float(sums["correct"]) == ((logits.argmax(-1) == targets) * weights).sum()
+    # The hand-written backward: d/d logits of (a * loss_sum + b * nll_sum), from the formula in numpy.
+    a, b = 1.7, -0.4
+    grad = jax.grad(
+        lambda z: (lambda s: a * s["loss_sum"] + b * s["nll_sum"])(cross_entropy_sums(z, targets, weights, eps))
+    )
+    p = np.exp(log_p)
+    expected = weights[..., None] * (a * (p - q) + b * (p - np.eye(5)[targets]))
+    np.testing.assert_allclose(grad(jnp.asarray(logits)), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_paper_learning_rate_schedule():

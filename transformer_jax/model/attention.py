@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from transformer_jax import ops
-from transformer_jax.model.layers import dense
+from transformer_jax.model.layers import Dropout, dense
 from transformer_jax.model.spec import TransformerSpec
 
 Array = jax.Array
@@ -32,7 +32,7 @@ class MultiHeadAttention(nnx.Module):
         self.k_proj = dense(spec.d_model, self.num_kv_heads * self.d_qk, spec, rngs)
         self.v_proj = dense(spec.d_model, self.num_kv_heads * self.d_v, spec, rngs)
         self.o_proj = dense(self.num_heads * self.d_v, spec.d_model, spec, rngs)
-        self.weights_dropout = nnx.Dropout(spec.attention_dropout_rate, rngs=rngs)
+        self.weights_dropout = Dropout(spec.attention_dropout_rate, rngs=rngs)
         self.dropout_rate = spec.attention_dropout_rate
         self.impl = spec.attention_impl
         self.window = spec.window

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from transformer_jax.model.spec import TransformerSpec
+from transformer_jax.ops.dropout import dropout
 
 Array = jax.Array
 
@@ -26,8 +27,57 @@ def dense(in_features: int, out_features: int, spec: TransformerSpec, rngs: nnx.
         dtype=spec.compute_dtype,
         param_dtype=jnp.float32,
         kernel_init=DENSE_INIT,
+        dot_general=_dense_dot_general,
         rngs=rngs,
     )
+
+
+def _dense_dot_general(x, kernel, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
+    """nnx.Linear's x @ kernel, with the hand-written backward of `matmul_last` when nothing unusual is asked."""
+    (x_contract, k_contract), batch_dims = dimension_numbers
+    plain = tuple(x_contract) == (x.ndim - 1,) and tuple(k_contract) == (0,) and batch_dims == ((), ())
+    if not plain or precision is not None or preferred_element_type is not None or kwargs.get("out_sharding"):
+        return jax.lax.dot_general(x, kernel, dimension_numbers, precision, preferred_element_type, **kwargs)
+    return matmul_last(x, kernel)
+
+
+@jax.custom_vjp
+def matmul_last(x_ND: Array, w_DF: Array) -> Array:
+    """x @ w over x's last axis (any leading axes)."""
+    return jnp.matmul(x_ND, w_DF)
+
+
+def _matmul_last_fwd(x_ND, w_DF):
+    return matmul_last(x_ND, w_DF), (x_ND, w_DF)
+
+
+def _matmul_last_bwd(residuals, g_NF):
+    """dx = g w^T; dw = x^T g over all leading axes, arranged so that XLA:CPU transposes the narrower of x and g.
+
+    Autodiff's dw made XLA:CPU write a transposed copy of g (fused with the ReLU backward) for each layer, ~0.1 s
+    of a 1.5 s train step at d_model 256 (benchmarks/train_step.py).
+    """
+    x_ND, w_DF = residuals
+    d_in, d_out = w_DF.shape
+    x2, g2 = x_ND.reshape(-1, d_in), g_NF.reshape(-1, d_out)
+    d_x = jnp.matmul(g_NF, w_DF.T)
+    if d_in <= d_out:
+        d_w = jnp.einsum("nd,nf->df", x2, g2)
+    else:
+        d_w = jnp.einsum("nf,nd->fd", g2, x2).T
+    return d_x.astype(x_ND.dtype), d_w.astype(w_DF.dtype)
+
+
+matmul_last.defvjp(_matmul_last_fwd, _matmul_last_bwd)
+
+
+class Dropout(nnx.Dropout):
+    """nnx.Dropout (train()/eval() switch, forked 'dropout' RNG stream) with the fused hash mask of ops.dropout."""
+
+    def __call__(self, inputs: Array) -> Array:
+        if self.deterministic or self.rate == 0.0:
+            return inputs
+        return dropout(inputs, self.rate, self.rngs())
 
 
 class Embedding(nnx.Module):
@@ -46,8 +96,30 @@ class Embedding(nnx.Module):
 
     def attend(self, x_BTD: Array) -> Array:
         """logits = x E^T, in float32."""
-        table = self.table_VD[...].astype(self.dtype)
-        return jnp.einsum("btd,vd->btv", x_BTD.astype(self.dtype), table, preferred_element_type=jnp.float32)
+        return tied_logits(x_BTD.astype(self.dtype), self.table_VD[...].astype(self.dtype))
+
+
+@jax.custom_vjp
+def tied_logits(x_BTD: Array, table_VD: Array) -> Array:
+    """logits = x E^T in float32, with a hand-written backward (below)."""
+    return jnp.einsum("btd,vd->btv", x_BTD, table_VD, preferred_element_type=jnp.float32)
+
+
+def _tied_logits_fwd(x_BTD, table_VD):
+    return tied_logits(x_BTD, table_VD), (x_BTD, table_VD)
+
+
+def _tied_logits_bwd(residuals, d_logits_BTV):
+    """dx = g E and dE = (x^T g)^T. Autodiff's dE = g^T x made XLA:CPU write a transposed [V, B*T] copy of the
+    logits gradient (~65 ms of a 1.6 s step at V=8000); x^T is V/D times smaller to transpose."""
+    x_BTD, table_VD = residuals
+    g_BTV = d_logits_BTV.astype(x_BTD.dtype)
+    d_x_BTD = jnp.einsum("btv,vd->btd", g_BTV, table_VD, preferred_element_type=jnp.float32)
+    d_table_DV = jnp.einsum("btd,btv->dv", x_BTD, g_BTV, preferred_element_type=jnp.float32)
+    return d_x_BTD.astype(x_BTD.dtype), d_table_DV.T.astype(table_VD.dtype)
+
+
+tied_logits.defvjp(_tied_logits_fwd, _tied_logits_bwd)
 
 
 def sinusoidal_encoding(positions_BT: Array, d_model: int) -> Array:
@@ -120,7 +192,7 @@ class FeedForward(nnx.Module):
         self.w1 = dense(spec.d_model, spec.d_ff, spec, rngs)
         self.w3 = dense(spec.d_model, spec.d_ff, spec, rngs) if spec.activation == "swiglu" else None
         self.w2 = dense(spec.d_ff, spec.d_model, spec, rngs)
-        self.dropout = nnx.Dropout(spec.ffn_dropout_rate, rngs=rngs)
+        self.dropout = Dropout(spec.ffn_dropout_rate, rngs=rngs)
 
     def __call__(self, x_BTD: Array) -> Array:
         h_BTF = self.w1(x_BTD)

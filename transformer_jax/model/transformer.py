@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from transformer_jax.model import layers
 from transformer_jax.model.attention import MultiHeadAttention, append_to_cache, init_self_cache
 from transformer_jax.model.layers import Embedding, FeedForward, LearnedPositions, dense, make_norm, sinusoidal_encoding
 from transformer_jax.model.spec import TransformerSpec
@@ -28,7 +29,7 @@ class Residual(nnx.Module):
 
     def __init__(self, spec: TransformerSpec, *, rngs: nnx.Rngs):
         self.norm = make_norm(spec)
-        self.dropout = nnx.Dropout(spec.dropout_rate, rngs=rngs)
+        self.dropout = layers.Dropout(spec.dropout_rate, rngs=rngs)
         self.pre = spec.norm_position == "pre"
 
     def __call__(self, x: Array, sublayer: Callable[[Array], Array]) -> Array:
@@ -140,7 +141,7 @@ class Transformer(nnx.Module):
             self.tgt_positions = (
                 self.src_positions if spec.share_embeddings else LearnedPositions(spec.max_len, spec.d_model, rngs=rngs)
             )
-        self.embed_dropout = nnx.Dropout(spec.dropout_rate, rngs=rngs)
+        self.embed_dropout = layers.Dropout(spec.dropout_rate, rngs=rngs)
         self.encoder_layers = nnx.List([EncoderLayer(spec, rngs=rngs) for _ in range(spec.num_encoder_layers)])
         self.decoder_layers = nnx.List([DecoderLayer(spec, rngs=rngs) for _ in range(spec.num_decoder_layers)])
         # Pre-LN stacks end with a norm, since their residual stream is never normalised otherwise.

@@ -5,6 +5,8 @@ Axis legend: B batch, T target length, V vocabulary.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -18,19 +20,53 @@ def cross_entropy_sums(logits_BTV: Array, targets_BT: Array, weights_BT: Array, 
     Dividing each sum by `tokens` gives per-token means; summing before dividing makes gradient accumulation over
     micro-batches of different sizes exact (token-weighted).
     """
-    logits_BTV = logits_BTV.astype(jnp.float32)
-    log_probs_BTV = jax.nn.log_softmax(logits_BTV, axis=-1)
-    nll_BT = -jnp.take_along_axis(log_probs_BTV, targets_BT[..., None], axis=-1)[..., 0]
-    # -sum_v q_v log p_v with q = (1 - eps) one_hot + eps / V, without materialising q: one [B, T, V] pass less.
-    loss_BT = (1.0 - label_smoothing) * nll_BT - label_smoothing * jnp.mean(log_probs_BTV, axis=-1)
     weights_BT = weights_BT.astype(jnp.float32)
+    loss_sum, nll_sum = _smoothed_nll_sums(logits_BTV.astype(jnp.float32), targets_BT, weights_BT, label_smoothing)
     correct_BT = (jnp.argmax(logits_BTV, axis=-1) == targets_BT).astype(jnp.float32)
     return {
-        "loss_sum": jnp.sum(loss_BT * weights_BT),
-        "nll_sum": jnp.sum(nll_BT * weights_BT),
+        "loss_sum": loss_sum,
+        "nll_sum": nll_sum,
         "correct": jnp.sum(correct_BT * weights_BT),
         "tokens": jnp.sum(weights_BT),
     }
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _smoothed_nll_sums(logits_BTV: Array, targets_BT: Array, weights_BT: Array, eps: float) -> tuple[Array, Array]:
+    return _smoothed_nll_fwd(logits_BTV, targets_BT, weights_BT, eps)[0]
+
+
+def _smoothed_nll_fwd(logits_BTV, targets_BT, weights_BT, eps):
+    # log p_v = logits_v - lse. -sum_v q_v log p_v with q = (1 - eps) one_hot + eps / V, without materialising q.
+    lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    nll_BT = lse_BT - jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    loss_BT = (1.0 - eps) * nll_BT + eps * (lse_BT - jnp.mean(logits_BTV, axis=-1))
+    sums = (jnp.sum(loss_BT * weights_BT), jnp.sum(nll_BT * weights_BT))
+    return sums, (logits_BTV, lse_BT, targets_BT, weights_BT)
+
+
+def _smoothed_nll_bwd(eps, residuals, cotangents):
+    """d loss_sum/d logits_v = w (p_v - (1 - eps) [v = y] - eps / V), d nll_sum/d logits_v = w (p_v - [v = y]).
+
+    Written by hand so that XLA computes the [B, T, V] gradient in one elementwise pass (autodiff of
+    log_softmax + take_along_axis gave a scatter and two differently laid-out copies of it: ~0.25 s of a 1.6 s
+    CPU train step, benchmarks/train_step.py).
+    """
+    logits_BTV, lse_BT, targets_BT, weights_BT = residuals
+    g_loss, g_nll = cotangents
+    vocab = logits_BTV.shape[-1]
+    probs_BTV = jnp.exp(logits_BTV - lse_BT[..., None])
+    is_target_BTV = jax.lax.broadcasted_iota(jnp.int32, logits_BTV.shape, 2) == targets_BT[..., None]
+    w_BT1 = weights_BT[..., None]
+    d_logits_BTV = w_BT1 * (
+        (g_loss + g_nll) * probs_BTV
+        - jnp.where(is_target_BTV, g_loss * (1.0 - eps) + g_nll, 0.0)
+        - g_loss * eps / vocab
+    )
+    return d_logits_BTV, None, None
+
+
+_smoothed_nll_sums.defvjp(_smoothed_nll_fwd, _smoothed_nll_bwd)
 
 
 def summarize(sums: dict) -> dict[str, float]:
