@@ -20,12 +20,30 @@ MESH_MODES = ("data", "fsdp")
 
 
 def initialize_distributed() -> None:
-    """Joins a multi-host run when the launcher says so (JAX_COORDINATOR_ADDRESS, or a TPU pod / SLURM cluster).
+    """Joins a multi-host run when the launcher says so; a single-host run does nothing.
 
-    jax.distributed.initialize() reads the coordinator, process count and id from the environment on TPU pods,
-    SLURM and Open MPI; JAX_COORDINATOR_ADDRESS + JAX_NUM_PROCESSES + JAX_PROCESS_ID set them by hand.
+    - JAX_COORDINATOR_ADDRESS (host:port of process 0) with JAX_NUM_PROCESSES and JAX_PROCESS_ID: any cluster,
+      set by hand on every host (jax.distributed reads only the address from the environment, so we pass the
+      other two).
+    - TRANSFORMER_JAX_DISTRIBUTED=1: let jax.distributed.initialize() detect everything (TPU pods, SLURM, Open MPI).
     """
-    if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("TRANSFORMER_JAX_DISTRIBUTED") == "1":
+    address = os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if address:
+        values = {}
+        for name in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+            raw = os.environ.get(name)
+            try:
+                values[name] = None if raw is None else int(raw)
+            except ValueError:
+                raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from None
+        num_processes, process_id = values["JAX_NUM_PROCESSES"], values["JAX_PROCESS_ID"]
+        if (num_processes is None) != (process_id is None):
+            raise ConfigError(
+                "JAX_COORDINATOR_ADDRESS is set with only one of JAX_NUM_PROCESSES and JAX_PROCESS_ID: set both "
+                "on every host, or neither to let SLURM / Open MPI supply them"
+            )
+        jax.distributed.initialize(address, num_processes, process_id)
+    elif os.environ.get("TRANSFORMER_JAX_DISTRIBUTED") == "1":
         jax.distributed.initialize()
 
 
