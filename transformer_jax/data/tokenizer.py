@@ -115,11 +115,14 @@ def sample_sentences(pairs: Sequence[tuple[str, str]], num_sentences: int, *, se
     return [s for pair in sources.read_all(pairs, indices) for s in pair if s.strip()]
 
 
-def get_tokenizer(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, vocab_size: int) -> Tokenizer:
+def get_tokenizer(
+    config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, vocab_size: int, train_if_missing: bool = True
+) -> Tokenizer:
     """The configured tokenizer: `config.tokenizer_model` if set, else `workdir/spm.model`, trained if missing.
 
     `vocab_size` is the model's (config.model.vocab_size). A reused model must have exactly that many pieces
     (a different size means the workdir belongs to another config); a given model may be smaller.
+    `train_if_missing=False` (multi-host runs: every host must use the same file) fails instead of training.
     """
     if config.tokenizer_model:
         tokenizer = Tokenizer(sources.resolve_path(config.tokenizer_model))
@@ -139,6 +142,12 @@ def get_tokenizer(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
             )
         logging.info("reusing tokenizer %s (%d pieces)", path, vocab_size)
         return tokenizer
+    if not train_if_missing:
+        raise DataError(
+            f"{path} does not exist and this run may not train it (several hosts would each train their own): "
+            "create it once with `python -m transformer_jax.data.prepare --config <the same config> --workdir "
+            f"{workdir}` on a filesystem every host sees, or set data.tokenizer_model to an existing .model file"
+        )
     sentences = sample_sentences(sources.open_split(config, config.train_split), config.tokenizer_sample_sentences)
     logging.info(
         "training a %s tokenizer with %d pieces on %d sentences", config.tokenizer_type, vocab_size, len(sentences)

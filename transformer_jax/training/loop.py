@@ -167,7 +167,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     row_multiple = check_batch_shapes(config, mesh)
     spec = TransformerSpec.from_config(config)
 
-    tokenizer = data.get_tokenizer(config.data, workdir, vocab_size=config.model.vocab_size)
+    tokenizer = data.get_tokenizer(
+        config.data, workdir, vocab_size=config.model.vocab_size, train_if_missing=jax.process_count() == 1
+    )
     train_iter, data_stats = data.make_train_iterator(config.data, tokenizer, row_multiple=row_multiple)
     graphs, abstract = abstract_train_state(config)
     shardings = state_shardings(abstract, mesh, config.train.mesh)

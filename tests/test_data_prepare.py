@@ -1,0 +1,40 @@
+"""python -m transformer_jax.data.prepare: data and tokenizer ready before a run; multi-host runs refuse to train
+one tokenizer per host."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from tests.training_helpers import tiny_train_config, write_corpus
+from transformer_jax.data import tokenizer as tokenizer_lib
+from transformer_jax.data.errors import DataError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_prepare_writes_the_tokenizer_that_training_reuses(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus")
+    workdir = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "transformer_jax.data.prepare", "--config", "tests/tiny_train_config.py",
+         f"--config.data.text_dir={corpus}", "--workdir", str(workdir)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["sentences"] == {"train": 400, "valid": 24, "test": 24}
+    assert report["pieces"] == 320 and pathlib.Path(report["tokenizer"]) == workdir / "spm.model"
+    config = tiny_train_config(corpus)
+    reused = tokenizer_lib.get_tokenizer(config.data, workdir, vocab_size=320, train_if_missing=False)
+    assert reused.path == workdir / "spm.model"
+
+
+def test_multi_host_run_without_a_tokenizer_says_how_to_make_one(tmp_path):
+    config = tiny_train_config(write_corpus(tmp_path / "corpus"))
+    with pytest.raises(DataError, match="python -m transformer_jax.data.prepare"):
+        tokenizer_lib.get_tokenizer(config.data, tmp_path / "run", vocab_size=320, train_if_missing=False)
+    assert not (tmp_path / "run" / "spm.model").exists()
