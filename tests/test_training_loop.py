@@ -210,3 +210,24 @@ def losses_on(mode: str) -> list[float]:
         state, metrics = step(state, synthetic_batch(seed, rows=8, vocab=64))
         losses.append(float(metrics["loss_sum"]) / float(metrics["tokens"]))
     return losses
+
+
+def test_validation_batches_keep_every_token_in_bucketed_lengths(corpus, tmp_path):
+    from transformer_jax import data
+    from transformer_jax.training.loop import validation_batches
+
+    config = tiny_train_config(corpus)
+    config.data.eval_max_len = 256
+    config.eval.batch_size = 5
+    tokenizer = data.get_tokenizer(config.data, tmp_path, vocab_size=config.model.vocab_size)
+    batches = validation_batches(config, tokenizer)
+    pairs = data.load_split(config.data, config.data.valid_split)
+    padded, _ = data.eval_batches(
+        [s for s, _ in pairs], tokenizer, 5, 256, targets=[t for _, t in pairs]
+    )  # fmt: skip
+    padded = list(padded)
+    for side in ("src", "tgt"):
+        total = sum(int((b[f"{side}_segment_ids"] > 0).sum()) for b in batches)
+        assert total == sum(int((b[f"{side}_segment_ids"] > 0).sum()) for b in padded)
+        assert {b[f"{side}_segment_ids"].shape[1] for b in batches} <= {16, 32, 64, 128, 256}
+    assert max(b["tgt_out"].shape[1] for b in batches) < 256  # short sentences are not padded to eval_max_len
