@@ -14,7 +14,7 @@ CONFIG_ARGS = {
     "wmt14_ende": ["size=base", "size=big", "size=tiny", None],
     "multi30k": [None, "direction=de-en", "size=tiny"],
     "quickstart": [None],
-    "ablations_table3": ["scale=paper", "scale=small,steps=100", "scale=tiny,steps=4"],
+    "ablations_table3": ["scale=paper", "scale=mini,steps=400", "scale=tiny,steps=4"],
     "ablations_architecture": ["scale=small,steps=100"],
 }
 
@@ -43,7 +43,7 @@ def test_config_loads_locked_and_builds_a_model(name, arg):
     for override in getattr(module, "get_sweep", lambda a: [])(arg):
         variant = module.get_config(arg)
         # A locked config raises on a key that does not exist, so a misspelt override fails here.
-        variant.update_from_flattened_dict({k: v for k, v in override.items() if k != "name"})
+        variant.update_from_flattened_dict({k: v for k, v in override.items() if k not in ("name", "reference")})
         TransformerSpec.from_config(variant)  # every variant is a valid model (heads divide, impl exists, ...)
     model = nnx.eval_shape(lambda: build_model(config, rngs=nnx.Rngs(0)))
     assert sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) > 0
@@ -56,3 +56,16 @@ def test_bad_config_argument_is_a_clear_error():
         wmt14_ende.get_config("sise=base")
     with pytest.raises(ValueError, match="unknown size 'huge'"):
         wmt14_ende.get_config("size=huge")
+
+
+@pytest.mark.parametrize("arg", ["scale=paper,steps=1000", "scale=small,steps=500", "scale=mini,steps=400"])
+def test_short_sweeps_keep_the_peak_learning_rate(arg):
+    """A sweep with fewer steps shortens warmup; the paper schedule's peak, learning_rate * warmup^-0.5, stays."""
+    from configs import ablations_table3
+    from transformer_jax.training.optim import learning_rate_schedule
+
+    full, short = ablations_table3.get_config(arg.split(",")[0]), ablations_table3.get_config(arg)
+    assert short.opt.warmup_steps < full.opt.warmup_steps
+    full_peak = learning_rate_schedule(full.opt, full.train.num_steps)(full.opt.warmup_steps - 1)
+    short_peak = learning_rate_schedule(short.opt, short.train.num_steps)(short.opt.warmup_steps - 1)
+    assert abs(float(short_peak) / float(full_peak) - 1) < 1e-3

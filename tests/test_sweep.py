@@ -34,6 +34,12 @@ def test_misspelt_override_fails_before_anything_runs(corpus, tmp_path, capsys):
     assert not (tmp_path / "sw").exists()
 
 
+def test_unknown_reference_metric_fails_before_anything_runs(corpus, tmp_path, capsys):
+    assert sweep.main(["--config", CONFIG + ":bad_reference", "--workdir", str(tmp_path / "sw")]) == 2
+    assert "reference keys ['valid_ppl']" in capsys.readouterr().err
+    assert not (tmp_path / "sw").exists()
+
+
 def test_unknown_only_name_lists_the_variants(corpus, tmp_path, capsys):
     assert sweep.main(["--config", CONFIG, "--workdir", str(tmp_path / "sw"), "--only", "nope"]) == 2
     assert "['base', 'pre_ln']" in capsys.readouterr().err
@@ -50,9 +56,64 @@ def test_sweep_runs_skips_finished_variants_and_aggregates(corpus, tmp_path):
     assert rows[1]["overrides"] == "model.norm_position=pre"
     assert int(rows[1]["parameters"]) > int(rows[0]["parameters"])  # pre-LN adds two final norms
     assert all(r["steps"] == "2" and float(r["valid_perplexity"]) > 1 for r in rows)
+    # Published numbers ride along in ref_* columns; a metric a variant has none for stays empty.
+    assert [(r["ref_valid_perplexity"], r["ref_valid_bleu"]) for r in rows] == [("5.0", "25.0"), ("4.5", "")]
     assert (workdir / "results.md").read_text().startswith("| variant |")
     assert (workdir / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # A second run finds both finished and trains nothing.
     stamp = (workdir / "base" / "metrics.jsonl").stat().st_mtime
     assert sweep.main(["--config", CONFIG, "--workdir", str(workdir)]) == 0
     assert (workdir / "base" / "metrics.jsonl").stat().st_mtime == stamp
+
+
+def _row(variant, ppl, bleu, ref_ppl="", ref_bleu=""):
+    return {
+        "variant": variant,
+        "overrides": "(none)",
+        "parameters": 10,
+        "steps": 4,
+        "valid_perplexity": ppl,
+        "valid_bleu": bleu,
+        "tokens_per_s": 1.0,
+        "wall_s": 1.0,
+        "ref_valid_perplexity": ref_ppl,
+        "ref_valid_bleu": ref_bleu,
+    }
+
+
+def test_results_without_references_have_no_reference_columns(tmp_path):
+    sweep.write_results([_row("base", 9.0, 10.0), _row("v", "", "")], tmp_path)  # "v" has not run yet
+    header = (tmp_path / "results.csv").read_text().splitlines()[0]
+    assert "ref_" not in header and header.startswith("variant,")
+    assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_results_with_references_chart_changes_from_the_first_variant(tmp_path):
+    rows = [_row("base", 9.0, 10.0, 4.92, 25.8), _row("v", 8.0, 11.5, 5.29, 24.9), _row("w", "", "", 5.0, "")]
+    sweep.write_results(rows, tmp_path, reference_label="paper")
+    table = (tmp_path / "results.md").read_text()
+    assert "ref_valid_perplexity | ref_valid_bleu |" in table and "| 5.29 | 24.9 |" in table
+    assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_set_applies_to_every_variant_and_to_printed_commands(corpus, tmp_path, capsys):
+    common = sweep.parse_settings(CONFIG, ["train.log_every=7", "data.tokenizer_model=/tmp/spm.model"])
+    assert common == {"train.log_every": 7, "data.tokenizer_model": "/tmp/spm.model"}
+    assert all(v.config.train.log_every == 7 for v in sweep.variants(CONFIG, common))
+    args = ["--config", CONFIG, "--workdir", str(tmp_path), "--print_commands", "--set", "train.log_every=7"]
+    assert sweep.main(args) == 0
+    assert all("--config.train.log_every=7" in line for line in capsys.readouterr().out.strip().splitlines())
+
+
+@pytest.mark.parametrize(
+    "setting,message",
+    [
+        ("train.log_evry=7", "no key 'train.log_evry'"),
+        ("train.log_every=often", "train.log_every needs a value of type int"),
+        ("train.log_every", "expected KEY=VALUE"),
+    ],
+)
+def test_bad_set_is_a_clear_error(corpus, tmp_path, capsys, setting, message):
+    assert sweep.main(["--config", CONFIG, "--workdir", str(tmp_path / "sw"), "--set", setting]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "sw").exists()

@@ -1,10 +1,14 @@
 """Run a config's sweep: python -m transformer_jax.sweep --config configs/<file>.py[:arg] --workdir DIR
 
 A config file's `get_sweep(arg)` returns a list of dicts: {"name": readable-name, "<dotted.key>": value, ...}.
+An entry may also hold "reference": {"valid_perplexity": x, "valid_bleu": y}, a published result to compare with
+(the file's REFERENCE string names its source); the results then gain ref_* columns and the chart shows each
+variant's change from the first one, ours beside the reference.
 Each variant trains in DIR/<name> with its resolved config saved there; a finished variant is skipped and an
 interrupted one resumes from its checkpoints. --dry_run lists the variants, --print_commands prints one train.py
-command per variant (for a cluster launcher), --only NAME runs one. Results are aggregated into DIR/results.csv,
-DIR/results.md and DIR/results.png from the variants' metrics.jsonl.
+command per variant (for a cluster launcher), --only NAME runs one, --set KEY=VALUE sets a config value in every
+variant (a shared tokenizer, a data directory). Results are aggregated into DIR/results.csv, DIR/results.md and
+DIR/results.png from the variants' metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import re
 import shlex
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import ml_collections
 
@@ -26,6 +30,14 @@ from transformer_jax.errors import ConfigError
 
 RESULT_FILE = "sweep_result.json"
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.=-]+$")
+REFERENCE_METRICS = ("valid_perplexity", "valid_bleu")
+
+
+class Variant(NamedTuple):
+    name: str
+    overrides: dict[str, Any]
+    config: ml_collections.ConfigDict
+    reference: dict[str, float]  # published numbers for this variant; empty if none
 
 
 def load_config_module(path: str):
@@ -39,8 +51,42 @@ def load_config_module(path: str):
     return module
 
 
-def variants(config_arg: str) -> list[tuple[str, dict[str, Any], ml_collections.ConfigDict]]:
-    """(name, overrides, resolved config) of every variant, each override validated against the config."""
+def parse_settings(config_arg: str, settings: list[str]) -> dict[str, Any]:
+    """--set KEY=VALUE strings as {key: value}, each value converted to the type the config holds at that key."""
+    path, _, arg = config_arg.partition(":")
+    config = load_config_module(path).get_config(arg or None)
+    out = {}
+    for text in settings:
+        key, sep, value = text.partition("=")
+        if not sep:
+            raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. --set data.tokenizer_model=spm.model")
+        try:
+            current = config
+            for part in key.split("."):
+                current = current[part]
+        except (KeyError, AttributeError) as e:
+            raise ConfigError(f"--set {text!r}: the config has no key {key!r}") from e
+        if isinstance(current, bool):
+            if value.lower() not in ("true", "false"):
+                raise ConfigError(f"--set {text!r}: {key} is true or false")
+            out[key] = value.lower() == "true"
+        elif isinstance(current, (int, float)):
+            try:
+                out[key] = type(current)(value)
+            except ValueError as e:
+                raise ConfigError(f"--set {text!r}: {key} needs a value of type {type(current).__name__}") from e
+        elif isinstance(current, str):
+            out[key] = value
+        else:
+            raise ConfigError(f"--set {text!r}: {key} is a {type(current).__name__}; only scalars can be set")
+    return out
+
+
+def variants(config_arg: str, common: dict[str, Any] | None = None) -> list[Variant]:
+    """Every variant with its resolved config, each override and reference validated.
+
+    `common` (from --set) applies to every variant before its own overrides.
+    """
     path, _, arg = config_arg.partition(":")
     module = load_config_module(path)
     if not hasattr(module, "get_sweep"):
@@ -54,7 +100,12 @@ def variants(config_arg: str) -> list[tuple[str, dict[str, Any], ml_collections.
         if name in seen:
             raise ConfigError(f"{path}: sweep variant name {name!r} is used twice")
         seen.add(name)
+        reference = dict(override.pop("reference", {}))
+        unknown = sorted(set(reference) - set(REFERENCE_METRICS))
+        if unknown:
+            raise ConfigError(f"{path}: sweep variant {name!r}: reference keys {unknown}; known: {REFERENCE_METRICS}")
         config = module.get_config(arg or None)
+        config.update_from_flattened_dict(common or {})
         for key, value in override.items():
             try:
                 config.update_from_flattened_dict({key: value})
@@ -62,7 +113,7 @@ def variants(config_arg: str) -> list[tuple[str, dict[str, Any], ml_collections.
                 raise ConfigError(f"{path}: sweep variant {name!r} overrides unknown key {key!r} ({e})") from e
             except TypeError as e:
                 raise ConfigError(f"{path}: sweep variant {name!r}: {key}={value!r} has the wrong type ({e})") from e
-        out.append((name, override, config))
+        out.append(Variant(name, override, config, reference))
     return out
 
 
@@ -90,8 +141,9 @@ def run_variant(name: str, config: ml_collections.ConfigDict, workdir: pathlib.P
     return result
 
 
-def summarize_variant(name: str, overrides: dict, config: ml_collections.ConfigDict, run_dir: pathlib.Path) -> dict:
+def summarize_variant(variant: Variant, run_dir: pathlib.Path) -> dict:
     """One results row from a variant's directory (empty fields where it has not run)."""
+    name, overrides, config, reference = variant
     import jax
     from flax import nnx
 
@@ -122,11 +174,15 @@ def summarize_variant(name: str, overrides: dict, config: ml_collections.ConfigD
                 row[column] = round(found[-1], 2)
     if (run_dir / RESULT_FILE).exists():
         row["wall_s"] = round(json.loads((run_dir / RESULT_FILE).read_text())["wall_s"], 1)
+    for key in REFERENCE_METRICS:
+        row["ref_" + key] = reference.get(key, "")
     return row
 
 
-def write_results(rows: list[dict], workdir: pathlib.Path) -> None:
+def write_results(rows: list[dict], workdir: pathlib.Path, reference_label: str = "reference") -> None:
     """results.csv, results.md and results.png (validation perplexity and BLEU per variant)."""
+    if not any(row["ref_" + key] != "" for row in rows for key in REFERENCE_METRICS):
+        rows = [{k: v for k, v in row.items() if not k.startswith("ref_")} for row in rows]
     columns = list(rows[0])
     with open(workdir / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
@@ -143,15 +199,36 @@ def write_results(rows: list[dict], workdir: pathlib.Path) -> None:
 
     names = [r["variant"] for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(12, max(3, 0.35 * len(rows) + 1.5)), dpi=100)
-    for ax, key, label in ((axes[0], "valid_perplexity", "validation perplexity"), (axes[1], "valid_bleu", "BLEU")):
-        values = [r[key] if r[key] != "" else 0.0 for r in rows]
-        ax.barh(names, values, color="tab:blue")
-        ax.set_xlabel(label)
+    if "ref_valid_bleu" not in columns:
+        for ax, key, label in ((axes[0], "valid_perplexity", "validation perplexity"), (axes[1], "valid_bleu", "BLEU")):
+            ax.barh(names, [_number(r[key]) for r in rows], color="tab:blue")
+            ax.set_xlabel(label)
+    else:
+        # Scales differ (model size, data, steps), so compare each variant's change from the first variant.
+        panels = (
+            (axes[0], "valid_perplexity", lambda x, x0: 100 * (x / x0 - 1), "validation perplexity, % change from "),
+            (axes[1], "valid_bleu", lambda x, x0: x - x0, "BLEU, change in points from "),
+        )
+        positions = range(len(rows))
+        for ax, key, change, label in panels:
+            for offset, prefix, color, who in ((-0.2, "", "tab:blue", "this run"), (0.2, "ref_", "tab:gray", "")):
+                x0 = _number(rows[0][prefix + key])
+                values = [change(_number(r[prefix + key]), x0) if x0 and r[prefix + key] != "" else 0.0 for r in rows]
+                ax.barh([p + offset for p in positions], values, height=0.4, color=color, label=who or reference_label)
+            ax.axvline(0.0, color="black", linewidth=0.8)
+            ax.set_yticks(list(positions), names)
+            ax.set_xlabel(label + names[0])
+        axes[0].legend(loc="lower right")
+    for ax in axes:
         ax.invert_yaxis()
     axes[1].set_yticklabels([])
     fig.tight_layout()
     fig.savefig(workdir / "results.png")
     plt.close(fig)
+
+
+def _number(value: Any) -> float:
+    return float(value) if value != "" else 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,32 +240,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry_run", action="store_true", help="list the variants and their overrides, run nothing")
     parser.add_argument("--print_commands", action="store_true", help="print one train.py command per variant")
     parser.add_argument("--only", default=None, help="run only the variant with this name")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config value for every variant, e.g. --set data.tokenizer_model=runs/m30k/spm.model (repeatable)",
+    )
     parser.add_argument("--aggregate_only", action="store_true", help="only rebuild results.csv/md/png")
     args = parser.parse_args(argv)
     logging.getLogger().setLevel(logging.INFO)
     logging.getLogger("absl").setLevel(logging.WARNING)
     workdir = pathlib.Path(args.workdir)
     try:
-        all_variants = variants(args.config)
-        names = [name for name, _, _ in all_variants]
+        common = parse_settings(args.config, args.set)
+        all_variants = variants(args.config, common)
+        names = [v.name for v in all_variants]
         if args.only is not None and args.only not in names:
             raise ConfigError(f"--only {args.only!r}: no such variant; the variants are {names}")
-        chosen = [v for v in all_variants if args.only in (None, v[0])]
+        chosen = [v for v in all_variants if args.only in (None, v.name)]
         if args.dry_run:
-            for name, overrides, _ in chosen:
-                print(f"{name}: {json.dumps(overrides)}")
+            for v in chosen:
+                print(f"{v.name}: {json.dumps(v.overrides)}")
             return 0
         if args.print_commands:
-            for name, overrides, _ in chosen:
-                print(train_command(args.config, workdir, name, overrides))
+            for v in chosen:
+                print(train_command(args.config, workdir, v.name, {**common, **v.overrides}))
             return 0
         workdir.mkdir(parents=True, exist_ok=True)
         if not args.aggregate_only:
-            for name, _, config in chosen:
-                logging.info("sweep: variant %s", name)
-                run_variant(name, config, workdir / name)
-        rows = [summarize_variant(name, o, c, workdir / name) for name, o, c in all_variants]
-        write_results(rows, workdir)
+            for v in chosen:
+                logging.info("sweep: variant %s", v.name)
+                run_variant(v.name, v.config, workdir / v.name)
+        rows = [summarize_variant(v, workdir / v.name) for v in all_variants]
+        label = getattr(load_config_module(args.config.partition(":")[0]), "REFERENCE", "reference")
+        write_results(rows, workdir, reference_label=label)
         print((workdir / "results.md").read_text())
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
