@@ -117,3 +117,16 @@ def test_bad_set_is_a_clear_error(corpus, tmp_path, capsys, setting, message):
     assert sweep.main(["--config", CONFIG, "--workdir", str(tmp_path / "sw"), "--set", setting]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "sw").exists()
+
+
+def test_a_variant_stopped_early_is_not_marked_finished_and_stops_the_sweep(corpus, tmp_path, monkeypatch, capsys):
+    """train_and_evaluate returns early on SIGTERM; the sweep must neither skip that variant later nor go on."""
+    from transformer_jax.training import loop
+
+    started = []
+    monkeypatch.setattr(loop, "train_and_evaluate", lambda config, workdir: started.append(workdir))  # no steps
+    assert sweep.main(["--config", CONFIG, "--workdir", str(tmp_path / "sw")]) == 1
+    assert "variant base stopped at step 0 of 2; run the same command to resume it" in capsys.readouterr().err
+    assert [p.name for p in started] == ["base"]  # pre_ln never started
+    assert not (tmp_path / "sw" / "base" / sweep.RESULT_FILE).exists()
+    assert (tmp_path / "sw" / "results.csv").exists()

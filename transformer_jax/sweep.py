@@ -8,7 +8,8 @@ Each variant trains in DIR/<name> with its resolved config saved there; a finish
 interrupted one resumes from its checkpoints. --dry_run lists the variants, --print_commands prints one train.py
 command per variant (for a cluster launcher), --only NAME runs one, --set KEY=VALUE sets a config value in every
 variant (a shared tokenizer, a data directory). Results are aggregated into DIR/results.csv, DIR/results.md and
-DIR/results.png from the variants' metrics.jsonl.
+DIR/results.png from the variants' metrics.jsonl. SIGTERM saves the running variant's checkpoint and stops the
+sweep (exit status 1, results so far aggregated); the same command resumes it.
 """
 
 from __future__ import annotations
@@ -123,9 +124,14 @@ def train_command(config_arg: str, workdir: pathlib.Path, name: str, overrides: 
     return shlex.join(args)
 
 
+class VariantInterrupted(Exception):
+    """A variant stopped before its last step (SIGTERM): the sweep stops too, and resumes when run again."""
+
+
 def run_variant(name: str, config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
     """Trains one variant (resuming if interrupted) and writes its result file; skips a finished one."""
-    from transformer_jax.training.loop import train_and_evaluate
+    from transformer_jax.training import loop
+    from transformer_jax.training.checkpoints import list_steps
 
     result_path = workdir / RESULT_FILE
     if result_path.exists():
@@ -134,7 +140,11 @@ def run_variant(name: str, config: ml_collections.ConfigDict, workdir: pathlib.P
             logging.info("sweep: %s already finished; skipping", name)
             return result
     start = time.time()
-    train_and_evaluate(config, workdir)
+    loop.train_and_evaluate(config, workdir)
+    # train_and_evaluate returns early on SIGTERM; such a variant is not finished and must not be skipped later.
+    reached = max(list_steps(workdir), default=0)
+    if reached < config.train.num_steps:
+        raise VariantInterrupted(f"variant {name} stopped at step {reached} of {config.train.num_steps}")
     # Wall time of the attempt that finished (a resumed variant's earlier attempts are not counted).
     result = {"name": name, "num_steps": config.train.num_steps, "wall_s": time.time() - start}
     result_path.write_text(json.dumps(result))
@@ -268,14 +278,22 @@ def main(argv: list[str] | None = None) -> int:
                 print(train_command(args.config, workdir, v.name, {**common, **v.overrides}))
             return 0
         workdir.mkdir(parents=True, exist_ok=True)
+        interrupted = None
         if not args.aggregate_only:
             for v in chosen:
                 logging.info("sweep: variant %s", v.name)
-                run_variant(v.name, v.config, workdir / v.name)
+                try:
+                    run_variant(v.name, v.config, workdir / v.name)
+                except VariantInterrupted as e:
+                    interrupted = e
+                    break
         rows = [summarize_variant(v, workdir / v.name) for v in all_variants]
         label = getattr(load_config_module(args.config.partition(":")[0]), "REFERENCE", "reference")
         write_results(rows, workdir, reference_label=label)
         print((workdir / "results.md").read_text())
+        if interrupted:
+            print(f"sweep interrupted: {interrupted}; run the same command to resume it", file=sys.stderr)
+            return 1
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
