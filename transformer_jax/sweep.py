@@ -15,6 +15,7 @@ sweep (exit status 1, results so far aggregated); the same command resumes it.
 from __future__ import annotations
 
 import csv
+import functools
 import importlib.util
 import json
 import logging
@@ -41,8 +42,9 @@ class Variant(NamedTuple):
     reference: dict[str, float]  # published numbers for this variant; empty if none
 
 
+@functools.cache
 def load_config_module(path: str):
-    """Imports a config file by path (the part before ':'), as config_flags does."""
+    """Imports a config file by path (the part before ':'), as config_flags does; once per path."""
     file = pathlib.Path(path)
     if not file.is_file():
         raise ConfigError(f"config file {path} does not exist")
