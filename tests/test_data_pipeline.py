@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 from pathlib import Path
@@ -236,19 +235,33 @@ def test_same_seed_same_batches_and_seed_matters(corpus):
     assert not all(np.array_equal(x["src_tokens"], y["src_tokens"]) for x, y in zip(a, c, strict=True))
 
 
-def test_hosts_get_disjoint_shards_that_cover_the_data(corpus):
-    directory, tokenizer, pairs, ids = corpus
-    config = config_for(directory, batching="pad", batch_size=24, batch_window=40)
-    seen = []
-    for host in range(3):
-        it, stats = pipeline.make_train_iterator(config, tokenizer, process_index=host, process_count=3)
-        assert stats["kept"] == 100
-        # 100 examples per host, windows of 40 fill 5 batches each: the first 12 batches are exactly one epoch.
-        seen.append(collections.Counter(e for _ in range(12) for e in unpack(next(it))))
-        assert all(count == 1 for count in seen[-1].values()) and len(seen[-1]) == 96
-    assert not (set(seen[0]) & set(seen[1])) and not (set(seen[1]) & set(seen[2]))
-    with pytest.raises(DataError, match="multiple of 3 hosts"):
-        pipeline.make_train_iterator(config_for(directory, batch_size=8), tokenizer, process_index=0, process_count=3)
+@pytest.mark.parametrize("mode", ["pack", "bucket", "pad"])
+def test_hosts_get_blocks_of_rows_of_exactly_the_one_host_batches(corpus, mode):
+    """Bucketed shapes vary per batch: hosts must agree on every one, and together train on what one host would."""
+    directory, tokenizer, _, _ = corpus
+    config = config_for(directory, batching=mode, batch_size=24, tokens_per_batch=256, batch_window=40)
+    one, stats_one = pipeline.make_train_iterator(config, tokenizer, process_index=0, process_count=1, row_multiple=24)
+    hosts = [
+        pipeline.make_train_iterator(config, tokenizer, process_index=h, process_count=3, row_multiple=24)
+        for h in range(3)
+    ]
+    assert all(stats == stats_one for _, stats in hosts)
+    shapes_seen = set()
+    for _ in range(14):  # past window boundaries
+        whole = next(one)
+        parts = [next(it) for it, _ in hosts]
+        shapes_seen.add(whole["src_tokens"].shape)
+        for key in whole:
+            np.testing.assert_array_equal(np.concatenate([p[key] for p in parts]), whole[key])
+        for it, _ in hosts:
+            assert it.get_state() == one.get_state()  # one stored state serves every host
+            assert it.last_global_shape == one.last_global_shape
+            real = int((whole["src_segment_ids"] > 0).sum() + (whole["tgt_segment_ids"] > 0).sum())
+            assert it.last_real_tokens == one.last_real_tokens == real
+    if mode == "bucket":
+        assert len(shapes_seen) > 1, "the test must cover batches of different shapes"
+    with pytest.raises(DataError, match="multiple of 5 hosts"):
+        pipeline.make_train_iterator(config_for(directory, batch_size=8), tokenizer, process_index=0, process_count=5)
 
 
 def test_epochs_reshuffle_and_cover_everything(corpus):

@@ -156,6 +156,36 @@ def one_per_row(items: np.ndarray, shape: tuple[int, int, int]) -> Plan:
     return Plan(items, np.arange(len(items)), zeros, zeros, np.ones(len(items), np.int64), shape)
 
 
+def host_rows(plan: Plan, index: int, count: int) -> Plan:
+    """Host `index` of `count`'s share of a global batch: its block of rows, renumbered from 0.
+
+    Every host plans the same global batches and assembles only its block, so the hosts' batch shapes always
+    agree and their blocks together are exactly the batch a single host would train on.
+    """
+    rows, src_len, tgt_len = plan.shape
+    if rows % count:
+        raise DataError(f"a batch of {rows} rows does not split over {count} hosts; this is a bug")
+    per_host = rows // count
+    first = index * per_host
+    mine = (plan.rows >= first) & (plan.rows < first + per_host)
+    return Plan(
+        plan.items[mine],
+        plan.rows[mine] - first,
+        plan.src_offsets[mine],
+        plan.tgt_offsets[mine],
+        plan.segment_ids[mine],
+        (per_host, src_len, tgt_len),
+    )
+
+
+def real_tokens(examples: Examples, plan: Plan) -> int:
+    """Tokens (not padding) of a plan's batch, both sides."""
+    items = plan.items
+    src = examples.src_starts[items + 1] - examples.src_starts[items]
+    tgt = examples.tgt_starts[items + 1] - examples.tgt_starts[items]
+    return int(src.sum() + tgt.sum())
+
+
 def pad_planner(batch_rows: int, max_len: int) -> Planner:
     """One example per row, [batch_rows, max_len] on both sides."""
 

@@ -2,6 +2,8 @@
 
 Each checkpoint holds everything needed to continue exactly: model parameters, optimizer state, dropout RNG state,
 step and non-finite counters (item `state`), the data iterator state (item `data`) and the config (item `config`).
+With several processes each writes its shards of `state`; the JSON items are written by process 0 alone, which is
+right because every host's iterator state is the same (hosts plan the same global batches; see data.pipeline).
 """
 
 from __future__ import annotations

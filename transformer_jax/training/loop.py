@@ -53,8 +53,8 @@ class Prefetcher:
             while not self.stop.is_set():
                 batch = next(self.iterator)
                 it_state = self.iterator.get_state()
-                real = int((batch["src_segment_ids"] > 0).sum() + (batch["tgt_segment_ids"] > 0).sum())
-                shape = (batch["src_tokens"].shape[0], batch["src_tokens"].shape[1], batch["tgt_in"].shape[1])
+                # Tokens and shape of the global batch (all hosts), for throughput and FLOPs.
+                real, shape = self.iterator.last_real_tokens, self.iterator.last_global_shape
                 placed = {k: place(batch[k], self.sharding) for k in BATCH_KEYS}
                 self.queue.put((placed, it_state, real, shape))
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
@@ -78,6 +78,12 @@ class Prefetcher:
 def place(array: np.ndarray, sharding) -> jax.Array:
     """This host's rows of a global batch, placed on its devices (multi-host aware)."""
     return jax.make_array_from_process_local_data(sharding, np.asarray(array, np.int32))
+
+
+def host_block(array: np.ndarray) -> np.ndarray:
+    """This host's block of rows of a batch that every host holds whole (validation)."""
+    rows = array.shape[0] // jax.process_count()
+    return array[jax.process_index() * rows : (jax.process_index() + 1) * rows]
 
 
 def validation_batches(config: ml_collections.ConfigDict, tokenizer) -> list[dict[str, np.ndarray]]:
@@ -130,7 +136,7 @@ def validation_bleu(config, graphs, state, tokenizer, pairs) -> dict[str, float]
 def evaluate_loss(eval_step, state, batches, sharding) -> dict[str, float]:
     totals: dict[str, Any] = {}
     for batch in batches:
-        sums = eval_step(state, {k: place(v, sharding) for k, v in batch.items()})
+        sums = eval_step(state, {k: place(host_block(v), sharding) for k, v in batch.items()})
         totals = sums if not totals else jax.tree.map(lambda a, b: a + b, totals, sums)
     return summarize(jax.device_get(totals))
 
@@ -156,20 +162,24 @@ class _Window:
 
 
 def check_batch_shapes(config: ml_collections.ConfigDict, mesh) -> int:
-    """Every batch must split into grad_accum_steps micro-batches, each split over the devices.
+    """Every batch must split into grad_accum_steps micro-batches, each split over the devices (of all hosts).
 
-    Returns the multiple that bucketed batches' row counts are rounded to (per host) so that they always do.
+    Returns the multiple that bucketed batches' (global) row counts are rounded to so that they always do.
     """
     accum = config.train.grad_accum_steps
     if accum < 1:
         raise ConfigError(f"config key train.grad_accum_steps: must be >= 1, got {accum}")
-    local_multiple = accum * jax.local_device_count()
     if config.data.batching != "bucket" and config.data.batch_size % (accum * mesh.size):
         raise ConfigError(
             f"config key data.batch_size: {config.data.batch_size} rows do not split into {accum} micro-batches "
             f"(train.grad_accum_steps) over {mesh.size} devices; use a multiple of {accum * mesh.size}"
         )
-    return math.lcm(8, local_multiple)
+    if config.train.eval_every and config.eval.batch_size % mesh.size:
+        raise ConfigError(
+            f"config key eval.batch_size: validation batches of {config.eval.batch_size} rows do not split over "
+            f"{mesh.size} devices; use a multiple of {mesh.size}"
+        )
+    return math.lcm(8, accum * mesh.size)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict[str, float]:
