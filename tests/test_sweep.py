@@ -96,6 +96,19 @@ def test_results_with_references_chart_changes_from_the_first_variant(tmp_path):
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("outlier,scale", [(11.0, "linear"), (45.0, "symlog")])
+def test_a_variant_that_failed_to_learn_does_not_flatten_the_other_bars(tmp_path, monkeypatch, outlier, scale):
+    import matplotlib.pyplot as plt
+
+    figures = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: (figures.append(fig), close(fig)))
+    rows = [_row("base", 9.0, 10.0, 4.92, 25.8), _row("v", 8.0, 11.5, 5.29, 24.9), _row("x", outlier, 1.0, 4.9, 25.5)]
+    sweep.write_results(rows, tmp_path, reference_label="paper")
+    assert figures[0].axes[0].get_xscale() == scale  # +400% perplexity: logarithmic beyond +-50%
+    assert figures[0].axes[1].get_xscale() == "linear"
+
+
 def test_set_applies_to_every_variant_and_to_printed_commands(corpus, tmp_path, capsys):
     common = sweep.parse_settings(CONFIG, ["train.log_every=7", "data.tokenizer_model=/tmp/spm.model"])
     assert common == {"train.log_every": 7, "data.tokenizer_model": "/tmp/spm.model"}

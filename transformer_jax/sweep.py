@@ -19,6 +19,7 @@ import functools
 import importlib.util
 import json
 import logging
+import math
 import pathlib
 import re
 import shlex
@@ -223,13 +224,21 @@ def write_results(rows: list[dict], workdir: pathlib.Path, reference_label: str 
         )
         positions = range(len(rows))
         for ax, key, change, label in panels:
+            largest = 0.0
             for offset, prefix, color, who in ((-0.2, "", "tab:blue", "this run"), (0.2, "ref_", "tab:gray", "")):
                 x0 = _number(rows[0][prefix + key])
                 values = [change(_number(r[prefix + key]), x0) if x0 and r[prefix + key] != "" else 0.0 for r in rows]
                 ax.barh([p + offset for p in positions], values, height=0.4, color=color, label=who or reference_label)
+                largest = max([largest, *map(abs, values)])
             ax.axvline(0.0, color="black", linewidth=0.8)
             ax.set_yticks(list(positions), names)
             ax.set_xlabel(label + names[0])
+            if key == "valid_perplexity" and largest > 100:
+                # One run that failed to learn (+300%) would flatten every other bar to a sliver.
+                ax.set_xscale("symlog", linthresh=50)
+                ticks = [-50, -25, 0, 25, 50] + [100 * 2**k for k in range(int(math.log2(largest / 100)) + 2)]
+                ax.set_xticks(ticks, [f"{t:+d}" if t else "0" for t in ticks])
+                ax.set_xlabel(label + names[0] + " (linear to ±50%, logarithmic beyond)")
         axes[0].legend(loc="lower right")
     for ax in axes:
         ax.invert_yaxis()
