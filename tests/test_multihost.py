@@ -2,20 +2,24 @@
 joined through JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, exactly as the README launches hosts.
 
 It must train on exactly the batches of one process with 2 devices (bucketed shapes vary per batch, so the hosts
-must agree on every shape), write each checkpoint as 2 processes and resume from it, and write metrics once.
+must agree on every shape), stop together when only one process gets SIGTERM, write each checkpoint as 2 processes
+and resume from it, and write metrics once.
 """
 
 import os
 import pathlib
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
 from tests.training_helpers import tiny_train_config, write_corpus
-from transformer_jax.training import checkpoints
+from transformer_jax.training import checkpoints, loop
 from transformer_jax.training.metrics import read_metrics
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -47,11 +51,12 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, "PYTHONPATH": str(REPO), **extra}
 
 
-def _run(commands_envs: list[tuple[list[str], dict[str, str]]], timeout: float = 400) -> None:
-    procs = [
-        subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for cmd, env in commands_envs
-    ]
+def _start(command: list[str], env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[str]:
+    """Waits for every process; fails with the output of any that did not exit 0."""
     outputs = []
     try:
         for proc in procs:
@@ -61,13 +66,15 @@ def _run(commands_envs: list[tuple[list[str], dict[str, str]]], timeout: float =
             proc.kill()
     for i, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
         assert proc.returncode == 0, f"process {i} of {len(procs)} failed:\n{out[-4000:]}"
+    return outputs
 
 
-def _two_processes(corpus: pathlib.Path, workdir: pathlib.Path, num_steps: int) -> None:
+def _start_two(corpus: pathlib.Path, workdir: pathlib.Path, num_steps: int) -> list[subprocess.Popen]:
+    """train.py as process 0 and process 1 of a 2-process JAX run, joined the way the README launches hosts."""
     with socket.socket() as s:  # a free port for the coordinator
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    launches = []
+    procs = []
     for process_id in range(2):
         env = _env(
             JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
@@ -75,34 +82,51 @@ def _two_processes(corpus: pathlib.Path, workdir: pathlib.Path, num_steps: int) 
             JAX_PROCESS_ID=str(process_id),
             XLA_FLAGS=os.environ.get("XLA_FLAGS", ""),
         )
-        launches.append((_command(corpus, workdir, num_steps), env))
-    _run(launches)
+        procs.append(_start(_command(corpus, workdir, num_steps), env))
+    return procs
 
 
-def _losses(workdir: pathlib.Path) -> tuple[list[int], list[float], list[float]]:
+def _losses(workdir: pathlib.Path) -> tuple[list[int], list[float], dict[int, float]]:
     records = read_metrics(workdir / "metrics.jsonl")
     train = [r for r in records if "loss" in r]
-    valid = [r["valid_loss"] for r in records if "valid_loss" in r]
+    valid = {r["step"]: r["valid_loss"] for r in records if "valid_loss" in r}
     return [r["step"] for r in train], [r["loss"] for r in train], valid
 
 
-def test_two_processes_train_and_resume_exactly_like_one_process_with_two_devices(corpus, tmp_path):
+def test_two_processes_train_stop_and_resume_exactly_like_one_process_with_two_devices(corpus, tmp_path):
     from transformer_jax import data
-    from transformer_jax.training.checkpoints import load_config
 
     # One tokenizer for every run, trained once beforehand as the README says for multi-host runs.
     config = tiny_train_config(corpus)
     data.get_tokenizer(config.data, corpus.parent, vocab_size=config.model.vocab_size)
-
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
-    _run([(_command(corpus, tmp_path / "one", 9), _env(XLA_FLAGS=flags))])
-    _two_processes(corpus, tmp_path / "two", 6)
-    assert checkpoints.list_steps(tmp_path / "two") == [3, 6]
-    _two_processes(corpus, tmp_path / "two", 9)  # resumes from step 6 on both processes
+    _finish([_start(_command(corpus, tmp_path / "one", 32), _env(XLA_FLAGS=flags))])
 
+    # SIGTERM reaches only process 1 (launchers signal hosts at different moments): both must stop at the same
+    # step and write that checkpoint together, or process 0 would wait forever in the next step's collectives.
+    procs = _start_two(corpus, tmp_path / "two", 1000)
+    deadline = time.time() + 300
+    while not (tmp_path / "two" / "checkpoints" / "3").is_dir():
+        if any(p.poll() is not None for p in procs):
+            for p in procs:
+                p.kill()
+            pytest.fail(
+                "a process exited before the first checkpoint:\n" + "\n".join(p.communicate()[0] for p in procs)
+            )
+        assert time.time() < deadline, "no checkpoint appeared in time"
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)
+    outputs = _finish(procs)
+    stops = [re.findall(r"SIGTERM: saved the checkpoint at step (\d+)", out) for out in outputs]
+    assert stops[0] == stops[1] and len(stops[0]) == 1, stops
+    stop = int(stops[0][0])
+    assert stop % loop.STOP_CHECK_EVERY == 0 and stop in checkpoints.list_steps(tmp_path / "two")
+    assert stop <= 30, f"stopped at step {stop}, later than the reference run covers; the machine was too slow"
+
+    _finish(_start_two(corpus, tmp_path / "two", stop + 2))  # both processes resume from the stop
     one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
-    assert two[0] == one[0] == list(range(1, 10)), "each step is logged once, by process 0 only"
-    np.testing.assert_allclose(two[1], one[1], rtol=1e-5)  # train losses, steps 1-9
-    np.testing.assert_allclose(two[2], one[2], rtol=1e-5)  # validation losses at 3, 6, 9
-    assert checkpoints.list_steps(tmp_path / "two") == [3, 6, 9]
-    assert load_config(tmp_path / "two").train.num_steps == 9
+    assert two[0] == list(range(1, stop + 3)), "each step is logged once, by process 0 only"
+    np.testing.assert_allclose(two[1], one[1][: stop + 2], rtol=1e-5)  # train losses
+    common = sorted(set(one[2]) & set(two[2]))
+    assert len(common) >= 3
+    np.testing.assert_allclose([two[2][k] for k in common], [one[2][k] for k in common], rtol=1e-5)  # validation

@@ -33,9 +33,25 @@ from transformer_jax.training.optim import learning_rate_schedule
 from transformer_jax.training.state import abstract_train_state, create_train_state
 from transformer_jax.training.step import BATCH_KEYS, compile_steps
 
+# With several hosts, every this many steps the hosts agree whether any of them got SIGTERM (one tiny all-gather):
+# a launcher signals hosts at slightly different times, and a host that stopped alone would leave the others
+# waiting in the next step's collectives. One host checks its flag every step.
+STOP_CHECK_EVERY = 10
+
 
 class NonFiniteError(RuntimeError):
     """Too many non-finite updates in a row."""
+
+
+def should_stop(requested: bool, step: int) -> bool:
+    """Whether to stop before `step` + 1; on several hosts, the same answer on every host."""
+    if jax.process_count() == 1:
+        return requested
+    if step % STOP_CHECK_EVERY:
+        return False
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.int32(requested))))
 
 
 class Prefetcher:
@@ -258,8 +274,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
         window.reset()
         return metrics
 
+    stopping = False
     try:
-        while step < config.train.num_steps and not stop_requested.is_set():
+        while step < config.train.num_steps:
+            stopping = should_stop(stop_requested.is_set(), step)
+            if stopping:
+                break
             batch, it_state, real, shape = prefetcher.next()
             state, metrics = train_step(state, batch)
             step += 1
@@ -283,14 +303,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
                 saved_step = step
         if pending is not None:
             drain(pending)
-        if stop_requested.is_set() and saved_step != step:
+        if stopping and saved_step != step:
             checkpointer.save(step, state, it_state, config)
     except NonFiniteError:
         # Non-finite updates were skipped, so the state is the last good one.
         checkpointer.save(step, state, it_state, config)
         raise
     finally:
-        if stop_requested.is_set():
+        if stopping:
             logging.warning("SIGTERM: saved the checkpoint at step %d; exiting", step)
         signal.signal(signal.SIGTERM, previous_handler)
         prefetcher.close()
