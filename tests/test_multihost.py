@@ -130,3 +130,11 @@ def test_two_processes_train_stop_and_resume_exactly_like_one_process_with_two_d
     common = sorted(set(one[2]) & set(two[2]))
     assert len(common) >= 3
     np.testing.assert_allclose([two[2][k] for k in common], [one[2][k] for k in common], rtol=1e-5)  # validation
+
+    # The checkpoints that 2 processes wrote translate in 1 process with 1 device (every test line, once).
+    hypotheses = tmp_path / "test.hyp"
+    command = [sys.executable, str(REPO / "evaluate.py"), "--workdir", str(tmp_path / "two"), "--split", "test"]
+    _finish([_start([*command, "--average_last", "2", "--output_file", str(hypotheses)], _env())])
+    assert len(hypotheses.read_text(encoding="utf-8").splitlines()) == len(
+        (corpus / "test.en").read_text().splitlines()
+    )

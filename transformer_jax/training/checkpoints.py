@@ -179,10 +179,12 @@ def load_model_params(workdir: str | pathlib.Path, step: int, abstract_state: nn
     steps = list_steps(workdir)
     if step not in steps:
         raise CheckpointError(f"no checkpoint for step {step} in {checkpoint_dir(workdir)}; available steps: {steps}")
-    params = nnx.to_pure_dict(nnx.filter_state(abstract_state[0], nnx.Param))
-    # Read only the model's parameters: the optimizer state and counters are left out of the restore target.
-    restored = _manager(workdir, read_only=True).restore(
-        step,
-        args=ocp.args.Composite(state=ocp.args.PyTreeRestore({0: _abstract(params)}, partial_restore=True)),
+    target = {0: _abstract(nnx.to_pure_dict(nnx.filter_state(abstract_state[0], nnx.Param)))}
+    # Read only the model's parameters: the optimizer state and counters are left out of the restore target. The
+    # restore arguments carry this process's device for every array: without them Orbax reuses the saved shardings,
+    # which fails for a checkpoint written by other devices (another host, FSDP over 8 GPUs).
+    restore = ocp.args.PyTreeRestore(
+        target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
     )
+    restored = _manager(workdir, read_only=True).restore(step, args=ocp.args.Composite(state=restore))
     return restored.state[0]
