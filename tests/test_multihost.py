@@ -13,12 +13,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
-from tests.training_helpers import tiny_train_config, write_corpus
+from tests.training_helpers import tiny_train_config, wait_for_checkpoint, write_corpus
 from transformer_jax.training import checkpoints, loop
 from transformer_jax.training.metrics import read_metrics
 
@@ -105,16 +104,7 @@ def test_two_processes_train_stop_and_resume_exactly_like_one_process_with_two_d
     # SIGTERM reaches only process 1 (launchers signal hosts at different moments): both must stop at the same
     # step and write that checkpoint together, or process 0 would wait forever in the next step's collectives.
     procs = _start_two(corpus, tmp_path / "two", 1000)
-    deadline = time.time() + 300
-    while not (tmp_path / "two" / "checkpoints" / "3").is_dir():
-        if any(p.poll() is not None for p in procs):
-            for p in procs:
-                p.kill()
-            pytest.fail(
-                "a process exited before the first checkpoint:\n" + "\n".join(p.communicate()[0] for p in procs)
-            )
-        assert time.time() < deadline, "no checkpoint appeared in time"
-        time.sleep(0.05)
+    wait_for_checkpoint(procs, tmp_path / "two", 3, timeout=300)
     procs[1].send_signal(signal.SIGTERM)
     outputs = _finish(procs)
     stops = [re.findall(r"SIGTERM: saved the checkpoint at step (\d+)", out) for out in outputs]

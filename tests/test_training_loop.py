@@ -8,14 +8,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from tests.training_helpers import synthetic_batch, tiny_train_config, write_corpus
+from tests.training_helpers import synthetic_batch, tiny_train_config, wait_for_checkpoint, write_corpus
 from transformer_jax.sharding import make_mesh
 from transformer_jax.training import checkpoints
 from transformer_jax.training.loop import NonFiniteError, train_and_evaluate
@@ -133,17 +132,9 @@ def _launch(corpus: pathlib.Path, workdir: pathlib.Path, num_steps: int) -> subp
     )
 
 
-def _wait_for_checkpoint(proc: subprocess.Popen, workdir: pathlib.Path, step: int, timeout: float = 240) -> None:
-    deadline = time.time() + timeout
-    while not (workdir / "checkpoints" / str(step)).is_dir():
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.time() < deadline, "no checkpoint appeared in time"
-        time.sleep(0.05)
-
-
 def test_killed_run_resumes_to_the_same_parameters(corpus, tmp_path):
     proc = _launch(corpus, tmp_path / "killed", 400)
-    _wait_for_checkpoint(proc, tmp_path / "killed", 10)
+    wait_for_checkpoint([proc], tmp_path / "killed", 10)
     proc.kill()  # SIGKILL: no chance to save anything more
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
@@ -164,7 +155,7 @@ def test_killed_run_resumes_to_the_same_parameters(corpus, tmp_path):
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(corpus, tmp_path):
     proc = _launch(corpus, tmp_path, 100_000)
-    _wait_for_checkpoint(proc, tmp_path, 10)
+    wait_for_checkpoint([proc], tmp_path, 10)
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output

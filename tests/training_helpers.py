@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pathlib
+import subprocess
+import time
 
 import jax.numpy as jnp
 import ml_collections
@@ -74,3 +76,19 @@ def synthetic_batch(seed: int, rows: int = 8, length: int = 10, vocab: int = 50)
         "tgt_positions": pos * tgt_seg,
     }
     return {k: jnp.asarray(v, jnp.int32) for k, v in batch.items()}
+
+
+def wait_for_checkpoint(procs: list[subprocess.Popen], workdir: pathlib.Path, step: int, timeout: float = 240) -> None:
+    """Bounded polling until train.py processes have written the checkpoint of `step` (Orbax renames a finished
+    checkpoint into place, so the directory appears whole). A process that exits first fails the test with the
+    output of every process, after killing the others (they could wait forever for it)."""
+    deadline = time.time() + timeout
+    while not (workdir / "checkpoints" / str(step)).is_dir():
+        if any(p.poll() is not None for p in procs):
+            for p in procs:
+                p.kill()
+            raise AssertionError(
+                f"a process exited before checkpoint {step}:\n" + "\n".join(p.communicate()[0] for p in procs)
+            )
+        assert time.time() < deadline, f"no checkpoint {step} appeared in {timeout} s"
+        time.sleep(0.05)

@@ -21,6 +21,7 @@ Evaluation keeps every input in order: one sentence per row, long inputs truncat
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -42,6 +43,19 @@ def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n)
 
 
+@dataclasses.dataclass(frozen=True)
+class StreamSpec:
+    """What fixes the training batches: the examples, which of them are kept, how a window becomes batches, the
+    window size, the shuffle seed, and which block of each global batch's rows this host takes (index, count)."""
+
+    examples: batching.Examples
+    kept: np.ndarray
+    planner: batching.Planner
+    window: int
+    seed: int
+    host: tuple[int, int] = (0, 1)
+
+
 class WindowBatchIterator(grain.DatasetIterator):
     """Batches from consecutive windows of the endless, epoch-shuffled stream of kept examples.
 
@@ -49,19 +63,9 @@ class WindowBatchIterator(grain.DatasetIterator):
     [w * window, (w + 1) * window) plus the ids the previous window carried over.
     """
 
-    def __init__(
-        self,
-        examples: batching.Examples,
-        kept: np.ndarray,
-        planner: batching.Planner,
-        *,
-        window: int,
-        seed: int,
-        host: tuple[int, int] = (0, 1),
-    ):
+    def __init__(self, spec: StreamSpec):
         super().__init__()
-        self._examples, self._kept, self._planner = examples, kept, planner
-        self._window_size, self._seed, self._host = window, seed, host
+        self._spec = spec
         # The global batch behind the batch last returned: real tokens of all hosts and (rows, S, T) of all hosts.
         self.last_real_tokens, self.last_global_shape = 0, (0, 0, 0)
         self._window = 0
@@ -74,28 +78,29 @@ class WindowBatchIterator(grain.DatasetIterator):
     @property
     def epoch(self) -> int:
         """The epoch (pass over the kept examples) that the current window starts in."""
-        return self._window * self._window_size // len(self._kept)
+        return self._window * self._spec.window // len(self._spec.kept)
 
     def _order(self, epoch: int) -> np.ndarray:
         if epoch not in self._order_cache:
             if len(self._order_cache) > 2:
                 self._order_cache.clear()
-            self._order_cache[epoch] = epoch_order(self._seed, epoch, len(self._kept))
+            self._order_cache[epoch] = epoch_order(self._spec.seed, epoch, len(self._spec.kept))
         return self._order_cache[epoch]
 
     def _stream(self, start: int, stop: int) -> np.ndarray:
-        n = len(self._kept)
+        kept = self._spec.kept
+        n = len(kept)
         parts = []
         for epoch in range(start // n, (stop - 1) // n + 1):
             lo, hi = max(start - epoch * n, 0), min(stop - epoch * n, n)
-            parts.append(self._kept[self._order(epoch)[lo:hi]])
+            parts.append(kept[self._order(epoch)[lo:hi]])
         return np.concatenate(parts)
 
     def _plan_window(self) -> None:
-        start = self._window * self._window_size
-        items = np.concatenate([self._carry, self._stream(start, start + self._window_size)])
-        rng = np.random.default_rng([self._seed, self._window])
-        self._plans, self._next_carry = self._planner(items, len(self._carry), rng)
+        start = self._window * self._spec.window
+        items = np.concatenate([self._carry, self._stream(start, start + self._spec.window)])
+        rng = np.random.default_rng([self._spec.seed, self._window])
+        self._plans, self._next_carry = self._spec.planner(items, len(self._carry), rng)
 
     def __next__(self) -> dict[str, np.ndarray]:
         if self._plans is None:
@@ -105,10 +110,11 @@ class WindowBatchIterator(grain.DatasetIterator):
             self._plan_window()
         plan = self._plans[self._emitted]
         self._emitted += 1
-        self.last_real_tokens, self.last_global_shape = batching.real_tokens(self._examples, plan), plan.shape
-        if self._host[1] > 1:
-            plan = batching.host_rows(plan, *self._host)
-        return batching.assemble(self._examples, plan)
+        examples, host = self._spec.examples, self._spec.host
+        self.last_real_tokens, self.last_global_shape = batching.real_tokens(examples, plan), plan.shape
+        if host[1] > 1:
+            plan = batching.host_rows(plan, *host)
+        return batching.assemble(examples, plan)
 
     def get_state(self) -> dict[str, Any]:
         """A JSON-serialisable position: restoring it continues with exactly the batch that would come next."""
@@ -124,22 +130,12 @@ class WindowBatchIterator(grain.DatasetIterator):
 class WindowBatchDataset(grain.IterDataset):
     """grain view of the training batches: iter() starts a fresh `WindowBatchIterator` (grain can prefetch it)."""
 
-    def __init__(
-        self,
-        examples: batching.Examples,
-        kept: np.ndarray,
-        planner: batching.Planner,
-        *,
-        window: int,
-        seed: int,
-        host: tuple[int, int] = (0, 1),
-    ):
+    def __init__(self, spec: StreamSpec):
         super().__init__()
-        self._args = (examples, kept, planner)
-        self._window, self._seed, self._host = window, seed, host
+        self._spec = spec
 
     def __iter__(self) -> WindowBatchIterator:
-        return WindowBatchIterator(*self._args, window=self._window, seed=self._seed, host=self._host)
+        return WindowBatchIterator(self._spec)
 
 
 def make_planner(
@@ -202,7 +198,7 @@ def make_train_iterator(
         )
     planner, shapes = make_planner(config, examples, process_count, row_multiple)
     dataset = WindowBatchDataset(
-        examples, kept, planner, window=config.batch_window, seed=seed, host=(process_index, process_count)
+        StreamSpec(examples, kept, planner, config.batch_window, seed, (process_index, process_count))
     )
     stats.update(
         src_tokens=int(examples.src_lens[kept].sum()),
