@@ -264,6 +264,16 @@ def test_hosts_get_blocks_of_rows_of_exactly_the_one_host_batches(corpus, mode):
         pipeline.make_train_iterator(config_for(directory, batch_size=8), tokenizer, process_index=0, process_count=5)
 
 
+def test_bucket_rows_split_evenly_over_hosts_whatever_the_row_multiple(corpus):
+    directory, tokenizer, _, _ = corpus
+    config = config_for(directory, batching="bucket", tokens_per_batch=256)
+    for host in range(3):
+        it, stats = pipeline.make_train_iterator(config, tokenizer, process_index=host, process_count=3)
+        assert all(rows % 24 == 0 for rows, _, _ in stats["batch_shapes"])  # lcm(8, 3 hosts)
+        for _ in range(5):
+            assert next(it)["src_tokens"].shape[0] * 3 == it.last_global_shape[0]
+
+
 def test_epochs_reshuffle_and_cover_everything(corpus):
     directory, tokenizer, _, ids = corpus
     config = config_for(directory, batching="pad", batch_size=10, batch_window=300)

@@ -222,3 +222,29 @@ def test_validation_batches_keep_every_token_in_bucketed_lengths(corpus, tmp_pat
         assert total == sum(int((b[f"{side}_segment_ids"] > 0).sum()) for b in padded)
         assert {b[f"{side}_segment_ids"].shape[1] for b in batches} <= {16, 32, 64, 128, 256}
     assert max(b["tgt_out"].shape[1] for b in batches) < 256  # short sentences are not padded to eval_max_len
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"data.batch_size": 12}, r"data.batch_size: 12 rows do not split into 2 micro-batches .* use a multiple of 8"),
+        ({"eval.batch_size": 6}, r"eval.batch_size: validation batches of 6 rows do not split over 4 devices"),
+    ],
+)
+def test_batches_that_do_not_split_over_the_devices_are_clear_errors(corpus, overrides, message):
+    from types import SimpleNamespace
+
+    from transformer_jax.errors import ConfigError
+    from transformer_jax.training.loop import check_batch_shapes
+
+    config = tiny_train_config(corpus)
+    config.data.batch_size, config.train.grad_accum_steps = 16, 2
+    config.eval.batch_size = 8
+    for key, value in overrides.items():
+        group, name = key.split(".")
+        config[group][name] = value
+    mesh = SimpleNamespace(size=4)  # 4 devices over all hosts
+    with pytest.raises(ConfigError, match=message):
+        check_batch_shapes(config, mesh)
+    config.update({"data": {"batch_size": 16}, "eval": {"batch_size": 8}})
+    assert check_batch_shapes(config, mesh) == 8  # lcm(8, 2 micro-batches x 4 devices)
