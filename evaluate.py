@@ -25,6 +25,8 @@ from typing import Any
 from absl import app, flags
 from ml_collections import config_flags
 
+from transformer_jax.errors import EvalError
+
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Config file; default: the config saved with the checkpoints.")
 flags.DEFINE_string("workdir", None, "Training directory with checkpoints/ and the tokenizer.")
@@ -41,10 +43,6 @@ flags.DEFINE_integer("max_extra_len", None, "Output tokens beyond the input leng
 flags.DEFINE_integer("batch_size", None, "Sentences per decoding batch (default config.eval.batch_size).")
 flags.DEFINE_string("output_file", None, "Hypotheses file; default WORKDIR/eval/<name>.<steps>.txt (stdin: stdout).")
 flags.DEFINE_string("scores_file", None, "JSON report; default OUTPUT_FILE.json.")
-
-
-class EvalError(Exception):
-    """A problem with the inputs, reported as one clear line instead of a traceback."""
 
 
 @dataclasses.dataclass
@@ -324,7 +322,7 @@ def main(argv: list[str]) -> None:
 
     errors: tuple[type[Exception], ...] = (EvalError, ScoreError, AveragingError)
     try:
-        from transformer_jax.data.errors import DataError
+        from transformer_jax.errors import DataError
         from transformer_jax.training.checkpoints import CheckpointError
 
         errors += (DataError, CheckpointError)

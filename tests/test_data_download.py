@@ -12,7 +12,7 @@ import pytest
 
 from configs import common
 from transformer_jax.data import download, sources
-from transformer_jax.data.errors import DataError
+from transformer_jax.errors import DataError
 
 
 class Server:

@@ -12,7 +12,7 @@ import pytest
 from configs import common
 from transformer_jax.data import batching, pipeline
 from transformer_jax.data import tokenizer as tokenizer_lib
-from transformer_jax.data.errors import DataError
+from transformer_jax.errors import DataError
 
 DATA = Path(os.environ.get("TRANSFORMER_JAX_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
 

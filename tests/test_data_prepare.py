@@ -12,7 +12,7 @@ import pytest
 
 from tests.training_helpers import tiny_train_config, write_corpus
 from transformer_jax.data import tokenizer as tokenizer_lib
-from transformer_jax.data.errors import DataError
+from transformer_jax.errors import DataError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ import tensorflow_datasets as tfds
 
 from configs import common
 from transformer_jax.data import sources
-from transformer_jax.data.errors import DataError
+from transformer_jax.errors import DataError
 
 DATA = Path(os.environ.get("TRANSFORMER_JAX_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
 

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import ml_collections
 
-from transformer_jax.errors import ConfigError
+from transformer_jax.errors import ConfigError, VariantInterrupted
 
 RESULT_FILE = "sweep_result.json"
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.=-]+$")
@@ -125,10 +125,6 @@ def train_command(config_arg: str, workdir: pathlib.Path, name: str, overrides: 
     args = ["python", "train.py", f"--config={config_arg}", f"--workdir={workdir / name}"]
     args += [f"--config.{k}={v}" for k, v in overrides.items()]
     return shlex.join(args)
-
-
-class VariantInterrupted(Exception):
-    """A variant stopped before its last step (SIGTERM): the sweep stops too, and resumes when run again."""
 
 
 def run_variant(name: str, config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:

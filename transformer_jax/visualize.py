@@ -104,8 +104,7 @@ def run(args: argparse.Namespace) -> list[Path]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    from transformer_jax.data.errors import DataError
-    from transformer_jax.errors import ConfigError
+    from transformer_jax.errors import ConfigError, DataError
 
     try:
         paths = run(args)

@@ -6,10 +6,10 @@ Training calls `get_tokenizer(config.data, workdir, vocab_size=...)` and then
 """
 
 from transformer_jax.data.batching import BATCH_KEYS, Examples, bucket_shapes, padding_efficiency, tokenize_pairs
-from transformer_jax.data.errors import DataError
 from transformer_jax.data.pipeline import WindowBatchIterator, eval_batches, make_train_iterator
 from transformer_jax.data.sources import load_split, open_split
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, get_tokenizer, train_tokenizer
+from transformer_jax.errors import DataError
 
 __all__ = [
     "BATCH_KEYS",

@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from transformer_jax.data.errors import DataError
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, Tokenizer
+from transformer_jax.errors import DataError
 
 ROW_MULTIPLE = 8  # default: bucket batches have a multiple of 8 rows, so they split evenly over up to 8 devices
 BATCH_KEYS = (

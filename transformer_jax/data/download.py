@@ -20,7 +20,7 @@ from pathlib import Path
 
 from absl import logging
 
-from transformer_jax.data.errors import DataError
+from transformer_jax.errors import DataError
 
 CHUNK_BYTES = 1 << 16
 

@@ -34,8 +34,8 @@ import numpy as np
 from absl import logging
 
 from transformer_jax.data import batching, sources
-from transformer_jax.data.errors import DataError
 from transformer_jax.data.tokenizer import Tokenizer
+from transformer_jax.errors import DataError
 
 
 def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:

@@ -16,7 +16,7 @@ import ml_collections
 from absl import logging
 
 from transformer_jax.data import download as download_lib
-from transformer_jax.data.errors import DataError
+from transformer_jax.errors import DataError
 
 Pair = tuple[str, str]
 

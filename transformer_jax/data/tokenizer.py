@@ -18,7 +18,7 @@ from absl import logging
 
 from transformer_jax.data import sources
 from transformer_jax.data.download import atomic_write
-from transformer_jax.data.errors import DataError
+from transformer_jax.errors import DataError
 
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
 MODEL_FILENAME = "spm.model"

@@ -13,11 +13,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from transformer_jax.errors import AveragingError
+
 PyTree = Any
-
-
-class AveragingError(ValueError):
-    """A checkpoint selection or a set of pytrees that cannot be averaged; the message lists what exists."""
 
 
 def select_steps(available: Sequence[int], last_n: int | None, steps: Sequence[int] | None) -> list[int]:

@@ -19,13 +19,11 @@ from sacrebleu.metrics import BLEU, CHRF
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 from sacrebleu.tokenizers.tokenizer_intl import TokenizerV14International
 
+from transformer_jax.errors import ScoreError
+
 TOKENIZED_BLEU_LABEL = "tokenized BLEU (tensor2tensor get_ende_bleu procedure, compound splitting)"
 _COMPOUND = re.compile(r"(\S)-(\S)")  # the perl s{(\S)-(\S)}{$1 ##AT##-##AT## $2}g of get_ende_bleu.sh
 _TOKENIZERS = {"13a": Tokenizer13a, "intl": TokenizerV14International}
-
-
-class ScoreError(ValueError):
-    """Inputs that cannot be scored (line counts differ, unreadable file); the message names the files."""
 
 
 def read_lines(path: str | os.PathLike) -> list[str]:

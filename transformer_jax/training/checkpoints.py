@@ -18,6 +18,8 @@ import ml_collections
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from transformer_jax.errors import CheckpointError
+
 ITEMS = ("state", "data", "config")
 # Keys whose change makes a checkpoint unusable (the parameter or optimizer structure, or what the tokens mean).
 # Others (dtype, attention kernel, dropout, schedule, steps, logging) may change on resume.
@@ -44,10 +46,6 @@ STRUCTURAL_KEYS = (
     "data.tgt_lang",
     "data.tokenizer_type",
 )
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used, with what to do about it."""
 
 
 def checkpoint_dir(workdir: str | pathlib.Path) -> pathlib.Path:

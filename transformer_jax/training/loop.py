@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 
 from transformer_jax import data
-from transformer_jax.errors import ConfigError
+from transformer_jax.errors import ConfigError, NonFiniteError
 from transformer_jax.evaluation.translate import bucket_length
 from transformer_jax.model.spec import TransformerSpec
 from transformer_jax.sharding import batch_sharding, make_mesh, state_shardings
@@ -37,10 +37,6 @@ from transformer_jax.training.step import BATCH_KEYS, compile_steps
 # a launcher signals hosts at slightly different times, and a host that stopped alone would leave the others
 # waiting in the next step's collectives. One host checks its flag every step.
 STOP_CHECK_EVERY = 10
-
-
-class NonFiniteError(RuntimeError):
-    """Too many non-finite updates in a row."""
 
 
 def should_stop(requested: bool, step: int) -> bool:

@@ -3,6 +3,7 @@
 Each function writes PNGs under an output directory and returns their paths with the arrays it drew.
 """
 
+from transformer_jax.errors import VisualizeError
 from transformer_jax.visualization.attention import (
     ATTENTION_KINDS,
     AttentionMaps,
@@ -15,7 +16,7 @@ from transformer_jax.visualization.attention import (
     plot_attention,
     token_pieces,
 )
-from transformer_jax.visualization.figures import DPI, VisualizeError
+from transformer_jax.visualization.figures import DPI
 from transformer_jax.visualization.positional import DOTS_FIGSIZE, PE_FIGSIZE, PositionalResult, positional
 from transformer_jax.visualization.training import (
     SCHEDULE_FIGSIZE,

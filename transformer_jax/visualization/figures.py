@@ -11,10 +11,6 @@ from pathlib import Path
 DPI = 100  # pixels per inch of every PNG
 
 
-class VisualizeError(ValueError):
-    """Bad arguments or inputs; the message names the argument or file. The CLI prints it and exits 2."""
-
-
 def new_figure(figsize: tuple[float, float]):
     from matplotlib.figure import Figure
 

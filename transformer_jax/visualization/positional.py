@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from transformer_jax.visualization.figures import VisualizeError, new_figure, save
+from transformer_jax.errors import VisualizeError
+from transformer_jax.visualization.figures import new_figure, save
 
 PE_FIGSIZE = (8.0, 5.0)  # inches: the PE matrix
 DOTS_FIGSIZE = (8.0, 5.0)  # inches: PE(pos) . PE(pos + k) against k
