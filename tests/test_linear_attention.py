@@ -3,10 +3,17 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
+from tests.model_helpers import random_tokens, tiny_model
 from transformer_jax import ops
-from transformer_jax.ops.linear import feature_map, linear_attention
+from transformer_jax.ops.linear_attention import feature_map
+
+
+def linear_attention(q, k, v, **masking):
+    return ops.attention(q, k, v, impl="linear", **masking)
 
 
 def naive(q, k, v, **masking):
@@ -75,20 +82,49 @@ def test_window_is_a_clear_error():
         ops.attention(q, k, v, impl="linear", window=2)
 
 
-def test_model_trains_with_linear_attention_and_caches_match():
-    from flax import nnx
+def test_training_only_the_projections_into_linear_attention_lowers_the_loss():
+    """Real learning through linear attention's gradients: with every parameter frozen except the q/k/v
+    projections, which reach the loss only through linear attention, 30 Adam steps on one fixed batch bring the
+    loss well below its start. Zero gradients leave it at the start; gradients of the wrong sign raise it."""
+    model = tiny_model(impl="linear", num_encoder_layers=1, num_decoder_layers=1)
+    src, tgt = random_tokens(0, (8, 8)), random_tokens(1, (8, 8))
+    tgt_in = jnp.concatenate([jnp.full((8, 1), 2, jnp.int32), tgt[:, :-1]], axis=1)
 
-    from tests.model_helpers import random_tokens, tiny_model
+    def feeds_attention(path: tuple, x: object) -> bool:
+        return isinstance(x, nnx.Param) and any(str(p) in ("q_proj", "k_proj", "v_proj") for p in path)
 
+    graph, params, rest = nnx.split(model, feeds_attention, ...)
+    tx = optax.adam(3e-2)
+
+    def loss(params: nnx.State) -> jax.Array:
+        logits = nnx.merge(graph, params, rest)(src, tgt_in)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tgt).mean()
+
+    def step(carry: tuple, _: None) -> tuple[tuple, jax.Array]:
+        params, opt_state = carry
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), value
+
+    _, losses = jax.jit(lambda p: jax.lax.scan(step, (p, tx.init(p)), length=30))(params)
+    losses = np.asarray(losses)
+    assert np.isfinite(losses).all()
+    assert losses[-1] < 0.6 * losses[0], losses
+
+
+@nnx.jit
+def _decode(model: nnx.Module, memory: jax.Array | None, tgt: jax.Array, **kwargs) -> jax.Array | tuple:
+    return model.decode(memory, tgt, **kwargs)
+
+
+def test_decoding_with_a_cache_step_by_step_matches_the_whole_target():
     model = tiny_model(impl="linear")
     src, tgt = random_tokens(0, (2, 5)), random_tokens(1, (2, 4))
     memory = model.encode(src)
-    full = model.decode(memory, tgt)
-    cache = model.init_cache(memory, None, max_len=4)
+    full = _decode(model, memory, tgt, src_tokens=src)
+    cache = model.init_cache(memory, None, max_len=4, src_tokens=src)
     steps = []
     for t in range(4):
-        logits, cache = model.decode(None, tgt[:, t : t + 1], cache=cache)
+        logits, cache = _decode(model, None, tgt[:, t : t + 1], cache=cache)
         steps.append(logits)
     np.testing.assert_allclose(jnp.concatenate(steps, 1), full, rtol=1e-5, atol=1e-5)
-    grads = nnx.grad(lambda m: m(src, tgt).sum())(model)
-    assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))

@@ -11,8 +11,9 @@ from transformer_jax import ops
 from transformer_jax.model.attention import MultiHeadAttention
 
 
-def test_dot_product_variance_is_d_k_and_scaling_restores_unit_variance():
-    """For q, k with i.i.d. N(0, 1) entries, Var(q.k) = d_k, so q.k / sqrt(d_k) has variance 1 (paper 3.2.1)."""
+def test_dot_product_variance_is_d_k_and_ops_attention_scales_it_to_one():
+    """For q, k with i.i.d. N(0, 1) entries, Var(q.k) = d_k, so q.k / sqrt(d_k) has variance 1 (paper 3.2.1),
+    and the scores ops.attention computes (the model's attention) are those: variance 1, not 1/d_k or d_k."""
     d_k, n = 64, 200_000
     key_q, key_k = jax.random.split(jax.random.key(0))
     q = np.asarray(jax.random.normal(key_q, (n, d_k)), np.float64)
@@ -22,9 +23,16 @@ def test_dot_product_variance_is_d_k_and_scaling_restores_unit_variance():
     # independent N(0,1) has excess kurtosis 6, and a sum of d_k of them 6/d_k. Allow 5 standard errors.
     rel_se = np.sqrt(2 / (n - 1) + (6 / d_k) / n)
     assert abs(dots.var() / d_k - 1) < 5 * rel_se
-    assert abs((dots / np.sqrt(d_k)).var() - 1) < 5 * rel_se
     # The unscaled scores would saturate the softmax; the scaled ones do not (the paper's motivation).
     assert abs(dots.var() - 1) > 50 * rel_se
+
+    # The project's scores: weights = softmax(scores), so log(weights) is the scores less a constant per query, and
+    # its variance over the keys is that of the scores. Over 1024 queries of 1024 keys each it is 1 to within ~0.01.
+    q_BTNH = jax.random.normal(key_q, (1, 256, 4, d_k))
+    k_BSKH = jax.random.normal(key_k, (1, 1024, 4, d_k))
+    _, weights_BNTS = ops.attention(q_BTNH, k_BSKH, jnp.zeros((1, 1024, 4, 8)), return_weights=True)
+    score_variance = float(np.log(np.asarray(weights_BNTS, np.float64)).var(-1).mean())
+    assert abs(score_variance - 1) < 0.05, score_variance
 
 
 def _qkv(seed=0, b=2, t=5, s=7, n=4, h=8):

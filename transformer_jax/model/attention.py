@@ -1,7 +1,6 @@
 """Multi-head attention: projections, masks and the decoding cache. The kernel is `ops.attention`.
 
-Axis legend: B batch, T query length, S key/value length, L cache length, D d_model, N query heads,
-K key/value heads, H head dim (d_k), G value head dim (d_v).
+Axis letters: see transformer_jax/__init__.py.
 """
 
 from __future__ import annotations
@@ -39,11 +38,11 @@ class MultiHeadAttention(nnx.Module):
         self.capture_weights = False
 
     def project_kv(self, x_BSD: Array) -> tuple[Array, Array]:
-        """K = X W^K and V = X W^V, split into heads: [B, S, K, H] and [B, S, K, G]."""
+        """K = X W^K and V = X W^V, split into heads: [B, S, K, H] and [B, S, K, E]."""
         batch, length, _ = x_BSD.shape
         k_BSKH = self.k_proj(x_BSD).reshape(batch, length, self.num_kv_heads, self.d_qk)
-        v_BSKG = self.v_proj(x_BSD).reshape(batch, length, self.num_kv_heads, self.d_v)
-        return k_BSKH, v_BSKG
+        v_BSKE = self.v_proj(x_BSD).reshape(batch, length, self.num_kv_heads, self.d_v)
+        return k_BSKH, v_BSKE
 
     def __call__(
         self,
@@ -59,7 +58,7 @@ class MultiHeadAttention(nnx.Module):
         """Attends queries from x to precomputed (K, V) heads; returns [B, T, D]."""
         batch, length, _ = x_BTD.shape
         q_BTNH = self.q_proj(x_BTD).reshape(batch, length, self.num_heads, self.d_qk)
-        k_BSKH, v_BSKG = kv
+        k_BSKH, v_BSKE = kv
         masking = dict(
             q_segment_ids=q_segment_ids,
             kv_segment_ids=kv_segment_ids,
@@ -70,10 +69,10 @@ class MultiHeadAttention(nnx.Module):
         )
         use_dropout = self.dropout_rate > 0 and not self.weights_dropout.deterministic
         if self.capture_weights or use_dropout:
-            out_BTNG, weights_BNTS = ops.attention(
+            out_BTNE, weights_BNTS = ops.attention(
                 q_BTNH,
                 k_BSKH,
-                v_BSKG,
+                v_BSKE,
                 impl="xla",
                 return_weights=True,
                 weights_dropout=self.weights_dropout if use_dropout else None,
@@ -82,8 +81,8 @@ class MultiHeadAttention(nnx.Module):
             if self.capture_weights:
                 self.sow(nnx.Intermediate, "attention_weights", weights_BNTS)
         else:
-            out_BTNG = ops.attention(q_BTNH, k_BSKH, v_BSKG, impl=self.impl, **masking)
-        return self.o_proj(out_BTNG.reshape(batch, length, self.num_heads * self.d_v))
+            out_BTNE = ops.attention(q_BTNH, k_BSKH, v_BSKE, impl=self.impl, **masking)
+        return self.o_proj(out_BTNE.reshape(batch, length, self.num_heads * self.d_v))
 
 
 def init_self_cache(attn: MultiHeadAttention, batch: int, max_len: int, dtype: jnp.dtype) -> dict[str, Array]:
@@ -94,9 +93,9 @@ def init_self_cache(attn: MultiHeadAttention, batch: int, max_len: int, dtype: j
     }
 
 
-def append_to_cache(cache: dict[str, Array], k_BTKH: Array, v_BTKG: Array, index: Array) -> dict[str, Array]:
+def append_to_cache(cache: dict[str, Array], k_BTKH: Array, v_BTKE: Array, index: Array) -> dict[str, Array]:
     """Writes the new keys/values at positions [index, index + T) of the cache."""
     return {
         "k": jax.lax.dynamic_update_slice_in_dim(cache["k"], k_BTKH.astype(cache["k"].dtype), index, axis=1),
-        "v": jax.lax.dynamic_update_slice_in_dim(cache["v"], v_BTKG.astype(cache["v"].dtype), index, axis=1),
+        "v": jax.lax.dynamic_update_slice_in_dim(cache["v"], v_BTKE.astype(cache["v"].dtype), index, axis=1),
     }

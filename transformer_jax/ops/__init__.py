@@ -1,16 +1,19 @@
-"""Attention functions: one signature, several implementations, chosen by name."""
+"""Attention functions: one signature, several implementations, chosen by name; one mask (masks.AttentionMask)."""
 
-# blockwise, dispatch (cudnn, auto), pallas_attention and linear are imported to register their implementations.
-from transformer_jax.ops import blockwise, dispatch, linear, pallas_attention
+# blockwise, dispatch (cudnn, auto), pallas_attention and linear_attention are imported to register themselves.
+from transformer_jax.ops import blockwise, dispatch, linear_attention, masks, pallas_attention
 from transformer_jax.ops.attention import IMPLEMENTATIONS, attention, attention_mask, register
+from transformer_jax.ops.masks import AttentionMask
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "AttentionMask",
     "attention",
     "attention_mask",
     "blockwise",
     "dispatch",
-    "linear",
+    "linear_attention",
+    "masks",
     "pallas_attention",
     "register",
 ]

@@ -1,24 +1,21 @@
 """The one attention entry point and the XLA reference implementation.
 
-Axis legend: B batch, T query length, S key/value length, N query heads, K key/value heads, H head dim.
+Every implementation has the signature `fn(q, k, v, mask, **options)`: q is [B, T, N, H], k is [B, S, K, H],
+v is [B, S, K, E], N a multiple of K (grouped-query heads), and `mask` the masks.AttentionMask that `attention`
+builds once from its arguments. Which keys a query sees is written only there (ops/masks.py).
 
-Conventions shared by every implementation:
-- q is [B, T, N, H]; k is [B, S, K, H]; v is [B, S, K, Hv]; N must be a multiple of K (grouped-query heads).
-- Segment ids: id 0 (or any id <= 0) marks padding. A query attends to a key only when both have the same
-  positive segment id. Passing only one of q_segment_ids / kv_segment_ids treats the other side as all ones.
-- Causal masking compares positions: a query at position p sees keys at positions <= p. Without explicit
-  positions, queries are aligned to the end of the keys (query i has position i + S - T), which is the
-  convention of decoding with a cache and of FlashAttention 2.
-- window=w keeps keys with 0 <= p_q - p_k < w when causal, |p_q - p_k| < w otherwise (local attention).
-- A query row with no visible key returns zeros (never NaN), and its gradients are zero.
+Axis letters: see transformer_jax/__init__.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Hashable
 
 import jax
 import jax.numpy as jnp
+
+from transformer_jax.ops.masks import AttentionMask
 
 Array = jax.Array
 
@@ -26,7 +23,7 @@ IMPLEMENTATIONS: dict[str, Callable[..., Array]] = {}
 
 
 def register(name: str) -> Callable[[Callable[..., Array]], Callable[..., Array]]:
-    """Registers an attention implementation under `name` for `attention(..., impl=name)`."""
+    """Registers `fn(q, k, v, mask, **options)` under `name` for `attention(..., impl=name)`."""
 
     def wrap(fn: Callable[..., Array]) -> Callable[..., Array]:
         IMPLEMENTATIONS[name] = fn
@@ -35,52 +32,38 @@ def register(name: str) -> Callable[[Callable[..., Array]], Callable[..., Array]
     return wrap
 
 
-def _default_positions(batch: int, length: int, offset: int) -> Array:
-    return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32) + offset, (batch, length))
+def recompute_vjp(forward: Callable[..., tuple], backward: Callable[..., tuple]) -> Callable[..., Array]:
+    """attend(q, k, v, mask, static) with the FlashAttention custom VJP of the tiled implementations.
+
+    forward(q, k, v, mask, static) -> (out, lse); the VJP saves (q, k, v, mask, out, lse), not the attention
+    matrix, and backward(saved, d_out, static) -> (dq, dk, dv) recomputes the tiles. `static` must be hashable.
+    """
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+    def attend(q: Array, k: Array, v: Array, mask: AttentionMask, static: Hashable) -> Array:
+        return forward(q, k, v, mask, static)[0]
+
+    def attend_fwd(q: Array, k: Array, v: Array, mask: AttentionMask, static: Hashable) -> tuple[Array, tuple]:
+        out, lse = forward(q, k, v, mask, static)
+        return out, (q, k, v, mask, out, lse)
+
+    def attend_bwd(static: Hashable, saved: tuple, d_out: Array) -> tuple:
+        dq, dk, dv = backward(saved, d_out, static)
+        return dq, dk, dv, jax.tree.map(lambda _: None, saved[3])  # integer mask vectors have no cotangent
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    return attend
 
 
-def attention_mask(
-    batch: int,
-    q_len: int,
-    kv_len: int,
-    *,
-    q_segment_ids: Array | None = None,
-    kv_segment_ids: Array | None = None,
-    causal: bool = False,
-    q_positions: Array | None = None,
-    kv_positions: Array | None = None,
-    window: int | None = None,
-) -> Array | None:
-    """Boolean mask [B, 1, T, S] (True = may attend) from the shared conventions, or None if nothing is masked."""
-    mask = None
-
-    def conjoin(m: Array) -> None:
-        nonlocal mask
-        mask = m if mask is None else jnp.logical_and(mask, m)
-
-    if q_segment_ids is not None or kv_segment_ids is not None:
-        q_seg = jnp.ones((batch, q_len), jnp.int32) if q_segment_ids is None else q_segment_ids
-        kv_seg = jnp.ones((batch, kv_len), jnp.int32) if kv_segment_ids is None else kv_segment_ids
-        same = q_seg[:, :, None] == kv_seg[:, None, :]
-        real = jnp.logical_and(q_seg[:, :, None] > 0, kv_seg[:, None, :] > 0)
-        conjoin(jnp.logical_and(same, real))
-    if causal or window is not None:
-        q_pos = _default_positions(batch, q_len, kv_len - q_len) if q_positions is None else q_positions
-        kv_pos = _default_positions(batch, kv_len, 0) if kv_positions is None else kv_positions
-        delta = q_pos[:, :, None] - kv_pos[:, None, :]  # [B, T, S]
-        if causal:
-            conjoin(delta >= 0)
-        if window is not None:
-            if window <= 0:
-                raise ValueError(f"attention window must be a positive number of tokens, got {window}")
-            conjoin(delta < window if causal else jnp.abs(delta) < window)
-    return None if mask is None else mask[:, None, :, :]
+def attention_mask(batch: int, q_len: int, kv_len: int, **masking: Array | bool | int | None) -> Array | None:
+    """Boolean mask [B, 1, T, S] (True = may attend) of AttentionMask.create's arguments, or None."""
+    return AttentionMask.create(batch, q_len, kv_len, **masking).dense()
 
 
 def _check_shapes(q: Array, k: Array, v: Array) -> None:
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(
-            f"attention expects q [B,T,N,H], k [B,S,K,H], v [B,S,K,Hv]; got shapes {q.shape}, {k.shape}, {v.shape}"
+            f"attention expects q [B,T,N,H], k [B,S,K,H], v [B,S,K,E]; got shapes {q.shape}, {k.shape}, {v.shape}"
         )
     if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"attention: incompatible q {q.shape}, k {k.shape}, v {v.shape}")
@@ -93,13 +76,8 @@ def xla_attention(
     q: Array,
     k: Array,
     v: Array,
+    mask: AttentionMask,
     *,
-    q_segment_ids: Array | None = None,
-    kv_segment_ids: Array | None = None,
-    causal: bool = False,
-    q_positions: Array | None = None,
-    kv_positions: Array | None = None,
-    window: int | None = None,
     scale: float | None = None,
     return_weights: bool = False,
     weights_dropout: Callable[[Array], Array] | None = None,
@@ -110,41 +88,30 @@ def xla_attention(
     attention weights [B, N, T, S] (rows sum to 1, or to 0 for a query that sees no key). weights_dropout, if
     given, is applied to the weights before they multiply V (attention dropout; needs the materialised weights).
     """
-    _check_shapes(q, k, v)
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads = k.shape[1], k.shape[2]
     scale = head_dim**-0.5 if scale is None else scale
     groups = num_heads // num_kv_heads
-    # Grouped heads: query head n uses key/value head n // groups.
+    # Grouped heads: query head n uses key/value head n // G.
     q_BTKGH = q.reshape(batch, q_len, num_kv_heads, groups, head_dim)
     scores_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k, preferred_element_type=jnp.float32) * scale
     scores_BNTS = scores_BKGTS.reshape(batch, num_heads, q_len, kv_len)
-    mask = attention_mask(
-        batch,
-        q_len,
-        kv_len,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        causal=causal,
-        q_positions=q_positions,
-        kv_positions=kv_positions,
-        window=window,
-    )
-    if mask is not None:
-        scores_BNTS = jnp.where(mask, scores_BNTS, -jnp.inf)
+    mask_B1TS = mask.dense()
+    if mask_B1TS is not None:
+        scores_BNTS = jnp.where(mask_B1TS, scores_BNTS, -jnp.inf)
         # A row with no visible key would be softmax over all -inf = NaN; give it zeros instead.
-        any_visible = jnp.any(mask, axis=-1, keepdims=True)
-        scores_BNTS = jnp.where(any_visible, scores_BNTS, 0.0)
+        any_visible_B1T1 = jnp.any(mask_B1TS, axis=-1, keepdims=True)
+        scores_BNTS = jnp.where(any_visible_B1T1, scores_BNTS, 0.0)
     weights_BNTS = jax.nn.softmax(scores_BNTS, axis=-1)
-    if mask is not None:
-        weights_BNTS = jnp.where(any_visible, weights_BNTS, 0.0)
+    if mask_B1TS is not None:
+        weights_BNTS = jnp.where(any_visible_B1T1, weights_BNTS, 0.0)
     used_BNTS = weights_BNTS if weights_dropout is None else weights_dropout(weights_BNTS)
     weights_BKGTS = used_BNTS.reshape(batch, num_kv_heads, groups, q_len, kv_len)
-    out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", weights_BKGTS.astype(v.dtype), v)
-    out_BTNH = out_BTKGH.reshape(batch, q_len, num_heads, v.shape[-1])
+    out_BTKGE = jnp.einsum("bkgts,bske->btkge", weights_BKGTS.astype(v.dtype), v)
+    out_BTNE = out_BTKGE.reshape(batch, q_len, num_heads, v.shape[-1])
     if return_weights:
-        return out_BTNH, weights_BNTS
-    return out_BTNH
+        return out_BTNE, weights_BNTS
+    return out_BTNE
 
 
 def attention(
@@ -159,20 +126,21 @@ def attention(
     kv_positions: Array | None = None,
     window: int | None = None,
     impl: str = "xla",
-    **kwargs,
+    **options,
 ) -> Array:
-    """Dispatches to the implementation named `impl`; see the module docstring for the shared semantics."""
+    """Runs the implementation named `impl` with the mask of ops/masks.py's rules; options go to it (e.g. scale)."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention impl {impl!r}; choose one of {sorted(IMPLEMENTATIONS)}")
-    return IMPLEMENTATIONS[impl](
-        q,
-        k,
-        v,
+    _check_shapes(q, k, v)
+    mask = AttentionMask.create(
+        q.shape[0],
+        q.shape[1],
+        k.shape[1],
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
         causal=causal,
         q_positions=q_positions,
         kv_positions=kv_positions,
         window=window,
-        **kwargs,
     )
+    return IMPLEMENTATIONS[impl](q, k, v, mask, **options)

@@ -4,8 +4,7 @@ recomputes the tiles from the saved log-sum-exp (dK/dV kernel over key blocks, d
 Lowered with Triton on GPU; runs with interpret=True on CPU (slow: for tests). TPU (Mosaic) is refused with a
 message: the kernels' layouts (per-token vectors, head-squeezed blocks) do not meet Mosaic's tiling rules.
 
-Axis legend: B batch, T query length, S key/value length, N query heads, K key/value heads, G = N / K,
-H query/key head dim, D value head dim, I query blocks, J key blocks.
+Axis letters: see transformer_jax/__init__.py.
 """
 
 from __future__ import annotations
@@ -17,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from transformer_jax.ops import blocks
-from transformer_jax.ops.attention import _check_shapes, register
+from transformer_jax.ops.attention import recompute_vjp, register
+from transformer_jax.ops.masks import AttentionMask, pad_tokens
 from transformer_jax.ops.pallas_kernels import KernelConfig, dkdv_kernel, dq_kernel, forward_kernel
 
 Array = jax.Array
@@ -78,23 +77,17 @@ def pallas_attention(
     q: Array,
     k: Array,
     v: Array,
+    mask: AttentionMask,
     *,
-    q_segment_ids: Array | None = None,
-    kv_segment_ids: Array | None = None,
-    causal: bool = False,
-    q_positions: Array | None = None,
-    kv_positions: Array | None = None,
-    window: int | None = None,
     scale: float | None = None,
     block_sizes: BlockSizes | None = None,
     backend: str | None = None,
 ) -> Array:
-    """FlashAttention-2 in Pallas; the full shared semantics (segments, positions, causal, window, grouped heads).
+    """FlashAttention-2 in Pallas; the whole mask (segments, positions, causal, window) and grouped heads.
 
     Head dims are zero-padded to a power of two (>= 16, <= 256) and lengths to whole tiles, inside. `backend`
     overrides jax.default_backend() ("gpu" lowers with Triton, "cpu" interprets), e.g. to lower for a GPU here.
     """
-    _check_shapes(q, k, v)
     backend = jax.default_backend() if backend is None else backend
     if backend == "tpu":
         raise NotImplementedError(
@@ -110,44 +103,32 @@ def pallas_attention(
         )
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
-    h_pad, d_pad = pl.next_power_of_2(max(head_dim, 16)), pl.next_power_of_2(max(value_dim, 16))
-    if max(h_pad, d_pad) > MAX_HEAD_DIM:
+    h_pad, e_pad = pl.next_power_of_2(max(head_dim, 16)), pl.next_power_of_2(max(value_dim, 16))
+    if max(h_pad, e_pad) > MAX_HEAD_DIM:
         raise ValueError(
             f"attention impl 'pallas' supports head dims up to {MAX_HEAD_DIM}; got q/k {head_dim}, v {value_dim}. "
             "Use impl='blockwise' or 'xla'."
         )
-    vectors = blocks.mask_vectors(
-        batch,
-        q_len,
-        kv_len,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        causal=causal,
-        q_positions=q_positions,
-        kv_positions=kv_positions,
-        window=window,
-    )
-    q, k, v = blocks.zero_padding_tokens(q, k, v, vectors)
-    sizes = (BlockSizes.for_head_dim(max(h_pad, d_pad)) if block_sizes is None else block_sizes).fit(q_len, kv_len)
+    q, k, v = mask.zero_padding_tokens(q, k, v)
+    sizes = (BlockSizes.for_head_dim(max(h_pad, e_pad)) if block_sizes is None else block_sizes).fit(q_len, kv_len)
     for name, size in dataclasses.asdict(sizes).items():
         if name.endswith(("_q", "_k")) and (size < 16 or size & (size - 1)):
             raise ValueError(f"pallas attention: block size {name}={size} must be a power of two >= 16 (Triton)")
     q_pad = _round_up(q_len, max(sizes.fwd_q, sizes.dkdv_q, sizes.dq_q))
     kv_pad = _round_up(kv_len, max(sizes.fwd_k, sizes.dkdv_k, sizes.dq_k))
-    vectors = blocks.pad_vectors(vectors, batch, q_len, kv_len, q_pad, kv_pad)
-    q = _pad_last(blocks.pad_tokens(q, q_pad), h_pad)
-    k = _pad_last(blocks.pad_tokens(k, kv_pad), h_pad)
-    v = _pad_last(blocks.pad_tokens(v, kv_pad), d_pad)
+    mask = mask.pad(batch, q_len, kv_len, q_pad, kv_pad)
+    q = _pad_last(pad_tokens(q, q_pad), h_pad)
+    k = _pad_last(pad_tokens(k, kv_pad), h_pad)
+    v = _pad_last(pad_tokens(v, kv_pad), e_pad)
     cfg = KernelConfig(
         scale=float(head_dim**-0.5 if scale is None else scale),
-        causal=causal,
-        window=window,
-        segments=vectors.q_segment_ids is not None,
-        positions=vectors.q_positions is not None,
+        mask=mask.static(),
+        segments=mask.segments,
+        positions=mask.positions,
         groups=num_heads // num_kv_heads,
     )
-    out_BTND = _attend(q, k, v, vectors, _Static(cfg, sizes, backend))
-    return out_BTND[:, :q_len, :, :value_dim]
+    out_BTNE = _attend(q, k, v, mask, _Static(cfg, sizes, backend))
+    return out_BTNE[:, :q_len, :, :value_dim]
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -169,55 +150,61 @@ def _call_kwargs(static: _Static, warps: int, stages: int, name: str) -> dict:
     return dict(compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages), name=name)
 
 
-def _bounds(vectors: blocks.MaskVectors, cfg: KernelConfig, block_q: int, block_k: int, transpose: bool) -> Array:
-    """int32 [B, I, 4] (or [B, J, 4] with transpose) loop bounds; see blocks.loop_bounds."""
-    any_BIJ, all_BIJ = blocks.tile_visibility(vectors, block_q, block_k, causal=cfg.causal, window=cfg.window)
-    if transpose:
-        any_BIJ, all_BIJ = any_BIJ.transpose(0, 2, 1), all_BIJ.transpose(0, 2, 1)
-    return blocks.loop_bounds(any_BIJ, all_BIJ)
-
-
 def _mask_inputs(
-    vectors: blocks.MaskVectors, cfg: KernelConfig, q_spec: pl.BlockSpec, kv_spec: pl.BlockSpec
+    mask: AttentionMask,
+    q_spec: pl.BlockSpec,
+    kv_spec: pl.BlockSpec,
+    bounds_spec: pl.BlockSpec,
+    bounds: tuple[int, int, bool],
 ) -> tuple[list, list]:
-    """Extra (specs, args) for the per-token vectors, in the order pallas_kernels._split_refs reads them."""
+    """Extra (specs, args) in the order pallas_kernels._split_refs reads them: per-token vectors, loop bounds.
+
+    bounds = (block_q, block_k, transpose) of AttentionMask.loop_bounds; they are passed only if anything is masked.
+    """
     specs, args = [], []
-    if cfg.segments:
+    if mask.segments:
         specs += [q_spec, kv_spec]
-        args += [vectors.q_segment_ids, vectors.kv_segment_ids]
-    if cfg.positions:
+        args += [mask.q_segment_ids, mask.kv_segment_ids]
+    if mask.positions:
         specs += [q_spec, kv_spec]
-        args += [vectors.q_positions, vectors.kv_positions]
+        args += [mask.q_positions, mask.kv_positions]
+    if mask.masks_anything:
+        block_q, block_k, transpose = bounds
+        specs.append(bounds_spec)
+        args.append(mask.loop_bounds(block_q, block_k, transpose=transpose))
     return specs, args
 
 
-def _forward(q: Array, k: Array, v: Array, vectors: blocks.MaskVectors, static: _Static) -> tuple[Array, Array]:
-    """out [B, T, N, D] and lse [B, N, T] (base 2)."""
-    cfg, sizes = static.cfg, static.blocks
-    batch, q_len, num_heads, head_dim = q.shape
-    kv_len, value_dim = k.shape[1], v.shape[-1]
-    bq, bk, g = sizes.fwd_q, sizes.fwd_k, cfg.groups
-    masked = cfg.segments or cfg.positions
-    in_specs = [
+def _query_grid_inputs(mask: AttentionMask, q: Array, k: Array, v: Array, g: int, bq: int, bk: int) -> tuple:
+    """(q/k/v specs, mask specs, mask args) of a kernel gridded over (query block, batch, query head), as the
+    forward and dQ kernels are; a kernel may take more inputs between v and the mask inputs."""
+    head_dim, kv_len, value_dim = q.shape[-1], k.shape[1], v.shape[-1]
+    qkv_specs = [
         pl.BlockSpec((None, bq, None, head_dim), lambda i, b, n: (b, i, n, 0)),
         pl.BlockSpec((None, kv_len, None, head_dim), lambda i, b, n: (b, 0, n // g, 0)),
         pl.BlockSpec((None, kv_len, None, value_dim), lambda i, b, n: (b, 0, n // g, 0)),
     ]
-    specs, args = _mask_inputs(
-        vectors,
-        cfg,
+    mask_specs, mask_args = _mask_inputs(
+        mask,
         pl.BlockSpec((None, bq), lambda i, b, n: (b, i)),
         pl.BlockSpec((None, kv_len), lambda i, b, n: (b, 0)),
+        pl.BlockSpec((None, None, 4), lambda i, b, n: (b, i, 0)),
+        (bq, bk, False),
     )
-    in_specs += specs
-    if masked:
-        in_specs.append(pl.BlockSpec((None, None, 4), lambda i, b, n: (b, i, 0)))
-        args.append(_bounds(vectors, cfg, bq, bk, transpose=False))
-    kernel = functools.partial(forward_kernel, cfg=cfg, block_k=bk, masked=masked)
-    out_BTND, lse_BNT = pl.pallas_call(
-        kernel,
+    return qkv_specs, mask_specs, mask_args
+
+
+def _forward(q: Array, k: Array, v: Array, mask: AttentionMask, static: _Static) -> tuple[Array, Array]:
+    """out [B, T, N, E] and lse [B, N, T] (base 2)."""
+    cfg, sizes = static.cfg, static.blocks
+    batch, q_len, num_heads, _ = q.shape
+    value_dim = v.shape[-1]
+    bq, bk = sizes.fwd_q, sizes.fwd_k
+    qkv_specs, mask_specs, mask_args = _query_grid_inputs(mask, q, k, v, cfg.groups, bq, bk)
+    out_BTNE, lse_BNT = pl.pallas_call(
+        functools.partial(forward_kernel, cfg=cfg, block_k=bk, masked=mask.masks_anything),
         grid=(q_len // bq, batch, num_heads),
-        in_specs=in_specs,
+        in_specs=qkv_specs + mask_specs,
         out_specs=[
             pl.BlockSpec((None, bq, None, value_dim), lambda i, b, n: (b, i, n, 0)),
             pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i)),
@@ -227,46 +214,42 @@ def _forward(q: Array, k: Array, v: Array, vectors: blocks.MaskVectors, static: 
             jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32),
         ],
         **_call_kwargs(static, sizes.fwd_warps, sizes.fwd_stages, "attention_forward"),
-    )(q, k, v, *args)
-    return out_BTND, lse_BNT
+    )(q, k, v, *mask_args)
+    return out_BTNE, lse_BNT
 
 
-def _backward(res: tuple, do_BTND: Array, static: _Static) -> tuple[Array, Array, Array]:
+def _backward(res: tuple, do_BTNE: Array, static: _Static) -> tuple[Array, Array, Array]:
     cfg, sizes = static.cfg, static.blocks
-    q, k, v, vectors, out_BTND, lse_BNT = res
+    q, k, v, mask, out_BTNE, lse_BNT = res
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[-1]
     g = cfg.groups
-    masked = cfg.segments or cfg.positions
-    do_BTND = do_BTND.astype(v.dtype)
+    do_BTNE = do_BTNE.astype(v.dtype)
     # delta = rowsum(dO * O) (FlashAttention-2, eq. 4); XLA fuses it into one pass.
-    delta_BNT = jnp.sum(do_BTND.astype(jnp.float32) * out_BTND.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
+    delta_BNT = jnp.sum(do_BTNE.astype(jnp.float32) * out_BTNE.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
 
     # dK, dV: grid over key blocks and key/value heads; each program reads the G query heads of its group.
     bq, bk = sizes.dkdv_q, sizes.dkdv_k
-    in_specs = [
-        pl.BlockSpec((None, q_len, None, g, head_dim), lambda j, b, h: (b, 0, h, 0, 0)),
-        pl.BlockSpec((None, bk, None, head_dim), lambda j, b, h: (b, j, h, 0)),
-        pl.BlockSpec((None, bk, None, value_dim), lambda j, b, h: (b, j, h, 0)),
-        pl.BlockSpec((None, q_len, None, g, value_dim), lambda j, b, h: (b, 0, h, 0, 0)),
-        pl.BlockSpec((None, None, g, q_len), lambda j, b, h: (b, h, 0, 0)),
-        pl.BlockSpec((None, None, g, q_len), lambda j, b, h: (b, h, 0, 0)),
-    ]
-    specs, args = _mask_inputs(
-        vectors,
-        cfg,
+    mask_specs, mask_args = _mask_inputs(
+        mask,
         pl.BlockSpec((None, q_len), lambda j, b, h: (b, 0)),
         pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
+        pl.BlockSpec((None, None, 4), lambda j, b, h: (b, j, 0)),
+        (bq, bk, True),
     )
-    in_specs += specs
-    if masked:
-        in_specs.append(pl.BlockSpec((None, None, 4), lambda j, b, h: (b, j, 0)))
-        args.append(_bounds(vectors, cfg, bq, bk, transpose=True))
     grouped = (batch, q_len, num_kv_heads, g)
     dk, dv = pl.pallas_call(
-        functools.partial(dkdv_kernel, cfg=cfg, block_q=bq, masked=masked),
+        functools.partial(dkdv_kernel, cfg=cfg, block_q=bq, masked=mask.masks_anything),
         grid=(kv_len // bk, batch, num_kv_heads),
-        in_specs=in_specs,
+        in_specs=[
+            pl.BlockSpec((None, q_len, None, g, head_dim), lambda j, b, h: (b, 0, h, 0, 0)),
+            pl.BlockSpec((None, bk, None, head_dim), lambda j, b, h: (b, j, h, 0)),
+            pl.BlockSpec((None, bk, None, value_dim), lambda j, b, h: (b, j, h, 0)),
+            pl.BlockSpec((None, q_len, None, g, value_dim), lambda j, b, h: (b, 0, h, 0, 0)),
+            pl.BlockSpec((None, None, g, q_len), lambda j, b, h: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, g, q_len), lambda j, b, h: (b, h, 0, 0)),
+            *mask_specs,
+        ],
         out_specs=[
             pl.BlockSpec((None, bk, None, head_dim), lambda j, b, h: (b, j, h, 0)),
             pl.BlockSpec((None, bk, None, value_dim), lambda j, b, h: (b, j, h, 0)),
@@ -277,56 +260,29 @@ def _backward(res: tuple, do_BTND: Array, static: _Static) -> tuple[Array, Array
         q.reshape(*grouped, head_dim),
         k,
         v,
-        do_BTND.reshape(*grouped, value_dim),
+        do_BTNE.reshape(*grouped, value_dim),
         lse_BNT.reshape(batch, num_kv_heads, g, q_len),
         delta_BNT.reshape(batch, num_kv_heads, g, q_len),
-        *args,
+        *mask_args,
     )
 
     # dQ: grid over query blocks and query heads, like the forward pass.
     bq, bk = sizes.dq_q, sizes.dq_k
-    in_specs = [
-        pl.BlockSpec((None, bq, None, head_dim), lambda i, b, n: (b, i, n, 0)),
-        pl.BlockSpec((None, kv_len, None, head_dim), lambda i, b, n: (b, 0, n // g, 0)),
-        pl.BlockSpec((None, kv_len, None, value_dim), lambda i, b, n: (b, 0, n // g, 0)),
-        pl.BlockSpec((None, bq, None, value_dim), lambda i, b, n: (b, i, n, 0)),
-        pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i)),
-        pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i)),
+    qkv_specs, mask_specs, mask_args = _query_grid_inputs(mask, q, k, v, g, bq, bk)
+    row_specs = [
+        pl.BlockSpec((None, bq, None, value_dim), lambda i, b, n: (b, i, n, 0)),  # dO
+        pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i)),  # lse
+        pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i)),  # delta
     ]
-    specs, args = _mask_inputs(
-        vectors,
-        cfg,
-        pl.BlockSpec((None, bq), lambda i, b, n: (b, i)),
-        pl.BlockSpec((None, kv_len), lambda i, b, n: (b, 0)),
-    )
-    in_specs += specs
-    if masked:
-        in_specs.append(pl.BlockSpec((None, None, 4), lambda i, b, n: (b, i, 0)))
-        args.append(_bounds(vectors, cfg, bq, bk, transpose=False))
     dq = pl.pallas_call(
-        functools.partial(dq_kernel, cfg=cfg, block_k=bk, masked=masked),
+        functools.partial(dq_kernel, cfg=cfg, block_k=bk, masked=mask.masks_anything),
         grid=(q_len // bq, batch, num_heads),
-        in_specs=in_specs,
+        in_specs=qkv_specs + row_specs + mask_specs,
         out_specs=pl.BlockSpec((None, bq, None, head_dim), lambda i, b, n: (b, i, n, 0)),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         **_call_kwargs(static, sizes.bwd_warps, sizes.bwd_stages, "attention_dq"),
-    )(q, k, v, do_BTND, lse_BNT, delta_BNT, *args)
+    )(q, k, v, do_BTNE, lse_BNT, delta_BNT, *mask_args)
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attend(q: Array, k: Array, v: Array, vectors: blocks.MaskVectors, static: _Static) -> Array:
-    return _forward(q, k, v, vectors, static)[0]
-
-
-def _attend_fwd(q: Array, k: Array, v: Array, vectors: blocks.MaskVectors, static: _Static) -> tuple[Array, tuple]:
-    out_BTND, lse_BNT = _forward(q, k, v, vectors, static)
-    return out_BTND, (q, k, v, vectors, out_BTND, lse_BNT)
-
-
-def _attend_bwd(static: _Static, res: tuple, do_BTND: Array) -> tuple:
-    dq, dk, dv = _backward(res, do_BTND, static)
-    return dq, dk, dv, jax.tree.map(lambda _: None, res[3])  # integer mask vectors have no cotangent
-
-
-_attend.defvjp(_attend_fwd, _attend_bwd)
+_attend = recompute_vjp(_forward, _backward)

@@ -8,14 +8,14 @@ Each kernel keeps one block resident and loops over the other axis's blocks with
 with s = Q K^T * scale * log2(e) (base-2 exponentials save a multiply per score) and delta = rowsum(dO * O).
 
 Loops visit only the tiles [lo, hi) that some query can see and skip the mask on the run [a, c) of tiles that
-every query sees fully (bounds from blocks.loop_bounds), so causal, windowed and packed attention do no wasted work.
+every query sees fully (bounds from masks.AttentionMask.loop_bounds), so causal, windowed and packed attention do
+no wasted work.
 
 Written for the Triton lowering (GPU): tiles are powers of two >= 16, head dims are padded by the caller, loop
 bounds are read from small int32 inputs, masks are rebuilt from per-token vectors with elementwise ops only.
 The same kernels run on CPU with interpret=True.
 
-Axis legend: T query length (padded), S key length (padded), X query block, Y key block, G query heads per
-key/value head, H query/key head dim (padded), D value head dim (padded).
+Lengths T, S and head dims H, E are padded by the caller. Axis letters: see transformer_jax/__init__.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from transformer_jax.ops import blocks
+from transformer_jax.ops.masks import AttentionMask
 
 Array = jax.Array
 
@@ -40,8 +40,7 @@ class KernelConfig:
     """Static description of one attention call, shared by the three kernels."""
 
     scale: float  # natural-log softmax scale; kernels use scale * log2(e)
-    causal: bool
-    window: int | None
+    mask: AttentionMask  # the rule without its vectors (AttentionMask.static()); the vectors are kernel inputs
     segments: bool  # segment id vectors are inputs
     positions: bool  # position vectors are inputs
     groups: int  # G, query heads per key/value head
@@ -54,16 +53,7 @@ def _dot(a: Array, b: Array, contract_a: int, contract_b: int) -> Array:
 
 def _tile_mask(cfg: KernelConfig, q_vecs: tuple, kv_vecs: tuple) -> Array:
     """[X, Y] mask of a tile from [X] query vectors and [Y] key vectors (segment ids, positions)."""
-    q_seg_X, q_pos_X = q_vecs
-    kv_seg_Y, kv_pos_Y = kv_vecs
-    return blocks.visible(
-        None if q_seg_X is None else q_seg_X[:, None],
-        None if kv_seg_Y is None else kv_seg_Y[None, :],
-        None if q_pos_X is None else q_pos_X[:, None],
-        None if kv_pos_Y is None else kv_pos_Y[None, :],
-        causal=cfg.causal,
-        window=cfg.window,
-    )
+    return cfg.mask.tile(*q_vecs, *kv_vecs)
 
 
 def _load_vecs(cfg: KernelConfig, seg_ref, pos_ref, index) -> tuple:  # noqa: ANN001 (Pallas refs)
@@ -97,7 +87,7 @@ def _split_refs(cfg: KernelConfig, refs: tuple, masked: bool) -> tuple:
 
 
 def forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, block_k: int, masked: bool) -> None:  # noqa: ANN001
-    """One query block [X, H] against all key blocks; writes O [X, D] and lse [X] (base 2, +inf if nothing seen)."""
+    """One query block [X, H] against all key blocks; writes O [X, E] and lse [X] (base 2, +inf if nothing seen)."""
     q_seg_ref, kv_seg_ref, q_pos_ref, kv_pos_ref, bounds_ref, (o_ref, lse_ref) = _split_refs(cfg, refs, masked)
     q_XH = q_ref[...]
     block_q, num_tiles = q_XH.shape[0], k_ref.shape[0] // block_k
@@ -105,7 +95,7 @@ def forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, block_k: int, 
     scale2 = cfg.scale * LOG2E
 
     def body(j, carry: tuple, tile_masked: bool) -> tuple:  # noqa: ANN001
-        m_X, l_X, acc_XD = carry
+        m_X, l_X, acc_XE = carry
         kv_slice = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
         s_XY = _dot(q_XH, k_ref[kv_slice, :], 1, 1) * scale2
         if tile_masked:
@@ -119,19 +109,19 @@ def forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, block_k: int, 
             m_new_safe = m_new  # an unmasked tile gives every row a finite score
         alpha_X = jnp.exp2(m_X - m_new_safe)
         p_XY = jnp.exp2(s_XY - m_new_safe[:, None])
-        v_YD = v_ref[kv_slice, :]
-        acc_XD = alpha_X[:, None] * acc_XD + _dot(p_XY.astype(v_YD.dtype), v_YD, 1, 0)
-        return m_new, alpha_X * l_X + jnp.sum(p_XY, axis=1), acc_XD
+        v_YE = v_ref[kv_slice, :]
+        acc_XE = alpha_X[:, None] * acc_XE + _dot(p_XY.astype(v_YE.dtype), v_YE, 1, 0)
+        return m_new, alpha_X * l_X + jnp.sum(p_XY, axis=1), acc_XE
 
     init = (
         jnp.full((block_q,), -jnp.inf, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
         jnp.zeros((block_q, v_ref.shape[-1]), jnp.float32),
     )
-    m_X, l_X, acc_XD = _three_loops(bounds_ref, num_tiles, body, init)
+    m_X, l_X, acc_XE = _three_loops(bounds_ref, num_tiles, body, init)
     seen_X = l_X > 0
     l_safe_X = jnp.where(seen_X, l_X, 1.0)
-    o_ref[...] = (acc_XD / l_safe_X[:, None]).astype(o_ref.dtype)
+    o_ref[...] = (acc_XE / l_safe_X[:, None]).astype(o_ref.dtype)
     # lse = +inf where a row sees nothing makes the backward's P = 2^(s - lse) exactly 0 there.
     lse_ref[...] = jnp.where(seen_X, m_X + jnp.log2(l_safe_X), jnp.inf)
 
@@ -148,38 +138,38 @@ def dkdv_kernel(
     block_q: int,
     masked: bool,
 ) -> None:
-    """One key block [Y, H] against the query blocks of its G query heads; writes dK [Y, H] and dV [Y, D].
+    """One key block [Y, H] against the query blocks of its G query heads; writes dK [Y, H] and dV [Y, E].
 
-    q_ref/do_ref are [T, G, H]/[T, G, D] and lse_ref/delta_ref [G, T]: all query heads that share this key head.
+    q_ref/do_ref are [T, G, H]/[T, G, E] and lse_ref/delta_ref [G, T]: all query heads that share this key head.
     """
     q_seg_ref, kv_seg_ref, q_pos_ref, kv_pos_ref, bounds_ref, (dk_ref, dv_ref) = _split_refs(cfg, refs, masked)
-    k_YH, v_YD = k_ref[...], v_ref[...]
+    k_YH, v_YE = k_ref[...], v_ref[...]
     num_tiles = q_ref.shape[0] // block_q
     kv_vecs = _load_vecs(cfg, kv_seg_ref, kv_pos_ref, slice(None)) if masked else None
     scale2 = cfg.scale * LOG2E
 
     def head(g, carry: tuple) -> tuple:  # noqa: ANN001
         def body(i, carry: tuple, tile_masked: bool) -> tuple:  # noqa: ANN001
-            dk_YH, dv_YD = carry
+            dk_YH, dv_YE = carry
             q_slice = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
-            q_XH, do_XD = q_ref[q_slice, g, :], do_ref[q_slice, g, :]
+            q_XH, do_XE = q_ref[q_slice, g, :], do_ref[q_slice, g, :]
             s_XY = _dot(q_XH, k_YH, 1, 1) * scale2
             if tile_masked:
                 mask_XY = _tile_mask(cfg, _load_vecs(cfg, q_seg_ref, q_pos_ref, q_slice), kv_vecs)
                 s_XY = jnp.where(mask_XY, s_XY, -jnp.inf)
             p_XY = jnp.exp2(s_XY - lse_ref[g, q_slice][:, None])
-            dv_YD = dv_YD + _dot(p_XY.astype(do_XD.dtype), do_XD, 0, 0)
-            dp_XY = _dot(do_XD, v_YD, 1, 1)
+            dv_YE = dv_YE + _dot(p_XY.astype(do_XE.dtype), do_XE, 0, 0)
+            dp_XY = _dot(do_XE, v_YE, 1, 1)
             ds_XY = p_XY * (dp_XY - delta_ref[g, q_slice][:, None])
             dk_YH = dk_YH + _dot(ds_XY.astype(q_XH.dtype), q_XH, 0, 0)
-            return dk_YH, dv_YD
+            return dk_YH, dv_YE
 
         return _three_loops(bounds_ref, num_tiles, body, carry)
 
-    init = (jnp.zeros(k_YH.shape, jnp.float32), jnp.zeros(v_YD.shape, jnp.float32))
-    dk_YH, dv_YD = head(0, init) if cfg.groups == 1 else lax.fori_loop(0, cfg.groups, head, init)
+    init = (jnp.zeros(k_YH.shape, jnp.float32), jnp.zeros(v_YE.shape, jnp.float32))
+    dk_YH, dv_YE = head(0, init) if cfg.groups == 1 else lax.fori_loop(0, cfg.groups, head, init)
     dk_ref[...] = (dk_YH * cfg.scale).astype(dk_ref.dtype)
-    dv_ref[...] = dv_YD.astype(dv_ref.dtype)
+    dv_ref[...] = dv_YE.astype(dv_ref.dtype)
 
 
 def dq_kernel(
@@ -196,7 +186,7 @@ def dq_kernel(
 ) -> None:
     """One query block [X, H] against all key blocks; writes dQ [X, H]."""
     q_seg_ref, kv_seg_ref, q_pos_ref, kv_pos_ref, bounds_ref, (dq_ref,) = _split_refs(cfg, refs, masked)
-    q_XH, do_XD = q_ref[...], do_ref[...]
+    q_XH, do_XE = q_ref[...], do_ref[...]
     lse_X, delta_X = lse_ref[...], delta_ref[...]
     num_tiles = k_ref.shape[0] // block_k
     q_vecs = _load_vecs(cfg, q_seg_ref, q_pos_ref, slice(None)) if masked else None
@@ -204,13 +194,13 @@ def dq_kernel(
 
     def body(j, dq_XH: Array, tile_masked: bool) -> Array:  # noqa: ANN001
         kv_slice = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
-        k_YH, v_YD = k_ref[kv_slice, :], v_ref[kv_slice, :]
+        k_YH, v_YE = k_ref[kv_slice, :], v_ref[kv_slice, :]
         s_XY = _dot(q_XH, k_YH, 1, 1) * scale2
         if tile_masked:
             mask_XY = _tile_mask(cfg, q_vecs, _load_vecs(cfg, kv_seg_ref, kv_pos_ref, kv_slice))
             s_XY = jnp.where(mask_XY, s_XY, -jnp.inf)
         p_XY = jnp.exp2(s_XY - lse_X[:, None])
-        ds_XY = p_XY * (_dot(do_XD, v_YD, 1, 1) - delta_X[:, None])
+        ds_XY = p_XY * (_dot(do_XE, v_YE, 1, 1) - delta_X[:, None])
         return dq_XH + _dot(ds_XY.astype(k_YH.dtype), k_YH, 1, 0)
 
     dq_XH = _three_loops(bounds_ref, num_tiles, body, jnp.zeros(q_XH.shape, jnp.float32))
