@@ -15,10 +15,11 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 from flax import nnx
 from ml_collections import config_flags
 
+from transformer_jax import cli
 from transformer_jax.model import TransformerSpec
 from transformer_jax.sharding import make_mesh
 from transformer_jax.training import flops
@@ -66,7 +67,7 @@ def jax_stepper(config, batch):
         jax.block_until_ready(metrics)
         return (time.perf_counter() - start) / n
 
-    params = sum(x.size for x in jax.tree.leaves(nnx.to_pure_dict(holder["state"])[0]) if hasattr(x, "size"))
+    params = sum(x.size for x in jax.tree.leaves(nnx.to_pure_dict(holder["state"])["model"]) if hasattr(x, "size"))
     return run, params
 
 
@@ -124,8 +125,8 @@ def torch_stepper(spec: TransformerSpec, batch, label_smoothing: float, opt):
     return run, sum(p.numel() for p in model.parameters())
 
 
-def main(argv):
-    del argv
+def main(argv: list[str]) -> None:
+    del argv  # no positional arguments (transformer_jax.cli.run refuses them)
     config = _CONFIG.value
     spec = TransformerSpec.from_config(config)
     rows, length = config.data.batch_size, config.data.max_len
@@ -176,4 +177,4 @@ def main(argv):
 
 if __name__ == "__main__":
     flags.mark_flag_as_required("config")
-    app.run(main)
+    cli.run(main, "python -m benchmarks.train_step")

@@ -56,7 +56,9 @@ def model_config(size: str) -> ml_collections.ConfigDict:
     m.share_embeddings = True  # one matrix for source and target embeddings (paper 3.4)
     m.tie_output = True  # the output softmax reuses the target embedding matrix (paper 3.4)
     m.dtype = "float32"  # computation dtype: float32 | bfloat16; parameters stay float32
-    m.pad_id = 0  # token id of padding, also the id the tokenizer reserves for it
+    # Hand-written backward passes of the linear layers, the tied logits projection and the loss, arranged for
+    # XLA:CPU (same gradients as autodiff, fewer transposed copies): auto = on for the CPU backend only | on | off
+    m.fused_backward = "auto"
     return m
 
 

@@ -1,12 +1,16 @@
 """Every config loads with every argument, every sweep override applies, and the model it describes builds."""
 
 import importlib
+import json
 import pathlib
 
 import jax
+import ml_collections
 import pytest
 from flax import nnx
 
+from tests.test_model_transformer import hand_count
+from transformer_jax.errors import ConfigError
 from transformer_jax.model import TransformerSpec, build_model
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
@@ -46,7 +50,43 @@ def test_config_loads_locked_and_builds_a_model(name, arg):
         variant.update_from_flattened_dict({k: v for k, v in override.items() if k not in ("name", "reference")})
         TransformerSpec.from_config(variant)  # every variant is a valid model (heads divide, impl exists, ...)
     model = nnx.eval_shape(lambda: build_model(config, rngs=nnx.Rngs(0)))
-    assert sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) > 0
+    count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    # Every config's base model is the paper's architecture (variants live in sweeps), so its size is the hand count.
+    m = config.model
+    assert m.num_encoder_layers == m.num_decoder_layers
+    assert count == hand_count(m.vocab_size, m.d_model, m.d_ff, m.num_encoder_layers)
+
+
+def _saved_before_pad_id_was_removed(pad_id: int) -> ml_collections.ConfigDict:
+    """A config as checkpoints.load_config rebuilds it from the JSON saved by earlier versions."""
+    from configs import common
+
+    saved = common.base_config("tiny").to_dict()
+    del saved["model"]["fused_backward"]  # did not exist yet
+    saved["model"]["pad_id"] = pad_id
+    return ml_collections.ConfigDict(json.loads(json.dumps(saved)))
+
+
+def test_configs_saved_with_model_pad_id_still_build_the_same_model():
+    from configs import common
+
+    old = _saved_before_pad_id_was_removed(0)
+    spec = TransformerSpec.from_config(old)
+    assert spec.fused_backward == "on"  # what those versions ran
+    new = common.base_config("tiny")
+    new.model.fused_backward = "on"
+    assert spec == TransformerSpec.from_config(new)
+    with pytest.raises(ConfigError, match="model.pad_id: padding is always token id 0"):
+        TransformerSpec.from_config(_saved_before_pad_id_was_removed(5))
+
+
+def test_a_new_config_without_a_model_key_fails():
+    from configs import common
+
+    config = common.base_config("tiny")
+    del config.model["fused_backward"]
+    with pytest.raises(ConfigError, match="missing model keys: \\['model.fused_backward'\\]"):
+        TransformerSpec.from_config(config)
 
 
 def test_bad_config_argument_is_a_clear_error():

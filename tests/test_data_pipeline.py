@@ -175,11 +175,17 @@ def test_tokenizing_in_chunks_gives_the_same_examples():
     assert len(batching.tokenize_pairs([], tokenizer)) == 0
 
 
+def test_padded_eval_lengths_are_a_small_fixed_set():
+    assert batching.padded_eval_lengths(256) == [16, 32, 64, 128, 256]
+    assert batching.padded_eval_lengths(100) == [16, 32, 64, 100]
+    assert {batching.padded_eval_length(n, 100) for n in range(1, 101)} == set(batching.padded_eval_lengths(100))
+
+
 def test_bucket_plan_puts_each_example_in_the_smallest_fitting_bucket():
     tokenizer = WordTokenizer()
     examples = batching.tokenize_pairs(synthetic_pairs(3000, seed=2, max_words=60), tokenizer)
     kept, _ = batching.length_filter(examples, 64)
-    plans, carry = batching.bucket_planner(examples.src_lens, examples.tgt_lens, 512, 64)(
+    plans, carry = batching.bucket_planner(examples.src_lens, examples.tgt_lens, batching.bucket_shapes(512, 64))(
         kept, 0, np.random.default_rng(0)
     )
     assert batching.bucket_lengths(64) == [8, 16, 24, 32, 40, 48, 56, 64]

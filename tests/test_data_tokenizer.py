@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from configs import common
+from transformer_jax import tokens
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import DataError
 
@@ -49,7 +50,8 @@ def tokenizer(workdir) -> tokenizer_lib.Tokenizer:
 
 
 def test_reserved_ids_and_size(tokenizer):
-    assert (tokenizer.pad_id, tokenizer.eos_id, tokenizer.bos_id, tokenizer.unk_id) == (0, 1, 2, 3)
+    reserved = (tokens.PAD_ID, tokens.EOS_ID, tokens.BOS_ID, tokens.UNK_ID)
+    assert (tokenizer.pad_id, tokenizer.eos_id, tokenizer.bos_id, tokenizer.unk_id) == reserved == (0, 1, 2, 3)
     assert tokenizer.vocab_size == 1000
     ids = tokenizer.encode("A man rides a bike.")
     assert ids and min(ids) > 3, "ordinary text must not produce pad/eos/bos/unk"
@@ -112,6 +114,21 @@ def test_unreadable_or_invalid_model_file(tmp_path):
     garbage.write_bytes(b"not a protobuf \xff\x00")
     with pytest.raises(DataError, match="garbage.model is not a SentencePiece model"):
         tokenizer_lib.Tokenizer(garbage)
+
+
+def test_a_model_with_other_reserved_ids_is_refused(tmp_path):
+    """SentencePiece's own defaults (unk 0, bos 1, eos 2, no pad) would shift every id the model and search use."""
+    import sentencepiece as spm
+
+    lines = corpus_lines("multi30k", "valid", "en", 500)
+    prefix = tmp_path / "defaults"
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_prefix=str(prefix), vocab_size=200, minloglevel=2
+    )
+    with pytest.raises(
+        DataError, match=r"reserves \(pad, eos, bos, unk\) = \(-1, 2, 1, 0\); this project needs \(0, 1, 2, 3\)"
+    ):
+        tokenizer_lib.Tokenizer(f"{prefix}.model")
 
 
 def test_bpe_option_and_bad_type(tmp_path):

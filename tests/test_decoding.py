@@ -16,9 +16,11 @@ from flax import nnx
 
 from tests.model_helpers import random_tokens, tiny_model
 from transformer_jax import decoding
-from transformer_jax.evaluation.translate import bucket_length, bucket_lengths, translate
+from transformer_jax.evaluation.translate import translate
+from transformer_jax.model import unpacked_segment_ids
+from transformer_jax.tokens import BOS_ID, EOS_ID, PAD_ID
 
-PAD, EOS, BOS = 0, 1, 2
+PAD, EOS, BOS = PAD_ID, EOS_ID, BOS_ID
 VOCAB = 6  # 0 pad, 1 eos, 2 bos, 3 unk (never produced by the stubs), 4 and 5 "words"
 WORDS = (EOS, 4, 5)
 HASH_MOD = 101
@@ -44,8 +46,8 @@ def hash_stub(table: np.ndarray):
     """decode_step whose logits are table[hash(source seed, every token fed so far)]."""
     table = jnp.asarray(table)
 
-    def decode_step(tokens_N1, cache):
-        h = _next_hash(cache["h"], tokens_N1[:, 0])
+    def decode_step(tokens_R1, cache):
+        h = _next_hash(cache["h"], tokens_R1[:, 0])
         return table[h][:, None, :], {"h": h, "calls": cache["calls"] + 1}
 
     return decode_step
@@ -114,10 +116,10 @@ def test_exhaustive_beam_equals_brute_force_and_length_penalty_changes_the_winne
 def test_small_beam_length_penalty_decides_between_short_and_long():
     # Step 0: P(EOS) = P(a) = 0.5; after "a": P(EOS) = 0.98. "EOS" has the higher probability (0.5 > 0.49), but
     # with alpha = 0.6, log 0.49 / lp(2) = -0.650 beats log 0.5 / lp(1) = -0.693.
-    def decode_step(tokens_N1, cache):
+    def decode_step(tokens_R1, cache):
         p_eos = jnp.where(cache["t"] == 0, 0.5, 0.98)
         probs = jnp.zeros((VOCAB,)).at[EOS].set(p_eos).at[4].set(1 - p_eos)
-        logits = jnp.broadcast_to(jnp.log(probs), (tokens_N1.shape[0], 1, VOCAB))
+        logits = jnp.broadcast_to(jnp.log(probs), (tokens_R1.shape[0], 1, VOCAB))
         return logits, {"t": cache["t"] + 1}
 
     @jax.jit
@@ -136,13 +138,13 @@ def test_small_beam_length_penalty_decides_between_short_and_long():
 def test_finished_hypothesis_is_never_extended():
     # P(EOS) = 0.7 first; afterwards token 4 has probability ~1. Extending the finished "EOS" with 4s would cost
     # ~nothing in log-probability and gain from lp, so a search that extends finished beams returns a longer one.
-    def decode_step(tokens_N1, cache):
+    def decode_step(tokens_R1, cache):
         logits = jnp.where(
             cache["t"] == 0,
             jnp.log(jnp.array([0.0, 0.7, 0.0, 0.0, 0.3, 0.0])),
             jnp.array([-jnp.inf, -8.0, -jnp.inf, -jnp.inf, 0.0, -9.0]),
         )
-        return jnp.broadcast_to(logits, (tokens_N1.shape[0], 1, VOCAB)), {"t": cache["t"] + 1}
+        return jnp.broadcast_to(logits, (tokens_R1.shape[0], 1, VOCAB)), {"t": cache["t"] + 1}
 
     @jax.jit
     def run():
@@ -157,8 +159,8 @@ def test_finished_hypothesis_is_never_extended():
     np.testing.assert_array_equal(result.tokens[0, 1], [4, 4, 4, 4, 4, 4])
     log_p = np.log(0.3) + 5 * _log_softmax(np.array([-np.inf, -8.0, -np.inf, -np.inf, 0.0, -9.0]))[4]
     np.testing.assert_allclose(result.scores[0, 1], log_p / (11 / 6), rtol=1e-5)
-    for k in range(2):  # in every beam only PAD follows the first EOS
-        tokens = np.asarray(result.tokens[0, k])
+    for w in range(2):  # in every beam only PAD follows the first EOS
+        tokens = np.asarray(result.tokens[0, w])
         if EOS in tokens:
             assert np.all(tokens[list(tokens).index(EOS) + 1 :] == PAD)
 
@@ -199,30 +201,30 @@ def _source(batch: int = 2, length: int = 7):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "beam_size", "max_steps"))
-def _cached_steps(graphdef, state, src_BS, tokens_NT, perms_TN, *, beam_size, max_steps):
-    """Feeds tokens_NT step by step through cached_decode_step, reordering the cache rows by perms_TN first."""
+def _cached_steps(graphdef, state, src_BS, tokens_RT, perms_TR, *, beam_size, max_steps):
+    """Feeds tokens_RT step by step through cached_decode_step, reordering the cache rows by perms_TR first."""
     model = nnx.merge(graphdef, state)
-    seg = (src_BS != PAD).astype(jnp.int32)
+    seg = unpacked_segment_ids(src_BS)
     step, cache = decoding.cached_decode_step(
         model, model.encode(src_BS, seg), seg, beam_size=beam_size, max_steps=max_steps
     )
     cache = decoding.tile_beams(cache, beam_size)
 
     def body(cache, xs):
-        tokens_N, perm_N = xs
-        logits, cache = step(tokens_N[:, None], decoding.gather_rows(cache, perm_N))
+        tokens_R, perm_R = xs
+        logits, cache = step(tokens_R[:, None], decoding.gather_rows(cache, perm_R))
         return cache, logits[:, 0]
 
-    _, logits_TNV = jax.lax.scan(body, cache, (tokens_NT.T, perms_TN))
-    return logits_TNV
+    _, logits_TRV = jax.lax.scan(body, cache, (tokens_RT.T, perms_TR))
+    return logits_TRV
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "beam_size"))
-def _full_logits(graphdef, state, src_BS, tgt_NT, *, beam_size):
+def _full_logits(graphdef, state, src_BS, tgt_RT, *, beam_size):
     """model.decode without a cache on whole target prefixes, the encoder output tiled over beams."""
     model = nnx.merge(graphdef, state)
-    memory, seg = decoding.tile_beams((model.encode(src_BS), (src_BS != PAD).astype(jnp.int32)), beam_size)
-    return model.decode(memory, tgt_NT, src_segment_ids=seg)
+    memory, seg = decoding.tile_beams((model.encode(src_BS), unpacked_segment_ids(src_BS)), beam_size)
+    return model.decode(memory, tgt_RT, src_segment_ids=seg)
 
 
 def test_cached_decode_step_with_beam_reordering_equals_full_recompute():
@@ -254,19 +256,19 @@ def test_cached_decode_step_with_beam_reordering_equals_full_recompute():
 
 
 @functools.partial(jax.jit, static_argnames="graphdef")
-def _teacher_forced_log_probs(graphdef, state, src, tokens_BKL, lengths_BK):
+def _teacher_forced_log_probs(graphdef, state, src, tokens_BWL, lengths_BW):
     """log P(tokens | src) of every beam, from one full decode (no cache)."""
     model = nnx.merge(graphdef, state)
-    b, k, length = tokens_BKL.shape
-    memory, seg = decoding.tile_beams((model.encode(src), (src != PAD).astype(jnp.int32)), k)
-    flat = tokens_BKL.reshape(b * k, length)
-    tgt_in = jnp.concatenate([jnp.full((b * k, 1), BOS), flat[:, :-1]], 1)
+    b, w, length = tokens_BWL.shape
+    memory, seg = decoding.tile_beams((model.encode(src), unpacked_segment_ids(src)), w)
+    flat = tokens_BWL.reshape(b * w, length)
+    tgt_in = jnp.concatenate([jnp.full((b * w, 1), BOS), flat[:, :-1]], 1)
     log_probs = jax.nn.log_softmax(
         model.decode(memory, tgt_in, src_segment_ids=seg, tgt_segment_ids=jnp.ones_like(tgt_in)), -1
     )
     per_token = jnp.take_along_axis(log_probs, flat[..., None], -1)[..., 0]
-    mask = jnp.arange(length) < lengths_BK.reshape(-1, 1)
-    return jnp.sum(jnp.where(mask, per_token, 0.0), -1).reshape(b, k)
+    mask = jnp.arange(length) < lengths_BW.reshape(-1, 1)
+    return jnp.sum(jnp.where(mask, per_token, 0.0), -1).reshape(b, w)
 
 
 def test_beam_search_on_model_scores_equal_full_recompute_log_probs():
@@ -284,7 +286,7 @@ def test_beam_search_on_model_scores_equal_full_recompute_log_probs():
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_steps"))
 def _model_beam1(graphdef, state, src_BS, max_len_B, *, max_steps):
     model = nnx.merge(graphdef, state)
-    seg = (src_BS != PAD).astype(jnp.int32)
+    seg = unpacked_segment_ids(src_BS)
     step, cache = decoding.cached_decode_step(model, model.encode(src_BS, seg), seg, beam_size=1, max_steps=max_steps)
     return decoding.beam_search(step, cache, max_len_B, beam_size=1, alpha=0.6, max_steps=max_steps)
 
@@ -318,12 +320,6 @@ class CharTokenizer:
     def decode(self, ids) -> str:
         assert EOS not in ids and PAD not in ids
         return "".join(chr(ord("a") + (i - 4) % 26) for i in ids)
-
-
-def test_bucket_lengths_are_a_small_fixed_set():
-    assert bucket_lengths(256) == [16, 32, 64, 128, 256]
-    assert bucket_lengths(100) == [16, 32, 64, 100]
-    assert {bucket_length(n, 100) for n in range(1, 101)} == set(bucket_lengths(100))
 
 
 def test_translate_keeps_order_empty_lines_and_is_independent_of_batching():

@@ -55,8 +55,9 @@ def test_sinusoidal_encoding_restarts_with_positions():
     np.testing.assert_array_equal(pe[0, 4], pe[0, 1])
 
 
-def test_embedding_is_scaled_by_sqrt_d_model_and_attend_uses_the_same_matrix():
-    emb = Embedding(11, 16, jnp.float32, rngs=nnx.Rngs(0))
+@pytest.mark.parametrize("fused_backward", [True, False])
+def test_embedding_is_scaled_by_sqrt_d_model_and_attend_uses_the_same_matrix(fused_backward):
+    emb = Embedding(11, 16, jnp.float32, fused_backward=fused_backward, rngs=nnx.Rngs(0))
     table = np.asarray(emb.table_VD[...])
     np.testing.assert_allclose(emb(jnp.array([[3, 7]]))[0], table[[3, 7]] * 4.0, rtol=1e-6)
     x = np.random.default_rng(0).normal(size=(1, 2, 16)).astype(np.float32)
@@ -124,3 +125,40 @@ def test_matmul_last_gradients_equal_autodiff(d_in, d_out):
     np.testing.assert_allclose(ours[0], ref[0], rtol=1e-6)
     for a, b in zip(ours[1](g), ref[1](g), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "x_shape, w_shape, dimension_numbers, options",
+    [
+        ((3, 5, 6), (6, 10), (((2,), (0,)), ((), ())), {"precision": jax.lax.Precision.HIGHEST}),
+        ((3, 5, 6), (6, 10), (((2,), (0,)), ((), ())), {"preferred_element_type": jnp.float32}),
+        ((6, 5), (6, 10), (((0,), (0,)), ((), ())), {}),  # contracts x's first axis, not its last
+        ((4, 5, 6), (4, 6, 10), (((2,), (1,)), ((0,), (0,))), {}),  # a batch axis
+    ],
+    ids=["precision", "result_type", "first_axis", "batched"],
+)
+def test_linear_layer_dot_general_falls_back_to_lax_with_autodiff_gradients(
+    x_shape, w_shape, dimension_numbers, options
+):
+    """Anything but a plain x @ kernel over x's last axis skips matmul_last (whose backward assumes that shape)."""
+    from transformer_jax.model.layers import fused_dot_general
+
+    kx, kw, kg = jax.random.split(jax.random.key(1), 3)
+    x, w = jax.random.normal(kx, x_shape), jax.random.normal(kw, w_shape)
+    ours = lambda x, w: fused_dot_general(x, w, dimension_numbers, **options)
+    ref = lambda x, w: jax.lax.dot_general(x, w, dimension_numbers, **options)
+    assert "custom_vjp" not in str(jax.make_jaxpr(ours)(x, w))  # the fallback, not the hand-written backward
+    out, ours_vjp = jax.vjp(ours, x, w)
+    ref_out, ref_vjp = jax.vjp(ref, x, w)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-6)
+    g = jax.random.normal(kg, out.shape)
+    for a, b in zip(ours_vjp(g), ref_vjp(g), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_layer_dot_general_takes_the_fast_path_for_a_plain_matmul():
+    from transformer_jax.model.layers import fused_dot_general
+
+    x, w = jnp.ones((3, 5, 6)), jnp.ones((6, 10))
+    plain = (((2,), (0,)), ((), ()))
+    assert "custom_vjp" in str(jax.make_jaxpr(lambda x, w: fused_dot_general(x, w, plain))(x, w))

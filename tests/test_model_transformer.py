@@ -117,6 +117,26 @@ def test_cached_decoding_equals_full_recompute(norm_position):
     assert int(cache["index"]) == tgt.shape[1]
 
 
+def test_decode_masks_source_padding_without_explicit_segment_ids():
+    """decode derives the source's segment ids from its tokens as encode does, instead of reading padding as real."""
+    model = tiny_model()
+    src, tgt = random_tokens(0, (1, 5)), random_tokens(1, (1, 4))
+    padded = jnp.concatenate([src, jnp.zeros((1, 3), jnp.int32)], 1)
+    alone = model.decode(model.encode(src), tgt, src_tokens=src)
+    memory = model.encode(padded)
+    from_tokens = model.decode(memory, tgt, src_tokens=padded)
+    explicit = model.decode(memory, tgt, src_segment_ids=(jnp.arange(8) < 5).astype(jnp.int32)[None])
+    np.testing.assert_allclose(from_tokens, explicit, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(from_tokens, alone, rtol=1e-5, atol=1e-5)
+    cache = model.init_cache(memory, None, max_len=4, src_tokens=padded)
+    np.testing.assert_array_equal(cache["src_segment_ids"], [[1, 1, 1, 1, 1, 0, 0, 0]])
+    # Neither segment ids nor tokens: the padding cannot be known, so it is an error rather than "all real".
+    with pytest.raises(ValueError, match="decode needs src_segment_ids or src_tokens"):
+        model.decode(memory, tgt)
+    with pytest.raises(ValueError, match="init_cache needs src_segment_ids or src_tokens"):
+        model.init_cache(memory, None, max_len=4)
+
+
 def test_captured_attention_weights_are_the_ones_the_model_uses():
     model = tiny_model()
     src, tgt = random_tokens(0, (1, 5)), random_tokens(1, (1, 4))
@@ -161,12 +181,51 @@ def test_bfloat16_computation_keeps_float32_parameters_and_stays_close():
     assert np.linalg.norm(a - b) / np.linalg.norm(a) < 5e-2
 
 
-def test_untied_embeddings_have_their_own_matrices():
-    tied = tiny_model()
-    untied = tiny_model(share_embeddings=False, tie_output=False)
-    count = lambda m: sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param)))
-    spec = tied.spec
-    assert count(untied) - count(tied) == 2 * spec.vocab_size * spec.d_model
+# Which computation each vocabulary matrix feeds, for each (model.share_embeddings, model.tie_output).
+VOCAB_MATRICES = {
+    (True, True): {"src_embed": {"encoder input", "decoder input", "output projection"}},
+    (True, False): {"src_embed": {"encoder input", "decoder input"}, "output_proj": {"output projection"}},
+    (False, True): {"src_embed": {"encoder input"}, "tgt_embed": {"decoder input", "output projection"}},
+    (False, False): {
+        "src_embed": {"encoder input"},
+        "tgt_embed": {"decoder input"},
+        "output_proj": {"output projection"},
+    },
+}
+
+
+@pytest.mark.parametrize("share, tie", list(VOCAB_MATRICES))
+def test_tied_matrices_are_one_matrix_and_untied_ones_are_separate(share, tie):
+    """Paper 3.4: changing a vocabulary matrix changes exactly the computations that share it, and no other."""
+    model = tiny_model(share_embeddings=share, tie_output=tie)
+    src, tgt = random_tokens(0, (1, 5)), random_tokens(1, (1, 4))
+    y = jax.random.normal(jax.random.key(0), (1, 4, model.spec.d_model))
+    probes = {
+        "encoder input": lambda m: m.encode(src),
+        "decoder input": lambda m: m._embed(tgt, jnp.arange(4)[None], target=True),
+        "output projection": lambda m: m.logits(y),
+    }
+    before = {name: probe(model) for name, probe in probes.items()}
+    present = {name for name in ("src_embed", "tgt_embed", "output_proj") if getattr(model, name) is not None}
+    assert present == set(VOCAB_MATRICES[share, tie])
+    for name, feeds in VOCAB_MATRICES[share, tie].items():
+        changed_model = nnx.clone(model)
+        module = getattr(changed_model, name)
+        matrix = module.table_VD if name != "output_proj" else module.kernel
+        matrix[...] = matrix[...] + 0.5 * jax.random.normal(jax.random.key(1), matrix.shape)
+        changed = {n for n, probe in probes.items() if np.abs(probe(changed_model) - before[n]).max() > 1e-4}
+        assert changed == feeds, name
+    if tie:
+        # The gradient of the logits reaches the (one) embedding matrix through the projection itself.
+        embed = "src_embed" if share else "tgt_embed"
+        grads = nnx.grad(lambda m: m.logits(y)[..., 7].sum())(model)
+        table_grad = getattr(grads, embed).table_VD[...]
+        np.testing.assert_allclose(table_grad[7], y[0].sum(0), rtol=1e-5)
+        assert np.abs(np.delete(np.asarray(table_grad), 7, axis=0)).max() == 0.0
+    spec = model.spec
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    shared_params = sum(x.size for x in jax.tree.leaves(nnx.state(tiny_model(), nnx.Param)))
+    assert params - shared_params == (len(VOCAB_MATRICES[share, tie]) - 1) * spec.vocab_size * spec.d_model
 
 
 def hand_count(vocab: int, d: int, d_ff: int, n_layers: int) -> int:

@@ -105,6 +105,48 @@ def test_non_finite_losses_stop_the_run_with_a_checkpoint(corpus, tmp_path):
     assert len(steps) == 1 and steps[0] < 20
 
 
+def test_an_error_in_the_data_iterator_reaches_the_loop_as_itself(corpus, tmp_path, monkeypatch):
+    from transformer_jax.data import pipeline
+    from transformer_jax.errors import DataError
+
+    error = DataError("the third batch cannot be read")
+    original, calls = pipeline.WindowBatchIterator.__next__, []
+
+    def failing_next(self):
+        calls.append(1)
+        if len(calls) == 3:
+            raise error
+        return original(self)
+
+    monkeypatch.setattr(pipeline.WindowBatchIterator, "__next__", failing_next)
+    with pytest.raises(DataError) as raised:
+        train_and_evaluate(tiny_train_config(corpus, num_steps=6, eval_every=0), tmp_path)
+    assert raised.value is error
+    assert checkpoints.list_steps(tmp_path) == []  # not a clean stop: nothing is saved past the last checkpoint
+
+
+def test_prefetched_batches_and_states_are_the_iterators_own(corpus, tmp_path):
+    from transformer_jax import data
+    from transformer_jax.sharding import batch_sharding
+    from transformer_jax.training.loop import prefetch
+
+    config = tiny_train_config(corpus)
+    tokenizer = data.get_tokenizer(config.data, tmp_path, vocab_size=config.model.vocab_size)
+    plain, _ = data.make_train_iterator(config.data, tokenizer)
+    source, _ = data.make_train_iterator(config.data, tokenizer)
+    prefetched = prefetch(source, batch_sharding(make_mesh()))
+    try:
+        for _ in range(5):
+            batch, real_tokens, shape = next(prefetched)
+            expected = next(plain)
+            for key, value in expected.items():
+                np.testing.assert_array_equal(np.asarray(batch[key]), value)
+            assert (real_tokens, shape) == (plain.last_real_tokens, plain.last_global_shape)
+            assert prefetched.get_state() == plain.get_state()  # the state after this batch, not after the queue
+    finally:
+        prefetched.close()
+
+
 def _launch(corpus: pathlib.Path, workdir: pathlib.Path, num_steps: int) -> subprocess.Popen:
     overrides = {
         "data.text_dir": str(corpus),
@@ -181,20 +223,37 @@ def test_one_and_eight_devices_give_the_same_losses():
         np.testing.assert_allclose(eight[mode], one, rtol=2e-5)
 
 
-def losses_on(mode: str) -> list[float]:
+def test_one_and_eight_devices_give_the_same_losses_with_dropout():
+    """Dropout masks are a hash of each element's global index (ops/dropout.py), so they do not depend on how the
+    batch is laid out over devices: 8 simulated CPU devices train exactly like one."""
+    script = (
+        "import json\n"
+        "from tests.test_training_loop import losses_on\n"
+        "print(json.dumps(losses_on('data', dropout_rate=0.3)))\n"
+    )
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    eight = json.loads(out.stdout.strip().splitlines()[-1])
+    one = losses_on("data", dropout_rate=0.3)
+    assert one != losses_on("data")  # dropout is really on
+    np.testing.assert_allclose(eight, one, rtol=2e-5)
+
+
+def losses_on(mode: str, dropout_rate: float = 0.0) -> list[float]:
     """Losses of 3 train steps on fixed batches, on every visible device."""
     from configs import common
 
     config = common.base_config("tiny")
     config.model.vocab_size = 64
-    config.model.dropout_rate = 0.0  # dropout masks depend on how the batch is laid out over devices
+    config.model.dropout_rate = dropout_rate
     config.opt.warmup_steps = 1
     mesh = make_mesh()
     graphs, state = create_train_state(config)
     step, _, shardings = compile_steps(graphs, state, mesh, mode, label_smoothing=0.1, accum_steps=1)
     state = jax.device_put(state, shardings)
     if mesh.size > 1 and mode == "fsdp":
-        table = nnx.to_pure_dict(state)[0]["src_embed"]["table_VD"]
+        table = nnx.to_pure_dict(state)["model"]["src_embed"]["table_VD"]
         assert len(table.sharding.device_set) == mesh.size  # really sharded, not replicated
     losses = []
     for seed in range(3):

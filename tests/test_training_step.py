@@ -4,17 +4,14 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import pytest
 from flax import nnx
 
 from configs import common
 from tests.training_helpers import synthetic_batch
-from transformer_jax.errors import ConfigError
 from transformer_jax.model import TransformerSpec, build_model
 from transformer_jax.sharding import make_mesh
 from transformer_jax.training import flops
 from transformer_jax.training.losses import cross_entropy_sums
-from transformer_jax.training.optim import learning_rate_schedule, make_optimizer
 from transformer_jax.training.state import create_train_state, model_params
 from transformer_jax.training.step import compile_steps
 
@@ -25,7 +22,7 @@ def test_label_smoothed_cross_entropy_matches_hand_computation():
     targets = np.array([[1, 2, 0], [4, 4, 3]])
     weights = np.array([[1, 1, 0], [1, 1, 1]])
     eps = 0.1
-    sums = cross_entropy_sums(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights), eps)
+    sums = cross_entropy_sums(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights), eps, fused_backward=True)
     log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     q = np.full((2, 3, 5), eps / 5) + (1 - eps) * np.eye(5)[targets]  # (1 - eps) one-hot + eps / V
     loss = -(q * log_p).sum(-1)
@@ -37,43 +34,13 @@ def test_label_smoothed_cross_entropy_matches_hand_computation():
     # The hand-written backward: d/d logits of (a * loss_sum + b * nll_sum), from the formula in numpy.
     a, b = 1.7, -0.4
     grad = jax.grad(
-        lambda z: (lambda s: a * s["loss_sum"] + b * s["nll_sum"])(cross_entropy_sums(z, targets, weights, eps))
+        lambda z: (lambda s: a * s["loss_sum"] + b * s["nll_sum"])(
+            cross_entropy_sums(z, targets, weights, eps, fused_backward=True)
+        )
     )
     p = np.exp(log_p)
     expected = weights[..., None] * (a * (p - q) + b * (p - np.eye(5)[targets]))
     np.testing.assert_allclose(grad(jnp.asarray(logits)), expected, rtol=1e-5, atol=1e-6)
-
-
-def test_paper_learning_rate_schedule():
-    opt = common.opt_config(512)
-    schedule = learning_rate_schedule(opt, 100_000)
-    for step_num in (1, 100, 4000, 4001, 50_000):
-        expected = 512**-0.5 * min(step_num**-0.5, step_num * 4000**-1.5)  # paper equation (3), section 5.3
-        np.testing.assert_allclose(schedule(step_num - 1), expected, rtol=1e-5)
-    peak = max(float(schedule(s)) for s in range(0, 8000, 50))
-    np.testing.assert_allclose(peak, 512**-0.5 * 4000**-0.5, rtol=1e-3)
-
-
-@pytest.mark.parametrize("name", ["rsqrt", "cosine", "constant"])
-def test_other_schedules_warm_up_to_the_peak(name):
-    opt = common.opt_config(512)
-    opt.schedule, opt.learning_rate, opt.warmup_steps = name, 1e-3, 10
-    schedule = learning_rate_schedule(opt, 100)
-    np.testing.assert_allclose(schedule(4), 5e-4, rtol=1e-5)
-    np.testing.assert_allclose(schedule(9), 1e-3, rtol=1e-5)
-    if name == "cosine":
-        assert float(schedule(99)) < 1e-6
-
-
-def test_bad_optimizer_settings_name_the_key():
-    opt = common.opt_config(512)
-    opt.schedule = "linear"
-    with pytest.raises(ConfigError, match="opt.schedule"):
-        make_optimizer(opt, 10)
-    opt = common.opt_config(512)
-    opt.weight_decay = 0.1
-    with pytest.raises(ConfigError, match="opt.weight_decay.*adamw"):
-        make_optimizer(opt, 10)
 
 
 def _config(**model) -> ml_collections.ConfigDict:
@@ -120,18 +87,41 @@ def test_non_finite_update_is_skipped_and_counted():
     step, _, _ = compile_steps(graphs, state, make_mesh(), "data", label_smoothing=0.1, accum_steps=1)
     model_state = nnx.to_pure_dict(state)
     # Poison one parameter: every loss and gradient becomes NaN.
-    table = model_state[0]["src_embed"]["table_VD"]
-    model_state[0]["src_embed"]["table_VD"] = table.at[5].set(jnp.nan)
+    table = model_state["model"]["src_embed"]["table_VD"]
+    model_state["model"]["src_embed"]["table_VD"] = table.at[5].set(jnp.nan)
     nnx.replace_by_pure_dict(state, model_state)
     before = [np.array(x) for x in _params(state)]  # copies: the step donates the state's buffers
     state, metrics = step(state, synthetic_batch(1))
     assert float(metrics["finite"]) == 0.0
     state, metrics = step(state, synthetic_batch(2))
     assert int(metrics["nonfinite_in_a_row"]) == 2
-    assert int(state[2]["nonfinite_total"].get_value()) == 2
+    assert int(state["counters"]["nonfinite_total"].get_value()) == 2
     for a, b in zip(before, _params(state), strict=True):
         np.testing.assert_array_equal(a, b)  # NaN == NaN here: unchanged, including the poisoned row
-    assert int(state[1]["step"].get_value()) == 0
+    assert int(state["optimizer"]["step"].get_value()) == 0
+
+
+def test_bfloat16_train_step_keeps_float32_params_and_matches_float32():
+    """model.dtype=bfloat16 computes in bf16 but keeps parameters, gradients and the update in float32.
+
+    Tolerance: bf16 keeps 8 bits of mantissa (relative rounding ~4e-3 per op); over the tiny model's few layers the
+    loss and the gradient norm of the first step stay within 2% of the float32 step.
+    """
+    batch = synthetic_batch(0, rows=8)
+    results = {}
+    for dtype in ("float32", "bfloat16"):
+        config = _config(dropout_rate=0.0, dtype=dtype)
+        graphs, state = create_train_state(config)
+        step, _, _ = compile_steps(graphs, state, make_mesh(), "data", label_smoothing=0.1, accum_steps=1)
+        state, metrics = step(state, batch)
+        params = jax.tree.leaves(nnx.to_pure_dict(model_params(state)))
+        assert {p.dtype for p in params} == {jnp.dtype(jnp.float32)}, dtype
+        results[dtype] = {k: float(metrics[k]) for k in ("loss_sum", "grad_norm", "finite")}
+    assert results["bfloat16"]["finite"] == 1.0
+    assert np.isfinite(results["bfloat16"]["loss_sum"]) and np.isfinite(results["bfloat16"]["grad_norm"])
+    for key in ("loss_sum", "grad_norm"):
+        np.testing.assert_allclose(results["bfloat16"][key], results["float32"][key], rtol=2e-2)
+    assert results["bfloat16"]["loss_sum"] != results["float32"]["loss_sum"]  # bf16 really computed
 
 
 def test_flop_formula_matches_the_compiled_program():

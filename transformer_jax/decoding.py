@@ -1,17 +1,18 @@
 """Greedy and beam search over a generic decode step, and the binding that runs them on the Transformer.
 
-Axis legend: B sentences, K beams, N = B * K flattened rows (row b * K + k is beam k of sentence b), L output
-slots (= max_steps), V vocabulary, S source length, D d_model.
+Axis letters: see transformer_jax/__init__.py (here B sentences, W beams per sentence, R = B W rows with row b W + w
+beam w of sentence b, L output slots = max_steps).
 
-A decode step is `decode_step(tokens_N1, cache) -> (logits_N1V, cache)`: it reads the next input token of every
+A decode step is `decode_step(tokens_R1, cache) -> (logits_R1V, cache)`: it reads the next input token of every
 row and returns the next-token logits. The cache is any pytree whose non-scalar leaves have the rows on axis 0
 (scalar leaves, such as the model's write `index`, are shared by all rows and never tiled or reordered). The
 search functions only need this interface, so tests drive them with stubs whose distributions they control.
 
-Search (both functions): the decoder input starts with BOS; a hypothesis finishes when it emits EOS or reaches its
-sentence's maximum length `max_len_B` (then it is kept as it is, without EOS); after that only PAD follows and its
-score never changes. Lengths |Y| count the emitted tokens, EOS included. One `jax.lax.while_loop` runs the steps
-against a fixed-size cache of `max_steps` slots and stops as soon as every hypothesis of every sentence has finished.
+Search (both functions; the reserved ids are those of transformer_jax/tokens.py): the decoder input starts with BOS;
+a hypothesis finishes when it emits EOS or reaches its sentence's maximum length `max_len_B` (then it is kept as it
+is, without EOS); after that only PAD follows and its score never changes. Lengths |Y| count the emitted tokens,
+EOS included. One `jax.lax.while_loop` runs the steps against a fixed-size cache of `max_steps` slots and stops as
+soon as every hypothesis of every sentence has finished.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from transformer_jax.model.transformer import unpacked_segment_ids
+from transformer_jax.tokens import BOS_ID, EOS_ID, PAD_ID
+
 Array = jax.Array
 PyTree = Any
 DecodeStep = Callable[[Array, PyTree], tuple[Array, PyTree]]
-
-# The tokenizer's reserved ids (transformer_jax/data/tokenizer.py).
-PAD_ID, EOS_ID, BOS_ID = 0, 1, 2
 NEG_INF = -jnp.inf
 
 
@@ -39,24 +40,24 @@ def length_penalty(length: Array | int, alpha: Array | float) -> Array:
 
 
 def tile_beams(tree: PyTree, beam_size: int) -> PyTree:
-    """Repeats every non-scalar leaf beam_size times along axis 0: [B, ...] -> [B*K, ...], beams of a row adjacent."""
+    """Repeats every non-scalar leaf beam_size times along axis 0: [B, ...] -> [R, ...], beams of a row adjacent."""
     return jax.tree.map(lambda x: x if jnp.ndim(x) == 0 else jnp.repeat(x, beam_size, axis=0), tree)
 
 
-def gather_rows(tree: PyTree, rows_N: Array) -> PyTree:
+def gather_rows(tree: PyTree, rows_R: Array) -> PyTree:
     """Reorders every non-scalar leaf along axis 0 (the beam reordering of the cache); scalars stay."""
-    return jax.tree.map(lambda x: x if jnp.ndim(x) == 0 else jnp.take(x, rows_N, axis=0), tree)
+    return jax.tree.map(lambda x: x if jnp.ndim(x) == 0 else jnp.take(x, rows_R, axis=0), tree)
 
 
-def _next_log_probs(decode_step: DecodeStep, tokens_N: Array, cache: PyTree) -> tuple[Array, PyTree]:
-    logits, cache = decode_step(tokens_N[:, None], cache)
-    logits_NV = logits.reshape(tokens_N.shape[0], -1).astype(jnp.float32)
-    return jax.nn.log_softmax(logits_NV, axis=-1), cache
+def _next_log_probs(decode_step: DecodeStep, tokens_R: Array, cache: PyTree) -> tuple[Array, PyTree]:
+    logits, cache = decode_step(tokens_R[:, None], cache)
+    logits_RV = logits.reshape(tokens_R.shape[0], -1).astype(jnp.float32)
+    return jax.nn.log_softmax(logits_RV, axis=-1), cache
 
 
-def _write(seq_XL: Array, step: Array, tokens_X: Array) -> Array:
-    """seq[..., step] = tokens, with a traced step."""
-    return jnp.where(jnp.arange(seq_XL.shape[-1]) == step, tokens_X[..., None], seq_XL)
+def _write(seq: Array, step: Array, tokens: Array) -> Array:
+    """seq[..., step] = tokens (seq [..., L], tokens [...]), with a traced step."""
+    return jnp.where(jnp.arange(seq.shape[-1]) == step, tokens[..., None], seq)
 
 
 class GreedyResult(NamedTuple):
@@ -66,10 +67,10 @@ class GreedyResult(NamedTuple):
 
 
 class BeamResult(NamedTuple):
-    tokens: Array  # [B, K, L] int32, best beam first; EOS included when emitted, PAD after
-    scores: Array  # [B, K] float32: log P / lp(length), descending
-    log_probs: Array  # [B, K] float32: log P(tokens | source)
-    lengths: Array  # [B, K] int32: emitted tokens, EOS included
+    tokens: Array  # [B, W, L] int32, best beam first; EOS included when emitted, PAD after
+    scores: Array  # [B, W] float32: log P / lp(length), descending
+    log_probs: Array  # [B, W] float32: log P(tokens | source)
+    lengths: Array  # [B, W] int32: emitted tokens, EOS included
 
 
 def greedy_search(
@@ -78,9 +79,6 @@ def greedy_search(
     max_len_B: Array,
     *,
     max_steps: int,
-    bos_id: int = BOS_ID,
-    eos_id: int = EOS_ID,
-    pad_id: int = PAD_ID,
 ) -> GreedyResult:
     """Takes the most probable token at each step. `cache` has B rows; 1 <= max_len_B <= max_steps."""
     batch = max_len_B.shape[0]
@@ -100,18 +98,18 @@ def greedy_search(
     def body(s: State) -> State:
         log_probs_BV, cache = _next_log_probs(decode_step, s.last_B, s.cache)
         token_B = jnp.argmax(log_probs_BV, axis=-1).astype(jnp.int32)
-        token_B = jnp.where(s.done_B, pad_id, token_B)
+        token_B = jnp.where(s.done_B, PAD_ID, token_B)
         gain_B = jnp.take_along_axis(log_probs_BV, token_B[:, None], axis=-1)[:, 0]
         log_probs_B = s.log_probs_B + jnp.where(s.done_B, 0.0, gain_B)
         lengths_B = jnp.where(s.done_B, s.lengths_B, s.step + 1)
-        done_B = s.done_B | (token_B == eos_id) | (s.step + 1 >= max_len_B)
+        done_B = s.done_B | (token_B == EOS_ID) | (s.step + 1 >= max_len_B)
         return State(s.step + 1, done_B, token_B, _write(s.tokens_BL, s.step, token_B), log_probs_B, lengths_B, cache)
 
     init = State(
         step=jnp.zeros((), jnp.int32),
         done_B=jnp.zeros((batch,), bool),
-        last_B=jnp.full((batch,), bos_id, jnp.int32),
-        tokens_BL=jnp.full((batch, max_steps), pad_id, jnp.int32),
+        last_B=jnp.full((batch,), BOS_ID, jnp.int32),
+        tokens_BL=jnp.full((batch, max_steps), PAD_ID, jnp.int32),
         log_probs_B=jnp.zeros((batch,), jnp.float32),
         lengths_B=jnp.zeros((batch,), jnp.int32),
         cache=cache,
@@ -128,84 +126,81 @@ def beam_search(
     beam_size: int,
     alpha: Array | float,
     max_steps: int,
-    bos_id: int = BOS_ID,
-    eos_id: int = EOS_ID,
-    pad_id: int = PAD_ID,
 ) -> BeamResult:
-    """Beam search with the length penalty lp; `cache` has B rows and is tiled to B*K here, once.
+    """Beam search with the length penalty lp; `cache` has B rows and is tiled to R = B W rows here, once.
 
     Each step, every unfinished beam proposes its V extensions (score log P / lp(t+1)) and every finished beam
-    proposes itself followed by PAD (its score unchanged); the best K of these K*V candidates per sentence
-    survive, and the cache rows are reordered to follow them. A sentence is done when all K beams have finished,
+    proposes itself followed by PAD (its score unchanged); the best W of these W V candidates per sentence
+    survive, and the cache rows are reordered to follow them. A sentence is done when all W beams have finished,
     so beam_size=1 is exactly greedy search, and a beam large enough to keep every candidate is exhaustive search.
     """
-    batch, k, max_steps = max_len_B.shape[0], beam_size, int(max_steps)
+    batch, width, max_steps = max_len_B.shape[0], beam_size, int(max_steps)
 
     class State(NamedTuple):
         step: Array
-        finished_BK: Array
-        last_BK: Array
-        tokens_BKL: Array
-        log_probs_BK: Array
-        lengths_BK: Array
+        finished_BW: Array
+        last_BW: Array
+        tokens_BWL: Array
+        log_probs_BW: Array
+        lengths_BW: Array
         cache: PyTree
 
     def cond(s: State) -> Array:
-        return (s.step < max_steps) & ~jnp.all(s.finished_BK)
+        return (s.step < max_steps) & ~jnp.all(s.finished_BW)
 
     def body(s: State) -> State:
-        log_probs_NV, cache = _next_log_probs(decode_step, s.last_BK.reshape(-1), s.cache)
-        vocab = log_probs_NV.shape[-1]
-        log_probs_BKV = log_probs_NV.reshape(batch, k, vocab)
+        log_probs_RV, cache = _next_log_probs(decode_step, s.last_BW.reshape(-1), s.cache)
+        vocab = log_probs_RV.shape[-1]
+        log_probs_BWV = log_probs_RV.reshape(batch, width, vocab)
         # Candidate log-probabilities: extensions of unfinished beams; a finished beam only continues with PAD.
-        is_pad_V = jnp.arange(vocab) == pad_id
-        fin_BK1 = s.finished_BK[..., None]
-        cand_BKV = jnp.where(
-            fin_BK1,
-            jnp.where(is_pad_V, s.log_probs_BK[..., None], NEG_INF),
-            s.log_probs_BK[..., None] + log_probs_BKV,
+        is_pad_V = jnp.arange(vocab) == PAD_ID
+        fin_BW1 = s.finished_BW[..., None]
+        cand_BWV = jnp.where(
+            fin_BW1,
+            jnp.where(is_pad_V, s.log_probs_BW[..., None], NEG_INF),
+            s.log_probs_BW[..., None] + log_probs_BWV,
         )
-        cand_len_BK = jnp.where(s.finished_BK, s.lengths_BK, s.step + 1)
-        score_BKV = cand_BKV / length_penalty(cand_len_BK, alpha)[..., None]
-        score_BK, flat_BK = jax.lax.top_k(score_BKV.reshape(batch, k * vocab), k)
-        beam_BK, token_BK = flat_BK // vocab, (flat_BK % vocab).astype(jnp.int32)
+        cand_len_BW = jnp.where(s.finished_BW, s.lengths_BW, s.step + 1)
+        score_BWV = cand_BWV / length_penalty(cand_len_BW, alpha)[..., None]
+        score_BW, flat_BW = jax.lax.top_k(score_BWV.reshape(batch, width * vocab), width)
+        beam_BW, token_BW = flat_BW // vocab, (flat_BW % vocab).astype(jnp.int32)
 
-        def pick(x_BK: Array) -> Array:
-            return jnp.take_along_axis(x_BK, beam_BK, axis=1)
+        def pick(x_BW: Array) -> Array:
+            return jnp.take_along_axis(x_BW, beam_BW, axis=1)
 
-        was_finished_BK = pick(s.finished_BK)
-        log_probs_BK = jnp.take_along_axis(cand_BKV.reshape(batch, -1), flat_BK, axis=1)
-        lengths_BK = pick(cand_len_BK)
-        tokens_BKL = jnp.take_along_axis(s.tokens_BKL, beam_BK[..., None], axis=1)
-        tokens_BKL = _write(tokens_BKL, s.step, token_BK)
+        was_finished_BW = pick(s.finished_BW)
+        log_probs_BW = jnp.take_along_axis(cand_BWV.reshape(batch, -1), flat_BW, axis=1)
+        lengths_BW = pick(cand_len_BW)
+        tokens_BWL = jnp.take_along_axis(s.tokens_BWL, beam_BW[..., None], axis=1)
+        tokens_BWL = _write(tokens_BWL, s.step, token_BW)
         # A beam finishes on EOS, at its sentence's maximum length, or when nothing finite is left (-inf: dead).
-        finished_BK = (
-            was_finished_BK | (token_BK == eos_id) | (s.step + 1 >= max_len_B)[:, None] | (score_BK == NEG_INF)
+        finished_BW = (
+            was_finished_BW | (token_BW == EOS_ID) | (s.step + 1 >= max_len_B)[:, None] | (score_BW == NEG_INF)
         )
-        rows_N = (jnp.arange(batch)[:, None] * k + beam_BK).reshape(-1)
+        rows_R = (jnp.arange(batch)[:, None] * width + beam_BW).reshape(-1)
         return State(
-            s.step + 1, finished_BK, token_BK, tokens_BKL, log_probs_BK, lengths_BK, gather_rows(cache, rows_N)
+            s.step + 1, finished_BW, token_BW, tokens_BWL, log_probs_BW, lengths_BW, gather_rows(cache, rows_R)
         )
 
     init = State(
         step=jnp.zeros((), jnp.int32),
-        finished_BK=jnp.zeros((batch, k), bool),
-        last_BK=jnp.full((batch, k), bos_id, jnp.int32),
-        tokens_BKL=jnp.full((batch, k, max_steps), pad_id, jnp.int32),
-        # All K beams start as the same empty prefix; only the first is live, so candidates are not duplicated.
-        log_probs_BK=jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (batch, 1)),
-        lengths_BK=jnp.zeros((batch, k), jnp.int32),
-        cache=tile_beams(cache, k),
+        finished_BW=jnp.zeros((batch, width), bool),
+        last_BW=jnp.full((batch, width), BOS_ID, jnp.int32),
+        tokens_BWL=jnp.full((batch, width, max_steps), PAD_ID, jnp.int32),
+        # All W beams start as the same empty prefix; only the first is live, so candidates are not duplicated.
+        log_probs_BW=jnp.tile(jnp.array([0.0] + [NEG_INF] * (width - 1), jnp.float32), (batch, 1)),
+        lengths_BW=jnp.zeros((batch, width), jnp.int32),
+        cache=tile_beams(cache, width),
     )
     s = jax.lax.while_loop(cond, body, init)
-    scores_BK = s.log_probs_BK / length_penalty(s.lengths_BK, alpha)
-    scores_BK, order_BK = jax.lax.top_k(scores_BK, k)  # already sorted unless stopped early; cheap to be sure
+    scores_BW = s.log_probs_BW / length_penalty(s.lengths_BW, alpha)
+    scores_BW, order_BW = jax.lax.top_k(scores_BW, width)  # already sorted unless stopped early; cheap to be sure
 
     def sort(x: Array) -> Array:
-        idx = order_BK.reshape(order_BK.shape + (1,) * (x.ndim - 2))
+        idx = order_BW.reshape(order_BW.shape + (1,) * (x.ndim - 2))
         return jnp.take_along_axis(x, idx, axis=1)
 
-    return BeamResult(sort(s.tokens_BKL), scores_BK, sort(s.log_probs_BK), sort(s.lengths_BK))
+    return BeamResult(sort(s.tokens_BWL), scores_BW, sort(s.log_probs_BW), sort(s.lengths_BW))
 
 
 # -- the Transformer behind the decode-step interface ------------------------------------------------------------
@@ -225,9 +220,9 @@ def cached_decode_step(
     static = tile_beams({"src_segment_ids": full["src_segment_ids"], "cross": full["cross"]}, beam_size)
     cache = {"index": full["index"], "self": full["self"]}
 
-    def decode_step(tokens_N1: Array, cache: PyTree) -> tuple[Array, PyTree]:
-        logits_N1V, new = model.decode(None, tokens_N1, cache={**static, **cache})
-        return logits_N1V, {"index": new["index"], "self": new["self"]}
+    def decode_step(tokens_R1: Array, cache: PyTree) -> tuple[Array, PyTree]:
+        logits_R1V, new = model.decode(None, tokens_R1, cache={**static, **cache})
+        return logits_R1V, {"index": new["index"], "self": new["self"]}
 
     return decode_step, cache
 
@@ -241,19 +236,19 @@ def recompute_decode_step(
     the causal mask, so the logits at the index are those of the prefix. Used as the reference and the benchmark
     baseline of the cached step.
     """
-    memory_NSD, src_seg_NS = tile_beams((memory_BSD, src_segment_ids_BS), beam_size)
+    memory_RSD, src_seg_RS = tile_beams((memory_BSD, src_segment_ids_BS), beam_size)
     batch = memory_BSD.shape[0]
     cache = {"index": jnp.zeros((), jnp.int32), "tokens": jnp.zeros((batch, max_steps), jnp.int32)}
 
-    def decode_step(tokens_N1: Array, cache: PyTree) -> tuple[Array, PyTree]:
+    def decode_step(tokens_R1: Array, cache: PyTree) -> tuple[Array, PyTree]:
         index = cache["index"]
-        tokens_NL = jax.lax.dynamic_update_slice_in_dim(cache["tokens"], tokens_N1, index, axis=1)
+        tokens_RL = jax.lax.dynamic_update_slice_in_dim(cache["tokens"], tokens_R1, index, axis=1)
         # Every slot is a real target position here (even a generated PAD), so the segment ids are all ones.
-        logits_NLV = model.decode(
-            memory_NSD, tokens_NL, src_segment_ids=src_seg_NS, tgt_segment_ids=jnp.ones_like(tokens_NL)
+        logits_RLV = model.decode(
+            memory_RSD, tokens_RL, src_segment_ids=src_seg_RS, tgt_segment_ids=jnp.ones_like(tokens_RL)
         )
-        logits_N1V = jax.lax.dynamic_slice_in_dim(logits_NLV, index, 1, axis=1)
-        return logits_N1V, {"index": index + 1, "tokens": tokens_NL}
+        logits_R1V = jax.lax.dynamic_slice_in_dim(logits_RLV, index, 1, axis=1)
+        return logits_R1V, {"index": index + 1, "tokens": tokens_RL}
 
     return decode_step, cache
 
@@ -271,18 +266,15 @@ def _search(
     use_cache: bool,
 ) -> BeamResult:
     model = nnx.merge(graphdef, state)
-    pad_id = model.spec.pad_id
-    src_segment_ids_BS = (src_BS != pad_id).astype(jnp.int32)
+    src_segment_ids_BS = unpacked_segment_ids(src_BS)
     memory_BSD = model.encode(src_BS, src_segment_ids_BS)
     make = cached_decode_step if use_cache else recompute_decode_step
     decode_step, cache = make(model, memory_BSD, src_segment_ids_BS, beam_size=beam_size, max_steps=max_steps)
     if beam_size == 1:
-        g = greedy_search(decode_step, cache, max_len_B, max_steps=max_steps, pad_id=pad_id)
+        g = greedy_search(decode_step, cache, max_len_B, max_steps=max_steps)
         scores_B1 = (g.log_probs / length_penalty(g.lengths, alpha))[:, None]
         return BeamResult(g.tokens[:, None], scores_B1, g.log_probs[:, None], g.lengths[:, None])
-    return beam_search(
-        decode_step, cache, max_len_B, beam_size=beam_size, alpha=alpha, max_steps=max_steps, pad_id=pad_id
-    )
+    return beam_search(decode_step, cache, max_len_B, beam_size=beam_size, alpha=alpha, max_steps=max_steps)
 
 
 def search(
@@ -295,7 +287,7 @@ def search(
     max_steps: int,
     use_cache: bool = True,
 ) -> BeamResult:
-    """Encodes src [B, S] (PAD=0 padding, EOS-terminated) and searches, jitted; beam_size 1 runs greedy search.
+    """Encodes src [B, S] (PAD-padded, EOS-terminated) and searches, jitted; beam_size 1 runs greedy search.
 
     Compiles once per (graph, shapes, beam_size, max_steps); alpha is traced, so changing it does not recompile.
     Runs the model in eval mode (dropout off) without changing the caller's model.

@@ -1,7 +1,8 @@
 """Tokenized examples as ragged numpy arrays, the three batching plans (pack, bucket, pad) and batch assembly.
 
 A plan says where each example of a batch goes: its row, its offset in that row on each side and its segment id.
-`assemble` turns a plan into the batch contract with a handful of vectorised numpy operations:
+`assemble` turns a plan into the batch contract, whose arrays `BATCH_KEYS` names (every module that builds or
+consumes batches uses that tuple), with a handful of vectorised numpy operations:
 
   src_tokens      [B, S] int32  each sentence's ids then EOS=1, 0 at padding
   src_segment_ids [B, S] int32  1, 2, ... per example packed in the row, 0 at padding
@@ -28,6 +29,7 @@ from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, Tokenizer
 from transformer_jax.errors import DataError
 
 ROW_MULTIPLE = 8  # default: bucket batches have a multiple of 8 rows, so they split evenly over up to 8 devices
+MIN_EVAL_LENGTH = 16  # tokens; the shortest padded length of an evaluation batch
 BATCH_KEYS = (
     "src_tokens",
     "src_segment_ids",
@@ -198,7 +200,7 @@ def pad_planner(batch_rows: int, max_len: int) -> Planner:
 
 
 def bucket_lengths(max_len: int) -> list[int]:
-    """Row lengths for bucketing: multiples of 8 up to 64, then four steps per doubling, and max_len itself."""
+    """Row lengths of the training buckets: multiples of 8 up to 64, then four steps per doubling, and max_len."""
     lengths, length, step = [], 8, 8
     while length < max_len:
         lengths.append(length)
@@ -206,6 +208,28 @@ def bucket_lengths(max_len: int) -> list[int]:
             step = length // 4
         length += step
     return [*lengths, max_len]
+
+
+def padded_eval_length(length: int, max_len: int) -> int:
+    """The padded length of an evaluation batch whose longest row has `length` tokens: 16 * 2^k, capped at max_len.
+
+    Evaluation (translation, validation loss) sees each input once, so it pads each batch to a few lengths that
+    double, to bound jit compilations; training batches use the finer `bucket_lengths` instead, which waste less
+    padding on the many batches of every epoch.
+    """
+    padded = MIN_EVAL_LENGTH
+    while padded < length:
+        padded *= 2
+    return min(padded, max_len)
+
+
+def padded_eval_lengths(max_len: int) -> list[int]:
+    """Every length `padded_eval_length` can return (so at most this many compilations per decoding setting)."""
+    out, padded = [], MIN_EVAL_LENGTH
+    while padded < max_len:
+        out.append(padded)
+        padded *= 2
+    return out + [max_len]
 
 
 def bucket_shapes(tokens_per_batch: int, max_len: int, row_multiple: int = ROW_MULTIPLE) -> list[tuple[int, int]]:
@@ -217,11 +241,8 @@ def bucket_shapes(tokens_per_batch: int, max_len: int, row_multiple: int = ROW_M
     return shapes
 
 
-def bucket_planner(
-    src_lens: np.ndarray, tgt_lens: np.ndarray, tokens_per_batch: int, max_len: int, row_multiple: int = ROW_MULTIPLE
-) -> Planner:
-    """Length buckets with token-count batching: one (rows, length) shape per bucket, S = T = length."""
-    shapes = bucket_shapes(tokens_per_batch, max_len, row_multiple)
+def bucket_planner(src_lens: np.ndarray, tgt_lens: np.ndarray, shapes: Sequence[tuple[int, int]]) -> Planner:
+    """Length buckets with token-count batching: one (rows, length) shape per bucket (`bucket_shapes`), S = T."""
     lengths = np.array([length for _, length in shapes])
 
     def plan(items: np.ndarray, num_carried: int, rng: np.random.Generator) -> tuple[list[Plan], np.ndarray]:
@@ -273,7 +294,10 @@ def pack_planner(src_lens: np.ndarray, tgt_lens: np.ndarray, batch_rows: int, ro
     """Packs a window first-fit-decreasing, emits its fullest rows as batches and carries over the rest.
 
     Carried examples are placed first so none waits more than a window or two; the rows a window cannot fill
-    (usually the last few) go back into the next window instead of being emitted half empty.
+    (usually the last few) go back into the next window instead of being emitted half empty. Hand-written rather
+    than grain's FirstFitPackIterDataset, which packs in arrival order and emits all its bins, partly empty ones
+    included, as soon as one example does not fit; and which packs per host, where this plans the same global
+    batches on every host (see pipeline).
     """
 
     def plan(items: np.ndarray, num_carried: int, rng: np.random.Generator) -> tuple[list[Plan], np.ndarray]:

@@ -138,12 +138,14 @@ class WindowBatchDataset(grain.IterDataset):
         return WindowBatchIterator(self._spec)
 
 
-def make_planner(
-    config: ml_collections.ConfigDict, examples: batching.Examples, process_count: int, row_multiple: int
-) -> tuple[batching.Planner, list[tuple[int, int, int]]]:
-    """The planner of `config.batching` and the global batch shapes (rows, S, T) it can produce.
+def batch_shapes(
+    config: ml_collections.ConfigDict, process_count: int, row_multiple: int = batching.ROW_MULTIPLE
+) -> list[tuple[int, int, int]]:
+    """The global shapes (rows, S, T) of every batch that `config.batching` can produce; no data needed.
 
-    Rows and tokens per batch are summed over all hosts; every batch must split into equal blocks of rows per host.
+    The one source of training batch shapes: `make_planner` returns these with its planner, and
+    `train.py --dry_run` reports them. Rows and tokens per batch are summed over all hosts; every batch must split
+    into equal blocks of rows per host.
     """
     if config.batching in ("pack", "pad"):
         rows = config.batch_size
@@ -151,17 +153,24 @@ def make_planner(
             raise DataError(
                 f"data.batch_size={rows} is summed over hosts and must be a multiple of {process_count} hosts"
             )
-        if config.batching == "pad":
-            return batching.pad_planner(rows, config.max_len), [(rows, config.max_len, config.max_len)]
-        planner = batching.pack_planner(examples.src_lens, examples.tgt_lens, rows, config.max_len)
-        return planner, [(rows, config.max_len, config.max_len)]
+        return [(rows, config.max_len, config.max_len)]
     if config.batching == "bucket":
         row_multiple = math.lcm(row_multiple, process_count)  # every host gets the same number of rows
-        lens = (examples.src_lens, examples.tgt_lens)
-        tokens = config.tokens_per_batch
-        planner = batching.bucket_planner(*lens, tokens, config.max_len, row_multiple)
-        return planner, [(r, n, n) for r, n in batching.bucket_shapes(tokens, config.max_len, row_multiple)]
+        return [(r, n, n) for r, n in batching.bucket_shapes(config.tokens_per_batch, config.max_len, row_multiple)]
     raise DataError(f"unknown data.batching {config.batching!r}; choose pack, bucket or pad")
+
+
+def make_planner(
+    config: ml_collections.ConfigDict, examples: batching.Examples, process_count: int, row_multiple: int
+) -> tuple[batching.Planner, list[tuple[int, int, int]]]:
+    """The planner of `config.batching` and the global batch shapes (rows, S, T) it can produce (`batch_shapes`)."""
+    shapes = batch_shapes(config, process_count, row_multiple)
+    lens = (examples.src_lens, examples.tgt_lens)
+    if config.batching == "pad":
+        return batching.pad_planner(config.batch_size, config.max_len), shapes
+    if config.batching == "pack":
+        return batching.pack_planner(*lens, config.batch_size, config.max_len), shapes
+    return batching.bucket_planner(*lens, [(rows, length) for rows, length, _ in shapes]), shapes
 
 
 def make_train_iterator(

@@ -1,8 +1,8 @@
 """One joint SentencePiece vocabulary for both languages, trained on a sample of the training split and reused.
 
-Reserved ids: pad=0, eos=1, bos=2, unk=3. The model is trained with identity normalization, no whitespace
-folding and byte fallback, so `decode(encode(s)) == s` for any string: BLEU is computed on exactly the text the
-tokenizer was given, and no character is ever mapped to <unk>.
+The reserved ids pad, eos, bos, unk are those of transformer_jax/tokens.py. The model is trained with identity
+normalization, no whitespace folding and byte fallback, so `decode(encode(s)) == s` for any string: BLEU is computed
+on exactly the text the tokenizer was given, and no character is ever mapped to <unk>.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from absl import logging
 from transformer_jax.data import sources
 from transformer_jax.data.download import atomic_write
 from transformer_jax.errors import DataError
+from transformer_jax.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
-PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
 MODEL_FILENAME = "spm.model"
 
 
@@ -41,9 +41,10 @@ class Tokenizer:
         except Exception as e:  # sentencepiece raises RuntimeError/OSError with a terse message on bad files
             raise DataError(f"{self.path} is not a SentencePiece model: {e}") from e
         ids = (self._sp.pad_id(), self._sp.eos_id(), self._sp.bos_id(), self._sp.unk_id())
-        if ids != (PAD_ID, EOS_ID, BOS_ID, UNK_ID):
+        reserved = (PAD_ID, EOS_ID, BOS_ID, UNK_ID)
+        if ids != reserved:
             raise DataError(
-                f"tokenizer {self.path} reserves (pad, eos, bos, unk) = {ids}; this project needs (0, 1, 2, 3)"
+                f"tokenizer {self.path} reserves (pad, eos, bos, unk) = {ids}; this project needs {reserved}"
             )
 
     @property

@@ -4,6 +4,8 @@ Batch shapes come from a small fixed set so that jit compiles a bounded number o
 `batch_size` rows (the last one is filled with dummy rows that are dropped) and its source length is rounded up
 to a bucket (16, 32, 64, ... up to max_input_len). Sentences are sorted by length so that a batch's rows are
 similar, which wastes little padding and lets the search stop early for batches of short sentences.
+
+Axis letters: see transformer_jax/__init__.py.
 """
 
 from __future__ import annotations
@@ -17,31 +19,14 @@ import numpy as np
 from flax import nnx
 
 from transformer_jax import decoding
-
-MIN_BUCKET = 16  # tokens; the shortest source bucket
+from transformer_jax.data.batching import padded_eval_length
+from transformer_jax.tokens import EOS_ID, PAD_ID
 
 
 class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
-
-
-def bucket_length(length: int, max_input_len: int) -> int:
-    """The padded source length for a batch whose longest row has `length` tokens: 16 * 2^k, capped."""
-    bucket = MIN_BUCKET
-    while bucket < length:
-        bucket *= 2
-    return min(bucket, max_input_len)
-
-
-def bucket_lengths(max_input_len: int) -> list[int]:
-    """Every source length a batch can have (so at most this many compilations per decoding setting)."""
-    out, bucket = [], MIN_BUCKET
-    while bucket < max_input_len:
-        out.append(bucket)
-        bucket *= 2
-    return out + [max_input_len]
 
 
 def translate(
@@ -69,7 +54,6 @@ def translate(
             f"beam_size, batch_size, max_extra_len must be >= 1; got {beam_size}, {batch_size}, {max_extra_len}"
         )
     start = time.perf_counter()
-    pad_id, eos_id = model.spec.pad_id, decoding.EOS_ID
     position_limit = model.spec.max_len if model.spec.positional == "learned" else None
     if position_limit is not None:
         max_input_len = min(max_input_len, position_limit)  # a learned position table has no rows beyond
@@ -84,7 +68,7 @@ def translate(
         if len(ids) + 1 > max_input_len:
             ids = ids[: max_input_len - 1]
             truncated_lines.append(i + 1)
-        sources[i] = ids + [eos_id]
+        sources[i] = ids + [EOS_ID]
 
     order = sorted(sources, key=lambda i: len(sources[i]))
     batches = [order[j : j + batch_size] for j in range(0, len(order), batch_size)]
@@ -105,12 +89,12 @@ def translate(
 
         bar = tqdm(total=len(order), desc="translating", unit="sent", file=sys.stderr)
     for rows in batches:
-        src_len = bucket_length(max(len(sources[i]) for i in rows), max_input_len)
+        src_len = padded_eval_length(max(len(sources[i]) for i in rows), max_input_len)
         max_steps = src_len + max_extra_len
         if position_limit is not None:
             max_steps = min(max_steps, position_limit)
-        src_BS = np.full((batch_size, src_len), pad_id, np.int32)
-        src_BS[:, 0] = eos_id  # dummy rows: an empty source, decoded for one step and dropped
+        src_BS = np.full((batch_size, src_len), PAD_ID, np.int32)
+        src_BS[:, 0] = EOS_ID  # dummy rows: an empty source, decoded for one step and dropped
         max_len_B = np.ones((batch_size,), np.int32)
         for r, i in enumerate(rows):
             src_BS[r, : len(sources[i])] = sources[i]
@@ -122,12 +106,12 @@ def translate(
         for r, i in enumerate(rows):
             n = int(lengths_B[r])
             ids = tokens_BL[r, :n].tolist()
-            if ids and ids[-1] == eos_id:
+            if ids and ids[-1] == EOS_ID:
                 ids = ids[:-1]
             else:
                 stats["hit_max_len"] += 1  # stopped by the length limit, not by EOS
             stats["tgt_tokens"] += n
-            outputs[i] = tokenizer.decode([t for t in ids if t != pad_id])
+            outputs[i] = tokenizer.decode([t for t in ids if t != PAD_ID])
         if bar is not None:
             bar.update(len(rows))
     if bar is not None:

@@ -6,7 +6,7 @@ import ml_collections
 from flax import nnx
 
 from transformer_jax.model.spec import TransformerSpec
-from transformer_jax.model.transformer import Transformer, capture_attention_weights
+from transformer_jax.model.transformer import Transformer, capture_attention_weights, unpacked_segment_ids
 
 
 def build_model(config: ml_collections.ConfigDict, *, rngs: nnx.Rngs) -> Transformer:
@@ -14,4 +14,4 @@ def build_model(config: ml_collections.ConfigDict, *, rngs: nnx.Rngs) -> Transfo
     return Transformer(TransformerSpec.from_config(config), rngs=rngs)
 
 
-__all__ = ["Transformer", "TransformerSpec", "build_model", "capture_attention_weights"]
+__all__ = ["Transformer", "TransformerSpec", "build_model", "capture_attention_weights", "unpacked_segment_ids"]

@@ -1,6 +1,7 @@
 """Embeddings, positional encodings, normalisation and the position-wise feed-forward network.
 
-Axis legend: B batch, T sequence length, D d_model, F d_ff, V vocabulary.
+Axis letters: see transformer_jax/__init__.py. The linear layers and the tied logits projection have two backward
+passes, autodiff's and a hand-written one for XLA:CPU; model.fused_backward chooses (model/spec.py).
 """
 
 from __future__ import annotations
@@ -27,13 +28,17 @@ def dense(in_features: int, out_features: int, spec: TransformerSpec, rngs: nnx.
         dtype=spec.compute_dtype,
         param_dtype=jnp.float32,
         kernel_init=DENSE_INIT,
-        dot_general=_dense_dot_general,
+        dot_general=fused_dot_general if spec.fused_backward_on else jax.lax.dot_general,
         rngs=rngs,
     )
 
 
-def _dense_dot_general(x, kernel, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
-    """nnx.Linear's x @ kernel, with the hand-written backward of `matmul_last` when nothing unusual is asked."""
+def fused_dot_general(x, kernel, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
+    """nnx.Linear's x @ kernel, with the hand-written backward of `matmul_last` when nothing unusual is asked.
+
+    Anything else (other contracting or batch axes, an explicit precision or result type, an output sharding) goes
+    to jax.lax.dot_general unchanged, since matmul_last's backward assumes none of it.
+    """
     (x_contract, k_contract), batch_dims = dimension_numbers
     plain = tuple(x_contract) == (x.ndim - 1,) and tuple(k_contract) == (0,) and batch_dims == ((), ())
     if not plain or precision is not None or preferred_element_type is not None or kwargs.get("out_sharding"):
@@ -42,30 +47,31 @@ def _dense_dot_general(x, kernel, dimension_numbers, precision=None, preferred_e
 
 
 @jax.custom_vjp
-def matmul_last(x_ND: Array, w_DF: Array) -> Array:
-    """x @ w over x's last axis (any leading axes)."""
-    return jnp.matmul(x_ND, w_DF)
+def matmul_last(x: Array, w: Array) -> Array:
+    """x [..., in] @ w [in, out] over x's last axis (any leading axes; in and out are any widths)."""
+    return jnp.matmul(x, w)
 
 
-def _matmul_last_fwd(x_ND, w_DF):
-    return matmul_last(x_ND, w_DF), (x_ND, w_DF)
+def _matmul_last_fwd(x, w):
+    return matmul_last(x, w), (x, w)
 
 
-def _matmul_last_bwd(residuals, g_NF):
+def _matmul_last_bwd(residuals, g):
     """dx = g w^T; dw = x^T g over all leading axes, arranged so that XLA:CPU transposes the narrower of x and g.
 
     Autodiff's dw made XLA:CPU write a transposed copy of g (fused with the ReLU backward) for each layer, ~0.1 s
     of a 1.5 s train step at d_model 256 (benchmarks/train_step.py).
     """
-    x_ND, w_DF = residuals
-    d_in, d_out = w_DF.shape
-    x2, g2 = x_ND.reshape(-1, d_in), g_NF.reshape(-1, d_out)
-    d_x = jnp.matmul(g_NF, w_DF.T)
+    x, w = residuals
+    d_in, d_out = w.shape
+    rows_x, rows_g = x.reshape(-1, d_in), g.reshape(-1, d_out)  # leading axes flattened into rows
+    over_rows = (((0,), (0,)), ((), ()))  # contract the rows of both operands
+    d_x = jnp.matmul(g, w.T)
     if d_in <= d_out:
-        d_w = jnp.einsum("nd,nf->df", x2, g2)
+        d_w = jax.lax.dot_general(rows_x, rows_g, over_rows)  # [in, out]
     else:
-        d_w = jnp.einsum("nf,nd->fd", g2, x2).T
-    return d_x.astype(x_ND.dtype), d_w.astype(w_DF.dtype)
+        d_w = jax.lax.dot_general(rows_g, rows_x, over_rows).T  # [out, in], transposed
+    return d_x.astype(x.dtype), d_w.astype(w.dtype)
 
 
 matmul_last.defvjp(_matmul_last_fwd, _matmul_last_bwd)
@@ -81,14 +87,18 @@ class Dropout(nnx.Dropout):
 
 
 class Embedding(nnx.Module):
-    """Token embedding scaled by sqrt(d_model) (paper 3.4); `attend` is the tied pre-softmax projection."""
+    """Token embedding scaled by sqrt(d_model) (paper 3.4); `attend` is the tied pre-softmax projection.
 
-    def __init__(self, vocab_size: int, d_model: int, dtype: jnp.dtype, *, rngs: nnx.Rngs):
+    fused_backward: `attend` uses the hand-written backward of `tied_logits` (resolved model.fused_backward).
+    """
+
+    def __init__(self, vocab_size: int, d_model: int, dtype: jnp.dtype, *, fused_backward: bool, rngs: nnx.Rngs):
         # std d_model^-0.5 so that the sqrt(d_model)-scaled embedding has unit variance, as in tensor2tensor.
         init = nnx.initializers.normal(stddev=d_model**-0.5)
         self.table_VD = nnx.Param(init(rngs.params(), (vocab_size, d_model), jnp.float32))
         self.d_model = d_model
         self.dtype = dtype
+        self.fused_backward = fused_backward
 
     def __call__(self, tokens_BT: Array) -> Array:
         """x = E[token] * sqrt(d_model)."""
@@ -96,13 +106,19 @@ class Embedding(nnx.Module):
 
     def attend(self, x_BTD: Array) -> Array:
         """logits = x E^T, in float32."""
-        return tied_logits(x_BTD.astype(self.dtype), self.table_VD[...].astype(self.dtype))
+        project = tied_logits if self.fused_backward else logits_from_table
+        return project(x_BTD.astype(self.dtype), self.table_VD[...].astype(self.dtype))
+
+
+def logits_from_table(x_BTD: Array, table_VD: Array) -> Array:
+    """logits = x E^T in float32 (differentiated by autodiff)."""
+    return jnp.einsum("btd,vd->btv", x_BTD, table_VD, preferred_element_type=jnp.float32)
 
 
 @jax.custom_vjp
 def tied_logits(x_BTD: Array, table_VD: Array) -> Array:
     """logits = x E^T in float32, with a hand-written backward (below)."""
-    return jnp.einsum("btd,vd->btv", x_BTD, table_VD, preferred_element_type=jnp.float32)
+    return logits_from_table(x_BTD, table_VD)
 
 
 def _tied_logits_fwd(x_BTD, table_VD):
@@ -111,11 +127,15 @@ def _tied_logits_fwd(x_BTD, table_VD):
 
 def _tied_logits_bwd(residuals, d_logits_BTV):
     """dx = g E and dE = (x^T g)^T. Autodiff's dE = g^T x made XLA:CPU write a transposed [V, B*T] copy of the
-    logits gradient (~65 ms of a 1.6 s step at V=8000); x^T is V/D times smaller to transpose."""
+    logits gradient (~65 ms of a 1.6 s step at V=8000); x^T is V/D times smaller to transpose.
+
+    Both products return the operands' dtype, as autodiff's do: XLA:CPU has no bfloat16 x bfloat16 = float32 dot
+    for every shape ("Unsupported element type for DotThunk"), and the results are rounded to that dtype anyway.
+    """
     x_BTD, table_VD = residuals
     g_BTV = d_logits_BTV.astype(x_BTD.dtype)
-    d_x_BTD = jnp.einsum("btv,vd->btd", g_BTV, table_VD, preferred_element_type=jnp.float32)
-    d_table_DV = jnp.einsum("btd,btv->dv", x_BTD, g_BTV, preferred_element_type=jnp.float32)
+    d_x_BTD = jnp.einsum("btv,vd->btd", g_BTV, table_VD)
+    d_table_DV = jnp.einsum("btd,btv->dv", x_BTD, g_BTV)
     return d_x_BTD.astype(x_BTD.dtype), d_table_DV.T.astype(table_VD.dtype)
 
 
@@ -130,11 +150,11 @@ def sinusoidal_encoding(positions_BT: Array, d_model: int) -> Array:
     if d_model % 2:
         raise ValueError(f"sinusoidal positional encoding needs an even model.d_model, got {d_model}")
     two_i = jnp.arange(0, d_model, 2, dtype=jnp.float32)  # 2i for i = 0 .. d_model/2 - 1
-    inv_freq = 1.0 / (10000.0 ** (two_i / d_model))
-    angles_BTI = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+    inv_freq_Z = 1.0 / (10000.0 ** (two_i / d_model))
+    angles_BTZ = positions_BT.astype(jnp.float32)[..., None] * inv_freq_Z
     # Interleave so that even features are sines and odd features cosines, exactly as the formula indexes them.
-    pe_BTI2 = jnp.stack([jnp.sin(angles_BTI), jnp.cos(angles_BTI)], axis=-1)
-    return pe_BTI2.reshape(*positions_BT.shape, d_model)
+    pe_BTZ2 = jnp.stack([jnp.sin(angles_BTZ), jnp.cos(angles_BTZ)], axis=-1)
+    return pe_BTZ2.reshape(*positions_BT.shape, d_model)
 
 
 class LearnedPositions(nnx.Module):

@@ -4,16 +4,31 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 
 from transformer_jax.errors import ConfigError
+from transformer_jax.tokens import PAD_ID
 
 ACTIVATIONS = ("relu", "gelu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("post", "pre")
 POSITIONALS = ("sinusoidal", "learned", "none")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+FUSED_BACKWARD = ("auto", "on", "off")
+
+
+def fused_backward_enabled(setting: str, backend: str | None = None) -> bool:
+    """Whether the hand-written backward passes (linear layers, tied logits projection, loss) replace autodiff's.
+
+    They compute the same gradients as autodiff, arranged so that XLA:CPU makes fewer transposed copies; they
+    were measured on CPU only (benchmarks/train_step.py), so 'auto' uses them on the CPU backend and leaves every
+    other backend to autodiff. `backend` defaults to jax.default_backend().
+    """
+    if setting == "auto":
+        return (backend or jax.default_backend()) == "cpu"
+    return setting == "on"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +56,7 @@ class TransformerSpec:
     share_embeddings: bool
     tie_output: bool
     dtype: str
-    pad_id: int
+    fused_backward: str
     attention_impl: str
     attention_window: int
 
@@ -73,13 +88,12 @@ class TransformerSpec:
             ("norm_position", NORM_POSITIONS),
             ("positional", POSITIONALS),
             ("dtype", tuple(DTYPES)),
+            ("fused_backward", FUSED_BACKWARD),
         ):
             if getattr(self, key) not in allowed:
                 fail(f"model.{key}", f"unknown value {getattr(self, key)!r}; choose one of {list(allowed)}")
         if self.norm_epsilon <= 0:
             fail("model.norm_epsilon", f"must be positive, got {self.norm_epsilon}")
-        if not 0 <= self.pad_id < self.vocab_size:
-            fail("model.pad_id", f"must be a token id in [0, vocab_size={self.vocab_size}), got {self.pad_id}")
         if self.attention_window < 0:
             fail("attention.window", f"must be >= 0 tokens (0 = full attention), got {self.attention_window}")
         from transformer_jax import ops  # late import: ops registers implementations on import
@@ -115,12 +129,20 @@ class TransformerSpec:
     def window(self) -> int | None:
         return self.attention_window or None
 
+    @property
+    def fused_backward_on(self) -> bool:
+        """model.fused_backward resolved for the backend this process runs on."""
+        return fused_backward_enabled(self.fused_backward)
+
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> TransformerSpec:
         """Builds the spec from a full config (groups `model` and `attention`)."""
         fields = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in config.model.items() if k in fields}
-        unknown = sorted(set(config.model.keys()) - fields)
+        model = dict(config.model.items())
+        if "pad_id" in model:
+            model = _upgrade_saved_model_group(model)
+        values = {k: v for k, v in model.items() if k in fields}
+        unknown = sorted(set(model) - fields)
         if unknown:
             raise ConfigError(f"config keys model.{unknown[0]} ... are not model hyperparameters: {unknown}")
         values["attention_impl"] = config.attention.impl
@@ -129,3 +151,20 @@ class TransformerSpec:
         if missing:
             raise ConfigError(f"config is missing model keys: {['model.' + m for m in missing]}")
         return cls(**values)
+
+
+def _upgrade_saved_model_group(model: dict) -> dict:
+    """The `model` group of a config saved with a checkpoint before model.pad_id was removed, in today's keys.
+
+    model.pad_id could only ever be tokens.PAD_ID (the tokenizer refused any other id), so it is dropped.
+    model.fused_backward did not exist yet: those versions ran the hand-written backward passes everywhere ('on').
+    """
+    model = dict(model)
+    pad_id = model.pop("pad_id")
+    if pad_id != PAD_ID:
+        raise ConfigError(
+            f"invalid config key model.pad_id: padding is always token id {PAD_ID} (transformer_jax/tokens.py), "
+            f"got {pad_id}; remove the key"
+        )
+    model.setdefault("fused_backward", "on")
+    return model

@@ -1,6 +1,6 @@
 """The encoder-decoder Transformer (paper section 3): stacks of attention + FFN sublayers with residual + norm.
 
-Axis legend: B batch, S source length, T target length, L cache length, D d_model, V vocabulary.
+Axis letters: see transformer_jax/__init__.py.
 Public face: `encode(src) -> memory` and `decode(memory, tgt, cache=None) -> logits`; training, decoding and
 evaluation all go through these two.
 """
@@ -18,9 +18,15 @@ from transformer_jax.model import layers
 from transformer_jax.model.attention import MultiHeadAttention, append_to_cache, init_self_cache
 from transformer_jax.model.layers import Embedding, FeedForward, LearnedPositions, dense, make_norm, sinusoidal_encoding
 from transformer_jax.model.spec import TransformerSpec
+from transformer_jax.tokens import PAD_ID
 
 Array = jax.Array
 Cache = dict[str, Any]
+
+
+def unpacked_segment_ids(tokens_BT: Array) -> Array:
+    """Segment ids of rows that each hold one sentence: 1 for real tokens, 0 for PAD (padding)."""
+    return (tokens_BT != PAD_ID).astype(jnp.int32)
 
 
 class Residual(nnx.Module):
@@ -131,10 +137,14 @@ class Transformer(nnx.Module):
 
     def __init__(self, spec: TransformerSpec, *, rngs: nnx.Rngs):
         self.spec = spec
-        self.src_embed = Embedding(spec.vocab_size, spec.d_model, spec.compute_dtype, rngs=rngs)
-        self.tgt_embed = (
-            None if spec.share_embeddings else Embedding(spec.vocab_size, spec.d_model, spec.compute_dtype, rngs=rngs)
-        )
+
+        def embedding() -> Embedding:
+            return Embedding(
+                spec.vocab_size, spec.d_model, spec.compute_dtype, fused_backward=spec.fused_backward_on, rngs=rngs
+            )
+
+        self.src_embed = embedding()
+        self.tgt_embed = None if spec.share_embeddings else embedding()
         self.output_proj = None if spec.tie_output else dense(spec.d_model, spec.vocab_size, spec, rngs, bias=False)
         if spec.positional == "learned":
             self.src_positions = LearnedPositions(spec.max_len, spec.d_model, rngs=rngs)
@@ -168,7 +178,7 @@ class Transformer(nnx.Module):
         if self.spec.positional == "learned" and length > self.spec.max_len:
             raise ValueError(f"sequence of {length} tokens exceeds model.max_len={self.spec.max_len}")
         if segment_ids is None:
-            segment_ids = (tokens_BT != self.spec.pad_id).astype(jnp.int32)
+            segment_ids = unpacked_segment_ids(tokens_BT)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
         return segment_ids, positions
@@ -185,7 +195,7 @@ class Transformer(nnx.Module):
     def encode(
         self, src_tokens: Array, src_segment_ids: Array | None = None, src_positions: Array | None = None
     ) -> Array:
-        """memory [B, S, D] = Encoder(src_tokens). Segment ids 0 mark padding; default: tokens != pad_id."""
+        """memory [B, S, D] = Encoder(src_tokens). Segment ids 0 mark padding; default: unpacked_segment_ids."""
         src_segment_ids, src_positions = self._defaults(src_tokens, src_segment_ids, src_positions)
         x_BSD = self._embed(src_tokens, src_positions, target=False)
         for layer in self.encoder_layers:
@@ -197,6 +207,7 @@ class Transformer(nnx.Module):
         memory: Array | None,
         tgt_tokens: Array,
         *,
+        src_tokens: Array | None = None,
         src_segment_ids: Array | None = None,
         tgt_segment_ids: Array | None = None,
         tgt_positions: Array | None = None,
@@ -205,15 +216,15 @@ class Transformer(nnx.Module):
         """logits [B, T, V] (float32) of the next token at each target position, given the encoder memory.
 
         Without a cache, tgt_tokens is the whole shifted target (BOS y_1 ... y_{T-1}) and the causal mask hides the
-        future. With a cache from `init_cache`, tgt_tokens are the next T tokens (usually T = 1), memory is not read
-        (the cache holds the projected cross-attention keys/values and the source segment ids), and the return
-        value is (logits, updated cache).
+        future. Cross-attention must not read the memory of the source's padding, so it needs the source's segment
+        ids, or the source tokens to derive them from as `encode` does. With a cache from `init_cache`, tgt_tokens
+        are the next T tokens (usually T = 1), memory and the source are not read (the cache holds the projected
+        cross-attention keys/values and the source segment ids), and the return value is (logits, updated cache).
         """
         if cache is None:
             if memory is None:
                 raise ValueError("decode needs the encoder memory when no cache is given")
-            if src_segment_ids is None:
-                src_segment_ids = jnp.ones(memory.shape[:2], jnp.int32)
+            src_segment_ids = _source_segment_ids(src_tokens, src_segment_ids, "decode")
             tgt_segment_ids, tgt_positions = self._defaults(tgt_tokens, tgt_segment_ids, tgt_positions)
             cross_kvs = [layer.cross_attn.project_kv(memory) for layer in self.decoder_layers]
             index = None
@@ -243,10 +254,16 @@ class Transformer(nnx.Module):
             return logits_BTV
         return logits_BTV, {**cache, "self": new_self, "index": index + tgt_tokens.shape[1]}
 
-    def init_cache(self, memory: Array, src_segment_ids: Array | None, max_len: int) -> Cache:
-        """A decoding cache for up to max_len target tokens: cross-attention K/V projected once per sentence."""
+    def init_cache(
+        self, memory: Array, src_segment_ids: Array | None, max_len: int, *, src_tokens: Array | None = None
+    ) -> Cache:
+        """A decoding cache for up to max_len target tokens: cross-attention K/V projected once per sentence.
+
+        The source's segment ids (or its tokens, to derive them from) are kept to mask its padding, as in `decode`.
+        """
         if self.spec.positional == "learned" and max_len > self.spec.max_len:
             raise ValueError(f"decoding {max_len} tokens exceeds model.max_len={self.spec.max_len}")
+        src_segment_ids = _source_segment_ids(src_tokens, src_segment_ids, "init_cache")
         batch = memory.shape[0]
         dtype = self.spec.compute_dtype
         cross = []
@@ -255,7 +272,7 @@ class Transformer(nnx.Module):
             cross.append({"k": k, "v": v})
         return {
             "index": jnp.zeros((), jnp.int32),
-            "src_segment_ids": jnp.ones(memory.shape[:2], jnp.int32) if src_segment_ids is None else src_segment_ids,
+            "src_segment_ids": src_segment_ids,
             "cross": cross,
             "self": [init_self_cache(layer.self_attn, batch, max_len, dtype) for layer in self.decoder_layers],
         }
@@ -280,6 +297,16 @@ class Transformer(nnx.Module):
             tgt_segment_ids=tgt_segment_ids,
             tgt_positions=tgt_positions,
         )
+
+
+def _source_segment_ids(src_tokens: Array | None, src_segment_ids: Array | None, caller: str) -> Array:
+    """The source's segment ids as given, or derived from its tokens; never all ones by default, which would let
+    cross-attention read the memory of padding."""
+    if src_segment_ids is not None:
+        return src_segment_ids
+    if src_tokens is None:
+        raise ValueError(f"{caller} needs src_segment_ids or src_tokens, to mask the source's padding")
+    return unpacked_segment_ids(src_tokens)
 
 
 def capture_attention_weights(model: Transformer, enabled: bool = True) -> None:

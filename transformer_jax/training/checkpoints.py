@@ -1,7 +1,9 @@
 """Orbax checkpoints in WORKDIR/checkpoints: the train state, the data iterator position and the config.
 
 Each checkpoint holds everything needed to continue exactly: model parameters, optimizer state, dropout RNG state,
-step and non-finite counters (item `state`), the data iterator state (item `data`) and the config (item `config`).
+step and non-finite counters (item `state`, keyed by the TrainState fields "model", "optimizer", "counters"), the
+data iterator state (item `data`) and the config (item `config`). Checkpoints written before the fields had names
+keep them under 0, 1, 2 (the same order); they restore for training and for evaluation alike.
 With several processes each writes its shards of `state`; the JSON items are written by process 0 alone, which is
 right because every host's iterator state is the same (hosts plan the same global batches; see data.pipeline).
 """
@@ -17,8 +19,10 @@ import jax
 import ml_collections
 import orbax.checkpoint as ocp
 from flax import nnx
+from flax.traverse_util import flatten_dict
 
 from transformer_jax.errors import CheckpointError
+from transformer_jax.training.state import TrainState
 
 ITEMS = ("state", "data", "config")
 # Keys whose change makes a checkpoint unusable (the parameter or optimizer structure, or what the tokens mean).
@@ -40,7 +44,6 @@ STRUCTURAL_KEYS = (
     "model.max_len",
     "model.share_embeddings",
     "model.tie_output",
-    "model.pad_id",
     "opt.optimizer",
     "data.src_lang",
     "data.tgt_lang",
@@ -52,19 +55,9 @@ def checkpoint_dir(workdir: str | pathlib.Path) -> pathlib.Path:
     return pathlib.Path(workdir).resolve() / "checkpoints"
 
 
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for key, value in d.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def config_differences(saved: dict, current: dict, keys: tuple[str, ...] = STRUCTURAL_KEYS) -> list[str]:
     """'key: saved -> current' for every structural key that differs."""
-    a, b = _flatten(saved), _flatten(current)
+    a, b = flatten_dict(saved, sep="."), flatten_dict(current, sep=".")
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
 
 
@@ -88,6 +81,21 @@ def _abstract(tree, shardings=None):
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), tree)
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _saved_keys(workdir: str | pathlib.Path, step: int) -> dict[str, Any]:
+    """TrainState field -> the top-level key the checkpoint of `step` stores it under: the field's name, or its
+    position 0, 1, 2 in a checkpoint written before the fields had names."""
+    # The saved tree's metadata, read by a bare handler: a manager knows it only after a save in this process, and
+    # a checkpointer would synchronise the hosts.
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        saved = set(handler.metadata(checkpoint_dir(workdir) / str(step) / "state").tree.keys())
+    finally:
+        handler.close()
+    if saved == {str(i) for i in range(len(TrainState.FIELDS))}:
+        return {name: i for i, name in enumerate(TrainState.FIELDS)}
+    return {name: name for name in TrainState.FIELDS}
 
 
 class Checkpointer:
@@ -144,16 +152,18 @@ class Checkpointer:
                     "saved config (config item of the checkpoint)."
                 )
             try:
+                keys = _saved_keys(self.workdir, step)
+                on_disk = {keys[name]: target[name] for name in TrainState.FIELDS}
                 restored = self.manager.restore(
                     step,
-                    args=ocp.args.Composite(state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()),
+                    args=ocp.args.Composite(state=ocp.args.StandardRestore(on_disk), data=ocp.args.JsonRestore()),
                 )
             except Exception as e:  # noqa: BLE001
                 errors.append(f"step {step}: {type(e).__name__}: {e}")
                 logging.error("checkpoint %d in %s is damaged (%s); trying the previous one", step, self.workdir, e)
                 continue
             state = jax.tree.map(lambda x: x, abstract_state)  # a copy to fill
-            nnx.replace_by_pure_dict(state, restored.state)
+            nnx.replace_by_pure_dict(state, {name: restored.state[keys[name]] for name in TrainState.FIELDS})
             return step, state, restored.data["iterator"]
         raise CheckpointError(f"no checkpoint in {checkpoint_dir(self.workdir)} could be read: {errors}")
 
@@ -177,7 +187,8 @@ def load_model_params(workdir: str | pathlib.Path, step: int, abstract_state: nn
     steps = list_steps(workdir)
     if step not in steps:
         raise CheckpointError(f"no checkpoint for step {step} in {checkpoint_dir(workdir)}; available steps: {steps}")
-    target = {0: _abstract(nnx.to_pure_dict(nnx.filter_state(abstract_state[0], nnx.Param)))}
+    key = _saved_keys(workdir, step)["model"]
+    target = {key: _abstract(nnx.to_pure_dict(nnx.filter_state(abstract_state["model"], nnx.Param)))}
     # Read only the model's parameters: the optimizer state and counters are left out of the restore target. The
     # restore arguments carry this process's device for every array: without them Orbax reuses the saved shardings,
     # which fails for a checkpoint written by other devices (another host, FSDP over 8 GPUs).
@@ -185,4 +196,4 @@ def load_model_params(workdir: str | pathlib.Path, step: int, abstract_state: nn
         target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
     )
     restored = _manager(workdir, read_only=True).restore(step, args=ocp.args.Composite(state=restore))
-    return restored.state[0]
+    return restored.state[key]

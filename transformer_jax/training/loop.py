@@ -1,28 +1,32 @@
 """The training loop: config -> data -> jitted steps -> metrics and checkpoints, resumable exactly.
 
 The Python loop never waits on the device for the step it just dispatched: metrics are fetched one step late,
-batches are prepared and placed on the devices by a background thread.
+batches are prepared and placed on the devices by grain's prefetch thread. The pieces: `setup` builds everything
+from the config into a `TrainingRun`; `run_steps` is the step loop; `MetricLog` fetches and logs step metrics;
+`Validation` runs validation loss and BLEU when due; `StopRequest` turns SIGTERM into a clean stop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import pathlib
-import queue
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
+import grain
 import jax
 import ml_collections
 import numpy as np
 
 from transformer_jax import data
+from transformer_jax.data.batching import BATCH_KEYS, padded_eval_length
 from transformer_jax.errors import ConfigError, NonFiniteError
-from transformer_jax.evaluation.translate import bucket_length
 from transformer_jax.model.spec import TransformerSpec
 from transformer_jax.sharding import batch_sharding, make_mesh, state_shardings
 from transformer_jax.training import flops
@@ -30,8 +34,8 @@ from transformer_jax.training.checkpoints import Checkpointer
 from transformer_jax.training.losses import summarize
 from transformer_jax.training.metrics import MetricWriter, Progress
 from transformer_jax.training.optim import learning_rate_schedule
-from transformer_jax.training.state import abstract_train_state, create_train_state
-from transformer_jax.training.step import BATCH_KEYS, compile_steps
+from transformer_jax.training.state import Graphs, abstract_train_state, create_train_state, eval_model
+from transformer_jax.training.step import compile_steps
 
 # With several hosts, every this many steps the hosts agree whether any of them got SIGTERM (one tiny all-gather):
 # a launcher signals hosts at slightly different times, and a host that stopped alone would leave the others
@@ -50,41 +54,36 @@ def should_stop(requested: bool, step: int) -> bool:
     return bool(np.any(multihost_utils.process_allgather(np.int32(requested))))
 
 
-class Prefetcher:
-    """Pulls batches (with the iterator state after each) on a thread and places them on the devices."""
+class PlacedBatches(grain.DatasetIterator):
+    """The training batches placed on the devices, each with the real tokens and the shape (rows, S, T) of its
+    global batch (all hosts), for throughput and FLOPs.
 
-    def __init__(self, iterator, sharding, depth: int = 2):
-        self.iterator, self.sharding = iterator, sharding
-        self.queue: queue.Queue = queue.Queue(maxsize=depth)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
+    Its state is the data iterator's; `prefetch` runs it a few batches ahead on grain's prefetch thread.
+    """
 
-    def _run(self) -> None:
-        try:
-            while not self.stop.is_set():
-                batch = next(self.iterator)
-                it_state = self.iterator.get_state()
-                # Tokens and shape of the global batch (all hosts), for throughput and FLOPs.
-                real, shape = self.iterator.last_real_tokens, self.iterator.last_global_shape
-                placed = {k: place(batch[k], self.sharding) for k in BATCH_KEYS}
-                self.queue.put((placed, it_state, real, shape))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
-            self.queue.put(e)
+    def __init__(self, parent: data.WindowBatchIterator, sharding):
+        super().__init__(parent)
+        self._sharding = sharding
 
-    def next(self):
-        item = self.queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
+    def __next__(self) -> tuple[dict[str, jax.Array], int, tuple[int, int, int]]:
+        batch = next(self._parent)
+        placed = {k: place(batch[k], self._sharding) for k in BATCH_KEYS}
+        return placed, self._parent.last_real_tokens, self._parent.last_global_shape
 
-    def close(self) -> None:
-        self.stop.set()
-        while self.thread.is_alive():  # unblock a put()
-            try:
-                self.queue.get_nowait()
-            except queue.Empty:
-                self.thread.join(timeout=0.1)
+    def get_state(self) -> dict[str, Any]:
+        return self._parent.get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._parent.set_state(state)
+
+
+def prefetch(iterator: data.WindowBatchIterator, sharding, depth: int = 2) -> grain.DatasetIterator:
+    """Placed batches prepared `depth` ahead on a thread (grain's ThreadPrefetchDatasetIterator).
+
+    Its get_state() after each batch is the data iterator's state right after that batch (what a checkpoint must
+    hold to continue with the next one), and an exception in the data iterator is raised by next() as itself.
+    """
+    return grain.experimental.ThreadPrefetchDatasetIterator(PlacedBatches(iterator, sharding), depth)
 
 
 def place(array: np.ndarray, sharding) -> jax.Array:
@@ -116,7 +115,7 @@ def validation_batches(config: ml_collections.ConfigDict, tokenizer) -> list[dic
     out = []
     for b in batches:
         lengths = {
-            side: bucket_length(int((b[f"{side}_segment_ids"] > 0).sum(1).max()), config.data.eval_max_len)
+            side: padded_eval_length(int((b[f"{side}_segment_ids"] > 0).sum(1).max()), config.data.eval_max_len)
             for side in ("src", "tgt")
         }
         out.append({k: b[k][:, : lengths[k.split("_")[0]]] for k in BATCH_KEYS})
@@ -125,14 +124,11 @@ def validation_batches(config: ml_collections.ConfigDict, tokenizer) -> list[dic
 
 def validation_bleu(config, graphs, state, tokenizer, pairs) -> dict[str, float]:
     """sacreBLEU, tokenized BLEU and chrF of beam-search translations of a bounded validation subset."""
-    from flax import nnx
-
     from transformer_jax.evaluation.bleu import score_all
     from transformer_jax.evaluation.translate import translate
 
-    model = nnx.merge(graphs.eval, state)[0]
     hypotheses, _ = translate(
-        model,
+        eval_model(graphs, state),
         tokenizer,
         [s for s, _ in pairs],
         beam_size=config.eval.beam_size,
@@ -151,26 +147,6 @@ def evaluate_loss(eval_step, state, batches, sharding) -> dict[str, float]:
         sums = eval_step(state, {k: place(host_block(v), sharding) for k, v in batch.items()})
         totals = sums if not totals else jax.tree.map(lambda a, b: a + b, totals, sums)
     return summarize(jax.device_get(totals))
-
-
-class _Window:
-    """Host-side sums of the metrics of the steps since the last log line."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self) -> None:
-        self.sums = {"loss_sum": 0.0, "nll_sum": 0.0, "correct": 0.0, "tokens": 0.0}
-        self.grad_norms, self.real_tokens, self.flops, self.steps, self.start = [], 0, 0.0, 0, time.time()
-
-    def add(self, metrics: dict, real_tokens: int, step_flops: float) -> None:
-        for k in self.sums:
-            self.sums[k] += float(metrics[k])
-        if metrics["finite"]:
-            self.grad_norms.append(float(metrics["grad_norm"]))
-        self.real_tokens += real_tokens
-        self.flops += step_flops
-        self.steps += 1
 
 
 def check_batch_shapes(config: ml_collections.ConfigDict, mesh) -> int:
@@ -194,15 +170,147 @@ def check_batch_shapes(config: ml_collections.ConfigDict, mesh) -> int:
     return math.lcm(8, accum * mesh.size)
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict[str, float]:
-    """Trains (or resumes) in workdir until config.train.num_steps; returns the last logged metrics."""
-    workdir = pathlib.Path(workdir)
+def is_due(step: int, every: int, last_step: int) -> bool:
+    """Whether something done every `every` steps (0: never) and at the last step is due after `step`."""
+    return bool(every) and (step % every == 0 or step == last_step)
+
+
+class StopRequest:
+    """SIGTERM sets a flag instead of killing the process (while inside `with`); `due` says when to stop."""
+
+    def __init__(self):
+        self.requested = threading.Event()
+        self._previous = None
+
+    def __enter__(self) -> StopRequest:
+        self._previous = signal.signal(signal.SIGTERM, lambda *_: self.requested.set())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
+
+    def due(self, step: int) -> bool:
+        return should_stop(self.requested.is_set(), step)
+
+
+class MetricLog:
+    """The train metrics: each step's are fetched from the device one step late (so the loop never waits for the
+    step it just dispatched), summed on the host, and written as one record every train.log_every steps.
+
+    Fetching is also where a run of non-finite updates is noticed: NonFiniteError once there are
+    train.max_nonfinite_steps in a row.
+    """
+
+    def __init__(self, config: ml_collections.ConfigDict, writer: MetricWriter, progress: Progress, peak: float):
+        self.writer, self.progress = writer, progress
+        self.schedule = learning_rate_schedule(config.opt, config.train.num_steps)
+        self.max_nonfinite = config.train.max_nonfinite_steps
+        self.peak_all_devices = peak * jax.device_count()
+        self.pending: tuple | None = None  # (metrics on device, real tokens, FLOPs, step) of the last step
+        self._reset()
+
+    def _reset(self) -> None:
+        self.sums = {"loss_sum": 0.0, "nll_sum": 0.0, "correct": 0.0, "tokens": 0.0}
+        self.grad_norms, self.real_tokens, self.flops, self.steps, self.start = [], 0, 0.0, 0, time.time()
+
+    def add(self, metrics: dict, real_tokens: int, step_flops: float, step: int) -> None:
+        """Takes the metrics of the step just dispatched and fetches those of the step before."""
+        self.flush()
+        self.pending = (metrics, real_tokens, step_flops, step)
+
+    def flush(self) -> None:
+        """Fetches the pending step's metrics (waits for that step)."""
+        if self.pending is None:
+            return
+        metrics, real_tokens, step_flops, step = self.pending
+        self.pending = None
+        metrics = jax.device_get(metrics)
+        for k in self.sums:
+            self.sums[k] += float(metrics[k])
+        if metrics["finite"]:
+            self.grad_norms.append(float(metrics["grad_norm"]))
+        self.real_tokens += real_tokens
+        self.flops += step_flops
+        self.steps += 1
+        if int(metrics["nonfinite_in_a_row"]) >= self.max_nonfinite:
+            raise NonFiniteError(
+                f"{int(metrics['nonfinite_in_a_row'])} non-finite updates in a row at step {step} "
+                f"(train.max_nonfinite_steps={self.max_nonfinite}); the last good state is saved"
+            )
+
+    def write(self, step: int) -> dict[str, float]:
+        """Fetches the pending step, writes one record of the steps since the last and returns it."""
+        self.flush()
+        elapsed = max(time.time() - self.start, 1e-9)
+        metrics = summarize(self.sums)
+        metrics.update(
+            learning_rate=float(self.schedule(step - 1)),
+            grad_norm=float(np.mean(self.grad_norms)) if self.grad_norms else float("nan"),
+            tokens_per_s=self.real_tokens / elapsed,
+            steps_per_s=self.steps / elapsed,
+            mfu=self.flops / elapsed / self.peak_all_devices,
+        )
+        self.writer.write(step, metrics)
+        self.progress.update(step, metrics)
+        self._reset()
+        return metrics
+
+
+class Validation:
+    """Validation loss every train.eval_every steps and BLEU every train.bleu_every steps (and at the last step)."""
+
+    def __init__(self, config, graphs: Graphs, tokenizer, eval_step, sharding, writer: MetricWriter):
+        self.config, self.graphs, self.tokenizer = config, graphs, tokenizer
+        self.eval_step, self.sharding, self.writer = eval_step, sharding, writer
+        self.batches = validation_batches(config, tokenizer) if config.train.eval_every else []
+        self.bleu_pairs = (
+            data.load_split(config.data, config.data.valid_split)[: config.train.bleu_sentences]
+            if config.train.bleu_every
+            else []
+        )
+
+    def run_due(self, step: int, state) -> None:
+        train, num_steps = self.config.train, self.config.train.num_steps
+        if is_due(step, train.eval_every, num_steps):
+            metrics = evaluate_loss(self.eval_step, state, self.batches, self.sharding)
+            self.writer.write(step, metrics, prefix="valid_")
+            logging.info("step %d validation: %s", step, json.dumps(metrics))
+        if is_due(step, train.bleu_every, num_steps):
+            bleu = validation_bleu(self.config, self.graphs, state, self.tokenizer, self.bleu_pairs)
+            self.writer.write(step, bleu, prefix="valid_")
+            logging.info("step %d validation BLEU on %d sentences: %s", step, len(self.bleu_pairs), json.dumps(bleu))
+
+
+@dataclasses.dataclass
+class TrainingRun:
+    """What `setup` builds from the config: the state to start from and everything the step loop uses."""
+
+    config: ml_collections.ConfigDict
+    spec: TransformerSpec
+    state: Any  # nnx.State of the TrainState, placed with its shardings
+    step: int  # optimizer steps already taken
+    train_step: Callable
+    batches: grain.DatasetIterator  # `prefetch`: (placed batch, real tokens, global shape)
+    checkpointer: Checkpointer
+    metric_log: MetricLog
+    validation: Validation
+    writer: MetricWriter
+    progress: Progress
+
+    def close(self) -> None:
+        self.batches.close()
+        self.progress.close()
+        self.checkpointer.close()
+        self.writer.close()
+
+
+def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> TrainingRun:
+    """Mesh, tokenizer, data, the state (restored from the latest checkpoint or new), compiled steps, writers."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
     mesh = make_mesh()
     row_multiple = check_batch_shapes(config, mesh)
     spec = TransformerSpec.from_config(config)
-
     tokenizer = data.get_tokenizer(
         config.data, workdir, vocab_size=config.model.vocab_size, train_if_missing=jax.process_count() == 1
     )
@@ -226,91 +334,69 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
         label_smoothing=config.train.label_smoothing,
         accum_steps=config.train.grad_accum_steps,
     )
-    schedule = learning_rate_schedule(config.opt, config.train.num_steps)
-    valid = validation_batches(config, tokenizer) if config.train.eval_every else []
-    bleu_pairs = (
-        data.load_split(config.data, config.data.valid_split)[: config.train.bleu_sentences]
-        if config.train.bleu_every
-        else []
-    )
-    peak = config.train.peak_flops or flops.measure_matmul_peak()
-    writer = MetricWriter(workdir)
-    writer.write(step, {f"data_{k}": v for k, v in data_stats.items() if isinstance(v, int)})
-
-    stop_requested = threading.Event()
-    previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop_requested.set())
     sharding = batch_sharding(mesh)
-    prefetcher = Prefetcher(train_iter, sharding)
+    writer = MetricWriter(workdir)
+    validation = Validation(config, graphs, tokenizer, eval_step, sharding, writer)
+    peak = config.train.peak_flops or flops.measure_matmul_peak()
+    writer.write(step, {f"data_{k}": v for k, v in data_stats.items() if isinstance(v, int)})
     progress = Progress(step, config.train.num_steps)
-    window, pending, last_logged, saved_step, it_state = _Window(), None, {}, step, None
+    return TrainingRun(
+        config=config,
+        spec=spec,
+        state=state,
+        step=step,
+        train_step=train_step,
+        batches=prefetch(train_iter, sharding),
+        checkpointer=checkpointer,
+        metric_log=MetricLog(config, writer, progress, peak),
+        validation=validation,
+        writer=writer,
+        progress=progress,
+    )
 
-    def drain(entry) -> None:
-        """Fetch one finished step's metrics (the host sync happens one step late)."""
-        metrics, real, step_flops, at_step = entry
-        metrics = jax.device_get(metrics)
-        window.add(metrics, real, step_flops)
-        if int(metrics["nonfinite_in_a_row"]) >= config.train.max_nonfinite_steps:
-            raise NonFiniteError(
-                f"{int(metrics['nonfinite_in_a_row'])} non-finite updates in a row at step {at_step} "
-                f"(train.max_nonfinite_steps={config.train.max_nonfinite_steps}); the last good state is saved"
-            )
 
-    def log(at_step: int) -> dict[str, float]:
-        elapsed = max(time.time() - window.start, 1e-9)
-        metrics = summarize(window.sums)
-        metrics.update(
-            learning_rate=float(schedule(at_step - 1)),
-            grad_norm=float(np.mean(window.grad_norms)) if window.grad_norms else float("nan"),
-            tokens_per_s=window.real_tokens / elapsed,
-            steps_per_s=window.steps / elapsed,
-            mfu=window.flops / elapsed / (peak * mesh.size),
-        )
-        writer.write(at_step, metrics)
-        progress.update(at_step, metrics)
-        window.reset()
-        return metrics
+def run_steps(run: TrainingRun, stop: StopRequest) -> dict[str, float]:
+    """Steps from run.step to train.num_steps (or a stop request): train, log, validate, checkpoint.
 
+    Returns the last logged metrics. A stop request or a run of non-finite updates (NonFiniteError, re-raised)
+    saves a checkpoint of the state reached; non-finite updates were skipped, so that state is the last good one.
+    """
+    config, num_steps = run.config, run.config.train.num_steps
+    state, step, saved_step, it_state, last_logged = run.state, run.step, run.step, None, {}
     stopping = False
     try:
-        while step < config.train.num_steps:
-            stopping = should_stop(stop_requested.is_set(), step)
+        while step < num_steps:
+            stopping = stop.due(step)
             if stopping:
                 break
-            batch, it_state, real, shape = prefetcher.next()
-            state, metrics = train_step(state, batch)
+            batch, real_tokens, shape = next(run.batches)
+            it_state = run.batches.get_state()
+            state, metrics = run.train_step(state, batch)
             step += 1
-            if pending is not None:
-                drain(pending)
-            pending = (metrics, real, flops.train_step_flops(spec, *shape), step)
-            if step % config.train.log_every == 0 or step == config.train.num_steps:
-                drain(pending)
-                pending = None
-                last_logged = log(step)
-            if config.train.eval_every and (step % config.train.eval_every == 0 or step == config.train.num_steps):
-                valid_metrics = evaluate_loss(eval_step, state, valid, sharding)
-                writer.write(step, valid_metrics, prefix="valid_")
-                logging.info("step %d validation: %s", step, json.dumps(valid_metrics))
-            if config.train.bleu_every and (step % config.train.bleu_every == 0 or step == config.train.num_steps):
-                bleu = validation_bleu(config, graphs, state, tokenizer, bleu_pairs)
-                writer.write(step, bleu, prefix="valid_")
-                logging.info("step %d validation BLEU on %d sentences: %s", step, len(bleu_pairs), json.dumps(bleu))
-            if step % config.ckpt.every_steps == 0 or step == config.train.num_steps:
-                checkpointer.save(step, state, it_state, config)
+            run.metric_log.add(metrics, real_tokens, flops.train_step_flops(run.spec, *shape), step)
+            if is_due(step, config.train.log_every, num_steps):
+                last_logged = run.metric_log.write(step)
+            run.validation.run_due(step, state)
+            if is_due(step, config.ckpt.every_steps, num_steps):
+                run.checkpointer.save(step, state, it_state, config)
                 saved_step = step
-        if pending is not None:
-            drain(pending)
+        run.metric_log.flush()
         if stopping and saved_step != step:
-            checkpointer.save(step, state, it_state, config)
+            run.checkpointer.save(step, state, it_state, config)
     except NonFiniteError:
-        # Non-finite updates were skipped, so the state is the last good one.
-        checkpointer.save(step, state, it_state, config)
+        run.checkpointer.save(step, state, it_state, config)
         raise
     finally:
         if stopping:
             logging.warning("SIGTERM: saved the checkpoint at step %d; exiting", step)
-        signal.signal(signal.SIGTERM, previous_handler)
-        prefetcher.close()
-        progress.close()
-        checkpointer.close()
-        writer.close()
     return last_logged
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict[str, float]:
+    """Trains (or resumes) in workdir until config.train.num_steps; returns the last logged metrics."""
+    run = setup(config, pathlib.Path(workdir))
+    try:
+        with StopRequest() as stop:
+            return run_steps(run, stop)
+    finally:
+        run.close()

@@ -1,6 +1,6 @@
 """Label-smoothed cross-entropy (paper 5.4) as token sums, so that any batching normalises exactly.
 
-Axis legend: B batch, T target length, V vocabulary.
+Axis letters: see transformer_jax/__init__.py.
 """
 
 from __future__ import annotations
@@ -13,15 +13,19 @@ import jax.numpy as jnp
 Array = jax.Array
 
 
-def cross_entropy_sums(logits_BTV: Array, targets_BT: Array, weights_BT: Array, label_smoothing: float) -> dict:
+def cross_entropy_sums(
+    logits_BTV: Array, targets_BT: Array, weights_BT: Array, label_smoothing: float, *, fused_backward: bool
+) -> dict:
     """Sums over real target tokens (weights 1) of the smoothed loss, the true NLL and correct predictions.
 
     The smoothed target puts 1 - eps on the reference token and eps / V on every token (as optax.smooth_labels).
     Dividing each sum by `tokens` gives per-token means; summing before dividing makes gradient accumulation over
-    micro-batches of different sizes exact (token-weighted).
+    micro-batches of different sizes exact (token-weighted). fused_backward: differentiate with the hand-written
+    backward below instead of autodiff (the model's resolved model.fused_backward, spec.fused_backward_on).
     """
     weights_BT = weights_BT.astype(jnp.float32)
-    loss_sum, nll_sum = _smoothed_nll_sums(logits_BTV.astype(jnp.float32), targets_BT, weights_BT, label_smoothing)
+    sums = _fused_smoothed_nll_sums if fused_backward else smoothed_nll_sums
+    loss_sum, nll_sum = sums(logits_BTV.astype(jnp.float32), targets_BT, weights_BT, label_smoothing)
     correct_BT = (jnp.argmax(logits_BTV, axis=-1) == targets_BT).astype(jnp.float32)
     return {
         "loss_sum": loss_sum,
@@ -31,8 +35,16 @@ def cross_entropy_sums(logits_BTV: Array, targets_BT: Array, weights_BT: Array, 
     }
 
 
+def smoothed_nll_sums(logits_BTV: Array, targets_BT: Array, weights_BT: Array, eps: float) -> tuple[Array, Array]:
+    """(sum of w * smoothed loss, sum of w * NLL) over target positions, differentiated by autodiff."""
+    return _smoothed_nll_fwd(logits_BTV, targets_BT, weights_BT, eps)[0]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _smoothed_nll_sums(logits_BTV: Array, targets_BT: Array, weights_BT: Array, eps: float) -> tuple[Array, Array]:
+def _fused_smoothed_nll_sums(
+    logits_BTV: Array, targets_BT: Array, weights_BT: Array, eps: float
+) -> tuple[Array, Array]:
+    """smoothed_nll_sums with the hand-written backward below."""
     return _smoothed_nll_fwd(logits_BTV, targets_BT, weights_BT, eps)[0]
 
 
@@ -66,7 +78,7 @@ def _smoothed_nll_bwd(eps, residuals, cotangents):
     return d_logits_BTV, None, None
 
 
-_smoothed_nll_sums.defvjp(_smoothed_nll_fwd, _smoothed_nll_bwd)
+_fused_smoothed_nll_sums.defvjp(_smoothed_nll_fwd, _smoothed_nll_bwd)
 
 
 def summarize(sums: dict) -> dict[str, float]:

@@ -25,27 +25,16 @@ def learning_rate_schedule(opt: ml_collections.ConfigDict, num_steps: int) -> op
     if opt.warmup_steps < 0:
         raise ConfigError(f"config key opt.warmup_steps: must be >= 0, got {opt.warmup_steps}")
     peak, warmup = float(opt.learning_rate), max(int(opt.warmup_steps), 1)
-
-    def paper(step):
-        step_num = jnp.asarray(step, jnp.float32) + 1.0
-        return peak * jnp.minimum(step_num**-0.5, step_num * warmup**-1.5)
-
-    def warmup_factor(step):
-        return jnp.minimum(1.0, (jnp.asarray(step, jnp.float32) + 1.0) / warmup)
-
-    def rsqrt(step):
-        step_num = jnp.asarray(step, jnp.float32) + 1.0
-        return peak * warmup_factor(step) * jnp.sqrt(warmup / jnp.maximum(step_num, warmup))
-
-    def cosine(step):
-        step_num = jnp.asarray(step, jnp.float32) + 1.0
-        progress = jnp.clip((step_num - warmup) / max(num_steps - warmup, 1), 0.0, 1.0)
-        return peak * warmup_factor(step) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
-
-    def constant(step):
-        return peak * warmup_factor(step)
-
-    return {"paper": paper, "rsqrt": rsqrt, "cosine": cosine, "constant": constant}[opt.schedule]
+    if opt.schedule == "paper":
+        return lambda step: peak * jnp.minimum((step + 1.0) ** -0.5, (step + 1.0) * warmup**-1.5)
+    # Linear warmup: peak * step_num / warmup, reaching peak at step warmup - 1; the decay starts from there.
+    ramp = optax.linear_schedule(peak / warmup, peak, transition_steps=warmup - 1)
+    after = {
+        "rsqrt": lambda count: peak * jnp.sqrt(warmup / (count + warmup)),  # count = step_num - warmup
+        "cosine": optax.cosine_decay_schedule(peak, decay_steps=max(num_steps - warmup, 1)),
+        "constant": optax.constant_schedule(peak),
+    }[opt.schedule]
+    return optax.join_schedules([ramp, after], boundaries=[warmup - 1])
 
 
 def make_optimizer(opt: ml_collections.ConfigDict, num_steps: int) -> optax.GradientTransformation:

@@ -1,4 +1,8 @@
-"""The train state: model, optimizer and counters, split once into a static graph and a pytree of arrays."""
+"""The train state: model, optimizer and counters under their names, split once into a static graph and arrays.
+
+`nnx.split(TrainState)` gives a pytree of arrays whose top-level keys are the field names (`state["model"]`,
+`state["optimizer"]["step"]`, `state["counters"]`); the step functions merge it back and use the fields by name.
+"""
 
 from __future__ import annotations
 
@@ -21,50 +25,65 @@ class Counters(nnx.Module):
         self.nonfinite_total = nnx.Variable(jnp.zeros((), jnp.int32))
 
 
+class TrainState(nnx.Module):
+    """Everything a train step updates: the model (parameters and dropout RNG), its optimizer (step count and
+    moments) and the non-finite counters."""
+
+    # Field order: checkpoints written before the fields had names stored them under these positions.
+    FIELDS = ("model", "optimizer", "counters")
+
+    def __init__(self, model: Transformer, optimizer: nnx.Optimizer, counters: Counters):
+        self.model = model
+        self.optimizer = optimizer
+        self.counters = counters
+
+
 @dataclasses.dataclass(frozen=True)
 class Graphs:
-    """Static halves of (model, optimizer, counters): one with dropout on (train), one with it off (eval)."""
+    """Static halves of the TrainState: one with dropout on (train), one with it off (eval)."""
 
     train: nnx.GraphDef
     eval: nnx.GraphDef
 
 
 def create_model(config: ml_collections.ConfigDict, seed: int) -> Transformer:
-    # Separate streams: parameter init and dropout draw from different keys of the same seed. Dropout keys use
-    # XLA's RngBitGenerator ("rbg"): on CPU, threefry bits for every activation cost ~20% of a train step, rbg ~10%.
+    # Separate streams: parameter init and dropout draw from different keys of the same seed. Dropout masks come
+    # from a counter hash (ops/dropout.py) that draws only two words per call from this key, so the key's impl costs
+    # nothing; it stays "rbg" because the key is part of every checkpoint and another impl has another shape.
     return build_model(config, rngs=nnx.Rngs(params=seed, dropout=jax.random.key(seed + 1, impl="rbg")))
 
 
-def create_train_state(config: ml_collections.ConfigDict) -> tuple[Graphs, nnx.State]:
-    """Builds model + optimizer + counters from the config and splits them (state: a pytree of arrays)."""
+def new_train_state(config: ml_collections.ConfigDict) -> TrainState:
+    """Model + optimizer + counters built from the config (arrays allocated and initialised)."""
     model = create_model(config, config.train.seed)
     optimizer = nnx.Optimizer(model, make_optimizer(config.opt, config.train.num_steps), wrt=nnx.Param)
-    counters = Counters()
-    model.eval()
-    eval_graph, _ = nnx.split((model, optimizer, counters))
-    model.train()
-    train_graph, state = nnx.split((model, optimizer, counters))
+    return TrainState(model, optimizer, Counters())
+
+
+def split_train_state(train_state: TrainState) -> tuple[Graphs, nnx.State]:
+    """The train and eval graphs and the state (a pytree of arrays) of a TrainState; leaves it in train mode."""
+    train_state.model.eval()
+    eval_graph, _ = nnx.split(train_state)
+    train_state.model.train()
+    train_graph, state = nnx.split(train_state)
     return Graphs(train=train_graph, eval=eval_graph), state
+
+
+def create_train_state(config: ml_collections.ConfigDict) -> tuple[Graphs, nnx.State]:
+    """Builds model + optimizer + counters from the config and splits them."""
+    return split_train_state(new_train_state(config))
 
 
 def abstract_train_state(config: ml_collections.ConfigDict) -> tuple[Graphs, nnx.State]:
     """The same as create_train_state with shapes only (no memory, no compute): for restoring and dry runs."""
-    out = {}
+    return split_train_state(nnx.eval_shape(lambda: new_train_state(config)))
 
-    def build():
-        graphs, state = create_train_state(config)
-        out["graphs"] = graphs
-        return state
 
-    state = jax.eval_shape(build)
-    return out["graphs"], state
+def eval_model(graphs: Graphs, state: nnx.State) -> Transformer:
+    """The model of a train state with dropout off (for validation and translation)."""
+    return nnx.merge(graphs.eval, state).model
 
 
 def model_params(state: nnx.State) -> nnx.State:
     """The model's parameters inside a train state."""
-    return nnx.filter_state(state[0], nnx.Param)
-
-
-def step_of(state: nnx.State):
-    """The optimizer step counter (an array)."""
-    return state[1]["step"].get_value()
+    return nnx.filter_state(state["model"], nnx.Param)

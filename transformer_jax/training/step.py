@@ -1,7 +1,7 @@
 """Pure, module-level step functions over the split train state; `compile_steps` jits them once with shardings.
 
-A batch is a dict of int32 arrays [B, ...] (see transformer_jax/data): src_tokens, src_segment_ids, src_positions,
-tgt_in, tgt_out, tgt_segment_ids, tgt_positions. Segment id 0 marks padding.
+A batch is a dict of int32 arrays [B, ...]: the batch contract of transformer_jax/data/batching.py (`BATCH_KEYS`).
+Segment id 0 marks padding.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from transformer_jax.training.losses import cross_entropy_sums
 from transformer_jax.training.state import Graphs
 
 Array = jax.Array
-BATCH_KEYS = ("src_tokens", "src_segment_ids", "src_positions", "tgt_in", "tgt_out", "tgt_segment_ids", "tgt_positions")
 
 
 def _batch_sums(model, batch: dict[str, Array], label_smoothing: float) -> dict[str, Array]:
@@ -32,18 +31,27 @@ def _batch_sums(model, batch: dict[str, Array], label_smoothing: float) -> dict[
         src_positions=batch["src_positions"],
         tgt_positions=batch["tgt_positions"],
     )
-    return cross_entropy_sums(logits_BTV, batch["tgt_out"], batch["tgt_segment_ids"] > 0, label_smoothing)
+    weights_BT = batch["tgt_segment_ids"] > 0
+    return cross_entropy_sums(
+        logits_BTV, batch["tgt_out"], weights_BT, label_smoothing, fused_backward=model.spec.fused_backward_on
+    )
 
 
 def train_step(
     graph: nnx.GraphDef, state: nnx.State, batch: dict[str, Array], *, label_smoothing: float, accum_steps: int
 ) -> tuple[nnx.State, dict[str, Array]]:
     """One optimizer step: gradients of the summed loss over `accum_steps` micro-batches, divided by the number
-    of real target tokens, so k micro-batches give exactly the update of one batch k times larger.
+    of real target tokens, so k micro-batches give exactly the update of one batch k times larger. (optax.MultiSteps
+    averages the k micro-batch gradients with equal weights, so a token of a short micro-batch would count more than
+    one of a long micro-batch; and it spreads one update over k calls instead of one call per batch.)
 
-    A non-finite loss or gradient skips the update (state unchanged but for the counters).
+    A non-finite loss or gradient skips the update (state unchanged but for the counters). This is hand-written
+    rather than optax.apply_if_finite, which checks only the gradients, not the loss; applies the update anyway
+    after max_consecutive_errors, where training stops with the last good state saved; leaves nnx.Optimizer's step
+    counting skipped updates; and keeps its counters inside the optimizer state, a layout existing checkpoints lack.
     """
-    model, optimizer, counters = nnx.merge(graph, state)
+    train_state = nnx.merge(graph, state)
+    model, optimizer, counters = train_state.model, train_state.optimizer, train_state.counters
     model_graph, params, rest = nnx.split(model, nnx.Param, ...)
     micro = jax.tree.map(lambda x: x.reshape(accum_steps, x.shape[0] // accum_steps, *x.shape[1:]), batch)
 
@@ -79,13 +87,12 @@ def train_step(
         "finite": finite.astype(jnp.float32),
         "nonfinite_in_a_row": counters.nonfinite_in_a_row[...],
     }
-    return nnx.state((model, optimizer, counters)), metrics
+    return nnx.state(train_state), metrics
 
 
 def eval_step(graph: nnx.GraphDef, state: nnx.State, batch: dict[str, Array], *, label_smoothing: float) -> dict:
     """Loss sums on a batch with dropout off (graph is the eval graph)."""
-    model, _, _ = nnx.merge(graph, state)
-    return _batch_sums(model, batch, label_smoothing)
+    return _batch_sums(nnx.merge(graph, state).model, batch, label_smoothing)
 
 
 def compile_steps(

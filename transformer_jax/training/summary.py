@@ -6,36 +6,35 @@ import jax
 import ml_collections
 from flax import nnx
 
-from transformer_jax.data.batching import bucket_shapes
+from transformer_jax.data.pipeline import batch_shapes
 from transformer_jax.model import TransformerSpec, build_model
 from transformer_jax.sharding import make_mesh
 from transformer_jax.training import flops
-
-
-def batch_shapes(data: ml_collections.ConfigDict) -> list[tuple[int, int, int]]:
-    """(rows, source length, target length) of every batch shape the config's batching can produce (global)."""
-    if data.batching == "bucket":
-        return [(rows, n, n) for rows, n in bucket_shapes(data.tokens_per_batch, data.max_len)]
-    return [(data.batch_size, data.max_len, data.max_len)]
+from transformer_jax.training.loop import check_batch_shapes
 
 
 def dry_run_summary(config: ml_collections.ConfigDict) -> dict:
+    """Parameters, FLOPs, the batch shapes training will use (from the data pipeline), the mesh and a time estimate.
+
+    Gradient accumulation does not change the FLOPs or tokens of a step: the step splits the same batch into
+    train.grad_accum_steps micro-batches.
+    """
     spec = TransformerSpec.from_config(config)
     model = nnx.eval_shape(lambda: build_model(config, rngs=nnx.Rngs(0)))
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    shapes = batch_shapes(config.data)
+    mesh = make_mesh()
+    shapes = batch_shapes(config.data, jax.process_count(), check_batch_shapes(config, mesh))
     # FLOPs per target token at the longest shape, and per step for the largest batch by tokens.
     rows, s_len, t_len = max(shapes, key=lambda s: s[0] * s[1])
     forward = flops.forward_flops(spec, rows, s_len, t_len)
-    step = flops.train_step_flops(spec, rows, s_len, t_len) * config.train.grad_accum_steps
-    mesh = make_mesh()
+    step = flops.train_step_flops(spec, rows, s_len, t_len)
     summary = {
         "parameters": params,
         "forward_flops_per_target_token": forward / (rows * t_len),
         "train_flops_per_target_token": 3 * forward / (rows * t_len),
         "train_flops_per_step": step,
         "batch_shapes_rows_src_tgt": shapes,
-        "tokens_per_step_per_side": rows * s_len * config.train.grad_accum_steps,
+        "tokens_per_step_per_side": rows * s_len,
         "mesh": {"axes": dict(mesh.shape), "devices": [str(d) for d in mesh.devices.flat], "mode": config.train.mesh},
     }
     devices = config.train.estimate_devices or mesh.size
