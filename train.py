@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
+
+from transformer_jax import cli
+from transformer_jax.errors import ConfigError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/multi30k.py:size=small.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, tokenizer, metrics.jsonl, TensorBoard.")
@@ -19,8 +21,7 @@ _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the model summary, FLOPs, 
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    del argv  # no positional arguments (transformer_jax.cli.run refuses them)
     logging.getLogger().setLevel(logging.INFO)
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file it renames at INFO
     from transformer_jax.sharding import initialize_distributed
@@ -33,20 +34,12 @@ def main(argv: list[str]) -> None:
         print(json.dumps(dry_run_summary(config), indent=2))
         return
     if not _WORKDIR.value:
-        raise app.UsageError("--workdir is required (checkpoints, tokenizer and metrics go there)")
-    from transformer_jax.data import DataError
-    from transformer_jax.errors import ConfigError
-    from transformer_jax.training.checkpoints import CheckpointError
-    from transformer_jax.training.loop import NonFiniteError, train_and_evaluate
+        raise ConfigError("--workdir is required (checkpoints, tokenizer and metrics go there)")
+    from transformer_jax.training.loop import train_and_evaluate
 
-    try:
-        train_and_evaluate(config, _WORKDIR.value)
-    except (ConfigError, DataError, CheckpointError, NonFiniteError) as e:
-        # Our errors name the key or file and what to do; a traceback would bury that.
-        logging.error("%s: %s", type(e).__name__, e)
-        sys.exit(1)
+    train_and_evaluate(config, _WORKDIR.value)
 
 
 if __name__ == "__main__":
     flags.mark_flag_as_required("config")
-    app.run(main)
+    cli.run(main, "train.py")

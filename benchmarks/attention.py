@@ -18,19 +18,19 @@ Axis legend: B batch, T query length, S key/value length, N heads, H head dim.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
-from transformer_jax import ops
+from transformer_jax import cli, ops
+from transformer_jax.errors import ConfigError
 
 Array = jax.Array
 FWD_BWD_FACTOR = 2.5
@@ -293,23 +293,23 @@ BLOCK_CANDIDATES = [
 ]
 
 
-def device_report(args: argparse.Namespace) -> None:
+def device_report(impls: list[str], seq_lens: list[int], runs: int, max_gib: float, budget_s: float) -> None:
     """Everything a GPU session needs in one call: correctness, throughput of each implementation, a tile sweep.
 
-    Ordered by importance, and stops starting measurements after --budget_s seconds, so that a fixed device
+    Ordered by importance, and stops starting measurements after `budget_s` seconds, so that a fixed device
     allowance always yields the correctness table and the 16k-token numbers the targets are stated for.
     """
     from transformer_jax.ops.pallas_attention import BlockSizes
 
     start = time.time()
-    emit(dict(device=str(jax.devices()[0]), jax=jax.__version__, budget_s=args.budget_s))
+    emit(dict(device=str(jax.devices()[0]), jax=jax.__version__, budget_s=budget_s))
     checks = correctness_report()
     emit(dict(check="correctness_summary", failures=[c for c in checks if c.get("ok") is False]))
-    impls = args.impls.split(",") if args.impls else ["pallas", "cudnn", "jax_pallas", "xla"]
+    impls = impls or ["pallas", "cudnn", "jax_pallas", "xla"]
     jobs = [
         (impl, seq_len, head_dim, causal, {})
         for head_dim in (128, 64)
-        for seq_len in sorted(args.seq_lens, reverse=True)
+        for seq_len in sorted(seq_lens, reverse=True)
         for causal in (False, True)
         for impl in impls
     ]
@@ -317,7 +317,7 @@ def device_report(args: argparse.Namespace) -> None:
              for i, c in enumerate(BLOCK_CANDIDATES)]  # fmt: skip
     records = []
     for name, seq_len, head_dim, causal, impl_kwargs in jobs:
-        if time.time() - start > args.budget_s:
+        if time.time() - start > budget_s:
             emit(dict(impl=name, seq_len=seq_len, head_dim=head_dim, causal=causal, skipped="time budget"))
             continue
         # FlashAttention's benchmark convention: 16k tokens per batch, model width 2048.
@@ -329,8 +329,8 @@ def device_report(args: argparse.Namespace) -> None:
             head_dim=head_dim,
             causal=causal,
             dtype="bfloat16",
-            runs=args.runs,
-            max_bytes=args.max_gib * GIB,
+            runs=runs,
+            max_bytes=max_gib * GIB,
             impl_kwargs=impl_kwargs,
         )
         record["impl"] = name
@@ -355,42 +355,52 @@ def device_report(args: argparse.Namespace) -> None:
     emit(dict(summary(records), elapsed_s=round(time.time() - start, 1), targets=targets))
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--impls", default="", help="comma-separated; default xla,blockwise (CPU)")
-    parser.add_argument("--seq_lens", default="", help="comma-separated token counts (T = S)")
-    parser.add_argument("--head_dims", default="64")
-    parser.add_argument("--causal", default="false", help="comma-separated: false,true")
-    parser.add_argument("--dtypes", default="float32")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=1)
-    parser.add_argument("--runs", type=int, default=3, help="timed runs after one warm-up; the median is reported")
-    parser.add_argument("--max_gib", type=float, default=20.0, help="do not run programs whose peak is above this")
-    parser.add_argument("--device_report", action="store_true", help="the whole GPU check in one call")
-    parser.add_argument("--budget_s", type=float, default=420.0, help="device_report: stop timing after this")
-    args = parser.parse_args(argv)
-    if args.device_report:
-        args.seq_lens = [int(s) for s in (args.seq_lens or "1024,2048,4096,8192,16384").split(",")]
-        device_report(args)
+_IMPLS = flags.DEFINE_list("impls", [], "Implementations; default xla,blockwise (CPU), all four (--device_report).")
+_SEQ_LENS = flags.DEFINE_list("seq_lens", [], "Token counts (T = S); default 1024 ... 32768 (16384: --device_report).")
+_HEAD_DIMS = flags.DEFINE_list("head_dims", ["64"], "Head dims H.")
+_CAUSAL = flags.DEFINE_list("causal", ["false"], "false, true or both.")
+_DTYPES = flags.DEFINE_list("dtypes", ["float32"], "Dtypes of q, k, v.")
+_BATCH = flags.DEFINE_integer("batch", 1, "Batch rows B.")
+_HEADS = flags.DEFINE_integer("heads", 1, "Heads N.")
+_RUNS = flags.DEFINE_integer("runs", 3, "Timed runs after one warm-up; the median is reported.")
+_MAX_GIB = flags.DEFINE_float("max_gib", 20.0, "Do not run programs whose peak is above this.")
+_DEVICE_REPORT = flags.DEFINE_bool("device_report", False, "The whole GPU check in one call.")
+_BUDGET_S = flags.DEFINE_float("budget_s", 420.0, "--device_report: stop timing after this many seconds.")
+
+
+def _ints(flag: str, values: list[str]) -> list[int]:
+    try:
+        return [int(v) for v in values]
+    except ValueError as e:
+        raise ConfigError(f"--{flag}: expected integers separated by commas, got {','.join(values)}") from e
+
+
+def main(argv: list[str]) -> None:
+    del argv  # no positional arguments (transformer_jax.cli.run refuses them)
+    np.set_printoptions(precision=4)
+    seq_lens = _ints("seq_lens", _SEQ_LENS.value)
+    if _DEVICE_REPORT.value:
+        seq_lens = seq_lens or [1024, 2048, 4096, 8192, 16384]
+        device_report(_IMPLS.value, seq_lens, _RUNS.value, _MAX_GIB.value, _BUDGET_S.value)
         return
-    impls = (args.impls or "xla,blockwise").split(",")
-    seq_lens = [int(s) for s in (args.seq_lens or "1024,2048,4096,8192,16384,32768").split(",")]
+    impls = _IMPLS.value or ["xla", "blockwise"]
+    seq_lens = seq_lens or [1024, 2048, 4096, 8192, 16384, 32768]
     records = []
-    for dtype in args.dtypes.split(","):
-        for head_dim in (int(h) for h in args.head_dims.split(",")):
-            for causal in (c.strip().lower() == "true" for c in args.causal.split(",")):
+    for dtype in _DTYPES.value:
+        for head_dim in _ints("head_dims", _HEAD_DIMS.value):
+            for causal in (c.strip().lower() == "true" for c in _CAUSAL.value):
                 for seq_len in seq_lens:
                     for impl in impls:
                         record = measure(
                             impl,
-                            batch=args.batch,
-                            heads=args.heads,
+                            batch=_BATCH.value,
+                            heads=_HEADS.value,
                             seq_len=seq_len,
                             head_dim=head_dim,
                             causal=causal,
                             dtype=dtype,
-                            runs=args.runs,
-                            max_bytes=args.max_gib * GIB,
+                            runs=_RUNS.value,
+                            max_bytes=_MAX_GIB.value * GIB,
                         )
                         records.append(record)
                         emit(record)
@@ -398,5 +408,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    np.set_printoptions(precision=4)
-    main(sys.argv[1:])
+    cli.run(main, "python -m benchmarks.attention")

@@ -10,19 +10,26 @@ The tokenizer (a joint unigram model) is trained first and not timed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from absl import flags
+
 from configs import common
+from transformer_jax import cli
 from transformer_jax.data import batching, pipeline, sources
 from transformer_jax.data import tokenizer as tokenizer_lib
 
 DATA = Path(os.environ.get("TRANSFORMER_JAX_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
+
+_VOCAB_SIZE = flags.DEFINE_integer("vocab_size", 8000, "Pieces of the joint SentencePiece model.")
+_EPOCHS = flags.DEFINE_float("epochs", 1.0, "Epochs of tokens each mode batches.")
+_MODES = flags.DEFINE_list("modes", ["pack", "bucket", "pad"], "Batching modes to time.")
+_SRC_LANG = flags.DEFINE_string("src_lang", "en", "Source language of the Multi30k files.")
+_TGT_LANG = flags.DEFINE_string("tgt_lang", "de", "Target language of the Multi30k files.")
 
 
 def emit(**record) -> None:
@@ -67,24 +74,18 @@ def run_mode(config, tokenizer, mode: str, epochs: float) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vocab_size", type=int, default=8000)
-    parser.add_argument("--epochs", type=float, default=1.0)
-    parser.add_argument("--modes", default="pack,bucket,pad")
-    parser.add_argument("--src_lang", default="en")
-    parser.add_argument("--tgt_lang", default="de")
-    args = parser.parse_args(argv)
+def main(argv: list[str]) -> None:
+    del argv  # no positional arguments (transformer_jax.cli.run refuses them)
     if not (DATA / "multi30k" / "train.en").exists():
         emit(benchmark="data_pipeline", skipped=f"shared corpora not found at {DATA} (set TRANSFORMER_JAX_DATA)")
-        return 0
+        return
     if hasattr(os, "sched_setaffinity"):  # one core: SentencePiece and numpy both stay on it
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     config = common.data_config()
     config.text_dir = str(DATA / "multi30k")
-    config.src_lang, config.tgt_lang = args.src_lang, args.tgt_lang
+    config.src_lang, config.tgt_lang = _SRC_LANG.value, _TGT_LANG.value
     with tempfile.TemporaryDirectory() as workdir:
-        tokenizer = tokenizer_lib.get_tokenizer(config, workdir, vocab_size=args.vocab_size)
+        tokenizer = tokenizer_lib.get_tokenizer(config, workdir, vocab_size=_VOCAB_SIZE.value)
         start = time.perf_counter()
         pairs, _ = sources.read_text_split(config.text_dir, "train", config.src_lang, config.tgt_lang)
         examples = batching.tokenize_pairs(pairs, tokenizer, num_threads=1)
@@ -97,10 +98,9 @@ def main(argv: list[str] | None = None) -> int:
             tokens_per_s=round(tokens / seconds),
             real_tokens=tokens,
         )
-        for mode in args.modes.split(","):
-            emit(**run_mode(config, tokenizer, mode, args.epochs))
-    return 0
+        for mode in _MODES.value:
+            emit(**run_mode(config, tokenizer, mode, _EPOCHS.value))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main, "python -m benchmarks.data_pipeline")

@@ -16,9 +16,7 @@ time extrapolated. FLOPs per step come from XLA's cost analysis of one compiled 
 
 from __future__ import annotations
 
-import argparse
 import functools
-import importlib.util
 import json
 import tempfile
 import time
@@ -27,27 +25,29 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 from flax import nnx
+from ml_collections import config_flags
 
-from transformer_jax import decoding
+from transformer_jax import cli, decoding
+from transformer_jax.errors import DataError
 from transformer_jax.model import build_model
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wmt14_ende" / "test.en"
 NUM_LINES = 500
 
-
-def load_config(spec: str):
-    """'path/to/config.py[:arg]' -> get_config(arg)."""
-    path, _, arg = spec.partition(":")
-    module_spec = importlib.util.spec_from_file_location("bench_config", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module.get_config(arg or None)
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/wmt14_ende.py:size=base", "Config file[:arg].")
+_BEAM_SIZE = flags.DEFINE_integer("beam_size", 4, "Beams per sentence.")
+_NUM_SENTENCES = flags.DEFINE_integer("num_sentences", 16, "Sentences decoded together (one batch).")
+_OUTPUT_LEN = flags.DEFINE_integer("output_len", 50, "Target tokens decoded per sentence.")
+_RECOMPUTE_STEPS = flags.DEFINE_integer("recompute_steps", 4, "Steps timed for recompute (>= 2); 0 skips.")
+_TOKENIZER = flags.DEFINE_enum("tokenizer", "spm", ["spm", "bytes"], "How the sources become ids.")
+_REPEATS = flags.DEFINE_integer("repeats", 2, "Timed repeats of each search; the fastest counts.")
 
 
 def source_ids(kind: str, vocab_size: int, num_sentences: int, max_len: int) -> tuple[list[list[int]], str]:
     if not DATA.exists():
-        raise SystemExit(f"benchmarks.decode: {DATA} not found (the shared data folder is absent on this machine)")
+        raise DataError(f"{DATA} not found (the shared data folder is absent on this machine)")
     lines = DATA.read_text(encoding="utf-8").splitlines()[:NUM_LINES]
     if kind == "bytes":
         ids = [[4 + b for b in line.encode("utf-8")] for line in lines]
@@ -121,28 +121,19 @@ def best_time(fn, repeats: int) -> float:
     return min(times)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/wmt14_ende.py:size=base")
-    parser.add_argument("--beam_size", type=int, default=4)
-    parser.add_argument("--num_sentences", type=int, default=16)
-    parser.add_argument("--output_len", type=int, default=50, help="target tokens decoded per sentence")
-    parser.add_argument("--recompute_steps", type=int, default=4, help="steps timed for recompute (>= 2); 0 skips")
-    parser.add_argument("--tokenizer", choices=["spm", "bytes"], default="spm")
-    parser.add_argument("--repeats", type=int, default=2)
-    args = parser.parse_args()
-
-    config = load_config(args.config)
+def main(argv: list[str]) -> None:
+    del argv  # no positional arguments (transformer_jax.cli.run refuses them)
+    config = _CONFIG.value
     model = build_model(config, rngs=nnx.Rngs(0))
     model.eval()
-    ids, how = source_ids(args.tokenizer, config.model.vocab_size, args.num_sentences, config.data.eval_max_len)
+    ids, how = source_ids(_TOKENIZER.value, config.model.vocab_size, _NUM_SENTENCES.value, config.data.eval_max_len)
     batch, src_len = len(ids), max(len(x) for x in ids)
     src = np.zeros((batch, src_len), np.int32)
     for i, x in enumerate(ids):
         src[i, : len(x)] = x
     src = jnp.asarray(src)
     graphdef, state = nnx.split(model)
-    length = args.output_len
+    length = _OUTPUT_LEN.value
 
     def timed(use_cache: bool, steps: int) -> tuple[float, decoding.BeamResult]:
         fn = functools.partial(
@@ -151,20 +142,20 @@ def main() -> None:
             state,
             src,
             jnp.full((batch,), steps, jnp.int32),
-            beam_size=args.beam_size,
+            beam_size=_BEAM_SIZE.value,
             max_steps=length,
             use_cache=use_cache,
         )
         result = jax.block_until_ready(fn())  # compiles on the first call of a mode
-        return best_time(fn, args.repeats), result
+        return best_time(fn, _REPEATS.value), result
 
     report = {
-        "config": args.config,
+        "config": config_flags.get_config_filename(flags.FLAGS["config"]),
         "backend": jax.default_backend(),
         "device": str(jax.devices()[0]),
         "params": int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))),
         "sentences": batch,
-        "beam_size": args.beam_size,
+        "beam_size": _BEAM_SIZE.value,
         "source_tokens_max": src_len,
         "source_tokens_mean": round(float(np.mean([len(x) for x in ids])), 1),
         "tokenizer": how,
@@ -180,15 +171,15 @@ def main() -> None:
         "target_tokens_per_s": round(batch * length / t_full, 1),
         "ms_per_step": round(1e3 * cached_step, 2),
         "gflops_per_step": round(
-            step_flops(model, src, beam_size=args.beam_size, max_steps=length, use_cache=True) / 1e9, 3
+            step_flops(model, src, beam_size=_BEAM_SIZE.value, max_steps=length, use_cache=True) / 1e9, 3
         ),
     }
-    if args.recompute_steps >= 2:
-        t_n, recomputed = timed(False, args.recompute_steps)
+    if _RECOMPUTE_STEPS.value >= 2:
+        t_n, recomputed = timed(False, _RECOMPUTE_STEPS.value)
         t_one, _ = timed(False, 1)
-        step = (t_n - t_one) / (args.recompute_steps - 1)
+        step = (t_n - t_one) / (_RECOMPUTE_STEPS.value - 1)
         projected = t_one + step * (length - 1)
-        n = args.recompute_steps
+        n = _RECOMPUTE_STEPS.value
         report["recompute"] = {
             "steps_timed": n,
             "ms_per_step": round(1e3 * step, 2),
@@ -196,7 +187,7 @@ def main() -> None:
             "sentences_per_s": round(batch / projected, 3),
             "target_tokens_per_s": round(batch * length / projected, 2),
             "gflops_per_step": round(
-                step_flops(model, src, beam_size=args.beam_size, max_steps=length, use_cache=False) / 1e9, 3
+                step_flops(model, src, beam_size=_BEAM_SIZE.value, max_steps=length, use_cache=False) / 1e9, 3
             ),
             # The same n-step search with the cache must give the same tokens.
             "tokens_equal_cache": bool(
@@ -210,4 +201,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, "python -m benchmarks.decode")

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
-from sacrebleu.metrics import BLEU, CHRF
+from sacrebleu.metrics import BLEU
 
 from transformer_jax.evaluation import bleu
+
+SACREBLEU = str(Path(sys.executable).parent / "sacrebleu")
 
 
 def test_split_compounds_is_get_ende_bleu_regex():
@@ -32,12 +39,20 @@ def test_tokenized_bleu_tokenizes_then_splits_compounds():
     assert bleu.tokenized_bleu(ref, ref)["score"] == pytest.approx(100.0)
 
 
-def test_sacrebleu_scores_equal_the_library_defaults_and_carry_signatures():
-    hyps = ["The cat sat on the mat.", "A dog barked loudly at night"]
-    refs = ["The cat sat on a mat.", "A dog barked at night."]
-    scores = bleu.score_all(hyps, refs)
-    assert scores["bleu"]["score"] == pytest.approx(BLEU().corpus_score(hyps, [refs]).score)
-    assert scores["chrf"]["score"] == pytest.approx(CHRF().corpus_score(hyps, [refs]).score)
+def test_sacrebleu_scores_equal_the_sacrebleu_command_and_carry_signatures(tmp_path):
+    """The reference is the sacrebleu command-line tool, run on the same files: its defaults are the published ones."""
+    hyps = ["The cat sat on the mat.", "A dog barked loudly at night", "Ein Haus-Boot, bitte!"]
+    refs = ["The cat sat on a mat.", "A dog barked at night.", "Ein Hausboot, bitte!"]
+    hyp_file, ref_file = tmp_path / "hyp.txt", tmp_path / "ref.txt"
+    hyp_file.write_text("\n".join(hyps) + "\n", encoding="utf-8")
+    ref_file.write_text("\n".join(refs) + "\n", encoding="utf-8")
+    command = [SACREBLEU, str(ref_file), "-i", str(hyp_file), "-m", "bleu", "chrf", "-b", "-w", "4"]
+    cli = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0, cli.stderr
+    cli_bleu, cli_chrf = json.loads(cli.stdout)
+    scores = bleu.score_files(hyp_file, ref_file)
+    assert round(scores["bleu"]["score"], 4) == cli_bleu and round(scores["chrf"]["score"], 4) == cli_chrf
+    assert 10 < cli_bleu < 90 and 10 < cli_chrf < 90  # neither trivial nor perfect
     assert scores["bleu"]["signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:")
     assert "nc:6|nw:0" in scores["chrf"]["signature"]
     text = bleu.format_scores(scores)

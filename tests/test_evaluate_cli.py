@@ -1,8 +1,9 @@
-"""evaluate.py: scores-only mode against the sacrebleu command on real data, and the model mode with a fake restorer.
+"""evaluate.py and the package code under it (transformer_jax.evaluation.run and .restore): scores-only mode
+against the sacrebleu command on real data, and the model mode with a fake restorer.
 
-The model-mode tests substitute the checkpoint reader (evaluate.Restorer) with a fake that serves parameters of a
-known mean, so they check evaluate.py's own logic: step selection, averaging, the config check, one output line
-per input line, the report, and that bad inputs fail early with clear messages.
+The model-mode tests substitute the checkpoint reader (restore.Restorer) with a fake that serves parameters of a
+known mean, so they check the evaluation logic: step selection, averaging, the config check, one output line per
+input line, the report, and that bad inputs fail early with clear messages.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import evaluate
 from configs import common
-from transformer_jax.evaluation import bleu
+from transformer_jax.errors import EvalError
+from transformer_jax.evaluation import bleu, restore
+from transformer_jax.evaluation.run import Options, evaluate_model, translate_stream
 from transformer_jax.model import build_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -145,8 +147,7 @@ class FakeRestorer:
 
 def test_restore_averages_the_last_checkpoints_up_to_the_chosen_step(tmp_path):
     fake = FakeRestorer()
-    options = evaluate.Options(workdir=str(tmp_path), checkpoint="200", average_last=2)
-    _, model, steps = evaluate.restore_model(fake, options)
+    _, model, steps = restore.restore_model(fake, str(tmp_path), checkpoint="200", average_last=2)
     assert steps == [100, 200] and fake.loaded == [100, 200]
     got = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     expected = jax.tree.map(lambda x: x + np.float32(0.15), fake.base)
@@ -164,14 +165,23 @@ def test_restore_averages_the_last_checkpoints_up_to_the_chosen_step(tmp_path):
 )
 def test_restore_errors_are_clear(tmp_path, options, message):
     fake = FakeRestorer()
-    with pytest.raises((evaluate.EvalError, ValueError), match=message):
-        evaluate.restore_model(fake, evaluate.Options(workdir=str(tmp_path), **options))
+    with pytest.raises((EvalError, ValueError), match=message):
+        restore.restore_model(fake, str(tmp_path), **options)
     assert fake.loaded == []  # nothing was read
 
 
+def test_parameters_that_do_not_fit_the_config_name_each_array(tmp_path):
+    """A config that passes the key check (here: a fake that reports no differences) but builds other shapes."""
+    fake = FakeRestorer()
+    fake.config_differences = lambda saved, current: []
+    message = r"do not fit .*encoder_layers\.0\.ffn\.\w+\.kernel: checkpoint \(32, 64\) vs config \(32, 96\)"
+    with pytest.raises(EvalError, match=message):
+        restore.restore_model(fake, str(tmp_path), config=tiny_config(d_ff=96))
+
+
 def test_no_checkpoint_is_a_clear_error(tmp_path):
-    with pytest.raises(evaluate.EvalError, match="no checkpoint in .*checkpoints"):
-        evaluate.restore_model(FakeRestorer(steps=()), evaluate.Options(workdir=str(tmp_path)))
+    with pytest.raises(EvalError, match="no checkpoint in .*checkpoints"):
+        restore.restore_model(FakeRestorer(steps=()), str(tmp_path))
 
 
 def test_references_with_another_line_count_fail_before_the_model_is_restored(tmp_path):
@@ -179,9 +189,9 @@ def test_references_with_another_line_count_fail_before_the_model_is_restored(tm
     src.write_text("a\nb\nc\n", encoding="utf-8")
     ref.write_text("a\nb\n", encoding="utf-8")
     fake = FakeRestorer()
-    options = evaluate.Options(workdir=str(tmp_path), source_file=str(src), references_file=str(ref))
+    options = Options(workdir=str(tmp_path), source_file=str(src), references_file=str(ref))
     with pytest.raises(bleu.ScoreError, match=r"src\.en has 3 lines, .*ref\.de has 2"):
-        evaluate.evaluate_model(options, fake)
+        evaluate_model(options, fake)
     assert fake.loaded == []
 
 
@@ -191,10 +201,10 @@ def test_translate_a_file_one_output_per_input_line_and_report(tmp_path, capsys)
     src.write_text("\n".join(sources) + "\n", encoding="utf-8")
     ref.write_text("hallo welt\n\neine viel längere zeile\nkurz\n", encoding="utf-8")
     out = tmp_path / "out" / "hyp.de"
-    options = evaluate.Options(
+    options = Options(
         workdir=str(tmp_path), source_file=str(src), references_file=str(ref), output_file=str(out), alpha=0.0
     )
-    report = evaluate.evaluate_model(options, FakeRestorer())
+    report = evaluate_model(options, FakeRestorer())
     hypotheses = bleu.read_lines(out)
     assert len(hypotheses) == len(sources) and hypotheses[1] == ""
     assert report["checkpoint_steps"] == [200, 300]
@@ -213,13 +223,12 @@ def test_translate_a_file_one_output_per_input_line_and_report(tmp_path, capsys)
     assert "sacreBLEU BLEU = " in printed and '"checkpoint_steps"' in printed
 
     # stdin, one line at a time: the same outputs (greedy-equal settings, batch of one) in the same order.
-    options = evaluate.Options(workdir=str(tmp_path), source_file="-", alpha=0.0, batch_size=1)
-    _, model, _ = evaluate.restore_model(FakeRestorer(), options)
+    _, model, _ = restore.restore_model(FakeRestorer(), str(tmp_path))
     stdin = io.StringIO("\n".join(sources) + "\n")
     settings = {"beam_size": 2, "alpha": 0.0, "max_extra_len": 5, "batch_size": 1, "max_input_len": 256}
     old_stdin, sys.stdin = sys.stdin, stdin
     try:
-        streamed, stats = evaluate._translate_stream(model, CharTokenizer(), settings, None)
+        streamed, stats = translate_stream(model, CharTokenizer(), settings, None)
     finally:
         sys.stdin = old_stdin
     assert capsys.readouterr().out.splitlines() == streamed

@@ -28,21 +28,40 @@ def test_dry_run_and_commands_list_every_variant(corpus, tmp_path, capsys):
     assert not (tmp_path / "sw").exists()  # nothing ran
 
 
+def fails(argv: list[str], capsys) -> str:
+    """sweep.main's one-line error on stderr, after checking the exit status (2) and that no traceback came."""
+    with pytest.raises(SystemExit) as exit_info:
+        sweep.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith(f"{sweep.PROG}: error: "), err
+    return err
+
+
 def test_misspelt_override_fails_before_anything_runs(corpus, tmp_path, capsys):
-    assert sweep.main(["--config", CONFIG + ":misspelt", "--workdir", str(tmp_path / "sw")]) == 2
-    assert "unknown key 'model.d_modle'" in capsys.readouterr().err
+    err = fails(["--config", CONFIG + ":misspelt", "--workdir", str(tmp_path / "sw")], capsys)
+    assert "unknown key 'model.d_modle'" in err
     assert not (tmp_path / "sw").exists()
 
 
 def test_unknown_reference_metric_fails_before_anything_runs(corpus, tmp_path, capsys):
-    assert sweep.main(["--config", CONFIG + ":bad_reference", "--workdir", str(tmp_path / "sw")]) == 2
-    assert "reference keys ['valid_ppl']" in capsys.readouterr().err
+    err = fails(["--config", CONFIG + ":bad_reference", "--workdir", str(tmp_path / "sw")], capsys)
+    assert "reference keys ['valid_ppl']" in err
     assert not (tmp_path / "sw").exists()
 
 
 def test_unknown_only_name_lists_the_variants(corpus, tmp_path, capsys):
-    assert sweep.main(["--config", CONFIG, "--workdir", str(tmp_path / "sw"), "--only", "nope"]) == 2
-    assert "['base', 'pre_ln']" in capsys.readouterr().err
+    assert "['base', 'pre_ln']" in fails(
+        ["--config", CONFIG, "--workdir", str(tmp_path / "sw"), "--only", "nope"], capsys
+    )
+
+
+def test_missing_config_file_or_flag_is_one_line(corpus, tmp_path, capsys):
+    assert "--config nope.py: no such file nope.py" in fails(
+        ["--config", "nope.py", "--workdir", str(tmp_path)], capsys
+    )
+    assert "--workdir" in fails(["--config", CONFIG], capsys)
+    assert "'d_modle' Did you mean \"d_model\"" in fails(["--config", CONFIG, "--config.model.d_modle=8"], capsys)
 
 
 def test_sweep_runs_skips_finished_variants_and_aggregates(corpus, tmp_path):
@@ -109,26 +128,27 @@ def test_a_variant_that_failed_to_learn_does_not_flatten_the_other_bars(tmp_path
     assert figures[0].axes[1].get_xscale() == "linear"
 
 
-def test_set_applies_to_every_variant_and_to_printed_commands(corpus, tmp_path, capsys):
-    common = sweep.parse_settings(CONFIG, ["train.log_every=7", "data.tokenizer_model=/tmp/spm.model"])
-    assert common == {"train.log_every": 7, "data.tokenizer_model": "/tmp/spm.model"}
-    assert all(v.config.train.log_every == 7 for v in sweep.variants(CONFIG, common))
-    args = ["--config", CONFIG, "--workdir", str(tmp_path), "--print_commands", "--set", "train.log_every=7"]
-    assert sweep.main(args) == 0
-    assert all("--config.train.log_every=7" in line for line in capsys.readouterr().out.strip().splitlines())
+def test_config_override_applies_to_every_variant_and_to_printed_commands(corpus, tmp_path, capsys):
+    assert all(v.config.train.log_every == 7 for v in sweep.variants(CONFIG, {"train.log_every": 7}))
+    args = ["--config", CONFIG, "--workdir", str(tmp_path), "--config.train.log_every=7"]
+    args += ["--config.data.tokenizer_model=/tmp/spm.model"]
+    assert sweep.main([*args, "--print_commands"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2
+    assert all("--config.train.log_every=7" in line and "tokenizer_model=/tmp/spm.model" in line for line in lines)
+    assert sweep.main([*args, "--dry_run", "--only", "pre_ln"]) == 0
+    assert capsys.readouterr().out.strip() == 'pre_ln: {"model.norm_position": "pre"}'
 
 
 @pytest.mark.parametrize(
     "setting,message",
     [
-        ("train.log_evry=7", "no key 'train.log_evry'"),
-        ("train.log_every=often", "train.log_every needs a value of type int"),
-        ("train.log_every", "expected KEY=VALUE"),
+        ("--config.train.log_evry=7", "'log_evry' Did you mean \"log_every\""),
+        ("--config.train.log_every=often", "invalid literal for int() with base 10: 'often'"),
     ],
 )
-def test_bad_set_is_a_clear_error(corpus, tmp_path, capsys, setting, message):
-    assert sweep.main(["--config", CONFIG, "--workdir", str(tmp_path / "sw"), "--set", setting]) == 2
-    assert message in capsys.readouterr().err
+def test_bad_config_override_is_a_clear_error(corpus, tmp_path, capsys, setting, message):
+    assert message in fails(["--config", CONFIG, "--workdir", str(tmp_path / "sw"), setting], capsys)
     assert not (tmp_path / "sw").exists()
 
 

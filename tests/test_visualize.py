@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from tests.training_helpers import tiny_train_config, write_corpus
 from transformer_jax import visualization as viz
@@ -20,7 +19,7 @@ from transformer_jax import visualize
 from transformer_jax.data.tokenizer import get_tokenizer
 from transformer_jax.training.checkpoints import Checkpointer
 from transformer_jax.training.optim import learning_rate_schedule
-from transformer_jax.training.state import create_train_state
+from transformer_jax.training.state import create_train_state, eval_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SOURCE, TARGET = "the big dog runs in the park", "der große hund läuft"
@@ -52,7 +51,7 @@ def run(tmp_path_factory):
     checkpointer.save(1, state, {}, config)
     checkpointer.save(2, scaled, {}, config)
     checkpointer.close()
-    models = {1: nnx.merge(graphs.eval, state)[0], 2: nnx.merge(graphs.eval, scaled)[0]}  # references, eval mode
+    models = {1: eval_model(graphs, state), 2: eval_model(graphs, scaled)}  # references
     return workdir, config, models
 
 
@@ -93,14 +92,44 @@ def test_attention_weights_are_the_ones_the_model_computes(run, drawn):
                 np.testing.assert_array_equal(np.triu(w, 1), 0.0)  # no query sees a later token
 
 
-def test_attention_figures_draw_those_arrays_at_the_stated_size(drawn):
+def test_attention_figures_one_per_kind_and_layer_at_the_stated_size(drawn):
     maps = drawn.maps
     assert len(drawn.paths) == 6  # 3 kinds x 2 layers
     for kind in viz.ATTENTION_KINDS:
         for i, w in enumerate(maps.weights[kind]):
             path = next(p for p in drawn.paths if p.name == f"attention_{kind}_layer{i}.png")
-            np.testing.assert_array_equal(drawn.drawn[path], w)
             assert png_size(path) == pixels(viz.attention_figsize(w.shape[0], w.shape[1], w.shape[2]))
+
+
+def test_attention_pixels_show_the_weights_in_place(tmp_path):
+    """Reads the PNG back and finds each cell's weight in its colour: the diagonal bright, the rest dark, and the one
+    half-weight cell at the top right (query 0, last key), so rows are queries from the top and columns keys."""
+    from matplotlib import colormaps
+    from matplotlib.image import imread
+
+    T, S = 4, 6
+    w_TS = np.eye(T, S, dtype=np.float32)
+    w_TS[0, S - 1] = 0.5
+    maps = viz.AttentionMaps([f"s{j}" for j in range(S)], [f"t{i}" for i in range(T)], {})
+    maps.weights = {"encoder": [w_TS[None]], "decoder": [w_TS[None]], "cross": [w_TS[None]]}
+    path = tmp_path / "attention_cross_layer0.png"
+    assert path in viz.plot_attention(maps, tmp_path)
+    rgb = imread(path)[..., :3]
+    assert rgb.shape[1::-1] == pixels(viz.attention_figsize(1, T, S))
+    # The panel: the widest run of columns holding the colour of weight 0 (the colour bar is a narrow strip).
+    lut = colormaps["viridis"](np.linspace(0.0, 1.0, 256))[:, :3]
+    dark = np.abs(rgb - lut[0]).max(-1) < 0.02
+    columns = np.flatnonzero(dark.any(0))
+    runs = np.split(columns, np.flatnonzero(np.diff(columns) > 1) + 1)
+    x = max(runs, key=len)
+    y = np.flatnonzero(dark[:, x].any(1))
+    x0, x1, y0, y1 = x[0], x[-1] + 1, y[0], y[-1] + 1
+    assert (x1 - x0) / (y1 - y0) == pytest.approx(S / T, rel=0.05)  # square cells
+    centres_y = y0 + (np.arange(T) + 0.5) * (y1 - y0) / T
+    centres_x = x0 + (np.arange(S) + 0.5) * (x1 - x0) / S
+    cells = rgb[centres_y.astype(int)[:, None], centres_x.astype(int)[None, :]]  # [T, S, 3]
+    shown = np.abs(cells[:, :, None, :] - lut).sum(-1).argmin(-1) / 255  # nearest colour of the map -> weight
+    np.testing.assert_allclose(shown, w_TS, atol=1 / 255)
 
 
 def test_one_head_of_one_layer_and_checkpoint_choice(run, tmp_path):
@@ -150,8 +179,8 @@ def test_attention_needs_a_workdir_with_checkpoints(tmp_path):
 def test_positional_dot_products_depend_on_the_offset_only(tmp_path):
     d_model, max_len = 64, 80
     result = viz.positional(d_model, max_len, tmp_path, positions=[0, 7, 20, 45])
-    assert result.pe_LD.shape == (max_len, d_model)
-    np.testing.assert_allclose(result.pe_LD[3, 0::2], np.sin(3 / 10000 ** (np.arange(0, d_model, 2) / d_model)), 1e-5)
+    assert result.pe_PD.shape == (max_len, d_model)
+    np.testing.assert_allclose(result.pe_PD[3, 0::2], np.sin(3 / 10000 ** (np.arange(0, d_model, 2) / d_model)), 1e-5)
     assert len(result.offsets) == max_len - 45
     closed_form = np.cos(np.outer(result.offsets, 1 / 10000 ** (np.arange(0, d_model, 2) / d_model))).sum(-1)
     for pos, dots in result.dots.items():
@@ -164,7 +193,7 @@ def test_positional_dot_products_depend_on_the_offset_only(tmp_path):
         viz.positional(d_model, max_len, tmp_path, positions=[79])
 
 
-def test_schedule_is_the_configs_warmup_then_inverse_sqrt(run, tmp_path):
+def test_schedule_is_the_configs_warmup_then_inverse_sqrt(run, tmp_path, monkeypatch):
     config = run[1]
     result = viz.schedule(config, tmp_path, num_steps=40)
     assert png_size(result.path) == pixels(viz.SCHEDULE_FIGSIZE)
@@ -174,11 +203,12 @@ def test_schedule_is_the_configs_warmup_then_inverse_sqrt(run, tmp_path):
     assert result.steps[np.argmax(result.learning_rates)] == warmup
     after = result.learning_rates[warmup - 1 :]  # update number s >= warmup: learning_rate * s^-0.5
     np.testing.assert_allclose(after, config.opt.learning_rate * result.steps[warmup - 1 :] ** -0.5, rtol=1e-5)
-    # The CLI reads a config file as train.py does.
-    loaded = visualize.load_config_file(f"{REPO}/configs/wmt14_ende.py:size=tiny")
-    assert viz.schedule(loaded, tmp_path).steps[-1] == loaded.train.num_steps
-    with pytest.raises(viz.VisualizeError, match="--config nope.py: no such file"):
-        visualize.load_config_file("nope.py")
+    # The CLI reads a config file as train.py does, overrides included.
+    drawn = []
+    monkeypatch.setattr(visualize, "schedule", lambda *args: drawn.append(viz.schedule(*args)) or drawn[-1])
+    argv = ["schedule", "--config", f"{REPO}/configs/wmt14_ende.py:size=tiny", "--config.opt.warmup_steps=7"]
+    assert visualize.main([*argv, "--num_steps", "20", "--output_dir", str(tmp_path / "cli")]) == 0
+    assert drawn[0].steps[np.argmax(drawn[0].learning_rates)] == 7 and len(drawn[0].steps) == 20
 
 
 def write_metrics(directory: pathlib.Path, records: list[dict]) -> pathlib.Path:
@@ -214,15 +244,27 @@ def test_cli_prints_paths_and_reports_errors_without_traceback(run, tmp_path, ca
         str(tmp_path / "positional_encoding.png"),
         str(tmp_path / "positional_dot_products.png"),
     ]
+    # `--metrics A B`: the files after the flag are more runs.
+    a = write_metrics(tmp_path / "a", [{"step": 1, "loss": 2.0}])
+    b = write_metrics(tmp_path / "b", [{"step": 1, "loss": 3.0}])
+    assert visualize.main(["curves", "--metrics", str(a), str(b), "--output_dir", str(tmp_path / "c")]) == 0
+    assert capsys.readouterr().out.split() == [str(tmp_path / "c" / "curves.png")]
     cases = [
         (["curves", "--metrics", str(tmp_path / "none.jsonl")], "curves: error: --metrics: no such file"),
         (["attention", "--workdir", str(run[0]), "--source", "a", "--target", "b", "--layer", "7"], "0..1"),
         (["attention", "--workdir", str(tmp_path), "--source", "a", "--target", "b"], "no checkpoint"),
         (["schedule", "--config", "missing.py"], "--config missing.py: no such file"),
+        (["schedule", "--config", "missing.py", "--config.opt.warmup_steps=3"], "--config missing.py: no such file"),
+        (["attention", "--workdir", str(tmp_path), "--source", "a"], "required: --target"),
+        (["positional", "--layer", "1"], "--layer: not a flag of the positional command"),
+        (["positional", "--d_model", "sixteen"], "--d_model"),
+        (["positional", "extra"], "unexpected arguments: ['extra']"),
+        (["pictures"], "unknown command 'pictures'; the first argument is one of attention, positional"),
+        ([], "no command"),
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as exit_info:
             visualize.main([*argv, "--output_dir", str(tmp_path)])
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
-        assert message in err and "Traceback" not in err
+        assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err

@@ -6,10 +6,10 @@ An entry may also hold "reference": {"valid_perplexity": x, "valid_bleu": y}, a 
 variant's change from the first one, ours beside the reference.
 Each variant trains in DIR/<name> with its resolved config saved there; a finished variant is skipped and an
 interrupted one resumes from its checkpoints. --dry_run lists the variants, --print_commands prints one train.py
-command per variant (for a cluster launcher), --only NAME runs one, --set KEY=VALUE sets a config value in every
-variant (a shared tokenizer, a data directory). Results are aggregated into DIR/results.csv, DIR/results.md and
-DIR/results.png from the variants' metrics.jsonl. SIGTERM saves the running variant's checkpoint and stops the
-sweep (exit status 1, results so far aggregated); the same command resumes it.
+command per variant (for a cluster launcher), --only NAME runs one, --config.KEY=VALUE sets a config value in every
+variant (a shared tokenizer, a data directory), as for train.py. Results are aggregated into DIR/results.csv,
+DIR/results.md and DIR/results.png from the variants' metrics.jsonl. SIGTERM saves the running variant's checkpoint
+and stops the sweep (exit status 1, results so far aggregated); the same command resumes it.
 """
 
 from __future__ import annotations
@@ -25,11 +25,15 @@ import re
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import ml_collections
+from absl import flags
+from ml_collections import config_flags
 
-from transformer_jax.errors import ConfigError, VariantInterrupted
+from transformer_jax.cli import USAGE_STATUS, fail, parse_flags
+from transformer_jax.errors import ConfigError, VariantInterrupted, exit_on_user_error
 
 RESULT_FILE = "sweep_result.json"
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.=-]+$")
@@ -45,7 +49,11 @@ class Variant(NamedTuple):
 
 @functools.cache
 def load_config_module(path: str):
-    """Imports a config file by path (the part before ':'), as config_flags does; once per path."""
+    """Imports a config file by path (the part before ':'), once per path.
+
+    config_flags loads the same file for --config but hands back only get_config()'s result; the sweep also needs
+    the module's get_sweep(arg) and REFERENCE, and a fresh get_config(arg) for each variant.
+    """
     file = pathlib.Path(path)
     if not file.is_file():
         raise ConfigError(f"config file {path} does not exist")
@@ -55,41 +63,10 @@ def load_config_module(path: str):
     return module
 
 
-def parse_settings(config_arg: str, settings: list[str]) -> dict[str, Any]:
-    """--set KEY=VALUE strings as {key: value}, each value converted to the type the config holds at that key."""
-    path, _, arg = config_arg.partition(":")
-    config = load_config_module(path).get_config(arg or None)
-    out = {}
-    for text in settings:
-        key, sep, value = text.partition("=")
-        if not sep:
-            raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. --set data.tokenizer_model=spm.model")
-        try:
-            current = config
-            for part in key.split("."):
-                current = current[part]
-        except (KeyError, AttributeError) as e:
-            raise ConfigError(f"--set {text!r}: the config has no key {key!r}") from e
-        if isinstance(current, bool):
-            if value.lower() not in ("true", "false"):
-                raise ConfigError(f"--set {text!r}: {key} is true or false")
-            out[key] = value.lower() == "true"
-        elif isinstance(current, (int, float)):
-            try:
-                out[key] = type(current)(value)
-            except ValueError as e:
-                raise ConfigError(f"--set {text!r}: {key} needs a value of type {type(current).__name__}") from e
-        elif isinstance(current, str):
-            out[key] = value
-        else:
-            raise ConfigError(f"--set {text!r}: {key} is a {type(current).__name__}; only scalars can be set")
-    return out
-
-
 def variants(config_arg: str, common: dict[str, Any] | None = None) -> list[Variant]:
     """Every variant with its resolved config, each override and reference validated.
 
-    `common` (from --set) applies to every variant before its own overrides.
+    `common` (--config.KEY=VALUE on the command line) applies to every variant before its own overrides.
     """
     path, _, arg = config_arg.partition(":")
     module = load_config_module(path)
@@ -248,62 +225,73 @@ def _number(value: Any) -> float:
     return float(value) if value != "" else 0.0
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
+PROG = "python -m transformer_jax.sweep"
 
-    parser = argparse.ArgumentParser(prog="python -m transformer_jax.sweep", description=__doc__.split("\n")[0])
-    parser.add_argument("--config", required=True, help="configs/<file>.py[:arg] defining get_sweep(arg)")
-    parser.add_argument("--workdir", required=True, help="one sub-directory per variant is made here")
-    parser.add_argument("--dry_run", action="store_true", help="list the variants and their overrides, run nothing")
-    parser.add_argument("--print_commands", action="store_true", help="print one train.py command per variant")
-    parser.add_argument("--only", default=None, help="run only the variant with this name")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a config value for every variant, e.g. --set data.tokenizer_model=runs/m30k/spm.model (repeatable)",
+
+def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
+    """The sweep's flags, in a FlagValues of their own: each call of `main` parses afresh (tests call it many
+    times in one process), and importing this module defines nothing in the global absl FLAGS."""
+    fv = flags.FlagValues()
+    # config_flags reads argv to define the --config.KEY=VALUE override flags.
+    config_flags.DEFINE_config_file(
+        "config", None, "configs/<file>.py[:arg] defining get_sweep(arg)", flag_values=fv, sys_argv=list(argv)
     )
-    parser.add_argument("--aggregate_only", action="store_true", help="only rebuild results.csv/md/png")
-    args = parser.parse_args(argv)
+    flags.DEFINE_string("workdir", None, "one sub-directory per variant is made here", flag_values=fv)
+    flags.DEFINE_bool("dry_run", False, "list the variants and their overrides, run nothing", flag_values=fv)
+    flags.DEFINE_bool("print_commands", False, "print one train.py command per variant", flag_values=fv)
+    flags.DEFINE_string("only", None, "run only the variant with this name", flag_values=fv)
+    flags.DEFINE_bool("aggregate_only", False, "only rebuild results.csv/md/png", flag_values=fv)
+    flags.mark_flags_as_required(["config", "workdir"], flag_values=fv)
+    return fv
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """argv: the flags (sys.argv[1:] when None). Exit status 1 if a variant was interrupted, 2 for a bad input."""
+    argv = [PROG, *(sys.argv[1:] if argv is None else argv)]
+    fv = _flag_values(argv)
+    rest = parse_flags(PROG, argv, fv, usage=__doc__)
+    if len(rest) > 1:
+        fail(PROG, f"unexpected arguments: {rest[1:]}")
     logging.getLogger().setLevel(logging.INFO)
     logging.getLogger("absl").setLevel(logging.WARNING)
-    workdir = pathlib.Path(args.workdir)
-    try:
-        common = parse_settings(args.config, args.set)
-        all_variants = variants(args.config, common)
-        names = [v.name for v in all_variants]
-        if args.only is not None and args.only not in names:
-            raise ConfigError(f"--only {args.only!r}: no such variant; the variants are {names}")
-        chosen = [v for v in all_variants if args.only in (None, v.name)]
-        if args.dry_run:
-            for v in chosen:
-                print(f"{v.name}: {json.dumps(v.overrides)}")
-            return 0
-        if args.print_commands:
-            for v in chosen:
-                print(train_command(args.config, workdir, v.name, {**common, **v.overrides}))
-            return 0
-        workdir.mkdir(parents=True, exist_ok=True)
-        interrupted = None
-        if not args.aggregate_only:
-            for v in chosen:
-                logging.info("sweep: variant %s", v.name)
-                try:
-                    run_variant(v.name, v.config, workdir / v.name)
-                except VariantInterrupted as e:
-                    interrupted = e
-                    break
-        rows = [summarize_variant(v, workdir / v.name) for v in all_variants]
-        label = getattr(load_config_module(args.config.partition(":")[0]), "REFERENCE", "reference")
-        write_results(rows, workdir, reference_label=label)
-        print((workdir / "results.md").read_text())
-        if interrupted:
-            print(f"sweep interrupted: {interrupted}; run the same command to resume it", file=sys.stderr)
-            return 1
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    with exit_on_user_error(PROG, USAGE_STATUS):
+        return _run(fv)
+
+
+def _run(fv: flags.FlagValues) -> int:
+    config_arg = config_flags.get_config_filename(fv["config"])
+    common = config_flags.get_override_values(fv["config"])
+    workdir = pathlib.Path(fv.workdir)
+    all_variants = variants(config_arg, common)
+    names = [v.name for v in all_variants]
+    if fv.only is not None and fv.only not in names:
+        raise ConfigError(f"--only {fv.only!r}: no such variant; the variants are {names}")
+    chosen = [v for v in all_variants if fv.only in (None, v.name)]
+    if fv.dry_run:
+        for v in chosen:
+            print(f"{v.name}: {json.dumps(v.overrides)}")
+        return 0
+    if fv.print_commands:
+        for v in chosen:
+            print(train_command(config_arg, workdir, v.name, {**common, **v.overrides}))
+        return 0
+    workdir.mkdir(parents=True, exist_ok=True)
+    interrupted = None
+    if not fv.aggregate_only:
+        for v in chosen:
+            logging.info("sweep: variant %s", v.name)
+            try:
+                run_variant(v.name, v.config, workdir / v.name)
+            except VariantInterrupted as e:
+                interrupted = e
+                break
+    rows = [summarize_variant(v, workdir / v.name) for v in all_variants]
+    label = getattr(load_config_module(config_arg.partition(":")[0]), "REFERENCE", "reference")
+    write_results(rows, workdir, reference_label=label)
+    print((workdir / "results.md").read_text())
+    if interrupted:
+        print(f"sweep interrupted: {interrupted}; run the same command to resume it", file=sys.stderr)
+        return 1
     return 0
 
 

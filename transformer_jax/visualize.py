@@ -7,109 +7,122 @@
     python -m transformer_jax.visualize curves --metrics RUN1/metrics.jsonl [RUN2 ...] [--keys loss,valid_loss]
         --output_dir DIR
 
-Each subcommand is also a function of `transformer_jax.visualization` (`attention`, `positional`, `schedule`,
+Each command is also a function of `transformer_jax.visualization` (`attention`, `positional`, `schedule`,
 `curves`) that writes the PNGs and returns their paths together with the arrays drawn. Errors in the arguments are
 printed as one line without a traceback, exit status 2.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from transformer_jax.visualization import VisualizeError, attention, curves, positional, schedule
+from absl import flags
+from ml_collections import config_flags
 
+from transformer_jax.cli import USAGE_STATUS, fail, parse_flags
+from transformer_jax.errors import VisualizeError, exit_on_user_error
+from transformer_jax.visualization import attention, curves, positional, schedule
 
-def load_config_file(spec: str) -> Any:
-    """A config file as train.py takes it: 'path/to/file.py[:arg]' -> get_config(arg)."""
-    path, sep, arg = spec.partition(":")
-    if not Path(path).is_file():
-        raise VisualizeError(f"--config {spec}: no such file {path}")
-    module_spec = importlib.util.spec_from_file_location(f"_visualize_config_{Path(path).stem}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise VisualizeError(f"--config {spec}: {path} defines no get_config(arg)")
-    try:
-        return module.get_config(arg) if sep else module.get_config()
-    except ValueError as e:
-        raise VisualizeError(f"--config {spec}: {e}") from e
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from e
+PROG = "python -m transformer_jax.visualize"
+# command -> (what it draws, flags it needs, flags it also takes); every command needs --output_dir.
+COMMANDS = {
+    "attention": (
+        "attention weights of a sentence pair, per kind, layer and head",
+        {"workdir", "source", "target"},
+        {"config", "checkpoint", "layer", "head"},
+    ),
+    "positional": (
+        "the sinusoidal positional encoding and its dot products",
+        set(),
+        {"d_model", "max_len", "positions"},
+    ),
+    "schedule": ("the learning rate over a config's training steps", {"config"}, {"num_steps"}),
+    "curves": ("training and validation curves of one or more runs", {"metrics"}, {"keys"}),
+}
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m transformer_jax.visualize", description=__doc__.split("\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    p = commands.add_parser("attention", help="attention weights of a sentence pair, per kind, layer and head")
-    p.add_argument("--workdir", required=True, help="training directory with checkpoints/ and spm.model")
-    p.add_argument("--config", help="config file[:arg]; default: the config saved with the checkpoint")
-    p.add_argument("--checkpoint", default="latest", help="latest, or a checkpoint step")
-    p.add_argument("--source", required=True, help="source sentence")
-    p.add_argument("--target", required=True, help="target sentence (fed to the decoder after <s>)")
-    p.add_argument("--layer", type=int, help="only this layer (0-based); default: every layer")
-    p.add_argument("--head", type=int, help="only this head (0-based), drawn large; default: a grid of all heads")
-
-    p = commands.add_parser("positional", help="the sinusoidal positional encoding and its dot products")
-    p.add_argument("--d_model", type=int, default=512, help="model width (even)")
-    p.add_argument("--max_len", type=int, default=100, help="positions to draw")
-    p.add_argument("--positions", type=_int_list, help="positions whose dot products are drawn, e.g. 0,10,50")
-
-    p = commands.add_parser("schedule", help="the learning rate over a config's training steps")
-    p.add_argument("--config", required=True, help="config file[:arg], as for train.py")
-    p.add_argument("--num_steps", type=int, help="steps to draw; default: config.train.num_steps")
-
-    p = commands.add_parser("curves", help="training and validation curves of one or more runs")
-    p.add_argument("--metrics", nargs="+", required=True, help="metrics.jsonl files (or run directories)")
-    p.add_argument("--keys", help="comma-separated metrics keys; default: those of loss,valid_loss,... present")
-
-    for p in commands.choices.values():
-        p.add_argument("--output_dir", required=True, help="directory for the PNG files")
-    return parser
+def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
+    """The flags of every command, in a FlagValues of their own (absl has no sub-commands): each call of `main`
+    parses afresh, and importing this module defines nothing in the global absl FLAGS."""
+    fv = flags.FlagValues()
+    on = {"flag_values": fv}
+    # config_flags reads argv to define the --config.KEY=VALUE override flags.
+    config_flags.DEFINE_config_file(
+        "config", None, "attention: config file[:arg], default the saved one; schedule: as for train.py",
+        sys_argv=list(argv), **on,
+    )  # fmt: skip
+    flags.DEFINE_string("workdir", None, "attention: training directory with checkpoints/ and spm.model", **on)
+    flags.DEFINE_string("checkpoint", "latest", "attention: latest, or a checkpoint step", **on)
+    flags.DEFINE_string("source", None, "attention: source sentence", **on)
+    flags.DEFINE_string("target", None, "attention: target sentence (fed to the decoder after <s>)", **on)
+    flags.DEFINE_integer("layer", None, "attention: only this layer (0-based); default every layer", **on)
+    flags.DEFINE_integer("head", None, "attention: only this head (0-based), drawn large", **on)
+    flags.DEFINE_integer("d_model", 512, "positional: model width (even)", **on)
+    flags.DEFINE_integer("max_len", 100, "positional: positions to draw", **on)
+    flags.DEFINE_list("positions", None, "positional: positions whose dot products are drawn, e.g. 0,10,50", **on)
+    flags.DEFINE_integer("num_steps", None, "schedule: steps to draw; default config.train.num_steps", **on)
+    flags.DEFINE_list("metrics", None, "curves: metrics.jsonl files or run directories (more may follow)", **on)
+    flags.DEFINE_list("keys", None, "curves: metrics keys; default those of loss,valid_loss,... present", **on)
+    flags.DEFINE_string("output_dir", None, "directory for the PNG files", **on)
+    return fv
 
 
-def run(args: argparse.Namespace) -> list[Path]:
+def _parse(argv: Sequence[str]) -> tuple[str, flags.FlagValues, list[str]]:
+    """(command, parsed flags, positional arguments after the command); a wrong command line ends the program."""
+    argv = [PROG, *argv]
+    fv = _flag_values(argv)
+    commands = "\n".join(f"  {name}: {what}" for name, (what, *_) in COMMANDS.items())
+    rest = parse_flags(PROG, argv, fv, usage=f"{__doc__}\ncommands:\n{commands}\n")[1:]
+    if not rest or rest[0] not in COMMANDS:
+        got = f"unknown command {rest[0]!r}" if rest else "no command"
+        fail(PROG, f"{got}; the first argument is one of {', '.join(COMMANDS)} (--help lists their flags)")
+    command, rest = rest[0], rest[1:]
+    _, required, optional = COMMANDS[command]
+    given = {name for name in fv if fv[name].present and "." not in name}  # "config.x": overrides of --config
+    missing = sorted({*required, "output_dir"} - given)
+    if missing:
+        fail(f"{PROG} {command}", "the following flags are required: " + ", ".join(f"--{n}" for n in missing))
+    foreign = sorted(given - required - optional - {"output_dir"})
+    if foreign:
+        fail(f"{PROG} {command}", f"{', '.join(f'--{n}' for n in foreign)}: not a flag of the {command} command")
+    if rest and command != "curves":  # curves: `--metrics A B` lists more files after the flag
+        fail(f"{PROG} {command}", f"unexpected arguments: {rest}")
+    return command, fv, rest
+
+
+def run(command: str, fv: flags.FlagValues, more_metrics: Sequence[str] = ()) -> list[Path]:
     """Runs one parsed command; returns the files written."""
-    if args.command == "attention":
-        config = load_config_file(args.config) if args.config else None
+    if command == "attention":
         result = attention(
-            args.workdir,
-            args.source,
-            args.target,
-            args.output_dir,
-            config=config,
-            checkpoint=args.checkpoint,
-            layer=args.layer,
-            head=args.head,
+            fv.workdir,
+            fv.source,
+            fv.target,
+            fv.output_dir,
+            config=fv.config,
+            checkpoint=fv.checkpoint,
+            layer=fv.layer,
+            head=fv.head,
         )
         return result.paths
-    if args.command == "positional":
-        return positional(args.d_model, args.max_len, args.output_dir, args.positions).paths
-    if args.command == "schedule":
-        return [schedule(load_config_file(args.config), args.output_dir, args.num_steps).path]
-    keys = [k.strip() for k in args.keys.split(",") if k.strip()] if args.keys else None
-    return [curves(args.metrics, args.output_dir, keys).path]
+    if command == "positional":
+        try:
+            positions = [int(p) for p in fv.positions] if fv.positions else None
+        except ValueError as e:
+            raise VisualizeError(f"--positions: expected integers separated by commas, got {fv.positions}") from e
+        return positional(fv.d_model, fv.max_len, fv.output_dir, positions).paths
+    if command == "schedule":
+        return [schedule(fv.config, fv.output_dir, fv.num_steps).path]
+    keys = [k.strip() for k in fv.keys if k.strip()] if fv.keys else None
+    return [curves([*fv.metrics, *more_metrics], fv.output_dir, keys).path]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    from transformer_jax.errors import ConfigError, DataError
-
-    try:
-        paths = run(args)
-    except (VisualizeError, ConfigError, DataError) as e:
-        parser.exit(2, f"{parser.prog} {args.command}: error: {e}\n")
+    """argv: the command and its flags (sys.argv[1:] when None). Prints the files written."""
+    command, fv, rest = _parse(sys.argv[1:] if argv is None else argv)
+    with exit_on_user_error(f"{PROG} {command}", USAGE_STATUS):
+        paths = run(command, fv, rest)
     for path in paths:
         print(path)
     return 0

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
+from transformer_jax import cli
 from transformer_jax.data import sources
 from transformer_jax.data.tokenizer import get_tokenizer
 
@@ -23,7 +24,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Training directory that will ho
 
 
 def main(argv: list[str]) -> None:
-    del argv
+    del argv  # no positional arguments (transformer_jax.cli.run refuses them)
     config = _CONFIG.value
     splits = {}
     for split in (config.data.train_split, config.data.valid_split, config.data.test_split):
@@ -34,4 +35,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["config", "workdir"])
-    app.run(main)
+    cli.run(main, "python -m transformer_jax.data.prepare")

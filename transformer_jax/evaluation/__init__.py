@@ -1,1 +1,2 @@
-"""Evaluation: BLEU and chrF (`bleu`), checkpoint averaging (`averaging`), translating sentence lists (`translate`)."""
+"""Evaluation: BLEU and chrF (`bleu`), checkpoint averaging (`averaging`), a model restored from checkpoints
+(`restore`), translating sentence lists (`translate`), and whole evaluation runs behind evaluate.py (`run`)."""

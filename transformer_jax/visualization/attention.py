@@ -1,15 +1,13 @@
 """Attention weights of one sentence pair from a checkpoint: encoder self-attention, decoder masked self-attention
 and cross-attention, one PNG per (kind, layer) with a grid of heads (or one head), pieces on the axes.
 
-Axis legend: N heads, T query length, S key length.
+Axis letters: see transformer_jax/__init__.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
-import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from transformer_jax.errors import VisualizeError
+from transformer_jax.errors import CheckpointError, EvalError, VisualizeError
 from transformer_jax.visualization.figures import new_figure, save
 
 HEAD_COLUMNS = 4  # attention heads per row
@@ -94,41 +92,23 @@ def encode_pair(tokenizer: Any, source: str, target: str) -> tuple[list[int], li
     return tokenizer.encode(source) + [tokenizer.eos_id], [tokenizer.bos_id] + tokenizer.encode(target)
 
 
-def _evaluate_module():
-    """evaluate.py (the repository-root script), whose restore helpers this module reuses."""
-    path = Path(__file__).resolve().parents[2] / "evaluate.py"  # the repository root
-    loaded = sys.modules.get("evaluate")
-    if loaded is not None:
-        # One instance only: evaluate.py defines absl flags, which a second import would define again.
-        if Path(getattr(loaded, "__file__", "") or "").resolve() != path:
-            raise VisualizeError(f"a module named 'evaluate' other than {path} is already imported")
-        return loaded
-    if not path.is_file():
-        raise VisualizeError(f"restoring a checkpoint uses evaluate.py's helpers, and {path} does not exist")
-    spec = importlib.util.spec_from_file_location("evaluate", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["evaluate"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def load_model(workdir: str | Path, config: Any = None, checkpoint: str | int = "latest") -> tuple[Any, Any, Any, int]:
     """(config, model in eval mode, tokenizer, step) of one checkpoint; config None means the saved one."""
-    from transformer_jax.training.checkpoints import CheckpointError
+    from transformer_jax.evaluation.restore import Restorer, restore_model
 
     if not Path(workdir).is_dir():
         raise VisualizeError(f"--workdir {workdir}: no such directory")
-    evaluate = _evaluate_module()
-    restorer = evaluate.Restorer()
-    options = evaluate.Options(workdir=str(workdir), config=config, checkpoint=str(checkpoint), average_last=1)
+    restorer = Restorer()
     try:
         with warnings.catch_warnings():
             # Orbax warns that it reads the shardings from the checkpoint: expected, restoring on one device.
             warnings.filterwarnings("ignore", "Sharding info not provided", UserWarning)
-            config, model, steps = evaluate.restore_model(restorer, options)
+            config, model, steps = restore_model(
+                restorer, str(workdir), config=config, checkpoint=str(checkpoint), average_last=1
+            )
         tokenizer = restorer.tokenizer(config, str(workdir))
-    except (evaluate.EvalError, CheckpointError) as e:
-        raise VisualizeError(str(e)) from e
+    except (EvalError, CheckpointError) as e:
+        raise VisualizeError(str(e)) from e  # this function's callers expect a VisualizeError
     return config, model, tokenizer, steps[-1]
 
 

@@ -1,6 +1,6 @@
 """The sinusoidal positional encoding (paper 3.5) as the model computes it, and why it encodes relative position.
 
-Axis legend: L positions, D d_model.
+Axis letters: see transformer_jax/__init__.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ DOTS_FIGSIZE = (8.0, 5.0)  # inches: PE(pos) . PE(pos + k) against k
 @dataclasses.dataclass
 class PositionalResult:
     paths: list[Path]
-    pe_LD: np.ndarray  # the sinusoidal encoding the model adds, positions 0 .. max_len - 1
+    pe_PD: np.ndarray  # the sinusoidal encoding the model adds, positions 0 .. max_len - 1
     offsets: np.ndarray  # k = 0, 1, ...
     dots: dict[int, np.ndarray]  # pos -> PE(pos) . PE(pos + k) for each offset
 
@@ -46,13 +46,13 @@ def positional(
     positions = [int(p) for p in positions]
     if not positions or any(not 0 <= p < max_len - 1 for p in positions):
         raise VisualizeError(f"--positions must be in 0..{max_len - 2} (below --max_len - 1), got {positions}")
-    pe_LD = np.asarray(sinusoidal_encoding(jnp.arange(max_len)[None], d_model)[0])
+    pe_PD = np.asarray(sinusoidal_encoding(jnp.arange(max_len)[None], d_model)[0])
     offsets = np.arange(max_len - max(positions))
-    dots = {p: pe_LD[p + offsets] @ pe_LD[p] for p in positions}
+    dots = {p: pe_PD[p + offsets] @ pe_PD[p] for p in positions}
 
     fig = new_figure(PE_FIGSIZE)
     ax = fig.subplots()
-    image = ax.imshow(pe_LD, aspect="auto", cmap="RdBu", vmin=-1.0, vmax=1.0, interpolation="nearest")
+    image = ax.imshow(pe_PD, aspect="auto", cmap="RdBu", vmin=-1.0, vmax=1.0, interpolation="nearest")
     ax.set_xlabel("dimension (even: sin, odd: cos)")
     ax.set_ylabel("position")
     ax.set_title(f"sinusoidal positional encoding, d_model={d_model}")
@@ -72,4 +72,4 @@ def positional(
     ax.grid(alpha=0.3)
     ax.legend()
     dots_path = save(fig, Path(output_dir) / "positional_dot_products.png")
-    return PositionalResult([pe_path, dots_path], pe_LD, offsets, dots)
+    return PositionalResult([pe_path, dots_path], pe_PD, offsets, dots)

@@ -1,0 +1,136 @@
+"""A model from a workdir's checkpoints: choose the steps, average their parameters, check they fit the config.
+
+evaluate.py and the attention pictures (transformer_jax.visualization) restore through `restore_model`. The
+checkpoint reading itself sits behind `Restorer`, the seam tests replace with a fake that serves known parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from transformer_jax.errors import EvalError
+
+
+class Restorer:
+    """Reads checkpoints and the tokenizer of a workdir; tests substitute a fake with the same methods."""
+
+    def __init__(self):
+        from transformer_jax.training import checkpoints, state
+
+        self._ckpt, self._state = checkpoints, state
+
+    def list_steps(self, workdir: str) -> list[int]:
+        return self._ckpt.list_steps(workdir)
+
+    def load_config(self, workdir: str):
+        return self._ckpt.load_config(workdir)
+
+    def config_differences(self, saved, current) -> list[str]:
+        return self._ckpt.config_differences(saved.to_dict(), current.to_dict())
+
+    def load_params(self, workdir: str, steps: list[int], config) -> Iterator[dict]:
+        """The parameter pure dicts of `steps`, read one at a time."""
+        _, abstract = self._state.abstract_train_state(config)
+        return (self._ckpt.load_model_params(workdir, step, abstract) for step in steps)
+
+    def tokenizer(self, config, workdir: str):
+        from transformer_jax.data import tokenizer as tokenizer_lib
+
+        if not config.data.tokenizer_model and not (Path(workdir) / tokenizer_lib.MODEL_FILENAME).exists():
+            raise EvalError(
+                f"no tokenizer in {workdir} ({tokenizer_lib.MODEL_FILENAME}) and config.data.tokenizer_model is "
+                "empty; evaluate with the workdir the model was trained in"
+            )
+        return tokenizer_lib.get_tokenizer(config.data, workdir, vocab_size=config.model.vocab_size)
+
+
+def choose_steps(
+    available: list[int],
+    workdir: str,
+    *,
+    checkpoint: str = "latest",
+    average_last: int | None,
+    average_steps: Sequence[int] | None = None,
+) -> list[int]:
+    """The checkpoint steps to average: exactly `average_steps`, or the last `average_last` up to `checkpoint`."""
+    from transformer_jax.evaluation.averaging import select_steps
+
+    if not available:
+        raise EvalError(f"no checkpoint in {Path(workdir) / 'checkpoints'}; train first or fix --workdir")
+    if average_steps:
+        return select_steps(available, None, average_steps)
+    if checkpoint == "latest":
+        last = available[-1]
+    else:
+        try:
+            last = int(checkpoint)
+        except ValueError as e:
+            raise EvalError(f"--checkpoint must be 'latest' or a step number, got {checkpoint!r}") from e
+        if last not in available:
+            raise EvalError(f"no checkpoint for step {last} in {workdir}; available steps: {available}")
+    candidates = [s for s in available if s <= last]
+    if average_last > len(candidates):
+        raise EvalError(
+            f"asked to average the last {average_last} checkpoints up to step {last}, but only {len(candidates)} "
+            f"exist: {candidates}; pass --average_last {len(candidates)} (or 1 for no averaging)"
+        )
+    return select_steps(candidates, average_last, None)
+
+
+def restore_model(
+    restorer: Restorer,
+    workdir: str,
+    *,
+    config: Any = None,
+    checkpoint: str = "latest",
+    average_last: int | None = None,
+    average_steps: Sequence[int] | None = None,
+) -> tuple[Any, Any, list[int]]:
+    """(config, model in eval mode with the averaged parameters, steps used).
+
+    `config` None means the one saved with the checkpoints; a given one must agree with it on every key that
+    shapes the model. `average_last` None means config.eval.average_last.
+    """
+    from flax import nnx
+    from flax.traverse_util import flatten_dict
+
+    from transformer_jax.evaluation.averaging import average_params
+    from transformer_jax.model import build_model
+
+    available = restorer.list_steps(workdir)
+    if not available:
+        raise EvalError(f"no checkpoint in {Path(workdir) / 'checkpoints'}; train first or fix --workdir")
+    saved = restorer.load_config(workdir)
+    if config is None:
+        config = saved
+    else:
+        diff = restorer.config_differences(saved, config)
+        if diff:
+            raise EvalError(
+                "--config does not match the config saved with the checkpoints; differing keys (saved -> given): "
+                + "; ".join(diff)
+            )
+    if average_last is None:
+        average_last = config.eval.average_last
+    steps = choose_steps(
+        available, workdir, checkpoint=checkpoint, average_last=average_last, average_steps=average_steps
+    )
+    params = average_params(restorer.load_params(workdir, steps, config))
+    model = build_model(config, rngs=nnx.Rngs(0))
+    target = nnx.state(model, nnx.Param)
+
+    def shapes(tree: dict) -> dict[str, tuple[int, ...]]:
+        # Layer lists have integer keys, hence the str() before joining.
+        return {".".join(map(str, path)): value.shape for path, value in flatten_dict(tree).items()}
+
+    expected, got = shapes(nnx.to_pure_dict(target)), shapes(params)
+    if expected != got:
+        keys = sorted(k for k in expected.keys() | got.keys() if expected.get(k) != got.get(k))
+        details = "; ".join(f"{k}: checkpoint {got.get(k)} vs config {expected.get(k)}" for k in keys[:20])
+        raise EvalError(f"the checkpoint's parameters do not fit the config's model: {details}")
+    nnx.replace_by_pure_dict(target, params)
+    nnx.update(model, target)
+    model.eval()
+    return config, model, steps
