@@ -53,7 +53,14 @@ def dense(batch: int, q_len: int, kv_len: int, mask: AttentionMask) -> np.ndarra
     return np.ones((batch, q_len, kv_len), bool) if mask_B1TS is None else np.asarray(mask_B1TS[:, 0])
 
 
-SEEDS = range(24)
+def seeds(keep=lambda seed: True, fast: int = 6) -> list:
+    """24 random setups; the first `fast` that `keep` accepts run by default (seeds 0-5 cover self/cross attention
+    times no segments/segments/segments with positions), the rest with -m slow."""
+    chosen = [s for s in range(24) if keep(s)]
+    return [s if i < fast else pytest.param(s, marks=pytest.mark.slow) for i, s in enumerate(chosen)]
+
+
+SEEDS = seeds()
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -132,7 +139,7 @@ def test_key_ranges_of_linear_attention_are_the_dense_mask(seed: int) -> None:
     np.testing.assert_array_equal(in_run_BTS & real_BS[:, None, :], dense(batch, q_len, kv_len, mask))
 
 
-@pytest.mark.parametrize("seed", [s for s in SEEDS if random_masking(s)[3]["window"] is None])  # no windows
+@pytest.mark.parametrize("seed", seeds(lambda s: random_masking(s)[3]["window"] is None))  # no windows
 def test_linear_attention_sums_over_the_dense_mask(seed: int) -> None:
     batch, q_len, kv_len, kw = random_masking(seed)
     rng = np.random.default_rng(seed)

@@ -32,10 +32,10 @@ def _losses(impl: str, steps: int = 3) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize(
-    "impl",
-    ["blockwise", pytest.param("pallas", marks=pytest.mark.slow)],  # interpret mode compiles for ~50 s
-)
+# Slow (blockwise 20 s, pallas in interpret mode ~50 s): tests/test_attention_ops.py checks every implementation's
+# values and gradients against the reference in the default run.
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["blockwise", "pallas"])
 def test_training_losses_match_the_reference(impl):
     reference = _losses("xla")
     # Float32 kernels reorder sums (online softmax); three Adam steps keep the drift far below 1e-4.

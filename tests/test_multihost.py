@@ -30,16 +30,16 @@ def corpus(tmp_path_factory) -> pathlib.Path:
     return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
-def _command(corpus: pathlib.Path, workdir: pathlib.Path, num_steps: int) -> list[str]:
+def _command(corpus: pathlib.Path, workdir: pathlib.Path, num_steps: int, **extra: object) -> list[str]:
     overrides = {
         "data.text_dir": corpus,
         "data.batching": "bucket",  # shapes vary from batch to batch: the hard case for several hosts
         "data.tokens_per_batch": 256,
-        "model.dropout_rate": 0.0,  # dropout masks depend on the device layout, not on the host count
         "train.num_steps": num_steps,
         "train.eval_every": 3,
         "ckpt.every_steps": 3,
         "data.tokenizer_model": corpus.parent / "spm.model",
+        **extra,
     }
     args = [f"--config.{k}={v}" for k, v in overrides.items()]
     return [sys.executable, str(REPO / "train.py"), "--config", str(CONFIG), "--workdir", str(workdir), *args]
@@ -68,7 +68,7 @@ def _finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[str]:
     return outputs
 
 
-def _start_two(corpus: pathlib.Path, workdir: pathlib.Path, num_steps: int) -> list[subprocess.Popen]:
+def _start_two(corpus: pathlib.Path, workdir: pathlib.Path, num_steps: int, **extra: object) -> list[subprocess.Popen]:
     """train.py as process 0 and process 1 of a 2-process JAX run, joined the way the README launches hosts."""
     with socket.socket() as s:  # a free port for the coordinator
         s.bind(("localhost", 0))
@@ -81,7 +81,7 @@ def _start_two(corpus: pathlib.Path, workdir: pathlib.Path, num_steps: int) -> l
             JAX_PROCESS_ID=str(process_id),
             XLA_FLAGS=os.environ.get("XLA_FLAGS", ""),
         )
-        procs.append(_start(_command(corpus, workdir, num_steps), env))
+        procs.append(_start(_command(corpus, workdir, num_steps, **extra), env))
     return procs
 
 
@@ -92,12 +92,31 @@ def _losses(workdir: pathlib.Path) -> tuple[list[int], list[float], dict[int, fl
     return [r["step"] for r in train], [r["loss"] for r in train], valid
 
 
-def test_two_processes_train_stop_and_resume_exactly_like_one_process_with_two_devices(corpus, tmp_path):
+def _shared_tokenizer(corpus: pathlib.Path) -> None:
+    """One tokenizer for every run, trained once beforehand as the README says for multi-host runs."""
     from transformer_jax import data
 
-    # One tokenizer for every run, trained once beforehand as the README says for multi-host runs.
     config = tiny_train_config(corpus)
     data.get_tokenizer(config.data, corpus.parent, vocab_size=config.model.vocab_size)
+
+
+def test_two_processes_launch_train_and_checkpoint_together(corpus, tmp_path):
+    """The fast representative of the slow test below: the README's launch of 2 JAX processes (one device each,
+    packed batches of one shape, so one compilation) trains to the end, logs each step once and writes one
+    checkpoint. Bucketed shapes and validation over hosts are the slow test's; tests/test_data_pipeline.py checks
+    that hosts plan the same global batches."""
+    _shared_tokenizer(corpus)
+    fast = {"data.batching": "pack", "data.batch_size": 8, "train.eval_every": 0}
+    _finish(_start_two(corpus, tmp_path, 3, **fast))
+    steps, losses, _ = _losses(tmp_path)
+    assert steps == [1, 2, 3], "each step is logged once, by process 0 only"
+    assert np.isfinite(losses).all()
+    assert checkpoints.list_steps(tmp_path) == [3]
+
+
+@pytest.mark.slow  # ~70-140 s: three launches of train.py and one of evaluate.py
+def test_two_processes_train_stop_and_resume_exactly_like_one_process_with_two_devices(corpus, tmp_path):
+    _shared_tokenizer(corpus)
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
     _finish([_start(_command(corpus, tmp_path / "one", 32), _env(XLA_FLAGS=flags))])
 

@@ -174,6 +174,7 @@ def _launch(corpus: pathlib.Path, workdir: pathlib.Path, num_steps: int) -> subp
     )
 
 
+@pytest.mark.slow  # 30 s; test_resumed_run_equals_uninterrupted_run is the fast check of resuming
 def test_killed_run_resumes_to_the_same_parameters(corpus, tmp_path):
     proc = _launch(corpus, tmp_path / "killed", 400)
     wait_for_checkpoint([proc], tmp_path / "killed", 10)
@@ -206,37 +207,21 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(corpus, tmp_path):
     assert checkpoints.list_steps(tmp_path)[-1] == int(match.group(1)) >= 10  # saved where it stopped
 
 
-def test_one_and_eight_devices_give_the_same_losses():
-    """Data parallel and FSDP over 8 simulated CPU devices match one device (float reduction order aside)."""
-    script = (
-        "import json, jax\n"
-        "from tests.training_helpers import synthetic_batch\n"
-        "from tests.test_training_loop import losses_on\n"
-        "print(json.dumps({m: losses_on(m) for m in ('data', 'fsdp')}))\n"
-    )
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-3000:]
-    eight = json.loads(out.stdout.strip().splitlines()[-1])
-    one = losses_on("data")
-    for mode in ("data", "fsdp"):
-        np.testing.assert_allclose(eight[mode], one, rtol=2e-5)
-
-
-def test_one_and_eight_devices_give_the_same_losses_with_dropout():
-    """Dropout masks are a hash of each element's global index (ops/dropout.py), so they do not depend on how the
-    batch is laid out over devices: 8 simulated CPU devices train exactly like one."""
+@pytest.mark.parametrize("mode", ["data", pytest.param("fsdp", marks=pytest.mark.slow)])  # fsdp: ~25 s more
+def test_one_and_eight_devices_give_the_same_losses(mode):
+    """Data parallel and FSDP over 8 simulated CPU devices train exactly like one device (float reduction order
+    aside), with dropout on: its masks are a hash of each element's global index (ops/dropout.py), so they do not
+    depend on how the batch is laid out over devices."""
     script = (
         "import json\n"
         "from tests.test_training_loop import losses_on\n"
-        "print(json.dumps(losses_on('data', dropout_rate=0.3)))\n"
+        f"print(json.dumps(losses_on({mode!r}, dropout_rate=0.3)))\n"
     )
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     eight = json.loads(out.stdout.strip().splitlines()[-1])
-    one = losses_on("data", dropout_rate=0.3)
-    assert one != losses_on("data")  # dropout is really on
+    one = losses_on("data", dropout_rate=0.3)  # test_dropout_only_in_train_mode checks that dropout acts
     np.testing.assert_allclose(eight, one, rtol=2e-5)
 
 

@@ -43,6 +43,7 @@ def run(tmp_path_factory):
     corpus = write_corpus(tmp_path_factory.mktemp("corpus"), n_train=200, n_valid=4)
     workdir = tmp_path_factory.mktemp("workdir")
     config = tiny_train_config(corpus)
+    config.model.num_encoder_layers = config.model.num_decoder_layers = 2  # pictures of several layers
     get_tokenizer(config.data, workdir, vocab_size=config.model.vocab_size)
     graphs, state = create_train_state(config)
     # Step 2: every float array scaled, so its attention weights differ from step 1's.
