@@ -12,7 +12,7 @@ import logging
 from absl import flags
 from ml_collections import config_flags
 
-from transformer_jax import cli
+from transformer_jax import cli, config_checks
 from transformer_jax.errors import ConfigError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/multi30k.py:size=small.")
@@ -24,17 +24,20 @@ def main(argv: list[str]) -> None:
     del argv  # no positional arguments (transformer_jax.cli.run refuses them)
     logging.getLogger().setLevel(logging.INFO)
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file it renames at INFO
+    config = _CONFIG.value
+    config_checks.validate(config)  # before any work: a bad value is one line now, not a traceback minutes later
+    if not _DRY_RUN.value:
+        if not _WORKDIR.value:
+            raise ConfigError("--workdir is required (checkpoints, tokenizer and metrics go there)")
+        config_checks.check_workdir(_WORKDIR.value)
     from transformer_jax.sharding import initialize_distributed
 
     initialize_distributed()
-    config = _CONFIG.value
     if _DRY_RUN.value:
         from transformer_jax.training.summary import dry_run_summary
 
         print(json.dumps(dry_run_summary(config), indent=2))
         return
-    if not _WORKDIR.value:
-        raise ConfigError("--workdir is required (checkpoints, tokenizer and metrics go there)")
     from transformer_jax.training.loop import train_and_evaluate
 
     train_and_evaluate(config, _WORKDIR.value)

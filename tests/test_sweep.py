@@ -7,6 +7,7 @@ import pytest
 
 from tests.training_helpers import write_corpus
 from transformer_jax import sweep
+from transformer_jax.errors import ConfigError
 
 CONFIG = str(pathlib.Path(__file__).resolve().parent / "tiny_sweep_config.py")
 
@@ -48,6 +49,38 @@ def test_unknown_reference_metric_fails_before_anything_runs(corpus, tmp_path, c
     err = fails(["--config", CONFIG + ":bad_reference", "--workdir", str(tmp_path / "sw")], capsys)
     assert "reference keys ['valid_ppl']" in err
     assert not (tmp_path / "sw").exists()
+
+
+def _sweep_file(tmp_path: pathlib.Path, entries: str) -> str:
+    """A config file in tmp_path: the tiny sweep config's get_config, with these sweep entries."""
+    path = tmp_path / "sweep_config.py"
+    path.write_text(
+        f"from tests.tiny_sweep_config import get_config\n\n\ndef get_sweep(arg=None):\n    return {entries}\n"
+    )
+    return str(path)
+
+
+@pytest.mark.parametrize("name", ["..", ".", "../escaped", "a/b", "/abs", "x\n", ""])
+def test_a_variant_name_cannot_leave_the_sweep_directory(corpus, tmp_path, capsys, name):
+    config = _sweep_file(tmp_path, repr([{"name": name}]))
+    err = fails(["--config", config, "--workdir", str(tmp_path / "sw"), "--print_commands"], capsys)
+    assert "sweep entry 0 needs a 'name' of letters, digits, '_.=-' other than '.' and '..'" in err
+    assert not (tmp_path / "sw").exists() and not (tmp_path / "escaped").exists()
+    with pytest.raises(ConfigError, match="is not a directory name inside the sweep workdir"):
+        sweep.variant_dir(tmp_path / "sw", name)
+    assert sweep.variant_dir(tmp_path / "sw", "...") == tmp_path / "sw" / "..."  # only '.' and '..' are special
+
+
+def test_a_bad_value_in_any_variant_fails_before_anything_runs(corpus, tmp_path, capsys):
+    config = _sweep_file(tmp_path, repr([{"name": "ok"}, {"name": "ascent", "opt.learning_rate": -0.5}]))
+    err = fails(["--config", config, "--workdir", str(tmp_path / "sw")], capsys)
+    assert "sweep variant 'ascent': config key opt.learning_rate: must be positive (a number > 0" in err
+    assert not (tmp_path / "sw").exists()
+
+
+def test_a_sweep_workdir_that_is_a_file_is_one_line(corpus, tmp_path, capsys):
+    (tmp_path / "sw").write_text("")
+    assert "is a file, not a directory" in fails(["--config", CONFIG, "--workdir", str(tmp_path / "sw")], capsys)
 
 
 def test_unknown_only_name_lists_the_variants(corpus, tmp_path, capsys):

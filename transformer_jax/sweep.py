@@ -20,6 +20,7 @@ import importlib.util
 import json
 import logging
 import math
+import os
 import pathlib
 import re
 import shlex
@@ -32,11 +33,13 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
+from transformer_jax import config_checks
 from transformer_jax.cli import USAGE_STATUS, fail, parse_flags
 from transformer_jax.errors import ConfigError, VariantInterrupted, exit_on_user_error
 
 RESULT_FILE = "sweep_result.json"
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.=-]+$")
+# A variant's name is a directory inside the sweep's workdir: no path separator, and never '.' or '..'.
+NAME_PATTERN = re.compile(r"(?!\.\.?\Z)[A-Za-z0-9_.=-]+")  # used with fullmatch
 REFERENCE_METRICS = ("valid_perplexity", "valid_bleu")
 
 
@@ -76,8 +79,11 @@ def variants(config_arg: str, common: dict[str, Any] | None = None) -> list[Vari
     for i, override in enumerate(module.get_sweep(arg or None)):
         override = dict(override)
         name = override.pop("name", None)
-        if not name or not NAME_PATTERN.match(name):
-            raise ConfigError(f"{path}: sweep entry {i} needs a 'name' of letters, digits, '_.=-'; got {name!r}")
+        if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+            raise ConfigError(
+                f"{path}: sweep entry {i} needs a 'name' of letters, digits, '_.=-' other than '.' and '..' "
+                f"(it names a directory inside the sweep's workdir); got {name!r}"
+            )
         if name in seen:
             raise ConfigError(f"{path}: sweep variant name {name!r} is used twice")
         seen.add(name)
@@ -94,12 +100,24 @@ def variants(config_arg: str, common: dict[str, Any] | None = None) -> list[Vari
                 raise ConfigError(f"{path}: sweep variant {name!r} overrides unknown key {key!r} ({e})") from e
             except TypeError as e:
                 raise ConfigError(f"{path}: sweep variant {name!r}: {key}={value!r} has the wrong type ({e})") from e
+        try:
+            config_checks.validate(config)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: sweep variant {name!r}: {e}") from e
         out.append(Variant(name, override, config, reference))
     return out
 
 
+def variant_dir(workdir: pathlib.Path, name: str) -> pathlib.Path:
+    """DIR/<name>; ConfigError if that is not a directory directly inside DIR (a name such as '..' or 'a/b')."""
+    inside = pathlib.Path(os.path.normpath(workdir / name))
+    if not NAME_PATTERN.fullmatch(name) or inside.parent != pathlib.Path(os.path.normpath(workdir)):
+        raise ConfigError(f"sweep variant name {name!r} is not a directory name inside the sweep workdir {workdir}")
+    return inside
+
+
 def train_command(config_arg: str, workdir: pathlib.Path, name: str, overrides: dict[str, Any]) -> str:
-    args = ["python", "train.py", f"--config={config_arg}", f"--workdir={workdir / name}"]
+    args = ["python", "train.py", f"--config={config_arg}", f"--workdir={variant_dir(workdir, name)}"]
     args += [f"--config.{k}={v}" for k, v in overrides.items()]
     return shlex.join(args)
 
@@ -275,17 +293,17 @@ def _run(fv: flags.FlagValues) -> int:
         for v in chosen:
             print(train_command(config_arg, workdir, v.name, {**common, **v.overrides}))
         return 0
-    workdir.mkdir(parents=True, exist_ok=True)
+    config_checks.check_workdir(workdir)
     interrupted = None
     if not fv.aggregate_only:
         for v in chosen:
             logging.info("sweep: variant %s", v.name)
             try:
-                run_variant(v.name, v.config, workdir / v.name)
+                run_variant(v.name, v.config, variant_dir(workdir, v.name))
             except VariantInterrupted as e:
                 interrupted = e
                 break
-    rows = [summarize_variant(v, workdir / v.name) for v in all_variants]
+    rows = [summarize_variant(v, variant_dir(workdir, v.name)) for v in all_variants]
     label = getattr(load_config_module(config_arg.partition(":")[0]), "REFERENCE", "reference")
     write_results(rows, workdir, reference_label=label)
     print((workdir / "results.md").read_text())

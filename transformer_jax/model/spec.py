@@ -8,15 +8,11 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from transformer_jax import config_checks
 from transformer_jax.errors import ConfigError
 from transformer_jax.tokens import PAD_ID
 
-ACTIVATIONS = ("relu", "gelu", "swiglu")
-NORMS = ("layernorm", "rmsnorm")
-NORM_POSITIONS = ("post", "pre")
-POSITIONALS = ("sinusoidal", "learned", "none")
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-FUSED_BACKWARD = ("auto", "on", "off")
+DTYPES = {name: getattr(jnp, name) for name in config_checks.DTYPES}  # model.dtype -> computation dtype
 
 
 def fused_backward_enabled(setting: str, backend: str | None = None) -> bool:
@@ -61,53 +57,11 @@ class TransformerSpec:
     attention_window: int
 
     def __post_init__(self) -> None:
-        def fail(key: str, why: str) -> None:
-            raise ConfigError(f"invalid config key {key}: {why}")
-
-        for key in ("vocab_size", "d_model", "num_heads", "d_ff", "max_len"):
-            if getattr(self, key) <= 0:
-                fail(f"model.{key}", f"must be positive, got {getattr(self, key)}")
-        for key in ("num_encoder_layers", "num_decoder_layers", "num_kv_heads", "qk_head_dim", "v_head_dim"):
-            if getattr(self, key) < 0:
-                fail(f"model.{key}", f"must be >= 0, got {getattr(self, key)}")
-        if (self.qk_head_dim == 0 or self.v_head_dim == 0) and self.d_model % self.num_heads:
-            fail(
-                "model.num_heads",
-                f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}; "
-                "change one, or set model.qk_head_dim and model.v_head_dim explicitly",
-            )
-        if self.heads_kv and self.num_heads % self.heads_kv:
-            fail("model.num_kv_heads", f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.heads_kv}")
-        for key in ("dropout_rate", "attention_dropout_rate", "ffn_dropout_rate"):
-            rate = getattr(self, key)
-            if not 0.0 <= rate < 1.0:
-                fail(f"model.{key}", f"must be in [0, 1), got {rate}")
-        for key, allowed in (
-            ("activation", ACTIVATIONS),
-            ("norm", NORMS),
-            ("norm_position", NORM_POSITIONS),
-            ("positional", POSITIONALS),
-            ("dtype", tuple(DTYPES)),
-            ("fused_backward", FUSED_BACKWARD),
-        ):
-            if getattr(self, key) not in allowed:
-                fail(f"model.{key}", f"unknown value {getattr(self, key)!r}; choose one of {list(allowed)}")
-        if self.norm_epsilon <= 0:
-            fail("model.norm_epsilon", f"must be positive, got {self.norm_epsilon}")
-        if self.attention_window < 0:
-            fail("attention.window", f"must be >= 0 tokens (0 = full attention), got {self.attention_window}")
-        from transformer_jax import ops  # late import: ops registers implementations on import
-
-        if self.attention_impl not in ops.IMPLEMENTATIONS:
-            fail(
-                "attention.impl", f"unknown value {self.attention_impl!r}; choose one of {sorted(ops.IMPLEMENTATIONS)}"
-            )
-        if self.attention_dropout_rate > 0 and self.attention_impl != "xla":
-            fail(
-                "model.attention_dropout_rate",
-                f"attention-weight dropout needs the materialised weights of attention.impl='xla', "
-                f"not {self.attention_impl!r}; set it to 0 or use xla",
-            )
+        # The rules live in one table (config_checks.RULES) with those between keys; validate() applies the same.
+        values = {f"model.{f.name}": getattr(self, f.name) for f in dataclasses.fields(self)}
+        values["attention.impl"] = values.pop("model.attention_impl")
+        values["attention.window"] = values.pop("model.attention_window")
+        config_checks.check_model(values)
 
     @property
     def heads_kv(self) -> int:

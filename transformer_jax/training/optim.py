@@ -6,10 +6,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from transformer_jax.errors import ConfigError
-
-SCHEDULES = ("paper", "rsqrt", "cosine", "constant")
-OPTIMIZERS = ("adam", "adamw")
+from transformer_jax import config_checks
 
 
 def learning_rate_schedule(opt: ml_collections.ConfigDict, num_steps: int) -> optax.Schedule:
@@ -20,10 +17,7 @@ def learning_rate_schedule(opt: ml_collections.ConfigDict, num_steps: int) -> op
     cosine:   linear warmup to learning_rate, then cosine decay to 0 at num_steps
     constant: linear warmup to learning_rate, then constant
     """
-    if opt.schedule not in SCHEDULES:
-        raise ConfigError(f"config key opt.schedule: unknown value {opt.schedule!r}; choose one of {list(SCHEDULES)}")
-    if opt.warmup_steps < 0:
-        raise ConfigError(f"config key opt.warmup_steps: must be >= 0, got {opt.warmup_steps}")
+    config_checks.check_opt(opt)  # the rules of config_checks.RULES, as validate() applies them
     peak, warmup = float(opt.learning_rate), max(int(opt.warmup_steps), 1)
     if opt.schedule == "paper":
         return lambda step: peak * jnp.minimum((step + 1.0) ** -0.5, (step + 1.0) * warmup**-1.5)
@@ -39,18 +33,8 @@ def learning_rate_schedule(opt: ml_collections.ConfigDict, num_steps: int) -> op
 
 def make_optimizer(opt: ml_collections.ConfigDict, num_steps: int) -> optax.GradientTransformation:
     """Adam (b1, b2, eps from the config; paper: 0.9, 0.98, 1e-9) or AdamW, with optional global-norm clipping."""
-    if opt.optimizer not in OPTIMIZERS:
-        raise ConfigError(
-            f"config key opt.optimizer: unknown value {opt.optimizer!r}; choose one of {list(OPTIMIZERS)}"
-        )
-    if opt.clip_grad_norm < 0:
-        raise ConfigError(f"config key opt.clip_grad_norm: must be >= 0 (0 = off), got {opt.clip_grad_norm}")
-    schedule = learning_rate_schedule(opt, num_steps)
+    schedule = learning_rate_schedule(opt, num_steps)  # checks the opt group
     if opt.optimizer == "adam":
-        if opt.weight_decay:
-            raise ConfigError(
-                "config key opt.weight_decay: Adam has no decoupled weight decay; use opt.optimizer=adamw"
-            )
         tx = optax.adam(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps)
     else:
         tx = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay)

@@ -1,0 +1,141 @@
+"""config_checks: one rule per config leaf, checked before any work, each failure one line naming key, value, range.
+
+Every config file's configs (every argument, every sweep variant) passing validation is tested in test_configs.py.
+"""
+
+import math
+import pathlib
+import re
+import tempfile
+
+import pytest
+
+from configs import common
+from transformer_jax import config_checks
+from transformer_jax.config_checks import RULES, check_workdir, validate
+from transformer_jax.errors import ConfigError
+from transformer_jax.model import TransformerSpec
+
+
+@pytest.mark.parametrize("size", sorted(common.SIZES))
+def test_every_leaf_has_a_rule_and_every_rule_a_leaf(size):
+    """A key added to configs/common.py fails here until it gets a rule in config_checks.RULES (and a stale rule)."""
+    leaves = dict(config_checks.leaves(common.base_config(size)))
+    assert sorted(set(leaves) - set(RULES)) == [], "add a rule for each new config key to config_checks.RULES"
+    assert sorted(set(RULES) - set(leaves)) == [], "remove the rules of keys that no longer exist"
+    validate(common.base_config(size))
+
+
+def test_a_leaf_with_no_rule_fails_validation():
+    config = common.base_config("tiny")
+    config.train.num_stepz = 30  # a config file's misspelling adds a key, since a config is unlocked while built
+    with pytest.raises(
+        ConfigError, match="train.num_stepz: unknown key, no code reads it; did you mean train.num_steps"
+    ):
+        validate(config)
+
+
+def _with(key: str, value):
+    """The tiny base config as a plain dict (so that any type can be set) with one leaf replaced."""
+    config = common.base_config("tiny").to_dict()
+    group, _, leaf = key.rpartition(".")
+    (config[group] if group else config)[leaf] = value
+    return config
+
+
+BAD = [
+    # (key, value, what the one line says is allowed) per class of bad value
+    ("opt.learning_rate", -0.1, "must be positive (a number > 0"),  # trained by gradient ascent and exited 0
+    ("opt.learning_rate", 0.0, "must be positive (a number > 0"),  # trained nothing
+    ("opt.learning_rate", math.nan, "must be positive"),
+    ("opt.learning_rate", math.inf, "must be positive"),
+    ("train.num_steps", -1, "must be positive (an integer >= 1, optimizer steps)"),  # exited 0 having done nothing
+    ("data.batch_size", 0, "must be positive (an integer >= 1, rows per batch"),  # ZeroDivisionError after setup
+    ("ckpt.every_steps", 0, "must be positive (an integer >= 1, steps between checkpoints)"),  # ZeroDivisionError
+    ("data.tokens_per_batch", -5, "must be positive"),
+    ("eval.batch_size", 0, "must be positive"),
+    ("opt.warmup_steps", -1, "must be >= 0 (an integer, steps of linear warmup)"),
+    ("train.eval_every", -10, "must be >= 0 (an integer, steps; 0 = never)"),
+    ("model.dropout_rate", 1.0, "must be in [0, 1) (a number, probability)"),
+    ("opt.b2", 1.5, "must be in [0, 1)"),
+    ("train.assumed_mfu", 0.0, "must be in (0, 1]"),
+    ("train.seed", -1, "must be in [0, 4294967296) (an integer, seed)"),
+    ("train.num_steps", 10.5, "must be positive (an integer >= 1, optimizer steps), got 10.5 (float)"),  # type
+    ("train.num_steps", True, "got True (bool)"),
+    ("ckpt.async_save", 1, "must be True or False, got 1 (int)"),
+    ("data.src_lang", "", "must be a non-empty string"),
+    ("train.mesh", "tensor", "unknown value 'tensor'; choose one of ['data', 'fsdp']"),  # choices from sharding.py
+    ("attention.impl", "magic", "unknown value 'magic'; choose one of ['auto', 'blockwise'"),  # from ops' registry
+    ("data.batching", "stream", "unknown value 'stream'; choose one of ['pack', 'bucket', 'pad']"),
+    ("opt.schedule", "linear", "unknown value 'linear'"),
+]
+
+
+@pytest.mark.parametrize("key,value,allowed", BAD, ids=[f"{k}={v!r}" for k, v, _ in BAD])
+def test_a_bad_value_is_one_line_naming_key_value_and_range(key, value, allowed):
+    with pytest.raises(ConfigError) as error:
+        validate(_with(key, value))
+    message = str(error.value)
+    assert message.startswith(f"config key {key}: ") and "\n" not in message
+    assert allowed in message
+    assert repr(value) in message
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"model.d_model": 30}, "model.num_heads: d_model=30 is not divisible by num_heads=4"),
+        ({"model.num_kv_heads": 3}, "model.num_kv_heads: num_heads=4 is not a multiple of num_kv_heads=3"),
+        (
+            {"model.d_model": 33, "model.num_heads": 3},
+            "model.d_model: the sinusoidal positional encoding needs an even",
+        ),
+        ({"model.attention_dropout_rate": 0.1, "attention.impl": "blockwise"}, "attention-weight dropout needs"),
+        ({"opt.weight_decay": 0.1}, "opt.weight_decay: Adam has no decoupled weight decay (got 0.1)"),
+        ({"model.positional": "learned", "data.max_len": 2000}, "data.max_len: 2000 tokens per side exceed the 1024"),
+    ],
+)
+def test_rules_between_keys(overrides, message):
+    config = common.base_config("tiny")
+    config.update_from_flattened_dict(overrides)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(config)
+
+
+def test_the_model_and_the_optimizer_apply_the_same_rules():
+    """One source: TransformerSpec and make_optimizer call the checks that validate() calls."""
+    config = common.base_config("tiny")
+    config.model.norm_epsilon = -1.0
+    with pytest.raises(ConfigError, match="config key model.norm_epsilon: must be positive"):
+        TransformerSpec.from_config(config)
+    from transformer_jax.training.optim import make_optimizer
+
+    config = common.base_config("tiny")
+    config.opt.learning_rate = -1.0
+    with pytest.raises(ConfigError, match="config key opt.learning_rate: must be positive"):
+        make_optimizer(config.opt, 10)
+
+
+def test_a_missing_key_fails():
+    config = common.base_config("tiny")
+    del config.ckpt["keep"]
+    with pytest.raises(ConfigError, match=r"config lacks keys \['ckpt.keep'\]"):
+        validate(config)
+
+
+def test_workdir_is_made_and_must_be_a_writable_directory(tmp_path, monkeypatch):
+    assert check_workdir(tmp_path / "a" / "b").is_dir()
+    file = tmp_path / "file"
+    file.write_text("not a directory")
+    with pytest.raises(ConfigError, match=f"--workdir {file} is a file, not a directory"):
+        check_workdir(file)
+    with pytest.raises(ConfigError, match="cannot write there"):
+        check_workdir(file / "below")  # a workdir below a regular file can never be made (chmod is no test as root)
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", read_only)
+    with pytest.raises(ConfigError, match=r"--workdir .*: cannot write there \(Permission denied\)"):
+        check_workdir(tmp_path)
+    assert not list(pathlib.Path(tmp_path / "a" / "b").iterdir())  # the probe leaves nothing behind
