@@ -10,7 +10,10 @@ Translate and score:
 restores the parameters (the mean of the last N checkpoints up to --checkpoint; N defaults to config.eval.average_last),
 decodes with beam search, writes one detokenized hypothesis per input line (empty line -> empty line), and prints
 and writes a JSON report with the scores, the checkpoint steps and the decoding settings. `--source_file -` reads
-stdin and writes each translation as soon as its line is read.
+stdin and writes each translation as soon as its line is read. Every line is kept, blank ones too (a blank source
+gives an empty hypothesis, scored against its reference as the sacrebleu command scores it), and the report counts
+them. Bad flag values, an output that would overwrite an input, an output location that cannot be written, input
+that is not UTF-8 or has no lines: each stops the program with one line before the model is restored.
 """
 
 from __future__ import annotations
@@ -21,8 +24,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from transformer_jax import cli
-from transformer_jax.errors import EvalError
-from transformer_jax.evaluation.run import Options, evaluate_model, score_only
+from transformer_jax.evaluation.run import Options, evaluate
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Config file; default: the config saved with the checkpoints.")
@@ -44,26 +46,17 @@ flags.DEFINE_string("scores_file", None, "JSON report; default OUTPUT_FILE.json.
 
 def main(argv: list[str]) -> None:
     del argv  # no positional arguments (transformer_jax.cli.run refuses them)
-    if FLAGS.hypotheses_file:
-        if not FLAGS.references_file:
-            raise EvalError("--hypotheses_file needs --references_file")
-        score_only(FLAGS.hypotheses_file, FLAGS.references_file, FLAGS.scores_file)
-        return
-    if not FLAGS.workdir:
-        raise EvalError("give --workdir (translate with a trained model) or --hypotheses_file (score only)")
-    try:
-        average_steps = [int(s) for s in FLAGS.average_steps] if FLAGS.average_steps else None
-    except ValueError as e:
-        raise EvalError(f"--average_steps must be step numbers, got {FLAGS.average_steps}") from e
+    # Every value is checked in one place, run.check_options, before any file is read or the model restored.
     options = Options(
         workdir=FLAGS.workdir,
         config=FLAGS.config,
         checkpoint=FLAGS.checkpoint,
         average_last=FLAGS.average_last,
-        average_steps=average_steps,
-        split=FLAGS.split,
+        average_steps=FLAGS.average_steps,
+        split=FLAGS.split if FLAGS["split"].present else None,  # None: test, unless --source_file
         source_file=FLAGS.source_file,
         references_file=FLAGS.references_file,
+        hypotheses_file=FLAGS.hypotheses_file,
         beam_size=FLAGS.beam_size,
         alpha=FLAGS.alpha,
         max_extra_len=FLAGS.max_extra_len,
@@ -71,7 +64,7 @@ def main(argv: list[str]) -> None:
         output_file=FLAGS.output_file,
         scores_file=FLAGS.scores_file,
     )
-    evaluate_model(options)
+    evaluate(options)
 
 
 if __name__ == "__main__":

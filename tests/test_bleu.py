@@ -71,3 +71,23 @@ def test_read_lines_like_sacrebleu_and_line_count_check(tmp_path):
         bleu.score_files(path, ref)
     with pytest.raises(bleu.ScoreError, match="cannot read"):
         bleu.read_lines(tmp_path / "missing.txt")
+
+
+def test_invalid_utf8_names_the_line(tmp_path):
+    path = tmp_path / "h.txt"
+    path.write_bytes(b"fine\nfine too\n\xc3( broken\n")
+    with pytest.raises(bleu.ScoreError, match=r"h\.txt, line 3: invalid UTF-8 \(invalid continuation byte, byte 1 "):
+        bleu.read_lines(path)
+
+
+def test_nothing_to_score_is_a_clear_error_and_blank_lines_are_scored(tmp_path):
+    hyp, ref = tmp_path / "h.txt", tmp_path / "r.txt"
+    hyp.write_bytes(b"")
+    ref.write_bytes(b"")
+    with pytest.raises(bleu.ScoreError, match=r"h\.txt and .*r\.txt have no lines: nothing to score"):
+        bleu.score_files(hyp, ref)
+    with pytest.raises(bleu.ScoreError, match="no lines: nothing to score"):
+        bleu.score_all([], [])
+    # A blank line is a line: scored as the sacrebleu command scores it (nothing matches), not an error.
+    assert bleu.score_all([""], [""])["bleu"]["score"] == 0.0
+    assert bleu.score_all(["a b c d", ""], ["a b c d", "x y"])["bleu"]["score"] < 100.0

@@ -90,10 +90,13 @@ def _available(directory: Path) -> dict[str, list[str]]:
     return found
 
 
-def read_text_split(directory: str | os.PathLike, split: str, src_lang: str, tgt_lang: str) -> tuple[list[Pair], int]:
+def read_text_split(
+    directory: str | os.PathLike, split: str, src_lang: str, tgt_lang: str, *, keep_blank: bool = False
+) -> tuple[list[Pair], int]:
     """Reads `{split}.{src_lang}` and `{split}.{tgt_lang}` as aligned pairs.
 
-    Returns (pairs, skipped): a pair whose either side is empty or only whitespace is skipped and counted.
+    Returns (pairs, skipped): for training, a pair whose either side is empty or only whitespace is skipped and
+    counted; `keep_blank` (evaluation: one hypothesis per source line) keeps every line and skips nothing.
     """
     directory = resolve_path(directory)
     if not directory.is_dir():
@@ -115,7 +118,7 @@ def read_text_split(directory: str | os.PathLike, split: str, src_lang: str, tgt
             f"line counts differ: {src_path} has {len(src_lines)} lines, {tgt_path} has {len(tgt_lines)}; "
             "line i of one side must be the translation of line i of the other"
         )
-    pairs = [(s, t) for s, t in zip(src_lines, tgt_lines, strict=True) if s.strip() and t.strip()]
+    pairs = [(s, t) for s, t in zip(src_lines, tgt_lines, strict=True) if keep_blank or (s.strip() and t.strip())]
     skipped = len(src_lines) - len(pairs)
     if skipped:
         logging.warning(
@@ -232,16 +235,17 @@ def open_tfds_split(name: str, data_dir: str, split: str, src_lang: str, tgt_lan
 # The entry points the pipeline and the training code use.
 
 
-def open_split(config: ml_collections.ConfigDict, split: str) -> Sequence[Pair]:
+def open_split(config: ml_collections.ConfigDict, split: str, *, keep_blank: bool = False) -> Sequence[Pair]:
     """A random-access sequence of (source, target) strings for `split` of the configured source.
 
-    Text sources come back without empty pairs (skipped and logged); TFDS splits are read lazily as stored, so the
-    pipeline drops and counts their empty pairs.
+    Text sources come back without empty pairs (skipped and logged) unless `keep_blank` (evaluation keeps every
+    line); TFDS splits are read lazily as stored, so the pipeline drops and counts their empty pairs.
     """
     if config.source == "text":
-        return read_text_split(config.text_dir, split, config.src_lang, config.tgt_lang)[0]
+        return read_text_split(config.text_dir, split, config.src_lang, config.tgt_lang, keep_blank=keep_blank)[0]
     if config.source == "multi30k":
-        return read_text_split(multi30k_dir(config), split, config.src_lang, config.tgt_lang)[0]
+        directory = multi30k_dir(config)
+        return read_text_split(directory, split, config.src_lang, config.tgt_lang, keep_blank=keep_blank)[0]
     if config.source == "tfds":
         return open_tfds_split(
             config.tfds_name,

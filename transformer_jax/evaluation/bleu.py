@@ -19,25 +19,46 @@ from sacrebleu.metrics import BLEU, CHRF
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 from sacrebleu.tokenizers.tokenizer_intl import TokenizerV14International
 
-from transformer_jax.errors import ScoreError
+from transformer_jax.errors import ScoreError, UserError
 
 TOKENIZED_BLEU_LABEL = "tokenized BLEU (tensor2tensor get_ende_bleu procedure, compound splitting)"
 _COMPOUND = re.compile(r"(\S)-(\S)")  # the perl s{(\S)-(\S)}{$1 ##AT##-##AT## $2}g of get_ende_bleu.sh
 _TOKENIZERS = {"13a": Tokenizer13a, "intl": TokenizerV14International}
 
 
+def decode_lines(data: bytes, name: str, error: type[UserError] = ScoreError, first_line: int = 1) -> list[str]:
+    """UTF-8 bytes split at LF only, line endings removed; invalid UTF-8 raises `error` naming the line.
+
+    `first_line`: the number of the first line of `data` (for data read a line at a time).
+    """
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line_start = data.rfind(b"\n", 0, e.start) + 1
+        line = data.count(b"\n", 0, e.start) + first_line
+        raise error(
+            f"{name}, line {line}: invalid UTF-8 ({e.reason}, byte {e.start - line_start + 1} of the line); "
+            "convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+        ) from e
+    lines = text.split("\n")
+    if lines[-1] == "":  # the final line break ends the last line; it does not start an empty one
+        lines.pop()
+    return lines
+
+
 def read_lines(path: str | os.PathLike) -> list[str]:
     """The lines of a UTF-8 text file exactly as the `sacrebleu` command reads them (split at LF, rstripped)."""
     try:
-        with open(path, encoding="utf-8", newline="\n") as f:
-            return [line.rstrip() for line in f]
+        with open(path, "rb") as f:
+            data = f.read()
     except OSError as e:
         raise ScoreError(f"cannot read {path}: {e.strerror or e}") from e
-    except UnicodeDecodeError as e:
-        raise ScoreError(f"{path} is not UTF-8 text: {e}") from e
+    return [line.rstrip() for line in decode_lines(data, str(path))]
 
 
 def check_line_counts(hypotheses: Sequence[str], references: Sequence[str], hyp_name: str, ref_name: str) -> None:
+    if not hypotheses and not references:
+        raise ScoreError(f"{hyp_name} and {ref_name} have no lines: nothing to score")
     if len(hypotheses) != len(references):
         raise ScoreError(
             f"line counts differ: {hyp_name} has {len(hypotheses)} lines, {ref_name} has {len(references)}; "
@@ -88,7 +109,12 @@ def sacrebleu_scores(hypotheses: Sequence[str], references: Sequence[str]) -> di
 
 
 def score_all(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """{'bleu', 'chrf', 'tokenized_bleu'}: each with 'score' (0-100), 'signature' and a description."""
+    """{'bleu', 'chrf', 'tokenized_bleu'}: each with 'score' (0-100), 'signature' and a description.
+
+    Every line counts, blank ones too, as the `sacrebleu` command counts them: an empty hypothesis matches nothing
+    and adds its reference's length. No lines at all is an error (sacreBLEU has no score for an empty corpus).
+    """
+    check_line_counts(hypotheses, references, "the hypotheses", "the references")
     scores = sacrebleu_scores(hypotheses, references)
     scores["tokenized_bleu"] = tokenized_bleu(hypotheses, references)
     return scores

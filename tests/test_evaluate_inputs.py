@@ -1,0 +1,302 @@
+"""evaluate.py with inputs that must not break it: an output that would overwrite an input, blank lines in a test
+split, invalid UTF-8, an unwritable output location, empty files, and bad flag values.
+
+Each mistake fails before the model is restored (the fake restorer of test_evaluate_cli records what it loaded),
+with one EvalError/ScoreError line; a few run the command line to check the one-line, no-traceback exit.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_evaluate_cli import FakeRestorer, tiny_config
+from transformer_jax.data import sources as sources_lib
+from transformer_jax.errors import EvalError, ScoreError
+from transformer_jax.evaluation import bleu, restore
+from transformer_jax.evaluation.run import Options, evaluate, evaluate_model, translate_stream
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_evaluate(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "evaluate.py"), *args], capture_output=True, text=True, cwd=cwd, timeout=120
+    )
+
+
+def assert_one_error_line(result: subprocess.CompletedProcess, words: str) -> None:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("evaluate.py: error: "), result.stderr
+    assert words in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def _fake_template():
+    return FakeRestorer()  # building the parameters takes a while: once for the module
+
+
+def new_fake(template: FakeRestorer) -> FakeRestorer:
+    fake = copy.copy(template)
+    fake.config, fake.loaded = tiny_config(), []
+    return fake
+
+
+@pytest.fixture
+def fake(_fake_template):
+    """A fresh FakeRestorer (own config and record of loaded steps) sharing the template's parameters."""
+    return new_fake(_fake_template)
+
+
+@pytest.fixture
+def files(tmp_path):
+    src, ref = tmp_path / "src.en", tmp_path / "ref.de"
+    src.write_text("hello world\nshort\n", encoding="utf-8")
+    ref.write_text("hallo welt\nkurz\n", encoding="utf-8")
+    return src, ref
+
+
+# -- 7: an output never overwrites an input -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flag, target, spelling",
+    [
+        ("output_file", "src.en", "same"),
+        ("output_file", "ref.de", "relative"),
+        ("output_file", "ref.de", "dot"),
+        ("output_file", "ref.de", "symlink"),
+        ("output_file", "src.en", "hardlink"),
+        ("scores_file", "ref.de", "dot"),
+        ("scores_file", "src.en", "symlink"),
+        ("output_json", "ref.de", "same"),  # --output_file X with references X.json: the default scores file
+    ],
+)
+def test_an_output_that_is_an_input_is_refused_before_restoring(
+    tmp_path, files, monkeypatch, flag, target, spelling, fake
+):
+    src, ref = files
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / target
+    if flag == "output_json":
+        path = tmp_path / "hyp.txt.json"
+        path.write_text("a\nb\n", encoding="utf-8")
+        ref, flag, spelling = path, "output_file", "json"
+    before = path.read_bytes()
+    spelled = {
+        "same": str(path),
+        "relative": path.name,
+        "dot": f"./sub/../{path.name}",
+        "json": str(tmp_path / "hyp.txt"),
+    }.get(spelling)
+    if spelling == "symlink":
+        spelled = str(tmp_path / "link")
+        os.symlink(path, spelled)
+    elif spelling == "hardlink":
+        spelled = str(tmp_path / "hard")
+        os.link(path, spelled)
+    (tmp_path / "sub").mkdir()
+    options = Options(workdir=str(tmp_path), source_file=str(src), references_file=str(ref), **{flag: spelled})
+    with pytest.raises(EvalError, match="would destroy the input"):
+        evaluate_model(options, fake)
+    assert fake.loaded == [] and path.read_bytes() == before
+
+
+def test_scores_only_refuses_a_scores_file_that_is_an_input_and_output_equal_to_scores(tmp_path, files, capsys):
+    src, ref = files
+    with pytest.raises(EvalError, match=r"--scores_file .*ref\.de is the input --references_file"):
+        evaluate(Options(hypotheses_file=str(src), references_file=str(ref), scores_file=str(ref)))
+    assert ref.read_text(encoding="utf-8") == "hallo welt\nkurz\n" and capsys.readouterr().out == ""
+    same = Options(workdir=str(tmp_path), source_file=str(src), output_file="o.txt", scores_file="./o.txt")
+    with pytest.raises(EvalError, match="are the same file"):
+        evaluate(same, fake)
+
+
+def test_command_line_output_over_source_is_one_line(tmp_path, files):
+    src, ref = files
+    result = run_evaluate(
+        "--workdir", str(tmp_path), "--source_file", str(src), "--output_file", "src.en", cwd=tmp_path
+    )
+    assert_one_error_line(result, "--output_file src.en is the input --source_file")
+    assert src.read_text(encoding="utf-8") == "hello world\nshort\n"
+
+
+def test_an_output_over_a_text_split_file_is_refused_before_translating(tmp_path, fake):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "test.en").write_text("a\n", encoding="utf-8")
+    (data / "test.de").write_text("b\n", encoding="utf-8")
+    fake.config.data.update(source="text", text_dir=str(data))
+    with pytest.raises(EvalError, match=r"test\.de is the input split file \(de\)"):
+        evaluate_model(Options(workdir=str(tmp_path), output_file=str(data / "test.de")), fake)
+    assert (data / "test.de").read_text(encoding="utf-8") == "b\n"
+
+
+# -- 8: a test split with blank lines keeps every line ----------------------------------------------------------
+
+
+def test_split_with_blank_lines_gives_one_hypothesis_per_line_and_scores_them_all(tmp_path, capsys, fake):
+    en = ["hello world", "", "short", "a longer one", "", "x y", "one more", "two", "three", "four"]
+    de = ["hallo welt", "", "kurz", "", "leer", "x y", "noch eins", "zwei", "drei", "vier"]
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "test.en").write_text("\n".join(en) + "\n", encoding="utf-8")
+    (data / "test.de").write_text("\n".join(de) + "\n", encoding="utf-8")
+    fake.config.data.update(source="text", text_dir=str(data))
+    out = tmp_path / "hyp.txt"
+    report = evaluate_model(Options(workdir=str(tmp_path), output_file=str(out), alpha=0.0), fake)
+    hypotheses = bleu.read_lines(out)
+    assert len(hypotheses) == len(en)  # before: 7, the pairs with an empty side were dropped
+    assert report["lines"] == len(en)
+    assert hypotheses[1] == hypotheses[4] == ""
+    assert report["blank_lines"] == {"sources": 2, "references": 2}
+    assert report["scores"]["bleu"]["score"] == bleu.score_all(hypotheses, de)["bleu"]["score"]
+    assert "10 lines translated" in capsys.readouterr().out
+    assert json.loads(Path(f"{out}.json").read_text())["blank_lines"] == {"sources": 2, "references": 2}
+    # Training still skips pairs with an empty side (3 of the 10).
+    assert len(sources_lib.load_split(fake.config.data, "test")) == 7
+
+
+# -- 9: invalid UTF-8 -------------------------------------------------------------------------------------------
+
+
+def test_invalid_utf8_in_a_source_or_reference_file_names_the_line_before_restoring(tmp_path, files, fake):
+    src, ref = files
+    bad = tmp_path / "bad.en"
+    bad.write_bytes(b"fine\nstill fine\nna\xefve\n")
+    with pytest.raises(EvalError, match=r"bad\.en, line 3: invalid UTF-8 .*byte 3 of the line"):
+        evaluate_model(Options(workdir=str(tmp_path), source_file=str(bad)), fake)
+    with pytest.raises(ScoreError, match=r"bad\.en, line 3: invalid UTF-8"):
+        evaluate_model(Options(workdir=str(tmp_path), source_file=str(src), references_file=str(bad)), fake)
+    assert fake.loaded == []
+
+
+def test_invalid_utf8_on_stdin_stops_at_its_line_after_writing_the_lines_before(tmp_path, capsys, monkeypatch, fake):
+    _, model, _ = restore.restore_model(fake, str(tmp_path))
+    # As the interpreter opens stdin in a UTF-8 locale: lenient decoding (surrogateescape) over a binary buffer.
+    stdin = io.TextIOWrapper(io.BytesIO(b"\n \n\xff\xfe oops\nnever read\n"), "utf-8", "surrogateescape")
+    monkeypatch.setattr(sys, "stdin", stdin)
+    settings = {"beam_size": 2, "alpha": 0.0, "max_extra_len": 5, "batch_size": 1, "max_input_len": 256}
+    with pytest.raises(EvalError, match=r"stdin, line 3: invalid UTF-8 .*byte 1 of the line.*2 lines before"):
+        translate_stream(model, None, settings, None)
+    assert capsys.readouterr().out == "\n\n"  # the two lines before it, written and flushed
+
+
+# -- 10: an unwritable output location is found before restoring -------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", ["output_file", "scores_file", "default", "directory"])
+def test_an_unwritable_output_location_fails_before_restoring(tmp_path, files, flag, fake):
+    src, _ = files
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x", encoding="utf-8")
+    workdir = tmp_path
+    kwargs = {"output_file": str(tmp_path / "out.txt")}
+    if flag == "default":
+        workdir, kwargs = blocker, {}  # WORKDIR/eval cannot be created below a regular file
+    elif flag == "directory":
+        kwargs = {"output_file": str(tmp_path)}
+    else:
+        kwargs[flag] = str(blocker / "deeper" / "x.txt")
+    with pytest.raises(EvalError, match="is a directory|is not a directory"):
+        evaluate_model(Options(workdir=str(workdir), source_file=str(src), **kwargs), fake)
+    assert fake.loaded == []
+
+
+def test_an_unwritable_scores_file_fails_before_scoring(tmp_path, files, capsys):
+    src, ref = files
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x", encoding="utf-8")
+    with pytest.raises(EvalError, match="a_file is not a directory"):
+        evaluate(Options(hypotheses_file=str(src), references_file=str(ref), scores_file=str(blocker / "s.json")))
+    assert capsys.readouterr().out == ""
+
+
+# -- 11: empty inputs -------------------------------------------------------------------------------------------
+
+
+def test_empty_source_file_and_empty_stdin_are_clear_errors(tmp_path, capsys, monkeypatch, fake):
+    empty = tmp_path / "empty.en"
+    empty.write_bytes(b"")
+    with pytest.raises(EvalError, match=r"empty\.en has no lines: nothing to translate"):
+        evaluate_model(Options(workdir=str(tmp_path), source_file=str(empty)), fake)
+    with pytest.raises(ScoreError, match="have no lines: nothing to score"):
+        evaluate_model(Options(workdir=str(tmp_path), source_file=str(empty), references_file=str(empty)), fake)
+    assert fake.loaded == []
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    with pytest.raises(EvalError, match="stdin had no lines"):
+        evaluate_model(Options(workdir=str(tmp_path), source_file="-"), fake)
+
+
+def test_scoring_two_empty_files_is_one_line(tmp_path):
+    hyp, ref = tmp_path / "h.txt", tmp_path / "r.txt"
+    hyp.write_bytes(b"")
+    ref.write_bytes(b"")
+    assert_one_error_line(
+        run_evaluate("--hypotheses_file", str(hyp), "--references_file", str(ref)), "have no lines: nothing to score"
+    )
+
+
+# -- 12: bad flag values, checked in one place before anything is read -----------------------------------------
+
+BAD_OPTIONS = [
+    (dict(beam_size=0), "--beam_size must be a whole number >= 1, got 0"),
+    (dict(batch_size=-4), "--batch_size must be a whole number >= 1, got -4"),
+    (dict(max_extra_len=0), "--max_extra_len must be a whole number >= 1"),
+    (dict(average_last=0), "--average_last must be a whole number >= 1"),
+    (dict(alpha=-0.5), "--alpha .* must be a finite number >= 0, got -0.5"),
+    (dict(alpha=math.nan), "--alpha .* got nan"),
+    (dict(alpha=math.inf), "--alpha .* got inf"),
+    (dict(checkpoint="abc"), "--checkpoint must be 'latest' or a step number, got 'abc'"),
+    (dict(checkpoint="-5"), "--checkpoint must be 'latest' or a step number"),
+    (dict(average_steps=["100", "x"]), "--average_steps must be step numbers"),
+    (dict(average_steps=[]), "--average_steps must be step numbers"),
+    (dict(average_steps=["100", "100"]), r"lists step\(s\) \[100\] more than once"),
+    (dict(average_steps=["100"], average_last=2), "--average_last or --average_steps, not both"),
+    (dict(average_steps=["100"], checkpoint="200"), "--checkpoint would be ignored"),
+    (dict(split="train"), "--split 'train': choose one of valid, test"),
+    (dict(split="test", source_file="s.en"), "--split or --source_file, not both"),
+    (dict(references_file="r.de"), "--references_file goes with --source_file"),
+    (dict(workdir=None), "give --workdir"),
+    (dict(hypotheses_file="h"), "--hypotheses_file needs --references_file"),
+    (dict(hypotheses_file="h", references_file="r", beam_size=4), "--workdir, --beam_size would be ignored"),
+]
+
+
+@pytest.mark.parametrize("options, message", BAD_OPTIONS, ids=[next(iter(o)) for o, _ in BAD_OPTIONS])
+def test_bad_flag_values_fail_before_restoring(tmp_path, options, message, fake):
+    fake.list_steps = lambda workdir: pytest.fail("a checkpoint was looked at")
+    options = {"workdir": str(tmp_path), **options}
+    with pytest.raises(EvalError, match=message):
+        evaluate(Options(**options), fake)
+
+
+def test_a_bad_config_eval_value_names_the_config_key(tmp_path, files, fake):
+    src, _ = files
+    fake.config.eval.beam_size = 0
+    with pytest.raises(EvalError, match="config.eval.beam_size must be a whole number >= 1, got 0"):
+        evaluate_model(Options(workdir=str(tmp_path), source_file=str(src), output_file=str(tmp_path / "o")), fake)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--beam_size", "0"], "--beam_size must be a whole number >= 1, got 0"),
+        (["--alpha", "nan"], "--alpha (the length penalty exponent) must be a finite number >= 0, got nan"),
+        (["--checkpoint", "abc"], "--checkpoint must be 'latest' or a step number, got 'abc'"),
+        (["--average_steps", "1,x"], "--average_steps must be step numbers"),
+    ],
+)
+def test_bad_flag_values_on_the_command_line_are_one_line(tmp_path, args, message):
+    assert_one_error_line(run_evaluate("--workdir", str(tmp_path / "none"), *args), message)
+    assert not (tmp_path / "none").exists()  # nothing created
