@@ -2,10 +2,15 @@
 
 Each checkpoint holds everything needed to continue exactly: model parameters, optimizer state, dropout RNG state,
 step and non-finite counters (item `state`, keyed by the TrainState fields "model", "optimizer", "counters"), the
-data iterator state (item `data`) and the config (item `config`). Checkpoints written before the fields had names
-keep them under 0, 1, 2 (the same order); they restore for training and for evaluation alike.
+data iterator state (item `data`), the config (item `config`) and a checksum of every array of `state` (item
+`checksums`, see training.checksums), verified on every restore. Checkpoints written before the fields had names
+keep them under 0, 1, 2 (the same order); they restore for training and for evaluation alike, and checkpoints
+written before checksums existed restore without verification.
 With several processes each writes its shards of `state`; the JSON items are written by process 0 alone, which is
 right because every host's iterator state is the same (hosts plan the same global batches; see data.pipeline).
+
+A checkpoint that cannot be read or verified is reported in one line naming its step and what is wrong; training
+then falls back to the one before it and moves the damaged one aside (`<step>.damaged-<time>`, never deleted).
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+import sys
+import time
 from typing import Any
 
 import jax
@@ -22,9 +29,10 @@ from flax import nnx
 from flax.traverse_util import flatten_dict
 
 from transformer_jax.errors import CheckpointError
+from transformer_jax.training import checksums
 from transformer_jax.training.state import TrainState
 
-ITEMS = ("state", "data", "config")
+ITEMS = ("state", "data", "config", "checksums")
 # Keys whose change makes a checkpoint unusable (the parameter or optimizer structure, or what the tokens mean).
 # Others (dtype, attention kernel, dropout, schedule, steps, logging) may change on resume.
 STRUCTURAL_KEYS = (
@@ -75,6 +83,108 @@ def list_steps(workdir: str | pathlib.Path) -> list[int]:
     return sorted(_manager(workdir, read_only=True).all_steps())
 
 
+def describe_error(e: BaseException, limit: int = 300) -> str:
+    """One line for a failure to read a checkpoint: the innermost cause's type and the first line of its message
+    (Orbax's errors arrive wrapped in asyncio and TensorStore layers hundreds of lines long)."""
+    seen = set()
+    while id(e) not in seen and (e.__cause__ or e.__context__) is not None:
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    text = f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _is_restore_noise(exc: BaseException | None) -> bool:
+    """An exception that Orbax's asynchronous restore leaves behind after the one it raises: reads of other arrays
+    failing in coroutines nobody awaits any more, and TensorStore callbacks reaching the closed event loop."""
+    return (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed") or (
+        type(exc) is Exception and str(exc).startswith("Encountered error while reading array index")
+    )
+
+
+def _silence_restore_noise() -> None:
+    """Drops `_is_restore_noise` exceptions from sys.unraisablehook, sys.excepthook and the asyncio logger
+    (everything else goes on as before): a damaged checkpoint is reported once, in one line, not in thousands of
+    lines of tracebacks printed by the event loop's leftovers, some of them after the restore has returned.
+    Installed once."""
+    if getattr(sys.unraisablehook, "_drops_restore_noise", False):
+        return
+    unraisable, excepthook = sys.unraisablehook, sys.excepthook
+
+    def quiet_unraisable(info):
+        if not _is_restore_noise(info.exc_value):
+            unraisable(info)
+
+    def quiet_excepthook(kind, value, tb):
+        if not _is_restore_noise(value):
+            excepthook(kind, value, tb)
+
+    quiet_unraisable._drops_restore_noise = True
+    sys.unraisablehook, sys.excepthook = quiet_unraisable, quiet_excepthook
+    # The event loop's "Task exception was never retrieved" for the reads that failed after the first.
+    logging.getLogger("asyncio").addFilter(
+        lambda record: not (record.exc_info and _is_restore_noise(record.exc_info[1]))
+    )
+
+
+def _missing_parts(workdir: str | pathlib.Path, step: int, items: tuple[str, ...]) -> str | None:
+    """What is missing from the checkpoint directory of `step` (an item, or the state's _METADATA), or None."""
+    path = checkpoint_dir(workdir) / str(step)
+    for item in items:
+        if not (path / item).is_dir():
+            return f"its item {item!r} is missing ({path / item})"
+    if "state" in items and not (path / "state" / "_METADATA").is_file():
+        return f"its state metadata is missing ({path / 'state' / '_METADATA'})"
+    return None
+
+
+def _saved_checksums(workdir: str | pathlib.Path, step: int) -> dict | None:
+    """The checksums saved with the checkpoint of `step`, or None for a checkpoint written before they existed."""
+    path = checkpoint_dir(workdir) / str(step) / "checksums" / "metadata"
+    if not path.exists():
+        return None
+    try:
+        return dict(json.loads(path.read_text())["arrays"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(
+            f"the checkpoint at step {step} in {checkpoint_dir(workdir)} is corrupted: its checksums ({path}) cannot "
+            f"be read: {describe_error(e)}"
+        ) from None
+
+
+def _checksum_problem(workdir: str | pathlib.Path, step: int, tree: dict) -> str | None:
+    """What differs between the arrays of `tree` restored from `step` and their saved checksums, or None (also for
+    a checkpoint written before checksums existed)."""
+    expected = _saved_checksums(workdir, step)
+    problems = [] if expected is None else checksums.mismatches(expected, tree)
+    if not problems:
+        return None
+    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+    return f"its arrays differ from their saved checksums: {'; '.join(problems[:3])}{more}"
+
+
+def verify(workdir: str | pathlib.Path, step: int, tree: dict) -> None:
+    """CheckpointError naming the step and the arrays whose checksum differs; nothing for an old checkpoint."""
+    problem = _checksum_problem(workdir, step, tree)
+    if problem:
+        raise CheckpointError(f"the checkpoint at step {step} in {checkpoint_dir(workdir)} is corrupted: {problem}")
+
+
+def move_aside(workdir: str | pathlib.Path, step: int) -> pathlib.Path:
+    """Renames the checkpoint of `step` to `<step>.damaged-<UTC time>` (kept for inspection, never deleted).
+
+    Orbax lists only directories named by a bare step number, so the renamed one is no longer a checkpoint.
+    """
+    source = checkpoint_dir(workdir) / str(step)
+    target = source.with_name(f"{step}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+    name, n = target.name, 1
+    while target.exists():
+        target, n = target.with_name(f"{name}-{n}"), n + 1
+    source.rename(target)
+    return target
+
+
 def _abstract(tree, shardings=None):
     """ShapeDtypeStructs (with shardings) to restore into, from a pure dict of arrays or ShapeDtypeStructs."""
     if shardings is None:
@@ -105,16 +215,31 @@ class Checkpointer:
         self.workdir = pathlib.Path(workdir)
         self.manager = _manager(workdir, keep=ckpt.keep, async_save=ckpt.async_save)
 
-    def save(self, step: int, state: nnx.State, data_state: Any, config: ml_collections.ConfigDict) -> None:
-        self.manager.save(
+    def save(
+        self, step: int, state: nnx.State, data_state: Any, config: ml_collections.ConfigDict, rotate: bool = True
+    ) -> None:
+        """Saves the checkpoint of `step`; rotate=False keeps every older checkpoint (ckpt.keep is not applied),
+        for a state that may be worse than the ones before it (a stop after non-finite updates)."""
+        pure = nnx.to_pure_dict(state)
+        # Hashed before the save starts: the arrays are valid until the next train step donates them.
+        sums = {"version": checksums.VERSION, "arrays": checksums.checksums(pure)}
+        manager = self.manager
+        if not rotate:
+            self.manager.wait_until_finished()
+            manager = _manager(self.workdir, keep=None)
+        manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(nnx.to_pure_dict(state)),
+                state=ocp.args.StandardSave(pure),
                 data=ocp.args.JsonSave({"iterator": data_state}),
                 config=ocp.args.JsonSave(json.loads(config.to_json())),
+                checksums=ocp.args.JsonSave(sums),
             ),
             force=True,
         )
+        if not rotate:
+            manager.close()  # waits for the save
+            self.manager.reload()
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -128,44 +253,84 @@ class Checkpointer:
     ) -> tuple[int, nnx.State, Any] | None:
         """(step, state, data iterator state) of the newest checkpoint that restores, or None if there is none.
 
-        A damaged newest checkpoint is reported and the one before it is tried. A checkpoint written by an
-        incompatible config is an error that lists the differing keys.
+        A damaged newest checkpoint (unreadable, incomplete, or with an array whose checksum differs) is reported
+        and the one before it is tried; once one restores, the damaged newer ones are moved aside to
+        `<step>.damaged-<time>` so that this run can save at their steps again. A checkpoint written by an
+        incompatible config is an error that lists the differing keys (and nothing is moved).
         """
         steps = sorted(self.manager.all_steps(), reverse=True)
         if not steps:
             return None
+        _silence_restore_noise()
         current = json.loads(config.to_json())
         target = _abstract(nnx.to_pure_dict(abstract_state), nnx.to_pure_dict(shardings))
-        errors = []
+        errors, damaged = [], []
         for step in steps:
             try:
-                saved_config = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
-            except Exception as e:  # noqa: BLE001 - any failure to read means this checkpoint is damaged
-                errors.append(f"step {step}: {type(e).__name__}: {e}")
+                restored, keys = self._restore(step, target, current)
+            except _Damaged as e:
+                errors.append(f"step {step}: {e}")
+                damaged.append(step)
                 logging.error("checkpoint %d in %s is damaged (%s); trying the previous one", step, self.workdir, e)
                 continue
-            diff = config_differences(saved_config.config, current)
-            if diff:
-                raise CheckpointError(
-                    f"the checkpoint at step {step} in {checkpoint_dir(self.workdir)} was written with a different "
-                    f"config; differing keys (saved -> current): {'; '.join(diff)}. Use a new --workdir or the "
-                    "saved config (config item of the checkpoint)."
-                )
-            try:
-                keys = _saved_keys(self.workdir, step)
-                on_disk = {keys[name]: target[name] for name in TrainState.FIELDS}
-                restored = self.manager.restore(
-                    step,
-                    args=ocp.args.Composite(state=ocp.args.StandardRestore(on_disk), data=ocp.args.JsonRestore()),
-                )
-            except Exception as e:  # noqa: BLE001
-                errors.append(f"step {step}: {type(e).__name__}: {e}")
-                logging.error("checkpoint %d in %s is damaged (%s); trying the previous one", step, self.workdir, e)
-                continue
+            self._move_aside(damaged)
             state = jax.tree.map(lambda x: x, abstract_state)  # a copy to fill
             nnx.replace_by_pure_dict(state, {name: restored.state[keys[name]] for name in TrainState.FIELDS})
             return step, state, restored.data["iterator"]
-        raise CheckpointError(f"no checkpoint in {checkpoint_dir(self.workdir)} could be read: {errors}")
+        raise CheckpointError(
+            f"no checkpoint in {checkpoint_dir(self.workdir)} could be read ({'; '.join(errors)}); move the damaged "
+            "step directories aside to start again, or use a new --workdir"
+        )
+
+    def _restore(self, step: int, target: dict, current: dict):
+        """(restored Composite, TrainState field -> saved key) of one checkpoint; _Damaged if it cannot be used."""
+        missing = _missing_parts(self.workdir, step, ("config", "state", "data"))
+        if missing:
+            raise _Damaged(missing)
+        try:
+            saved_config = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+        except Exception as e:  # noqa: BLE001 - any failure to read means this checkpoint is damaged
+            raise _Damaged(f"its config cannot be read: {describe_error(e)}") from None
+        diff = config_differences(saved_config.config, current)
+        if diff:
+            raise CheckpointError(
+                f"the checkpoint at step {step} in {checkpoint_dir(self.workdir)} was written with a different "
+                f"config; differing keys (saved -> current): {'; '.join(diff)}. Use a new --workdir or the "
+                "saved config (config item of the checkpoint)."
+            )
+        try:
+            keys = _saved_keys(self.workdir, step)
+            on_disk = {keys[name]: target[name] for name in TrainState.FIELDS}
+            restored = self.manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(on_disk), data=ocp.args.JsonRestore())
+            )
+        except Exception as e:  # noqa: BLE001
+            raise _Damaged(f"its state cannot be read: {describe_error(e)}") from None
+        try:
+            problem = _checksum_problem(self.workdir, step, restored.state)
+        except CheckpointError as e:  # the checksums themselves cannot be read
+            raise _Damaged(str(e)) from None
+        if problem:
+            raise _Damaged(problem)
+        return restored, keys
+
+    def _move_aside(self, steps: list[int]) -> None:
+        """Moves damaged checkpoints aside (process 0; every process waits for it) and re-lists the steps."""
+        if not steps:
+            return
+        if jax.process_index() == 0:
+            for step in steps:
+                moved = move_aside(self.workdir, step)
+                logging.warning("moved the damaged checkpoint of step %d aside to %s (kept, not deleted)", step, moved)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("transformer_jax: damaged checkpoints moved aside")
+        self.manager.reload()
+
+
+class _Damaged(Exception):
+    """A checkpoint that cannot be read or verified (the message says what is wrong); the previous one is tried."""
 
 
 def load_config(workdir: str | pathlib.Path, step: int | None = None) -> ml_collections.ConfigDict:
@@ -174,7 +339,18 @@ def load_config(workdir: str | pathlib.Path, step: int | None = None) -> ml_coll
     if not steps:
         raise CheckpointError(f"no checkpoint in {checkpoint_dir(workdir)}; train first or pass the right --workdir")
     step = steps[-1] if step is None else step
-    restored = _manager(workdir, read_only=True).restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+    missing = _missing_parts(workdir, step, ("config",))
+    if missing:
+        raise CheckpointError(f"the checkpoint at step {step} in {checkpoint_dir(workdir)} is damaged: {missing}")
+    try:
+        restored = _manager(workdir, read_only=True).restore(
+            step, args=ocp.args.Composite(config=ocp.args.JsonRestore())
+        )
+    except Exception as e:  # noqa: BLE001 - any failure to read is a damaged checkpoint
+        raise CheckpointError(
+            f"the config of the checkpoint at step {step} in {checkpoint_dir(workdir)} cannot be read: "
+            f"{describe_error(e)}"
+        ) from None
     return ml_collections.ConfigDict(restored.config)
 
 
@@ -182,18 +358,27 @@ def load_model_params(workdir: str | pathlib.Path, step: int, abstract_state: nn
     """The model parameters of one checkpoint as a pure dict (nnx.to_pure_dict of nnx.state(model, nnx.Param)).
 
     abstract_state is the abstract train state of the config (training.state.abstract_train_state); only the model
-    parameters are read from disk.
+    parameters are read from disk, and verified against the checkpoint's checksums when it has them.
     """
     steps = list_steps(workdir)
     if step not in steps:
         raise CheckpointError(f"no checkpoint for step {step} in {checkpoint_dir(workdir)}; available steps: {steps}")
-    key = _saved_keys(workdir, step)["model"]
-    target = {key: _abstract(nnx.to_pure_dict(nnx.filter_state(abstract_state["model"], nnx.Param)))}
-    # Read only the model's parameters: the optimizer state and counters are left out of the restore target. The
-    # restore arguments carry this process's device for every array: without them Orbax reuses the saved shardings,
-    # which fails for a checkpoint written by other devices (another host, FSDP over 8 GPUs).
-    restore = ocp.args.PyTreeRestore(
-        target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
-    )
-    restored = _manager(workdir, read_only=True).restore(step, args=ocp.args.Composite(state=restore))
+    where = f"the checkpoint at step {step} in {checkpoint_dir(workdir)}"
+    missing = _missing_parts(workdir, step, ("state",))
+    if missing:
+        raise CheckpointError(f"{where} is damaged: {missing}")
+    _silence_restore_noise()
+    try:
+        key = _saved_keys(workdir, step)["model"]
+        target = {key: _abstract(nnx.to_pure_dict(nnx.filter_state(abstract_state["model"], nnx.Param)))}
+        # Read only the model's parameters: the optimizer state and counters are left out of the restore target.
+        # The restore arguments carry this process's device for every array: without them Orbax reuses the saved
+        # shardings, which fails for a checkpoint written by other devices (another host, FSDP over 8 GPUs).
+        restore = ocp.args.PyTreeRestore(
+            target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
+        )
+        restored = _manager(workdir, read_only=True).restore(step, args=ocp.args.Composite(state=restore))
+    except Exception as e:  # noqa: BLE001 - any failure to read is a damaged checkpoint
+        raise CheckpointError(f"{where} cannot be read: {describe_error(e)}") from None
+    verify(workdir, step, restored.state)
     return restored.state[key]

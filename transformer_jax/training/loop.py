@@ -21,6 +21,7 @@ from typing import Any
 
 import grain
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -29,7 +30,7 @@ from transformer_jax.data.batching import BATCH_KEYS, padded_eval_length
 from transformer_jax.errors import ConfigError, NonFiniteError
 from transformer_jax.model.spec import TransformerSpec
 from transformer_jax.sharding import batch_sharding, make_mesh, state_shardings
-from transformer_jax.training import flops
+from transformer_jax.training import flops, workdir_lock
 from transformer_jax.training.checkpoints import Checkpointer
 from transformer_jax.training.losses import summarize
 from transformer_jax.training.metrics import MetricWriter, Progress
@@ -235,7 +236,8 @@ class MetricLog:
         if int(metrics["nonfinite_in_a_row"]) >= self.max_nonfinite:
             raise NonFiniteError(
                 f"{int(metrics['nonfinite_in_a_row'])} non-finite updates in a row at step {step} "
-                f"(train.max_nonfinite_steps={self.max_nonfinite}); the last good state is saved"
+                f"(train.max_nonfinite_steps={self.max_nonfinite}); the state before them is saved unless it holds "
+                "non-finite values itself (then the last finite checkpoint stays the latest)"
             )
 
     def write(self, step: int) -> dict[str, float]:
@@ -307,7 +309,6 @@ class TrainingRun:
 def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> TrainingRun:
     """Mesh, tokenizer, data, the state (restored from the latest checkpoint or new), compiled steps, writers."""
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
     mesh = make_mesh()
     row_multiple = check_batch_shapes(config, mesh)
     spec = TransformerSpec.from_config(config)
@@ -326,6 +327,9 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> TrainingR
         step, state, it_state = restored
         train_iter.set_state(it_state)
         logging.info("resumed from the checkpoint at step %d in %s", step, workdir)
+    # Written only once the checkpoint is accepted: a refused restart leaves the workdir as it was.
+    if jax.process_index() == 0:
+        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
     train_step, eval_step, _ = compile_steps(
         graphs,
         abstract,
@@ -335,7 +339,7 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> TrainingR
         accum_steps=config.train.grad_accum_steps,
     )
     sharding = batch_sharding(mesh)
-    writer = MetricWriter(workdir)
+    writer = MetricWriter(workdir, resume_step=step)
     validation = Validation(config, graphs, tokenizer, eval_step, sharding, writer)
     peak = config.train.peak_flops or flops.measure_matmul_peak()
     writer.write(step, {f"data_{k}": v for k, v in data_stats.items() if isinstance(v, int)})
@@ -355,11 +359,34 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> TrainingR
     )
 
 
+@jax.jit
+def _all_finite(state) -> jax.Array:
+    """Whether every floating-point array of the state is finite (one device reduction)."""
+    leaves = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.bool_(True)
+
+
+def save_if_finite(run: TrainingRun, step: int, state, it_state, rotate: bool = True) -> bool:
+    """Saves a checkpoint unless the state holds a NaN or infinity: such a state must neither become the latest
+    checkpoint nor make ckpt.keep rotate away the last finite one. rotate=False keeps every older checkpoint."""
+    if not bool(_all_finite(state)):
+        steps = run.checkpointer.manager.all_steps()
+        logging.error(
+            "not saving the checkpoint of step %d: the state holds non-finite values; the last finite checkpoint is %s",
+            step,
+            f"step {max(steps)}" if steps else "none",
+        )
+        return False
+    run.checkpointer.save(step, state, it_state, run.config, rotate=rotate)
+    return True
+
+
 def run_steps(run: TrainingRun, stop: StopRequest) -> dict[str, float]:
     """Steps from run.step to train.num_steps (or a stop request): train, log, validate, checkpoint.
 
     Returns the last logged metrics. A stop request or a run of non-finite updates (NonFiniteError, re-raised)
-    saves a checkpoint of the state reached; non-finite updates were skipped, so that state is the last good one.
+    saves a checkpoint of the state reached; non-finite updates were skipped, so that state is the last good one,
+    unless its arrays themselves are non-finite: such a state is never saved (save_if_finite).
     """
     config, num_steps = run.config, run.config.train.num_steps
     state, step, saved_step, it_state, last_logged = run.state, run.step, run.step, None, {}
@@ -378,13 +405,15 @@ def run_steps(run: TrainingRun, stop: StopRequest) -> dict[str, float]:
                 last_logged = run.metric_log.write(step)
             run.validation.run_due(step, state)
             if is_due(step, config.ckpt.every_steps, num_steps):
-                run.checkpointer.save(step, state, it_state, config)
+                save_if_finite(run, step, state, it_state)
                 saved_step = step
         run.metric_log.flush()
         if stopping and saved_step != step:
-            run.checkpointer.save(step, state, it_state, config)
+            save_if_finite(run, step, state, it_state)
     except NonFiniteError:
-        run.checkpointer.save(step, state, it_state, config)
+        # Finite but maybe diverging: saved without rotating away the checkpoints before it.
+        if saved_step != step:
+            save_if_finite(run, step, state, it_state, rotate=False)
         raise
     finally:
         if stopping:
@@ -393,10 +422,15 @@ def run_steps(run: TrainingRun, stop: StopRequest) -> dict[str, float]:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict[str, float]:
-    """Trains (or resumes) in workdir until config.train.num_steps; returns the last logged metrics."""
-    run = setup(config, pathlib.Path(workdir))
-    try:
-        with StopRequest() as stop:
-            return run_steps(run, stop)
-    finally:
-        run.close()
+    """Trains (or resumes) in workdir until config.train.num_steps; returns the last logged metrics.
+
+    The workdir is locked for the run (training.workdir_lock): a second run in it stops at once with an error.
+    """
+    workdir = pathlib.Path(workdir)
+    with workdir_lock.locked(workdir):
+        run = setup(config, workdir)
+        try:
+            with StopRequest() as stop:
+                return run_steps(run, stop)
+        finally:
+            run.close()

@@ -13,17 +13,25 @@ import jax
 
 
 class MetricWriter:
-    """Writes on process 0 only; every record is flushed so a crash loses nothing already logged."""
+    """Writes on process 0 only; every record is flushed so a crash loses nothing already logged.
 
-    def __init__(self, workdir: str | pathlib.Path):
+    A run resumed from the checkpoint of `resume_step` logs the steps after it again, so the records after that step
+    (written by the run that was interrupted) are first moved out of metrics.jsonl into metrics.superseded.jsonl,
+    and TensorBoard is told to purge its events after that step: each step is logged once.
+    """
+
+    def __init__(self, workdir: str | pathlib.Path, resume_step: int = 0):
         self.enabled = jax.process_index() == 0
         self.path = pathlib.Path(workdir) / "metrics.jsonl"
-        self._jsonl = open(self.path, "a") if self.enabled else None  # noqa: SIM115 - closed in close()
-        self._tb = None
+        self._jsonl, self._tb = None, None
         if self.enabled:
+            if resume_step and self.path.exists():
+                drop_records_after(self.path, resume_step)
+            self._jsonl = open(self.path, "a")  # noqa: SIM115 - closed in close()
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tensorboard"))
+            purge = {"purge_step": resume_step + 1} if resume_step else {}
+            self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tensorboard"), **purge)
 
     def write(self, step: int, metrics: dict[str, float], prefix: str = "") -> None:
         if not self.enabled:
@@ -40,6 +48,27 @@ class MetricWriter:
         if self.enabled:
             self._jsonl.close()
             self._tb.close()
+
+
+def drop_records_after(path: pathlib.Path, step: int) -> int:
+    """Moves the records of steps after `step` from a metrics.jsonl file to metrics.superseded.jsonl beside it
+    (appended, kept for inspection); returns how many moved. Lines that are not JSON stay where they are."""
+    kept, moved = [], []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        is_later = isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step
+        (moved if is_later else kept).append(line if line.endswith("\n") else line + "\n")
+    if moved:
+        with open(path.with_name("metrics.superseded.jsonl"), "a") as f:
+            f.writelines(moved)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)  # atomic: a crash leaves the old file or the new one
+        logging.info("moved %d records of steps after %d from %s to metrics.superseded.jsonl", len(moved), step, path)
+    return len(moved)
 
 
 def read_metrics(path: str | pathlib.Path) -> list[dict]:

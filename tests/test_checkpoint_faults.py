@@ -1,0 +1,361 @@
+"""Faults around checkpoints and the workdir: damaged or corrupted checkpoints, unreadable parts, two runs in one
+workdir, refused restarts, resumed metrics (issue #15). One tiny run (checkpoints at steps 3 and 6) is copied by
+each test."""
+
+import json
+import logging
+import os
+import pathlib
+import re
+import shutil
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from tests.training_helpers import tiny_train_config, write_corpus
+from transformer_jax.errors import CheckpointError, NonFiniteError
+from transformer_jax.training import checkpoints, loop, workdir_lock
+from transformer_jax.training.metrics import read_metrics
+from transformer_jax.training.state import abstract_train_state
+
+
+def _config(corpus: pathlib.Path, **train):
+    return tiny_train_config(corpus, eval_every=0, **train)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> pathlib.Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory) -> pathlib.Path:
+    workdir = tmp_path_factory.mktemp("trained") / "run"
+    loop.train_and_evaluate(_config(corpus), workdir)
+    assert checkpoints.list_steps(workdir) == [3, 6]
+    return workdir
+
+
+def _copy(trained: pathlib.Path, tmp_path: pathlib.Path) -> pathlib.Path:
+    shutil.copytree(trained, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def _data_files(workdir: pathlib.Path, step: int) -> list[pathlib.Path]:
+    """The array data files of a checkpoint's state, largest first."""
+    files = [
+        f for f in (workdir / "checkpoints" / str(step) / "state").rglob("*") if f.is_file() and f.parent.name == "d"
+    ]
+    return sorted(files, key=lambda f: (-f.stat().st_size, f.name))
+
+
+def _flip_a_bit(path: pathlib.Path, where: float = 0.5) -> None:
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * where)] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: pathlib.Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _restore_latest(workdir: pathlib.Path, config):
+    _, abstract = abstract_train_state(config)
+    shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), abstract)
+    return checkpoints.Checkpointer(workdir, config.ckpt).restore_latest(abstract, shardings, config)
+
+
+def _snapshot(workdir: pathlib.Path) -> dict[str, bytes]:
+    return {str(f.relative_to(workdir)): f.read_bytes() for f in sorted(workdir.rglob("*")) if f.is_file()}
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture(scope="module")
+def resumed_after_damage(corpus, trained, tmp_path_factory) -> tuple[pathlib.Path, list[str]]:
+    """A truncated data file in the latest checkpoint (6), then the same train command again."""
+    workdir = _copy(trained, tmp_path_factory.mktemp("damaged"))
+    _truncate(_data_files(workdir, 6)[0])
+    records = _Records()
+    logging.getLogger().addHandler(records)
+    try:
+        loop.train_and_evaluate(_config(corpus), workdir)  # restores 3, trains 4..6 and saves 6 again
+    finally:
+        logging.getLogger().removeHandler(records)
+    return workdir, records.lines
+
+
+# 1. A damaged latest checkpoint is moved aside and the run goes on past its step.
+
+
+def test_a_damaged_latest_checkpoint_is_moved_aside_and_the_run_goes_on(resumed_after_damage, corpus):
+    workdir, lines = resumed_after_damage
+    assert checkpoints.list_steps(workdir) == [3, 6]  # 6 saved anew (Orbax ignores the moved directory)
+    moved = [p for p in (workdir / "checkpoints").iterdir() if p.name.startswith("6.damaged-")]
+    assert len(moved) == 1 and (moved[0] / "state" / "_METADATA").is_file()  # kept whole, not deleted
+    assert any("moved the damaged checkpoint of step 6 aside" in line and moved[0].name in line for line in lines)
+    step, _, _ = _restore_latest(workdir, _config(corpus))
+    assert step == 6
+
+
+# 2. Flipped bits are found by the checksums; a non-finite stop never replaces the last finite checkpoint.
+
+
+def test_a_checksum_does_not_depend_on_the_shards_and_changes_with_any_bit():
+    from transformer_jax.training.checksums import _shard_sum
+
+    array = np.random.default_rng(0).standard_normal((37, 5, 3)).astype(np.float32)
+    whole = _shard_sum(array, (), array.shape)
+    rows = _shard_sum(array[:10], (slice(0, 10),), array.shape) + _shard_sum(array[10:], (slice(10, 37),), array.shape)
+    columns = sum(_shard_sum(array[:, i : i + 1], (slice(None), slice(i, i + 1)), array.shape) for i in range(5))
+    assert whole == rows % 2**64 == columns % 2**64  # any layout of shards (FSDP, one device) gives the same sum
+    for position in (0, 100, 554):
+        for bit in (0, 22, 31):
+            flipped = array.copy()
+            flipped.reshape(-1).view(np.uint32)[position] ^= np.uint32(1 << bit)
+            assert _shard_sum(flipped, (), array.shape) != whole
+    swapped = array.copy()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    assert _shard_sum(swapped, (), array.shape) != whole  # positions count, not only the multiset of values
+
+
+def test_a_flipped_bit_in_the_latest_checkpoint_is_detected_and_the_previous_one_used(trained, corpus, tmp_path):
+    workdir = _copy(trained, tmp_path)
+    _flip_a_bit(_data_files(workdir, 6)[0])
+    assert _restore_latest(workdir, _config(corpus))[0] == 3
+    assert checkpoints.list_steps(workdir) == [3]
+
+
+def test_flipped_bits_never_load_silently_for_evaluation(trained, corpus, tmp_path):
+    """A bit flipped in a data file: the parameters load unchanged (the file holds other arrays) or the load is a
+    CheckpointError naming the step (and, for a wrong value, the array); never different values silently. The data
+    is zstd-compressed, so where a flip lands decides between an unreadable block and wrong values: flips are
+    tried until one gives wrong values of a parameter (without checksums, those load silently)."""
+    _, abstract = abstract_train_state(_config(corpus))
+    original = jax.tree.leaves(checkpoints.load_model_params(trained, 6, abstract))
+    errors = []
+    trials = [(f.relative_to(trained), frac) for f in _data_files(trained, 6) for frac in (0.5, 0.3, 0.7, 0.2, 0.8)]
+    for i, (name, frac) in enumerate(trials):
+        workdir = tmp_path / str(i)
+        shutil.copytree(trained / "checkpoints" / "6", workdir / "checkpoints" / "6")
+        _flip_a_bit(workdir / name, frac)
+        try:
+            params = jax.tree.leaves(checkpoints.load_model_params(workdir, 6, abstract))
+        except CheckpointError as e:
+            assert "step 6" in str(e) and "\n" not in str(e)
+            errors.append(str(e))
+            if re.search(r"step 6 .* is corrupted: .*\bmodel/\S+: checksum [0-9a-f]+ != saved", str(e)):
+                return
+            continue
+        for a, b in zip(params, original, strict=True):
+            np.testing.assert_array_equal(a, b)
+    raise AssertionError(f"no flipped bit was reported as a wrong parameter value: {errors}")
+
+
+def test_a_checkpoint_without_checksums_still_loads(trained, corpus, tmp_path):
+    workdir = _copy(trained, tmp_path)
+    shutil.rmtree(workdir / "checkpoints" / "6" / "checksums")  # as written before checksums existed
+    _, abstract = abstract_train_state(_config(corpus))
+    assert checkpoints.load_model_params(workdir, 6, abstract)
+    assert _restore_latest(workdir, _config(corpus))[0] == 6
+
+
+def test_a_non_finite_stop_neither_saves_nor_rotates_away_the_last_finite_checkpoint(trained, corpus, tmp_path):
+    """The step loop with a step that leaves NaN parameters behind (as a flipped exponent bit does) and reports
+    non-finite updates: the run stops, and checkpoints 3 and 6 stay the only ones although ckpt.keep is 2."""
+    from types import SimpleNamespace
+
+    from transformer_jax.model.spec import TransformerSpec
+    from transformer_jax.training.metrics import Progress
+
+    workdir = _copy(trained, tmp_path)
+    config = _config(corpus, num_steps=20, max_nonfinite_steps=2)
+    config.ckpt.keep, config.ckpt.every_steps = 2, 1
+    step, state, it_state = _restore_latest(workdir, config)
+
+    def poisoned_step(state, batch):
+        nan = lambda x: x * np.nan if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x  # noqa: E731
+        poisoned_step.calls += 1
+        metrics = {"loss_sum": np.nan, "nll_sum": np.nan, "correct": 0.0, "tokens": 1.0, "finite": 0.0}
+        return jax.tree.map(nan, state), {**metrics, "grad_norm": np.nan, "nonfinite_in_a_row": poisoned_step.calls}
+
+    poisoned_step.calls = 0
+    writer = SimpleNamespace(write=lambda *a, **k: None)
+    checkpointer = checkpoints.Checkpointer(workdir, config.ckpt)
+    run = SimpleNamespace(
+        config=config,
+        spec=TransformerSpec.from_config(config),
+        state=state,
+        step=step,
+        train_step=poisoned_step,
+        batches=_Batches(it_state),
+        checkpointer=checkpointer,
+        metric_log=loop.MetricLog(config, writer, Progress(step, 20), 1e11),
+        validation=SimpleNamespace(run_due=lambda *a: None),
+    )
+    try:
+        with pytest.raises(NonFiniteError, match="2 non-finite updates in a row"):
+            loop.run_steps(run, SimpleNamespace(due=lambda step: False))
+    finally:
+        checkpointer.close()
+    assert checkpoints.list_steps(workdir) == [3, 6]
+
+
+class _Batches:
+    """Batches for the step loop: the step function above ignores them."""
+
+    def __init__(self, it_state):
+        self.it_state = it_state
+
+    def __next__(self):
+        return {}, 1, (1, 1, 1)
+
+    def get_state(self):
+        return self.it_state
+
+
+def test_a_save_without_rotation_keeps_every_older_checkpoint(trained, corpus, tmp_path):
+    """The save of a non-finite stop (rotate=False) does not apply ckpt.keep; a periodic save still does."""
+    workdir = _copy(trained, tmp_path)
+    config = _config(corpus)
+    config.ckpt.keep = 2
+    _, state, it_state = _restore_latest(workdir, config)
+    checkpointer = checkpoints.Checkpointer(workdir, config.ckpt)
+    try:
+        checkpointer.save(7, state, it_state, config, rotate=False)
+        assert checkpoints.list_steps(workdir) == [3, 6, 7]
+        checkpointer.save(8, state, it_state, config)
+    finally:
+        checkpointer.close()
+    assert checkpoints.list_steps(workdir) == [7, 8]
+
+
+# 3. Restore errors are one line naming the step and what is wrong.
+
+
+@pytest.mark.parametrize(
+    "damage,load,message",
+    [
+        ("truncate", "params", r"step 6 .* cannot be read: \w+: "),
+        ("_METADATA", "params", r"step 6 .* is damaged: its state metadata is missing .*_METADATA"),
+        ("config", "config", r"step 6 .* is damaged: its item 'config' is missing"),
+    ],
+)
+def test_restore_errors_are_one_line_naming_the_step(trained, corpus, tmp_path, damage, load, message):
+    workdir = _copy(trained, tmp_path)
+    if damage == "truncate":
+        for f in _data_files(workdir, 6):
+            _truncate(f)
+    elif damage == "_METADATA":
+        (workdir / "checkpoints" / "6" / "state" / "_METADATA").unlink()
+    else:
+        shutil.rmtree(workdir / "checkpoints" / "6" / "config")
+    _, abstract = abstract_train_state(_config(corpus))
+    with pytest.raises(CheckpointError) as raised:
+        checkpoints.load_model_params(workdir, 6, abstract) if load == "params" else checkpoints.load_config(workdir)
+    assert re.search(message, str(raised.value)), raised.value
+    assert "\n" not in str(raised.value) and len(str(raised.value)) < 600, raised.value
+
+
+def test_no_readable_checkpoint_is_one_line_listing_each_step(trained, corpus, tmp_path):
+    workdir = _copy(trained, tmp_path)
+    for step in (3, 6):
+        for f in _data_files(workdir, step):
+            _truncate(f)
+    with pytest.raises(CheckpointError, match=r"no checkpoint .* could be read \(step 6: .*; step 3: ") as raised:
+        _restore_latest(workdir, _config(corpus))
+    assert "\n" not in str(raised.value) and len(str(raised.value)) < 1500, raised.value
+    assert checkpoints.list_steps(workdir) == [3, 6]  # nothing moved when nothing restores
+
+
+def test_train_py_with_no_readable_checkpoint_prints_one_error_line_and_no_tracebacks(trained, corpus, tmp_path):
+    """Orbax's asynchronous restore leaves failed reads and a closed event loop behind: thousands of lines of
+    tracebacks, some printed after the restore returned, unless they are silenced."""
+    workdir = _copy(trained, tmp_path)
+    for step in (3, 6):
+        for f in _data_files(workdir, step):
+            _truncate(f)
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    args = ["--config", str(repo / "tests" / "tiny_train_config.py"), "--workdir", str(workdir)]
+    result = subprocess.run(
+        [sys.executable, str(repo / "train.py"), *args, f"--config.data.text_dir={corpus}"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert re.match(r"train.py: error: no checkpoint .* could be read \(step 6: .*; step 3: ", last), last
+
+
+# 4. One training run per workdir.
+
+
+def test_a_second_run_in_the_same_workdir_is_refused_at_once(trained, corpus, tmp_path):
+    workdir = _copy(trained, tmp_path)
+    assert not (trained / workdir_lock.LOCK_NAME).exists()  # the first run released its lock
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # a live process of this host
+    try:
+        lock = workdir / workdir_lock.LOCK_NAME
+        lock.write_text(json.dumps({"pid": other.pid, "host": socket.gethostname(), "started": "earlier"}))
+        before = _snapshot(workdir)
+        with pytest.raises(
+            workdir_lock.WorkdirLocked, match=rf"in use by another training run: .* process {other.pid}"
+        ):
+            loop.train_and_evaluate(_config(corpus), workdir)
+        assert _snapshot(workdir) == before  # the lock stays and nothing else is touched
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_lock_of_a_dead_process_is_taken_over_and_one_of_another_host_is_not(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock = tmp_path / workdir_lock.LOCK_NAME
+    lock.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": "earlier"}))
+    path = workdir_lock.acquire(tmp_path)
+    assert json.loads(path.read_text())["pid"] == os.getpid()
+    workdir_lock.release(path)
+    assert not lock.exists()
+    lock.write_text(json.dumps({"pid": 1, "host": "elsewhere", "started": "earlier"}))
+    with pytest.raises(workdir_lock.WorkdirLocked, match="process 1 on host elsewhere"):
+        workdir_lock.acquire(tmp_path)
+
+
+# 5. A refused restart leaves the workdir as it was.
+
+
+def test_a_refused_restart_leaves_the_workdir_exactly_as_it_was(trained, corpus, tmp_path):
+    workdir = _copy(trained, tmp_path)
+    before = _snapshot(workdir)
+    config = _config(corpus)
+    config.model.d_ff = 128
+    with pytest.raises(CheckpointError, match="model.d_ff: 64 -> 128"):
+        loop.train_and_evaluate(config, workdir)
+    assert _snapshot(workdir) == before
+
+
+# 6. After a resume each step is logged once.
+
+
+def test_after_a_resume_metrics_hold_each_step_once(resumed_after_damage):
+    workdir, _ = resumed_after_damage
+    train = [r["step"] for r in read_metrics(workdir / "metrics.jsonl") if "loss" in r]
+    assert train == [1, 2, 3, 4, 5, 6]
+    superseded = [r["step"] for r in read_metrics(workdir / "metrics.superseded.jsonl") if "loss" in r]
+    assert superseded == [4, 5, 6]  # the interrupted run's rows after the restored step, kept aside
