@@ -250,13 +250,13 @@ def test_scoring_two_empty_files_is_one_line(tmp_path):
 # -- 12: bad flag values, checked in one place before anything is read -----------------------------------------
 
 BAD_OPTIONS = [
-    (dict(beam_size=0), "--beam_size must be a whole number >= 1, got 0"),
-    (dict(batch_size=-4), "--batch_size must be a whole number >= 1, got -4"),
-    (dict(max_extra_len=0), "--max_extra_len must be a whole number >= 1"),
-    (dict(average_last=0), "--average_last must be a whole number >= 1"),
-    (dict(alpha=-0.5), "--alpha .* must be a finite number >= 0, got -0.5"),
-    (dict(alpha=math.nan), "--alpha .* got nan"),
-    (dict(alpha=math.inf), "--alpha .* got inf"),
+    (dict(beam_size=0), r"--beam_size: must be positive \(an integer >= 1, beams\), got 0"),
+    (dict(batch_size=-4), "--batch_size: must be positive .* got -4"),
+    (dict(max_extra_len=0), "--max_extra_len: must be positive"),
+    (dict(average_last=0), "--average_last: must be positive"),
+    (dict(alpha=-0.5), r"--alpha: must be >= 0 \(a number, length penalty exponent\), got -0.5"),
+    (dict(alpha=math.nan), "--alpha: .* got nan"),
+    (dict(alpha=math.inf), "--alpha: .* got inf"),
     (dict(checkpoint="abc"), "--checkpoint must be 'latest' or a step number, got 'abc'"),
     (dict(checkpoint="-5"), "--checkpoint must be 'latest' or a step number"),
     (dict(average_steps=["100", "x"]), "--average_steps must be step numbers"),
@@ -284,15 +284,15 @@ def test_bad_flag_values_fail_before_restoring(tmp_path, options, message, fake)
 def test_a_bad_config_eval_value_names_the_config_key(tmp_path, files, fake):
     src, _ = files
     fake.config.eval.beam_size = 0
-    with pytest.raises(EvalError, match="config.eval.beam_size must be a whole number >= 1, got 0"):
+    with pytest.raises(EvalError, match="config.eval.beam_size: must be positive .* got 0"):
         evaluate_model(Options(workdir=str(tmp_path), source_file=str(src), output_file=str(tmp_path / "o")), fake)
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--beam_size", "0"], "--beam_size must be a whole number >= 1, got 0"),
-        (["--alpha", "nan"], "--alpha (the length penalty exponent) must be a finite number >= 0, got nan"),
+        (["--beam_size", "0"], "--beam_size: must be positive (an integer >= 1, beams), got 0"),
+        (["--alpha", "nan"], "--alpha: must be >= 0 (a number, length penalty exponent), got nan"),
         (["--checkpoint", "abc"], "--checkpoint must be 'latest' or a step number, got 'abc'"),
         (["--average_steps", "1,x"], "--average_steps must be step numbers"),
     ],

@@ -88,10 +88,12 @@ class Rule:
     def options(self) -> tuple[str, ...]:
         return tuple(self.choices()) if callable(self.choices) else tuple(self.choices or ())
 
-    def check(self, key: str, value: Any) -> None:
+    def check(self, key: str, value: Any, name: str | None = None) -> None:
+        """ConfigError unless `value` is allowed; `name` is how the user set it (default: `config key KEY`)."""
+        name = name or f"config key {key}"
         if self.choices is not None:
             if value not in self.options():
-                raise ConfigError(f"config key {key}: unknown value {value!r}; choose one of {list(self.options())}")
+                raise ConfigError(f"{name}: unknown value {value!r}; choose one of {list(self.options())}")
             return
         if self.kind is bool:
             ok = isinstance(value, bool)
@@ -108,7 +110,7 @@ class Rule:
         if not ok:
             wrong_type = isinstance(value, bool) is not (self.kind is bool) or not isinstance(value, (self.kind, int))
             got = f"{value!r} ({type(value).__name__})" if wrong_type else repr(value)
-            raise ConfigError(f"config key {key}: must be {self.allowed()}, got {got}")
+            raise ConfigError(f"{name}: must be {self.allowed()}, got {got}")
 
 
 def _num(x: float) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import sys
 import tempfile
@@ -116,14 +115,18 @@ def check_options(options: Options) -> Options:
 
 
 def check_numbers(values: dict[str, Any], prefix: str) -> None:
-    """EvalError for a value that cannot work; `prefix` + key is the name a user set it by (--beam_size, ...)."""
+    """EvalError for a decoding value that cannot work, by the rule of its config key (config_checks.RULES, the
+    one source of allowed ranges); `prefix` + key is the name a user set it by (--beam_size, config.eval.alpha)."""
+    from transformer_jax import config_checks
+    from transformer_jax.errors import ConfigError
+
     for key, value in values.items():
         if value is None:
             continue
-        if key in _AT_LEAST_ONE and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise EvalError(f"{prefix}{key} must be a whole number >= 1, got {value!r}")
-        if key == "alpha" and not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
-            raise EvalError(f"{prefix}alpha (the length penalty exponent) must be a finite number >= 0, got {value!r}")
+        try:
+            config_checks.RULES[f"eval.{key}"].check(f"eval.{key}", value, name=f"{prefix}{key}")
+        except ConfigError as e:
+            raise EvalError(str(e)) from e
 
 
 def _is_step(value: Any) -> bool:
