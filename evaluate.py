@@ -18,6 +18,7 @@ that is not UTF-8 or has no lines: each stops the program with one line before t
 
 from __future__ import annotations
 
+import logging
 import os
 
 from absl import flags
@@ -46,6 +47,7 @@ flags.DEFINE_string("scores_file", None, "JSON report; default OUTPUT_FILE.json.
 
 def main(argv: list[str]) -> None:
     del argv  # no positional arguments (transformer_jax.cli.run refuses them)
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs each checkpoint handler it creates at INFO
     # Every value is checked in one place, run.check_options, before any file is read or the model restored.
     options = Options(
         workdir=FLAGS.workdir,
