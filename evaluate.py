@@ -4,6 +4,12 @@ Scores only (no model):
     python evaluate.py --hypotheses_file H --references_file R
 prints sacreBLEU BLEU (with its signature), chrF and the paper-comparable tokenized BLEU, two decimals each.
 
+Compare two systems (no model):
+    python evaluate.py --hypotheses_file A --compare_file B --references_file R
+prints the three scores of A and of the baseline B, each with its bootstrap mean and 95% confidence interval, and the
+p-value of their difference: sacreBLEU's paired bootstrap test (1000 resamples, seed SACREBLEU_SEED or 12345), the
+numbers `sacrebleu R -i B A -m bleu chrf --paired-bs` prints.
+
 Translate and score:
     python evaluate.py --workdir DIR [--config C] [--checkpoint latest|STEP] [--average_last N | --average_steps A,B]
         [--split valid|test | --source_file F [--references_file R]] [--beam_size B --alpha A] [--output_file O]
@@ -37,6 +43,9 @@ flags.DEFINE_enum("split", "test", ["valid", "test"], "Split of the configured d
 flags.DEFINE_string("source_file", None, "Translate this file (one sentence a line; '-' = stdin) instead of --split.")
 flags.DEFINE_string("references_file", None, "References, one a line, for --source_file or --hypotheses_file.")
 flags.DEFINE_string("hypotheses_file", None, "Score this file against --references_file; no model is loaded.")
+flags.DEFINE_string(
+    "compare_file", None, "With --hypotheses_file: the baseline system's translations; paired bootstrap test."
+)
 flags.DEFINE_integer("beam_size", None, "Beams (default config.eval.beam_size); 1 is greedy search.")
 flags.DEFINE_float("alpha", None, "Length penalty exponent (default config.eval.alpha).")
 flags.DEFINE_integer("max_extra_len", None, "Output tokens beyond the input length (default config.eval).")
@@ -59,6 +68,7 @@ def main(argv: list[str]) -> None:
         source_file=FLAGS.source_file,
         references_file=FLAGS.references_file,
         hypotheses_file=FLAGS.hypotheses_file,
+        compare_file=FLAGS.compare_file,
         beam_size=FLAGS.beam_size,
         alpha=FLAGS.alpha,
         max_extra_len=FLAGS.max_extra_len,

@@ -30,6 +30,7 @@ def test_tokenized_bleu_tokenizes_then_splits_compounds():
     hand_hyp = ["Das Haus ##AT##-##AT## Boot ist groß ."]
     hand_ref = ["Das Haus ##AT##-##AT## Tür ist groß ."]
     expected = BLEU(tokenize="none").corpus_score(hand_hyp, [hand_ref]).score
+    assert bleu.tokenize_for_bleu(hyp) == hand_hyp  # what tokenized_bleu and the paired test score
     got = bleu.tokenized_bleu(hyp, ref)
     assert got["score"] == pytest.approx(expected, abs=1e-9)
     assert got["name"] == "tokenized BLEU (tensor2tensor get_ende_bleu procedure, compound splitting)"

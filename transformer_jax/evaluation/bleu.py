@@ -71,15 +71,18 @@ def split_compounds(text: str) -> str:
     return _COMPOUND.sub(r"\1 ##AT##-##AT## \2", text)
 
 
+def tokenize_for_bleu(lines: Sequence[str], *, tokenizer: str = "13a") -> list[str]:
+    """The lines as the tokenized BLEU scores them: tokenized (13a or intl), then compounds split."""
+    tok = _TOKENIZERS[tokenizer]()
+    return [split_compounds(tok(line)) for line in lines]
+
+
 def tokenized_bleu(hypotheses: Sequence[str], references: Sequence[str], *, tokenizer: str = "13a") -> dict[str, Any]:
     """Corpus BLEU on tokenized, compound-split text (tokenizer 13a or intl; then no further tokenization)."""
-    tok = _TOKENIZERS[tokenizer]()
-
-    def prepare(lines: Sequence[str]) -> list[str]:
-        return [split_compounds(tok(line)) for line in lines]
-
     bleu = BLEU(tokenize="none", force=True)
-    score = bleu.corpus_score(prepare(hypotheses), [prepare(references)])
+    score = bleu.corpus_score(
+        tokenize_for_bleu(hypotheses, tokenizer=tokenizer), [tokenize_for_bleu(references, tokenizer=tokenizer)]
+    )
     return {
         "name": TOKENIZED_BLEU_LABEL,
         "score": score.score,

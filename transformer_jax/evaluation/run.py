@@ -39,6 +39,7 @@ class Options:
     source_file: str | None = None
     references_file: str | None = None
     hypotheses_file: str | None = None  # scores-only mode: no model
+    compare_file: str | None = None  # scores-only mode: the baseline of a paired bootstrap test against hypotheses
     beam_size: int | None = None
     alpha: float | None = None
     max_extra_len: int | None = None
@@ -68,9 +69,22 @@ _AT_LEAST_ONE = ("beam_size", "batch_size", "max_extra_len", "average_last")
 def check_options(options: Options) -> Options:
     """The options with --average_steps as ints, or EvalError naming the flag and what to do. Reads no file."""
     o = options
+    if o.compare_file is not None and (o.hypotheses_file is None or not o.references_file):
+        raise EvalError(
+            "--compare_file needs --hypotheses_file and --references_file: it compares two systems' translations "
+            "of the same references"
+        )
     if o.hypotheses_file is not None:
         if not o.references_file:
             raise EvalError("--hypotheses_file needs --references_file")
+        if o.compare_file is not None:
+            if not o.compare_file:
+                raise EvalError("--compare_file is empty: give the baseline system's translations")
+            if _same_file(o.compare_file, o.hypotheses_file):
+                raise EvalError(
+                    f"--compare_file {o.compare_file} is --hypotheses_file {o.hypotheses_file}: a system compared "
+                    "with itself differs by nothing; give the other system's translations"
+                )
         given = [f"--{name}" for name in _MODEL_FLAGS if getattr(o, name) is not None]
         given += ["--checkpoint"] if o.checkpoint != "latest" else []
         if given:
@@ -80,7 +94,11 @@ def check_options(options: Options) -> Options:
             )
         _refuse_overwriting_inputs(
             {"--scores_file": o.scores_file},
-            {"--hypotheses_file": o.hypotheses_file, "--references_file": o.references_file},
+            {
+                "--hypotheses_file": o.hypotheses_file,
+                "--compare_file": o.compare_file,
+                "--references_file": o.references_file,
+            },
         )
         return o
     if not o.workdir:
@@ -241,21 +259,52 @@ def evaluate(options: Options, restorer: Restorer | None = None) -> dict[str, An
     """The command line's work: score existing translations, or translate (and score) with a model."""
     options = check_options(options)
     if options.hypotheses_file is not None:
-        return score_only(options.hypotheses_file, options.references_file, options.scores_file)
+        return score_only(options.hypotheses_file, options.references_file, options.scores_file, options.compare_file)
     return evaluate_model(options, restorer)
 
 
-def score_only(hypotheses_file: str, references_file: str, scores_file: str | None = None) -> dict[str, Any]:
+def score_only(
+    hypotheses_file: str, references_file: str, scores_file: str | None = None, compare_file: str | None = None
+) -> dict[str, Any]:
+    """Scores of the hypotheses; with `compare_file`, the paired bootstrap comparison with that baseline instead."""
     from transformer_jax.evaluation import bleu
 
-    check_options(Options(hypotheses_file=hypotheses_file, references_file=references_file, scores_file=scores_file))
+    check_options(
+        Options(
+            hypotheses_file=hypotheses_file,
+            references_file=references_file,
+            scores_file=scores_file,
+            compare_file=compare_file,
+        )
+    )
     if scores_file:
         check_writable(scores_file, "--scores_file")
+    if compare_file is not None:
+        return compare_only(hypotheses_file, compare_file, references_file, scores_file)
     scores = bleu.score_files(hypotheses_file, references_file)
     print(bleu.format_scores(scores))
     if scores_file:
         _write_json(scores_file, {"hypotheses_file": hypotheses_file, "references_file": references_file, **scores})
     return scores
+
+
+def compare_only(
+    hypotheses_file: str, compare_file: str, references_file: str, scores_file: str | None
+) -> dict[str, Any]:
+    """The paired bootstrap test of --hypotheses_file against the baseline --compare_file (options checked)."""
+    from transformer_jax.evaluation import significance
+
+    result = significance.compare_files(hypotheses_file, compare_file, references_file)
+    print(significance.format_comparison(result, system_name=hypotheses_file, baseline_name=compare_file))
+    report = {
+        "hypotheses_file": hypotheses_file,
+        "compare_file": compare_file,
+        "references_file": references_file,
+        "comparison": result,
+    }
+    if scores_file:
+        _write_json(scores_file, report)
+    return report
 
 
 def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[str, Any]:

@@ -1,0 +1,135 @@
+"""Is system A better than baseline B, or is the difference chance? sacreBLEU's paired bootstrap resampling test.
+
+`paired_bootstrap` runs sacreBLEU's own `PairedTest` (Koehn, 2004: the same resampled sentence sets for both systems)
+for BLEU, chrF and the paper-comparable tokenized BLEU (`bleu.tokenized_bleu`). BLEU and chrF equal what
+`sacrebleu REF -i BASELINE SYSTEM -m bleu chrf --paired-bs` prints (the command's first system is the baseline);
+the tokenized BLEU is the same test with BLEU(tokenize="none") on the tokenized, compound-split lines, i.e. what
+the command prints for those lines with `--tokenize none --force`. The seed is sacreBLEU's: the SACREBLEU_SEED
+environment variable, default 12345, as the command uses it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from sacrebleu.metrics import BLEU, CHRF
+from sacrebleu.significance import PairedTest
+
+from transformer_jax.errors import ScoreError
+from transformer_jax.evaluation import bleu
+
+N_SAMPLES = 1000  # sacreBLEU's default number of bootstrap resamples (--paired-bs-n)
+TEST_NAME = "paired bootstrap resampling (sacreBLEU PairedTest, Koehn 2004)"
+
+
+def paired_bootstrap(
+    baseline_hyps: Sequence[str], system_hyps: Sequence[str], refs: Sequence[str], *, n_samples: int = N_SAMPLES
+) -> dict[str, Any]:
+    """The paired bootstrap test of `system_hyps` against `baseline_hyps`, one reference per line.
+
+    Returns {'test', 'n_samples', 'seed', 'bleu', 'chrf', 'tokenized_bleu'}; each metric is
+    {'name', 'signature', 'baseline': {...}, 'system': {...}, 'p_value'} where a system's entry is
+    {'score': corpus score, 'mean': bootstrap mean, 'ci': half-width of the 95% interval (mean ± ci)}.
+    p_value is sacreBLEU's: the chance of an absolute difference at least as large as the real one if both came
+    from the same process (the smallest possible value is 1/(n_samples + 1)). 'identical_outputs': both systems
+    wrote the same lines; sacreBLEU then still reports p = 1/(n_samples + 1), which does not mean a difference.
+    Lines are scored as given.
+    """
+    baseline_hyps, system_hyps, refs = list(baseline_hyps), list(system_hyps), list(refs)
+    if not refs:
+        raise ScoreError("no lines to compare: the references are empty")
+    if not len(baseline_hyps) == len(system_hyps) == len(refs):
+        raise ScoreError(
+            f"line counts differ: baseline {len(baseline_hyps)}, system {len(system_hyps)}, references {len(refs)}; "
+            "each system needs one line per reference line"
+        )
+    # sacreBLEU gives identical outputs its smallest p-value, 1/(n_samples + 1), not 1: no resample differs, and it
+    # counts only larger differences. The number is kept (it is the command's); the flag says it means nothing.
+    identical = baseline_hyps == system_hyps
+    out: dict[str, Any] = {"test": TEST_NAME, "n_samples": n_samples, "seed": _seed(), "identical_outputs": identical}
+    out.update(_run({"bleu": BLEU(), "chrf": CHRF()}, baseline_hyps, system_hyps, refs, n_samples))
+    tokenized = _run(
+        {"tokenized_bleu": BLEU(tokenize="none", force=True)},
+        bleu.tokenize_for_bleu(baseline_hyps),
+        bleu.tokenize_for_bleu(system_hyps),
+        bleu.tokenize_for_bleu(refs),
+        n_samples,
+    )
+    tokenized["tokenized_bleu"]["name"] = bleu.TOKENIZED_BLEU_LABEL
+    return {**out, **tokenized}
+
+
+def _seed() -> str:
+    return os.environ.get("SACREBLEU_SEED", "12345").lower()  # how PairedTest reads it
+
+
+def _run(metrics: dict[str, Any], baseline: list[str], system: list[str], refs: list[str], n: int) -> dict[str, Any]:
+    keys = list(metrics)
+    logger = logging.getLogger("sacrebleu")  # it logs each step at INFO, which absl's handler would print
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        test = PairedTest(
+            [("baseline", baseline), ("system", system)], metrics, references=[refs], test_type="bs", n_samples=n
+        )
+        signatures, results = test()
+    finally:
+        logger.setLevel(level)
+    out = {}
+    for key, (name, (base, other)) in zip(keys, [(k, v) for k, v in results.items() if k != "System"], strict=True):
+        out[key] = {
+            "name": name,
+            "signature": str(signatures[name]),
+            "baseline": _numbers(base),
+            "system": _numbers(other),
+            "p_value": float(other.p_value),
+        }
+    return out
+
+
+def _numbers(result: Any) -> dict[str, float]:
+    # sacreBLEU computes the resampled scores from float32 statistics; plain floats keep the report JSON-writable.
+    return {"score": float(result.score), "mean": float(result.mean), "ci": float(result.ci)}
+
+
+def compare_files(system_file: str, baseline_file: str, references_file: str) -> dict[str, Any]:
+    """`paired_bootstrap` on files read as the `sacrebleu` command reads them; the flags name the files in errors."""
+    files = {"--hypotheses_file": system_file, "--compare_file": baseline_file, "--references_file": references_file}
+    lines = {flag: bleu.read_lines(path) for flag, path in files.items()}
+    counts = {flag: len(v) for flag, v in lines.items()}
+    if len(set(counts.values())) > 1:
+        listed = ", ".join(f"{flag} {files[flag]} has {n}" for flag, n in counts.items())
+        raise ScoreError(f"line counts differ: {listed}; compare two systems' outputs of the same references")
+    if not counts["--references_file"]:
+        raise ScoreError(f"{', '.join(files.values())} have no lines: nothing to compare")
+    return paired_bootstrap(lines["--compare_file"], lines["--hypotheses_file"], lines["--references_file"])
+
+
+def format_comparison(result: dict[str, Any], system_name: str, baseline_name: str) -> str:
+    """Lines as the sacrebleu command's table reads (score (mean ± 95% CI), p-value), two decimals, signatures."""
+    lines = [
+        f"{result['test']}, {result['n_samples']} resamples, seed {result['seed']}; "
+        f"score (bootstrap mean ± 95% CI); baseline: {baseline_name}",
+    ]
+    for key in ("bleu", "chrf", "tokenized_bleu"):
+        m = result[key]
+        name = f"sacreBLEU {m['name']}" if key != "tokenized_bleu" else m["name"]
+        p = m["p_value"]
+        if result["identical_outputs"]:
+            verdict = " (the two outputs are identical: no difference; sacreBLEU reports its smallest p here)"
+        else:
+            verdict = " (significant at 0.05)" if p < 0.05 else " (not significant at 0.05)"
+        lines.append(
+            f"{name}: {system_name} {_fmt(m['system'])} vs baseline {baseline_name} {_fmt(m['baseline'])}; "
+            f"p = {p:.4f}{verdict}"
+        )
+    lines += [f"  signature {result[key]['name']}: {result[key]['signature']}" for key in ("bleu", "chrf")]
+    lines.append(f"  signature tokenized BLEU: {result['tokenized_bleu']['signature']}")
+    return "\n".join(lines)
+
+
+def _fmt(n: dict[str, float]) -> str:
+    return f"{n['score']:.2f} ({n['mean']:.2f} ± {n['ci']:.2f})"
