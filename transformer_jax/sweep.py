@@ -10,16 +10,21 @@ command per variant (for a cluster launcher), --only NAME runs one, --config.KEY
 variant (a shared tokenizer, a data directory), as for train.py. Results are aggregated into DIR/results.csv,
 DIR/results.md and DIR/results.png from the variants' metrics.jsonl. SIGTERM saves the running variant's checkpoint
 and stops the sweep (exit status 1, results so far aggregated); the same command resumes it.
+
+Seeds: --seeds N (or a top-level `SEEDS = N` in the config file; the flag wins) runs every variant N times. Seed i
+(0 .. N-1) sets train.seed and data.shuffle_seed to the config's values plus i, so it changes the parameter init,
+the dropout masks and the data order, and seed i of every variant shares them. With N > 1 run i of NAME trains in
+DIR/NAME/seed<i> (with N = 1 in DIR/NAME, as before seeds existed); each run is skipped or resumed on its own, and
+--only NAME runs all seeds of NAME. The results then give mean ± standard deviation over the finished seeds with
+Δ and its confidence interval against the first variant (transformer_jax/sweep_results.py says how).
 """
 
 from __future__ import annotations
 
-import csv
 import functools
 import importlib.util
 import json
 import logging
-import math
 import os
 import pathlib
 import re
@@ -36,11 +41,18 @@ from ml_collections import config_flags
 from transformer_jax import config_checks
 from transformer_jax.cli import USAGE_STATUS, fail, parse_flags
 from transformer_jax.errors import ConfigError, VariantInterrupted, exit_on_user_error
+from transformer_jax.sweep_results import (
+    REFERENCE_METRICS,
+    RESULT_FILE,
+    aggregate_seeds,
+    parameter_count,
+    run_metrics,
+    summarize_variant,
+    write_results,
+)
 
-RESULT_FILE = "sweep_result.json"
 # A variant's name is a directory inside the sweep's workdir: no path separator, and never '.' or '..'.
 NAME_PATTERN = re.compile(r"(?!\.\.?\Z)[A-Za-z0-9_.=-]+")  # used with fullmatch
-REFERENCE_METRICS = ("valid_perplexity", "valid_bleu")
 
 
 class Variant(NamedTuple):
@@ -116,10 +128,60 @@ def variant_dir(workdir: pathlib.Path, name: str) -> pathlib.Path:
     return inside
 
 
-def train_command(config_arg: str, workdir: pathlib.Path, name: str, overrides: dict[str, Any]) -> str:
-    args = ["python", "train.py", f"--config={config_arg}", f"--workdir={variant_dir(workdir, name)}"]
+def train_command(config_arg: str, run_dir: pathlib.Path, overrides: dict[str, Any]) -> str:
+    args = ["python", "train.py", f"--config={config_arg}", f"--workdir={run_dir}"]
     args += [f"--config.{k}={v}" for k, v in overrides.items()]
     return shlex.join(args)
+
+
+def num_seeds(config_arg: str, flag: int | None) -> int:
+    """--seeds if given, else the config file's top-level SEEDS, else 1."""
+    if flag is not None:
+        return flag
+    path = config_arg.partition(":")[0]
+    seeds = getattr(load_config_module(path), "SEEDS", 1)
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise ConfigError(f"{path}: SEEDS = {seeds!r}; it must be a whole number >= 1 (seeds per variant)")
+    return seeds
+
+
+def seed_overrides(config: ml_collections.ConfigDict, index: int) -> dict[str, int]:
+    """Seed `index` of a variant: train.seed (parameter init and dropout) and data.shuffle_seed (data order) of its
+    config, each plus `index`. Seed 0 is the config itself, so seed i of every variant shares init and data order."""
+    return {"train.seed": config.train.seed + index, "data.shuffle_seed": config.data.shuffle_seed + index}
+
+
+class Run(NamedTuple):
+    """One (variant, seed) training run."""
+
+    variant: Variant
+    seed: int  # index: 0 .. seeds-1
+    label: str  # "NAME" with one seed, else "NAME/seedI"
+    overrides: dict[str, Any]  # the seed's config values on top of the variant's overrides ({} with one seed)
+    config: ml_collections.ConfigDict
+
+
+def runs(variant: Variant, seeds: int) -> list[Run]:
+    """The variant's runs, each config validated. One seed: the variant's own config, in today's layout."""
+    if seeds == 1:
+        return [Run(variant, 0, variant.name, {}, variant.config)]
+    out = []
+    for i in range(seeds):
+        overrides = seed_overrides(variant.config, i)
+        config = variant.config.copy_and_resolve_references()
+        config.update_from_flattened_dict(overrides)
+        try:
+            config_checks.validate(config)
+        except ConfigError as e:
+            raise ConfigError(f"sweep variant {variant.name!r}, seed {i} of --seeds {seeds}: {e}") from e
+        out.append(Run(variant, i, f"{variant.name}/seed{i}", overrides, config))
+    return out
+
+
+def run_dir(workdir: pathlib.Path, run: Run, seeds: int) -> pathlib.Path:
+    """DIR/NAME with one seed (so sweeps from before seeds resume), DIR/NAME/seedI with several."""
+    directory = variant_dir(workdir, run.variant.name)
+    return directory if seeds == 1 else directory / f"seed{run.seed}"
 
 
 def run_variant(name: str, config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
@@ -145,104 +207,6 @@ def run_variant(name: str, config: ml_collections.ConfigDict, workdir: pathlib.P
     return result
 
 
-def summarize_variant(variant: Variant, run_dir: pathlib.Path) -> dict:
-    """One results row from a variant's directory (empty fields where it has not run)."""
-    name, overrides, config, reference = variant
-    import jax
-    from flax import nnx
-
-    from transformer_jax.model import build_model
-    from transformer_jax.training.metrics import read_metrics
-
-    model = nnx.eval_shape(lambda: build_model(config, rngs=nnx.Rngs(0)))
-    row: dict[str, Any] = {
-        "variant": name,
-        "overrides": " ".join(f"{k}={v}" for k, v in overrides.items()) or "(none)",
-        "parameters": sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))),
-        "steps": "",
-        "valid_perplexity": "",
-        "valid_bleu": "",
-        "tokens_per_s": "",
-        "wall_s": "",
-    }
-    metrics_file = run_dir / "metrics.jsonl"
-    if metrics_file.exists():
-        records = read_metrics(metrics_file)
-        train = [r for r in records if "tokens_per_s" in r]
-        if train:
-            row["steps"] = train[-1]["step"]
-            row["tokens_per_s"] = round(sum(r["tokens_per_s"] for r in train) / len(train), 1)
-        for key, column in (("valid_perplexity", "valid_perplexity"), ("valid_bleu", "valid_bleu")):
-            found = [r[key] for r in records if key in r]
-            if found:
-                row[column] = round(found[-1], 2)
-    if (run_dir / RESULT_FILE).exists():
-        row["wall_s"] = round(json.loads((run_dir / RESULT_FILE).read_text())["wall_s"], 1)
-    for key in REFERENCE_METRICS:
-        row["ref_" + key] = reference.get(key, "")
-    return row
-
-
-def write_results(rows: list[dict], workdir: pathlib.Path, reference_label: str = "reference") -> None:
-    """results.csv, results.md and results.png (validation perplexity and BLEU per variant)."""
-    if not any(row["ref_" + key] != "" for row in rows for key in REFERENCE_METRICS):
-        rows = [{k: v for k, v in row.items() if not k.startswith("ref_")} for row in rows]
-    columns = list(rows[0])
-    with open(workdir / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows]
-    (workdir / "results.md").write_text("\n".join(lines) + "\n")
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [r["variant"] for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(12, max(3, 0.35 * len(rows) + 1.5)), dpi=100)
-    if "ref_valid_bleu" not in columns:
-        for ax, key, label in ((axes[0], "valid_perplexity", "validation perplexity"), (axes[1], "valid_bleu", "BLEU")):
-            ax.barh(names, [_number(r[key]) for r in rows], color="tab:blue")
-            ax.set_xlabel(label)
-    else:
-        # Scales differ (model size, data, steps), so compare each variant's change from the first variant.
-        panels = (
-            (axes[0], "valid_perplexity", lambda x, x0: 100 * (x / x0 - 1), "validation perplexity, % change from "),
-            (axes[1], "valid_bleu", lambda x, x0: x - x0, "BLEU, change in points from "),
-        )
-        positions = range(len(rows))
-        for ax, key, change, label in panels:
-            largest = 0.0
-            for offset, prefix, color, who in ((-0.2, "", "tab:blue", "this run"), (0.2, "ref_", "tab:gray", "")):
-                x0 = _number(rows[0][prefix + key])
-                values = [change(_number(r[prefix + key]), x0) if x0 and r[prefix + key] != "" else 0.0 for r in rows]
-                ax.barh([p + offset for p in positions], values, height=0.4, color=color, label=who or reference_label)
-                largest = max([largest, *map(abs, values)])
-            ax.axvline(0.0, color="black", linewidth=0.8)
-            ax.set_yticks(list(positions), names)
-            ax.set_xlabel(label + names[0])
-            if key == "valid_perplexity" and largest > 100:
-                # One run that failed to learn (+300%) would flatten every other bar to a sliver.
-                ax.set_xscale("symlog", linthresh=50)
-                ticks = [-50, -25, 0, 25, 50] + [100 * 2**k for k in range(int(math.log2(largest / 100)) + 2)]
-                ax.set_xticks(ticks, [f"{t:+d}" if t else "0" for t in ticks])
-                ax.set_xlabel(label + names[0] + " (linear to ±50%, logarithmic beyond)")
-        axes[0].legend(loc="lower right")
-    for ax in axes:
-        ax.invert_yaxis()
-    axes[1].set_yticklabels([])
-    fig.tight_layout()
-    fig.savefig(workdir / "results.png")
-    plt.close(fig)
-
-
-def _number(value: Any) -> float:
-    return float(value) if value != "" else 0.0
-
-
 PROG = "python -m transformer_jax.sweep"
 
 
@@ -259,6 +223,14 @@ def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
     flags.DEFINE_bool("print_commands", False, "print one train.py command per variant", flag_values=fv)
     flags.DEFINE_string("only", None, "run only the variant with this name", flag_values=fv)
     flags.DEFINE_bool("aggregate_only", False, "only rebuild results.csv/md/png", flag_values=fv)
+    flags.DEFINE_integer(
+        "seeds",
+        None,
+        "run every variant with this many seeds (default: the config file's SEEDS, else 1); "
+        "seed i adds i to train.seed and data.shuffle_seed",
+        lower_bound=1,
+        flag_values=fv,
+    )
     flags.mark_flags_as_required(["config", "workdir"], flag_values=fv)
     return fv
 
@@ -281,29 +253,36 @@ def _run(fv: flags.FlagValues) -> int:
     common = config_flags.get_override_values(fv["config"])
     workdir = pathlib.Path(fv.workdir)
     all_variants = variants(config_arg, common)
+    seeds = num_seeds(config_arg, fv.seeds)
+    all_runs = {v.name: runs(v, seeds) for v in all_variants}
     names = [v.name for v in all_variants]
     if fv.only is not None and fv.only not in names:
         raise ConfigError(f"--only {fv.only!r}: no such variant; the variants are {names}")
-    chosen = [v for v in all_variants if fv.only in (None, v.name)]
+    chosen = [r for v in all_variants if fv.only in (None, v.name) for r in all_runs[v.name]]
     if fv.dry_run:
-        for v in chosen:
-            print(f"{v.name}: {json.dumps(v.overrides)}")
+        for r in chosen:
+            print(f"{r.label}: {json.dumps({**r.variant.overrides, **r.overrides})}")
         return 0
     if fv.print_commands:
-        for v in chosen:
-            print(train_command(config_arg, workdir, v.name, {**common, **v.overrides}))
+        for r in chosen:
+            print(
+                train_command(config_arg, run_dir(workdir, r, seeds), {**common, **r.variant.overrides, **r.overrides})
+            )
         return 0
     config_checks.check_workdir(workdir)
     interrupted = None
     if not fv.aggregate_only:
-        for v in chosen:
-            logging.info("sweep: variant %s", v.name)
+        for r in chosen:
+            logging.info("sweep: variant %s", r.label)
             try:
-                run_variant(v.name, v.config, variant_dir(workdir, v.name))
+                run_variant(r.label, r.config, run_dir(workdir, r, seeds))
             except VariantInterrupted as e:
                 interrupted = e
                 break
-    rows = [summarize_variant(v, variant_dir(workdir, v.name)) for v in all_variants]
+    if seeds == 1:
+        rows = [summarize_variant(v, variant_dir(workdir, v.name)) for v in all_variants]
+    else:
+        rows = aggregate_seeds([_seed_runs(v, all_runs[v.name], workdir, seeds) for v in all_variants], seeds)
     label = getattr(load_config_module(config_arg.partition(":")[0]), "REFERENCE", "reference")
     write_results(rows, workdir, reference_label=label)
     print((workdir / "results.md").read_text())
@@ -311,6 +290,18 @@ def _run(fv: flags.FlagValues) -> int:
         print(f"sweep interrupted: {interrupted}; run the same command to resume it", file=sys.stderr)
         return 1
     return 0
+
+
+def _seed_runs(variant: Variant, variant_runs: list[Run], workdir: pathlib.Path, seeds: int) -> dict[str, Any]:
+    """aggregate_seeds' input for one variant: its description and each seed's metrics."""
+    entry: dict[str, Any] = {
+        "variant": variant.name,
+        "overrides": " ".join(f"{k}={v}" for k, v in variant.overrides.items()) or "(none)",
+        "parameters": parameter_count(variant.config),
+        "runs": [run_metrics(run_dir(workdir, r, seeds)) for r in variant_runs],
+    }
+    entry.update({"ref_" + key: variant.reference.get(key, "") for key in REFERENCE_METRICS})
+    return entry
 
 
 if __name__ == "__main__":

@@ -1,0 +1,257 @@
+"""A sweep's results: one row per variant in DIR/results.csv, DIR/results.md and DIR/results.png.
+
+One seed per variant: each row holds the variant's last validation perplexity and BLEU, its mean training
+throughput and wall time (a variant still running shows what it has so far).
+
+Several seeds per variant (`--seeds N`): only finished runs count. For every metric a row holds the mean over
+seeds (column `<metric>`), the sample standard deviation (`<metric>_std`, ddof=1; empty with one seed) and the
+number of finished seeds (`n_seeds` of `seeds`). A row with a seed missing is marked in results.md ("2 of 3 *")
+and a note below the table names the runs missing; its mean is over the finished seeds only. For validation
+perplexity and BLEU a row also holds Δ = its mean minus the first variant's mean (`delta_<metric>`) with a 95%
+confidence interval (`delta_<metric>_ci95_low/high`): Welch's t interval on the difference of two means, which
+allows unequal variances and unequal numbers of finished seeds (it ignores that seed i of two variants shares
+its init and data order, so it is conservative where that pairing matters). It needs two finished seeds on both
+sides; otherwise the interval is empty. The chart shows mean ± standard deviation as error bars, or, when the
+config file gives published references, the change from the first variant with the Δ interval as error bars.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import pathlib
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+RESULT_FILE = "sweep_result.json"
+REFERENCE_METRICS = ("valid_perplexity", "valid_bleu")
+METRICS = ("valid_perplexity", "valid_bleu", "tokens_per_s", "wall_s")  # averaged over seeds
+DELTA_METRICS = REFERENCE_METRICS  # compared with the first variant, with a confidence interval
+CONFIDENCE = 0.95
+
+
+def parameter_count(config) -> int:
+    """The model's number of parameters, from shapes only."""
+    import jax
+    from flax import nnx
+
+    from transformer_jax.model import build_model
+
+    model = nnx.eval_shape(lambda: build_model(config, rngs=nnx.Rngs(0)))
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def run_metrics(run_dir: pathlib.Path) -> dict[str, Any]:
+    """steps, valid_perplexity, valid_bleu, tokens_per_s, wall_s of one run directory ("" where absent) and
+    finished (whether its result file exists)."""
+    from transformer_jax.training.metrics import read_metrics
+
+    row: dict[str, Any] = {"steps": "", "valid_perplexity": "", "valid_bleu": "", "tokens_per_s": "", "wall_s": ""}
+    metrics_file = run_dir / "metrics.jsonl"
+    if metrics_file.exists():
+        records = read_metrics(metrics_file)
+        train = [r for r in records if "tokens_per_s" in r]
+        if train:
+            row["steps"] = train[-1]["step"]
+            row["tokens_per_s"] = round(sum(r["tokens_per_s"] for r in train) / len(train), 1)
+        for key in REFERENCE_METRICS:
+            found = [r[key] for r in records if key in r]
+            if found:
+                row[key] = round(found[-1], 2)
+    row["finished"] = (run_dir / RESULT_FILE).exists()
+    if row["finished"]:
+        row["wall_s"] = round(json.loads((run_dir / RESULT_FILE).read_text())["wall_s"], 1)
+    return row
+
+
+def summarize_variant(variant, run_dir: pathlib.Path) -> dict:
+    """One results row from a variant's directory (empty fields where it has not run): the one-seed layout."""
+    name, overrides, config, reference = variant
+    row: dict[str, Any] = {
+        "variant": name,
+        "overrides": " ".join(f"{k}={v}" for k, v in overrides.items()) or "(none)",
+        "parameters": parameter_count(config),
+    }
+    metrics = run_metrics(run_dir)
+    del metrics["finished"]
+    row.update(metrics)
+    for key in REFERENCE_METRICS:
+        row["ref_" + key] = reference.get(key, "")
+    return row
+
+
+def welch_interval(a: Sequence[float], b: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """Welch's t interval for mean(a) - mean(b): Δ ± t_{(1+c)/2, ν} · sqrt(s_a²/n_a + s_b²/n_b), ν by
+    Welch–Satterthwaite. Both samples need at least two values (ValueError otherwise)."""
+    from scipy import stats  # a dependency of jax
+
+    if len(a) < 2 or len(b) < 2:
+        raise ValueError(f"Welch's interval needs two values per sample; got {len(a)} and {len(b)}")
+    delta = statistics.fmean(a) - statistics.fmean(b)
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    if va + vb == 0:
+        return delta, delta
+    dof = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    half = float(stats.t.ppf((1 + confidence) / 2, dof)) * math.sqrt(va + vb)
+    return delta - half, delta + half
+
+
+def aggregate_seeds(variants: Sequence[dict[str, Any]], num_seeds: int) -> list[dict[str, Any]]:
+    """Rows of mean, standard deviation and number of seeds per metric, and Δ against the first variant.
+
+    Each entry of `variants`: variant, overrides, parameters, ref_* keys, and "runs": one run_metrics() dict per
+    seed (a run that did not finish counts as missing, whatever its metrics file holds so far).
+    """
+    samples = []
+    for v in variants:
+        finished = [r for r in v["runs"] if r["finished"]]
+        samples.append({m: [float(r[m]) for r in finished if r[m] != ""] for m in METRICS})
+    rows = []
+    for v, sample in zip(variants, samples, strict=True):
+        finished = [i for i, r in enumerate(v["runs"]) if r["finished"]]
+        row: dict[str, Any] = {
+            "variant": v["variant"],
+            "overrides": v["overrides"],
+            "parameters": v["parameters"],
+            "n_seeds": len(finished),
+            "seeds": num_seeds,
+            "missing_seeds": " ".join(str(i) for i in range(num_seeds) if i not in finished),
+        }
+        for m in METRICS:
+            values = sample[m]
+            row[m] = round(statistics.fmean(values), 4) if values else ""
+            row[m + "_std"] = round(statistics.stdev(values), 4) if len(values) > 1 else ""
+        for m in DELTA_METRICS:
+            base = samples[0][m]
+            row["delta_" + m] = (
+                round(statistics.fmean(sample[m]) - statistics.fmean(base), 4) if base and sample[m] else ""
+            )
+            low = high = ""
+            if v is not variants[0] and len(base) > 1 and len(sample[m]) > 1:
+                low, high = (round(x, 4) for x in welch_interval(sample[m], base))
+            row[f"delta_{m}_ci95_low"], row[f"delta_{m}_ci95_high"] = low, high
+        for key in REFERENCE_METRICS:
+            row["ref_" + key] = v.get("ref_" + key, "")
+        rows.append(row)
+    return rows
+
+
+def _markdown(rows: list[dict], columns: list[str]) -> list[str]:
+    """The results table; several seeds: "mean ± std" cells, "2 of 3 *" for a row with seeds missing, Δ [CI]."""
+    if "n_seeds" not in columns:
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        return lines + ["| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows]
+    refs = [c for c in columns if c.startswith("ref_")]
+    header = ["variant", "overrides", "parameters", "seeds", *METRICS]
+    header += [f"Δ {m} [95% CI]" for m in DELTA_METRICS] + refs
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    notes = []
+    for r in rows:
+        seeds = f"{r['n_seeds']} of {r['seeds']}"
+        if r["missing_seeds"]:
+            seeds += " *"
+            missing = ", ".join(f"seed{i}" for i in r["missing_seeds"].split())
+            notes.append(f"* {r['variant']}: {missing} not finished; its means are over {r['n_seeds']} seeds")
+        cells = [r["variant"], r["overrides"], str(r["parameters"]), seeds]
+        for m in METRICS:
+            mean, std = r[m], r[m + "_std"]
+            cells.append("" if mean == "" else f"{mean:.2f} ± {std:.2f}" if std != "" else f"{mean:.2f}")
+        for m in DELTA_METRICS:
+            delta, low, high = r["delta_" + m], r[f"delta_{m}_ci95_low"], r[f"delta_{m}_ci95_high"]
+            if r is rows[0]:
+                cells.append("(base)")
+            elif delta == "":
+                cells.append("")
+            elif low == "":
+                cells.append(f"{delta:+.2f} [needs 2 seeds each]")
+            else:
+                cells.append(f"{delta:+.2f} [{low:+.2f}, {high:+.2f}]")
+        cells += [str(r[c]) for c in refs]
+        lines.append("| " + " | ".join(cells) + " |")
+    if notes:
+        lines += ["", *notes]
+    lines += [
+        "",
+        f"mean ± sample standard deviation over seeds; Δ: change from {rows[0]['variant']} with Welch's t 95% CI",
+    ]
+    return lines
+
+
+def write_results(rows: list[dict], workdir: pathlib.Path, reference_label: str = "reference") -> None:
+    """results.csv, results.md and results.png (validation perplexity and BLEU per variant)."""
+    if not any(row["ref_" + key] != "" for row in rows for key in REFERENCE_METRICS):
+        rows = [{k: v for k, v in row.items() if not k.startswith("ref_")} for row in rows]
+    columns = list(rows[0])
+    with open(workdir / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    (workdir / "results.md").write_text("\n".join(_markdown(rows, columns)) + "\n")
+    _chart(rows, columns, workdir, reference_label)
+
+
+def _chart(rows: list[dict], columns: list[str], workdir: pathlib.Path, reference_label: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["variant"] for r in rows]
+    seeds = "n_seeds" in columns
+    fig, axes = plt.subplots(1, 2, figsize=(12, max(3, 0.35 * len(rows) + 1.5)), dpi=100)
+    if "ref_valid_bleu" not in columns:
+        for ax, key, label in ((axes[0], "valid_perplexity", "validation perplexity"), (axes[1], "valid_bleu", "BLEU")):
+            errors = [_number(r[key + "_std"]) for r in rows] if seeds else None
+            ax.barh(names, [_number(r[key]) for r in rows], xerr=errors, capsize=3, color="tab:blue")
+            ax.set_xlabel(label + (" (mean ± std over seeds)" if seeds else ""))
+    else:
+        # Scales differ (model size, data, steps), so compare each variant's change from the first variant.
+        panels = (
+            (axes[0], "valid_perplexity", lambda x, x0: 100 * (x / x0 - 1), "validation perplexity, % change from "),
+            (axes[1], "valid_bleu", lambda x, x0: x - x0, "BLEU, change in points from "),
+        )
+        positions = range(len(rows))
+        for ax, key, change, label in panels:
+            largest = 0.0
+            for offset, prefix, color, who in ((-0.2, "", "tab:blue", "this run"), (0.2, "ref_", "tab:gray", "")):
+                x0 = _number(rows[0][prefix + key])
+                values = [change(_number(r[prefix + key]), x0) if x0 and r[prefix + key] != "" else 0.0 for r in rows]
+                errors = None
+                if seeds and not prefix and x0:
+                    # Half the Δ interval, in the panel's unit (percent of the first variant's perplexity).
+                    halves = [
+                        (_number(r[f"delta_{key}_ci95_high"]) - _number(r[f"delta_{key}_ci95_low"])) / 2 for r in rows
+                    ]
+                    errors = [change(x0 + h, x0) for h in halves]
+                ax.barh(
+                    [p + offset for p in positions],
+                    values,
+                    height=0.4,
+                    xerr=errors,
+                    capsize=3,
+                    color=color,
+                    label=who or reference_label,
+                )
+                largest = max([largest, *map(abs, values)])
+            ax.axvline(0.0, color="black", linewidth=0.8)
+            ax.set_yticks(list(positions), names)
+            ax.set_xlabel(label + names[0])
+            if key == "valid_perplexity" and largest > 100:
+                # One run that failed to learn (+300%) would flatten every other bar to a sliver.
+                ax.set_xscale("symlog", linthresh=50)
+                ticks = [-50, -25, 0, 25, 50] + [100 * 2**k for k in range(int(math.log2(largest / 100)) + 2)]
+                ax.set_xticks(ticks, [f"{t:+d}" if t else "0" for t in ticks])
+                ax.set_xlabel(label + names[0] + " (linear to ±50%, logarithmic beyond)")
+        axes[0].legend(loc="lower right")
+    for ax in axes:
+        ax.invert_yaxis()
+    axes[1].set_yticklabels([])
+    fig.tight_layout()
+    fig.savefig(workdir / "results.png")
+    plt.close(fig)
+
+
+def _number(value: Any) -> float:
+    return float(value) if value != "" else 0.0
