@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from tests.test_data_pipeline import WordTokenizer
+from tests.test_sweep import fails
 from tests.training_helpers import write_corpus
 from transformer_jax import sweep, sweep_results
 from transformer_jax.errors import ConfigError
@@ -25,15 +26,6 @@ def corpus(tmp_path, monkeypatch) -> pathlib.Path:
     path = write_corpus(tmp_path / "corpus")
     monkeypatch.setenv("TINY_CORPUS", str(path))
     return path
-
-
-def fails(argv: list[str], capsys) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        sweep.main(argv)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and err.startswith(f"{sweep.PROG}: error: "), err
-    return err
 
 
 def test_a_seed_changes_init_dropout_and_data_order_and_the_same_seed_repeats(corpus):
