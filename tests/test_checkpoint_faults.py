@@ -308,7 +308,8 @@ def test_train_py_with_no_readable_checkpoint_prints_one_error_line_and_no_trace
 def test_a_second_run_in_the_same_workdir_is_refused_at_once(trained, corpus, tmp_path):
     workdir = _copy(trained, tmp_path)
     assert not (trained / workdir_lock.LOCK_NAME).exists()  # the first run released its lock
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # a live process of this host
+    # A live process of this host: it waits for its stdin to close, which the test does when it is done.
+    other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
         lock = workdir / workdir_lock.LOCK_NAME
         lock.write_text(json.dumps({"pid": other.pid, "host": socket.gethostname(), "started": "earlier"}))
@@ -319,8 +320,8 @@ def test_a_second_run_in_the_same_workdir_is_refused_at_once(trained, corpus, tm
             loop.train_and_evaluate(_config(corpus), workdir)
         assert _snapshot(workdir) == before  # the lock stays and nothing else is touched
     finally:
-        other.kill()
-        other.wait()
+        other.stdin.close()
+        other.wait(timeout=60)
 
 
 def test_a_lock_of_a_dead_process_is_taken_over_and_one_of_another_host_is_not(tmp_path):
