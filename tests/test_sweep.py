@@ -1,6 +1,7 @@
 """Sweeps: variants validated up front, run one after another, finished ones skipped, results aggregated."""
 
 import csv
+import json
 import pathlib
 
 import pytest
@@ -103,7 +104,13 @@ def test_sweep_runs_skips_finished_variants_and_aggregates(corpus, tmp_path):
     for name in ("base", "pre_ln"):
         assert (workdir / name / "config.json").exists()
         assert (workdir / name / sweep.RESULT_FILE).exists()
+        # The whole validation split (24 lines) decoded with the last checkpoint, hypotheses and scores kept.
+        assert len((workdir / name / sweep.HYPOTHESES_FILE).read_text().splitlines()) == 24
+        report = json.loads((workdir / name / sweep.SCORES_FILE).read_text())
+        assert report["checkpoint_steps"] == [2] and report["lines"] == 24
     rows = list(csv.DictReader(open(workdir / "results.csv")))
+    assert float(rows[1]["valid_bleu"]) == round(report["scores"]["bleu"]["score"], 2)
+    assert rows[1]["paired_seeds"] == "1" and 0 < float(rows[1]["bleu_p"]) <= 1
     assert [r["variant"] for r in rows] == ["base", "pre_ln"]
     assert rows[1]["overrides"] == "model.norm_position=pre"
     assert int(rows[1]["parameters"]) > int(rows[0]["parameters"])  # pre-LN adds two final norms

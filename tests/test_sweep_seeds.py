@@ -108,6 +108,7 @@ def _run(ppl, bleu, finished=True):
         "steps": 4,
         "valid_perplexity": ppl,
         "valid_bleu": bleu,
+        "valid_chrf": bleu + 30.0,
         "tokens_per_s": 100.0,
         "wall_s": 2.0,
         "finished": finished,
@@ -149,13 +150,17 @@ def test_aggregation_gives_mean_std_seed_counts_and_welch_intervals():
 def test_results_table_marks_a_missing_seed_and_gives_intervals(tmp_path):
     sweep_results.write_results(sweep_results.aggregate_seeds(SYNTHETIC, 3), tmp_path)
     table = (tmp_path / "results.md").read_text()
-    assert "| seeds | valid_perplexity | valid_bleu | tokens_per_s | wall_s | Δ valid_perplexity [95% CI] |" in table
     assert (
-        "| base | (none) | 10 | 3 of 3 | 9.00 ± 1.00 | 21.00 ± 1.00 | 100.00 ± 0.00 | 2.00 ± 0.00 | (base) |" in table
+        "| seeds | valid_perplexity | valid_bleu | valid_chrf | tokens_per_s | wall_s | Δ valid_perplexity [95% CI] |"
+        in table
+    )
+    assert (
+        "| base | (none) | 10 | 3 of 3 | 9.00 ± 1.00 | 21.00 ± 1.00 | 51.00 ± 1.00 | 100.00 ± 0.00 | 2.00 ± 0.00 "
+        "| (base) |" in table
     )
     assert "| v | (none) | 10 | 2 of 3 * | 7.50 ± 0.71 |" in table
-    assert "| -2.00 [-4.27, +0.27] | +4.00 [+1.73, +6.27] |" in table  # w
-    assert "* v: seed2 not finished; its means are over 2 seeds" in table
+    assert "| -2.00 [-4.27, +0.27] | +4.00 [+1.73, +6.27] | +4.00 [+1.73, +6.27] |" in table  # w
+    assert "* v: seed2 not finished (trained and decoded); its means are over 2 seeds" in table
     assert "Welch's t 95% CI" in table
     rows = list(csv.DictReader(open(tmp_path / "results.csv")))
     assert [(r["variant"], r["n_seeds"], r["seeds"]) for r in rows] == [
@@ -185,15 +190,13 @@ def test_the_chart_has_error_bars_with_and_without_references(tmp_path, monkeypa
 
 def test_finished_seeds_are_skipped_an_unfinished_one_resumes_and_is_reported(corpus, tmp_path, monkeypatch, capsys):
     """Seed 1 of pre_ln has no result file: only it trains; it stops early, so the results say 1 of 2."""
+    from tests.test_sweep_significance import write_run
     from transformer_jax.training import loop
 
     workdir = tmp_path / "sw"
+    refs = (corpus / "valid.de").read_text(encoding="utf-8").splitlines()
     for name, seed in (("base", 0), ("base", 1), ("pre_ln", 0)):
-        run = workdir / name / f"seed{seed}"
-        run.mkdir(parents=True)
-        ppl = 5.0 + seed + (name == "pre_ln")
-        (run / "metrics.jsonl").write_text(json.dumps({"step": 2, "valid_perplexity": ppl, "valid_bleu": 1.0}) + "\n")
-        (run / sweep.RESULT_FILE).write_text(json.dumps({"name": name, "num_steps": 2, "wall_s": 1.0}))
+        write_run(workdir / name / f"seed{seed}", refs, refs, perplexity=5.0 + seed + (name == "pre_ln"))
     started = []
     monkeypatch.setattr(loop, "train_and_evaluate", lambda config, workdir: started.append(workdir))  # no steps
     assert sweep.main(["--config", CONFIG, "--workdir", str(workdir), "--seeds", "2"]) == 1

@@ -10,6 +10,11 @@ REFERENCE = "made-up numbers"
 
 def get_config(arg: str | None = None):
     config = tiny_train_config(pathlib.Path(os.environ["TINY_CORPUS"]), num_steps=2, eval_every=2)
+    # The sweep decodes every finished run's validation split: greedy, short outputs and one batch keep that to
+    # one small compilation per variant (beam search is tested in tests/test_decoding.py).
+    config.eval.beam_size = 1
+    config.eval.max_extra_len = 4
+    config.eval.batch_size = 32
     return config.lock()
 
 

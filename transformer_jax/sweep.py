@@ -8,8 +8,9 @@ Each variant trains in DIR/<name> with its resolved config saved there; a finish
 interrupted one resumes from its checkpoints. --dry_run lists the variants, --print_commands prints one train.py
 command per variant (for a cluster launcher), --only NAME runs one, --config.KEY=VALUE sets a config value in every
 variant (a shared tokenizer, a data directory), as for train.py. Results are aggregated into DIR/results.csv,
-DIR/results.md and DIR/results.png from the variants' metrics.jsonl. SIGTERM saves the running variant's checkpoint
-and stops the sweep (exit status 1, results so far aggregated); the same command resumes it.
+DIR/results.md and DIR/results.png from the runs' metrics.jsonl and stored validation translations. SIGTERM saves
+the running variant's checkpoint and stops the sweep (exit status 1, results so far aggregated); the same command
+resumes it.
 
 Seeds: --seeds N (or a top-level `SEEDS = N` in the config file; the flag wins) runs every variant N times. Seed i
 (0 .. N-1) sets train.seed and data.shuffle_seed to the config's values plus i, so it changes the parameter init,
@@ -17,6 +18,15 @@ the dropout masks and the data order, and seed i of every variant shares them. W
 DIR/NAME/seed<i> (with N = 1 in DIR/NAME, as before seeds existed); each run is skipped or resumed on its own, and
 --only NAME runs all seeds of NAME. The results then give mean ± standard deviation over the finished seeds with
 Δ and its confidence interval against the first variant (transformer_jax/sweep_results.py says how).
+
+Decoding: after a run's training finishes, the sweep translates the whole validation split with the run's last
+checkpoint, no averaging (as the paper's Table 3), and the config's beam search (config.eval: beam_size, alpha,
+max_extra_len, batch_size), through evaluate.py's path (`evaluation.run.evaluate_model`). The hypotheses and the
+report go in the run directory (valid.hyp, valid_scores.json); a run is finished once both exist, and a finished
+run from before this step gets them on the next invocation. BLEU and chrF in the results come from them, and so
+does the paired bootstrap of each variant against the first (transformer_jax/sweep_significance.py), which
+--aggregate_only recomputes without decoding. SIGTERM while decoding stops the sweep like SIGTERM while training;
+the decoding starts anew next time.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import os
 import pathlib
 import re
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -38,13 +49,16 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from transformer_jax import config_checks
+from transformer_jax import config_checks, sweep_significance
 from transformer_jax.cli import USAGE_STATUS, fail, parse_flags
 from transformer_jax.errors import ConfigError, VariantInterrupted, exit_on_user_error
 from transformer_jax.sweep_results import (
+    HYPOTHESES_FILE,
     REFERENCE_METRICS,
     RESULT_FILE,
+    SCORES_FILE,
     aggregate_seeds,
+    decoded,
     parameter_count,
     run_metrics,
     summarize_variant,
@@ -207,6 +221,40 @@ def run_variant(name: str, config: ml_collections.ConfigDict, workdir: pathlib.P
     return result
 
 
+class _Terminated(Exception):
+    """SIGTERM arrived while a run was decoding."""
+
+
+def _raise_terminated(*_) -> None:
+    raise _Terminated
+
+
+def decode_run(name: str, run_dir: pathlib.Path) -> None:
+    """Translates the whole validation split with a finished run's last checkpoint and stores hypotheses and scores
+    (valid.hyp, then valid_scores.json); skips a run already decoded. SIGTERM raises VariantInterrupted."""
+    from transformer_jax.evaluation.run import Options, evaluate_model
+
+    if decoded(run_dir):
+        return
+    logging.info("sweep: %s: decoding the validation split", name)
+    options = Options(
+        workdir=str(run_dir),
+        split="valid",
+        average_last=1,  # the last checkpoint: the paper's Table 3 averages none
+        output_file=str(run_dir / HYPOTHESES_FILE),
+        scores_file=str(run_dir / SCORES_FILE),
+    )
+    (run_dir / SCORES_FILE).unlink(missing_ok=True)  # a stale report must not pass for the new hypotheses
+    # Unlike training, a decode cannot save its progress; SIGTERM abandons it (hypotheses are written only at its end).
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        evaluate_model(options)
+    except _Terminated:
+        raise VariantInterrupted(f"variant {name} stopped while decoding the validation split") from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 PROG = "python -m transformer_jax.sweep"
 
 
@@ -276,6 +324,7 @@ def _run(fv: flags.FlagValues) -> int:
             logging.info("sweep: variant %s", r.label)
             try:
                 run_variant(r.label, r.config, run_dir(workdir, r, seeds))
+                decode_run(r.label, run_dir(workdir, r, seeds))
             except VariantInterrupted as e:
                 interrupted = e
                 break
@@ -283,6 +332,11 @@ def _run(fv: flags.FlagValues) -> int:
         rows = [summarize_variant(v, variant_dir(workdir, v.name)) for v in all_variants]
     else:
         rows = aggregate_seeds([_seed_runs(v, all_runs[v.name], workdir, seeds) for v in all_variants], seeds)
+    finished = [
+        [d if decoded(d) else None for d in (run_dir(workdir, r, seeds) for r in all_runs[v.name])]
+        for v in all_variants
+    ]
+    rows = sweep_significance.add_significance(rows, finished, _references(all_variants, finished))
     label = getattr(load_config_module(config_arg.partition(":")[0]), "REFERENCE", "reference")
     write_results(rows, workdir, reference_label=label)
     print((workdir / "results.md").read_text())
@@ -290,6 +344,21 @@ def _run(fv: flags.FlagValues) -> int:
         print(f"sweep interrupted: {interrupted}; run the same command to resume it", file=sys.stderr)
         return 1
     return 0
+
+
+def _references(all_variants: list[Variant], finished: list[list[pathlib.Path | None]]) -> list[list[str] | None]:
+    """Each variant's validation references (None for a variant with no finished run), read once per data config."""
+    cache: dict[str, list[str]] = {}
+    out = []
+    for variant, runs_done in zip(all_variants, finished, strict=True):
+        if not any(runs_done):
+            out.append(None)
+            continue
+        key = json.dumps(variant.config.data.to_dict(), sort_keys=True, default=str)
+        if key not in cache:
+            cache[key] = sweep_significance.references_of(variant.config)
+        out.append(cache[key])
+    return out
 
 
 def _seed_runs(variant: Variant, variant_runs: list[Run], workdir: pathlib.Path, seeds: int) -> dict[str, Any]:

@@ -1,18 +1,26 @@
 """A sweep's results: one row per variant in DIR/results.csv, DIR/results.md and DIR/results.png.
 
-One seed per variant: each row holds the variant's last validation perplexity and BLEU, its mean training
-throughput and wall time (a variant still running shows what it has so far).
+Every finished run is decoded on the whole validation split (the sweep does it, with the run's last checkpoint:
+see transformer_jax/sweep.py); its hypotheses and scores stay in the run directory (valid.hyp, valid_scores.json),
+so the results can be rebuilt without decoding again. BLEU and chrF come from those scores (sacreBLEU, every
+validation sentence), perplexity from the last validation of training (also every sentence).
 
-Several seeds per variant (`--seeds N`): only finished runs count. For every metric a row holds the mean over
-seeds (column `<metric>`), the sample standard deviation (`<metric>_std`, ddof=1; empty with one seed) and the
-number of finished seeds (`n_seeds` of `seeds`). A row with a seed missing is marked in results.md ("2 of 3 *")
-and a note below the table names the runs missing; its mean is over the finished seeds only. For validation
-perplexity and BLEU a row also holds Δ = its mean minus the first variant's mean (`delta_<metric>`) with a 95%
-confidence interval (`delta_<metric>_ci95_low/high`): Welch's t interval on the difference of two means, which
-allows unequal variances and unequal numbers of finished seeds (it ignores that seed i of two variants shares
-its init and data order, so it is conservative where that pairing matters). It needs two finished seeds on both
-sides; otherwise the interval is empty. The chart shows mean ± standard deviation as error bars, or, when the
-config file gives published references, the change from the first variant with the Δ interval as error bars.
+One seed per variant: each row holds the variant's last validation perplexity, BLEU and chrF, its mean training
+throughput and wall time (a variant still running shows its perplexity so far).
+
+Several seeds per variant (`--seeds N`): only finished runs (trained and decoded) count. For every metric a row
+holds the mean over seeds (column `<metric>`), the sample standard deviation (`<metric>_std`, ddof=1; empty with
+one seed) and the number of finished seeds (`n_seeds` of `seeds`). A row with a seed missing is marked in
+results.md ("2 of 3 *") and a note below the table names the runs missing; its mean is over the finished seeds
+only. For validation perplexity, BLEU and chrF a row also holds Δ = its mean minus the first variant's mean
+(`delta_<metric>`) with a 95% confidence interval (`delta_<metric>_ci95_low/high`): Welch's t interval on the
+difference of two means, which allows unequal variances and unequal numbers of finished seeds (it ignores that
+seed i of two variants shares its init and data order, so it is conservative where that pairing matters). It
+needs two finished seeds on both sides; otherwise the interval is empty. Whether BLEU and chrF differ from the
+first variant's beyond chance, and whether a change goes the paper's way, is transformer_jax/sweep_significance.py's
+part (columns bleu_p, chrf_p, paired_seeds, paper_direction, paper_direction_by). The chart shows mean ± standard
+deviation as error bars, or, when the config file gives published references, the change from the first variant
+with the Δ interval as error bars.
 """
 
 from __future__ import annotations
@@ -25,10 +33,12 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-RESULT_FILE = "sweep_result.json"
+RESULT_FILE = "sweep_result.json"  # written when a run's training finished
+HYPOTHESES_FILE = "valid.hyp"  # a finished run's translation of the whole validation split
+SCORES_FILE = "valid_scores.json"  # evaluate.py's report on it; written last, so its presence means decoded
 REFERENCE_METRICS = ("valid_perplexity", "valid_bleu")
-METRICS = ("valid_perplexity", "valid_bleu", "tokens_per_s", "wall_s")  # averaged over seeds
-DELTA_METRICS = REFERENCE_METRICS  # compared with the first variant, with a confidence interval
+METRICS = ("valid_perplexity", "valid_bleu", "valid_chrf", "tokens_per_s", "wall_s")  # averaged over seeds
+DELTA_METRICS = ("valid_perplexity", "valid_bleu", "valid_chrf")  # against the first variant, with an interval
 CONFIDENCE = 0.95
 
 
@@ -43,12 +53,23 @@ def parameter_count(config) -> int:
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
+def decoded(run_dir: pathlib.Path) -> bool:
+    """Whether the run finished training and its last checkpoint's validation translation is stored."""
+    result, scores = run_dir / RESULT_FILE, run_dir / SCORES_FILE
+    if not (result.exists() and scores.exists() and (run_dir / HYPOTHESES_FILE).exists()):
+        return False
+    # A run trained further after it was decoded (a larger train.num_steps) needs decoding again.
+    steps = json.loads(result.read_text())["num_steps"]
+    return json.loads(scores.read_text()).get("checkpoint_steps") == [steps]
+
+
 def run_metrics(run_dir: pathlib.Path) -> dict[str, Any]:
-    """steps, valid_perplexity, valid_bleu, tokens_per_s, wall_s of one run directory ("" where absent) and
-    finished (whether its result file exists)."""
+    """steps, valid_perplexity, valid_bleu, valid_chrf, tokens_per_s, wall_s of one run directory ("" where absent)
+    and finished (trained and decoded)."""
     from transformer_jax.training.metrics import read_metrics
 
-    row: dict[str, Any] = {"steps": "", "valid_perplexity": "", "valid_bleu": "", "tokens_per_s": "", "wall_s": ""}
+    row: dict[str, Any] = {key: "" for key in ("steps", "valid_perplexity", "valid_bleu", "valid_chrf")}
+    row.update(tokens_per_s="", wall_s="")
     metrics_file = run_dir / "metrics.jsonl"
     if metrics_file.exists():
         records = read_metrics(metrics_file)
@@ -56,12 +77,13 @@ def run_metrics(run_dir: pathlib.Path) -> dict[str, Any]:
         if train:
             row["steps"] = train[-1]["step"]
             row["tokens_per_s"] = round(sum(r["tokens_per_s"] for r in train) / len(train), 1)
-        for key in REFERENCE_METRICS:
-            found = [r[key] for r in records if key in r]
-            if found:
-                row[key] = round(found[-1], 2)
-    row["finished"] = (run_dir / RESULT_FILE).exists()
+        found = [r["valid_perplexity"] for r in records if "valid_perplexity" in r]
+        if found:
+            row["valid_perplexity"] = round(found[-1], 2)
+    row["finished"] = decoded(run_dir)
     if row["finished"]:
+        scores = json.loads((run_dir / SCORES_FILE).read_text())["scores"]
+        row["valid_bleu"], row["valid_chrf"] = round(scores["bleu"]["score"], 2), round(scores["chrf"]["score"], 2)
         row["wall_s"] = round(json.loads((run_dir / RESULT_FILE).read_text())["wall_s"], 1)
     return row
 
@@ -139,13 +161,35 @@ def aggregate_seeds(variants: Sequence[dict[str, Any]], num_seeds: int) -> list[
 
 
 def _markdown(rows: list[dict], columns: list[str]) -> list[str]:
-    """The results table; several seeds: "mean ± std" cells, "2 of 3 *" for a row with seeds missing, Δ [CI]."""
+    """The results table; several seeds: "mean ± std" cells, "2 of 3 *" for a row with seeds missing, Δ [CI].
+
+    The test columns (bleu_p, chrf_p: p-values marked below 0.05; the paper_direction verdict with its metric) are
+    formatted the same way in both layouts.
+    """
+    from transformer_jax import sweep_significance
+
+    tests = "bleu_p" in columns
+    direction = "paper_direction" in columns
+    hidden = {"bleu_p", "chrf_p", "paired_seeds", "paper_direction", "paper_direction_by"}
+
+    def test_cells(r: dict) -> list[str]:
+        cells = [sweep_significance.format_p(r["bleu_p"]), sweep_significance.format_p(r["chrf_p"])] if tests else []
+        if direction:
+            by = {"bleu": "BLEU", "perplexity": "perplexity"}.get(r["paper_direction_by"], "")
+            cells.append(f"{r['paper_direction']} ({by})" if by else r["paper_direction"])
+        return cells
+
+    test_header = ["BLEU p", "chrF p"] if tests else []
+    direction_header = ["same direction as the paper?"] if direction else []
     if "n_seeds" not in columns:
-        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-        return lines + ["| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows]
+        shown = [c for c in columns if c not in hidden]
+        header = shown + test_header + direction_header
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join([*(str(r[c]) for c in shown), *test_cells(r)]) + " |" for r in rows]
+        return lines + _legend(rows, tests, direction)
     refs = [c for c in columns if c.startswith("ref_")]
     header = ["variant", "overrides", "parameters", "seeds", *METRICS]
-    header += [f"Δ {m} [95% CI]" for m in DELTA_METRICS] + refs
+    header += [f"Δ {m} [95% CI]" for m in DELTA_METRICS] + test_header + refs + direction_header
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     notes = []
     for r in rows:
@@ -153,7 +197,11 @@ def _markdown(rows: list[dict], columns: list[str]) -> list[str]:
         if r["missing_seeds"]:
             seeds += " *"
             missing = ", ".join(f"seed{i}" for i in r["missing_seeds"].split())
-            notes.append(f"* {r['variant']}: {missing} not finished; its means are over {r['n_seeds']} seeds")
+            notes.append(
+                f"* {r['variant']}: {missing} not finished (trained and decoded); its means are over "
+                f"{r['n_seeds']} seeds"
+                + (f", its p-values over the {r['paired_seeds']} seeds it shares with the base" if tests else "")
+            )
         cells = [r["variant"], r["overrides"], str(r["parameters"]), seeds]
         for m in METRICS:
             mean, std = r[m], r[m + "_std"]
@@ -168,7 +216,9 @@ def _markdown(rows: list[dict], columns: list[str]) -> list[str]:
                 cells.append(f"{delta:+.2f} [needs 2 seeds each]")
             else:
                 cells.append(f"{delta:+.2f} [{low:+.2f}, {high:+.2f}]")
+        cells += test_cells(r)[:2] if tests else []
         cells += [str(r[c]) for c in refs]
+        cells += test_cells(r)[-1:] if direction else []
         lines.append("| " + " | ".join(cells) + " |")
     if notes:
         lines += ["", *notes]
@@ -176,13 +226,34 @@ def _markdown(rows: list[dict], columns: list[str]) -> list[str]:
         "",
         f"mean ± sample standard deviation over seeds; Δ: change from {rows[0]['variant']} with Welch's t 95% CI",
     ]
-    return lines
+    return lines + _legend(rows, tests, direction)
+
+
+def _legend(rows: list[dict], tests: bool, direction: bool) -> list[str]:
+    from transformer_jax import sweep_significance
+
+    lines = []
+    if tests:
+        lines.append(
+            f"BLEU p, chrF p: sacreBLEU's paired bootstrap (1000 resamples) of each variant against "
+            f"{rows[0]['variant']} over all validation sentences; {sweep_significance.MARK}: p < "
+            f"{sweep_significance.ALPHA}. With several seeds, seed i is paired with the base's seed i and each "
+            "sentence is resampled with all its seeds' translations (transformer_jax/sweep_significance.py)."
+        )
+    if direction:
+        lines.append(
+            "same direction as the paper?: by BLEU where the paper gives BLEU (significant: p < "
+            f"{sweep_significance.ALPHA}); by perplexity where it gives only perplexity (significant: the 95% CI "
+            "of Δ perplexity excludes 0; untested with fewer than 2 seeds on either side)."
+        )
+    return ["", *lines] if lines else []
 
 
 def write_results(rows: list[dict], workdir: pathlib.Path, reference_label: str = "reference") -> None:
     """results.csv, results.md and results.png (validation perplexity and BLEU per variant)."""
     if not any(row["ref_" + key] != "" for row in rows for key in REFERENCE_METRICS):
-        rows = [{k: v for k, v in row.items() if not k.startswith("ref_")} for row in rows]
+        # No published numbers: neither their columns nor the comparison with them.
+        rows = [{k: v for k, v in row.items() if not k.startswith(("ref_", "paper_direction"))} for row in rows]
     columns = list(rows[0])
     with open(workdir / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)

@@ -6,6 +6,10 @@ for BLEU, chrF and the paper-comparable tokenized BLEU (`bleu.tokenized_bleu`). 
 the tokenized BLEU is the same test with BLEU(tokenize="none") on the tokenized, compound-split lines, i.e. what
 the command prints for those lines with `--tokenize none --force`. The seed is sacreBLEU's: the SACREBLEU_SEED
 environment variable, default 12345, as the command uses it.
+
+`pooled_paired_bootstrap` is the same test for systems trained with several seeds (the sweep's rows): each
+resampled item is one test sentence with every seed's translation of it, its statistics the sum of theirs, so a
+score is the corpus score of all seeds' outputs together and resampling keeps a sentence's seeds together.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 
 from sacrebleu.metrics import BLEU, CHRF
 from sacrebleu.significance import PairedTest
+from sacrebleu.utils import sum_of_lists
 
 from transformer_jax.errors import ScoreError
 from transformer_jax.evaluation import bleu
@@ -62,11 +67,83 @@ def paired_bootstrap(
     return {**out, **tokenized}
 
 
+class _PooledSeeds:
+    """A sacreBLEU metric whose hypotheses are one tuple per sentence (that sentence's translation by each seed) and
+    whose statistics for a sentence are the sum of the seeds' statistics.
+
+    BLEU's and chrF's corpus statistics are sums over sentences, so summing a sentence's seeds first gives the
+    corpus score of all seeds' outputs concatenated, and PairedTest's resampling of items resamples sentences with
+    all their seeds. It overrides sacreBLEU's `_extract_corpus_statistics` (the method PairedTest calls for every
+    system); with one seed the statistics are exactly BLEU's or chrF's own.
+    """
+
+    def _extract_corpus_statistics(self, hypotheses, references):
+        extract = super()._extract_corpus_statistics  # bound here: super() does not work inside the comprehension
+        per_seed = [extract(list(seed), references) for seed in zip(*hypotheses, strict=True)]
+        return [sum_of_lists(seeds) for seeds in zip(*per_seed, strict=True)]
+
+
+class _PooledBLEU(_PooledSeeds, BLEU):
+    pass
+
+
+class _PooledCHRF(_PooledSeeds, CHRF):
+    pass
+
+
+def pooled_paired_bootstrap(
+    baseline_runs: Sequence[Sequence[str]],
+    system_runs: Sequence[Sequence[str]],
+    refs: Sequence[str],
+    *,
+    n_samples: int = N_SAMPLES,
+) -> dict[str, Any]:
+    """sacreBLEU's paired bootstrap of BLEU and chrF over sentences, for systems trained with several seeds.
+
+    `baseline_runs[i]` and `system_runs[i]` are seed i's hypotheses (one line per reference line): seed i of the
+    system is paired with seed i of the baseline, which shared its initialisation seed and data order. A resampled
+    item is a sentence with all its seeds' translations (see `_PooledSeeds`), so the p-value says how often a
+    difference as large as the seed-pooled one would arise from the choice of test sentences. Resampling
+    (sentence, seed) items independently instead would count a sentence's seeds as independent draws and make
+    p-values too small. The differences between seeds themselves are not resampled: the sweep's Welch interval over
+    seeds covers those. With one seed this is `paired_bootstrap`'s BLEU and chrF (the sacrebleu command's numbers).
+
+    Returns {'test', 'n_samples', 'seed', 'seeds', 'identical_outputs', 'bleu', 'chrf'}, each metric as in
+    `paired_bootstrap`; 'score' is the corpus score of all seeds' lines together.
+    """
+    if not baseline_runs or len(baseline_runs) != len(system_runs):
+        raise ScoreError(
+            f"seeds to pair: baseline {len(baseline_runs)}, system {len(system_runs)}; give each system's hypotheses "
+            "for the same seeds, at least one"
+        )
+    refs = list(refs)
+    if not refs:
+        raise ScoreError("no lines to compare: the references are empty")
+    for name, runs in (("baseline", baseline_runs), ("system", system_runs)):
+        for i, hyps in enumerate(runs):
+            if len(hyps) != len(refs):
+                raise ScoreError(
+                    f"{name} seed {i} has {len(hyps)} lines, the references {len(refs)}; "
+                    "each seed needs one line per reference line"
+                )
+    baseline = list(zip(*baseline_runs, strict=True))
+    system = list(zip(*system_runs, strict=True))
+    out: dict[str, Any] = {
+        "test": TEST_NAME + ", sentences resampled with all their seeds",
+        "n_samples": n_samples,
+        "seed": _seed(),
+        "seeds": len(baseline_runs),
+        "identical_outputs": baseline == system,
+    }
+    out.update(_run({"bleu": _PooledBLEU(), "chrf": _PooledCHRF()}, baseline, system, refs, n_samples))
+    return out
+
+
 def _seed() -> str:
     return os.environ.get("SACREBLEU_SEED", "12345").lower()  # how PairedTest reads it
 
 
-def _run(metrics: dict[str, Any], baseline: list[str], system: list[str], refs: list[str], n: int) -> dict[str, Any]:
+def _run(metrics: dict[str, Any], baseline: list, system: list, refs: list[str], n: int) -> dict[str, Any]:
     keys = list(metrics)
     logger = logging.getLogger("sacrebleu")  # it logs each step at INFO, which absl's handler would print
     level = logger.level

@@ -1,0 +1,288 @@
+"""Sweep statistics from stored hypotheses: the seed-pooled paired bootstrap, p-value marks, the paper-direction
+verdict, and decoding the validation split after training (resuming runs finished before that step existed).
+
+Run directories are written by hand here (hypotheses, scores, metrics), so no test in this file trains a model.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import pathlib
+import random
+import signal
+
+import pytest
+
+from tests.test_sweep import fails
+from tests.training_helpers import write_corpus
+from transformer_jax import sweep, sweep_significance
+from transformer_jax.errors import ScoreError
+from transformer_jax.evaluation import bleu, significance
+from transformer_jax.sweep_results import HYPOTHESES_FILE, RESULT_FILE, SCORES_FILE, aggregate_seeds, run_metrics
+
+CONFIG = str(pathlib.Path(__file__).resolve().parent / "tiny_sweep_config.py")
+WORDS = "der die das ein eine Hund Katze Mann Frau läuft springt sitzt über den Zaun im Park auf dem Rasen".split()
+
+
+@pytest.fixture
+def corpus(tmp_path, monkeypatch) -> pathlib.Path:
+    path = write_corpus(tmp_path / "corpus")
+    monkeypatch.setenv("TINY_CORPUS", str(path))
+    return path
+
+
+def noisy(refs: list[str], p: float, seed: int) -> list[str]:
+    """The references with each word replaced by a random one with probability p: a system of known quality."""
+    rng = random.Random(seed)
+    return [" ".join(w if rng.random() > p else rng.choice(WORDS) for w in line.split()) for line in refs]
+
+
+REFS = noisy([" ".join(random.Random(i).choices(WORDS, k=3 + i % 8)) for i in range(60)], 0.0, 0)
+
+
+def write_run(directory: pathlib.Path, hyps: list[str], refs: list[str], perplexity: float, steps: int = 2) -> None:
+    """A finished, decoded run as the sweep leaves it."""
+    directory.mkdir(parents=True)
+    (directory / "metrics.jsonl").write_text(json.dumps({"step": steps, "valid_perplexity": perplexity}) + "\n")
+    (directory / RESULT_FILE).write_text(json.dumps({"name": directory.name, "num_steps": steps, "wall_s": 1.0}))
+    (directory / HYPOTHESES_FILE).write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+    report = {"checkpoint_steps": [steps], "scores": bleu.score_all(hyps, refs)}
+    (directory / SCORES_FILE).write_text(json.dumps(report))
+
+
+def test_with_one_seed_the_pooled_bootstrap_is_sacrebleus_paired_bootstrap():
+    a, b = noisy(REFS, 0.5, 1), noisy(REFS, 0.3, 2)
+    pooled, plain = significance.pooled_paired_bootstrap([a], [b], REFS), significance.paired_bootstrap(a, b, REFS)
+    for key in ("bleu", "chrf"):
+        assert pooled[key] == plain[key]  # scores, bootstrap means and intervals, p-value, signature
+
+
+def test_pooled_scores_are_the_corpus_scores_of_all_seeds_together():
+    from sacrebleu.metrics import BLEU, CHRF
+
+    base = [noisy(REFS, 0.5, s) for s in (1, 2)]
+    system = [noisy(REFS, 0.3, s) for s in (3, 4)]
+    result = significance.pooled_paired_bootstrap(base, system, REFS)
+    assert result["seeds"] == 2
+    assert result["bleu"]["system"]["score"] == pytest.approx(
+        BLEU().corpus_score(system[0] + system[1], [REFS * 2]).score
+    )
+    assert result["chrf"]["baseline"]["score"] == pytest.approx(
+        CHRF().corpus_score(base[0] + base[1], [REFS * 2]).score
+    )
+    with pytest.raises(ScoreError, match="system seed 1 has 59 lines, the references 60"):
+        significance.pooled_paired_bootstrap(base, [system[0], system[1][1:]], REFS)
+    with pytest.raises(ScoreError, match="seeds to pair: baseline 2, system 1"):
+        significance.pooled_paired_bootstrap(base, system[:1], REFS)
+
+
+def test_a_sentences_seeds_are_resampled_together():
+    """Two seeds that wrote the same lines carry no more evidence than one: the p-value stays that of one seed.
+    Resampling the 2N (sentence, seed) lines independently would count each sentence twice and lower it."""
+    a, b = noisy(REFS, 0.5, 1), noisy(REFS, 0.4, 2)
+    one, two = (
+        significance.pooled_paired_bootstrap([a], [b], REFS),
+        significance.pooled_paired_bootstrap([a, a], [b, b], REFS),
+    )
+    assert 0.01 < one["bleu"]["p_value"] == two["bleu"]["p_value"]
+    assert one["chrf"]["p_value"] == two["chrf"]["p_value"]
+    assert significance.paired_bootstrap(a + a, b + b, REFS * 2)["bleu"]["p_value"] < one["bleu"]["p_value"]
+    # Every seed's lines count in every resample: the order of the seeds changes nothing.
+    a2, b2 = noisy(REFS, 0.5, 3), noisy(REFS, 0.4, 4)
+    forward = significance.pooled_paired_bootstrap([a, a2], [b, b2], REFS)
+    backward = significance.pooled_paired_bootstrap([a2, a], [b2, b], REFS)
+    for key in ("bleu", "chrf"):
+        assert forward[key]["system"]["mean"] == pytest.approx(backward[key]["system"]["mean"], abs=1e-4)
+        assert forward[key]["p_value"] == backward[key]["p_value"]
+
+
+@pytest.mark.parametrize(
+    "ours,paper,significant,verdict",
+    [(1.0, 0.5, True, "yes"), (-1.0, 0.5, True, "no"), (1.0, 0.0, True, "no"), (-1.0, 0.5, False, "not significant")],
+)
+def test_direction(ours, paper, significant, verdict):
+    assert sweep_significance.direction(ours, paper, significant) == verdict
+
+
+def _rows(tmp_path: pathlib.Path, systems: dict[str, list[list[str] | None]], refs: list[str]):
+    """aggregate_seeds rows and finished run directories of synthetic variants; None: a seed that did not finish."""
+    entries, finished = [], []
+    for name, seeds in systems.items():
+        dirs = []
+        for i, hyps in enumerate(seeds):
+            if hyps is not None:
+                write_run(tmp_path / name / f"seed{i}", hyps, refs, perplexity=10.0 + i)
+            dirs.append(tmp_path / name / f"seed{i}")
+        runs = [run_metrics(d) for d in dirs]
+        entries.append({"variant": name, "overrides": "(none)", "parameters": 1, "runs": runs})
+        finished.append([d if r["finished"] else None for d, r in zip(dirs, runs, strict=True)])
+    return aggregate_seeds(entries, 3), finished
+
+
+def test_p_values_on_systems_with_known_answers(tmp_path):
+    base = [noisy(REFS, 0.5, s) for s in range(3)]
+    rows, finished = _rows(
+        tmp_path,
+        {
+            "base": base,
+            "same": base,  # identical outputs: no difference at all
+            "alike": [noisy(REFS, 0.5, s) for s in (10, 11, 12)],  # other lines of the same quality
+            "perfect": [REFS, REFS, None],  # equal to the references; seed 2 missing
+        },
+        REFS,
+    )
+    rows = sweep_significance.add_significance(rows, finished, [REFS] * 4)
+    by_name = {r["variant"]: r for r in rows}
+    assert by_name["base"]["bleu_p"] == "" and by_name["base"]["paired_seeds"] == ""
+    assert (by_name["same"]["bleu_p"], by_name["same"]["chrf_p"], by_name["same"]["paired_seeds"]) == (1.0, 1.0, 3)
+    assert by_name["alike"]["bleu_p"] > 0.05 and by_name["alike"]["chrf_p"] > 0.05
+    perfect = by_name["perfect"]
+    assert perfect["bleu_p"] < 0.05 and perfect["chrf_p"] < 0.05 and perfect["paired_seeds"] == 2
+    assert perfect["n_seeds"] == 2 and perfect["missing_seeds"] == "2"
+    assert sweep_significance.format_p(perfect["bleu_p"]).endswith(" †")
+    assert sweep_significance.format_p(0.5) == "0.500" and sweep_significance.format_p("") == ""
+    # No paper numbers: no verdict.
+    assert all(r["paper_direction"] == "" for r in rows)
+
+
+def test_paper_direction_by_bleu_and_by_perplexity(tmp_path):
+    base = [noisy(REFS, 0.5, s) for s in range(3)]
+    rows, finished = _rows(
+        tmp_path,
+        {
+            "base": base,
+            "better": [REFS] * 3,
+            "same": base,
+            "ppl_only": base,
+            "one_seed": [REFS, None, None],
+            "not_run": [None] * 3,
+        },
+        REFS,
+    )
+    papers = {
+        "base": (5.0, 25.0),
+        "better": (5.5, 24.0),
+        "same": (4.0, 27.0),
+        "ppl_only": (6.0, ""),
+        "one_seed": (6.0, ""),
+        "not_run": (6.0, 24.0),
+    }
+    for row in rows:
+        row["ref_valid_perplexity"], row["ref_valid_bleu"] = papers[row["variant"]]
+    rows[3]["delta_valid_perplexity"] = 2.0  # ppl_only: a significant rise, as the paper's 5.0 -> 6.0
+    rows[3]["delta_valid_perplexity_ci95_low"], rows[3]["delta_valid_perplexity_ci95_high"] = 0.5, 3.5
+    rows = sweep_significance.add_significance(rows, finished, [REFS] * 5 + [None])
+    verdicts = {r["variant"]: (r["paper_direction"], r["paper_direction_by"]) for r in rows}
+    assert verdicts == {
+        "base": ("", ""),
+        "better": ("no", "bleu"),  # significantly better here, worse in the paper
+        "same": ("not significant", "bleu"),
+        "ppl_only": ("yes", "perplexity"),
+        "one_seed": ("untested", "perplexity"),  # one seed: no interval
+        "not_run": ("", ""),  # nothing finished yet: nothing to judge
+    }
+
+
+def test_a_hypothesis_file_of_the_wrong_length_is_one_clear_error(tmp_path):
+    rows, finished = _rows(tmp_path, {"base": [REFS], "v": [REFS]}, REFS)
+    (tmp_path / "v" / "seed0" / HYPOTHESES_FILE).write_text("one line\n")
+    with pytest.raises(ScoreError, match=r"v/seed0/valid.hyp has 1 lines, the validation split 60; delete .*valid_sco"):
+        sweep_significance.add_significance(rows, finished, [REFS, REFS])
+
+
+def _tiny_refs(corpus: pathlib.Path) -> list[str]:
+    return (corpus / "valid.de").read_text(encoding="utf-8").splitlines()
+
+
+def test_aggregate_only_recomputes_the_tests_from_stored_hypotheses(corpus, tmp_path, monkeypatch):
+    """--aggregate_only neither trains nor decodes; the table gets p-values, marks and the paper verdicts."""
+    from transformer_jax.evaluation import run
+    from transformer_jax.training import loop
+
+    monkeypatch.setattr(loop, "train_and_evaluate", lambda *a: pytest.fail("trained"))
+    monkeypatch.setattr(run, "evaluate_model", lambda *a: pytest.fail("decoded"))
+    refs = _tiny_refs(corpus)
+    workdir = tmp_path / "sw"
+    for i in range(3):
+        write_run(workdir / "base" / f"seed{i}", noisy(refs, 0.6, i), refs, perplexity=9.0 + i)
+        if i < 2:  # pre_ln's seed 2 never finished
+            write_run(workdir / "pre_ln" / f"seed{i}", refs, refs, perplexity=3.0 + i)
+    assert sweep.main(["--config", CONFIG, "--workdir", str(workdir), "--seeds", "3", "--aggregate_only"]) == 0
+    rows = list(csv.DictReader(open(workdir / "results.csv")))
+    assert [r["paired_seeds"] for r in rows] == ["", "2"] and float(rows[1]["bleu_p"]) < 0.05
+    assert float(rows[1]["valid_bleu"]) == 100.0 and rows[1]["n_seeds"] == "2"
+    # pre_ln has only a paper perplexity (4.5 against 5.0): judged by the perplexity interval (two seeds each).
+    assert (rows[1]["paper_direction"], rows[1]["paper_direction_by"]) == ("yes", "perplexity")
+    table = (workdir / "results.md").read_text()
+    assert "| BLEU p | chrF p | ref_valid_perplexity | ref_valid_bleu | same direction as the paper? |" in table
+    assert " † | " in table and "| yes (perplexity) |" in table
+    assert "its p-values over the 2 seeds it shares with the base" in table
+
+
+def test_finished_runs_without_hypotheses_are_decoded_and_not_retrained(corpus, tmp_path, monkeypatch):
+    """A run finished before the sweep decoded (no valid.hyp) gets decoded on the next invocation; decoded runs and
+    the training are left alone."""
+    from transformer_jax.evaluation import run
+    from transformer_jax.training import loop
+
+    refs = _tiny_refs(corpus)
+    workdir = tmp_path / "sw"
+    write_run(workdir / "base", refs, refs, perplexity=5.0)
+    old = workdir / "pre_ln"  # an old-style finished run: metrics and result file only
+    old.mkdir()
+    (old / "metrics.jsonl").write_text(json.dumps({"step": 2, "valid_perplexity": 6.0, "valid_bleu": 1.0}) + "\n")
+    (old / RESULT_FILE).write_text(json.dumps({"name": "pre_ln", "num_steps": 2, "wall_s": 1.0}))
+    decodes = []
+
+    def fake_decode(options):
+        decodes.append(options)
+        write_run(tmp_path / "decoded", noisy(refs, 0.5, 0), refs, perplexity=6.0)
+        for name in (HYPOTHESES_FILE, SCORES_FILE):
+            pathlib.Path(options.workdir, name).write_bytes((tmp_path / "decoded" / name).read_bytes())
+
+    monkeypatch.setattr(loop, "train_and_evaluate", lambda *a: pytest.fail("trained a finished run"))
+    monkeypatch.setattr(run, "evaluate_model", fake_decode)
+    assert sweep.main(["--config", CONFIG, "--workdir", str(workdir)]) == 0
+    [options] = decodes
+    assert (options.workdir, options.split, options.average_last) == (str(old), "valid", 1)
+    assert (options.output_file, options.scores_file) == (str(old / HYPOTHESES_FILE), str(old / SCORES_FILE))
+    rows = list(csv.DictReader(open(workdir / "results.csv")))
+    assert rows[1]["valid_bleu"] != "1.0" and float(rows[1]["bleu_p"]) < 0.05  # full-split BLEU, not training's
+    assert sweep.main(["--config", CONFIG, "--workdir", str(workdir)]) == 0
+    assert len(decodes) == 1  # decoded once
+
+
+def test_sigterm_while_decoding_stops_the_sweep_and_leaves_the_run_undecoded(corpus, tmp_path, monkeypatch, capsys):
+    from transformer_jax.evaluation import run
+    from transformer_jax.training import loop
+
+    workdir = tmp_path / "sw"
+    for name in ("base", "pre_ln"):
+        (workdir / name).mkdir(parents=True)
+        (workdir / name / RESULT_FILE).write_text(json.dumps({"name": name, "num_steps": 2, "wall_s": 1.0}))
+    monkeypatch.setattr(loop, "train_and_evaluate", lambda *a: pytest.fail("trained a finished run"))
+    monkeypatch.setattr(run, "evaluate_model", lambda options: os.kill(os.getpid(), signal.SIGTERM))
+    before = signal.getsignal(signal.SIGTERM)
+    assert sweep.main(["--config", CONFIG, "--workdir", str(workdir)]) == 1
+    assert "variant base stopped while decoding the validation split; run the same command" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert not (workdir / "base" / SCORES_FILE).exists()
+
+
+def test_a_stored_decode_of_an_earlier_step_count_is_not_used(tmp_path):
+    refs = REFS
+    write_run(tmp_path / "r", refs, refs, perplexity=5.0, steps=2)
+    assert run_metrics(tmp_path / "r")["finished"]
+    (tmp_path / "r" / RESULT_FILE).write_text(json.dumps({"name": "r", "num_steps": 4, "wall_s": 1.0}))
+    metrics = run_metrics(tmp_path / "r")
+    assert not metrics["finished"] and metrics["valid_bleu"] == ""
+
+
+def test_hypothesis_errors_in_aggregate_only_are_one_line(corpus, tmp_path, capsys):
+    refs = _tiny_refs(corpus)
+    write_run(tmp_path / "sw" / "base", refs, refs, perplexity=5.0)
+    write_run(tmp_path / "sw" / "pre_ln", refs[1:], refs[1:], perplexity=5.0)
+    err = fails(["--config", CONFIG, "--workdir", str(tmp_path / "sw"), "--aggregate_only"], capsys)
+    assert "pre_ln/valid.hyp has 23 lines, the validation split 24" in err
