@@ -33,8 +33,10 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from transformer_jax import sweep_significance
+from transformer_jax.sweep_significance import HYPOTHESES_FILE
+
 RESULT_FILE = "sweep_result.json"  # written when a run's training finished
-HYPOTHESES_FILE = "valid.hyp"  # a finished run's translation of the whole validation split
 SCORES_FILE = "valid_scores.json"  # evaluate.py's report on it; written last, so its presence means decoded
 REFERENCE_METRICS = ("valid_perplexity", "valid_bleu")
 METRICS = ("valid_perplexity", "valid_bleu", "valid_chrf", "tokens_per_s", "wall_s")  # averaged over seeds
@@ -166,8 +168,6 @@ def _markdown(rows: list[dict], columns: list[str]) -> list[str]:
     The test columns (bleu_p, chrf_p: p-values marked below 0.05; the paper_direction verdict with its metric) are
     formatted the same way in both layouts.
     """
-    from transformer_jax import sweep_significance
-
     tests = "bleu_p" in columns
     direction = "paper_direction" in columns
     hidden = {"bleu_p", "chrf_p", "paired_seeds", "paper_direction", "paper_direction_by"}
@@ -230,8 +230,6 @@ def _markdown(rows: list[dict], columns: list[str]) -> list[str]:
 
 
 def _legend(rows: list[dict], tests: bool, direction: bool) -> list[str]:
-    from transformer_jax import sweep_significance
-
     lines = []
     if tests:
         lines.append(
