@@ -368,3 +368,23 @@ def test_blockwise_long_sequence_memory_is_linear() -> None:
 
     assert peak("blockwise", 16384) / peak("blockwise", 2048) <= 9
     assert peak("xla", 4096) / peak("xla", 2048) >= 3
+
+
+@pytest.mark.parametrize("impl", ["xla", "blockwise", "linear"])
+def test_heads_first_keys_give_the_same_attention(impl):
+    # The decoding cache's layout: one query per row against heads-first keys, with padding and causality by
+    # position, as a decode step sees them; grouped heads (4 query heads on 2 key/value heads).
+    kq, kk, kv = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(kq, (3, 1, 4, 8))
+    k = jax.random.normal(kk, (3, 6, 2, 8))
+    v = jax.random.normal(kv, (3, 6, 2, 8))
+    masking = dict(
+        q_segment_ids=jnp.ones((3, 1), jnp.int32),
+        kv_segment_ids=jnp.array([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0]]),
+        causal=True,
+        q_positions=jnp.array([[4], [2], [5]]),
+        kv_positions=jnp.broadcast_to(jnp.arange(6), (3, 6)),
+    )
+    expected = ops.attention(q, k, v, impl=impl, **masking)
+    got = ops.attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), impl=impl, kv_heads_first=True, **masking)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)

@@ -12,6 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from tests.model_helpers import random_tokens, tiny_model
@@ -113,6 +114,31 @@ def test_exhaustive_beam_equals_brute_force_and_length_penalty_changes_the_winne
     assert winners[0.6, 1] != winners[2.0, 1]
 
 
+@functools.partial(jax.jit, static_argnames=("beam_size", "max_steps", "table_seed"))
+def _stub_beam_best_only(seeds_B, max_len_B, alpha, *, beam_size, max_steps, table_seed):
+    cache = {"h": seeds_B, "calls": jnp.zeros((), jnp.int32)}
+    step = hash_stub(hash_table(table_seed))
+    return decoding.beam_search(
+        step, cache, max_len_B, beam_size=beam_size, alpha=alpha, max_steps=max_steps, best_only=True
+    )
+
+
+def test_best_only_stops_early_with_the_full_searchs_best_hypothesis():
+    seeds = np.arange(40)
+    max_lens = 3 + seeds % 6  # 3..8 tokens
+    stopped_early = 0
+    for alpha in (0.0, 0.6, 2.0):
+        for table_seed in (1, 2):
+            kw = dict(beam_size=3, max_steps=8, table_seed=table_seed)
+            full = _stub_beam(seeds, max_lens, alpha, **kw)
+            best = _stub_beam_best_only(seeds, max_lens, alpha, **kw)
+            np.testing.assert_array_equal(best.tokens[:, 0], full.tokens[:, 0])
+            np.testing.assert_allclose(best.scores[:, 0], full.scores[:, 0], rtol=1e-6)
+            np.testing.assert_array_equal(best.lengths[:, 0], full.lengths[:, 0])
+            stopped_early += int(np.sum(np.asarray(best.lengths[:, 1:]) < np.asarray(full.lengths[:, 1:])))
+    assert stopped_early > 0  # some worse beams were left where they stood
+
+
 def test_small_beam_length_penalty_decides_between_short_and_long():
     # Step 0: P(EOS) = P(a) = 0.5; after "a": P(EOS) = 0.98. "EOS" has the higher probability (0.5 > 0.49), but
     # with alpha = 0.6, log 0.49 / lp(2) = -0.650 beats log 0.5 / lp(1) = -0.693.
@@ -205,10 +231,10 @@ def _cached_steps(graphdef, state, src_BS, tokens_RT, perms_TR, *, beam_size, ma
     """Feeds tokens_RT step by step through cached_decode_step, reordering the cache rows by perms_TR first."""
     model = nnx.merge(graphdef, state)
     seg = unpacked_segment_ids(src_BS)
-    step, cache = decoding.cached_decode_step(
+    step, cache, grow = decoding.cached_decode_step(
         model, model.encode(src_BS, seg), seg, beam_size=beam_size, max_steps=max_steps
     )
-    cache = decoding.tile_beams(cache, beam_size)
+    cache = decoding.tile_beams(grow(cache, max_steps), beam_size)
 
     def body(cache, xs):
         tokens_R, perm_R = xs
@@ -287,8 +313,8 @@ def test_beam_search_on_model_scores_equal_full_recompute_log_probs():
 def _model_beam1(graphdef, state, src_BS, max_len_B, *, max_steps):
     model = nnx.merge(graphdef, state)
     seg = unpacked_segment_ids(src_BS)
-    step, cache = decoding.cached_decode_step(model, model.encode(src_BS, seg), seg, beam_size=1, max_steps=max_steps)
-    return decoding.beam_search(step, cache, max_len_B, beam_size=1, alpha=0.6, max_steps=max_steps)
+    d = decoding.cached_decode_step(model, model.encode(src_BS, seg), seg, beam_size=1, max_steps=max_steps)
+    return decoding.beam_search(d.step, d.cache, max_len_B, beam_size=1, alpha=0.6, max_steps=max_steps, grow=d.grow)
 
 
 def test_beam_size_one_equals_greedy_on_model_and_search_runs_without_dropout():
@@ -339,3 +365,41 @@ def test_translate_keeps_order_empty_lines_and_is_independent_of_batching():
     for out, sentence in zip(outputs, sentences, strict=True):
         if sentence.strip():
             assert len(out) <= min(len(sentence) + 1, 16) + 5
+
+
+def test_cache_stages_double_then_end_at_max_steps():
+    assert decoding.cache_stages(114) == [16, 32, 64, 114]
+    assert decoding.cache_stages(66) == [16, 32, 66]  # 64 would leave a 2-slot last stage
+    assert decoding.cache_stages(16) == [16]
+    assert decoding.cache_stages(5) == [5]
+    assert decoding.cache_stages(17) == [16, 17]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "beam_size", "max_steps", "staged"))
+def _search_without_eos(graphdef, state, src_BS, max_len_B, *, beam_size, max_steps, staged):
+    """Beam search with EOS masked (outputs run to max_len_B, across stages), staged or over one full-size cache."""
+    model = nnx.merge(graphdef, state)
+    seg = unpacked_segment_ids(src_BS)
+    d = decoding.cached_decode_step(model, model.encode(src_BS, seg), seg, beam_size=beam_size, max_steps=max_steps)
+
+    def step(tokens, cache):
+        logits, cache = d.step(tokens, cache)
+        return logits.at[..., EOS].set(-jnp.inf), cache
+
+    cache, grow = (d.cache, d.grow) if staged else (d.grow(d.cache, max_steps), None)
+    return decoding.beam_search(step, cache, max_len_B, beam_size=beam_size, alpha=0.6, max_steps=max_steps, grow=grow)
+
+
+@pytest.mark.parametrize("beam_size", [pytest.param(1, marks=pytest.mark.slow), 3])
+def test_search_in_cache_stages_equals_one_full_size_cache(beam_size):
+    # Outputs end inside the first (3 tokens), second (20) and last (40, 48) of the stages 16, 32, 48.
+    model, src, max_len = _model(), _source(4, 7), jnp.array([48, 3, 20, 40])
+    graphdef, state = nnx.split(model)
+    staged, full = (
+        _search_without_eos(graphdef, state, src, max_len, beam_size=beam_size, max_steps=48, staged=staged)
+        for staged in (True, False)
+    )
+    assert decoding.cache_stages(48) == [16, 32, 48]
+    np.testing.assert_array_equal(staged.lengths[:, 0], max_len)
+    np.testing.assert_array_equal(staged.tokens, full.tokens)
+    np.testing.assert_allclose(staged.scores, full.scores, rtol=1e-5, atol=1e-6)

@@ -29,6 +29,36 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
+# The rules of what is decoded, shared with every other engine that must decode exactly as we do
+# (exporting/ctranslate2.py).
+
+
+def source_ids(tokenizer: Tokenizer, sentence: str, max_input_len: int) -> tuple[list[int] | None, bool]:
+    """(ids then EOS, cut to max_input_len - 1 ids + EOS; None for a blank line, which is not decoded), was_cut."""
+    if not sentence.strip():
+        return None, False
+    ids = list(tokenizer.encode(sentence))
+    cut = len(ids) + 1 > max_input_len
+    return (ids[: max_input_len - 1] if cut else ids) + [EOS_ID], cut
+
+
+def position_limit(spec: Any) -> int | None:
+    """The most positions the model can encode or decode: a learned table's rows; None (no limit) otherwise."""
+    return spec.max_len if spec.positional == "learned" else None
+
+
+def input_limit(max_input_len: int, position_limit: int | None) -> int:
+    """The most source tokens (EOS included) kept: max_input_len, and no more than a learned table has rows."""
+    return max_input_len if position_limit is None else min(max_input_len, position_limit)
+
+
+def output_limit(source_len: int, max_extra_len: int, position_limit: int | None) -> int:
+    """The most tokens an output may have, EOS included: source tokens (EOS included) + max_extra_len, and no more
+    than a learned position table has rows (`position_limit`; None for sinusoidal positions)."""
+    limit = source_len + max_extra_len
+    return limit if position_limit is None else min(limit, position_limit)
+
+
 def translate(
     model: nnx.Module,
     tokenizer: Tokenizer,
@@ -54,21 +84,18 @@ def translate(
             f"beam_size, batch_size, max_extra_len must be >= 1; got {beam_size}, {batch_size}, {max_extra_len}"
         )
     start = time.perf_counter()
-    position_limit = model.spec.max_len if model.spec.positional == "learned" else None
-    if position_limit is not None:
-        max_input_len = min(max_input_len, position_limit)  # a learned position table has no rows beyond
+    limit = position_limit(model.spec)
+    max_input_len = input_limit(max_input_len, limit)
 
     outputs = [""] * len(sentences)
     sources: dict[int, list[int]] = {}
     truncated_lines = []
     for i, sentence in enumerate(sentences):
-        if not sentence.strip():
-            continue
-        ids = list(tokenizer.encode(sentence))
-        if len(ids) + 1 > max_input_len:
-            ids = ids[: max_input_len - 1]
+        ids, cut = source_ids(tokenizer, sentence, max_input_len)
+        if ids is not None:
+            sources[i] = ids
+        if cut:
             truncated_lines.append(i + 1)
-        sources[i] = ids + [EOS_ID]
 
     order = sorted(sources, key=lambda i: len(sources[i]))
     batches = [order[j : j + batch_size] for j in range(0, len(order), batch_size)]
@@ -88,18 +115,17 @@ def translate(
         from tqdm import tqdm
 
         bar = tqdm(total=len(order), desc="translating", unit="sent", file=sys.stderr)
+    search = decoding.searcher(model)
     for rows in batches:
         src_len = padded_eval_length(max(len(sources[i]) for i in rows), max_input_len)
-        max_steps = src_len + max_extra_len
-        if position_limit is not None:
-            max_steps = min(max_steps, position_limit)
+        max_steps = output_limit(src_len, max_extra_len, limit)
         src_BS = np.full((batch_size, src_len), PAD_ID, np.int32)
         src_BS[:, 0] = EOS_ID  # dummy rows: an empty source, decoded for one step and dropped
         max_len_B = np.ones((batch_size,), np.int32)
         for r, i in enumerate(rows):
             src_BS[r, : len(sources[i])] = sources[i]
-            max_len_B[r] = min(len(sources[i]) + max_extra_len, max_steps)
-        result = decoding.search(model, src_BS, max_len_B, beam_size=beam_size, alpha=alpha, max_steps=max_steps)
+            max_len_B[r] = output_limit(len(sources[i]), max_extra_len, limit)
+        result = search(src_BS, max_len_B, beam_size=beam_size, alpha=alpha, max_steps=max_steps)
         tokens_BL = np.asarray(result.tokens[:, 0])
         lengths_B = np.asarray(result.lengths[:, 0])
         stats["shapes"].add((batch_size, src_len, max_steps))

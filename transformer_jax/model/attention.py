@@ -21,7 +21,9 @@ class MultiHeadAttention(nnx.Module):
 
     The module never knows which kernel runs: it calls `ops.attention(..., impl=spec.attention_impl)`.
     Set `capture_weights = True` to sow the attention weights [B, N, T, S] as `nnx.Intermediate`
-    (computed with the materialising `xla` reference, whatever the configured kernel).
+    (computed with the materialising `xla` reference, whatever the configured kernel), and
+    `capture_intermediates = True` to sow Q, K, V, the heads' outputs and the projected output (for
+    transformer_jax.explanation). Both are off by default, so training and decoding trace exactly as without them.
     """
 
     def __init__(self, spec: TransformerSpec, *, rngs: nnx.Rngs):
@@ -36,6 +38,7 @@ class MultiHeadAttention(nnx.Module):
         self.impl = spec.attention_impl
         self.window = spec.window
         self.capture_weights = False
+        self.capture_intermediates = False
 
     def project_kv(self, x_BSD: Array) -> tuple[Array, Array]:
         """K = X W^K and V = X W^V, split into heads: [B, S, K, H] and [B, S, K, E]."""
@@ -54,12 +57,18 @@ class MultiHeadAttention(nnx.Module):
         q_positions: Array | None,
         kv_positions: Array | None,
         causal: bool,
+        kv_heads_first: bool = False,
     ) -> Array:
-        """Attends queries from x to precomputed (K, V) heads; returns [B, T, D]."""
+        """Attends queries from x to precomputed (K, V) heads; returns [B, T, D].
+
+        kv is ([B, S, K, H], [B, S, K, E]) as project_kv returns them, or heads-first ([B, K, S, H], [B, K, S, E])
+        with kv_heads_first, the layout of the decoding cache (see ops/attention.py for why).
+        """
         batch, length, _ = x_BTD.shape
         q_BTNH = self.q_proj(x_BTD).reshape(batch, length, self.num_heads, self.d_qk)
         k_BSKH, v_BSKE = kv
         masking = dict(
+            kv_heads_first=kv_heads_first,
             q_segment_ids=q_segment_ids,
             kv_segment_ids=kv_segment_ids,
             causal=causal,
@@ -82,20 +91,49 @@ class MultiHeadAttention(nnx.Module):
                 self.sow(nnx.Intermediate, "attention_weights", weights_BNTS)
         else:
             out_BTNE = ops.attention(q_BTNH, k_BSKH, v_BSKE, impl=self.impl, **masking)
-        return self.o_proj(out_BTNE.reshape(batch, length, self.num_heads * self.d_v))
+        out_BTD = self.o_proj(out_BTNE.reshape(batch, length, self.num_heads * self.d_v))
+        if self.capture_intermediates:
+            for name, value in (("q", q_BTNH), ("k", k_BSKH), ("v", v_BSKE), ("heads", out_BTNE), ("output", out_BTD)):
+                self.sow(nnx.Intermediate, name, value)
+        return out_BTD
+
+
+# The decoding caches hold keys and values heads-first, k [B, K, L, H] and v [B, K, L, E]: slots on axis 2.
+CACHE_SLOT_AXIS = 2
+
+
+def heads_first(x_BSKH: Array) -> Array:
+    """[B, S, K, H] (project_kv's layout) -> [B, K, S, H] (the cache's)."""
+    return jnp.swapaxes(x_BSKH, 1, CACHE_SLOT_AXIS)
 
 
 def init_self_cache(attn: MultiHeadAttention, batch: int, max_len: int, dtype: jnp.dtype) -> dict[str, Array]:
-    """An empty decoder self-attention cache holding up to max_len keys and values."""
+    """An empty decoder self-attention cache holding up to max_len keys and values, heads-first."""
     return {
-        "k": jnp.zeros((batch, max_len, attn.num_kv_heads, attn.d_qk), dtype),
-        "v": jnp.zeros((batch, max_len, attn.num_kv_heads, attn.d_v), dtype),
+        "k": jnp.zeros((batch, attn.num_kv_heads, max_len, attn.d_qk), dtype),
+        "v": jnp.zeros((batch, attn.num_kv_heads, max_len, attn.d_v), dtype),
     }
 
 
 def append_to_cache(cache: dict[str, Array], k_BTKH: Array, v_BTKE: Array, index: Array) -> dict[str, Array]:
-    """Writes the new keys/values at positions [index, index + T) of the cache."""
-    return {
-        "k": jax.lax.dynamic_update_slice_in_dim(cache["k"], k_BTKH.astype(cache["k"].dtype), index, axis=1),
-        "v": jax.lax.dynamic_update_slice_in_dim(cache["v"], v_BTKE.astype(cache["v"].dtype), index, axis=1),
-    }
+    """Writes the new keys/values at slots [index, index + T) of the cache."""
+
+    def write(slots: Array, new_BTKX: Array) -> Array:
+        new = heads_first(new_BTKX).astype(slots.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(slots, new, index, axis=CACHE_SLOT_AXIS)
+
+    return {"k": write(cache["k"], k_BTKH), "v": write(cache["v"], v_BTKE)}
+
+
+def grow_self_cache(cache: dict[str, Array], max_len: int) -> dict[str, Array]:
+    """The same cache with room for max_len slots (>= its own): the new slots are empty (zeros, never attended)."""
+
+    def grow(slots: Array) -> Array:
+        extra = max_len - slots.shape[CACHE_SLOT_AXIS]
+        if extra < 0:
+            raise ValueError(f"cannot shrink a cache of {slots.shape[CACHE_SLOT_AXIS]} slots to {max_len}")
+        widths = [(0, 0)] * slots.ndim
+        widths[CACHE_SLOT_AXIS] = (0, extra)
+        return jnp.pad(slots, widths)
+
+    return {name: grow(slots) for name, slots in cache.items()}

@@ -213,6 +213,7 @@ class FeedForward(nnx.Module):
         self.w3 = dense(spec.d_model, spec.d_ff, spec, rngs) if spec.activation == "swiglu" else None
         self.w2 = dense(spec.d_ff, spec.d_model, spec, rngs)
         self.dropout = Dropout(spec.ffn_dropout_rate, rngs=rngs)
+        self.capture_intermediates = False  # True: sow the hidden activations (transformer_jax.explanation)
 
     def __call__(self, x_BTD: Array) -> Array:
         h_BTF = self.w1(x_BTD)
@@ -222,4 +223,6 @@ class FeedForward(nnx.Module):
             h_BTF = jax.nn.gelu(h_BTF)
         else:
             h_BTF = jax.nn.silu(h_BTF) * self.w3(x_BTD)
+        if self.capture_intermediates:
+            self.sow(nnx.Intermediate, "hidden", h_BTF)
         return self.w2(self.dropout(h_BTF))

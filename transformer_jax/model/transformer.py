@@ -15,7 +15,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from transformer_jax.model import layers
-from transformer_jax.model.attention import MultiHeadAttention, append_to_cache, init_self_cache
+from transformer_jax.model.attention import (
+    CACHE_SLOT_AXIS,
+    MultiHeadAttention,
+    append_to_cache,
+    grow_self_cache,
+    heads_first,
+    init_self_cache,
+)
 from transformer_jax.model.layers import Embedding, FeedForward, LearnedPositions, dense, make_norm, sinusoidal_encoding
 from transformer_jax.model.spec import TransformerSpec
 from transformer_jax.tokens import PAD_ID
@@ -31,17 +38,25 @@ def unpacked_segment_ids(tokens_BT: Array) -> Array:
 
 class Residual(nnx.Module):
     """One sublayer connection: post-LN LayerNorm(x + Dropout(Sublayer(x))) (paper 5.4), or pre-LN
-    x + Dropout(Sublayer(LayerNorm(x)))."""
+    x + Dropout(Sublayer(LayerNorm(x))). With capture_intermediates, sows the norm's input and output."""
 
     def __init__(self, spec: TransformerSpec, *, rngs: nnx.Rngs):
         self.norm = make_norm(spec)
         self.dropout = layers.Dropout(spec.dropout_rate, rngs=rngs)
         self.pre = spec.norm_position == "pre"
+        self.capture_intermediates = False
+
+    def _normed(self, x: Array) -> Array:
+        y = self.norm(x)
+        if self.capture_intermediates:
+            self.sow(nnx.Intermediate, "norm_input", x)
+            self.sow(nnx.Intermediate, "norm_output", y)
+        return y
 
     def __call__(self, x: Array, sublayer: Callable[[Array], Array]) -> Array:
         if self.pre:
-            return x + self.dropout(sublayer(self.norm(x)))
-        return self.norm(x + self.dropout(sublayer(x)))
+            return x + self.dropout(sublayer(self._normed(x)))
+        return self._normed(x + self.dropout(sublayer(x)))
 
 
 class EncoderLayer(nnx.Module):
@@ -102,7 +117,7 @@ class DecoderLayer(nnx.Module):
                 # Decoding: the new keys join the cache; cache slots beyond the query are masked by causality.
                 new_cache = append_to_cache(self_cache, k, v, cache_index)
                 kv = (new_cache["k"], new_cache["v"])
-                batch, cache_len = new_cache["k"].shape[:2]
+                batch, cache_len = new_cache["k"].shape[0], new_cache["k"].shape[CACHE_SLOT_AXIS]
                 kv_positions = jnp.broadcast_to(jnp.arange(cache_len, dtype=jnp.int32), (batch, cache_len))
                 kv_segment_ids = None
             return self.self_attn(
@@ -113,6 +128,7 @@ class DecoderLayer(nnx.Module):
                 q_positions=tgt_positions,
                 kv_positions=kv_positions,
                 causal=True,
+                kv_heads_first=self_cache is not None,
             )
 
         def cross_attention(h: Array) -> Array:
@@ -125,6 +141,7 @@ class DecoderLayer(nnx.Module):
                 q_positions=None,
                 kv_positions=None,
                 causal=False,
+                kv_heads_first=self_cache is not None,  # decoding: cached by init_cache, heads-first
             )
 
         y_BTD = self.self_attn_residual(y_BTD, masked_self_attention)
@@ -158,6 +175,7 @@ class Transformer(nnx.Module):
         pre = spec.norm_position == "pre"
         self.encoder_norm = make_norm(spec) if pre else None
         self.decoder_norm = make_norm(spec) if pre else None
+        self.capture_intermediates = False  # True: _embed sows its terms (transformer_jax.explanation)
 
     # -- pieces ------------------------------------------------------------------------------------------------
 
@@ -165,11 +183,16 @@ class Transformer(nnx.Module):
         """Dropout(Embedding(tokens) * sqrt(d_model) + PE(positions)) (paper 3.4, 3.5, 5.4)."""
         embed = self.tgt_embed if (target and self.tgt_embed is not None) else self.src_embed
         x = embed(tokens_BT)
+        scaled = x
         if self.spec.positional == "sinusoidal":
             x = x + sinusoidal_encoding(positions_BT, self.spec.d_model).astype(x.dtype)
         elif self.spec.positional == "learned":
             table = self.tgt_positions if target else self.src_positions
             x = x + table(positions_BT).astype(x.dtype)
+        if self.capture_intermediates:
+            side = "tgt" if target else "src"
+            self.sow(nnx.Intermediate, f"{side}_scaled_embedding", scaled)
+            self.sow(nnx.Intermediate, f"{side}_embedding_plus_positions", x)
         return self.embed_dropout(x)
 
     def _defaults(self, tokens_BT: Array, segment_ids: Array | None, positions: Array | None) -> tuple[Array, Array]:
@@ -260,6 +283,7 @@ class Transformer(nnx.Module):
         """A decoding cache for up to max_len target tokens: cross-attention K/V projected once per sentence.
 
         The source's segment ids (or its tokens, to derive them from) are kept to mask its padding, as in `decode`.
+        Keys and values are held heads-first (model/attention.py CACHE_SLOT_AXIS); `grow_cache` adds slots.
         """
         if self.spec.positional == "learned" and max_len > self.spec.max_len:
             raise ValueError(f"decoding {max_len} tokens exceeds model.max_len={self.spec.max_len}")
@@ -269,13 +293,23 @@ class Transformer(nnx.Module):
         cross = []
         for layer in self.decoder_layers:
             k, v = layer.cross_attn.project_kv(memory)
-            cross.append({"k": k, "v": v})
+            cross.append({"k": heads_first(k), "v": heads_first(v)})
         return {
             "index": jnp.zeros((), jnp.int32),
             "src_segment_ids": src_segment_ids,
             "cross": cross,
             "self": [init_self_cache(layer.self_attn, batch, max_len, dtype) for layer in self.decoder_layers],
         }
+
+    def grow_cache(self, cache: Cache, max_len: int) -> Cache:
+        """`cache` with room for max_len target tokens (at least its own), the tokens decoded so far kept.
+
+        Decoding can start with a short cache and grow it as the outputs get longer, so that each step reads and
+        reorders only as many slots as the longest output may have reached (decoding.py's stages).
+        """
+        if self.spec.positional == "learned" and max_len > self.spec.max_len:
+            raise ValueError(f"decoding {max_len} tokens exceeds model.max_len={self.spec.max_len}")
+        return {**cache, "self": [grow_self_cache(c, max_len) for c in cache["self"]]}
 
     def __call__(
         self,
@@ -307,6 +341,17 @@ def _source_segment_ids(src_tokens: Array | None, src_segment_ids: Array | None,
     if src_tokens is None:
         raise ValueError(f"{caller} needs src_segment_ids or src_tokens, to mask the source's padding")
     return unpacked_segment_ids(src_tokens)
+
+
+def capture_intermediates(model: Transformer, enabled: bool = True) -> None:
+    """Makes the model sow, as nnx.Intermediate, what transformer_jax.explanation shows: the embedding terms,
+    every attention's Q, K, V, weights, head outputs and output, every norm's input and output, the FFN's hidden
+    activations. Off (the default), nothing is sown and the model traces exactly as before."""
+    for _, module in model.iter_modules():
+        if hasattr(module, "capture_intermediates"):
+            module.capture_intermediates = enabled
+        if isinstance(module, MultiHeadAttention):
+            module.capture_weights = enabled
 
 
 def capture_attention_weights(model: Transformer, enabled: bool = True) -> None:

@@ -4,6 +4,13 @@ Every implementation has the signature `fn(q, k, v, mask, **options)`: q is [B, 
 v is [B, S, K, E], N a multiple of K (grouped-query heads), and `mask` the masks.AttentionMask that `attention`
 builds once from its arguments. Which keys a query sees is written only there (ops/masks.py).
 
+Keys and values may also come heads-first, k [B, K, S, H] and v [B, K, S, E] (`kv_heads_first=True`): the layout
+of the decoding cache. A decode step has one query per row against up to hundreds of cached keys, a
+matrix-vector product bound by reading the cache; with the keys sequence-first, XLA copies every cached key and
+value into heads-first order at every step before its batched dot (measured on CPU: 40 ms for 256 rows x 114 keys
+x 4 heads of 64 against 3 ms heads-first, benchmarks/decode.py). Softmax kernels then run the reference below, which
+reads the heads-first cache in place; one query per row leaves no query blocks for a tiled kernel to gain on.
+
 Axis letters: see transformer_jax/__init__.py.
 """
 
@@ -20,13 +27,20 @@ from transformer_jax.ops.masks import AttentionMask
 Array = jax.Array
 
 IMPLEMENTATIONS: dict[str, Callable[..., Array]] = {}
+SOFTMAX_IMPLEMENTATIONS: set[str] = set()  # those computing softmax(QK^T / sqrt(d_k)) V exactly, differently arranged
 
 
-def register(name: str) -> Callable[[Callable[..., Array]], Callable[..., Array]]:
-    """Registers `fn(q, k, v, mask, **options)` under `name` for `attention(..., impl=name)`."""
+def register(name: str, *, softmax: bool = True) -> Callable[[Callable[..., Array]], Callable[..., Array]]:
+    """Registers `fn(q, k, v, mask, **options)` under `name` for `attention(..., impl=name)`.
+
+    softmax=False marks an implementation of another function (linear attention), which heads-first keys must
+    reach as it is rather than through the softmax reference.
+    """
 
     def wrap(fn: Callable[..., Array]) -> Callable[..., Array]:
         IMPLEMENTATIONS[name] = fn
+        if softmax:
+            SOFTMAX_IMPLEMENTATIONS.add(name)
         return fn
 
     return wrap
@@ -60,15 +74,14 @@ def attention_mask(batch: int, q_len: int, kv_len: int, **masking: Array | bool 
     return AttentionMask.create(batch, q_len, kv_len, **masking).dense()
 
 
-def _check_shapes(q: Array, k: Array, v: Array) -> None:
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(
-            f"attention expects q [B,T,N,H], k [B,S,K,H], v [B,S,K,E]; got shapes {q.shape}, {k.shape}, {v.shape}"
-        )
-    if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"attention: incompatible q {q.shape}, k {k.shape}, v {v.shape}")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"attention: {q.shape[2]} query heads is not a multiple of {k.shape[2]} key/value heads")
+def _check_shapes(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...]) -> None:
+    """Shapes q [B,T,N,H], k [B,S,K,H], v [B,S,K,E] (heads-first keys are checked with their axes swapped back)."""
+    if len(q) != 4 or len(k) != 4 or len(v) != 4:
+        raise ValueError(f"attention expects q [B,T,N,H], k [B,S,K,H], v [B,S,K,E]; got shapes {q}, {k}, {v}")
+    if k[:3] != v[:3] or q[0] != k[0] or q[3] != k[3]:
+        raise ValueError(f"attention: incompatible q {q}, k {k}, v {v}")
+    if q[2] % k[2]:
+        raise ValueError(f"attention: {q[2]} query heads is not a multiple of {k[2]} key/value heads")
 
 
 @register("xla")
@@ -81,20 +94,23 @@ def xla_attention(
     scale: float | None = None,
     return_weights: bool = False,
     weights_dropout: Callable[[Array], Array] | None = None,
+    kv_heads_first: bool = False,
 ) -> Array | tuple[Array, Array]:
     """Scaled dot-product attention, Attention(Q, K, V) = softmax(QK^T / sqrt(d_k)) V, materialising the scores.
 
     Scores and softmax are computed in float32 whatever the input dtype. With return_weights, also returns the
     attention weights [B, N, T, S] (rows sum to 1, or to 0 for a query that sees no key). weights_dropout, if
     given, is applied to the weights before they multiply V (attention dropout; needs the materialised weights).
+    kv_heads_first: k is [B, K, S, H] and v [B, K, S, E] (the decoding cache's layout, read in place).
     """
     batch, q_len, num_heads, head_dim = q.shape
-    kv_len, num_kv_heads = k.shape[1], k.shape[2]
+    kv_axes = "bksh" if kv_heads_first else "bskh"
+    num_kv_heads, kv_len = (k.shape[1], k.shape[2]) if kv_heads_first else (k.shape[2], k.shape[1])
     scale = head_dim**-0.5 if scale is None else scale
     groups = num_heads // num_kv_heads
     # Grouped heads: query head n uses key/value head n // G.
     q_BTKGH = q.reshape(batch, q_len, num_kv_heads, groups, head_dim)
-    scores_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k, preferred_element_type=jnp.float32) * scale
+    scores_BKGTS = jnp.einsum(f"btkgh,{kv_axes}->bkgts", q_BTKGH, k, preferred_element_type=jnp.float32) * scale
     scores_BNTS = scores_BKGTS.reshape(batch, num_heads, q_len, kv_len)
     mask_B1TS = mask.dense()
     if mask_B1TS is not None:
@@ -107,7 +123,7 @@ def xla_attention(
         weights_BNTS = jnp.where(any_visible_B1T1, weights_BNTS, 0.0)
     used_BNTS = weights_BNTS if weights_dropout is None else weights_dropout(weights_BNTS)
     weights_BKGTS = used_BNTS.reshape(batch, num_kv_heads, groups, q_len, kv_len)
-    out_BTKGE = jnp.einsum("bkgts,bske->btkge", weights_BKGTS.astype(v.dtype), v)
+    out_BTKGE = jnp.einsum(f"bkgts,{kv_axes[:-1]}e->btkge", weights_BKGTS.astype(v.dtype), v)
     out_BTNE = out_BTKGE.reshape(batch, q_len, num_heads, v.shape[-1])
     if return_weights:
         return out_BTNE, weights_BNTS
@@ -126,16 +142,24 @@ def attention(
     kv_positions: Array | None = None,
     window: int | None = None,
     impl: str = "xla",
+    kv_heads_first: bool = False,
     **options,
 ) -> Array:
-    """Runs the implementation named `impl` with the mask of ops/masks.py's rules; options go to it (e.g. scale)."""
+    """Runs the implementation named `impl` with the mask of ops/masks.py's rules; options go to it (e.g. scale).
+
+    kv_heads_first: k and v are [B, K, S, H] / [B, K, S, E] (see the module docstring). Softmax implementations
+    then run the reference on them in place; others (linear) get them sequence-first.
+    """
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention impl {impl!r}; choose one of {sorted(IMPLEMENTATIONS)}")
-    _check_shapes(q, k, v)
+    if kv_heads_first and impl not in SOFTMAX_IMPLEMENTATIONS:
+        k, v, kv_heads_first = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), False
+    sequence_first = (lambda shape: (shape[0], shape[2], shape[1], shape[3])) if kv_heads_first else tuple
+    _check_shapes(q.shape, sequence_first(k.shape), sequence_first(v.shape))
     mask = AttentionMask.create(
         q.shape[0],
         q.shape[1],
-        k.shape[1],
+        k.shape[2] if kv_heads_first else k.shape[1],
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
         causal=causal,
@@ -143,4 +167,6 @@ def attention(
         kv_positions=kv_positions,
         window=window,
     )
+    if kv_heads_first:
+        return xla_attention(q, k, v, mask, kv_heads_first=True, **options)
     return IMPLEMENTATIONS[impl](q, k, v, mask, **options)

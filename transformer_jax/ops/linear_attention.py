@@ -37,7 +37,7 @@ def _run_sums(prefix_BS: Array, first_BT: Array, end_BT: Array) -> Array:
     return at(end_BT) - at(first_BT)
 
 
-@register("linear")
+@register("linear", softmax=False)
 def linear_attention(q: Array, k: Array, v: Array, mask: AttentionMask) -> Array:
     """Linear attention over the keys of AttentionMask.key_ranges; a query that sees no key returns zeros."""
     if mask.window is not None:
