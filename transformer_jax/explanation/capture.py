@@ -1,0 +1,242 @@
+"""Run one sentence through a restored model and keep what its own modules computed on the way.
+
+The translation is evaluate.py's (evaluation.translate.translate with evaluation.run.decoding_settings); the beam's
+hypotheses after each step come from decoding's own search, rerun with the length limit raised one step at a time;
+the intermediates come from one teacher-forced pass of model.encode / model.decode with the modules' capture points
+on (model.transformer.capture_intermediates): nothing here re-implements a layer.
+
+Axis letters: see transformer_jax/__init__.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from transformer_jax.errors import VisualizeError
+from transformer_jax.evaluation.translate import input_limit, output_limit, position_limit, source_ids
+from transformer_jax.tokens import BOS_ID, EOS_ID, PAD_ID
+
+
+@dataclasses.dataclass
+class Hypothesis:
+    """One beam after a search step: its pieces, log P and score log P / lp(|Y|), and whether it emitted </s>."""
+
+    pieces: list[str]
+    log_prob: float
+    score: float
+    ended: bool
+
+
+@dataclasses.dataclass
+class Explanation:
+    """Everything the page shows about one sentence, as the model computed it (numpy, batch axis removed)."""
+
+    sentence: str
+    src_ids: list[int]  # source ids then EOS, as translate() feeds them
+    src_pieces: list[str]
+    tgt_in_ids: list[int]  # BOS then the target ids: the decoder's input in the teacher-forced pass
+    tgt_in_pieces: list[str]
+    tgt_out_pieces: list[str]  # the next token at each target step: the target pieces then </s>
+    target_given: bool  # --target given (else the target is the model's own translation)
+    truncated: tuple[int, int] | None  # (source tokens before, after) when the sentence was cut to the limit
+    translation: str  # evaluate.py's output for the sentence
+    beam_steps: list[list[Hypothesis]]  # per search step, the live beams, best first
+    settings: dict[str, Any]  # decoding settings (beam_size, alpha, max_extra_len, max_input_len)
+    steps: list[int]  # checkpoint steps averaged
+    layer: int
+    head: int
+    spec: Any  # model.spec
+    sown: dict[str, Any]  # the modules' intermediates, as nnx.Intermediate nests them, batch row 0
+    memory_SD: np.ndarray
+    logits_TV: np.ndarray
+    vocab: list[str] = dataclasses.field(repr=False, default_factory=list)  # id -> piece, for the top-5 tables
+
+    def piece(self, i: int) -> str:
+        return piece_of(self.vocab, i)
+
+    def attention(self, stack: str, module: str, name: str) -> np.ndarray:
+        """An intermediate of the chosen layer's attention module ('q', 'k', 'v', 'attention_weights', ...)."""
+        return self.sown[stack][self.layer][module][name]
+
+
+def piece_of(vocab: list[str], i: int) -> str:
+    """The piece of id i; a model may have more ids than its tokenizer, never emitted in training."""
+    return vocab[i] if i < len(vocab) else f"<id {i}>"
+
+
+def restore(workdir: str, checkpoint: str, average_last: int | None, options: dict[str, Any]):
+    """(config, model, tokenizer, steps, decoding settings), restored as evaluate.py restores them."""
+    from transformer_jax.evaluation.restore import Restorer, restore_model
+    from transformer_jax.evaluation.run import Options, check_options, decoding_settings
+
+    if not Path(workdir).is_dir():
+        raise VisualizeError(f"--workdir {workdir}: no such directory")
+    opts = check_options(Options(workdir=workdir, checkpoint=checkpoint, average_last=average_last, **options))
+    restorer = Restorer()
+    with warnings.catch_warnings():
+        # Orbax warns that it reads the shardings from the checkpoint: expected, restoring on one device.
+        warnings.filterwarnings("ignore", "Sharding info not provided", UserWarning)
+        config, model, steps = restore_model(restorer, workdir, checkpoint=checkpoint, average_last=opts.average_last)
+    tokenizer = restorer.tokenizer(config, workdir)
+    return config, model, tokenizer, steps, decoding_settings(opts, config)
+
+
+def beam_steps(model: Any, src_ids: list[int], settings: dict[str, Any], piece: Any) -> tuple[list, list[int]]:
+    """The live hypotheses after each search step, and the best final hypothesis's ids (EOS included).
+
+    decoding's search with a sentence limit of t steps runs exactly the first t steps of the full search (the
+    limit only marks every beam finished after step t), so raising t one step at a time shows each step's beams.
+    The batch has translate()'s shape (its rows, its padded length, its dummy rows: an empty source decoded for one
+    step), so the search compiled for the translation serves every t, and row 0 computes what translate() did.
+    """
+    from transformer_jax import decoding
+    from transformer_jax.data.batching import padded_eval_length
+
+    positions = position_limit(model.spec)
+    src_len = padded_eval_length(len(src_ids), input_limit(settings["max_input_len"], positions))
+    max_steps = output_limit(src_len, settings["max_extra_len"], positions)
+    src_BS = np.full((settings["batch_size"], src_len), PAD_ID, np.int32)
+    src_BS[:, 0] = EOS_ID
+    src_BS[0, : len(src_ids)] = src_ids
+    sentence_limit = output_limit(len(src_ids), settings["max_extra_len"], positions)
+    search = decoding.searcher(model)
+
+    def run(t: int) -> decoding.BeamResult:
+        max_len_B = np.ones((settings["batch_size"],), np.int32)
+        max_len_B[0] = t
+        result = search(
+            src_BS, max_len_B, beam_size=settings["beam_size"], alpha=settings["alpha"], max_steps=max_steps
+        )
+        return decoding.BeamResult(*(np.asarray(x[0]) for x in result))
+
+    final = run(sentence_limit)
+    finite = np.isfinite(final.scores)
+    total = int(final.lengths[finite].max())
+    steps = []
+    for t in range(1, total + 1):
+        r = final if t == total else run(t)
+        steps.append(
+            [
+                Hypothesis(
+                    [piece(i) for i in r.tokens[w, : r.lengths[w]]],
+                    float(r.log_probs[w]),
+                    float(r.scores[w]),
+                    bool(r.lengths[w] and r.tokens[w, r.lengths[w] - 1] == EOS_ID),
+                )
+                for w in range(len(r.scores))
+                if np.isfinite(r.scores[w])
+            ]
+        )
+    best = final.tokens[0, : final.lengths[0]].tolist()
+    return steps, best
+
+
+def intermediates(model: Any, src_ids: list[int], tgt_in_ids: list[int]) -> tuple[dict, np.ndarray, np.ndarray]:
+    """(sown intermediates, memory [S, D], logits [T, V]) of one teacher-forced pass with the capture points on.
+
+    Eager, not jitted: one sentence, and compiling the whole model would cost more than it saves.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from transformer_jax.model.transformer import capture_intermediates
+
+    src_1S = jnp.asarray([src_ids], jnp.int32)
+    capture_intermediates(model)
+    try:
+        memory_1SD = model.encode(src_1S)
+        logits_1TV = model.decode(memory_1SD, jnp.asarray([tgt_in_ids], jnp.int32), src_tokens=src_1S)
+        sown = nnx.to_pure_dict(nnx.pop(model, nnx.Intermediate))
+    finally:
+        capture_intermediates(model, False)
+    # Each sown value is a tuple of calls (one per module here), each with the batch axis first.
+    sown = jax.tree.map(lambda calls: np.asarray(calls[0][0], np.float32), sown, is_leaf=lambda x: isinstance(x, tuple))
+    return sown, np.asarray(memory_1SD[0], np.float32), np.asarray(logits_1TV[0], np.float32)
+
+
+def check_selection(spec: Any, layer: int, head: int) -> None:
+    layers = min(spec.num_encoder_layers, spec.num_decoder_layers)
+    if not 0 <= layer < layers:
+        raise VisualizeError(
+            f"--layer {layer}: the model has {spec.num_encoder_layers} encoder and {spec.num_decoder_layers} decoder "
+            f"layers; choose a layer in 0..{layers - 1}"
+        )
+    if not 0 <= head < spec.num_heads:
+        heads = spec.num_heads
+        raise VisualizeError(f"--head {head}: the model has {heads} heads; choose a head in 0..{heads - 1}")
+
+
+def check_sentence(sentence: str) -> None:
+    if not sentence.strip():
+        raise VisualizeError("the sentence is empty; give the sentence to explain as the argument, in quotes")
+
+
+def explain(
+    workdir: str,
+    sentence: str,
+    *,
+    target: str | None = None,
+    layer: int = 0,
+    head: int = 0,
+    checkpoint: str = "latest",
+    average_last: int | None = None,
+    beam_size: int | None = None,
+    alpha: float | None = None,
+) -> Explanation:
+    """Restores the model as evaluate.py does, translates the sentence, and captures every intermediate."""
+    from transformer_jax.evaluation.translate import translate
+    from transformer_jax.visualization.attention import token_pieces
+
+    check_sentence(sentence)  # before the (slow) restore
+    if target is not None and not target.strip():
+        raise VisualizeError("--target is empty; give the target sentence, or leave out --target for the translation")
+    config, model, tokenizer, steps, settings = restore(
+        workdir, checkpoint, average_last, {"beam_size": beam_size, "alpha": alpha}
+    )
+    check_selection(model.spec, layer, head)
+    limit = input_limit(settings["max_input_len"], position_limit(model.spec))
+    src_ids, cut = source_ids(tokenizer, sentence, limit)  # translate()'s rule; the sentence is not blank here
+    truncated = (len(tokenizer.encode(sentence)) + 1, limit) if cut else None  # (tokens before, after)
+    [translation], _ = translate(model, tokenizer, [sentence], **settings)
+
+    vocab = token_pieces(tokenizer, range(tokenizer.vocab_size))
+
+    def piece(i: int) -> str:
+        return piece_of(vocab, int(i))
+
+    steps_beams, best = beam_steps(model, src_ids, settings, piece)
+    if target is not None:
+        tgt_ids = list(tokenizer.encode(target))
+    else:
+        tgt_ids = [t for t in best if t not in (EOS_ID, PAD_ID)]
+    if model.spec.positional == "learned":
+        tgt_ids = tgt_ids[: model.spec.max_len - 1]
+    tgt_in_ids = [BOS_ID, *tgt_ids]
+    sown, memory_SD, logits_TV = intermediates(model, src_ids, tgt_in_ids)
+    return Explanation(
+        sentence=sentence,
+        src_ids=src_ids,
+        src_pieces=[piece(i) for i in src_ids],
+        tgt_in_ids=tgt_in_ids,
+        tgt_in_pieces=[piece(i) for i in tgt_in_ids],
+        tgt_out_pieces=[piece(i) for i in [*tgt_ids, EOS_ID]],
+        target_given=target is not None,
+        truncated=truncated,
+        translation=translation,
+        beam_steps=steps_beams,
+        settings={**settings, "max_input_len": limit},
+        steps=steps,
+        layer=layer,
+        head=head,
+        spec=model.spec,
+        sown=sown,
+        memory_SD=memory_SD,
+        logits_TV=logits_TV,
+        vocab=vocab,
+    )
