@@ -28,17 +28,13 @@ import logging
 import os
 
 from absl import flags
-from ml_collections import config_flags
 
 from transformer_jax import cli
+from transformer_jax.evaluation import checkpoint_flags
 from transformer_jax.evaluation.run import Options, evaluate
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", None, "Config file; default: the config saved with the checkpoints.")
-flags.DEFINE_string("workdir", None, "Training directory with checkpoints/ and the tokenizer.")
-flags.DEFINE_string("checkpoint", "latest", "latest, or the step of the last checkpoint to use.")
-flags.DEFINE_integer("average_last", None, "Average this many checkpoints ending at --checkpoint (config.eval).")
-flags.DEFINE_list("average_steps", None, "Average exactly these checkpoint steps (instead of --average_last).")
+checkpoint_flags.define()  # --config --workdir --checkpoint --average_last --average_steps, shared with the export
 flags.DEFINE_enum("split", "test", ["valid", "test"], "Split of the configured data to translate.")
 flags.DEFINE_string("source_file", None, "Translate this file (one sentence a line; '-' = stdin) instead of --split.")
 flags.DEFINE_string("references_file", None, "References, one a line, for --source_file or --hypotheses_file.")
@@ -59,11 +55,7 @@ def main(argv: list[str]) -> None:
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs each checkpoint handler it creates at INFO
     # Every value is checked in one place, run.check_options, before any file is read or the model restored.
     options = Options(
-        workdir=FLAGS.workdir,
-        config=FLAGS.config,
-        checkpoint=FLAGS.checkpoint,
-        average_last=FLAGS.average_last,
-        average_steps=FLAGS.average_steps,
+        **checkpoint_flags.selection(),
         split=FLAGS.split if FLAGS["split"].present else None,  # None: test, unless --source_file
         source_file=FLAGS.source_file,
         references_file=FLAGS.references_file,

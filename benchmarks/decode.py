@@ -1,6 +1,18 @@
-"""Beam-search decoding speed with the KV cache and with full recompute; prints one JSON object.
+"""Decoding speed: a trained model against CTranslate2, or the KV cache against full recompute; prints JSON.
 
+    python -m benchmarks.decode --workdir runs/m30k [--split test --batch_size 64 --threads 2 --beam_sizes 4,1]
     python -m benchmarks.decode --config configs/wmt14_ende.py:size=base --beam_size 4 --num_sentences 16
+
+With --workdir (side by side): the workdir's model (the checkpoints evaluate.py would average) translates the
+split with evaluation.translate.translate (evaluate.py's path) and, exported with the same weights
+(transformer_jax.exporting.ctranslate2), with CTranslate2 on --threads threads; one JSON line per beam size with
+each engine's first-call time (ours includes XLA compilation), its steady-state time (the best of --repeats further
+calls), sacreBLEU, and how many outputs are identical. Both sides use the same tokenization, source truncation and
+per-sentence output limits (evaluation/translate.py's rules); CTranslate2's length penalty is its own formula, so
+only greedy outputs are expected to be identical. XLA uses every core of the machine: run with --threads equal to
+that count.
+
+Without --workdir (random weights):
 
 Random weights; sources are the first lines of newstest2014 (../shared/data/wmt14_ende/test.en), tokenized by a
 SentencePiece model trained on those 500 lines in a few seconds (--tokenizer spm) or as UTF-8 bytes (--tokenizer
@@ -18,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -43,6 +56,79 @@ _OUTPUT_LEN = flags.DEFINE_integer("output_len", 50, "Target tokens decoded per 
 _RECOMPUTE_STEPS = flags.DEFINE_integer("recompute_steps", 4, "Steps timed for recompute (>= 2); 0 skips.")
 _TOKENIZER = flags.DEFINE_enum("tokenizer", "spm", ["spm", "bytes"], "How the sources become ids.")
 _REPEATS = flags.DEFINE_integer("repeats", 2, "Timed repeats of each search; the fastest counts.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "A trained workdir: benchmark it side by side with CTranslate2.")
+_SPLIT = flags.DEFINE_enum("split", "test", ["valid", "test"], "Split of the workdir's config to translate.")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Sentences per batch, on both sides.")
+_THREADS = flags.DEFINE_integer("threads", 2, "CTranslate2's intra_threads (XLA uses every core).")
+_BEAM_SIZES = flags.DEFINE_list("beam_sizes", ["4", "1"], "Beam sizes to compare (1 is greedy).")
+_ALPHA = flags.DEFINE_float("alpha", 0.6, "Length penalty alpha (each engine's own formula).")
+_AVERAGE_LAST = flags.DEFINE_integer("average_last", None, "Checkpoints to average (default: the config's).")
+
+
+def timed_calls(fn, repeats: int) -> tuple[float, float, object]:
+    """(first-call seconds, best of `repeats` further calls, the last result)."""
+    start = time.perf_counter()
+    result = fn()
+    first = time.perf_counter() - start
+    steady = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        steady.append(time.perf_counter() - start)
+    return first, min(steady), result
+
+
+def side_by_side(workdir: str) -> None:
+    """One JSON line per beam size: our translate() against CTranslate2 with the same weights (module docstring)."""
+    import ctranslate2
+
+    from transformer_jax.evaluation import bleu
+    from transformer_jax.evaluation.restore import Restorer, restore_model
+    from transformer_jax.evaluation.run import split_pairs
+    from transformer_jax.evaluation.translate import position_limit, translate
+    from transformer_jax.exporting.ctranslate2 import ctranslate2_translate, to_ctranslate2
+
+    restorer = Restorer()
+    config, model, steps = restore_model(restorer, workdir, average_last=_AVERAGE_LAST.value)
+    tokenizer = restorer.tokenizer(config, workdir)
+    sources, references, split = split_pairs(config, _SPLIT.value)
+    with tempfile.TemporaryDirectory() as tmp:
+        export_dir = to_ctranslate2(model, tokenizer, Path(tmp) / "ct2")
+        translator = ctranslate2.Translator(
+            str(export_dir), device="cpu", inter_threads=1, intra_threads=_THREADS.value
+        )
+        for beam_size in map(int, _BEAM_SIZES.value):
+            settings = dict(
+                beam_size=beam_size,
+                alpha=_ALPHA.value,
+                max_extra_len=config.eval.max_extra_len,
+                batch_size=_BATCH_SIZE.value,
+                max_input_len=config.data.eval_max_len,
+            )
+            ours = timed_calls(functools.partial(translate, model, tokenizer, sources, **settings), _REPEATS.value)
+            theirs = timed_calls(
+                functools.partial(
+                    ctranslate2_translate,
+                    translator,
+                    tokenizer,
+                    sources,
+                    position_limit=position_limit(model.spec),
+                    **settings,
+                ),
+                _REPEATS.value,
+            )
+            report = {"workdir": workdir, "steps": steps, "split": split, "sentences": len(sources), **settings}
+            report.update(backend=jax.default_backend(), cores=os.cpu_count(), ctranslate2_threads=_THREADS.value)
+            for name, (first, steady, (hyps, _)) in (("ours", ours), ("ctranslate2", theirs)):
+                report[name] = {
+                    "first_call_s": round(first, 2),
+                    "steady_s": round(steady, 2),
+                    "sentences_per_s": round(len(sources) / steady, 1),
+                    "bleu": round(bleu.sacrebleu_scores(hyps, references)["bleu"]["score"], 2),
+                }
+            report["time_ratio_ours_over_ctranslate2"] = round(ours[1] / theirs[1], 2)
+            report["identical_outputs"] = sum(a == b for a, b in zip(ours[2][0], theirs[2][0], strict=True))
+            print(json.dumps(report), flush=True)
 
 
 def source_ids(kind: str, vocab_size: int, num_sentences: int, max_len: int) -> tuple[list[list[int]], str]:
@@ -70,13 +156,15 @@ def run_search(graphdef, state, src_BS, max_len_B, *, beam_size, max_steps, use_
     model = nnx.merge(graphdef, state)
     seg = (src_BS != 0).astype(jnp.int32)
     make = decoding.cached_decode_step if use_cache else decoding.recompute_decode_step
-    step, cache = make(model, model.encode(src_BS, seg), seg, beam_size=beam_size, max_steps=max_steps)
+    d = make(model, model.encode(src_BS, seg), seg, beam_size=beam_size, max_steps=max_steps)
 
     def no_eos_step(tokens, cache):
-        logits, cache = step(tokens, cache)
+        logits, cache = d.step(tokens, cache)
         return logits.at[..., decoding.EOS_ID].set(-jnp.inf), cache
 
-    return decoding.beam_search(no_eos_step, cache, max_len_B, beam_size=beam_size, alpha=0.6, max_steps=max_steps)
+    return decoding.beam_search(
+        no_eos_step, d.cache, max_len_B, beam_size=beam_size, alpha=0.6, max_steps=max_steps, grow=d.grow
+    )
 
 
 def step_flops(model, src_BS, *, beam_size: int, max_steps: int, use_cache: bool) -> float:
@@ -93,7 +181,9 @@ def step_flops(model, src_BS, *, beam_size: int, max_steps: int, use_cache: bool
 
     def dynamic_cache(state, memory, seg):
         m = nnx.merge(graphdef, state)
-        return decoding.tile_beams(make(m, memory, seg, beam_size=beam_size, max_steps=max_steps)[1], beam_size)
+        d = make(m, memory, seg, beam_size=beam_size, max_steps=max_steps)
+        # The last stage's cache (max_steps slots): the cost of a step as the longest outputs reach their limit.
+        return decoding.tile_beams(d.cache if d.grow is None else d.grow(d.cache, max_steps), beam_size)
 
     def setup(state, memory, seg):
         """Everything a search does once per batch before its first step (returned, so none of it is pruned)."""
@@ -123,6 +213,9 @@ def best_time(fn, repeats: int) -> float:
 
 def main(argv: list[str]) -> None:
     del argv  # no positional arguments (transformer_jax.cli.run refuses them)
+    if _WORKDIR.value:
+        side_by_side(_WORKDIR.value)
+        return
     config = _CONFIG.value
     model = build_model(config, rngs=nnx.Rngs(0))
     model.eval()

@@ -1,0 +1,342 @@
+"""transformer_jax.export and transformer_jax.exporting.ctranslate2: the exported model computes our model's
+log-probabilities and its greedy outputs equal ours token for token, with our length limits on both sides.
+
+A tiny random model (1+1 layers, d_model 32) with a small SentencePiece vocabulary is exported; its EOS embedding is
+made to resemble one piece's, so that some outputs end with EOS and others run into their length limit, and both
+stopping rules are compared. Skipped when ctranslate2 is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.model_helpers import forward, tiny_model, tiny_spec
+from tests.training_helpers import write_corpus
+from transformer_jax.errors import ConfigError, EvalError
+from transformer_jax.evaluation.translate import position_limit, translate
+from transformer_jax.tokens import BOS_ID, EOS_ID
+
+ctranslate2 = pytest.importorskip(
+    "ctranslate2", reason="ctranslate2 is not installed (pip install ctranslate2==4.8.5): export tests need the engine"
+)
+from transformer_jax.exporting import ctranslate2 as export_lib  # noqa: E402 - needs the engine, checked above
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 320  # byte fallback reserves 256 ids, plus the corpus' characters (as training_helpers.tiny_train_config)
+# Greedy, outputs of at most source + 5 tokens, sources cut at 16 tokens: small, and every rule is exercised.
+SETTINGS = dict(beam_size=1, alpha=0.6, max_extra_len=5, batch_size=8, max_input_len=16)
+LONG_LINE = " ".join(["the red dog runs in the green park"] * 4)  # > 16 tokens
+
+
+class RecordingTokenizer:
+    """The project's tokenizer, recording the ids of every output it detokenizes."""
+
+    def __init__(self, tokenizer):
+        self.inner, self.path, self.decoded = tokenizer, tokenizer.path, []
+
+    def encode(self, text):
+        return self.inner.encode(text)
+
+    def decode(self, ids):
+        self.decoded.append(tuple(int(i) for i in ids))
+        return self.inner.decode(ids)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from transformer_jax.data.tokenizer import train_tokenizer
+
+    directory = write_corpus(tmp_path_factory.mktemp("corpus"))
+    lines = [line for split in ("train.en", "train.de") for line in (directory / split).read_text().splitlines()]
+    tokenizer = train_tokenizer(lines, directory / "spm.model", vocab_size=VOCAB, model_type="unigram")
+    return directory, tokenizer
+
+
+def eos_prone_model(**overrides):
+    """A tiny model whose EOS embedding is 1.1 x that of piece 109: it emits EOS where it would have emitted 109.
+
+    With tied embeddings the logit of EOS is then 1.1 x that of 109, so some outputs stop at EOS early and others
+    run into their limit (the test checks that both happen)."""
+    model = tiny_model(0, num_encoder_layers=1, num_decoder_layers=1, vocab_size=VOCAB, **overrides)
+    table = model.src_embed.table_VD
+    table[...] = table[...].at[EOS_ID].set(1.1 * table[...][109])
+    return model
+
+
+@pytest.fixture(scope="module")
+def exported(corpus, tmp_path_factory):
+    _, tokenizer = corpus
+    model = eos_prone_model()
+    out = export_lib.to_ctranslate2(model, tokenizer, tmp_path_factory.mktemp("export") / "ct2", max_positions=64)
+    return model, out
+
+
+def sentences(directory: Path, tokenizer) -> list[str]:
+    """The test split, blank lines, a line far over max_input_len and one of exactly max_input_len ids (which
+    translate() cuts too, since EOS makes it one longer)."""
+    lines = directory.joinpath("test.en").read_text(encoding="utf-8").splitlines()
+    limit = SETTINGS["max_input_len"]
+    at_limit = next(f"{a} {b}" for a in lines for b in lines if len(tokenizer.encode(f"{a} {b}")) == limit)
+    return lines + ["", LONG_LINE, "  ", at_limit]
+
+
+def translator(path: Path):
+    return ctranslate2.Translator(str(path), device="cpu", intra_threads=1)
+
+
+def assert_same_greedy_outputs(model, path, tokenizer, lines, settings) -> dict:
+    """translate()'s outputs, ids and statistics equal those of the engine through ctranslate2_translate."""
+    ours_tokenizer, theirs_tokenizer = RecordingTokenizer(tokenizer), RecordingTokenizer(tokenizer)
+    ours, ours_stats = translate(model, ours_tokenizer, lines, **settings)
+    theirs, stats = export_lib.ctranslate2_translate(
+        translator(path), theirs_tokenizer, lines, position_limit=position_limit(model.spec), **settings
+    )
+    assert theirs == ours
+    # Token for token: translate() detokenizes in length order, the engine's caller in input order.
+    assert sorted(theirs_tokenizer.decoded) == sorted(ours_tokenizer.decoded)
+    for key in ("sentences", "empty", "truncated", "truncated_lines", "hit_max_len", "src_tokens", "tgt_tokens"):
+        assert stats[key] == ours_stats[key], key
+    return stats
+
+
+def assert_same_log_probs(model, path, tokenizer, directory: Path) -> None:
+    """The engine's log P(y_t | y_<t, x) of reference translations equal our model's (teacher forcing)."""
+    pieces = export_lib.vocabulary(tokenizer)
+    sources = [tokenizer.encode(s) for s in directory.joinpath("test.en").read_text().splitlines()[:8]]
+    targets = [tokenizer.encode(s) for s in directory.joinpath("test.de").read_text().splitlines()[:8]]
+    src_BS = np.zeros((8, max(map(len, sources)) + 1), np.int32)
+    tgt_BT = np.zeros((8, max(map(len, targets)) + 1), np.int32)
+    for b, (s, t) in enumerate(zip(sources, targets, strict=True)):
+        src_BS[b, : len(s) + 1] = s + [EOS_ID]
+        tgt_BT[b, : len(t) + 1] = [BOS_ID] + t
+    log_probs_BTV = np.asarray(jax.nn.log_softmax(forward(model, jnp.asarray(src_BS), jnp.asarray(tgt_BT)), -1))
+    results = translator(path).score_batch(
+        [[pieces[i] for i in s] for s in sources], [[pieces[i] for i in t] for t in targets]
+    )
+    for b, (t, result) in enumerate(zip(targets, results, strict=True)):
+        ours = log_probs_BTV[b, np.arange(len(t) + 1), t + [EOS_ID]]  # y_1 .. y_n then EOS
+        np.testing.assert_allclose(result.log_probs, ours, atol=1e-4, rtol=0)
+
+
+def test_greedy_outputs_equal_ours_token_for_token_with_the_per_sentence_limit(corpus, exported):
+    directory, tokenizer = corpus
+    model, path = exported
+    stats = assert_same_greedy_outputs(model, path, tokenizer, sentences(directory, tokenizer), SETTINGS)
+    decoded = stats["sentences"] - stats["empty"]
+    assert stats["empty"] == 2 and stats["truncated"] == 2
+    assert 0 < stats["hit_max_len"] < decoded, "both stopping rules (EOS, the length limit) must be exercised"
+
+
+def test_log_probs_equal_ours(corpus, exported):
+    directory, tokenizer = corpus
+    model, path = exported
+    assert_same_log_probs(model, path, tokenizer, directory)
+
+
+def test_the_directory_serves_alone_with_sentencepiece_and_our_reserved_ids(exported):
+    import json
+
+    import sentencepiece as spm
+
+    _, path = exported
+    assert sorted(p.name for p in path.iterdir()) == [
+        "config.json",
+        "model.bin",
+        "shared_vocabulary.json",
+        "spm.model",
+    ]
+    assert oct(path.stat().st_mode & 0o777) != oct(0o700)  # not mkdtemp's private mode
+    sp = spm.SentencePieceProcessor(model_file=str(path / "spm.model"))
+    vocabulary = json.loads((path / "shared_vocabulary.json").read_text())
+    assert vocabulary == [sp.id_to_piece(i) for i in range(VOCAB)]
+    config = json.loads((path / "config.json").read_text())
+    assert [config["bos_token"], config["eos_token"], config["unk_token"]] == [
+        vocabulary[BOS_ID],
+        vocabulary[EOS_ID],
+        vocabulary[3],
+    ]
+    assert config["add_source_eos"] and config["decoder_start_token"] == vocabulary[BOS_ID]
+
+
+def test_positions_are_our_interleaved_sinusoid_not_the_engines_own(exported):
+    """The engine's built-in table concatenates sin and cos; ours interleaves them (paper 3.5)."""
+    model, _ = exported
+    table_PD = export_lib.position_table(model, 8, target=False)
+    angle = 3 / 10000 ** (2 * 2 / model.spec.d_model)  # position 3, i = 2
+    assert table_PD.shape == (8, model.spec.d_model)
+    np.testing.assert_allclose(table_PD[3, 4:6], [np.sin(angle), np.cos(angle)], rtol=1e-5)
+
+
+# The options the engine expresses: each gives our log-probabilities and greedy outputs. By default, one model with
+# all of them and its log-probabilities only (a search compiles for seconds); the rest is slow.
+ALL_OPTIONS = dict(
+    norm_position="pre",
+    norm="rmsnorm",
+    norm_epsilon=1e-3,
+    activation="swiglu",
+    positional="learned",
+    max_len=18,  # < 16 source tokens + max_extra_len 5: the learned table's 18 rows limit the outputs
+    share_embeddings=False,
+    tie_output=False,
+    num_kv_heads=2,
+    qk_head_dim=16,
+    v_head_dim=16,
+)
+ONE_OPTION = [
+    dict(norm_position="pre"),
+    dict(norm="rmsnorm"),
+    dict(activation="gelu"),
+    dict(activation="swiglu"),
+    dict(positional="learned", max_len=18),
+    dict(positional="none"),
+    dict(share_embeddings=False),
+    dict(tie_output=False),
+    dict(num_kv_heads=2),
+    dict(num_kv_heads=1),
+    dict(qk_head_dim=16, v_head_dim=16),
+    dict(norm_epsilon=1e-2),
+]
+
+
+def export_options(tokenizer, directory: Path, overrides: dict):
+    model = tiny_model(0, num_encoder_layers=1, num_decoder_layers=1, vocab_size=VOCAB, **overrides)
+    return model, export_lib.to_ctranslate2(model, tokenizer, directory / "ct2", max_positions=64)
+
+
+def test_options_the_engine_expresses_give_our_log_probs(corpus, tmp_path):
+    directory, tokenizer = corpus
+    model, path = export_options(tokenizer, tmp_path, ALL_OPTIONS)
+    assert_same_log_probs(model, path, tokenizer, directory)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [ALL_OPTIONS, *ONE_OPTION], ids=str)
+def test_options_the_engine_expresses_give_our_log_probs_and_greedy_outputs(corpus, tmp_path, overrides):
+    directory, tokenizer = corpus
+    model, path = export_options(tokenizer, tmp_path, overrides)
+    assert_same_log_probs(model, path, tokenizer, directory)
+    assert_same_greedy_outputs(model, path, tokenizer, sentences(directory, tokenizer), SETTINGS)
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (dict(qk_head_dim=8, v_head_dim=16), "model.qk_head_dim=8 differs from model.v_head_dim=16"),
+        (dict(window=4), "attention.window=4"),
+    ],
+)
+def test_options_the_engine_cannot_express_are_refused_in_one_line(overrides, key):
+    with pytest.raises(ConfigError, match="^cannot export to CTranslate2: " + key) as e:
+        export_lib.check_exportable(tiny_spec(**overrides))
+    assert "\n" not in str(e.value)
+
+
+def test_an_existing_output_is_kept_unless_force_and_only_an_export_is_replaced(corpus, exported, tmp_path):
+    _, tokenizer = corpus
+    model, _ = exported
+    out = export_lib.to_ctranslate2(model, tokenizer, tmp_path / "ct2", max_positions=8)
+    with pytest.raises(EvalError, match="exists; choose another directory or pass --force"):
+        export_lib.to_ctranslate2(model, tokenizer, out, max_positions=8)
+    export_lib.to_ctranslate2(model, tokenizer, out, max_positions=16, force=True)
+    assert translator(out).translate_batch([["▁the"]], max_decoding_length=12)  # positions 0..11 < 16 rows
+    not_an_export = tmp_path / "workdir"
+    (not_an_export / "checkpoints").mkdir(parents=True)
+    with pytest.raises(EvalError, match="not a CTranslate2 model directory"):
+        export_lib.to_ctranslate2(model, tokenizer, not_an_export, max_positions=8, force=True)
+    assert (not_an_export / "checkpoints").is_dir()
+    assert sorted(os.listdir(tmp_path)) == ["ct2", "workdir"]  # no temporary directory left behind
+
+
+def test_a_failed_export_leaves_the_old_one_and_nothing_else(corpus, exported, tmp_path, monkeypatch):
+    _, tokenizer = corpus
+    model, _ = exported
+    out = export_lib.to_ctranslate2(model, tokenizer, tmp_path / "ct2", max_positions=8)
+    before = (out / "model.bin").read_bytes()
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export_lib.shutil, "copyfile", fail)
+    for target, force in ((tmp_path / "new", False), (out, True)):
+        with pytest.raises(OSError, match="No space left"):
+            export_lib.to_ctranslate2(model, tokenizer, target, max_positions=16, force=force)
+    assert sorted(os.listdir(tmp_path)) == ["ct2"]
+    assert (out / "model.bin").read_bytes() == before
+
+
+def test_a_workdir_without_checkpoints_or_with_an_unsupported_config_fails_before_reading_parameters(tmp_path):
+    from tests.test_evaluate_cli import FakeRestorer
+
+    restorer = FakeRestorer()
+    restorer.load_params = lambda *args: pytest.fail("parameters read before the checks")
+    restorer.steps = []
+    with pytest.raises(EvalError, match=r"^no checkpoint in .*checkpoints; train first or fix --workdir$"):
+        export_lib.export_workdir(str(tmp_path), tmp_path / "out", restorer=restorer)
+    restorer.steps = [100, 200]
+    restorer.config.attention.window = 4
+    with pytest.raises(ConfigError, match="attention.window=4"):
+        export_lib.export_workdir(str(tmp_path), tmp_path / "out", restorer=restorer)
+    with pytest.raises(EvalError, match="give --average_last or --average_steps, not both"):
+        export_lib.export_workdir(str(tmp_path), tmp_path / "out", average_last=2, average_steps=["100"])
+    assert not (tmp_path / "out").exists()
+
+
+# -- the issue's test: a workdir's checkpoints, the command line, evaluate.py's outputs ---------------------------
+
+
+def run_export(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    command = [sys.executable, "-m", "transformer_jax.export", *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
+
+
+@pytest.mark.slow
+def test_command_line_export_of_a_workdir_equals_evaluate_greedy_on_100_sentences(tmp_path):
+    from tests.training_helpers import tiny_train_config
+    from transformer_jax.data.tokenizer import Tokenizer, train_tokenizer
+    from transformer_jax.evaluation.run import Options, decoding_settings, evaluate_model
+    from transformer_jax.training import checkpoints, state
+
+    data = write_corpus(tmp_path / "data", n_valid=100)
+    workdir = tmp_path / "workdir"
+    config = tiny_train_config(data)
+    config.lock()
+    lines = data.joinpath("train.en").read_text().splitlines() + data.joinpath("train.de").read_text().splitlines()
+    train_tokenizer(lines, workdir / "spm.model", vocab_size=config.model.vocab_size, model_type="unigram")
+    _, train_state = state.create_train_state(config)
+    saver = checkpoints.Checkpointer(workdir, config.ckpt)
+    for step in (10, 20, 30):
+        saver.save(step, train_state, {"position": step}, config)
+    saver.close()
+
+    out = tmp_path / "ct2"
+    args = ["--workdir", str(workdir), "--format", "ctranslate2", "--output", str(out), "--average_last", "2"]
+    result = run_export(*args)
+    assert result.returncode == 0, result.stderr
+    assert '"checkpoint_steps": [20, 30]' in result.stdout
+    again = run_export(*args)
+    assert again.returncode == 1 and again.stderr.count("\n") == 1 and "pass --force" in again.stderr
+    empty = run_export("--workdir", str(tmp_path / "data"), "--output", str(tmp_path / "x"))
+    assert empty.returncode == 1 and empty.stderr.strip().endswith("train first or fix --workdir")
+    assert "Traceback" not in again.stderr + empty.stderr
+
+    source = data / "test.en"
+    options = Options(workdir=str(workdir), average_last=2, beam_size=1, source_file=str(source))
+    options.output_file = str(tmp_path / "hyp.txt")
+    report = evaluate_model(options)
+    assert report["checkpoint_steps"] == [20, 30]
+    ours = Path(options.output_file).read_text(encoding="utf-8").splitlines()
+    sentences_100 = source.read_text(encoding="utf-8").splitlines()
+    assert len(sentences_100) == len(ours) == 100
+    theirs, stats = export_lib.ctranslate2_translate(
+        translator(out), Tokenizer(out / "spm.model"), sentences_100, **decoding_settings(options, config)
+    )
+    assert theirs == ours and stats["hit_max_len"] == report["stats"]["hit_max_len"]

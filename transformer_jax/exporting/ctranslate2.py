@@ -1,0 +1,423 @@
+"""Export to CTranslate2: the model's weights in a ctranslate2 TransformerSpec, and decoding with our length limits.
+
+Axis letters: see transformer_jax/__init__.py.
+
+The exported directory holds model.bin, config.json, shared_vocabulary.json (row i is SentencePiece piece i, so
+CTranslate2's ids are ours) and the SentencePiece model (spm.model), everything a server needs. How our layers map
+onto the engine's, each checked by tests/test_export.py against decoding.search's outputs and the model's logits:
+- nnx.Linear kernels are [in, out]; CTranslate2 weights are [out, in]. Self-attention's Q, K, V are one fused
+  linear [Q; K; V]; cross-attention has Q and a fused [K; V]. Heads are consecutive column blocks on both sides,
+  and with grouped key/value heads query head n reads key/value head n // G on both sides.
+- post-LN (norm_position=post) is CTranslate2's pre_norm=False: LayerNorm(x + Sublayer(x)) in every sublayer,
+  no final norm; pre-LN adds the final encoder and decoder norms. The norm epsilon is a model-level setting
+  (config.json layer_norm_epsilon), written from model.norm_epsilon.
+- Positions are an explicit table added after the embedding * sqrt(d_model). CTranslate2's built-in sinusoid
+  concatenates sin and cos, ours interleave them (layers.sinusoidal_encoding), so the table is ours, computed by
+  that function for `max_positions` positions; a learned table is exported as it is, and positional=none as zeros.
+- Sources end with EOS (add_source_eos in config.json), as in training; decoding starts from BOS and stops at EOS.
+- Weights are written in float32, as trained; the engine picks its compute type at load time (compute_type). A
+  model.dtype=bfloat16 model decodes in bfloat16 here, so its outputs may differ from the engine's float32 ones.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from transformer_jax.data.tokenizer import MODEL_FILENAME
+from transformer_jax.errors import ConfigError, EvalError
+from transformer_jax.evaluation.translate import input_limit, output_limit, source_ids
+from transformer_jax.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+
+# CTranslate2's translate_batch defaults: inputs cut at 1024 tokens, outputs at 256. A table covering both lets
+# the exported model serve with the engine's defaults (positions beyond the table are an error in the engine).
+ENGINE_DEFAULT_POSITIONS = 1024
+
+
+def unsupported(spec: Any) -> list[str]:
+    """Why the model (a model.spec.TransformerSpec) cannot be expressed in CTranslate2: one reason per key."""
+    reasons = []
+    if spec.d_qk != spec.d_v:
+        reasons.append(
+            f"model.qk_head_dim={spec.d_qk} differs from model.v_head_dim={spec.d_v}: CTranslate2 has one head size"
+        )
+    if spec.window:
+        reasons.append(
+            f"attention.window={spec.window}: CTranslate2 attends to every position (its sliding_window keeps the "
+            "last tokens of the decoder's cache, another rule)"
+        )
+    return reasons
+
+
+def check_exportable(spec: Any) -> None:
+    """ConfigError naming every key CTranslate2 cannot express, or nothing."""
+    reasons = unsupported(spec)
+    if reasons:
+        raise ConfigError("cannot export to CTranslate2: " + "; ".join(reasons))
+
+
+def vocabulary(tokenizer: Any) -> list[str]:
+    """The tokenizer's SentencePiece pieces in id order: row i of the exported vocabulary is our id i."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer.path))
+    return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+
+
+def position_table(model: Any, max_positions: int, target: bool) -> np.ndarray:
+    """[P, D] float32: the positional encoding added at positions 0 .. P-1 (the learned table: its own rows)."""
+    import jax.numpy as jnp
+
+    from transformer_jax.model.layers import sinusoidal_encoding
+
+    spec = model.spec
+    if spec.positional == "learned":
+        table = model.tgt_positions if target else model.src_positions
+        return np.asarray(table.table_LD[...], np.float32)
+    if spec.positional == "none":
+        return np.zeros((max_positions, spec.d_model), np.float32)
+    positions_1P = jnp.arange(max_positions, dtype=jnp.int32)[None]
+    return np.asarray(sinusoidal_encoding(positions_1P, spec.d_model)[0], np.float32)
+
+
+def _array(param: Any) -> np.ndarray:
+    return np.asarray(param[...], np.float32)
+
+
+def _set_linear(ct2_linear: Any, *layers: Any) -> None:
+    """CTranslate2 linear = our nnx.Linear layers side by side on the output axis, as [out, in] (+ bias)."""
+    ct2_linear.weight = np.concatenate([_array(layer.kernel).T for layer in layers], axis=0)
+    if layers[0].bias is not None:
+        ct2_linear.bias = np.concatenate([_array(layer.bias) for layer in layers], axis=0)
+
+
+def _set_norm(ct2_norm: Any, norm: Any) -> None:
+    ct2_norm.gamma = _array(norm.scale_D)
+    if hasattr(norm, "bias_D"):  # LayerNorm; RMSNorm has a scale only
+        ct2_norm.beta = _array(norm.bias_D)
+
+
+def _set_ffn(ct2_ffn: Any, residual: Any, ffn: Any) -> None:
+    _set_norm(ct2_ffn.layer_norm, residual.norm)
+    _set_linear(ct2_ffn.linear_0, ffn.w1)  # the activated half: max(0, x W1), GELU(x W1), Swish(x W1)
+    if ffn.w3 is not None:
+        _set_linear(ct2_ffn.linear_0_noact, ffn.w3)  # SwiGLU's linear half
+    _set_linear(ct2_ffn.linear_1, ffn.w2)
+
+
+def build_spec(model: Any, pieces: Sequence[str], *, max_positions: int) -> Any:
+    """The ctranslate2.specs.TransformerSpec holding the model's parameters and the vocabulary `pieces`."""
+    from ctranslate2.specs import common_spec, transformer_spec
+
+    spec = model.spec
+    check_exportable(spec)
+    activation = {
+        "relu": common_spec.Activation.RELU,
+        "gelu": common_spec.Activation.GELUTanh,  # jax.nn.gelu's default is the tanh approximation
+        "swiglu": common_spec.Activation.SWISH,  # Swish = SiLU
+    }[spec.activation]
+    common = dict(
+        num_heads=spec.num_heads,
+        pre_norm=spec.norm_position == "pre",
+        activation=activation,
+        ffn_glu=spec.activation == "swiglu",
+        rms_norm=spec.norm == "rmsnorm",
+        num_heads_kv=spec.heads_kv if spec.heads_kv != spec.num_heads else None,
+        head_dim=spec.d_qk,
+    )
+    encoder = transformer_spec.TransformerEncoderSpec(spec.num_encoder_layers, **common)
+    decoder = transformer_spec.TransformerDecoderSpec(spec.num_decoder_layers, **common)
+    ct2 = transformer_spec.TransformerSpec(encoder, decoder)
+
+    src_table = _array(model.src_embed.table_VD)
+    tgt_table = src_table if model.tgt_embed is None else _array(model.tgt_embed.table_VD)
+    encoder.embeddings[0].weight = src_table
+    encoder.position_encodings.encodings = position_table(model, max_positions, target=False)
+    decoder.embeddings.weight = tgt_table
+    decoder.position_encodings.encodings = position_table(model, max_positions, target=True)
+    # Tied output: logits = y E^T, i.e. a linear layer whose [out, in] weight is E itself.
+    decoder.projection.weight = tgt_table if model.output_proj is None else _array(model.output_proj.kernel).T
+    if spec.norm_position == "pre":
+        _set_norm(encoder.layer_norm, model.encoder_norm)
+        _set_norm(decoder.layer_norm, model.decoder_norm)
+
+    for ct2_layer, layer in zip(encoder.layer, model.encoder_layers, strict=True):
+        attn = layer.self_attn
+        _set_norm(ct2_layer.self_attention.layer_norm, layer.self_attn_residual.norm)
+        _set_linear(ct2_layer.self_attention.linear[0], attn.q_proj, attn.k_proj, attn.v_proj)
+        _set_linear(ct2_layer.self_attention.linear[1], attn.o_proj)
+        _set_ffn(ct2_layer.ffn, layer.ffn_residual, layer.ffn)
+    for ct2_layer, layer in zip(decoder.layer, model.decoder_layers, strict=True):
+        attn, cross = layer.self_attn, layer.cross_attn
+        _set_norm(ct2_layer.self_attention.layer_norm, layer.self_attn_residual.norm)
+        _set_linear(ct2_layer.self_attention.linear[0], attn.q_proj, attn.k_proj, attn.v_proj)
+        _set_linear(ct2_layer.self_attention.linear[1], attn.o_proj)
+        _set_norm(ct2_layer.attention.layer_norm, layer.cross_attn_residual.norm)
+        _set_linear(ct2_layer.attention.linear[0], cross.q_proj)
+        _set_linear(ct2_layer.attention.linear[1], cross.k_proj, cross.v_proj)
+        _set_linear(ct2_layer.attention.linear[2], cross.o_proj)
+        _set_ffn(ct2_layer.ffn, layer.ffn_residual, layer.ffn)
+
+    ct2.config.layer_norm_epsilon = spec.norm_epsilon
+    ct2.config.unk_token = pieces[UNK_ID]
+    ct2.config.bos_token = pieces[BOS_ID]
+    ct2.config.eos_token = pieces[EOS_ID]
+    ct2.config.decoder_start_token = pieces[BOS_ID]
+    ct2.config.add_source_eos = True
+    ct2.register_source_vocabulary(list(pieces))
+    ct2.register_target_vocabulary(list(pieces))
+    return ct2
+
+
+def check_output(output_dir: Path, force: bool) -> None:
+    """EvalError unless `output_dir` may be written: it does not exist, or it is an earlier export and `force`.
+
+    --force replaces only a directory that holds a CTranslate2 model (model.bin), never a workdir or anything else
+    given by mistake.
+    """
+    if not output_dir.exists():
+        return
+    if not force:
+        raise EvalError(f"--output {output_dir} exists; choose another directory or pass --force to replace it")
+    if not (output_dir / "model.bin").is_file():
+        raise EvalError(
+            f"--output {output_dir} exists and is not a CTranslate2 model directory (no model.bin); --force "
+            "replaces only an earlier export: choose another directory"
+        )
+
+
+def to_ctranslate2(
+    model: Any,
+    tokenizer: Any,
+    output_dir: str | os.PathLike,
+    *,
+    max_positions: int = ENGINE_DEFAULT_POSITIONS,
+    force: bool = False,
+) -> Path:
+    """Writes the model (an nnx Transformer) and its tokenizer (data.tokenizer.Tokenizer) as a CTranslate2 directory.
+
+    `max_positions`: rows of the sinusoidal position table, the longest input and output the engine can then
+    decode (a learned table keeps its own model.max_len rows). The directory is built under a temporary name next
+    to `output_dir` and renamed into place, so an interrupted export leaves no half-written model; an existing
+    `output_dir` is replaced only with `force`.
+    """
+    output_dir = Path(output_dir)
+    check_exportable(model.spec)
+    check_output(output_dir, force)
+    pieces = vocabulary(tokenizer)
+    if len(pieces) != model.spec.vocab_size:
+        raise EvalError(
+            f"tokenizer {tokenizer.path} has {len(pieces)} pieces but the model has model.vocab_size="
+            f"{model.spec.vocab_size} rows; export with the tokenizer the model was trained with"
+        )
+    ct2 = build_spec(model, pieces, max_positions=max_positions)
+    ct2.validate()
+    ct2.optimize(quantization=None)  # float32, as trained; the engine converts at load time (compute_type)
+    parent = output_dir.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", suffix=".tmp", dir=parent))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would hide the model from a server running as another user
+        ct2.save(str(tmp))
+        shutil.copyfile(tokenizer.path, tmp / MODEL_FILENAME)  # the name a workdir gives it
+        if not output_dir.exists():
+            os.replace(tmp, output_dir)
+        else:  # --force: the old export moves aside first and comes back if the new one cannot take its place
+            old = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", suffix=".old", dir=parent))
+            os.replace(output_dir, old / output_dir.name)
+            try:
+                os.replace(tmp, output_dir)
+            except BaseException:
+                os.replace(old / output_dir.name, output_dir)
+                raise
+            finally:
+                shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return output_dir
+
+
+# -- decoding with our limits ---------------------------------------------------------------------------------
+# What is decoded (source_ids: the source and its cut; output_limit: the per-sentence limit) is translate()'s own
+# rule, imported from evaluation/translate.py.
+
+
+def translate_ids(
+    translator: Any,
+    pieces: Sequence[str],
+    sources: Sequence[Sequence[int]],
+    limits: Sequence[int],
+    *,
+    beam_size: int,
+    alpha: float,
+    batch_size: int,
+) -> list[list[int]]:
+    """The engine's output ids for source ids that end with EOS, output i at most limits[i] tokens.
+
+    Outputs are as decoding.search returns them: ending with EOS, or cut at the limit without it. The engine's
+    max_decoding_length counts the EOS it stops at, as our limit does (checked: an output that reaches EOS at
+    token k + 1 is cut to k tokens by max_decoding_length = k), but it is one number per call. Greedy search
+    decodes each sentence independently of its limit, so one call with the largest limit, each output then cut to
+    its own, gives exactly the outputs of per-sentence limits (at the cost of a few extra steps); beam search's
+    result depends on when hypotheses are forced to finish, so it makes one call per distinct limit.
+    min_decoding_length=0 lets an output be EOS alone, as ours can; max_input_length=0 keeps the engine from
+    cutting sources (they were cut by our rule). alpha goes to the engine's length_penalty, whose formula differs
+    from ours (decoding.length_penalty), so only greedy outputs are expected to be identical.
+    """
+    index = {piece: i for i, piece in enumerate(pieces)}
+    groups: dict[int, list[int]] = defaultdict(list)
+    longest = max(limits, default=0)
+    for i, limit in enumerate(limits):
+        groups[longest if beam_size == 1 else int(limit)].append(i)
+    outputs: list[list[int]] = [[] for _ in sources]
+    for group_limit, rows in sorted(groups.items()):
+        batch = []
+        for i in rows:
+            if not sources[i] or sources[i][-1] != EOS_ID:
+                raise ValueError(f"source {i} does not end with EOS ({EOS_ID}): {list(sources[i])[-5:]}")
+            batch.append([pieces[t] for t in sources[i][:-1]])  # the engine adds EOS (add_source_eos)
+        results = translator.translate_batch(
+            batch,
+            max_batch_size=batch_size,
+            beam_size=beam_size,
+            length_penalty=alpha,
+            max_input_length=0,
+            max_decoding_length=int(group_limit),
+            min_decoding_length=0,
+            return_end_token=True,
+        )
+        for i, result in zip(rows, results, strict=True):
+            outputs[i] = [index[piece] for piece in result.hypotheses[0]][: int(limits[i])]
+    return outputs
+
+
+def ctranslate2_translate(
+    translator: Any,
+    tokenizer: Any,
+    sentences: Sequence[str],
+    *,
+    beam_size: int,
+    alpha: float,
+    max_extra_len: int,
+    batch_size: int,
+    max_input_len: int,
+    position_limit: int | None = None,
+) -> tuple[list[str], dict[str, Any]]:
+    """evaluation.translate.translate's outputs and statistics, decoded by a ctranslate2.Translator of an export.
+
+    The same tokenization, source truncation, per-sentence output limit and detokenization as translate(), so
+    that greedy outputs are identical; `position_limit` is evaluation.translate.position_limit(model.spec).
+    """
+    start = time.perf_counter()
+    pieces = vocabulary(tokenizer)
+    sources: dict[int, list[int]] = {}
+    truncated_lines = []
+    max_input_len = input_limit(max_input_len, position_limit)
+    for i, sentence in enumerate(sentences):
+        ids, cut = source_ids(tokenizer, sentence, max_input_len)
+        if ids is not None:
+            sources[i] = ids
+        if cut:
+            truncated_lines.append(i + 1)
+    rows = sorted(sources)
+    limits = [output_limit(len(sources[i]), max_extra_len, position_limit) for i in rows]
+    ids = translate_ids(
+        translator, pieces, [sources[i] for i in rows], limits, beam_size=beam_size, alpha=alpha, batch_size=batch_size
+    )
+    outputs = [""] * len(sentences)
+    hit_max_len = 0
+    for i, out in zip(rows, ids, strict=True):
+        if out and out[-1] == EOS_ID:
+            out = out[:-1]
+        else:
+            hit_max_len += 1  # stopped by the length limit, not by EOS
+        outputs[i] = tokenizer.decode([t for t in out if t != PAD_ID])
+    seconds = time.perf_counter() - start
+    stats = {
+        "sentences": len(sentences),
+        "empty": len(sentences) - len(sources),
+        "truncated": len(truncated_lines),
+        "truncated_lines": truncated_lines[:100],
+        "hit_max_len": hit_max_len,
+        "src_tokens": int(sum(len(s) for s in sources.values())),
+        "tgt_tokens": int(sum(len(o) for o in ids)),
+        "seconds": round(seconds, 3),
+    }
+    return outputs, stats
+
+
+# -- a workdir's checkpoints --------------------------------------------------------------------------------------
+
+
+def export_workdir(
+    workdir: str,
+    output_dir: str | os.PathLike,
+    *,
+    config: Any = None,
+    checkpoint: str = "latest",
+    average_last: int | None = None,
+    average_steps: Sequence[int | str] | None = None,
+    force: bool = False,
+    restorer: Any = None,
+) -> dict[str, Any]:
+    """Exports the checkpoints evaluate.py would use (same flags, same selection and averaging); returns a report.
+
+    Everything cheap is checked before the parameters are read: the flags (evaluation.run.check_options, the same
+    messages as evaluate.py), the output directory, that checkpoints exist, that CTranslate2 is installed and can
+    express the architecture of the config.
+    """
+    from transformer_jax.evaluation.restore import Restorer, restore_model
+    from transformer_jax.evaluation.run import Options, check_folder_writable, check_options
+    from transformer_jax.model.spec import TransformerSpec
+
+    options = check_options(
+        Options(
+            workdir=workdir,
+            config=config,
+            checkpoint=checkpoint,
+            average_last=average_last,
+            average_steps=average_steps,
+        )
+    )
+    output_dir = Path(output_dir)
+    check_output(output_dir, force)
+    check_folder_writable(output_dir.parent, "--output")
+    try:
+        import ctranslate2  # noqa: F401 - only to fail before the parameters are read
+    except ImportError as e:
+        raise EvalError(f"ctranslate2 is not installed ({e}); pip install ctranslate2==4.8.5") from e
+    restorer = restorer or Restorer()
+    if not restorer.list_steps(workdir):
+        raise EvalError(f"no checkpoint in {Path(workdir) / 'checkpoints'}; train first or fix --workdir")
+    check_exportable(TransformerSpec.from_config(options.config or restorer.load_config(workdir)))
+    config, model, steps = restore_model(
+        restorer,
+        workdir,
+        config=options.config,
+        checkpoint=options.checkpoint,
+        average_last=options.average_last,
+        average_steps=options.average_steps,
+    )
+    tokenizer = restorer.tokenizer(config, workdir)
+    # Room for evaluate.py's longest decode (eval_max_len source tokens + max_extra_len) and the engine's defaults.
+    max_positions = max(ENGINE_DEFAULT_POSITIONS, config.data.eval_max_len + config.eval.max_extra_len)
+    to_ctranslate2(model, tokenizer, output_dir, max_positions=max_positions, force=force)
+    return {
+        "output": str(output_dir),
+        "format": "ctranslate2",
+        "workdir": str(workdir),
+        "checkpoint_steps": steps,
+        "max_positions": model.spec.max_len if model.spec.positional == "learned" else max_positions,
+        "eval": {"max_extra_len": config.eval.max_extra_len, "eval_max_len": config.data.eval_max_len},
+    }
