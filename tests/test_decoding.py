@@ -403,3 +403,10 @@ def test_search_in_cache_stages_equals_one_full_size_cache(beam_size):
     np.testing.assert_array_equal(staged.lengths[:, 0], max_len)
     np.testing.assert_array_equal(staged.tokens, full.tokens)
     np.testing.assert_allclose(staged.scores, full.scores, rtol=1e-5, atol=1e-6)
+
+
+def test_first_argmax_equals_argmax_including_ties():
+    x = np.asarray(random_tokens(8, (6, 40), vocab=5), np.float32)  # many ties: values 0..4 only
+    x[0] = -np.inf
+    x[1, 7] = np.inf
+    np.testing.assert_array_equal(decoding.first_argmax(jnp.asarray(x)), np.argmax(x, axis=-1))

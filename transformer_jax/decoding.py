@@ -93,6 +93,18 @@ def _next_log_probs(decode_step: DecodeStep, tokens_R: Array, cache: PyTree) -> 
     return jax.nn.log_softmax(logits_RV, axis=-1), cache
 
 
+def first_argmax(x_BV: Array) -> Array:
+    """jnp.argmax over the last axis (the first index of the maximum), as two plain reductions.
+
+    XLA:CPU lowers argmax to a variadic (value, index) reduction that ran 4x slower than a max and a min over
+    [64, 8000] (1.16 ms against 0.27 ms; a greedy step takes ~10 ms). A row with a NaN has no index equal to its max
+    and gets the last index, where argmax would point at the NaN; either way the output is garbage.
+    """
+    vocab = x_BV.shape[-1]
+    index_BV = jnp.where(x_BV == jnp.max(x_BV, axis=-1, keepdims=True), jnp.arange(vocab, dtype=jnp.int32), vocab)
+    return jnp.minimum(jnp.min(index_BV, axis=-1), vocab - 1)
+
+
 def _write(seq: Array, step: Array, tokens: Array) -> Array:
     """seq[..., step] = tokens (seq [..., L], tokens [...]), with a traced step."""
     return jnp.where(jnp.arange(seq.shape[-1]) == step, tokens[..., None], seq)
@@ -139,7 +151,7 @@ def greedy_search(
 
     def body(s: State) -> State:
         log_probs_BV, cache = _next_log_probs(decode_step, s.last_B, s.cache)
-        token_B = jnp.argmax(log_probs_BV, axis=-1).astype(jnp.int32)
+        token_B = first_argmax(log_probs_BV)
         token_B = jnp.where(s.done_B, PAD_ID, token_B)
         gain_B = jnp.take_along_axis(log_probs_BV, token_B[:, None], axis=-1)[:, 0]
         log_probs_B = s.log_probs_B + jnp.where(s.done_B, 0.0, gain_B)
