@@ -176,7 +176,7 @@ def step_flops(model, src_BS, *, beam_size: int, max_steps: int, use_cache: bool
 
     def one_step(state, memory, seg, cache, tokens):
         m = nnx.merge(graphdef, state)
-        step, _ = make(m, memory, seg, beam_size=beam_size, max_steps=max_steps)
+        step = make(m, memory, seg, beam_size=beam_size, max_steps=max_steps).step
         return step(tokens, cache)
 
     def dynamic_cache(state, memory, seg):
