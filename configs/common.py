@@ -85,6 +85,8 @@ def data_config() -> ml_collections.ConfigDict:
     d.tokenizer_model = ""  # an existing SentencePiece .model file; empty means train one into the workdir
     d.tokenizer_type = "unigram"  # unigram | bpe
     d.tokenizer_sample_sentences = 1_000_000  # sentences (both sides together) sampled to train the tokenizer
+    d.store = True  # tokenize the training split once into memory-mapped files (False: in memory at every start)
+    d.store_dir = ""  # directory of those files; empty means the tokenizer's directory
     d.batching = "pack"  # pack | bucket | pad
     d.batch_size = 64  # rows per batch, summed over devices (pack, pad)
     d.tokens_per_batch = 4096  # token slots per side per batch (rows x row length), summed over devices (bucket)

@@ -17,6 +17,7 @@ from transformer_jax.model import TransformerSpec, build_model
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
 CONFIG_ARGS = {
     "wmt14_ende": ["size=base", "size=big", "size=tiny", None],
+    "wmt14_enfr": ["size=base", "size=big", "size=tiny", None],
     "multi30k": [None, "direction=de-en", "size=tiny"],
     "quickstart": [None],
     "ablations_table3": ["scale=paper", "scale=mini,steps=400", "scale=tiny,steps=4"],

@@ -1,5 +1,5 @@
-"""python -m transformer_jax.data.prepare: data and tokenizer ready before a run; multi-host runs refuse to train
-one tokenizer per host."""
+"""python -m transformer_jax.data.prepare: data, tokenizer and tokenized store ready before a run; multi-host runs
+refuse to train one tokenizer per host."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from tests.training_helpers import tiny_train_config, write_corpus
+from transformer_jax.data import store
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import DataError
 
@@ -31,6 +32,11 @@ def test_prepare_writes_the_tokenizer_that_training_reuses(tmp_path):
     config = tiny_train_config(corpus)
     reused = tokenizer_lib.get_tokenizer(config.data, workdir, vocab_size=320, train_if_missing=False)
     assert reused.path == workdir / "spm.model"
+    # The tokenized training store too, which a multi-host run may only open.
+    assert pathlib.Path(report["store"]) == workdir / "spm.train.en-de.store" and report["store_counts"]["pairs"] == 400
+    examples, path = store.open_train_store(config.data, reused, build_if_missing=False)
+    assert path == workdir / "spm.train.en-de.store" and len(examples) == 400
+    assert store.verify(path)["counts"] == report["store_counts"]
 
 
 def test_multi_host_run_without_a_tokenizer_says_how_to_make_one(tmp_path):

@@ -71,10 +71,42 @@ def test_only_empty_pairs_is_an_error(tmp_path):
 
 
 def test_invalid_utf8_names_file_and_line(tmp_path):
-    write(tmp_path, "train.en", "fine\nalso fine\n")
+    write(tmp_path, "train.en", "fine\nalso fine\nstill fine\n")  # equal counts: a mismatch is found first
     bad = write(tmp_path, "train.de", b"gut\nauch gut\n\xff kaputt\n")
     with pytest.raises(DataError, match=f"{bad}, line 3: invalid UTF-8"):
         sources.read_text_split(tmp_path, "train", "en", "de")
+
+
+@pytest.mark.parametrize("block", [1, 2, 3, 7, 1 << 20])
+def test_streaming_a_file_in_blocks_gives_the_lines_of_reading_it_whole(tmp_path, monkeypatch, block):
+    """Block boundaries fall inside CRLF, inside multi-byte characters and inside lines; none may show."""
+    monkeypatch.setattr(sources, "READ_BYTES", block)
+    text = "a\r\nÄß\u2028x\n\n  \n漢字😀\r\nlast line without LF"
+    path = write(tmp_path, "train.en", text)
+    lines = [line for chunk in sources.iter_lines(path) for line in chunk]
+    assert lines == [line.removesuffix("\r") for line in text.split("\n")]
+    assert sources.count_lines(path) == len(lines) == 6
+    write(tmp_path, "train.de", text + "\n")  # a final LF ends the last line; it does not add one
+    assert [line for chunk in sources.iter_lines(tmp_path / "train.de") for line in chunk] == lines
+    assert sources.count_lines(tmp_path / "train.de") == 6
+    bad = write(tmp_path, "bad.en", b"ok\nok\n" + "é".encode()[:1] + b"\nok\n")
+    with pytest.raises(DataError, match=f"{bad}, line 3: invalid UTF-8"):
+        list(sources.iter_lines(bad))
+
+
+def test_a_streamed_sample_picks_the_same_pairs_as_indexing(tmp_path, monkeypatch):
+    monkeypatch.setattr(sources, "READ_BYTES", 16)
+    en = [f"sentence {i}" if i % 7 else "" for i in range(200)]  # every 7th pair has a blank side
+    de = [f"Satz {i}" for i in range(200)]
+    write(tmp_path, "train.en", "".join(s + "\n" for s in en))
+    write(tmp_path, "train.de", "".join(s + "\n" for s in de))
+    stream = sources.open_stream(text_config(tmp_path), "train")
+    assert len(stream) == 200
+    indices = [0, 1, 2, 63, 64, 65, 140, 199]
+    assert stream.pick(indices) == [(en[i], de[i]) for i in indices if en[i]]
+    chunks = list(stream.chunks(64))
+    assert [lines for lines, _ in chunks] == [64, 64, 64, 8]
+    assert [p for _, pairs in chunks for p in pairs] == sources.load_split(text_config(tmp_path), "train")
 
 
 def test_missing_split_lists_available_splits(tmp_path):
@@ -155,6 +187,10 @@ def test_tfds_builder_in_both_directions(tmp_path):
     assert (tmp_path / "transformer_jax_tiny_translate" / "de-en" / "1.0.0").is_dir()
     pairs = sources.open_split(tfds_config(tmp_path), "validation")  # random access, already prepared
     assert len(pairs) == 3 and pairs[1][0].startswith("en sentence ")
+    stream = sources.open_stream(tfds_config(tmp_path), "train")  # what a store is built from, in chunks
+    assert [len(chunk) for _, chunk in stream.chunks(3)] == [3, 3, 1]
+    assert [p for _, chunk in stream.chunks(3) for p in chunk] == sources.read_all(stream)
+    assert stream.identity()["version"] == "1.0.0" and stream.identity()["records"] == 7
 
 
 def test_tfds_errors_are_clear(tmp_path):

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
 import pytest
 
 from configs import common
 from transformer_jax import tokens
+from transformer_jax.data import sources
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import DataError
 
@@ -140,3 +142,16 @@ def test_bpe_option_and_bad_type(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bpe.model"], "no temporary files left behind"
     with pytest.raises(DataError, match="unknown data.tokenizer_type 'wordpiece'"):
         tokenizer_lib.train_tokenizer(lines, tmp_path / "x.model", vocab_size=600, model_type="wordpiece")
+
+
+def test_the_sample_is_drawn_by_index_and_read_in_one_pass(tmp_path, monkeypatch):
+    """The same pairs as indexing a list of every pair (the sample before streaming), without building that list."""
+    monkeypatch.setattr(sources, "READ_BYTES", 64)
+    en, de = [f"sentence {i}" for i in range(100)], [f"Satz {i}" for i in range(100)]
+    (tmp_path / "train.en").write_text("".join(s + "\n" for s in en), encoding="utf-8")
+    (tmp_path / "train.de").write_text("".join(s + "\n" for s in de), encoding="utf-8")
+    config = common.data_config()
+    config.text_dir = str(tmp_path)
+    sample = tokenizer_lib.sample_sentences(sources.open_stream(config, "train"), 40, seed=3)
+    indices = sorted(random.Random(3).sample(range(100), 20))
+    assert sample == [s for i in indices for s in (en[i], de[i])]

@@ -93,11 +93,13 @@ def _losses(workdir: pathlib.Path) -> tuple[list[int], list[float], dict[int, fl
 
 
 def _shared_tokenizer(corpus: pathlib.Path) -> None:
-    """One tokenizer for every run, trained once beforehand as the README says for multi-host runs."""
+    """One tokenizer and one tokenized store for every run, built once beforehand as the README says for
+    multi-host runs (each would refuse to build its own)."""
     from transformer_jax import data
 
     config = tiny_train_config(corpus)
-    data.get_tokenizer(config.data, corpus.parent, vocab_size=config.model.vocab_size)
+    tokenizer = data.get_tokenizer(config.data, corpus.parent, vocab_size=config.model.vocab_size)
+    data.open_train_store(config.data, tokenizer, build_if_missing=True)
 
 
 def test_two_processes_launch_train_and_checkpoint_together(corpus, tmp_path):

@@ -125,6 +125,20 @@ def test_an_error_in_the_data_iterator_reaches_the_loop_as_itself(corpus, tmp_pa
     assert checkpoints.list_steps(tmp_path) == []  # not a clean stop: nothing is saved past the last checkpoint
 
 
+def test_a_step_is_checkpointed_before_its_validation_runs(corpus, tmp_path, monkeypatch):
+    from transformer_jax.training import loop
+
+    def failing_validation(self, step, state):
+        raise RuntimeError(f"validation failed at step {step}")
+
+    monkeypatch.setattr(loop.Validation, "run_due", failing_validation)
+    config = tiny_train_config(corpus, num_steps=1, eval_every=1)
+    config.ckpt.every_steps = 1
+    with pytest.raises(RuntimeError, match="validation failed at step 1"):
+        train_and_evaluate(config, tmp_path)
+    assert checkpoints.list_steps(tmp_path) == [1]  # the step's work survives a crash in its validation
+
+
 def test_prefetched_batches_and_states_are_the_iterators_own(corpus, tmp_path):
     from transformer_jax import data
     from transformer_jax.sharding import batch_sharding

@@ -179,6 +179,8 @@ RULES: dict[str, Rule] = {
     "data.tokenizer_model": TEXT,
     "data.tokenizer_type": choice(TOKENIZER_TYPES),
     "data.tokenizer_sample_sentences": count(1, "sentences"),
+    "data.store": FLAG,
+    "data.store_dir": TEXT,
     "data.batching": choice(BATCHINGS),
     "data.batch_size": count(1, "rows per batch, summed over devices"),
     "data.tokens_per_batch": count(1, "token slots per side per batch"),

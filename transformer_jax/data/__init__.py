@@ -1,13 +1,15 @@
 """Data: sources of raw sentence pairs, the SentencePiece tokenizer, and the grain batching pipeline.
 
-Training calls `get_tokenizer(config.data, workdir, vocab_size=...)` and then
-`make_train_iterator(config.data, tokenizer)`; evaluation calls `load_split(config.data, split)` and
+Training calls `get_tokenizer(config.data, workdir, vocab_size=...)`, `open_train_store(config.data, tokenizer,
+...)` (the training split tokenized once into memory-mapped files) and then
+`make_train_iterator(config.data, tokenizer, examples=...)`; evaluation calls `load_split(config.data, split)` and
 `eval_batches(...)`. The batch contract is documented in `batching`.
 """
 
 from transformer_jax.data.batching import BATCH_KEYS, Examples, bucket_shapes, padding_efficiency, tokenize_pairs
 from transformer_jax.data.pipeline import WindowBatchIterator, eval_batches, make_train_iterator
-from transformer_jax.data.sources import load_split, open_split
+from transformer_jax.data.sources import load_split, open_split, open_stream
+from transformer_jax.data.store import open_train_store
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, get_tokenizer, train_tokenizer
 from transformer_jax.errors import DataError
 
@@ -27,6 +29,8 @@ __all__ = [
     "load_split",
     "make_train_iterator",
     "open_split",
+    "open_stream",
+    "open_train_store",
     "padding_efficiency",
     "tokenize_pairs",
     "train_tokenizer",

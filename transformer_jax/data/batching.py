@@ -48,9 +48,9 @@ class Examples:
     Each source is stored with its EOS, each target as ids then EOS (= tgt_out); tgt_in is derived when batching.
     """
 
-    src: np.ndarray  # int32 [total source tokens]
+    src: np.ndarray  # int32 [total source tokens] (uint16 memory-mapped from a store; batches are int32 either way)
     src_starts: np.ndarray  # int64 [N + 1]
-    tgt: np.ndarray  # int32 [total target tokens]
+    tgt: np.ndarray  # int32 [total target tokens] (likewise)
     tgt_starts: np.ndarray  # int64 [N + 1]
 
     def __len__(self) -> int:

@@ -1,15 +1,17 @@
 """The training and evaluation input pipelines: config -> batches of the contract in `batching`.
 
-Training: the training split is tokenized once, length-filtered (counts reported), and streamed forever, in a
-new order every epoch drawn from (seed, epoch). A window of `batch_window` shuffled example ids at a time is
-packed, bucketed or padded into fixed-shape global batches. The iterator is a grain `DatasetIterator` whose state
-is (window, carried-over ids, batches already emitted from the window): restoring it recomputes that window and
-continues with exactly the next batch.
+Training: the training split is tokenized once (into the memory-mapped store of `store`, or in memory),
+length-filtered (counts reported), and streamed forever, in a new order every epoch drawn from (seed, epoch).
+Batches are planned from the lengths (np.diff of the offsets) and assembled from the token arrays, which may be
+memory-mapped: nothing here holds the corpus in Python objects. A window of `batch_window` shuffled example ids
+at a time is packed, bucketed or padded into fixed-shape global batches. The iterator is a grain `DatasetIterator`
+whose state is (window, carried-over ids, batches already emitted from the window): restoring it recomputes that
+window and continues with exactly the next batch.
 
-Several hosts: every host tokenizes the whole split and plans the same global batches (same seed), then assembles
-only its block of rows (`batching.host_rows`). So the hosts always agree on each batch's shape (bucketed batches
-vary), their iterator states are identical (a checkpoint stores one, written by host 0), and N hosts train on
-exactly the batches one host would. The cost is that each host tokenizes every pair once at startup.
+Several hosts: every host opens the same store (or tokenizes the whole split) and plans the same global batches
+(same seed), then assembles only its block of rows (`batching.host_rows`). So the hosts always agree on each
+batch's shape (bucketed batches vary), their iterator states are identical (a checkpoint stores one, written by
+host 0), and N hosts train on exactly the batches one host would.
 
 The epoch order is one numpy permutation per epoch rather than grain's `MapDataset.shuffle`: grain's per-index
 Feistel shuffle costs ~25 us per element on Multi30k (and ~16 ms on a 3-example test set), which alone would cap
@@ -177,6 +179,7 @@ def make_train_iterator(
     config: ml_collections.ConfigDict,
     tokenizer: Tokenizer,
     *,
+    examples: batching.Examples | None = None,
     seed: int | None = None,
     process_index: int | None = None,
     process_count: int | None = None,
@@ -185,20 +188,22 @@ def make_train_iterator(
 ) -> tuple[WindowBatchIterator, dict[str, Any]]:
     """An endless iterator of this host's rows of the training batches, and the stats of how it was built.
 
-    `config` is the data group. seed defaults to config.shuffle_seed, the host to jax.process_index()/count(),
-    num_threads (SentencePiece threads for the one-time tokenization) to every core. Bucket batches have a multiple
-    of row_multiple rows in all (make it all devices x micro-batches if that exceeds 8). Stats (all global):
-    examples, kept, dropped_empty, dropped_too_long, src_tokens/tgt_tokens (kept, per epoch), batch_shapes.
+    `config` is the data group. `examples` are the tokenized training pairs when already at hand: the
+    memory-mapped store (`store.open_train_store`), which training uses; None reads and tokenizes the split in
+    memory (small corpora, tests), which gives the same examples. seed defaults to config.shuffle_seed, the host
+    to jax.process_index()/count(), num_threads (SentencePiece threads for the in-memory tokenization) to every
+    core. Bucket batches have a multiple of row_multiple rows in all (make it all devices x micro-batches if that
+    exceeds 8). Stats (all global): examples, kept, dropped_empty, dropped_too_long, src_tokens/tgt_tokens (kept,
+    per epoch), batch_shapes.
     """
     seed = config.shuffle_seed if seed is None else seed
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
     if not 0 <= process_index < process_count:
         raise DataError(f"process_index {process_index} is not in [0, {process_count})")
-    pairs = sources.open_split(config, config.train_split)
-    examples = batching.tokenize_pairs(
-        sources.read_all(pairs), tokenizer, num_threads=num_threads or os.cpu_count() or 1
-    )
+    if examples is None:
+        pairs = sources.read_all(sources.open_split(config, config.train_split))
+        examples = batching.tokenize_pairs(pairs, tokenizer, num_threads=num_threads or os.cpu_count() or 1)
     kept, stats = batching.length_filter(examples, config.max_len)
     if not len(kept):
         raise DataError(

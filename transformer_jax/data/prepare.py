@@ -1,36 +1,51 @@
-"""Fetch a config's data and train its tokenizer, once, before a run.
+"""Fetch a config's data, train its tokenizer and tokenize the training split into its store, once, before a run.
 
-python -m transformer_jax.data.prepare --config configs/wmt14_ende.py:size=base --workdir runs/base
+python -m transformer_jax.data.prepare --config configs/wmt14_ende.py:size=base --workdir runs/base [--verify]
 
-Downloads (or prepares, for TFDS) the train, validation and test splits and writes WORKDIR/spm.model. Use it on a
-machine with internet before training on one without, and before every multi-host run (hosts must share one
-tokenizer; train.py refuses to train a separate one on each host). Prints one JSON line: sentences per split and
-the tokenizer's path and size.
+Downloads (or prepares, for TFDS) the train, validation and test splits, writes WORKDIR/spm.model (or uses
+data.tokenizer_model) and builds the memory-mapped store of the tokenized training split next to it
+(`transformer_jax.data.store`; skipped with data.store=False). Use it on a machine with internet before training on
+one without, and before every multi-host run: hosts must share one tokenizer and one store, and train.py refuses
+to build a separate one on each host. An existing store that matches is reused; `--verify` rereads all of it and
+checks every file's SHA-256 (a start only checks sizes and sampled blocks). Prints one JSON line: sentences per
+split, the tokenizer's path and size, and the store's path and counts.
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 from absl import flags
 from ml_collections import config_flags
 
 from transformer_jax import cli
-from transformer_jax.data import sources
+from transformer_jax.data import sources, store
 from transformer_jax.data.tokenizer import get_tokenizer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (the one the run will use).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training directory that will hold spm.model.")
+_VERIFY = flags.DEFINE_bool("verify", False, "Reread the whole store and check the SHA-256 of every file.")
 
 
 def main(argv: list[str]) -> None:
     del argv  # no positional arguments (transformer_jax.cli.run refuses them)
     config = _CONFIG.value
     splits = {}
-    for split in (config.data.train_split, config.data.valid_split, config.data.test_split):
+    for split in (config.data.valid_split, config.data.test_split):  # small: read whole
         splits[split] = len(sources.open_split(config.data, split))
+    train = sources.open_stream(config.data, config.data.train_split)
+    len(train)  # text: both sides' lines counted, so mismatched files fail before the tokenizer is trained
     tokenizer = get_tokenizer(config.data, _WORKDIR.value, vocab_size=config.model.vocab_size)
-    print(json.dumps({"sentences": splits, "tokenizer": str(tokenizer.path), "pieces": tokenizer.vocab_size}))
+    report = {"sentences": splits, "tokenizer": str(tokenizer.path), "pieces": tokenizer.vocab_size}
+    if config.data.store:
+        _, path = store.open_train_store(config.data, tokenizer, build_if_missing=True, num_threads=os.cpu_count())
+        manifest = store.verify(path) if _VERIFY.value else store.read_manifest(path)
+        splits[config.data.train_split] = manifest["counts"]["pairs"]
+        report.update(store=str(path), store_counts=manifest["counts"], verified=_VERIFY.value)
+    else:
+        splits[config.data.train_split] = sum(len(pairs) for _, pairs in train.chunks(store.CHUNK_PAIRS))
+    print(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -1,18 +1,27 @@
 """Sources of raw (source, target) sentence pairs: local text files, Multi30k fetched on demand, TFDS builders.
 
-Every source yields untokenized strings in the direction the config names (`src_lang` -> `tgt_lang`). A split
-opens as a random-access sequence of pairs, so the tokenizer can sample it and the pipeline can shard it without
-reading everything twice. Bad input raises `DataError` naming the file and line, never a bare traceback.
+Every source yields untokenized strings in the direction the config names (`src_lang` -> `tgt_lang`). Small splits
+(validation, test) open as a sequence of pairs (`open_split`). A training split of any size opens for streaming
+(`open_stream`): text files are read a block at a time and TFDS array_record files a batch of records at a time,
+so building the tokenized store (`store`) or drawing the tokenizer's sample never holds the corpus as Python
+strings. Bad input raises `DataError` naming the file and line, never a bare traceback; mismatched line counts are
+found by counting line breaks, before any sentence is decoded.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging as std_logging
 import os
-from collections.abc import Sequence
+import sys
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import ml_collections
+import numpy as np
+import tqdm
 from absl import logging
 
 from transformer_jax.data import download as download_lib
@@ -61,23 +70,58 @@ def cache_dir(config: ml_collections.ConfigDict) -> Path:
 # Local text files: {split}.{lang}, one sentence per line.
 
 
-def _read_lines(path: Path) -> list[str]:
-    """The lines of a UTF-8 file, split on LF only (sentences may hold U+2028 or U+0085, which are not breaks)."""
+READ_BYTES = 1 << 24  # bytes read at a time when streaming a text file
+
+
+def count_lines(path: Path) -> int:
+    """Lines of a file without decoding it: LF count, plus one for a last line without a final LF.
+
+    Cheap (one pass of `bytes.count` over fixed-size blocks), so both sides of a split are counted, and a mismatch
+    reported, before any sentence is decoded or tokenized.
+    """
+    lines, last = 0, b"\n"
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            while block := f.read(READ_BYTES):
+                lines += block.count(b"\n")
+                last = block[-1:]
     except OSError as e:
         raise DataError(f"cannot read {path}: {e.strerror or e}") from e
-    if not data:
-        raise DataError(f"{path} is empty")
+    return lines + (last != b"\n")
+
+
+def iter_lines(path: Path) -> Iterator[list[str]]:
+    """The lines of a UTF-8 file, a block at a time, split on LF only (sentences may hold U+2028 or U+0085,
+    which are not breaks), a final CR dropped; the final LF ends the last line rather than starting an empty one.
+
+    Invalid UTF-8 raises `DataError` naming the file and the line, wherever in the file it is.
+    """
+    consumed = line_number = 0  # bytes and lines already yielded
+    rest = b""
     try:
-        text = data.decode("utf-8")
+        with open(path, "rb") as f:
+            while block := f.read(READ_BYTES):
+                data = rest + block
+                cut = data.rfind(b"\n")
+                if cut < 0:
+                    rest = data
+                    continue
+                lines = _decode(path, data[:cut], consumed, line_number).split("\n")
+                rest = data[cut + 1 :]
+                consumed, line_number = consumed + cut + 1, line_number + len(lines)
+                yield [line.removesuffix("\r") for line in lines]
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror or e}") from e
+    if rest:  # a last line without a final LF
+        yield [_decode(path, rest, consumed, line_number).removesuffix("\r")]
+
+
+def _decode(path: Path, data: bytes, offset: int, lines_before: int) -> str:
+    try:
+        return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise DataError(f"{path}, line {line}: invalid UTF-8 ({e.reason} at byte {e.start})") from e
-    lines = text.split("\n")
-    if lines[-1] == "":  # the final line break ends the last line; it does not start an empty one
-        lines.pop()
-    return [line.removesuffix("\r") for line in lines]
+        line = lines_before + data.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}, line {line}: invalid UTF-8 ({e.reason} at byte {offset + e.start})") from e
 
 
 def _available(directory: Path) -> dict[str, list[str]]:
@@ -90,43 +134,116 @@ def _available(directory: Path) -> dict[str, list[str]]:
     return found
 
 
+class TextPairs:
+    """A text split opened for streaming: `{split}.{src_lang}` and `{split}.{tgt_lang}`, line i of one the
+    translation of line i of the other. Opening checks that both files exist and are non-empty; their line counts
+    are compared (counted, not decoded) before the first pair is read. Nothing is held but the paths and the count.
+    """
+
+    def __init__(self, directory: str | os.PathLike, split: str, src_lang: str, tgt_lang: str):
+        directory = resolve_path(directory)
+        if not directory.is_dir():
+            raise DataError(f"text data directory {directory} does not exist (data.text_dir)")
+        available = _available(directory)
+        for lang in (src_lang, tgt_lang):
+            if lang not in available:
+                raise DataError(
+                    f"no files for language {lang!r} in {directory} (language pair {src_lang}-{tgt_lang}); "
+                    f"available languages: {sorted(available)}"
+                )
+        self.src_path, self.tgt_path = directory / f"{split}.{src_lang}", directory / f"{split}.{tgt_lang}"
+        for path, lang in ((self.src_path, src_lang), (self.tgt_path, tgt_lang)):
+            if not path.is_file():
+                raise DataError(
+                    f"missing split {split!r}: no file {path}; available splits for {lang}: {available[lang]}"
+                )
+            if not path.stat().st_size:
+                raise DataError(f"{path} is empty")
+        self._lines: int | None = None
+
+    def __len__(self) -> int:
+        """Lines per side, blank ones included. Counted on first use (a pass over both files, nothing decoded);
+        sides with different counts are an error."""
+        if self._lines is None:
+            src_lines, tgt_lines = count_lines(self.src_path), count_lines(self.tgt_path)
+            if src_lines != tgt_lines:
+                raise DataError(
+                    f"line counts differ: {self.src_path} has {src_lines} lines, {self.tgt_path} has {tgt_lines}; "
+                    "line i of one side must be the translation of line i of the other"
+                )
+            self._lines = src_lines
+        return self._lines
+
+    def identity(self) -> dict[str, Any]:
+        """What was read, for a store's manifest: the two files with their sizes and modification times."""
+        return {
+            "files": [
+                {"path": str(p.resolve()), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
+                for p in (self.src_path, self.tgt_path)
+            ]
+        }
+
+    def _line_chunks(self, size: int) -> Iterator[tuple[list[str], list[str]]]:
+        src = itertools.chain.from_iterable(iter_lines(self.src_path))
+        tgt = itertools.chain.from_iterable(iter_lines(self.tgt_path))
+        while True:
+            src_lines, tgt_lines = list(itertools.islice(src, size)), list(itertools.islice(tgt, size))
+            if len(src_lines) != len(tgt_lines):  # counted equal when opened: a file changed while being read
+                raise DataError(f"{self.src_path} and {self.tgt_path} changed while being read; run again")
+            if not src_lines:
+                return
+            yield src_lines, tgt_lines
+
+    def chunks(self, size: int, *, keep_blank: bool = False) -> Iterator[tuple[int, list[Pair]]]:
+        """(lines read, pairs) for every `size` lines, in file order.
+
+        For training, a pair whose either side is empty or only whitespace is skipped, counted and logged;
+        `keep_blank` (evaluation: one hypothesis per source line) keeps every line. A split without a single pair
+        is an error.
+        """
+        kept, lines = 0, len(self)  # counts both sides first: a mismatch fails before any decoding
+        for src_lines, tgt_lines in self._line_chunks(size):
+            pairs = list(zip(src_lines, tgt_lines, strict=True))
+            if not keep_blank:
+                pairs = [(s, t) for s, t in pairs if s.strip() and t.strip()]
+            kept += len(pairs)
+            yield len(src_lines), pairs
+        if kept < lines:
+            logging.warning(
+                "%s and %s: skipped %d pairs with an empty side", self.src_path, self.tgt_path, lines - kept
+            )
+        if not kept:
+            raise DataError(f"{self.src_path} and {self.tgt_path} hold no pair with both sides non-empty")
+
+    def pick(self, indices: Sequence[int]) -> list[Pair]:
+        """The pairs at sorted line `indices`, read in one streaming pass (blank pairs left out)."""
+        wanted = np.asarray(indices, np.int64)
+        out: list[Pair] = []
+        first = 0
+        with progress(len(self), "sampling lines") as bar:
+            for src_lines, tgt_lines in self._line_chunks(1 << 16):
+                lo, hi = np.searchsorted(wanted, [first, first + len(src_lines)])
+                for i in (wanted[lo:hi] - first).tolist():
+                    if src_lines[i].strip() and tgt_lines[i].strip():
+                        out.append((src_lines[i], tgt_lines[i]))
+                first += len(src_lines)
+                bar.update(len(src_lines))
+                if hi == len(wanted):
+                    break
+        return out
+
+
 def read_text_split(
     directory: str | os.PathLike, split: str, src_lang: str, tgt_lang: str, *, keep_blank: bool = False
 ) -> tuple[list[Pair], int]:
-    """Reads `{split}.{src_lang}` and `{split}.{tgt_lang}` as aligned pairs.
+    """Reads `{split}.{src_lang}` and `{split}.{tgt_lang}` as aligned pairs (for splits small enough to hold).
 
     Returns (pairs, skipped): for training, a pair whose either side is empty or only whitespace is skipped and
     counted; `keep_blank` (evaluation: one hypothesis per source line) keeps every line and skips nothing.
     """
-    directory = resolve_path(directory)
-    if not directory.is_dir():
-        raise DataError(f"text data directory {directory} does not exist (data.text_dir)")
-    available = _available(directory)
-    for lang in (src_lang, tgt_lang):
-        if lang not in available:
-            raise DataError(
-                f"no files for language {lang!r} in {directory} (language pair {src_lang}-{tgt_lang}); "
-                f"available languages: {sorted(available)}"
-            )
-    src_path, tgt_path = directory / f"{split}.{src_lang}", directory / f"{split}.{tgt_lang}"
-    for path, lang in ((src_path, src_lang), (tgt_path, tgt_lang)):
-        if not path.is_file():
-            raise DataError(f"missing split {split!r}: no file {path}; available splits for {lang}: {available[lang]}")
-    src_lines, tgt_lines = _read_lines(src_path), _read_lines(tgt_path)
-    if len(src_lines) != len(tgt_lines):
-        raise DataError(
-            f"line counts differ: {src_path} has {len(src_lines)} lines, {tgt_path} has {len(tgt_lines)}; "
-            "line i of one side must be the translation of line i of the other"
-        )
-    pairs = [(s, t) for s, t in zip(src_lines, tgt_lines, strict=True) if keep_blank or (s.strip() and t.strip())]
-    skipped = len(src_lines) - len(pairs)
-    if skipped:
-        logging.warning(
-            "%s/%s.{%s,%s}: skipped %d pairs with an empty side", directory, split, src_lang, tgt_lang, skipped
-        )
-    if not pairs:
-        raise DataError(f"{src_path} and {tgt_path} hold no pair with both sides non-empty")
-    return pairs, skipped
+    files = TextPairs(directory, split, src_lang, tgt_lang)
+    pairs = [pair for _, chunk in files.chunks(1 << 16, keep_blank=keep_blank) for pair in chunk]
+    return pairs, len(files) - len(pairs)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -162,23 +279,51 @@ def multi30k_dir(config: ml_collections.ConfigDict) -> Path:
 
 
 class TfdsPairs(Sequence):
-    """Random access to (source, target) strings of a TFDS translation split."""
+    """Random access to (source, target) strings of a TFDS translation split; `about` names it (for a store's
+    manifest and for error messages)."""
 
-    def __init__(self, data_source: Any, src_lang: str, tgt_lang: str):
+    def __init__(self, data_source: Any, src_lang: str, tgt_lang: str, about: dict[str, Any] | None = None):
         self._source = data_source
         self._src, self._tgt = src_lang, tgt_lang
+        self._about = about or {}
 
     def __len__(self) -> int:
         return len(self._source)
 
     def __getitem__(self, index: int) -> Pair:
-        record = self._source[index]
-        return _text(record[self._src]), _text(record[self._tgt])
+        return self.get_many([index])[0]
 
     def get_many(self, indices: Sequence[int]) -> list[Pair]:
         """Reads many records in one call (array_record batches the reads)."""
         records = self._source.__getitems__(list(indices))
-        return [(_text(r[self._src]), _text(r[self._tgt])) for r in records]
+        pairs = []
+        for index, record in zip(indices, records, strict=True):
+            try:
+                pairs.append((_text(record[self._src]), _text(record[self._tgt])))
+            except UnicodeDecodeError as e:
+                name = self._about.get("tfds_name", "dataset")
+                raise DataError(f"TFDS {name}, record {index}: invalid UTF-8 ({e.reason}); prepare it again") from e
+        return pairs
+
+    def identity(self) -> dict[str, Any]:
+        """What is read, for a store's manifest: the builder, its version and data directory, and the records."""
+        return {**self._about, "records": len(self)}
+
+    def chunks(self, size: int) -> Iterator[tuple[int, list[Pair]]]:
+        """(records read, pairs) for every `size` records in stored order; empty pairs are kept (the pipeline
+        drops and counts them)."""
+        for start in range(0, len(self), size):
+            pairs = self.get_many(range(start, min(start + size, len(self))))
+            yield len(pairs), pairs
+
+    def pick(self, indices: Sequence[int]) -> list[Pair]:
+        """The pairs at sorted `indices`, as stored, read in batches."""
+        out: list[Pair] = []
+        with progress(len(indices), "sampling records") as bar:
+            for start in range(0, len(indices), 4096):
+                out.extend(self.get_many(indices[start : start + 4096]))
+                bar.update(min(4096, len(indices) - start))
+        return out
 
 
 def _text(value: bytes | str) -> str:
@@ -228,7 +373,8 @@ def open_tfds_split(name: str, data_dir: str, split: str, src_lang: str, tgt_lan
     splits = list(builder.info.splits.keys())
     if split not in splits:
         raise DataError(f"TFDS dataset {name!r} has no split {split!r}; available splits: {splits}")
-    return TfdsPairs(builder.as_data_source(split=split), src_lang, tgt_lang)
+    about = {"tfds_name": name, "version": str(builder.info.version), "data_dir": str(builder.data_dir), "split": split}
+    return TfdsPairs(builder.as_data_source(split=split), src_lang, tgt_lang, about)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -256,6 +402,59 @@ def open_split(config: ml_collections.ConfigDict, split: str, *, keep_blank: boo
             download=config.tfds_download,
         )
     raise DataError(f"unknown data.source {config.source!r}; choose text, multi30k or tfds")
+
+
+def open_stream(config: ml_collections.ConfigDict, split: str) -> TextPairs | TfdsPairs:
+    """`split` of the configured source, opened for streaming: `len()` lines or records, `chunks(size)` of
+    pairs in stored order, `pick(sorted indices)`, `identity()` (what is read). Nothing is read yet; text files'
+    lines are counted on the first `len()`, so mismatched sides fail before any sentence is decoded.
+    """
+    if config.source in ("text", "multi30k"):
+        directory = multi30k_dir(config) if config.source == "multi30k" else config.text_dir
+        return TextPairs(directory, split, config.src_lang, config.tgt_lang)
+    if config.source == "tfds":
+        return open_tfds_split(
+            config.tfds_name,
+            config.tfds_data_dir,
+            split,
+            config.src_lang,
+            config.tgt_lang,
+            download=config.tfds_download,
+        )
+    raise DataError(f"unknown data.source {config.source!r}; choose text, multi30k or tfds")
+
+
+# The standard logger (not absl's, which train.py quiets to warnings), so a long build shows its progress there.
+_progress_log = std_logging.getLogger(__name__)
+
+
+class _LogProgress:
+    """Progress as absl info lines, every tenth of the way: for runs whose stderr goes to a log file."""
+
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc, self.done, self.next_tenth = total, desc, 0, 1
+        self.start = time.perf_counter()
+
+    def __enter__(self) -> _LogProgress:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        return None
+
+    def update(self, n: int) -> None:
+        self.done += n
+        tenths = 10 * self.done // self.total if self.total else 0
+        if tenths >= self.next_tenth:
+            seconds = time.perf_counter() - self.start
+            _progress_log.info("%s: %d of %d (%d%%) in %.0f s", self.desc, self.done, self.total, 10 * tenths, seconds)
+            self.next_tenth = tenths + 1
+
+
+def progress(total: int, desc: str) -> tqdm.tqdm | _LogProgress:
+    """A progress bar over `total` lines or records: tqdm on a terminal, else a log line every 10%."""
+    if sys.stderr.isatty():
+        return tqdm.tqdm(total=total, desc=desc, unit=" lines", unit_scale=True, mininterval=1.0)
+    return _LogProgress(total, desc)
 
 
 def read_all(pairs: Sequence[Pair], indices: Sequence[int] | None = None) -> list[Pair]:

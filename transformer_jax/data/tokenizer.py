@@ -109,11 +109,15 @@ def train_tokenizer(
     return Tokenizer(model_path)
 
 
-def sample_sentences(pairs: Sequence[tuple[str, str]], num_sentences: int, *, seed: int = 0) -> list[str]:
-    """About `num_sentences` sentences, both sides of a seeded uniform sample of pairs, empty sides left out."""
+def sample_sentences(pairs: sources.TextPairs | sources.TfdsPairs, num_sentences: int, *, seed: int = 0) -> list[str]:
+    """About `num_sentences` sentences, both sides of a seeded uniform sample of pairs, empty sides left out.
+
+    The sample is drawn by index from the known number of lines (or records) and read in one streaming pass, so
+    a corpus of any size is never held whole; only the sample is.
+    """
     num_pairs = min(len(pairs), max(1, num_sentences // 2))
     indices = sorted(random.Random(seed).sample(range(len(pairs)), num_pairs))
-    return [s for pair in sources.read_all(pairs, indices) for s in pair if s.strip()]
+    return [s for pair in pairs.pick(indices) for s in pair if s.strip()]
 
 
 def get_tokenizer(
@@ -149,7 +153,7 @@ def get_tokenizer(
             "create it once with `python -m transformer_jax.data.prepare --config <the same config> --workdir "
             f"{workdir}` on a filesystem every host sees, or set data.tokenizer_model to an existing .model file"
         )
-    sentences = sample_sentences(sources.open_split(config, config.train_split), config.tokenizer_sample_sentences)
+    sentences = sample_sentences(sources.open_stream(config, config.train_split), config.tokenizer_sample_sentences)
     logging.info(
         "training a %s tokenizer with %d pieces on %d sentences", config.tokenizer_type, vocab_size, len(sentences)
     )

@@ -315,7 +315,12 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> TrainingR
     tokenizer = data.get_tokenizer(
         config.data, workdir, vocab_size=config.model.vocab_size, train_if_missing=jax.process_count() == 1
     )
-    train_iter, data_stats = data.make_train_iterator(config.data, tokenizer, row_multiple=row_multiple)
+    examples = None  # data.store=False: tokenized in memory by make_train_iterator
+    if config.data.store:
+        examples, _ = data.open_train_store(config.data, tokenizer, build_if_missing=jax.process_count() == 1)
+    train_iter, data_stats = data.make_train_iterator(
+        config.data, tokenizer, examples=examples, row_multiple=row_multiple
+    )
     graphs, abstract = abstract_train_state(config)
     shardings = state_shardings(abstract, mesh, config.train.mesh)
     checkpointer = Checkpointer(workdir, config.ckpt)
@@ -403,10 +408,11 @@ def run_steps(run: TrainingRun, stop: StopRequest) -> dict[str, float]:
             run.metric_log.add(metrics, real_tokens, flops.train_step_flops(run.spec, *shape), step)
             if is_due(step, config.train.log_every, num_steps):
                 last_logged = run.metric_log.write(step)
-            run.validation.run_due(step, state)
+            # Checkpoint first: validation BLEU decodes for minutes, and a crash in it must not cost the steps.
             if is_due(step, config.ckpt.every_steps, num_steps):
                 save_if_finite(run, step, state, it_state)
                 saved_step = step
+            run.validation.run_due(step, state)
         run.metric_log.flush()
         if stopping and saved_step != step:
             save_if_finite(run, step, state, it_state)

@@ -1,0 +1,346 @@
+"""The training split tokenized once into memory-mapped files: every later start, on every host, opens it in
+about a second, reads no text and tokenizes nothing.
+
+Axis letters: see transformer_jax/__init__.py (the arrays here are flat token streams and their offsets).
+
+What is stored: the four arrays of `batching.Examples` for every pair of the split, exactly what the in-memory path
+(`pipeline.make_train_iterator` without `examples`) tokenizes, as .npy files opened with
+`np.load(mmap_mode="r")`. Everything after tokenization (length filter, planners, assembly) is the same code on
+the same values, so the batches are the in-memory path's by construction. The length filter (data.max_len) runs
+when a run starts, one vectorised pass over the lengths, rather than at build time, for two reasons: example ids,
+which a checkpoint's iterator state holds, stay the in-memory path's (a run resumes exactly across the switch),
+and runs that differ only in max_len share one store. So the manifest holds no filter settings.
+
+Why memory-mapped .npy files: a memory map costs no load time and no private memory; the OS pages in the offsets
+(read whole, to plan batches from the lengths) and the token pages of the batches being assembled, and shares
+them between the processes of a host. Random access to an example is an offset lookup. .npy rather than raw
+files, because each file describes its own dtype and length; rather than array_record, because the planner needs
+every length at once, which the offsets give with one np.diff, where records would each need parsing. Tokens are
+uint16 on disk when the vocabulary fits (half the disk and page cache of int32); assembly copies them into the
+int32 batch arrays, so batches do not change.
+
+Checksums: the SHA-256 of each file's data is computed while it is written and kept in the manifest; `verify`
+rereads every byte (`prepare --verify`; minutes for tens of GB). A start checks what is cheap instead: sizes,
+dtypes and lengths against the manifest, the SHA-256 of 64 blocks of 4 KiB spread over each file, and that the
+offsets start at 0, increase and end at the token count (they are read whole anyway). That finds a truncated,
+replaced or partly overwritten file and damaged offsets, which would otherwise assemble wrong batches silently,
+in well under a second at any size; a flipped bit inside a token array between the sampled blocks is left to
+`verify`.
+
+Where: next to the tokenizer (or in data.store_dir), named after the tokenizer, split and direction, e.g.
+`spm.train.en-de.store/`, on the filesystem every host sees. A missing store, or one built from another source,
+split or tokenizer (the manifest's `identity`), is built by a single-host run and refused, with the prepare
+command, by a multi-host one, like the tokenizer. A build writes into a temporary directory beside the store and
+renames it into place, so a failure (invalid UTF-8 on line 3,000,001) leaves no store behind, only one line
+naming the file and line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from transformer_jax.data import batching, sources
+from transformer_jax.data.tokenizer import Tokenizer
+from transformer_jax.errors import DataError
+
+log = logging.getLogger(__name__)  # the standard logger, which train.py shows at INFO (it quiets absl's)
+
+FORMAT = 1  # bump when the layout changes: older stores then count as built from other input and are rebuilt
+MANIFEST = "manifest.json"
+ARRAYS = ("src", "src_starts", "tgt", "tgt_starts")  # the fields of batching.Examples, one .npy file each
+HEADER_BYTES = 128  # the .npy v1.0 header of any 1-D array of these dtypes (numpy pads headers to 64 bytes)
+CHUNK_PAIRS = 100_000  # pairs read and tokenized at a time (bounds the Python strings and id lists held)
+SAMPLE_BLOCKS, SAMPLE_BYTES = 64, 4096  # what a start hashes of each file
+
+
+def store_path(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> Path:
+    """Where the store of `config.train_split` lives: data.store_dir, else the tokenizer's directory."""
+    directory = Path(config.store_dir).expanduser() if config.store_dir else tokenizer.path.parent
+    return directory / f"{tokenizer.path.stem}.{config.train_split}.{config.src_lang}-{config.tgt_lang}.store"
+
+
+def identity(config: ml_collections.ConfigDict, tokenizer: Tokenizer, stream: sources.TextPairs | sources.TfdsPairs):
+    """What the store's contents depend on; a store whose manifest records another identity is stale."""
+    return {
+        "format": FORMAT,
+        "source": config.source,
+        "input": stream.identity(),
+        "split": config.train_split,
+        "src_lang": config.src_lang,
+        "tgt_lang": config.tgt_lang,
+        "tokenizer_sha256": hashlib.sha256(tokenizer.path.read_bytes()).hexdigest(),
+        "token_dtype": _token_dtype(tokenizer).str,
+    }
+
+
+def _token_dtype(tokenizer: Tokenizer) -> np.dtype:
+    return np.dtype("<u2") if tokenizer.vocab_size <= 1 << 16 else np.dtype("<i4")
+
+
+def _prepare_hint(path: Path) -> str:
+    return (
+        f"`python -m transformer_jax.data.prepare --config <the same config> --workdir <the same workdir>` builds "
+        f"{path} once; run it on a filesystem every host sees"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Building.
+
+
+class _NpyWriter:
+    """A 1-D .npy file written by appending: the data first, after room for the header, then the header."""
+
+    def __init__(self, path: Path, dtype: np.dtype):
+        self.path, self.dtype, self.length = path, dtype, 0
+        self._file = open(path, "wb")  # noqa: SIM115  (closed by close(); the build's cleanup removes it on error)
+        self._file.write(b"\0" * HEADER_BYTES)
+        self._digest = hashlib.sha256()
+
+    def append(self, array: np.ndarray) -> None:
+        data = np.ascontiguousarray(array, self.dtype)
+        self._file.write(data.data)
+        self._digest.update(data.data)
+        self.length += len(data)
+
+    def close(self) -> dict[str, Any]:
+        self._file.seek(0)
+        header = {"descr": self.dtype.str, "fortran_order": False, "shape": (self.length,)}
+        np.lib.format.write_array_header_1_0(self._file, header)
+        if self._file.tell() != HEADER_BYTES:
+            raise AssertionError(f"an .npy header of {self._file.tell()} bytes, not {HEADER_BYTES}; this is a bug")
+        self._file.close()
+        size = self.path.stat().st_size
+        return {
+            "dtype": self.dtype.str,
+            "length": self.length,
+            "bytes": size,
+            "data_sha256": self._digest.hexdigest(),
+            "sample_sha256": _sample_sha256(self.path, size),
+        }
+
+
+def _sample_sha256(path: Path, size: int) -> str:
+    """SHA-256 of SAMPLE_BLOCKS blocks spread evenly over the file (the last one ending at its end)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for offset in np.linspace(0, max(size - SAMPLE_BYTES, 0), SAMPLE_BLOCKS).astype(np.int64).tolist():
+            f.seek(offset)
+            digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def build(
+    config: ml_collections.ConfigDict,
+    tokenizer: Tokenizer,
+    path: Path,
+    *,
+    num_threads: int,
+    chunk_pairs: int = CHUNK_PAIRS,
+) -> dict[str, Any]:
+    """Streams, tokenizes and writes the training split into a new store at `path`; returns its manifest.
+
+    The split is read `chunk_pairs` pairs at a time (text: a block of lines; TFDS: a batch of records), encoded by
+    SentencePiece's batch encoder on `num_threads` threads and appended to the growing files, so memory does not
+    grow with the corpus. Line counts are compared before anything is decoded. Written into a temporary directory
+    beside `path` and renamed into place when complete; any failure removes it.
+    """
+    start = time.perf_counter()
+    stream = sources.open_stream(config, config.train_split)
+    expected = identity(config, tokenizer, stream)
+    total = len(stream)  # text: counts both files' lines, so a mismatch fails before any tokenizing
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".building", dir=path.parent))
+    except OSError as e:
+        raise _unwritable(path, e) from e
+    try:
+        token_dtype, start_dtype = _token_dtype(tokenizer), np.dtype("<i8")
+        writers = {
+            name: _NpyWriter(tmp / f"{name}.npy", start_dtype if name.endswith("_starts") else token_dtype)
+            for name in ARRAYS
+        }
+        for side in ("src", "tgt"):
+            writers[f"{side}_starts"].append(np.zeros(1, np.int64))
+        log.info("tokenizing %d lines of split %r into %s", total, config.train_split, path)
+        with sources.progress(total, f"tokenizing {config.train_split}") as bar:
+            for lines, pairs in stream.chunks(chunk_pairs):
+                if pairs:
+                    src_text, tgt_text = zip(*pairs, strict=True)
+                    part = batching.from_ids(
+                        tokenizer.encode_batch(src_text, num_threads), tokenizer.encode_batch(tgt_text, num_threads)
+                    )
+                    for side, flat, starts in (("src", part.src, part.src_starts), ("tgt", part.tgt, part.tgt_starts)):
+                        writers[f"{side}_starts"].append(starts[1:] + writers[side].length)
+                        writers[side].append(flat)
+                bar.update(lines)
+        files = {name: writer.close() for name, writer in writers.items()}
+        manifest = {
+            "identity": expected,
+            "counts": {
+                "lines": total,
+                "pairs": files["src_starts"]["length"] - 1,
+                "src_tokens": files["src"]["length"],
+                "tgt_tokens": files["tgt"]["length"],
+            },
+            "files": files,
+            "build_seconds": round(time.perf_counter() - start, 1),
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+        os.chmod(tmp, 0o755)  # mkdtemp's 0o700 would hide the store from the other hosts' users
+        _install(tmp, path)
+    except OSError as e:  # reading errors are DataErrors already: this is a write (disk full, permissions)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _unwritable(path, e) from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info(
+        "built %s: %d pairs, %d + %d tokens, in %.0f s",
+        path,
+        manifest["counts"]["pairs"],
+        manifest["counts"]["src_tokens"],
+        manifest["counts"]["tgt_tokens"],
+        manifest["build_seconds"],
+    )
+    return manifest
+
+
+def _unwritable(path: Path, error: OSError) -> DataError:
+    return DataError(
+        f"cannot write the tokenized training store {path}: {error.strerror or error}; free space there, or set "
+        "data.store_dir to a writable directory every host sees"
+    )
+
+
+def _install(tmp: Path, path: Path) -> None:
+    """Renames the finished `tmp` onto `path`; a stale store there is moved aside first, then removed.
+
+    A process that still has the old files memory-mapped keeps reading them (the inodes live until unmapped).
+    """
+    try:
+        os.rename(tmp, path)
+        return
+    except OSError:
+        if not path.exists():
+            raise
+    old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
+    os.rename(path, old / path.name)
+    os.rename(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Opening and checking.
+
+
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    """The store's manifest, or None when there is no store at `path`."""
+    file = path / MANIFEST
+    if not file.is_file():
+        return None
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+        if (
+            not isinstance(manifest, dict)
+            or "identity" not in manifest
+            or set(manifest.get("files", ())) != set(ARRAYS)
+        ):
+            raise ValueError("not a store manifest")
+    except (OSError, ValueError) as e:
+        raise DataError(f"{file} is unreadable ({e}); the store is damaged: delete {path} and start again") from e
+    return manifest
+
+
+def _damaged(file: Path, what: str, path: Path) -> DataError:
+    return DataError(
+        f"{file}: {what}; the store is damaged (disk fault or a partial copy): delete {path} and start again "
+        "to rebuild it, or run `python -m transformer_jax.data.prepare --verify` to check every byte"
+    )
+
+
+def open_examples(path: Path, manifest: dict[str, Any]) -> batching.Examples:
+    """The store's arrays, memory-mapped, after the cheap checks of the module docstring."""
+    arrays = {}
+    for name in ARRAYS:
+        file, info = path / f"{name}.npy", manifest["files"][name]
+        size = file.stat().st_size if file.is_file() else None
+        if size != info["bytes"]:
+            raise _damaged(file, f"{size} bytes where the manifest says {info['bytes']}", path)
+        if _sample_sha256(file, size) != info["sample_sha256"]:
+            raise _damaged(file, "fails its checksum (sampled blocks)", path)
+        try:
+            array = np.load(file, mmap_mode="r")
+        except ValueError as e:
+            raise _damaged(file, f"not a readable .npy file ({e})", path) from e
+        if array.dtype.str != info["dtype"] or array.shape != (info["length"],):
+            raise _damaged(
+                file, f"holds {array.dtype}{array.shape}, the manifest {info['dtype']}({info['length']},)", path
+            )
+        arrays[name] = np.asarray(array)  # a plain ndarray view of the map: no np.memmap overhead per indexing
+    for side in ("src", "tgt"):
+        starts, tokens = arrays[f"{side}_starts"], arrays[side]
+        if not (len(starts) and starts[0] == 0 and starts[-1] == len(tokens) and np.all(starts[1:] > starts[:-1])):
+            raise _damaged(path / f"{side}_starts.npy", "offsets do not increase from 0 to the token count", path)
+    return batching.Examples(**arrays)
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """Rereads every byte of the store and compares each file's SHA-256 with the manifest's; returns it."""
+    manifest = read_manifest(path)
+    if manifest is None:
+        raise DataError(f"no store at {path} ({MANIFEST} missing)")
+    open_examples(path, manifest)
+    for name in ARRAYS:
+        file, digest = path / f"{name}.npy", hashlib.sha256()
+        with open(file, "rb") as f:
+            f.seek(HEADER_BYTES)
+            while block := f.read(1 << 24):
+                digest.update(block)
+        if digest.hexdigest() != manifest["files"][name]["data_sha256"]:
+            raise _damaged(file, "fails its checksum (SHA-256 of all its data)", path)
+    return manifest
+
+
+def _differences(found: dict[str, Any], expected: dict[str, Any]) -> list[str]:
+    return sorted(k for k in expected.keys() | found.keys() if found.get(k) != expected.get(k))
+
+
+def open_train_store(
+    config: ml_collections.ConfigDict, tokenizer: Tokenizer, *, build_if_missing: bool, num_threads: int | None = None
+) -> tuple[batching.Examples, Path]:
+    """The training split's examples from its store, built first if missing or stale; and the store's path.
+
+    `config` is the data group. `build_if_missing=False` (multi-host runs: every host must read one store) fails
+    with the prepare command instead of building. num_threads (SentencePiece) defaults to every core.
+    """
+    path = store_path(config, tokenizer)
+    expected = identity(config, tokenizer, sources.open_stream(config, config.train_split))
+    manifest = read_manifest(path)
+    if manifest is not None and manifest["identity"] == expected:
+        examples = open_examples(path, manifest)
+        log.info("training examples from %s: %d pairs (memory-mapped)", path, len(examples))
+        return examples, path
+    if manifest is None:
+        why = "does not exist"
+    else:
+        why = f"was built from other input (differs in {', '.join(_differences(manifest['identity'], expected))})"
+    if not build_if_missing:
+        raise DataError(
+            f"the tokenized training store {path} {why}, and this run may not build it (several hosts would each "
+            f"build their own): {_prepare_hint(path)}"
+        )
+    log.info("the tokenized training store %s %s: building it", path, why)
+    manifest = build(config, tokenizer, path, num_threads=num_threads or os.cpu_count() or 1)
+    return open_examples(path, manifest), path
