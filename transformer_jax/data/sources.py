@@ -387,21 +387,15 @@ def open_split(config: ml_collections.ConfigDict, split: str, *, keep_blank: boo
     Text sources come back without empty pairs (skipped and logged) unless `keep_blank` (evaluation keeps every
     line); TFDS splits are read lazily as stored, so the pipeline drops and counts their empty pairs.
     """
-    if config.source == "text":
-        return read_text_split(config.text_dir, split, config.src_lang, config.tgt_lang, keep_blank=keep_blank)[0]
-    if config.source == "multi30k":
-        directory = multi30k_dir(config)
+    if config.source in ("text", "multi30k"):
+        directory = _text_directory(config)
         return read_text_split(directory, split, config.src_lang, config.tgt_lang, keep_blank=keep_blank)[0]
-    if config.source == "tfds":
-        return open_tfds_split(
-            config.tfds_name,
-            config.tfds_data_dir,
-            split,
-            config.src_lang,
-            config.tgt_lang,
-            download=config.tfds_download,
-        )
-    raise DataError(f"unknown data.source {config.source!r}; choose text, multi30k or tfds")
+    return open_stream(config, split)  # TFDS records are read lazily either way
+
+
+def _text_directory(config: ml_collections.ConfigDict) -> str | os.PathLike:
+    """The directory of {split}.{lang} files of a text or multi30k source (multi30k: fetched if needed)."""
+    return multi30k_dir(config) if config.source == "multi30k" else config.text_dir
 
 
 def open_stream(config: ml_collections.ConfigDict, split: str) -> TextPairs | TfdsPairs:
@@ -410,8 +404,7 @@ def open_stream(config: ml_collections.ConfigDict, split: str) -> TextPairs | Tf
     lines are counted on the first `len()`, so mismatched sides fail before any sentence is decoded.
     """
     if config.source in ("text", "multi30k"):
-        directory = multi30k_dir(config) if config.source == "multi30k" else config.text_dir
-        return TextPairs(directory, split, config.src_lang, config.tgt_lang)
+        return TextPairs(_text_directory(config), split, config.src_lang, config.tgt_lang)
     if config.source == "tfds":
         return open_tfds_split(
             config.tfds_name,
