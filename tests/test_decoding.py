@@ -410,3 +410,38 @@ def test_first_argmax_equals_argmax_including_ties():
     x[0] = -np.inf
     x[1, 7] = np.inf
     np.testing.assert_array_equal(decoding.first_argmax(jnp.asarray(x)), np.argmax(x, axis=-1))
+
+
+def test_compacted_size_halves_down_to_the_minimum():
+    assert decoding.MIN_COMPACTED == 8
+    assert decoding.compacted_size(64, 64) == 64
+    assert decoding.compacted_size(33, 64) == 64
+    assert decoding.compacted_size(32, 64) == 32
+    assert decoding.compacted_size(3, 64) == 8  # not below the minimum
+    assert decoding.compacted_size(3, 24) == 12  # 24 -> 12; 6 would be below it
+    assert decoding.compacted_size(1, 6) == 6  # a batch under the minimum is never compacted
+
+
+@pytest.mark.parametrize("beam_size", [pytest.param(1, marks=pytest.mark.slow), 2])
+def test_compacting_search_equals_the_whole_batch_search(beam_size, monkeypatch):
+    # 20 of 24 sentences stop within 3 tokens; the other 4 may run to 40 (stages 16, 40). After the first call the
+    # batch shrinks to 12 sentences, whose rows (<= FULL_CACHE_ROWS) grow the cache to 40 slots at once.
+    model, src = _model(), _source(24, 9)
+    max_len = jnp.array([40 if i % 6 == 0 else 1 + i % 3 for i in range(24)])
+    kept = []
+    keep = decoding._keep
+    monkeypatch.setattr(
+        decoding,
+        "_keep",
+        lambda context, s, keep_K, **kw: kept.append(keep_K.shape[0]) or keep(context, s, keep_K, **kw),
+    )
+    compact, whole = (
+        decoding.search(model, src, max_len, beam_size=beam_size, alpha=0.6, max_steps=40, compact=c)
+        for c in (True, False)
+    )
+    assert kept == [12]
+    assert 12 * beam_size <= decoding.FULL_CACHE_ROWS
+    np.testing.assert_array_equal(compact.tokens, whole.tokens)
+    np.testing.assert_array_equal(compact.lengths, whole.lengths)
+    np.testing.assert_allclose(compact.scores, whole.scores, rtol=1e-5, atol=1e-6)
+    assert int(np.max(compact.lengths[:, 0])) > decoding.cache_stages(40)[0]  # someone decoded past the first stage

@@ -20,6 +20,11 @@ the limit (source + 50) reaches 114, so a search with a `grow` function runs in 
 32, 64, ..., max_steps; `cache_stages`), one while_loop each: a stage ends when its slots are full or every
 hypothesis has finished, and the next one starts from a cache grown by zero slots. Each stage is compiled once;
 the results equal a single loop over max_steps slots (empty slots are never attended).
+
+Compaction (`search`, `searcher`): a step costs as much for a finished sentence's rows as for a live one's, so
+translation runs the cached search in jitted calls of a few steps, and between calls moves the unfinished sentences
+into a smaller batch (`_compacting_search`). The host looks at the done flags once per call, which costs the same on
+any device.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from transformer_jax.model.transformer import unpacked_segment_ids
@@ -62,14 +68,22 @@ def cache_stages(max_steps: int) -> list[int]:
     return stages
 
 
-def _run_stages(cond: Callable, body: Callable, state: NamedTuple, max_steps: int, grow: GrowCache | None):
-    """Runs while_loop(cond, body) over the cache stages (one loop over max_steps slots when grow is None)."""
+def _run_stages(body: Callable, state: NamedTuple, max_steps: int, grow: GrowCache | None):
+    """Runs the search loop over the cache stages (one loop over max_steps slots when grow is None)."""
     if grow is None:
-        return jax.lax.while_loop(cond, body, state)
+        return _loop(body, state, max_steps)
     for slots in cache_stages(max_steps):
-        state = state._replace(cache=grow(state.cache, slots))
-        state = jax.lax.while_loop(lambda s, slots=slots: cond(s) & (s.step < slots), body, state)
+        state = _loop(body, state.with_room(slots)._replace(cache=grow(state.cache, slots)), slots)
     return state
+
+
+def _loop(body: Callable, state: NamedTuple, slots: int):
+    """while_loop(body) until the cache's `slots` are full or every sentence is done."""
+
+    def cond(s: NamedTuple) -> Array:
+        return (s.step < slots) & ~jnp.all(s.sentence_done())
+
+    return jax.lax.while_loop(cond, body, state)
 
 
 def length_penalty(length: Array | int, alpha: Array | float) -> Array:
@@ -123,6 +137,145 @@ class BeamResult(NamedTuple):
     lengths: Array  # [B, W] int32: emitted tokens, EOS included
 
 
+def _pad_tokens(tokens: Array, slots: int) -> Array:
+    """tokens [..., L'] padded with PAD to [..., slots] (L' <= slots): the output buffer grows with the cache."""
+    extra = slots - tokens.shape[-1]
+    return tokens if extra == 0 else jnp.pad(tokens, [(0, 0)] * (tokens.ndim - 1) + [(0, extra)])
+
+
+class GreedyState(NamedTuple):
+    """The loop state of greedy search: per sentence (B rows), and the decode step's cache."""
+
+    step: Array  # scalar int32: tokens emitted so far by every row
+    done_B: Array
+    last_B: Array
+    tokens_BL: Array  # L: the current stage's slots
+    log_probs_B: Array
+    lengths_B: Array
+    cache: PyTree
+
+    def sentence_done(self) -> Array:
+        return self.done_B
+
+    def with_room(self, slots: int) -> GreedyState:
+        return self._replace(tokens_BL=_pad_tokens(self.tokens_BL, slots))
+
+    @classmethod
+    def start(cls, cache: PyTree, batch: int, slots: int) -> GreedyState:
+        return cls(
+            step=jnp.zeros((), jnp.int32),
+            done_B=jnp.zeros((batch,), bool),
+            last_B=jnp.full((batch,), BOS_ID, jnp.int32),
+            tokens_BL=jnp.full((batch, slots), PAD_ID, jnp.int32),
+            log_probs_B=jnp.zeros((batch,), jnp.float32),
+            lengths_B=jnp.zeros((batch,), jnp.int32),
+            cache=cache,
+        )
+
+    def advance(self, decode_step: DecodeStep, max_len_B: Array) -> GreedyState:
+        """One step: every unfinished sentence appends its most probable token."""
+        log_probs_BV, cache = _next_log_probs(decode_step, self.last_B, self.cache)
+        token_B = jnp.where(self.done_B, PAD_ID, first_argmax(log_probs_BV))
+        gain_B = jnp.take_along_axis(log_probs_BV, token_B[:, None], axis=-1)[:, 0]
+        return GreedyState(
+            step=self.step + 1,
+            done_B=self.done_B | (token_B == EOS_ID) | (self.step + 1 >= max_len_B),
+            last_B=token_B,
+            tokens_BL=_write(self.tokens_BL, self.step, token_B),
+            log_probs_B=self.log_probs_B + jnp.where(self.done_B, 0.0, gain_B),
+            lengths_B=jnp.where(self.done_B, self.lengths_B, self.step + 1),
+            cache=cache,
+        )
+
+
+class BeamState(NamedTuple):
+    """The loop state of beam search: per sentence and beam ([B, W]), and the cache with R = B W rows."""
+
+    step: Array  # scalar int32
+    finished_BW: Array
+    last_BW: Array
+    tokens_BWL: Array  # L: the current stage's slots
+    log_probs_BW: Array
+    lengths_BW: Array
+    cache: PyTree
+
+    def sentence_done(self) -> Array:
+        return jnp.all(self.finished_BW, axis=1)
+
+    def with_room(self, slots: int) -> BeamState:
+        return self._replace(tokens_BWL=_pad_tokens(self.tokens_BWL, slots))
+
+    @classmethod
+    def start(cls, cache_R: PyTree, batch: int, width: int, slots: int) -> BeamState:
+        return cls(
+            step=jnp.zeros((), jnp.int32),
+            finished_BW=jnp.zeros((batch, width), bool),
+            last_BW=jnp.full((batch, width), BOS_ID, jnp.int32),
+            tokens_BWL=jnp.full((batch, width, slots), PAD_ID, jnp.int32),
+            # All W beams start as the same empty prefix; only the first is live, so candidates are not duplicated.
+            log_probs_BW=jnp.tile(jnp.array([0.0] + [NEG_INF] * (width - 1), jnp.float32), (batch, 1)),
+            lengths_BW=jnp.zeros((batch, width), jnp.int32),
+            cache=cache_R,
+        )
+
+    def advance(self, decode_step: DecodeStep, max_len_B: Array, alpha: Array | float, best_only: bool) -> BeamState:
+        """One step of beam search (see beam_search)."""
+        s = self
+        batch, width = s.finished_BW.shape
+        log_probs_RV, cache = _next_log_probs(decode_step, s.last_BW.reshape(-1), s.cache)
+        vocab = log_probs_RV.shape[-1]
+        log_probs_BWV = log_probs_RV.reshape(batch, width, vocab)
+        # Candidate log-probabilities: extensions of unfinished beams; a finished beam only continues with PAD.
+        is_pad_V = jnp.arange(vocab) == PAD_ID
+        fin_BW1 = s.finished_BW[..., None]
+        cand_BWV = jnp.where(
+            fin_BW1,
+            jnp.where(is_pad_V, s.log_probs_BW[..., None], NEG_INF),
+            s.log_probs_BW[..., None] + log_probs_BWV,
+        )
+        cand_len_BW = jnp.where(s.finished_BW, s.lengths_BW, s.step + 1)
+        score_BWV = cand_BWV / length_penalty(cand_len_BW, alpha)[..., None]
+        score_BW, flat_BW = jax.lax.top_k(score_BWV.reshape(batch, width * vocab), width)
+        beam_BW, token_BW = flat_BW // vocab, (flat_BW % vocab).astype(jnp.int32)
+
+        def pick(x_BW: Array) -> Array:
+            return jnp.take_along_axis(x_BW, beam_BW, axis=1)
+
+        log_probs_BW = jnp.take_along_axis(cand_BWV.reshape(batch, -1), flat_BW, axis=1)
+        tokens_BWL = jnp.take_along_axis(s.tokens_BWL, beam_BW[..., None], axis=1)
+        # A beam finishes on EOS, at its sentence's maximum length, or when nothing finite is left (-inf: dead).
+        finished_BW = (
+            pick(s.finished_BW) | (token_BW == EOS_ID) | (s.step + 1 >= max_len_B)[:, None] | (score_BW == NEG_INF)
+        )
+        if best_only:
+            best_finished_B = jnp.max(jnp.where(finished_BW, score_BW, NEG_INF), axis=1)
+            lp_max_B = jnp.maximum(length_penalty(s.step + 1, alpha), length_penalty(max_len_B, alpha))
+            bound_BW = jnp.where(finished_BW, NEG_INF, log_probs_BW / lp_max_B[:, None])
+            settled_B = jnp.max(bound_BW, axis=1) < best_finished_B
+            finished_BW = finished_BW | settled_B[:, None]
+        rows_R = (jnp.arange(batch)[:, None] * width + beam_BW).reshape(-1)
+        return BeamState(
+            step=s.step + 1,
+            finished_BW=finished_BW,
+            last_BW=token_BW,
+            tokens_BWL=_write(tokens_BWL, s.step, token_BW),
+            log_probs_BW=log_probs_BW,
+            lengths_BW=pick(cand_len_BW),
+            cache=gather_rows(cache, rows_R),
+        )
+
+
+def best_first(tokens_BWL: Array, log_probs_BW: Array, lengths_BW: Array, alpha: Array | float) -> BeamResult:
+    """The beams of each sentence sorted by score log P / lp(length), best first."""
+    scores_BW, order_BW = jax.lax.top_k(log_probs_BW / length_penalty(lengths_BW, alpha), log_probs_BW.shape[1])
+
+    def sort(x: Array) -> Array:
+        idx = order_BW.reshape(order_BW.shape + (1,) * (x.ndim - 2))
+        return jnp.take_along_axis(x, idx, axis=1)
+
+    return BeamResult(sort(tokens_BWL), scores_BW, sort(log_probs_BW), sort(lengths_BW))
+
+
 def greedy_search(
     decode_step: DecodeStep,
     cache: PyTree,
@@ -135,41 +288,10 @@ def greedy_search(
 
     With `grow` (see Decoder), the cache starts small and grows in stages (module docstring).
     """
-    batch = max_len_B.shape[0]
-
-    class State(NamedTuple):
-        step: Array
-        done_B: Array
-        last_B: Array
-        tokens_BL: Array
-        log_probs_B: Array
-        lengths_B: Array
-        cache: PyTree
-
-    def cond(s: State) -> Array:
-        return (s.step < max_steps) & ~jnp.all(s.done_B)
-
-    def body(s: State) -> State:
-        log_probs_BV, cache = _next_log_probs(decode_step, s.last_B, s.cache)
-        token_B = first_argmax(log_probs_BV)
-        token_B = jnp.where(s.done_B, PAD_ID, token_B)
-        gain_B = jnp.take_along_axis(log_probs_BV, token_B[:, None], axis=-1)[:, 0]
-        log_probs_B = s.log_probs_B + jnp.where(s.done_B, 0.0, gain_B)
-        lengths_B = jnp.where(s.done_B, s.lengths_B, s.step + 1)
-        done_B = s.done_B | (token_B == EOS_ID) | (s.step + 1 >= max_len_B)
-        return State(s.step + 1, done_B, token_B, _write(s.tokens_BL, s.step, token_B), log_probs_B, lengths_B, cache)
-
-    init = State(
-        step=jnp.zeros((), jnp.int32),
-        done_B=jnp.zeros((batch,), bool),
-        last_B=jnp.full((batch,), BOS_ID, jnp.int32),
-        tokens_BL=jnp.full((batch, max_steps), PAD_ID, jnp.int32),
-        log_probs_B=jnp.zeros((batch,), jnp.float32),
-        lengths_B=jnp.zeros((batch,), jnp.int32),
-        cache=cache,
-    )
-    s = _run_stages(cond, body, init, max_steps, grow)
-    return GreedyResult(s.tokens_BL, s.log_probs_B, s.lengths_B)
+    first = max_steps if grow is None else cache_stages(max_steps)[0]
+    init = GreedyState.start(cache, max_len_B.shape[0], first)
+    s = _run_stages(lambda s: s.advance(decode_step, max_len_B), init, max_steps, grow)
+    return GreedyResult(_pad_tokens(s.tokens_BL, max_steps), s.log_probs_B, s.lengths_B)
 
 
 def beam_search(
@@ -198,82 +320,35 @@ def beam_search(
     unfinished one without EOS). Translation needs only the first beam, and this saves the steps in which the
     worse beams of a finished sentence wander on to its length limit.
     """
-    batch, width, max_steps = max_len_B.shape[0], beam_size, int(max_steps)
-
-    class State(NamedTuple):
-        step: Array
-        finished_BW: Array
-        last_BW: Array
-        tokens_BWL: Array
-        log_probs_BW: Array
-        lengths_BW: Array
-        cache: PyTree
-
-    def cond(s: State) -> Array:
-        return (s.step < max_steps) & ~jnp.all(s.finished_BW)
-
-    def body(s: State) -> State:
-        log_probs_RV, cache = _next_log_probs(decode_step, s.last_BW.reshape(-1), s.cache)
-        vocab = log_probs_RV.shape[-1]
-        log_probs_BWV = log_probs_RV.reshape(batch, width, vocab)
-        # Candidate log-probabilities: extensions of unfinished beams; a finished beam only continues with PAD.
-        is_pad_V = jnp.arange(vocab) == PAD_ID
-        fin_BW1 = s.finished_BW[..., None]
-        cand_BWV = jnp.where(
-            fin_BW1,
-            jnp.where(is_pad_V, s.log_probs_BW[..., None], NEG_INF),
-            s.log_probs_BW[..., None] + log_probs_BWV,
-        )
-        cand_len_BW = jnp.where(s.finished_BW, s.lengths_BW, s.step + 1)
-        score_BWV = cand_BWV / length_penalty(cand_len_BW, alpha)[..., None]
-        score_BW, flat_BW = jax.lax.top_k(score_BWV.reshape(batch, width * vocab), width)
-        beam_BW, token_BW = flat_BW // vocab, (flat_BW % vocab).astype(jnp.int32)
-
-        def pick(x_BW: Array) -> Array:
-            return jnp.take_along_axis(x_BW, beam_BW, axis=1)
-
-        was_finished_BW = pick(s.finished_BW)
-        log_probs_BW = jnp.take_along_axis(cand_BWV.reshape(batch, -1), flat_BW, axis=1)
-        lengths_BW = pick(cand_len_BW)
-        tokens_BWL = jnp.take_along_axis(s.tokens_BWL, beam_BW[..., None], axis=1)
-        tokens_BWL = _write(tokens_BWL, s.step, token_BW)
-        # A beam finishes on EOS, at its sentence's maximum length, or when nothing finite is left (-inf: dead).
-        finished_BW = (
-            was_finished_BW | (token_BW == EOS_ID) | (s.step + 1 >= max_len_B)[:, None] | (score_BW == NEG_INF)
-        )
-        if best_only:
-            best_finished_B = jnp.max(jnp.where(finished_BW, score_BW, NEG_INF), axis=1)
-            lp_max_B = jnp.maximum(length_penalty(s.step + 1, alpha), length_penalty(max_len_B, alpha))
-            bound_BW = jnp.where(finished_BW, NEG_INF, log_probs_BW / lp_max_B[:, None])
-            settled_B = jnp.max(bound_BW, axis=1) < best_finished_B
-            finished_BW = finished_BW | settled_B[:, None]
-        rows_R = (jnp.arange(batch)[:, None] * width + beam_BW).reshape(-1)
-        return State(
-            s.step + 1, finished_BW, token_BW, tokens_BWL, log_probs_BW, lengths_BW, gather_rows(cache, rows_R)
-        )
-
-    init = State(
-        step=jnp.zeros((), jnp.int32),
-        finished_BW=jnp.zeros((batch, width), bool),
-        last_BW=jnp.full((batch, width), BOS_ID, jnp.int32),
-        tokens_BWL=jnp.full((batch, width, max_steps), PAD_ID, jnp.int32),
-        # All W beams start as the same empty prefix; only the first is live, so candidates are not duplicated.
-        log_probs_BW=jnp.tile(jnp.array([0.0] + [NEG_INF] * (width - 1), jnp.float32), (batch, 1)),
-        lengths_BW=jnp.zeros((batch, width), jnp.int32),
-        cache=tile_beams(cache, width),
-    )
-    s = _run_stages(cond, body, init, max_steps, grow)
-    scores_BW = s.log_probs_BW / length_penalty(s.lengths_BW, alpha)
-    scores_BW, order_BW = jax.lax.top_k(scores_BW, width)  # already sorted unless stopped early; cheap to be sure
-
-    def sort(x: Array) -> Array:
-        idx = order_BW.reshape(order_BW.shape + (1,) * (x.ndim - 2))
-        return jnp.take_along_axis(x, idx, axis=1)
-
-    return BeamResult(sort(s.tokens_BWL), scores_BW, sort(s.log_probs_BW), sort(s.lengths_BW))
+    first = max_steps if grow is None else cache_stages(max_steps)[0]
+    batch = max_len_B.shape[0]
+    init = BeamState.start(tile_beams(cache, beam_size), batch, beam_size, first)
+    s = _run_stages(lambda s: s.advance(decode_step, max_len_B, alpha, best_only), init, max_steps, grow)
+    return best_first(_pad_tokens(s.tokens_BWL, max_steps), s.log_probs_BW, s.lengths_BW, alpha)
 
 
 # -- the Transformer behind the decode-step interface ------------------------------------------------------------
+
+
+def _split_cache(full: PyTree, beam_size: int) -> tuple[PyTree, PyTree]:
+    """The model's decoding cache as (context, cache): what stays fixed per sentence, tiled over the beams once (the
+    source's segment ids and the cross-attention keys/values), and what changes per step, with B rows (the write
+    index and the self-attention keys/values)."""
+    context = tile_beams({"src_segment_ids": full["src_segment_ids"], "cross": full["cross"]}, beam_size)
+    return context, {"index": full["index"], "self": full["self"]}
+
+
+def _context_step(model: nnx.Module, context: PyTree) -> DecodeStep:
+    """model.decode as a decode step over the per-step cache, the fixed context closed over.
+
+    The context is the same for every beam of a sentence, so closing over it (instead of carrying it through the
+    loop) spares the beam search reordering it every step."""
+
+    def decode_step(tokens_R1: Array, cache: PyTree) -> tuple[Array, PyTree]:
+        logits_R1V, new = model.decode(None, tokens_R1, cache={**context, **cache})
+        return logits_R1V, {"index": new["index"], "self": new["self"]}
+
+    return decode_step
 
 
 def cached_decode_step(
@@ -281,23 +356,13 @@ def cached_decode_step(
 ) -> Decoder:
     """A Decoder over `model.decode` with a KV cache that grows in stages; for use inside a traced function.
 
-    The cross-attention keys/values are projected once per sentence (`init_cache`) and tiled over the beams once;
-    they are the same for every beam of a sentence, so they are closed over instead of being carried through the
-    loop and reordered each step. The returned cache holds what changes per step: the write index and the
-    self-attention keys/values, with B rows (the search tiles them), and room for the first stage's steps.
+    The cross-attention keys/values are projected once per sentence (`init_cache`) and tiled over the beams once
+    (`_split_cache`). The returned cache holds what changes per step, with B rows (the search tiles them), and room
+    for the first stage's steps.
     """
     full = model.init_cache(memory_BSD, src_segment_ids_BS, cache_stages(max_steps)[0])
-    static = tile_beams({"src_segment_ids": full["src_segment_ids"], "cross": full["cross"]}, beam_size)
-    cache = {"index": full["index"], "self": full["self"]}
-
-    def decode_step(tokens_R1: Array, cache: PyTree) -> tuple[Array, PyTree]:
-        logits_R1V, new = model.decode(None, tokens_R1, cache={**static, **cache})
-        return logits_R1V, {"index": new["index"], "self": new["self"]}
-
-    def grow(cache: PyTree, slots: int) -> PyTree:
-        return model.grow_cache(cache, slots)
-
-    return Decoder(decode_step, cache, grow)
+    context, cache = _split_cache(full, beam_size)
+    return Decoder(_context_step(model, context), cache, model.grow_cache)
 
 
 def recompute_decode_step(
@@ -338,6 +403,7 @@ def _search(
     max_steps: int,
     use_cache: bool,
 ) -> BeamResult:
+    """The whole search in one jitted call, every sentence's rows to the end (the reference of the compacting one)."""
     model = nnx.merge(graphdef, state)
     src_segment_ids_BS = unpacked_segment_ids(src_BS)
     memory_BSD = model.encode(src_BS, src_segment_ids_BS)
@@ -345,23 +411,147 @@ def _search(
     d = make(model, memory_BSD, src_segment_ids_BS, beam_size=beam_size, max_steps=max_steps)
     if beam_size == 1:
         g = greedy_search(d.step, d.cache, max_len_B, max_steps=max_steps, grow=d.grow)
-        scores_B1 = (g.log_probs / length_penalty(g.lengths, alpha))[:, None]
-        return BeamResult(g.tokens[:, None], scores_B1, g.log_probs[:, None], g.lengths[:, None])
+        return best_first(g.tokens[:, None], g.log_probs[:, None], g.lengths[:, None], alpha)
     return beam_search(
         d.step, d.cache, max_len_B, beam_size=beam_size, alpha=alpha, max_steps=max_steps, grow=d.grow, best_only=True
     )
 
 
+# -- compaction: finished sentences leave the batch every few steps --------------------------------------------------
+
+MIN_COMPACTED = 8  # sentences: a step over fewer costs about the same (reading the weights dominates it)
+COMPACT_EVERY = 4  # steps between the host's looks at which sentences are done
+# A batch of at most this many rows grows its cache to max_steps at once: reading the weights dominates its steps
+# at any cache size, and skipping the stages between saves their compilations.
+FULL_CACHE_ROWS = 32
+
+
+def compacted_size(live: int, running: int) -> int:
+    """Sentences the next call runs, given `live` unfinished ones among the `running` ones.
+
+    The sizes are the running batch halved (rounded up), not below MIN_COMPACTED, so that each cache stage
+    compiles for a few sizes only: the smallest that holds the live sentences.
+    """
+    size = running
+    while -(-size // 2) >= max(live, MIN_COMPACTED):
+        size = -(-size // 2)
+    return size
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "beam_size", "slots"))
+def _start(graphdef: nnx.GraphDef, params: nnx.State, src_BS: Array, *, beam_size: int, slots: int):
+    """Encodes the batch; returns the fixed context (R rows) and the search's first state, with `slots` slots."""
+    model = nnx.merge(graphdef, params)
+    seg_BS = unpacked_segment_ids(src_BS)
+    context, cache = _split_cache(model.init_cache(model.encode(src_BS, seg_BS), seg_BS, slots), beam_size)
+    batch = src_BS.shape[0]
+    if beam_size == 1:
+        return context, GreedyState.start(cache, batch, slots)
+    return context, BeamState.start(tile_beams(cache, beam_size), batch, beam_size, slots)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "slots"))
+def _grow(graphdef: nnx.GraphDef, params: nnx.State, s, *, slots: int):
+    """The state with its cache and output buffer grown to `slots` (a separate call, so that `_stage` compiles for
+    one input shape per cache stage)."""
+    return s.with_room(slots)._replace(cache=nnx.merge(graphdef, params).grow_cache(s.cache, slots))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _stage(graphdef: nnx.GraphDef, params: nnx.State, context: PyTree, s, max_len_B: Array, alpha: Array, until):
+    """Steps until `until` (traced, so the compilation is per batch size and cache size only; at most the cache's
+    slots) or until every sentence is done."""
+    step = _context_step(nnx.merge(graphdef, params), context)
+    if isinstance(s, GreedyState):
+        body = functools.partial(GreedyState.advance, decode_step=step, max_len_B=max_len_B)
+    else:
+        body = functools.partial(BeamState.advance, decode_step=step, max_len_B=max_len_B, alpha=alpha, best_only=True)
+    return jax.lax.while_loop(lambda s: (s.step < until) & ~jnp.all(s.sentence_done()), body, s)
+
+
+@functools.partial(jax.jit, static_argnames=("beam_size",))
+def _keep(context: PyTree, s, keep_K: Array, *, beam_size: int):
+    """The context and state of the sentences keep_K only (per-sentence fields and their beam_size rows each)."""
+    rows_R = (keep_K[:, None] * beam_size + jnp.arange(beam_size)).reshape(-1)
+    per_sentence = {f: jnp.take(getattr(s, f), keep_K, axis=0) for f in s._fields if f not in ("step", "cache")}
+    return gather_rows(context, rows_R), s._replace(**per_sentence, cache=gather_rows(s.cache, rows_R))
+
+
+def _beams(s) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens [B, W, L], log_probs [B, W], lengths [B, W]) of a state, on the host; greedy search has W = 1."""
+    if isinstance(s, GreedyState):
+        tokens, log_probs, lengths = s.tokens_BL[:, None], s.log_probs_B[:, None], s.lengths_B[:, None]
+    else:
+        tokens, log_probs, lengths = s.tokens_BWL, s.log_probs_BW, s.lengths_BW
+    return jax.device_get((tokens, log_probs, lengths))
+
+
+def _compacting_search(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    src_BS: Array,
+    max_len_B: np.ndarray,
+    alpha: Array,
+    *,
+    beam_size: int,
+    max_steps: int,
+) -> BeamResult:
+    """The cached search in jitted calls of COMPACT_EVERY steps; between them, finished sentences leave the batch.
+
+    A step costs the same for a finished sentence's rows as for a live one's, and most sentences finish long
+    before the longest of their batch (Multi30k test2016, batch 64, greedy: 57% of the row-steps went to finished
+    sentences). Every COMPACT_EVERY steps the host reads which sentences are done and, when the live ones fit in a
+    batch half the size or less (`compacted_size`), moves only those (state, cache, context) into a smaller batch,
+    padded with finished ones. On those outputs this runs 1.79x fewer row-steps (1.51x if it looked only at the
+    cache-stage boundaries). The step count is traced, so the calls compile per (batch size, cache stage) only, and
+    a batch of at most FULL_CACHE_ROWS rows skips to the last stage. Results equal `_search`'s: a sentence's rows
+    never interact with another's.
+    """
+    batch = src_BS.shape[0]
+    stages = cache_stages(max_steps)
+    tokens = np.full((batch, beam_size, max_steps), PAD_ID, np.int32)
+    log_probs = np.zeros((batch, beam_size), np.float32)
+    lengths = np.zeros((batch, beam_size), np.int32)
+    running = np.arange(batch)  # original index of each sentence in the running batch
+
+    def record(s) -> None:
+        t, lp, n = _beams(s)
+        tokens[running, :, : t.shape[-1]], log_probs[running], lengths[running] = t, lp, n
+
+    context, s = _start(graphdef, params, src_BS, beam_size=beam_size, slots=stages[0])
+    step, width = 0, stages[0]
+    while step < max_steps:
+        small = len(running) * beam_size <= FULL_CACHE_ROWS
+        slots = max_steps if small else next(n for n in stages if n > step)
+        if slots > width:
+            s, width = _grow(graphdef, params, s, slots=slots), slots
+        step = min(step + COMPACT_EVERY, slots)
+        s = _stage(graphdef, params, context, s, jnp.asarray(max_len_B[running]), alpha, jnp.int32(step))
+        done = np.asarray(s.sentence_done())
+        if done.all():
+            break
+        live = np.flatnonzero(~done)
+        size = compacted_size(len(live), len(running))
+        if size < len(running):
+            record(s)
+            keep = np.concatenate([live, np.flatnonzero(done)[: size - len(live)]])
+            context, s = _keep(context, s, jnp.asarray(keep), beam_size=beam_size)
+            running = running[keep]
+    record(s)
+    return best_first(jnp.asarray(tokens), jnp.asarray(log_probs), jnp.asarray(lengths), alpha)
+
+
 Search = Callable[..., BeamResult]
 
 
-def searcher(model: nnx.Module, *, use_cache: bool = True) -> Search:
-    """`search` bound to the model's parameters as they are now: split once, then one jitted call per batch.
+def searcher(model: nnx.Module, *, use_cache: bool = True, compact: bool = True) -> Search:
+    """`search` bound to the model's parameters as they are now: split once, then jitted calls per batch.
 
     nnx.split walks the whole module graph (~0.2 s for the 3+3-layer model on a 2-core CPU); translating many
     batches with `search` would pay that per batch, so translate() makes one searcher per call. Runs the model in
     eval mode (dropout off) without changing the caller's model; later changes to the model's parameters are not
-    seen.
+    seen. compact (with use_cache): finished sentences leave the batch every COMPACT_EVERY steps
+    (`_compacting_search`); without it, the whole search is one jitted call (`_search`).
     """
     graphdef, state = nnx.split(model)
     # Key the compilation on the eval-mode graph, so a model in train mode (validation during training) and the
@@ -371,12 +561,18 @@ def searcher(model: nnx.Module, *, use_cache: bool = True) -> Search:
     graphdef, state = nnx.split(copy)
 
     def run(src_BS: Array, max_len_B: Array, *, beam_size: int, alpha: float, max_steps: int) -> BeamResult:
+        src_BS, alpha = jnp.asarray(src_BS, jnp.int32), jnp.asarray(alpha, jnp.float32)
+        if use_cache and compact:
+            max_len_B = np.asarray(max_len_B, np.int32)
+            return _compacting_search(
+                graphdef, state, src_BS, max_len_B, alpha, beam_size=beam_size, max_steps=max_steps
+            )
         return _search(
             graphdef,
             state,
-            jnp.asarray(src_BS, jnp.int32),
+            src_BS,
             jnp.asarray(max_len_B, jnp.int32),
-            jnp.asarray(alpha, jnp.float32),
+            alpha,
             beam_size=beam_size,
             max_steps=max_steps,
             use_cache=use_cache,
@@ -394,14 +590,16 @@ def search(
     alpha: float,
     max_steps: int,
     use_cache: bool = True,
+    compact: bool = True,
 ) -> BeamResult:
     """Encodes src [B, S] (PAD-padded, EOS-terminated) and searches, jitted; beam_size 1 runs greedy search.
 
-    Compiles once per (graph, shapes, beam_size, max_steps); alpha is traced, so changing it does not recompile.
+    Compiles per (graph, shapes, beam_size, cache stage, compacted batch size); alpha is traced, so changing it does
+    not recompile.
     Runs the model in eval mode (dropout off) without changing the caller's model. For many batches of one model,
     use `searcher`. A sentence stops once its best hypothesis is settled (beam_search's best_only): the first beam
     is the full search's; the others are as they stood then.
     """
-    return searcher(model, use_cache=use_cache)(
+    return searcher(model, use_cache=use_cache, compact=compact)(
         src_BS, max_len_B, beam_size=beam_size, alpha=alpha, max_steps=max_steps
     )
