@@ -173,11 +173,17 @@ def test_paper_direction_by_bleu_and_by_perplexity(tmp_path):
         row["ref_valid_perplexity"], row["ref_valid_bleu"] = papers[row["variant"]]
     rows[3]["delta_valid_perplexity"] = 2.0  # ppl_only: a significant rise, as the paper's 5.0 -> 6.0
     rows[3]["delta_valid_perplexity_ci95_low"], rows[3]["delta_valid_perplexity_ci95_high"] = 0.5, 3.5
-    rows = sweep_significance.add_significance(rows, finished, [REFS] * 5 + [None])
+    seeds_disagree = dict(rows[1], variant="seeds_disagree")  # as "better", but the seeds' Δ BLEU interval has 0
+    seeds_disagree["delta_valid_bleu_ci95_low"], seeds_disagree["delta_valid_bleu_ci95_high"] = -1.0, 4.0
+    rows.insert(2, seeds_disagree)
+    finished.insert(2, finished[1])
+    rows = sweep_significance.add_significance(rows, finished, [REFS] * 6 + [None])
     verdicts = {r["variant"]: (r["paper_direction"], r["paper_direction_by"]) for r in rows}
+    assert rows[2]["bleu_p"] < 0.05
     assert verdicts == {
         "base": ("", ""),
         "better": ("no", "bleu"),  # significantly better here, worse in the paper
+        "seeds_disagree": ("not significant", "bleu"),  # p < 0.05 over sentences, but not over seeds
         "same": ("not significant", "bleu"),
         "ppl_only": ("yes", "perplexity"),
         "one_seed": ("untested", "perplexity"),  # one seed: no interval

@@ -200,7 +200,11 @@ def _markdown(rows: list[dict], columns: list[str]) -> list[str]:
             notes.append(
                 f"* {r['variant']}: {missing} not finished (trained and decoded); its means are over "
                 f"{r['n_seeds']} seeds"
-                + (f", its p-values over the {r['paired_seeds']} seeds it shares with the base" if tests else "")
+                + (
+                    f", its p-values over the {r['paired_seeds'] or 0} seeds it shares with the base"
+                    if tests and r["n_seeds"]
+                    else ""
+                )
             )
         cells = [r["variant"], r["overrides"], str(r["parameters"]), seeds]
         for m in METRICS:
@@ -241,8 +245,9 @@ def _legend(rows: list[dict], tests: bool, direction: bool) -> list[str]:
     if direction:
         lines.append(
             "same direction as the paper?: by BLEU where the paper gives BLEU (significant: p < "
-            f"{sweep_significance.ALPHA}); by perplexity where it gives only perplexity (significant: the 95% CI "
-            "of Δ perplexity excludes 0; untested with fewer than 2 seeds on either side)."
+            f"{sweep_significance.ALPHA} and, with 2 seeds or more on both sides, the 95% CI of Δ BLEU excludes 0); "
+            "by perplexity where it gives only perplexity (significant: the 95% CI of Δ perplexity excludes 0; "
+            "untested with fewer than 2 seeds on either side)."
         )
     return ["", *lines] if lines else []
 
