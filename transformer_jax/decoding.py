@@ -421,8 +421,8 @@ def _search(
 
 MIN_COMPACTED = 8  # sentences: a step over fewer costs about the same (reading the weights dominates it)
 COMPACT_EVERY = 4  # steps between the host's looks at which sentences are done
-# A batch of at most this many rows grows its cache to max_steps at once: reading the weights dominates its steps
-# at any cache size, and skipping the stages between saves their compilations.
+# A batch of at most this many rows grows its cache to max_steps at once, trading longer cache reads in a few small
+# steps for the compilations of the stages between (first greedy test2016 translation: 34 -> 29 s, machine loaded).
 FULL_CACHE_ROWS = 32
 
 
