@@ -569,8 +569,9 @@ def searcher(model: nnx.Module, *, use_cache: bool = True, compact: bool = True)
     nnx.split walks the whole module graph (~0.2 s for the 3+3-layer model on a 2-core CPU); translating many
     batches with `search` would pay that per batch, so translate() makes one searcher per call. Runs the model in
     eval mode (dropout off) without changing the caller's model; later changes to the model's parameters are not
-    seen. compact (with use_cache): finished sentences leave the batch every COMPACT_EVERY steps
-    (`_compacting_search`); without it, the whole search is one jitted call (`_search`).
+    seen. compact (with use_cache, for batches of at least 2 MIN_COMPACTED sentences): finished sentences leave
+    the batch every COMPACT_EVERY steps (`_compacting_search`); otherwise the whole search is one jitted call
+    (`_search`).
     """
     graphdef, state = nnx.split(model)
     # Key the compilation on the eval-mode graph, so a model in train mode (validation during training) and the
@@ -582,7 +583,8 @@ def searcher(model: nnx.Module, *, use_cache: bool = True, compact: bool = True)
 
     def run(src_BS: Array, max_len_B: Array, *, beam_size: int, alpha: float, max_steps: int) -> BeamResult:
         src_BS, alpha = jnp.asarray(src_BS, jnp.int32), jnp.asarray(alpha, jnp.float32)
-        if use_cache and compact:
+        # A batch that cannot be halved has nothing to compact: one program compiles faster than a stage each.
+        if use_cache and compact and src_BS.shape[0] >= 2 * MIN_COMPACTED:
             max_len_B = np.asarray(max_len_B, np.int32)
             return _compacting_search(
                 programs, state, src_BS, max_len_B, alpha, beam_size=beam_size, max_steps=max_steps

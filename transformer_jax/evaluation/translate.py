@@ -1,7 +1,8 @@
 """Translate a list of sentences: tokenize, batch into a few fixed shapes, search, detokenize, in input order.
 
 Batch shapes come from a small fixed set so that jit compiles a bounded number of times: every batch has exactly
-`batch_size` rows (the last one is filled with dummy rows that are dropped) and its source length is rounded up
+`batch_size` rows (the last one is filled with dummy rows that are dropped; an input smaller than one batch gets
+a batch of its size rounded up to a multiple of 8) and its source length is rounded up
 to a bucket (16, 32, 64, ... up to max_input_len). Sentences are sorted by length so that a batch's rows are
 similar, which wastes little padding and lets the search stop early for batches of short sentences.
 
@@ -99,6 +100,8 @@ def translate(
 
     order = sorted(sources, key=lambda i: len(sources[i]))
     batches = [order[j : j + batch_size] for j in range(0, len(order), batch_size)]
+    # Fewer sentences than a batch: a batch of only as many rows as needed (a multiple of 8), not of batch_size.
+    rows_per_batch = min(batch_size, -(-len(order) // 8) * 8)
     stats: dict[str, Any] = {
         "sentences": len(sentences),
         "empty": len(sentences) - len(sources),
@@ -119,16 +122,16 @@ def translate(
     for rows in batches:
         src_len = padded_eval_length(max(len(sources[i]) for i in rows), max_input_len)
         max_steps = output_limit(src_len, max_extra_len, limit)
-        src_BS = np.full((batch_size, src_len), PAD_ID, np.int32)
+        src_BS = np.full((rows_per_batch, src_len), PAD_ID, np.int32)
         src_BS[:, 0] = EOS_ID  # dummy rows: an empty source, decoded for one step and dropped
-        max_len_B = np.ones((batch_size,), np.int32)
+        max_len_B = np.ones((rows_per_batch,), np.int32)
         for r, i in enumerate(rows):
             src_BS[r, : len(sources[i])] = sources[i]
             max_len_B[r] = output_limit(len(sources[i]), max_extra_len, limit)
         result = search(src_BS, max_len_B, beam_size=beam_size, alpha=alpha, max_steps=max_steps)
         tokens_BL = np.asarray(result.tokens[:, 0])
         lengths_B = np.asarray(result.lengths[:, 0])
-        stats["shapes"].add((batch_size, src_len, max_steps))
+        stats["shapes"].add((rows_per_batch, src_len, max_steps))
         for r, i in enumerate(rows):
             n = int(lengths_B[r])
             ids = tokens_BL[r, :n].tolist()
