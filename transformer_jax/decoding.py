@@ -160,6 +160,10 @@ class GreedyState(NamedTuple):
     def with_room(self, slots: int) -> GreedyState:
         return self._replace(tokens_BL=_pad_tokens(self.tokens_BL, slots))
 
+    def beams(self) -> tuple[Array, Array, Array]:
+        """(tokens [B, 1, L], log_probs [B, 1], lengths [B, 1]): the result as one beam per sentence."""
+        return self.tokens_BL[:, None], self.log_probs_B[:, None], self.lengths_B[:, None]
+
     @classmethod
     def start(cls, cache: PyTree, batch: int, slots: int) -> GreedyState:
         return cls(
@@ -204,6 +208,10 @@ class BeamState(NamedTuple):
 
     def with_room(self, slots: int) -> BeamState:
         return self._replace(tokens_BWL=_pad_tokens(self.tokens_BWL, slots))
+
+    def beams(self) -> tuple[Array, Array, Array]:
+        """(tokens [B, W, L], log_probs [B, W], lengths [B, W])."""
+        return self.tokens_BWL, self.log_probs_BW, self.lengths_BW
 
     @classmethod
     def start(cls, cache_R: PyTree, batch: int, width: int, slots: int) -> BeamState:
@@ -496,15 +504,6 @@ def _keep(context: PyTree, s, keep_K: Array, *, beam_size: int):
     return gather_rows(context, rows_R), s._replace(**per_sentence, cache=gather_rows(s.cache, rows_R))
 
 
-def _beams(s) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens [B, W, L], log_probs [B, W], lengths [B, W]) of a state, on the host; greedy search has W = 1."""
-    if isinstance(s, GreedyState):
-        tokens, log_probs, lengths = s.tokens_BL[:, None], s.log_probs_B[:, None], s.lengths_B[:, None]
-    else:
-        tokens, log_probs, lengths = s.tokens_BWL, s.log_probs_BW, s.lengths_BW
-    return jax.device_get((tokens, log_probs, lengths))
-
-
 def _compacting_search(
     programs: _Programs,
     params: nnx.State,
@@ -534,7 +533,7 @@ def _compacting_search(
     running = np.arange(batch)  # original index of each sentence in the running batch
 
     def record(s) -> None:
-        t, lp, n = _beams(s)
+        t, lp, n = jax.device_get(s.beams())
         tokens[running, :, : t.shape[-1]], log_probs[running], lengths[running] = t, lp, n
 
     context, s = programs.start(params, src_BS, beam_size=beam_size, slots=stages[0])
