@@ -348,7 +348,9 @@ class CharTokenizer:
         return "".join(chr(ord("a") + (i - 4) % 26) for i in ids)
 
 
-def test_translate_keeps_order_empty_lines_and_is_independent_of_batching():
+def test_translate_keeps_order_empty_lines_and_is_independent_of_batching(monkeypatch):
+    # Batches under 2 MIN_COMPACTED sentences have nothing to compact: they run the one-jit search.
+    monkeypatch.setattr(decoding, "_compacting_search", lambda *a, **k: pytest.fail("compacted a small batch"))
     model, tok = _model(), CharTokenizer()
     sentences = ["hello world", "", "a", "x" * 40, "   ", "the cat sat on the mat", "b c"]
     settings = dict(beam_size=2, alpha=0.6, max_extra_len=5, max_input_len=16)
@@ -365,6 +367,9 @@ def test_translate_keeps_order_empty_lines_and_is_independent_of_batching():
     for out, sentence in zip(outputs, sentences, strict=True):
         if sentence.strip():
             assert len(out) <= min(len(sentence) + 1, 16) + 5
+    # Fewer sentences than batch_size: one batch of as many rows as needed, rounded up to a multiple of 8.
+    together, stats = translate(model, tok, sentences, batch_size=64, **settings)
+    assert together == outputs and stats["shapes"] == [(8, 16, 21)]
 
 
 def test_cache_stages_double_then_end_at_max_steps():
