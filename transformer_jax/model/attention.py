@@ -5,6 +5,8 @@ Axis letters: see transformer_jax/__init__.py.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -115,25 +117,32 @@ def init_self_cache(attn: MultiHeadAttention, batch: int, max_len: int, dtype: j
     }
 
 
-def append_to_cache(cache: dict[str, Array], k_BTKH: Array, v_BTKE: Array, index: Array) -> dict[str, Array]:
-    """Writes the new keys/values at slots [index, index + T) of the cache."""
+def append_to_cache(cache: dict[str, Array], k_BTKH: Array, v_BTKE: Array, index_B: Array) -> dict[str, Array]:
+    """Writes row b's new keys/values at its slots [index_B[b], index_B[b] + T) of the cache.
+
+    Each row has its own write index, so rows at different positions (sentences that joined a running batch at
+    different steps) share one cache.
+    """
+    # Per row, the slots without the batch axis: the slot axis is one lower.
+    write_row = jax.vmap(functools.partial(jax.lax.dynamic_update_slice_in_dim, axis=CACHE_SLOT_AXIS - 1))
 
     def write(slots: Array, new_BTKX: Array) -> Array:
-        new = heads_first(new_BTKX).astype(slots.dtype)
-        return jax.lax.dynamic_update_slice_in_dim(slots, new, index, axis=CACHE_SLOT_AXIS)
+        return write_row(slots, heads_first(new_BTKX).astype(slots.dtype), index_B)
 
     return {"k": write(cache["k"], k_BTKH), "v": write(cache["v"], v_BTKE)}
 
 
+def grow_slots(slots: Array, max_len: int) -> Array:
+    """Heads-first keys or values [B, K, L, X] with room for max_len slots (>= L): the new slots are zeros (empty or
+    padding: never attended)."""
+    extra = max_len - slots.shape[CACHE_SLOT_AXIS]
+    if extra < 0:
+        raise ValueError(f"cannot shrink a cache of {slots.shape[CACHE_SLOT_AXIS]} slots to {max_len}")
+    widths = [(0, 0)] * slots.ndim
+    widths[CACHE_SLOT_AXIS] = (0, extra)
+    return jnp.pad(slots, widths)
+
+
 def grow_self_cache(cache: dict[str, Array], max_len: int) -> dict[str, Array]:
     """The same cache with room for max_len slots (>= its own): the new slots are empty (zeros, never attended)."""
-
-    def grow(slots: Array) -> Array:
-        extra = max_len - slots.shape[CACHE_SLOT_AXIS]
-        if extra < 0:
-            raise ValueError(f"cannot shrink a cache of {slots.shape[CACHE_SLOT_AXIS]} slots to {max_len}")
-        widths = [(0, 0)] * slots.ndim
-        widths[CACHE_SLOT_AXIS] = (0, extra)
-        return jnp.pad(slots, widths)
-
-    return {name: grow(slots) for name, slots in cache.items()}
+    return {name: grow_slots(slots, max_len) for name, slots in cache.items()}

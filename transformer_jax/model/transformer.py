@@ -20,6 +20,7 @@ from transformer_jax.model.attention import (
     MultiHeadAttention,
     append_to_cache,
     grow_self_cache,
+    grow_slots,
     heads_first,
     init_self_cache,
 )
@@ -253,8 +254,8 @@ class Transformer(nnx.Module):
             index = None
         else:
             batch, length = tgt_tokens.shape
-            index = cache["index"]
-            tgt_positions = jnp.broadcast_to(index + jnp.arange(length, dtype=jnp.int32), (batch, length))
+            index = cache["index"]  # [B]: each row's next slot
+            tgt_positions = index[:, None] + jnp.arange(length, dtype=jnp.int32)
             tgt_segment_ids, src_segment_ids = None, cache["src_segment_ids"]
             cross_kvs = [(c["k"], c["v"]) for c in cache["cross"]]
         y_BTD = self._embed(tgt_tokens, tgt_positions, target=True)
@@ -295,7 +296,7 @@ class Transformer(nnx.Module):
             k, v = layer.cross_attn.project_kv(memory)
             cross.append({"k": heads_first(k), "v": heads_first(v)})
         return {
-            "index": jnp.zeros((), jnp.int32),
+            "index": jnp.zeros((batch,), jnp.int32),
             "src_segment_ids": src_segment_ids,
             "cross": cross,
             "self": [init_self_cache(layer.self_attn, batch, max_len, dtype) for layer in self.decoder_layers],
@@ -310,6 +311,18 @@ class Transformer(nnx.Module):
         if self.spec.positional == "learned" and max_len > self.spec.max_len:
             raise ValueError(f"decoding {max_len} tokens exceeds model.max_len={self.spec.max_len}")
         return {**cache, "self": [grow_self_cache(c, max_len) for c in cache["self"]]}
+
+    def grow_source(self, cache: Cache, src_len: int) -> Cache:
+        """`cache` with room for sources of src_len tokens (at least its own): the new positions are padding
+        (segment id 0, never attended), so that sentences with longer sources can join a running batch."""
+        extra = src_len - cache["src_segment_ids"].shape[1]
+        if extra < 0:
+            raise ValueError(f"cannot shrink a cache of {cache['src_segment_ids'].shape[1]} source positions")
+        return {
+            **cache,
+            "src_segment_ids": jnp.pad(cache["src_segment_ids"], [(0, 0), (0, extra)]),
+            "cross": [{name: grow_slots(kv, src_len) for name, kv in c.items()} for c in cache["cross"]],
+        }
 
     def __call__(
         self,
