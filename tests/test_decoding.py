@@ -349,8 +349,13 @@ class CharTokenizer:
 
 
 def test_translate_keeps_order_empty_lines_and_is_independent_of_batching(monkeypatch):
-    # Batches under 2 MIN_COMPACTED sentences have nothing to compact: they run the one-jit search.
-    monkeypatch.setattr(decoding, "_compacting_search", lambda *a, **k: pytest.fail("compacted a small batch"))
+    # Batches under 2 MIN_ROWS sentences have little to gain from refilling: they run one-jit batches.
+    monkeypatch.setattr(decoding, "_refilling_search", lambda *a, **k: pytest.fail("refilled a small batch"))
+    batches = []
+    one_jit = decoding._search
+    monkeypatch.setattr(
+        decoding, "_search", lambda g, p, src, *a, **k: batches.append(src.shape) or one_jit(g, p, src, *a, **k)
+    )
     model, tok = _model(), CharTokenizer()
     sentences = ["hello world", "", "a", "x" * 40, "   ", "the cat sat on the mat", "b c"]
     settings = dict(beam_size=2, alpha=0.6, max_extra_len=5, max_input_len=16)
@@ -358,8 +363,8 @@ def test_translate_keeps_order_empty_lines_and_is_independent_of_batching(monkey
     assert len(outputs) == len(sentences)
     assert outputs[1] == "" and outputs[4] == ""
     assert stats["empty"] == 2 and stats["truncated"] == 2 and stats["truncated_lines"] == [4, 6]
-    assert stats["batches"] == 2
-    assert stats["shapes"] == [(4, 16, 21)]  # one shape: dummy rows fill the last batch
+    assert batches == [(4, 16), (4, 16)]  # one shape: dummy rows fill the last batch
+    assert stats["shapes"] == [(16, 21)]
     # Each sentence translated alone (other rows in its batch) gives the same output.
     for i in (0, 3, 5):
         alone, _ = translate(model, tok, [sentences[i]], batch_size=4, **settings)
@@ -368,8 +373,9 @@ def test_translate_keeps_order_empty_lines_and_is_independent_of_batching(monkey
         if sentence.strip():
             assert len(out) <= min(len(sentence) + 1, 16) + 5
     # Fewer sentences than batch_size: one batch of as many rows as needed, rounded up to a multiple of 8.
+    batches.clear()
     together, stats = translate(model, tok, sentences, batch_size=64, **settings)
-    assert together == outputs and stats["shapes"] == [(8, 16, 21)]
+    assert together == outputs and batches == [(8, 16)]
 
 
 def test_cache_stages_double_then_end_at_max_steps():
@@ -417,18 +423,22 @@ def test_first_argmax_equals_argmax_including_ties():
     np.testing.assert_array_equal(decoding.first_argmax(jnp.asarray(x)), np.argmax(x, axis=-1))
 
 
-def test_compacted_size_halves_down_to_the_minimum():
-    assert decoding.MIN_COMPACTED == 8
+def test_compacted_and_refill_sizes():
+    assert decoding.MIN_ROWS == 8
     assert decoding.compacted_size(64, 64) == 64
     assert decoding.compacted_size(33, 64) == 64
     assert decoding.compacted_size(32, 64) == 32
     assert decoding.compacted_size(3, 64) == 8  # not below the minimum
     assert decoding.compacted_size(3, 24) == 12  # 24 -> 12; 6 would be below it
     assert decoding.compacted_size(1, 6) == 6  # a batch under the minimum is never compacted
+    # Waiting sentences join 8, 16, 32, ... at a time (the encoder compiles for those sizes only).
+    assert [decoding.refill_size(free, 64) for free in (0, 7, 8, 15, 16, 40, 64)] == [0, 0, 8, 8, 16, 32, 64]
+    assert decoding.refill_size(40, 24) == 16  # never more than the batch's rows
 
 
 @pytest.mark.parametrize("beam_size", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_compacting_search_equals_the_whole_batch_search(beam_size, monkeypatch):
+    """One batch through the refilling search: nothing waits, so finished sentences only leave the batch."""
     # 20 of 24 sentences stop within 3 tokens; the other 4 may run to 40 (stages 16, 40). After the first call the
     # batch shrinks to 12 sentences, whose rows (<= FULL_CACHE_ROWS) grow the cache to 40 slots at once.
     model, src = _model(), _source(24, 9)
@@ -450,3 +460,41 @@ def test_compacting_search_equals_the_whole_batch_search(beam_size, monkeypatch)
     np.testing.assert_array_equal(compact.lengths, whole.lengths)
     np.testing.assert_allclose(compact.scores, whole.scores, rtol=1e-5, atol=1e-6)
     assert int(np.max(compact.lengths[:, 0])) > decoding.cache_stages(40)[0]  # someone decoded past the first stage
+
+
+def test_refilling_search_equals_one_batch_at_a_time(monkeypatch):
+    """40 sentences through one running batch of 16: finished sentences' rows are taken by waiting ones (encoded in
+    blocks of 16, joining 8 or 16 at a time), longer sources widen the batch's context (16 -> 32 positions), and the
+    cache grows past its first stage. Every sentence gets what the one-jit search of its own batch gives."""
+    rng = np.random.default_rng(5)
+    lengths = [int(n) for n in rng.integers(2, 12, 30)] + [int(n) for n in rng.integers(17, 28, 10)]
+    sources = [[int(t) for t in rng.integers(4, 50, n - 1)] + [EOS] for n in lengths]
+    max_len = [22 if i % 7 == 0 else 1 + i % 4 for i in range(len(sources))]
+    joined = []
+    insert = decoding._programs.__wrapped__
+    monkeypatch.setattr(
+        decoding,
+        "_programs",
+        lambda g: (p := insert(g))._replace(
+            insert=lambda *a, **k: joined.append(int(np.sum(np.asarray(a[5]) < 16))) or p.insert(*a, **k)
+        ),
+    )
+
+    def shape(longest: int) -> tuple[int, int]:
+        src_len = 16 if longest <= 16 else 32
+        return src_len, src_len + 6
+
+    model = _model()
+    refilled, batched = (
+        decoding.searcher(model, compact=c).sentences(
+            sources, max_len, beam_size=1, alpha=0.6, batch_size=16, shape=shape
+        )
+        for c in (True, False)
+    )
+    assert sum(joined) == len(sources) - 16 and len(joined) > 2  # the first 16 start; the others join in turns
+    for r, b in zip(refilled, batched, strict=True):
+        n = int(b.lengths[0])
+        assert int(r.lengths[0]) == n
+        np.testing.assert_array_equal(r.tokens[0, :n], b.tokens[0, :n])
+        np.testing.assert_allclose(r.log_probs, b.log_probs, rtol=1e-5, atol=1e-6)
+    assert max(int(r.lengths[0]) for r in refilled) > 16  # someone decoded past the first cache stage

@@ -5,7 +5,7 @@ beam w of sentence b, L output slots = max_steps).
 
 A decode step is `decode_step(tokens_R1, cache) -> (logits_R1V, cache)`: it reads the next input token of every
 row and returns the next-token logits. The cache is any pytree whose non-scalar leaves have the rows on axis 0
-(scalar leaves, such as the model's write `index`, are shared by all rows and never tiled or reordered). The
+(scalar leaves, such as a stub's step counter, are shared by all rows and never tiled or reordered). The
 search functions only need this interface, so tests drive them with stubs whose distributions they control.
 
 Search (both functions; the reserved ids are those of transformer_jax/tokens.py): the decoder input starts with BOS;
@@ -21,16 +21,18 @@ the limit (source + 50) reaches 114, so a search with a `grow` function runs in 
 hypothesis has finished, and the next one starts from a cache grown by zero slots. Each stage is compiled once;
 the results equal a single loop over max_steps slots (empty slots are never attended).
 
-Compaction (`search`, `searcher`): a step costs as much for a finished sentence's rows as for a live one's, so
-translation runs the cached search in jitted calls of a few steps, and between calls moves the unfinished sentences
-into a smaller batch (`_compacting_search`). The host looks at the done flags once per call, which costs the same on
-any device.
+Refilling (`Searcher`): a step costs as much for a finished sentence's rows as for a live one's, so translation
+runs the cached search in jitted calls of a few steps; between calls the host records the finished sentences, gives
+their rows to waiting ones (greedy search), and moves the live ones into a smaller batch once nothing waits
+(`_refilling_search`). Each sentence decodes at its own position (`step_B`; the model's cache has a write index per
+row). The host looks at the done flags once per call, which costs the same on any device.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -81,7 +83,8 @@ def _loop(body: Callable, state: NamedTuple, slots: int):
     """while_loop(body) until the cache's `slots` are full or every sentence is done."""
 
     def cond(s: NamedTuple) -> Array:
-        return (s.step < slots) & ~jnp.all(s.sentence_done())
+        # The sentences still running are all at the same step, the most any sentence has taken.
+        return (jnp.max(s.step_B) < slots) & ~jnp.all(s.sentence_done())
 
     return jax.lax.while_loop(cond, body, state)
 
@@ -120,8 +123,9 @@ def first_argmax(x_BV: Array) -> Array:
 
 
 def _write(seq: Array, step: Array, tokens: Array) -> Array:
-    """seq[..., step] = tokens (seq [..., L], tokens [...]), with a traced step."""
-    return jnp.where(jnp.arange(seq.shape[-1]) == step, tokens[..., None], seq)
+    """seq[..., step] = tokens (seq [..., L], tokens [...], step broadcasting against tokens: each row its own slot;
+    a step of L or more writes nothing)."""
+    return jnp.where(jnp.arange(seq.shape[-1]) == step[..., None], tokens[..., None], seq)
 
 
 class GreedyResult(NamedTuple):
@@ -146,12 +150,11 @@ def _pad_tokens(tokens: Array, slots: int) -> Array:
 class GreedyState(NamedTuple):
     """The loop state of greedy search: per sentence (B rows), and the decode step's cache."""
 
-    step: Array  # scalar int32: tokens emitted so far by every row
+    step_B: Array  # int32: tokens emitted so far, EOS included (its length; frozen once done)
     done_B: Array
     last_B: Array
     tokens_BL: Array  # L: the current stage's slots
     log_probs_B: Array
-    lengths_B: Array
     cache: PyTree
 
     def sentence_done(self) -> Array:
@@ -162,32 +165,33 @@ class GreedyState(NamedTuple):
 
     def beams(self) -> tuple[Array, Array, Array]:
         """(tokens [B, 1, L], log_probs [B, 1], lengths [B, 1]): the result as one beam per sentence."""
-        return self.tokens_BL[:, None], self.log_probs_B[:, None], self.lengths_B[:, None]
+        return self.tokens_BL[:, None], self.log_probs_B[:, None], self.step_B[:, None]
 
     @classmethod
     def start(cls, cache: PyTree, batch: int, slots: int) -> GreedyState:
         return cls(
-            step=jnp.zeros((), jnp.int32),
+            step_B=jnp.zeros((batch,), jnp.int32),
             done_B=jnp.zeros((batch,), bool),
             last_B=jnp.full((batch,), BOS_ID, jnp.int32),
             tokens_BL=jnp.full((batch, slots), PAD_ID, jnp.int32),
             log_probs_B=jnp.zeros((batch,), jnp.float32),
-            lengths_B=jnp.zeros((batch,), jnp.int32),
             cache=cache,
         )
 
     def advance(self, decode_step: DecodeStep, max_len_B: Array) -> GreedyState:
         """One step: every unfinished sentence appends its most probable token."""
-        log_probs_BV, cache = _next_log_probs(decode_step, self.last_B, self.cache)
-        token_B = jnp.where(self.done_B, PAD_ID, first_argmax(log_probs_BV))
-        gain_B = jnp.take_along_axis(log_probs_BV, token_B[:, None], axis=-1)[:, 0]
+        logits_B1V, cache = decode_step(self.last_B[:, None], self.cache)
+        logits_BV = logits_B1V[:, 0].astype(jnp.float32)
+        token_B = jnp.where(self.done_B, PAD_ID, first_argmax(logits_BV))
+        # log_softmax at the argmax, x_max - logsumexp(x) = -log sum exp(x - x_max), without the [B, V] log_softmax
+        # (a greedy step over 64 sentences spent ~0.5 ms of ~8 ms writing and re-reading it).
+        gain_B = -jnp.log(jnp.sum(jnp.exp(logits_BV - jnp.max(logits_BV, axis=-1, keepdims=True)), axis=-1))
         return GreedyState(
-            step=self.step + 1,
-            done_B=self.done_B | (token_B == EOS_ID) | (self.step + 1 >= max_len_B),
+            step_B=jnp.where(self.done_B, self.step_B, self.step_B + 1),
+            done_B=self.done_B | (token_B == EOS_ID) | (self.step_B + 1 >= max_len_B),
             last_B=token_B,
-            tokens_BL=_write(self.tokens_BL, self.step, token_B),
+            tokens_BL=_write(self.tokens_BL, self.step_B, token_B),
             log_probs_B=self.log_probs_B + jnp.where(self.done_B, 0.0, gain_B),
-            lengths_B=jnp.where(self.done_B, self.lengths_B, self.step + 1),
             cache=cache,
         )
 
@@ -195,7 +199,7 @@ class GreedyState(NamedTuple):
 class BeamState(NamedTuple):
     """The loop state of beam search: per sentence and beam ([B, W]), and the cache with R = B W rows."""
 
-    step: Array  # scalar int32
+    step_B: Array  # int32: steps taken by each sentence (frozen once done)
     finished_BW: Array
     last_BW: Array
     tokens_BWL: Array  # L: the current stage's slots
@@ -216,7 +220,7 @@ class BeamState(NamedTuple):
     @classmethod
     def start(cls, cache_R: PyTree, batch: int, width: int, slots: int) -> BeamState:
         return cls(
-            step=jnp.zeros((), jnp.int32),
+            step_B=jnp.zeros((batch,), jnp.int32),
             finished_BW=jnp.zeros((batch, width), bool),
             last_BW=jnp.full((batch, width), BOS_ID, jnp.int32),
             tokens_BWL=jnp.full((batch, width, slots), PAD_ID, jnp.int32),
@@ -241,7 +245,7 @@ class BeamState(NamedTuple):
             jnp.where(is_pad_V, s.log_probs_BW[..., None], NEG_INF),
             s.log_probs_BW[..., None] + log_probs_BWV,
         )
-        cand_len_BW = jnp.where(s.finished_BW, s.lengths_BW, s.step + 1)
+        cand_len_BW = jnp.where(s.finished_BW, s.lengths_BW, s.step_B[:, None] + 1)
         score_BWV = cand_BWV / length_penalty(cand_len_BW, alpha)[..., None]
         score_BW, flat_BW = jax.lax.top_k(score_BWV.reshape(batch, width * vocab), width)
         beam_BW, token_BW = flat_BW // vocab, (flat_BW % vocab).astype(jnp.int32)
@@ -253,20 +257,20 @@ class BeamState(NamedTuple):
         tokens_BWL = jnp.take_along_axis(s.tokens_BWL, beam_BW[..., None], axis=1)
         # A beam finishes on EOS, at its sentence's maximum length, or when nothing finite is left (-inf: dead).
         finished_BW = (
-            pick(s.finished_BW) | (token_BW == EOS_ID) | (s.step + 1 >= max_len_B)[:, None] | (score_BW == NEG_INF)
+            pick(s.finished_BW) | (token_BW == EOS_ID) | (s.step_B + 1 >= max_len_B)[:, None] | (score_BW == NEG_INF)
         )
         if best_only:
             best_finished_B = jnp.max(jnp.where(finished_BW, score_BW, NEG_INF), axis=1)
-            lp_max_B = jnp.maximum(length_penalty(s.step + 1, alpha), length_penalty(max_len_B, alpha))
+            lp_max_B = jnp.maximum(length_penalty(s.step_B + 1, alpha), length_penalty(max_len_B, alpha))
             bound_BW = jnp.where(finished_BW, NEG_INF, log_probs_BW / lp_max_B[:, None])
             settled_B = jnp.max(bound_BW, axis=1) < best_finished_B
             finished_BW = finished_BW | settled_B[:, None]
         rows_R = (jnp.arange(batch)[:, None] * width + beam_BW).reshape(-1)
         return BeamState(
-            step=s.step + 1,
+            step_B=jnp.where(s.sentence_done(), s.step_B, s.step_B + 1),
             finished_BW=finished_BW,
             last_BW=token_BW,
-            tokens_BWL=_write(tokens_BWL, s.step, token_BW),
+            tokens_BWL=_write(tokens_BWL, s.step_B[:, None], token_BW),
             log_probs_BW=log_probs_BW,
             lengths_BW=pick(cand_len_BW),
             cache=gather_rows(cache, rows_R),
@@ -299,7 +303,7 @@ def greedy_search(
     first = max_steps if grow is None else cache_stages(max_steps)[0]
     init = GreedyState.start(cache, max_len_B.shape[0], first)
     s = _run_stages(lambda s: s.advance(decode_step, max_len_B), init, max_steps, grow)
-    return GreedyResult(_pad_tokens(s.tokens_BL, max_steps), s.log_probs_B, s.lengths_B)
+    return GreedyResult(_pad_tokens(s.tokens_BL, max_steps), s.log_probs_B, s.step_B)
 
 
 def beam_search(
@@ -411,7 +415,7 @@ def _search(
     max_steps: int,
     use_cache: bool,
 ) -> BeamResult:
-    """The whole search in one jitted call, every sentence's rows to the end (the reference of the compacting one)."""
+    """The whole search in one jitted call, every sentence's rows to the end (the reference of the refilling one)."""
     model = nnx.merge(graphdef, state)
     src_segment_ids_BS = unpacked_segment_ids(src_BS)
     memory_BSD = model.encode(src_BS, src_segment_ids_BS)
@@ -425,42 +429,75 @@ def _search(
     )
 
 
-# -- compaction: finished sentences leave the batch every few steps --------------------------------------------------
+# -- refilling: finished sentences leave the running batch and waiting ones take their rows -----------------------
 
-MIN_COMPACTED = 8  # sentences: a step over fewer costs about the same (reading the weights dominates it)
-COMPACT_EVERY = 4  # steps between the host's looks at which sentences are done
-# A batch of at most this many rows grows its cache to max_steps at once, trading longer cache reads in a few small
-# steps for the compilations of the stages between (first greedy test2016 translation: 34 -> 29 s, machine loaded).
+CHECK_EVERY = 4  # steps between the host's looks at which sentences are done
+MIN_ROWS = 8  # sentences: a step over fewer costs about the same (reading the weights dominates it)
+# A batch of at most this many rows grows its cache to the last stage at once, trading longer cache reads in a few
+# small steps for the compilations of the stages between (first greedy test2016 translation: 34 -> 29 s, loaded).
 FULL_CACHE_ROWS = 32
 
 
 def compacted_size(live: int, running: int) -> int:
-    """Sentences the next call runs, given `live` unfinished ones among the `running` ones.
+    """Sentences the next call runs, given `live` unfinished ones among the `running` ones (nothing waits).
 
-    The sizes are the running batch halved (rounded up), not below MIN_COMPACTED, so that each cache stage
-    compiles for a few sizes only: the smallest that holds the live sentences.
+    The sizes are the running batch halved (rounded up), not below MIN_ROWS, so that each cache stage compiles for
+    a few sizes only: the smallest that holds the live sentences.
     """
     size = running
-    while -(-size // 2) >= max(live, MIN_COMPACTED):
+    while -(-size // 2) >= max(live, MIN_ROWS):
         size = -(-size // 2)
     return size
 
 
+def refill_size(free: int, rows: int) -> int:
+    """Waiting sentences that join a running batch of `rows` sentences with `free` rows free: the largest of MIN_ROWS,
+    2 MIN_ROWS, 4 MIN_ROWS, ... (at most `rows`) that fits, so that the encoder compiles for a few sizes only; 0
+    while fewer than MIN_ROWS rows are free."""
+    size = 0
+    while (2 * size or MIN_ROWS) <= min(free, rows):
+        size = 2 * size or MIN_ROWS
+    return size
+
+
 class _Programs(NamedTuple):
-    """The jitted calls of the compacting search for one model graph (see `_programs`)."""
+    """The jitted calls of the refilling search for one model graph (see `_programs`)."""
 
     start: Callable  # (params, src_BS, *, beam_size, slots) -> (context, state with `slots` slots)
+    encode: Callable  # (params, src_KS, *, beam_size) -> the context of K new sentences
+    insert: Callable  # (params, context, state, block, first, rows_K, *, beam_size) -> (context, state)
     grow: Callable  # (params, state, *, slots) -> state with `slots` slots
-    stage: Callable  # (params, context, state, max_len_B, alpha, until) -> state
+    widen: Callable  # (params, context, *, src_len) -> context with sources padded to src_len
+    stage: Callable  # (params, context, state, max_len_B, alpha, steps) -> state
+
+
+def _restart(s, rows_K: Array, beam_size: int):
+    """The state with the sentences in rows_K (out-of-range rows are dropped) back at the start: nothing emitted.
+
+    The rows' self-attention slots keep the previous sentence's keys and values: a row's slots after its write
+    index are hidden by causality, and the new sentence overwrites each before it can attend to it.
+    """
+    slots = s.beams()[0].shape[-1]
+    batch = rows_K.shape[0]
+    fresh = GreedyState.start(None, batch, slots) if beam_size == 1 else BeamState.start(None, batch, beam_size, slots)
+    per_sentence = {f: getattr(s, f).at[rows_K].set(getattr(fresh, f), mode="drop") for f in s._fields if f != "cache"}
+    rows_R = (rows_K[:, None] * beam_size + jnp.arange(beam_size)).reshape(-1)
+    return s._replace(**per_sentence, cache={**s.cache, "index": s.cache["index"].at[rows_R].set(0, mode="drop")})
 
 
 @functools.lru_cache(maxsize=8)
 def _programs(graphdef: nnx.GraphDef) -> _Programs:
-    """The compacting search's jitted calls with the graph closed over.
+    """The refilling search's jitted calls with the graph closed over.
 
     jit hashes and compares its static arguments on every call, ~1.7 ms for the small model's GraphDef: ~0.3 s over
     the ~200 calls of a greedy test2016 translation. Looked up here once per searcher, it is hashed once.
     """
+
+    def encode(params: nnx.State, src_BS: Array, *, beam_size: int):
+        """The fixed context of the sentences src_BS (cross-attention keys/values, source segment ids), R rows."""
+        model = nnx.merge(graphdef, params)
+        seg_BS = unpacked_segment_ids(src_BS)
+        return _split_cache(model.init_cache(model.encode(src_BS, seg_BS), seg_BS, 0), beam_size)[0]
 
     def start(params: nnx.State, src_BS: Array, *, beam_size: int, slots: int):
         """Encodes the batch; the fixed context (R rows) and the search's first state, with `slots` slots."""
@@ -472,27 +509,47 @@ def _programs(graphdef: nnx.GraphDef) -> _Programs:
             return context, GreedyState.start(cache, batch, slots)
         return context, BeamState.start(tile_beams(cache, beam_size), batch, beam_size, slots)
 
+    def insert(params: nnx.State, context: PyTree, s, block: PyTree, first: Array, rows_K: Array, *, beam_size: int):
+        """The sentences first, first + 1, ... of an encoded block (its context) take the rows rows_K of the running
+        batch, one each (a row past the batch's end: that sentence is not taken)."""
+        del params
+        take = rows_K.shape[0] * beam_size
+        new = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, first * beam_size, take), block)
+        rows_R = (rows_K[:, None] * beam_size + jnp.arange(beam_size)).reshape(-1)
+        context = jax.tree.map(lambda x, n: x.at[rows_R].set(n, mode="drop"), context, new)
+        return context, _restart(s, rows_K, beam_size)
+
     def grow(params: nnx.State, s, *, slots: int):
         """The state with its cache and output buffer grown to `slots` (a call of its own, so that `stage` compiles
         for one input shape per cache size)."""
         return s.with_room(slots)._replace(cache=nnx.merge(graphdef, params).grow_cache(s.cache, slots))
 
-    def stage(params: nnx.State, context: PyTree, s, max_len_B: Array, alpha: Array, until: Array):
-        """Steps until `until` (traced, so it compiles per batch size and cache size only; at most the cache's
-        slots) or until every sentence is done."""
+    def widen(params: nnx.State, context: PyTree, *, src_len: int):
+        """The context with its sources padded to src_len positions (for longer sentences to join)."""
+        return nnx.merge(graphdef, params).grow_source(context, src_len)
+
+    def stage(params: nnx.State, context: PyTree, s, max_len_B: Array, alpha: Array, steps: Array):
+        """`steps` steps (traced, so it compiles per batch size and cache size only) or until every sentence is
+        done. The caller makes sure the cache has room for them."""
         step = _context_step(nnx.merge(graphdef, params), context)
         if isinstance(s, GreedyState):
-            body = functools.partial(GreedyState.advance, decode_step=step, max_len_B=max_len_B)
+            advance = functools.partial(GreedyState.advance, decode_step=step, max_len_B=max_len_B)
         else:
-            body = functools.partial(
+            advance = functools.partial(
                 BeamState.advance, decode_step=step, max_len_B=max_len_B, alpha=alpha, best_only=True
             )
-        return jax.lax.while_loop(lambda s: (s.step < until) & ~jnp.all(s.sentence_done()), body, s)
+        _, s = jax.lax.while_loop(
+            lambda c: (c[0] < steps) & ~jnp.all(c[1].sentence_done()), lambda c: (c[0] + 1, advance(c[1])), (0, s)
+        )
+        return s
 
     return _Programs(
         jax.jit(start, static_argnames=("beam_size", "slots")),
+        jax.jit(encode, static_argnames=("beam_size",)),
+        jax.jit(insert, static_argnames=("beam_size",), donate_argnums=(1, 2)),
         jax.jit(grow, static_argnames=("slots",)),
-        jax.jit(stage),
+        jax.jit(widen, static_argnames=("src_len",)),
+        jax.jit(stage, donate_argnums=(2,)),
     )
 
 
@@ -500,106 +557,250 @@ def _programs(graphdef: nnx.GraphDef) -> _Programs:
 def _keep(context: PyTree, s, keep_K: Array, *, beam_size: int):
     """The context and state of the sentences keep_K only (per-sentence fields and their beam_size rows each)."""
     rows_R = (keep_K[:, None] * beam_size + jnp.arange(beam_size)).reshape(-1)
-    per_sentence = {f: jnp.take(getattr(s, f), keep_K, axis=0) for f in s._fields if f not in ("step", "cache")}
+    per_sentence = {f: jnp.take(getattr(s, f), keep_K, axis=0) for f in s._fields if f != "cache"}
     return gather_rows(context, rows_R), s._replace(**per_sentence, cache=gather_rows(s.cache, rows_R))
 
 
-def _compacting_search(
+Shape = Callable[[int], tuple[int, int]]  # longest source of a batch -> (padded source length, most output slots)
+
+
+def _sorted_beams(tokens_WL: np.ndarray, log_probs_W: np.ndarray, lengths_W: np.ndarray, alpha: float) -> BeamResult:
+    """One sentence's beams best first, as `best_first` sorts them (ties: the lower beam first)."""
+    scores_W = log_probs_W / np.asarray(length_penalty(lengths_W, alpha))
+    order = np.argsort(-scores_W, kind="stable")
+    return BeamResult(tokens_WL[order], scores_W[order], log_probs_W[order], lengths_W[order])
+
+
+def _refilling_search(
     programs: _Programs,
     params: nnx.State,
-    src_BS: Array,
-    max_len_B: np.ndarray,
-    alpha: Array,
+    sources: Sequence[np.ndarray],
+    max_len_N: np.ndarray,
+    alpha: float,
     *,
     beam_size: int,
-    max_steps: int,
-) -> BeamResult:
-    """The cached search in jitted calls of COMPACT_EVERY steps; between them, finished sentences leave the batch.
+    rows: int,
+    shape: Shape,
+    progress: Callable[[int], Any] | None = None,
+) -> list[BeamResult]:
+    """The cached search of every sentence through one running batch of `rows` sentences; their beams, best first.
 
-    A step costs the same for a finished sentence's rows as for a live one's, and most sentences finish long
-    before the longest of their batch (Multi30k test2016, batch 64, greedy: 57% of the row-steps went to finished
-    sentences). Every COMPACT_EVERY steps the host reads which sentences are done and, when the live ones fit in a
-    batch half the size or less (`compacted_size`), moves only those (state, cache, context) into a smaller batch,
-    padded with finished ones. On those outputs this runs 1.79x fewer row-steps (1.51x if it looked only at the
-    cache-stage boundaries). The step count is traced, so the calls compile per (batch size, cache stage) only, and
-    a batch of at most FULL_CACHE_ROWS rows skips to the last stage. Results equal `_search`'s: a sentence's rows
-    never interact with another's.
+    A step costs the same for a finished sentence's rows as for a live one's, and outputs differ in length (Multi30k
+    test2016, greedy, batches of 64: 57% of the row-steps went to sentences already finished). So the search runs in
+    jitted calls of CHECK_EVERY steps (`stage`); between them the host reads which sentences are done, records
+    them, and gives their rows to waiting sentences (shortest sources first), which are encoded `rows` at a time
+    (a block: the encoder's efficient size) and join `refill_size` at a time.
+    Each sentence decodes at its own position (the search's step_B, the cache's per-row index), so rows that
+    joined at different times share the batch. Once nothing waits, the live sentences move into a batch half the
+    size whenever they fit (`compacted_size`). The cache grows in stages as the live rows need it; the step count
+    is traced, so the calls compile per (rows, source length, cache stage) only, and a batch of at most
+    FULL_CACHE_ROWS rows with nothing waiting skips to the last stage. Results equal the one-jit `_search`'s: a
+    sentence's rows never interact with another's.
     """
-    batch = src_BS.shape[0]
-    stages = cache_stages(max_steps)
-    tokens = np.full((batch, beam_size, max_steps), PAD_ID, np.int32)
-    log_probs = np.zeros((batch, beam_size), np.float32)
-    lengths = np.zeros((batch, beam_size), np.int32)
-    running = np.arange(batch)  # original index of each sentence in the running batch
+    queue = collections.deque(sorted(range(len(sources)), key=lambda i: len(sources[i])))
+    results: list[BeamResult | None] = [None] * len(sources)
+    src_len, max_steps = 0, 0  # of the running batch: they grow as longer sources join (`take`)
 
-    def record(s) -> None:
-        t, lp, n = jax.device_get(s.beams())
-        tokens[running, :, : t.shape[-1]], log_probs[running], lengths[running] = t, lp, n
+    def take(k: int) -> tuple[list[int], np.ndarray]:
+        """The next k waiting sentences as a [k, src_len] batch (rows past the queue's end: an empty source)."""
+        nonlocal src_len, max_steps
+        ids = [queue.popleft() for _ in range(min(k, len(queue)))]
+        longest_src_len, longest_max_steps = shape(len(sources[ids[-1]]))  # sorted: the last is the longest
+        src_len, max_steps = max(src_len, longest_src_len), max(max_steps, longest_max_steps)
+        src_KS = np.full((k, src_len), PAD_ID, np.int32)
+        src_KS[:, 0] = EOS_ID
+        for r, i in enumerate(ids):
+            src_KS[r, : len(sources[i])] = sources[i]
+        return ids, src_KS
 
-    context, s = programs.start(params, src_BS, beam_size=beam_size, slots=stages[0])
-    step, width = 0, stages[0]
-    while step < max_steps:
-        small = len(running) * beam_size <= FULL_CACHE_ROWS
-        slots = max_steps if small else next(n for n in stages if n > step)
+    def record(s, finished: np.ndarray) -> None:
+        tokens, log_probs, lengths = jax.device_get(s.beams())
+        for r in finished:
+            results[sentence[r]] = _sorted_beams(tokens[r], log_probs[r], lengths[r], float(alpha))
+        if progress is not None:
+            progress(len(finished))
+
+    ids, src_KS = take(rows)
+    sentence = np.array(ids + [-1] * (rows - len(ids)))  # the sentence in each row; -1: none (finished or dummy)
+    max_len_R = np.ones(rows, np.int32)  # a row without a sentence stops after one step
+    max_len_R[: len(ids)] = max_len_N[ids]
+    step_R = np.zeros(rows, np.int32)
+    block_ids: list[int] = []  # an encoded block of waiting sentences (`block`), of which `joined` have joined
+    block, joined = None, 0
+    width = cache_stages(max_steps)[0]
+    context, s = programs.start(params, src_KS, beam_size=beam_size, slots=width)
+    while True:
+        live = sentence >= 0
+        if queue or rows * beam_size > FULL_CACHE_ROWS:
+            need = int(np.max(np.minimum(step_R + CHECK_EVERY, max_len_R), where=live, initial=1))
+            slots = next(n for n in cache_stages(max_steps) if n >= need)
+        else:
+            slots = max_steps
         if slots > width:
             s, width = programs.grow(params, s, slots=slots), slots
-        step = min(step + COMPACT_EVERY, slots)
-        s = programs.stage(params, context, s, jnp.asarray(max_len_B[running]), alpha, jnp.int32(step))
-        done = np.asarray(s.sentence_done())
-        if done.all():
-            break
-        live = np.flatnonzero(~done)
-        size = compacted_size(len(live), len(running))
-        if size < len(running):
-            record(s)
-            keep = np.concatenate([live, np.flatnonzero(done)[: size - len(live)]])
+        s = programs.stage(params, context, s, jnp.asarray(max_len_R), alpha, jnp.int32(CHECK_EVERY))
+        done, step_R = (np.array(x) for x in jax.device_get((s.sentence_done(), s.step_B)))
+        finished = np.flatnonzero(live & done)
+        if len(finished):
+            record(s, finished)
+            sentence[finished] = -1
+        free = np.flatnonzero(sentence < 0)
+        if queue or joined < len(block_ids):
+            if joined == len(block_ids):  # the next `rows` waiting sentences, encoded together
+                block_ids, src_KS = take(rows)
+                block, joined = programs.encode(params, src_KS, beam_size=beam_size), 0
+                if src_KS.shape[1] > context["src_segment_ids"].shape[1]:
+                    context = programs.widen(params, context, src_len=src_KS.shape[1])
+            # The block's rows left are a multiple of MIN_ROWS (rows is, and so is every refill size).
+            k = refill_size(min(len(free), rows - joined), rows)
+            if k:
+                ids = block_ids[joined : joined + k]
+                into = np.full(k, rows, np.int32)  # the block's dummy rows go past the batch's end: dropped
+                into[: len(ids)] = free[: len(ids)]
+                context, s = programs.insert(
+                    params, context, s, block, jnp.int32(joined), jnp.asarray(into), beam_size=beam_size
+                )
+                joined += len(ids)
+                sentence[into[: len(ids)]] = ids
+                max_len_R[into[: len(ids)]] = max_len_N[ids]
+                step_R[into[: len(ids)]] = 0
+            continue
+        live = np.flatnonzero(sentence >= 0)
+        if not len(live):
+            return results
+        size = compacted_size(len(live), rows)
+        if size < rows:
+            keep = np.concatenate([live, free[: size - len(live)]])
             context, s = _keep(context, s, jnp.asarray(keep), beam_size=beam_size)
-            running = running[keep]
-    record(s)
-    return best_first(jnp.asarray(tokens), jnp.asarray(log_probs), jnp.asarray(lengths), alpha)
+            sentence, max_len_R, step_R, rows = sentence[keep], max_len_R[keep], step_R[keep], size
 
 
-Search = Callable[..., BeamResult]
+class Searcher:
+    """Search bound to a model's parameters as they are now: split once, then jitted calls.
 
-
-def searcher(model: nnx.Module, *, use_cache: bool = True, compact: bool = True) -> Search:
-    """`search` bound to the model's parameters as they are now: split once, then jitted calls per batch.
-
-    nnx.split walks the whole module graph (~0.2 s for the 3+3-layer model on a 2-core CPU); translating many
-    batches with `search` would pay that per batch, so translate() makes one searcher per call. Runs the model in
-    eval mode (dropout off) without changing the caller's model; later changes to the model's parameters are not
-    seen. compact (with use_cache, for batches of at least 2 MIN_COMPACTED sentences): finished sentences leave
-    the batch every COMPACT_EVERY steps (`_compacting_search`); otherwise the whole search is one jitted call
-    (`_search`).
+    nnx.split walks the whole module graph (~0.2 s for the 3+3-layer model on a 2-core CPU), so translate() makes
+    one Searcher per call. Runs the model in eval mode (dropout off) without changing the caller's model; later
+    changes to the model's parameters are not seen.
     """
-    graphdef, state = nnx.split(model)
-    # Key the compilation on the eval-mode graph, so a model in train mode (validation during training) and the
-    # same model in eval mode share one compiled search. The copy shares the arrays; the caller's model is unchanged.
-    copy = nnx.merge(graphdef, state)
-    copy.eval()
-    graphdef, state = nnx.split(copy)
-    programs = _programs(graphdef) if use_cache and compact else None
 
-    def run(src_BS: Array, max_len_B: Array, *, beam_size: int, alpha: float, max_steps: int) -> BeamResult:
-        src_BS, alpha = jnp.asarray(src_BS, jnp.int32), jnp.asarray(alpha, jnp.float32)
-        # A batch that cannot be halved has nothing to compact: one program compiles faster than a stage each.
-        if use_cache and compact and src_BS.shape[0] >= 2 * MIN_COMPACTED:
-            max_len_B = np.asarray(max_len_B, np.int32)
-            return _compacting_search(
-                programs, state, src_BS, max_len_B, alpha, beam_size=beam_size, max_steps=max_steps
-            )
+    def __init__(self, model: nnx.Module, *, use_cache: bool = True, compact: bool = True):
+        graphdef, state = nnx.split(model)
+        # Key the compilation on the eval-mode graph, so a model in train mode (validation during training) and the
+        # same model in eval mode share one compiled search. The copy shares the arrays; the caller's model is
+        # unchanged.
+        copy = nnx.merge(graphdef, state)
+        copy.eval()
+        self.graphdef, self.params = nnx.split(copy)
+        self.use_cache = use_cache
+        self.programs = _programs(self.graphdef) if use_cache and compact else None
+
+    def _one_jit(self, src_BS: Array, max_len_B: Array, *, beam_size: int, alpha: float, max_steps: int):
         return _search(
-            graphdef,
-            state,
-            src_BS,
+            self.graphdef,
+            self.params,
+            jnp.asarray(src_BS, jnp.int32),
             jnp.asarray(max_len_B, jnp.int32),
-            alpha,
+            jnp.asarray(alpha, jnp.float32),
             beam_size=beam_size,
             max_steps=max_steps,
-            use_cache=use_cache,
+            use_cache=self.use_cache,
         )
 
-    return run
+    def __call__(self, src_BS: Array, max_len_B: Array, *, beam_size: int, alpha: float, max_steps: int) -> BeamResult:
+        """One batch: src [B, S] (PAD-padded, EOS-terminated); beam_size 1 runs greedy search.
+
+        Batches of at least 2 MIN_ROWS sentences run the refilling search (nothing waits, so finished sentences
+        only leave); smaller ones, or without compaction, the whole search is one jitted call (`_search`).
+        """
+        if self.programs is None or src_BS.shape[0] < 2 * MIN_ROWS:
+            return self._one_jit(src_BS, max_len_B, beam_size=beam_size, alpha=alpha, max_steps=max_steps)
+        src_BS = np.asarray(src_BS, np.int32)
+        found = _refilling_search(
+            self.programs,
+            self.params,
+            list(src_BS),
+            np.asarray(max_len_B, np.int32),
+            alpha,
+            beam_size=beam_size,
+            rows=src_BS.shape[0],
+            shape=lambda _: src_BS.shape[1:] + (max_steps,),
+        )
+        return BeamResult(*(np.stack(x) for x in zip(*(_pad_result(r, max_steps) for r in found), strict=True)))
+
+    def sentences(
+        self,
+        sources: Sequence[Sequence[int]],
+        max_len_N: Sequence[int],
+        *,
+        beam_size: int,
+        alpha: float,
+        batch_size: int,
+        shape: Shape,
+        progress: Callable[[int], Any] | None = None,
+    ) -> list[BeamResult]:
+        """Every sentence's beams (best first; tokens [W, L] with L at least its longest beam), decoded `batch_size`
+        sentences at a time: sources are id lists (EOS-terminated), max_len_N their output limits, and
+        shape(longest source) the padded source length and the most output slots of a batch. progress(n) is
+        called as n more sentences are done.
+
+        With compaction and at least 2 MIN_ROWS rows, they run through `_refilling_search`: greedy search in one
+        refilled batch, beam search batch by batch (see below); otherwise in consecutive one-jit batches. Shortest
+        sources go first. The batch has batch_size rows, or as many as the sentences rounded up to a multiple of 8
+        when fewer.
+        """
+        rows = min(batch_size, -(-len(sources) // 8) * 8)
+        max_len_N = np.asarray(max_len_N, np.int32)
+        if not len(sources):
+            return []
+        order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+        results: list[BeamResult | None] = [None] * len(sources)
+        if self.programs is not None and rows >= 2 * MIN_ROWS:
+            # Greedy search refills one running batch. Beam search runs batch by batch (finished sentences only
+            # leave): it reorders its whole cache every step, and the wider cache a refilled batch keeps (its
+            # longest live sentence sets it) cost more than the finished rows it saved (test2016, beam 4:
+            # 12.7 -> 15.1 s; greedy: 4.4 -> 4.0 s).
+            for group in [order] if beam_size == 1 else [order[j : j + rows] for j in range(0, len(order), rows)]:
+                found = _refilling_search(
+                    self.programs,
+                    self.params,
+                    [np.asarray(sources[i], np.int32) for i in group],
+                    max_len_N[group],
+                    alpha,
+                    beam_size=beam_size,
+                    rows=rows,
+                    shape=shape,
+                    progress=progress,
+                )
+                for i, r in zip(group, found, strict=True):
+                    results[i] = r
+            return results
+        for j in range(0, len(order), rows):
+            batch = order[j : j + rows]
+            src_len, max_steps = shape(max(len(sources[i]) for i in batch))
+            src_BS = np.full((rows, src_len), PAD_ID, np.int32)
+            src_BS[:, 0] = EOS_ID  # dummy rows: an empty source, decoded for one step and dropped
+            max_len_B = np.ones((rows,), np.int32)
+            for r, i in enumerate(batch):
+                src_BS[r, : len(sources[i])] = sources[i]
+                max_len_B[r] = max_len_N[i]
+            found = jax.device_get(
+                self._one_jit(src_BS, max_len_B, beam_size=beam_size, alpha=alpha, max_steps=max_steps)
+            )
+            for r, i in enumerate(batch):
+                results[i] = BeamResult(*(x[r] for x in found))
+            if progress is not None:
+                progress(len(batch))
+        return results
+
+
+def _pad_result(r: BeamResult, slots: int) -> BeamResult:
+    """One sentence's beams with tokens padded (PAD) to `slots`."""
+    return r._replace(tokens=np.pad(r.tokens, [(0, 0), (0, slots - r.tokens.shape[-1])]))
+
+
+def searcher(model: nnx.Module, *, use_cache: bool = True, compact: bool = True) -> Searcher:
+    """A Searcher for the model (see Searcher)."""
+    return Searcher(model, use_cache=use_cache, compact=compact)
 
 
 def search(

@@ -1,10 +1,10 @@
-"""Translate a list of sentences: tokenize, batch into a few fixed shapes, search, detokenize, in input order.
+"""Translate a list of sentences: tokenize, search, detokenize, in input order.
 
-Batch shapes come from a small fixed set so that jit compiles a bounded number of times: every batch has exactly
-`batch_size` rows (the last one is filled with dummy rows that are dropped; an input smaller than one batch gets
-a batch of its size rounded up to a multiple of 8) and its source length is rounded up
-to a bucket (16, 32, 64, ... up to max_input_len). Sentences are sorted by length so that a batch's rows are
-similar, which wastes little padding and lets the search stop early for batches of short sentences.
+The search (decoding.Searcher.sentences) decodes `batch_size` sentences at a time, shortest sources first, and gives
+a finished sentence's rows to the next waiting one. Shapes come from a small fixed set so that jit compiles a
+bounded number of times: the batch has `batch_size` rows (an input smaller than one batch: its size rounded up to a
+multiple of 8, the extra rows dummies that are dropped) and the source length is rounded up to a bucket (16, 32,
+64, ... up to max_input_len).
 
 Axis letters: see transformer_jax/__init__.py.
 """
@@ -16,7 +16,6 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-import numpy as np
 from flax import nnx
 
 from transformer_jax import decoding
@@ -98,51 +97,47 @@ def translate(
         if cut:
             truncated_lines.append(i + 1)
 
-    order = sorted(sources, key=lambda i: len(sources[i]))
-    batches = [order[j : j + batch_size] for j in range(0, len(order), batch_size)]
-    # Fewer sentences than a batch: a batch of only as many rows as needed (a multiple of 8), not of batch_size.
-    rows_per_batch = min(batch_size, -(-len(order) // 8) * 8)
     stats: dict[str, Any] = {
         "sentences": len(sentences),
         "empty": len(sentences) - len(sources),
         "truncated": len(truncated_lines),
         "truncated_lines": truncated_lines[:100],  # 1-based line numbers, the first 100
         "hit_max_len": 0,
-        "batches": len(batches),
         "src_tokens": int(sum(len(s) for s in sources.values())),
         "tgt_tokens": 0,
         "shapes": set(),
     }
+
+    def shape(longest: int) -> tuple[int, int]:
+        """A batch's padded source length (a few lengths that double, to bound compilations) and output slots."""
+        src_len = padded_eval_length(longest, max_input_len)
+        stats["shapes"].add((src_len, output_limit(src_len, max_extra_len, limit)))
+        return src_len, output_limit(src_len, max_extra_len, limit)
+
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(order), desc="translating", unit="sent", file=sys.stderr)
-    search = decoding.searcher(model)
-    for rows in batches:
-        src_len = padded_eval_length(max(len(sources[i]) for i in rows), max_input_len)
-        max_steps = output_limit(src_len, max_extra_len, limit)
-        src_BS = np.full((rows_per_batch, src_len), PAD_ID, np.int32)
-        src_BS[:, 0] = EOS_ID  # dummy rows: an empty source, decoded for one step and dropped
-        max_len_B = np.ones((rows_per_batch,), np.int32)
-        for r, i in enumerate(rows):
-            src_BS[r, : len(sources[i])] = sources[i]
-            max_len_B[r] = output_limit(len(sources[i]), max_extra_len, limit)
-        result = search(src_BS, max_len_B, beam_size=beam_size, alpha=alpha, max_steps=max_steps)
-        tokens_BL = np.asarray(result.tokens[:, 0])
-        lengths_B = np.asarray(result.lengths[:, 0])
-        stats["shapes"].add((rows_per_batch, src_len, max_steps))
-        for r, i in enumerate(rows):
-            n = int(lengths_B[r])
-            ids = tokens_BL[r, :n].tolist()
-            if ids and ids[-1] == EOS_ID:
-                ids = ids[:-1]
-            else:
-                stats["hit_max_len"] += 1  # stopped by the length limit, not by EOS
-            stats["tgt_tokens"] += n
-            outputs[i] = tokenizer.decode([t for t in ids if t != PAD_ID])
-        if bar is not None:
-            bar.update(len(rows))
+        bar = tqdm(total=len(sources), desc="translating", unit="sent", file=sys.stderr)
+    lines = list(sources)
+    found = decoding.searcher(model).sentences(
+        [sources[i] for i in lines],
+        [output_limit(len(sources[i]), max_extra_len, limit) for i in lines],
+        beam_size=beam_size,
+        alpha=alpha,
+        batch_size=batch_size,
+        shape=shape,
+        progress=None if bar is None else bar.update,
+    )
+    for i, result in zip(lines, found, strict=True):
+        n = int(result.lengths[0])
+        ids = result.tokens[0, :n].tolist()
+        if ids and ids[-1] == EOS_ID:
+            ids = ids[:-1]
+        else:
+            stats["hit_max_len"] += 1  # stopped by the length limit, not by EOS
+        stats["tgt_tokens"] += n
+        outputs[i] = tokenizer.decode([t for t in ids if t != PAD_ID])
     if bar is not None:
         bar.close()
     seconds = time.perf_counter() - start
