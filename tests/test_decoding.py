@@ -471,12 +471,12 @@ def test_refilling_search_equals_one_batch_at_a_time(monkeypatch):
     sources = [[int(t) for t in rng.integers(4, 50, n - 1)] + [EOS] for n in lengths]
     max_len = [22 if i % 7 == 0 else 1 + i % 4 for i in range(len(sources))]
     joined = []
-    insert = decoding._programs.__wrapped__
+    programs = decoding._programs.__wrapped__
     monkeypatch.setattr(
         decoding,
         "_programs",
-        lambda g: (p := insert(g))._replace(
-            insert=lambda *a, **k: joined.append(int(np.sum(np.asarray(a[5]) < 16))) or p.insert(*a, **k)
+        lambda *g: (p := programs(*g))._replace(
+            insert=lambda *a, **k: joined.append(int(np.sum(np.asarray(a[4]) < 16))) or p.insert(*a, **k)
         ),
     )
 

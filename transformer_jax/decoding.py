@@ -436,6 +436,10 @@ MIN_ROWS = 8  # sentences: a step over fewer costs about the same (reading the w
 # A batch of at most this many rows grows its cache to the last stage at once, trading longer cache reads in a few
 # small steps for the compilations of the stages between (first greedy test2016 translation: 34 -> 29 s, loaded).
 FULL_CACHE_ROWS = 32
+# Waiting sentences are encoded with their sources padded to a multiple of this (then padded to the running batch's
+# source length, one of translate()'s few): the encoder, ~1/4 of greedy's time, reads fewer padding tokens (test2016
+# in blocks of 64: 21.0k instead of 24.6k source slots), for an encoder compilation per length.
+ENCODE_MULTIPLE = 8
 
 
 def compacted_size(live: int, running: int) -> int:
@@ -465,7 +469,7 @@ class _Programs(NamedTuple):
 
     start: Callable  # (params, src_BS, *, beam_size, slots) -> (context, state with `slots` slots)
     encode: Callable  # (params, src_KS, *, beam_size) -> the context of K new sentences
-    insert: Callable  # (params, context, state, block, first, rows_K, *, beam_size) -> (context, state)
+    insert: Callable  # (context, state, block, first, rows_K, *, beam_size) -> (context, state)
     grow: Callable  # (params, state, *, slots) -> state with `slots` slots
     widen: Callable  # (params, context, *, src_len) -> context with sources padded to src_len
     stage: Callable  # (params, context, state, max_len_B, alpha, steps) -> state
@@ -486,22 +490,27 @@ def _restart(s, rows_K: Array, beam_size: int):
 
 
 @functools.lru_cache(maxsize=8)
-def _programs(graphdef: nnx.GraphDef) -> _Programs:
-    """The refilling search's jitted calls with the graph closed over.
+def _programs(graphdef: nnx.GraphDef, treedef: jax.tree_util.PyTreeDef) -> _Programs:
+    """The refilling search's jitted calls with the graph and the parameters' structure closed over; `params` is
+    the list of the parameters' leaves (`Searcher`).
 
-    jit hashes and compares its static arguments on every call, ~1.7 ms for the small model's GraphDef: ~0.3 s over
-    the ~200 calls of a greedy test2016 translation. Looked up here once per searcher, it is hashed once.
+    jit hashes and compares its static arguments on every call (~1.7 ms for the small model's GraphDef) and
+    flattens its arguments (~0.25 ms for an nnx.State): ~0.3 s each over the ~250 calls of a greedy test2016
+    translation. Looked up here once per searcher, the graph is hashed once, and a list of arrays flattens fast.
     """
 
-    def encode(params: nnx.State, src_BS: Array, *, beam_size: int):
+    def merge(params: list[Array]) -> nnx.Module:
+        return nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
+
+    def encode(params: list[Array], src_BS: Array, *, beam_size: int):
         """The fixed context of the sentences src_BS (cross-attention keys/values, source segment ids), R rows."""
-        model = nnx.merge(graphdef, params)
+        model = merge(params)
         seg_BS = unpacked_segment_ids(src_BS)
         return _split_cache(model.init_cache(model.encode(src_BS, seg_BS), seg_BS, 0), beam_size)[0]
 
-    def start(params: nnx.State, src_BS: Array, *, beam_size: int, slots: int):
+    def start(params: list[Array], src_BS: Array, *, beam_size: int, slots: int):
         """Encodes the batch; the fixed context (R rows) and the search's first state, with `slots` slots."""
-        model = nnx.merge(graphdef, params)
+        model = merge(params)
         seg_BS = unpacked_segment_ids(src_BS)
         context, cache = _split_cache(model.init_cache(model.encode(src_BS, seg_BS), seg_BS, slots), beam_size)
         batch = src_BS.shape[0]
@@ -509,29 +518,28 @@ def _programs(graphdef: nnx.GraphDef) -> _Programs:
             return context, GreedyState.start(cache, batch, slots)
         return context, BeamState.start(tile_beams(cache, beam_size), batch, beam_size, slots)
 
-    def insert(params: nnx.State, context: PyTree, s, block: PyTree, first: Array, rows_K: Array, *, beam_size: int):
+    def insert(context: PyTree, s, block: PyTree, first: Array, rows_K: Array, *, beam_size: int):
         """The sentences first, first + 1, ... of an encoded block (its context) take the rows rows_K of the running
         batch, one each (a row past the batch's end: that sentence is not taken)."""
-        del params
         take = rows_K.shape[0] * beam_size
         new = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, first * beam_size, take), block)
         rows_R = (rows_K[:, None] * beam_size + jnp.arange(beam_size)).reshape(-1)
         context = jax.tree.map(lambda x, n: x.at[rows_R].set(n, mode="drop"), context, new)
         return context, _restart(s, rows_K, beam_size)
 
-    def grow(params: nnx.State, s, *, slots: int):
+    def grow(params: list[Array], s, *, slots: int):
         """The state with its cache and output buffer grown to `slots` (a call of its own, so that `stage` compiles
         for one input shape per cache size)."""
-        return s.with_room(slots)._replace(cache=nnx.merge(graphdef, params).grow_cache(s.cache, slots))
+        return s.with_room(slots)._replace(cache=merge(params).grow_cache(s.cache, slots))
 
-    def widen(params: nnx.State, context: PyTree, *, src_len: int):
+    def widen(params: list[Array], context: PyTree, *, src_len: int):
         """The context with its sources padded to src_len positions (for longer sentences to join)."""
-        return nnx.merge(graphdef, params).grow_source(context, src_len)
+        return merge(params).grow_source(context, src_len)
 
-    def stage(params: nnx.State, context: PyTree, s, max_len_B: Array, alpha: Array, steps: Array):
+    def stage(params: list[Array], context: PyTree, s, max_len_B: Array, alpha: Array, steps: Array):
         """`steps` steps (traced, so it compiles per batch size and cache size only) or until every sentence is
         done. The caller makes sure the cache has room for them."""
-        step = _context_step(nnx.merge(graphdef, params), context)
+        step = _context_step(merge(params), context)
         if isinstance(s, GreedyState):
             advance = functools.partial(GreedyState.advance, decode_step=step, max_len_B=max_len_B)
         else:
@@ -546,7 +554,7 @@ def _programs(graphdef: nnx.GraphDef) -> _Programs:
     return _Programs(
         jax.jit(start, static_argnames=("beam_size", "slots")),
         jax.jit(encode, static_argnames=("beam_size",)),
-        jax.jit(insert, static_argnames=("beam_size",), donate_argnums=(1, 2)),
+        jax.jit(insert, static_argnames=("beam_size",), donate_argnums=(0, 1)),
         jax.jit(grow, static_argnames=("slots",)),
         jax.jit(widen, static_argnames=("src_len",)),
         jax.jit(stage, donate_argnums=(2,)),
@@ -564,16 +572,15 @@ def _keep(context: PyTree, s, keep_K: Array, *, beam_size: int):
 Shape = Callable[[int], tuple[int, int]]  # longest source of a batch -> (padded source length, most output slots)
 
 
-def _sorted_beams(tokens_WL: np.ndarray, log_probs_W: np.ndarray, lengths_W: np.ndarray, alpha: float) -> BeamResult:
+def _sorted_beams(tokens_WL: np.ndarray, scores_W: np.ndarray, log_probs_W: np.ndarray, lengths_W: np.ndarray):
     """One sentence's beams best first, as `best_first` sorts them (ties: the lower beam first)."""
-    scores_W = log_probs_W / np.asarray(length_penalty(lengths_W, alpha))
     order = np.argsort(-scores_W, kind="stable")
     return BeamResult(tokens_WL[order], scores_W[order], log_probs_W[order], lengths_W[order])
 
 
 def _refilling_search(
     programs: _Programs,
-    params: nnx.State,
+    params: list[Array],
     sources: Sequence[np.ndarray],
     max_len_N: np.ndarray,
     alpha: float,
@@ -602,12 +609,14 @@ def _refilling_search(
     src_len, max_steps = 0, 0  # of the running batch: they grow as longer sources join (`take`)
 
     def take(k: int) -> tuple[list[int], np.ndarray]:
-        """The next k waiting sentences as a [k, src_len] batch (rows past the queue's end: an empty source)."""
+        """The next k waiting sentences as a [k, S] batch (rows past the queue's end: an empty source), S their
+        longest source rounded up to ENCODE_MULTIPLE, at most the running batch's src_len (which grows to hold it)."""
         nonlocal src_len, max_steps
         ids = [queue.popleft() for _ in range(min(k, len(queue)))]
-        longest_src_len, longest_max_steps = shape(len(sources[ids[-1]]))  # sorted: the last is the longest
+        longest = len(sources[ids[-1]])  # sorted: the last is the longest
+        longest_src_len, longest_max_steps = shape(longest)
         src_len, max_steps = max(src_len, longest_src_len), max(max_steps, longest_max_steps)
-        src_KS = np.full((k, src_len), PAD_ID, np.int32)
+        src_KS = np.full((k, min(-(-longest // ENCODE_MULTIPLE) * ENCODE_MULTIPLE, src_len)), PAD_ID, np.int32)
         src_KS[:, 0] = EOS_ID
         for r, i in enumerate(ids):
             src_KS[r, : len(sources[i])] = sources[i]
@@ -615,12 +624,14 @@ def _refilling_search(
 
     def record(s, finished: np.ndarray) -> None:
         tokens, log_probs, lengths = jax.device_get(s.beams())
+        scores = log_probs / np.asarray(length_penalty(lengths, alpha))
         for r in finished:
-            results[sentence[r]] = _sorted_beams(tokens[r], log_probs[r], lengths[r], float(alpha))
+            results[sentence[r]] = _sorted_beams(tokens[r], scores[r], log_probs[r], lengths[r])
         if progress is not None:
             progress(len(finished))
 
     ids, src_KS = take(rows)
+    src_KS = np.pad(src_KS, [(0, 0), (0, src_len - src_KS.shape[1])], constant_values=PAD_ID)
     sentence = np.array(ids + [-1] * (rows - len(ids)))  # the sentence in each row; -1: none (finished or dummy)
     max_len_R = np.ones(rows, np.int32)  # a row without a sentence stops after one step
     max_len_R[: len(ids)] = max_len_N[ids]
@@ -638,7 +649,7 @@ def _refilling_search(
             slots = max_steps
         if slots > width:
             s, width = programs.grow(params, s, slots=slots), slots
-        s = programs.stage(params, context, s, jnp.asarray(max_len_R), alpha, jnp.int32(CHECK_EVERY))
+        s = programs.stage(params, context, s, max_len_R, alpha, np.int32(CHECK_EVERY))
         done, step_R = (np.array(x) for x in jax.device_get((s.sentence_done(), s.step_B)))
         finished = np.flatnonzero(live & done)
         if len(finished):
@@ -649,17 +660,17 @@ def _refilling_search(
             if joined == len(block_ids):  # the next `rows` waiting sentences, encoded together
                 block_ids, src_KS = take(rows)
                 block, joined = programs.encode(params, src_KS, beam_size=beam_size), 0
-                if src_KS.shape[1] > context["src_segment_ids"].shape[1]:
-                    context = programs.widen(params, context, src_len=src_KS.shape[1])
+                if src_KS.shape[1] < src_len:
+                    block = programs.widen(params, block, src_len=src_len)
+                if src_len > context["src_segment_ids"].shape[1]:
+                    context = programs.widen(params, context, src_len=src_len)
             # The block's rows left are a multiple of MIN_ROWS (rows is, and so is every refill size).
             k = refill_size(min(len(free), rows - joined), rows)
             if k:
                 ids = block_ids[joined : joined + k]
                 into = np.full(k, rows, np.int32)  # the block's dummy rows go past the batch's end: dropped
                 into[: len(ids)] = free[: len(ids)]
-                context, s = programs.insert(
-                    params, context, s, block, jnp.int32(joined), jnp.asarray(into), beam_size=beam_size
-                )
+                context, s = programs.insert(context, s, block, np.int32(joined), into, beam_size=beam_size)
                 joined += len(ids)
                 sentence[into[: len(ids)]] = ids
                 max_len_R[into[: len(ids)]] = max_len_N[ids]
@@ -692,7 +703,8 @@ class Searcher:
         copy.eval()
         self.graphdef, self.params = nnx.split(copy)
         self.use_cache = use_cache
-        self.programs = _programs(self.graphdef) if use_cache and compact else None
+        self.leaves, treedef = jax.tree.flatten(self.params)  # what the refilling search's calls take
+        self.programs = _programs(self.graphdef, treedef) if use_cache and compact else None
 
     def _one_jit(self, src_BS: Array, max_len_B: Array, *, beam_size: int, alpha: float, max_steps: int):
         return _search(
@@ -717,7 +729,7 @@ class Searcher:
         src_BS = np.asarray(src_BS, np.int32)
         found = _refilling_search(
             self.programs,
-            self.params,
+            self.leaves,
             list(src_BS),
             np.asarray(max_len_B, np.int32),
             alpha,
@@ -762,7 +774,7 @@ class Searcher:
             for group in [order] if beam_size == 1 else [order[j : j + rows] for j in range(0, len(order), rows)]:
                 found = _refilling_search(
                     self.programs,
-                    self.params,
+                    self.leaves,
                     [np.asarray(sources[i], np.int32) for i in group],
                     max_len_N[group],
                     alpha,
