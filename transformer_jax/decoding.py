@@ -431,7 +431,6 @@ def _search(
 
 # -- refilling: finished sentences leave the running batch and waiting ones take their rows -----------------------
 
-CHECK_EVERY = 4  # steps between the host's looks at which sentences are done
 MIN_ROWS = 8  # sentences: a step over fewer costs about the same (reading the weights dominates it)
 # A batch of at most this many rows grows its cache to the last stage at once, trading longer cache reads in a few
 # small steps for the compilations of the stages between (first greedy test2016 translation: 34 -> 29 s, loaded).
@@ -472,7 +471,7 @@ class _Programs(NamedTuple):
     insert: Callable  # (context, state, block, first, rows_K, *, beam_size) -> (context, state)
     grow: Callable  # (params, state, *, slots) -> state with `slots` slots
     widen: Callable  # (params, context, *, src_len) -> context with sources padded to src_len
-    stage: Callable  # (params, context, state, max_len_B, alpha, steps) -> state
+    stage: Callable  # (params, context, state, max_len_B, alpha, stop_live) -> state
 
 
 def _restart(s, rows_K: Array, beam_size: int):
@@ -536,9 +535,9 @@ def _programs(graphdef: nnx.GraphDef, treedef: jax.tree_util.PyTreeDef) -> _Prog
         """The context with its sources padded to src_len positions (for longer sentences to join)."""
         return merge(params).grow_source(context, src_len)
 
-    def stage(params: list[Array], context: PyTree, s, max_len_B: Array, alpha: Array, steps: Array):
-        """`steps` steps (traced, so it compiles per batch size and cache size only) or until every sentence is
-        done. The caller makes sure the cache has room for them."""
+    def stage(params: list[Array], context: PyTree, s, max_len_B: Array, alpha: Array, stop_live: Array):
+        """Steps until at most `stop_live` sentences are live (traced, so it compiles per batch size and cache size
+        only) or a live sentence has filled the cache: then the host has something to do."""
         step = _context_step(merge(params), context)
         if isinstance(s, GreedyState):
             advance = functools.partial(GreedyState.advance, decode_step=step, max_len_B=max_len_B)
@@ -546,10 +545,13 @@ def _programs(graphdef: nnx.GraphDef, treedef: jax.tree_util.PyTreeDef) -> _Prog
             advance = functools.partial(
                 BeamState.advance, decode_step=step, max_len_B=max_len_B, alpha=alpha, best_only=True
             )
-        _, s = jax.lax.while_loop(
-            lambda c: (c[0] < steps) & ~jnp.all(c[1].sentence_done()), lambda c: (c[0] + 1, advance(c[1])), (0, s)
-        )
-        return s
+        slots = s.beams()[0].shape[-1]
+
+        def go_on(s) -> Array:
+            live_B = ~s.sentence_done()
+            return (jnp.sum(live_B) > stop_live) & (jnp.max(jnp.where(live_B, s.step_B, 0)) < slots)
+
+        return jax.lax.while_loop(go_on, advance, s)
 
     return _Programs(
         jax.jit(start, static_argnames=("beam_size", "slots")),
@@ -594,15 +596,15 @@ def _refilling_search(
 
     A step costs the same for a finished sentence's rows as for a live one's, and outputs differ in length (Multi30k
     test2016, greedy, batches of 64: 57% of the row-steps went to sentences already finished). So the search runs in
-    jitted calls of CHECK_EVERY steps (`stage`); between them the host reads which sentences are done, records
-    them, and gives their rows to waiting sentences (shortest sources first), which are encoded `rows` at a time
-    (a block: the encoder's efficient size) and join `refill_size` at a time.
-    Each sentence decodes at its own position (the search's step_B, the cache's per-row index), so rows that
-    joined at different times share the batch. Once nothing waits, the live sentences move into a batch half the
-    size whenever they fit (`compacted_size`). The cache grows in stages as the live rows need it; the step count
-    is traced, so the calls compile per (rows, source length, cache stage) only, and a batch of at most
-    FULL_CACHE_ROWS rows with nothing waiting skips to the last stage. Results equal the one-jit `_search`'s: a
-    sentence's rows never interact with another's.
+    jitted calls (`stage`) that step until the host has something to do: MIN_ROWS rows are free while sentences
+    wait, or (nothing waiting) the live sentences fit in a batch half the size, or a live one has filled the cache.
+    Between calls the host records the finished sentences and gives their rows to waiting ones (shortest sources
+    first), which are encoded `rows` at a time (a block: the encoder's efficient size) and join `refill_size` at a
+    time, or moves the live sentences into the smaller batch (`compacted_size`), or grows the cache to its next
+    stage. Each sentence decodes at its own position (the search's step_B, the cache's per-row index), so rows
+    that joined at different times share the batch. The stop condition is traced, so the calls compile per (rows,
+    source length, cache stage) only; a batch of at most FULL_CACHE_ROWS rows with nothing waiting skips to the
+    last stage. Results equal the one-jit `_search`'s: a sentence's rows never interact with another's.
     """
     queue = collections.deque(sorted(range(len(sources)), key=lambda i: len(sources[i])))
     results: list[BeamResult | None] = [None] * len(sources)
@@ -641,22 +643,9 @@ def _refilling_search(
     width = cache_stages(max_steps)[0]
     context, s = programs.start(params, src_KS, beam_size=beam_size, slots=width)
     while True:
-        live = sentence >= 0
-        if queue or rows * beam_size > FULL_CACHE_ROWS:
-            need = int(np.max(np.minimum(step_R + CHECK_EVERY, max_len_R), where=live, initial=1))
-            slots = next(n for n in cache_stages(max_steps) if n >= need)
-        else:
-            slots = max_steps
-        if slots > width:
-            s, width = programs.grow(params, s, slots=slots), slots
-        s = programs.stage(params, context, s, max_len_R, alpha, np.int32(CHECK_EVERY))
-        done, step_R = (np.array(x) for x in jax.device_get((s.sentence_done(), s.step_B)))
-        finished = np.flatnonzero(live & done)
-        if len(finished):
-            record(s, finished)
-            sentence[finished] = -1
+        waiting = bool(queue) or joined < len(block_ids)
         free = np.flatnonzero(sentence < 0)
-        if queue or joined < len(block_ids):
+        while waiting and len(free) >= MIN_ROWS:  # waiting sentences take the free rows
             if joined == len(block_ids):  # the next `rows` waiting sentences, encoded together
                 block_ids, src_KS = take(rows)
                 block, joined = programs.encode(params, src_KS, beam_size=beam_size), 0
@@ -666,24 +655,42 @@ def _refilling_search(
                     context = programs.widen(params, context, src_len=src_len)
             # The block's rows left are a multiple of MIN_ROWS (rows is, and so is every refill size).
             k = refill_size(min(len(free), rows - joined), rows)
-            if k:
-                ids = block_ids[joined : joined + k]
-                into = np.full(k, rows, np.int32)  # the block's dummy rows go past the batch's end: dropped
-                into[: len(ids)] = free[: len(ids)]
-                context, s = programs.insert(context, s, block, np.int32(joined), into, beam_size=beam_size)
-                joined += len(ids)
-                sentence[into[: len(ids)]] = ids
-                max_len_R[into[: len(ids)]] = max_len_N[ids]
-                step_R[into[: len(ids)]] = 0
-            continue
+            ids = block_ids[joined : joined + k]
+            into = np.full(k, rows, np.int32)  # the block's dummy rows go past the batch's end: dropped
+            into[: len(ids)] = free[: len(ids)]
+            context, s = programs.insert(context, s, block, np.int32(joined), into, beam_size=beam_size)
+            joined += len(ids)
+            sentence[into[: len(ids)]] = ids
+            max_len_R[into[: len(ids)]] = max_len_N[ids]
+            step_R[into[: len(ids)]] = 0
+            waiting = bool(queue) or joined < len(block_ids)
+            free = np.flatnonzero(sentence < 0)
         live = np.flatnonzero(sentence >= 0)
-        if not len(live):
-            return results
-        size = compacted_size(len(live), rows)
-        if size < rows:
-            keep = np.concatenate([live, free[: size - len(live)]])
-            context, s = _keep(context, s, jnp.asarray(keep), beam_size=beam_size)
-            sentence, max_len_R, step_R, rows = sentence[keep], max_len_R[keep], step_R[keep], size
+        if not waiting:
+            if not len(live):
+                return results
+            size = compacted_size(len(live), rows)
+            if size < rows:
+                keep = np.concatenate([live, free[: size - len(live)]])
+                context, s = _keep(context, s, jnp.asarray(keep), beam_size=beam_size)
+                sentence, max_len_R, step_R, rows = sentence[keep], max_len_R[keep], step_R[keep], size
+                live = np.flatnonzero(sentence >= 0)
+        if not waiting and rows * beam_size <= FULL_CACHE_ROWS:
+            slots = max_steps
+        else:  # room for the furthest live sentence's next token
+            slots = next(n for n in cache_stages(max_steps) if n > np.max(step_R[live]))
+        if slots > width:
+            s, width = programs.grow(params, s, slots=slots), slots
+        # Run until the host can act: MIN_ROWS rows free for waiting sentences, or (nothing waiting) the live ones
+        # fit in a batch half the size, or a live sentence fills the cache.
+        half = -(-rows // 2)
+        stop_live = rows - MIN_ROWS if waiting else (half if half >= MIN_ROWS else 0)
+        s = programs.stage(params, context, s, max_len_R, alpha, np.int32(stop_live))
+        done, step_R = (np.array(x) for x in jax.device_get((s.sentence_done(), s.step_B)))
+        finished = np.flatnonzero((sentence >= 0) & done)
+        if len(finished):
+            record(s, finished)
+            sentence[finished] = -1
 
 
 class Searcher:
