@@ -464,25 +464,25 @@ def test_compacting_search_equals_the_whole_batch_search(beam_size, monkeypatch)
 
 def test_refilling_search_equals_one_batch_at_a_time(monkeypatch):
     """40 sentences through one running batch of 16: finished sentences' rows are taken by waiting ones (encoded in
-    blocks of 16, joining 8 or 16 at a time), longer sources widen the batch's context (16 -> 32 positions), and the
-    cache grows past its first stage. Every sentence gets what the one-jit search of its own batch gives."""
+    blocks of 16 at 8 or 16 positions, then padded to the batch's 16; joining 8 or 16 at a time), and the cache
+    grows past its first stage. Every sentence gets what the one-jit search of its own batch gives."""
     rng = np.random.default_rng(5)
-    lengths = [int(n) for n in rng.integers(2, 12, 30)] + [int(n) for n in rng.integers(17, 28, 10)]
+    lengths = [*rng.integers(2, 9, 32), *rng.integers(9, 16, 8)]  # the second block's sources fit in 8 positions
     sources = [[int(t) for t in rng.integers(4, 50, n - 1)] + [EOS] for n in lengths]
     max_len = [22 if i % 7 == 0 else 1 + i % 4 for i in range(len(sources))]
-    joined = []
+    joined, widened = [], []
     programs = decoding._programs.__wrapped__
     monkeypatch.setattr(
         decoding,
         "_programs",
         lambda *g: (p := programs(*g))._replace(
-            insert=lambda *a, **k: joined.append(int(np.sum(np.asarray(a[4]) < 16))) or p.insert(*a, **k)
+            insert=lambda *a, **k: joined.append(int(np.sum(np.asarray(a[4]) < 16))) or p.insert(*a, **k),
+            widen=lambda *a, **k: widened.append((a[1]["src_segment_ids"].shape, k)) or p.widen(*a, **k),
         ),
     )
 
     def shape(longest: int) -> tuple[int, int]:
-        src_len = 16 if longest <= 16 else 32
-        return src_len, src_len + 6
+        return 16, 22
 
     model = _model()
     refilled, batched = (
@@ -492,6 +492,7 @@ def test_refilling_search_equals_one_batch_at_a_time(monkeypatch):
         for c in (True, False)
     )
     assert sum(joined) == len(sources) - 16 and len(joined) > 2  # the first 16 start; the others join in turns
+    assert widened == [((16, 8), {"src_len": 16})]  # the second block, encoded at 8 positions
     for r, b in zip(refilled, batched, strict=True):
         n = int(b.lengths[0])
         assert int(r.lengths[0]) == n
