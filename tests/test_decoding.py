@@ -463,11 +463,11 @@ def test_compacting_search_equals_the_whole_batch_search(beam_size, monkeypatch)
 
 
 def test_refilling_search_equals_one_batch_at_a_time(monkeypatch):
-    """40 sentences through one running batch of 16: finished sentences' rows are taken by waiting ones (encoded in
-    blocks of 16 at 8 or 16 positions, then padded to the batch's 16; joining 8 or 16 at a time), and the cache
-    grows past its first stage. Every sentence gets what the one-jit search of its own batch gives."""
+    """40 sentences through one running batch of 20: finished sentences' rows are taken by waiting ones (encoded in
+    blocks of 16, a multiple of 8, at 8 or 16 positions, then padded to the batch's 16; joining 8 or 16 at a time),
+    and the cache grows past its first stage. Every sentence gets what the one-jit search of its own batch gives."""
     rng = np.random.default_rng(5)
-    lengths = [*rng.integers(2, 9, 32), *rng.integers(9, 16, 8)]  # the second block's sources fit in 8 positions
+    lengths = [*rng.integers(2, 9, 36), *rng.integers(9, 16, 4)]  # the second block's sources fit in 8 positions
     sources = [[int(t) for t in rng.integers(4, 50, n - 1)] + [EOS] for n in lengths]
     max_len = [22 if i % 7 == 0 else 1 + i % 4 for i in range(len(sources))]
     joined, widened = [], []
@@ -476,7 +476,7 @@ def test_refilling_search_equals_one_batch_at_a_time(monkeypatch):
         decoding,
         "_programs",
         lambda *g: (p := programs(*g))._replace(
-            insert=lambda *a, **k: joined.append(int(np.sum(np.asarray(a[4]) < 16))) or p.insert(*a, **k),
+            insert=lambda *a, **k: joined.append(int(np.sum(np.asarray(a[4]) < 20))) or p.insert(*a, **k),
             widen=lambda *a, **k: widened.append((a[1]["src_segment_ids"].shape, k)) or p.widen(*a, **k),
         ),
     )
@@ -487,11 +487,11 @@ def test_refilling_search_equals_one_batch_at_a_time(monkeypatch):
     model = _model()
     refilled, batched = (
         decoding.searcher(model, compact=c).sentences(
-            sources, max_len, beam_size=1, alpha=0.6, batch_size=16, shape=shape
+            sources, max_len, beam_size=1, alpha=0.6, batch_size=20, shape=shape
         )
         for c in (True, False)
     )
-    assert sum(joined) == len(sources) - 16 and len(joined) > 2  # the first 16 start; the others join in turns
+    assert sum(joined) == len(sources) - 20 and len(joined) > 2  # the first 20 start; the others join in turns
     assert widened == [((16, 8), {"src_len": 16})]  # the second block, encoded at 8 positions
     for r, b in zip(refilled, batched, strict=True):
         n = int(b.lengths[0])

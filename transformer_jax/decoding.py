@@ -599,12 +599,13 @@ def _refilling_search(
     jitted calls (`stage`) that step until the host has something to do: MIN_ROWS rows are free while sentences
     wait, or (nothing waiting) the live sentences fit in a batch half the size, or a live one has filled the cache.
     Between calls the host records the finished sentences and gives their rows to waiting ones (shortest sources
-    first), which are encoded `rows` at a time (a block: the encoder's efficient size) and join `refill_size` at a
-    time, or moves the live sentences into the smaller batch (`compacted_size`), or grows the cache to its next
-    stage. Each sentence decodes at its own position (the search's step_B, the cache's per-row index), so rows
-    that joined at different times share the batch. The stop condition is traced, so the calls compile per (rows,
-    source length, cache stage) only; a batch of at most FULL_CACHE_ROWS rows with nothing waiting skips to the
-    last stage. Results equal the one-jit `_search`'s: a sentence's rows never interact with another's.
+    first; encoded in blocks of about `rows`, a multiple of MIN_ROWS, the encoder's efficient size; joining
+    `refill_size` at a time), or moves the live sentences into the smaller batch (`compacted_size`), or grows the
+    cache to its next stage. Each sentence decodes at its own position (the search's step_B, the cache's per-row
+    index), so rows that joined at different times share the batch. The stop condition is traced, so the calls
+    compile per (rows, source length, cache stage) only; a batch of at most FULL_CACHE_ROWS rows with nothing
+    waiting skips to the last stage. Results equal the one-jit `_search`'s: a sentence's rows never interact with
+    another's.
     """
     queue = collections.deque(sorted(range(len(sources)), key=lambda i: len(sources[i])))
     results: list[BeamResult | None] = [None] * len(sources)
@@ -640,21 +641,22 @@ def _refilling_search(
     step_R = np.zeros(rows, np.int32)
     block_ids: list[int] = []  # an encoded block of waiting sentences (`block`), of which `joined` have joined
     block, joined = None, 0
+    block_rows = rows - rows % MIN_ROWS  # a multiple of MIN_ROWS, so that refill sizes divide what is left of it
     width = cache_stages(max_steps)[0]
     context, s = programs.start(params, src_KS, beam_size=beam_size, slots=width)
     while True:
         waiting = bool(queue) or joined < len(block_ids)
         free = np.flatnonzero(sentence < 0)
         while waiting and len(free) >= MIN_ROWS:  # waiting sentences take the free rows
-            if joined == len(block_ids):  # the next `rows` waiting sentences, encoded together
-                block_ids, src_KS = take(rows)
+            if joined == len(block_ids):  # the next block_rows waiting sentences, encoded together
+                block_ids, src_KS = take(block_rows)
                 block, joined = programs.encode(params, src_KS, beam_size=beam_size), 0
                 if src_KS.shape[1] < src_len:
                     block = programs.widen(params, block, src_len=src_len)
                 if src_len > context["src_segment_ids"].shape[1]:
                     context = programs.widen(params, context, src_len=src_len)
-            # The block's rows left are a multiple of MIN_ROWS (rows is, and so is every refill size).
-            k = refill_size(min(len(free), rows - joined), rows)
+            # The block's rows left are a multiple of MIN_ROWS (the block is, and so is every refill size).
+            k = refill_size(min(len(free), block_rows - joined), rows)
             ids = block_ids[joined : joined + k]
             into = np.full(k, rows, np.int32)  # the block's dummy rows go past the batch's end: dropped
             into[: len(ids)] = free[: len(ids)]
