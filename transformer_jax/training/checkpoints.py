@@ -97,9 +97,13 @@ def describe_error(e: BaseException, limit: int = 300) -> str:
 
 def _is_restore_noise(exc: BaseException | None) -> bool:
     """An exception that Orbax's asynchronous restore leaves behind after the one it raises: reads of other arrays
-    failing in coroutines nobody awaits any more, and TensorStore callbacks reaching the closed event loop."""
-    return (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed") or (
-        type(exc) is Exception and str(exc).startswith("Encountered error while reading array index")
+    failing in coroutines nobody awaits any more (Orbax's wrapper, or TensorStore's own ValueError, which asyncio
+    logs as "Future exception was never retrieved" once the restore has returned), and TensorStore callbacks
+    reaching the closed event loop."""
+    return (
+        (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed")
+        or (type(exc) is Exception and str(exc).startswith("Encountered error while reading array index"))
+        or (isinstance(exc, ValueError) and "tensorstore_spec=" in str(exc))
     )
 
 
