@@ -474,6 +474,21 @@ class _Programs(NamedTuple):
     stage: Callable  # (params, context, state, max_len_B, alpha, stop_live) -> state
 
 
+def _beam_rows(rows_K: Array, beam_size: int) -> Array:
+    """The cache rows [K W] of the sentences rows_K: sentence k's beams are rows k W ... k W + W - 1."""
+    return (rows_K[:, None] * beam_size + jnp.arange(beam_size)).reshape(-1)
+
+
+def source_batch(sources: Sequence[Sequence[int]], rows: int, src_len: int) -> np.ndarray:
+    """[rows, src_len] int32: the sources (ids then EOS) PAD-padded, then dummy rows of an empty source (EOS only),
+    which decode for one step and are dropped."""
+    src_BS = np.full((rows, src_len), PAD_ID, np.int32)
+    src_BS[:, 0] = EOS_ID
+    for r, ids in enumerate(sources):
+        src_BS[r, : len(ids)] = ids
+    return src_BS
+
+
 def _restart(s, rows_K: Array, beam_size: int):
     """The state with the sentences in rows_K (out-of-range rows are dropped) back at the start: nothing emitted.
 
@@ -484,7 +499,7 @@ def _restart(s, rows_K: Array, beam_size: int):
     batch = rows_K.shape[0]
     fresh = GreedyState.start(None, batch, slots) if beam_size == 1 else BeamState.start(None, batch, beam_size, slots)
     per_sentence = {f: getattr(s, f).at[rows_K].set(getattr(fresh, f), mode="drop") for f in s._fields if f != "cache"}
-    rows_R = (rows_K[:, None] * beam_size + jnp.arange(beam_size)).reshape(-1)
+    rows_R = _beam_rows(rows_K, beam_size)
     return s._replace(**per_sentence, cache={**s.cache, "index": s.cache["index"].at[rows_R].set(0, mode="drop")})
 
 
@@ -522,7 +537,7 @@ def _programs(graphdef: nnx.GraphDef, treedef: jax.tree_util.PyTreeDef) -> _Prog
         batch, one each (a row past the batch's end: that sentence is not taken)."""
         take = rows_K.shape[0] * beam_size
         new = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, first * beam_size, take), block)
-        rows_R = (rows_K[:, None] * beam_size + jnp.arange(beam_size)).reshape(-1)
+        rows_R = _beam_rows(rows_K, beam_size)
         context = jax.tree.map(lambda x, n: x.at[rows_R].set(n, mode="drop"), context, new)
         return context, _restart(s, rows_K, beam_size)
 
@@ -566,7 +581,7 @@ def _programs(graphdef: nnx.GraphDef, treedef: jax.tree_util.PyTreeDef) -> _Prog
 @functools.partial(jax.jit, static_argnames=("beam_size",))
 def _keep(context: PyTree, s, keep_K: Array, *, beam_size: int):
     """The context and state of the sentences keep_K only (per-sentence fields and their beam_size rows each)."""
-    rows_R = (keep_K[:, None] * beam_size + jnp.arange(beam_size)).reshape(-1)
+    rows_R = _beam_rows(keep_K, beam_size)
     per_sentence = {f: jnp.take(getattr(s, f), keep_K, axis=0) for f in s._fields if f != "cache"}
     return gather_rows(context, rows_R), s._replace(**per_sentence, cache=gather_rows(s.cache, rows_R))
 
@@ -619,11 +634,8 @@ def _refilling_search(
         longest = len(sources[ids[-1]])  # sorted: the last is the longest
         longest_src_len, longest_max_steps = shape(longest)
         src_len, max_steps = max(src_len, longest_src_len), max(max_steps, longest_max_steps)
-        src_KS = np.full((k, min(-(-longest // ENCODE_MULTIPLE) * ENCODE_MULTIPLE, src_len)), PAD_ID, np.int32)
-        src_KS[:, 0] = EOS_ID
-        for r, i in enumerate(ids):
-            src_KS[r, : len(sources[i])] = sources[i]
-        return ids, src_KS
+        encoded_len = min(-(-longest // ENCODE_MULTIPLE) * ENCODE_MULTIPLE, src_len)
+        return ids, source_batch([sources[i] for i in ids], k, encoded_len)
 
     def record(s, finished: np.ndarray) -> None:
         tokens, log_probs, lengths = jax.device_get(s.beams())
@@ -798,12 +810,9 @@ class Searcher:
         for j in range(0, len(order), rows):
             batch = order[j : j + rows]
             src_len, max_steps = shape(max(len(sources[i]) for i in batch))
-            src_BS = np.full((rows, src_len), PAD_ID, np.int32)
-            src_BS[:, 0] = EOS_ID  # dummy rows: an empty source, decoded for one step and dropped
-            max_len_B = np.ones((rows,), np.int32)
-            for r, i in enumerate(batch):
-                src_BS[r, : len(sources[i])] = sources[i]
-                max_len_B[r] = max_len_N[i]
+            src_BS = source_batch([sources[i] for i in batch], rows, src_len)
+            max_len_B = np.ones((rows,), np.int32)  # a dummy row stops after one step
+            max_len_B[: len(batch)] = max_len_N[batch]
             found = jax.device_get(
                 self._one_jit(src_BS, max_len_B, beam_size=beam_size, alpha=alpha, max_steps=max_steps)
             )

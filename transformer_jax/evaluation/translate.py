@@ -111,8 +111,9 @@ def translate(
     def shape(longest: int) -> tuple[int, int]:
         """A batch's padded source length (a few lengths that double, to bound compilations) and output slots."""
         src_len = padded_eval_length(longest, max_input_len)
-        stats["shapes"].add((src_len, output_limit(src_len, max_extra_len, limit)))
-        return src_len, output_limit(src_len, max_extra_len, limit)
+        batch_shape = src_len, output_limit(src_len, max_extra_len, limit)
+        stats["shapes"].add(batch_shape)
+        return batch_shape
 
     bar = None
     if progress:

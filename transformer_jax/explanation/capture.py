@@ -100,9 +100,7 @@ def beam_steps(model: Any, src_ids: list[int], settings: dict[str, Any], piece: 
     positions = position_limit(model.spec)
     src_len = padded_eval_length(len(src_ids), input_limit(settings["max_input_len"], positions))
     max_steps = output_limit(src_len, settings["max_extra_len"], positions)
-    src_BS = np.full((settings["batch_size"], src_len), PAD_ID, np.int32)
-    src_BS[:, 0] = EOS_ID
-    src_BS[0, : len(src_ids)] = src_ids
+    src_BS = decoding.source_batch([src_ids], settings["batch_size"], src_len)
     sentence_limit = output_limit(len(src_ids), settings["max_extra_len"], positions)
     search = decoding.searcher(model)
 
