@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import ml_collections
 
-from transformer_jax import config_checks
+from transformer_jax import config_checks, platform
 from transformer_jax.errors import ConfigError
 from transformer_jax.tokens import PAD_ID
 
@@ -20,10 +19,10 @@ def fused_backward_enabled(setting: str, backend: str | None = None) -> bool:
 
     They compute the same gradients as autodiff, arranged so that XLA:CPU makes fewer transposed copies; they
     were measured on CPU only (benchmarks/train_step.py), so 'auto' uses them on the CPU backend and leaves every
-    other backend to autodiff. `backend` defaults to jax.default_backend().
+    other backend to autodiff. `backend` defaults to platform.target_backend().
     """
     if setting == "auto":
-        return (backend or jax.default_backend()) == "cpu"
+        return (backend or platform.target_backend()) == "cpu"
     return setting == "on"
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from transformer_jax import platform
 from transformer_jax.ops import pallas_attention
 from transformer_jax.ops.attention import IMPLEMENTATIONS, Array, register
 from transformer_jax.ops.masks import AttentionMask
@@ -21,7 +22,7 @@ CPU_BLOCKWISE_MIN_BYTES = 1 << 30
 
 def cudnn_unsupported(q: Array, k: Array, v: Array, mask: AttentionMask, *, backend: str | None = None) -> list[str]:
     """Reasons why impl='cudnn' cannot compute this call exactly as ops/masks.py specifies (empty if it can)."""
-    backend = jax.default_backend() if backend is None else backend
+    backend = platform.target_backend() if backend is None else backend
     reasons = []
     if backend != "gpu":
         reasons.append(f"needs a CUDA GPU with cuDNN (this backend is {backend!r})")
@@ -56,7 +57,7 @@ def cudnn_attention(q: Array, k: Array, v: Array, mask: AttentionMask, *, scale:
 
 def choose_impl(q: Array, k: Array, v: Array, mask: AttentionMask, *, backend: str | None = None) -> str:
     """The implementation `auto` runs: cuDNN, else our Pallas kernels on GPU; xla or blockwise by size elsewhere."""
-    backend = jax.default_backend() if backend is None else backend
+    backend = platform.target_backend() if backend is None else backend
     batch, q_len, num_heads, head_dim = q.shape
     kv_len = k.shape[1]
     if backend == "gpu":

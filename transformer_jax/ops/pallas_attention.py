@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from transformer_jax import platform
 from transformer_jax.ops.attention import recompute_vjp, register
 from transformer_jax.ops.masks import AttentionMask, pad_tokens
 from transformer_jax.ops.pallas_kernels import KernelConfig, dkdv_kernel, dq_kernel, forward_kernel
@@ -86,9 +87,9 @@ def pallas_attention(
     """FlashAttention-2 in Pallas; the whole mask (segments, positions, causal, window) and grouped heads.
 
     Head dims are zero-padded to a power of two (>= 16, <= 256) and lengths to whole tiles, inside. `backend`
-    overrides jax.default_backend() ("gpu" lowers with Triton, "cpu" interprets), e.g. to lower for a GPU here.
+    overrides platform.target_backend() ("gpu" lowers with Triton, "cpu" interprets), e.g. to lower for a GPU here.
     """
-    backend = jax.default_backend() if backend is None else backend
+    backend = platform.target_backend() if backend is None else backend
     if backend == "tpu":
         raise NotImplementedError(
             "attention impl 'pallas' is written for the Triton (GPU) lowering and is not verified under Mosaic; "

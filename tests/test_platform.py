@@ -1,0 +1,38 @@
+"""The target platform: choices that depend on the accelerator follow compiling_for(...), not the host."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from transformer_jax import platform
+from transformer_jax.model.spec import fused_backward_enabled
+from transformer_jax.ops.dispatch import choose_impl
+from transformer_jax.ops.masks import AttentionMask
+
+
+def test_target_backend_is_the_host_outside_compiling_for():
+    assert platform.target_backend() == jax.default_backend()
+
+
+def test_compiling_for_sets_and_restores_the_target():
+    host = platform.target_backend()
+    with platform.compiling_for("cuda") as target:
+        assert target == "gpu" == platform.target_backend()
+        with platform.compiling_for("tpu"):
+            assert platform.target_backend() == "tpu"
+        assert platform.target_backend() == "gpu"
+    assert platform.target_backend() == host
+
+
+def test_accelerator_choices_follow_the_target():
+    q = jnp.zeros((1, 16, 2, 64), jnp.bfloat16)
+    mask = AttentionMask.create(1, 16, 16, causal=True)
+    assert fused_backward_enabled("auto") is (jax.default_backend() == "cpu")
+    with platform.compiling_for("gpu"):
+        assert not fused_backward_enabled("auto")
+        assert choose_impl(q, q, q, mask) == "cudnn"
+
+
+def test_an_unknown_platform_is_refused():
+    with pytest.raises(ValueError, match="unknown platform 'metal'"):
+        platform.backend_of("metal")
