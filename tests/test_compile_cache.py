@@ -128,3 +128,21 @@ def test_the_default_directory_and_the_environment():
     assert compile_cache.resolve("off") is None
     assert compile_cache.resolve("~/x") == Path.home() / "x"
     assert compile_cache.resolve(None) == Path(os.environ[compile_cache.ENV])  # conftest's session directory
+
+
+def test_ahead_of_time_compiles_for_a_tpu_leave_the_cache_alone(cache, capfd):
+    accelerators = pytest.importorskip("transformer_jax.accelerators")
+    try:
+        devices = accelerators.tpu_devices("v5e:2x2")
+    except Exception as error:  # noqa: BLE001 - any failure to make the devices means libtpu is not usable here
+        pytest.skip(f"compiling for TPU needs libtpu (pip install -r requirements-aot.txt): {error}")
+    store = compile_cache.enable(str(cache), min_compile_seconds=0)
+    mesh = jax.sharding.Mesh(np.array(devices), ("d",))
+    x = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16, sharding=jax.sharding.NamedSharding(mesh, jax.P("d")))
+    capfd.readouterr()
+    for _ in range(2):
+        compiled = jax.jit(lambda a: (a @ a.T).sum()).trace(x).lower().compile()
+        assert compiled.cost_analysis()["flops"] > 0
+        jax.clear_caches()
+    assert store.stats.writes == store.stats.hits == 0
+    assert "persistent compilation cache" not in capfd.readouterr().err

@@ -18,12 +18,17 @@ never replaces; and every failed write warns again. This store writes a temporar
 entry whose checksum fails as a miss and replaces it, and reports an unwritable or full directory once, as one
 warning line, after which the run compiles without writing. A damaged entry therefore costs a compile, never a
 failed run or a wrong program.
+
+Ahead-of-time compiles for devices this host does not have (transformer_jax/accelerators.py: a TPU or GPU topology
+compiled on a CPU host) run on a compile-only client, which cannot load an executable back: they never use the
+cache (jax would write their entries and then warn on every read).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import os
 import platform
 import sys
@@ -41,6 +46,16 @@ OFF = ("off", "none", "false", "0")
 MIN_COMPILE_SECONDS = 0.05
 _DIGEST = hashlib.sha256().digest_size
 _SUFFIX = "-xla"
+_COMPILE_ONLY = "compile_only_runtime"  # the runtime_type of the clients of jax.experimental.topologies devices
+
+
+class _QuietCompileOnly(logging.Filter):
+    """Drops jax's warning that a compile-only client has no cache: that is the intended outcome here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            record.getMessage().startswith("_get_cache: Unsupported runtime") and _COMPILE_ONLY in str(record.args)
+        )
 
 
 def user_cache_root() -> Path:
@@ -167,6 +182,9 @@ def enable(setting: str | None = None, min_compile_seconds: float = MIN_COMPILE_
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax_cache._UNSUPPORTED_RUNTIMES.add(_COMPILE_ONLY)
+    if not any(isinstance(f, _QuietCompileOnly) for f in jax_cache.logger.filters):
+        jax_cache.logger.addFilter(_QuietCompileOnly())
     # jax builds its own file cache on first use unless one is installed; install ours in its place.
     with jax_cache._cache_initialized_mutex:
         jax_cache._cache = _store
