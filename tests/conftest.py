@@ -1,9 +1,35 @@
-"""Test-wide settings: compile fast. The tests' programs are tiny, so XLA's compile time, not run time, dominates
-the suite; the lowest optimisation level compiles several times faster. Set before JAX starts its backend;
-subprocesses (train.py in the resume tests) inherit it, so compared runs share it."""
+"""Test-wide settings: compile fast, and keep compiled programs for the session.
+
+The tests' programs are tiny, so XLA's compile time, not run time, dominates the suite; the lowest optimisation
+level compiles several times faster. Set before JAX starts its backend; subprocesses (train.py in the resume
+tests) inherit it, so compared runs share it.
+
+The persistent compilation cache (transformer_jax/compile_cache.py) lives in a directory of the test session's
+own, shared by the xdist workers and the subprocesses they start (through the environment), and removed at the
+end: tests never read a user's cache, and a program compiled by one test process is loaded by the others.
+"""
 
 import os
+import shutil
+import tempfile
+
+from transformer_jax import compile_cache
 
 _FAST = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST}".strip()
+
+_OWN_CACHE = None
+
+
+def pytest_configure(config):
+    global _OWN_CACHE
+    if compile_cache.ENV not in os.environ:  # the controller (or a run without xdist) makes it; workers inherit it
+        _OWN_CACHE = tempfile.mkdtemp(prefix="transformer_jax_test_xla_")
+        os.environ[compile_cache.ENV] = _OWN_CACHE
+    compile_cache.enable()
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)

@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 from absl import app, flags
 from ml_collections.config_flags.config_flags import is_config_flag
 
+from transformer_jax import compile_cache
 from transformer_jax.errors import exit_on_user_error
 
 USAGE_STATUS = 2  # a command line that cannot work (argparse's status, kept by the CLIs that used argparse)
@@ -76,8 +77,18 @@ def parse_flags(
 ) -> list[str]:
     """Parses argv (program name first) into flag_values; returns the program name and the positional arguments.
 
-    `usage`: for a FlagValues of one's own, which lacks absl's help flags, --help prints it and the flags, exit 0.
+    Every command line gets --compilation_cache here and has the persistent compilation cache turned on (or off)
+    before it compiles anything. `usage`: for a FlagValues of one's own, which lacks absl's help flags, --help
+    prints it and the flags, exit 0.
     """
+    if "compilation_cache" not in flag_values:
+        flags.DEFINE_string(
+            "compilation_cache",
+            None,
+            f"Directory of compiled programs kept across runs ('off' disables it; default ${compile_cache.ENV}, "
+            "else ~/.cache/transformer_jax/xla).",
+            flag_values=flag_values,
+        )
     if usage is not None and any(arg in HELP_FLAGS for arg in argv[1:]):
         print(f"{usage}\nflags:\n{flag_values.get_help(include_special_flags=False)}")
         sys.exit(0)
@@ -91,6 +102,7 @@ def parse_flags(
         _check_config_files(prog, argv, flag_values)
         fail(prog, _one_line(e))
     _check_config_files(prog, argv, flag_values)
+    compile_cache.enable(flag_values.compilation_cache)
     return rest
 
 

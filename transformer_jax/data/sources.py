@@ -24,6 +24,7 @@ import numpy as np
 import tqdm
 from absl import logging
 
+from transformer_jax import compile_cache
 from transformer_jax.data import download as download_lib
 from transformer_jax.errors import DataError
 
@@ -63,7 +64,7 @@ def resolve_path(path: str | os.PathLike) -> Path:
 
 
 def cache_dir(config: ml_collections.ConfigDict) -> Path:
-    return resolve_path(config.cache_dir) if config.cache_dir else Path.home() / ".cache" / "transformer_jax"
+    return resolve_path(config.cache_dir) if config.cache_dir else compile_cache.user_cache_root()
 
 
 # ----------------------------------------------------------------------------------------------------------------
