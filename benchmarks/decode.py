@@ -5,7 +5,7 @@
 
 With --workdir (side by side): the workdir's model (the checkpoints evaluate.py would average) translates the
 split with evaluation.translate.translate (evaluate.py's path) and, exported with the same weights
-(transformer_jax.exporting.ctranslate2), with CTranslate2 on --threads threads; one JSON line per beam size with
+(transformer_jax.export.ctranslate2), with CTranslate2 on --threads threads; one JSON line per beam size with
 each engine's first-call time (ours includes XLA compilation), its steady-state time (the best of --repeats further
 calls), sacreBLEU, and how many outputs are identical. Both sides use the same tokenization, source truncation and
 per-sentence output limits (evaluation/translate.py's rules); CTranslate2's length penalty is its own formula, so
@@ -86,7 +86,7 @@ def side_by_side(workdir: str) -> None:
     from transformer_jax.evaluation.restore import Restorer, restore_model
     from transformer_jax.evaluation.run import split_pairs
     from transformer_jax.evaluation.translate import position_limit, translate
-    from transformer_jax.exporting.ctranslate2 import ctranslate2_translate, to_ctranslate2
+    from transformer_jax.export.ctranslate2 import ctranslate2_translate, to_ctranslate2
 
     restorer = Restorer()
     config, model, steps = restore_model(restorer, workdir, average_last=_AVERAGE_LAST.value)

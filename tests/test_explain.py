@@ -1,4 +1,4 @@
-"""python -m transformer_jax.explain and transformer_jax.explanation: the page's translation is evaluate.py's, every
+"""python -m transformer_jax.explain and transformer_jax.explain: the page's translation is evaluate.py's, every
 intermediate it shows is the model's own tensor (recomputed here from the model's public pieces), its checks are
 measured, it renders in a real browser, and bad input is one clear line."""
 
@@ -17,12 +17,12 @@ import pytest
 from flax import nnx
 
 from tests.training_helpers import tiny_train_config, write_corpus
-from transformer_jax import explain as explain_cli
 from transformer_jax.data.tokenizer import get_tokenizer
 from transformer_jax.evaluation.run import Options, evaluate_model
 from transformer_jax.evaluation.translate import source_ids
-from transformer_jax.explanation import TEXT, explain, figures, numbers, render, summary
-from transformer_jax.explanation.page import fmt, header
+from transformer_jax.explain import TEXT, explain, figures, numbers, render, summary
+from transformer_jax.explain import __main__ as explain_cli
+from transformer_jax.explain.page import fmt, header
 from transformer_jax.model.layers import sinusoidal_encoding
 from transformer_jax.model.transformer import capture_attention_weights
 from transformer_jax.tokens import EOS_ID

@@ -59,7 +59,7 @@ def test_the_package_never_imports_a_script():
     assert not {m: t for m, t in offenders.items() if t}
     # Nor loads one by its file path: the only module loaded by path is a config file (the sweep's).
     loaders = [p.name for p in PACKAGE.rglob("*.py") if "spec_from_file_location" in p.read_text(encoding="utf-8")]
-    assert loaders == ["sweep.py"]
+    assert loaders == ["runner.py"]
 
 
 def test_module_imports_form_no_cycle():
@@ -70,3 +70,21 @@ def test_the_cycle_check_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "os"}, "d": {"a"}}
     assert find_cycle(graph) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_every_command_line_is_a_main_module_of_the_package_it_drives():
+    """One convention: `python -m transformer_jax.<package>` runs <package>/__main__.py, which holds flags and
+    main only. data.prepare is the one named command: `python -m transformer_jax.data` would not say what it does."""
+    commands = sorted(
+        str(p.relative_to(PACKAGE))
+        for p in PACKAGE.rglob("*.py")
+        if '__name__ == "__main__"' in p.read_text(encoding="utf-8")
+    )
+    assert commands == [
+        "data/prepare.py",
+        "explain/__main__.py",
+        "export/__main__.py",
+        "sweep/__main__.py",
+        "visualize/__main__.py",
+    ]
+    assert not [p.name for p in PACKAGE.glob("*.py") if p.stem in {"explain", "export", "visualize", "sweep"}]

@@ -5,10 +5,12 @@ import json
 import pathlib
 
 import pytest
+from matplotlib.figure import Figure
 
 from tests.training_helpers import write_corpus
-from transformer_jax import sweep
 from transformer_jax.errors import ConfigError
+from transformer_jax.sweep import __main__ as sweep
+from transformer_jax.sweep import results, runner
 
 CONFIG = str(pathlib.Path(__file__).resolve().parent / "tiny_sweep_config.py")
 
@@ -68,8 +70,8 @@ def test_a_variant_name_cannot_leave_the_sweep_directory(corpus, tmp_path, capsy
     assert "sweep entry 0 needs a 'name' of letters, digits, '_.=-' other than '.' and '..'" in err
     assert not (tmp_path / "sw").exists() and not (tmp_path / "escaped").exists()
     with pytest.raises(ConfigError, match="is not a directory name inside the sweep workdir"):
-        sweep.variant_dir(tmp_path / "sw", name)
-    assert sweep.variant_dir(tmp_path / "sw", "...") == tmp_path / "sw" / "..."  # only '.' and '..' are special
+        runner.variant_dir(tmp_path / "sw", name)
+    assert runner.variant_dir(tmp_path / "sw", "...") == tmp_path / "sw" / "..."  # only '.' and '..' are special
 
 
 def test_a_bad_value_in_any_variant_fails_before_anything_runs(corpus, tmp_path, capsys):
@@ -103,10 +105,10 @@ def test_sweep_runs_skips_finished_variants_and_aggregates(corpus, tmp_path):
     assert sweep.main(["--config", CONFIG, "--workdir", str(workdir)]) == 0
     for name in ("base", "pre_ln"):
         assert (workdir / name / "config.json").exists()
-        assert (workdir / name / sweep.RESULT_FILE).exists()
+        assert (workdir / name / results.RESULT_FILE).exists()
         # The whole validation split (24 lines) decoded with the last checkpoint, hypotheses and scores kept.
-        assert len((workdir / name / sweep.HYPOTHESES_FILE).read_text().splitlines()) == 24
-        report = json.loads((workdir / name / sweep.SCORES_FILE).read_text())
+        assert len((workdir / name / results.HYPOTHESES_FILE).read_text().splitlines()) == 24
+        report = json.loads((workdir / name / results.SCORES_FILE).read_text())
         assert report["checkpoint_steps"] == [2] and report["lines"] == 24
     rows = list(csv.DictReader(open(workdir / "results.csv")))
     assert float(rows[1]["valid_bleu"]) == round(report["scores"]["bleu"]["score"], 2)
@@ -141,7 +143,7 @@ def _row(variant, ppl, bleu, ref_ppl="", ref_bleu=""):
 
 
 def test_results_without_references_have_no_reference_columns(tmp_path):
-    sweep.write_results([_row("base", 9.0, 10.0), _row("v", "", "")], tmp_path)  # "v" has not run yet
+    results.write_results([_row("base", 9.0, 10.0), _row("v", "", "")], tmp_path)  # "v" has not run yet
     header = (tmp_path / "results.csv").read_text().splitlines()[0]
     assert "ref_" not in header and header.startswith("variant,")
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -149,7 +151,7 @@ def test_results_without_references_have_no_reference_columns(tmp_path):
 
 def test_results_with_references_chart_changes_from_the_first_variant(tmp_path):
     rows = [_row("base", 9.0, 10.0, 4.92, 25.8), _row("v", 8.0, 11.5, 5.29, 24.9), _row("w", "", "", 5.0, "")]
-    sweep.write_results(rows, tmp_path, reference_label="paper")
+    results.write_results(rows, tmp_path, reference_label="paper")
     table = (tmp_path / "results.md").read_text()
     assert "ref_valid_perplexity | ref_valid_bleu |" in table and "| 5.29 | 24.9 |" in table
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -157,19 +159,17 @@ def test_results_with_references_chart_changes_from_the_first_variant(tmp_path):
 
 @pytest.mark.parametrize("outlier,scale", [(11.0, "linear"), (45.0, "symlog")])
 def test_a_variant_that_failed_to_learn_does_not_flatten_the_other_bars(tmp_path, monkeypatch, outlier, scale):
-    import matplotlib.pyplot as plt
-
     figures = []
-    close = plt.close
-    monkeypatch.setattr(plt, "close", lambda fig: (figures.append(fig), close(fig)))
+    savefig = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (figures.append(fig), savefig(fig, *a, **k)))
     rows = [_row("base", 9.0, 10.0, 4.92, 25.8), _row("v", 8.0, 11.5, 5.29, 24.9), _row("x", outlier, 1.0, 4.9, 25.5)]
-    sweep.write_results(rows, tmp_path, reference_label="paper")
+    results.write_results(rows, tmp_path, reference_label="paper")
     assert figures[0].axes[0].get_xscale() == scale  # +400% perplexity: logarithmic beyond +-50%
     assert figures[0].axes[1].get_xscale() == "linear"
 
 
 def test_config_override_applies_to_every_variant_and_to_printed_commands(corpus, tmp_path, capsys):
-    assert all(v.config.train.log_every == 7 for v in sweep.variants(CONFIG, {"train.log_every": 7}))
+    assert all(v.config.train.log_every == 7 for v in runner.variants(CONFIG, {"train.log_every": 7}))
     args = ["--config", CONFIG, "--workdir", str(tmp_path), "--config.train.log_every=7"]
     args += ["--config.data.tokenizer_model=/tmp/spm.model"]
     assert sweep.main([*args, "--print_commands"]) == 0
@@ -201,5 +201,5 @@ def test_a_variant_stopped_early_is_not_marked_finished_and_stops_the_sweep(corp
     assert sweep.main(["--config", CONFIG, "--workdir", str(tmp_path / "sw")]) == 1
     assert "variant base stopped at step 0 of 2; run the same command to resume it" in capsys.readouterr().err
     assert [p.name for p in started] == ["base"]  # pre_ln never started
-    assert not (tmp_path / "sw" / "base" / sweep.RESULT_FILE).exists()
+    assert not (tmp_path / "sw" / "base" / results.RESULT_FILE).exists()
     assert (tmp_path / "sw" / "results.csv").exists()

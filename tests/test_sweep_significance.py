@@ -17,10 +17,12 @@ import pytest
 
 from tests.test_sweep import fails
 from tests.training_helpers import write_corpus
-from transformer_jax import sweep, sweep_significance
 from transformer_jax.errors import ScoreError
 from transformer_jax.evaluation import bleu, significance
-from transformer_jax.sweep_results import HYPOTHESES_FILE, RESULT_FILE, SCORES_FILE, aggregate_seeds, run_metrics
+from transformer_jax.sweep import __main__ as sweep
+from transformer_jax.sweep import runner
+from transformer_jax.sweep import significance as sweep_significance
+from transformer_jax.sweep.results import HYPOTHESES_FILE, RESULT_FILE, SCORES_FILE, aggregate_seeds, run_metrics
 
 CONFIG = str(pathlib.Path(__file__).resolve().parent / "tiny_sweep_config.py")
 WORDS = "der die das ein eine Hund Katze Mann Frau läuft springt sitzt über den Zaun im Park auf dem Rasen".split()
@@ -204,11 +206,10 @@ def _tiny_refs(corpus: pathlib.Path) -> list[str]:
 
 def test_aggregate_only_recomputes_the_tests_from_stored_hypotheses(corpus, tmp_path, monkeypatch):
     """--aggregate_only neither trains nor decodes; the table gets p-values, marks and the paper verdicts."""
-    from transformer_jax.evaluation import run
     from transformer_jax.training import loop
 
     monkeypatch.setattr(loop, "train_and_evaluate", lambda *a: pytest.fail("trained"))
-    monkeypatch.setattr(run, "evaluate_model", lambda *a: pytest.fail("decoded"))
+    monkeypatch.setattr(runner, "evaluate_model", lambda *a: pytest.fail("decoded"))
     refs = _tiny_refs(corpus)
     workdir = tmp_path / "sw"
     for i in range(3):
@@ -230,7 +231,6 @@ def test_aggregate_only_recomputes_the_tests_from_stored_hypotheses(corpus, tmp_
 def test_finished_runs_without_hypotheses_are_decoded_and_not_retrained(corpus, tmp_path, monkeypatch):
     """A run finished before the sweep decoded (no valid.hyp) gets decoded on the next invocation; decoded runs and
     the training are left alone."""
-    from transformer_jax.evaluation import run
     from transformer_jax.training import loop
 
     refs = _tiny_refs(corpus)
@@ -249,7 +249,7 @@ def test_finished_runs_without_hypotheses_are_decoded_and_not_retrained(corpus, 
             pathlib.Path(options.workdir, name).write_bytes((tmp_path / "decoded" / name).read_bytes())
 
     monkeypatch.setattr(loop, "train_and_evaluate", lambda *a: pytest.fail("trained a finished run"))
-    monkeypatch.setattr(run, "evaluate_model", fake_decode)
+    monkeypatch.setattr(runner, "evaluate_model", fake_decode)
     assert sweep.main(["--config", CONFIG, "--workdir", str(workdir)]) == 0
     [options] = decodes
     assert (options.workdir, options.split, options.average_last) == (str(old), "valid", 1)
@@ -261,7 +261,6 @@ def test_finished_runs_without_hypotheses_are_decoded_and_not_retrained(corpus, 
 
 
 def test_sigterm_while_decoding_stops_the_sweep_and_leaves_the_run_undecoded(corpus, tmp_path, monkeypatch, capsys):
-    from transformer_jax.evaluation import run
     from transformer_jax.training import loop
 
     workdir = tmp_path / "sw"
@@ -269,7 +268,7 @@ def test_sigterm_while_decoding_stops_the_sweep_and_leaves_the_run_undecoded(cor
         (workdir / name).mkdir(parents=True)
         (workdir / name / RESULT_FILE).write_text(json.dumps({"name": name, "num_steps": 2, "wall_s": 1.0}))
     monkeypatch.setattr(loop, "train_and_evaluate", lambda *a: pytest.fail("trained a finished run"))
-    monkeypatch.setattr(run, "evaluate_model", lambda options: os.kill(os.getpid(), signal.SIGTERM))
+    monkeypatch.setattr(runner, "evaluate_model", lambda options: os.kill(os.getpid(), signal.SIGTERM))
     before = signal.getsignal(signal.SIGTERM)
     assert sweep.main(["--config", CONFIG, "--workdir", str(workdir)]) == 1
     assert "variant base stopped while decoding the validation split; run the same command" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""transformer_jax.visualization and its command line, transformer_jax.visualize: the arrays drawn are the model's
+"""transformer_jax.visualize and its command line, transformer_jax.visualize: the arrays drawn are the model's
 (checked against a recomputation), the PNGs are valid and of the stated size, and bad arguments fail with messages
 that name them."""
 
@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from tests.training_helpers import tiny_train_config, write_corpus
-from transformer_jax import visualization as viz
-from transformer_jax import visualize
+from transformer_jax import visualize as viz
 from transformer_jax.data.tokenizer import get_tokenizer
 from transformer_jax.training.checkpoints import Checkpointer
 from transformer_jax.training.optim import learning_rate_schedule
 from transformer_jax.training.state import create_train_state, eval_model
+from transformer_jax.visualize import __main__ as visualize
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SOURCE, TARGET = "the big dog runs in the park", "der große hund läuft"

@@ -1,6 +1,6 @@
 """A model from a workdir's checkpoints: choose the steps, average their parameters, check they fit the config.
 
-evaluate.py and the attention pictures (transformer_jax.visualization) restore through `restore_model`. The
+evaluate.py and the attention pictures (transformer_jax.visualize) restore through `restore_model`. The
 checkpoint reading itself sits behind `Restorer`, the seam tests replace with a fake that serves known parameters.
 """
 

@@ -213,7 +213,7 @@ class FeedForward(nnx.Module):
         self.w3 = dense(spec.d_model, spec.d_ff, spec, rngs) if spec.activation == "swiglu" else None
         self.w2 = dense(spec.d_ff, spec.d_model, spec, rngs)
         self.dropout = Dropout(spec.ffn_dropout_rate, rngs=rngs)
-        self.capture_intermediates = False  # True: sow the hidden activations (transformer_jax.explanation)
+        self.capture_intermediates = False  # True: sow the hidden activations (transformer_jax.explain)
 
     def __call__(self, x_BTD: Array) -> Array:
         h_BTF = self.w1(x_BTD)

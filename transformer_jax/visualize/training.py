@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from transformer_jax.errors import VisualizeError
-from transformer_jax.visualization.figures import new_figure, save
+from transformer_jax.visualize.figures import new_figure, save
 
 SCHEDULE_FIGSIZE = (8.0, 5.0)  # inches
 CURVE_PANEL = (5.0, 3.8)  # inches per metrics key

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from transformer_jax.errors import VisualizeError
-from transformer_jax.visualization.figures import new_figure, save
+from transformer_jax.visualize.figures import new_figure, save
 
 PE_FIGSIZE = (8.0, 5.0)  # inches: the PE matrix
 DOTS_FIGSIZE = (8.0, 5.0)  # inches: PE(pos) . PE(pos + k) against k

@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from transformer_jax.explanation.capture import Explanation
+from transformer_jax.explain.capture import Explanation
 from transformer_jax.tokens import EOS_ID
 
 TOP_K = 5  # next-token candidates listed per target step

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from transformer_jax.errors import CheckpointError, EvalError, VisualizeError
-from transformer_jax.visualization.figures import new_figure, save
+from transformer_jax.visualize.figures import new_figure, save
 
 HEAD_COLUMNS = 4  # attention heads per row
 # kind -> (layer stack, attention module, title, query axis, key axis)

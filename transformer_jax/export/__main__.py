@@ -8,7 +8,7 @@ The checkpoints are chosen and averaged exactly as evaluate.py chooses them (the
 spm.model; an existing OUT is replaced only with --force and only if it is an earlier export (it holds
 model.bin), and OUT appears whole or not at all. A workdir without checkpoints, an architecture the engine cannot
 express, or an existing OUT: one line on stderr, exit status 1.
-The library functions are in transformer_jax.exporting.ctranslate2 (to_ctranslate2, ctranslate2_translate).
+The library functions are in transformer_jax.export.ctranslate2 (to_ctranslate2, ctranslate2_translate).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ flags.mark_flags_as_required(["workdir", "output"])
 def main(argv: list[str]) -> None:
     del argv  # no positional arguments (cli.run refuses them)
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs each checkpoint handler it creates at INFO
-    from transformer_jax.exporting.ctranslate2 import export_workdir
+    from transformer_jax.export.ctranslate2 import export_workdir
 
     selected = checkpoint_flags.selection()
     report = export_workdir(selected.pop("workdir"), FLAGS.output, force=FLAGS.force, **selected)

@@ -189,7 +189,7 @@ def explain(
 ) -> Explanation:
     """Restores the model as evaluate.py does, translates the sentence, and captures every intermediate."""
     from transformer_jax.evaluation.translate import translate
-    from transformer_jax.visualization.attention import token_pieces
+    from transformer_jax.visualize.attention import token_pieces
 
     check_sentence(sentence)  # before the (slow) restore
     if target is not None and not target.strip():
