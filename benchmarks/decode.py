@@ -43,7 +43,13 @@ from flax import nnx
 from ml_collections import config_flags
 
 from transformer_jax import cli, decoding
+from transformer_jax.data.tokenizer import train_tokenizer
 from transformer_jax.errors import DataError
+from transformer_jax.evaluation import bleu
+from transformer_jax.evaluation.inputs import split_pairs
+from transformer_jax.evaluation.restore import Restorer, restore_model
+from transformer_jax.evaluation.translate import position_limit, translate
+from transformer_jax.export.ctranslate2 import ctranslate2_translate, to_ctranslate2
 from transformer_jax.model import build_model
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wmt14_ende" / "test.en"
@@ -80,13 +86,7 @@ def timed_calls(fn, repeats: int) -> tuple[float, float, object]:
 
 def side_by_side(workdir: str) -> None:
     """One JSON line per beam size: our translate() against CTranslate2 with the same weights (module docstring)."""
-    import ctranslate2
-
-    from transformer_jax.evaluation import bleu
-    from transformer_jax.evaluation.restore import Restorer, restore_model
-    from transformer_jax.evaluation.run import split_pairs
-    from transformer_jax.evaluation.translate import position_limit, translate
-    from transformer_jax.export.ctranslate2 import ctranslate2_translate, to_ctranslate2
+    import ctranslate2  # optional (pip install -e .[ctranslate2]): only this comparison needs it
 
     restorer = Restorer()
     config, model, steps = restore_model(restorer, workdir, average_last=_AVERAGE_LAST.value)
@@ -139,8 +139,6 @@ def source_ids(kind: str, vocab_size: int, num_sentences: int, max_len: int) -> 
         ids = [[4 + b for b in line.encode("utf-8")] for line in lines]
         how = "UTF-8 bytes -> ids 4..259"
     else:
-        from transformer_jax.data.tokenizer import train_tokenizer
-
         size = min(2000, vocab_size)
         with tempfile.TemporaryDirectory() as tmp:
             tok = train_tokenizer(lines, Path(tmp) / "spm.model", vocab_size=size, model_type="unigram")

@@ -15,7 +15,8 @@ import pytest
 
 from transformer_jax.errors import EvalError, ScoreError
 from transformer_jax.evaluation import bleu, significance
-from transformer_jax.evaluation.run import Options, check_options, evaluate
+from transformer_jax.evaluation.options import Options, check_options
+from transformer_jax.evaluation.run import evaluate
 
 REPO = Path(__file__).resolve().parents[1]
 SACREBLEU = str(Path(sys.executable).parent / "sacrebleu")

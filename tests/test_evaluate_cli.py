@@ -23,7 +23,8 @@ from flax import nnx
 from configs import common
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation import bleu, restore
-from transformer_jax.evaluation.run import Options, evaluate_model, translate_stream
+from transformer_jax.evaluation.options import Options
+from transformer_jax.evaluation.run import evaluate_model, translate_stream
 from transformer_jax.model import build_model
 
 REPO = Path(__file__).resolve().parents[1]

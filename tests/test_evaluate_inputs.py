@@ -22,7 +22,8 @@ from tests.test_evaluate_cli import FakeRestorer, tiny_config
 from transformer_jax.data import sources as sources_lib
 from transformer_jax.errors import EvalError, ScoreError
 from transformer_jax.evaluation import bleu, restore
-from transformer_jax.evaluation.run import Options, evaluate, evaluate_model, translate_stream
+from transformer_jax.evaluation.options import Options
+from transformer_jax.evaluation.run import evaluate, evaluate_model, translate_stream
 
 REPO = Path(__file__).resolve().parents[1]
 

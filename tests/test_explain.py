@@ -18,7 +18,8 @@ from flax import nnx
 
 from tests.training_helpers import tiny_train_config, write_corpus
 from transformer_jax.data.tokenizer import get_tokenizer
-from transformer_jax.evaluation.run import Options, evaluate_model
+from transformer_jax.evaluation.options import Options
+from transformer_jax.evaluation.run import evaluate_model
 from transformer_jax.evaluation.translate import source_ids
 from transformer_jax.explain import TEXT, explain, figures, numbers, render, summary
 from transformer_jax.explain import __main__ as explain_cli

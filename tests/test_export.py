@@ -302,7 +302,8 @@ def run_export(*args: str) -> subprocess.CompletedProcess:
 def test_command_line_export_of_a_workdir_equals_evaluate_greedy_on_100_sentences(tmp_path):
     from tests.training_helpers import tiny_train_config
     from transformer_jax.data.tokenizer import Tokenizer, train_tokenizer
-    from transformer_jax.evaluation.run import Options, decoding_settings, evaluate_model
+    from transformer_jax.evaluation.options import Options, decoding_settings
+    from transformer_jax.evaluation.run import evaluate_model
     from transformer_jax.training import checkpoints, state
 
     data = write_corpus(tmp_path / "data", n_valid=100)

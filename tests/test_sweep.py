@@ -197,7 +197,7 @@ def test_a_variant_stopped_early_is_not_marked_finished_and_stops_the_sweep(corp
     from transformer_jax.training import loop
 
     started = []
-    monkeypatch.setattr(loop, "train_and_evaluate", lambda config, workdir: started.append(workdir))  # no steps
+    monkeypatch.setattr(loop, "train_and_evaluate", lambda config, workdir, bleu: started.append(workdir))  # no steps
     assert sweep.main(["--config", CONFIG, "--workdir", str(tmp_path / "sw")]) == 1
     assert "variant base stopped at step 0 of 2; run the same command to resume it" in capsys.readouterr().err
     assert [p.name for p in started] == ["base"]  # pre_ln never started

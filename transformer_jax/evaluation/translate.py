@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from flax import nnx
+from tqdm import tqdm
 
 from transformer_jax import decoding
 from transformer_jax.data.batching import padded_eval_length
@@ -117,8 +118,6 @@ def translate(
 
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=len(sources), desc="translating", unit="sent", file=sys.stderr)
     lines = list(sources)
     found = decoding.searcher(model).sentences(

@@ -19,7 +19,9 @@ import ml_collections
 
 from transformer_jax import config_checks
 from transformer_jax.errors import ConfigError, VariantInterrupted
-from transformer_jax.evaluation.run import Options, evaluate_model
+from transformer_jax.evaluation.options import Options
+from transformer_jax.evaluation.run import evaluate_model
+from transformer_jax.evaluation.validation import bleu_evaluator
 from transformer_jax.sweep.results import HYPOTHESES_FILE, REFERENCE_METRICS, RESULT_FILE, SCORES_FILE, decoded
 from transformer_jax.training import loop
 from transformer_jax.training.checkpoints import list_steps
@@ -166,7 +168,7 @@ def run_variant(name: str, config: ml_collections.ConfigDict, workdir: pathlib.P
             logging.info("sweep: %s already finished; skipping", name)
             return result
     start = time.time()
-    loop.train_and_evaluate(config, workdir)
+    loop.train_and_evaluate(config, workdir, bleu=bleu_evaluator)
     # train_and_evaluate returns early on SIGTERM; such a variant is not finished and must not be skipped later.
     reached = max(list_steps(workdir), default=0)
     if reached < config.train.num_steps:
