@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
 import pytest
 
 from configs import common
+from tests.helpers import DATA
 from transformer_jax import tokens
 from transformer_jax.data import sources
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import DataError
-
-DATA = Path(os.environ.get("TRANSFORMER_JAX_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
 
 TRICKY = [
     "  two leading, two inner  spaces and a trailing one ",

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.training_helpers import tiny_train_config, write_corpus
+from tests.helpers.training import tiny_train_config, write_corpus
 from transformer_jax.data.tokenizer import get_tokenizer
 from transformer_jax.evaluation.options import Options
 from transformer_jax.evaluation.run import evaluate_model

@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.model_helpers import forward, tiny_model, tiny_spec
-from tests.training_helpers import write_corpus
+from tests.helpers import REPO
+from tests.helpers.model import forward, tiny_model, tiny_spec
+from tests.helpers.training import write_corpus
 from transformer_jax.errors import ConfigError, EvalError
 from transformer_jax.evaluation.translate import position_limit, translate
 from transformer_jax.tokens import BOS_ID, EOS_ID
@@ -29,8 +30,7 @@ ctranslate2 = pytest.importorskip(
 )
 from transformer_jax.export import ctranslate2 as export_lib  # noqa: E402 - needs the engine, checked above
 
-REPO = Path(__file__).resolve().parents[1]
-VOCAB = 320  # byte fallback reserves 256 ids, plus the corpus' characters (as training_helpers.tiny_train_config)
+VOCAB = 320  # byte fallback reserves 256 ids, plus the corpus' characters (as helpers.training.tiny_train_config)
 # Greedy, outputs of at most source + 5 tokens, sources cut at 16 tokens: small, and every rule is exercised.
 SETTINGS = dict(beam_size=1, alpha=0.6, max_extra_len=5, batch_size=8, max_input_len=16)
 LONG_LINE = " ".join(["the red dog runs in the green park"] * 4)  # > 16 tokens
@@ -273,12 +273,12 @@ def test_a_failed_export_leaves_the_old_one_and_nothing_else(corpus, exported, t
 
 
 def test_a_workdir_without_checkpoints_or_with_an_unsupported_config_fails_before_reading_parameters(tmp_path):
-    from tests.test_evaluate_cli import FakeRestorer
+    from tests.helpers.fakes import FakeRestorer
 
     restorer = FakeRestorer()
     restorer.load_params = lambda *args: pytest.fail("parameters read before the checks")
     restorer.steps = []
-    with pytest.raises(EvalError, match=r"^no checkpoint in .*checkpoints; train first or fix --workdir$"):
+    with pytest.raises(EvalError, match=r"no checkpoint in \S*checkpoints.*--workdir"):
         export_lib.export_workdir(str(tmp_path), tmp_path / "out", restorer=restorer)
     restorer.steps = [100, 200]
     restorer.config.attention.window = 4
@@ -300,7 +300,7 @@ def run_export(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_command_line_export_of_a_workdir_equals_evaluate_greedy_on_100_sentences(tmp_path):
-    from tests.training_helpers import tiny_train_config
+    from tests.helpers.training import tiny_train_config
     from transformer_jax.data.tokenizer import Tokenizer, train_tokenizer
     from transformer_jax.evaluation.options import Options, decoding_settings
     from transformer_jax.evaluation.run import evaluate_model

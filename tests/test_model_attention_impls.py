@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from configs import common
-from tests.training_helpers import synthetic_batch
+from tests.helpers.training import synthetic_batch
 from transformer_jax.sharding import make_mesh
 from transformer_jax.training.state import create_train_state
 from transformer_jax.training.step import compile_steps

@@ -17,17 +17,12 @@ import sys
 import numpy as np
 import pytest
 
-from tests.training_helpers import tiny_train_config, wait_for_checkpoint, write_corpus
+from tests.helpers import REPO
+from tests.helpers.training import tiny_train_config, wait_for_checkpoint
 from transformer_jax.training import checkpoints, loop
 from transformer_jax.training.metrics import read_metrics
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = REPO / "tests" / "tiny_train_config.py"
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> pathlib.Path:
-    return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def _command(corpus: pathlib.Path, workdir: pathlib.Path, num_steps: int, **extra: object) -> list[str]:

@@ -7,7 +7,7 @@ import pathlib
 import pytest
 from matplotlib.figure import Figure
 
-from tests.training_helpers import write_corpus
+from tests.helpers.sweeps import fails
 from transformer_jax.errors import ConfigError
 from transformer_jax.sweep import __main__ as sweep
 from transformer_jax.sweep import results, runner
@@ -15,11 +15,7 @@ from transformer_jax.sweep import results, runner
 CONFIG = str(pathlib.Path(__file__).resolve().parent / "tiny_sweep_config.py")
 
 
-@pytest.fixture
-def corpus(tmp_path, monkeypatch) -> pathlib.Path:
-    path = write_corpus(tmp_path / "corpus")
-    monkeypatch.setenv("TINY_CORPUS", str(path))
-    return path
+pytestmark = pytest.mark.usefixtures("tiny_corpus_env")  # the conftest corpus, where the sweep's config reads it
 
 
 def test_dry_run_and_commands_list_every_variant(corpus, tmp_path, capsys):
@@ -30,16 +26,6 @@ def test_dry_run_and_commands_list_every_variant(corpus, tmp_path, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2 and "--config.model.norm_position=pre" in lines[1] and "pre_ln" in lines[1]
     assert not (tmp_path / "sw").exists()  # nothing ran
-
-
-def fails(argv: list[str], capsys) -> str:
-    """sweep.main's one-line error on stderr, after checking the exit status (2) and that no traceback came."""
-    with pytest.raises(SystemExit) as exit_info:
-        sweep.main(argv)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and err.startswith(f"{sweep.PROG}: error: "), err
-    return err
 
 
 def test_misspelt_override_fails_before_anything_runs(corpus, tmp_path, capsys):
@@ -67,7 +53,7 @@ def _sweep_file(tmp_path: pathlib.Path, entries: str) -> str:
 def test_a_variant_name_cannot_leave_the_sweep_directory(corpus, tmp_path, capsys, name):
     config = _sweep_file(tmp_path, repr([{"name": name}]))
     err = fails(["--config", config, "--workdir", str(tmp_path / "sw"), "--print_commands"], capsys)
-    assert "sweep entry 0 needs a 'name' of letters, digits, '_.=-' other than '.' and '..'" in err
+    assert "sweep entry 0" in err and "'name'" in err  # which entry, and which field of it
     assert not (tmp_path / "sw").exists() and not (tmp_path / "escaped").exists()
     with pytest.raises(ConfigError, match="is not a directory name inside the sweep workdir"):
         runner.variant_dir(tmp_path / "sw", name)
@@ -77,7 +63,7 @@ def test_a_variant_name_cannot_leave_the_sweep_directory(corpus, tmp_path, capsy
 def test_a_bad_value_in_any_variant_fails_before_anything_runs(corpus, tmp_path, capsys):
     config = _sweep_file(tmp_path, repr([{"name": "ok"}, {"name": "ascent", "opt.learning_rate": -0.5}]))
     err = fails(["--config", config, "--workdir", str(tmp_path / "sw")], capsys)
-    assert "sweep variant 'ascent': config key opt.learning_rate: must be positive (a number > 0" in err
+    assert "sweep variant 'ascent'" in err and "opt.learning_rate" in err  # the variant and the key
     assert not (tmp_path / "sw").exists()
 
 

@@ -12,9 +12,8 @@ import pytest
 from flax import nnx
 from matplotlib.figure import Figure
 
-from tests.test_data_pipeline import WordTokenizer
-from tests.test_sweep import fails
-from tests.training_helpers import write_corpus
+from tests.helpers.fakes import WordTokenizer
+from tests.helpers.sweeps import fails, write_run
 from transformer_jax.errors import ConfigError
 from transformer_jax.sweep import __main__ as sweep
 from transformer_jax.sweep import results, runner
@@ -23,11 +22,7 @@ CONFIG = str(pathlib.Path(__file__).resolve().parent / "tiny_sweep_config.py")
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture
-def corpus(tmp_path, monkeypatch) -> pathlib.Path:
-    path = write_corpus(tmp_path / "corpus")
-    monkeypatch.setenv("TINY_CORPUS", str(path))
-    return path
+pytestmark = pytest.mark.usefixtures("tiny_corpus_env")  # the conftest corpus, where the sweep's config reads it
 
 
 def test_a_seed_changes_init_dropout_and_data_order_and_the_same_seed_repeats(corpus):
@@ -190,7 +185,6 @@ def test_the_chart_has_error_bars_with_and_without_references(tmp_path, monkeypa
 
 def test_finished_seeds_are_skipped_an_unfinished_one_resumes_and_is_reported(corpus, tmp_path, monkeypatch, capsys):
     """Seed 1 of pre_ln has no result file: only it trains; it stops early, so the results say 1 of 2."""
-    from tests.test_sweep_significance import write_run
     from transformer_jax.training import loop
 
     workdir = tmp_path / "sw"

@@ -15,10 +15,9 @@ import signal
 
 import pytest
 
-from tests.test_sweep import fails
-from tests.training_helpers import write_corpus
+from tests.helpers.sweeps import fails, write_run
 from transformer_jax.errors import ScoreError
-from transformer_jax.evaluation import bleu, significance
+from transformer_jax.evaluation import significance
 from transformer_jax.sweep import __main__ as sweep
 from transformer_jax.sweep import runner
 from transformer_jax.sweep import significance as sweep_significance
@@ -28,11 +27,7 @@ CONFIG = str(pathlib.Path(__file__).resolve().parent / "tiny_sweep_config.py")
 WORDS = "der die das ein eine Hund Katze Mann Frau läuft springt sitzt über den Zaun im Park auf dem Rasen".split()
 
 
-@pytest.fixture
-def corpus(tmp_path, monkeypatch) -> pathlib.Path:
-    path = write_corpus(tmp_path / "corpus")
-    monkeypatch.setenv("TINY_CORPUS", str(path))
-    return path
+pytestmark = pytest.mark.usefixtures("tiny_corpus_env")  # the conftest corpus, where the sweep's config reads it
 
 
 def noisy(refs: list[str], p: float, seed: int) -> list[str]:
@@ -42,16 +37,6 @@ def noisy(refs: list[str], p: float, seed: int) -> list[str]:
 
 
 REFS = noisy([" ".join(random.Random(i).choices(WORDS, k=3 + i % 8)) for i in range(60)], 0.0, 0)
-
-
-def write_run(directory: pathlib.Path, hyps: list[str], refs: list[str], perplexity: float, steps: int = 2) -> None:
-    """A finished, decoded run as the sweep leaves it."""
-    directory.mkdir(parents=True)
-    (directory / "metrics.jsonl").write_text(json.dumps({"step": steps, "valid_perplexity": perplexity}) + "\n")
-    (directory / RESULT_FILE).write_text(json.dumps({"name": directory.name, "num_steps": steps, "wall_s": 1.0}))
-    (directory / HYPOTHESES_FILE).write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
-    report = {"checkpoint_steps": [steps], "scores": bleu.score_all(hyps, refs)}
-    (directory / SCORES_FILE).write_text(json.dumps(report))
 
 
 def test_with_one_seed_the_pooled_bootstrap_is_sacrebleus_paired_bootstrap():

@@ -16,7 +16,8 @@ import pytest
 from flax import nnx
 
 from configs import common
-from tests.training_helpers import synthetic_batch, tiny_train_config, wait_for_checkpoint, write_corpus
+from tests.helpers import REPO
+from tests.helpers.training import synthetic_batch, tiny_train_config, wait_for_checkpoint
 from transformer_jax import data
 from transformer_jax.data import pipeline
 from transformer_jax.errors import ConfigError, DataError
@@ -33,13 +34,6 @@ from transformer_jax.training.loop import (
 from transformer_jax.training.metrics import read_metrics
 from transformer_jax.training.state import abstract_train_state, create_train_state
 from transformer_jax.training.step import compile_steps
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> pathlib.Path:
-    return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")
