@@ -15,15 +15,15 @@ resumes it.
 Seeds: --seeds N (or a top-level `SEEDS = N` in the config file; the flag wins) runs every variant N times. Seed i
 (0 .. N-1) sets train.seed and data.shuffle_seed to the config's values plus i, so it changes the parameter init,
 the dropout masks and the data order, and seed i of every variant shares them. With N > 1 run i of NAME trains in
-DIR/NAME/seed<i> (with N = 1 in DIR/NAME, as before seeds existed); each run is skipped or resumed on its own, and
+DIR/NAME/seed<i> (with N = 1 in DIR/NAME); each run is skipped or resumed on its own, and
 --only NAME runs all seeds of NAME. The results then give mean ± standard deviation over the finished seeds with
 Δ and its confidence interval against the first variant (sweep/results.py says how).
 
 Decoding: after a run's training finishes, the sweep translates the whole validation split with the run's last
 checkpoint, no averaging (as the paper's Table 3), and the config's beam search (config.eval: beam_size, alpha,
 max_extra_len, batch_size), through evaluate.py's path (`evaluation.run.evaluate_model`). The hypotheses and the
-report go in the run directory (valid.hyp, valid_scores.json); a run is finished once both exist, and a finished
-run from before this step gets them on the next invocation. BLEU and chrF in the results come from them, and so
+report go in the run directory (valid.hyp, valid_scores.json); a run is finished once both exist, and a trained
+run without them gets them on the next invocation. BLEU and chrF in the results come from them, and so
 does the paired bootstrap of each variant against the first (sweep/significance.py), which
 --aggregate_only recomputes without decoding. SIGTERM while decoding stops the sweep like SIGTERM while training;
 the decoding starts anew next time.

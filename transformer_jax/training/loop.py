@@ -107,8 +107,8 @@ def host_block(array: np.ndarray) -> np.ndarray:
 def validation_batches(config: ml_collections.ConfigDict, tokenizer) -> list[dict[str, np.ndarray]]:
     """Every validation pair once, sorted by length, each batch cut to its longest row rounded up to a bucket.
 
-    Padding every batch to data.eval_max_len (256) made a Multi30k validation ~90 s on the CPU, mostly logits of
-    padding; bucketed lengths (16, 32, 64, ...) keep the compiled shapes few. Loss sums do not depend on the order.
+    Padding every batch to data.eval_max_len would spend most of a validation on the logits of padding; bucketed
+    lengths (16, 32, 64, ...) keep the compiled shapes few. Loss sums do not depend on the order.
     """
     pairs = data.load_split(config.data, config.data.valid_split)
     pairs = sorted(pairs, key=lambda pair: (len(pair[1]), len(pair[0])))  # characters: a proxy for tokens
