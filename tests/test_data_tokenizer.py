@@ -6,6 +6,7 @@ import random
 from pathlib import Path
 
 import pytest
+import sentencepiece as spm
 
 from configs import common
 from tests.helpers import DATA
@@ -118,8 +119,6 @@ def test_unreadable_or_invalid_model_file(tmp_path):
 
 def test_a_model_with_other_reserved_ids_is_refused(tmp_path):
     """SentencePiece's own defaults (unk 0, bos 1, eos 2, no pad) would shift every id the model and search use."""
-    import sentencepiece as spm
-
     lines = corpus_lines("multi30k", "valid", "en", 500)
     prefix = tmp_path / "defaults"
     spm.SentencePieceTrainer.train(

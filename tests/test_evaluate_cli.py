@@ -22,6 +22,7 @@ from flax import nnx
 
 from tests.helpers import DATA, REPO
 from tests.helpers.fakes import CharTokenizer, FakeRestorer, tiny_config
+from transformer_jax.data.tokenizer import train_tokenizer
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation import bleu, restore
 from transformer_jax.evaluation.options import Options
@@ -192,8 +193,6 @@ def test_end_to_end_with_real_checkpoints_and_tokenizer(tmp_path):
     """Saves two tiny checkpoints with the training code, trains a tokenizer, runs the command line."""
     checkpoints = pytest.importorskip("transformer_jax.training.checkpoints")
     state_lib = pytest.importorskip("transformer_jax.training.state")
-    from transformer_jax.data.tokenizer import train_tokenizer
-
     multi30k = DATA / "multi30k" / "valid.en"
     if not multi30k.exists():
         pytest.skip(f"real data not found: {multi30k}")

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from matplotlib.image import imread
 
 from tests.helpers.training import tiny_train_config, write_corpus
 from transformer_jax.data.tokenizer import get_tokenizer
@@ -272,8 +273,6 @@ def test_page_renders_in_headless_chromium_without_console_errors(pages, tmp_pat
 
 def screenshot(browser: str, html: str, folder: Path) -> tuple[np.ndarray, list[str]]:
     """(RGB pixels of a 1200x3000 headless screenshot of the page, the browser's console error lines)."""
-    from matplotlib.image import imread
-
     folder.mkdir()
     page, shot = folder / "explain.html", folder / "shot.png"
     page.write_text(html, encoding="utf-8")

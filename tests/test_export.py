@@ -8,6 +8,7 @@ stopping rules are compared. Skipped when ctranslate2 is not installed.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,13 +18,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import sentencepiece as spm
 
 from tests.helpers import REPO
+from tests.helpers.fakes import FakeRestorer
 from tests.helpers.model import forward, tiny_model, tiny_spec
-from tests.helpers.training import write_corpus
+from tests.helpers.training import tiny_train_config, write_corpus
+from transformer_jax.data.tokenizer import Tokenizer, train_tokenizer
 from transformer_jax.errors import ConfigError, EvalError
+from transformer_jax.evaluation.options import Options, decoding_settings
+from transformer_jax.evaluation.run import evaluate_model
 from transformer_jax.evaluation.translate import position_limit, translate
 from transformer_jax.tokens import BOS_ID, EOS_ID
+from transformer_jax.training import checkpoints, state
 
 ctranslate2 = pytest.importorskip(
     "ctranslate2", reason="ctranslate2 is not installed (pip install ctranslate2==4.8.5): export tests need the engine"
@@ -52,8 +59,6 @@ class RecordingTokenizer:
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    from transformer_jax.data.tokenizer import train_tokenizer
-
     directory = write_corpus(tmp_path_factory.mktemp("corpus"))
     lines = [line for split in ("train.en", "train.de") for line in (directory / split).read_text().splitlines()]
     tokenizer = train_tokenizer(lines, directory / "spm.model", vocab_size=VOCAB, model_type="unigram")
@@ -142,10 +147,6 @@ def test_log_probs_equal_ours(corpus, exported):
 
 
 def test_the_directory_serves_alone_with_sentencepiece_and_our_reserved_ids(exported):
-    import json
-
-    import sentencepiece as spm
-
     _, path = exported
     assert sorted(p.name for p in path.iterdir()) == [
         "config.json",
@@ -273,8 +274,6 @@ def test_a_failed_export_leaves_the_old_one_and_nothing_else(corpus, exported, t
 
 
 def test_a_workdir_without_checkpoints_or_with_an_unsupported_config_fails_before_reading_parameters(tmp_path):
-    from tests.helpers.fakes import FakeRestorer
-
     restorer = FakeRestorer()
     restorer.load_params = lambda *args: pytest.fail("parameters read before the checks")
     restorer.steps = []
@@ -300,12 +299,6 @@ def run_export(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_command_line_export_of_a_workdir_equals_evaluate_greedy_on_100_sentences(tmp_path):
-    from tests.helpers.training import tiny_train_config
-    from transformer_jax.data.tokenizer import Tokenizer, train_tokenizer
-    from transformer_jax.evaluation.options import Options, decoding_settings
-    from transformer_jax.evaluation.run import evaluate_model
-    from transformer_jax.training import checkpoints, state
-
     data = write_corpus(tmp_path / "data", n_valid=100)
     workdir = tmp_path / "workdir"
     config = tiny_train_config(data)

@@ -15,8 +15,8 @@ SCRIPTS = {"train", "evaluate", "benchmarks", "tests", "configs"}
 # never those of its own layer or a later one. training receives validation BLEU as a function
 # (evaluation.validation.bleu_evaluator), so it imports neither decoding nor evaluation; explain draws with visualize.
 LAYERS = [
-    {"errors", "tokens", "platform"},
-    {"cli", "sharding"},
+    {"errors", "tokens", "platform", "compile_cache"},
+    {"cli", "sharding", "accelerators"},
     {"ops"},
     {"config_checks"},
     {"model"},

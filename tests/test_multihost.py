@@ -19,6 +19,7 @@ import pytest
 
 from tests.helpers import REPO
 from tests.helpers.training import tiny_train_config, wait_for_checkpoint
+from transformer_jax import data
 from transformer_jax.training import checkpoints, loop
 from transformer_jax.training.metrics import read_metrics
 
@@ -90,8 +91,6 @@ def _losses(workdir: pathlib.Path) -> tuple[list[int], list[float], dict[int, fl
 def _shared_tokenizer(corpus: pathlib.Path) -> None:
     """One tokenizer and one tokenized store for every run, built once beforehand as the README says for
     multi-host runs (each would refuse to build its own)."""
-    from transformer_jax import data
-
     config = tiny_train_config(corpus)
     tokenizer = data.get_tokenizer(config.data, corpus.parent, vocab_size=config.model.vocab_size)
     data.open_train_store(config.data, tokenizer, build_if_missing=True)

@@ -11,6 +11,7 @@ from tests.helpers.sweeps import fails
 from transformer_jax.errors import ConfigError
 from transformer_jax.sweep import __main__ as sweep
 from transformer_jax.sweep import results, runner
+from transformer_jax.training import loop
 
 CONFIG = str(pathlib.Path(__file__).resolve().parent / "tiny_sweep_config.py")
 
@@ -180,8 +181,6 @@ def test_bad_config_override_is_a_clear_error(corpus, tmp_path, capsys, setting,
 
 def test_a_variant_stopped_early_is_not_marked_finished_and_stops_the_sweep(corpus, tmp_path, monkeypatch, capsys):
     """train_and_evaluate returns early on SIGTERM; the sweep must neither skip that variant later nor go on."""
-    from transformer_jax.training import loop
-
     started = []
     monkeypatch.setattr(loop, "train_and_evaluate", lambda config, workdir, bleu: started.append(workdir))  # no steps
     assert sweep.main(["--config", CONFIG, "--workdir", str(tmp_path / "sw")]) == 1

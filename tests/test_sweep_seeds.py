@@ -14,9 +14,12 @@ from matplotlib.figure import Figure
 
 from tests.helpers.fakes import WordTokenizer
 from tests.helpers.sweeps import fails, write_run
+from transformer_jax.data import pipeline
 from transformer_jax.errors import ConfigError
 from transformer_jax.sweep import __main__ as sweep
 from transformer_jax.sweep import results, runner
+from transformer_jax.training import loop
+from transformer_jax.training.state import model_params, new_train_state, split_train_state
 
 CONFIG = str(pathlib.Path(__file__).resolve().parent / "tiny_sweep_config.py")
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -26,9 +29,6 @@ pytestmark = pytest.mark.usefixtures("tiny_corpus_env")  # the conftest corpus, 
 
 
 def test_a_seed_changes_init_dropout_and_data_order_and_the_same_seed_repeats(corpus):
-    from transformer_jax.data import pipeline
-    from transformer_jax.training.state import model_params, new_train_state, split_train_state
-
     base = runner.variants(CONFIG)[0]
     seed0, seed1 = (r.config for r in runner.runs(base, 2))
     assert (seed1.train.seed, seed1.data.shuffle_seed) == (
@@ -185,8 +185,6 @@ def test_the_chart_has_error_bars_with_and_without_references(tmp_path, monkeypa
 
 def test_finished_seeds_are_skipped_an_unfinished_one_resumes_and_is_reported(corpus, tmp_path, monkeypatch, capsys):
     """Seed 1 of pre_ln has no result file: only it trains; it stops early, so the results say 1 of 2."""
-    from transformer_jax.training import loop
-
     workdir = tmp_path / "sw"
     refs = (corpus / "valid.de").read_text(encoding="utf-8").splitlines()
     for name, seed in (("base", 0), ("base", 1), ("pre_ln", 0)):

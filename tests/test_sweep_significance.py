@@ -14,6 +14,7 @@ import random
 import signal
 
 import pytest
+from sacrebleu.metrics import BLEU, CHRF
 
 from tests.helpers.sweeps import fails, write_run
 from transformer_jax.errors import ScoreError
@@ -22,6 +23,7 @@ from transformer_jax.sweep import __main__ as sweep
 from transformer_jax.sweep import runner
 from transformer_jax.sweep import significance as sweep_significance
 from transformer_jax.sweep.results import HYPOTHESES_FILE, RESULT_FILE, SCORES_FILE, aggregate_seeds, run_metrics
+from transformer_jax.training import loop
 
 CONFIG = str(pathlib.Path(__file__).resolve().parent / "tiny_sweep_config.py")
 WORDS = "der die das ein eine Hund Katze Mann Frau läuft springt sitzt über den Zaun im Park auf dem Rasen".split()
@@ -47,8 +49,6 @@ def test_with_one_seed_the_pooled_bootstrap_is_sacrebleus_paired_bootstrap():
 
 
 def test_pooled_scores_are_the_corpus_scores_of_all_seeds_together():
-    from sacrebleu.metrics import BLEU, CHRF
-
     base = [noisy(REFS, 0.5, s) for s in (1, 2)]
     system = [noisy(REFS, 0.3, s) for s in (3, 4)]
     result = significance.pooled_paired_bootstrap(base, system, REFS)
@@ -191,8 +191,6 @@ def _tiny_refs(corpus: pathlib.Path) -> list[str]:
 
 def test_aggregate_only_recomputes_the_tests_from_stored_hypotheses(corpus, tmp_path, monkeypatch):
     """--aggregate_only neither trains nor decodes; the table gets p-values, marks and the paper verdicts."""
-    from transformer_jax.training import loop
-
     monkeypatch.setattr(loop, "train_and_evaluate", lambda *a: pytest.fail("trained"))
     monkeypatch.setattr(runner, "evaluate_model", lambda *a: pytest.fail("decoded"))
     refs = _tiny_refs(corpus)
@@ -216,8 +214,6 @@ def test_aggregate_only_recomputes_the_tests_from_stored_hypotheses(corpus, tmp_
 def test_finished_runs_without_hypotheses_are_decoded_and_not_retrained(corpus, tmp_path, monkeypatch):
     """A run finished before the sweep decoded (no valid.hyp) gets decoded on the next invocation; decoded runs and
     the training are left alone."""
-    from transformer_jax.training import loop
-
     refs = _tiny_refs(corpus)
     workdir = tmp_path / "sw"
     write_run(workdir / "base", refs, refs, perplexity=5.0)
@@ -246,8 +242,6 @@ def test_finished_runs_without_hypotheses_are_decoded_and_not_retrained(corpus, 
 
 
 def test_sigterm_while_decoding_stops_the_sweep_and_leaves_the_run_undecoded(corpus, tmp_path, monkeypatch, capsys):
-    from transformer_jax.training import loop
-
     workdir = tmp_path / "sw"
     for name in ("base", "pre_ln"):
         (workdir / name).mkdir(parents=True)

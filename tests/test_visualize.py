@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from matplotlib import colormaps
+from matplotlib.image import imread
 
 from tests.helpers import REPO
 from tests.helpers.training import tiny_train_config, write_corpus
@@ -105,9 +107,6 @@ def test_attention_figures_one_per_kind_and_layer_at_the_stated_size(drawn):
 def test_attention_pixels_show_the_weights_in_place(tmp_path):
     """Reads the PNG back and finds each cell's weight in its colour: the diagonal bright, the rest dark, and the one
     half-weight cell at the top right (query 0, last key), so rows are queries from the top and columns keys."""
-    from matplotlib import colormaps
-    from matplotlib.image import imread
-
     T, S = 4, 6
     w_TS = np.eye(T, S, dtype=np.float32)
     w_TS[0, S - 1] = 0.5
