@@ -31,7 +31,8 @@ from absl import flags
 
 from transformer_jax import cli
 from transformer_jax.evaluation import checkpoint_flags
-from transformer_jax.evaluation.run import Options, evaluate
+from transformer_jax.evaluation.options import Options
+from transformer_jax.evaluation.run import evaluate
 
 FLAGS = flags.FLAGS
 checkpoint_flags.define()  # --config --workdir --checkpoint --average_last --average_steps, shared with the export
@@ -53,7 +54,7 @@ flags.DEFINE_string("scores_file", None, "JSON report; default OUTPUT_FILE.json.
 def main(argv: list[str]) -> None:
     del argv  # no positional arguments (transformer_jax.cli.run refuses them)
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs each checkpoint handler it creates at INFO
-    # Every value is checked in one place, run.check_options, before any file is read or the model restored.
+    # Every value is checked in one place, options.check_options, before any file is read or the model restored.
     options = Options(
         **checkpoint_flags.selection(),
         split=FLAGS.split if FLAGS["split"].present else None,  # None: test, unless --source_file

@@ -14,6 +14,10 @@ from ml_collections import config_flags
 
 from transformer_jax import cli, config_checks
 from transformer_jax.errors import ConfigError
+from transformer_jax.evaluation.validation import bleu_evaluator
+from transformer_jax.sharding import initialize_distributed
+from transformer_jax.training.loop import train_and_evaluate
+from transformer_jax.training.summary import dry_run_summary
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/multi30k.py:size=small.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, tokenizer, metrics.jsonl, TensorBoard.")
@@ -30,17 +34,11 @@ def main(argv: list[str]) -> None:
         if not _WORKDIR.value:
             raise ConfigError("--workdir is required (checkpoints, tokenizer and metrics go there)")
         config_checks.check_workdir(_WORKDIR.value)
-    from transformer_jax.sharding import initialize_distributed
-
     initialize_distributed()
     if _DRY_RUN.value:
-        from transformer_jax.training.summary import dry_run_summary
-
         print(json.dumps(dry_run_summary(config), indent=2))
         return
-    from transformer_jax.training.loop import train_and_evaluate
-
-    train_and_evaluate(config, _WORKDIR.value)
+    train_and_evaluate(config, _WORKDIR.value, bleu=bleu_evaluator)
 
 
 if __name__ == "__main__":

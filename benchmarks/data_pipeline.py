@@ -14,7 +14,6 @@ import json
 import os
 import tempfile
 import time
-from pathlib import Path
 
 from absl import flags
 
@@ -23,7 +22,7 @@ from transformer_jax import cli
 from transformer_jax.data import batching, pipeline, sources
 from transformer_jax.data import tokenizer as tokenizer_lib
 
-DATA = Path(os.environ.get("TRANSFORMER_JAX_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
+DATA = sources.shared_data_dir()
 
 _VOCAB_SIZE = flags.DEFINE_integer("vocab_size", 8000, "Pieces of the joint SentencePiece model.")
 _EPOCHS = flags.DEFINE_float("epochs", 1.0, "Epochs of tokens each mode batches.")

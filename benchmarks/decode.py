@@ -5,7 +5,7 @@
 
 With --workdir (side by side): the workdir's model (the checkpoints evaluate.py would average) translates the
 split with evaluation.translate.translate (evaluate.py's path) and, exported with the same weights
-(transformer_jax.exporting.ctranslate2), with CTranslate2 on --threads threads; one JSON line per beam size with
+(transformer_jax.export.ctranslate2), with CTranslate2 on --threads threads; one JSON line per beam size with
 each engine's first-call time (ours includes XLA compilation), its steady-state time (the best of --repeats further
 calls), sacreBLEU, and how many outputs are identical. Both sides use the same tokenization, source truncation and
 per-sentence output limits (evaluation/translate.py's rules); CTranslate2's length penalty is its own formula, so
@@ -43,10 +43,17 @@ from flax import nnx
 from ml_collections import config_flags
 
 from transformer_jax import cli, decoding
+from transformer_jax.data.sources import shared_data_dir
+from transformer_jax.data.tokenizer import train_tokenizer
 from transformer_jax.errors import DataError
+from transformer_jax.evaluation import bleu
+from transformer_jax.evaluation.inputs import split_pairs
+from transformer_jax.evaluation.restore import Restorer, restore_model
+from transformer_jax.evaluation.translate import position_limit, translate
+from transformer_jax.export.ctranslate2 import ctranslate2_translate, to_ctranslate2
 from transformer_jax.model import build_model
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wmt14_ende" / "test.en"
+DATA = shared_data_dir() / "wmt14_ende" / "test.en"
 NUM_LINES = 500
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/wmt14_ende.py:size=base", "Config file[:arg].")
@@ -80,13 +87,7 @@ def timed_calls(fn, repeats: int) -> tuple[float, float, object]:
 
 def side_by_side(workdir: str) -> None:
     """One JSON line per beam size: our translate() against CTranslate2 with the same weights (module docstring)."""
-    import ctranslate2
-
-    from transformer_jax.evaluation import bleu
-    from transformer_jax.evaluation.restore import Restorer, restore_model
-    from transformer_jax.evaluation.run import split_pairs
-    from transformer_jax.evaluation.translate import position_limit, translate
-    from transformer_jax.exporting.ctranslate2 import ctranslate2_translate, to_ctranslate2
+    import ctranslate2  # optional (pip install -e .[ctranslate2]): only this comparison needs it
 
     restorer = Restorer()
     config, model, steps = restore_model(restorer, workdir, average_last=_AVERAGE_LAST.value)
@@ -139,8 +140,6 @@ def source_ids(kind: str, vocab_size: int, num_sentences: int, max_len: int) -> 
         ids = [[4 + b for b in line.encode("utf-8")] for line in lines]
         how = "UTF-8 bytes -> ids 4..259"
     else:
-        from transformer_jax.data.tokenizer import train_tokenizer
-
         size = min(2000, vocab_size)
         with tempfile.TemporaryDirectory() as tmp:
             tok = train_tokenizer(lines, Path(tmp) / "spm.model", vocab_size=size, model_type="unigram")

@@ -72,7 +72,7 @@ def jax_stepper(config, batch):
 
 
 def torch_stepper(spec: TransformerSpec, batch, label_smoothing: float, opt):
-    import torch
+    import torch  # the reference (requirements-dev.txt); only this comparison needs it
 
     d, vocab = spec.d_model, spec.vocab_size
     torch.manual_seed(0)

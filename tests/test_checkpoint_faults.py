@@ -16,7 +16,8 @@ import jax
 import numpy as np
 import pytest
 
-from tests.training_helpers import tiny_train_config, write_corpus
+from tests.helpers import REPO
+from tests.helpers.training import tiny_train_config
 from transformer_jax.errors import CheckpointError, NonFiniteError
 from transformer_jax.training import checkpoints, loop, workdir_lock
 from transformer_jax.training.metrics import read_metrics
@@ -25,11 +26,6 @@ from transformer_jax.training.state import abstract_train_state
 
 def _config(corpus: pathlib.Path, **train):
     return tiny_train_config(corpus, eval_every=0, **train)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> pathlib.Path:
-    return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")
@@ -286,14 +282,13 @@ def test_train_py_with_no_readable_checkpoint_prints_one_error_line_and_no_trace
     for step in (3, 6):
         for f in _data_files(workdir, step):
             _truncate(f)
-    repo = pathlib.Path(__file__).resolve().parents[1]
-    args = ["--config", str(repo / "tests" / "tiny_train_config.py"), "--workdir", str(workdir)]
+    args = ["--config", str(REPO / "tests" / "tiny_train_config.py"), "--workdir", str(workdir)]
     result = subprocess.run(
-        [sys.executable, str(repo / "train.py"), *args, f"--config.data.text_dir={corpus}"],
-        cwd=repo,
+        [sys.executable, str(REPO / "train.py"), *args, f"--config.data.text_dir={corpus}"],
+        cwd=REPO,
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(repo)},
+        env={**os.environ, "PYTHONPATH": str(REPO)},
         timeout=120,
     )
     assert result.returncode == 1

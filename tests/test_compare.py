@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import DATA, REPO
 from transformer_jax.errors import EvalError, ScoreError
 from transformer_jax.evaluation import bleu, significance
-from transformer_jax.evaluation.run import Options, check_options, evaluate
+from transformer_jax.evaluation.options import Options, check_options
+from transformer_jax.evaluation.run import evaluate
 
-REPO = Path(__file__).resolve().parents[1]
 SACREBLEU = str(Path(sys.executable).parent / "sacrebleu")
-MULTI30K_TEST_DE = REPO.parent / "shared" / "data" / "multi30k" / "test.de"
+MULTI30K_TEST_DE = DATA / "multi30k" / "test.de"
 
 
 def drop_words(lines: list[str], p: float, seed: int) -> list[str]:

@@ -2,19 +2,19 @@
 
 import importlib
 import json
-import pathlib
 
 import jax
 import ml_collections
 import pytest
 from flax import nnx
 
-from tests.test_model_transformer import hand_count
+from tests.helpers import REPO
+from tests.helpers.reference import hand_count
 from transformer_jax import config_checks
 from transformer_jax.errors import ConfigError
 from transformer_jax.model import TransformerSpec, build_model
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
+CONFIG_DIR = REPO / "configs"
 CONFIG_ARGS = {
     "wmt14_ende": ["size=base", "size=big", "size=tiny", None],
     "wmt14_enfr": ["size=base", "size=big", "size=tiny", None],

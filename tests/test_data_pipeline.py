@@ -3,43 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from configs import common
+from tests.helpers import DATA
+from tests.helpers.fakes import WordTokenizer
 from transformer_jax.data import batching, pipeline
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import DataError
-
-DATA = Path(os.environ.get("TRANSFORMER_JAX_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
-
-
-class WordTokenizer:
-    """One id per space-separated word (ids from 4 up), so tests control lengths exactly."""
-
-    pad_id, eos_id, bos_id, unk_id = 0, 1, 2, 3
-
-    def __init__(self):
-        self.ids: dict[str, int] = {}
-        self.words: dict[int, str] = {}
-
-    def encode(self, text: str) -> list[int]:
-        out = []
-        for word in text.split():
-            if word not in self.ids:
-                self.ids[word] = len(self.ids) + 4
-                self.words[self.ids[word]] = word
-            out.append(self.ids[word])
-        return out
-
-    def encode_batch(self, texts, num_threads: int = 1) -> list[list[int]]:
-        return [self.encode(t) for t in texts]
-
-    def decode(self, ids) -> str:
-        return " ".join(self.words[int(i)] for i in ids)
 
 
 def synthetic_pairs(n: int, seed: int = 0, max_words: int = 20) -> list[tuple[str, str]]:
@@ -53,7 +27,7 @@ def synthetic_pairs(n: int, seed: int = 0, max_words: int = 20) -> list[tuple[st
     return pairs
 
 
-def write_corpus(directory: Path, pairs: list[tuple[str, str]], split: str = "train") -> Path:
+def write_pairs(directory: Path, pairs: list[tuple[str, str]], split: str = "train") -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / f"{split}.en").write_text("".join(s + "\n" for s, _ in pairs), encoding="utf-8")
     (directory / f"{split}.de").write_text("".join(t + "\n" for _, t in pairs), encoding="utf-8")
@@ -108,7 +82,7 @@ def corpus(tmp_path):
     pairs = synthetic_pairs(300)
     tokenizer = WordTokenizer()
     ids = {(tuple(tokenizer.encode(s)), tuple(tokenizer.encode(t))) for s, t in pairs}
-    return write_corpus(tmp_path / "corpus", pairs), tokenizer, pairs, ids
+    return write_pairs(tmp_path / "corpus", pairs), tokenizer, pairs, ids
 
 
 @pytest.mark.parametrize("mode", ["pack", "bucket", "pad"])
@@ -312,7 +286,7 @@ def test_length_filter_counts_and_keeps_the_boundary(tmp_path):
     words = lambda n, tag: " ".join(f"{tag}{i}" for i in range(n))  # noqa: E731
     pairs = [(words(7, "a"), words(3, "b")), (words(8, "c"), words(3, "d")), (words(2, "e"), words(8, "f"))]
     pairs += [(words(3, "g"), words(7, "h")), (words(1, "i"), words(1, "j"))]
-    write_corpus(tmp_path, pairs)
+    write_pairs(tmp_path, pairs)
     (tmp_path / "train.en").write_text("\n".join([s for s, _ in pairs] + ["", "x"]) + "\n", encoding="utf-8")
     (tmp_path / "train.de").write_text("\n".join([t for _, t in pairs] + ["y", ""]) + "\n", encoding="utf-8")
     config = config_for(tmp_path, max_len=8, batch_size=8, batching="pad")

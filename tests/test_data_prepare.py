@@ -10,12 +10,11 @@ import sys
 
 import pytest
 
-from tests.training_helpers import tiny_train_config, write_corpus
+from tests.helpers import REPO
+from tests.helpers.training import tiny_train_config, write_corpus
 from transformer_jax.data import store
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import DataError
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_prepare_writes_the_tokenizer_that_training_reuses(tmp_path):
@@ -24,7 +23,7 @@ def test_prepare_writes_the_tokenizer_that_training_reuses(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "transformer_jax.data.prepare", "--config", "tests/tiny_train_config.py",
          f"--config.data.text_dir={corpus}", "--workdir", str(workdir)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, check=True,
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=True,
     )  # fmt: skip
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["sentences"] == {"train": 400, "valid": 24, "test": 24}

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-import tensorflow_datasets as tfds
 
 from configs import common
+from tests.helpers.tfds import tfds_config  # registers the tiny TFDS builders
 from transformer_jax.data import sources
 from transformer_jax.errors import DataError
-
-DATA = Path(os.environ.get("TRANSFORMER_JAX_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
 
 
 def write(directory: Path, name: str, content: str | bytes) -> Path:
@@ -144,39 +141,6 @@ def test_relative_text_dir_resolves_against_the_repository_root(monkeypatch, tmp
 
 # ----------------------------------------------------------------------------------------------------------------
 # TFDS, through array_record random access and without TensorFlow.
-
-
-class TransformerJaxTinyTranslate(tfds.core.GeneratorBasedBuilder):
-    """A three-language translation builder small enough to prepare in a test."""
-
-    VERSION = tfds.core.Version("1.0.0")
-    BUILDER_CONFIGS = [tfds.core.BuilderConfig(name="de-en"), tfds.core.BuilderConfig(name="fr-en")]
-
-    def _info(self):
-        languages = tuple(self.builder_config.name.split("-"))
-        return tfds.core.DatasetInfo(builder=self, features=tfds.features.Translation(languages=languages))
-
-    def _split_generators(self, dl_manager):
-        return {"train": self._generate_examples(7), "validation": self._generate_examples(3)}
-
-    def _generate_examples(self, n):
-        a, b = self.builder_config.name.split("-")
-        for i in range(n):
-            yield i, {a: f"{a} Satz {i} \u00e4\u00df", b: f"{b} sentence {i}"}
-
-
-class TransformerJaxOfflineTranslate(TransformerJaxTinyTranslate):
-    """Preparing it fails the way a download without internet does."""
-
-    def _split_generators(self, dl_manager):
-        raise ConnectionError("Failed to resolve 'www.statmt.org'")
-
-
-def tfds_config(tmp_path, name="transformer_jax_tiny_translate/de-en", src="en", tgt="de", download=True):
-    config = common.data_config()
-    config.source, config.tfds_name, config.tfds_data_dir = "tfds", name, str(tmp_path)
-    config.src_lang, config.tgt_lang, config.tfds_download = src, tgt, download
-    return config
 
 
 def test_tfds_builder_in_both_directions(tmp_path):

@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
-from tests.training_helpers import tiny_train_config, write_corpus
+from tests.helpers.training import tiny_train_config, write_corpus
 from transformer_jax.data import batching, pipeline, sources, store
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import DataError
@@ -199,7 +199,7 @@ def test_mismatched_line_counts_fail_before_any_tokenizing(tmp_path, tokenizer, 
 
 
 def test_a_tfds_split_streams_into_the_same_store(tokenizer, tmp_path):
-    from tests.test_data_sources import tfds_config  # registers the tiny TFDS builder
+    from tests.helpers.tfds import tfds_config  # registers the tiny TFDS builders
 
     config = tfds_config(tmp_path / "tfds")
     config.max_len, config.batch_size = 32, 8
@@ -220,5 +220,5 @@ def test_data_store_dir_places_the_store_and_an_unwritable_one_is_one_clear_erro
     _, path = store.open_train_store(_config(corpus, store_dir=str(tmp_path / "stores")), tok, build_if_missing=True)
     assert path == tmp_path / "stores" / "spm.train.en-de.store" and (path / "manifest.json").is_file()
     (tmp_path / "a_file").write_text("")
-    with pytest.raises(DataError, match=r"cannot write the tokenized training store .*set data.store_dir"):
+    with pytest.raises(DataError, match=r"data\.store_dir"):
         store.open_train_store(_config(corpus, store_dir=str(tmp_path / "a_file" / "x")), tok, build_if_missing=True)

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
 import pytest
+import sentencepiece as spm
 
 from configs import common
+from tests.helpers import DATA
 from transformer_jax import tokens
 from transformer_jax.data import sources
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import DataError
-
-DATA = Path(os.environ.get("TRANSFORMER_JAX_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
 
 TRICKY = [
     "  two leading, two inner  spaces and a trailing one ",
@@ -120,8 +119,6 @@ def test_unreadable_or_invalid_model_file(tmp_path):
 
 def test_a_model_with_other_reserved_ids_is_refused(tmp_path):
     """SentencePiece's own defaults (unk 0, bos 1, eos 2, no pad) would shift every id the model and search use."""
-    import sentencepiece as spm
-
     lines = corpus_lines("multi30k", "valid", "en", 500)
     prefix = tmp_path / "defaults"
     spm.SentencePieceTrainer.train(

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.model_helpers import random_tokens, tiny_model
+from tests.helpers.model import random_tokens, tiny_model
 from transformer_jax import decoding
 from transformer_jax.evaluation.translate import translate
 from transformer_jax.model import unpacked_segment_ids

@@ -20,16 +20,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import common
+from tests.helpers import DATA, REPO
+from tests.helpers.fakes import CharTokenizer, FakeRestorer, tiny_config
+from transformer_jax.data.tokenizer import train_tokenizer
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation import bleu, restore
-from transformer_jax.evaluation.run import Options, evaluate_model, translate_stream
-from transformer_jax.model import build_model
+from transformer_jax.evaluation.options import Options
+from transformer_jax.evaluation.run import evaluate_model, translate_stream
 
-REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 SACREBLEU = str(Path(sys.executable).parent / "sacrebleu")
-WMT14_TEST_DE = REPO.parent / "shared" / "data" / "wmt14_ende" / "test.de"
+WMT14_TEST_DE = DATA / "wmt14_ende" / "test.de"
 
 
 def perturb(lines: list[str], seed: int = 0) -> list[str]:
@@ -95,54 +96,6 @@ def test_scores_only_mode_line_count_mismatch_names_both_files(tmp_path):
 
 
 # -- model mode with a fake checkpoint reader -------------------------------------------------------------------
-
-
-def tiny_config(**model_overrides):
-    config = common.base_config("tiny")
-    config.model.vocab_size = 50
-    config.model.update(model_overrides)
-    config.eval.beam_size = 2
-    config.eval.max_extra_len = 5  # with batch 4 and bucket 16: test_decoding's compiled search, when run together
-    config.eval.batch_size = 4
-    config.eval.average_last = 2
-    return config
-
-
-class CharTokenizer:
-    def encode(self, text: str) -> list[int]:
-        return [4 + ord(c) % 46 for c in text]
-
-    def decode(self, ids) -> str:
-        return "".join(chr(ord("a") + (int(i) - 4) % 26) for i in ids)
-
-
-class FakeRestorer:
-    """Checkpoints at `steps`; step s holds base + s / 1000 in every parameter."""
-
-    def __init__(self, steps=(100, 200, 300)):
-        self.steps, self.config, self.loaded = list(steps), tiny_config(), []
-        abstract = nnx.eval_shape(lambda: build_model(self.config, rngs=nnx.Rngs(0)))
-        shapes = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
-        rng = np.random.default_rng(0)
-        self.base = jax.tree.map(lambda s: (0.1 * rng.normal(size=s.shape)).astype(np.float32), shapes)
-
-    def list_steps(self, workdir):
-        return self.steps
-
-    def load_config(self, workdir):
-        return self.config
-
-    def config_differences(self, saved, current):
-        a, b = saved.model.to_dict(), current.model.to_dict()
-        return [f"model.{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(a) if a.get(k) != b.get(k)]
-
-    def load_params(self, workdir, steps, config):
-        for step in steps:
-            self.loaded.append(step)
-            yield jax.tree.map(lambda x, step=step: x + np.float32(step / 1000), self.base)
-
-    def tokenizer(self, config, workdir):
-        return CharTokenizer()
 
 
 def test_restore_averages_the_last_checkpoints_up_to_the_chosen_step(tmp_path):
@@ -240,9 +193,7 @@ def test_end_to_end_with_real_checkpoints_and_tokenizer(tmp_path):
     """Saves two tiny checkpoints with the training code, trains a tokenizer, runs the command line."""
     checkpoints = pytest.importorskip("transformer_jax.training.checkpoints")
     state_lib = pytest.importorskip("transformer_jax.training.state")
-    from transformer_jax.data.tokenizer import train_tokenizer
-
-    multi30k = REPO.parent / "shared" / "data" / "multi30k" / "valid.en"
+    multi30k = DATA / "multi30k" / "valid.en"
     if not multi30k.exists():
         pytest.skip(f"real data not found: {multi30k}")
     config = tiny_config(vocab_size=500)

@@ -1,4 +1,4 @@
-"""python -m transformer_jax.explain and transformer_jax.explanation: the page's translation is evaluate.py's, every
+"""python -m transformer_jax.explain and transformer_jax.explain: the page's translation is evaluate.py's, every
 intermediate it shows is the model's own tensor (recomputed here from the model's public pieces), its checks are
 measured, it renders in a real browser, and bad input is one clear line."""
 
@@ -15,14 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from matplotlib.image import imread
 
-from tests.training_helpers import tiny_train_config, write_corpus
-from transformer_jax import explain as explain_cli
+from tests.helpers.training import tiny_train_config, write_corpus
 from transformer_jax.data.tokenizer import get_tokenizer
-from transformer_jax.evaluation.run import Options, evaluate_model
+from transformer_jax.evaluation.options import Options
+from transformer_jax.evaluation.run import evaluate_model
 from transformer_jax.evaluation.translate import source_ids
-from transformer_jax.explanation import TEXT, explain, figures, numbers, render, summary
-from transformer_jax.explanation.page import fmt, header
+from transformer_jax.explain import TEXT, explain, figures, numbers, render, summary
+from transformer_jax.explain import __main__ as explain_cli
+from transformer_jax.explain.page import fmt, header
 from transformer_jax.model.layers import sinusoidal_encoding
 from transformer_jax.model.transformer import capture_attention_weights
 from transformer_jax.tokens import EOS_ID
@@ -271,8 +273,6 @@ def test_page_renders_in_headless_chromium_without_console_errors(pages, tmp_pat
 
 def screenshot(browser: str, html: str, folder: Path) -> tuple[np.ndarray, list[str]]:
     """(RGB pixels of a 1200x3000 headless screenshot of the page, the browser's console error lines)."""
-    from matplotlib.image import imread
-
     folder.mkdir()
     page, shot = folder / "explain.html", folder / "shot.png"
     page.write_text(html, encoding="utf-8")

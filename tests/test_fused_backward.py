@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.model_helpers import random_tokens, tiny_model, tiny_spec
+from tests.helpers.model import random_tokens, tiny_model, tiny_spec
 from transformer_jax.model.layers import fused_dot_general, logits_from_table, tied_logits
 from transformer_jax.model.spec import fused_backward_enabled
 from transformer_jax.training.losses import cross_entropy_sums

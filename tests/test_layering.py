@@ -1,7 +1,8 @@
-"""The package's import structure: no module imports a top-level script, and module imports form no cycle.
+"""The package's import structure: one order between its packages, no module importing a top-level script, no
+cycle between modules, and one convention for command lines.
 
-Imports inside functions count too: a cycle hidden in a function is still two modules that cannot be understood,
-tested or moved apart. The check reads the source (ast), so it needs no import of JAX.
+Imports inside functions count too: a dependency hidden in a function is still a dependency. The checks read the
+source (ast), so they need no import of JAX.
 """
 
 import ast
@@ -9,6 +10,22 @@ import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "transformer_jax"
 SCRIPTS = {"train", "evaluate", "benchmarks", "tests", "configs"}
+
+# The packages (and top-level modules) of transformer_jax, in order: each may import those of earlier layers,
+# never those of its own layer or a later one. training receives validation BLEU as a function
+# (evaluation.validation.bleu_evaluator), so it imports neither decoding nor evaluation; explain draws with visualize.
+LAYERS = [
+    {"errors", "tokens", "platform", "compile_cache"},
+    {"cli", "sharding", "accelerators"},
+    {"ops"},
+    {"config_checks"},
+    {"model"},
+    {"data"},
+    {"training", "decoding"},
+    {"evaluation"},
+    {"export", "visualize", "sweep"},
+    {"explain"},
+]
 
 
 def module_imports() -> dict[str, set[str]]:
@@ -30,6 +47,32 @@ def module_imports() -> dict[str, set[str]]:
                 targets.update(alias.name for alias in node.names)
         graph[name] = targets
     return graph
+
+
+def unit(module: str) -> str | None:
+    """The package or top-level module of transformer_jax that `module` belongs to (None: outside, or the root)."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "transformer_jax" and len(parts) > 1 else None
+
+
+def layering_violations(graph: dict[str, set[str]], layers: list[set[str]]) -> list[str]:
+    """'a -> b' for every import of a unit of the same or a later layer; 'a: in no layer' for an unlisted unit."""
+    rank = {name: i for i, layer in enumerate(layers) for name in layer}
+    out = []
+    for module, targets in sorted(graph.items()):
+        source = unit(module)
+        if source is None:
+            continue
+        if source not in rank:
+            out.append(f"{module}: {source} is in no layer; add it to LAYERS where its imports allow")
+            continue
+        for target in sorted(targets):
+            other = unit(target)
+            if other is None or other == source:
+                continue
+            if other not in rank or rank[other] >= rank[source]:
+                out.append(f"{module} -> {target}")
+    return out
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -54,12 +97,30 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def test_packages_import_only_earlier_layers():
+    assert layering_violations(module_imports(), LAYERS) == []
+
+
+def test_the_layering_check_finds_an_import_upwards_and_between_peers():
+    graph = {
+        "transformer_jax.training.loop": {"transformer_jax.evaluation.bleu", "transformer_jax.model", "jax"},
+        "transformer_jax.evaluation.bleu": {"transformer_jax.training.state", "transformer_jax.evaluation.run"},
+        "transformer_jax.sweep.runner": {"transformer_jax.export.ctranslate2"},
+        "transformer_jax.new_thing": set(),
+    }
+    assert layering_violations(graph, LAYERS) == [
+        "transformer_jax.new_thing: new_thing is in no layer; add it to LAYERS where its imports allow",
+        "transformer_jax.sweep.runner -> transformer_jax.export.ctranslate2",
+        "transformer_jax.training.loop -> transformer_jax.evaluation.bleu",
+    ]
+
+
 def test_the_package_never_imports_a_script():
     offenders = {m: sorted(t for t in targets if t.split(".")[0] in SCRIPTS) for m, targets in module_imports().items()}
     assert not {m: t for m, t in offenders.items() if t}
     # Nor loads one by its file path: the only module loaded by path is a config file (the sweep's).
     loaders = [p.name for p in PACKAGE.rglob("*.py") if "spec_from_file_location" in p.read_text(encoding="utf-8")]
-    assert loaders == ["sweep.py"]
+    assert loaders == ["runner.py"]
 
 
 def test_module_imports_form_no_cycle():
@@ -70,3 +131,21 @@ def test_the_cycle_check_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "os"}, "d": {"a"}}
     assert find_cycle(graph) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_every_command_line_is_a_main_module_of_the_package_it_drives():
+    """One convention: `python -m transformer_jax.<package>` runs <package>/__main__.py, which holds flags and
+    main only. data.prepare is the one named command: `python -m transformer_jax.data` would not say what it does."""
+    commands = sorted(
+        str(p.relative_to(PACKAGE))
+        for p in PACKAGE.rglob("*.py")
+        if '__name__ == "__main__"' in p.read_text(encoding="utf-8")
+    )
+    assert commands == [
+        "data/prepare.py",
+        "explain/__main__.py",
+        "export/__main__.py",
+        "sweep/__main__.py",
+        "visualize/__main__.py",
+    ]
+    assert not [p.name for p in PACKAGE.glob("*.py") if p.stem in {"explain", "export", "visualize", "sweep"}]

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.test_linear_attention import naive
+from tests.helpers.reference import naive_linear_attention
 from transformer_jax import ops
 from transformer_jax.ops import blockwise, pallas_kernels
 from transformer_jax.ops.masks import AttentionMask
@@ -146,4 +146,4 @@ def test_linear_attention_sums_over_the_dense_mask(seed: int) -> None:
     q = jnp.asarray(rng.standard_normal((batch, q_len, 4, 8)), jnp.float32)
     k, v = (jnp.asarray(rng.standard_normal((batch, kv_len, 2, 8)), jnp.float32) for _ in range(2))
     got = ops.attention(q, k, v, impl="linear", **kw)
-    np.testing.assert_allclose(got, naive(q, k, v, **kw), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got, naive_linear_attention(q, k, v, **kw), rtol=1e-4, atol=1e-5)

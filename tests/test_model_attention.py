@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.model_helpers import tiny_spec
+from tests.helpers.model import tiny_spec
 from transformer_jax import ops
 from transformer_jax.model.attention import MultiHeadAttention
 

@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 from configs import common
-from tests.training_helpers import synthetic_batch
+from tests.helpers.training import synthetic_batch
+from transformer_jax.model import build_model
 from transformer_jax.sharding import make_mesh
 from transformer_jax.training.state import create_train_state
 from transformer_jax.training.step import compile_steps
@@ -49,8 +50,6 @@ def test_encoder_decoder_forward_and_backward_at_8192_tokens_per_side_with_block
     config.model.vocab_size = 1000
     config.attention.impl = "blockwise"
     config.model.dropout_rate = 0.0
-    from transformer_jax.model import build_model
-
     model = build_model(config, rngs=nnx.Rngs(0))
     length = 8192
     src = jax.random.randint(jax.random.key(0), (1, length), 4, 1000)

@@ -8,7 +8,16 @@ from flax import nnx
 
 from configs import common
 from transformer_jax.model import TransformerSpec
-from transformer_jax.model.layers import Embedding, FeedForward, LayerNorm, RMSNorm, sinusoidal_encoding
+from transformer_jax.model.layers import (
+    Embedding,
+    FeedForward,
+    LayerNorm,
+    RMSNorm,
+    fused_dot_general,
+    matmul_last,
+    sinusoidal_encoding,
+    tied_logits,
+)
 
 
 def tiny_spec(**overrides) -> TransformerSpec:
@@ -108,8 +117,6 @@ def test_feed_forward_matches_formula(activation):
 @pytest.mark.parametrize("d_in, d_out", [(6, 10), (10, 6)])
 def test_matmul_last_gradients_equal_autodiff(d_in, d_out):
     """The hand-written backward of matmul_last (both transposition branches) and of tied_logits."""
-    from transformer_jax.model.layers import matmul_last, tied_logits
-
     kx, kw, kg = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(kx, (3, 5, d_in))
     w = jax.random.normal(kw, (d_in, d_out))
@@ -141,8 +148,6 @@ def test_linear_layer_dot_general_falls_back_to_lax_with_autodiff_gradients(
     x_shape, w_shape, dimension_numbers, options
 ):
     """Anything but a plain x @ kernel over x's last axis skips matmul_last (whose backward assumes that shape)."""
-    from transformer_jax.model.layers import fused_dot_general
-
     kx, kw, kg = jax.random.split(jax.random.key(1), 3)
     x, w = jax.random.normal(kx, x_shape), jax.random.normal(kw, w_shape)
     ours = lambda x, w: fused_dot_general(x, w, dimension_numbers, **options)
@@ -157,8 +162,6 @@ def test_linear_layer_dot_general_falls_back_to_lax_with_autodiff_gradients(
 
 
 def test_linear_layer_dot_general_takes_the_fast_path_for_a_plain_matmul():
-    from transformer_jax.model.layers import fused_dot_general
-
     x, w = jnp.ones((3, 5, 6)), jnp.ones((6, 10))
     plain = (((2,), (0,)), ((), ()))
     assert "custom_vjp" in str(jax.make_jaxpr(lambda x, w: fused_dot_general(x, w, plain))(x, w))

@@ -7,7 +7,8 @@ import pytest
 from flax import nnx
 
 from configs import common, wmt14_ende
-from tests.model_helpers import forward, random_tokens, tiny_model, tiny_spec
+from tests.helpers.model import forward, random_tokens, tiny_model, tiny_spec
+from tests.helpers.reference import hand_count
 from transformer_jax.model import Transformer, TransformerSpec, build_model, capture_attention_weights
 
 
@@ -227,16 +228,6 @@ def test_tied_matrices_are_one_matrix_and_untied_ones_are_separate(share, tie):
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     shared_params = sum(x.size for x in jax.tree.leaves(nnx.state(tiny_model(), nnx.Param)))
     assert params - shared_params == (len(VOCAB_MATRICES[share, tie]) - 1) * spec.vocab_size * spec.d_model
-
-
-def hand_count(vocab: int, d: int, d_ff: int, n_layers: int) -> int:
-    """Parameters derived from the paper's equations, with one shared embedding matrix (3.4)."""
-    attention = 4 * (d * d + d)  # W^Q, W^K, W^V, W^O with biases
-    ffn = d * d_ff + d_ff + d_ff * d + d  # W1, b1, W2, b2
-    layer_norm = 2 * d  # gamma, beta
-    encoder_layer = attention + ffn + 2 * layer_norm
-    decoder_layer = 2 * attention + ffn + 3 * layer_norm
-    return vocab * d + n_layers * (encoder_layer + decoder_layer)
 
 
 @pytest.mark.parametrize("size,expected_millions", [("base", 63.1), ("big", 214.3)])  # the issue's figures

@@ -17,17 +17,13 @@ import sys
 import numpy as np
 import pytest
 
-from tests.training_helpers import tiny_train_config, wait_for_checkpoint, write_corpus
+from tests.helpers import REPO
+from tests.helpers.training import tiny_train_config, wait_for_checkpoint
+from transformer_jax import data
 from transformer_jax.training import checkpoints, loop
 from transformer_jax.training.metrics import read_metrics
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = REPO / "tests" / "tiny_train_config.py"
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> pathlib.Path:
-    return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def _command(corpus: pathlib.Path, workdir: pathlib.Path, num_steps: int, **extra: object) -> list[str]:
@@ -95,8 +91,6 @@ def _losses(workdir: pathlib.Path) -> tuple[list[int], list[float], dict[int, fl
 def _shared_tokenizer(corpus: pathlib.Path) -> None:
     """One tokenizer and one tokenized store for every run, built once beforehand as the README says for
     multi-host runs (each would refuse to build its own)."""
-    from transformer_jax import data
-
     config = tiny_train_config(corpus)
     tokenizer = data.get_tokenizer(config.data, corpus.parent, vocab_size=config.model.vocab_size)
     data.open_train_store(config.data, tokenizer, build_if_missing=True)

@@ -8,20 +8,14 @@ import sys
 
 import pytest
 
-from tests.training_helpers import tiny_train_config, write_corpus
+from tests.helpers import REPO
+from tests.helpers.training import tiny_train_config
 from transformer_jax import data
 from transformer_jax.model import TransformerSpec
 from transformer_jax.sharding import make_mesh
 from transformer_jax.training import flops
 from transformer_jax.training.loop import check_batch_shapes
 from transformer_jax.training.summary import dry_run_summary
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> pathlib.Path:
-    return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def _config(corpus: pathlib.Path, batching: str, accum: int = 1):

@@ -10,30 +10,27 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from matplotlib.figure import Figure
 
-from tests.test_data_pipeline import WordTokenizer
-from tests.test_sweep import fails
-from tests.training_helpers import write_corpus
-from transformer_jax import sweep, sweep_results
+from tests.helpers.fakes import WordTokenizer
+from tests.helpers.sweeps import fails, write_run
+from transformer_jax.data import pipeline
 from transformer_jax.errors import ConfigError
+from transformer_jax.sweep import __main__ as sweep
+from transformer_jax.sweep import results, runner
+from transformer_jax.training import loop
+from transformer_jax.training.state import model_params, new_train_state, split_train_state
 
 CONFIG = str(pathlib.Path(__file__).resolve().parent / "tiny_sweep_config.py")
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture
-def corpus(tmp_path, monkeypatch) -> pathlib.Path:
-    path = write_corpus(tmp_path / "corpus")
-    monkeypatch.setenv("TINY_CORPUS", str(path))
-    return path
+pytestmark = pytest.mark.usefixtures("tiny_corpus_env")  # the conftest corpus, where the sweep's config reads it
 
 
 def test_a_seed_changes_init_dropout_and_data_order_and_the_same_seed_repeats(corpus):
-    from transformer_jax.data import pipeline
-    from transformer_jax.training.state import model_params, new_train_state, split_train_state
-
-    base = sweep.variants(CONFIG)[0]
-    seed0, seed1 = (r.config for r in sweep.runs(base, 2))
+    base = runner.variants(CONFIG)[0]
+    seed0, seed1 = (r.config for r in runner.runs(base, 2))
     assert (seed1.train.seed, seed1.data.shuffle_seed) == (
         base.config.train.seed + 1,
         base.config.data.shuffle_seed + 1,
@@ -95,12 +92,12 @@ def test_seeds_from_the_config_file_and_bad_seed_counts(corpus, tmp_path, capsys
     assert sweep.main(["--config", str(config), "--workdir", str(tmp_path / "sw"), "--dry_run", "--seeds", "1"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[0] == "base: {}"  # the flag wins
     assert "--seeds" in fails(["--config", CONFIG, "--workdir", str(tmp_path), "--seeds", "0"], capsys)
-    sweep.load_config_module.cache_clear()
+    runner.load_config_module.cache_clear()
     config.write_text("from tests.tiny_sweep_config import get_config, get_sweep\n\nSEEDS = '3'\n")
     assert "SEEDS = '3'; it must be a whole number >= 1" in fails(["--config", str(config), "--workdir", "x"], capsys)
-    sweep.load_config_module.cache_clear()
+    runner.load_config_module.cache_clear()
     with pytest.raises(ConfigError, match="sweep variant 'base', seed 1 of --seeds 2: config key train.seed"):
-        sweep.runs(sweep.variants(CONFIG, {"train.seed": 2**32 - 1})[0], 2)
+        runner.runs(runner.variants(CONFIG, {"train.seed": 2**32 - 1})[0], 2)
 
 
 def _run(ppl, bleu, finished=True):
@@ -130,7 +127,7 @@ T_975_DOF4 = 2.7764451051977987  # scipy.stats.t.ppf(0.975, 4)
 
 
 def test_aggregation_gives_mean_std_seed_counts_and_welch_intervals():
-    base, v, w = sweep_results.aggregate_seeds(SYNTHETIC, 3)
+    base, v, w = results.aggregate_seeds(SYNTHETIC, 3)
     assert (base["valid_perplexity"], base["valid_perplexity_std"], base["n_seeds"], base["seeds"]) == (9.0, 1.0, 3, 3)
     assert (base["valid_bleu"], base["valid_bleu_std"], base["missing_seeds"]) == (21.0, 1.0, "")
     assert (v["valid_perplexity"], v["valid_perplexity_std"], v["n_seeds"], v["missing_seeds"]) == (7.5, 0.7071, 2, "2")
@@ -140,15 +137,15 @@ def test_aggregation_gives_mean_std_seed_counts_and_welch_intervals():
     assert w["delta_valid_perplexity_ci95_low"] == pytest.approx(-2 - half, abs=1e-4)
     assert w["delta_valid_perplexity_ci95_high"] == pytest.approx(-2 + half, abs=1e-4)
     assert base["delta_valid_perplexity"] == 0.0 and base["delta_valid_perplexity_ci95_low"] == ""
-    low, high = sweep_results.welch_interval([7.0, 8.0], [8.0, 9.0, 10.0])
+    low, high = results.welch_interval([7.0, 8.0], [8.0, 9.0, 10.0])
     assert low < -1.5 < high and (low + high) / 2 == pytest.approx(-1.5)
-    assert sweep_results.welch_interval([1.0, 1.0], [2.0, 2.0]) == (-1.0, -1.0)
+    assert results.welch_interval([1.0, 1.0], [2.0, 2.0]) == (-1.0, -1.0)
     with pytest.raises(ValueError, match="two values per sample"):
-        sweep_results.welch_interval([1.0], [2.0, 3.0])
+        results.welch_interval([1.0], [2.0, 3.0])
 
 
 def test_results_table_marks_a_missing_seed_and_gives_intervals(tmp_path):
-    sweep_results.write_results(sweep_results.aggregate_seeds(SYNTHETIC, 3), tmp_path)
+    results.write_results(results.aggregate_seeds(SYNTHETIC, 3), tmp_path)
     table = (tmp_path / "results.md").read_text()
     assert (
         "| seeds | valid_perplexity | valid_bleu | valid_chrf | tokens_per_s | wall_s | Δ valid_perplexity [95% CI] |"
@@ -173,14 +170,12 @@ def test_results_table_marks_a_missing_seed_and_gives_intervals(tmp_path):
 
 
 def test_the_chart_has_error_bars_with_and_without_references(tmp_path, monkeypatch):
-    import matplotlib.pyplot as plt
-
     figures = []
-    close = plt.close
-    monkeypatch.setattr(plt, "close", lambda fig: (figures.append(fig), close(fig)))
-    sweep_results.write_results(sweep_results.aggregate_seeds(SYNTHETIC, 3), tmp_path)
+    savefig = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (figures.append(fig), savefig(fig, *a, **k)))
+    results.write_results(results.aggregate_seeds(SYNTHETIC, 3), tmp_path)
     with_refs = [dict(v, ref_valid_perplexity=5.0, ref_valid_bleu=25.0) for v in SYNTHETIC]
-    sweep_results.write_results(sweep_results.aggregate_seeds(with_refs, 3), tmp_path, reference_label="paper")
+    results.write_results(results.aggregate_seeds(with_refs, 3), tmp_path, reference_label="paper")
     assert "| 5.0 | 25.0 |" in (tmp_path / "results.md").read_text()
     for fig in figures:
         assert all(
@@ -190,15 +185,12 @@ def test_the_chart_has_error_bars_with_and_without_references(tmp_path, monkeypa
 
 def test_finished_seeds_are_skipped_an_unfinished_one_resumes_and_is_reported(corpus, tmp_path, monkeypatch, capsys):
     """Seed 1 of pre_ln has no result file: only it trains; it stops early, so the results say 1 of 2."""
-    from tests.test_sweep_significance import write_run
-    from transformer_jax.training import loop
-
     workdir = tmp_path / "sw"
     refs = (corpus / "valid.de").read_text(encoding="utf-8").splitlines()
     for name, seed in (("base", 0), ("base", 1), ("pre_ln", 0)):
         write_run(workdir / name / f"seed{seed}", refs, refs, perplexity=5.0 + seed + (name == "pre_ln"))
     started = []
-    monkeypatch.setattr(loop, "train_and_evaluate", lambda config, workdir: started.append(workdir))  # no steps
+    monkeypatch.setattr(loop, "train_and_evaluate", lambda config, workdir, bleu: started.append(workdir))  # no steps
     assert sweep.main(["--config", CONFIG, "--workdir", str(workdir), "--seeds", "2"]) == 1
     assert started == [workdir / "pre_ln" / "seed1"]
     assert "variant pre_ln/seed1 stopped at step 0 of 2" in capsys.readouterr().err

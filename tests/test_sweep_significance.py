@@ -14,23 +14,22 @@ import random
 import signal
 
 import pytest
+from sacrebleu.metrics import BLEU, CHRF
 
-from tests.test_sweep import fails
-from tests.training_helpers import write_corpus
-from transformer_jax import sweep, sweep_significance
+from tests.helpers.sweeps import fails, write_run
 from transformer_jax.errors import ScoreError
-from transformer_jax.evaluation import bleu, significance
-from transformer_jax.sweep_results import HYPOTHESES_FILE, RESULT_FILE, SCORES_FILE, aggregate_seeds, run_metrics
+from transformer_jax.evaluation import significance
+from transformer_jax.sweep import __main__ as sweep
+from transformer_jax.sweep import runner
+from transformer_jax.sweep import significance as sweep_significance
+from transformer_jax.sweep.results import HYPOTHESES_FILE, RESULT_FILE, SCORES_FILE, aggregate_seeds, run_metrics
+from transformer_jax.training import loop
 
 CONFIG = str(pathlib.Path(__file__).resolve().parent / "tiny_sweep_config.py")
 WORDS = "der die das ein eine Hund Katze Mann Frau läuft springt sitzt über den Zaun im Park auf dem Rasen".split()
 
 
-@pytest.fixture
-def corpus(tmp_path, monkeypatch) -> pathlib.Path:
-    path = write_corpus(tmp_path / "corpus")
-    monkeypatch.setenv("TINY_CORPUS", str(path))
-    return path
+pytestmark = pytest.mark.usefixtures("tiny_corpus_env")  # the conftest corpus, where the sweep's config reads it
 
 
 def noisy(refs: list[str], p: float, seed: int) -> list[str]:
@@ -42,16 +41,6 @@ def noisy(refs: list[str], p: float, seed: int) -> list[str]:
 REFS = noisy([" ".join(random.Random(i).choices(WORDS, k=3 + i % 8)) for i in range(60)], 0.0, 0)
 
 
-def write_run(directory: pathlib.Path, hyps: list[str], refs: list[str], perplexity: float, steps: int = 2) -> None:
-    """A finished, decoded run as the sweep leaves it."""
-    directory.mkdir(parents=True)
-    (directory / "metrics.jsonl").write_text(json.dumps({"step": steps, "valid_perplexity": perplexity}) + "\n")
-    (directory / RESULT_FILE).write_text(json.dumps({"name": directory.name, "num_steps": steps, "wall_s": 1.0}))
-    (directory / HYPOTHESES_FILE).write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
-    report = {"checkpoint_steps": [steps], "scores": bleu.score_all(hyps, refs)}
-    (directory / SCORES_FILE).write_text(json.dumps(report))
-
-
 def test_with_one_seed_the_pooled_bootstrap_is_sacrebleus_paired_bootstrap():
     a, b = noisy(REFS, 0.5, 1), noisy(REFS, 0.3, 2)
     pooled, plain = significance.pooled_paired_bootstrap([a], [b], REFS), significance.paired_bootstrap(a, b, REFS)
@@ -60,8 +49,6 @@ def test_with_one_seed_the_pooled_bootstrap_is_sacrebleus_paired_bootstrap():
 
 
 def test_pooled_scores_are_the_corpus_scores_of_all_seeds_together():
-    from sacrebleu.metrics import BLEU, CHRF
-
     base = [noisy(REFS, 0.5, s) for s in (1, 2)]
     system = [noisy(REFS, 0.3, s) for s in (3, 4)]
     result = significance.pooled_paired_bootstrap(base, system, REFS)
@@ -204,11 +191,8 @@ def _tiny_refs(corpus: pathlib.Path) -> list[str]:
 
 def test_aggregate_only_recomputes_the_tests_from_stored_hypotheses(corpus, tmp_path, monkeypatch):
     """--aggregate_only neither trains nor decodes; the table gets p-values, marks and the paper verdicts."""
-    from transformer_jax.evaluation import run
-    from transformer_jax.training import loop
-
     monkeypatch.setattr(loop, "train_and_evaluate", lambda *a: pytest.fail("trained"))
-    monkeypatch.setattr(run, "evaluate_model", lambda *a: pytest.fail("decoded"))
+    monkeypatch.setattr(runner, "evaluate_model", lambda *a: pytest.fail("decoded"))
     refs = _tiny_refs(corpus)
     workdir = tmp_path / "sw"
     for i in range(3):
@@ -230,9 +214,6 @@ def test_aggregate_only_recomputes_the_tests_from_stored_hypotheses(corpus, tmp_
 def test_finished_runs_without_hypotheses_are_decoded_and_not_retrained(corpus, tmp_path, monkeypatch):
     """A run finished before the sweep decoded (no valid.hyp) gets decoded on the next invocation; decoded runs and
     the training are left alone."""
-    from transformer_jax.evaluation import run
-    from transformer_jax.training import loop
-
     refs = _tiny_refs(corpus)
     workdir = tmp_path / "sw"
     write_run(workdir / "base", refs, refs, perplexity=5.0)
@@ -249,7 +230,7 @@ def test_finished_runs_without_hypotheses_are_decoded_and_not_retrained(corpus, 
             pathlib.Path(options.workdir, name).write_bytes((tmp_path / "decoded" / name).read_bytes())
 
     monkeypatch.setattr(loop, "train_and_evaluate", lambda *a: pytest.fail("trained a finished run"))
-    monkeypatch.setattr(run, "evaluate_model", fake_decode)
+    monkeypatch.setattr(runner, "evaluate_model", fake_decode)
     assert sweep.main(["--config", CONFIG, "--workdir", str(workdir)]) == 0
     [options] = decodes
     assert (options.workdir, options.split, options.average_last) == (str(old), "valid", 1)
@@ -261,15 +242,12 @@ def test_finished_runs_without_hypotheses_are_decoded_and_not_retrained(corpus, 
 
 
 def test_sigterm_while_decoding_stops_the_sweep_and_leaves_the_run_undecoded(corpus, tmp_path, monkeypatch, capsys):
-    from transformer_jax.evaluation import run
-    from transformer_jax.training import loop
-
     workdir = tmp_path / "sw"
     for name in ("base", "pre_ln"):
         (workdir / name).mkdir(parents=True)
         (workdir / name / RESULT_FILE).write_text(json.dumps({"name": name, "num_steps": 2, "wall_s": 1.0}))
     monkeypatch.setattr(loop, "train_and_evaluate", lambda *a: pytest.fail("trained a finished run"))
-    monkeypatch.setattr(run, "evaluate_model", lambda options: os.kill(os.getpid(), signal.SIGTERM))
+    monkeypatch.setattr(runner, "evaluate_model", lambda options: os.kill(os.getpid(), signal.SIGTERM))
     before = signal.getsignal(signal.SIGTERM)
     assert sweep.main(["--config", CONFIG, "--workdir", str(workdir)]) == 1
     assert "variant base stopped while decoding the validation split; run the same command" in capsys.readouterr().err

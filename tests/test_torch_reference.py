@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.model_helpers import random_tokens, tiny_model
+from tests.helpers.model import random_tokens, tiny_model
 
 torch = pytest.importorskip("torch", reason="torch is not installed: `pip install torch==2.13.0` (CPU build)")
 

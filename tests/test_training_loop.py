@@ -8,32 +8,38 @@ import shutil
 import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from tests.training_helpers import synthetic_batch, tiny_train_config, wait_for_checkpoint, write_corpus
-from transformer_jax.sharding import make_mesh
-from transformer_jax.training import checkpoints
-from transformer_jax.training.loop import NonFiniteError, train_and_evaluate
+from configs import common
+from tests.helpers import REPO
+from tests.helpers.training import synthetic_batch, tiny_train_config, wait_for_checkpoint
+from transformer_jax import data
+from transformer_jax.data import pipeline
+from transformer_jax.errors import ConfigError, DataError
+from transformer_jax.evaluation.validation import bleu_evaluator
+from transformer_jax.sharding import batch_sharding, make_mesh
+from transformer_jax.training import checkpoints, loop
+from transformer_jax.training.loop import (
+    NonFiniteError,
+    check_batch_shapes,
+    prefetch,
+    train_and_evaluate,
+    validation_batches,
+)
 from transformer_jax.training.metrics import read_metrics
 from transformer_jax.training.state import abstract_train_state, create_train_state
 from transformer_jax.training.step import compile_steps
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> pathlib.Path:
-    return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(corpus, tmp_path_factory) -> pathlib.Path:
     workdir = tmp_path_factory.mktemp("uninterrupted")
-    train_and_evaluate(tiny_train_config(corpus, bleu_every=6, bleu_sentences=5), workdir)
+    train_and_evaluate(tiny_train_config(corpus, bleu_every=6, bleu_sentences=5), workdir, bleu=bleu_evaluator)
     return workdir
 
 
@@ -45,6 +51,13 @@ def _final_params(workdir: pathlib.Path, config) -> list[np.ndarray]:
     _, abstract = abstract_train_state(config)
     step = checkpoints.list_steps(workdir)[-1]
     return [np.asarray(x) for x in jax.tree.leaves(checkpoints.load_model_params(workdir, step, abstract))]
+
+
+def test_bleu_every_without_a_bleu_evaluator_is_refused_before_any_work(corpus, tmp_path):
+    """Training cannot translate (it never imports evaluation): the caller passes the BLEU function."""
+    with pytest.raises(ValueError, match=r"train\.bleu_every=6 .*bleu=transformer_jax\.evaluation\.validation"):
+        train_and_evaluate(tiny_train_config(corpus, bleu_every=6), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
 
 
 def test_metrics_are_logged_and_the_model_learns(uninterrupted):
@@ -106,9 +119,6 @@ def test_non_finite_losses_stop_the_run_with_a_checkpoint(corpus, tmp_path):
 
 
 def test_an_error_in_the_data_iterator_reaches_the_loop_as_itself(corpus, tmp_path, monkeypatch):
-    from transformer_jax.data import pipeline
-    from transformer_jax.errors import DataError
-
     error = DataError("the third batch cannot be read")
     original, calls = pipeline.WindowBatchIterator.__next__, []
 
@@ -126,8 +136,6 @@ def test_an_error_in_the_data_iterator_reaches_the_loop_as_itself(corpus, tmp_pa
 
 
 def test_a_step_is_checkpointed_before_its_validation_runs(corpus, tmp_path, monkeypatch):
-    from transformer_jax.training import loop
-
     def failing_validation(self, step, state):
         raise RuntimeError(f"validation failed at step {step}")
 
@@ -140,10 +148,6 @@ def test_a_step_is_checkpointed_before_its_validation_runs(corpus, tmp_path, mon
 
 
 def test_prefetched_batches_and_states_are_the_iterators_own(corpus, tmp_path):
-    from transformer_jax import data
-    from transformer_jax.sharding import batch_sharding
-    from transformer_jax.training.loop import prefetch
-
     config = tiny_train_config(corpus)
     tokenizer = data.get_tokenizer(config.data, tmp_path, vocab_size=config.model.vocab_size)
     plain, _ = data.make_train_iterator(config.data, tokenizer)
@@ -241,8 +245,6 @@ def test_one_and_eight_devices_give_the_same_losses(mode):
 
 def losses_on(mode: str, dropout_rate: float = 0.0) -> list[float]:
     """Losses of 3 train steps on fixed batches, on every visible device."""
-    from configs import common
-
     config = common.base_config("tiny")
     config.model.vocab_size = 64
     config.model.num_encoder_layers = config.model.num_decoder_layers = 1  # depth adds only compile time
@@ -263,9 +265,6 @@ def losses_on(mode: str, dropout_rate: float = 0.0) -> list[float]:
 
 
 def test_validation_batches_keep_every_token_in_bucketed_lengths(corpus, tmp_path):
-    from transformer_jax import data
-    from transformer_jax.training.loop import validation_batches
-
     config = tiny_train_config(corpus)
     config.data.eval_max_len = 256
     config.eval.batch_size = 5
@@ -291,11 +290,6 @@ def test_validation_batches_keep_every_token_in_bucketed_lengths(corpus, tmp_pat
     ],
 )
 def test_batches_that_do_not_split_over_the_devices_are_clear_errors(corpus, overrides, message):
-    from types import SimpleNamespace
-
-    from transformer_jax.errors import ConfigError
-    from transformer_jax.training.loop import check_batch_shapes
-
     config = tiny_train_config(corpus)
     config.data.batch_size, config.train.grad_accum_steps = 16, 2
     config.eval.batch_size = 8

@@ -7,7 +7,7 @@ import numpy as np
 from flax import nnx
 
 from configs import common
-from tests.training_helpers import synthetic_batch
+from tests.helpers.training import synthetic_batch
 from transformer_jax.model import TransformerSpec, build_model
 from transformer_jax.sharding import make_mesh
 from transformer_jax.training import flops

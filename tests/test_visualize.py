@@ -1,4 +1,4 @@
-"""transformer_jax.visualization and its command line, transformer_jax.visualize: the arrays drawn are the model's
+"""transformer_jax.visualize and its command line, transformer_jax.visualize: the arrays drawn are the model's
 (checked against a recomputation), the PNGs are valid and of the stated size, and bad arguments fail with messages
 that name them."""
 
@@ -12,16 +12,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from matplotlib import colormaps
+from matplotlib.image import imread
 
-from tests.training_helpers import tiny_train_config, write_corpus
-from transformer_jax import visualization as viz
-from transformer_jax import visualize
+from tests.helpers import REPO
+from tests.helpers.training import tiny_train_config, write_corpus
+from transformer_jax import visualize as viz
 from transformer_jax.data.tokenizer import get_tokenizer
 from transformer_jax.training.checkpoints import Checkpointer
 from transformer_jax.training.optim import learning_rate_schedule
 from transformer_jax.training.state import create_train_state, eval_model
+from transformer_jax.visualize import __main__ as visualize
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 SOURCE, TARGET = "the big dog runs in the park", "der große hund läuft"
 
 
@@ -105,9 +107,6 @@ def test_attention_figures_one_per_kind_and_layer_at_the_stated_size(drawn):
 def test_attention_pixels_show_the_weights_in_place(tmp_path):
     """Reads the PNG back and finds each cell's weight in its colour: the diagonal bright, the rest dark, and the one
     half-weight cell at the top right (query 0, last key), so rows are queries from the top and columns keys."""
-    from matplotlib import colormaps
-    from matplotlib.image import imread
-
     T, S = 4, 6
     w_TS = np.eye(T, S, dtype=np.float32)
     w_TS[0, S - 1] = 0.5
@@ -164,16 +163,16 @@ def test_attention_bad_arguments(run, tmp_path, kwargs, message):
 
 
 def test_unknown_layer_or_head_names_the_valid_range(drawn, tmp_path):
-    with pytest.raises(viz.VisualizeError, match=r"--layer 7: .* 2 encoder and 2 decoder layers; .* in 0\.\.1"):
+    with pytest.raises(viz.VisualizeError, match=r"--layer 7: .* in 0\.\.1"):
         viz.plot_attention(drawn.maps, tmp_path, layer=7)
-    with pytest.raises(viz.VisualizeError, match=r"--head -1: the model has 4 heads; choose a head in 0\.\.3"):
+    with pytest.raises(viz.VisualizeError, match=r"--head -1: .* in 0\.\.3"):
         viz.plot_attention(drawn.maps, tmp_path, head=-1)
 
 
 def test_attention_needs_a_workdir_with_checkpoints(tmp_path):
     with pytest.raises(viz.VisualizeError, match="no such directory"):
         viz.attention(tmp_path / "missing", SOURCE, TARGET, tmp_path)
-    with pytest.raises(viz.VisualizeError, match="no checkpoint in .*checkpoints; train first"):
+    with pytest.raises(viz.VisualizeError, match=r"no checkpoint in \S*checkpoints"):
         viz.attention(tmp_path, SOURCE, TARGET, tmp_path)
 
 

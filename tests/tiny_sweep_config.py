@@ -3,7 +3,7 @@
 import os
 import pathlib
 
-from tests.training_helpers import tiny_train_config
+from tests.helpers.training import tiny_train_config
 
 REFERENCE = "made-up numbers"
 

@@ -1,6 +1,6 @@
-"""The config of tests/training_helpers.tiny_train_config as a config file, for train.py in subprocess tests."""
+"""The config of tests/helpers/training.tiny_train_config as a config file, for train.py in subprocess tests."""
 
-from tests.training_helpers import tiny_train_config
+from tests.helpers.training import tiny_train_config
 
 
 def get_config(arg: str | None = None):

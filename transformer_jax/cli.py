@@ -20,7 +20,7 @@ from ml_collections.config_flags.config_flags import is_config_flag
 from transformer_jax import compile_cache
 from transformer_jax.errors import exit_on_user_error
 
-USAGE_STATUS = 2  # a command line that cannot work (argparse's status, kept by the CLIs that used argparse)
+USAGE_STATUS = 2  # a command line that cannot work: the usage-error status of Unix tools and argparse
 
 
 def fail(prog: str, message: str, status: int = USAGE_STATUS) -> NoReturn:

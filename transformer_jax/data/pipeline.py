@@ -14,8 +14,8 @@ batch's shape (bucketed batches vary), their iterator states are identical (a ch
 host 0), and N hosts train on exactly the batches one host would.
 
 The epoch order is one numpy permutation per epoch rather than grain's `MapDataset.shuffle`: grain's per-index
-Feistel shuffle costs ~25 us per element on Multi30k (and ~16 ms on a 3-example test set), which alone would cap
-the pipeline near 1M tokens/s; a permutation costs nanoseconds per element and is just as deterministic.
+Feistel shuffle costs microseconds per element, enough alone to cap the pipeline's throughput (docs/benchmarks.md);
+a permutation costs nanoseconds per element and is just as deterministic.
 
 Evaluation keeps every input in order: one sentence per row, long inputs truncated (counted), and
 `example_index` -1 on rows that only fill up the last batch.

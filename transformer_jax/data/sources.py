@@ -33,8 +33,8 @@ Pair = tuple[str, str]
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/"
-# Upstream Task 1 raw files: (our split name, upstream stem) and their SHA-256 digests
-# (from /work/shared/data/README.md, a snapshot of the multi30k/dataset repository).
+# Upstream Task 1 raw files: (our split name, upstream stem) and their SHA-256 digests, those of the files at
+# MULTI30K_URL in the multi30k/dataset repository.
 MULTI30K_SPLITS = {"train": "train", "valid": "val", "test": "test_2016_flickr"}
 MULTI30K_SHA256 = {
     "train.en.gz": "d79cfa999dd4c51d2cb42499b6796d5a882c3a8a961923c25a898c90f8bbd56f",
@@ -341,7 +341,7 @@ def _prepare_command(name: str, data_dir: str | None) -> str:
 
 def open_tfds_split(name: str, data_dir: str, split: str, src_lang: str, tgt_lang: str, *, download: bool) -> TfdsPairs:
     """Opens a TFDS translation split; prepares it first if `download` and it is missing."""
-    import tensorflow_datasets as tfds
+    import tensorflow_datasets as tfds  # only data.source=tfds needs it, and importing it takes seconds
     import tensorflow_datasets.translate  # noqa: F401  (registers wmt*_translate; TFDS imports it lazily otherwise)
 
     data_dir = str(resolve_path(data_dir)) if data_dir else None

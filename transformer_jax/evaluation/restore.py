@@ -1,6 +1,6 @@
 """A model from a workdir's checkpoints: choose the steps, average their parameters, check they fit the config.
 
-evaluate.py and the attention pictures (transformer_jax.visualization) restore through `restore_model`. The
+evaluate.py and the attention pictures (transformer_jax.visualize) restore through `restore_model`. The
 checkpoint reading itself sits behind `Restorer`, the seam tests replace with a fake that serves known parameters.
 """
 
@@ -10,15 +10,20 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from flax import nnx
+from flax.traverse_util import flatten_dict
+
+from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import EvalError
+from transformer_jax.evaluation.averaging import average_params, select_steps
+from transformer_jax.model import build_model
+from transformer_jax.training import checkpoints, state
 
 
 class Restorer:
     """Reads checkpoints and the tokenizer of a workdir; tests substitute a fake with the same methods."""
 
     def __init__(self):
-        from transformer_jax.training import checkpoints, state
-
         self._ckpt, self._state = checkpoints, state
 
     def list_steps(self, workdir: str) -> list[int]:
@@ -36,8 +41,6 @@ class Restorer:
         return (self._ckpt.load_model_params(workdir, step, abstract) for step in steps)
 
     def tokenizer(self, config, workdir: str):
-        from transformer_jax.data import tokenizer as tokenizer_lib
-
         if not config.data.tokenizer_model and not (Path(workdir) / tokenizer_lib.MODEL_FILENAME).exists():
             raise EvalError(
                 f"no tokenizer in {workdir} ({tokenizer_lib.MODEL_FILENAME}) and config.data.tokenizer_model is "
@@ -55,8 +58,6 @@ def choose_steps(
     average_steps: Sequence[int] | None = None,
 ) -> list[int]:
     """The checkpoint steps to average: exactly `average_steps`, or the last `average_last` up to `checkpoint`."""
-    from transformer_jax.evaluation.averaging import select_steps
-
     if not available:
         raise EvalError(f"no checkpoint in {Path(workdir) / 'checkpoints'}; train first or fix --workdir")
     if average_steps:
@@ -93,12 +94,6 @@ def restore_model(
     `config` None means the one saved with the checkpoints; a given one must agree with it on every key that
     shapes the model. `average_last` None means config.eval.average_last.
     """
-    from flax import nnx
-    from flax.traverse_util import flatten_dict
-
-    from transformer_jax.evaluation.averaging import average_params
-    from transformer_jax.model import build_model
-
     available = restorer.list_steps(workdir)
     if not available:
         raise EvalError(f"no checkpoint in {Path(workdir) / 'checkpoints'}; train first or fix --workdir")

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from flax import nnx
+from tqdm import tqdm
 
 from transformer_jax import decoding
 from transformer_jax.data.batching import padded_eval_length
@@ -30,7 +31,7 @@ class Tokenizer(Protocol):
 
 
 # The rules of what is decoded, shared with every other engine that must decode exactly as we do
-# (exporting/ctranslate2.py).
+# (export/ctranslate2.py).
 
 
 def source_ids(tokenizer: Tokenizer, sentence: str, max_input_len: int) -> tuple[list[int] | None, bool]:
@@ -117,8 +118,6 @@ def translate(
 
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=len(sources), desc="translating", unit="sent", file=sys.stderr)
     lines = list(sources)
     found = decoding.searcher(model).sentences(

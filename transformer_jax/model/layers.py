@@ -59,8 +59,8 @@ def _matmul_last_fwd(x, w):
 def _matmul_last_bwd(residuals, g):
     """dx = g w^T; dw = x^T g over all leading axes, arranged so that XLA:CPU transposes the narrower of x and g.
 
-    Autodiff's dw made XLA:CPU write a transposed copy of g (fused with the ReLU backward) for each layer, ~0.1 s
-    of a 1.5 s train step at d_model 256 (benchmarks/train_step.py).
+    Autodiff's dw made XLA:CPU write a transposed copy of g (fused with the ReLU backward) for each layer, a
+    visible part of the CPU train step (docs/benchmarks.md).
     """
     x, w = residuals
     d_in, d_out = w.shape
@@ -127,7 +127,7 @@ def _tied_logits_fwd(x_BTD, table_VD):
 
 def _tied_logits_bwd(residuals, d_logits_BTV):
     """dx = g E and dE = (x^T g)^T. Autodiff's dE = g^T x made XLA:CPU write a transposed [V, B*T] copy of the
-    logits gradient (~65 ms of a 1.6 s step at V=8000); x^T is V/D times smaller to transpose.
+    logits gradient (docs/benchmarks.md); x^T is V/D times smaller to transpose.
 
     Both products return the operands' dtype, as autodiff's do: XLA:CPU has no bfloat16 x bfloat16 = float32 dot
     for every shape ("Unsupported element type for DotThunk"), and the results are rounded to that dtype anyway.
@@ -213,7 +213,7 @@ class FeedForward(nnx.Module):
         self.w3 = dense(spec.d_model, spec.d_ff, spec, rngs) if spec.activation == "swiglu" else None
         self.w2 = dense(spec.d_ff, spec.d_model, spec, rngs)
         self.dropout = Dropout(spec.ffn_dropout_rate, rngs=rngs)
-        self.capture_intermediates = False  # True: sow the hidden activations (transformer_jax.explanation)
+        self.capture_intermediates = False  # True: sow the hidden activations (transformer_jax.explain)
 
     def __call__(self, x_BTD: Array) -> Array:
         h_BTF = self.w1(x_BTD)

@@ -176,7 +176,7 @@ class Transformer(nnx.Module):
         pre = spec.norm_position == "pre"
         self.encoder_norm = make_norm(spec) if pre else None
         self.decoder_norm = make_norm(spec) if pre else None
-        self.capture_intermediates = False  # True: _embed sows its terms (transformer_jax.explanation)
+        self.capture_intermediates = False  # True: _embed sows its terms (transformer_jax.explain)
 
     # -- pieces ------------------------------------------------------------------------------------------------
 
@@ -357,7 +357,7 @@ def _source_segment_ids(src_tokens: Array | None, src_segment_ids: Array | None,
 
 
 def capture_intermediates(model: Transformer, enabled: bool = True) -> None:
-    """Makes the model sow, as nnx.Intermediate, what transformer_jax.explanation shows: the embedding terms,
+    """Makes the model sow, as nnx.Intermediate, what transformer_jax.explain shows: the embedding terms,
     every attention's Q, K, V, weights, head outputs and output, every norm's input and output, the FFN's hidden
     activations. Off (the default), nothing is sown and the model traces exactly as before."""
     for _, module in model.iter_modules():

@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax.traverse_util import flatten_dict
+from jax.experimental import multihost_utils
 
 VERSION = 1
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -99,8 +100,6 @@ def checksums(tree: dict) -> dict[str, dict]:
     if jax.process_count() > 1 and any(
         isinstance(flat[n], jax.Array) and not flat[n].is_fully_addressable for n in names
     ):
-        from jax.experimental import multihost_utils
-
         # uint32 halves: without jax_enable_x64 a uint64 would be truncated on the way.
         halves = np.array([[s >> 32, s & 0xFFFFFFFF] for s in sums], np.uint32).reshape(-1, 2)
         gathered = np.asarray(multihost_utils.process_allgather(halves))  # (processes, arrays, 2)

@@ -7,6 +7,11 @@ elementwise ops (a few percent). A training step costs 3x the forward pass (back
 
 from __future__ import annotations
 
+import time
+
+import jax
+import jax.numpy as jnp
+
 from transformer_jax.model.spec import TransformerSpec
 
 
@@ -45,11 +50,6 @@ def train_step_flops(spec: TransformerSpec, batch: int, src_len: int, tgt_len: i
 
 def measure_matmul_peak(size: int = 2048, repeats: int = 5) -> float:
     """FLOP/s of one device on a float32 size x size matmul: the denominator of MFU when no peak is configured."""
-    import time
-
-    import jax
-    import jax.numpy as jnp
-
     a = jnp.ones((size, size), jnp.float32)
     matmul = jax.jit(lambda x: x @ x)
     matmul(a).block_until_ready()

@@ -4,6 +4,10 @@ The Python loop never waits on the device for the step it just dispatched: metri
 batches are prepared and placed on the devices by grain's prefetch thread. The pieces: `setup` builds everything
 from the config into a `TrainingRun`; `run_steps` is the step loop; `MetricLog` fetches and logs step metrics;
 `Validation` runs validation loss and BLEU when due; `StopRequest` turns SIGTERM into a clean stop.
+
+Validation BLEU needs translation, which sits above training (decoding, evaluation): the trainer receives it as a
+function (`BleuEvaluator`), built by the caller (train.py: evaluation.validation.bleu_evaluator), so training
+never imports evaluation.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from jax.experimental import multihost_utils
 
 from transformer_jax import data
 from transformer_jax.data.batching import BATCH_KEYS, padded_eval_length
@@ -38,6 +43,9 @@ from transformer_jax.training.optim import learning_rate_schedule
 from transformer_jax.training.state import Graphs, abstract_train_state, create_train_state, eval_model
 from transformer_jax.training.step import compile_steps
 
+# (config, tokenizer) -> a function of the model in eval mode that returns {metric name: score}: validation BLEU.
+BleuEvaluator = Callable[[ml_collections.ConfigDict, Any], Callable[[Any], dict[str, float]]]
+
 # With several hosts, every this many steps the hosts agree whether any of them got SIGTERM (one tiny all-gather):
 # a launcher signals hosts at slightly different times, and a host that stopped alone would leave the others
 # waiting in the next step's collectives. One host checks its flag every step.
@@ -50,8 +58,6 @@ def should_stop(requested: bool, step: int) -> bool:
         return requested
     if step % STOP_CHECK_EVERY:
         return False
-    from jax.experimental import multihost_utils
-
     return bool(np.any(multihost_utils.process_allgather(np.int32(requested))))
 
 
@@ -101,8 +107,8 @@ def host_block(array: np.ndarray) -> np.ndarray:
 def validation_batches(config: ml_collections.ConfigDict, tokenizer) -> list[dict[str, np.ndarray]]:
     """Every validation pair once, sorted by length, each batch cut to its longest row rounded up to a bucket.
 
-    Padding every batch to data.eval_max_len (256) made a Multi30k validation ~90 s on the CPU, mostly logits of
-    padding; bucketed lengths (16, 32, 64, ...) keep the compiled shapes few. Loss sums do not depend on the order.
+    Padding every batch to data.eval_max_len would spend most of a validation on the logits of padding; bucketed
+    lengths (16, 32, 64, ...) keep the compiled shapes few. Loss sums do not depend on the order.
     """
     pairs = data.load_split(config.data, config.data.valid_split)
     pairs = sorted(pairs, key=lambda pair: (len(pair[1]), len(pair[0])))  # characters: a proxy for tokens
@@ -121,25 +127,6 @@ def validation_batches(config: ml_collections.ConfigDict, tokenizer) -> list[dic
         }
         out.append({k: b[k][:, : lengths[k.split("_")[0]]] for k in BATCH_KEYS})
     return out
-
-
-def validation_bleu(config, graphs, state, tokenizer, pairs) -> dict[str, float]:
-    """sacreBLEU, tokenized BLEU and chrF of beam-search translations of a bounded validation subset."""
-    from transformer_jax.evaluation.bleu import score_all
-    from transformer_jax.evaluation.translate import translate
-
-    hypotheses, _ = translate(
-        eval_model(graphs, state),
-        tokenizer,
-        [s for s, _ in pairs],
-        beam_size=config.eval.beam_size,
-        alpha=config.eval.alpha,
-        max_extra_len=config.eval.max_extra_len,
-        batch_size=config.eval.batch_size,
-        max_input_len=config.data.eval_max_len,
-    )
-    scores = score_all(hypotheses, [t for _, t in pairs])
-    return {name: float(value["score"]) for name, value in scores.items()}
 
 
 def evaluate_loss(eval_step, state, batches, sharding) -> dict[str, float]:
@@ -261,15 +248,13 @@ class MetricLog:
 class Validation:
     """Validation loss every train.eval_every steps and BLEU every train.bleu_every steps (and at the last step)."""
 
-    def __init__(self, config, graphs: Graphs, tokenizer, eval_step, sharding, writer: MetricWriter):
-        self.config, self.graphs, self.tokenizer = config, graphs, tokenizer
+    def __init__(
+        self, config, graphs: Graphs, tokenizer, eval_step, sharding, writer: MetricWriter, bleu: BleuEvaluator | None
+    ):
+        self.config, self.graphs = config, graphs
         self.eval_step, self.sharding, self.writer = eval_step, sharding, writer
         self.batches = validation_batches(config, tokenizer) if config.train.eval_every else []
-        self.bleu_pairs = (
-            data.load_split(config.data, config.data.valid_split)[: config.train.bleu_sentences]
-            if config.train.bleu_every
-            else []
-        )
+        self.bleu = bleu(config, tokenizer) if config.train.bleu_every else None
 
     def run_due(self, step: int, state) -> None:
         train, num_steps = self.config.train, self.config.train.num_steps
@@ -278,9 +263,9 @@ class Validation:
             self.writer.write(step, metrics, prefix="valid_")
             logging.info("step %d validation: %s", step, json.dumps(metrics))
         if is_due(step, train.bleu_every, num_steps):
-            bleu = validation_bleu(self.config, self.graphs, state, self.tokenizer, self.bleu_pairs)
+            bleu = self.bleu(eval_model(self.graphs, state))
             self.writer.write(step, bleu, prefix="valid_")
-            logging.info("step %d validation BLEU on %d sentences: %s", step, len(self.bleu_pairs), json.dumps(bleu))
+            logging.info("step %d validation BLEU: %s", step, json.dumps(bleu))
 
 
 @dataclasses.dataclass
@@ -306,7 +291,7 @@ class TrainingRun:
         self.writer.close()
 
 
-def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> TrainingRun:
+def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path, bleu: BleuEvaluator | None = None) -> TrainingRun:
     """Mesh, tokenizer, data, the state (restored from the latest checkpoint or new), compiled steps, writers."""
     workdir.mkdir(parents=True, exist_ok=True)
     mesh = make_mesh()
@@ -345,7 +330,7 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> TrainingR
     )
     sharding = batch_sharding(mesh)
     writer = MetricWriter(workdir, resume_step=step)
-    validation = Validation(config, graphs, tokenizer, eval_step, sharding, writer)
+    validation = Validation(config, graphs, tokenizer, eval_step, sharding, writer, bleu)
     peak = config.train.peak_flops or flops.measure_matmul_peak()
     writer.write(step, {f"data_{k}": v for k, v in data_stats.items() if isinstance(v, int)})
     progress = Progress(step, config.train.num_steps)
@@ -427,14 +412,23 @@ def run_steps(run: TrainingRun, stop: StopRequest) -> dict[str, float]:
     return last_logged
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict[str, float]:
+def train_and_evaluate(
+    config: ml_collections.ConfigDict, workdir: str | pathlib.Path, bleu: BleuEvaluator | None = None
+) -> dict[str, float]:
     """Trains (or resumes) in workdir until config.train.num_steps; returns the last logged metrics.
 
-    The workdir is locked for the run (training.workdir_lock): a second run in it stops at once with an error.
+    `bleu` builds the validation BLEU function (needed when train.bleu_every > 0; train.py passes
+    evaluation.validation.bleu_evaluator). The workdir is locked for the run (training.workdir_lock): a second
+    run in it stops at once with an error.
     """
+    if config.train.bleu_every and bleu is None:
+        raise ValueError(
+            f"train.bleu_every={config.train.bleu_every} needs a BLEU evaluator: pass "
+            "bleu=transformer_jax.evaluation.validation.bleu_evaluator (or set train.bleu_every=0)"
+        )
     workdir = pathlib.Path(workdir)
     with workdir_lock.locked(workdir):
-        run = setup(config, workdir)
+        run = setup(config, workdir, bleu)
         try:
             with StopRequest() as stop:
                 return run_steps(run, stop)

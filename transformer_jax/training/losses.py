@@ -61,8 +61,7 @@ def _smoothed_nll_bwd(eps, residuals, cotangents):
     """d loss_sum/d logits_v = w (p_v - (1 - eps) [v = y] - eps / V), d nll_sum/d logits_v = w (p_v - [v = y]).
 
     Written by hand so that XLA computes the [B, T, V] gradient in one elementwise pass (autodiff of
-    log_softmax + take_along_axis gave a scatter and two differently laid-out copies of it: ~0.25 s of a 1.6 s
-    CPU train step, benchmarks/train_step.py).
+    log_softmax + take_along_axis gave a scatter and two differently laid-out copies of it; docs/benchmarks.md).
     """
     logits_BTV, lse_BT, targets_BT, weights_BT = residuals
     g_loss, g_nll = cotangents

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from transformer_jax.errors import UserError
 
@@ -104,8 +105,6 @@ def locked(workdir: pathlib.Path) -> Iterator[None]:
         except WorkdirLocked as e:
             error = e
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         refused = np.asarray(multihost_utils.process_allgather(np.int32(error is not None)))
         if refused.any() and error is None:
             error = WorkdirLocked(f"{workdir} is in use by another training run (see process 0's message)")

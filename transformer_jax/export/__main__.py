@@ -8,7 +8,7 @@ The checkpoints are chosen and averaged exactly as evaluate.py chooses them (the
 spm.model; an existing OUT is replaced only with --force and only if it is an earlier export (it holds
 model.bin), and OUT appears whole or not at all. A workdir without checkpoints, an architecture the engine cannot
 express, or an existing OUT: one line on stderr, exit status 1.
-The library functions are in transformer_jax.exporting.ctranslate2 (to_ctranslate2, ctranslate2_translate).
+The library functions are in transformer_jax.export.ctranslate2 (to_ctranslate2, ctranslate2_translate).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from absl import flags
 
 from transformer_jax import cli
 from transformer_jax.evaluation import checkpoint_flags
+from transformer_jax.export.ctranslate2 import export_workdir
 
 PROG = "python -m transformer_jax.export"
 FLAGS = flags.FLAGS
@@ -34,8 +35,6 @@ flags.mark_flags_as_required(["workdir", "output"])
 def main(argv: list[str]) -> None:
     del argv  # no positional arguments (cli.run refuses them)
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs each checkpoint handler it creates at INFO
-    from transformer_jax.exporting.ctranslate2 import export_workdir
-
     selected = checkpoint_flags.selection()
     report = export_workdir(selected.pop("workdir"), FLAGS.output, force=FLAGS.force, **selected)
     print(json.dumps(report))

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from matplotlib.figure import Figure
+
 DPI = 100  # pixels per inch of every PNG
 
 
 def new_figure(figsize: tuple[float, float]):
-    from matplotlib.figure import Figure
-
     return Figure(figsize=figsize, dpi=DPI, layout="constrained")
 
 

@@ -1,8 +1,8 @@
 """Is a sweep variant's change real, and does it go the paper's way? Columns of the sweep's results.
 
 For BLEU and chrF each variant is tested against the first variant (the base row) with sacreBLEU's paired bootstrap
-over the validation sentences (`significance.pooled_paired_bootstrap`), on the hypotheses each finished run stored
-(DIR/NAME[/seedI]/valid.hyp), so `--aggregate_only` recomputes it without decoding.
+over the validation sentences (`evaluation.significance.pooled_paired_bootstrap`), on the hypotheses each finished
+run stored (DIR/NAME[/seedI]/valid.hyp), so `--aggregate_only` recomputes it without decoding.
 
 Several seeds: we use the per-seed hypotheses, not a seed-averaged system. Seed i of the variant is paired with
 seed i of the base (they share the initialisation seed and data order), the seeds finished in both are pooled, and
@@ -11,7 +11,7 @@ corpus score of all paired seeds' outputs together. A seed-averaged system does 
 parameters of independently initialised models cannot be averaged, and an ensemble would be another (slower)
 system than the ones the table reports. Resampling sentences with their seeds keeps the test honest about the one
 source of chance it resamples, the test sentences; the spread between seeds is what the Welch interval over
-seeds (transformer_jax/sweep_results.py) reports.
+seeds (sweep/results.py) reports.
 
 Columns: bleu_p, chrf_p (sacreBLEU's p-value; 1.0 where the two systems wrote identical lines, for which sacreBLEU
 prints its smallest p), paired_seeds (how many seeds were paired), and, when the config gives the paper's numbers,
@@ -29,6 +29,11 @@ from __future__ import annotations
 import pathlib
 from collections.abc import Sequence
 from typing import Any
+
+from transformer_jax.errors import ScoreError
+from transformer_jax.evaluation import bleu
+from transformer_jax.evaluation.inputs import split_pairs
+from transformer_jax.evaluation.significance import pooled_paired_bootstrap
 
 HYPOTHESES_FILE = "valid.hyp"  # a finished run's translation of the whole validation split
 ALPHA = 0.05  # a p-value below this marks a row
@@ -58,9 +63,6 @@ def compare_runs(
     `*_runs[i]` is seed i's run directory, or None where that seed has not finished (trained and decoded).
     Nothing to pair: empty values.
     """
-    from transformer_jax.errors import ScoreError
-    from transformer_jax.evaluation import bleu, significance
-
     pairs = [(b, v) for b, v in zip(base_runs, variant_runs, strict=True) if b is not None and v is not None]
     if not pairs:
         return {"bleu_p": "", "chrf_p": "", "paired_seeds": 0, "bleu_difference": ""}
@@ -73,9 +75,7 @@ def compare_runs(
                 f"{path} has {len(lines[directory])} lines, the validation split {len(references)}; delete "
                 f"{directory / 'valid_scores.json'} and run the sweep again to decode it anew"
             )
-    result = significance.pooled_paired_bootstrap(
-        [lines[b] for b, _ in pairs], [lines[v] for _, v in pairs], references
-    )
+    result = pooled_paired_bootstrap([lines[b] for b, _ in pairs], [lines[v] for _, v in pairs], references)
     row: dict[str, Any] = {"paired_seeds": len(pairs)}
     for key in TESTED:
         # sacreBLEU gives identical outputs its smallest p; identical outputs differ by nothing, so p is 1.
@@ -134,6 +134,4 @@ def add_significance(
 
 def references_of(config) -> list[str]:
     """The validation references of a config's data, as the sweep's decoding scored them."""
-    from transformer_jax.evaluation.run import split_pairs
-
     return split_pairs(config, "valid")[1]

@@ -4,7 +4,7 @@ Each function writes PNGs under an output directory and returns their paths with
 """
 
 from transformer_jax.errors import VisualizeError
-from transformer_jax.visualization.attention import (
+from transformer_jax.visualize.attention import (
     ATTENTION_KINDS,
     AttentionMaps,
     AttentionResult,
@@ -16,9 +16,9 @@ from transformer_jax.visualization.attention import (
     plot_attention,
     token_pieces,
 )
-from transformer_jax.visualization.figures import DPI
-from transformer_jax.visualization.positional import DOTS_FIGSIZE, PE_FIGSIZE, PositionalResult, positional
-from transformer_jax.visualization.training import (
+from transformer_jax.visualize.figures import DPI
+from transformer_jax.visualize.positional import DOTS_FIGSIZE, PE_FIGSIZE, PositionalResult, positional
+from transformer_jax.visualize.training import (
     SCHEDULE_FIGSIZE,
     CurvesResult,
     ScheduleResult,

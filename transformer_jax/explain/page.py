@@ -13,10 +13,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from transformer_jax.explanation import numbers
-from transformer_jax.explanation.capture import Explanation
-from transformer_jax.explanation.text import TEXT
-from transformer_jax.visualization.figures import DPI, new_figure
+from transformer_jax.explain import numbers
+from transformer_jax.explain.capture import Explanation
+from transformer_jax.explain.text import TEXT
+from transformer_jax.visualize.figures import DPI, new_figure
 
 SHOWN_FEATURES = 6  # leading features of each vector in the tables
 STYLE = """

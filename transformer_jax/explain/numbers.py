@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.explanation.capture import Explanation
+from transformer_jax.explain.capture import Explanation
+from transformer_jax.model.layers import sinusoidal_encoding
+from transformer_jax.ops.attention import attention_mask
 from transformer_jax.tokens import EOS_ID
 
 TOP_K = 5  # next-token candidates listed per target step
@@ -42,10 +45,6 @@ def rotation(pe_k_D: np.ndarray) -> np.ndarray:
 
 def positional_table(length: int, d_model: int) -> np.ndarray:
     """PE [P, D] for positions 0..length-1, from the model's own sinusoidal_encoding."""
-    import jax.numpy as jnp
-
-    from transformer_jax.model.layers import sinusoidal_encoding
-
     return np.asarray(sinusoidal_encoding(jnp.arange(length)[None], d_model)[0], np.float64)
 
 
@@ -136,8 +135,6 @@ def zero_fraction(x: Explanation, stack: str) -> float:
 
 def causal_mask(length: int) -> np.ndarray:
     """The decoder's mask [T, T] (True = may attend), from ops.attention's own mask builder."""
-    from transformer_jax.ops.attention import attention_mask
-
     return np.asarray(attention_mask(1, length, length, causal=True)[0, 0])
 
 

@@ -1,7 +1,7 @@
 """A sweep's results: one row per variant in DIR/results.csv, DIR/results.md and DIR/results.png.
 
 Every finished run is decoded on the whole validation split (the sweep does it, with the run's last checkpoint:
-see transformer_jax/sweep.py); its hypotheses and scores stay in the run directory (valid.hyp, valid_scores.json),
+see sweep/runner.py); its hypotheses and scores stay in the run directory (valid.hyp, valid_scores.json),
 so the results can be rebuilt without decoding again. BLEU and chrF come from those scores (sacreBLEU, every
 validation sentence), perplexity from the last validation of training (also every sentence).
 
@@ -17,7 +17,7 @@ only. For validation perplexity, BLEU and chrF a row also holds Δ = its mean mi
 difference of two means, which allows unequal variances and unequal numbers of finished seeds (it ignores that
 seed i of two variants shares its init and data order, so it is conservative where that pairing matters). It
 needs two finished seeds on both sides; otherwise the interval is empty. Whether BLEU and chrF differ from the
-first variant's beyond chance, and whether a change goes the paper's way, is transformer_jax/sweep_significance.py's
+first variant's beyond chance, and whether a change goes the paper's way, is sweep/significance.py's
 part (columns bleu_p, chrf_p, paired_seeds, paper_direction, paper_direction_by). The chart shows mean ± standard
 deviation as error bars, or, when the config file gives published references, the change from the first variant
 with the Δ interval as error bars.
@@ -33,8 +33,15 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from transformer_jax import sweep_significance
-from transformer_jax.sweep_significance import HYPOTHESES_FILE
+import jax
+from flax import nnx
+from matplotlib.figure import Figure
+from scipy import stats
+
+from transformer_jax.model import build_model
+from transformer_jax.sweep import significance
+from transformer_jax.sweep.significance import HYPOTHESES_FILE
+from transformer_jax.training.metrics import read_metrics
 
 RESULT_FILE = "sweep_result.json"  # written when a run's training finished
 SCORES_FILE = "valid_scores.json"  # evaluate.py's report on it; written last, so its presence means decoded
@@ -46,11 +53,6 @@ CONFIDENCE = 0.95
 
 def parameter_count(config) -> int:
     """The model's number of parameters, from shapes only."""
-    import jax
-    from flax import nnx
-
-    from transformer_jax.model import build_model
-
     model = nnx.eval_shape(lambda: build_model(config, rngs=nnx.Rngs(0)))
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
@@ -68,8 +70,6 @@ def decoded(run_dir: pathlib.Path) -> bool:
 def run_metrics(run_dir: pathlib.Path) -> dict[str, Any]:
     """steps, valid_perplexity, valid_bleu, valid_chrf, tokens_per_s, wall_s of one run directory ("" where absent)
     and finished (trained and decoded)."""
-    from transformer_jax.training.metrics import read_metrics
-
     row: dict[str, Any] = {key: "" for key in ("steps", "valid_perplexity", "valid_bleu", "valid_chrf")}
     row.update(tokens_per_s="", wall_s="")
     metrics_file = run_dir / "metrics.jsonl"
@@ -109,8 +109,6 @@ def summarize_variant(variant, run_dir: pathlib.Path) -> dict:
 def welch_interval(a: Sequence[float], b: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float]:
     """Welch's t interval for mean(a) - mean(b): Δ ± t_{(1+c)/2, ν} · sqrt(s_a²/n_a + s_b²/n_b), ν by
     Welch–Satterthwaite. Both samples need at least two values (ValueError otherwise)."""
-    from scipy import stats  # a dependency of jax
-
     if len(a) < 2 or len(b) < 2:
         raise ValueError(f"Welch's interval needs two values per sample; got {len(a)} and {len(b)}")
     delta = statistics.fmean(a) - statistics.fmean(b)
@@ -173,7 +171,7 @@ def _markdown(rows: list[dict], columns: list[str]) -> list[str]:
     hidden = {"bleu_p", "chrf_p", "paired_seeds", "paper_direction", "paper_direction_by"}
 
     def test_cells(r: dict) -> list[str]:
-        cells = [sweep_significance.format_p(r["bleu_p"]), sweep_significance.format_p(r["chrf_p"])] if tests else []
+        cells = [significance.format_p(r["bleu_p"]), significance.format_p(r["chrf_p"])] if tests else []
         if direction:
             by = {"bleu": "BLEU", "perplexity": "perplexity"}.get(r["paper_direction_by"], "")
             cells.append(f"{r['paper_direction']} ({by})" if by else r["paper_direction"])
@@ -238,14 +236,14 @@ def _legend(rows: list[dict], tests: bool, direction: bool) -> list[str]:
     if tests:
         lines.append(
             f"BLEU p, chrF p: sacreBLEU's paired bootstrap (1000 resamples) of each variant against "
-            f"{rows[0]['variant']} over all validation sentences; {sweep_significance.MARK}: p < "
-            f"{sweep_significance.ALPHA}. With several seeds, seed i is paired with the base's seed i and each "
-            "sentence is resampled with all its seeds' translations (transformer_jax/sweep_significance.py)."
+            f"{rows[0]['variant']} over all validation sentences; {significance.MARK}: p < "
+            f"{significance.ALPHA}. With several seeds, seed i is paired with the base's seed i and each "
+            "sentence is resampled with all its seeds' translations (transformer_jax/sweep/significance.py)."
         )
     if direction:
         lines.append(
             "same direction as the paper?: by BLEU where the paper gives BLEU (significant: p < "
-            f"{sweep_significance.ALPHA} and, with 2 seeds or more on both sides, the 95% CI of Δ BLEU excludes 0); "
+            f"{significance.ALPHA} and, with 2 seeds or more on both sides, the 95% CI of Δ BLEU excludes 0); "
             "by perplexity where it gives only perplexity (significant: the 95% CI of Δ perplexity excludes 0; "
             "untested with fewer than 2 seeds on either side)."
         )
@@ -267,14 +265,10 @@ def write_results(rows: list[dict], workdir: pathlib.Path, reference_label: str 
 
 
 def _chart(rows: list[dict], columns: list[str], workdir: pathlib.Path, reference_label: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = [r["variant"] for r in rows]
     seeds = "n_seeds" in columns
-    fig, axes = plt.subplots(1, 2, figsize=(12, max(3, 0.35 * len(rows) + 1.5)), dpi=100)
+    fig = Figure(figsize=(12, max(3, 0.35 * len(rows) + 1.5)), dpi=100)  # no pyplot: no backend, no global state
+    axes = fig.subplots(1, 2)
     if "ref_valid_bleu" not in columns:
         for ax, key, label in ((axes[0], "valid_perplexity", "validation perplexity"), (axes[1], "valid_bleu", "BLEU")):
             errors = [_number(r[key + "_std"]) for r in rows] if seeds else None
@@ -324,7 +318,6 @@ def _chart(rows: list[dict], columns: list[str], workdir: pathlib.Path, referenc
     axes[1].set_yticklabels([])
     fig.tight_layout()
     fig.savefig(workdir / "results.png")
-    plt.close(fig)
 
 
 def _number(value: Any) -> float:

@@ -19,14 +19,16 @@ from absl import flags
 
 from transformer_jax.cli import fail, parse_flags
 from transformer_jax.errors import VisualizeError, exit_on_user_error
+from transformer_jax.evaluation.options import check_writable
+from transformer_jax.explain import explain, figures, render, summary
+from transformer_jax.explain.capture import check_sentence
+from transformer_jax.explain.text import LANGUAGES
 
 PROG = "python -m transformer_jax.explain"
 
 
 def _flag_values() -> flags.FlagValues:
     """The flags, in a FlagValues of their own: importing this module defines nothing in the global absl FLAGS."""
-    from transformer_jax.explanation.text import LANGUAGES
-
     fv = flags.FlagValues()
     on = {"flag_values": fv}
     flags.DEFINE_string("workdir", None, "training directory with checkpoints/ and spm.model", **on)
@@ -53,10 +55,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         got = "no sentence" if not rest else f"{len(rest)} arguments {rest}"
         fail(PROG, f'{got}; give exactly one sentence, in quotes: {PROG} --workdir DIR "A man is riding a bike."')
     with exit_on_user_error(PROG):
-        from transformer_jax.evaluation.run import check_writable
-        from transformer_jax.explanation import explain, figures, render, summary
-        from transformer_jax.explanation.capture import check_sentence
-
         check_sentence(rest[0])
         output = Path(fv.output)
         if output.suffix.lower() not in (".html", ".htm"):

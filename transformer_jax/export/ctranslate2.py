@@ -30,11 +30,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
+import sentencepiece as spm
 
 from transformer_jax.data.tokenizer import MODEL_FILENAME
 from transformer_jax.errors import ConfigError, EvalError
+from transformer_jax.evaluation.options import Options, check_folder_writable, check_options
+from transformer_jax.evaluation.restore import Restorer, restore_model
 from transformer_jax.evaluation.translate import input_limit, output_limit, source_ids
+from transformer_jax.model.layers import sinusoidal_encoding
+from transformer_jax.model.spec import TransformerSpec
 from transformer_jax.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 # CTranslate2's translate_batch defaults: inputs cut at 1024 tokens, outputs at 256. A table covering both lets
@@ -66,18 +72,12 @@ def check_exportable(spec: Any) -> None:
 
 def vocabulary(tokenizer: Any) -> list[str]:
     """The tokenizer's SentencePiece pieces in id order: row i of the exported vocabulary is our id i."""
-    import sentencepiece as spm
-
     sp = spm.SentencePieceProcessor(model_file=str(tokenizer.path))
     return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
 
 
 def position_table(model: Any, max_positions: int, target: bool) -> np.ndarray:
     """[P, D] float32: the positional encoding added at positions 0 .. P-1 (the learned table: its own rows)."""
-    import jax.numpy as jnp
-
-    from transformer_jax.model.layers import sinusoidal_encoding
-
     spec = model.spec
     if spec.positional == "learned":
         table = model.tgt_positions if target else model.src_positions
@@ -115,7 +115,7 @@ def _set_ffn(ct2_ffn: Any, residual: Any, ffn: Any) -> None:
 
 def build_spec(model: Any, pieces: Sequence[str], *, max_positions: int) -> Any:
     """The ctranslate2.specs.TransformerSpec holding the model's parameters and the vocabulary `pieces`."""
-    from ctranslate2.specs import common_spec, transformer_spec
+    from ctranslate2.specs import common_spec, transformer_spec  # optional: pip install -e .[ctranslate2]
 
     spec = model.spec
     check_exportable(spec)
@@ -373,14 +373,10 @@ def export_workdir(
 ) -> dict[str, Any]:
     """Exports the checkpoints evaluate.py would use (same flags, same selection and averaging); returns a report.
 
-    Everything cheap is checked before the parameters are read: the flags (evaluation.run.check_options, the same
+    Everything cheap is checked before the parameters are read: the flags (evaluation.options.check_options, the same
     messages as evaluate.py), the output directory, that checkpoints exist, that CTranslate2 is installed and can
     express the architecture of the config.
     """
-    from transformer_jax.evaluation.restore import Restorer, restore_model
-    from transformer_jax.evaluation.run import Options, check_folder_writable, check_options
-    from transformer_jax.model.spec import TransformerSpec
-
     options = check_options(
         Options(
             workdir=workdir,

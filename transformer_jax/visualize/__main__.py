@@ -7,7 +7,7 @@
     python -m transformer_jax.visualize curves --metrics RUN1/metrics.jsonl [RUN2 ...] [--keys loss,valid_loss]
         --output_dir DIR
 
-Each command is also a function of `transformer_jax.visualization` (`attention`, `positional`, `schedule`,
+Each command is also a function of `transformer_jax.visualize` (`attention`, `positional`, `schedule`,
 `curves`) that writes the PNGs and returns their paths together with the arrays drawn. Errors in the arguments are
 printed as one line without a traceback, exit status 2.
 """
@@ -23,7 +23,7 @@ from ml_collections import config_flags
 
 from transformer_jax.cli import USAGE_STATUS, fail, parse_flags
 from transformer_jax.errors import VisualizeError, exit_on_user_error
-from transformer_jax.visualization import attention, curves, positional, schedule
+from transformer_jax.visualize import attention, curves, positional, schedule
 
 PROG = "python -m transformer_jax.visualize"
 # command -> (what it draws, flags it needs, flags it also takes); every command needs --output_dir.

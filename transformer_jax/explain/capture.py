@@ -1,6 +1,6 @@
 """Run one sentence through a restored model and keep what its own modules computed on the way.
 
-The translation is evaluate.py's (evaluation.translate.translate with evaluation.run.decoding_settings); the beam's
+The translation is evaluate.py's (evaluation.translate.translate with evaluation.options.decoding_settings); the beam's
 hypotheses after each step come from decoding's own search, rerun with the length limit raised one step at a time;
 the intermediates come from one teacher-forced pass of model.encode / model.decode with the modules' capture points
 on (model.transformer.capture_intermediates): nothing here re-implements a layer.
@@ -15,11 +15,20 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from transformer_jax import decoding
+from transformer_jax.data.batching import padded_eval_length
 from transformer_jax.errors import VisualizeError
-from transformer_jax.evaluation.translate import input_limit, output_limit, position_limit, source_ids
+from transformer_jax.evaluation.options import Options, check_options, decoding_settings
+from transformer_jax.evaluation.restore import Restorer, restore_model
+from transformer_jax.evaluation.translate import input_limit, output_limit, position_limit, source_ids, translate
+from transformer_jax.model.transformer import capture_intermediates
 from transformer_jax.tokens import BOS_ID, EOS_ID, PAD_ID
+from transformer_jax.visualize.attention import token_pieces
 
 
 @dataclasses.dataclass
@@ -71,9 +80,6 @@ def piece_of(vocab: list[str], i: int) -> str:
 
 def restore(workdir: str, checkpoint: str, average_last: int | None, options: dict[str, Any]):
     """(config, model, tokenizer, steps, decoding settings), restored as evaluate.py restores them."""
-    from transformer_jax.evaluation.restore import Restorer, restore_model
-    from transformer_jax.evaluation.run import Options, check_options, decoding_settings
-
     if not Path(workdir).is_dir():
         raise VisualizeError(f"--workdir {workdir}: no such directory")
     opts = check_options(Options(workdir=workdir, checkpoint=checkpoint, average_last=average_last, **options))
@@ -94,9 +100,6 @@ def beam_steps(model: Any, src_ids: list[int], settings: dict[str, Any], piece: 
     The batch has translate()'s shape (its rows, its padded length, its dummy rows: an empty source decoded for one
     step), so the search compiled for the translation serves every t, and row 0 computes what translate() did.
     """
-    from transformer_jax import decoding
-    from transformer_jax.data.batching import padded_eval_length
-
     positions = position_limit(model.spec)
     src_len = padded_eval_length(len(src_ids), input_limit(settings["max_input_len"], positions))
     max_steps = output_limit(src_len, settings["max_extra_len"], positions)
@@ -139,12 +142,6 @@ def intermediates(model: Any, src_ids: list[int], tgt_in_ids: list[int]) -> tupl
 
     Eager, not jitted: one sentence, and compiling the whole model would cost more than it saves.
     """
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from transformer_jax.model.transformer import capture_intermediates
-
     src_1S = jnp.asarray([src_ids], jnp.int32)
     capture_intermediates(model)
     try:
@@ -188,9 +185,6 @@ def explain(
     alpha: float | None = None,
 ) -> Explanation:
     """Restores the model as evaluate.py does, translates the sentence, and captures every intermediate."""
-    from transformer_jax.evaluation.translate import translate
-    from transformer_jax.visualization.attention import token_pieces
-
     check_sentence(sentence)  # before the (slow) restore
     if target is not None and not target.strip():
         raise VisualizeError("--target is empty; give the target sentence, or leave out --target for the translation")

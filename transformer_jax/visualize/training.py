@@ -8,10 +8,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.errors import VisualizeError
-from transformer_jax.visualization.figures import new_figure, save
+from transformer_jax.training.metrics import read_metrics
+from transformer_jax.training.optim import learning_rate_schedule
+from transformer_jax.visualize.figures import new_figure, save
 
 SCHEDULE_FIGSIZE = (8.0, 5.0)  # inches
 CURVE_PANEL = (5.0, 3.8)  # inches per metrics key
@@ -28,10 +31,6 @@ class ScheduleResult:
 
 def schedule(config: Any, output_dir: str | Path, num_steps: int | None = None) -> ScheduleResult:
     """The learning rate of every update of a config's training (training.optim.learning_rate_schedule)."""
-    import jax.numpy as jnp
-
-    from transformer_jax.training.optim import learning_rate_schedule
-
     num_steps = config.train.num_steps if num_steps is None else num_steps
     if num_steps < 1:
         raise VisualizeError(f"--num_steps must be >= 1, got {num_steps}")
@@ -88,8 +87,6 @@ def curves(
     metrics_files: Sequence[str | Path], output_dir: str | Path, keys: Sequence[str] | None = None
 ) -> CurvesResult:
     """Training and validation curves: one panel per key, one line per run (records with 'step' and the key)."""
-    from transformer_jax.training.metrics import read_metrics
-
     if not metrics_files:
         raise VisualizeError("--metrics: give at least one metrics.jsonl")
     paths = [_metrics_path(p) for p in metrics_files]

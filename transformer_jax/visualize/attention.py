@@ -13,10 +13,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
+import sentencepiece as spm
+from flax import nnx
 
 from transformer_jax.errors import CheckpointError, EvalError, VisualizeError
-from transformer_jax.visualization.figures import new_figure, save
+from transformer_jax.evaluation.restore import Restorer, restore_model
+from transformer_jax.model import capture_attention_weights
+from transformer_jax.visualize.figures import new_figure, save
 
 HEAD_COLUMNS = 4  # attention heads per row
 # kind -> (layer stack, attention module, title, query axis, key axis)
@@ -50,11 +55,6 @@ def attention_weights(model: Any, src_ids: Sequence[int], tgt_in_ids: Sequence[i
     They are the ones the forward pass uses: MultiHeadAttention sows them (model.capture_attention_weights) and
     they are popped after one call of model(src, tgt_in). The model should be in eval mode (no dropout).
     """
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from transformer_jax.model import capture_attention_weights
-
     # Eager, not jitted: one sentence pair, and compiling the whole model would cost more than it saves.
     capture_attention_weights(model)
     try:
@@ -74,8 +74,6 @@ def attention_weights(model: Any, src_ids: Sequence[int], tgt_in_ids: Sequence[i
 
 def token_pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:
     """The SentencePiece piece of each id (▁ marks a word start; <0x..> are byte-fallback pieces)."""
-    import sentencepiece as spm
-
     sp = spm.SentencePieceProcessor(model_file=str(tokenizer.path))
     return [sp.id_to_piece(int(i)) for i in ids]
 
@@ -94,8 +92,6 @@ def encode_pair(tokenizer: Any, source: str, target: str) -> tuple[list[int], li
 
 def load_model(workdir: str | Path, config: Any = None, checkpoint: str | int = "latest") -> tuple[Any, Any, Any, int]:
     """(config, model in eval mode, tokenizer, step) of one checkpoint; config None means the saved one."""
-    from transformer_jax.evaluation.restore import Restorer, restore_model
-
     if not Path(workdir).is_dir():
         raise VisualizeError(f"--workdir {workdir}: no such directory")
     restorer = Restorer()

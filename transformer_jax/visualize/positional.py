@@ -9,10 +9,12 @@ import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.errors import VisualizeError
-from transformer_jax.visualization.figures import new_figure, save
+from transformer_jax.model.layers import sinusoidal_encoding
+from transformer_jax.visualize.figures import new_figure, save
 
 PE_FIGSIZE = (8.0, 5.0)  # inches: the PE matrix
 DOTS_FIGSIZE = (8.0, 5.0)  # inches: PE(pos) . PE(pos + k) against k
@@ -33,10 +35,6 @@ def positional(
 
     sin(a)sin(b) + cos(a)cos(b) = cos(a - b), so PE(pos) . PE(pos + k) = sum_i cos(k w_i): a function of k alone.
     """
-    import jax.numpy as jnp
-
-    from transformer_jax.model.layers import sinusoidal_encoding
-
     if d_model < 2 or d_model % 2:
         raise VisualizeError(f"--d_model must be even and >= 2, got {d_model}")
     if max_len < 2:

@@ -1,0 +1,37 @@
+"""Validation BLEU for the trainer: the function training.loop receives, so that training never imports evaluation.
+
+big_vision's evaluators work this way: the trainer hands the model to a function built outside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import ml_collections
+
+from transformer_jax import data
+from transformer_jax.evaluation.bleu import score_all
+from transformer_jax.evaluation.translate import translate
+
+
+def bleu_evaluator(config: ml_collections.ConfigDict, tokenizer: Any) -> Callable[[Any], dict[str, float]]:
+    """A function of the model (eval mode) -> sacreBLEU, tokenized BLEU and chrF of its beam-search translations of
+    the first train.bleu_sentences validation pairs, decoded with config.eval's settings (as evaluate.py)."""
+    pairs = data.load_split(config.data, config.data.valid_split)[: config.train.bleu_sentences]
+    sources, references = [s for s, _ in pairs], [t for _, t in pairs]
+
+    def evaluate(model: Any) -> dict[str, float]:
+        hypotheses, _ = translate(
+            model,
+            tokenizer,
+            sources,
+            beam_size=config.eval.beam_size,
+            alpha=config.eval.alpha,
+            max_extra_len=config.eval.max_extra_len,
+            batch_size=config.eval.batch_size,
+            max_input_len=config.data.eval_max_len,
+        )
+        return {name: float(value["score"]) for name, value in score_all(hypotheses, references).items()}
+
+    return evaluate

@@ -1,0 +1,190 @@
+"""Run a config's sweep: python -m transformer_jax.sweep --config configs/<file>.py[:arg] --workdir DIR
+
+A config file's `get_sweep(arg)` returns a list of dicts: {"name": readable-name, "<dotted.key>": value, ...}.
+An entry may also hold "reference": {"valid_perplexity": x, "valid_bleu": y}, a published result to compare with
+(the file's REFERENCE string names its source); the results then gain ref_* columns and the chart shows each
+variant's change from the first one, ours beside the reference.
+Each variant trains in DIR/<name> with its resolved config saved there; a finished variant is skipped and an
+interrupted one resumes from its checkpoints. --dry_run lists the variants, --print_commands prints one train.py
+command per variant (for a cluster launcher), --only NAME runs one, --config.KEY=VALUE sets a config value in every
+variant (a shared tokenizer, a data directory), as for train.py. Results are aggregated into DIR/results.csv,
+DIR/results.md and DIR/results.png from the runs' metrics.jsonl and stored validation translations. SIGTERM saves
+the running variant's checkpoint and stops the sweep (exit status 1, results so far aggregated); the same command
+resumes it.
+
+Seeds: --seeds N (or a top-level `SEEDS = N` in the config file; the flag wins) runs every variant N times. Seed i
+(0 .. N-1) sets train.seed and data.shuffle_seed to the config's values plus i, so it changes the parameter init,
+the dropout masks and the data order, and seed i of every variant shares them. With N > 1 run i of NAME trains in
+DIR/NAME/seed<i> (with N = 1 in DIR/NAME); each run is skipped or resumed on its own, and
+--only NAME runs all seeds of NAME. The results then give mean ± standard deviation over the finished seeds with
+Δ and its confidence interval against the first variant (sweep/results.py says how).
+
+Decoding: after a run's training finishes, the sweep translates the whole validation split with the run's last
+checkpoint, no averaging (as the paper's Table 3), and the config's beam search (config.eval: beam_size, alpha,
+max_extra_len, batch_size), through evaluate.py's path (`evaluation.run.evaluate_model`). The hypotheses and the
+report go in the run directory (valid.hyp, valid_scores.json); a run is finished once both exist, and a trained
+run without them gets them on the next invocation. BLEU and chrF in the results come from them, and so
+does the paired bootstrap of each variant against the first (sweep/significance.py), which
+--aggregate_only recomputes without decoding. SIGTERM while decoding stops the sweep like SIGTERM while training;
+the decoding starts anew next time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from absl import flags
+from ml_collections import config_flags
+
+from transformer_jax import config_checks
+from transformer_jax.cli import USAGE_STATUS, fail, parse_flags
+from transformer_jax.errors import ConfigError, VariantInterrupted, exit_on_user_error
+from transformer_jax.sweep import significance
+from transformer_jax.sweep.results import (
+    REFERENCE_METRICS,
+    aggregate_seeds,
+    decoded,
+    parameter_count,
+    run_metrics,
+    summarize_variant,
+    write_results,
+)
+from transformer_jax.sweep.runner import (
+    Run,
+    Variant,
+    decode_run,
+    load_config_module,
+    num_seeds,
+    run_dir,
+    run_variant,
+    runs,
+    train_command,
+    variant_dir,
+    variants,
+)
+
+PROG = "python -m transformer_jax.sweep"
+
+
+def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
+    """The sweep's flags, in a FlagValues of their own: each call of `main` parses afresh (tests call it many
+    times in one process), and importing this module defines nothing in the global absl FLAGS."""
+    fv = flags.FlagValues()
+    # config_flags reads argv to define the --config.KEY=VALUE override flags.
+    config_flags.DEFINE_config_file(
+        "config", None, "configs/<file>.py[:arg] defining get_sweep(arg)", flag_values=fv, sys_argv=list(argv)
+    )
+    flags.DEFINE_string("workdir", None, "one sub-directory per variant is made here", flag_values=fv)
+    flags.DEFINE_bool("dry_run", False, "list the variants and their overrides, run nothing", flag_values=fv)
+    flags.DEFINE_bool("print_commands", False, "print one train.py command per variant", flag_values=fv)
+    flags.DEFINE_string("only", None, "run only the variant with this name", flag_values=fv)
+    flags.DEFINE_bool("aggregate_only", False, "only rebuild results.csv/md/png", flag_values=fv)
+    flags.DEFINE_integer(
+        "seeds",
+        None,
+        "run every variant with this many seeds (default: the config file's SEEDS, else 1); "
+        "seed i adds i to train.seed and data.shuffle_seed",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.mark_flags_as_required(["config", "workdir"], flag_values=fv)
+    return fv
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """argv: the flags (sys.argv[1:] when None). Exit status 1 if a variant was interrupted, 2 for a bad input."""
+    argv = [PROG, *(sys.argv[1:] if argv is None else argv)]
+    fv = _flag_values(argv)
+    rest = parse_flags(PROG, argv, fv, usage=__doc__)
+    if len(rest) > 1:
+        fail(PROG, f"unexpected arguments: {rest[1:]}")
+    logging.getLogger().setLevel(logging.INFO)
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    with exit_on_user_error(PROG, USAGE_STATUS):
+        return _run(fv)
+
+
+def _run(fv: flags.FlagValues) -> int:
+    config_arg = config_flags.get_config_filename(fv["config"])
+    common = config_flags.get_override_values(fv["config"])
+    workdir = pathlib.Path(fv.workdir)
+    all_variants = variants(config_arg, common)
+    seeds = num_seeds(config_arg, fv.seeds)
+    all_runs = {v.name: runs(v, seeds) for v in all_variants}
+    names = [v.name for v in all_variants]
+    if fv.only is not None and fv.only not in names:
+        raise ConfigError(f"--only {fv.only!r}: no such variant; the variants are {names}")
+    chosen = [r for v in all_variants if fv.only in (None, v.name) for r in all_runs[v.name]]
+    if fv.dry_run:
+        for r in chosen:
+            print(f"{r.label}: {json.dumps({**r.variant.overrides, **r.overrides})}")
+        return 0
+    if fv.print_commands:
+        for r in chosen:
+            print(
+                train_command(config_arg, run_dir(workdir, r, seeds), {**common, **r.variant.overrides, **r.overrides})
+            )
+        return 0
+    config_checks.check_workdir(workdir)
+    interrupted = None
+    if not fv.aggregate_only:
+        for r in chosen:
+            logging.info("sweep: variant %s", r.label)
+            try:
+                run_variant(r.label, r.config, run_dir(workdir, r, seeds))
+                decode_run(r.label, run_dir(workdir, r, seeds))
+            except VariantInterrupted as e:
+                interrupted = e
+                break
+    if seeds == 1:
+        rows = [summarize_variant(v, variant_dir(workdir, v.name)) for v in all_variants]
+    else:
+        rows = aggregate_seeds([_seed_runs(v, all_runs[v.name], workdir, seeds) for v in all_variants], seeds)
+    finished = [
+        [d if decoded(d) else None for d in (run_dir(workdir, r, seeds) for r in all_runs[v.name])]
+        for v in all_variants
+    ]
+    rows = significance.add_significance(rows, finished, _references(all_variants, finished))
+    label = getattr(load_config_module(config_arg.partition(":")[0]), "REFERENCE", "reference")
+    write_results(rows, workdir, reference_label=label)
+    print((workdir / "results.md").read_text())
+    if interrupted:
+        print(f"sweep interrupted: {interrupted}; run the same command to resume it", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _references(all_variants: list[Variant], finished: list[list[pathlib.Path | None]]) -> list[list[str] | None]:
+    """Each variant's validation references (None for a variant with no finished run), read once per data config."""
+    cache: dict[str, list[str]] = {}
+    out = []
+    for variant, runs_done in zip(all_variants, finished, strict=True):
+        if not any(runs_done):
+            out.append(None)
+            continue
+        key = json.dumps(variant.config.data.to_dict(), sort_keys=True, default=str)
+        if key not in cache:
+            cache[key] = significance.references_of(variant.config)
+        out.append(cache[key])
+    return out
+
+
+def _seed_runs(variant: Variant, variant_runs: list[Run], workdir: pathlib.Path, seeds: int) -> dict[str, Any]:
+    """aggregate_seeds' input for one variant: its description and each seed's metrics."""
+    entry: dict[str, Any] = {
+        "variant": variant.name,
+        "overrides": " ".join(f"{k}={v}" for k, v in variant.overrides.items()) or "(none)",
+        "parameters": parameter_count(variant.config),
+        "runs": [run_metrics(run_dir(workdir, r, seeds)) for r in variant_runs],
+    }
+    entry.update({"ref_" + key: variant.reference.get(key, "") for key in REFERENCE_METRICS})
+    return entry
+
+
+if __name__ == "__main__":
+    sys.exit(main())

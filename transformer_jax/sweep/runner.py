@@ -1,0 +1,211 @@
+"""What a sweep runs: its variants (config overrides), their seeds and directories, and training and decoding one
+run. The command line over it is transformer_jax/sweep/__main__.py."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import logging
+import os
+import pathlib
+import re
+import shlex
+import signal
+import time
+from typing import Any, NamedTuple
+
+import ml_collections
+
+from transformer_jax import config_checks
+from transformer_jax.errors import ConfigError, VariantInterrupted
+from transformer_jax.evaluation.options import Options
+from transformer_jax.evaluation.run import evaluate_model
+from transformer_jax.evaluation.validation import bleu_evaluator
+from transformer_jax.sweep.results import HYPOTHESES_FILE, REFERENCE_METRICS, RESULT_FILE, SCORES_FILE, decoded
+from transformer_jax.training import loop
+from transformer_jax.training.checkpoints import list_steps
+
+# A variant's name is a directory inside the sweep's workdir: no path separator, and never '.' or '..'.
+NAME_PATTERN = re.compile(r"(?!\.\.?\Z)[A-Za-z0-9_.=-]+")  # used with fullmatch
+
+
+class Variant(NamedTuple):
+    name: str
+    overrides: dict[str, Any]
+    config: ml_collections.ConfigDict
+    reference: dict[str, float]  # published numbers for this variant; empty if none
+
+
+@functools.cache
+def load_config_module(path: str):
+    """Imports a config file by path (the part before ':'), once per path.
+
+    config_flags loads the same file for --config but hands back only get_config()'s result; the sweep also needs
+    the module's get_sweep(arg) and REFERENCE, and a fresh get_config(arg) for each variant.
+    """
+    file = pathlib.Path(path)
+    if not file.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    spec = importlib.util.spec_from_file_location(f"sweep_config_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def variants(config_arg: str, common: dict[str, Any] | None = None) -> list[Variant]:
+    """Every variant with its resolved config, each override and reference validated.
+
+    `common` (--config.KEY=VALUE on the command line) applies to every variant before its own overrides.
+    """
+    path, _, arg = config_arg.partition(":")
+    module = load_config_module(path)
+    if not hasattr(module, "get_sweep"):
+        raise ConfigError(f"config file {path} defines no get_sweep(arg); add one returning a list of override dicts")
+    out, seen = [], set()
+    for i, override in enumerate(module.get_sweep(arg or None)):
+        override = dict(override)
+        name = override.pop("name", None)
+        if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+            raise ConfigError(
+                f"{path}: sweep entry {i} needs a 'name' of letters, digits, '_.=-' other than '.' and '..' "
+                f"(it names a directory inside the sweep's workdir); got {name!r}"
+            )
+        if name in seen:
+            raise ConfigError(f"{path}: sweep variant name {name!r} is used twice")
+        seen.add(name)
+        reference = dict(override.pop("reference", {}))
+        unknown = sorted(set(reference) - set(REFERENCE_METRICS))
+        if unknown:
+            raise ConfigError(f"{path}: sweep variant {name!r}: reference keys {unknown}; known: {REFERENCE_METRICS}")
+        config = module.get_config(arg or None)
+        config.update_from_flattened_dict(common or {})
+        for key, value in override.items():
+            try:
+                config.update_from_flattened_dict({key: value})
+            except (KeyError, AttributeError) as e:
+                raise ConfigError(f"{path}: sweep variant {name!r} overrides unknown key {key!r} ({e})") from e
+            except TypeError as e:
+                raise ConfigError(f"{path}: sweep variant {name!r}: {key}={value!r} has the wrong type ({e})") from e
+        try:
+            config_checks.validate(config)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: sweep variant {name!r}: {e}") from e
+        out.append(Variant(name, override, config, reference))
+    return out
+
+
+def variant_dir(workdir: pathlib.Path, name: str) -> pathlib.Path:
+    """DIR/<name>; ConfigError if that is not a directory directly inside DIR (a name such as '..' or 'a/b')."""
+    inside = pathlib.Path(os.path.normpath(workdir / name))
+    if not NAME_PATTERN.fullmatch(name) or inside.parent != pathlib.Path(os.path.normpath(workdir)):
+        raise ConfigError(f"sweep variant name {name!r} is not a directory name inside the sweep workdir {workdir}")
+    return inside
+
+
+def train_command(config_arg: str, run_dir: pathlib.Path, overrides: dict[str, Any]) -> str:
+    args = ["python", "train.py", f"--config={config_arg}", f"--workdir={run_dir}"]
+    args += [f"--config.{k}={v}" for k, v in overrides.items()]
+    return shlex.join(args)
+
+
+def num_seeds(config_arg: str, flag: int | None) -> int:
+    """--seeds if given, else the config file's top-level SEEDS, else 1."""
+    if flag is not None:
+        return flag
+    path = config_arg.partition(":")[0]
+    seeds = getattr(load_config_module(path), "SEEDS", 1)
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise ConfigError(f"{path}: SEEDS = {seeds!r}; it must be a whole number >= 1 (seeds per variant)")
+    return seeds
+
+
+def seed_overrides(config: ml_collections.ConfigDict, index: int) -> dict[str, int]:
+    """Seed `index` of a variant: train.seed (parameter init and dropout) and data.shuffle_seed (data order) of its
+    config, each plus `index`. Seed 0 is the config itself, so seed i of every variant shares init and data order."""
+    return {"train.seed": config.train.seed + index, "data.shuffle_seed": config.data.shuffle_seed + index}
+
+
+class Run(NamedTuple):
+    """One (variant, seed) training run."""
+
+    variant: Variant
+    seed: int  # index: 0 .. seeds-1
+    label: str  # "NAME" with one seed, else "NAME/seedI"
+    overrides: dict[str, Any]  # the seed's config values on top of the variant's overrides ({} with one seed)
+    config: ml_collections.ConfigDict
+
+
+def runs(variant: Variant, seeds: int) -> list[Run]:
+    """The variant's runs, each config validated. One seed: the variant's own config, in today's layout."""
+    if seeds == 1:
+        return [Run(variant, 0, variant.name, {}, variant.config)]
+    out = []
+    for i in range(seeds):
+        overrides = seed_overrides(variant.config, i)
+        config = variant.config.copy_and_resolve_references()
+        config.update_from_flattened_dict(overrides)
+        try:
+            config_checks.validate(config)
+        except ConfigError as e:
+            raise ConfigError(f"sweep variant {variant.name!r}, seed {i} of --seeds {seeds}: {e}") from e
+        out.append(Run(variant, i, f"{variant.name}/seed{i}", overrides, config))
+    return out
+
+
+def run_dir(workdir: pathlib.Path, run: Run, seeds: int) -> pathlib.Path:
+    """DIR/NAME with one seed (so sweeps from before seeds resume), DIR/NAME/seedI with several."""
+    directory = variant_dir(workdir, run.variant.name)
+    return directory if seeds == 1 else directory / f"seed{run.seed}"
+
+
+def run_variant(name: str, config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
+    """Trains one variant (resuming if interrupted) and writes its result file; skips a finished one."""
+    result_path = workdir / RESULT_FILE
+    if result_path.exists():
+        result = json.loads(result_path.read_text())
+        if result.get("num_steps") == config.train.num_steps:
+            logging.info("sweep: %s already finished; skipping", name)
+            return result
+    start = time.time()
+    loop.train_and_evaluate(config, workdir, bleu=bleu_evaluator)
+    # train_and_evaluate returns early on SIGTERM; such a variant is not finished and must not be skipped later.
+    reached = max(list_steps(workdir), default=0)
+    if reached < config.train.num_steps:
+        raise VariantInterrupted(f"variant {name} stopped at step {reached} of {config.train.num_steps}")
+    # Wall time of the attempt that finished (a resumed variant's earlier attempts are not counted).
+    result = {"name": name, "num_steps": config.train.num_steps, "wall_s": time.time() - start}
+    result_path.write_text(json.dumps(result))
+    return result
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived while a run was decoding."""
+
+
+def _raise_terminated(*_) -> None:
+    raise _Terminated
+
+
+def decode_run(name: str, run_dir: pathlib.Path) -> None:
+    """Translates the whole validation split with a finished run's last checkpoint and stores hypotheses and scores
+    (valid.hyp, then valid_scores.json); skips a run already decoded. SIGTERM raises VariantInterrupted."""
+    if decoded(run_dir):
+        return
+    logging.info("sweep: %s: decoding the validation split", name)
+    options = Options(
+        workdir=str(run_dir),
+        split="valid",
+        average_last=1,  # the last checkpoint: the paper's Table 3 averages none
+        output_file=str(run_dir / HYPOTHESES_FILE),
+        scores_file=str(run_dir / SCORES_FILE),
+    )
+    (run_dir / SCORES_FILE).unlink(missing_ok=True)  # a stale report must not pass for the new hypotheses
+    # Unlike training, a decode cannot save its progress; SIGTERM abandons it (hypotheses are written only at its end).
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        evaluate_model(options)
+    except _Terminated:
+        raise VariantInterrupted(f"variant {name} stopped while decoding the validation split") from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
