@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.training_helpers import tiny_train_config, write_corpus
+from tests.training_helpers import tiny_train_config, train_py_on_devices, write_corpus
 from transformer_jax.errors import CheckpointError, DiskFullError, NonFiniteError
 from transformer_jax.training import checkpoints, loop, workdir_lock
 from transformer_jax.training.metrics import read_metrics
@@ -381,7 +381,7 @@ def test_a_lock_of_a_dead_process_is_taken_over_and_one_of_another_host_is_not(t
         workdir_lock.acquire(tmp_path)
 
 
-# 5. A refused restart leaves the workdir as it was.
+# 5. Restarts: a refused one leaves the workdir as it was; one on another device count or mesh continues exactly.
 
 
 def test_a_refused_restart_leaves_the_workdir_exactly_as_it_was(trained, corpus, tmp_path):
@@ -392,6 +392,30 @@ def test_a_refused_restart_leaves_the_workdir_exactly_as_it_was(trained, corpus,
     with pytest.raises(CheckpointError, match="model.d_ff: 64 -> 128"):
         loop.train_and_evaluate(config, workdir)
     assert _snapshot(workdir) == before
+
+
+def test_resuming_with_another_global_batch_or_row_length_is_refused_naming_the_keys(trained, corpus, tmp_path):
+    """The data iterator's position means other batches under another data.batch_size or data.max_len."""
+    workdir = _copy(trained, tmp_path)
+    config = _config(corpus)
+    config.data.batch_size, config.data.max_len = 16, 24
+    with pytest.raises(CheckpointError, match=r"differing keys .*data.batch_size: 8 -> 16; data.max_len: 32 -> 24"):
+        _restore_latest(workdir, config)
+
+
+def test_a_one_device_run_resumes_on_four_devices_with_fsdp_and_the_same_losses(trained, corpus, tmp_path):
+    """Another device count and another mesh mode at once (the fast representative of tests/test_resume_devices.py):
+    checkpoint 3 of the 1-device run continues on 4 CPU devices with FSDP and logs the losses of steps 4..6 the
+    1-device run logged, to float32 rounding (rtol 1e-5; 4 devices sum the gradients in another order)."""
+    workdir = _copy(trained, tmp_path)
+    shutil.rmtree(workdir / "checkpoints" / "6")
+    output = train_py_on_devices(4, workdir, corpus, **{"train.eval_every": 0, "train.mesh": "fsdp"})
+    assert "resumed from the checkpoint at step 3" in output and "mesh {'data': 4}, train.mesh=fsdp" in output
+    one = {r["step"]: r["loss"] for r in read_metrics(trained / "metrics.jsonl") if "loss" in r}
+    four = {r["step"]: r["loss"] for r in read_metrics(workdir / "metrics.jsonl") if "loss" in r}
+    assert sorted(four) == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose([four[s] for s in (4, 5, 6)], [one[s] for s in (4, 5, 6)], rtol=1e-5)
+    assert checkpoints.list_steps(workdir) == [3, 6]
 
 
 # 6. After a resume each step is logged once.

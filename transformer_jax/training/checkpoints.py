@@ -61,6 +61,12 @@ STRUCTURAL_KEYS = (
     "data.src_lang",
     "data.tgt_lang",
     "data.tokenizer_type",
+    "data.batching",
+    "data.batch_size",
+    "data.tokens_per_batch",
+    "data.batch_window",
+    "data.max_len",
+    "data.shuffle_seed",
 )
 
 

@@ -310,6 +310,7 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> TrainingR
     """Mesh, tokenizer, data, the state (restored from the latest checkpoint or new), compiled steps, writers."""
     workdir.mkdir(parents=True, exist_ok=True)
     mesh = make_mesh()
+    logging.info("training on %d devices, mesh %s, train.mesh=%s", mesh.size, dict(mesh.shape), config.train.mesh)
     row_multiple = check_batch_shapes(config, mesh)
     spec = TransformerSpec.from_config(config)
     tokenizer = data.get_tokenizer(
