@@ -28,7 +28,7 @@ BROKEN = {
     ),
     "deeper": (
         "from configs import common\n\n\ndef get_config(arg=None):\n    return common.model_config(arg)\n",
-        ":5 (raised at configs/common.py:",
+        ":5 (raised at transformer_jax/config_keys.py:",
     ),
 }
 

@@ -3,9 +3,8 @@
 Each checkpoint holds everything needed to continue exactly: model parameters, optimizer state, dropout RNG state,
 step and non-finite counters (item `state`, keyed by the TrainState fields "model", "optimizer", "counters"), the
 data iterator state (item `data`), the config (item `config`) and a checksum of every array of `state` (item
-`checksums`, see training.checksums), verified on every restore. Checkpoints written before the fields had names
-keep them under 0, 1, 2 (the same order); they restore for training and for evaluation alike, and checkpoints
-written before checksums existed restore without verification.
+`checksums`, see training.checksums), verified on every restore. Checkpoints of earlier layouts restore through
+training.migrations; checkpoints written before checksums existed restore without verification.
 With several processes each writes its shards of `state`; the JSON items are written by process 0 alone, which is
 right because every host's iterator state is the same (hosts plan the same global batches; see data.pipeline).
 
@@ -32,42 +31,15 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from flax.traverse_util import flatten_dict
 
-from transformer_jax import files
+from transformer_jax import config_keys, files
 from transformer_jax.errors import CheckpointError, DiskFullError
-from transformer_jax.training import checksums
+from transformer_jax.training import checksums, migrations
 from transformer_jax.training.state import TrainState
 
 ITEMS = ("state", "data", "config", "checksums")
-# Keys whose change makes a checkpoint unusable (the parameter or optimizer structure, or what the tokens mean).
-# Others (dtype, attention kernel, dropout, schedule, steps, logging) may change on resume.
-STRUCTURAL_KEYS = (
-    "model.vocab_size",
-    "model.d_model",
-    "model.num_heads",
-    "model.num_kv_heads",
-    "model.qk_head_dim",
-    "model.v_head_dim",
-    "model.d_ff",
-    "model.num_encoder_layers",
-    "model.num_decoder_layers",
-    "model.activation",
-    "model.norm",
-    "model.norm_position",
-    "model.positional",
-    "model.max_len",
-    "model.share_embeddings",
-    "model.tie_output",
-    "opt.optimizer",
-    "data.src_lang",
-    "data.tgt_lang",
-    "data.tokenizer_type",
-    "data.batching",
-    "data.batch_size",
-    "data.tokens_per_batch",
-    "data.batch_window",
-    "data.max_len",
-    "data.shuffle_seed",
-)
+# Keys whose change makes a checkpoint unusable (the parameter or optimizer structure, what the tokens mean, which
+# batches the saved iterator position stands for): those marked MATCH in config_keys.KEYS. Others may change.
+STRUCTURAL_KEYS = config_keys.MUST_MATCH
 
 
 def checkpoint_dir(workdir: str | pathlib.Path) -> pathlib.Path:
@@ -263,18 +235,15 @@ def _abstract(tree, shardings=None):
 
 
 def _saved_keys(workdir: str | pathlib.Path, step: int) -> dict[str, Any]:
-    """TrainState field -> the top-level key the checkpoint of `step` stores it under: the field's name, or its
-    position 0, 1, 2 in a checkpoint written before the fields had names."""
+    """TrainState field -> the top-level key the checkpoint of `step` stores it under (migrations.state_keys)."""
     # The saved tree's metadata, read by a bare handler: a manager knows it only after a save in this process, and
     # a checkpointer would synchronise the hosts.
     handler = ocp.PyTreeCheckpointHandler()
     try:
-        saved = set(handler.metadata(checkpoint_dir(workdir) / str(step) / "state").tree.keys())
+        saved = handler.metadata(checkpoint_dir(workdir) / str(step) / "state").tree.keys()
     finally:
         handler.close()
-    if saved == {str(i) for i in range(len(TrainState.FIELDS))}:
-        return {name: i for i, name in enumerate(TrainState.FIELDS)}
-    return {name: name for name in TrainState.FIELDS}
+    return migrations.state_keys(saved, TrainState.FIELDS)
 
 
 class Checkpointer:
@@ -476,7 +445,7 @@ def load_config(workdir: str | pathlib.Path, step: int | None = None) -> ml_coll
             f"the config of the checkpoint at step {step} in {checkpoint_dir(workdir)} cannot be read: "
             f"{describe_error(e)}"
         ) from None
-    return ml_collections.ConfigDict(restored.config)
+    return migrations.upgrade_config(ml_collections.ConfigDict(restored.config))
 
 
 def load_model_params(workdir: str | pathlib.Path, step: int, abstract_state: nnx.State) -> dict:
