@@ -178,7 +178,7 @@ def test_a_non_finite_stop_neither_saves_nor_rotates_away_the_last_finite_checkp
     from types import SimpleNamespace
 
     from transformer_jax.model.spec import TransformerSpec
-    from transformer_jax.training.metrics import Progress
+    from transformer_jax.progress import Progress
 
     workdir = _copy(trained, tmp_path)
     config = _config(corpus, num_steps=20, max_nonfinite_steps=2)
@@ -202,7 +202,7 @@ def test_a_non_finite_stop_neither_saves_nor_rotates_away_the_last_finite_checkp
         train_step=poisoned_step,
         batches=_Batches(it_state),
         checkpointer=checkpointer,
-        metric_log=loop.MetricLog(config, writer, Progress(step, 20), 1e11),
+        metric_log=loop.MetricLog(config, writer, Progress(20, "step", "steps", initial=step), 1e11),
         validation=SimpleNamespace(run_due=lambda *a: None),
     )
     try:

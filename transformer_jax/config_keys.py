@@ -413,8 +413,8 @@ KEYS: tuple[Key, ...] = (
     ),
     Key("train.max_nonfinite_steps", 10, count(1), "consecutive non-finite updates before the run stops", MAY_CHANGE),
     # eval
-    Key("eval.beam_size", 4, count(1), "beams (paper)", MAY_CHANGE),
-    Key("eval.alpha", 0.6, at_least_zero(), "length penalty exponent (paper)", MAY_CHANGE),
+    Key("eval.beam_size", 4, count(1), "beams", MAY_CHANGE),
+    Key("eval.alpha", 0.6, at_least_zero(), "length penalty exponent", MAY_CHANGE),
     Key(
         "eval.max_extra_len",
         50,

@@ -67,16 +67,24 @@ def space_report(path: str | os.PathLike, needed: int | None = None) -> str:
     return f"needs about {human_bytes(needed)}, {free} free" if needed else f"{free} free"
 
 
-def probe_writable(folder: str | os.PathLike) -> Path:
-    """Makes `folder` (and its parents) if missing and creates and removes a file there; OSError if that fails.
+def probe_writable(folder: str | os.PathLike, create: bool = True) -> Path:
+    """Checks that files can be written in `folder` by creating and removing one there; OSError if not.
 
-    The callers turn the OSError into their one-line error naming the flag or key that chose the folder.
+    create=True makes `folder` (and its parents) first, if missing. create=False leaves nothing behind: the file is
+    made in the nearest existing ancestor, where the missing folders would be made. The callers turn the OSError
+    into their one-line error naming the flag or key that chose the folder.
     """
     folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(folder))
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryFile(dir=folder):
+    if create:
+        if folder.exists() and not folder.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(folder))
+        folder.mkdir(parents=True, exist_ok=True)
+        where = folder
+    else:
+        where = _existing(folder)
+        if not where.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, f"{where} is not a directory", str(where))
+    with tempfile.TemporaryFile(dir=where):
         pass
     return folder
 

@@ -54,6 +54,7 @@ from transformer_jax import files
 from transformer_jax.data import batching, sources
 from transformer_jax.data.tokenizer import Tokenizer
 from transformer_jax.errors import DataError, DiskFullError
+from transformer_jax.progress import Progress
 
 log = logging.getLogger(__name__)  # the standard logger, which train.py shows at INFO (it quiets absl's)
 
@@ -175,7 +176,7 @@ def build(
         for side in ("src", "tgt"):
             writers[f"{side}_starts"].append(np.zeros(1, np.int64))
         log.info("tokenizing %d lines of split %r into %s", total, config.train_split, path)
-        with sources.progress(total, f"tokenizing {config.train_split}") as bar:
+        with Progress(total, f"tokenizing {config.train_split}", "lines") as bar:
             for lines, pairs in stream.chunks(chunk_pairs):
                 if pairs:
                     src_text, tgt_text = zip(*pairs, strict=True)

@@ -29,11 +29,12 @@ from transformer_jax import data
 from transformer_jax.data.batching import BATCH_KEYS, padded_eval_length
 from transformer_jax.errors import ConfigError, NonFiniteError
 from transformer_jax.model.spec import TransformerSpec
+from transformer_jax.progress import Progress
 from transformer_jax.sharding import batch_sharding, make_mesh, state_shardings
 from transformer_jax.training import flops, workdir_lock
 from transformer_jax.training.checkpoints import Checkpointer
 from transformer_jax.training.losses import summarize
-from transformer_jax.training.metrics import MetricWriter, Progress
+from transformer_jax.training.metrics import MetricWriter
 from transformer_jax.training.optim import learning_rate_schedule
 from transformer_jax.training.state import Graphs, abstract_train_state, create_train_state, eval_model
 from transformer_jax.training.step import compile_steps
@@ -253,7 +254,7 @@ class MetricLog:
             mfu=self.flops / elapsed / self.peak_all_devices,
         )
         self.writer.write(step, metrics)
-        self.progress.update(step, metrics)
+        self.progress.set(step, **{k: metrics[k] for k in ("loss", "learning_rate", "tokens_per_s")})
         self._reset()
         return metrics
 
@@ -349,7 +350,7 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path) -> TrainingR
     validation = Validation(config, graphs, tokenizer, eval_step, sharding, writer)
     peak = config.train.peak_flops or flops.measure_matmul_peak()
     writer.write(step, {f"data_{k}": v for k, v in data_stats.items() if isinstance(v, int)})
-    progress = Progress(step, config.train.num_steps)
+    progress = Progress(config.train.num_steps, "step", "steps", initial=step, enabled=jax.process_index() == 0)
     return TrainingRun(
         config=config,
         spec=spec,

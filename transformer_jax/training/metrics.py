@@ -1,5 +1,5 @@
 """Metric writers: WORKDIR/metrics.jsonl (one JSON object per logged step) and TensorBoard event files
-(tensorboardX, no TensorFlow needed), plus a progress display: a bar on a terminal, plain log lines otherwise."""
+(tensorboardX, no TensorFlow needed). The progress display is transformer_jax.progress."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import json
 import logging
 import os
 import pathlib
-import sys
-import time
 
 import jax
 
@@ -110,37 +108,3 @@ def read_metrics(path: str | pathlib.Path) -> list[dict]:
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{number}: not a JSON object ({e})") from e
     return records
-
-
-class Progress:
-    """A tqdm bar with step, loss, learning rate, tokens/s and ETA on a terminal; log lines when not a TTY."""
-
-    def __init__(self, first_step: int, num_steps: int):
-        self.num_steps = num_steps
-        self.bar = None
-        self.start, self.first_step = time.time(), first_step
-        if sys.stderr.isatty() and jax.process_index() == 0:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=num_steps, initial=first_step, unit="step", dynamic_ncols=True)
-
-    def update(self, step: int, metrics: dict[str, float]) -> None:
-        shown = {k: metrics[k] for k in ("loss", "learning_rate", "tokens_per_s") if k in metrics}
-        if self.bar is not None:
-            self.bar.n = step
-            self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=True)
-            return
-        elapsed = time.time() - self.start
-        done = max(step - self.first_step, 1)
-        eta = elapsed / done * (self.num_steps - step)
-        logging.info(
-            "step %d/%d  %s  eta %s",
-            step,
-            self.num_steps,
-            "  ".join(f"{k} {v:.4g}" for k, v in shown.items()),
-            time.strftime("%H:%M:%S", time.gmtime(eta)),
-        )
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
