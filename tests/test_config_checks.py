@@ -19,9 +19,9 @@ from transformer_jax.model import TransformerSpec
 
 @pytest.mark.parametrize("size", sorted(common.SIZES))
 def test_every_leaf_has_a_rule_and_every_rule_a_leaf(size):
-    """A key added to configs/common.py fails here until it gets a rule in config_checks.RULES (and a stale rule)."""
+    """Every leaf of the config has a rule and every rule a leaf (both derive from config_keys.KEYS)."""
     leaves = dict(config_checks.leaves(common.base_config(size)))
-    assert sorted(set(leaves) - set(RULES)) == [], "add a rule for each new config key to config_checks.RULES"
+    assert sorted(set(leaves) - set(RULES)) == [], "add a Key for each new config key to config_keys.KEYS"
     assert sorted(set(RULES) - set(leaves)) == [], "remove the rules of keys that no longer exist"
     validate(common.base_config(size))
 
@@ -55,11 +55,11 @@ BAD = [
     ("data.tokens_per_batch", -5, "must be positive"),
     ("eval.batch_size", 0, "must be positive"),
     ("opt.warmup_steps", -1, "must be >= 0 (an integer, steps of linear warmup)"),
-    ("train.eval_every", -10, "must be >= 0 (an integer, steps; 0 = never)"),
-    ("model.dropout_rate", 1.0, "must be in [0, 1) (a number, probability)"),
+    ("train.eval_every", -10, "must be >= 0 (an integer, steps between validation-loss evaluations; 0 = never)"),
+    ("model.dropout_rate", 1.0, "must be in [0, 1) (a number, probability"),
     ("opt.b2", 1.5, "must be in [0, 1)"),
     ("train.assumed_mfu", 0.0, "must be in (0, 1]"),
-    ("train.seed", -1, "must be in [0, 4294967296) (an integer, seed)"),
+    ("train.seed", -1, "must be in [0, 4294967296) (an integer, seed of"),
     ("train.num_steps", 10.5, "must be positive (an integer >= 1, optimizer steps), got 10.5 (float)"),  # type
     ("train.num_steps", True, "got True (bool)"),
     ("ckpt.async_save", 1, "must be True or False, got 1 (int)"),

@@ -13,6 +13,7 @@ from tests.helpers.reference import hand_count
 from transformer_jax import config_checks
 from transformer_jax.errors import ConfigError
 from transformer_jax.model import TransformerSpec, build_model
+from transformer_jax.training import migrations
 
 CONFIG_DIR = REPO / "configs"
 CONFIG_ARGS = {
@@ -74,14 +75,14 @@ def _saved_before_pad_id_was_removed(pad_id: int) -> ml_collections.ConfigDict:
 def test_configs_saved_with_model_pad_id_still_build_the_same_model():
     from configs import common
 
-    old = _saved_before_pad_id_was_removed(0)
+    old = migrations.upgrade_config(_saved_before_pad_id_was_removed(0))  # as checkpoints.load_config does
     spec = TransformerSpec.from_config(old)
     assert spec.fused_backward == "on"  # what those versions ran
     new = common.base_config("tiny")
     new.model.fused_backward = "on"
     assert spec == TransformerSpec.from_config(new)
     with pytest.raises(ConfigError, match="model.pad_id: padding is always token id 0"):
-        TransformerSpec.from_config(_saved_before_pad_id_was_removed(5))
+        migrations.upgrade_config(_saved_before_pad_id_was_removed(5))
 
 
 def test_a_new_config_without_a_model_key_fails():

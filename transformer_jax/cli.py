@@ -1,24 +1,24 @@
 """What every command line shares: absl flags whose errors are one line, and `UserError` caught around main.
 
-A command-line mistake (an unknown or malformed flag, a missing required one, a config file that does not exist or
-whose get_config fails, a --config.KEY override of a key the config lacks) ends the program with one line
-`prog: error: message` on stderr, the format of `errors.exit_on_user_error`, and exit status 2. Without this,
-absl adds a help hint, and ml_collections.config_flags prints the config file's whole traceback or, for a missing
-file, fails with a traceback on first access of the config.
+A command-line mistake (an unknown or malformed flag, a missing required one, a config file that does not exist,
+does not parse or whose get_config fails, a --config.KEY override of a key the config lacks) ends the program with
+one line `prog: error: message` on stderr, the format of `errors.exit_on_user_error`, and exit status 2. Without
+this, absl adds a help hint, and ml_collections.config_flags prints the config file's whole traceback or, for a
+missing file, fails with a traceback on first access of the config. Config files are loaded by
+`config_files.get_config`, the loader every command shares.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, NoReturn
 
 from absl import app, flags
-from ml_collections.config_flags.config_flags import is_config_flag
+from ml_collections.config_flags.config_flags import ConfigFileFlagParser, is_config_flag
 
-from transformer_jax import compile_cache
-from transformer_jax.errors import exit_on_user_error
+from transformer_jax import compile_cache, config_files
+from transformer_jax.errors import ConfigError, exit_on_user_error
 
 USAGE_STATUS = 2  # a command line that cannot work: the usage-error status of Unix tools and argparse
 
@@ -40,33 +40,29 @@ def _one_line(error: BaseException) -> str:
     return " ".join(lines)
 
 
-def _argument(argv: Sequence[str], name: str) -> str | None:
-    """The value given to --name in argv (as --name=value or --name value), if any."""
-    for i, arg in enumerate(argv):
-        if arg.startswith(f"--{name}="):
-            return arg.split("=", 1)[1]
-        if arg == f"--{name}" and i + 1 < len(argv):
-            return argv[i + 1]
-    return None
+class _ConfigFileParser(ConfigFileFlagParser):
+    """config_flags' parser of a config-file flag with the one loader (config_files.get_config) underneath: a file
+    that is missing, does not parse or whose get_config raises is a ConfigError line naming the flag, the file and
+    the line, raised while the flags are parsed (config_flags would keep a missing file's error until the config is
+    first read, and print the traceback of any other)."""
+
+    def parse(self, path):
+        try:
+            config = config_files.get_config(path)
+        except ConfigError as e:  # named by its file and line already, or (a missing file) by the flag's value
+            where = "" if str(e).startswith(config_files.split_spec(path)[0]) else f" {path}"
+            raise ConfigError(f"--{self.name}{where}: {e}") from None
+        if self._lock_config and callable(getattr(config, "lock", None)):
+            config.lock()
+        return config
 
 
-def _check_config_files(prog: str, argv: Sequence[str], flag_values: flags.FlagValues) -> None:
-    """Ends the program if a config file flag names a missing file or one that failed to load.
-
-    config_flags keeps such an error until the config is first read, where it would surface as a traceback.
-    """
+def _use_the_config_loader(flag_values: flags.FlagValues) -> None:
+    """Puts _ConfigFileParser under every config-file flag (DEFINE_config_file) of flag_values."""
     for name in list(flag_values):
         flag = flag_values[name]
-        if not is_config_flag(flag):
-            continue
-        spec = _argument(argv, name)
-        if spec is not None and not Path(spec.split(":", 1)[0]).is_file():
-            fail(prog, f"--{name} {spec}: no such file {spec.split(':', 1)[0]}")
-        if flag.value is not None:
-            try:
-                flag.value.get  # noqa: B018 - the first access raises the deferred load error (OSError)
-            except OSError as e:
-                fail(prog, f"--{name}: {_one_line(e)}")
+        if is_config_flag(flag) and type(flag.parser) is ConfigFileFlagParser:
+            flag.parser = _ConfigFileParser(flag.parser.name, getattr(flag.parser, "_lock_config", True))
 
 
 HELP_FLAGS = ("-h", "--help", "-help", "--helpshort", "--helpfull")
@@ -92,16 +88,15 @@ def parse_flags(
     if usage is not None and any(arg in HELP_FLAGS for arg in argv[1:]):
         print(f"{usage}\nflags:\n{flag_values.get_help(include_special_flags=False)}")
         sys.exit(0)
+    _use_the_config_loader(flag_values)
     try:
         rest = flag_values(list(argv))
     except flags.Error as e:
+        if isinstance(e.__context__, ConfigError):  # a config file that failed (_ConfigFileParser)
+            fail(prog, str(e.__context__))
         fail(prog, _one_line(e))
     except (AttributeError, KeyError) as e:  # a --config.KEY=VALUE override of a key the config does not have
         fail(prog, f"config: {type(e).__name__} {_one_line(e)}")
-    except OSError as e:  # config_flags applied an override to a config file that failed to load
-        _check_config_files(prog, argv, flag_values)
-        fail(prog, _one_line(e))
-    _check_config_files(prog, argv, flag_values)
     compile_cache.enable(flag_values.compilation_cache)
     return rest
 

@@ -29,6 +29,11 @@ class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be used, with what to do about it."""
 
 
+class DiskFullError(UserError, RuntimeError):
+    """No space left where a file was being written; the message names the file or step, the space needed and free,
+    and says that nothing partial was left (transformer_jax.files)."""
+
+
 class NonFiniteError(UserError, RuntimeError):
     """Too many non-finite updates in a row (a diverged run: lower the learning rate or check the data)."""
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
+import sys
 import time
 
 import jax.numpy as jnp
@@ -11,6 +13,7 @@ import ml_collections
 import numpy as np
 
 from configs import common
+from tests.helpers import REPO
 
 WORDS_EN = "the a man woman dog cat runs sits red blue big small house street park ball water green old young".split()
 WORDS_DE = (
@@ -95,3 +98,17 @@ def wait_for_checkpoint(procs: list[subprocess.Popen], workdir: pathlib.Path, st
             )
         assert time.time() < deadline, f"no checkpoint {step} appeared in {timeout} s"
         time.sleep(0.05)
+
+
+def train_py_on_devices(devices: int, workdir: pathlib.Path, corpus: pathlib.Path, **overrides: object) -> str:
+    """train.py with tests/tiny_train_config.py on `devices` CPU devices (forced by XLA_FLAGS) in a subprocess;
+    overrides are --config.KEY=VALUE. Fails with its output unless it exits 0; returns its stderr (the log)."""
+    values = {"data.text_dir": corpus, **overrides}
+    command = [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "tests" / "tiny_train_config.py")]
+    command += ["--workdir", str(workdir), *(f"--config.{k}={v}" for k, v in values.items())]
+    xla_flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert f"training on {devices} devices" in result.stderr
+    return result.stderr

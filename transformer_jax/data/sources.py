@@ -11,22 +11,19 @@ found by counting line breaks, before any sentence is decoded.
 from __future__ import annotations
 
 import itertools
-import logging as std_logging
 import os
-import sys
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import ml_collections
 import numpy as np
-import tqdm
 from absl import logging
 
 from transformer_jax import compile_cache
 from transformer_jax.data import download as download_lib
 from transformer_jax.errors import DataError
+from transformer_jax.progress import Progress
 
 Pair = tuple[str, str]
 
@@ -221,7 +218,7 @@ class TextPairs:
         wanted = np.asarray(indices, np.int64)
         out: list[Pair] = []
         first = 0
-        with progress(len(self), "sampling lines") as bar:
+        with Progress(len(self), "sampling lines", "lines") as bar:
             for src_lines, tgt_lines in self._line_chunks(1 << 16):
                 lo, hi = np.searchsorted(wanted, [first, first + len(src_lines)])
                 for i in (wanted[lo:hi] - first).tolist():
@@ -320,7 +317,7 @@ class TfdsPairs(Sequence):
     def pick(self, indices: Sequence[int]) -> list[Pair]:
         """The pairs at sorted `indices`, as stored, read in batches."""
         out: list[Pair] = []
-        with progress(len(indices), "sampling records") as bar:
+        with Progress(len(indices), "sampling records", "records") as bar:
             for start in range(0, len(indices), 4096):
                 out.extend(self.get_many(indices[start : start + 4096]))
                 bar.update(min(4096, len(indices) - start))
@@ -419,38 +416,6 @@ def open_stream(config: ml_collections.ConfigDict, split: str) -> TextPairs | Tf
 
 
 # The standard logger (not absl's, which train.py quiets to warnings), so a long build shows its progress there.
-_progress_log = std_logging.getLogger(__name__)
-
-
-class _LogProgress:
-    """Progress as absl info lines, every tenth of the way: for runs whose stderr goes to a log file."""
-
-    def __init__(self, total: int, desc: str):
-        self.total, self.desc, self.done, self.next_tenth = total, desc, 0, 1
-        self.start = time.perf_counter()
-
-    def __enter__(self) -> _LogProgress:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        return None
-
-    def update(self, n: int) -> None:
-        self.done += n
-        tenths = 10 * self.done // self.total if self.total else 0
-        if tenths >= self.next_tenth:
-            seconds = time.perf_counter() - self.start
-            _progress_log.info("%s: %d of %d (%d%%) in %.0f s", self.desc, self.done, self.total, 10 * tenths, seconds)
-            self.next_tenth = tenths + 1
-
-
-def progress(total: int, desc: str) -> tqdm.tqdm | _LogProgress:
-    """A progress bar over `total` lines or records: tqdm on a terminal, else a log line every 10%."""
-    if sys.stderr.isatty():
-        return tqdm.tqdm(total=total, desc=desc, unit=" lines", unit_scale=True, mininterval=1.0)
-    return _LogProgress(total, desc)
-
-
 def read_all(pairs: Sequence[Pair], indices: Sequence[int] | None = None) -> list[Pair]:
     """Materialises `pairs` (or the given indices of it), reading TFDS records in batches."""
     indices = range(len(pairs)) if indices is None else indices

@@ -50,9 +50,11 @@ from typing import Any
 import ml_collections
 import numpy as np
 
+from transformer_jax import files
 from transformer_jax.data import batching, sources
 from transformer_jax.data.tokenizer import Tokenizer
-from transformer_jax.errors import DataError
+from transformer_jax.errors import DataError, DiskFullError
+from transformer_jax.progress import Progress
 
 log = logging.getLogger(__name__)  # the standard logger, which train.py shows at INFO (it quiets absl's)
 
@@ -174,7 +176,7 @@ def build(
         for side in ("src", "tgt"):
             writers[f"{side}_starts"].append(np.zeros(1, np.int64))
         log.info("tokenizing %d lines of split %r into %s", total, config.train_split, path)
-        with sources.progress(total, f"tokenizing {config.train_split}") as bar:
+        with Progress(total, f"tokenizing {config.train_split}", "lines") as bar:
             for lines, pairs in stream.chunks(chunk_pairs):
                 if pairs:
                     src_text, tgt_text = zip(*pairs, strict=True)
@@ -217,10 +219,17 @@ def build(
     return manifest
 
 
-def _unwritable(path: Path, error: OSError) -> DataError:
+def _unwritable(path: Path, error: OSError) -> DataError | DiskFullError:
+    """One line for a failed write; the build's temporary directory is already removed, so no store is left."""
+    if files.is_disk_full(error):
+        return DiskFullError(
+            f"disk full while building the tokenized training store {path} ({files.space_report(path.parent)}); "
+            "the unfinished store was removed: free space there, or set data.store_dir to a directory with room "
+            "that every host sees"
+        )
     return DataError(
-        f"cannot write the tokenized training store {path}: {error.strerror or error}; free space there, or set "
-        "data.store_dir to a writable directory every host sees"
+        f"cannot write the tokenized training store {path}: {error.strerror or error}; set data.store_dir to a "
+        "writable directory every host sees"
     )
 
 

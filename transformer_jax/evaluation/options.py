@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from transformer_jax import config_checks
+from transformer_jax import config_checks, files
 from transformer_jax.errors import ConfigError, EvalError
 
 SPLITS = ("valid", "test")
@@ -193,14 +192,10 @@ def check_writable(path: str | os.PathLike, flag: str) -> None:
 
 def check_folder_writable(folder: str | os.PathLike, flag: str) -> None:
     """EvalError unless files can be written in `folder`, which may not exist yet (then: can it be created)."""
-    folder = wanted = Path(folder)
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent  # the nearest existing ancestor: the missing folders are made in it when writing
-    if not folder.is_dir():
-        raise EvalError(f"{flag}: {folder} is not a directory, so {wanted} cannot be created; choose another location")
     try:
-        with tempfile.TemporaryFile(dir=folder):
-            pass
+        files.probe_writable(folder, create=False)
+    except NotADirectoryError as e:
+        raise EvalError(f"{flag}: {e.strerror}, so {folder} cannot be created; choose another location") from e
     except OSError as e:
         raise EvalError(f"{flag}: cannot write in {folder} ({e.strerror or e}); choose another location") from e
 

@@ -9,13 +9,15 @@ lines) is found before the model is restored.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from transformer_jax import config_checks
-from transformer_jax.errors import EvalError
+from transformer_jax import config_checks, files
+from transformer_jax.errors import DiskFullError, EvalError
 from transformer_jax.evaluation import bleu, significance
 from transformer_jax.evaluation.inputs import read_sources, split_files, split_pairs, stdin_lines
 from transformer_jax.evaluation.options import (
@@ -187,25 +189,52 @@ def translate_stream(model, tokenizer, settings: dict, output_file: str | None) 
     try:
         for line in stdin_lines():
             [hyp], stats = translate(model, tokenizer, [line], **settings)
-            out.write(hyp + "\n")
-            out.flush()
+            try:
+                out.write(hyp + "\n")
+                out.flush()
+            except OSError as e:
+                if out is sys.stdout or not files.is_disk_full(e):
+                    raise
+                raise _stream_disk_full(output_file, len(hypotheses)) from None
             hypotheses.append(hyp)
             for key in ("sentences", "empty", "truncated", "hit_max_len", "src_tokens", "tgt_tokens", "seconds"):
                 totals[key] = totals.get(key, 0) + stats[key]
+    except DiskFullError:
+        with contextlib.suppress(OSError):  # closing flushes the line that did not fit again
+            out.close()
+        raise
     finally:
-        if out is not sys.stdout:
+        if out is not sys.stdout and not out.closed:
             out.close()
     return hypotheses, totals
 
 
+def _stream_disk_full(output_file: str, written: int) -> DiskFullError:
+    """The streamed output renamed to OUTPUT.partial (it holds only the lines before the full disk)."""
+    partial = f"{output_file}.partial"
+    os.replace(output_file, partial)
+    return DiskFullError(
+        f"disk full while writing {output_file} ({files.space_report(output_file)}): the translations of the first "
+        f"{written} lines are in {partial}; free space and run again"
+    )
+
+
 def _write_lines(path: str, lines: list[str]) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8", newline="\n") as f:
-        f.writelines(line + "\n" for line in lines)
+    _write_whole(path, "".join(line + "\n" for line in lines))
 
 
 def _write_json(path: str, obj: Any) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, default=str)
-        f.write("\n")
+    _write_whole(path, json.dumps(obj, indent=1, default=str) + "\n")
+
+
+def _write_whole(path: str, text: str) -> None:
+    """Writes an output whole or not at all; a full disk is one line and leaves any earlier file unchanged."""
+    try:
+        files.write_text_atomically(path, text)
+    except OSError as e:
+        if not files.is_disk_full(e):
+            raise
+        raise DiskFullError(
+            f"disk full while writing {path} ({files.space_report(path, len(text.encode()))}); nothing was written "
+            "there (an earlier file of that name is unchanged): free space or choose another location"
+        ) from None

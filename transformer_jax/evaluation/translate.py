@@ -11,16 +11,15 @@ Axis letters: see transformer_jax/__init__.py.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 from flax import nnx
-from tqdm import tqdm
 
 from transformer_jax import decoding
 from transformer_jax.data.batching import padded_eval_length
+from transformer_jax.progress import Progress
 from transformer_jax.tokens import EOS_ID, PAD_ID
 
 
@@ -116,9 +115,7 @@ def translate(
         stats["shapes"].add(batch_shape)
         return batch_shape
 
-    bar = None
-    if progress:
-        bar = tqdm(total=len(sources), desc="translating", unit="sent", file=sys.stderr)
+    bar = Progress(len(sources), "translating", "sentences") if progress else None
     lines = list(sources)
     found = decoding.searcher(model).sentences(
         [sources[i] for i in lines],

@@ -1,4 +1,7 @@
-"""The model's hyperparameters as one validated, immutable record built from the `model` and `attention` groups."""
+"""The model's hyperparameters as one validated, immutable record built from the `model` and `attention` groups.
+
+Its fields are derived from the keys of those groups (config_keys.KEYS), so a new model key is a new field.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +10,10 @@ import dataclasses
 import jax.numpy as jnp
 import ml_collections
 
-from transformer_jax import config_checks, platform
+from transformer_jax import config_checks, config_keys, platform
 from transformer_jax.errors import ConfigError
-from transformer_jax.tokens import PAD_ID
 
-DTYPES = {name: getattr(jnp, name) for name in config_checks.DTYPES}  # model.dtype -> computation dtype
+DTYPES = {name: getattr(jnp, name) for name in config_keys.DTYPES}  # model.dtype -> computation dtype
 
 
 def fused_backward_enabled(setting: str, backend: str | None = None) -> bool:
@@ -26,41 +28,23 @@ def fused_backward_enabled(setting: str, backend: str | None = None) -> bool:
     return setting == "on"
 
 
-@dataclasses.dataclass(frozen=True)
-class TransformerSpec:
-    """Every value the modules need; no defaults here: they live in configs/."""
+def _field(key: str) -> str:
+    """The spec field of a config key: model.d_model -> d_model, attention.impl -> attention_impl."""
+    group, _, leaf = key.partition(".")
+    return leaf if group == "model" else f"{group}_{leaf}"
 
-    vocab_size: int
-    d_model: int
-    num_heads: int
-    num_kv_heads: int
-    qk_head_dim: int
-    v_head_dim: int
-    d_ff: int
-    num_encoder_layers: int
-    num_decoder_layers: int
-    dropout_rate: float
-    attention_dropout_rate: float
-    ffn_dropout_rate: float
-    activation: str
-    norm: str
-    norm_position: str
-    norm_epsilon: float
-    positional: str
-    max_len: int
-    share_embeddings: bool
-    tie_output: bool
-    dtype: str
-    fused_backward: str
-    attention_impl: str
-    attention_window: int
+
+# Every model.* and attention.* key, as the spec's fields with the types of their rules (config_keys.KEYS).
+SPEC_KEYS = tuple(k.name for k in config_keys.KEYS if k.name.startswith(("model.", "attention.")))
+_FIELDS = [(_field(k), config_keys.BY_NAME[k].rule.kind) for k in SPEC_KEYS]
+
+
+class _SpecMethods:
+    """What TransformerSpec computes from its fields, and how it is built from a config."""
 
     def __post_init__(self) -> None:
-        # The rules live in one table (config_checks.RULES) with those between keys; validate() applies the same.
-        values = {f"model.{f.name}": getattr(self, f.name) for f in dataclasses.fields(self)}
-        values["attention.impl"] = values.pop("model.attention_impl")
-        values["attention.window"] = values.pop("model.attention_window")
-        config_checks.check_model(values)
+        # Each value against its key's rule, then the rules between keys: what validate() applies to a config.
+        config_checks.check_model({key: getattr(self, _field(key)) for key in SPEC_KEYS})
 
     @property
     def heads_kv(self) -> int:
@@ -90,34 +74,19 @@ class TransformerSpec:
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> TransformerSpec:
         """Builds the spec from a full config (groups `model` and `attention`)."""
-        fields = {f.name for f in dataclasses.fields(cls)}
-        model = dict(config.model.items())
-        if "pad_id" in model:
-            model = _upgrade_saved_model_group(model)
-        values = {k: v for k, v in model.items() if k in fields}
-        unknown = sorted(set(model) - fields)
+        given = {f"{group}.{leaf}": value for group in ("model", "attention") for leaf, value in config[group].items()}
+        unknown = sorted(set(given) - set(SPEC_KEYS))
         if unknown:
-            raise ConfigError(f"config keys model.{unknown[0]} ... are not model hyperparameters: {unknown}")
-        values["attention_impl"] = config.attention.impl
-        values["attention_window"] = config.attention.window
-        missing = sorted(fields - set(values))
+            raise ConfigError(f"config keys {unknown[0]} ... are not model hyperparameters: {unknown}")
+        missing = sorted(set(SPEC_KEYS) - set(given))
         if missing:
-            raise ConfigError(f"config is missing model keys: {['model.' + m for m in missing]}")
-        return cls(**values)
+            raise ConfigError(f"config is missing model keys: {missing}")
+        return cls(**{_field(key): given[key] for key in SPEC_KEYS})
 
 
-def _upgrade_saved_model_group(model: dict) -> dict:
-    """The `model` group of a config saved with a checkpoint before model.pad_id was removed, in today's keys.
-
-    model.pad_id could only ever be tokens.PAD_ID (the tokenizer refused any other id), so it is dropped.
-    model.fused_backward did not exist yet: those versions ran the hand-written backward passes everywhere ('on').
-    """
-    model = dict(model)
-    pad_id = model.pop("pad_id")
-    if pad_id != PAD_ID:
-        raise ConfigError(
-            f"invalid config key model.pad_id: padding is always token id {PAD_ID} (transformer_jax/tokens.py), "
-            f"got {pad_id}; remove the key"
-        )
-    model.setdefault("fused_backward", "on")
-    return model
+# Frozen (hashable: a static argument of jitted functions) and without defaults: they live in config_keys.
+TransformerSpec = dataclasses.make_dataclass("TransformerSpec", _FIELDS, bases=(_SpecMethods,), frozen=True)
+TransformerSpec.__module__ = __name__  # make_dataclass's own `module` argument needs Python 3.12
+TransformerSpec.__doc__ = (
+    "Every value the modules need: one field per model.* key (attention.* as attention_*), typed by its rule."
+)

@@ -4,7 +4,6 @@ run. The command line over it is transformer_jax/sweep/__main__.py."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import logging
 import os
@@ -17,7 +16,7 @@ from typing import Any, NamedTuple
 
 import ml_collections
 
-from transformer_jax import config_checks
+from transformer_jax import config_checks, config_files
 from transformer_jax.errors import ConfigError, VariantInterrupted
 from transformer_jax.evaluation.options import Options
 from transformer_jax.evaluation.run import evaluate_model
@@ -39,18 +38,12 @@ class Variant(NamedTuple):
 
 @functools.cache
 def load_config_module(path: str):
-    """Imports a config file by path (the part before ':'), once per path.
+    """Imports a config file by path (the part before ':'), once per path, with the loader of every command.
 
-    config_flags loads the same file for --config but hands back only get_config()'s result; the sweep also needs
-    the module's get_sweep(arg) and REFERENCE, and a fresh get_config(arg) for each variant.
+    The --config flag hands back only get_config()'s result; the sweep also needs the module's get_sweep(arg) and
+    REFERENCE, and a fresh get_config(arg) for each variant.
     """
-    file = pathlib.Path(path)
-    if not file.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    spec = importlib.util.spec_from_file_location(f"sweep_config_{file.stem}", file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return config_files.load_module(path, f"sweep_config_{pathlib.Path(path).stem}")
 
 
 def variants(config_arg: str, common: dict[str, Any] | None = None) -> list[Variant]:
@@ -63,7 +56,7 @@ def variants(config_arg: str, common: dict[str, Any] | None = None) -> list[Vari
     if not hasattr(module, "get_sweep"):
         raise ConfigError(f"config file {path} defines no get_sweep(arg); add one returning a list of override dicts")
     out, seen = [], set()
-    for i, override in enumerate(module.get_sweep(arg or None)):
+    for i, override in enumerate(config_files.call(module, path, "get_sweep", arg or None)):
         override = dict(override)
         name = override.pop("name", None)
         if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
@@ -78,7 +71,7 @@ def variants(config_arg: str, common: dict[str, Any] | None = None) -> list[Vari
         unknown = sorted(set(reference) - set(REFERENCE_METRICS))
         if unknown:
             raise ConfigError(f"{path}: sweep variant {name!r}: reference keys {unknown}; known: {REFERENCE_METRICS}")
-        config = module.get_config(arg or None)
+        config = config_files.call(module, path, "get_config", arg or None)
         config.update_from_flattened_dict(common or {})
         for key, value in override.items():
             try:

@@ -3,9 +3,8 @@
 Each checkpoint holds everything needed to continue exactly: model parameters, optimizer state, dropout RNG state,
 step and non-finite counters (item `state`, keyed by the TrainState fields "model", "optimizer", "counters"), the
 data iterator state (item `data`), the config (item `config`) and a checksum of every array of `state` (item
-`checksums`, see training.checksums), verified on every restore. Checkpoints written before the fields had names
-keep them under 0, 1, 2 (the same order); they restore for training and for evaluation alike, and checkpoints
-written before checksums existed restore without verification.
+`checksums`, see training.checksums), verified on every restore. Checkpoints of earlier layouts restore through
+training.migrations; checkpoints written before checksums existed restore without verification.
 With several processes each writes its shards of `state`; the JSON items are written by process 0 alone, which is
 right because every host's iterator state is the same (hosts plan the same global batches; see data.pipeline).
 
@@ -15,11 +14,15 @@ then falls back to the one before it and moves the damaged one aside (`<step>.da
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import pathlib
+import shutil
 import sys
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -28,35 +31,15 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from flax.traverse_util import flatten_dict
 
-from transformer_jax.errors import CheckpointError
-from transformer_jax.training import checksums
+from transformer_jax import config_keys, files
+from transformer_jax.errors import CheckpointError, DiskFullError
+from transformer_jax.training import checksums, migrations
 from transformer_jax.training.state import TrainState
 
 ITEMS = ("state", "data", "config", "checksums")
-# Keys whose change makes a checkpoint unusable (the parameter or optimizer structure, or what the tokens mean).
-# Others (dtype, attention kernel, dropout, schedule, steps, logging) may change on resume.
-STRUCTURAL_KEYS = (
-    "model.vocab_size",
-    "model.d_model",
-    "model.num_heads",
-    "model.num_kv_heads",
-    "model.qk_head_dim",
-    "model.v_head_dim",
-    "model.d_ff",
-    "model.num_encoder_layers",
-    "model.num_decoder_layers",
-    "model.activation",
-    "model.norm",
-    "model.norm_position",
-    "model.positional",
-    "model.max_len",
-    "model.share_embeddings",
-    "model.tie_output",
-    "opt.optimizer",
-    "data.src_lang",
-    "data.tgt_lang",
-    "data.tokenizer_type",
-)
+# Keys whose change makes a checkpoint unusable (the parameter or optimizer structure, what the tokens mean, which
+# batches the saved iterator position stands for): those marked MATCH in config_keys.KEYS. Others may change.
+STRUCTURAL_KEYS = config_keys.MUST_MATCH
 
 
 def checkpoint_dir(workdir: str | pathlib.Path) -> pathlib.Path:
@@ -69,9 +52,14 @@ def config_differences(saved: dict, current: dict, keys: tuple[str, ...] = STRUC
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
 
 
-def _manager(workdir, *, keep: int | None = None, async_save: bool = False, read_only: bool = False):
+def _manager(
+    workdir, *, keep: int | None = None, async_save: bool = False, read_only: bool = False, cleanup_tmp: bool = False
+):
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, enable_async_checkpointing=async_save, create=not read_only
+        max_to_keep=keep,
+        enable_async_checkpointing=async_save,
+        create=not read_only,
+        cleanup_tmp_directories=cleanup_tmp,
     )
     return ocp.CheckpointManager(checkpoint_dir(workdir), options=options, item_names=ITEMS)
 
@@ -95,41 +83,90 @@ def describe_error(e: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _is_loop_closed(exc: BaseException | None) -> bool:
+    """TensorStore completing a read or write for an Orbax call that has already failed and closed its event loop
+    (printed through sys.excepthook from TensorStore's threads, after the call has returned)."""
+    return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+
+
 def _is_restore_noise(exc: BaseException | None) -> bool:
     """An exception that Orbax's asynchronous restore leaves behind after the one it raises: reads of other arrays
     failing in coroutines nobody awaits any more (Orbax's wrapper, or TensorStore's own ValueError, which asyncio
     logs as "Future exception was never retrieved" once the restore has returned), and TensorStore callbacks
     reaching the closed event loop."""
     return (
-        (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed")
+        _is_loop_closed(exc)
         or (type(exc) is Exception and str(exc).startswith("Encountered error while reading array index"))
         or (isinstance(exc, ValueError) and "tensorstore_spec=" in str(exc))
     )
 
 
-def _silence_restore_noise() -> None:
-    """Drops `_is_restore_noise` exceptions from sys.unraisablehook, sys.excepthook and the asyncio logger
-    (everything else goes on as before): a damaged checkpoint is reported once, in one line, not in thousands of
-    lines of tracebacks printed by the event loop's leftovers, some of them after the restore has returned.
-    Installed once."""
-    if getattr(sys.unraisablehook, "_drops_restore_noise", False):
-        return
-    unraisable, excepthook = sys.unraisablehook, sys.excepthook
+def _is_save_noise(exc: BaseException | None) -> bool:
+    """What a save that filled the disk leaves behind: each thread's and coroutine's report of the failed writes,
+    and the writes TensorStore completes after the save has failed."""
+    return files.is_disk_full(exc) or _is_loop_closed(exc)
 
-    def quiet_unraisable(info):
-        if not _is_restore_noise(info.exc_value):
-            unraisable(info)
 
-    def quiet_excepthook(kind, value, tb):
-        if not _is_restore_noise(value):
-            excepthook(kind, value, tb)
+class _Quiet:
+    """While installed, drops the exceptions `drop(exc)` selects from the "absl" and "asyncio" loggers (Orbax's
+    threads log their failures there, asyncio its tasks whose exception nobody retrieved), sys.unraisablehook,
+    sys.excepthook and threading.excepthook; everything else goes on as before. Orbax reports one failure many
+    times over, from every thread and coroutine it ran; the caller reports it once, in one line.
 
-    quiet_unraisable._drops_restore_noise = True
-    sys.unraisablehook, sys.excepthook = quiet_unraisable, quiet_excepthook
-    # The event loop's "Task exception was never retrieved" for the reads that failed after the first.
-    logging.getLogger("asyncio").addFilter(
-        lambda record: not (record.exc_info and _is_restore_noise(record.exc_info[1]))
-    )
+    Installed only around the Orbax calls that can fail so (a restore; a save, until it is awaited) and removed
+    after them when they succeed. After a failure it stays: TensorStore completes the reads and writes that the
+    failed call abandoned in its own threads, later, at times nothing can wait for, and each one reports the closed
+    event loop. `remove` first collects garbage, so that the tasks Orbax left unfinished report their exceptions
+    while the filter is still in place.
+    """
+
+    LOGGERS = ("absl", "asyncio")
+
+    def __init__(self, drop: Callable[[BaseException | None], bool]):
+        self.drop = drop
+        self._previous: tuple | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and self.drop(record.exc_info[1]))
+
+    def install(self) -> None:
+        if self._previous is not None:
+            return
+        unraisable, excepthook, thread_hook = sys.unraisablehook, sys.excepthook, threading.excepthook
+        self._previous = (unraisable, excepthook, thread_hook)
+
+        def quiet_unraisable(info):
+            if not self.drop(info.exc_value):
+                unraisable(info)
+
+        def quiet_excepthook(kind, value, tb):
+            if not self.drop(value):
+                excepthook(kind, value, tb)
+
+        def quiet_thread_hook(args):
+            if not self.drop(args.exc_value):
+                thread_hook(args)
+
+        sys.unraisablehook, sys.excepthook, threading.excepthook = quiet_unraisable, quiet_excepthook, quiet_thread_hook
+        for name in self.LOGGERS:
+            logging.getLogger(name).addFilter(self)
+
+    def remove(self) -> None:
+        if self._previous is None:
+            return
+        gc.collect()
+        sys.unraisablehook, sys.excepthook, threading.excepthook = self._previous
+        self._previous = None
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeFilter(self)
+
+    def __enter__(self) -> _Quiet:
+        self.install()
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is None:
+            self.remove()
 
 
 def _missing_parts(workdir: str | pathlib.Path, step: int, items: tuple[str, ...]) -> str | None:
@@ -198,18 +235,15 @@ def _abstract(tree, shardings=None):
 
 
 def _saved_keys(workdir: str | pathlib.Path, step: int) -> dict[str, Any]:
-    """TrainState field -> the top-level key the checkpoint of `step` stores it under: the field's name, or its
-    position 0, 1, 2 in a checkpoint written before the fields had names."""
+    """TrainState field -> the top-level key the checkpoint of `step` stores it under (migrations.state_keys)."""
     # The saved tree's metadata, read by a bare handler: a manager knows it only after a save in this process, and
     # a checkpointer would synchronise the hosts.
     handler = ocp.PyTreeCheckpointHandler()
     try:
-        saved = set(handler.metadata(checkpoint_dir(workdir) / str(step) / "state").tree.keys())
+        saved = handler.metadata(checkpoint_dir(workdir) / str(step) / "state").tree.keys()
     finally:
         handler.close()
-    if saved == {str(i) for i in range(len(TrainState.FIELDS))}:
-        return {name: i for i, name in enumerate(TrainState.FIELDS)}
-    return {name: name for name in TrainState.FIELDS}
+    return migrations.state_keys(saved, TrainState.FIELDS)
 
 
 class Checkpointer:
@@ -217,40 +251,96 @@ class Checkpointer:
 
     def __init__(self, workdir: str | pathlib.Path, ckpt: ml_collections.ConfigDict):
         self.workdir = pathlib.Path(workdir)
-        self.manager = _manager(workdir, keep=ckpt.keep, async_save=ckpt.async_save)
+        # cleanup_tmp_directories: a save that a crash or a full disk left unfinished (`<step>.orbax-checkpoint-tmp`)
+        # is removed when the next run starts; Orbax never lists it as a checkpoint.
+        self.manager = _manager(workdir, keep=ckpt.keep, async_save=ckpt.async_save, cleanup_tmp=True)
+        self._async = ckpt.async_save
+        self._in_flight: tuple[int, int] | None = None  # (step, bytes) of a save not yet awaited
+        self._quiet = _Quiet(_is_save_noise)
+        self._failed = False
 
     def save(
         self, step: int, state: nnx.State, data_state: Any, config: ml_collections.ConfigDict, rotate: bool = True
     ) -> None:
         """Saves the checkpoint of `step`; rotate=False keeps every older checkpoint (ckpt.keep is not applied),
-        for a state that may be worse than the ones before it (a stop after non-finite updates)."""
+        for a state that may be worse than the ones before it (a stop after non-finite updates).
+
+        A full disk, now or when an asynchronous save of an earlier step completes, is a DiskFullError naming the
+        step, the directory and the space needed and free (`_disk_full`); ckpt.keep then has removed nothing.
+        """
+        self.wait()  # the previous save's failure is reported for its own step, before this one starts
         pure = nnx.to_pure_dict(state)
         # Hashed before the save starts: the arrays are valid until the next train step donates them.
         sums = {"version": checksums.VERSION, "arrays": checksums.checksums(pure)}
-        manager = self.manager
+        manager = self.manager if rotate else _manager(self.workdir, keep=None)
+        self._in_flight = (step, sum(x.nbytes for x in jax.tree.leaves(pure)))
+        self._quiet.install()  # removed once the save is awaited (wait)
+        try:
+            manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(pure),
+                    data=ocp.args.JsonSave({"iterator": data_state}),
+                    config=ocp.args.JsonSave(json.loads(config.to_json())),
+                    checksums=ocp.args.JsonSave(sums),
+                ),
+                force=True,
+            )
+            if not rotate:
+                manager.close()  # waits for the save
+        except Exception as e:
+            self._failed_save(e)
+            raise
         if not rotate:
-            self.manager.wait_until_finished()
-            manager = _manager(self.workdir, keep=None)
-        manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(pure),
-                data=ocp.args.JsonSave({"iterator": data_state}),
-                config=ocp.args.JsonSave(json.loads(config.to_json())),
-                checksums=ocp.args.JsonSave(sums),
-            ),
-            force=True,
-        )
-        if not rotate:
-            manager.close()  # waits for the save
+            self._in_flight = None
+            self._quiet.remove()
             self.manager.reload()
+        elif not self._async:
+            self.wait()
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Waits for an asynchronous save; DiskFullError (`_disk_full`) if the disk filled up during it."""
+        if self._in_flight is None:
+            return
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            self._failed_save(e)
+            raise
+        self._in_flight = None
+        self._quiet.remove()
+
+    def _failed_save(self, error: Exception) -> None:
+        """After a save failed: its unfinished directory removed, a full disk re-raised as one DiskFullError line
+        (any other failure is a bug and keeps its traceback). The filter stays for the writes left in flight."""
+        step, needed = self._in_flight
+        self._in_flight, self._failed = None, True
+        if jax.process_index() == 0:
+            for tmp in checkpoint_dir(self.workdir).glob(f"{step}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(tmp, ignore_errors=True)
+        if files.is_disk_full(error):
+            raise self._disk_full(step, needed) from None
+
+    def _disk_full(self, step: int, needed: int) -> DiskFullError:
+        directory = checkpoint_dir(self.workdir)
+        finished = [s for s in list_steps(self.workdir) if s != step]
+        if finished:  # what the last one took on disk (metadata included) is a closer estimate than the array bytes
+            needed = max(needed, sum(f.stat().st_size for f in (directory / str(finished[-1])).rglob("*")))
+        last = f"step {finished[-1]}, kept" if finished else "none"
+        again = f"resumes from step {finished[-1]}" if finished else "starts again"
+        return DiskFullError(
+            f"disk full while saving the checkpoint of step {step} in {directory} "
+            f"({files.space_report(directory, needed)}); the unfinished save was removed and the last finished "
+            f"checkpoint is {last}. Free space there and run the same command again: it {again}"
+        )
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Waits for a save in flight and closes; after a failed save, closes without waiting again."""
+        try:
+            self.wait()
+        finally:
+            if not self._failed:
+                self.manager.close()
 
     def restore_latest(
         self, abstract_state: nnx.State, shardings, config: ml_collections.ConfigDict
@@ -265,13 +355,13 @@ class Checkpointer:
         steps = sorted(self.manager.all_steps(), reverse=True)
         if not steps:
             return None
-        _silence_restore_noise()
         current = json.loads(config.to_json())
         target = _abstract(nnx.to_pure_dict(abstract_state), nnx.to_pure_dict(shardings))
         errors, damaged = [], []
         for step in steps:
             try:
-                restored, keys = self._restore(step, target, current)
+                with _Quiet(_is_restore_noise):
+                    restored, keys = self._restore(step, target, current)
             except _Damaged as e:
                 errors.append(f"step {step}: {e}")
                 damaged.append(step)
@@ -355,7 +445,7 @@ def load_config(workdir: str | pathlib.Path, step: int | None = None) -> ml_coll
             f"the config of the checkpoint at step {step} in {checkpoint_dir(workdir)} cannot be read: "
             f"{describe_error(e)}"
         ) from None
-    return ml_collections.ConfigDict(restored.config)
+    return migrations.upgrade_config(ml_collections.ConfigDict(restored.config))
 
 
 def load_model_params(workdir: str | pathlib.Path, step: int, abstract_state: nnx.State) -> dict:
@@ -371,18 +461,23 @@ def load_model_params(workdir: str | pathlib.Path, step: int, abstract_state: nn
     missing = _missing_parts(workdir, step, ("state",))
     if missing:
         raise CheckpointError(f"{where} is damaged: {missing}")
-    _silence_restore_noise()
     try:
-        key = _saved_keys(workdir, step)["model"]
-        target = {key: _abstract(nnx.to_pure_dict(nnx.filter_state(abstract_state["model"], nnx.Param)))}
-        # Read only the model's parameters: the optimizer state and counters are left out of the restore target.
-        # The restore arguments carry this process's device for every array: without them Orbax reuses the saved
-        # shardings, which fails for a checkpoint written by other devices (another host, FSDP over 8 GPUs).
-        restore = ocp.args.PyTreeRestore(
-            target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
-        )
-        restored = _manager(workdir, read_only=True).restore(step, args=ocp.args.Composite(state=restore))
+        with _Quiet(_is_restore_noise):
+            restored, key = _restore_model_params(workdir, step, abstract_state)
     except Exception as e:  # noqa: BLE001 - any failure to read is a damaged checkpoint
         raise CheckpointError(f"{where} cannot be read: {describe_error(e)}") from None
     verify(workdir, step, restored.state)
     return restored.state[key]
+
+
+def _restore_model_params(workdir: str | pathlib.Path, step: int, abstract_state: nnx.State):
+    """(restored Composite holding the model's parameters, the key they are saved under) of one checkpoint."""
+    key = _saved_keys(workdir, step)["model"]
+    target = {key: _abstract(nnx.to_pure_dict(nnx.filter_state(abstract_state["model"], nnx.Param)))}
+    # Read only the model's parameters: the optimizer state and counters are left out of the restore target.
+    # The restore arguments carry this process's device for every array: without them Orbax reuses the saved
+    # shardings, which fails for a checkpoint written by other devices (another host, FSDP over 8 GPUs).
+    restore = ocp.args.PyTreeRestore(
+        target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
+    )
+    return _manager(workdir, read_only=True).restore(step, args=ocp.args.Composite(state=restore)), key

@@ -34,11 +34,12 @@ from transformer_jax import data
 from transformer_jax.data.batching import BATCH_KEYS, padded_eval_length
 from transformer_jax.errors import ConfigError, NonFiniteError
 from transformer_jax.model.spec import TransformerSpec
+from transformer_jax.progress import Progress
 from transformer_jax.sharding import batch_sharding, make_mesh, state_shardings
 from transformer_jax.training import flops, workdir_lock
 from transformer_jax.training.checkpoints import Checkpointer
 from transformer_jax.training.losses import summarize
-from transformer_jax.training.metrics import MetricWriter, Progress
+from transformer_jax.training.metrics import MetricWriter
 from transformer_jax.training.optim import learning_rate_schedule
 from transformer_jax.training.state import Graphs, abstract_train_state, create_train_state, eval_model
 from transformer_jax.training.step import compile_steps
@@ -240,7 +241,7 @@ class MetricLog:
             mfu=self.flops / elapsed / self.peak_all_devices,
         )
         self.writer.write(step, metrics)
-        self.progress.update(step, metrics)
+        self.progress.set(step, **{k: metrics[k] for k in ("loss", "learning_rate", "tokens_per_s")})
         self._reset()
         return metrics
 
@@ -295,6 +296,7 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path, bleu: BleuEv
     """Mesh, tokenizer, data, the state (restored from the latest checkpoint or new), compiled steps, writers."""
     workdir.mkdir(parents=True, exist_ok=True)
     mesh = make_mesh()
+    logging.info("training on %d devices, mesh %s, train.mesh=%s", mesh.size, dict(mesh.shape), config.train.mesh)
     row_multiple = check_batch_shapes(config, mesh)
     spec = TransformerSpec.from_config(config)
     tokenizer = data.get_tokenizer(
@@ -333,7 +335,7 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path, bleu: BleuEv
     validation = Validation(config, graphs, tokenizer, eval_step, sharding, writer, bleu)
     peak = config.train.peak_flops or flops.measure_matmul_peak()
     writer.write(step, {f"data_{k}": v for k, v in data_stats.items() if isinstance(v, int)})
-    progress = Progress(step, config.train.num_steps)
+    progress = Progress(config.train.num_steps, "step", "steps", initial=step, enabled=jax.process_index() == 0)
     return TrainingRun(
         config=config,
         spec=spec,

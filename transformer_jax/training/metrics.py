@@ -1,19 +1,26 @@
 """Metric writers: WORKDIR/metrics.jsonl (one JSON object per logged step) and TensorBoard event files
-(tensorboardX, no TensorFlow needed), plus a progress display: a bar on a terminal, plain log lines otherwise."""
+(tensorboardX, no TensorFlow needed). The progress display is transformer_jax.progress."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import pathlib
-import sys
-import time
 
 import jax
 
+from transformer_jax import files
+from transformer_jax.errors import DiskFullError
+
 
 class MetricWriter:
-    """Writes on process 0 only; every record is flushed so a crash loses nothing already logged.
+    """Writes on process 0 only; every record is written through at once so a crash loses nothing already logged.
+
+    A record is one append of one line: a full disk (or any failed write) truncates the file back to the records
+    before it, so metrics.jsonl never ends in a partial line, and is one DiskFullError line naming the file and
+    the step. TensorBoard's events are written after the record, and the same way.
 
     A run resumed from the checkpoint of `resume_step` logs the steps after it again, so the records after that step
     (written by the run that was interrupted) are first moved out of metrics.jsonl into metrics.superseded.jsonl,
@@ -27,7 +34,7 @@ class MetricWriter:
         if self.enabled:
             if resume_step and self.path.exists():
                 drop_records_after(self.path, resume_step)
-            self._jsonl = open(self.path, "a")  # noqa: SIM115 - closed in close()
+            self._jsonl = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)  # closed in close()
             from tensorboardX import SummaryWriter
 
             purge = {"purge_step": resume_step + 1} if resume_step else {}
@@ -37,16 +44,35 @@ class MetricWriter:
         if not self.enabled:
             return
         record = {"step": step, **{f"{prefix}{k}": v for k, v in metrics.items()}}
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
-        for key, value in record.items():
-            if key != "step" and isinstance(value, int | float):
-                self._tb.add_scalar(key, value, step)
-        self._tb.flush()
+        line = (json.dumps(record) + "\n").encode("utf-8")
+        size = os.fstat(self._jsonl).st_size
+        try:
+            if os.write(self._jsonl, line) != len(line):
+                raise OSError(errno.ENOSPC, "short write: " + os.strerror(errno.ENOSPC))
+        except OSError as e:
+            os.ftruncate(self._jsonl, size)
+            raise self._failed(step, e) from None
+        try:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float):
+                    self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        except OSError as e:
+            raise self._failed(step, e) from None
+
+    def _failed(self, step: int, error: OSError) -> Exception:
+        """A full disk as one line; any other failure to write is re-raised as it is."""
+        if not files.is_disk_full(error):
+            return error
+        return DiskFullError(
+            f"disk full while writing the metrics of step {step} to {self.path.parent} "
+            f"({files.space_report(self.path)}); {self.path.name} holds the records before it, whole. Free space "
+            "there and run the same command again: it resumes from the last checkpoint and logs the steps after it"
+        )
 
     def close(self) -> None:
         if self.enabled:
-            self._jsonl.close()
+            os.close(self._jsonl)
             self._tb.close()
 
 
@@ -82,37 +108,3 @@ def read_metrics(path: str | pathlib.Path) -> list[dict]:
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{number}: not a JSON object ({e})") from e
     return records
-
-
-class Progress:
-    """A tqdm bar with step, loss, learning rate, tokens/s and ETA on a terminal; log lines when not a TTY."""
-
-    def __init__(self, first_step: int, num_steps: int):
-        self.num_steps = num_steps
-        self.bar = None
-        self.start, self.first_step = time.time(), first_step
-        if sys.stderr.isatty() and jax.process_index() == 0:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=num_steps, initial=first_step, unit="step", dynamic_ncols=True)
-
-    def update(self, step: int, metrics: dict[str, float]) -> None:
-        shown = {k: metrics[k] for k in ("loss", "learning_rate", "tokens_per_s") if k in metrics}
-        if self.bar is not None:
-            self.bar.n = step
-            self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=True)
-            return
-        elapsed = time.time() - self.start
-        done = max(step - self.first_step, 1)
-        eta = elapsed / done * (self.num_steps - step)
-        logging.info(
-            "step %d/%d  %s  eta %s",
-            step,
-            self.num_steps,
-            "  ".join(f"{k} {v:.4g}" for k, v in shown.items()),
-            time.strftime("%H:%M:%S", time.gmtime(eta)),
-        )
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()

@@ -1,0 +1,469 @@
+"""Every config key, written once: its default, its unit and meaning, what it may hold, and whether it must match
+on resume. Everything else derives from `KEYS`: the config groups of configs/common.py (`group`), the rules
+config_checks applies (`RULES`), the keys a checkpoint's config must share with a restart (`MUST_MATCH`) and the
+model's hyperparameters (model/spec.py's TransformerSpec has one field per `model.*`/`attention.*` key).
+
+A key's default is a value, or a function of the model size's row of `SIZES` (the size-dependent ones). Its
+`doc` says what the number counts; config_checks' one-line errors quote it. `resume=MATCH` marks a key whose
+change makes a checkpoint unusable: the parameter or optimizer structure, what the tokens mean, or which
+batches the saved data-iterator position stands for (docs/reliability.md lists what may change between restarts).
+Adding a key is one `Key(...)` line here; tests/test_config_keys.py fails if a key lacks any of its facts.
+
+This module imports no JAX at import time: the choice sets defined by a registry elsewhere (attention
+implementations, mesh modes) are read from there when a config is checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import ml_collections
+
+from transformer_jax.errors import ConfigError
+
+
+class Size(NamedTuple):
+    """The size-dependent defaults of one model size (`size=...` in every config file's argument)."""
+
+    d_model: int
+    num_heads: int
+    d_ff: int
+    encoder_layers: int
+    decoder_layers: int
+    dropout_rate: float
+
+
+SIZES = {
+    "tiny": Size(32, 4, 64, 2, 2, 0.1),  # a laptop CPU runs every config in seconds
+    "mini": Size(128, 4, 512, 3, 3, 0.1),  # ablation sweeps on a 2-core CPU
+    "small": Size(256, 4, 1024, 3, 3, 0.1),  # Multi30k on a 2-core CPU
+    "base": Size(512, 8, 2048, 6, 6, 0.1),  # paper Table 3, base
+    "big": Size(1024, 16, 4096, 6, 6, 0.3),  # paper Table 3, big
+}
+
+# Choice sets of string-valued keys whose implementation has no registry of its own; the modules that dispatch on
+# them import these (model/spec.py, training/optim.py).
+ACTIVATIONS = ("relu", "gelu", "swiglu")
+NORMS = ("layernorm", "rmsnorm")
+NORM_POSITIONS = ("post", "pre")
+POSITIONALS = ("sinusoidal", "learned", "none")
+DTYPES = ("float32", "bfloat16", "float16")
+FUSED_BACKWARD = ("auto", "on", "off")
+SCHEDULES = ("paper", "rsqrt", "cosine", "constant")
+OPTIMIZERS = ("adam", "adamw")
+DATA_SOURCES = ("text", "multi30k", "tfds")
+BATCHINGS = ("pack", "bucket", "pad")
+TOKENIZER_TYPES = ("unigram", "bpe")
+SEED_LIMIT = 2**32
+
+
+def _attention_impls() -> list[str]:
+    from transformer_jax import ops  # registers every implementation on import; JAX only when a config is checked
+
+    return sorted(ops.IMPLEMENTATIONS)
+
+
+def _mesh_modes() -> list[str]:
+    from transformer_jax.sharding import MESH_MODES  # JAX only when a config is checked
+
+    return list(MESH_MODES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """What one config key may hold. `low`/`high` bound numbers (inclusive unless *_open); `choices` lists strings
+    (or returns them, for a registry); `unit` says what the number counts, for the error message."""
+
+    kind: type
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    choices: tuple[str, ...] | Callable[[], Iterable[str]] | None = None
+    nonempty: bool = False
+    unit: str = ""
+
+    def allowed(self) -> str:
+        if self.choices is not None:
+            return f"one of {list(self.options())}"
+        if self.kind is bool:
+            return "True or False"
+        if self.kind is str:
+            return "a non-empty string" if self.nonempty else "a string"
+        noun = "an integer" if self.kind is int else "a number"
+        if self.low is not None and self.high is not None:
+            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+            text = f"in {left}{_num(self.low)}, {_num(self.high)}{right} ({noun}"
+        elif self.low == 0 and self.low_open or self.low == 1 and self.kind is int:
+            text = f"positive ({noun} {'> 0' if self.low_open else '>= 1'}"
+        elif self.low is not None:
+            text = f"{'>' if self.low_open else '>='} {_num(self.low)} ({noun}"
+        else:
+            text = f"{noun} ("
+        return text + (f", {self.unit})" if self.unit else ")")
+
+    def options(self) -> tuple[str, ...]:
+        return tuple(self.choices()) if callable(self.choices) else tuple(self.choices or ())
+
+    def check(self, key: str, value: Any, name: str | None = None) -> None:
+        """ConfigError unless `value` is allowed; `name` is how the user set it (default: `config key KEY`)."""
+        name = name or f"config key {key}"
+        if self.choices is not None:
+            if value not in self.options():
+                raise ConfigError(f"{name}: unknown value {value!r}; choose one of {list(self.options())}")
+            return
+        if self.kind is bool:
+            ok = isinstance(value, bool)
+        elif self.kind is str:
+            ok = isinstance(value, str) and (bool(value) or not self.nonempty)
+        elif isinstance(value, bool) or not isinstance(value, int if self.kind is int else (int, float)):
+            ok = False
+        else:
+            ok = (
+                (self.kind is int or math.isfinite(value))
+                and (self.low is None or (value > self.low if self.low_open else value >= self.low))
+                and (self.high is None or (value < self.high if self.high_open else value <= self.high))
+            )
+        if not ok:
+            wrong_type = isinstance(value, bool) is not (self.kind is bool) or not isinstance(value, (self.kind, int))
+            got = f"{value!r} ({type(value).__name__})" if wrong_type else repr(value)
+            raise ConfigError(f"{name}: must be {self.allowed()}, got {got}")
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else repr(x)
+
+
+def count(low: int = 1, high: int | None = None) -> Rule:
+    return Rule(int, low=low, high=high, high_open=high is not None)
+
+
+def positive() -> Rule:
+    return Rule(float, low=0, low_open=True)
+
+
+def at_least_zero() -> Rule:
+    return Rule(float, low=0)
+
+
+def fraction(low_open: bool = False, high_open: bool = True) -> Rule:
+    return Rule(float, low=0, high=1, low_open=low_open, high_open=high_open)
+
+
+def choice(options: tuple[str, ...] | Callable[[], Iterable[str]]) -> Rule:
+    return Rule(str, choices=options)
+
+
+FLAG, TEXT, NAME = Rule(bool), Rule(str), Rule(str, nonempty=True)
+MATCH, MAY_CHANGE = "must match", "may change"  # on resume: whether a restart must keep the checkpoint's value
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """One config key: dotted name, default (a value, or a function of the size's `Size` row), what it may hold,
+    its unit and meaning, and whether a restart must keep it (`resume`: MATCH or MAY_CHANGE)."""
+
+    name: str
+    default: Any
+    rule: Rule
+    doc: str
+    resume: str  # MATCH or MAY_CHANGE
+
+    def __post_init__(self) -> None:
+        if not self.doc:
+            raise ValueError(f"config key {self.name}: say its unit and meaning")
+        if self.resume not in (MATCH, MAY_CHANGE):
+            raise ValueError(f"config key {self.name}: resume must be MATCH or MAY_CHANGE, got {self.resume!r}")
+        object.__setattr__(self, "rule", dataclasses.replace(self.rule, unit=self.doc))  # errors quote the doc
+
+    def default_for(self, size: Size) -> Any:
+        return self.default(size) if callable(self.default) else self.default
+
+
+def _by_size(field: str) -> Callable[[Size], Any]:
+    return lambda size: getattr(size, field)
+
+
+KEYS: tuple[Key, ...] = (
+    Key(
+        "size", None, NAME, "label of the model size the config started from (SIZES)", MAY_CHANGE
+    ),  # set by base_config
+    # model: what the modules are built from (TransformerSpec)
+    Key("model.vocab_size", 32000, count(1), "tokens in the joint source-target vocabulary", MATCH),
+    Key("model.d_model", _by_size("d_model"), count(1), "width of every residual stream", MATCH),
+    Key("model.num_heads", _by_size("num_heads"), count(1), "h, attention heads per layer", MATCH),
+    Key("model.num_kv_heads", 0, count(0), "key/value heads (grouped-query attention); 0 = num_heads", MATCH),
+    Key("model.qk_head_dim", 0, count(0), "d_k per head; 0 = d_model / num_heads", MATCH),
+    Key("model.v_head_dim", 0, count(0), "d_v per head; 0 = d_model / num_heads", MATCH),
+    Key("model.d_ff", _by_size("d_ff"), count(1), "inner width of the position-wise feed-forward network", MATCH),
+    Key("model.num_encoder_layers", _by_size("encoder_layers"), count(0), "N, encoder layers", MATCH),
+    Key("model.num_decoder_layers", _by_size("decoder_layers"), count(0), "N, decoder layers", MATCH),
+    Key(
+        "model.dropout_rate",
+        _by_size("dropout_rate"),
+        fraction(),
+        "probability, P_drop on sublayer outputs and embedding + PE sums",
+        MAY_CHANGE,
+    ),
+    Key(
+        "model.attention_dropout_rate",
+        0.0,
+        fraction(),
+        "probability, on attention weights (not in the paper)",
+        MAY_CHANGE,
+    ),
+    Key(
+        "model.ffn_dropout_rate",
+        0.0,
+        fraction(),
+        "probability, on the FFN hidden activation (not in the paper)",
+        MAY_CHANGE,
+    ),
+    Key("model.activation", "relu", choice(ACTIVATIONS), "FFN activation: relu (paper), gelu, swiglu", MATCH),
+    Key("model.norm", "layernorm", choice(NORMS), "layernorm (paper) or rmsnorm", MATCH),
+    Key(
+        "model.norm_position",
+        "post",
+        choice(NORM_POSITIONS),
+        "post: LayerNorm(x + Sublayer(x)) (paper); pre: x + Sublayer(LayerNorm(x))",
+        MATCH,
+    ),
+    Key("model.norm_epsilon", 1e-6, positive(), "added to the variance inside the norm", MAY_CHANGE),
+    Key(
+        "model.positional",
+        "sinusoidal",
+        choice(POSITIONALS),
+        "positional encoding: sinusoidal (paper), learned, none",
+        MATCH,
+    ),
+    Key("model.max_len", 1024, count(1), "positions a learned positional embedding holds, tokens", MATCH),
+    Key("model.share_embeddings", True, FLAG, "one matrix for source and target embeddings (paper 3.4)", MATCH),
+    Key("model.tie_output", True, FLAG, "the output softmax reuses the target embedding matrix (paper 3.4)", MATCH),
+    Key("model.dtype", "float32", choice(DTYPES), "computation dtype; parameters stay float32", MAY_CHANGE),
+    # Hand-written backward passes of the linear layers, the tied logits projection and the loss, arranged for
+    # XLA:CPU (the same gradients as autodiff, fewer transposed copies).
+    Key(
+        "model.fused_backward",
+        "auto",
+        choice(FUSED_BACKWARD),
+        "hand-written backward passes: auto = on for the CPU backend only",
+        MAY_CHANGE,
+    ),
+    # attention
+    Key(
+        "attention.impl",
+        "xla",
+        choice(_attention_impls),
+        "ops.attention implementation (auto picks by backend)",
+        MAY_CHANGE,
+    ),
+    Key("attention.window", 0, count(0), "local attention window, tokens; 0 = full attention", MAY_CHANGE),
+    # data
+    Key(
+        "data.source",
+        "text",
+        choice(DATA_SOURCES),
+        "text (a directory of {split}.{lang} files), multi30k (fetched) or tfds",
+        MAY_CHANGE,
+    ),
+    Key(
+        "data.text_dir",
+        "../shared/data/multi30k",
+        TEXT,
+        "directory with {split}.{lang} files, for source=text",
+        MAY_CHANGE,
+    ),
+    Key("data.tfds_name", "wmt14_translate/de-en", TEXT, "TFDS builder/config, for source=tfds", MAY_CHANGE),
+    Key(
+        "data.tfds_data_dir",
+        "",
+        TEXT,
+        "TFDS data directory; empty = TFDS's default (~/tensorflow_datasets)",
+        MAY_CHANGE,
+    ),
+    Key("data.tfds_download", True, FLAG, "download and prepare a missing TFDS dataset (needs internet)", MAY_CHANGE),
+    Key("data.cache_dir", "", TEXT, "where downloads are kept; empty = ~/.cache/transformer_jax", MAY_CHANGE),
+    Key("data.src_lang", "en", NAME, "source language code", MATCH),
+    Key("data.tgt_lang", "de", NAME, "target language code", MATCH),
+    Key("data.train_split", "train", NAME, "training split, as the source names it", MAY_CHANGE),
+    Key("data.valid_split", "valid", NAME, "validation split, as the source names it", MAY_CHANGE),
+    Key("data.test_split", "test", NAME, "test split, as the source names it", MAY_CHANGE),
+    Key(
+        "data.tokenizer_model",
+        "",
+        TEXT,
+        "an existing SentencePiece .model file; empty = train one into the workdir",
+        MAY_CHANGE,
+    ),
+    Key("data.tokenizer_type", "unigram", choice(TOKENIZER_TYPES), "SentencePiece model type", MATCH),
+    Key(
+        "data.tokenizer_sample_sentences",
+        1_000_000,
+        count(1),
+        "sentences (both sides) sampled to train the tokenizer",
+        MAY_CHANGE,
+    ),
+    Key(
+        "data.store",
+        True,
+        FLAG,
+        "tokenize the training split once into memory-mapped files (False: in memory at every start)",
+        MAY_CHANGE,
+    ),
+    Key("data.store_dir", "", TEXT, "directory of the tokenized store; empty = the tokenizer's directory", MAY_CHANGE),
+    # The batches a saved iterator position stands for depend on these: they must match on resume.
+    Key("data.batching", "pack", choice(BATCHINGS), "pack, bucket or pad", MATCH),
+    Key("data.batch_size", 64, count(1), "rows per batch, summed over devices (pack, pad)", MATCH),
+    Key(
+        "data.tokens_per_batch",
+        4096,
+        count(1),
+        "token slots per side per batch (rows x row length), summed over devices (bucket)",
+        MATCH,
+    ),
+    Key(
+        "data.batch_window",
+        8192,
+        count(1),
+        "examples per host grouped at once by pack (first-fit) and bucket (length sort)",
+        MATCH,
+    ),
+    Key(
+        "data.max_len",
+        64,
+        count(2),
+        "tokens per side, EOS included: the row length of pack/pad and the training length filter",
+        MATCH,
+    ),
+    Key(
+        "data.eval_max_len",
+        256,
+        count(2),
+        "tokens per source sentence at evaluation, EOS included; longer ones are truncated and counted",
+        MAY_CHANGE,
+    ),
+    Key("data.shuffle_seed", 0, count(0, high=SEED_LIMIT), "seed of the deterministic shuffle", MATCH),
+    # opt
+    Key("opt.optimizer", "adam", choice(OPTIMIZERS), "adam or adamw", MATCH),
+    Key("opt.b1", 0.9, fraction(), "Adam beta1 (paper)", MAY_CHANGE),
+    Key("opt.b2", 0.98, fraction(), "Adam beta2 (paper)", MAY_CHANGE),
+    Key("opt.eps", 1e-9, positive(), "Adam epsilon (paper)", MAY_CHANGE),
+    Key("opt.weight_decay", 0.0, at_least_zero(), "decoupled weight decay per step, for adamw", MAY_CHANGE),
+    Key(
+        "opt.schedule",
+        "paper",
+        choice(SCHEDULES),
+        "paper: d_model^-0.5 * min(step^-0.5, step * warmup^-1.5); rsqrt, cosine, constant",
+        MAY_CHANGE,
+    ),
+    Key(
+        "opt.learning_rate",
+        lambda size: size.d_model**-0.5,
+        positive(),
+        "peak learning-rate multiplier (paper: d_model^-0.5); for cosine/constant the peak rate",
+        MAY_CHANGE,
+    ),
+    Key("opt.warmup_steps", 4000, count(0), "steps of linear warmup", MAY_CHANGE),
+    Key(
+        "opt.clip_grad_norm",
+        0.0,
+        at_least_zero(),
+        "global gradient norm clipping threshold; 0 = no clipping",
+        MAY_CHANGE,
+    ),
+    # train
+    Key("train.seed", 0, count(0, high=SEED_LIMIT), "seed of parameter init and dropout", MAY_CHANGE),
+    Key("train.num_steps", 100_000, count(1), "optimizer steps", MAY_CHANGE),
+    Key("train.grad_accum_steps", 1, count(1), "micro-batches per optimizer step (the same global batch)", MAY_CHANGE),
+    Key("train.label_smoothing", 0.1, fraction(), "epsilon_ls (paper)", MAY_CHANGE),
+    Key("train.log_every", 100, count(1), "steps between metric logs", MAY_CHANGE),
+    Key("train.eval_every", 1000, count(0), "steps between validation-loss evaluations; 0 = never", MAY_CHANGE),
+    Key("train.bleu_every", 0, count(0), "steps between validation BLEU evaluations; 0 = never", MAY_CHANGE),
+    Key("train.bleu_sentences", 200, count(1), "validation sentences decoded for BLEU during training", MAY_CHANGE),
+    Key(
+        "train.mesh",
+        "data",
+        choice(_mesh_modes),
+        "data (replicated parameters) or fsdp (parameters sharded over the data axis)",
+        MAY_CHANGE,
+    ),
+    Key(
+        "train.peak_flops",
+        0.0,
+        at_least_zero(),
+        "FLOP/s of one device, for MFU and --dry_run; 0 = measure a matmul at start",
+        MAY_CHANGE,
+    ),
+    Key(
+        "train.assumed_mfu",
+        0.4,
+        fraction(low_open=True, high_open=False),
+        "fraction of peak FLOP/s assumed by --dry_run's time estimate",
+        MAY_CHANGE,
+    ),
+    Key(
+        "train.estimate_devices",
+        0,
+        count(0),
+        "devices assumed by --dry_run's time estimate; 0 = the devices present",
+        MAY_CHANGE,
+    ),
+    Key("train.max_nonfinite_steps", 10, count(1), "consecutive non-finite updates before the run stops", MAY_CHANGE),
+    # eval
+    Key("eval.beam_size", 4, count(1), "beams", MAY_CHANGE),
+    Key("eval.alpha", 0.6, at_least_zero(), "length penalty exponent", MAY_CHANGE),
+    Key(
+        "eval.max_extra_len",
+        50,
+        count(1),
+        "tokens beyond the input length: the maximum output length (paper)",
+        MAY_CHANGE,
+    ),
+    Key(
+        "eval.average_last", 5, count(1), "checkpoints averaged for the final model (paper: 5 base, 20 big)", MAY_CHANGE
+    ),
+    Key("eval.batch_size", 64, count(1), "sentences per decoding batch", MAY_CHANGE),
+    # ckpt
+    Key("ckpt.every_steps", 1000, count(1), "steps between checkpoints", MAY_CHANGE),
+    Key("ckpt.keep", 20, count(1), "checkpoints kept (enough for averaging)", MAY_CHANGE),
+    Key("ckpt.async_save", True, FLAG, "save in the background", MAY_CHANGE),
+)
+
+BY_NAME: dict[str, Key] = {key.name: key for key in KEYS}
+RULES: dict[str, Rule] = {key.name: key.rule for key in KEYS}
+MUST_MATCH: tuple[str, ...] = tuple(key.name for key in KEYS if key.resume == MATCH)
+GROUPS = ("model", "attention", "data", "opt", "train", "eval", "ckpt")
+
+
+def group(name: str, size: Size | None = None) -> ml_collections.ConfigDict:
+    """The defaults of group `name` (model, data, ...) as an unlocked ConfigDict; `size` gives the size-dependent
+    ones (model, opt)."""
+    values = ml_collections.ConfigDict()
+    for key in KEYS:
+        prefix, _, leaf = key.name.rpartition(".")
+        if prefix == name:
+            if callable(key.default) and size is None:
+                raise ValueError(f"config key {key.name}: its default depends on the model size; pass one")
+            values[leaf] = key.default_for(size)
+    if not values:
+        raise ValueError(f"no config group {name!r}; the groups are {list(GROUPS)}")
+    return values
+
+
+def size_row(size: str) -> Size:
+    if size not in SIZES:
+        raise ConfigError(f"unknown size {size!r}; choose one of {sorted(SIZES)}")
+    return SIZES[size]
+
+
+def base_config(size: str) -> ml_collections.ConfigDict:
+    """Every group with its defaults for a model size; config files override and then lock."""
+    config = ml_collections.ConfigDict()
+    config.size = size
+    row = size_row(size)
+    for name in GROUPS:
+        config[name] = group(name, row)
+    return config

@@ -1,0 +1,44 @@
+"""What checkpoints written by earlier versions need to restore today, in one place; nothing else reads old layouts.
+
+Two migrations, each kept because checkpoints of those versions exist (tests/test_state.py, tests/test_configs.py):
+
+- State layout: before the TrainState fields had names, a checkpoint's `state` item stored them under the
+  positions 0, 1, 2 (the same order). `state_keys` maps each field to the key it is saved under.
+- Config: before `model.pad_id` was removed, the saved config held it (it could only ever be tokens.PAD_ID), and
+  `model.fused_backward` did not exist (those versions ran the hand-written backward passes everywhere: 'on').
+  `upgrade_config` rewrites such a saved config in today's keys; checkpoints.load_config applies it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import ml_collections
+
+from transformer_jax.errors import ConfigError
+from transformer_jax.tokens import PAD_ID
+
+
+def state_keys(saved_keys: Iterable[str], fields: Sequence[str]) -> dict[str, Any]:
+    """TrainState field -> the top-level key of the saved `state` tree that holds it: the field's name, or its
+    position in a checkpoint of the positional layout."""
+    if set(saved_keys) == {str(i) for i in range(len(fields))}:
+        return {name: i for i, name in enumerate(fields)}
+    return {name: name for name in fields}
+
+
+def upgrade_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A config saved with a checkpoint, in today's keys (unchanged when it has them already)."""
+    if "model" not in config or "pad_id" not in config.model:
+        return config
+    upgraded = config.to_dict()
+    model = upgraded["model"]
+    pad_id = model.pop("pad_id")
+    if pad_id != PAD_ID:
+        raise ConfigError(
+            f"invalid config key model.pad_id: padding is always token id {PAD_ID} (transformer_jax/tokens.py), "
+            f"got {pad_id}; remove the key"
+        )
+    model.setdefault("fused_backward", "on")
+    return ml_collections.ConfigDict(upgraded)
