@@ -129,12 +129,20 @@ class AttentionMask:
 
         Elementwise ops only, so that it also lowers inside Pallas kernels.
         """
+        column = lambda x: None if x is None else x[..., :, None]
+        row = lambda x: None if x is None else x[..., None, :]
+        return self.pairs(column(q_seg), column(q_pos), row(kv_seg), row(kv_pos))
+
+    def pairs(
+        self, q_seg: Array | None, q_pos: Array | None, kv_seg: Array | None, kv_pos: Array | None
+    ) -> Array | None:
+        """The rules of the module docstring on vectors already shaped to broadcast: [..., X, 1] query columns and
+        [..., 1, Y] key rows give [..., X, Y] (Mosaic kernels keep their vectors 2-D); None if unmasked."""
         parts = []
         if q_seg is not None:
-            q_seg_X1, kv_seg_1Y = q_seg[..., :, None], kv_seg[..., None, :]
-            parts.append(jnp.logical_and(q_seg_X1 == kv_seg_1Y, is_real(q_seg_X1)))
+            parts.append(jnp.logical_and(q_seg == kv_seg, is_real(q_seg)))
         if q_pos is not None:
-            delta_XY = q_pos[..., :, None] - kv_pos[..., None, :]
+            delta_XY = q_pos - kv_pos
             lo, hi = self.delta_range()
             if lo is not None:
                 parts.append(delta_XY >= lo)
