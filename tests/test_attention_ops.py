@@ -313,8 +313,8 @@ def test_unsupported_combinations_fail_clearly() -> None:
     small = jnp.zeros((1, 8, 2, 32), jnp.float32)
     with pytest.raises(ValueError, match="one dtype"):
         ops.attention(small, small, small.astype(jnp.bfloat16), impl="pallas")
-    with pytest.raises(NotImplementedError, match="Triton"):
-        ops.attention(small, small, small, impl="pallas", backend="tpu")
+    with pytest.raises(ValueError, match="on TPU needs q, k, v all float32 or all bfloat16"):
+        ops.attention(*(small.astype(jnp.float16),) * 3, impl="pallas", backend="tpu")
     for impl in ("blockwise", "pallas"):
         with pytest.raises(ValueError, match="positive number of tokens"):
             ops.attention(small, small, small, impl=impl, window=0)
