@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
 
 from transformer_jax.ops.attention import recompute_vjp
 from transformer_jax.ops.masks import AttentionMask, pad_tokens
@@ -114,11 +115,30 @@ def tpu_attention(
     scale: float | None = None,
     block_sizes: TpuBlockSizes | None = None,
 ) -> Array:
-    """FlashAttention-2 for TPU on q [B, T, N, H], k [B, S, K, H], v [B, S, K, E]; the whole AttentionMask."""
+    """FlashAttention-2 for TPU on q [B, T, N, H], k [B, S, K, H], v [B, S, K, E]; the whole AttentionMask.
+
+    Traced under a mesh of several devices (jax.set_mesh), each device runs the kernels on its rows: Mosaic
+    kernels cannot be partitioned by XLA, so they run inside a shard_map that splits the batch over every mesh
+    axis, as sharding.batch_sharding splits batches.
+    """
     check_inputs(q, k, v)
-    prepared, mask_p, static = _prepare(q, k, v, mask, scale, block_sizes, count_tiles=False)
-    out_BNTE = _attend(*prepared, mask_p, static)
-    return out_BNTE[:, :, : q.shape[1], : v.shape[-1]].transpose(0, 2, 1, 3)
+
+    def local(q: Array, k: Array, v: Array, mask: AttentionMask) -> Array:
+        prepared, mask_p, static = _prepare(q, k, v, mask, scale, block_sizes, count_tiles=False)
+        out_BNTE = _attend(*prepared, mask_p, static)
+        return out_BNTE[:, :, : q.shape[1], : v.shape[-1]].transpose(0, 2, 1, 3)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return local(q, k, v, mask)
+    if q.shape[0] % mesh.size:
+        raise ValueError(
+            f"attention impl 'pallas' on TPU splits the batch over the mesh's {mesh.size} devices; "
+            f"batch {q.shape[0]} is not a multiple of it"
+        )
+    rows = P(mesh.axis_names)
+    specs = (rows, rows, rows, jax.tree.map(lambda _: rows, mask))
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=rows, check_vma=False)(q, k, v, mask)
 
 
 def tile_counts(
@@ -187,12 +207,15 @@ def _static_tiles(mask, batch, num_heads, num_kv_heads, q_len, kv_len, q_pad, kv
     """Tiles for the kernels' cost estimates, known at trace time: those that the causal/window rule and the
     padding leave (default positions; all tiles with explicit ones). Segment ids are data: packed rows compute
     fewer tiles than this bound (planned_tiles counts them on concrete masks)."""
-    with jax.ensure_compile_time_eval():
-        rule = AttentionMask.create(1, q_len, kv_len, causal=mask.causal, window=mask.window)
-        rule = rule.pad(1, q_len, kv_len, q_pad, kv_pad)
-        if rule.masks_anything and not mask.explicit_positions:
-            counts = planned_tiles(rule, batch, num_heads, num_kv_heads, sizes)
-            return counts["forward"], counts["dkdv"], counts["dq"]
+    # numpy vectors: worked out on the host, also while compiling for devices this host cannot run.
+    ones = np.ones((1, q_len), np.int32), np.ones((1, kv_len), np.int32)  # vectors from the start: numpy throughout
+    rule = AttentionMask.create(
+        1, q_len, kv_len, q_segment_ids=ones[0], kv_segment_ids=ones[1], causal=mask.causal, window=mask.window, xp=np
+    )
+    rule = rule.pad(1, q_len, kv_len, q_pad, kv_pad)
+    if not mask.explicit_positions:
+        counts = planned_tiles(rule, batch, num_heads, num_kv_heads, sizes)
+        return counts["forward"], counts["dkdv"], counts["dq"]
     fwd = batch * num_heads * (q_pad // sizes.fwd_q) * (kv_pad // sizes.fwd_k)
     bwd = batch * num_heads * (q_pad // sizes.bwd_q) * (kv_pad // sizes.bwd_k)
     return fwd, bwd, bwd
