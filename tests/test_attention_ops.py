@@ -297,6 +297,8 @@ def test_auto_choice() -> None:
 
     assert choose(small, "cpu") == "xla"
     assert choose(long, "cpu") == "blockwise"
+    assert choose(long, "tpu", causal=True) == "pallas"
+    assert choose(small, "tpu") == "xla"  # shorter than one TPU tile
     assert choose(small, "gpu", causal=True) == "cudnn"
     assert choose(small, "gpu", q_segment_ids=seg) == "pallas"
     assert choose(small.astype(jnp.float32), "gpu") == "pallas"

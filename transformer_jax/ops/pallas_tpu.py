@@ -92,18 +92,26 @@ class _Static:
     tiles: tuple[int, int, int]  # tiles the forward, dK/dV and dQ kernels compute, for their cost estimates
 
 
-def check_inputs(q: Array, k: Array, v: Array) -> None:
-    """One ValueError line for what the kernel cannot take, at trace time (never a Mosaic error)."""
+def unsupported(q: Array, k: Array, v: Array) -> str | None:
+    """Why the kernels cannot take these inputs (one line naming the alternative), or None."""
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(
+        return (
             f"attention impl 'pallas' on TPU needs q, k, v all float32 or all bfloat16; got {q.dtype}, {k.dtype}, "
             f"{v.dtype}. Cast them, or use impl='xla'."
         )
     if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
-        raise ValueError(
+        return (
             f"attention impl 'pallas' on TPU supports head dims up to {MAX_HEAD_DIM}; got q/k {q.shape[-1]}, "
             f"v {v.shape[-1]}. Use impl='blockwise' or 'xla'."
         )
+    return None
+
+
+def check_inputs(q: Array, k: Array, v: Array) -> None:
+    """Raises unsupported(...)'s reason as a ValueError at trace time (never a Mosaic error)."""
+    reason = unsupported(q, k, v)
+    if reason:
+        raise ValueError(reason)
 
 
 def tpu_attention(
