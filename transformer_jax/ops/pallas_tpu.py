@@ -177,6 +177,23 @@ def planned_tiles(mask: AttentionMask, batch: int, num_heads: int, num_kv_heads:
     )
 
 
+def tile_flops(kernel: str, block_q: int, block_k: int, head_dim: int, value_dim: int) -> int:
+    """Matmul FLOPs of one tile of a kernel (2 per multiply-add): forward Q K^T and P V; dK/dV Q K^T, P^T dO,
+    dO V^T and dS^T Q; dQ Q K^T, dO V^T and dS K."""
+    per_pair = dict(forward=head_dim + value_dim, dkdv=2 * (head_dim + value_dim), dq=2 * head_dim + value_dim)
+    return 2 * block_q * block_k * per_pair[kernel]
+
+
+def prepared_sizes(q_len: int, kv_len: int, head_dim: int, block_sizes: TpuBlockSizes | None = None) -> tuple:
+    """(tile sizes, padded T, padded S) the kernels use for these lengths: the table's row fitted to them."""
+    sizes = block_sizes_for(head_dim) if block_sizes is None else block_sizes
+    sizes.check()
+    sizes = sizes.fit(q_len, kv_len)
+    q_pad = _round_up(q_len, math.lcm(sizes.fwd_q, sizes.bwd_q))
+    kv_pad = _round_up(kv_len, math.lcm(sizes.fwd_k, sizes.bwd_k))
+    return sizes, q_pad, kv_pad
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -185,12 +202,8 @@ def _prepare(q, k, v, mask, scale, block_sizes, *, count_tiles: bool):  # noqa: 
     """Pads lengths to whole tiles (padding gets segment 0), moves heads first, and builds the static config."""
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
-    sizes = block_sizes_for(max(head_dim, value_dim)) if block_sizes is None else block_sizes
-    sizes.check()
-    sizes = sizes.fit(q_len, kv_len)
+    sizes, q_pad, kv_pad = prepared_sizes(q_len, kv_len, max(head_dim, value_dim), block_sizes)
     q, k, v = mask.zero_padding_tokens(q, k, v)
-    q_pad = _round_up(q_len, math.lcm(sizes.fwd_q, sizes.bwd_q))
-    kv_pad = _round_up(kv_len, math.lcm(sizes.fwd_k, sizes.bwd_k))
     mask = mask.pad(batch, q_len, kv_len, q_pad, kv_pad)
     heads_first = functools.partial(jnp.transpose, axes=(0, 2, 1, 3))
     q = heads_first(pad_tokens(q, q_pad))
@@ -304,7 +317,7 @@ def _forward_call(q: Array, k: Array, v: Array, mask: AttentionMask, static: _St
     ]
     tiles = static.tiles[0]
     cost = pl.CostEstimate(
-        flops=2 * bq * bk * (head_dim + value_dim) * tiles,
+        flops=tile_flops("forward", bq, bk, head_dim, value_dim) * tiles,
         transcendentals=bq * bk * tiles,
         bytes_accessed=_bytes(q, k, v, *mask_args, *out_shape),
     )
@@ -360,7 +373,7 @@ def _backward_calls(res: tuple, do: Array, static: _Static) -> tuple:
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype), *count_shapes]
     tiles = static.tiles[1]
     cost = pl.CostEstimate(
-        flops=4 * bq * bk * (head_dim + value_dim) * tiles,
+        flops=tile_flops("dkdv", bq, bk, head_dim, value_dim) * tiles,
         transcendentals=bq * bk * tiles,
         bytes_accessed=_bytes(q, k, v, do, lse, delta, *mask_args, *out_shape),
     )
@@ -401,7 +414,7 @@ def _backward_calls(res: tuple, do: Array, static: _Static) -> tuple:
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), *count_shapes]
     tiles = static.tiles[2]
     cost = pl.CostEstimate(
-        flops=2 * bq * bk * (2 * head_dim + value_dim) * tiles,
+        flops=tile_flops("dq", bq, bk, head_dim, value_dim) * tiles,
         transcendentals=bq * bk * tiles,
         bytes_accessed=_bytes(q, k, v, do, lse, delta, *mask_args, *out_shape),
     )
