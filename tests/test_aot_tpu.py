@@ -7,6 +7,7 @@ Needs libtpu (requirements-aot.txt); skipped without it. And a CPU host with lib
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import subprocess
@@ -16,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from tests import test_pallas_tpu
+from tests.test_attention_ops import forward_backward, make_inputs
 from tests.test_training_step import _config
 from transformer_jax import accelerators, platform
 from transformer_jax.ops import attention
@@ -72,6 +75,18 @@ def test_attention_compiles_for_tpu_at_2k(topology: str, head_dim: int, mask: st
 @pytest.mark.parametrize("mask", ["causal", "packed"])
 def test_attention_compiles_for_tpu_at_32k_with_memory_linear_in_length(topology: str, head_dim: int, mask: str):
     linear_in_length(compile_attention(topology, 32768, head_dim, mask), 32768)
+
+
+@needs_libtpu
+@pytest.mark.parametrize("case,dtype", test_pallas_tpu.CASES, ids=[c.name for c, _ in test_pallas_tpu.CASES])
+def test_the_interpret_mode_cases_compile_for_tpu(case, dtype) -> None:  # noqa: ANN001
+    """The shapes, masks and smallest tiles checked in interpret mode also pass Mosaic's own checks."""
+    (q, k, v, do), kw = make_inputs(case, dtype)
+    sharding = jax.sharding.SingleDeviceSharding(accelerators.tpu_devices("v5e:2x2")[0])
+    specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in (q, k, v, do)]
+    fn = functools.partial(forward_backward, "pallas", kw=kw, block_sizes=test_pallas_tpu.SMALL)
+    with platform.compiling_for("tpu"):
+        jax.jit(lambda *a: fn(a)).trace(*specs).lower().compile()
 
 
 @needs_libtpu
