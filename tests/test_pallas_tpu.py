@@ -65,14 +65,14 @@ def visible_tiles(mask: AttentionMask, block_q: int, block_k: int) -> np.ndarray
 
 def test_tiles_computed_are_the_tiles_the_mask_leaves(tpu_interpret) -> None:
     """Counted inside the kernels: each resident block computes exactly its visible tiles, no more, no fewer."""
-    case = Case("packed_causal", batch=1, q_len=60, kv_len=300, heads=2, kv_heads=1, segments="packed", causal=True)
+    case = Case("packed_causal", batch=1, q_len=44, kv_len=260, heads=2, kv_heads=1, segments="packed", causal=True)
     (q, k, v, _), kw = make_inputs(case, jnp.float32)
     # Contiguous segments and a causal rule: loop_bounds' [lo, hi) holds no invisible tile, so planned == exact.
-    kw["q_segment_ids"] = jnp.asarray([[1] * 20 + [2] * 30 + [0] * 10], jnp.int32)
-    kw["kv_segment_ids"] = jnp.asarray([[1] * 140 + [2] * 120 + [0] * 40], jnp.int32)
+    kw["q_segment_ids"] = jnp.asarray([[1] * 15 + [2] * 22 + [0] * 7], jnp.int32)
+    kw["kv_segment_ids"] = jnp.asarray([[1] * 120 + [2] * 110 + [0] * 30], jnp.int32)
     mask = AttentionMask.create(1, case.q_len, case.kv_len, **kw)
     counts = jax.jit(lambda q, k, v, m: pallas_tpu.tile_counts(q, k, v, m, block_sizes=SMALL))(q, k, v, mask)
-    padded = mask.pad(1, case.q_len, case.kv_len, 64, 384)
+    padded = mask.pad(1, case.q_len, case.kv_len, 48, 384)
     exact_BIJ = visible_tiles(padded, SMALL.fwd_q, SMALL.fwd_k)
     assert 0 < exact_BIJ.sum() < exact_BIJ.size  # some tiles are skipped, some computed
     forward_BNI = np.asarray(counts["forward"][..., 0, 0])
