@@ -20,7 +20,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from tests.test_attention_ops import Case, assert_matches, forward_backward, make_inputs, reference, run_jit
 from transformer_jax import ops, platform
-from transformer_jax.ops import pallas_tpu
+from transformer_jax.ops import pallas_attention, pallas_tpu
 from transformer_jax.ops.masks import AttentionMask, array_module
 
 SMALL = pallas_tpu.TpuBlockSizes(16, 128, 16, 128)  # the smallest tiles of pallas_tpu.py's layout rules
@@ -109,6 +109,7 @@ def test_skipping_a_visible_tile_is_caught(tpu_interpret, monkeypatch: pytest.Mo
 def test_bad_inputs_are_one_clear_line_at_trace_time() -> None:
     q = jax.ShapeDtypeStruct((1, 128, 2, 300), jnp.bfloat16)
     half = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.float16)
+    bf16 = half.update(dtype=jnp.bfloat16)
     with platform.compiling_for("tpu"):
         with pytest.raises(ValueError, match="head dims up to 256; got q/k 300.*impl='blockwise'"):
             jax.eval_shape(lambda q: ops.attention(q, q, q, impl="pallas"), q)
@@ -116,9 +117,10 @@ def test_bad_inputs_are_one_clear_line_at_trace_time() -> None:
             jax.eval_shape(lambda q: ops.attention(q, q, q, impl="pallas"), half)
         with pytest.raises(ValueError, match="fwd_k=64 must be a multiple of 128"):
             sizes = pallas_tpu.TpuBlockSizes(16, 64, 16, 128)
-            jax.eval_shape(
-                lambda q: ops.attention(q, q, q, impl="pallas", block_sizes=sizes), half.update(dtype=q.dtype)
-            )
+            jax.eval_shape(lambda q: ops.attention(q, q, q, impl="pallas", block_sizes=sizes), bf16)
+        with pytest.raises(ValueError, match="block_sizes for backend 'tpu' must be TpuBlockSizes"):
+            gpu_sizes = pallas_attention.BlockSizes(16, 16, 16, 16, 16, 16)
+            jax.eval_shape(lambda q: ops.attention(q, q, q, impl="pallas", block_sizes=gpu_sizes), bf16)
 
 
 def test_tile_table_obeys_the_layout_rules() -> None:
