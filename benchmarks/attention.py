@@ -12,6 +12,8 @@ CPU (the default):
 ends with a summary line: blockwise memory growth 32k/4k and time relative to the reference.
 GPU, the whole check in one call (about 8 minutes on an H100/H200):
     python -m benchmarks.attention --device_report
+TPU compiler estimates on this host, without a TPU (benchmarks/attention_tpu.py; needs requirements-aot.txt):
+    python -m benchmarks.attention --tpu_topology v5e:2x2
 
 Axis legend: B batch, T query length, S key/value length, N heads, H head dim.
 """
@@ -29,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
+from benchmarks import attention_tpu
 from transformer_jax import cli, ops
 from transformer_jax.errors import ConfigError
 
@@ -365,6 +368,9 @@ _HEADS = flags.DEFINE_integer("heads", 1, "Heads N.")
 _RUNS = flags.DEFINE_integer("runs", 3, "Timed runs after one warm-up; the median is reported.")
 _MAX_GIB = flags.DEFINE_float("max_gib", 20.0, "Do not run programs whose peak is above this.")
 _DEVICE_REPORT = flags.DEFINE_bool("device_report", False, "The whole GPU check in one call.")
+_TPU_TOPOLOGY = flags.DEFINE_string(
+    "tpu_topology", None, "Compile for one chip of this TPU slice (e.g. v5e:2x2) and print compiler estimates."
+)
 _BUDGET_S = flags.DEFINE_float("budget_s", 420.0, "--device_report: stop timing after this many seconds.")
 
 
@@ -379,6 +385,15 @@ def main(argv: list[str]) -> None:
     del argv  # no positional arguments (transformer_jax.cli.run refuses them)
     np.set_printoptions(precision=4)
     seq_lens = _ints("seq_lens", _SEQ_LENS.value)
+    if _TPU_TOPOLOGY.value:
+        attention_tpu.report(
+            _TPU_TOPOLOGY.value,
+            seq_lens or [2048, 4096, 8192, 16384, 32768],
+            _ints("head_dims", _HEAD_DIMS.value if _HEAD_DIMS.present else ["64", "128"]),
+            _IMPLS.value or list(attention_tpu.IMPLS),
+            list(attention_tpu.MASKS),
+        )
+        return
     if _DEVICE_REPORT.value:
         seq_lens = seq_lens or [1024, 2048, 4096, 8192, 16384]
         device_report(_IMPLS.value, seq_lens, _RUNS.value, _MAX_GIB.value, _BUDGET_S.value)

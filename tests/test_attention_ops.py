@@ -297,6 +297,8 @@ def test_auto_choice() -> None:
 
     assert choose(small, "cpu") == "xla"
     assert choose(long, "cpu") == "blockwise"
+    assert choose(long, "tpu", causal=True) == "pallas"
+    assert choose(small, "tpu") == "xla"  # shorter than one TPU tile
     assert choose(small, "gpu", causal=True) == "cudnn"
     assert choose(small, "gpu", q_segment_ids=seg) == "pallas"
     assert choose(small.astype(jnp.float32), "gpu") == "pallas"
@@ -313,8 +315,8 @@ def test_unsupported_combinations_fail_clearly() -> None:
     small = jnp.zeros((1, 8, 2, 32), jnp.float32)
     with pytest.raises(ValueError, match="one dtype"):
         ops.attention(small, small, small.astype(jnp.bfloat16), impl="pallas")
-    with pytest.raises(NotImplementedError, match="Triton"):
-        ops.attention(small, small, small, impl="pallas", backend="tpu")
+    with pytest.raises(ValueError, match="on TPU needs q, k, v all float32 or all bfloat16"):
+        ops.attention(*(small.astype(jnp.float16),) * 3, impl="pallas", backend="tpu")
     for impl in ("blockwise", "pallas"):
         with pytest.raises(ValueError, match="positive number of tokens"):
             ops.attention(small, small, small, impl=impl, window=0)

@@ -13,4 +13,8 @@ of the package, and each file's docstring cites this legend instead of defining 
     P  positions (pictures of the positional encoding)
 """
 
+from transformer_jax import platform
+
 __version__ = "0.1.0"
+
+platform.configure_host()  # before anything starts a jax backend: a CPU host stays quiet with libtpu installed

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax import platform
-from transformer_jax.ops import pallas_attention
+from transformer_jax.ops import pallas_attention, pallas_tpu
 from transformer_jax.ops.attention import IMPLEMENTATIONS, Array, register
 from transformer_jax.ops.masks import AttentionMask
 
@@ -18,6 +18,9 @@ from transformer_jax.ops.masks import AttentionMask
 # CPU_BLOCKWISE_MIN_BYTES of float32 scores the reference's [B, N, T, S] matrices stop fitting anyway.
 CPU_BLOCKWISE_MIN_SCORES = 1024 * 1024
 CPU_BLOCKWISE_MIN_BYTES = 1 << 30
+# On TPU our Pallas kernels are expected to win once each side fills a default 512-tile (a shorter side leaves
+# the grid one tile wide, where XLA's fused softmax does the same work); not yet measured on a TPU.
+TPU_PALLAS_MIN_LEN = 512
 
 
 def cudnn_unsupported(q: Array, k: Array, v: Array, mask: AttentionMask, *, backend: str | None = None) -> list[str]:
@@ -56,10 +59,16 @@ def cudnn_attention(q: Array, k: Array, v: Array, mask: AttentionMask, *, scale:
 
 
 def choose_impl(q: Array, k: Array, v: Array, mask: AttentionMask, *, backend: str | None = None) -> str:
-    """The implementation `auto` runs: cuDNN, else our Pallas kernels on GPU; xla or blockwise by size elsewhere."""
+    """The implementation `auto` runs: cuDNN, else our Pallas kernels on GPU; on TPU our Pallas kernels for long
+    sequences (traced on one device or under a mesh, which their shard_map needs); xla or blockwise by size
+    elsewhere."""
     backend = platform.target_backend() if backend is None else backend
     batch, q_len, num_heads, head_dim = q.shape
     kv_len = k.shape[1]
+    if backend == "tpu" and min(q_len, kv_len) >= TPU_PALLAS_MIN_LEN:
+        one_device_or_mesh = jax.device_count() == 1 or not jax.sharding.get_abstract_mesh().empty
+        if one_device_or_mesh and not pallas_tpu.unsupported(q, k, v):
+            return "pallas"
     if backend == "gpu":
         if not cudnn_unsupported(q, k, v, mask, backend=backend):
             return "cudnn"

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 Array = jax.Array
@@ -39,7 +41,13 @@ def is_real(segment_ids: Array) -> Array:
 
 
 def _conjoin(parts: list[Array]) -> Array | None:
-    return functools.reduce(jnp.logical_and, parts) if parts else None
+    return functools.reduce(operator.and_, parts) if parts else None
+
+
+def array_module(x: Array | np.ndarray | None):  # noqa: ANN201 (a module)
+    """numpy for numpy vectors, else jax.numpy: a mask of numpy vectors is worked out on the host, without a
+    device (trace-time facts, such as the tiles a kernel will compute, while compiling for another machine)."""
+    return np if isinstance(x, np.ndarray) else jnp
 
 
 @jax.tree_util.register_dataclass
@@ -72,21 +80,22 @@ class AttentionMask:
         q_positions: Array | None = None,
         kv_positions: Array | None = None,
         window: int | None = None,
+        xp=jnp,  # noqa: ANN001 (numpy or jax.numpy, see array_module)
     ) -> AttentionMask:
         """The mask of the module docstring's rules: a missing segment side is all ones, positions end-aligned."""
         if window is not None and window <= 0:
             raise ValueError(f"attention window must be a positive number of tokens, got {window}")
         q_seg_BT = kv_seg_BS = q_pos_BT = kv_pos_BS = None
         if q_segment_ids is not None or kv_segment_ids is not None:
-            q_seg_BT = jnp.ones((batch, q_len), jnp.int32) if q_segment_ids is None else q_segment_ids
-            kv_seg_BS = jnp.ones((batch, kv_len), jnp.int32) if kv_segment_ids is None else kv_segment_ids
-            q_seg_BT, kv_seg_BS = q_seg_BT.astype(jnp.int32), kv_seg_BS.astype(jnp.int32)
+            q_seg_BT = xp.ones((batch, q_len), np.int32) if q_segment_ids is None else q_segment_ids
+            kv_seg_BS = xp.ones((batch, kv_len), np.int32) if kv_segment_ids is None else kv_segment_ids
+            q_seg_BT, kv_seg_BS = q_seg_BT.astype(np.int32), kv_seg_BS.astype(np.int32)
         if causal or window is not None:
-            default_q = jnp.arange(q_len, dtype=jnp.int32) + (kv_len - q_len)
-            q_pos_BT = jnp.broadcast_to(default_q, (batch, q_len)) if q_positions is None else q_positions
-            default_kv = jnp.arange(kv_len, dtype=jnp.int32)
-            kv_pos_BS = jnp.broadcast_to(default_kv, (batch, kv_len)) if kv_positions is None else kv_positions
-            q_pos_BT, kv_pos_BS = q_pos_BT.astype(jnp.int32), kv_pos_BS.astype(jnp.int32)
+            default_q = xp.arange(q_len, dtype=np.int32) + (kv_len - q_len)
+            q_pos_BT = xp.broadcast_to(default_q, (batch, q_len)) if q_positions is None else q_positions
+            default_kv = xp.arange(kv_len, dtype=np.int32)
+            kv_pos_BS = xp.broadcast_to(default_kv, (batch, kv_len)) if kv_positions is None else kv_positions
+            q_pos_BT, kv_pos_BS = q_pos_BT.astype(np.int32), kv_pos_BS.astype(np.int32)
         for name, arr, length in (
             ("q_segment_ids", q_seg_BT, q_len),
             ("kv_segment_ids", kv_seg_BS, kv_len),
@@ -129,12 +138,20 @@ class AttentionMask:
 
         Elementwise ops only, so that it also lowers inside Pallas kernels.
         """
+        column = lambda x: None if x is None else x[..., :, None]
+        row = lambda x: None if x is None else x[..., None, :]
+        return self.pairs(column(q_seg), column(q_pos), row(kv_seg), row(kv_pos))
+
+    def pairs(
+        self, q_seg: Array | None, q_pos: Array | None, kv_seg: Array | None, kv_pos: Array | None
+    ) -> Array | None:
+        """The rules of the module docstring on vectors already shaped to broadcast: [..., X, 1] query columns and
+        [..., 1, Y] key rows give [..., X, Y] (Mosaic kernels keep their vectors 2-D); None if unmasked."""
         parts = []
         if q_seg is not None:
-            q_seg_X1, kv_seg_1Y = q_seg[..., :, None], kv_seg[..., None, :]
-            parts.append(jnp.logical_and(q_seg_X1 == kv_seg_1Y, is_real(q_seg_X1)))
+            parts.append(jnp.logical_and(q_seg == kv_seg, is_real(q_seg)))
         if q_pos is not None:
-            delta_XY = q_pos[..., :, None] - kv_pos[..., None, :]
+            delta_XY = q_pos - kv_pos
             lo, hi = self.delta_range()
             if lo is not None:
                 parts.append(delta_XY >= lo)
@@ -165,9 +182,10 @@ class AttentionMask:
     def pad(self, batch: int, q_len: int, kv_len: int, q_pad: int, kv_pad: int) -> AttentionMask:
         """The mask of q_pad queries and kv_pad keys; the added tokens get segment id 0, so nobody sees them."""
         q_seg_BT, kv_seg_BS = self.q_segment_ids, self.kv_segment_ids
+        xp = array_module(q_seg_BT if q_seg_BT is not None else self.q_positions)
         if (q_pad != q_len or kv_pad != kv_len) and q_seg_BT is None:
-            q_seg_BT = jnp.ones((batch, q_len), jnp.int32)
-            kv_seg_BS = jnp.ones((batch, kv_len), jnp.int32)
+            q_seg_BT = xp.ones((batch, q_len), np.int32)
+            kv_seg_BS = xp.ones((batch, kv_len), np.int32)
         return dataclasses.replace(
             self,
             q_segment_ids=pad_tokens(q_seg_BT, q_pad),
@@ -187,15 +205,16 @@ class AttentionMask:
         """
         if not self.masks_anything:
             return None
+        xp = array_module(self.q_segment_ids if self.segments else self.q_positions)
         any_parts, all_parts = [], []
         big = _INT_MAX
         if self.segments:
             q_seg_BT, kv_seg_BS = self.q_segment_ids, self.kv_segment_ids
             # Some pair may match if the ranges of positive ids overlap; all pairs match if one positive id fills both.
-            q_lo_BI, _ = _block_min_max(jnp.where(is_real(q_seg_BT), q_seg_BT, big), block_q)
-            _, q_hi_BI = _block_min_max(jnp.where(is_real(q_seg_BT), q_seg_BT, 0), block_q)
-            k_lo_BJ, _ = _block_min_max(jnp.where(is_real(kv_seg_BS), kv_seg_BS, big), block_k)
-            _, k_hi_BJ = _block_min_max(jnp.where(is_real(kv_seg_BS), kv_seg_BS, 0), block_k)
+            q_lo_BI, _ = _block_min_max(xp.where(is_real(q_seg_BT), q_seg_BT, big), block_q)
+            _, q_hi_BI = _block_min_max(xp.where(is_real(q_seg_BT), q_seg_BT, 0), block_q)
+            k_lo_BJ, _ = _block_min_max(xp.where(is_real(kv_seg_BS), kv_seg_BS, big), block_k)
+            _, k_hi_BJ = _block_min_max(xp.where(is_real(kv_seg_BS), kv_seg_BS, 0), block_k)
             q_min_BI, q_max_BI = _block_min_max(q_seg_BT, block_q)
             k_min_BJ, k_max_BJ = _block_min_max(kv_seg_BS, block_k)
             any_parts.append(
@@ -226,21 +245,22 @@ class AttentionMask:
         transpose, the rows are key blocks ([B, J, 4], bounds over query blocks). Needs a mask that masks anything.
         """
         any_BIJ, all_BIJ = self.tile_visibility(block_q, block_k)
+        xp = array_module(any_BIJ)
         if transpose:
             any_BIJ, all_BIJ = any_BIJ.transpose(0, 2, 1), all_BIJ.transpose(0, 2, 1)
         num_j = any_BIJ.shape[-1]
-        j_J = jnp.arange(num_j, dtype=jnp.int32)
+        j_J = xp.arange(num_j, dtype=np.int32)
         some = any_BIJ.any(-1)
-        lo = jnp.where(some, jnp.argmax(any_BIJ, -1), 0)
-        hi = jnp.where(some, num_j - jnp.argmax(any_BIJ[..., ::-1], -1), 0)
-        all_BIJ = jnp.logical_and(all_BIJ, any_BIJ)
+        lo = xp.where(some, xp.argmax(any_BIJ, -1), 0)
+        hi = xp.where(some, num_j - xp.argmax(any_BIJ[..., ::-1], -1), 0)
+        all_BIJ = xp.logical_and(all_BIJ, any_BIJ)
         some_full = all_BIJ.any(-1)
-        a = jnp.where(some_full, jnp.argmax(all_BIJ, -1), hi)
+        a = xp.where(some_full, xp.argmax(all_BIJ, -1), hi)
         # The run of unmasked tiles ends at the first tile after `a` that needs a mask.
-        broken_BIJ = jnp.logical_and(~all_BIJ, j_J >= a[..., None])
-        c = jnp.where(broken_BIJ.any(-1), jnp.argmax(broken_BIJ, -1), num_j)
-        c = jnp.where(some_full, jnp.minimum(c, hi), hi)
-        return jnp.stack([lo, a, c, hi], axis=-1).astype(jnp.int32)
+        broken_BIJ = xp.logical_and(~all_BIJ, j_J >= a[..., None])
+        c = xp.where(broken_BIJ.any(-1), xp.argmax(broken_BIJ, -1), num_j)
+        c = xp.where(some_full, xp.minimum(c, hi), hi)
+        return xp.stack([lo, a, c, hi], axis=-1).astype(np.int32)
 
     # --- runs of keys --------------------------------------------------------------------------------------------
 
@@ -306,4 +326,4 @@ def pad_tokens(x: Array | None, length: int, value: int | float = 0) -> Array | 
         return x
     widths = [(0, 0)] * x.ndim
     widths[1] = (0, length - x.shape[1])
-    return jnp.pad(x, widths, constant_values=value)
+    return array_module(x).pad(x, widths, constant_values=value)

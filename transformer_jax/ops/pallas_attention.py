@@ -1,8 +1,9 @@
 """FlashAttention-2 with our own Pallas kernels (pallas_kernels.py): forward, and a custom VJP whose backward
 recomputes the tiles from the saved log-sum-exp (dK/dV kernel over key blocks, dQ kernel over query blocks).
 
-Lowered with Triton on GPU; runs with interpret=True on CPU (slow: for tests). TPU (Mosaic) is refused with a
-message: the kernels' layouts (per-token vectors, head-squeezed blocks) do not meet Mosaic's tiling rules.
+Lowered with Triton on GPU; runs with interpret=True on CPU (slow: for tests). On TPU, `impl="pallas"` runs the
+Mosaic kernels of pallas_tpu.py instead: these kernels' layouts (per-token vectors, head-squeezed blocks) do not
+meet Mosaic's tiling rules.
 
 Axis letters: see transformer_jax/__init__.py.
 """
@@ -20,6 +21,7 @@ from transformer_jax import platform
 from transformer_jax.ops.attention import recompute_vjp, register
 from transformer_jax.ops.masks import AttentionMask, pad_tokens
 from transformer_jax.ops.pallas_kernels import KernelConfig, dkdv_kernel, dq_kernel, forward_kernel
+from transformer_jax.ops.pallas_tpu import TpuBlockSizes, tpu_attention
 
 Array = jax.Array
 
@@ -81,22 +83,23 @@ def pallas_attention(
     mask: AttentionMask,
     *,
     scale: float | None = None,
-    block_sizes: BlockSizes | None = None,
+    block_sizes: BlockSizes | TpuBlockSizes | None = None,
     backend: str | None = None,
 ) -> Array:
     """FlashAttention-2 in Pallas; the whole mask (segments, positions, causal, window) and grouped heads.
 
     Head dims are zero-padded to a power of two (>= 16, <= 256) and lengths to whole tiles, inside. `backend`
-    overrides platform.target_backend() ("gpu" lowers with Triton, "cpu" interprets), e.g. to lower for a GPU here.
+    overrides platform.target_backend() ("gpu" lowers with Triton, "cpu" interprets, "tpu" runs pallas_tpu.py's
+    Mosaic kernels, which take TpuBlockSizes), e.g. to lower for a GPU here.
     """
     backend = platform.target_backend() if backend is None else backend
+    if backend not in ("gpu", "cpu", "tpu"):
+        raise ValueError(f"attention impl 'pallas': unknown backend {backend!r}; expected 'gpu', 'cpu' or 'tpu'")
+    if block_sizes is not None and (backend == "tpu") != isinstance(block_sizes, TpuBlockSizes):
+        wanted = "TpuBlockSizes" if backend == "tpu" else "BlockSizes"
+        raise ValueError(f"attention impl 'pallas': block_sizes for backend {backend!r} must be {wanted}")
     if backend == "tpu":
-        raise NotImplementedError(
-            "attention impl 'pallas' is written for the Triton (GPU) lowering and is not verified under Mosaic; "
-            "on TPU use impl='blockwise' or 'xla' (or jax.experimental.pallas.ops.tpu.flash_attention)"
-        )
-    if backend not in ("gpu", "cpu"):
-        raise ValueError(f"attention impl 'pallas': unknown backend {backend!r}; expected 'gpu' or 'cpu'")
+        return tpu_attention(q, k, v, mask, scale=scale, block_sizes=block_sizes)
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(
             f"attention impl 'pallas' needs q, k, v of one dtype among float32, bfloat16, float16; "

@@ -1,0 +1,129 @@
+"""Compiled for real TPUs on this CPU host: our Pallas TPU attention fwd+bwd and the whole train step with
+attention.impl=pallas go through libtpu's compiler for v5e and v4 slices (accelerators.tpu_devices). Figures
+from memory_analysis() are the compiler's estimates of what the program would allocate, not measurements.
+
+Needs libtpu (requirements-aot.txt); skipped without it. And a CPU host with libtpu installed stays quiet.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from tests import test_pallas_tpu
+from tests.test_attention_ops import forward_backward, make_inputs
+from tests.test_training_step import _config
+from transformer_jax import accelerators, platform
+from transformer_jax.ops import attention
+from transformer_jax.sharding import make_mesh
+from transformer_jax.training.state import abstract_train_state
+from transformer_jax.training.step import compile_steps
+
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason=f"compiling for TPU needs libtpu: pip install -r {accelerators.AOT_REQUIREMENTS}",
+)
+
+BATCH, HEADS = 1, 8
+
+
+def compile_attention(topology: str, length: int, head_dim: int, mask: str) -> jax.stages.Compiled:
+    """jit(grad(sum(attention))) for one chip of `topology`: T = S = length, bf16, causal or packed rows."""
+    device = accelerators.tpu_devices(topology)[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    qkv = jax.ShapeDtypeStruct((BATCH, length, HEADS, head_dim), jnp.bfloat16, sharding=sharding)
+    seg = jax.ShapeDtypeStruct((BATCH, length), jnp.int32, sharding=sharding)
+
+    def loss(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array) -> jax.Array:
+        kw = dict(causal=True) if mask == "causal" else dict(q_segment_ids=seg, kv_segment_ids=seg)
+        return jnp.sum(attention(q, k, v, impl="pallas", **kw).astype(jnp.float32))
+
+    with platform.compiling_for("tpu"):
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(qkv, qkv, qkv, seg).lower().compile()
+
+
+# Temporaries per token and head the compiled fwd+bwd may keep: O(T), no [T, S] buffer. What it keeps is ~2 KiB
+# at 32k-64k (heads-first copies of q, k, v, dO, dQ, dK, dV, and the lse/delta columns [T, 1] that HBM pads to 128
+# lanes); one float32 score row alone would be 4 S bytes (128 KiB at 32k).
+TEMP_BYTES_PER_TOKEN_AND_HEAD = 4096
+
+
+def linear_in_length(compiled: jax.stages.Compiled, length: int) -> None:
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp <= TEMP_BYTES_PER_TOKEN_AND_HEAD * BATCH * HEADS * length, temp
+
+
+@needs_libtpu
+@pytest.mark.parametrize(
+    "topology,head_dim,mask", [("v5e:2x2", 64, "causal"), ("v4:2x2x1", 128, "packed")], ids=lambda x: str(x)
+)
+def test_attention_compiles_for_tpu_at_2k(topology: str, head_dim: int, mask: str) -> None:
+    linear_in_length(compile_attention(topology, 2048, head_dim, mask), 2048)
+
+
+@needs_libtpu
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v4:2x2x1"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("mask", ["causal", "packed"])
+def test_attention_compiles_for_tpu_at_32k_with_memory_linear_in_length(topology: str, head_dim: int, mask: str):
+    linear_in_length(compile_attention(topology, 32768, head_dim, mask), 32768)
+
+
+@needs_libtpu
+@pytest.mark.parametrize("case,dtype", test_pallas_tpu.CASES, ids=[c.name for c, _ in test_pallas_tpu.CASES])
+def test_the_interpret_mode_cases_compile_for_tpu(case, dtype) -> None:  # noqa: ANN001
+    """The shapes, masks and smallest tiles checked in interpret mode also pass Mosaic's own checks."""
+    (q, k, v, do), kw = make_inputs(case, dtype)
+    sharding = jax.sharding.SingleDeviceSharding(accelerators.tpu_devices("v5e:2x2")[0])
+    specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in (q, k, v, do)]
+    fn = functools.partial(forward_backward, "pallas", kw=kw, block_sizes=test_pallas_tpu.SMALL)
+    with platform.compiling_for("tpu"):
+        jax.jit(lambda *a: fn(a)).trace(*specs).lower().compile()
+
+
+@needs_libtpu
+def test_train_step_with_pallas_attention_compiles_for_a_v5e_slice() -> None:
+    config = _config()
+    config.attention.impl = "pallas"
+    graphs, state = abstract_train_state(config)
+    mesh = make_mesh(list(accelerators.tpu_devices("v5e:2x2")))
+    # Mosaic kernels run per device inside a shard_map over the mesh in context (ops/pallas_tpu.py).
+    with platform.compiling_for("tpu"), jax.set_mesh(mesh):
+        train, _, shardings = compile_steps(graphs, state, mesh, "data", label_smoothing=0.1, accum_steps=1)
+        keys = ("src_tokens", "src_segment_ids", "src_positions", "tgt_in", "tgt_out", "tgt_segment_ids")
+        batch = {key: jax.ShapeDtypeStruct((8, 32), jnp.int32) for key in (*keys, "tgt_positions")}
+        compiled = train.trace(state, batch).lower().compile()
+    hlo = compiled.as_text()
+    assert "attention_forward_tpu" in hlo and "attention_dkdv_tpu" in hlo and "attention_dq_tpu" in hlo
+
+
+@needs_libtpu
+def test_a_batch_the_mesh_cannot_split_is_one_clear_line() -> None:
+    mesh = make_mesh(list(accelerators.tpu_devices("v5e:2x2")))
+    q = jax.ShapeDtypeStruct((3, 128, 2, 64), jnp.bfloat16)
+    with (
+        platform.compiling_for("tpu"),
+        jax.set_mesh(mesh),
+        pytest.raises(ValueError, match="batch 3 is not a multiple"),
+    ):
+        jax.eval_shape(lambda q: attention(q, q, q, impl="pallas", causal=True), q)
+
+
+def test_a_cpu_host_with_the_aot_compilers_installed_starts_quietly() -> None:
+    """No TPU/CUDA initialisation errors on stderr when the package is imported and jax runs on the CPU."""
+    if platform.has_accelerator_nodes():
+        pytest.skip("this host has accelerator device nodes: jax may use them")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "ALLOW_MULTIPLE_LIBTPU_LOAD")}
+    code = "import transformer_jax, jax; print(jax.numpy.ones(3).sum(), jax.default_backend())"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["3.0", "cpu"]
+    assert result.stderr == ""

@@ -1,0 +1,455 @@
+"""FlashAttention-2 on TPU with our own Pallas kernels (pallas_tpu_kernels.py), lowered with Mosaic; the custom
+VJP's backward recomputes the tiles from the saved log-sum-exp (a dK/dV kernel over key blocks and a dQ kernel over
+query blocks). `attention(..., impl="pallas")` runs it when platform.target_backend() is "tpu"; on a CPU host it
+runs in TPU interpret mode (jax.experimental.pallas.tpu.force_tpu_interpret_mode) or compiles for a TPU topology
+(accelerators.tpu_devices).
+
+Mosaic's layout rules, which every shape below obeys (stated here once):
+- A block's last two dims are multiples of (8, 128) (sublanes, lanes) or the whole array dim. So the operands are
+  heads-first [B, N, T, H] with blocks [X, H] of one head (a squeezed head axis in the last two would break the
+  rule); per-query vectors are columns [B, T, 1] and per-key vectors rows [B, 1, S] (whole dim 1), and lse and
+  delta are columns [B, N, T, 1].
+- Key tiles Y are lanes of the score tile [X, Y] and of the key-vector rows: multiples of 128. Query tiles X are
+  sublanes: multiples of 16 (bfloat16 packs two rows per sublane; 16 also serves float32).
+- Scalars that steer the grid (the loop bounds) live in SMEM: scalar prefetch, flattened to 1-D.
+The tile table below obeys them for every head dim; generations differ in MXU size (v4/v5e 128x128, v6e 256x256),
+which 512-wide tiles fill on all of them, so one table serves them all until measurements on a TPU say otherwise.
+
+Axis letters: see transformer_jax/__init__.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
+
+from transformer_jax.ops.attention import recompute_vjp
+from transformer_jax.ops.masks import AttentionMask, pad_tokens
+from transformer_jax.ops.pallas_tpu_kernels import (
+    COUNT_LANES,
+    KernelConfig,
+    dkdv_kernel,
+    dq_kernel,
+    forward_kernel,
+    streamed_block,
+)
+
+Array = jax.Array
+
+SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)  # TPUs have no float16 arithmetic
+MAX_HEAD_DIM = 256  # a [512, 256] float32 accumulator pair plus score tiles already fill much of the 16 MiB VMEM
+LANES, SUBLANES = 128, 16  # the tile multiples of the layout rules above
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuBlockSizes:
+    """Query tile X (multiple of 16) and key tile Y (multiple of 128), forward and backward."""
+
+    fwd_q: int
+    fwd_k: int
+    bwd_q: int
+    bwd_k: int
+
+    def check(self) -> None:
+        for name, size in dataclasses.asdict(self).items():
+            multiple = LANES if name.endswith("_k") else SUBLANES
+            if size <= 0 or size % multiple:
+                raise ValueError(f"pallas TPU attention: block size {name}={size} must be a multiple of {multiple}")
+
+    def fit(self, q_len: int, kv_len: int) -> TpuBlockSizes:
+        """Shrinks tiles to short sequences, so that they are not padded to a whole 512-tile."""
+        tq, tk = _round_up(q_len, SUBLANES), _round_up(kv_len, LANES)
+        return TpuBlockSizes(min(self.fwd_q, tq), min(self.fwd_k, tk), min(self.bwd_q, tq), min(self.bwd_k, tk))
+
+
+# Tile sizes by (padded) head dim: the one table. Untuned on hardware (no TPU was lent); 512 follows splash
+# attention's defaults, and 256 keeps the head-dim-256 backward's float32 tiles within VMEM.
+TPU_BLOCK_SIZES = {
+    64: TpuBlockSizes(512, 512, 512, 512),
+    128: TpuBlockSizes(512, 512, 512, 512),
+    256: TpuBlockSizes(256, 256, 256, 256),
+}
+
+
+def block_sizes_for(head_dim: int) -> TpuBlockSizes:
+    return TPU_BLOCK_SIZES[min(d for d in TPU_BLOCK_SIZES if d >= head_dim)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    cfg_fwd: KernelConfig
+    cfg_bwd: KernelConfig  # the dK/dV kernel's: num_i/num_j of the backward tiles
+    blocks: TpuBlockSizes
+    tiles: tuple[int, int, int]  # tiles the forward, dK/dV and dQ kernels compute, for their cost estimates
+
+
+def unsupported(q: Array, k: Array, v: Array) -> str | None:
+    """Why the kernels cannot take these inputs (one line naming the alternative), or None."""
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
+        return (
+            f"attention impl 'pallas' on TPU needs q, k, v all float32 or all bfloat16; got {q.dtype}, {k.dtype}, "
+            f"{v.dtype}. Cast them, or use impl='xla'."
+        )
+    if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
+        return (
+            f"attention impl 'pallas' on TPU supports head dims up to {MAX_HEAD_DIM}; got q/k {q.shape[-1]}, "
+            f"v {v.shape[-1]}. Use impl='blockwise' or 'xla'."
+        )
+    return None
+
+
+def check_inputs(q: Array, k: Array, v: Array) -> None:
+    """Raises unsupported(...)'s reason as a ValueError at trace time (never a Mosaic error)."""
+    reason = unsupported(q, k, v)
+    if reason:
+        raise ValueError(reason)
+
+
+def tpu_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: AttentionMask,
+    *,
+    scale: float | None = None,
+    block_sizes: TpuBlockSizes | None = None,
+) -> Array:
+    """FlashAttention-2 for TPU on q [B, T, N, H], k [B, S, K, H], v [B, S, K, E]; the whole AttentionMask.
+
+    Traced under a mesh of several devices (jax.set_mesh), each device runs the kernels on its rows: Mosaic
+    kernels cannot be partitioned by XLA, so they run inside a shard_map that splits the batch over every mesh
+    axis, as sharding.batch_sharding splits batches.
+    """
+    check_inputs(q, k, v)
+
+    def local(q: Array, k: Array, v: Array, mask: AttentionMask) -> Array:
+        prepared, mask_p, static = _prepare(q, k, v, mask, scale, block_sizes, count_tiles=False)
+        out_BNTE = _attend(*prepared, mask_p, static)
+        return out_BNTE[:, :, : q.shape[1], : v.shape[-1]].transpose(0, 2, 1, 3)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return local(q, k, v, mask)
+    if q.shape[0] % mesh.size:
+        raise ValueError(
+            f"attention impl 'pallas' on TPU splits the batch over the mesh's {mesh.size} devices; "
+            f"batch {q.shape[0]} is not a multiple of it"
+        )
+    rows = P(mesh.axis_names)
+    specs = (rows, rows, rows, jax.tree.map(lambda _: rows, mask))
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=rows, check_vma=False)(q, k, v, mask)
+
+
+def tile_counts(
+    q: Array, k: Array, v: Array, mask: AttentionMask, *, block_sizes: TpuBlockSizes | None = None
+) -> dict[str, Array]:
+    """Tiles each kernel computed, counted inside the kernels: forward [B, N, I], dkdv [B, K, J], dq [B, N, I]."""
+    check_inputs(q, k, v)
+    (q_p, k_p, v_p), mask_p, static = _prepare(q, k, v, mask, None, block_sizes, count_tiles=True)
+    out, lse, fwd_count = _forward_call(q_p, k_p, v_p, mask_p, static)
+    *_, dkdv_count, dq_count = _backward_calls((q_p, k_p, v_p, mask_p, out, lse), jnp.ones_like(out), static)
+    return dict(forward=fwd_count, dkdv=dkdv_count, dq=dq_count)
+
+
+def planned_tiles(mask: AttentionMask, batch: int, num_heads: int, num_kv_heads: int, sizes: TpuBlockSizes) -> dict:
+    """Tiles the kernels visit by masks.AttentionMask.loop_bounds, totalled: forward and dQ over query-block rows,
+    dK/dV over key-block rows of each group's query heads. `mask` is padded to whole tiles and masks something;
+    a mask of one row stands for `batch` equal rows."""
+    groups = num_heads // num_kv_heads
+    rows = batch // next(x for x in (mask.q_segment_ids, mask.q_positions) if x is not None).shape[0]
+
+    def total(bounds: Array) -> int:
+        return rows * int(np.sum(np.asarray(bounds[..., 3] - bounds[..., 0])))
+
+    return dict(
+        forward=num_heads * total(mask.loop_bounds(sizes.fwd_q, sizes.fwd_k)),
+        dkdv=num_kv_heads * groups * total(mask.loop_bounds(sizes.bwd_q, sizes.bwd_k, transpose=True)),
+        dq=num_heads * total(mask.loop_bounds(sizes.bwd_q, sizes.bwd_k)),
+    )
+
+
+def tile_flops(kernel: str, block_q: int, block_k: int, head_dim: int, value_dim: int) -> int:
+    """Matmul FLOPs of one tile of a kernel (2 per multiply-add): forward Q K^T and P V; dK/dV Q K^T, P^T dO,
+    dO V^T and dS^T Q; dQ Q K^T, dO V^T and dS K."""
+    per_pair = dict(forward=head_dim + value_dim, dkdv=2 * (head_dim + value_dim), dq=2 * head_dim + value_dim)
+    return 2 * block_q * block_k * per_pair[kernel]
+
+
+def prepared_sizes(q_len: int, kv_len: int, head_dim: int, block_sizes: TpuBlockSizes | None = None) -> tuple:
+    """(tile sizes, padded T, padded S) the kernels use for these lengths: the table's row fitted to them."""
+    sizes = block_sizes_for(head_dim) if block_sizes is None else block_sizes
+    sizes.check()
+    sizes = sizes.fit(q_len, kv_len)
+    q_pad = _round_up(q_len, math.lcm(sizes.fwd_q, sizes.bwd_q))
+    kv_pad = _round_up(kv_len, math.lcm(sizes.fwd_k, sizes.bwd_k))
+    return sizes, q_pad, kv_pad
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _prepare(q, k, v, mask, scale, block_sizes, *, count_tiles: bool):  # noqa: ANN001, ANN202
+    """Pads lengths to whole tiles (padding gets segment 0), moves heads first, and builds the static config."""
+    batch, q_len, num_heads, head_dim = q.shape
+    kv_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    sizes, q_pad, kv_pad = prepared_sizes(q_len, kv_len, max(head_dim, value_dim), block_sizes)
+    q, k, v = mask.zero_padding_tokens(q, k, v)
+    mask = mask.pad(batch, q_len, kv_len, q_pad, kv_pad)
+    heads_first = functools.partial(jnp.transpose, axes=(0, 2, 1, 3))
+    q = heads_first(pad_tokens(q, q_pad))
+    k = heads_first(pad_tokens(k, kv_pad))
+    v = heads_first(pad_tokens(v, kv_pad))
+    common = dict(
+        scale=float(head_dim**-0.5 if scale is None else scale),
+        mask=mask.static(),
+        segments=mask.segments,
+        positions=mask.positions,
+        masked=mask.masks_anything,
+        groups=num_heads // num_kv_heads,
+        count_tiles=count_tiles,
+    )
+    cfg_fwd = KernelConfig(num_i=q_pad // sizes.fwd_q, num_j=kv_pad // sizes.fwd_k, **common)
+    cfg_bwd = KernelConfig(num_i=q_pad // sizes.bwd_q, num_j=kv_pad // sizes.bwd_k, **common)
+    tiles = _static_tiles(mask, batch, num_heads, num_kv_heads, q_len, kv_len, q_pad, kv_pad, sizes)
+    return (q, k, v), mask, _Static(cfg_fwd, cfg_bwd, sizes, tiles)
+
+
+def _static_tiles(mask, batch, num_heads, num_kv_heads, q_len, kv_len, q_pad, kv_pad, sizes) -> tuple:  # noqa: ANN001
+    """Tiles for the kernels' cost estimates, known at trace time: those that the causal/window rule and the
+    padding leave (default positions; all tiles with explicit ones). Segment ids are data: packed rows compute
+    fewer tiles than this bound (planned_tiles counts them on concrete masks)."""
+    # numpy vectors: worked out on the host, also while compiling for devices this host cannot run.
+    ones = np.ones((1, q_len), np.int32), np.ones((1, kv_len), np.int32)  # vectors from the start: numpy throughout
+    rule = AttentionMask.create(
+        1, q_len, kv_len, q_segment_ids=ones[0], kv_segment_ids=ones[1], causal=mask.causal, window=mask.window, xp=np
+    )
+    rule = rule.pad(1, q_len, kv_len, q_pad, kv_pad)
+    if not mask.explicit_positions:
+        counts = planned_tiles(rule, batch, num_heads, num_kv_heads, sizes)
+        return counts["forward"], counts["dkdv"], counts["dq"]
+    fwd = batch * num_heads * (q_pad // sizes.fwd_q) * (kv_pad // sizes.fwd_k)
+    bwd = batch * num_heads * (q_pad // sizes.bwd_q) * (kv_pad // sizes.bwd_k)
+    return fwd, bwd, bwd
+
+
+def _bytes(*arrays: Array) -> int:
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in arrays)
+
+
+def _mask_specs(mask: AttentionMask, q_block: int, q_index, kv_block: int, kv_index) -> tuple[list, list]:  # noqa: ANN001
+    """(specs, args) of the per-token vectors, in the order pallas_tpu_kernels._Refs names them."""
+    q_spec = pl.BlockSpec((None, q_block, 1), q_index)
+    kv_spec = pl.BlockSpec((None, 1, kv_block), kv_index)
+    specs, args = [], []
+    if mask.segments:
+        specs += [q_spec, kv_spec]
+        args += [mask.q_segment_ids[:, :, None], mask.kv_segment_ids[:, None, :]]
+    if mask.positions:
+        specs += [q_spec, kv_spec]
+        args += [mask.q_positions[:, :, None], mask.kv_positions[:, None, :]]
+    return specs, args
+
+
+def _prefetch(mask: AttentionMask, cfg: KernelConfig, block_q: int, block_k: int, transpose: bool) -> list:
+    if not cfg.masked:
+        return []
+    return [mask.loop_bounds(block_q, block_k, transpose=transpose).reshape(-1)]
+
+
+def _query_grid_streamed(cfg: KernelConfig):  # noqa: ANN202
+    """Key block of grid step (b, n, i, j): j itself, or clamped into the row's visible range."""
+    if not cfg.masked:
+        return lambda b, i, j, *_: j
+    return lambda b, i, j, bounds: streamed_block(bounds, b * cfg.num_i + i, j)
+
+
+def _count_spec(cfg: KernelConfig, rows: tuple[int, int, int], index) -> tuple[list, list]:  # noqa: ANN001
+    if not cfg.count_tiles:
+        return [], []
+    spec = pl.BlockSpec((None, None, None, 1, COUNT_LANES), index)
+    return [spec], [jax.ShapeDtypeStruct((*rows, 1, COUNT_LANES), jnp.int32)]
+
+
+def _call(kernel, cfg: KernelConfig, grid, in_specs, out_specs, out_shape, scratch, semantics, cost, name):  # noqa: ANN001, ANN202
+    if cfg.count_tiles:
+        scratch = [*scratch, pltpu.SMEM((1,), jnp.int32)]
+    return pl.pallas_call(
+        functools.partial(kernel, cfg=cfg),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1 if cfg.masked else 0,
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            scratch_shapes=scratch,
+        ),
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
+        cost_estimate=cost,
+        name=name,
+    )
+
+
+def _forward_call(q: Array, k: Array, v: Array, mask: AttentionMask, static: _Static) -> tuple:
+    """out [B, N, T, E], lse [B, N, T, 1] (natural log, +inf where a row sees nothing), and counts if counting."""
+    cfg, sizes = static.cfg_fwd, static.blocks
+    batch, num_heads, q_len, head_dim = q.shape
+    value_dim, g = v.shape[-1], cfg.groups
+    bq, bk = sizes.fwd_q, sizes.fwd_k
+    kv_j = _query_grid_streamed(cfg)
+    mask_specs, mask_args = _mask_specs(
+        mask, bq, lambda b, n, i, j, *s: (b, i, 0), bk, lambda b, n, i, j, *s: (b, 0, kv_j(b, i, j, *s))
+    )
+    count_specs, count_shapes = _count_spec(cfg, (batch, num_heads, cfg.num_i), lambda b, n, i, j, *s: (b, n, i, 0, 0))
+    out_shape = [
+        jax.ShapeDtypeStruct((batch, num_heads, q_len, value_dim), v.dtype),
+        jax.ShapeDtypeStruct((batch, num_heads, q_len, 1), jnp.float32),
+        *count_shapes,
+    ]
+    tiles = static.tiles[0]
+    cost = pl.CostEstimate(
+        flops=tile_flops("forward", bq, bk, head_dim, value_dim) * tiles,
+        transcendentals=bq * bk * tiles,
+        bytes_accessed=_bytes(q, k, v, *mask_args, *out_shape),
+    )
+    call = _call(
+        forward_kernel,
+        cfg,
+        (batch, num_heads, cfg.num_i, cfg.num_j),
+        [
+            pl.BlockSpec((None, None, bq, head_dim), lambda b, n, i, j, *s: (b, n, i, 0)),
+            pl.BlockSpec((None, None, bk, head_dim), lambda b, n, i, j, *s: (b, lax.div(n, g), kv_j(b, i, j, *s), 0)),
+            pl.BlockSpec((None, None, bk, value_dim), lambda b, n, i, j, *s: (b, lax.div(n, g), kv_j(b, i, j, *s), 0)),
+            *mask_specs,
+        ],
+        [
+            pl.BlockSpec((None, None, bq, value_dim), lambda b, n, i, j, *s: (b, n, i, 0)),
+            pl.BlockSpec((None, None, bq, 1), lambda b, n, i, j, *s: (b, n, i, 0)),
+            *count_specs,
+        ],
+        out_shape,
+        [pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, value_dim), jnp.float32)],
+        ("parallel", "parallel", "parallel", "arbitrary"),
+        cost,
+        "attention_forward_tpu",
+    )
+    results = call(*_prefetch(mask, cfg, bq, bk, False), q, k, v, *mask_args)
+    return tuple(results) if cfg.count_tiles else (results[0], results[1], None)
+
+
+def _backward_calls(res: tuple, do: Array, static: _Static) -> tuple:
+    """dq, dk, dv (and the dK/dV and dQ kernels' tile counts when counting)."""
+    cfg, sizes = static.cfg_bwd, static.blocks
+    q, k, v, mask, out, lse = res
+    batch, num_heads, q_len, head_dim = q.shape
+    num_kv_heads, value_dim, g = k.shape[1], v.shape[-1], cfg.groups
+    bq, bk = sizes.bwd_q, sizes.bwd_k
+    do = do.astype(v.dtype)
+    # delta = rowsum(dO * O) (FlashAttention-2, eq. 4); XLA fuses it into one pass.
+    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
+
+    # dK, dV: grid over key blocks of each key/value head; the reduction walks its G query heads' query blocks.
+    if cfg.masked:
+        q_i = lambda b, j, i, bounds: streamed_block(bounds, b * cfg.num_j + j, i)  # noqa: E731
+    else:
+        q_i = lambda b, j, i, *_: i  # noqa: E731
+    mask_specs, mask_args = _mask_specs(
+        mask, bq, lambda b, h, j, gi, i, *s: (b, q_i(b, j, i, *s), 0), bk, lambda b, h, j, gi, i, *s: (b, 0, j)
+    )
+    count_specs, count_shapes = _count_spec(
+        cfg, (batch, num_kv_heads, cfg.num_j), lambda b, h, j, gi, i, *s: (b, h, j, 0, 0)
+    )
+    q_row = lambda b, h, j, gi, i, *s: (b, h * g + gi, q_i(b, j, i, *s), 0)  # noqa: E731
+    kv_row = lambda b, h, j, gi, i, *s: (b, h, j, 0)  # noqa: E731
+    out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype), *count_shapes]
+    tiles = static.tiles[1]
+    cost = pl.CostEstimate(
+        flops=tile_flops("dkdv", bq, bk, head_dim, value_dim) * tiles,
+        transcendentals=bq * bk * tiles,
+        bytes_accessed=_bytes(q, k, v, do, lse, delta, *mask_args, *out_shape),
+    )
+    dkdv = _call(
+        dkdv_kernel,
+        cfg,
+        (batch, num_kv_heads, cfg.num_j, g, cfg.num_i),
+        [
+            pl.BlockSpec((None, None, bq, head_dim), q_row),
+            pl.BlockSpec((None, None, bk, head_dim), kv_row),
+            pl.BlockSpec((None, None, bk, value_dim), kv_row),
+            pl.BlockSpec((None, None, bq, value_dim), q_row),
+            pl.BlockSpec((None, None, bq, 1), q_row),
+            pl.BlockSpec((None, None, bq, 1), q_row),
+            *mask_specs,
+        ],
+        [
+            pl.BlockSpec((None, None, bk, head_dim), kv_row),
+            pl.BlockSpec((None, None, bk, value_dim), kv_row),
+            *count_specs,
+        ],
+        out_shape,
+        [pltpu.VMEM((bk, head_dim), jnp.float32), pltpu.VMEM((bk, value_dim), jnp.float32)],
+        ("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
+        cost,
+        "attention_dkdv_tpu",
+    )(*_prefetch(mask, cfg, bq, bk, True), q, k, v, do, lse, delta, *mask_args)
+    dk, dv = dkdv[0], dkdv[1]
+
+    # dQ: grid over query blocks, like the forward pass.
+    kv_j = _query_grid_streamed(cfg)
+    mask_specs, mask_args = _mask_specs(
+        mask, bq, lambda b, n, i, j, *s: (b, i, 0), bk, lambda b, n, i, j, *s: (b, 0, kv_j(b, i, j, *s))
+    )
+    count_specs, count_shapes = _count_spec(cfg, (batch, num_heads, cfg.num_i), lambda b, n, i, j, *s: (b, n, i, 0, 0))
+    q_blk = lambda b, n, i, j, *s: (b, n, i, 0)  # noqa: E731
+    kv_blk = lambda b, n, i, j, *s: (b, lax.div(n, g), kv_j(b, i, j, *s), 0)  # noqa: E731
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), *count_shapes]
+    tiles = static.tiles[2]
+    cost = pl.CostEstimate(
+        flops=tile_flops("dq", bq, bk, head_dim, value_dim) * tiles,
+        transcendentals=bq * bk * tiles,
+        bytes_accessed=_bytes(q, k, v, do, lse, delta, *mask_args, *out_shape),
+    )
+    dq_out = _call(
+        dq_kernel,
+        cfg,
+        (batch, num_heads, cfg.num_i, cfg.num_j),
+        [
+            pl.BlockSpec((None, None, bq, head_dim), q_blk),
+            pl.BlockSpec((None, None, bk, head_dim), kv_blk),
+            pl.BlockSpec((None, None, bk, value_dim), kv_blk),
+            pl.BlockSpec((None, None, bq, value_dim), q_blk),
+            pl.BlockSpec((None, None, bq, 1), q_blk),
+            pl.BlockSpec((None, None, bq, 1), q_blk),
+            *mask_specs,
+        ],
+        [pl.BlockSpec((None, None, bq, head_dim), q_blk), *count_specs],
+        out_shape,
+        [pltpu.VMEM((bq, head_dim), jnp.float32)],
+        ("parallel", "parallel", "parallel", "arbitrary"),
+        cost,
+        "attention_dq_tpu",
+    )(*_prefetch(mask, cfg, bq, bk, False), q, k, v, do, lse, delta, *mask_args)
+    if cfg.count_tiles:
+        return dq_out[0], dk, dv, dkdv[2], dq_out[1]
+    return dq_out[0], dk, dv
+
+
+def _forward(q: Array, k: Array, v: Array, mask: AttentionMask, static: _Static) -> tuple[Array, Array]:
+    out, lse, _ = _forward_call(q, k, v, mask, static)
+    return out, lse
+
+
+def _backward(res: tuple, do: Array, static: _Static) -> tuple[Array, Array, Array]:
+    return _backward_calls(res, do, static)[:3]
+
+
+_attend = recompute_vjp(_forward, _backward)
