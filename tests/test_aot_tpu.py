@@ -17,9 +17,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tests import test_pallas_tpu
-from tests.test_attention_ops import forward_backward, make_inputs
-from tests.test_training_step import _config
+from tests.helpers.attention import TPU_CASES, TPU_SMALL, forward_backward, make_inputs
+from tests.helpers.training import one_layer_config
 from transformer_jax import accelerators, platform
 from transformer_jax.ops import attention
 from transformer_jax.sharding import make_mesh
@@ -78,20 +77,20 @@ def test_attention_compiles_for_tpu_at_32k_with_memory_linear_in_length(topology
 
 
 @needs_libtpu
-@pytest.mark.parametrize("case,dtype", test_pallas_tpu.CASES, ids=[c.name for c, _ in test_pallas_tpu.CASES])
+@pytest.mark.parametrize("case,dtype", TPU_CASES, ids=[c.name for c, _ in TPU_CASES])
 def test_the_interpret_mode_cases_compile_for_tpu(case, dtype) -> None:  # noqa: ANN001
     """The shapes, masks and smallest tiles checked in interpret mode also pass Mosaic's own checks."""
     (q, k, v, do), kw = make_inputs(case, dtype)
     sharding = jax.sharding.SingleDeviceSharding(accelerators.tpu_devices("v5e:2x2")[0])
     specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in (q, k, v, do)]
-    fn = functools.partial(forward_backward, "pallas", kw=kw, block_sizes=test_pallas_tpu.SMALL)
+    fn = functools.partial(forward_backward, "pallas", kw=kw, block_sizes=TPU_SMALL)
     with platform.compiling_for("tpu"):
         jax.jit(lambda *a: fn(a)).trace(*specs).lower().compile()
 
 
 @needs_libtpu
 def test_train_step_with_pallas_attention_compiles_for_a_v5e_slice() -> None:
-    config = _config()
+    config = one_layer_config()
     config.attention.impl = "pallas"
     graphs, state = abstract_train_state(config)
     mesh = make_mesh(list(accelerators.tpu_devices("v5e:2x2")))

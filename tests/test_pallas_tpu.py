@@ -3,7 +3,7 @@ dQ/dK/dV under every mask, skip exactly the tiles that the mask empties, and ref
 
 Interpret mode simulates every grid step (DMAs, VMEM, SMEM), about 50-100 ms a step on this CPU, so the default
 cases use the smallest tiles the layout rules allow (16 queries x 128 keys) and a few dozen grid steps each;
-`-m slow` sweeps head dims 32/64/128 x both dtypes x masks. Tolerances: test_attention_ops.TOLERANCE.
+`-m slow` sweeps head dims 32/64/128 x both dtypes x masks. Tolerances: tests/helpers/attention.py's TOLERANCE.
 
 Axis letters: see transformer_jax/__init__.py.
 """
@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from tests.test_attention_ops import Case, assert_matches, forward_backward, make_inputs, reference, run_jit
+from tests.helpers.attention import TPU_CASES as CASES
+from tests.helpers.attention import TPU_SMALL as SMALL
+from tests.helpers.attention import Case, assert_matches, forward_backward, make_inputs, reference, run_jit
 from transformer_jax import ops, platform
 from transformer_jax.ops import pallas_attention, pallas_tpu
 from transformer_jax.ops.masks import AttentionMask, array_module
-
-SMALL = pallas_tpu.TpuBlockSizes(16, 128, 16, 128)  # the smallest tiles of pallas_tpu.py's layout rules
 
 
 @pytest.fixture
@@ -37,18 +37,6 @@ def check(case: Case, dtype: jnp.dtype, sizes: pallas_tpu.TpuBlockSizes = SMALL)
     arrays, kw = make_inputs(case, dtype)
     got = run_jit(lambda a: forward_backward("pallas", a, kw, block_sizes=sizes), arrays)
     assert_matches(got, reference(arrays, kw), dtype, f"pallas tpu {case.name} {jnp.dtype(dtype).name}")
-
-
-CASES = [
-    # Packed rows of three segments with padded tails, causal, two query heads per key head; odd lengths that
-    # fill neither query nor key tiles; padding queries are fully masked rows.
-    (Case("packed_causal_gqa", batch=1, q_len=45, kv_len=157, heads=2, kv_heads=1, head_dim=32, segments="packed",
-          causal=True), jnp.float32),
-    # Cross-attention S != T with a window (end-aligned positions leave the first key block invisible), query
-    # rows that see no key (segment 3, padding), head dim 64, bfloat16.
-    (Case("cross_window_disjoint_bf16", batch=1, q_len=40, kv_len=290, heads=2, kv_heads=2, head_dim=64,
-          window=100, segments="disjoint", causal=True), jnp.bfloat16),
-]  # fmt: skip
 
 
 @pytest.mark.parametrize("case,dtype", CASES, ids=[c.name for c, _ in CASES])

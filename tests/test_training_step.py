@@ -2,12 +2,10 @@
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import nnx
 
-from configs import common
-from tests.helpers.training import synthetic_batch
+from tests.helpers.training import one_layer_config, synthetic_batch
 from transformer_jax.model import TransformerSpec, build_model
 from transformer_jax.sharding import make_mesh
 from transformer_jax.training import flops
@@ -43,25 +41,12 @@ def test_label_smoothed_cross_entropy_matches_hand_computation():
     np.testing.assert_allclose(grad(jnp.asarray(logits)), expected, rtol=1e-5, atol=1e-6)
 
 
-def _config(**model) -> ml_collections.ConfigDict:
-    """The tiny config with one encoder and one decoder layer: what these tests check does not depend on depth,
-    and XLA:CPU compiles a train step of 1+1 layers in half the time of 2+2."""
-    config = common.base_config("tiny")
-    config.model.vocab_size = 50
-    config.model.num_encoder_layers = config.model.num_decoder_layers = 1
-    config.model.update(model)
-    config.opt.warmup_steps = 1
-    config.opt.learning_rate = 1e-2
-    config.opt.schedule = "constant"
-    return config
-
-
 def _params(state):
     return jax.tree.leaves(nnx.to_pure_dict(model_params(state)))
 
 
 def test_gradient_accumulation_equals_one_big_batch():
-    config = _config(dropout_rate=0.0)  # dropout draws would differ between the two ways of batching
+    config = one_layer_config(dropout_rate=0.0)  # dropout draws would differ between the two ways of batching
     # Adam with eps 1e-9 turns float rounding in near-zero gradients into +-lr steps; eps 1 keeps the update
     # proportional to the gradient, so parameters compare the accumulated gradients themselves.
     config.opt.eps = 1.0
@@ -85,7 +70,7 @@ def test_gradient_accumulation_equals_one_big_batch():
 
 
 def test_non_finite_update_is_skipped_and_counted():
-    config = _config()
+    config = one_layer_config()
     graphs, state = create_train_state(config)
     step, _, _ = compile_steps(graphs, state, make_mesh(), "data", label_smoothing=0.1, accum_steps=1)
     model_state = nnx.to_pure_dict(state)
@@ -113,7 +98,7 @@ def test_bfloat16_train_step_keeps_float32_params_and_matches_float32():
     batch = synthetic_batch(0, rows=8)
     results = {}
     for dtype in ("float32", "bfloat16"):
-        config = _config(dropout_rate=0.0, dtype=dtype)
+        config = one_layer_config(dropout_rate=0.0, dtype=dtype)
         graphs, state = create_train_state(config)
         step, _, _ = compile_steps(graphs, state, make_mesh(), "data", label_smoothing=0.1, accum_steps=1)
         state, metrics = step(state, batch)
@@ -128,7 +113,7 @@ def test_bfloat16_train_step_keeps_float32_params_and_matches_float32():
 
 
 def test_flop_formula_matches_the_compiled_program():
-    config = _config()
+    config = one_layer_config()
     spec = TransformerSpec.from_config(config)
     model = build_model(config, rngs=nnx.Rngs(0))
     model.eval()
