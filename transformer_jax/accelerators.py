@@ -157,8 +157,10 @@ def _devices(topology: Topology) -> tuple[jax.Device, ...]:
             desc = topologies.get_topology_desc(platform="cuda", target_config=target, topology=topology.shape)
         else:
             # libtpu looks for a TPU VM's metadata when it loads and warns on stderr without these; a plan needs
-            # neither (the slice is named below), so say there is one local worker.
+            # neither (the slice is named below), so say there is one local worker. It also locks the host's TPU
+            # chips against a second process, which compiling never uses: let several plans run at once.
             os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+            os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
             os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{chip.name}-{topology.chips * chip.cores_per_chip}")
             desc = topologies.get_topology_desc(
                 platform="tpu",
