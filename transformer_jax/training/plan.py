@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
+from jax.sharding import Mesh
 
 from transformer_jax import platform
 from transformer_jax.accelerators import Topology
@@ -148,16 +149,13 @@ def _cost(compiled) -> tuple[dict, str]:
         return {}, "formula (the compiler gave no count)"
 
 
-def plan_train_step(config: ml_collections.ConfigDict, topology: Topology, mesh_mode: str) -> dict:
-    """Compiles the train step for the slice and returns the report (see the module docstring)."""
-    if mesh_mode not in MESH_MODES:
-        raise ConfigError(f"config key train.mesh: unknown value {mesh_mode!r}; choose one of {list(MESH_MODES)}")
-    chip = topology.chip
-    mesh = make_mesh(list(topology.devices()))
-    rows, s_len, t_len = planned_shape(config, topology, mesh)
+def compile_train_step(
+    config: ml_collections.ConfigDict, topology: Topology, mesh_mode: str, mesh: Mesh, shape: tuple[int, int, int]
+):
+    """The loop's train step compiled for the slice at one global batch shape; returns (compiled, abstract state)."""
+    rows, s_len, t_len = shape
     jax.clear_caches()  # a trace made for the host backend must not be reused for the target
-    start = time.perf_counter()
-    with platform.compiling_for(chip.platform):
+    with platform.compiling_for(topology.chip.platform):
         graphs, abstract = abstract_train_state(config)
         train_step, _, _ = compile_steps(
             graphs,
@@ -179,6 +177,18 @@ def plan_train_step(config: ml_collections.ConfigDict, topology: Topology, mesh_
                 f"does not fit: the train step (mesh={mesh_mode}, batch {[rows, s_len, t_len]}) on {topology.name}: "
                 f"XLA: {detail}; lower the batch (--plan_search=batch finds the largest) or try train.mesh=fsdp"
             ) from None
+    return compiled, abstract
+
+
+def plan_train_step(config: ml_collections.ConfigDict, topology: Topology, mesh_mode: str) -> dict:
+    """Compiles the train step for the slice and returns the report (see the module docstring)."""
+    if mesh_mode not in MESH_MODES:
+        raise ConfigError(f"config key train.mesh: unknown value {mesh_mode!r}; choose one of {list(MESH_MODES)}")
+    chip = topology.chip
+    mesh = make_mesh(list(topology.devices()))
+    rows, s_len, t_len = planned_shape(config, topology, mesh)
+    start = time.perf_counter()
+    compiled, abstract = compile_train_step(config, topology, mesh_mode, mesh, (rows, s_len, t_len))
     compile_s = time.perf_counter() - start
 
     memory = compiled.memory_analysis()
