@@ -1,7 +1,9 @@
 """Train a Transformer: python train.py --config configs/<file>.py[:arg] --workdir DIR [--config.<key>=<value>]
 
 Starting in a workdir that has checkpoints resumes from the latest. --dry_run builds the model abstractly, prints
-its size, FLOPs, batch shapes, device mesh and a time estimate, and exits without touching data.
+its size, FLOPs, batch shapes, device mesh and a time estimate, and exits without touching data. --plan TOPOLOGY
+(e.g. v5e-8, v4-32, h100:8) compiles the train step for that TPU or GPU slice on this host and reports memory per
+chip, fit, collectives and an estimated step time (transformer_jax/training/plan.py; needs requirements-aot.txt).
 """
 
 from __future__ import annotations
@@ -16,12 +18,18 @@ from transformer_jax import cli, config_checks
 from transformer_jax.errors import ConfigError
 from transformer_jax.evaluation.validation import bleu_evaluator
 from transformer_jax.sharding import initialize_distributed
+from transformer_jax.training import plan
 from transformer_jax.training.loop import train_and_evaluate
 from transformer_jax.training.summary import dry_run_summary
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/multi30k.py:size=small.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, tokenizer, metrics.jsonl, TensorBoard.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the model summary, FLOPs, batch shapes, mesh and exit.")
+_PLAN = flags.DEFINE_string("plan", None, "Compile the train step for a TPU/GPU slice (v5e-8, v5e:2x4, v4-32, h100:8).")
+_PLAN_JSON = flags.DEFINE_bool("plan_json", False, "Print the --plan report as JSON instead of a table.")
+_PLAN_SEARCH = flags.DEFINE_enum(
+    "plan_search", "", ["", "batch", "mesh"], "--plan: the largest batch that fits, or data vs fsdp side by side."
+)
 
 
 def main(argv: list[str]) -> None:
@@ -30,6 +38,9 @@ def main(argv: list[str]) -> None:
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file it renames at INFO
     config = _CONFIG.value
     config_checks.validate(config)  # before any work: a bad value is one line now, not a traceback minutes later
+    if _PLAN.value:
+        plan.run(config, _PLAN.value, _PLAN_SEARCH.value, _PLAN_JSON.value)
+        return
     if not _DRY_RUN.value:
         if not _WORKDIR.value:
             raise ConfigError("--workdir is required (checkpoints, tokenizer and metrics go there)")

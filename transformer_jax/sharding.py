@@ -7,6 +7,7 @@ state are replicated (`train.mesh = "data"`, data parallel) or split along their
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import jax
@@ -14,6 +15,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from transformer_jax import platform
 from transformer_jax.errors import ConfigError
 
 MESH_MODES = ("data", "fsdp")
@@ -50,6 +52,13 @@ def initialize_distributed() -> None:
 def make_mesh(devices: list | None = None) -> Mesh:
     devices = jax.devices() if devices is None else devices
     return Mesh(np.asarray(devices), ("data",))
+
+
+def tracing_mesh(mesh: Mesh) -> contextlib.AbstractContextManager:
+    """The mesh to trace steps under: Mosaic kernels cannot be partitioned by XLA, so on a TPU target our Pallas
+    attention (ops/pallas_tpu.py) runs per device in a shard_map over the mesh in context (jax.set_mesh); the
+    other backends trace without one."""
+    return jax.set_mesh(mesh) if platform.target_backend() == "tpu" else contextlib.nullcontext()
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

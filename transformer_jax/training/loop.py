@@ -35,7 +35,7 @@ from transformer_jax.data.batching import BATCH_KEYS, padded_eval_length
 from transformer_jax.errors import ConfigError, NonFiniteError
 from transformer_jax.model.spec import TransformerSpec
 from transformer_jax.progress import Progress
-from transformer_jax.sharding import batch_sharding, make_mesh, state_shardings
+from transformer_jax.sharding import batch_sharding, make_mesh, state_shardings, tracing_mesh
 from transformer_jax.training import flops, workdir_lock
 from transformer_jax.training.checkpoints import Checkpointer
 from transformer_jax.training.losses import summarize
@@ -275,6 +275,7 @@ class TrainingRun:
 
     config: ml_collections.ConfigDict
     spec: TransformerSpec
+    mesh: jax.sharding.Mesh
     state: Any  # nnx.State of the TrainState, placed with its shardings
     step: int  # optimizer steps already taken
     train_step: Callable
@@ -339,6 +340,7 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path, bleu: BleuEv
     return TrainingRun(
         config=config,
         spec=spec,
+        mesh=mesh,
         state=state,
         step=step,
         train_step=train_step,
@@ -432,7 +434,7 @@ def train_and_evaluate(
     with workdir_lock.locked(workdir):
         run = setup(config, workdir, bleu)
         try:
-            with StopRequest() as stop:
+            with StopRequest() as stop, tracing_mesh(run.mesh):
                 return run_steps(run, stop)
         finally:
             run.close()
