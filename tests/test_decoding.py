@@ -17,6 +17,8 @@ from flax import nnx
 
 from tests.model_helpers import random_tokens, tiny_model
 from transformer_jax import decoding
+from transformer_jax.decoding import refill
+from transformer_jax.decoding import transformer as binding
 from transformer_jax.evaluation.translate import translate
 from transformer_jax.model import unpacked_segment_ids
 from transformer_jax.tokens import BOS_ID, EOS_ID, PAD_ID
@@ -350,11 +352,11 @@ class CharTokenizer:
 
 def test_translate_keeps_order_empty_lines_and_is_independent_of_batching(monkeypatch):
     # Batches under 2 MIN_ROWS sentences have little to gain from refilling: they run one-jit batches.
-    monkeypatch.setattr(decoding, "_refilling_search", lambda *a, **k: pytest.fail("refilled a small batch"))
+    monkeypatch.setattr(refill, "refilling_search", lambda *a, **k: pytest.fail("refilled a small batch"))
     batches = []
-    one_jit = decoding._search
+    one_jit = binding._search
     monkeypatch.setattr(
-        decoding, "_search", lambda g, p, src, *a, **k: batches.append(src.shape) or one_jit(g, p, src, *a, **k)
+        binding, "_search", lambda g, p, src, *a, **k: batches.append(src.shape) or one_jit(g, p, src, *a, **k)
     )
     model, tok = _model(), CharTokenizer()
     sentences = ["hello world", "", "a", "x" * 40, "   ", "the cat sat on the mat", "b c"]
@@ -444,9 +446,9 @@ def test_compacting_search_equals_the_whole_batch_search(beam_size, monkeypatch)
     model, src = _model(), _source(24, 9)
     max_len = jnp.array([40 if i % 6 == 0 else 1 + i % 3 for i in range(24)])
     kept = []
-    keep = decoding._keep
+    keep = binding._keep
     monkeypatch.setattr(
-        decoding,
+        binding,
         "_keep",
         lambda context, s, keep_K, **kw: kept.append(keep_K.shape[0]) or keep(context, s, keep_K, **kw),
     )
@@ -471,14 +473,12 @@ def test_refilling_search_equals_one_batch_at_a_time(monkeypatch):
     sources = [[int(t) for t in rng.integers(4, 50, n - 1)] + [EOS] for n in lengths]
     max_len = [22 if i % 7 == 0 else 1 + i % 4 for i in range(len(sources))]
     joined, widened = [], []
-    programs = decoding._programs.__wrapped__
+    insert, widen = binding._insert, binding._widen
     monkeypatch.setattr(
-        decoding,
-        "_programs",
-        lambda *g: (p := programs(*g))._replace(
-            insert=lambda *a, **k: joined.append(int(np.sum(np.asarray(a[4]) < 20))) or p.insert(*a, **k),
-            widen=lambda *a, **k: widened.append((a[1]["src_segment_ids"].shape, k)) or p.widen(*a, **k),
-        ),
+        binding, "_insert", lambda *a, **k: joined.append(int(np.sum(np.asarray(a[4]) < 20))) or insert(*a, **k)
+    )
+    monkeypatch.setattr(
+        binding, "_widen", lambda *a, **k: widened.append((a[2]["src_segment_ids"].shape, k)) or widen(*a, **k)
     )
 
     def shape(longest: int) -> tuple[int, int]:

@@ -76,13 +76,9 @@ def translate(
     Sources are the tokenizer's ids then EOS (as in training); a source with more than max_input_len tokens is cut
     to max_input_len - 1 ids + EOS and counted. An empty (or blank) line gives an empty output without decoding.
     Each output has at most (source tokens + max_extra_len) tokens, EOS included. beam_size 1 is greedy search.
+    The settings are checked where they come in, by the rules of their config keys (config_checks.RULES: eval.*,
+    data.eval_max_len), which validate() applies to every config and evaluate.py to its flags.
     """
-    if max_input_len < 2:
-        raise ValueError(f"max_input_len must be >= 2 (one token and EOS), got {max_input_len}")
-    if beam_size < 1 or batch_size < 1 or max_extra_len < 1:
-        raise ValueError(
-            f"beam_size, batch_size, max_extra_len must be >= 1; got {beam_size}, {batch_size}, {max_extra_len}"
-        )
     start = time.perf_counter()
     limit = position_limit(model.spec)
     max_input_len = input_limit(max_input_len, limit)
