@@ -150,6 +150,7 @@ class _Refill:
         self.step_R = np.zeros(rows, np.int32)
         self.slots = cache_stages(self.max_steps)[0]
         self.context, self.state = calls.start(src_KS, beam_size=beam_size, slots=self.slots)
+        self.context_len = self.src_len  # source positions of the running batch's context
 
     def rows(self) -> int:
         return len(self.sentence_R)
@@ -189,8 +190,8 @@ class _Refill:
         self.block, self.joined = self.calls.encode(src_KS, beam_size=self.beam_size), 0
         if src_KS.shape[1] < self.src_len:
             self.block = self.calls.widen(self.block, src_len=self.src_len)
-        if self.src_len > self.context["src_segment_ids"].shape[1]:
-            self.context = self.calls.widen(self.context, src_len=self.src_len)
+        if self.src_len > self.context_len:
+            self.context, self.context_len = self.calls.widen(self.context, src_len=self.src_len), self.src_len
 
     def _fill(self) -> None:
         """Waiting sentences take the free rows, refill_size at a time, while at least MIN_ROWS rows are free."""
