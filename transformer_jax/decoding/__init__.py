@@ -15,8 +15,12 @@ from transformer_jax.decoding.refill import (
     source_batch,
 )
 from transformer_jax.decoding.search import (
+    AVERAGE,
     FIRST_STAGE,
+    GNMT,
+    LENGTH_PENALTIES,
     NEG_INF,
+    NONE,
     BeamResult,
     BeamState,
     Decoder,
@@ -42,6 +46,10 @@ from transformer_jax.decoding.transformer import (
 from transformer_jax.tokens import BOS_ID, EOS_ID, PAD_ID
 
 __all__ = [
+    "AVERAGE",
+    "GNMT",
+    "LENGTH_PENALTIES",
+    "NONE",
     "BOS_ID",
     "ENCODE_MULTIPLE",
     "EOS_ID",

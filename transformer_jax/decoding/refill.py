@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.decoding.search import BeamResult, cache_stages, length_penalty
+from transformer_jax.decoding.search import GNMT, BeamResult, cache_stages, length_penalty
 from transformer_jax.tokens import EOS_ID, PAD_ID
 
 PyTree = Any
@@ -63,7 +63,7 @@ class Calls(Protocol):
     def widen(self, context, *, src_len: int) -> PyTree:
         """The context with its sources padded to src_len positions."""
 
-    def stage(self, context, s, max_len_B, alpha, stop_live) -> Any:
+    def stage(self, context, s, max_len_B, alpha, stop_live, *, penalty: str, best_only: bool) -> Any:
         """Steps until at most stop_live sentences are live or a live one fills the cache."""
 
     def keep(self, context, s, keep_K, *, beam_size: int) -> tuple[PyTree, Any]:
@@ -125,12 +125,15 @@ class _Refill:
         alpha: float,
         *,
         beam_size: int,
+        penalty: str,
+        best_only: bool,
         rows: int,
         shape: Shape,
         progress: Callable[[int], Any] | None,
     ):
         self.calls, self.sources, self.max_len_N, self.alpha = calls, sources, max_len_N, alpha
-        self.beam_size, self.shape, self.progress = beam_size, shape, progress
+        self.beam_size, self.penalty, self.best_only = beam_size, penalty, best_only
+        self.shape, self.progress = shape, progress
         self.results: list[BeamResult | None] = [None] * len(sources)
         self.queue = collections.deque(sorted(range(len(sources)), key=lambda i: len(sources[i])))
         # The running batch's padded source length and output slots: they grow as longer sources join (`_take`).
@@ -239,13 +242,21 @@ class _Refill:
         fit in a batch half the size, or a live sentence fills the cache), then records the finished sentences."""
         half = -(-self.rows() // 2)
         stop_live = self.rows() - MIN_ROWS if self.waiting() else (half if half >= MIN_ROWS else 0)
-        self.state = self.calls.stage(self.context, self.state, self.max_len_R, self.alpha, np.int32(stop_live))
+        self.state = self.calls.stage(
+            self.context,
+            self.state,
+            self.max_len_R,
+            self.alpha,
+            np.int32(stop_live),
+            penalty=self.penalty,
+            best_only=self.best_only,
+        )
         done, self.step_R = (np.array(x) for x in jax.device_get((self.state.sentence_done(), self.state.step_B)))
         finished = np.flatnonzero((self.sentence_R >= 0) & done)
         if not len(finished):
             return
         tokens, log_probs, lengths = jax.device_get(self.state.beams())
-        scores = log_probs / np.asarray(length_penalty(lengths, self.alpha))
+        scores = log_probs / np.asarray(length_penalty(lengths, self.alpha, self.penalty))
         for r in finished:
             self.results[self.sentence_R[r]] = sorted_beams(tokens[r], scores[r], log_probs[r], lengths[r])
         self.sentence_R[finished] = -1
@@ -262,11 +273,22 @@ def refilling_search(
     beam_size: int,
     rows: int,
     shape: Shape,
+    penalty: str = GNMT,
+    best_only: bool = True,
     progress: Callable[[int], Any] | None = None,
 ) -> list[BeamResult]:
     """The cached search of every sentence through one running batch of `rows` sentences (module docstring); each
     sentence's beams, best first. shape(longest source) gives a batch's padded source length and output slots;
-    progress(n) is called as n more sentences finish."""
+    progress(n) is called as n more sentences finish. penalty, best_only: as for beam_search."""
     return _Refill(
-        calls, sources, max_len_N, alpha, beam_size=beam_size, rows=rows, shape=shape, progress=progress
+        calls,
+        sources,
+        max_len_N,
+        alpha,
+        beam_size=beam_size,
+        penalty=penalty,
+        best_only=best_only,
+        rows=rows,
+        shape=shape,
+        progress=progress,
     ).run()

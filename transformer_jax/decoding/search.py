@@ -93,9 +93,25 @@ def steps_until(body: Callable, state: NamedTuple, stop_live: Array) -> NamedTup
     return jax.lax.while_loop(go_on, body, state)
 
 
-def length_penalty(length: Array | int, alpha: Array | float) -> Array:
-    """lp(Y) = ((5 + |Y|) / 6) ** alpha (Wu et al., 2016); beam scores are log P(Y|X) / lp(Y)."""
-    return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
+GNMT, AVERAGE, NONE = "gnmt", "average", "none"
+LENGTH_PENALTIES = (GNMT, AVERAGE, NONE)
+
+
+def length_penalty(length: Array | int, alpha: Array | float, penalty: str = GNMT) -> Array:
+    """The divisor lp(Y) of a hypothesis's score log P(Y|X) / lp(Y), by `penalty`:
+
+    gnmt: ((5 + |Y|) / 6) ** alpha (Wu et al., 2016); average: |Y| ** alpha (alpha 1: the per-token mean, fairseq's
+    --lenpen and Marian's --normalize); none: 1 (the plain log-probability). Every lp grows with |Y| for alpha >= 0,
+    which beam search's early stop relies on.
+    """
+    length = jnp.asarray(length, jnp.float32)
+    if penalty == GNMT:
+        return ((5.0 + length) / 6.0) ** alpha
+    if penalty == AVERAGE:
+        return jnp.maximum(length, 1.0) ** alpha
+    if penalty == NONE:
+        return jnp.ones_like(length)
+    raise ValueError(f"unknown length penalty {penalty!r}; expected one of {', '.join(LENGTH_PENALTIES)}")
 
 
 def tile_beams(tree: PyTree, beam_size: int) -> PyTree:
@@ -271,7 +287,9 @@ class BeamState(NamedTuple):
             cache=cache_R,
         )
 
-    def advance(self, decode_step: DecodeStep, max_len_B: Array, alpha: Array | float, best_only: bool) -> BeamState:
+    def advance(
+        self, decode_step: DecodeStep, max_len_B: Array, alpha: Array | float, best_only: bool, penalty: str = GNMT
+    ) -> BeamState:
         """One step of beam search (see beam_search)."""
         s = self
         batch, width = s.finished_BW.shape
@@ -287,7 +305,7 @@ class BeamState(NamedTuple):
             s.log_probs_BW[..., None] + log_probs_BWV,
         )
         cand_len_BW = jnp.where(s.finished_BW, s.lengths_BW, s.step_B[:, None] + 1)
-        score_BWV = cand_BWV / length_penalty(cand_len_BW, alpha)[..., None]
+        score_BWV = cand_BWV / length_penalty(cand_len_BW, alpha, penalty)[..., None]
         score_BW, flat_BW = jax.lax.top_k(score_BWV.reshape(batch, width * vocab), width)
         beam_BW, token_BW = flat_BW // vocab, (flat_BW % vocab).astype(jnp.int32)
 
@@ -302,7 +320,9 @@ class BeamState(NamedTuple):
         )
         if best_only:
             best_finished_B = jnp.max(jnp.where(finished_BW, score_BW, NEG_INF), axis=1)
-            lp_max_B = jnp.maximum(length_penalty(s.step_B + 1, alpha), length_penalty(max_len_B, alpha))
+            lp_max_B = jnp.maximum(
+                length_penalty(s.step_B + 1, alpha, penalty), length_penalty(max_len_B, alpha, penalty)
+            )
             bound_BW = jnp.where(finished_BW, NEG_INF, log_probs_BW / lp_max_B[:, None])
             settled_B = jnp.max(bound_BW, axis=1) < best_finished_B
             finished_BW = finished_BW | settled_B[:, None]
@@ -318,9 +338,12 @@ class BeamState(NamedTuple):
         )
 
 
-def best_first(tokens_BWL: Array, log_probs_BW: Array, lengths_BW: Array, alpha: Array | float) -> BeamResult:
+def best_first(
+    tokens_BWL: Array, log_probs_BW: Array, lengths_BW: Array, alpha: Array | float, penalty: str = GNMT
+) -> BeamResult:
     """The beams of each sentence sorted by score log P / lp(length), best first."""
-    scores_BW, order_BW = jax.lax.top_k(log_probs_BW / length_penalty(lengths_BW, alpha), log_probs_BW.shape[1])
+    lp_BW = length_penalty(lengths_BW, alpha, penalty)
+    scores_BW, order_BW = jax.lax.top_k(log_probs_BW / lp_BW, log_probs_BW.shape[1])
 
     def sort(x: Array) -> Array:
         idx = order_BW.reshape(order_BW.shape + (1,) * (x.ndim - 2))
@@ -357,8 +380,10 @@ def beam_search(
     max_steps: int,
     grow: GrowCache | None = None,
     best_only: bool = False,
+    penalty: str = GNMT,
 ) -> BeamResult:
-    """Beam search with the length penalty lp; `cache` has B rows and is tiled to R = B W rows here, once.
+    """Beam search with the length penalty lp (`length_penalty`'s `penalty`); `cache` has B rows and is tiled to
+    R = B W rows here, once.
 
     Each step, every unfinished beam proposes its V extensions (score log P / lp(t+1)) and every finished beam
     proposes itself followed by PAD (its score unchanged); the best W of these W V candidates per sentence
@@ -376,5 +401,5 @@ def beam_search(
     first = max_steps if grow is None else cache_stages(max_steps)[0]
     batch = max_len_B.shape[0]
     init = BeamState.start(tile_beams(cache, beam_size), batch, beam_size, first)
-    s = _run_stages(lambda s: s.advance(decode_step, max_len_B, alpha, best_only), init, max_steps, grow)
-    return best_first(_pad_tokens(s.tokens_BWL, max_steps), s.log_probs_BW, s.lengths_BW, alpha)
+    s = _run_stages(lambda s: s.advance(decode_step, max_len_B, alpha, best_only, penalty), init, max_steps, grow)
+    return best_first(_pad_tokens(s.tokens_BWL, max_steps), s.log_probs_BW, s.lengths_BW, alpha, penalty)

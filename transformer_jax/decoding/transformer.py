@@ -26,6 +26,7 @@ from flax import nnx
 
 from transformer_jax.decoding import refill
 from transformer_jax.decoding.search import (
+    GNMT,
     BeamResult,
     BeamState,
     Decoder,
@@ -107,7 +108,7 @@ def recompute_decode_step(
     return Decoder(decode_step, cache)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "beam_size", "max_steps", "use_cache"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "beam_size", "max_steps", "use_cache", "penalty", "best_only"))
 def _search(
     graphdef: nnx.GraphDef,
     state: nnx.State,
@@ -118,6 +119,8 @@ def _search(
     beam_size: int,
     max_steps: int,
     use_cache: bool,
+    penalty: str,
+    best_only: bool,
 ) -> BeamResult:
     """The whole search in one jitted call, every sentence's rows to the end (the reference of the refilling one)."""
     model = nnx.merge(graphdef, state)
@@ -127,9 +130,17 @@ def _search(
     d = make(model, memory_BSD, src_segment_ids_BS, beam_size=beam_size, max_steps=max_steps)
     if beam_size == 1:
         g = greedy_search(d.step, d.cache, max_len_B, max_steps=max_steps, grow=d.grow)
-        return best_first(g.tokens[:, None], g.log_probs[:, None], g.lengths[:, None], alpha)
+        return best_first(g.tokens[:, None], g.log_probs[:, None], g.lengths[:, None], alpha, penalty)
     return beam_search(
-        d.step, d.cache, max_len_B, beam_size=beam_size, alpha=alpha, max_steps=max_steps, grow=d.grow, best_only=True
+        d.step,
+        d.cache,
+        max_len_B,
+        beam_size=beam_size,
+        alpha=alpha,
+        max_steps=max_steps,
+        grow=d.grow,
+        best_only=best_only,
+        penalty=penalty,
     )
 
 
@@ -207,13 +218,24 @@ def _widen(graph: Graph, params: list[Array], context: PyTree, *, src_len: int) 
     return graph.merge(params).grow_source(context, src_len)
 
 
-@functools.partial(jax.jit, static_argnames=("graph",), donate_argnames=("s",))
-def _stage(graph: Graph, params: list[Array], context: PyTree, s, max_len_B: Array, alpha: Array, stop_live: Array):
+@functools.partial(jax.jit, static_argnames=("graph", "penalty", "best_only"), donate_argnames=("s",))
+def _stage(
+    graph: Graph,
+    params: list[Array],
+    context: PyTree,
+    s,
+    max_len_B: Array,
+    alpha: Array,
+    stop_live: Array,
+    *,
+    penalty: str,
+    best_only: bool,
+):
     """Steps until at most `stop_live` sentences are live or a live one has filled the cache (`steps_until`)."""
     step = _context_step(graph.merge(params), context)
     if isinstance(s, GreedyState):
         return steps_until(lambda s: s.advance(step, max_len_B), s, stop_live)
-    return steps_until(lambda s: s.advance(step, max_len_B, alpha, best_only=True), s, stop_live)
+    return steps_until(lambda s: s.advance(step, max_len_B, alpha, best_only, penalty), s, stop_live)
 
 
 @functools.partial(jax.jit, static_argnames=("beam_size",))
@@ -244,8 +266,10 @@ class ModelCalls:
     def widen(self, context, *, src_len: int):
         return _widen(self.graph, self.params, context, src_len=src_len)
 
-    def stage(self, context, s, max_len_B, alpha, stop_live):
-        return _stage(self.graph, self.params, context, s, max_len_B, alpha, stop_live)
+    def stage(self, context, s, max_len_B, alpha, stop_live, *, penalty: str, best_only: bool):
+        return _stage(
+            self.graph, self.params, context, s, max_len_B, alpha, stop_live, penalty=penalty, best_only=best_only
+        )
 
     def keep(self, context, s, keep_K, *, beam_size: int):
         return _keep(context, s, keep_K, beam_size=beam_size)
@@ -270,7 +294,7 @@ class Searcher:
         leaves, treedef = jax.tree.flatten(self.params)
         self.calls = ModelCalls(graph(self.graphdef, treedef), leaves) if use_cache and compact else None
 
-    def _one_jit(self, src_BS: Array, max_len_B: Array, *, beam_size: int, alpha: float, max_steps: int):
+    def _one_jit(self, src_BS: Array, max_len_B: Array, *, beam_size, alpha, max_steps, penalty, best_only):
         return _search(
             self.graphdef,
             self.params,
@@ -280,23 +304,37 @@ class Searcher:
             beam_size=beam_size,
             max_steps=max_steps,
             use_cache=self.use_cache,
+            penalty=penalty,
+            best_only=best_only,
         )
 
-    def __call__(self, src_BS: Array, max_len_B: Array, *, beam_size: int, alpha: float, max_steps: int) -> BeamResult:
-        """One batch: src [B, S] (PAD-padded, EOS-terminated); beam_size 1 runs greedy search.
+    def __call__(
+        self,
+        src_BS: Array,
+        max_len_B: Array,
+        *,
+        beam_size: int,
+        alpha: float,
+        max_steps: int,
+        penalty: str = GNMT,
+        best_only: bool = True,
+    ) -> BeamResult:
+        """One batch: src [B, S] (PAD-padded, EOS-terminated); beam_size 1 runs greedy search. Scores are
+        log P / lp with lp by `penalty` and `alpha` (search.length_penalty). best_only: a sentence stops once its
+        best beam is settled (the other beams are as they stood then); False runs every beam to its end (n-best).
 
         Batches of at least 2 MIN_ROWS sentences run the refilling search (nothing waits, so finished sentences
         only leave); smaller ones, or without compaction, the whole search is one jitted call (`_search`).
         """
+        settings = dict(beam_size=beam_size, alpha=alpha, penalty=penalty, best_only=best_only)
         if self.calls is None or src_BS.shape[0] < 2 * refill.MIN_ROWS:
-            return self._one_jit(src_BS, max_len_B, beam_size=beam_size, alpha=alpha, max_steps=max_steps)
+            return self._one_jit(src_BS, max_len_B, **settings, max_steps=max_steps)
         src_BS = np.asarray(src_BS, np.int32)
         found = refill.refilling_search(
             self.calls,
             list(src_BS),
             np.asarray(max_len_B, np.int32),
-            alpha,
-            beam_size=beam_size,
+            **settings,
             rows=src_BS.shape[0],
             shape=lambda _: src_BS.shape[1:] + (max_steps,),
         )
@@ -312,17 +350,20 @@ class Searcher:
         batch_size: int,
         shape: refill.Shape,
         progress: Callable[[int], Any] | None = None,
+        penalty: str = GNMT,
+        best_only: bool = True,
     ) -> list[BeamResult]:
         """Every sentence's beams (best first; tokens [W, L] with L at least its longest beam), decoded `batch_size`
         sentences at a time: sources are id lists (EOS-terminated), max_len_N their output limits, and
         shape(longest source) the padded source length and the most output slots of a batch. progress(n) is
-        called as n more sentences are done.
+        called as n more sentences are done. penalty, best_only: as for __call__.
 
         With compaction and at least 2 MIN_ROWS rows, they run through the refilling scheduler (refill.py): greedy
         search in one refilled batch, beam search batch by batch (see below); otherwise in consecutive one-jit
         batches. Shortest sources go first. The batch has batch_size rows, or as many as the sentences rounded up
         to a multiple of MIN_ROWS when fewer (refill.batch_rows).
         """
+        settings = dict(beam_size=beam_size, alpha=alpha, penalty=penalty, best_only=best_only)
         rows = refill.batch_rows(len(sources), batch_size)
         max_len_N = np.asarray(max_len_N, np.int32)
         if not len(sources):
@@ -338,8 +379,7 @@ class Searcher:
                     self.calls,
                     [np.asarray(sources[i], np.int32) for i in group],
                     max_len_N[group],
-                    alpha,
-                    beam_size=beam_size,
+                    **settings,
                     rows=rows,
                     shape=shape,
                     progress=progress,
@@ -353,9 +393,7 @@ class Searcher:
             src_BS = refill.source_batch([sources[i] for i in batch], rows, src_len)
             max_len_B = np.ones((rows,), np.int32)  # a dummy row stops after one step
             max_len_B[: len(batch)] = max_len_N[batch]
-            found = jax.device_get(
-                self._one_jit(src_BS, max_len_B, beam_size=beam_size, alpha=alpha, max_steps=max_steps)
-            )
+            found = jax.device_get(self._one_jit(src_BS, max_len_B, **settings, max_steps=max_steps))
             for r, i in enumerate(batch):
                 results[i] = BeamResult(*(x[r] for x in found))
             if progress is not None:
@@ -383,6 +421,8 @@ def search(
     max_steps: int,
     use_cache: bool = True,
     compact: bool = True,
+    penalty: str = GNMT,
+    best_only: bool = True,
 ) -> BeamResult:
     """Encodes src [B, S] (PAD-padded, EOS-terminated) and searches, jitted; beam_size 1 runs greedy search.
 
@@ -390,8 +430,8 @@ def search(
     not recompile.
     Runs the model in eval mode (dropout off) without changing the caller's model. For many batches of one model,
     use `searcher`. A sentence stops once its best hypothesis is settled (beam_search's best_only): the first beam
-    is the full search's; the others are as they stood then.
+    is the full search's; the others are as they stood then (best_only=False: every beam is the full search's).
     """
     return searcher(model, use_cache=use_cache, compact=compact)(
-        src_BS, max_len_B, beam_size=beam_size, alpha=alpha, max_steps=max_steps
+        src_BS, max_len_B, beam_size=beam_size, alpha=alpha, max_steps=max_steps, penalty=penalty, best_only=best_only
     )

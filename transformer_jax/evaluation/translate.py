@@ -14,12 +14,13 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from flax import nnx
 
 from transformer_jax import decoding
 from transformer_jax.data.batching import padded_eval_length
+from transformer_jax.errors import EvalError
 from transformer_jax.tokens import EOS_ID, PAD_ID
 
 
@@ -59,6 +60,24 @@ def output_limit(source_len: int, max_extra_len: int, position_limit: int | None
     return limit if position_limit is None else min(limit, position_limit)
 
 
+class Hypothesis(NamedTuple):
+    """One output of a sentence's n-best list."""
+
+    text: str  # detokenized, EOS removed
+    log_prob: float  # log P(tokens | source), the tokens EOS included when emitted
+    score: float  # log_prob / lp(length): what the search ranks by
+    length: int  # emitted tokens, EOS included
+
+
+EMPTY = Hypothesis("", 0.0, 0.0, 0)  # a blank input line's output (not decoded)
+
+
+def check_nbest(nbest: int, beam_size: int) -> None:
+    """EvalError unless 1 <= nbest <= beam_size: an n-best list holds the beams of one search."""
+    if not 1 <= nbest <= beam_size:
+        raise EvalError(f"--nbest {nbest} must be between 1 and the beam size ({beam_size}); raise --beam_size")
+
+
 def translate(
     model: nnx.Module,
     tokenizer: Tokenizer,
@@ -69,21 +88,58 @@ def translate(
     max_extra_len: int,
     batch_size: int,
     max_input_len: int,
+    length_penalty: str = decoding.GNMT,
     progress: bool = False,
 ) -> tuple[list[str], dict[str, Any]]:
-    """One output per input sentence, in order, and statistics.
+    """One output per input sentence, in order, and statistics (see translate_nbest, of which this is the 1-best)."""
+    found, stats = translate_nbest(
+        model,
+        tokenizer,
+        sentences,
+        nbest=1,
+        beam_size=beam_size,
+        alpha=alpha,
+        max_extra_len=max_extra_len,
+        batch_size=batch_size,
+        max_input_len=max_input_len,
+        length_penalty=length_penalty,
+        progress=progress,
+    )
+    return [hypotheses[0].text for hypotheses in found], stats
+
+
+def translate_nbest(
+    model: nnx.Module,
+    tokenizer: Tokenizer,
+    sentences: Sequence[str],
+    *,
+    nbest: int,
+    beam_size: int,
+    alpha: float,
+    max_extra_len: int,
+    batch_size: int,
+    max_input_len: int,
+    length_penalty: str = decoding.GNMT,
+    progress: bool = False,
+) -> tuple[list[list[Hypothesis]], dict[str, Any]]:
+    """The `nbest` best hypotheses of each input sentence (nbest <= beam_size), best first, in input order, and
+    statistics of the 1-best.
 
     Sources are the tokenizer's ids then EOS (as in training); a source with more than max_input_len tokens is cut
-    to max_input_len - 1 ids + EOS and counted. An empty (or blank) line gives an empty output without decoding.
-    Each output has at most (source tokens + max_extra_len) tokens, EOS included. beam_size 1 is greedy search.
-    The settings are checked where they come in, by the rules of their config keys (config_checks.RULES: eval.*,
-    data.eval_max_len), which validate() applies to every config and evaluate.py to its flags.
+    to max_input_len - 1 ids + EOS and counted. An empty (or blank) line gives empty outputs (EMPTY) without
+    decoding. Each output has at most (source tokens + max_extra_len) tokens, EOS included. beam_size 1 is greedy
+    search. Hypotheses are ranked by log P / lp (decoding.length_penalty's `length_penalty` with `alpha`). With
+    nbest 1 a sentence stops once its best hypothesis is settled; with more, every beam runs to its end, so the
+    list is the full beam search's. The settings are checked where they come in, by the rules of their config keys
+    (config_checks.RULES: eval.*, data.eval_max_len), which validate() applies to every config and evaluate.py to
+    its flags.
     """
+    check_nbest(nbest, beam_size)
     start = time.perf_counter()
     limit = position_limit(model.spec)
     max_input_len = input_limit(max_input_len, limit)
 
-    outputs = [""] * len(sentences)
+    outputs = [[EMPTY] * nbest for _ in sentences]
     sources: dict[int, list[int]] = {}
     truncated_lines = []
     for i, sentence in enumerate(sentences):
@@ -125,16 +181,15 @@ def translate(
         batch_size=batch_size,
         shape=shape,
         progress=None if bar is None else bar.update,
+        penalty=length_penalty,
+        best_only=nbest == 1,
     )
     for i, result in zip(lines, found, strict=True):
+        outputs[i] = [_hypothesis(tokenizer, result, w) for w in range(nbest)]
         n = int(result.lengths[0])
-        ids = result.tokens[0, :n].tolist()
-        if ids and ids[-1] == EOS_ID:
-            ids = ids[:-1]
-        else:
+        if not (n and result.tokens[0, n - 1] == EOS_ID):
             stats["hit_max_len"] += 1  # stopped by the length limit, not by EOS
         stats["tgt_tokens"] += n
-        outputs[i] = tokenizer.decode([t for t in ids if t != PAD_ID])
     if bar is not None:
         bar.close()
     seconds = time.perf_counter() - start
@@ -142,3 +197,10 @@ def translate(
     stats["seconds"] = round(seconds, 3)
     stats["sentences_per_s"] = round(len(sentences) / seconds, 2) if seconds > 0 else None
     return outputs, stats
+
+
+def _hypothesis(tokenizer: Tokenizer, result: decoding.BeamResult, beam: int) -> Hypothesis:
+    """Beam `beam` of one sentence's result, detokenized without EOS and PAD."""
+    n = int(result.lengths[beam])
+    ids = [t for t in result.tokens[beam, :n].tolist() if t not in (EOS_ID, PAD_ID)]
+    return Hypothesis(tokenizer.decode(ids), float(result.log_probs[beam]), float(result.scores[beam]), n)
