@@ -48,6 +48,8 @@ flags.DEFINE_integer("max_extra_len", None, "Output tokens beyond the input leng
 flags.DEFINE_integer("batch_size", None, "Sentences per decoding batch (default config.eval.batch_size).")
 flags.DEFINE_string("output_file", None, "Hypotheses file; default WORKDIR/eval/<name>.<steps>.txt (stdin: stdout).")
 flags.DEFINE_string("scores_file", None, "JSON report; default OUTPUT_FILE.json.")
+flags.DEFINE_string("length_penalty", None, "Score normalisation: gnmt (default), average (score / len^alpha), none.")
+flags.DEFINE_integer("nbest", None, "Also write each line's N (<= beam) best to OUTPUT_FILE.nbest (Marian format).")
 
 
 def main(argv: list[str]) -> None:
@@ -67,6 +69,8 @@ def main(argv: list[str]) -> None:
         batch_size=FLAGS.batch_size,
         output_file=FLAGS.output_file,
         scores_file=FLAGS.scores_file,
+        length_penalty=FLAGS.length_penalty,
+        nbest=FLAGS.nbest,
     )
     evaluate(options)
 

@@ -84,3 +84,52 @@ def sources_BS(batch: int = 2, length: int = 7):
     src[:, -1] = EOS
     src[::2, length - 3], src[::2, length - 2 :] = EOS, PAD
     return jnp.asarray(src)
+
+
+class CharTokenizer:
+    """Characters <-> ids 4..49 (vocab 50 of the tiny model)."""
+
+    def encode(self, text: str) -> list[int]:
+        return [4 + ord(c) % 46 for c in text]
+
+    def decode(self, ids) -> str:
+        assert EOS not in ids and PAD not in ids
+        return "".join(chr(ord("a") + (int(i) - 4) % 26) for i in ids)
+
+
+def tiny_eval_config():
+    """The tiny config with vocab 50 and small decoding settings (beam 2, batch 4), one checkpoint to average."""
+    from configs import common
+
+    config = common.base_config("tiny")
+    config.model.vocab_size = 50
+    config.eval.update(beam_size=2, max_extra_len=5, batch_size=4, average_last=1)
+    return config
+
+
+class OneCheckpoint:
+    """An evaluation Restorer (evaluation/restore.py) with one checkpoint: a freshly initialised tiny model."""
+
+    def __init__(self, seed: int = 1):
+        from flax import nnx
+
+        from transformer_jax.model import build_model
+
+        self.config = tiny_eval_config()
+        model = build_model(self.config, rngs=nnx.Rngs(seed))
+        self.params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+    def list_steps(self, workdir):
+        return [100]
+
+    def load_config(self, workdir):
+        return self.config
+
+    def config_differences(self, saved, current):
+        return []
+
+    def load_params(self, workdir, steps, config):
+        yield from (self.params for _ in steps)
+
+    def tokenizer(self, config, workdir):
+        return CharTokenizer()

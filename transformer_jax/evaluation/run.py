@@ -46,6 +46,8 @@ class Options:
     batch_size: int | None = None
     output_file: str | None = None
     scores_file: str | None = None
+    length_penalty: str | None = None  # gnmt | average | none (None: decoding.GNMT)
+    nbest: int | None = None  # also write each line's N best hypotheses to OUTPUT_FILE.nbest (evaluation/nbest.py)
 
 
 # -- checking the options, in one place ---------------------------------------------------------------------------
@@ -62,6 +64,8 @@ _MODEL_FLAGS = (
     "max_extra_len",
     "batch_size",
     "output_file",
+    "length_penalty",
+    "nbest",
 )
 _AT_LEAST_ONE = ("beam_size", "batch_size", "max_extra_len", "average_last")
 
@@ -113,6 +117,7 @@ def check_options(options: Options) -> Options:
     elif o.references_file is not None:
         raise EvalError("--references_file goes with --source_file; a --split brings its own references")
     check_numbers({name: getattr(o, name) for name in (*_AT_LEAST_ONE, "alpha")}, "--")
+    _check_search(o)
     if str(o.checkpoint) != "latest" and not _is_step(o.checkpoint):
         raise EvalError(f"--checkpoint must be 'latest' or a step number, got {o.checkpoint!r}")
     average_steps = None
@@ -128,8 +133,25 @@ def check_options(options: Options) -> Options:
         if duplicates:
             raise EvalError(f"--average_steps lists step(s) {duplicates} more than once")
     outputs = _outputs(o.output_file, o.scores_file, o.source_file == "-")
+    if o.nbest is not None and o.output_file is not None:
+        outputs["--nbest (OUTPUT_FILE.nbest)"] = f"{o.output_file}.nbest"
     _refuse_overwriting_inputs(outputs, _inputs(o))
     return dataclasses.replace(o, average_steps=average_steps, checkpoint=str(o.checkpoint))
+
+
+def _check_search(o: Options) -> None:
+    """EvalError for search flags that cannot work: an unknown --length_penalty, --nbest over the beam size (when
+    --beam_size is given; the config's is checked once read), or --nbest with stdin."""
+    from transformer_jax import decoding
+    from transformer_jax.evaluation.translate import check_nbest
+
+    if o.length_penalty is not None and o.length_penalty not in decoding.LENGTH_PENALTIES:
+        raise EvalError(f"--length_penalty {o.length_penalty!r}: choose one of {', '.join(decoding.LENGTH_PENALTIES)}")
+    if o.nbest is not None:
+        if o.source_file == "-":
+            raise EvalError("--nbest needs a --source_file or a --split: stdin is translated one line at a time")
+        # Without --beam_size only nbest >= 1 can be checked here; evaluate_model checks the config's beam size.
+        check_nbest(o.nbest, o.nbest if o.beam_size is None else o.beam_size)
 
 
 def check_numbers(values: dict[str, Any], prefix: str) -> None:
@@ -309,8 +331,10 @@ def compare_only(
 
 def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[str, Any]:
     """Restores, translates, writes the hypotheses and the JSON report; returns the report."""
+    from transformer_jax.decoding import GNMT
     from transformer_jax.evaluation import bleu
-    from transformer_jax.evaluation.translate import translate
+    from transformer_jax.evaluation.nbest import nbest_lines
+    from transformer_jax.evaluation.translate import check_nbest, translate_nbest
 
     options = check_options(options)
     if options.config is not None:  # a --config the user gave; the one saved with the checkpoints was checked
@@ -353,21 +377,32 @@ def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[s
         name = f"{split}({split_name})"
         inputs.update(split_files(config, split_name))
     settings = decoding_settings(options, config)
+    search = {"length_penalty": options.length_penalty or GNMT, "nbest": options.nbest or 1}
+    if options.nbest is not None:
+        check_nbest(options.nbest, settings["beam_size"])  # a beam size from the config
     tag = f"step{steps[-1]}" + (f"-avg{len(steps)}" if len(steps) > 1 else "")
     output_file = options.output_file
     if output_file is None and not stdin:
         output_file = str(Path(options.workdir) / "eval" / f"{name}.{tag}.beam{settings['beam_size']}.txt")
     scores_file = options.scores_file or (f"{output_file}.json" if output_file else None)
-    _refuse_overwriting_inputs({"--output_file": output_file, "--scores_file": scores_file}, inputs)
+    nbest_file = f"{output_file}.nbest" if options.nbest is not None else None
+    written = {"--output_file": output_file, "--scores_file": scores_file, "--nbest (OUTPUT_FILE.nbest)": nbest_file}
+    _refuse_overwriting_inputs(written, inputs)
     if stdin:
-        hypotheses, stats = translate_stream(model, tokenizer, settings, output_file)
+        hypotheses, stats = translate_stream(
+            model, tokenizer, {**settings, "length_penalty": search["length_penalty"]}, output_file
+        )
         if not hypotheses:
             raise EvalError("stdin had no lines: nothing was translated")
         if references is not None:
             bleu.check_line_counts(hypotheses, references, "stdin", options.references_file)
     else:
-        hypotheses, stats = translate(model, tokenizer, sources, progress=True, **settings)
+        lists, stats = translate_nbest(model, tokenizer, sources, progress=True, **search, **settings)
+        hypotheses = [x[0].text for x in lists]
         _write_lines(output_file, hypotheses)
+        if nbest_file:
+            _write_lines(nbest_file, list(nbest_lines(lists)))
+            search["nbest_file"] = nbest_file
 
     blank = {
         "sources": stats["empty"],
@@ -380,6 +415,7 @@ def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[s
         "references_file": options.references_file,
         "hypotheses_file": output_file,
         "decoding": settings,
+        "search": search,
         "lines": len(hypotheses),
         "blank_lines": blank,
         "stats": stats,
