@@ -165,8 +165,11 @@ def test_nbest_file_has_n_lines_per_input_line_and_the_1best_stays_in_the_output
     assert hypotheses == [entries[2 * i][1] for i in range(len(lines))]
     for i, text, log_prob, score in entries:
         if lines[i]:
-            # average, alpha 1: the per-token mean over the characters (one token each) and EOS, when emitted
-            assert log_prob < 0 and round(log_prob / score, 3) in (len(text), len(text) + 1)
+            # average, alpha 1: the per-token mean, so log_prob / score is the hypothesis's length: at least its
+            # characters (one token each; reserved ids decode to nothing), at most the limit (source + EOS + 5)
+            length = log_prob / score
+            assert log_prob < 0 and length == pytest.approx(round(length), abs=1e-3)
+            assert len(text) <= round(length) <= len(lines[i]) + 1 + 5
     assert report["search"] == {"length_penalty": "average", "nbest": 2, "nbest_file": f"{out}.nbest"}
     # The 1-best equals a run without --nbest (which stops each sentence once its best hypothesis is settled).
     again = tmp_path / "again"

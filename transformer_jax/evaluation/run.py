@@ -48,6 +48,7 @@ class Options:
     scores_file: str | None = None
     length_penalty: str | None = None  # gnmt | average | none (None: decoding.GNMT)
     nbest: int | None = None  # also write each line's N best hypotheses to OUTPUT_FILE.nbest (evaluation/nbest.py)
+    score: bool = False  # forced decoding: log P(reference | source) per line instead of translating (scoring.py)
 
 
 # -- checking the options, in one place ---------------------------------------------------------------------------
@@ -91,6 +92,7 @@ def check_options(options: Options) -> Options:
                 )
         given = [f"--{name}" for name in _MODEL_FLAGS if getattr(o, name) is not None]
         given += ["--checkpoint"] if o.checkpoint != "latest" else []
+        given += ["--score"] if o.score else []
         if given:
             raise EvalError(
                 f"--hypotheses_file scores existing translations without a model; {', '.join(given)} "
@@ -147,6 +149,13 @@ def _check_search(o: Options) -> None:
 
     if o.length_penalty is not None and o.length_penalty not in decoding.LENGTH_PENALTIES:
         raise EvalError(f"--length_penalty {o.length_penalty!r}: choose one of {', '.join(decoding.LENGTH_PENALTIES)}")
+    if o.score:
+        if o.nbest is not None:
+            raise EvalError("--score teacher-forces the given targets; --nbest would be ignored: drop one of them")
+        if o.source_file == "-":
+            raise EvalError("--score reads its pairs from --source_file and --references_file, not stdin")
+        if o.source_file is not None and not o.references_file:
+            raise EvalError("--score needs --references_file (the targets to score) with --source_file, or a --split")
     if o.nbest is not None:
         if o.source_file == "-":
             raise EvalError("--nbest needs a --source_file or a --split: stdin is translated one line at a time")
@@ -381,6 +390,8 @@ def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[s
     if options.nbest is not None:
         check_nbest(options.nbest, settings["beam_size"])  # a beam size from the config
     tag = f"step{steps[-1]}" + (f"-avg{len(steps)}" if len(steps) > 1 else "")
+    if options.score:
+        return _forced_decoding(options, model, tokenizer, config, (sources, references), f"{name}.{tag}", inputs)
     output_file = options.output_file
     if output_file is None and not stdin:
         output_file = str(Path(options.workdir) / "eval" / f"{name}.{tag}.beam{settings['beam_size']}.txt")
@@ -428,6 +439,35 @@ def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[s
     print(json.dumps(report, indent=1, default=str), file=out)
     if scores_file:
         _write_json(scores_file, report)
+    return report
+
+
+def _forced_decoding(options: Options, model, tokenizer, config, pairs, name: str, inputs: dict) -> dict[str, Any]:
+    """--score: writes each pair's log-probability line (scoring.score_lines) and the JSON report with the corpus
+    perplexity; returns the report."""
+    from transformer_jax.evaluation.scoring import score_lines, score_pairs
+
+    output_file = options.output_file or str(Path(options.workdir) / "eval" / f"{name}.scores.txt")
+    scores_file = options.scores_file or f"{output_file}.json"
+    _refuse_overwriting_inputs({"--output_file": output_file, "--scores_file": scores_file}, inputs)
+    batch_size = decoding_settings(options, config)["batch_size"]
+    scores, stats = score_pairs(
+        model, tokenizer, *pairs, batch_size=batch_size, max_len=config.data.eval_max_len, progress=True
+    )
+    _write_lines(output_file, score_lines(scores))
+    report = {
+        "workdir": str(options.workdir),
+        "source": name,
+        "references_file": options.references_file,
+        "scores_file": output_file,
+        "lines": len(scores),
+        "scoring": stats,
+    }
+    print(
+        f"{len(scores)} pairs scored ({stats['tokens']} target tokens): perplexity {stats['perplexity']:.4f}, "
+        f"nll {stats['nll_per_token']:.4f} per token; one line per pair (sum, mean, tokens) in {output_file}"
+    )
+    _write_json(scores_file, report)
     return report
 
 
