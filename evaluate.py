@@ -49,6 +49,7 @@ flags.DEFINE_integer("batch_size", None, "Sentences per decoding batch (default 
 flags.DEFINE_string("output_file", None, "Hypotheses file; default WORKDIR/eval/<name>.<steps>.txt (stdin: stdout).")
 flags.DEFINE_string("scores_file", None, "JSON report; default OUTPUT_FILE.json.")
 flags.DEFINE_string("length_penalty", None, "Score normalisation: gnmt (default), average (score / len^alpha), none.")
+flags.DEFINE_string("prefix_file", None, "Line i's translation starts with line i of this file (empty line: none).")
 flags.DEFINE_bool("score", False, "Forced decoding: log P(reference | source) per line and the perplexity.")
 flags.DEFINE_integer("nbest", None, "Also write each line's N (<= beam) best to OUTPUT_FILE.nbest (Marian format).")
 
@@ -72,6 +73,7 @@ def main(argv: list[str]) -> None:
         scores_file=FLAGS.scores_file,
         length_penalty=FLAGS.length_penalty,
         nbest=FLAGS.nbest,
+        prefix_file=FLAGS.prefix_file,
         score=FLAGS.score,
     )
     evaluate(options)

@@ -23,6 +23,8 @@ from tests.decoding_helpers import (
     brute_force,
     hash_stub,
     hash_table,
+    log_softmax,
+    next_hash,
     reference_lp,
     shared_model,
 )
@@ -147,11 +149,12 @@ def test_translate_nbest_gives_n_entries_per_line_best_first_and_refuses_n_over_
 # -- evaluate.py's flags ------------------------------------------------------------------------------------------
 
 
-def _evaluate(tmp_path, lines, **flags):
+def _evaluate(tmp_path, lines, restorer=None, **flags):
+    tmp_path.mkdir(exist_ok=True)
     src = tmp_path / "src.txt"
     src.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     options = Options(workdir=str(tmp_path), source_file=str(src), output_file=str(tmp_path / "out" / "hyp.txt"))
-    return evaluate_model(dataclasses.replace(options, **flags), OneCheckpoint())
+    return evaluate_model(dataclasses.replace(options, **flags), restorer or OneCheckpoint())
 
 
 def test_nbest_file_has_n_lines_per_input_line_and_the_1best_stays_in_the_output(tmp_path):
@@ -191,3 +194,98 @@ def test_bad_search_flags_are_refused_in_one_line_and_nothing_is_written(tmp_pat
     with pytest.raises(EvalError, match=message):
         _evaluate(tmp_path, ["a b"], **flags)
     assert not (tmp_path / "out").exists()
+
+
+# -- target prefixes ----------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("beam_size", "max_steps", "table_seed"))
+def _stub_prefixed(seeds_B, max_len_B, prefix_BP, *, beam_size, max_steps, table_seed):
+    cache = {"h": seeds_B, "calls": jnp.zeros((), jnp.int32)}
+    step = hash_stub(hash_table(table_seed))
+    if beam_size == 1:
+        g = decoding.greedy_search(step, cache, max_len_B, max_steps=max_steps, prefix_BP=prefix_BP)
+        return g.tokens[:, None], g.log_probs[:, None], g.lengths[:, None]
+    b = decoding.beam_search(
+        step, cache, max_len_B, beam_size=beam_size, alpha=0.6, max_steps=max_steps, prefix_BP=prefix_BP
+    )
+    return b.tokens, b.log_probs, b.lengths
+
+
+PREFIXES = [(4, 5), (), (5,), (5, 5, 4)]  # PAD-padded below; () is no prefix
+
+
+def _prefix_BP() -> np.ndarray:
+    prefix_BP = np.full((len(PREFIXES), 4), PAD, np.int32)
+    for b, p in enumerate(PREFIXES):
+        prefix_BP[b, : len(p)] = p
+    return prefix_BP
+
+
+def test_prefixed_greedy_and_exhaustive_beam_equal_brute_force_over_the_outputs_that_start_with_the_prefix():
+    table_seed, seeds, max_len = 3, np.array([30, 39, 16, 7]), np.array([4, 4, 4, 5])
+    table = hash_table(table_seed)
+    tokens, log_probs, lengths = _stub_prefixed(
+        seeds, max_len, _prefix_BP(), beam_size=32, max_steps=5, table_seed=table_seed
+    )
+    g_tokens, g_log_probs, g_lengths = _stub_prefixed(
+        seeds, max_len, _prefix_BP(), beam_size=1, max_steps=5, table_seed=table_seed
+    )
+    for b, (seed, prefix) in enumerate(zip(seeds, PREFIXES, strict=True)):
+        everything = brute_force(table, int(seed), int(max_len[b]), 0.6)
+        expected = [(s, seq) for s, seq in everything if seq[: len(prefix)] == prefix]
+        n = len(expected)
+        got = [_strip(np.asarray(tokens[b, i]), int(lengths[b, i])) for i in range(n)]
+        assert got == [seq for _, seq in expected]  # the same outputs in the same order (no ties on this stub)
+        lp = np.array([reference_lp(len(seq), 0.6, "gnmt") for _, seq in expected])
+        np.testing.assert_allclose(log_probs[b, :n], np.array([s for s, _ in expected]) * lp, rtol=1e-5)
+        # Greedy: the prefix, then the most probable next token at every step.
+        seq = _strip(np.asarray(g_tokens[b, 0]), int(g_lengths[b, 0]))
+        assert seq[: len(prefix)] == prefix
+        by_seq = {s: score * reference_lp(len(s), 0.6, "gnmt") for score, s in everything}
+        np.testing.assert_allclose(g_log_probs[b, 0], by_seq[seq], rtol=1e-5)
+        for t in range(len(prefix), len(seq)):
+            rivals = [s for s in by_seq if s[:t] == seq[:t]]
+            best_next = max({s[t] for s in rivals}, key=lambda tok: _next_log_prob(table, int(seed), seq[:t], tok))
+            assert seq[t] == best_next
+
+
+def _next_log_prob(table: np.ndarray, seed: int, prefix: tuple[int, ...], token: int) -> float:
+    h = seed
+    for last in (2, *prefix):  # BOS, then the tokens fed so far
+        h = next_hash(h, last)
+    return float(log_softmax(table[h].astype(np.float64))[token])
+
+
+@pytest.mark.parametrize("beam_size", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_prefixes_through_the_scheduler_equal_the_one_jit_search(beam_size):
+    sources, model = _sources(20, seed=3), shared_model()
+    rng = np.random.default_rng(4)
+    prefixes = [[int(t) for t in rng.integers(4, 50, i % 4)] for i in range(len(sources))]
+    max_len = [2 + i % 7 for i in range(len(sources))]
+    refilled, one_jit = (
+        decoding.searcher(model, compact=c).sentences(
+            sources, max_len, beam_size=beam_size, alpha=0.6, batch_size=16, shape=lambda _: (16, 9), prefixes=prefixes
+        )
+        for c in (True, False)
+    )
+    for r, o, prefix, limit in zip(refilled, one_jit, prefixes, max_len, strict=True):
+        n = int(o.lengths[0])
+        assert int(r.lengths[0]) == n
+        np.testing.assert_array_equal(r.tokens[0, :n], o.tokens[0, :n])
+        np.testing.assert_allclose(r.log_probs[0], o.log_probs[0], rtol=1e-5, atol=1e-6)
+        kept = min(len(prefix), limit)
+        assert list(o.tokens[0, :kept]) == prefix[:kept]
+
+
+def test_prefix_file_starts_each_translation_and_a_line_count_mismatch_names_both_counts(tmp_path):
+    lines = ["hello world", "a b", "the cat"]
+    (tmp_path / "prefix.txt").write_text("zz\n\nq\n", encoding="utf-8")
+    _evaluate(tmp_path, lines, prefix_file=str(tmp_path / "prefix.txt"), beam_size=1)
+    hypotheses = (tmp_path / "out" / "hyp.txt").read_text(encoding="utf-8").splitlines()
+    assert hypotheses[0].startswith("zz") and hypotheses[2].startswith("q")
+    restorer = OneCheckpoint()
+    (tmp_path / "short.txt").write_text("zz\n", encoding="utf-8")
+    with pytest.raises(EvalError, match=r"--prefix_file .*short.txt has 1 lines, .*src.txt has 3"):
+        _evaluate(tmp_path / "x", lines, restorer, prefix_file=str(tmp_path / "short.txt"))
+    assert restorer.loaded == 0 and not (tmp_path / "x" / "out").exists()

@@ -63,8 +63,9 @@ class Calls(Protocol):
     def widen(self, context, *, src_len: int) -> PyTree:
         """The context with its sources padded to src_len positions."""
 
-    def stage(self, context, s, max_len_B, alpha, stop_live, *, penalty: str, best_only: bool) -> Any:
-        """Steps until at most stop_live sentences are live or a live one fills the cache."""
+    def stage(self, context, s, max_len_B, alpha, stop_live, prefix_BP, *, penalty: str, best_only: bool) -> Any:
+        """Steps until at most stop_live sentences are live or a live one fills the cache (prefix_BP: the rows'
+        target prefixes, or None)."""
 
     def keep(self, context, s, keep_K, *, beam_size: int) -> tuple[PyTree, Any]:
         """The context and state of the sentences keep_K only."""
@@ -107,6 +108,18 @@ def source_batch(sources: Sequence[Sequence[int]], rows: int, src_len: int) -> n
     return src_BS
 
 
+def prefix_array(prefixes: Sequence[Sequence[int]]) -> np.ndarray:
+    """[N, P] int32: the target prefixes PAD-padded to P, the longest rounded up to a power of two (so that the
+    search compiles for a few widths only)."""
+    width = 1
+    while width < max(map(len, prefixes)):
+        width *= 2
+    prefix_NP = np.full((len(prefixes), width), PAD_ID, np.int32)
+    for i, ids in enumerate(prefixes):
+        prefix_NP[i, : len(ids)] = ids
+    return prefix_NP
+
+
 def sorted_beams(tokens_WL: np.ndarray, scores_W: np.ndarray, log_probs_W: np.ndarray, lengths_W: np.ndarray):
     """One sentence's beams best first, as `best_first` sorts them (ties: the lower beam first)."""
     order = np.argsort(-scores_W, kind="stable")
@@ -127,6 +140,7 @@ class _Refill:
         beam_size: int,
         penalty: str,
         best_only: bool,
+        prefix_NP: np.ndarray | None,
         rows: int,
         shape: Shape,
         progress: Callable[[int], Any] | None,
@@ -151,6 +165,10 @@ class _Refill:
         self.max_len_R = np.ones(rows, np.int32)  # a row without a sentence stops after one step
         self.max_len_R[: len(ids)] = max_len_N[ids]
         self.step_R = np.zeros(rows, np.int32)
+        self.prefix_NP, self.prefix_RP = prefix_NP, None  # the sentences' and the rows' target prefixes
+        if prefix_NP is not None:
+            self.prefix_RP = np.full((rows, prefix_NP.shape[1]), PAD_ID, np.int32)
+            self.prefix_RP[: len(ids)] = prefix_NP[ids]
         self.slots = cache_stages(self.max_steps)[0]
         self.context, self.state = calls.start(src_KS, beam_size=beam_size, slots=self.slots)
         self.context_len = self.src_len  # source positions of the running batch's context
@@ -212,6 +230,8 @@ class _Refill:
             self.joined += len(ids)
             taken = into[: len(ids)]
             self.sentence_R[taken], self.max_len_R[taken], self.step_R[taken] = ids, self.max_len_N[ids], 0
+            if self.prefix_RP is not None:
+                self.prefix_RP[taken] = self.prefix_NP[ids]
 
     def _compact(self) -> None:
         """Nothing waits: the live sentences move into the smallest halved batch that holds them."""
@@ -226,6 +246,8 @@ class _Refill:
                 self.max_len_R[keep],
                 self.step_R[keep],
             )
+            if self.prefix_RP is not None:
+                self.prefix_RP = self.prefix_RP[keep]
 
     def _grow(self) -> None:
         """Grows the cache to the stage that has room for the furthest live sentence's next token (a small batch
@@ -248,6 +270,7 @@ class _Refill:
             self.max_len_R,
             self.alpha,
             np.int32(stop_live),
+            self.prefix_RP,
             penalty=self.penalty,
             best_only=self.best_only,
         )
@@ -275,11 +298,13 @@ def refilling_search(
     shape: Shape,
     penalty: str = GNMT,
     best_only: bool = True,
+    prefix_NP: np.ndarray | None = None,
     progress: Callable[[int], Any] | None = None,
 ) -> list[BeamResult]:
     """The cached search of every sentence through one running batch of `rows` sentences (module docstring); each
     sentence's beams, best first. shape(longest source) gives a batch's padded source length and output slots;
-    progress(n) is called as n more sentences finish. penalty, best_only: as for beam_search."""
+    progress(n) is called as n more sentences finish. penalty, best_only: as for beam_search; prefix_NP: the
+    sentences' target prefixes (`prefix_array`), or None."""
     return _Refill(
         calls,
         sources,
@@ -288,6 +313,7 @@ def refilling_search(
         beam_size=beam_size,
         penalty=penalty,
         best_only=best_only,
+        prefix_NP=prefix_NP,
         rows=rows,
         shape=shape,
         progress=progress,

@@ -148,6 +148,16 @@ def _write(seq: Array, step: Array, tokens: Array) -> Array:
     return jnp.where(jnp.arange(seq.shape[-1]) == step[..., None], tokens[..., None], seq)
 
 
+def forced_tokens(prefix_BP: Array, step_B: Array) -> Array:
+    """[B] the token each sentence must emit at its step: prefix_BP[b, step_B[b]], PAD (none) past the prefix.
+
+    A target prefix is PAD-padded to a common width P; the search emits its tokens first, then continues freely.
+    """
+    width = prefix_BP.shape[1]
+    at_B = jnp.take_along_axis(prefix_BP, jnp.minimum(step_B, width - 1)[:, None], axis=1)[:, 0]
+    return jnp.where(step_B < width, at_B, PAD_ID)
+
+
 class GreedyResult(NamedTuple):
     tokens: Array  # [B, L] int32: the output, EOS included when emitted, PAD after
     log_probs: Array  # [B] float32: log P(tokens | source)
@@ -226,14 +236,20 @@ class GreedyState(NamedTuple):
             cache=cache,
         )
 
-    def advance(self, decode_step: DecodeStep, max_len_B: Array) -> GreedyState:
-        """One step: every unfinished sentence appends its most probable token."""
+    def advance(self, decode_step: DecodeStep, max_len_B: Array, prefix_BP: Array | None = None) -> GreedyState:
+        """One step: every unfinished sentence appends its most probable token, or its prefix's next token."""
         logits_B1V, cache = decode_step(self.last_B[:, None], self.cache)
         logits_BV = logits_B1V[:, 0].astype(jnp.float32)
-        token_B = jnp.where(self.done_B, PAD_ID, first_argmax(logits_BV))
+        max_B1 = jnp.max(logits_BV, axis=-1, keepdims=True)
         # log_softmax at the argmax, x_max - logsumexp(x) = -log sum exp(x - x_max), without writing and re-reading
         # the [B, V] log_softmax.
-        gain_B = -jnp.log(jnp.sum(jnp.exp(logits_BV - jnp.max(logits_BV, axis=-1, keepdims=True)), axis=-1))
+        gain_B = -jnp.log(jnp.sum(jnp.exp(logits_BV - max_B1), axis=-1))
+        token_B = first_argmax(logits_BV)
+        if prefix_BP is not None:
+            forced_B = forced_tokens(prefix_BP, self.step_B)
+            token_B = jnp.where(forced_B == PAD_ID, token_B, forced_B)
+            gain_B += jnp.take_along_axis(logits_BV, token_B[:, None], axis=1)[:, 0] - max_B1[:, 0]
+        token_B = jnp.where(self.done_B, PAD_ID, token_B)
         return GreedyState(
             step_B=jnp.where(self.done_B, self.step_B, self.step_B + 1),
             done_B=self.done_B | (token_B == EOS_ID) | (self.step_B + 1 >= max_len_B),
@@ -288,7 +304,13 @@ class BeamState(NamedTuple):
         )
 
     def advance(
-        self, decode_step: DecodeStep, max_len_B: Array, alpha: Array | float, best_only: bool, penalty: str = GNMT
+        self,
+        decode_step: DecodeStep,
+        max_len_B: Array,
+        alpha: Array | float,
+        best_only: bool,
+        penalty: str = GNMT,
+        prefix_BP: Array | None = None,
     ) -> BeamState:
         """One step of beam search (see beam_search)."""
         s = self
@@ -296,6 +318,10 @@ class BeamState(NamedTuple):
         log_probs_RV, cache = _next_log_probs(decode_step, s.last_BW.reshape(-1), s.cache)
         vocab = log_probs_RV.shape[-1]
         log_probs_BWV = log_probs_RV.reshape(batch, width, vocab)
+        if prefix_BP is not None:  # inside its prefix, a sentence's beams can only emit the prefix's next token
+            forced_B1 = forced_tokens(prefix_BP, s.step_B)[:, None]
+            allowed_BV = (forced_B1 == PAD_ID) | (jnp.arange(vocab) == forced_B1)
+            log_probs_BWV = jnp.where(allowed_BV[:, None, :], log_probs_BWV, NEG_INF)
         # Candidate log-probabilities: extensions of unfinished beams; a finished beam only continues with PAD.
         is_pad_V = jnp.arange(vocab) == PAD_ID
         fin_BW1 = s.finished_BW[..., None]
@@ -359,14 +385,17 @@ def greedy_search(
     *,
     max_steps: int,
     grow: GrowCache | None = None,
+    prefix_BP: Array | None = None,
 ) -> GreedyResult:
     """Takes the most probable token at each step. `cache` has B rows; 1 <= max_len_B <= max_steps.
 
-    With `grow` (see Decoder), the cache starts small and grows in stages (module docstring).
+    With `grow` (see Decoder), the cache starts small and grows in stages (module docstring). With prefix_BP
+    (target prefixes, PAD-padded), each sentence first emits its prefix (`forced_tokens`), its log-probabilities
+    counted, then continues; the length limit still holds.
     """
     first = max_steps if grow is None else cache_stages(max_steps)[0]
     init = GreedyState.start(cache, max_len_B.shape[0], first)
-    s = _run_stages(lambda s: s.advance(decode_step, max_len_B), init, max_steps, grow)
+    s = _run_stages(lambda s: s.advance(decode_step, max_len_B, prefix_BP), init, max_steps, grow)
     return GreedyResult(_pad_tokens(s.tokens_BL, max_steps), s.log_probs_B, s.step_B)
 
 
@@ -381,6 +410,7 @@ def beam_search(
     grow: GrowCache | None = None,
     best_only: bool = False,
     penalty: str = GNMT,
+    prefix_BP: Array | None = None,
 ) -> BeamResult:
     """Beam search with the length penalty lp (`length_penalty`'s `penalty`); `cache` has B rows and is tiled to
     R = B W rows here, once.
@@ -389,7 +419,8 @@ def beam_search(
     proposes itself followed by PAD (its score unchanged); the best W of these W V candidates per sentence
     survive, and the cache rows are reordered to follow them. A sentence is done when all W beams have finished,
     so beam_size=1 is exactly greedy search, and a beam large enough to keep every candidate is exhaustive search.
-    With `grow` (see Decoder), the cache starts small and grows in stages (module docstring).
+    With `grow` (see Decoder), the cache starts small and grows in stages (module docstring). With prefix_BP, each
+    sentence's beams first follow its target prefix (as greedy_search's), then search freely.
 
     best_only: a sentence also stops once no unfinished beam can overtake its best finished one. log P only falls
     as tokens are added, so an unfinished beam's final score is at most log P / max(lp(t + 1), lp(max_len)); when
@@ -401,5 +432,9 @@ def beam_search(
     first = max_steps if grow is None else cache_stages(max_steps)[0]
     batch = max_len_B.shape[0]
     init = BeamState.start(tile_beams(cache, beam_size), batch, beam_size, first)
-    s = _run_stages(lambda s: s.advance(decode_step, max_len_B, alpha, best_only, penalty), init, max_steps, grow)
+
+    def body(s: BeamState) -> BeamState:
+        return s.advance(decode_step, max_len_B, alpha, best_only, penalty, prefix_BP)
+
+    s = _run_stages(body, init, max_steps, grow)
     return best_first(_pad_tokens(s.tokens_BWL, max_steps), s.log_probs_BW, s.lengths_BW, alpha, penalty)

@@ -42,6 +42,7 @@ from transformer_jax.decoding.search import (
     tile_beams,
 )
 from transformer_jax.model.transformer import unpacked_segment_ids
+from transformer_jax.tokens import PAD_ID
 
 Array = jax.Array
 PyTree = Any
@@ -115,6 +116,7 @@ def _search(
     src_BS: Array,
     max_len_B: Array,
     alpha: Array,
+    prefix_BP: Array | None,
     *,
     beam_size: int,
     max_steps: int,
@@ -129,7 +131,7 @@ def _search(
     make = cached_decode_step if use_cache else recompute_decode_step
     d = make(model, memory_BSD, src_segment_ids_BS, beam_size=beam_size, max_steps=max_steps)
     if beam_size == 1:
-        g = greedy_search(d.step, d.cache, max_len_B, max_steps=max_steps, grow=d.grow)
+        g = greedy_search(d.step, d.cache, max_len_B, max_steps=max_steps, grow=d.grow, prefix_BP=prefix_BP)
         return best_first(g.tokens[:, None], g.log_probs[:, None], g.lengths[:, None], alpha, penalty)
     return beam_search(
         d.step,
@@ -141,6 +143,7 @@ def _search(
         grow=d.grow,
         best_only=best_only,
         penalty=penalty,
+        prefix_BP=prefix_BP,
     )
 
 
@@ -227,6 +230,7 @@ def _stage(
     max_len_B: Array,
     alpha: Array,
     stop_live: Array,
+    prefix_BP: Array | None,
     *,
     penalty: str,
     best_only: bool,
@@ -234,8 +238,8 @@ def _stage(
     """Steps until at most `stop_live` sentences are live or a live one has filled the cache (`steps_until`)."""
     step = _context_step(graph.merge(params), context)
     if isinstance(s, GreedyState):
-        return steps_until(lambda s: s.advance(step, max_len_B), s, stop_live)
-    return steps_until(lambda s: s.advance(step, max_len_B, alpha, best_only, penalty), s, stop_live)
+        return steps_until(lambda s: s.advance(step, max_len_B, prefix_BP), s, stop_live)
+    return steps_until(lambda s: s.advance(step, max_len_B, alpha, best_only, penalty, prefix_BP), s, stop_live)
 
 
 @functools.partial(jax.jit, static_argnames=("beam_size",))
@@ -266,9 +270,18 @@ class ModelCalls:
     def widen(self, context, *, src_len: int):
         return _widen(self.graph, self.params, context, src_len=src_len)
 
-    def stage(self, context, s, max_len_B, alpha, stop_live, *, penalty: str, best_only: bool):
+    def stage(self, context, s, max_len_B, alpha, stop_live, prefix_BP, *, penalty: str, best_only: bool):
         return _stage(
-            self.graph, self.params, context, s, max_len_B, alpha, stop_live, penalty=penalty, best_only=best_only
+            self.graph,
+            self.params,
+            context,
+            s,
+            max_len_B,
+            alpha,
+            stop_live,
+            prefix_BP,
+            penalty=penalty,
+            best_only=best_only,
         )
 
     def keep(self, context, s, keep_K, *, beam_size: int):
@@ -294,13 +307,14 @@ class Searcher:
         leaves, treedef = jax.tree.flatten(self.params)
         self.calls = ModelCalls(graph(self.graphdef, treedef), leaves) if use_cache and compact else None
 
-    def _one_jit(self, src_BS: Array, max_len_B: Array, *, beam_size, alpha, max_steps, penalty, best_only):
+    def _one_jit(self, src_BS, max_len_B, prefix_BP, *, beam_size, alpha, max_steps, penalty, best_only):
         return _search(
             self.graphdef,
             self.params,
             jnp.asarray(src_BS, jnp.int32),
             jnp.asarray(max_len_B, jnp.int32),
             jnp.asarray(alpha, jnp.float32),
+            None if prefix_BP is None else jnp.asarray(prefix_BP, jnp.int32),
             beam_size=beam_size,
             max_steps=max_steps,
             use_cache=self.use_cache,
@@ -318,23 +332,26 @@ class Searcher:
         max_steps: int,
         penalty: str = GNMT,
         best_only: bool = True,
+        prefix_BP: Array | None = None,
     ) -> BeamResult:
         """One batch: src [B, S] (PAD-padded, EOS-terminated); beam_size 1 runs greedy search. Scores are
         log P / lp with lp by `penalty` and `alpha` (search.length_penalty). best_only: a sentence stops once its
         best beam is settled (the other beams are as they stood then); False runs every beam to its end (n-best).
+        prefix_BP: target prefixes [B, P], PAD-padded (search.forced_tokens): each output starts with its prefix.
 
         Batches of at least 2 MIN_ROWS sentences run the refilling search (nothing waits, so finished sentences
         only leave); smaller ones, or without compaction, the whole search is one jitted call (`_search`).
         """
         settings = dict(beam_size=beam_size, alpha=alpha, penalty=penalty, best_only=best_only)
         if self.calls is None or src_BS.shape[0] < 2 * refill.MIN_ROWS:
-            return self._one_jit(src_BS, max_len_B, **settings, max_steps=max_steps)
+            return self._one_jit(src_BS, max_len_B, prefix_BP, **settings, max_steps=max_steps)
         src_BS = np.asarray(src_BS, np.int32)
         found = refill.refilling_search(
             self.calls,
             list(src_BS),
             np.asarray(max_len_B, np.int32),
             **settings,
+            prefix_NP=None if prefix_BP is None else np.asarray(prefix_BP, np.int32),
             rows=src_BS.shape[0],
             shape=lambda _: src_BS.shape[1:] + (max_steps,),
         )
@@ -352,11 +369,13 @@ class Searcher:
         progress: Callable[[int], Any] | None = None,
         penalty: str = GNMT,
         best_only: bool = True,
+        prefixes: Sequence[Sequence[int]] | None = None,
     ) -> list[BeamResult]:
         """Every sentence's beams (best first; tokens [W, L] with L at least its longest beam), decoded `batch_size`
         sentences at a time: sources are id lists (EOS-terminated), max_len_N their output limits, and
         shape(longest source) the padded source length and the most output slots of a batch. progress(n) is
-        called as n more sentences are done. penalty, best_only: as for __call__.
+        called as n more sentences are done. penalty, best_only: as for __call__; prefixes: each sentence's target
+        prefix (ids, no EOS; empty: none), or None.
 
         With compaction and at least 2 MIN_ROWS rows, they run through the refilling scheduler (refill.py): greedy
         search in one refilled batch, beam search batch by batch (see below); otherwise in consecutive one-jit
@@ -370,6 +389,7 @@ class Searcher:
             return []
         order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
         results: list[BeamResult | None] = [None] * len(sources)
+        prefix_NP = None if prefixes is None or not any(prefixes) else refill.prefix_array(prefixes)
         if self.calls is not None and rows >= 2 * refill.MIN_ROWS:
             # Greedy search refills one running batch. Beam search runs batch by batch (finished sentences only
             # leave): it reorders its whole cache every step, and the wider cache a refilled batch keeps (its
@@ -380,6 +400,7 @@ class Searcher:
                     [np.asarray(sources[i], np.int32) for i in group],
                     max_len_N[group],
                     **settings,
+                    prefix_NP=None if prefix_NP is None else prefix_NP[group],
                     rows=rows,
                     shape=shape,
                     progress=progress,
@@ -393,7 +414,11 @@ class Searcher:
             src_BS = refill.source_batch([sources[i] for i in batch], rows, src_len)
             max_len_B = np.ones((rows,), np.int32)  # a dummy row stops after one step
             max_len_B[: len(batch)] = max_len_N[batch]
-            found = jax.device_get(self._one_jit(src_BS, max_len_B, **settings, max_steps=max_steps))
+            prefix_BP = None
+            if prefix_NP is not None:
+                prefix_BP = np.full((rows, prefix_NP.shape[1]), PAD_ID, np.int32)
+                prefix_BP[: len(batch)] = prefix_NP[batch]
+            found = jax.device_get(self._one_jit(src_BS, max_len_B, prefix_BP, **settings, max_steps=max_steps))
             for r, i in enumerate(batch):
                 results[i] = BeamResult(*(x[r] for x in found))
             if progress is not None:

@@ -48,6 +48,7 @@ class Options:
     scores_file: str | None = None
     length_penalty: str | None = None  # gnmt | average | none (None: decoding.GNMT)
     nbest: int | None = None  # also write each line's N best hypotheses to OUTPUT_FILE.nbest (evaluation/nbest.py)
+    prefix_file: str | None = None  # line i's translation starts with line i of this file (target side)
     score: bool = False  # forced decoding: log P(reference | source) per line instead of translating (scoring.py)
 
 
@@ -67,6 +68,7 @@ _MODEL_FLAGS = (
     "output_file",
     "length_penalty",
     "nbest",
+    "prefix_file",
 )
 _AT_LEAST_ONE = ("beam_size", "batch_size", "max_extra_len", "average_last")
 
@@ -149,6 +151,8 @@ def _check_search(o: Options) -> None:
 
     if o.length_penalty is not None and o.length_penalty not in decoding.LENGTH_PENALTIES:
         raise EvalError(f"--length_penalty {o.length_penalty!r}: choose one of {', '.join(decoding.LENGTH_PENALTIES)}")
+    if o.prefix_file is not None and (o.score or o.source_file == "-"):
+        raise EvalError("--prefix_file goes with translating a --source_file or a --split (not --score, not stdin)")
     if o.score:
         if o.nbest is not None:
             raise EvalError("--score teacher-forces the given targets; --nbest would be ignored: drop one of them")
@@ -184,7 +188,11 @@ def _is_step(value: Any) -> bool:
 
 
 def _inputs(o: Options) -> dict[str, str | None]:
-    return {"--source_file": None if o.source_file == "-" else o.source_file, "--references_file": o.references_file}
+    return {
+        "--source_file": None if o.source_file == "-" else o.source_file,
+        "--references_file": o.references_file,
+        "--prefix_file": o.prefix_file,
+    }
 
 
 def _outputs(output_file: str | None, scores_file: str | None, stdin: bool) -> dict[str, str | None]:
@@ -362,6 +370,11 @@ def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[s
             bleu.check_line_counts(sources, references, options.source_file, options.references_file)
         if not sources:
             raise EvalError(f"--source_file {options.source_file} has no lines: nothing to translate")
+    prefixes = None
+    if options.prefix_file is not None:
+        prefixes = read_sources(options.prefix_file)
+        if sources is not None:
+            check_prefix_count(prefixes, sources, options.prefix_file, options.source_file)
     for flag, path in _outputs(options.output_file, options.scores_file, stdin).items():
         if path:
             check_writable(path, flag.split(" ")[0])
@@ -384,6 +397,8 @@ def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[s
         split = options.split or "test"
         sources, references, split_name = split_pairs(config, split)
         name = f"{split}({split_name})"
+        if prefixes is not None:
+            check_prefix_count(prefixes, sources, options.prefix_file, f"--split {split}")
         inputs.update(split_files(config, split_name))
     settings = decoding_settings(options, config)
     search = {"length_penalty": options.length_penalty or GNMT, "nbest": options.nbest or 1}
@@ -408,7 +423,9 @@ def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[s
         if references is not None:
             bleu.check_line_counts(hypotheses, references, "stdin", options.references_file)
     else:
-        lists, stats = translate_nbest(model, tokenizer, sources, progress=True, **search, **settings)
+        lists, stats = translate_nbest(
+            model, tokenizer, sources, progress=True, prefixes=prefixes, **search, **settings
+        )
         hypotheses = [x[0].text for x in lists]
         _write_lines(output_file, hypotheses)
         if nbest_file:
@@ -440,6 +457,15 @@ def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[s
     if scores_file:
         _write_json(scores_file, report)
     return report
+
+
+def check_prefix_count(prefixes: Sequence[str], sources: Sequence[str], prefix_name: str, source_name: str) -> None:
+    """EvalError unless there is one prefix line per source line."""
+    if len(prefixes) != len(sources):
+        raise EvalError(
+            f"line counts differ: --prefix_file {prefix_name} has {len(prefixes)} lines, {source_name} has "
+            f"{len(sources)}; give one prefix line per source line (an empty line for none)"
+        )
 
 
 def _forced_decoding(options: Options, model, tokenizer, config, pairs, name: str, inputs: dict) -> dict[str, Any]:

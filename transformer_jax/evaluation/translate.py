@@ -89,6 +89,7 @@ def translate(
     batch_size: int,
     max_input_len: int,
     length_penalty: str = decoding.GNMT,
+    prefixes: Sequence[str] | None = None,
     progress: bool = False,
 ) -> tuple[list[str], dict[str, Any]]:
     """One output per input sentence, in order, and statistics (see translate_nbest, of which this is the 1-best)."""
@@ -103,6 +104,7 @@ def translate(
         batch_size=batch_size,
         max_input_len=max_input_len,
         length_penalty=length_penalty,
+        prefixes=prefixes,
         progress=progress,
     )
     return [hypotheses[0].text for hypotheses in found], stats
@@ -120,6 +122,7 @@ def translate_nbest(
     batch_size: int,
     max_input_len: int,
     length_penalty: str = decoding.GNMT,
+    prefixes: Sequence[str] | None = None,
     progress: bool = False,
 ) -> tuple[list[list[Hypothesis]], dict[str, Any]]:
     """The `nbest` best hypotheses of each input sentence (nbest <= beam_size), best first, in input order, and
@@ -130,11 +133,14 @@ def translate_nbest(
     decoding. Each output has at most (source tokens + max_extra_len) tokens, EOS included. beam_size 1 is greedy
     search. Hypotheses are ranked by log P / lp (decoding.length_penalty's `length_penalty` with `alpha`). With
     nbest 1 a sentence stops once its best hypothesis is settled; with more, every beam runs to its end, so the
-    list is the full beam search's. The settings are checked where they come in, by the rules of their config keys
-    (config_checks.RULES: eval.*, data.eval_max_len), which validate() applies to every config and evaluate.py to
-    its flags.
+    list is the full beam search's. prefixes: line i's output starts with prefixes[i], tokenized as a target
+    (a blank prefix: none); the hypotheses' text and log-probabilities include it. The settings are checked where
+    they come in, by the rules of their config keys (config_checks.RULES: eval.*, data.eval_max_len), which
+    validate() applies to every config and evaluate.py to its flags.
     """
     check_nbest(nbest, beam_size)
+    if prefixes is not None and len(prefixes) != len(sentences):
+        raise EvalError(f"{len(sentences)} sentences but {len(prefixes)} prefixes: give one prefix per sentence")
     start = time.perf_counter()
     limit = position_limit(model.spec)
     max_input_len = input_limit(max_input_len, limit)
@@ -183,6 +189,7 @@ def translate_nbest(
         progress=None if bar is None else bar.update,
         penalty=length_penalty,
         best_only=nbest == 1,
+        prefixes=None if prefixes is None else [list(tokenizer.encode(prefixes[i])) for i in lines],
     )
     for i, result in zip(lines, found, strict=True):
         outputs[i] = [_hypothesis(tokenizer, result, w) for w in range(nbest)]
