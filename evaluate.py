@@ -50,6 +50,12 @@ flags.DEFINE_string("output_file", None, "Hypotheses file; default WORKDIR/eval/
 flags.DEFINE_string("scores_file", None, "JSON report; default OUTPUT_FILE.json.")
 flags.DEFINE_string("length_penalty", None, "Score normalisation: gnmt (default), average (score / len^alpha), none.")
 flags.DEFINE_string("prefix_file", None, "Line i's translation starts with line i of this file (empty line: none).")
+flags.DEFINE_bool("sampling", False, "Draw translations from the model instead of searching (beam size 1).")
+flags.DEFINE_float("temperature", None, "--sampling: divide the logits by this (> 0; default 1).")
+flags.DEFINE_integer("top_k", None, "--sampling: draw among the k most probable tokens (default 0: all).")
+flags.DEFINE_float("top_p", None, "--sampling: draw from the smallest set holding this probability (default 1).")
+flags.DEFINE_integer("num_samples", None, "--sampling: samples per line (default 1); more go to OUTPUT_FILE.nbest.")
+flags.DEFINE_integer("seed", None, "--sampling: the seed (default 0); a line's samples depend on it and the line only.")
 flags.DEFINE_bool("score", False, "Forced decoding: log P(reference | source) per line and the perplexity.")
 flags.DEFINE_integer("nbest", None, "Also write each line's N (<= beam) best to OUTPUT_FILE.nbest (Marian format).")
 
@@ -74,6 +80,12 @@ def main(argv: list[str]) -> None:
         length_penalty=FLAGS.length_penalty,
         nbest=FLAGS.nbest,
         prefix_file=FLAGS.prefix_file,
+        sampling=FLAGS.sampling,
+        temperature=FLAGS.temperature,
+        top_k=FLAGS.top_k,
+        top_p=FLAGS.top_p,
+        num_samples=FLAGS.num_samples,
+        seed=FLAGS.seed,
         score=FLAGS.score,
     )
     evaluate(options)

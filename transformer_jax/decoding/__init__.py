@@ -14,6 +14,7 @@ from transformer_jax.decoding.refill import (
     refill_size,
     source_batch,
 )
+from transformer_jax.decoding.sampling import Sampling, sample_keys
 from transformer_jax.decoding.search import (
     AVERAGE,
     FIRST_STAGE,
@@ -64,6 +65,7 @@ __all__ = [
     "Decoder",
     "GreedyResult",
     "GreedyState",
+    "Sampling",
     "Searcher",
     "beam_search",
     "best_first",
@@ -76,6 +78,7 @@ __all__ = [
     "length_penalty",
     "recompute_decode_step",
     "refill_size",
+    "sample_keys",
     "search",
     "searcher",
     "source_batch",

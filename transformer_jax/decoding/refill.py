@@ -63,9 +63,11 @@ class Calls(Protocol):
     def widen(self, context, *, src_len: int) -> PyTree:
         """The context with its sources padded to src_len positions."""
 
-    def stage(self, context, s, max_len_B, alpha, stop_live, prefix_BP, *, penalty: str, best_only: bool) -> Any:
-        """Steps until at most stop_live sentences are live or a live one fills the cache (prefix_BP: the rows'
-        target prefixes, or None)."""
+    def stage(
+        self, context, s, max_len_B, alpha, stop_live, row_inputs, *, penalty: str, best_only: bool, sampling: Any
+    ) -> Any:
+        """Steps until at most stop_live sentences are live or a live one fills the cache (row_inputs: the rows'
+        `row_inputs`, see refilling_search)."""
 
     def keep(self, context, s, keep_K, *, beam_size: int) -> tuple[PyTree, Any]:
         """The context and state of the sentences keep_K only."""
@@ -114,7 +116,7 @@ def prefix_array(prefixes: Sequence[Sequence[int]]) -> np.ndarray:
     width = 1
     while width < max(map(len, prefixes)):
         width *= 2
-    prefix_NP = np.full((len(prefixes), width), PAD_ID, np.int32)
+    prefix_NP = np.full((len(prefixes), width), PAD_ID, np.int32)  # PAD_ID is 0: a row of zeros is no prefix
     for i, ids in enumerate(prefixes):
         prefix_NP[i, : len(ids)] = ids
     return prefix_NP
@@ -140,13 +142,14 @@ class _Refill:
         beam_size: int,
         penalty: str,
         best_only: bool,
-        prefix_NP: np.ndarray | None,
+        sampling: Any,
+        row_inputs_N: dict[str, np.ndarray],
         rows: int,
         shape: Shape,
         progress: Callable[[int], Any] | None,
     ):
         self.calls, self.sources, self.max_len_N, self.alpha = calls, sources, max_len_N, alpha
-        self.beam_size, self.penalty, self.best_only = beam_size, penalty, best_only
+        self.beam_size, self.penalty, self.best_only, self.sampling = beam_size, penalty, best_only, sampling
         self.shape, self.progress = shape, progress
         self.results: list[BeamResult | None] = [None] * len(sources)
         self.queue = collections.deque(sorted(range(len(sources)), key=lambda i: len(sources[i])))
@@ -165,10 +168,11 @@ class _Refill:
         self.max_len_R = np.ones(rows, np.int32)  # a row without a sentence stops after one step
         self.max_len_R[: len(ids)] = max_len_N[ids]
         self.step_R = np.zeros(rows, np.int32)
-        self.prefix_NP, self.prefix_RP = prefix_NP, None  # the sentences' and the rows' target prefixes
-        if prefix_NP is not None:
-            self.prefix_RP = np.full((rows, prefix_NP.shape[1]), PAD_ID, np.int32)
-            self.prefix_RP[: len(ids)] = prefix_NP[ids]
+        # The sentences' and the rows' own inputs to the search (a row without a sentence: zeros, e.g. no prefix).
+        self.row_inputs_N = row_inputs_N
+        self.row_inputs_R = {k: np.zeros((rows, *x.shape[1:]), x.dtype) for k, x in row_inputs_N.items()}
+        for k, x in row_inputs_N.items():
+            self.row_inputs_R[k][: len(ids)] = x[ids]
         self.slots = cache_stages(self.max_steps)[0]
         self.context, self.state = calls.start(src_KS, beam_size=beam_size, slots=self.slots)
         self.context_len = self.src_len  # source positions of the running batch's context
@@ -230,8 +234,8 @@ class _Refill:
             self.joined += len(ids)
             taken = into[: len(ids)]
             self.sentence_R[taken], self.max_len_R[taken], self.step_R[taken] = ids, self.max_len_N[ids], 0
-            if self.prefix_RP is not None:
-                self.prefix_RP[taken] = self.prefix_NP[ids]
+            for k, x in self.row_inputs_N.items():
+                self.row_inputs_R[k][taken] = x[ids]
 
     def _compact(self) -> None:
         """Nothing waits: the live sentences move into the smallest halved batch that holds them."""
@@ -246,8 +250,7 @@ class _Refill:
                 self.max_len_R[keep],
                 self.step_R[keep],
             )
-            if self.prefix_RP is not None:
-                self.prefix_RP = self.prefix_RP[keep]
+            self.row_inputs_R = {k: x[keep] for k, x in self.row_inputs_R.items()}
 
     def _grow(self) -> None:
         """Grows the cache to the stage that has room for the furthest live sentence's next token (a small batch
@@ -270,9 +273,10 @@ class _Refill:
             self.max_len_R,
             self.alpha,
             np.int32(stop_live),
-            self.prefix_RP,
+            self.row_inputs_R,
             penalty=self.penalty,
             best_only=self.best_only,
+            sampling=self.sampling,
         )
         done, self.step_R = (np.array(x) for x in jax.device_get((self.state.sentence_done(), self.state.step_B)))
         finished = np.flatnonzero((self.sentence_R >= 0) & done)
@@ -298,13 +302,16 @@ def refilling_search(
     shape: Shape,
     penalty: str = GNMT,
     best_only: bool = True,
-    prefix_NP: np.ndarray | None = None,
+    sampling: Any = None,
+    row_inputs_N: dict[str, np.ndarray] | None = None,
     progress: Callable[[int], Any] | None = None,
 ) -> list[BeamResult]:
     """The cached search of every sentence through one running batch of `rows` sentences (module docstring); each
     sentence's beams, best first. shape(longest source) gives a batch's padded source length and output slots;
-    progress(n) is called as n more sentences finish. penalty, best_only: as for beam_search; prefix_NP: the
-    sentences' target prefixes (`prefix_array`), or None."""
+    progress(n) is called as n more sentences finish. penalty, best_only: as for beam_search; sampling: the
+    token choice of greedy search (sampling.Sampling, or None: argmax); row_inputs_N: each
+    sentence's own inputs to the search, rows on axis 0 ("prefix": its target prefix, `prefix_array`; "keys": its
+    sampling key), which follow it into whichever row it takes."""
     return _Refill(
         calls,
         sources,
@@ -313,7 +320,8 @@ def refilling_search(
         beam_size=beam_size,
         penalty=penalty,
         best_only=best_only,
-        prefix_NP=prefix_NP,
+        sampling=sampling,
+        row_inputs_N=row_inputs_N or {},
         rows=rows,
         shape=shape,
         progress=progress,

@@ -236,15 +236,24 @@ class GreedyState(NamedTuple):
             cache=cache,
         )
 
-    def advance(self, decode_step: DecodeStep, max_len_B: Array, prefix_BP: Array | None = None) -> GreedyState:
-        """One step: every unfinished sentence appends its most probable token, or its prefix's next token."""
+    def advance(
+        self,
+        decode_step: DecodeStep,
+        max_len_B: Array,
+        prefix_BP: Array | None = None,
+        choose: Callable[[Array, Array], Array] | None = None,
+    ) -> GreedyState:
+        """One step: every unfinished sentence appends its prefix's next token, else its most probable token (or,
+        with `choose`, choose(logits_BV, step_B): a sampled one). log P counts the model's own probability."""
         logits_B1V, cache = decode_step(self.last_B[:, None], self.cache)
         logits_BV = logits_B1V[:, 0].astype(jnp.float32)
         max_B1 = jnp.max(logits_BV, axis=-1, keepdims=True)
         # log_softmax at the argmax, x_max - logsumexp(x) = -log sum exp(x - x_max), without writing and re-reading
         # the [B, V] log_softmax.
         gain_B = -jnp.log(jnp.sum(jnp.exp(logits_BV - max_B1), axis=-1))
-        token_B = first_argmax(logits_BV)
+        token_B = first_argmax(logits_BV) if choose is None else choose(logits_BV, self.step_B)
+        if choose is not None and prefix_BP is None:
+            gain_B += jnp.take_along_axis(logits_BV, token_B[:, None], axis=1)[:, 0] - max_B1[:, 0]
         if prefix_BP is not None:
             forced_B = forced_tokens(prefix_BP, self.step_B)
             token_B = jnp.where(forced_B == PAD_ID, token_B, forced_B)
@@ -386,8 +395,10 @@ def greedy_search(
     max_steps: int,
     grow: GrowCache | None = None,
     prefix_BP: Array | None = None,
+    choose: Callable[[Array, Array], Array] | None = None,
 ) -> GreedyResult:
-    """Takes the most probable token at each step. `cache` has B rows; 1 <= max_len_B <= max_steps.
+    """Takes the most probable token at each step (with `choose`, the token it picks from the logits: sampling.py).
+    `cache` has B rows; 1 <= max_len_B <= max_steps.
 
     With `grow` (see Decoder), the cache starts small and grows in stages (module docstring). With prefix_BP
     (target prefixes, PAD-padded), each sentence first emits its prefix (`forced_tokens`), its log-probabilities
@@ -395,7 +406,7 @@ def greedy_search(
     """
     first = max_steps if grow is None else cache_stages(max_steps)[0]
     init = GreedyState.start(cache, max_len_B.shape[0], first)
-    s = _run_stages(lambda s: s.advance(decode_step, max_len_B, prefix_BP), init, max_steps, grow)
+    s = _run_stages(lambda s: s.advance(decode_step, max_len_B, prefix_BP, choose), init, max_steps, grow)
     return GreedyResult(_pad_tokens(s.tokens_BL, max_steps), s.log_probs_B, s.step_B)
 
 

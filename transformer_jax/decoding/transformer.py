@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from transformer_jax.decoding import refill
+from transformer_jax.decoding.sampling import Sampling
 from transformer_jax.decoding.search import (
     GNMT,
     BeamResult,
@@ -42,7 +43,6 @@ from transformer_jax.decoding.search import (
     tile_beams,
 )
 from transformer_jax.model.transformer import unpacked_segment_ids
-from transformer_jax.tokens import PAD_ID
 
 Array = jax.Array
 PyTree = Any
@@ -109,20 +109,30 @@ def recompute_decode_step(
     return Decoder(decode_step, cache)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "beam_size", "max_steps", "use_cache", "penalty", "best_only"))
+def _row_rules(row_inputs: dict[str, Array], sampling: Sampling | None):
+    """(target prefixes or None, the token choice or None: argmax) from the rows' own inputs."""
+    choose = None if sampling is None else sampling.chooser(row_inputs["keys"])
+    return row_inputs.get("prefix"), choose
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "beam_size", "max_steps", "use_cache", "penalty", "best_only", "sampling"),
+)
 def _search(
     graphdef: nnx.GraphDef,
     state: nnx.State,
     src_BS: Array,
     max_len_B: Array,
     alpha: Array,
-    prefix_BP: Array | None,
+    row_inputs: dict[str, Array],
     *,
     beam_size: int,
     max_steps: int,
     use_cache: bool,
     penalty: str,
     best_only: bool,
+    sampling: Sampling | None,
 ) -> BeamResult:
     """The whole search in one jitted call, every sentence's rows to the end (the reference of the refilling one)."""
     model = nnx.merge(graphdef, state)
@@ -131,7 +141,10 @@ def _search(
     make = cached_decode_step if use_cache else recompute_decode_step
     d = make(model, memory_BSD, src_segment_ids_BS, beam_size=beam_size, max_steps=max_steps)
     if beam_size == 1:
-        g = greedy_search(d.step, d.cache, max_len_B, max_steps=max_steps, grow=d.grow, prefix_BP=prefix_BP)
+        prefix_BP, choose = _row_rules(row_inputs, sampling)
+        g = greedy_search(
+            d.step, d.cache, max_len_B, max_steps=max_steps, grow=d.grow, prefix_BP=prefix_BP, choose=choose
+        )
         return best_first(g.tokens[:, None], g.log_probs[:, None], g.lengths[:, None], alpha, penalty)
     return beam_search(
         d.step,
@@ -143,7 +156,7 @@ def _search(
         grow=d.grow,
         best_only=best_only,
         penalty=penalty,
-        prefix_BP=prefix_BP,
+        prefix_BP=row_inputs.get("prefix"),
     )
 
 
@@ -221,7 +234,7 @@ def _widen(graph: Graph, params: list[Array], context: PyTree, *, src_len: int) 
     return graph.merge(params).grow_source(context, src_len)
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "penalty", "best_only"), donate_argnames=("s",))
+@functools.partial(jax.jit, static_argnames=("graph", "penalty", "best_only", "sampling"), donate_argnames=("s",))
 def _stage(
     graph: Graph,
     params: list[Array],
@@ -230,15 +243,17 @@ def _stage(
     max_len_B: Array,
     alpha: Array,
     stop_live: Array,
-    prefix_BP: Array | None,
+    row_inputs: dict[str, Array],
     *,
     penalty: str,
     best_only: bool,
+    sampling: Sampling | None,
 ):
     """Steps until at most `stop_live` sentences are live or a live one has filled the cache (`steps_until`)."""
     step = _context_step(graph.merge(params), context)
+    prefix_BP, choose = _row_rules(row_inputs, sampling)
     if isinstance(s, GreedyState):
-        return steps_until(lambda s: s.advance(step, max_len_B, prefix_BP), s, stop_live)
+        return steps_until(lambda s: s.advance(step, max_len_B, prefix_BP, choose), s, stop_live)
     return steps_until(lambda s: s.advance(step, max_len_B, alpha, best_only, penalty, prefix_BP), s, stop_live)
 
 
@@ -270,7 +285,9 @@ class ModelCalls:
     def widen(self, context, *, src_len: int):
         return _widen(self.graph, self.params, context, src_len=src_len)
 
-    def stage(self, context, s, max_len_B, alpha, stop_live, prefix_BP, *, penalty: str, best_only: bool):
+    def stage(
+        self, context, s, max_len_B, alpha, stop_live, row_inputs, *, penalty: str, best_only: bool, sampling=None
+    ):
         return _stage(
             self.graph,
             self.params,
@@ -279,9 +296,10 @@ class ModelCalls:
             max_len_B,
             alpha,
             stop_live,
-            prefix_BP,
+            row_inputs,
             penalty=penalty,
             best_only=best_only,
+            sampling=sampling,
         )
 
     def keep(self, context, s, keep_K, *, beam_size: int):
@@ -307,19 +325,20 @@ class Searcher:
         leaves, treedef = jax.tree.flatten(self.params)
         self.calls = ModelCalls(graph(self.graphdef, treedef), leaves) if use_cache and compact else None
 
-    def _one_jit(self, src_BS, max_len_B, prefix_BP, *, beam_size, alpha, max_steps, penalty, best_only):
+    def _one_jit(self, src_BS, max_len_B, row_inputs, *, beam_size, alpha, max_steps, penalty, best_only, sampling):
         return _search(
             self.graphdef,
             self.params,
             jnp.asarray(src_BS, jnp.int32),
             jnp.asarray(max_len_B, jnp.int32),
             jnp.asarray(alpha, jnp.float32),
-            None if prefix_BP is None else jnp.asarray(prefix_BP, jnp.int32),
+            {k: jnp.asarray(x) for k, x in row_inputs.items()},
             beam_size=beam_size,
             max_steps=max_steps,
             use_cache=self.use_cache,
             penalty=penalty,
             best_only=best_only,
+            sampling=sampling,
         )
 
     def __call__(
@@ -333,25 +352,29 @@ class Searcher:
         penalty: str = GNMT,
         best_only: bool = True,
         prefix_BP: Array | None = None,
+        sampling: Sampling | None = None,
+        keys_B2: Array | None = None,
     ) -> BeamResult:
         """One batch: src [B, S] (PAD-padded, EOS-terminated); beam_size 1 runs greedy search. Scores are
         log P / lp with lp by `penalty` and `alpha` (search.length_penalty). best_only: a sentence stops once its
         best beam is settled (the other beams are as they stood then); False runs every beam to its end (n-best).
         prefix_BP: target prefixes [B, P], PAD-padded (search.forced_tokens): each output starts with its prefix.
+        sampling: draw each token (sampling.Sampling; beam_size 1), row b with its key keys_B2[b] (sample_keys).
 
         Batches of at least 2 MIN_ROWS sentences run the refilling search (nothing waits, so finished sentences
         only leave); smaller ones, or without compaction, the whole search is one jitted call (`_search`).
         """
-        settings = dict(beam_size=beam_size, alpha=alpha, penalty=penalty, best_only=best_only)
+        settings = _settings(beam_size, alpha, penalty, best_only, sampling)
+        row_inputs = _row_inputs(prefix_BP, keys_B2)
         if self.calls is None or src_BS.shape[0] < 2 * refill.MIN_ROWS:
-            return self._one_jit(src_BS, max_len_B, prefix_BP, **settings, max_steps=max_steps)
+            return self._one_jit(src_BS, max_len_B, row_inputs, **settings, max_steps=max_steps)
         src_BS = np.asarray(src_BS, np.int32)
         found = refill.refilling_search(
             self.calls,
             list(src_BS),
             np.asarray(max_len_B, np.int32),
             **settings,
-            prefix_NP=None if prefix_BP is None else np.asarray(prefix_BP, np.int32),
+            row_inputs_N=row_inputs,
             rows=src_BS.shape[0],
             shape=lambda _: src_BS.shape[1:] + (max_steps,),
         )
@@ -370,19 +393,21 @@ class Searcher:
         penalty: str = GNMT,
         best_only: bool = True,
         prefixes: Sequence[Sequence[int]] | None = None,
+        sampling: Sampling | None = None,
+        keys_N2: np.ndarray | None = None,
     ) -> list[BeamResult]:
         """Every sentence's beams (best first; tokens [W, L] with L at least its longest beam), decoded `batch_size`
         sentences at a time: sources are id lists (EOS-terminated), max_len_N their output limits, and
         shape(longest source) the padded source length and the most output slots of a batch. progress(n) is
         called as n more sentences are done. penalty, best_only: as for __call__; prefixes: each sentence's target
-        prefix (ids, no EOS; empty: none), or None.
+        prefix (ids, no EOS; empty: none), or None; sampling, keys_N2: as __call__'s, per sentence.
 
         With compaction and at least 2 MIN_ROWS rows, they run through the refilling scheduler (refill.py): greedy
         search in one refilled batch, beam search batch by batch (see below); otherwise in consecutive one-jit
         batches. Shortest sources go first. The batch has batch_size rows, or as many as the sentences rounded up
         to a multiple of MIN_ROWS when fewer (refill.batch_rows).
         """
-        settings = dict(beam_size=beam_size, alpha=alpha, penalty=penalty, best_only=best_only)
+        settings = _settings(beam_size, alpha, penalty, best_only, sampling)
         rows = refill.batch_rows(len(sources), batch_size)
         max_len_N = np.asarray(max_len_N, np.int32)
         if not len(sources):
@@ -390,6 +415,7 @@ class Searcher:
         order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
         results: list[BeamResult | None] = [None] * len(sources)
         prefix_NP = None if prefixes is None or not any(prefixes) else refill.prefix_array(prefixes)
+        row_inputs_N = _row_inputs(prefix_NP, keys_N2)
         if self.calls is not None and rows >= 2 * refill.MIN_ROWS:
             # Greedy search refills one running batch. Beam search runs batch by batch (finished sentences only
             # leave): it reorders its whole cache every step, and the wider cache a refilled batch keeps (its
@@ -400,7 +426,7 @@ class Searcher:
                     [np.asarray(sources[i], np.int32) for i in group],
                     max_len_N[group],
                     **settings,
-                    prefix_NP=None if prefix_NP is None else prefix_NP[group],
+                    row_inputs_N={k: x[group] for k, x in row_inputs_N.items()},
                     rows=rows,
                     shape=shape,
                     progress=progress,
@@ -414,16 +440,27 @@ class Searcher:
             src_BS = refill.source_batch([sources[i] for i in batch], rows, src_len)
             max_len_B = np.ones((rows,), np.int32)  # a dummy row stops after one step
             max_len_B[: len(batch)] = max_len_N[batch]
-            prefix_BP = None
-            if prefix_NP is not None:
-                prefix_BP = np.full((rows, prefix_NP.shape[1]), PAD_ID, np.int32)
-                prefix_BP[: len(batch)] = prefix_NP[batch]
-            found = jax.device_get(self._one_jit(src_BS, max_len_B, prefix_BP, **settings, max_steps=max_steps))
+            row_inputs = {k: np.zeros((rows, *x.shape[1:]), x.dtype) for k, x in row_inputs_N.items()}  # 0: PAD
+            for k, x in row_inputs_N.items():
+                row_inputs[k][: len(batch)] = x[batch]
+            found = jax.device_get(self._one_jit(src_BS, max_len_B, row_inputs, **settings, max_steps=max_steps))
             for r, i in enumerate(batch):
                 results[i] = BeamResult(*(x[r] for x in found))
             if progress is not None:
                 progress(len(batch))
         return results
+
+
+def _settings(beam_size: int, alpha: float, penalty: str, best_only: bool, sampling: Sampling | None) -> dict:
+    if sampling is not None and beam_size != 1:
+        raise ValueError(f"sampling draws one token per step: beam_size must be 1, got {beam_size}")
+    return dict(beam_size=beam_size, alpha=alpha, penalty=penalty, best_only=best_only, sampling=sampling)
+
+
+def _row_inputs(prefix: np.ndarray | None, keys: np.ndarray | None) -> dict[str, np.ndarray]:
+    """The search's per-sentence inputs that are given (refill.refilling_search's row_inputs_N)."""
+    inputs = {} if prefix is None else {"prefix": np.asarray(prefix, np.int32)}
+    return inputs if keys is None else {**inputs, "keys": np.asarray(keys, np.uint32)}
 
 
 def _pad_result(r: BeamResult, slots: int) -> BeamResult:

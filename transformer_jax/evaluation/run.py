@@ -49,6 +49,12 @@ class Options:
     length_penalty: str | None = None  # gnmt | average | none (None: decoding.GNMT)
     nbest: int | None = None  # also write each line's N best hypotheses to OUTPUT_FILE.nbest (evaluation/nbest.py)
     prefix_file: str | None = None  # line i's translation starts with line i of this file (target side)
+    sampling: bool = False  # draw translations instead of searching (decoding/sampling.py); the five below tune it
+    temperature: float | None = None  # None: decoding.sampling.PLAIN's
+    top_k: int | None = None
+    top_p: float | None = None
+    num_samples: int | None = None  # samples per line (None: 1); more than one also go to OUTPUT_FILE.nbest
+    seed: int | None = None  # None: 0
     score: bool = False  # forced decoding: log P(reference | source) per line instead of translating (scoring.py)
 
 
@@ -69,7 +75,13 @@ _MODEL_FLAGS = (
     "length_penalty",
     "nbest",
     "prefix_file",
+    "temperature",
+    "top_k",
+    "top_p",
+    "num_samples",
+    "seed",
 )
+_SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "num_samples", "seed")
 _AT_LEAST_ONE = ("beam_size", "batch_size", "max_extra_len", "average_last")
 
 
@@ -147,10 +159,21 @@ def _check_search(o: Options) -> None:
     """EvalError for search flags that cannot work: an unknown --length_penalty, --nbest over the beam size (when
     --beam_size is given; the config's is checked once read), or --nbest with stdin."""
     from transformer_jax import decoding
-    from transformer_jax.evaluation.translate import check_nbest
+    from transformer_jax.evaluation.translate import check_nbest, check_sampling
 
     if o.length_penalty is not None and o.length_penalty not in decoding.LENGTH_PENALTIES:
         raise EvalError(f"--length_penalty {o.length_penalty!r}: choose one of {', '.join(decoding.LENGTH_PENALTIES)}")
+    given = [f"--{name}" for name in _SAMPLING_FLAGS if getattr(o, name) is not None]
+    if given and not o.sampling:
+        raise EvalError(f"{', '.join(given)} tune --sampling: add --sampling, or drop them")
+    if o.sampling:
+        if o.beam_size not in (None, 1):
+            raise EvalError(f"--sampling draws one token per step; --beam_size {o.beam_size} would be ignored")
+        if o.nbest is not None or o.score:
+            raise EvalError("--sampling draws --num_samples translations per line; drop --nbest and --score")
+        if o.source_file == "-":
+            raise EvalError("--sampling needs a --source_file or a --split: stdin is translated one line at a time")
+        check_sampling(sampling_of(o), 1 if o.num_samples is None else o.num_samples)
     if o.prefix_file is not None and (o.score or o.source_file == "-"):
         raise EvalError("--prefix_file goes with translating a --source_file or a --split (not --score, not stdin)")
     if o.score:
@@ -165,6 +188,16 @@ def _check_search(o: Options) -> None:
             raise EvalError("--nbest needs a --source_file or a --split: stdin is translated one line at a time")
         # Without --beam_size only nbest >= 1 can be checked here; evaluate_model checks the config's beam size.
         check_nbest(o.nbest, o.nbest if o.beam_size is None else o.beam_size)
+
+
+def sampling_of(o: Options):
+    """The decoding.Sampling the flags ask for (unset ones: decoding.sampling.PLAIN's), or None without --sampling."""
+    from transformer_jax.decoding.sampling import PLAIN
+
+    if not o.sampling:
+        return None
+    given = {k: getattr(o, k) for k in ("temperature", "top_k", "top_p") if getattr(o, k) is not None}
+    return dataclasses.replace(PLAIN, **given)
 
 
 def check_numbers(values: dict[str, Any], prefix: str) -> None:
@@ -401,8 +434,12 @@ def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[s
             check_prefix_count(prefixes, sources, options.prefix_file, f"--split {split}")
         inputs.update(split_files(config, split_name))
     settings = decoding_settings(options, config)
-    search = {"length_penalty": options.length_penalty or GNMT, "nbest": options.nbest or 1}
-    if options.nbest is not None:
+    search = {"length_penalty": options.length_penalty or GNMT, "nbest": options.nbest or options.num_samples or 1}
+    sampling = sampling_of(options)
+    if sampling is not None:
+        settings["beam_size"] = 1
+        search["sampling"] = {**dataclasses.asdict(sampling), "seed": options.seed or 0, "num_samples": search["nbest"]}
+    elif options.nbest is not None:
         check_nbest(options.nbest, settings["beam_size"])  # a beam size from the config
     tag = f"step{steps[-1]}" + (f"-avg{len(steps)}" if len(steps) > 1 else "")
     if options.score:
@@ -411,7 +448,7 @@ def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[s
     if output_file is None and not stdin:
         output_file = str(Path(options.workdir) / "eval" / f"{name}.{tag}.beam{settings['beam_size']}.txt")
     scores_file = options.scores_file or (f"{output_file}.json" if output_file else None)
-    nbest_file = f"{output_file}.nbest" if options.nbest is not None else None
+    nbest_file = f"{output_file}.nbest" if options.nbest is not None or search["nbest"] > 1 else None
     written = {"--output_file": output_file, "--scores_file": scores_file, "--nbest (OUTPUT_FILE.nbest)": nbest_file}
     _refuse_overwriting_inputs(written, inputs)
     if stdin:
@@ -424,7 +461,16 @@ def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[s
             bleu.check_line_counts(hypotheses, references, "stdin", options.references_file)
     else:
         lists, stats = translate_nbest(
-            model, tokenizer, sources, progress=True, prefixes=prefixes, **search, **settings
+            model,
+            tokenizer,
+            sources,
+            nbest=search["nbest"],
+            length_penalty=search["length_penalty"],
+            prefixes=prefixes,
+            sampling=sampling,
+            seed=options.seed or 0,
+            progress=True,
+            **settings,
         )
         hypotheses = [x[0].text for x in lists]
         _write_lines(output_file, hypotheses)

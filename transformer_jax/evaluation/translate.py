@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
+import numpy as np
 from flax import nnx
 
 from transformer_jax import decoding
@@ -78,6 +79,16 @@ def check_nbest(nbest: int, beam_size: int) -> None:
         raise EvalError(f"--nbest {nbest} must be between 1 and the beam size ({beam_size}); raise --beam_size")
 
 
+def check_sampling(sampling: decoding.Sampling, num_samples: int) -> None:
+    """EvalError for sampling settings that cannot work, naming the flag."""
+    try:
+        sampling.check()
+    except ValueError as e:
+        raise EvalError(str(e)) from None
+    if num_samples < 1:
+        raise EvalError(f"--num_samples must be >= 1, got {num_samples}")
+
+
 def translate(
     model: nnx.Module,
     tokenizer: Tokenizer,
@@ -123,6 +134,8 @@ def translate_nbest(
     max_input_len: int,
     length_penalty: str = decoding.GNMT,
     prefixes: Sequence[str] | None = None,
+    sampling: decoding.Sampling | None = None,
+    seed: int = 0,
     progress: bool = False,
 ) -> tuple[list[list[Hypothesis]], dict[str, Any]]:
     """The `nbest` best hypotheses of each input sentence (nbest <= beam_size), best first, in input order, and
@@ -134,11 +147,16 @@ def translate_nbest(
     search. Hypotheses are ranked by log P / lp (decoding.length_penalty's `length_penalty` with `alpha`). With
     nbest 1 a sentence stops once its best hypothesis is settled; with more, every beam runs to its end, so the
     list is the full beam search's. prefixes: line i's output starts with prefixes[i], tokenized as a target
-    (a blank prefix: none); the hypotheses' text and log-probabilities include it. The settings are checked where
+    (a blank prefix: none); the hypotheses' text and log-probabilities include it. sampling: instead of searching
+    (beam_size 1), draw `nbest` samples per line (decoding.Sampling; reproducible for a seed), best score first;
+    their log_prob is the model's own log P of the sample. The settings are checked where
     they come in, by the rules of their config keys (config_checks.RULES: eval.*, data.eval_max_len), which
     validate() applies to every config and evaluate.py to its flags.
     """
-    check_nbest(nbest, beam_size)
+    if sampling is None:
+        check_nbest(nbest, beam_size)
+    else:
+        check_sampling(sampling, nbest)
     if prefixes is not None and len(prefixes) != len(sentences):
         raise EvalError(f"{len(sentences)} sentences but {len(prefixes)} prefixes: give one prefix per sentence")
     start = time.perf_counter()
@@ -178,7 +196,12 @@ def translate_nbest(
         from tqdm import tqdm
 
         bar = tqdm(total=len(sources), desc="translating", unit="sent", file=sys.stderr)
-    lines = list(sources)
+    # With sampling, each line is decoded nbest times, sample j of line i with its own key (sampling.sample_keys).
+    samples = 1 if sampling is None else nbest
+    lines = [i for i in sources for _ in range(samples)]
+    keys_N2 = None
+    if sampling is not None:
+        keys_N2 = decoding.sample_keys(seed, np.array(lines), np.tile(np.arange(samples), len(sources)))
     found = decoding.searcher(model).sentences(
         [sources[i] for i in lines],
         [output_limit(len(sources[i]), max_extra_len, limit) for i in lines],
@@ -188,11 +211,19 @@ def translate_nbest(
         shape=shape,
         progress=None if bar is None else bar.update,
         penalty=length_penalty,
-        best_only=nbest == 1,
+        best_only=nbest == 1 or sampling is not None,
         prefixes=None if prefixes is None else [list(tokenizer.encode(prefixes[i])) for i in lines],
+        sampling=sampling,
+        keys_N2=keys_N2,
     )
-    for i, result in zip(lines, found, strict=True):
-        outputs[i] = [_hypothesis(tokenizer, result, w) for w in range(nbest)]
+    for j in range(0, len(lines), samples):
+        i = lines[j]
+        if sampling is None:
+            outputs[i] = [_hypothesis(tokenizer, found[j], w) for w in range(nbest)]
+        else:  # the samples, best score first
+            drawn = [_hypothesis(tokenizer, found[j + k], 0) for k in range(samples)]
+            outputs[i] = sorted(drawn, key=lambda h: -h.score)
+        result = found[j] if sampling is None else found[j + [h.score for h in drawn].index(outputs[i][0].score)]
         n = int(result.lengths[0])
         if not (n and result.tokens[0, n - 1] == EOS_ID):
             stats["hit_max_len"] += 1  # stopped by the length limit, not by EOS
