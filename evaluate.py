@@ -56,6 +56,8 @@ flags.DEFINE_integer("top_k", None, "--sampling: draw among the k most probable 
 flags.DEFINE_float("top_p", None, "--sampling: draw from the smallest set holding this probability (default 1).")
 flags.DEFINE_integer("num_samples", None, "--sampling: samples per line (default 1); more go to OUTPUT_FILE.nbest.")
 flags.DEFINE_integer("seed", None, "--sampling: the seed (default 0); a line's samples depend on it and the line only.")
+flags.DEFINE_integer("mbr", None, "Choose among N candidates (the N-best, or N samples) by expected utility (MBR).")
+flags.DEFINE_string("mbr_utility", None, "--mbr: the utility, bleu (default) or chrf.")
 flags.DEFINE_bool("score", False, "Forced decoding: log P(reference | source) per line and the perplexity.")
 flags.DEFINE_integer("nbest", None, "Also write each line's N (<= beam) best to OUTPUT_FILE.nbest (Marian format).")
 
@@ -86,6 +88,8 @@ def main(argv: list[str]) -> None:
         top_p=FLAGS.top_p,
         num_samples=FLAGS.num_samples,
         seed=FLAGS.seed,
+        mbr=FLAGS.mbr,
+        mbr_utility=FLAGS.mbr_utility,
         score=FLAGS.score,
     )
     evaluate(options)

@@ -55,6 +55,8 @@ class Options:
     top_p: float | None = None
     num_samples: int | None = None  # samples per line (None: 1); more than one also go to OUTPUT_FILE.nbest
     seed: int | None = None  # None: 0
+    mbr: int | None = None  # choose among this many candidates (the n-best, or samples) by expected utility (mbr.py)
+    mbr_utility: str | None = None  # bleu | chrf (None: bleu)
     score: bool = False  # forced decoding: log P(reference | source) per line instead of translating (scoring.py)
 
 
@@ -80,6 +82,8 @@ _MODEL_FLAGS = (
     "top_p",
     "num_samples",
     "seed",
+    "mbr",
+    "mbr_utility",
 )
 _SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "num_samples", "seed")
 _AT_LEAST_ONE = ("beam_size", "batch_size", "max_extra_len", "average_last")
@@ -163,6 +167,7 @@ def _check_search(o: Options) -> None:
 
     if o.length_penalty is not None and o.length_penalty not in decoding.LENGTH_PENALTIES:
         raise EvalError(f"--length_penalty {o.length_penalty!r}: choose one of {', '.join(decoding.LENGTH_PENALTIES)}")
+    _check_mbr(o)
     given = [f"--{name}" for name in _SAMPLING_FLAGS if getattr(o, name) is not None]
     if given and not o.sampling:
         raise EvalError(f"{', '.join(given)} tune --sampling: add --sampling, or drop them")
@@ -188,6 +193,24 @@ def _check_search(o: Options) -> None:
             raise EvalError("--nbest needs a --source_file or a --split: stdin is translated one line at a time")
         # Without --beam_size only nbest >= 1 can be checked here; evaluate_model checks the config's beam size.
         check_nbest(o.nbest, o.nbest if o.beam_size is None else o.beam_size)
+
+
+def _check_mbr(o: Options) -> None:
+    from transformer_jax.evaluation.mbr import UTILITIES
+
+    if o.mbr_utility is not None and o.mbr is None:
+        raise EvalError("--mbr_utility goes with --mbr N: add --mbr, or drop it")
+    if o.mbr is None:
+        return
+    if o.mbr < 2:
+        raise EvalError(f"--mbr {o.mbr}: choose among at least 2 candidates")
+    if o.mbr_utility is not None and o.mbr_utility not in UTILITIES:
+        raise EvalError(f"--mbr_utility {o.mbr_utility!r}: choose one of {', '.join(UTILITIES)}")
+    for name in ("nbest", "num_samples"):
+        if getattr(o, name) is not None:
+            raise EvalError(f"--mbr N sets how many candidates there are; --{name} would be ignored: drop it")
+    if o.score or o.source_file == "-":
+        raise EvalError("--mbr translates a --source_file or a --split (not --score, not stdin)")
 
 
 def sampling_of(o: Options):
@@ -382,7 +405,7 @@ def compare_only(
 def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[str, Any]:
     """Restores, translates, writes the hypotheses and the JSON report; returns the report."""
     from transformer_jax.decoding import GNMT
-    from transformer_jax.evaluation import bleu
+    from transformer_jax.evaluation import bleu, mbr
     from transformer_jax.evaluation.nbest import nbest_lines
     from transformer_jax.evaluation.translate import check_nbest, translate_nbest
 
@@ -434,13 +457,19 @@ def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[s
             check_prefix_count(prefixes, sources, options.prefix_file, f"--split {split}")
         inputs.update(split_files(config, split_name))
     settings = decoding_settings(options, config)
-    search = {"length_penalty": options.length_penalty or GNMT, "nbest": options.nbest or options.num_samples or 1}
+    search = {
+        "length_penalty": options.length_penalty or GNMT,
+        "nbest": options.mbr or options.nbest or options.num_samples or 1,
+    }
     sampling = sampling_of(options)
     if sampling is not None:
         settings["beam_size"] = 1
         search["sampling"] = {**dataclasses.asdict(sampling), "seed": options.seed or 0, "num_samples": search["nbest"]}
-    elif options.nbest is not None:
-        check_nbest(options.nbest, settings["beam_size"])  # a beam size from the config
+    elif search["nbest"] > 1:
+        flag = "--mbr" if options.mbr is not None else "--nbest"
+        check_nbest(search["nbest"], settings["beam_size"], flag)  # a beam size from the config
+    if options.mbr is not None:
+        search["mbr_utility"] = options.mbr_utility or mbr.UTILITIES[0]
     tag = f"step{steps[-1]}" + (f"-avg{len(steps)}" if len(steps) > 1 else "")
     if options.score:
         return _forced_decoding(options, model, tokenizer, config, (sources, references), f"{name}.{tag}", inputs)
@@ -473,6 +502,9 @@ def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[s
             **settings,
         )
         hypotheses = [x[0].text for x in lists]
+        if options.mbr is not None:
+            u = mbr.utility(search["mbr_utility"])
+            hypotheses = [x[mbr.mbr_choice([h.text for h in x], u)].text for x in lists]
         _write_lines(output_file, hypotheses)
         if nbest_file:
             _write_lines(nbest_file, list(nbest_lines(lists)))

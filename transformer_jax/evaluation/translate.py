@@ -73,10 +73,11 @@ class Hypothesis(NamedTuple):
 EMPTY = Hypothesis("", 0.0, 0.0, 0)  # a blank input line's output (not decoded)
 
 
-def check_nbest(nbest: int, beam_size: int) -> None:
-    """EvalError unless 1 <= nbest <= beam_size: an n-best list holds the beams of one search."""
+def check_nbest(nbest: int, beam_size: int, flag: str = "--nbest") -> None:
+    """EvalError unless 1 <= nbest <= beam_size: an n-best list holds the beams of one search (`flag`: the option
+    that asked for it)."""
     if not 1 <= nbest <= beam_size:
-        raise EvalError(f"--nbest {nbest} must be between 1 and the beam size ({beam_size}); raise --beam_size")
+        raise EvalError(f"{flag} {nbest} must be between 1 and the beam size ({beam_size}); raise --beam_size")
 
 
 def check_sampling(sampling: decoding.Sampling, num_samples: int) -> None:
