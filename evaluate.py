@@ -58,6 +58,7 @@ flags.DEFINE_integer("num_samples", None, "--sampling: samples per line (default
 flags.DEFINE_integer("seed", None, "--sampling: the seed (default 0); a line's samples depend on it and the line only.")
 flags.DEFINE_integer("mbr", None, "Choose among N candidates (the N-best, or N samples) by expected utility (MBR).")
 flags.DEFINE_string("mbr_utility", None, "--mbr: the utility, bleu (default) or chrf.")
+flags.DEFINE_list("ensemble_workdirs", None, "More workdirs whose models decode with --workdir's (one tokenizer).")
 flags.DEFINE_bool("score", False, "Forced decoding: log P(reference | source) per line and the perplexity.")
 flags.DEFINE_integer("nbest", None, "Also write each line's N (<= beam) best to OUTPUT_FILE.nbest (Marian format).")
 
@@ -90,6 +91,7 @@ def main(argv: list[str]) -> None:
         seed=FLAGS.seed,
         mbr=FLAGS.mbr,
         mbr_utility=FLAGS.mbr_utility,
+        ensemble_workdirs=FLAGS.ensemble_workdirs,
         score=FLAGS.score,
     )
     evaluate(options)

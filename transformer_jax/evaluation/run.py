@@ -17,7 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from transformer_jax.decoding.ensemble import Ensemble
 from transformer_jax.errors import EvalError
+from transformer_jax.evaluation import modes
 from transformer_jax.evaluation.restore import Restorer, restore_model
 
 SPLITS = ("valid", "test")
@@ -57,6 +59,7 @@ class Options:
     seed: int | None = None  # None: 0
     mbr: int | None = None  # choose among this many candidates (the n-best, or samples) by expected utility (mbr.py)
     mbr_utility: str | None = None  # bleu | chrf (None: bleu)
+    ensemble_workdirs: Sequence[str] | None = None  # more models decoding with --workdir's (decoding/ensemble.py)
     score: bool = False  # forced decoding: log P(reference | source) per line instead of translating (scoring.py)
 
 
@@ -84,8 +87,8 @@ _MODEL_FLAGS = (
     "seed",
     "mbr",
     "mbr_utility",
+    "ensemble_workdirs",
 )
-_SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "num_samples", "seed")
 _AT_LEAST_ONE = ("beam_size", "batch_size", "max_extra_len", "average_last")
 
 
@@ -137,7 +140,7 @@ def check_options(options: Options) -> Options:
     elif o.references_file is not None:
         raise EvalError("--references_file goes with --source_file; a --split brings its own references")
     check_numbers({name: getattr(o, name) for name in (*_AT_LEAST_ONE, "alpha")}, "--")
-    _check_search(o)
+    modes.check_flags(o)
     if str(o.checkpoint) != "latest" and not _is_step(o.checkpoint):
         raise EvalError(f"--checkpoint must be 'latest' or a step number, got {o.checkpoint!r}")
     average_steps = None
@@ -157,70 +160,6 @@ def check_options(options: Options) -> Options:
         outputs["--nbest (OUTPUT_FILE.nbest)"] = f"{o.output_file}.nbest"
     _refuse_overwriting_inputs(outputs, _inputs(o))
     return dataclasses.replace(o, average_steps=average_steps, checkpoint=str(o.checkpoint))
-
-
-def _check_search(o: Options) -> None:
-    """EvalError for search flags that cannot work: an unknown --length_penalty, --nbest over the beam size (when
-    --beam_size is given; the config's is checked once read), or --nbest with stdin."""
-    from transformer_jax import decoding
-    from transformer_jax.evaluation.translate import check_nbest, check_sampling
-
-    if o.length_penalty is not None and o.length_penalty not in decoding.LENGTH_PENALTIES:
-        raise EvalError(f"--length_penalty {o.length_penalty!r}: choose one of {', '.join(decoding.LENGTH_PENALTIES)}")
-    _check_mbr(o)
-    given = [f"--{name}" for name in _SAMPLING_FLAGS if getattr(o, name) is not None]
-    if given and not o.sampling:
-        raise EvalError(f"{', '.join(given)} tune --sampling: add --sampling, or drop them")
-    if o.sampling:
-        if o.beam_size not in (None, 1):
-            raise EvalError(f"--sampling draws one token per step; --beam_size {o.beam_size} would be ignored")
-        if o.nbest is not None or o.score:
-            raise EvalError("--sampling draws --num_samples translations per line; drop --nbest and --score")
-        if o.source_file == "-":
-            raise EvalError("--sampling needs a --source_file or a --split: stdin is translated one line at a time")
-        check_sampling(sampling_of(o), 1 if o.num_samples is None else o.num_samples)
-    if o.prefix_file is not None and (o.score or o.source_file == "-"):
-        raise EvalError("--prefix_file goes with translating a --source_file or a --split (not --score, not stdin)")
-    if o.score:
-        if o.nbest is not None:
-            raise EvalError("--score teacher-forces the given targets; --nbest would be ignored: drop one of them")
-        if o.source_file == "-":
-            raise EvalError("--score reads its pairs from --source_file and --references_file, not stdin")
-        if o.source_file is not None and not o.references_file:
-            raise EvalError("--score needs --references_file (the targets to score) with --source_file, or a --split")
-    if o.nbest is not None:
-        if o.source_file == "-":
-            raise EvalError("--nbest needs a --source_file or a --split: stdin is translated one line at a time")
-        # Without --beam_size only nbest >= 1 can be checked here; evaluate_model checks the config's beam size.
-        check_nbest(o.nbest, o.nbest if o.beam_size is None else o.beam_size)
-
-
-def _check_mbr(o: Options) -> None:
-    from transformer_jax.evaluation.mbr import UTILITIES
-
-    if o.mbr_utility is not None and o.mbr is None:
-        raise EvalError("--mbr_utility goes with --mbr N: add --mbr, or drop it")
-    if o.mbr is None:
-        return
-    if o.mbr < 2:
-        raise EvalError(f"--mbr {o.mbr}: choose among at least 2 candidates")
-    if o.mbr_utility is not None and o.mbr_utility not in UTILITIES:
-        raise EvalError(f"--mbr_utility {o.mbr_utility!r}: choose one of {', '.join(UTILITIES)}")
-    for name in ("nbest", "num_samples"):
-        if getattr(o, name) is not None:
-            raise EvalError(f"--mbr N sets how many candidates there are; --{name} would be ignored: drop it")
-    if o.score or o.source_file == "-":
-        raise EvalError("--mbr translates a --source_file or a --split (not --score, not stdin)")
-
-
-def sampling_of(o: Options):
-    """The decoding.Sampling the flags ask for (unset ones: decoding.sampling.PLAIN's), or None without --sampling."""
-    from transformer_jax.decoding.sampling import PLAIN
-
-    if not o.sampling:
-        return None
-    given = {k: getattr(o, k) for k in ("temperature", "top_k", "top_p") if getattr(o, k) is not None}
-    return dataclasses.replace(PLAIN, **given)
 
 
 def check_numbers(values: dict[str, Any], prefix: str) -> None:
@@ -430,7 +369,7 @@ def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[s
     if options.prefix_file is not None:
         prefixes = read_sources(options.prefix_file)
         if sources is not None:
-            check_prefix_count(prefixes, sources, options.prefix_file, options.source_file)
+            modes.check_prefix_count(prefixes, sources, options.prefix_file, options.source_file)
     for flag, path in _outputs(options.output_file, options.scores_file, stdin).items():
         if path:
             check_writable(path, flag.split(" ")[0])
@@ -438,6 +377,8 @@ def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[s
         check_folder_writable(Path(options.workdir) / "eval", "--workdir (the default output folder WORKDIR/eval)")
 
     restorer = restorer or Restorer()
+    if options.ensemble_workdirs:
+        modes.check_ensemble_members(restorer, options.ensemble_workdirs)
     config, model, steps = restore_model(
         restorer,
         options.workdir,
@@ -447,6 +388,8 @@ def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[s
         average_steps=options.average_steps,
     )
     tokenizer = restorer.tokenizer(config, options.workdir)
+    if options.ensemble_workdirs:
+        model = Ensemble([model, *modes.restore_members(restorer, options.ensemble_workdirs, config, tokenizer)])
     name = "stdin" if stdin else Path(options.source_file).name if options.source_file else None
     inputs = _inputs(options)
     if options.source_file is None:
@@ -454,14 +397,14 @@ def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[s
         sources, references, split_name = split_pairs(config, split)
         name = f"{split}({split_name})"
         if prefixes is not None:
-            check_prefix_count(prefixes, sources, options.prefix_file, f"--split {split}")
+            modes.check_prefix_count(prefixes, sources, options.prefix_file, f"--split {split}")
         inputs.update(split_files(config, split_name))
     settings = decoding_settings(options, config)
     search = {
         "length_penalty": options.length_penalty or GNMT,
         "nbest": options.mbr or options.nbest or options.num_samples or 1,
     }
-    sampling = sampling_of(options)
+    sampling = modes.sampling_of(options)
     if sampling is not None:
         settings["beam_size"] = 1
         search["sampling"] = {**dataclasses.asdict(sampling), "seed": options.seed or 0, "num_samples": search["nbest"]}
@@ -535,15 +478,6 @@ def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[s
     if scores_file:
         _write_json(scores_file, report)
     return report
-
-
-def check_prefix_count(prefixes: Sequence[str], sources: Sequence[str], prefix_name: str, source_name: str) -> None:
-    """EvalError unless there is one prefix line per source line."""
-    if len(prefixes) != len(sources):
-        raise EvalError(
-            f"line counts differ: --prefix_file {prefix_name} has {len(prefixes)} lines, {source_name} has "
-            f"{len(sources)}; give one prefix line per source line (an empty line for none)"
-        )
 
 
 def _forced_decoding(options: Options, model, tokenizer, config, pairs, name: str, inputs: dict) -> dict[str, Any]:
