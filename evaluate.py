@@ -20,6 +20,10 @@ stdin and writes each translation as soon as its line is read. Every line is kep
 gives an empty hypothesis, scored against its reference as the sacrebleu command scores it), and the report counts
 them. Bad flag values, an output that would overwrite an input, an output location that cannot be written, input
 that is not UTF-8 or has no lines: each stops the program with one line before the model is restored.
+
+Decoding modes (docs/decoding.md): --length_penalty gnmt|average|none, --nbest N (OUTPUT_FILE.nbest), --score
+(forced decoding of --source_file/--references_file), --prefix_file P, --sampling [--temperature --top_k --top_p
+--num_samples --seed], --ensemble_workdirs B,C, --mbr N [--mbr_utility bleu|chrf].
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ def test_exhaustive_beam_with_each_length_penalty_equals_brute_force(penalty, al
 
 def test_penalties_rank_differently_and_early_stop_keeps_the_best_under_each():
     """The three penalties pick different winners on this stub, and best_only's bound holds for each."""
-    table_seed, seeds, max_lens = 2, np.arange(30), 3 + np.arange(30) % 5
+    table_seed, seeds, max_lens = 2, np.arange(12), 3 + np.arange(12) % 5
     winners = {}
     for penalty, alpha in (("gnmt", 0.6), ("average", 1.0), ("none", 0.0)):
         full, early = (
@@ -99,7 +99,8 @@ def _sources(n: int, seed: int = 7) -> list[list[int]]:
     return [[int(t) for t in rng.integers(4, 50, k - 1)] + [EOS] for k in rng.integers(2, 12, n)]
 
 
-@pytest.mark.parametrize("penalty", ["average", pytest.param("none", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("penalty", ["average", "none"])
 def test_nbest_through_the_scheduler_equals_the_full_beam_search(penalty):
     """best_only=False runs every beam to its end, in the refilling batch as in one jit."""
     sources, model = _sources(20), shared_model()
@@ -174,11 +175,6 @@ def test_nbest_file_has_n_lines_per_input_line_and_the_1best_stays_in_the_output
             assert log_prob < 0 and length == pytest.approx(round(length), abs=1e-3)
             assert len(text) <= round(length) <= len(lines[i]) + 1 + 5
     assert report["search"] == {"length_penalty": "average", "nbest": 2, "nbest_file": f"{out}.nbest"}
-    # The 1-best equals a run without --nbest (which stops each sentence once its best hypothesis is settled).
-    again = tmp_path / "again"
-    again.mkdir()
-    _evaluate(again, lines, length_penalty="average", alpha=1.0)
-    assert (again / "out" / "hyp.txt").read_text(encoding="utf-8").splitlines() == hypotheses
 
 
 @pytest.mark.parametrize(
@@ -257,7 +253,8 @@ def _next_log_prob(table: np.ndarray, seed: int, prefix: tuple[int, ...], token:
     return float(log_softmax(table[h].astype(np.float64))[token])
 
 
-@pytest.mark.parametrize("beam_size", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("beam_size", [1, 2])
 def test_prefixes_through_the_scheduler_equal_the_one_jit_search(beam_size):
     sources, model = _sources(20, seed=3), shared_model()
     rng = np.random.default_rng(4)

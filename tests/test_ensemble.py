@@ -24,26 +24,30 @@ def _sources(n: int):
     return [[int(t) for t in rng.integers(4, 50, k - 1)] + [EOS_ID] for k in rng.integers(2, 10, n)]
 
 
-def test_ensemble_greedy_follows_the_mean_of_the_members_log_probs_and_keeps_each_members_cache():
+@pytest.mark.parametrize("sentences", [4, pytest.param(20, marks=pytest.mark.slow)])  # 20: the refilling batch
+def test_ensemble_greedy_follows_the_mean_of_the_members_log_probs_and_keeps_each_members_cache(sentences):
     """Members of different depths (3 and 1 decoder layers): every greedy token is the argmax of the mean of the
     members' teacher-forced log-probabilities, and the output's log P is their sum under the renormalised mean."""
     members = [shared_model(), tiny_model(2, num_decoder_layers=1)]
-    sources, max_len = _sources(20), [3 + i % 6 for i in range(20)]
+    sources, max_len = _sources(sentences), [3 + i % 6 for i in range(sentences)]
     found = decoding.searcher(Ensemble(members)).sentences(
         sources, max_len, beam_size=1, alpha=0.6, batch_size=16, shape=lambda _: (16, 9)
     )
     for src, r in zip(sources[:6], found[:6], strict=True):
         n = int(r.lengths[0])
         out = [int(t) for t in r.tokens[0, :n]]
-        src_BS = jnp.asarray([src])
-        tgt_BT = jnp.asarray([[BOS_ID, *out[:-1]]])
-        mean_TV = np.mean([np.asarray(jax.nn.log_softmax(forward(m, src_BS, tgt_BT)[0], -1)) for m in members], 0)
+        # Padded to fixed lengths (one compilation per member); causality hides the padding after position n - 1.
+        src_BS = jnp.asarray([src + [PAD_ID] * (10 - len(src))])
+        tgt_BT = jnp.asarray([[BOS_ID, *out[:-1]] + [PAD_ID] * (9 - n)])
+        log_probs = [np.asarray(jax.nn.log_softmax(forward(m, src_BS, tgt_BT)[0, :n], -1)) for m in members]
+        mean_TV = np.mean(log_probs, 0)
         mean_TV = mean_TV - np.logaddexp.reduce(mean_TV, axis=-1, keepdims=True)
         assert out == [int(t) for t in np.argmax(mean_TV, axis=-1)]
         np.testing.assert_allclose(r.log_probs[0], mean_TV[np.arange(n), out].sum(), rtol=1e-4, atol=1e-5)
     assert all(int(t) != PAD_ID for r in found for t in r.tokens[0, : int(r.lengths[0])])
 
 
+@pytest.mark.slow
 def test_an_ensemble_of_one_model_twice_decodes_as_the_model():
     model, sources = shared_model(), _sources(4)
     max_len = [6] * 4
@@ -81,6 +85,7 @@ def _evaluate(tmp_path, restorer, **flags):
     return evaluate_model(dataclasses.replace(options, **flags), restorer)
 
 
+@pytest.mark.slow
 def test_ensemble_flag_decodes_with_every_member(tmp_path):
     _evaluate(tmp_path, _Restorers(), ensemble_workdirs=[str(tmp_path / "b")])
     assert len((tmp_path / "o" / "h").read_text(encoding="utf-8").splitlines()) == 2

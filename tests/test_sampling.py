@@ -80,6 +80,7 @@ def test_a_seed_reproduces_its_samples_and_other_seeds_differ():
     assert np.array_equal(a, b) and not np.array_equal(a, c)
 
 
+@pytest.mark.slow
 def test_samples_through_the_scheduler_equal_the_one_jit_ones_and_depend_on_line_and_number_only():
     """The refilling batch (rows joining at other times, other neighbours) draws what one jit draws."""
     model, rng = shared_model(), np.random.default_rng(2)
