@@ -68,9 +68,10 @@ class Hypothesis(NamedTuple):
     log_prob: float  # log P(tokens | source), the tokens EOS included when emitted
     score: float  # log_prob / lp(length): what the search ranks by
     length: int  # emitted tokens, EOS included
+    ended: bool  # it emitted EOS (False: it stopped at its length limit)
 
 
-EMPTY = Hypothesis("", 0.0, 0.0, 0)  # a blank input line's output (not decoded)
+EMPTY = Hypothesis("", 0.0, 0.0, 0, False)  # a blank input line's output (not decoded)
 
 
 def check_nbest(nbest: int, beam_size: int, flag: str = "--nbest") -> None:
@@ -224,11 +225,8 @@ def translate_nbest(
         else:  # the samples, best score first
             drawn = [_hypothesis(tokenizer, found[j + k], 0) for k in range(samples)]
             outputs[i] = sorted(drawn, key=lambda h: -h.score)
-        result = found[j] if sampling is None else found[j + [h.score for h in drawn].index(outputs[i][0].score)]
-        n = int(result.lengths[0])
-        if not (n and result.tokens[0, n - 1] == EOS_ID):
-            stats["hit_max_len"] += 1  # stopped by the length limit, not by EOS
-        stats["tgt_tokens"] += n
+        stats["hit_max_len"] += not outputs[i][0].ended
+        stats["tgt_tokens"] += outputs[i][0].length
     if bar is not None:
         bar.close()
     seconds = time.perf_counter() - start
@@ -241,5 +239,7 @@ def translate_nbest(
 def _hypothesis(tokenizer: Tokenizer, result: decoding.BeamResult, beam: int) -> Hypothesis:
     """Beam `beam` of one sentence's result, detokenized without EOS and PAD."""
     n = int(result.lengths[beam])
-    ids = [t for t in result.tokens[beam, :n].tolist() if t not in (EOS_ID, PAD_ID)]
-    return Hypothesis(tokenizer.decode(ids), float(result.log_probs[beam]), float(result.scores[beam]), n)
+    ids = result.tokens[beam, :n].tolist()
+    ended = bool(ids) and ids[-1] == EOS_ID
+    text = tokenizer.decode([t for t in ids if t not in (EOS_ID, PAD_ID)])
+    return Hypothesis(text, float(result.log_probs[beam]), float(result.scores[beam]), n, ended)
