@@ -17,10 +17,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from transformer_jax.decoding import GNMT
 from transformer_jax.decoding.ensemble import Ensemble
 from transformer_jax.errors import EvalError
-from transformer_jax.evaluation import modes
+from transformer_jax.evaluation import mbr, modes
+from transformer_jax.evaluation.nbest import nbest_lines
 from transformer_jax.evaluation.restore import Restorer, restore_model
+from transformer_jax.evaluation.scoring import score_lines, score_pairs
+from transformer_jax.evaluation.translate import check_nbest, translate_nbest
 
 SPLITS = ("valid", "test")
 
@@ -343,10 +347,7 @@ def compare_only(
 
 def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[str, Any]:
     """Restores, translates, writes the hypotheses and the JSON report; returns the report."""
-    from transformer_jax.decoding import GNMT
-    from transformer_jax.evaluation import bleu, mbr
-    from transformer_jax.evaluation.nbest import nbest_lines
-    from transformer_jax.evaluation.translate import check_nbest, translate_nbest
+    from transformer_jax.evaluation import bleu
 
     options = check_options(options)
     if options.config is not None:  # a --config the user gave; the one saved with the checkpoints was checked
@@ -483,8 +484,6 @@ def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[s
 def _forced_decoding(options: Options, model, tokenizer, config, pairs, name: str, inputs: dict) -> dict[str, Any]:
     """--score: writes each pair's log-probability line (scoring.score_lines) and the JSON report with the corpus
     perplexity; returns the report."""
-    from transformer_jax.evaluation.scoring import score_lines, score_pairs
-
     output_file = options.output_file or str(Path(options.workdir) / "eval" / f"{name}.scores.txt")
     scores_file = options.scores_file or f"{output_file}.json"
     _refuse_overwriting_inputs({"--output_file": output_file, "--scores_file": scores_file}, inputs)
