@@ -20,6 +20,10 @@ stdin and writes each translation as soon as its line is read. Every line is kep
 gives an empty hypothesis, scored against its reference as the sacrebleu command scores it), and the report counts
 them. Bad flag values, an output that would overwrite an input, an output location that cannot be written, input
 that is not UTF-8 or has no lines: each stops the program with one line before the model is restored.
+
+Decoding modes (docs/decoding.md): --length_penalty gnmt|average|none, --nbest N (OUTPUT_FILE.nbest), --score
+(forced decoding of --source_file/--references_file), --prefix_file P, --sampling [--temperature --top_k --top_p
+--num_samples --seed], --ensemble_workdirs B,C, --mbr N [--mbr_utility bleu|chrf].
 """
 
 from __future__ import annotations
@@ -49,6 +53,19 @@ flags.DEFINE_integer("max_extra_len", None, "Output tokens beyond the input leng
 flags.DEFINE_integer("batch_size", None, "Sentences per decoding batch (default config.eval.batch_size).")
 flags.DEFINE_string("output_file", None, "Hypotheses file; default WORKDIR/eval/<name>.<steps>.txt (stdin: stdout).")
 flags.DEFINE_string("scores_file", None, "JSON report; default OUTPUT_FILE.json.")
+flags.DEFINE_string("length_penalty", None, "Score normalisation: gnmt (default), average (score / len^alpha), none.")
+flags.DEFINE_string("prefix_file", None, "Line i's translation starts with line i of this file (empty line: none).")
+flags.DEFINE_bool("sampling", False, "Draw translations from the model instead of searching (beam size 1).")
+flags.DEFINE_float("temperature", None, "--sampling: divide the logits by this (> 0; default 1).")
+flags.DEFINE_integer("top_k", None, "--sampling: draw among the k most probable tokens (default 0: all).")
+flags.DEFINE_float("top_p", None, "--sampling: draw from the smallest set holding this probability (default 1).")
+flags.DEFINE_integer("num_samples", None, "--sampling: samples per line (default 1); more go to OUTPUT_FILE.nbest.")
+flags.DEFINE_integer("seed", None, "--sampling: the seed (default 0); a line's samples depend on it and the line only.")
+flags.DEFINE_integer("mbr", None, "Choose among N candidates (the N-best, or N samples) by expected utility (MBR).")
+flags.DEFINE_string("mbr_utility", None, "--mbr: the utility, bleu (default) or chrf.")
+flags.DEFINE_list("ensemble_workdirs", None, "More workdirs whose models decode with --workdir's (one tokenizer).")
+flags.DEFINE_bool("score", False, "Forced decoding: log P(reference | source) per line and the perplexity.")
+flags.DEFINE_integer("nbest", None, "Also write each line's N (<= beam) best to OUTPUT_FILE.nbest (Marian format).")
 
 
 def main(argv: list[str]) -> None:
@@ -68,6 +85,19 @@ def main(argv: list[str]) -> None:
         batch_size=FLAGS.batch_size,
         output_file=FLAGS.output_file,
         scores_file=FLAGS.scores_file,
+        length_penalty=FLAGS.length_penalty,
+        nbest=FLAGS.nbest,
+        prefix_file=FLAGS.prefix_file,
+        sampling=FLAGS.sampling,
+        temperature=FLAGS.temperature,
+        top_k=FLAGS.top_k,
+        top_p=FLAGS.top_p,
+        num_samples=FLAGS.num_samples,
+        seed=FLAGS.seed,
+        mbr=FLAGS.mbr,
+        mbr_utility=FLAGS.mbr_utility,
+        ensemble_workdirs=FLAGS.ensemble_workdirs,
+        score=FLAGS.score,
     )
     evaluate(options)
 

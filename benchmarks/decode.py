@@ -3,14 +3,18 @@
     python -m benchmarks.decode --workdir runs/m30k [--split test --batch_size 64 --threads 2 --beam_sizes 4,1]
     python -m benchmarks.decode --config configs/wmt14_ende.py:size=base --beam_size 4 --num_sentences 16
 
-With --workdir (side by side): the workdir's model (the checkpoints evaluate.py would average) translates the
-split with evaluation.translate.translate (evaluate.py's path) and, exported with the same weights
-(transformer_jax.export.ctranslate2), with CTranslate2 on --threads threads; one JSON line per beam size with
-each engine's first-call time (ours includes XLA compilation), its steady-state time (the best of --repeats further
-calls), sacreBLEU, and how many outputs are identical. Both sides use the same tokenization, source truncation and
-per-sentence output limits (evaluation/translate.py's rules); CTranslate2's length penalty is its own formula, so
-only greedy outputs are expected to be identical. XLA uses every core of the machine: run with --threads equal to
-that count.
+With --workdir (side by side), --modes translate (the default): the workdir's model (the checkpoints evaluate.py
+would average) translates the split with evaluation.translate.translate (evaluate.py's path) and, exported with the
+same weights (transformer_jax.export.ctranslate2), with CTranslate2 on --threads threads; one JSON line per beam
+size with each engine's first-call time (ours includes XLA compilation), its steady-state time (the best of
+--repeats further calls), sacreBLEU, and how many outputs are identical. Both sides use the same tokenization,
+source truncation and per-sentence output limits (evaluation/translate.py's rules); CTranslate2's length penalty is
+its own formula, so only greedy outputs are expected to be identical. XLA uses every core of the machine: run with
+--threads equal to that count.
+
+--modes nbest,score,sampling: the decoding modes, one JSON line each, against their counterparts: the 4-best of
+beam 4 against CTranslate2's num_hypotheses (its length_penalty is our `average` penalty), forced decoding of the
+split's references against score_batch, and sampling against our own greedy search (`modes_side_by_side`).
 
 Without --workdir (random weights):
 
@@ -69,6 +73,9 @@ _BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Sentences per batch, on bo
 _THREADS = flags.DEFINE_integer("threads", 2, "CTranslate2's intra_threads (XLA uses every core).")
 _BEAM_SIZES = flags.DEFINE_list("beam_sizes", ["4", "1"], "Beam sizes to compare (1 is greedy).")
 _ALPHA = flags.DEFINE_float("alpha", 0.6, "Length penalty alpha (each engine's own formula).")
+_MODES = flags.DEFINE_list(
+    "modes", ["translate"], "With --workdir: translate (1-best), nbest (4-best), score (forced decoding), sampling."
+)
 _AVERAGE_LAST = flags.DEFINE_integer("average_last", None, "Checkpoints to average (default: the config's).")
 
 
@@ -129,6 +136,120 @@ def side_by_side(workdir: str) -> None:
                 }
             report["time_ratio_ours_over_ctranslate2"] = round(ours[1] / theirs[1], 2)
             report["identical_outputs"] = sum(a == b for a, b in zip(ours[2][0], theirs[2][0], strict=True))
+            print(json.dumps(report), flush=True)
+
+
+NBEST = 4  # hypotheses per sentence in the nbest mode (and its beam size)
+
+
+def modes_side_by_side(workdir: str, modes: list[str]) -> None:
+    """One JSON line per mode, each against its counterpart (module docstring): nbest against CTranslate2's
+    num_hypotheses (beam NBEST, its length_penalty = our `average` penalty), score against score_batch, sampling
+    (temperature 1, no cut, seed 0) against our own greedy search."""
+    import ctranslate2
+
+    from transformer_jax.evaluation.restore import Restorer, restore_model
+    from transformer_jax.evaluation.run import split_pairs
+    from transformer_jax.evaluation.scoring import score_pairs
+    from transformer_jax.evaluation.translate import (
+        input_limit,
+        output_limit,
+        position_limit,
+        source_ids,
+        translate_nbest,
+    )
+    from transformer_jax.export.ctranslate2 import to_ctranslate2, vocabulary
+
+    restorer = Restorer()
+    config, model, steps = restore_model(restorer, workdir, average_last=_AVERAGE_LAST.value)
+    tokenizer = restorer.tokenizer(config, workdir)
+    sources, references, split = split_pairs(config, _SPLIT.value)
+    pieces = vocabulary(tokenizer)
+    limit = position_limit(model.spec)
+    max_input_len = input_limit(config.data.eval_max_len, limit)
+    ids = [source_ids(tokenizer, s, max_input_len)[0] for s in sources if s.strip()]
+    longest = max(output_limit(len(x), config.eval.max_extra_len, limit) for x in ids)
+    common = dict(
+        alpha=_ALPHA.value,
+        max_extra_len=config.eval.max_extra_len,
+        batch_size=_BATCH_SIZE.value,
+        max_input_len=config.data.eval_max_len,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        translator = ctranslate2.Translator(
+            str(to_ctranslate2(model, tokenizer, Path(tmp) / "ct2")),
+            device="cpu",
+            inter_threads=1,
+            intra_threads=_THREADS.value,
+        )
+        batch = [[pieces[t] for t in x[:-1]] for x in ids]
+        for mode in modes:
+            if mode == "nbest":
+                ours = functools.partial(
+                    translate_nbest,
+                    model,
+                    tokenizer,
+                    sources,
+                    nbest=NBEST,
+                    beam_size=NBEST,
+                    length_penalty="average",
+                    **common,
+                )
+                theirs = functools.partial(
+                    translator.translate_batch,
+                    batch,
+                    max_batch_size=_BATCH_SIZE.value,
+                    beam_size=NBEST,
+                    num_hypotheses=NBEST,
+                    length_penalty=_ALPHA.value,
+                    max_input_length=0,
+                    max_decoding_length=longest,
+                    min_decoding_length=0,
+                )
+                baseline = "ctranslate2 num_hypotheses"
+            elif mode == "score":
+                ours = functools.partial(
+                    score_pairs,
+                    model,
+                    tokenizer,
+                    sources,
+                    references,
+                    batch_size=_BATCH_SIZE.value,
+                    max_len=config.data.eval_max_len,
+                )
+                theirs = functools.partial(
+                    translator.score_batch,
+                    [[pieces[t] for t in tokenizer.encode(x)] for x in sources],
+                    [[pieces[t] for t in tokenizer.encode(x)] for x in references],
+                    max_batch_size=_BATCH_SIZE.value,
+                )
+                baseline = "ctranslate2 score_batch"
+            elif mode == "sampling":
+                ours = functools.partial(
+                    translate_nbest,
+                    model,
+                    tokenizer,
+                    sources,
+                    nbest=1,
+                    beam_size=1,
+                    sampling=decoding.Sampling(1.0, 0, 1.0),
+                    **common,
+                )
+                theirs = functools.partial(translate_nbest, model, tokenizer, sources, nbest=1, beam_size=1, **common)
+                baseline = "our greedy search"
+            else:
+                raise DataError(f"--modes: unknown mode {mode!r}; choose among translate, nbest, score, sampling")
+            first, steady, _ = timed_calls(ours, _REPEATS.value)
+            base_first, base_steady, _ = timed_calls(theirs, _REPEATS.value)
+            report = {"workdir": workdir, "steps": steps, "split": split, "sentences": len(sources), "mode": mode}
+            report.update(backend=jax.default_backend(), cores=os.cpu_count(), ctranslate2_threads=_THREADS.value)
+            report["ours"] = {"first_call_s": round(first, 2), "steady_s": round(steady, 2)}
+            report["baseline"] = {
+                "what": baseline,
+                "first_call_s": round(base_first, 2),
+                "steady_s": round(base_steady, 2),
+            }
+            report["time_ratio_ours_over_baseline"] = round(steady / base_steady, 2)
             print(json.dumps(report), flush=True)
 
 
@@ -213,7 +334,11 @@ def best_time(fn, repeats: int) -> float:
 def main(argv: list[str]) -> None:
     del argv  # no positional arguments (transformer_jax.cli.run refuses them)
     if _WORKDIR.value:
-        side_by_side(_WORKDIR.value)
+        if "translate" in _MODES.value:
+            side_by_side(_WORKDIR.value)
+        extra = [m for m in _MODES.value if m != "translate"]
+        if extra:
+            modes_side_by_side(_WORKDIR.value, extra)
         return
     config = _CONFIG.value
     model = build_model(config, rngs=nnx.Rngs(0))

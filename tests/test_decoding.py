@@ -1,9 +1,5 @@
-"""Greedy and beam search: stubs with known distributions checked against brute force, and the Transformer's cache.
-
-Stub decode steps follow the `decode_step(tokens, cache) -> (logits, cache)` interface. The hashing stub makes the
-next-token distribution depend on the whole prefix (through a per-row hash carried in the cache), so a beam whose
-cache row is not reordered with it gets the wrong distribution and the brute-force comparison fails.
-"""
+"""Greedy and beam search: stubs with known distributions checked against brute force (tests/helpers/decoding.py),
+and the Transformer's cache."""
 
 from __future__ import annotations
 
@@ -15,61 +11,25 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.helpers.model import random_tokens, tiny_model
+from tests.helpers.decoding import (
+    BOS,
+    EOS,
+    PAD,
+    VOCAB,
+    brute_force,
+    hash_stub,
+    hash_table,
+    log_softmax,
+    next_hash,
+    shared_model,
+    sources_BS,
+)
+from tests.helpers.model import random_tokens
 from transformer_jax import decoding
+from transformer_jax.decoding import refill
+from transformer_jax.decoding import transformer as binding
 from transformer_jax.evaluation.translate import translate
 from transformer_jax.model import unpacked_segment_ids
-from transformer_jax.tokens import BOS_ID, EOS_ID, PAD_ID
-
-PAD, EOS, BOS = PAD_ID, EOS_ID, BOS_ID
-VOCAB = 6  # 0 pad, 1 eos, 2 bos, 3 unk (never produced by the stubs), 4 and 5 "words"
-WORDS = (EOS, 4, 5)
-HASH_MOD = 101
-
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-
-def hash_table(seed: int) -> np.ndarray:
-    """[HASH_MOD, VOCAB] logits: only EOS and the two words are possible."""
-    logits = np.random.default_rng(seed).normal(size=(HASH_MOD, VOCAB)) * 1.5
-    logits[:, [PAD, BOS, 3]] = -np.inf
-    return logits.astype(np.float32)
-
-
-def _next_hash(h, token):
-    return (h * 31 + token + 1) % HASH_MOD
-
-
-def hash_stub(table: np.ndarray):
-    """decode_step whose logits are table[hash(source seed, every token fed so far)]."""
-    table = jnp.asarray(table)
-
-    def decode_step(tokens_R1, cache):
-        h = _next_hash(cache["h"], tokens_R1[:, 0])
-        return table[h][:, None, :], {"h": h, "calls": cache["calls"] + 1}
-
-    return decode_step
-
-
-def brute_force(table: np.ndarray, seed: int, max_len: int, alpha: float) -> list[tuple[float, tuple[int, ...]]]:
-    """(score, tokens) of every possible output, best first: EOS-ended up to max_len, or max_len words."""
-    out = []
-
-    def expand(h: int, last: int, prefix: tuple[int, ...], log_prob: float) -> None:
-        h = _next_hash(h, last)
-        log_probs = _log_softmax(table[h].astype(np.float64))
-        for token in WORDS:
-            seq, lp = prefix + (token,), log_prob + log_probs[token]
-            if token == EOS or len(seq) == max_len:
-                out.append((lp / ((5 + len(seq)) / 6) ** alpha, seq))
-            else:
-                expand(h, token, seq, lp)
-
-    expand(seed, BOS, (), 0.0)
-    return sorted(out, key=lambda x: -x[0])
 
 
 @functools.partial(jax.jit, static_argnames=("beam_size", "max_steps", "table_seed"))
@@ -183,7 +143,7 @@ def test_finished_hypothesis_is_never_extended():
     np.testing.assert_allclose(result.scores[0, 0], np.log(0.7), rtol=1e-6)  # lp(1) = 1: the score never moved
     # The runner-up is 4 x 6 cut at the length limit (no EOS): its score is its log-prob over lp(6).
     np.testing.assert_array_equal(result.tokens[0, 1], [4, 4, 4, 4, 4, 4])
-    log_p = np.log(0.3) + 5 * _log_softmax(np.array([-np.inf, -8.0, -np.inf, -np.inf, 0.0, -9.0]))[4]
+    log_p = np.log(0.3) + 5 * log_softmax(np.array([-np.inf, -8.0, -np.inf, -np.inf, 0.0, -9.0]))[4]
     np.testing.assert_allclose(result.scores[0, 1], log_p / (11 / 6), rtol=1e-5)
     for w in range(2):  # in every beam only PAD follows the first EOS
         tokens = np.asarray(result.tokens[0, w])
@@ -205,25 +165,12 @@ def test_beam_size_one_equals_greedy_on_stub():
         assert seq[-1] == EOS or len(seq) == max_lens[b]
         h, last = int(seeds[b]), BOS
         for token in seq:
-            h = _next_hash(h, last)
+            h = next_hash(h, last)
             assert token == int(np.argmax(hash_table(11)[h]))
             last = token
 
 
 # -- the Transformer ---------------------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=1)
-def _model():
-    return tiny_model(seed=1)
-
-
-def _source(batch: int = 2, length: int = 7):
-    """Sources of different lengths (length - 2 and length tokens, alternating), PAD-padded, EOS-terminated."""
-    src = np.array(random_tokens(3, (batch, length)))
-    src[:, -1] = EOS
-    src[::2, length - 3], src[::2, length - 2 :] = EOS, PAD
-    return jnp.asarray(src)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "beam_size", "max_steps"))
@@ -254,7 +201,7 @@ def _full_logits(graphdef, state, src_BS, tgt_RT, *, beam_size):
 
 
 def test_cached_decode_step_with_beam_reordering_equals_full_recompute():
-    model, src, beam, steps = _model(), _source(), 2, 5
+    model, src, beam, steps = shared_model(), sources_BS(), 2, 5
     rng = np.random.default_rng(0)
     n = src.shape[0] * beam
     fed = np.array(random_tokens(4, (n, steps)))
@@ -299,7 +246,7 @@ def _teacher_forced_log_probs(graphdef, state, src, tokens_BWL, lengths_BW):
 
 def test_beam_search_on_model_scores_equal_full_recompute_log_probs():
     # The shapes of translate()'s batches in the test below (4 rows, bucket 16, 16 + 5 steps): one compilation.
-    model, src = _model(), _source(4, 16)
+    model, src = shared_model(), sources_BS(4, 16)
     max_len = jnp.array([6, 21, 9, 3])
     cached = decoding.search(model, src, max_len, beam_size=2, alpha=0.6, max_steps=21)
     expected = _teacher_forced_log_probs(*nnx.split(model), src, cached.tokens, cached.lengths)
@@ -318,7 +265,7 @@ def _model_beam1(graphdef, state, src_BS, max_len_B, *, max_steps):
 
 
 def test_beam_size_one_equals_greedy_on_model_and_search_runs_without_dropout():
-    model, src, max_len = _model(), _source(), jnp.array([8, 5])
+    model, src, max_len = shared_model(), sources_BS(), jnp.array([8, 5])
     beam = _model_beam1(*nnx.split(model), src, max_len, max_steps=8)
     greedy = decoding.search(model, src, max_len, beam_size=1, alpha=0.6, max_steps=8)  # greedy search
     np.testing.assert_array_equal(beam.tokens, greedy.tokens)
@@ -350,13 +297,13 @@ class CharTokenizer:
 
 def test_translate_keeps_order_empty_lines_and_is_independent_of_batching(monkeypatch):
     # Batches under 2 MIN_ROWS sentences have little to gain from refilling: they run one-jit batches.
-    monkeypatch.setattr(decoding, "_refilling_search", lambda *a, **k: pytest.fail("refilled a small batch"))
+    monkeypatch.setattr(refill, "refilling_search", lambda *a, **k: pytest.fail("refilled a small batch"))
     batches = []
-    one_jit = decoding._search
+    one_jit = binding._search
     monkeypatch.setattr(
-        decoding, "_search", lambda g, p, src, *a, **k: batches.append(src.shape) or one_jit(g, p, src, *a, **k)
+        binding, "_search", lambda g, p, src, *a, **k: batches.append(src.shape) or one_jit(g, p, src, *a, **k)
     )
-    model, tok = _model(), CharTokenizer()
+    model, tok = shared_model(), CharTokenizer()
     sentences = ["hello world", "", "a", "x" * 40, "   ", "the cat sat on the mat", "b c"]
     settings = dict(beam_size=2, alpha=0.6, max_extra_len=5, max_input_len=16)
     outputs, stats = translate(model, tok, sentences, batch_size=4, **settings)
@@ -404,7 +351,7 @@ def _search_without_eos(graphdef, state, src_BS, max_len_B, *, beam_size, max_st
 @pytest.mark.parametrize("beam_size", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_search_in_cache_stages_equals_one_full_size_cache(beam_size):
     # Outputs end inside the first (3 tokens), second (20) and last (40, 48) of the stages 16, 32, 48.
-    model, src, max_len = _model(), _source(4, 7), jnp.array([48, 3, 20, 40])
+    model, src, max_len = shared_model(), sources_BS(4, 7), jnp.array([48, 3, 20, 40])
     graphdef, state = nnx.split(model)
     staged, full = (
         _search_without_eos(graphdef, state, src, max_len, beam_size=beam_size, max_steps=48, staged=staged)
@@ -441,12 +388,12 @@ def test_compacting_search_equals_the_whole_batch_search(beam_size, monkeypatch)
     """One batch through the refilling search: nothing waits, so finished sentences only leave the batch."""
     # 20 of 24 sentences stop within 3 tokens; the other 4 may run to 40 (stages 16, 40). After the first call the
     # batch shrinks to 12 sentences, whose rows (<= FULL_CACHE_ROWS) grow the cache to 40 slots at once.
-    model, src = _model(), _source(24, 9)
+    model, src = shared_model(), sources_BS(24, 9)
     max_len = jnp.array([40 if i % 6 == 0 else 1 + i % 3 for i in range(24)])
     kept = []
-    keep = decoding._keep
+    keep = binding._keep
     monkeypatch.setattr(
-        decoding,
+        binding,
         "_keep",
         lambda context, s, keep_K, **kw: kept.append(keep_K.shape[0]) or keep(context, s, keep_K, **kw),
     )
@@ -471,20 +418,18 @@ def test_refilling_search_equals_one_batch_at_a_time(monkeypatch):
     sources = [[int(t) for t in rng.integers(4, 50, n - 1)] + [EOS] for n in lengths]
     max_len = [22 if i % 7 == 0 else 1 + i % 4 for i in range(len(sources))]
     joined, widened = [], []
-    programs = decoding._programs.__wrapped__
+    insert, widen = binding._insert, binding._widen
     monkeypatch.setattr(
-        decoding,
-        "_programs",
-        lambda *g: (p := programs(*g))._replace(
-            insert=lambda *a, **k: joined.append(int(np.sum(np.asarray(a[4]) < 20))) or p.insert(*a, **k),
-            widen=lambda *a, **k: widened.append((a[1]["src_segment_ids"].shape, k)) or p.widen(*a, **k),
-        ),
+        binding, "_insert", lambda *a, **k: joined.append(int(np.sum(np.asarray(a[4]) < 20))) or insert(*a, **k)
+    )
+    monkeypatch.setattr(
+        binding, "_widen", lambda *a, **k: widened.append((a[2]["src_segment_ids"].shape, k)) or widen(*a, **k)
     )
 
     def shape(longest: int) -> tuple[int, int]:
         return 16, 22
 
-    model = _model()
+    model = shared_model()
     refilled, batched = (
         decoding.searcher(model, compact=c).sentences(
             sources, max_len, beam_size=1, alpha=0.6, batch_size=20, shape=shape

@@ -15,6 +15,7 @@ from typing import Any
 
 from transformer_jax import config_checks, files
 from transformer_jax.errors import ConfigError, EvalError
+from transformer_jax.evaluation import modes
 
 SPLITS = ("valid", "test")
 
@@ -42,6 +43,19 @@ class Options:
     batch_size: int | None = None
     output_file: str | None = None
     scores_file: str | None = None
+    length_penalty: str | None = None  # gnmt | average | none (None: decoding.GNMT)
+    nbest: int | None = None  # also write each line's N best hypotheses to OUTPUT_FILE.nbest (evaluation/nbest.py)
+    prefix_file: str | None = None  # line i's translation starts with line i of this file (target side)
+    sampling: bool = False  # draw translations instead of searching (decoding/sampling.py); the five below tune it
+    temperature: float | None = None  # None: decoding.sampling.PLAIN's
+    top_k: int | None = None
+    top_p: float | None = None
+    num_samples: int | None = None  # samples per line (None: 1); more than one also go to OUTPUT_FILE.nbest
+    seed: int | None = None  # None: 0
+    mbr: int | None = None  # choose among this many candidates (the n-best, or samples) by expected utility (mbr.py)
+    mbr_utility: str | None = None  # bleu | chrf (None: bleu)
+    ensemble_workdirs: Sequence[str] | None = None  # more models decoding with --workdir's (decoding/ensemble.py)
+    score: bool = False  # forced decoding: log P(reference | source) per line instead of translating (scoring.py)
 
 
 _MODEL_FLAGS = (
@@ -56,6 +70,17 @@ _MODEL_FLAGS = (
     "max_extra_len",
     "batch_size",
     "output_file",
+    "length_penalty",
+    "nbest",
+    "prefix_file",
+    "temperature",
+    "top_k",
+    "top_p",
+    "num_samples",
+    "seed",
+    "mbr",
+    "mbr_utility",
+    "ensemble_workdirs",
 )
 _AT_LEAST_ONE = ("beam_size", "batch_size", "max_extra_len", "average_last")
 
@@ -81,6 +106,7 @@ def check_options(options: Options) -> Options:
                 )
         given = [f"--{name}" for name in _MODEL_FLAGS if getattr(o, name) is not None]
         given += ["--checkpoint"] if o.checkpoint != "latest" else []
+        given += ["--score"] if o.score else []
         if given:
             raise EvalError(
                 f"--hypotheses_file scores existing translations without a model; {', '.join(given)} "
@@ -107,6 +133,7 @@ def check_options(options: Options) -> Options:
     elif o.references_file is not None:
         raise EvalError("--references_file goes with --source_file; a --split brings its own references")
     check_numbers({name: getattr(o, name) for name in (*_AT_LEAST_ONE, "alpha")}, "--")
+    modes.check_flags(o)
     if str(o.checkpoint) != "latest" and not _is_step(o.checkpoint):
         raise EvalError(f"--checkpoint must be 'latest' or a step number, got {o.checkpoint!r}")
     average_steps = None
@@ -122,6 +149,8 @@ def check_options(options: Options) -> Options:
         if duplicates:
             raise EvalError(f"--average_steps lists step(s) {duplicates} more than once")
     outputs = output_files(o.output_file, o.scores_file, o.source_file == "-")
+    if o.nbest is not None and o.output_file is not None:
+        outputs["--nbest (OUTPUT_FILE.nbest)"] = f"{o.output_file}.nbest"
     refuse_overwriting_inputs(outputs, input_files(o))
     return dataclasses.replace(o, average_steps=average_steps, checkpoint=str(o.checkpoint))
 
@@ -144,7 +173,11 @@ def _is_step(value: Any) -> bool:
 
 
 def input_files(o: Options) -> dict[str, str | None]:
-    return {"--source_file": None if o.source_file == "-" else o.source_file, "--references_file": o.references_file}
+    return {
+        "--source_file": None if o.source_file == "-" else o.source_file,
+        "--references_file": o.references_file,
+        "--prefix_file": o.prefix_file,
+    }
 
 
 def output_files(output_file: str | None, scores_file: str | None, stdin: bool) -> dict[str, str | None]:

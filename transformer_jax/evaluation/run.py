@@ -10,6 +10,7 @@ lines) is found before the model is restored.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -17,9 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from transformer_jax import config_checks, files
+from transformer_jax.decoding import GNMT
+from transformer_jax.decoding.ensemble import Ensemble
 from transformer_jax.errors import DiskFullError, EvalError
-from transformer_jax.evaluation import bleu, significance
+from transformer_jax.evaluation import bleu, mbr, modes, significance
 from transformer_jax.evaluation.inputs import read_sources, split_files, split_pairs, stdin_lines
+from transformer_jax.evaluation.nbest import nbest_lines
 from transformer_jax.evaluation.options import (
     Options,
     check_folder_writable,
@@ -31,7 +35,8 @@ from transformer_jax.evaluation.options import (
     refuse_overwriting_inputs,
 )
 from transformer_jax.evaluation.restore import Restorer, restore_model
-from transformer_jax.evaluation.translate import translate
+from transformer_jax.evaluation.scoring import score_lines, score_pairs
+from transformer_jax.evaluation.translate import check_nbest, translate, translate_nbest
 
 
 def evaluate(options: Options, restorer: Restorer | None = None) -> dict[str, Any]:
@@ -99,6 +104,11 @@ def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[s
             bleu.check_line_counts(sources, references, options.source_file, options.references_file)
         if not sources:
             raise EvalError(f"--source_file {options.source_file} has no lines: nothing to translate")
+    prefixes = None
+    if options.prefix_file is not None:
+        prefixes = read_sources(options.prefix_file)
+        if sources is not None:
+            modes.check_prefix_count(prefixes, sources, options.prefix_file, options.source_file)
     for flag, path in output_files(options.output_file, options.scores_file, stdin).items():
         if path:
             check_writable(path, flag.split(" ")[0])
@@ -106,6 +116,8 @@ def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[s
         check_folder_writable(Path(options.workdir) / "eval", "--workdir (the default output folder WORKDIR/eval)")
 
     restorer = restorer or Restorer()
+    if options.ensemble_workdirs:
+        modes.check_ensemble_members(restorer, options.ensemble_workdirs)
     config, model, steps = restore_model(
         restorer,
         options.workdir,
@@ -115,29 +127,70 @@ def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[s
         average_steps=options.average_steps,
     )
     tokenizer = restorer.tokenizer(config, options.workdir)
+    if options.ensemble_workdirs:
+        model = Ensemble([model, *modes.restore_members(restorer, options.ensemble_workdirs, config, tokenizer)])
     name = "stdin" if stdin else Path(options.source_file).name if options.source_file else None
     inputs = input_files(options)
     if options.source_file is None:
         split = options.split or "test"
         sources, references, split_name = split_pairs(config, split)
         name = f"{split}({split_name})"
+        if prefixes is not None:
+            modes.check_prefix_count(prefixes, sources, options.prefix_file, f"--split {split}")
         inputs.update(split_files(config, split_name))
     settings = decoding_settings(options, config)
+    search = {
+        "length_penalty": options.length_penalty or GNMT,
+        "nbest": options.mbr or options.nbest or options.num_samples or 1,
+    }
+    sampling = modes.sampling_of(options)
+    if sampling is not None:
+        settings["beam_size"] = 1
+        search["sampling"] = {**dataclasses.asdict(sampling), "seed": options.seed or 0, "num_samples": search["nbest"]}
+    elif search["nbest"] > 1:
+        flag = "--mbr" if options.mbr is not None else "--nbest"
+        check_nbest(search["nbest"], settings["beam_size"], flag)  # a beam size from the config
+    if options.mbr is not None:
+        search["mbr_utility"] = options.mbr_utility or mbr.UTILITIES[0]
     tag = f"step{steps[-1]}" + (f"-avg{len(steps)}" if len(steps) > 1 else "")
+    if options.score:
+        return _forced_decoding(options, model, tokenizer, config, (sources, references), f"{name}.{tag}", inputs)
     output_file = options.output_file
     if output_file is None and not stdin:
         output_file = str(Path(options.workdir) / "eval" / f"{name}.{tag}.beam{settings['beam_size']}.txt")
     scores_file = options.scores_file or (f"{output_file}.json" if output_file else None)
-    refuse_overwriting_inputs({"--output_file": output_file, "--scores_file": scores_file}, inputs)
+    nbest_file = f"{output_file}.nbest" if options.nbest is not None or search["nbest"] > 1 else None
+    written = {"--output_file": output_file, "--scores_file": scores_file, "--nbest (OUTPUT_FILE.nbest)": nbest_file}
+    refuse_overwriting_inputs(written, inputs)
     if stdin:
-        hypotheses, stats = translate_stream(model, tokenizer, settings, output_file)
+        hypotheses, stats = translate_stream(
+            model, tokenizer, {**settings, "length_penalty": search["length_penalty"]}, output_file
+        )
         if not hypotheses:
             raise EvalError("stdin had no lines: nothing was translated")
         if references is not None:
             bleu.check_line_counts(hypotheses, references, "stdin", options.references_file)
     else:
-        hypotheses, stats = translate(model, tokenizer, sources, progress=True, **settings)
+        lists, stats = translate_nbest(
+            model,
+            tokenizer,
+            sources,
+            nbest=search["nbest"],
+            length_penalty=search["length_penalty"],
+            prefixes=prefixes,
+            sampling=sampling,
+            seed=options.seed or 0,
+            progress=True,
+            **settings,
+        )
+        hypotheses = [x[0].text for x in lists]
+        if options.mbr is not None:
+            u = mbr.utility(search["mbr_utility"])
+            hypotheses = [x[mbr.mbr_choice([h.text for h in x], u)].text for x in lists]
         _write_lines(output_file, hypotheses)
+        if nbest_file:
+            _write_lines(nbest_file, list(nbest_lines(lists)))
+            search["nbest_file"] = nbest_file
 
     blank = {
         "sources": stats["empty"],
@@ -150,6 +203,7 @@ def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[s
         "references_file": options.references_file,
         "hypotheses_file": output_file,
         "decoding": settings,
+        "search": search,
         "lines": len(hypotheses),
         "blank_lines": blank,
         "stats": stats,
@@ -162,6 +216,33 @@ def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[s
     print(json.dumps(report, indent=1, default=str), file=out)
     if scores_file:
         _write_json(scores_file, report)
+    return report
+
+
+def _forced_decoding(options: Options, model, tokenizer, config, pairs, name: str, inputs: dict) -> dict[str, Any]:
+    """--score: writes each pair's log-probability line (scoring.score_lines) and the JSON report with the corpus
+    perplexity; returns the report."""
+    output_file = options.output_file or str(Path(options.workdir) / "eval" / f"{name}.scores.txt")
+    scores_file = options.scores_file or f"{output_file}.json"
+    refuse_overwriting_inputs({"--output_file": output_file, "--scores_file": scores_file}, inputs)
+    batch_size = decoding_settings(options, config)["batch_size"]
+    scores, stats = score_pairs(
+        model, tokenizer, *pairs, batch_size=batch_size, max_len=config.data.eval_max_len, progress=True
+    )
+    _write_lines(output_file, score_lines(scores))
+    report = {
+        "workdir": str(options.workdir),
+        "source": name,
+        "references_file": options.references_file,
+        "scores_file": output_file,
+        "lines": len(scores),
+        "scoring": stats,
+    }
+    print(
+        f"{len(scores)} pairs scored ({stats['tokens']} target tokens): perplexity {stats['perplexity']:.4f}, "
+        f"nll {stats['nll_per_token']:.4f} per token; one line per pair (sum, mean, tokens) in {output_file}"
+    )
+    _write_json(scores_file, report)
     return report
 
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
+import numpy as np
 from flax import nnx
 
 from transformer_jax import decoding
 from transformer_jax.data.batching import padded_eval_length
+from transformer_jax.errors import EvalError
 from transformer_jax.progress import Progress
 from transformer_jax.tokens import EOS_ID, PAD_ID
 
@@ -59,6 +61,36 @@ def output_limit(source_len: int, max_extra_len: int, position_limit: int | None
     return limit if position_limit is None else min(limit, position_limit)
 
 
+class Hypothesis(NamedTuple):
+    """One output of a sentence's n-best list."""
+
+    text: str  # detokenized, EOS removed
+    log_prob: float  # log P(tokens | source), the tokens EOS included when emitted
+    score: float  # log_prob / lp(length): what the search ranks by
+    length: int  # emitted tokens, EOS included
+    ended: bool  # it emitted EOS (False: it stopped at its length limit)
+
+
+EMPTY = Hypothesis("", 0.0, 0.0, 0, False)  # a blank input line's output (not decoded)
+
+
+def check_nbest(nbest: int, beam_size: int, flag: str = "--nbest") -> None:
+    """EvalError unless 1 <= nbest <= beam_size: an n-best list holds the beams of one search (`flag`: the option
+    that asked for it)."""
+    if not 1 <= nbest <= beam_size:
+        raise EvalError(f"{flag} {nbest} must be between 1 and the beam size ({beam_size}); raise --beam_size")
+
+
+def check_sampling(sampling: decoding.Sampling, num_samples: int) -> None:
+    """EvalError for sampling settings that cannot work, naming the flag."""
+    try:
+        sampling.check()
+    except ValueError as e:
+        raise EvalError(str(e)) from None
+    if num_samples < 1:
+        raise EvalError(f"--num_samples must be >= 1, got {num_samples}")
+
+
 def translate(
     model: nnx.Module,
     tokenizer: Tokenizer,
@@ -69,25 +101,71 @@ def translate(
     max_extra_len: int,
     batch_size: int,
     max_input_len: int,
+    length_penalty: str = decoding.GNMT,
+    prefixes: Sequence[str] | None = None,
     progress: bool = False,
 ) -> tuple[list[str], dict[str, Any]]:
-    """One output per input sentence, in order, and statistics.
+    """One output per input sentence, in order, and statistics (see translate_nbest, of which this is the 1-best)."""
+    found, stats = translate_nbest(
+        model,
+        tokenizer,
+        sentences,
+        nbest=1,
+        beam_size=beam_size,
+        alpha=alpha,
+        max_extra_len=max_extra_len,
+        batch_size=batch_size,
+        max_input_len=max_input_len,
+        length_penalty=length_penalty,
+        prefixes=prefixes,
+        progress=progress,
+    )
+    return [hypotheses[0].text for hypotheses in found], stats
+
+
+def translate_nbest(
+    model: nnx.Module,
+    tokenizer: Tokenizer,
+    sentences: Sequence[str],
+    *,
+    nbest: int,
+    beam_size: int,
+    alpha: float,
+    max_extra_len: int,
+    batch_size: int,
+    max_input_len: int,
+    length_penalty: str = decoding.GNMT,
+    prefixes: Sequence[str] | None = None,
+    sampling: decoding.Sampling | None = None,
+    seed: int = 0,
+    progress: bool = False,
+) -> tuple[list[list[Hypothesis]], dict[str, Any]]:
+    """The `nbest` best hypotheses of each input sentence (nbest <= beam_size), best first, in input order, and
+    statistics of the 1-best.
 
     Sources are the tokenizer's ids then EOS (as in training); a source with more than max_input_len tokens is cut
-    to max_input_len - 1 ids + EOS and counted. An empty (or blank) line gives an empty output without decoding.
-    Each output has at most (source tokens + max_extra_len) tokens, EOS included. beam_size 1 is greedy search.
+    to max_input_len - 1 ids + EOS and counted. An empty (or blank) line gives empty outputs (EMPTY) without
+    decoding. Each output has at most (source tokens + max_extra_len) tokens, EOS included. beam_size 1 is greedy
+    search. Hypotheses are ranked by log P / lp (decoding.length_penalty's `length_penalty` with `alpha`). With
+    nbest 1 a sentence stops once its best hypothesis is settled; with more, every beam runs to its end, so the
+    list is the full beam search's. prefixes: line i's output starts with prefixes[i], tokenized as a target
+    (a blank prefix: none); the hypotheses' text and log-probabilities include it. sampling: instead of searching
+    (beam_size 1), draw `nbest` samples per line (decoding.Sampling; reproducible for a seed), best score first;
+    their log_prob is the model's own log P of the sample. The settings are checked where
+    they come in, by the rules of their config keys (config_checks.RULES: eval.*, data.eval_max_len), which
+    validate() applies to every config and evaluate.py to its flags.
     """
-    if max_input_len < 2:
-        raise ValueError(f"max_input_len must be >= 2 (one token and EOS), got {max_input_len}")
-    if beam_size < 1 or batch_size < 1 or max_extra_len < 1:
-        raise ValueError(
-            f"beam_size, batch_size, max_extra_len must be >= 1; got {beam_size}, {batch_size}, {max_extra_len}"
-        )
+    if sampling is None:
+        check_nbest(nbest, beam_size)
+    else:
+        check_sampling(sampling, nbest)
+    if prefixes is not None and len(prefixes) != len(sentences):
+        raise EvalError(f"{len(sentences)} sentences but {len(prefixes)} prefixes: give one prefix per sentence")
     start = time.perf_counter()
     limit = position_limit(model.spec)
     max_input_len = input_limit(max_input_len, limit)
 
-    outputs = [""] * len(sentences)
+    outputs = [[EMPTY] * nbest for _ in sentences]
     sources: dict[int, list[int]] = {}
     truncated_lines = []
     for i, sentence in enumerate(sentences):
@@ -116,7 +194,12 @@ def translate(
         return batch_shape
 
     bar = Progress(len(sources), "translating", "sentences") if progress else None
-    lines = list(sources)
+    # With sampling, each line is decoded nbest times, sample j of line i with its own key (sampling.sample_keys).
+    samples = 1 if sampling is None else nbest
+    lines = [i for i in sources for _ in range(samples)]
+    keys_N2 = None
+    if sampling is not None:
+        keys_N2 = decoding.sample_keys(seed, np.array(lines), np.tile(np.arange(samples), len(sources)))
     found = decoding.searcher(model).sentences(
         [sources[i] for i in lines],
         [output_limit(len(sources[i]), max_extra_len, limit) for i in lines],
@@ -125,16 +208,21 @@ def translate(
         batch_size=batch_size,
         shape=shape,
         progress=None if bar is None else bar.update,
+        penalty=length_penalty,
+        best_only=nbest == 1 or sampling is not None,
+        prefixes=None if prefixes is None else [list(tokenizer.encode(prefixes[i])) for i in lines],
+        sampling=sampling,
+        keys_N2=keys_N2,
     )
-    for i, result in zip(lines, found, strict=True):
-        n = int(result.lengths[0])
-        ids = result.tokens[0, :n].tolist()
-        if ids and ids[-1] == EOS_ID:
-            ids = ids[:-1]
-        else:
-            stats["hit_max_len"] += 1  # stopped by the length limit, not by EOS
-        stats["tgt_tokens"] += n
-        outputs[i] = tokenizer.decode([t for t in ids if t != PAD_ID])
+    for j in range(0, len(lines), samples):
+        i = lines[j]
+        if sampling is None:
+            outputs[i] = [_hypothesis(tokenizer, found[j], w) for w in range(nbest)]
+        else:  # the samples, best score first
+            drawn = [_hypothesis(tokenizer, found[j + k], 0) for k in range(samples)]
+            outputs[i] = sorted(drawn, key=lambda h: -h.score)
+        stats["hit_max_len"] += not outputs[i][0].ended
+        stats["tgt_tokens"] += outputs[i][0].length
     if bar is not None:
         bar.close()
     seconds = time.perf_counter() - start
@@ -142,3 +230,12 @@ def translate(
     stats["seconds"] = round(seconds, 3)
     stats["sentences_per_s"] = round(len(sentences) / seconds, 2) if seconds > 0 else None
     return outputs, stats
+
+
+def _hypothesis(tokenizer: Tokenizer, result: decoding.BeamResult, beam: int) -> Hypothesis:
+    """Beam `beam` of one sentence's result, detokenized without EOS and PAD."""
+    n = int(result.lengths[beam])
+    ids = result.tokens[beam, :n].tolist()
+    ended = bool(ids) and ids[-1] == EOS_ID
+    text = tokenizer.decode([t for t in ids if t not in (EOS_ID, PAD_ID)])
+    return Hypothesis(text, float(result.log_probs[beam]), float(result.scores[beam]), n, ended)

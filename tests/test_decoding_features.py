@@ -1,0 +1,288 @@
+"""The decoding features beyond 1-best beam search: length penalties, n-best lists (and, in later modules, scoring).
+
+Each is checked against a brute-force reference on the hashing stub (tests/helpers/decoding.py) and, through the
+refilling scheduler, against the one-jit search of the same sentences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.helpers.decoding import (
+    EOS,
+    PAD,
+    CharTokenizer,
+    OneCheckpoint,
+    brute_force,
+    hash_stub,
+    hash_table,
+    log_softmax,
+    next_hash,
+    reference_lp,
+    shared_model,
+)
+from transformer_jax import decoding
+from transformer_jax.errors import EvalError
+from transformer_jax.evaluation.nbest import parse_nbest_line
+from transformer_jax.evaluation.run import Options, evaluate_model
+from transformer_jax.evaluation.translate import EMPTY, translate, translate_nbest
+
+
+@functools.partial(jax.jit, static_argnames=("beam_size", "max_steps", "table_seed", "penalty", "best_only"))
+def _stub_beam(seeds_B, max_len_B, alpha, *, beam_size, max_steps, table_seed, penalty, best_only=False):
+    cache = {"h": seeds_B, "calls": jnp.zeros((), jnp.int32)}
+    step = hash_stub(hash_table(table_seed))
+    return decoding.beam_search(
+        step,
+        cache,
+        max_len_B,
+        beam_size=beam_size,
+        alpha=alpha,
+        max_steps=max_steps,
+        penalty=penalty,
+        best_only=best_only,
+    )
+
+
+def _strip(tokens: np.ndarray, length: int) -> tuple[int, ...]:
+    assert np.all(tokens[length:] == PAD), f"tokens after the end must be PAD: {tokens}"
+    return tuple(int(t) for t in tokens[:length])
+
+
+@pytest.mark.parametrize(("penalty", "alpha"), [("average", 1.0), ("average", 0.5), ("none", 0.6)])
+def test_exhaustive_beam_with_each_length_penalty_equals_brute_force(penalty, alpha):
+    table_seed, seeds, max_lens = 2, np.array([30, 39, 16]), np.array([3, 4, 4])
+    result = _stub_beam(seeds, max_lens, alpha, beam_size=32, max_steps=4, table_seed=table_seed, penalty=penalty)
+    for b, (seed, max_len) in enumerate(zip(seeds, max_lens, strict=True)):
+        expected = brute_force(hash_table(table_seed), int(seed), int(max_len), alpha, penalty)
+        n = len(expected)
+        got = [_strip(np.asarray(result.tokens[b, i]), int(result.lengths[b, i])) for i in range(n)]
+        np.testing.assert_allclose(result.scores[b, :n], [s for s, _ in expected], rtol=1e-5)
+        assert got[0] == expected[0][1]
+        assert sorted(got) == sorted(seq for _, seq in expected)
+        lp = [reference_lp(int(n), alpha, penalty) for n in result.lengths[b, : len(expected)]]
+        np.testing.assert_allclose(result.log_probs[b, :n], result.scores[b, :n] * np.array(lp), rtol=1e-5)
+
+
+def test_penalties_rank_differently_and_early_stop_keeps_the_best_under_each():
+    """The three penalties pick different winners on this stub, and best_only's bound holds for each."""
+    table_seed, seeds, max_lens = 2, np.arange(12), 3 + np.arange(12) % 5
+    winners = {}
+    for penalty, alpha in (("gnmt", 0.6), ("average", 1.0), ("none", 0.0)):
+        full, early = (
+            _stub_beam(
+                seeds, max_lens, alpha, beam_size=4, max_steps=8, table_seed=table_seed, penalty=penalty, best_only=b
+            )
+            for b in (False, True)
+        )
+        np.testing.assert_array_equal(early.tokens[:, 0], full.tokens[:, 0])
+        np.testing.assert_allclose(early.scores[:, 0], full.scores[:, 0], rtol=1e-6)
+        winners[penalty] = np.asarray(full.tokens[:, 0])
+    assert not np.array_equal(winners["none"], winners["average"])
+    assert not np.array_equal(winners["gnmt"], winners["average"])
+
+
+def test_unknown_length_penalty_is_refused():
+    with pytest.raises(ValueError, match="unknown length penalty 'mean'"):
+        decoding.length_penalty(3, 1.0, "mean")
+
+
+def _sources(n: int, seed: int = 7) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(4, 50, k - 1)] + [EOS] for k in rng.integers(2, 12, n)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("penalty", ["average", "none"])
+def test_nbest_through_the_scheduler_equals_the_full_beam_search(penalty):
+    """best_only=False runs every beam to its end, in the refilling batch as in one jit."""
+    sources, model = _sources(20), shared_model()
+    max_len = [3 + i % 6 for i in range(len(sources))]
+    refilled, one_jit = (
+        decoding.searcher(model, compact=c).sentences(
+            sources,
+            max_len,
+            beam_size=3,
+            alpha=1.0,
+            batch_size=16,
+            shape=lambda _: (16, 9),
+            penalty=penalty,
+            best_only=False,
+        )
+        for c in (True, False)
+    )
+    for r, o, limit in zip(refilled, one_jit, max_len, strict=True):
+        np.testing.assert_array_equal(r.lengths, o.lengths)
+        for w in range(3):
+            n = int(o.lengths[w])
+            np.testing.assert_array_equal(r.tokens[w, :n], o.tokens[w, :n])
+            # Every beam finished: with EOS, or at the limit.
+            assert o.tokens[w, n - 1] == EOS or n == limit
+        np.testing.assert_allclose(r.scores, o.scores, rtol=1e-5, atol=1e-6)
+        lp = np.array([reference_lp(int(n), 1.0, penalty) for n in o.lengths])
+        np.testing.assert_allclose(o.scores * lp, o.log_probs, rtol=1e-5, atol=1e-6)
+
+
+def test_translate_nbest_gives_n_entries_per_line_best_first_and_refuses_n_over_beam():
+    model, tok = shared_model(), CharTokenizer()
+    sentences = ["hello world", "", "a", "the cat sat", "b c"]
+    settings = dict(beam_size=3, alpha=0.6, max_extra_len=5, max_input_len=16, batch_size=4)
+    lists, stats = translate_nbest(model, tok, sentences, nbest=3, **settings)
+    best, _ = translate(model, tok, sentences, **settings)
+    assert [len(x) for x in lists] == [3] * len(sentences)
+    assert lists[1] == [EMPTY] * 3
+    assert [x[0].text for x in lists] == best and stats["sentences"] == len(sentences)
+    for x in lists:
+        assert [h.score for h in x] == sorted((h.score for h in x), reverse=True)
+        for h in x:
+            assert h.log_prob <= 0 and h.score == pytest.approx(h.log_prob / reference_lp(h.length, 0.6, "gnmt"))
+    with pytest.raises(EvalError, match="--nbest 4 must be between 1 and the beam size"):
+        translate_nbest(model, tok, sentences, nbest=4, **settings)
+
+
+# -- evaluate.py's flags ------------------------------------------------------------------------------------------
+
+
+def _evaluate(tmp_path, lines, restorer=None, **flags):
+    tmp_path.mkdir(exist_ok=True)
+    src = tmp_path / "src.txt"
+    src.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    options = Options(workdir=str(tmp_path), source_file=str(src), output_file=str(tmp_path / "out" / "hyp.txt"))
+    return evaluate_model(dataclasses.replace(options, **flags), restorer or OneCheckpoint())
+
+
+def test_nbest_file_has_n_lines_per_input_line_and_the_1best_stays_in_the_output(tmp_path):
+    lines = ["hello world", "", "a b", "the cat"]
+    report = _evaluate(tmp_path, lines, nbest=2, length_penalty="average", alpha=1.0)
+    out = tmp_path / "out" / "hyp.txt"
+    entries = [parse_nbest_line(line) for line in Path(f"{out}.nbest").read_text(encoding="utf-8").splitlines()]
+    assert [i for i, *_ in entries] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert entries[2][1:] == ("", 0.0, 0.0)  # the blank line: empty hypotheses, not decoded
+    hypotheses = out.read_text(encoding="utf-8").splitlines()
+    assert hypotheses == [entries[2 * i][1] for i in range(len(lines))]
+    for i, text, log_prob, score in entries:
+        if lines[i]:
+            # average, alpha 1: the per-token mean, so log_prob / score is the hypothesis's length: at least its
+            # characters (one token each; reserved ids decode to nothing), at most the limit (source + EOS + 5)
+            length = log_prob / score
+            assert log_prob < 0 and length == pytest.approx(round(length), abs=1e-3)
+            assert len(text) <= round(length) <= len(lines[i]) + 1 + 5
+    assert report["search"] == {"length_penalty": "average", "nbest": 2, "nbest_file": f"{out}.nbest"}
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (dict(nbest=3), r"--nbest 3 must be between 1 and the beam size \(2\)"),  # the config's beam
+        (dict(nbest=3, beam_size=2), r"--nbest 3 must be between 1 and the beam size \(2\)"),
+        (dict(nbest=0), r"--nbest 0 must be between 1"),
+        (dict(length_penalty="mean"), r"--length_penalty 'mean': choose one of gnmt, average, none"),
+    ],
+)
+def test_bad_search_flags_are_refused_in_one_line_and_nothing_is_written(tmp_path, flags, message):
+    with pytest.raises(EvalError, match=message):
+        _evaluate(tmp_path, ["a b"], **flags)
+    assert not (tmp_path / "out").exists()
+
+
+# -- target prefixes ----------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("beam_size", "max_steps", "table_seed"))
+def _stub_prefixed(seeds_B, max_len_B, prefix_BP, *, beam_size, max_steps, table_seed):
+    cache = {"h": seeds_B, "calls": jnp.zeros((), jnp.int32)}
+    step = hash_stub(hash_table(table_seed))
+    if beam_size == 1:
+        g = decoding.greedy_search(step, cache, max_len_B, max_steps=max_steps, prefix_BP=prefix_BP)
+        return g.tokens[:, None], g.log_probs[:, None], g.lengths[:, None]
+    b = decoding.beam_search(
+        step, cache, max_len_B, beam_size=beam_size, alpha=0.6, max_steps=max_steps, prefix_BP=prefix_BP
+    )
+    return b.tokens, b.log_probs, b.lengths
+
+
+PREFIXES = [(4, 5), (), (5,), (5, 5, 4)]  # PAD-padded below; () is no prefix
+
+
+def _prefix_BP() -> np.ndarray:
+    prefix_BP = np.full((len(PREFIXES), 4), PAD, np.int32)
+    for b, p in enumerate(PREFIXES):
+        prefix_BP[b, : len(p)] = p
+    return prefix_BP
+
+
+def test_prefixed_greedy_and_exhaustive_beam_equal_brute_force_over_the_outputs_that_start_with_the_prefix():
+    table_seed, seeds, max_len = 3, np.array([30, 39, 16, 7]), np.array([4, 4, 4, 5])
+    table = hash_table(table_seed)
+    tokens, log_probs, lengths = _stub_prefixed(
+        seeds, max_len, _prefix_BP(), beam_size=32, max_steps=5, table_seed=table_seed
+    )
+    g_tokens, g_log_probs, g_lengths = _stub_prefixed(
+        seeds, max_len, _prefix_BP(), beam_size=1, max_steps=5, table_seed=table_seed
+    )
+    for b, (seed, prefix) in enumerate(zip(seeds, PREFIXES, strict=True)):
+        everything = brute_force(table, int(seed), int(max_len[b]), 0.6)
+        expected = [(s, seq) for s, seq in everything if seq[: len(prefix)] == prefix]
+        n = len(expected)
+        got = [_strip(np.asarray(tokens[b, i]), int(lengths[b, i])) for i in range(n)]
+        assert got == [seq for _, seq in expected]  # the same outputs in the same order (no ties on this stub)
+        lp = np.array([reference_lp(len(seq), 0.6, "gnmt") for _, seq in expected])
+        np.testing.assert_allclose(log_probs[b, :n], np.array([s for s, _ in expected]) * lp, rtol=1e-5)
+        # Greedy: the prefix, then the most probable next token at every step.
+        seq = _strip(np.asarray(g_tokens[b, 0]), int(g_lengths[b, 0]))
+        assert seq[: len(prefix)] == prefix
+        by_seq = {s: score * reference_lp(len(s), 0.6, "gnmt") for score, s in everything}
+        np.testing.assert_allclose(g_log_probs[b, 0], by_seq[seq], rtol=1e-5)
+        for t in range(len(prefix), len(seq)):
+            rivals = [s for s in by_seq if s[:t] == seq[:t]]
+            best_next = max({s[t] for s in rivals}, key=lambda tok: _next_log_prob(table, int(seed), seq[:t], tok))
+            assert seq[t] == best_next
+
+
+def _next_log_prob(table: np.ndarray, seed: int, prefix: tuple[int, ...], token: int) -> float:
+    h = seed
+    for last in (2, *prefix):  # BOS, then the tokens fed so far
+        h = next_hash(h, last)
+    return float(log_softmax(table[h].astype(np.float64))[token])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("beam_size", [1, 2])
+def test_prefixes_through_the_scheduler_equal_the_one_jit_search(beam_size):
+    sources, model = _sources(20, seed=3), shared_model()
+    rng = np.random.default_rng(4)
+    prefixes = [[int(t) for t in rng.integers(4, 50, i % 4)] for i in range(len(sources))]
+    max_len = [2 + i % 7 for i in range(len(sources))]
+    refilled, one_jit = (
+        decoding.searcher(model, compact=c).sentences(
+            sources, max_len, beam_size=beam_size, alpha=0.6, batch_size=16, shape=lambda _: (16, 9), prefixes=prefixes
+        )
+        for c in (True, False)
+    )
+    for r, o, prefix, limit in zip(refilled, one_jit, prefixes, max_len, strict=True):
+        n = int(o.lengths[0])
+        assert int(r.lengths[0]) == n
+        np.testing.assert_array_equal(r.tokens[0, :n], o.tokens[0, :n])
+        np.testing.assert_allclose(r.log_probs[0], o.log_probs[0], rtol=1e-5, atol=1e-6)
+        kept = min(len(prefix), limit)
+        assert list(o.tokens[0, :kept]) == prefix[:kept]
+
+
+def test_prefix_file_starts_each_translation_and_a_line_count_mismatch_names_both_counts(tmp_path):
+    lines = ["hello world", "a b", "the cat"]
+    (tmp_path / "prefix.txt").write_text("zz\n\nq\n", encoding="utf-8")
+    _evaluate(tmp_path, lines, prefix_file=str(tmp_path / "prefix.txt"), beam_size=1)
+    hypotheses = (tmp_path / "out" / "hyp.txt").read_text(encoding="utf-8").splitlines()
+    assert hypotheses[0].startswith("zz") and hypotheses[2].startswith("q")
+    restorer = OneCheckpoint()
+    (tmp_path / "short.txt").write_text("zz\n", encoding="utf-8")
+    with pytest.raises(EvalError, match=r"--prefix_file .*short.txt has 1 lines, .*src.txt has 3"):
+        _evaluate(tmp_path / "x", lines, restorer, prefix_file=str(tmp_path / "short.txt"))
+    assert restorer.loaded == 0 and not (tmp_path / "x" / "out").exists()

@@ -1,0 +1,104 @@
+"""Ensembles (decoding/ensemble.py, evaluate.py --ensemble_workdirs): each step averages the members'
+log-probabilities, checked against the members' teacher-forced distributions; members are checked before use."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.helpers.decoding import OneCheckpoint, shared_model
+from tests.helpers.model import forward, tiny_model
+from transformer_jax import decoding
+from transformer_jax.decoding.ensemble import Ensemble
+from transformer_jax.errors import EvalError
+from transformer_jax.evaluation.run import Options, evaluate_model
+from transformer_jax.tokens import BOS_ID, EOS_ID, PAD_ID
+
+
+def _sources(n: int):
+    rng = np.random.default_rng(6)
+    return [[int(t) for t in rng.integers(4, 50, k - 1)] + [EOS_ID] for k in rng.integers(2, 10, n)]
+
+
+@pytest.mark.parametrize("sentences", [4, pytest.param(20, marks=pytest.mark.slow)])  # 20: the refilling batch
+def test_ensemble_greedy_follows_the_mean_of_the_members_log_probs_and_keeps_each_members_cache(sentences):
+    """Members of different depths (3 and 1 decoder layers): every greedy token is the argmax of the mean of the
+    members' teacher-forced log-probabilities, and the output's log P is their sum under the renormalised mean."""
+    members = [shared_model(), tiny_model(2, num_decoder_layers=1)]
+    sources, max_len = _sources(sentences), [3 + i % 6 for i in range(sentences)]
+    found = decoding.searcher(Ensemble(members)).sentences(
+        sources, max_len, beam_size=1, alpha=0.6, batch_size=16, shape=lambda _: (16, 9)
+    )
+    for src, r in zip(sources[:6], found[:6], strict=True):
+        n = int(r.lengths[0])
+        out = [int(t) for t in r.tokens[0, :n]]
+        # Padded to fixed lengths (one compilation per member); causality hides the padding after position n - 1.
+        src_BS = jnp.asarray([src + [PAD_ID] * (10 - len(src))])
+        tgt_BT = jnp.asarray([[BOS_ID, *out[:-1]] + [PAD_ID] * (9 - n)])
+        log_probs = [np.asarray(jax.nn.log_softmax(forward(m, src_BS, tgt_BT)[0, :n], -1)) for m in members]
+        mean_TV = np.mean(log_probs, 0)
+        mean_TV = mean_TV - np.logaddexp.reduce(mean_TV, axis=-1, keepdims=True)
+        assert out == [int(t) for t in np.argmax(mean_TV, axis=-1)]
+        np.testing.assert_allclose(r.log_probs[0], mean_TV[np.arange(n), out].sum(), rtol=1e-4, atol=1e-5)
+    assert all(int(t) != PAD_ID for r in found for t in r.tokens[0, : int(r.lengths[0])])
+
+
+@pytest.mark.slow
+def test_an_ensemble_of_one_model_twice_decodes_as_the_model():
+    model, sources = shared_model(), _sources(4)
+    max_len = [6] * 4
+    settings = dict(beam_size=2, alpha=0.6, batch_size=8, shape=lambda _: (16, 9))
+    alone = decoding.searcher(model).sentences(sources, max_len, **settings)
+    twice = decoding.searcher(Ensemble([model, model])).sentences(sources, max_len, **settings)
+    for a, t in zip(alone, twice, strict=True):
+        np.testing.assert_array_equal(a.tokens, t.tokens)
+        np.testing.assert_allclose(a.scores, t.scores, rtol=1e-5, atol=1e-6)
+
+
+def test_members_with_another_vocabulary_are_refused():
+    with pytest.raises(ValueError, match=r"vocabulary size: \[50, 60\]"):
+        Ensemble([tiny_model(0), tiny_model(0, vocab_size=60)])
+
+
+class _Restorers(OneCheckpoint):
+    """OneCheckpoint for every workdir, except `empty` (no checkpoint) and `other` (another vocabulary size)."""
+
+    def list_steps(self, workdir):
+        return [] if workdir.endswith("empty") else [100]
+
+    def load_config(self, workdir):
+        if workdir.endswith("other"):
+            config = self.config.copy_and_resolve_references()
+            config.model.vocab_size = 60
+            return config
+        return self.config
+
+
+def _evaluate(tmp_path, restorer, **flags):
+    src = tmp_path / "src.txt"
+    src.write_text("hello world\nthe cat\n", encoding="utf-8")
+    options = Options(workdir=str(tmp_path), source_file=str(src), output_file=str(tmp_path / "o" / "h"))
+    return evaluate_model(dataclasses.replace(options, **flags), restorer)
+
+
+@pytest.mark.slow
+def test_ensemble_flag_decodes_with_every_member(tmp_path):
+    _evaluate(tmp_path, _Restorers(), ensemble_workdirs=[str(tmp_path / "b")])
+    assert len((tmp_path / "o" / "h").read_text(encoding="utf-8").splitlines()) == 2
+
+
+@pytest.mark.parametrize(
+    ("member", "message"),
+    [
+        ("empty", r"--ensemble_workdirs member .*empty has no checkpoint"),
+        ("other", r"member .*other has vocabulary size 60, --workdir has vocabulary size 50"),
+    ],
+)
+def test_bad_members_are_refused_in_one_line_and_nothing_is_written(tmp_path, member, message):
+    with pytest.raises(EvalError, match=message):
+        _evaluate(tmp_path, _Restorers(), ensemble_workdirs=[str(tmp_path / member)])
+    assert not (tmp_path / "o").exists()

@@ -1,0 +1,162 @@
+"""Sampling (decoding/sampling.py, evaluate.py --sampling): the drawn distribution is the reshaped model's
+(chi-square on a stub), a seed reproduces its samples wherever they run, and bad settings are refused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from tests.helpers.decoding import EOS, OneCheckpoint, shared_model
+from transformer_jax import decoding
+from transformer_jax.errors import EvalError
+from transformer_jax.evaluation.run import Options, evaluate_model
+from transformer_jax.evaluation.translate import translate_nbest
+
+# One step over 8 tokens: PAD, BOS and UNK impossible, EOS and four words with these logits.
+LOGITS = np.array([-np.inf, 0.3, -np.inf, -np.inf, 1.2, 0.9, -0.5, -1.5], np.float32)
+ROWS = 6000
+
+
+def _expected(temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """The reshaped distribution by its definition, in float64."""
+    x = LOGITS.astype(np.float64) / temperature
+    order = np.argsort(-x, kind="stable")
+    keep = np.zeros(len(x), bool)
+    keep[order[: top_k or len(x)]] = True
+    keep &= np.isfinite(x)
+    p = np.where(keep, np.exp(x - x[keep].max()), 0.0)
+    p /= p.sum()
+    if top_p < 1:
+        mass, nucleus = 0.0, np.zeros(len(x), bool)
+        for i in order:
+            if p[i] > 0 and mass < top_p:
+                nucleus[i], mass = True, mass + p[i]
+        p = np.where(nucleus, p, 0.0) / p[nucleus].sum()
+    return p
+
+
+def _draw(sampling: decoding.Sampling, seed: int) -> np.ndarray:
+    keys = decoding.sample_keys(seed, np.arange(ROWS), np.zeros(ROWS, np.int32))
+
+    def step(tokens_R1, cache):
+        return jnp.broadcast_to(jnp.asarray(LOGITS), (tokens_R1.shape[0], 1, len(LOGITS))), cache
+
+    result = jax.jit(
+        lambda keys: decoding.greedy_search(
+            step, {"t": jnp.zeros((), jnp.int32)}, jnp.ones(ROWS, jnp.int32), max_steps=1, choose=sampling.chooser(keys)
+        )
+    )(jnp.asarray(keys))
+    log_softmax = LOGITS - np.logaddexp.reduce(LOGITS[np.isfinite(LOGITS)])
+    tokens = np.asarray(result.tokens[:, 0])
+    np.testing.assert_allclose(result.log_probs, log_softmax[tokens], rtol=1e-5)  # the model's own log P
+    return tokens
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.5, 3, 1.0), (1.0, 0, 0.8), (2.0, 4, 0.9)]
+)
+def test_the_drawn_distribution_is_the_reshaped_models(temperature, top_k, top_p):
+    expected = _expected(temperature, top_k, top_p)
+    tokens = _draw(decoding.Sampling(temperature, top_k, top_p), seed=1)
+    counts = np.bincount(tokens, minlength=len(LOGITS))
+    assert np.all(counts[expected == 0] == 0), "a token outside the kept set was drawn"
+    kept = expected > 0
+    assert stats.chisquare(counts[kept], ROWS * expected[kept]).pvalue > 1e-3
+    np.testing.assert_allclose(
+        np.exp(decoding.Sampling(temperature, top_k, top_p).log_probs(jnp.asarray(LOGITS[None]))[0]),
+        expected,
+        atol=1e-6,
+    )
+
+
+def test_a_seed_reproduces_its_samples_and_other_seeds_differ():
+    sampling = decoding.Sampling(1.0, 0, 1.0)
+    a, b, c = _draw(sampling, 3), _draw(sampling, 3), _draw(sampling, 4)
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+
+
+@pytest.mark.slow
+def test_samples_through_the_scheduler_equal_the_one_jit_ones_and_depend_on_line_and_number_only():
+    """The refilling batch (rows joining at other times, other neighbours) draws what one jit draws."""
+    model, rng = shared_model(), np.random.default_rng(2)
+    sources = [[int(t) for t in rng.integers(4, 50, k - 1)] + [EOS] for k in rng.integers(2, 10, 20)]
+    max_len = [4 + i % 6 for i in range(20)]
+    keys = decoding.sample_keys(7, np.arange(20), np.zeros(20, np.int32))
+    sampling = decoding.Sampling(1.3, 0, 0.95)
+    refilled, one_jit = (
+        decoding.searcher(model, compact=c).sentences(
+            sources,
+            max_len,
+            beam_size=1,
+            alpha=0.6,
+            batch_size=16,
+            shape=lambda _: (16, 9),
+            sampling=sampling,
+            keys_N2=keys,
+        )
+        for c in (True, False)
+    )
+    for r, o in zip(refilled, one_jit, strict=True):
+        n = int(o.lengths[0])
+        assert int(r.lengths[0]) == n
+        np.testing.assert_array_equal(r.tokens[0, :n], o.tokens[0, :n])
+        np.testing.assert_allclose(r.log_probs, o.log_probs, rtol=1e-5, atol=1e-6)
+    greedy = decoding.searcher(model).sentences(
+        sources, max_len, beam_size=1, alpha=0.6, batch_size=16, shape=lambda _: (16, 9)
+    )
+    assert any(not np.array_equal(g.tokens, r.tokens) for g, r in zip(greedy, refilled, strict=True))
+
+
+def test_translate_draws_num_samples_per_line_reproducibly(tmp_path):
+    from tests.helpers.decoding import CharTokenizer
+
+    model, tok = shared_model(), CharTokenizer()
+    lines = ["hello world", "", "the cat sat"]
+    settings = dict(beam_size=1, alpha=0.6, max_extra_len=5, batch_size=4, max_input_len=16)
+    sampling = decoding.Sampling(1.0, 10, 1.0)
+    a, _ = translate_nbest(model, tok, lines, nbest=3, sampling=sampling, seed=5, **settings)
+    b, _ = translate_nbest(model, tok, lines, nbest=3, sampling=sampling, seed=5, **settings)
+    c, _ = translate_nbest(model, tok, lines, nbest=3, sampling=sampling, seed=6, **settings)
+    assert a == b and a != c
+    assert [len(x) for x in a] == [3, 3, 3]
+    assert all([h.score for h in x] == sorted((h.score for h in x), reverse=True) for x in a)
+    # The first line's samples do not depend on the lines beside it.
+    alone, _ = translate_nbest(model, tok, lines[:1], nbest=3, sampling=sampling, seed=5, **settings)
+    assert alone[0] == a[0]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (dict(temperature=0.0), r"--temperature must be > 0"),
+        (dict(top_p=1.5), r"--top_p must be in \(0, 1\]"),
+        (dict(top_p=0.0), r"--top_p must be in \(0, 1\]"),
+        (dict(top_k=-1), r"--top_k must be >= 0"),
+        (dict(num_samples=0), r"--num_samples must be >= 1"),
+        (dict(beam_size=4), r"--sampling draws one token per step; --beam_size 4"),
+    ],
+)
+def test_bad_sampling_flags_are_refused_in_one_line_before_the_model_and_nothing_is_written(tmp_path, flags, message):
+    src = tmp_path / "src.txt"
+    src.write_text("a b\n", encoding="utf-8")
+    options = Options(workdir=str(tmp_path), source_file=str(src), output_file=str(tmp_path / "o" / "h"), sampling=True)
+    restorer = OneCheckpoint()
+    with pytest.raises(EvalError, match=message):
+        evaluate_model(dataclasses.replace(options, **flags), restorer)
+    assert restorer.loaded == 0 and not (tmp_path / "o").exists()
+
+
+def test_sampling_flags_write_the_samples(tmp_path):
+    src = tmp_path / "src.txt"
+    src.write_text("a b\nhello\n", encoding="utf-8")
+    out = tmp_path / "o" / "h"
+    options = Options(workdir=str(tmp_path), source_file=str(src), output_file=str(out), sampling=True)
+    report = evaluate_model(dataclasses.replace(options, num_samples=2, seed=3, top_k=5), OneCheckpoint())
+    assert len(out.read_text(encoding="utf-8").splitlines()) == 2
+    assert len(out.with_name("h.nbest").read_text(encoding="utf-8").splitlines()) == 4
+    assert report["search"]["sampling"] == {"temperature": 1.0, "top_k": 5, "top_p": 1.0, "seed": 3, "num_samples": 2}

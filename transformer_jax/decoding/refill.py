@@ -1,0 +1,328 @@
+"""The host-side scheduler: finished sentences leave the running batch and waiting ones take their rows.
+
+Axis letters: see transformer_jax/__init__.py (R rows of the running batch, one sentence each, here; K sentences
+joining or kept; S source positions).
+
+A step costs the same for a finished sentence's rows as for a live one's, and outputs differ in length (on
+Multi30k test2016, greedy in batches of 64, more than half of the row-steps went to finished sentences). So the
+search runs in jitted calls (`Calls.stage`) that step until the host has something to do: MIN_ROWS rows are free
+while sentences wait, or (nothing waiting) the live sentences fit in a batch half the size, or a live one has filled
+the cache. Between calls the host records the finished sentences and gives their rows to waiting ones (shortest
+sources first; encoded in blocks of about `rows`, a multiple of MIN_ROWS; joining `refill_size` at a time), or moves
+the live sentences into the smaller batch (`compacted_size`), or grows the cache to its next stage. Each sentence
+decodes at its own position (the search's step_B, the cache's per-row index), so rows that joined at different times
+share the batch. The stop condition is traced, so the calls compile per (rows, source length, cache stage) only; a
+batch of at most FULL_CACHE_ROWS cache rows with nothing waiting skips to the last stage. Results equal the one-jit
+search's: a sentence's rows never interact with another's.
+
+The scheduler knows the search states (search.py) and nothing of the model: the model's part is `Calls`
+(transformer.py's ModelCalls).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer_jax.decoding.search import GNMT, BeamResult, cache_stages, length_penalty
+from transformer_jax.tokens import EOS_ID, PAD_ID
+
+PyTree = Any
+Shape = Callable[[int], tuple[int, int]]  # longest source of a batch -> (padded source length, most output slots)
+
+MIN_ROWS = 8  # sentences: a step over fewer costs about the same (reading the weights dominates it)
+# A batch of at most this many cache rows grows its cache to the last stage at once, trading longer cache reads in
+# a few small steps for the compilations of the stages between.
+FULL_CACHE_ROWS = 32
+# Waiting sentences are encoded with their sources padded to a multiple of this (then padded to the running batch's
+# source length, one of translate()'s few), so the encoder reads fewer padding tokens, for an encoder compilation
+# per length.
+ENCODE_MULTIPLE = 8
+
+
+class Calls(Protocol):
+    """What the scheduler runs on the device; each is a jitted call (transformer.py's ModelCalls)."""
+
+    def start(self, src_BS, *, beam_size: int, slots: int) -> tuple[PyTree, Any]:
+        """Encodes a batch: (its fixed context, the search's first state with `slots` output slots)."""
+
+    def encode(self, src_KS, *, beam_size: int) -> PyTree:
+        """The fixed context of K waiting sentences (a block)."""
+
+    def insert(self, context, s, block, first, rows_K, *, beam_size: int) -> tuple[PyTree, Any]:
+        """Block sentences first, first + 1, ... take the rows rows_K (past the end: not taken), at their start."""
+
+    def grow(self, s, *, slots: int) -> Any:
+        """The state with its cache and output buffer grown to `slots`."""
+
+    def widen(self, context, *, src_len: int) -> PyTree:
+        """The context with its sources padded to src_len positions."""
+
+    def stage(
+        self, context, s, max_len_B, alpha, stop_live, row_inputs, *, penalty: str, best_only: bool, sampling: Any
+    ) -> Any:
+        """Steps until at most stop_live sentences are live or a live one fills the cache (row_inputs: the rows'
+        `row_inputs`, see refilling_search)."""
+
+    def keep(self, context, s, keep_K, *, beam_size: int) -> tuple[PyTree, Any]:
+        """The context and state of the sentences keep_K only."""
+
+
+def compacted_size(live: int, running: int) -> int:
+    """Sentences the next call runs, given `live` unfinished ones among the `running` ones (nothing waits).
+
+    The sizes are the running batch halved (rounded up), not below MIN_ROWS, so that each cache stage compiles for
+    a few sizes only: the smallest that holds the live sentences.
+    """
+    size = running
+    while -(-size // 2) >= max(live, MIN_ROWS):
+        size = -(-size // 2)
+    return size
+
+
+def refill_size(free: int, rows: int) -> int:
+    """Waiting sentences that join a running batch of `rows` sentences with `free` rows free: the largest of MIN_ROWS,
+    2 MIN_ROWS, 4 MIN_ROWS, ... (at most `rows`) that fits, so that the encoder compiles for a few sizes only; 0
+    while fewer than MIN_ROWS rows are free."""
+    size = 0
+    while (2 * size or MIN_ROWS) <= min(free, rows):
+        size = 2 * size or MIN_ROWS
+    return size
+
+
+def batch_rows(sentences: int, batch_size: int) -> int:
+    """Rows of the running batch: batch_size, or the sentences rounded up to a multiple of MIN_ROWS when fewer."""
+    return min(batch_size, -(-sentences // MIN_ROWS) * MIN_ROWS)
+
+
+def source_batch(sources: Sequence[Sequence[int]], rows: int, src_len: int) -> np.ndarray:
+    """[rows, src_len] int32: the sources (ids then EOS) PAD-padded, then dummy rows of an empty source (EOS only),
+    which decode for one step and are dropped."""
+    src_BS = np.full((rows, src_len), PAD_ID, np.int32)
+    src_BS[:, 0] = EOS_ID
+    for r, ids in enumerate(sources):
+        src_BS[r, : len(ids)] = ids
+    return src_BS
+
+
+def prefix_array(prefixes: Sequence[Sequence[int]]) -> np.ndarray:
+    """[N, P] int32: the target prefixes PAD-padded to P, the longest rounded up to a power of two (so that the
+    search compiles for a few widths only)."""
+    width = 1
+    while width < max(map(len, prefixes)):
+        width *= 2
+    prefix_NP = np.full((len(prefixes), width), PAD_ID, np.int32)  # PAD_ID is 0: a row of zeros is no prefix
+    for i, ids in enumerate(prefixes):
+        prefix_NP[i, : len(ids)] = ids
+    return prefix_NP
+
+
+def sorted_beams(tokens_WL: np.ndarray, scores_W: np.ndarray, log_probs_W: np.ndarray, lengths_W: np.ndarray):
+    """One sentence's beams best first, as `best_first` sorts them (ties: the lower beam first)."""
+    order = np.argsort(-scores_W, kind="stable")
+    return BeamResult(tokens_WL[order], scores_W[order], log_probs_W[order], lengths_W[order])
+
+
+class _Refill:
+    """One refilling search: the running batch (device state and the host's view of its rows) and the waiting
+    sentences. `run()` is the loop; each method is one thing the host does between calls."""
+
+    def __init__(
+        self,
+        calls: Calls,
+        sources: Sequence[np.ndarray],
+        max_len_N: np.ndarray,
+        alpha: float,
+        *,
+        beam_size: int,
+        penalty: str,
+        best_only: bool,
+        sampling: Any,
+        row_inputs_N: dict[str, np.ndarray],
+        rows: int,
+        shape: Shape,
+        progress: Callable[[int], Any] | None,
+    ):
+        self.calls, self.sources, self.max_len_N, self.alpha = calls, sources, max_len_N, alpha
+        self.beam_size, self.penalty, self.best_only, self.sampling = beam_size, penalty, best_only, sampling
+        self.shape, self.progress = shape, progress
+        self.results: list[BeamResult | None] = [None] * len(sources)
+        self.queue = collections.deque(sorted(range(len(sources)), key=lambda i: len(sources[i])))
+        # The running batch's padded source length and output slots: they grow as longer sources join (`_take`).
+        self.src_len, self.max_steps = 0, 0
+        # The encoded block of waiting sentences (its ids and context), of which `joined` have joined. It has
+        # block_rows rows, a multiple of MIN_ROWS, so that every refill size divides what is left of it.
+        self.block_ids: list[int] = []
+        self.block: PyTree = None
+        self.joined = 0
+        self.block_rows = rows - rows % MIN_ROWS
+        ids, src_KS = self._take(rows)
+        src_KS = np.pad(src_KS, [(0, 0), (0, self.src_len - src_KS.shape[1])], constant_values=PAD_ID)
+        # The host's view of each row: its sentence (-1: none, finished or dummy), output limit and steps taken.
+        self.sentence_R = np.array(ids + [-1] * (rows - len(ids)))
+        self.max_len_R = np.ones(rows, np.int32)  # a row without a sentence stops after one step
+        self.max_len_R[: len(ids)] = max_len_N[ids]
+        self.step_R = np.zeros(rows, np.int32)
+        # The sentences' and the rows' own inputs to the search (a row without a sentence: zeros, e.g. no prefix).
+        self.row_inputs_N = row_inputs_N
+        self.row_inputs_R = {k: np.zeros((rows, *x.shape[1:]), x.dtype) for k, x in row_inputs_N.items()}
+        for k, x in row_inputs_N.items():
+            self.row_inputs_R[k][: len(ids)] = x[ids]
+        self.slots = cache_stages(self.max_steps)[0]
+        self.context, self.state = calls.start(src_KS, beam_size=beam_size, slots=self.slots)
+        self.context_len = self.src_len  # source positions of the running batch's context
+
+    def rows(self) -> int:
+        return len(self.sentence_R)
+
+    def waiting(self) -> bool:
+        return bool(self.queue) or self.joined < len(self.block_ids)
+
+    def free(self) -> np.ndarray:
+        return np.flatnonzero(self.sentence_R < 0)
+
+    def live(self) -> np.ndarray:
+        return np.flatnonzero(self.sentence_R >= 0)
+
+    def run(self) -> list[BeamResult]:
+        while True:
+            self._fill()
+            if not self.waiting():
+                if not len(self.live()):
+                    return self.results
+                self._compact()
+            self._grow()
+            self._stage()
+
+    def _take(self, k: int) -> tuple[list[int], np.ndarray]:
+        """The next k waiting sentences as a [k, S] batch (rows past the queue's end: an empty source), S their
+        longest source rounded up to ENCODE_MULTIPLE, at most the running batch's src_len (which grows to hold it)."""
+        ids = [self.queue.popleft() for _ in range(min(k, len(self.queue)))]
+        longest = len(self.sources[ids[-1]])  # sorted: the last is the longest
+        longest_src_len, longest_max_steps = self.shape(longest)
+        self.src_len, self.max_steps = max(self.src_len, longest_src_len), max(self.max_steps, longest_max_steps)
+        encoded_len = min(-(-longest // ENCODE_MULTIPLE) * ENCODE_MULTIPLE, self.src_len)
+        return ids, source_batch([self.sources[i] for i in ids], k, encoded_len)
+
+    def _next_block(self) -> None:
+        """Encodes the next block_rows waiting sentences together; widens block and batch to one source length."""
+        self.block_ids, src_KS = self._take(self.block_rows)
+        self.block, self.joined = self.calls.encode(src_KS, beam_size=self.beam_size), 0
+        if src_KS.shape[1] < self.src_len:
+            self.block = self.calls.widen(self.block, src_len=self.src_len)
+        if self.src_len > self.context_len:
+            self.context, self.context_len = self.calls.widen(self.context, src_len=self.src_len), self.src_len
+
+    def _fill(self) -> None:
+        """Waiting sentences take the free rows, refill_size at a time, while at least MIN_ROWS rows are free."""
+        while self.waiting() and len(free := self.free()) >= MIN_ROWS:
+            if self.joined == len(self.block_ids):
+                self._next_block()
+            # The block's rows left are a multiple of MIN_ROWS (the block is, and so is every refill size).
+            k = refill_size(min(len(free), self.block_rows - self.joined), self.rows())
+            ids = self.block_ids[self.joined : self.joined + k]
+            into = np.full(k, self.rows(), np.int32)  # the block's dummy rows go past the batch's end: dropped
+            into[: len(ids)] = free[: len(ids)]
+            self.context, self.state = self.calls.insert(
+                self.context, self.state, self.block, np.int32(self.joined), into, beam_size=self.beam_size
+            )
+            self.joined += len(ids)
+            taken = into[: len(ids)]
+            self.sentence_R[taken], self.max_len_R[taken], self.step_R[taken] = ids, self.max_len_N[ids], 0
+            for k, x in self.row_inputs_N.items():
+                self.row_inputs_R[k][taken] = x[ids]
+
+    def _compact(self) -> None:
+        """Nothing waits: the live sentences move into the smallest halved batch that holds them."""
+        live, size = self.live(), compacted_size(len(self.live()), self.rows())
+        if size < self.rows():
+            keep = np.concatenate([live, self.free()[: size - len(live)]])
+            self.context, self.state = self.calls.keep(
+                self.context, self.state, jnp.asarray(keep), beam_size=self.beam_size
+            )
+            self.sentence_R, self.max_len_R, self.step_R = (
+                self.sentence_R[keep],
+                self.max_len_R[keep],
+                self.step_R[keep],
+            )
+            self.row_inputs_R = {k: x[keep] for k, x in self.row_inputs_R.items()}
+
+    def _grow(self) -> None:
+        """Grows the cache to the stage that has room for the furthest live sentence's next token (a small batch
+        with nothing waiting: to the last stage at once)."""
+        if not self.waiting() and self.rows() * self.beam_size <= FULL_CACHE_ROWS:
+            slots = self.max_steps
+        else:
+            slots = next(n for n in cache_stages(self.max_steps) if n > np.max(self.step_R[self.live()]))
+        if slots > self.slots:
+            self.state, self.slots = self.calls.grow(self.state, slots=slots), slots
+
+    def _stage(self) -> None:
+        """Runs until the host can act (MIN_ROWS rows free for waiting sentences, or, nothing waiting, the live ones
+        fit in a batch half the size, or a live sentence fills the cache), then records the finished sentences."""
+        half = -(-self.rows() // 2)
+        stop_live = self.rows() - MIN_ROWS if self.waiting() else (half if half >= MIN_ROWS else 0)
+        self.state = self.calls.stage(
+            self.context,
+            self.state,
+            self.max_len_R,
+            self.alpha,
+            np.int32(stop_live),
+            self.row_inputs_R,
+            penalty=self.penalty,
+            best_only=self.best_only,
+            sampling=self.sampling,
+        )
+        done, self.step_R = (np.array(x) for x in jax.device_get((self.state.sentence_done(), self.state.step_B)))
+        finished = np.flatnonzero((self.sentence_R >= 0) & done)
+        if not len(finished):
+            return
+        tokens, log_probs, lengths = jax.device_get(self.state.beams())
+        scores = log_probs / np.asarray(length_penalty(lengths, self.alpha, self.penalty))
+        for r in finished:
+            self.results[self.sentence_R[r]] = sorted_beams(tokens[r], scores[r], log_probs[r], lengths[r])
+        self.sentence_R[finished] = -1
+        if self.progress is not None:
+            self.progress(len(finished))
+
+
+def refilling_search(
+    calls: Calls,
+    sources: Sequence[np.ndarray],
+    max_len_N: np.ndarray,
+    alpha: float,
+    *,
+    beam_size: int,
+    rows: int,
+    shape: Shape,
+    penalty: str = GNMT,
+    best_only: bool = True,
+    sampling: Any = None,
+    row_inputs_N: dict[str, np.ndarray] | None = None,
+    progress: Callable[[int], Any] | None = None,
+) -> list[BeamResult]:
+    """The cached search of every sentence through one running batch of `rows` sentences (module docstring); each
+    sentence's beams, best first. shape(longest source) gives a batch's padded source length and output slots;
+    progress(n) is called as n more sentences finish. penalty, best_only: as for beam_search; sampling: the
+    token choice of greedy search (sampling.Sampling, or None: argmax); row_inputs_N: each
+    sentence's own inputs to the search, rows on axis 0 ("prefix": its target prefix, `prefix_array`; "keys": its
+    sampling key), which follow it into whichever row it takes."""
+    return _Refill(
+        calls,
+        sources,
+        max_len_N,
+        alpha,
+        beam_size=beam_size,
+        penalty=penalty,
+        best_only=best_only,
+        sampling=sampling,
+        row_inputs_N=row_inputs_N or {},
+        rows=rows,
+        shape=shape,
+        progress=progress,
+    ).run()

@@ -1,0 +1,80 @@
+"""Sampling instead of search: each step draws the next token from the model's distribution, reshaped by a
+temperature, a top-k cut and a nucleus (top-p) cut (Holtzman et al., 2020). Sampled back-translation beats beam
+back-translation (Edunov et al., 2018).
+
+Axis letters: see transformer_jax/__init__.py (B rows, V vocabulary).
+
+Reproducibility: every (sentence, sample) has its own key (`sample_keys`: the seed folded with the sentence's input
+line and the sample's number), and step t draws with that key folded with t. So a sample depends on its seed, its
+line and its number only, not on the batch it ran in, the rows beside it, or when the scheduler let it join.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer_jax.decoding.search import NEG_INF
+
+Array = jax.Array
+Choose = Callable[[Array, Array], Array]  # (logits_BV, step_B) -> token_B
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How tokens are drawn (hashable: a static argument of the jitted search, one compilation per setting)."""
+
+    temperature: float  # > 0: logits are divided by it (1: the model's distribution)
+    top_k: int  # >= 0: keep the k most probable tokens (0: all)
+    top_p: float  # in (0, 1]: keep the smallest set of most probable tokens whose probability reaches p (1: all)
+
+    def check(self) -> None:
+        """ValueError naming the setting that cannot work (evaluate.py's flags carry the same names)."""
+        if not self.temperature > 0:
+            raise ValueError(f"--temperature must be > 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"--top_k must be >= 0 (0: no cut), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top_p must be in (0, 1] (1: no cut), got {self.top_p}")
+
+    def log_probs(self, logits_BV: Array) -> Array:
+        """[B, V] log-probabilities of the reshaped distribution the tokens are drawn from (-inf: cut)."""
+        logits_BV = logits_BV.astype(jnp.float32) / self.temperature
+        if self.top_k:
+            kth_B1 = jax.lax.top_k(logits_BV, min(self.top_k, logits_BV.shape[-1]))[0][:, -1:]
+            logits_BV = jnp.where(logits_BV < kth_B1, NEG_INF, logits_BV)
+        log_probs_BV = jax.nn.log_softmax(logits_BV, axis=-1)
+        if self.top_p < 1:
+            sorted_BV = jnp.sort(log_probs_BV, axis=-1)[:, ::-1]
+            before_BV = jnp.cumsum(jnp.exp(sorted_BV), axis=-1) - jnp.exp(sorted_BV)  # mass of the more probable
+            # The least probable token kept: the last one whose more probable tokens hold less than p.
+            kept_B = jnp.sum(before_BV < self.top_p, axis=-1)
+            threshold_B1 = jnp.take_along_axis(sorted_BV, (kept_B - 1)[:, None], axis=-1)
+            log_probs_BV = jax.nn.log_softmax(jnp.where(log_probs_BV < threshold_B1, NEG_INF, log_probs_BV), axis=-1)
+        return log_probs_BV
+
+    def chooser(self, keys_B2: Array) -> Choose:
+        """The token choice of the search (search.GreedyState.advance's `choose`): row b draws with its key
+        keys_B2[b] folded with its step."""
+
+        def choose(logits_BV: Array, step_B: Array) -> Array:
+            step_keys = jax.vmap(jax.random.fold_in)(keys_B2, step_B)
+            return jax.vmap(jax.random.categorical)(step_keys, self.log_probs(logits_BV)).astype(jnp.int32)
+
+        return choose
+
+
+PLAIN = Sampling(temperature=1.0, top_k=0, top_p=1.0)  # the model's own distribution: what unset flags mean
+
+
+def sample_keys(seed: int, lines: np.ndarray, samples: np.ndarray) -> np.ndarray:
+    """[N, 2] uint32: the key of sample samples[n] of input line lines[n] (raw keys, as jax.random.PRNGKey's)."""
+    base = jax.random.PRNGKey(seed)
+    keys = jax.vmap(lambda line, sample: jax.random.fold_in(jax.random.fold_in(base, line), sample))(
+        jnp.asarray(lines, jnp.uint32), jnp.asarray(samples, jnp.uint32)
+    )
+    return np.asarray(keys, np.uint32)

@@ -1,0 +1,451 @@
+"""Greedy and beam search over a generic decode step.
+
+Axis letters: see transformer_jax/__init__.py (here B sentences, W beams per sentence, R = B W rows with row b W + w
+beam w of sentence b, L output slots = max_steps).
+
+A decode step is `decode_step(tokens_R1, cache) -> (logits_R1V, cache)`: it reads the next input token of every
+row and returns the next-token logits. The cache is any pytree whose non-scalar leaves have the rows on axis 0
+(scalar leaves, such as a stub's step counter, are shared by all rows and never tiled or reordered). The
+search functions only need this interface, so tests drive them with stubs whose distributions they control.
+
+Search (both functions; the reserved ids are those of transformer_jax/tokens.py): the decoder input starts with BOS;
+a hypothesis finishes when it emits EOS or reaches its sentence's maximum length `max_len_B` (then it is kept as it
+is, without EOS); after that only PAD follows and its score never changes. Lengths |Y| count the emitted tokens,
+EOS included. `jax.lax.while_loop` runs the steps and stops as soon as every hypothesis of every sentence has
+finished.
+
+Cache stages: a step reads every slot of the self-attention cache and beam search reorders all of them, so their
+cost grows with the cache's size, not with the tokens decoded so far. Outputs are mostly much shorter than their
+limit (source + max_extra_len), so a search with a `grow` function runs in stages of growing cache size (16,
+32, 64, ..., max_steps; `cache_stages`), one while_loop each: a stage ends when its slots are full or every
+hypothesis has finished, and the next one starts from a cache grown by zero slots. Each stage is compiled once;
+the results equal a single loop over max_steps slots (empty slots are never attended).
+
+The states (GreedyState, BeamState) are the loop carries; the host-side scheduler (refill.py) also runs them a few
+steps at a time and moves sentences between batches, through `restart` and `select`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from transformer_jax.tokens import BOS_ID, EOS_ID, PAD_ID
+
+Array = jax.Array
+PyTree = Any
+DecodeStep = Callable[[Array, PyTree], tuple[Array, PyTree]]
+GrowCache = Callable[[PyTree, int], PyTree]
+NEG_INF = -jnp.inf
+FIRST_STAGE = 16  # slots of the first cache stage: most Multi30k outputs (~13 tokens) finish inside it
+
+
+class Decoder(NamedTuple):
+    """A decode step, its initial cache, and `grow(cache, n)` giving the cache room for n steps (None: it has
+    room for max_steps already)."""
+
+    step: DecodeStep
+    cache: PyTree
+    grow: GrowCache | None = None
+
+
+def cache_stages(max_steps: int) -> list[int]:
+    """Cache sizes of the stages: doubling from FIRST_STAGE, then max_steps once doubling would pass 3/4 of it
+    (a last stage of a few slots would cost a compilation and save nothing)."""
+    stages = [min(FIRST_STAGE, max_steps)]
+    while stages[-1] < max_steps:
+        doubled = 2 * stages[-1]
+        stages.append(doubled if doubled < 0.75 * max_steps else max_steps)
+    return stages
+
+
+def _run_stages(body: Callable, state: NamedTuple, max_steps: int, grow: GrowCache | None):
+    """Runs the search loop over the cache stages (one loop over max_steps slots when grow is None)."""
+    if grow is None:
+        return _loop(body, state, max_steps)
+    for slots in cache_stages(max_steps):
+        state = _loop(body, state.with_room(slots)._replace(cache=grow(state.cache, slots)), slots)
+    return state
+
+
+def _loop(body: Callable, state: NamedTuple, slots: int):
+    """while_loop(body) until the cache's `slots` are full or every sentence is done."""
+
+    def cond(s: NamedTuple) -> Array:
+        # The sentences still running are all at the same step, the most any sentence has taken.
+        return (jnp.max(s.step_B) < slots) & ~jnp.all(s.sentence_done())
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+def steps_until(body: Callable, state: NamedTuple, stop_live: Array) -> NamedTuple:
+    """while_loop(body) until at most `stop_live` sentences are live or a live one has filled the state's slots:
+    the refilling scheduler's calls stop there, for the host to act (stop_live is traced: one compilation)."""
+    slots = state.beams()[0].shape[-1]
+
+    def go_on(s: NamedTuple) -> Array:
+        live_B = ~s.sentence_done()
+        return (jnp.sum(live_B) > stop_live) & (jnp.max(jnp.where(live_B, s.step_B, 0)) < slots)
+
+    return jax.lax.while_loop(go_on, body, state)
+
+
+GNMT, AVERAGE, NONE = "gnmt", "average", "none"
+LENGTH_PENALTIES = (GNMT, AVERAGE, NONE)
+
+
+def length_penalty(length: Array | int, alpha: Array | float, penalty: str = GNMT) -> Array:
+    """The divisor lp(Y) of a hypothesis's score log P(Y|X) / lp(Y), by `penalty`:
+
+    gnmt: ((5 + |Y|) / 6) ** alpha (Wu et al., 2016); average: |Y| ** alpha (alpha 1: the per-token mean, fairseq's
+    --lenpen and Marian's --normalize); none: 1 (the plain log-probability). Every lp grows with |Y| for alpha >= 0,
+    which beam search's early stop relies on.
+    """
+    length = jnp.asarray(length, jnp.float32)
+    if penalty == GNMT:
+        return ((5.0 + length) / 6.0) ** alpha
+    if penalty == AVERAGE:
+        return jnp.maximum(length, 1.0) ** alpha
+    if penalty == NONE:
+        return jnp.ones_like(length)
+    raise ValueError(f"unknown length penalty {penalty!r}; expected one of {', '.join(LENGTH_PENALTIES)}")
+
+
+def tile_beams(tree: PyTree, beam_size: int) -> PyTree:
+    """Repeats every non-scalar leaf beam_size times along axis 0: [B, ...] -> [R, ...], beams of a row adjacent."""
+    return jax.tree.map(lambda x: x if jnp.ndim(x) == 0 else jnp.repeat(x, beam_size, axis=0), tree)
+
+
+def gather_rows(tree: PyTree, rows_R: Array) -> PyTree:
+    """Reorders every non-scalar leaf along axis 0 (the beam reordering of the cache); scalars stay."""
+    return jax.tree.map(lambda x: x if jnp.ndim(x) == 0 else jnp.take(x, rows_R, axis=0), tree)
+
+
+def _next_log_probs(decode_step: DecodeStep, tokens_R: Array, cache: PyTree) -> tuple[Array, PyTree]:
+    logits, cache = decode_step(tokens_R[:, None], cache)
+    logits_RV = logits.reshape(tokens_R.shape[0], -1).astype(jnp.float32)
+    return jax.nn.log_softmax(logits_RV, axis=-1), cache
+
+
+def first_argmax(x_BV: Array) -> Array:
+    """jnp.argmax over the last axis (the first index of the maximum), as two plain reductions.
+
+    XLA:CPU lowers argmax to a variadic (value, index) reduction, several times slower than a max and a min over a
+    [64, 8000] batch of logits, a visible part of a greedy step. A row with a NaN has no index equal to its max
+    and gets the last index, where argmax would point at the NaN; either way the output is garbage.
+    """
+    vocab = x_BV.shape[-1]
+    index_BV = jnp.where(x_BV == jnp.max(x_BV, axis=-1, keepdims=True), jnp.arange(vocab, dtype=jnp.int32), vocab)
+    return jnp.minimum(jnp.min(index_BV, axis=-1), vocab - 1)
+
+
+def _write(seq: Array, step: Array, tokens: Array) -> Array:
+    """seq[..., step] = tokens (seq [..., L], tokens [...], step broadcasting against tokens: each row its own slot;
+    a step of L or more writes nothing)."""
+    return jnp.where(jnp.arange(seq.shape[-1]) == step[..., None], tokens[..., None], seq)
+
+
+def forced_tokens(prefix_BP: Array, step_B: Array) -> Array:
+    """[B] the token each sentence must emit at its step: prefix_BP[b, step_B[b]], PAD (none) past the prefix.
+
+    A target prefix is PAD-padded to a common width P; the search emits its tokens first, then continues freely.
+    """
+    width = prefix_BP.shape[1]
+    at_B = jnp.take_along_axis(prefix_BP, jnp.minimum(step_B, width - 1)[:, None], axis=1)[:, 0]
+    return jnp.where(step_B < width, at_B, PAD_ID)
+
+
+class GreedyResult(NamedTuple):
+    tokens: Array  # [B, L] int32: the output, EOS included when emitted, PAD after
+    log_probs: Array  # [B] float32: log P(tokens | source)
+    lengths: Array  # [B] int32: emitted tokens, EOS included
+
+
+class BeamResult(NamedTuple):
+    tokens: Array  # [B, W, L] int32, best beam first; EOS included when emitted, PAD after
+    scores: Array  # [B, W] float32: log P / lp(length), descending
+    log_probs: Array  # [B, W] float32: log P(tokens | source)
+    lengths: Array  # [B, W] int32: emitted tokens, EOS included
+
+
+def _pad_tokens(tokens: Array, slots: int) -> Array:
+    """tokens [..., L'] padded with PAD to [..., slots] (L' <= slots): the output buffer grows with the cache."""
+    extra = slots - tokens.shape[-1]
+    return tokens if extra == 0 else jnp.pad(tokens, [(0, 0)] * (tokens.ndim - 1) + [(0, extra)])
+
+
+def beam_rows(rows_K: Array, width: int) -> Array:
+    """The cache rows [K W] of the sentences rows_K: sentence k's beams are rows k W ... k W + W - 1."""
+    return (rows_K[:, None] * width + jnp.arange(width)).reshape(-1)
+
+
+def _restarted(s: NamedTuple, rows_K: Array, fresh: NamedTuple) -> NamedTuple:
+    """s with the per-sentence arrays of the sentences rows_K (rows past the end: dropped) set to those of `fresh`, a
+    state of len(rows_K) sentences just started; the cache is left as it is."""
+    per_sentence = jax.tree.map(
+        lambda x, f: x.at[rows_K].set(f, mode="drop"), s._replace(cache=None), fresh._replace(cache=None)
+    )
+    return per_sentence._replace(cache=s.cache)
+
+
+def _selected(s: NamedTuple, keep_K: Array, width: int) -> NamedTuple:
+    """s for the sentences keep_K only: their per-sentence arrays and their `width` cache rows each."""
+    per_sentence = jax.tree.map(lambda x: jnp.take(x, keep_K, axis=0), s._replace(cache=None))
+    return per_sentence._replace(cache=gather_rows(s.cache, beam_rows(keep_K, width)))
+
+
+class GreedyState(NamedTuple):
+    """The loop state of greedy search: per sentence (B rows), and the decode step's cache."""
+
+    step_B: Array  # int32: tokens emitted so far, EOS included (its length; frozen once done)
+    done_B: Array
+    last_B: Array
+    tokens_BL: Array  # L: the current stage's slots
+    log_probs_B: Array
+    cache: PyTree
+
+    def sentence_done(self) -> Array:
+        return self.done_B
+
+    def with_room(self, slots: int) -> GreedyState:
+        return self._replace(tokens_BL=_pad_tokens(self.tokens_BL, slots))
+
+    def beams(self) -> tuple[Array, Array, Array]:
+        """(tokens [B, 1, L], log_probs [B, 1], lengths [B, 1]): the result as one beam per sentence."""
+        return self.tokens_BL[:, None], self.log_probs_B[:, None], self.step_B[:, None]
+
+    def restart(self, rows_K: Array) -> GreedyState:
+        """The sentences in rows_K back at the start (nothing emitted); the cache is the caller's to reset."""
+        return _restarted(self, rows_K, GreedyState.start(None, rows_K.shape[0], self.tokens_BL.shape[-1]))
+
+    def select(self, keep_K: Array) -> GreedyState:
+        """The state of the sentences keep_K only, in that order."""
+        return _selected(self, keep_K, 1)
+
+    @classmethod
+    def start(cls, cache: PyTree, batch: int, slots: int) -> GreedyState:
+        return cls(
+            step_B=jnp.zeros((batch,), jnp.int32),
+            done_B=jnp.zeros((batch,), bool),
+            last_B=jnp.full((batch,), BOS_ID, jnp.int32),
+            tokens_BL=jnp.full((batch, slots), PAD_ID, jnp.int32),
+            log_probs_B=jnp.zeros((batch,), jnp.float32),
+            cache=cache,
+        )
+
+    def advance(
+        self,
+        decode_step: DecodeStep,
+        max_len_B: Array,
+        prefix_BP: Array | None = None,
+        choose: Callable[[Array, Array], Array] | None = None,
+    ) -> GreedyState:
+        """One step: every unfinished sentence appends its prefix's next token, else its most probable token (or,
+        with `choose`, choose(logits_BV, step_B): a sampled one). log P counts the model's own probability."""
+        logits_B1V, cache = decode_step(self.last_B[:, None], self.cache)
+        logits_BV = logits_B1V[:, 0].astype(jnp.float32)
+        max_B1 = jnp.max(logits_BV, axis=-1, keepdims=True)
+        # log_softmax at the argmax, x_max - logsumexp(x) = -log sum exp(x - x_max), without writing and re-reading
+        # the [B, V] log_softmax.
+        gain_B = -jnp.log(jnp.sum(jnp.exp(logits_BV - max_B1), axis=-1))
+        token_B = first_argmax(logits_BV) if choose is None else choose(logits_BV, self.step_B)
+        if choose is not None and prefix_BP is None:
+            gain_B += jnp.take_along_axis(logits_BV, token_B[:, None], axis=1)[:, 0] - max_B1[:, 0]
+        if prefix_BP is not None:
+            forced_B = forced_tokens(prefix_BP, self.step_B)
+            token_B = jnp.where(forced_B == PAD_ID, token_B, forced_B)
+            gain_B += jnp.take_along_axis(logits_BV, token_B[:, None], axis=1)[:, 0] - max_B1[:, 0]
+        token_B = jnp.where(self.done_B, PAD_ID, token_B)
+        return GreedyState(
+            step_B=jnp.where(self.done_B, self.step_B, self.step_B + 1),
+            done_B=self.done_B | (token_B == EOS_ID) | (self.step_B + 1 >= max_len_B),
+            last_B=token_B,
+            tokens_BL=_write(self.tokens_BL, self.step_B, token_B),
+            log_probs_B=self.log_probs_B + jnp.where(self.done_B, 0.0, gain_B),
+            cache=cache,
+        )
+
+
+class BeamState(NamedTuple):
+    """The loop state of beam search: per sentence and beam ([B, W]), and the cache with R = B W rows."""
+
+    step_B: Array  # int32: steps taken by each sentence (frozen once done)
+    finished_BW: Array
+    last_BW: Array
+    tokens_BWL: Array  # L: the current stage's slots
+    log_probs_BW: Array
+    lengths_BW: Array
+    cache: PyTree
+
+    def sentence_done(self) -> Array:
+        return jnp.all(self.finished_BW, axis=1)
+
+    def with_room(self, slots: int) -> BeamState:
+        return self._replace(tokens_BWL=_pad_tokens(self.tokens_BWL, slots))
+
+    def beams(self) -> tuple[Array, Array, Array]:
+        """(tokens [B, W, L], log_probs [B, W], lengths [B, W])."""
+        return self.tokens_BWL, self.log_probs_BW, self.lengths_BW
+
+    def restart(self, rows_K: Array) -> BeamState:
+        """The sentences in rows_K back at the start (nothing emitted); the cache is the caller's to reset."""
+        _, width, slots = self.tokens_BWL.shape
+        return _restarted(self, rows_K, BeamState.start(None, rows_K.shape[0], width, slots))
+
+    def select(self, keep_K: Array) -> BeamState:
+        """The state of the sentences keep_K only, in that order (their W cache rows each)."""
+        return _selected(self, keep_K, self.finished_BW.shape[1])
+
+    @classmethod
+    def start(cls, cache_R: PyTree, batch: int, width: int, slots: int) -> BeamState:
+        return cls(
+            step_B=jnp.zeros((batch,), jnp.int32),
+            finished_BW=jnp.zeros((batch, width), bool),
+            last_BW=jnp.full((batch, width), BOS_ID, jnp.int32),
+            tokens_BWL=jnp.full((batch, width, slots), PAD_ID, jnp.int32),
+            # All W beams start as the same empty prefix; only the first is live, so candidates are not duplicated.
+            log_probs_BW=jnp.tile(jnp.array([0.0] + [NEG_INF] * (width - 1), jnp.float32), (batch, 1)),
+            lengths_BW=jnp.zeros((batch, width), jnp.int32),
+            cache=cache_R,
+        )
+
+    def advance(
+        self,
+        decode_step: DecodeStep,
+        max_len_B: Array,
+        alpha: Array | float,
+        best_only: bool,
+        penalty: str = GNMT,
+        prefix_BP: Array | None = None,
+    ) -> BeamState:
+        """One step of beam search (see beam_search)."""
+        s = self
+        batch, width = s.finished_BW.shape
+        log_probs_RV, cache = _next_log_probs(decode_step, s.last_BW.reshape(-1), s.cache)
+        vocab = log_probs_RV.shape[-1]
+        log_probs_BWV = log_probs_RV.reshape(batch, width, vocab)
+        if prefix_BP is not None:  # inside its prefix, a sentence's beams can only emit the prefix's next token
+            forced_B1 = forced_tokens(prefix_BP, s.step_B)[:, None]
+            allowed_BV = (forced_B1 == PAD_ID) | (jnp.arange(vocab) == forced_B1)
+            log_probs_BWV = jnp.where(allowed_BV[:, None, :], log_probs_BWV, NEG_INF)
+        # Candidate log-probabilities: extensions of unfinished beams; a finished beam only continues with PAD.
+        is_pad_V = jnp.arange(vocab) == PAD_ID
+        fin_BW1 = s.finished_BW[..., None]
+        cand_BWV = jnp.where(
+            fin_BW1,
+            jnp.where(is_pad_V, s.log_probs_BW[..., None], NEG_INF),
+            s.log_probs_BW[..., None] + log_probs_BWV,
+        )
+        cand_len_BW = jnp.where(s.finished_BW, s.lengths_BW, s.step_B[:, None] + 1)
+        score_BWV = cand_BWV / length_penalty(cand_len_BW, alpha, penalty)[..., None]
+        score_BW, flat_BW = jax.lax.top_k(score_BWV.reshape(batch, width * vocab), width)
+        beam_BW, token_BW = flat_BW // vocab, (flat_BW % vocab).astype(jnp.int32)
+
+        def pick(x_BW: Array) -> Array:
+            return jnp.take_along_axis(x_BW, beam_BW, axis=1)
+
+        log_probs_BW = jnp.take_along_axis(cand_BWV.reshape(batch, -1), flat_BW, axis=1)
+        tokens_BWL = jnp.take_along_axis(s.tokens_BWL, beam_BW[..., None], axis=1)
+        # A beam finishes on EOS, at its sentence's maximum length, or when nothing finite is left (-inf: dead).
+        finished_BW = (
+            pick(s.finished_BW) | (token_BW == EOS_ID) | (s.step_B + 1 >= max_len_B)[:, None] | (score_BW == NEG_INF)
+        )
+        if best_only:
+            best_finished_B = jnp.max(jnp.where(finished_BW, score_BW, NEG_INF), axis=1)
+            lp_max_B = jnp.maximum(
+                length_penalty(s.step_B + 1, alpha, penalty), length_penalty(max_len_B, alpha, penalty)
+            )
+            bound_BW = jnp.where(finished_BW, NEG_INF, log_probs_BW / lp_max_B[:, None])
+            settled_B = jnp.max(bound_BW, axis=1) < best_finished_B
+            finished_BW = finished_BW | settled_B[:, None]
+        rows_R = (jnp.arange(batch)[:, None] * width + beam_BW).reshape(-1)  # each beam's parent row
+        return BeamState(
+            step_B=jnp.where(s.sentence_done(), s.step_B, s.step_B + 1),
+            finished_BW=finished_BW,
+            last_BW=token_BW,
+            tokens_BWL=_write(tokens_BWL, s.step_B[:, None], token_BW),
+            log_probs_BW=log_probs_BW,
+            lengths_BW=pick(cand_len_BW),
+            cache=gather_rows(cache, rows_R),
+        )
+
+
+def best_first(
+    tokens_BWL: Array, log_probs_BW: Array, lengths_BW: Array, alpha: Array | float, penalty: str = GNMT
+) -> BeamResult:
+    """The beams of each sentence sorted by score log P / lp(length), best first."""
+    lp_BW = length_penalty(lengths_BW, alpha, penalty)
+    scores_BW, order_BW = jax.lax.top_k(log_probs_BW / lp_BW, log_probs_BW.shape[1])
+
+    def sort(x: Array) -> Array:
+        idx = order_BW.reshape(order_BW.shape + (1,) * (x.ndim - 2))
+        return jnp.take_along_axis(x, idx, axis=1)
+
+    return BeamResult(sort(tokens_BWL), scores_BW, sort(log_probs_BW), sort(lengths_BW))
+
+
+def greedy_search(
+    decode_step: DecodeStep,
+    cache: PyTree,
+    max_len_B: Array,
+    *,
+    max_steps: int,
+    grow: GrowCache | None = None,
+    prefix_BP: Array | None = None,
+    choose: Callable[[Array, Array], Array] | None = None,
+) -> GreedyResult:
+    """Takes the most probable token at each step (with `choose`, the token it picks from the logits: sampling.py).
+    `cache` has B rows; 1 <= max_len_B <= max_steps.
+
+    With `grow` (see Decoder), the cache starts small and grows in stages (module docstring). With prefix_BP
+    (target prefixes, PAD-padded), each sentence first emits its prefix (`forced_tokens`), its log-probabilities
+    counted, then continues; the length limit still holds.
+    """
+    first = max_steps if grow is None else cache_stages(max_steps)[0]
+    init = GreedyState.start(cache, max_len_B.shape[0], first)
+    s = _run_stages(lambda s: s.advance(decode_step, max_len_B, prefix_BP, choose), init, max_steps, grow)
+    return GreedyResult(_pad_tokens(s.tokens_BL, max_steps), s.log_probs_B, s.step_B)
+
+
+def beam_search(
+    decode_step: DecodeStep,
+    cache: PyTree,
+    max_len_B: Array,
+    *,
+    beam_size: int,
+    alpha: Array | float,
+    max_steps: int,
+    grow: GrowCache | None = None,
+    best_only: bool = False,
+    penalty: str = GNMT,
+    prefix_BP: Array | None = None,
+) -> BeamResult:
+    """Beam search with the length penalty lp (`length_penalty`'s `penalty`); `cache` has B rows and is tiled to
+    R = B W rows here, once.
+
+    Each step, every unfinished beam proposes its V extensions (score log P / lp(t+1)) and every finished beam
+    proposes itself followed by PAD (its score unchanged); the best W of these W V candidates per sentence
+    survive, and the cache rows are reordered to follow them. A sentence is done when all W beams have finished,
+    so beam_size=1 is exactly greedy search, and a beam large enough to keep every candidate is exhaustive search.
+    With `grow` (see Decoder), the cache starts small and grows in stages (module docstring). With prefix_BP, each
+    sentence's beams first follow its target prefix (as greedy_search's), then search freely.
+
+    best_only: a sentence also stops once no unfinished beam can overtake its best finished one. log P only falls
+    as tokens are added, so an unfinished beam's final score is at most log P / max(lp(t + 1), lp(max_len)); when
+    every such bound is below the best finished score, that hypothesis is the search's answer, as it would be after
+    running on. The first beam is then exactly the full search's; the others are returned as they stood (an
+    unfinished one without EOS). Translation needs only the first beam, and this saves the steps in which the
+    worse beams of a finished sentence wander on to its length limit.
+    """
+    first = max_steps if grow is None else cache_stages(max_steps)[0]
+    batch = max_len_B.shape[0]
+    init = BeamState.start(tile_beams(cache, beam_size), batch, beam_size, first)
+
+    def body(s: BeamState) -> BeamState:
+        return s.advance(decode_step, max_len_B, alpha, best_only, penalty, prefix_BP)
+
+    s = _run_stages(body, init, max_steps, grow)
+    return best_first(_pad_tokens(s.tokens_BWL, max_steps), s.log_probs_BW, s.lengths_BW, alpha, penalty)

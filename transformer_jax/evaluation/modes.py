@@ -1,0 +1,131 @@
+"""The decoding modes' options beyond one search (n-best lists, sampling, MBR, target prefixes, forced decoding,
+ensembles): their checks, which run before any file is read or the model restored (evaluation/run.py's
+check_options calls `check_flags`), and the ensemble's members.
+
+`o` is evaluation/run.py's Options (its field names are the flags, which the messages name).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from transformer_jax import decoding
+from transformer_jax.decoding.sampling import PLAIN
+from transformer_jax.errors import EvalError
+from transformer_jax.evaluation.mbr import UTILITIES
+from transformer_jax.evaluation.restore import restore_model
+from transformer_jax.evaluation.translate import check_nbest, check_sampling
+
+SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "num_samples", "seed")
+
+
+def check_flags(o: Any) -> None:
+    """EvalError for search flags that cannot work: an unknown --length_penalty, --nbest over the beam size (when
+    --beam_size is given; the config's is checked once read), or --nbest with stdin."""
+    if o.length_penalty is not None and o.length_penalty not in decoding.LENGTH_PENALTIES:
+        raise EvalError(f"--length_penalty {o.length_penalty!r}: choose one of {', '.join(decoding.LENGTH_PENALTIES)}")
+    _check_mbr(o)
+    given = [f"--{name}" for name in SAMPLING_FLAGS if getattr(o, name) is not None]
+    if given and not o.sampling:
+        raise EvalError(f"{', '.join(given)} tune --sampling: add --sampling, or drop them")
+    if o.sampling:
+        if o.beam_size not in (None, 1):
+            raise EvalError(f"--sampling draws one token per step; --beam_size {o.beam_size} would be ignored")
+        if o.nbest is not None or o.score:
+            raise EvalError("--sampling draws --num_samples translations per line; drop --nbest and --score")
+        if o.source_file == "-":
+            raise EvalError("--sampling needs a --source_file or a --split: stdin is translated one line at a time")
+        check_sampling(sampling_of(o), 1 if o.num_samples is None else o.num_samples)
+    if o.prefix_file is not None and (o.score or o.source_file == "-"):
+        raise EvalError("--prefix_file goes with translating a --source_file or a --split (not --score, not stdin)")
+    if o.ensemble_workdirs is not None:
+        if not o.ensemble_workdirs or not all(o.ensemble_workdirs):
+            raise EvalError(
+                f"--ensemble_workdirs must be workdirs separated by commas, got {list(o.ensemble_workdirs)}"
+            )
+        if o.score:
+            raise EvalError("--score teacher-forces one model; --ensemble_workdirs would be ignored: drop one")
+    if o.score:
+        if o.nbest is not None:
+            raise EvalError("--score teacher-forces the given targets; --nbest would be ignored: drop one of them")
+        if o.source_file == "-":
+            raise EvalError("--score reads its pairs from --source_file and --references_file, not stdin")
+        if o.source_file is not None and not o.references_file:
+            raise EvalError("--score needs --references_file (the targets to score) with --source_file, or a --split")
+    if o.nbest is not None:
+        if o.source_file == "-":
+            raise EvalError("--nbest needs a --source_file or a --split: stdin is translated one line at a time")
+        # Without --beam_size only nbest >= 1 can be checked here; evaluate_model checks the config's beam size.
+        check_nbest(o.nbest, o.nbest if o.beam_size is None else o.beam_size)
+
+
+def _check_mbr(o: Any) -> None:
+    if o.mbr_utility is not None and o.mbr is None:
+        raise EvalError("--mbr_utility goes with --mbr N: add --mbr, or drop it")
+    if o.mbr is None:
+        return
+    if o.mbr < 2:
+        raise EvalError(f"--mbr {o.mbr}: choose among at least 2 candidates")
+    if o.mbr_utility is not None and o.mbr_utility not in UTILITIES:
+        raise EvalError(f"--mbr_utility {o.mbr_utility!r}: choose one of {', '.join(UTILITIES)}")
+    for name in ("nbest", "num_samples"):
+        if getattr(o, name) is not None:
+            raise EvalError(f"--mbr N sets how many candidates there are; --{name} would be ignored: drop it")
+    if o.score or o.source_file == "-":
+        raise EvalError("--mbr translates a --source_file or a --split (not --score, not stdin)")
+
+
+def sampling_of(o: Any):
+    """The decoding.Sampling the flags ask for (unset ones: decoding.sampling.PLAIN's), or None without --sampling."""
+    if not o.sampling:
+        return None
+    given = {k: getattr(o, k) for k in ("temperature", "top_k", "top_p") if getattr(o, k) is not None}
+    return dataclasses.replace(PLAIN, **given)
+
+
+def check_prefix_count(prefixes: Sequence[str], sources: Sequence[str], prefix_name: str, source_name: str) -> None:
+    """EvalError unless there is one prefix line per source line."""
+    if len(prefixes) != len(sources):
+        raise EvalError(
+            f"line counts differ: --prefix_file {prefix_name} has {len(prefixes)} lines, {source_name} has "
+            f"{len(sources)}; give one prefix line per source line (an empty line for none)"
+        )
+
+
+# -- ensembles ----------------------------------------------------------------------------------------------------
+
+
+def check_ensemble_members(restorer: Any, workdirs: Sequence[str]) -> None:
+    """EvalError naming the first member without checkpoints (cheap: before any model is restored)."""
+    for workdir in workdirs:
+        if not restorer.list_steps(workdir):
+            raise EvalError(f"--ensemble_workdirs member {workdir} has no checkpoint; train it first or drop it")
+
+
+def tokenizer_fingerprint(config: Any, tokenizer: Any) -> tuple[str, str]:
+    """(what differs, in words) pairs an ensemble's members must share: the vocabulary size and the tokenizer
+    model's SHA-256 (a tokenizer without a file: its class)."""
+    path = getattr(tokenizer, "path", None)
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16] if path else type(tokenizer).__name__
+    return (f"vocabulary size {config.model.vocab_size}", f"tokenizer {digest}")
+
+
+def restore_members(restorer: Any, workdirs: Sequence[str], config: Any, tokenizer: Any) -> list[Any]:
+    """The members' models (each its latest checkpoints, averaged as its own config says). Every member's saved
+    config and tokenizer are checked first: the first difference from the main model's vocabulary or tokenizer is
+    refused before any member's parameters are read."""
+    expected = tokenizer_fingerprint(config, tokenizer)
+    for workdir in workdirs:
+        member_config = restorer.load_config(workdir)
+        got = tokenizer_fingerprint(member_config, restorer.tokenizer(member_config, workdir))
+        for want, have in zip(expected, got, strict=True):
+            if want != have:
+                raise EvalError(
+                    f"--ensemble_workdirs member {workdir} has {have}, --workdir has {want}: ensemble members must "
+                    "share one tokenizer"
+                )
+    return [restore_model(restorer, workdir)[1] for workdir in workdirs]

@@ -1,0 +1,127 @@
+"""Forced decoding: the model's log-probability of given targets (filtering data, noisy-channel reranking, analysis).
+
+Each pair is tokenized and cut as validation cuts it (data.batching.from_ids: at most max_len - 1 ids then EOS per
+side) and teacher-forced through the model: log P(y | x) = sum over t of log P(y_t | y_<t, x), the target's tokens
+then EOS. Pairs are batched one per row, sorted by length, each batch padded to a doubling bucket
+(data.batching.padded_eval_length) so that jit compiles a few shapes only. The per-token sums are those of the
+training loss's nll (training/losses.py, without label smoothing), so the corpus perplexity exp(-sum log P / tokens)
+is exp of the validation nll on the same pairs.
+
+Axis letters: see transformer_jax/__init__.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from transformer_jax.data import batching
+from transformer_jax.evaluation.translate import Tokenizer, input_limit, position_limit
+from transformer_jax.progress import Progress
+
+Array = jax.Array
+
+
+class SentenceScore(NamedTuple):
+    log_prob: float  # log P(target | source): the sum over the target's tokens, EOS included
+    tokens: int  # target tokens scored, EOS included
+
+    @property
+    def mean(self) -> float:
+        """The per-token mean log-probability."""
+        return self.log_prob / self.tokens
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _token_log_probs(graphdef: nnx.GraphDef, state: nnx.State, batch: dict[str, Array]) -> Array:
+    """[B, T] log P(tgt_out | tgt_in, source) of every target slot; 0 on padding."""
+    model = nnx.merge(graphdef, state)
+    logits_BTV = model(
+        batch["src_tokens"],
+        batch["tgt_in"],
+        src_segment_ids=batch["src_segment_ids"],
+        tgt_segment_ids=batch["tgt_segment_ids"],
+        src_positions=batch["src_positions"],
+        tgt_positions=batch["tgt_positions"],
+    ).astype(jnp.float32)
+    # log_softmax at the target, as losses.py computes the nll: logit - logsumexp.
+    lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    target_BT = jnp.take_along_axis(logits_BTV, batch["tgt_out"][..., None], axis=-1)[..., 0]
+    return jnp.where(batch["tgt_segment_ids"] > 0, target_BT - lse_BT, 0.0)
+
+
+def score_pairs(
+    model: nnx.Module,
+    tokenizer: Tokenizer,
+    sources: Sequence[str],
+    targets: Sequence[str],
+    *,
+    batch_size: int,
+    max_len: int,
+    progress: bool = False,
+) -> tuple[list[SentenceScore], dict[str, Any]]:
+    """Every pair's SentenceScore, in input order, and statistics with the corpus perplexity.
+
+    Sources and targets are cut to max_len tokens (EOS included; no more than a learned position table has rows),
+    as validation cuts them; blank lines are scored as empty sentences (EOS only). Runs the model in eval mode
+    without changing the caller's model.
+    """
+    if len(sources) != len(targets):
+        raise ValueError(f"{len(sources)} sources but {len(targets)} targets")
+    start = time.perf_counter()
+    limit = input_limit(max_len, position_limit(model.spec))
+    src_ids, tgt_ids = [tokenizer.encode(s) for s in sources], [tokenizer.encode(t) for t in targets]
+    examples = batching.from_ids(src_ids, tgt_ids, limit)
+    graphdef, state = nnx.split(model)
+    copy = nnx.merge(graphdef, state)
+    copy.eval()
+    graphdef, state = nnx.split(copy)
+
+    log_probs, tokens = np.zeros(len(examples)), examples.tgt_lens.copy()
+    order = np.lexsort((examples.src_lens, examples.tgt_lens))
+    bar = Progress(len(order), "scoring", "sentences") if progress else None
+    for items in _chunks(order, batch_size):
+        shape = (
+            batch_size,
+            batching.padded_eval_length(int(examples.src_lens[items].max()), limit),
+            batching.padded_eval_length(int(examples.tgt_lens[items].max()), limit),
+        )
+        batch = batching.assemble(examples, batching.one_per_row(items, shape))
+        log_probs_BT = np.asarray(_token_log_probs(graphdef, state, batch), np.float64)
+        log_probs[items] = log_probs_BT[: len(items)].sum(axis=1)
+        if bar is not None:
+            bar.update(len(items))
+    if bar is not None:
+        bar.close()
+    scores = [SentenceScore(float(lp), int(n)) for lp, n in zip(log_probs, tokens, strict=True)]
+    total, count = float(log_probs.sum()), int(tokens.sum())
+    seconds = time.perf_counter() - start
+    stats = {
+        "sentences": len(scores),
+        "tokens": count,
+        "log_prob": total,
+        "nll_per_token": -total / count if count else None,
+        "perplexity": math.exp(-total / count) if count else None,
+        "truncated_sources": sum(len(x) + 1 > limit for x in src_ids),
+        "truncated_targets": sum(len(y) + 1 > limit for y in tgt_ids),
+        "seconds": round(seconds, 3),
+    }
+    return scores, stats
+
+
+def _chunks(order: np.ndarray, size: int) -> Iterable[np.ndarray]:
+    for start in range(0, len(order), size):
+        yield order[start : start + size]
+
+
+def score_lines(scores: Sequence[SentenceScore]) -> list[str]:
+    """One line per pair: the sum log-probability, the per-token mean and the token count, tab-separated."""
+    return [f"{s.log_prob:.6f}\t{s.mean:.6f}\t{s.tokens}" for s in scores]
