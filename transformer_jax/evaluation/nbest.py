@@ -29,5 +29,6 @@ def parse_nbest_line(line: str) -> tuple[int, str, float, float]:
     """(input line, hypothesis, log_prob, score) of one line of an n-best file."""
     index, text, features, score = line.rstrip("\n").split(SEPARATOR)
     name, value = features.split()
-    assert name == "F0=", f"unexpected feature {name!r}"
+    if name != "F0=":
+        raise ValueError(f"unexpected feature {name!r} in n-best line {line!r}")
     return int(index), text, float(value), float(score)
