@@ -68,9 +68,11 @@ def test_a_changed_program_misses_and_the_same_one_hits(cache):
     compiled(1.0), compiled(2.0)
     assert store.stats.hits == 0 and store.stats.writes >= 2
     jax.clear_caches()  # forget the in-memory executables: the next compile asks the disk
-    writes = store.stats.writes
+    entries = {p.name for p in store._path.iterdir()}
     assert float(compiled(2.0)) == pytest.approx(float(np.sin(np.arange(16.0) * 2).sum()), rel=1e-6)
-    assert store.stats.hits >= 1 and store.stats.writes == writes
+    # The program itself comes from the disk; helpers first compiled before this cache existed may be written.
+    assert store.stats.hits >= 1
+    assert not [name for name in {p.name for p in store._path.iterdir()} - entries if name.startswith("jit__lambda")]
 
 
 def test_a_damaged_entry_is_one_warning_a_compile_and_is_replaced(cache, capsys):
