@@ -2,7 +2,7 @@
 
 They are fixed, not configurable: a SentencePiece model trained here reserves exactly these ids (data/tokenizer.py
 refuses any other), batches mark padding with PAD, and decoding starts from BOS and stops at EOS.
-This module sits below data/, model/ and decoding.py so that each imports it without importing the others.
+This module sits below data/, model/ and decoding/ so that each imports it without importing the others.
 """
 
 PAD_ID = 0  # padding: never a real token; `tokens != PAD_ID` is the default segment id of an unpacked row

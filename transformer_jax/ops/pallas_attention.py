@@ -149,7 +149,7 @@ def _pad_last(x: Array, size: int) -> Array:
 def _call_kwargs(static: _Static, warps: int, stages: int, name: str) -> dict:
     if static.backend == "cpu":
         return dict(interpret=True, name=name)
-    from jax.experimental.pallas import triton as plgpu
+    from jax.experimental.pallas import triton as plgpu  # the Triton lowering's parameters: GPU targets only
 
     return dict(compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages), name=name)
 

@@ -10,6 +10,7 @@ choice made from the backend follows the target. Nothing runs: the report's time
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
@@ -21,7 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from transformer_jax import platform
-from transformer_jax.accelerators import Topology
+from transformer_jax.accelerators import Topology, parse_topology
 from transformer_jax.data.batching import BATCH_KEYS
 from transformer_jax.data.pipeline import batch_shapes
 from transformer_jax.errors import ConfigError
@@ -140,7 +141,7 @@ def _cost(compiled) -> tuple[dict, str]:
     # A deviceless GPU compile returns no cost analysis; XLA's HloCostAnalysis, run by the host's CPU client over
     # the compiled GPU module, counts the same program (a private jax API: without it the formula stands in).
     try:
-        from jax._src.lib import xla_client
+        from jax._src.lib import xla_client  # private: imported only where it is used, so its loss is caught
 
         module = compiled.runtime_executable().hlo_modules()[0]
         cost = xla_client._xla.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
@@ -431,10 +432,6 @@ SEARCHES = ("", "batch", "mesh")
 
 def run(config: ml_collections.ConfigDict, topology_name: str, search: str, as_json: bool) -> dict:
     """train.py --plan: the report (or search) printed as a table or JSON; DoesNotFit if nothing planned fits."""
-    import json
-
-    from transformer_jax.accelerators import parse_topology
-
     if search not in SEARCHES:
         raise ConfigError(f"--plan_search={search!r}: choose batch or mesh (or leave it out)")
     topology = parse_topology(topology_name)
