@@ -67,13 +67,10 @@ def test_train_step_with_pallas_attention_compiles_for_an_h100() -> None:
     assert_our_kernels(compiled)
 
 
-@pytest.mark.parametrize(
-    "shape,dtype,match",
-    [((1, 64, 2, 512), jnp.bfloat16, "head dims up to 256"), ((1, 64, 2, 64), jnp.int8, "one dtype among")],
-    ids=["head_dim_512", "int8"],
-)
-def test_input_the_triton_kernels_cannot_take_is_one_line_at_trace_time(shape, dtype, match) -> None:  # noqa: ANN001
-    q = jax.ShapeDtypeStruct(shape, dtype)
-    with platform.compiling_for("gpu"), pytest.raises(ValueError, match=match) as error:
+def test_a_dtype_the_triton_kernels_cannot_take_is_one_line_at_trace_time() -> None:
+    """int8 q, k, v (one dtype, but not a float): refused before Triton sees it. Head dims above 256 and mixed
+    dtypes are checked in test_attention_ops.py; the checks do not depend on the GPU target."""
+    q = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.int8)
+    with platform.compiling_for("gpu"), pytest.raises(ValueError, match="one dtype among") as error:
         jax.eval_shape(lambda q: attention(q, q, q, impl="pallas", causal=True), q)
     assert "\n" not in str(error.value)
