@@ -14,6 +14,8 @@ GPU, the whole check in one call (about 8 minutes on an H100/H200):
     python -m benchmarks.attention --device_report
 TPU compiler estimates on this host, without a TPU (benchmarks/attention_tpu.py; needs requirements-aot.txt):
     python -m benchmarks.attention --tpu_topology v5e:2x2
+GPU compiler estimates on this host, without a GPU (benchmarks/attention_gpu.py; needs requirements-aot.txt):
+    python -m benchmarks.attention --gpu_target h100
 
 Axis legend: B batch, T query length, S key/value length, N heads, H head dim.
 """
@@ -31,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from benchmarks import attention_tpu
+from benchmarks import attention_gpu, attention_tpu
 from transformer_jax import cli, ops
 from transformer_jax.errors import ConfigError
 
@@ -371,6 +373,9 @@ _DEVICE_REPORT = flags.DEFINE_bool("device_report", False, "The whole GPU check 
 _TPU_TOPOLOGY = flags.DEFINE_string(
     "tpu_topology", None, "Compile for one chip of this TPU slice (e.g. v5e:2x2) and print compiler estimates."
 )
+_GPU_TARGET = flags.DEFINE_string(
+    "gpu_target", None, "Compile for one GPU of this kind (h100, h200) and print compiler estimates."
+)
 _BUDGET_S = flags.DEFINE_float("budget_s", 420.0, "--device_report: stop timing after this many seconds.")
 
 
@@ -392,6 +397,14 @@ def main(argv: list[str]) -> None:
             _ints("head_dims", _HEAD_DIMS.value if _HEAD_DIMS.present else ["64", "128"]),
             _IMPLS.value or list(attention_tpu.IMPLS),
             list(attention_tpu.MASKS),
+        )
+        return
+    if _GPU_TARGET.value:
+        attention_gpu.report(
+            _GPU_TARGET.value,
+            seq_lens or [2048, 4096, 8192, 16384, 32768],
+            _ints("head_dims", _HEAD_DIMS.value if _HEAD_DIMS.present else ["64", "128"]),
+            _IMPLS.value or list(attention_gpu.IMPLS),
         )
         return
     if _DEVICE_REPORT.value:

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from tests.helpers.aot import assert_linear_in_length, compile_attention
 from tests.helpers.attention import TPU_CASES, TPU_SMALL, forward_backward, make_inputs
 from tests.helpers.training import one_layer_config
 from transformer_jax import accelerators, platform
@@ -30,41 +31,14 @@ needs_libtpu = pytest.mark.skipif(
     reason=f"compiling for TPU needs libtpu: pip install -r {accelerators.AOT_REQUIREMENTS}",
 )
 
-BATCH, HEADS = 1, 8
-
-
-def compile_attention(topology: str, length: int, head_dim: int, mask: str) -> jax.stages.Compiled:
-    """jit(grad(sum(attention))) for one chip of `topology`: T = S = length, bf16, causal or packed rows."""
-    device = accelerators.tpu_devices(topology)[0]
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    qkv = jax.ShapeDtypeStruct((BATCH, length, HEADS, head_dim), jnp.bfloat16, sharding=sharding)
-    seg = jax.ShapeDtypeStruct((BATCH, length), jnp.int32, sharding=sharding)
-
-    def loss(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array) -> jax.Array:
-        kw = dict(causal=True) if mask == "causal" else dict(q_segment_ids=seg, kv_segment_ids=seg)
-        return jnp.sum(attention(q, k, v, impl="pallas", **kw).astype(jnp.float32))
-
-    with platform.compiling_for("tpu"):
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(qkv, qkv, qkv, seg).lower().compile()
-
-
-# Temporaries per token and head the compiled fwd+bwd may keep: O(T), no [T, S] buffer. What it keeps is ~2 KiB
-# at 32k-64k (heads-first copies of q, k, v, dO, dQ, dK, dV, and the lse/delta columns [T, 1] that HBM pads to 128
-# lanes); one float32 score row alone would be 4 S bytes (128 KiB at 32k).
-TEMP_BYTES_PER_TOKEN_AND_HEAD = 4096
-
-
-def linear_in_length(compiled: jax.stages.Compiled, length: int) -> None:
-    temp = compiled.memory_analysis().temp_size_in_bytes
-    assert temp <= TEMP_BYTES_PER_TOKEN_AND_HEAD * BATCH * HEADS * length, temp
-
 
 @needs_libtpu
 @pytest.mark.parametrize(
     "topology,head_dim,mask", [("v5e:2x2", 64, "causal"), ("v4:2x2x1", 128, "packed")], ids=lambda x: str(x)
 )
 def test_attention_compiles_for_tpu_at_2k(topology: str, head_dim: int, mask: str) -> None:
-    linear_in_length(compile_attention(topology, 2048, head_dim, mask), 2048)
+    device = accelerators.tpu_devices(topology)[0]
+    assert_linear_in_length(compile_attention(device, 2048, head_dim, mask), 2048)
 
 
 @needs_libtpu
@@ -73,7 +47,8 @@ def test_attention_compiles_for_tpu_at_2k(topology: str, head_dim: int, mask: st
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("mask", ["causal", "packed"])
 def test_attention_compiles_for_tpu_at_32k_with_memory_linear_in_length(topology: str, head_dim: int, mask: str):
-    linear_in_length(compile_attention(topology, 32768, head_dim, mask), 32768)
+    device = accelerators.tpu_devices(topology)[0]
+    assert_linear_in_length(compile_attention(device, 32768, head_dim, mask), 32768)
 
 
 @needs_libtpu

@@ -1,5 +1,6 @@
 """What the test modules share, so that no test module imports another: builders, fakes and reference
-implementations, one module each (model, training, fakes, reference, sweeps, tfds), and the paths below.
+implementations, one module each (model, training, fakes, reference, sweeps, tfds, attention, aot), and the
+paths below.
 
 Fixtures shared by several modules (`corpus`) are in tests/conftest.py.
 """
