@@ -26,6 +26,7 @@ from flax import nnx
 from transformer_jax.data import batching
 from transformer_jax.evaluation.translate import Tokenizer, input_limit, position_limit
 from transformer_jax.progress import Progress
+from transformer_jax.training.step import batch_logits
 
 Array = jax.Array
 
@@ -44,14 +45,7 @@ class SentenceScore(NamedTuple):
 def _token_log_probs(graphdef: nnx.GraphDef, state: nnx.State, batch: dict[str, Array]) -> Array:
     """[B, T] log P(tgt_out | tgt_in, source) of every target slot; 0 on padding."""
     model = nnx.merge(graphdef, state)
-    logits_BTV = model(
-        batch["src_tokens"],
-        batch["tgt_in"],
-        src_segment_ids=batch["src_segment_ids"],
-        tgt_segment_ids=batch["tgt_segment_ids"],
-        src_positions=batch["src_positions"],
-        tgt_positions=batch["tgt_positions"],
-    ).astype(jnp.float32)
+    logits_BTV = batch_logits(model, batch).astype(jnp.float32)
     # log_softmax at the target, as losses.py computes the nll: logit - logsumexp.
     lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
     target_BT = jnp.take_along_axis(logits_BTV, batch["tgt_out"][..., None], axis=-1)[..., 0]

@@ -22,8 +22,9 @@ from transformer_jax.training.state import Graphs
 Array = jax.Array
 
 
-def _batch_sums(model, batch: dict[str, Array], label_smoothing: float) -> dict[str, Array]:
-    logits_BTV = model(
+def batch_logits(model, batch: dict[str, Array]) -> Array:
+    """The teacher-forced logits [B, T, V] of a batch (data/batching.py's keys): training's and scoring's forward."""
+    return model(
         batch["src_tokens"],
         batch["tgt_in"],
         src_segment_ids=batch["src_segment_ids"],
@@ -31,6 +32,10 @@ def _batch_sums(model, batch: dict[str, Array], label_smoothing: float) -> dict[
         src_positions=batch["src_positions"],
         tgt_positions=batch["tgt_positions"],
     )
+
+
+def _batch_sums(model, batch: dict[str, Array], label_smoothing: float) -> dict[str, Array]:
+    logits_BTV = batch_logits(model, batch)
     weights_BT = batch["tgt_segment_ids"] > 0
     return cross_entropy_sums(
         logits_BTV, batch["tgt_out"], weights_BT, label_smoothing, fused_backward=model.spec.fused_backward_on
