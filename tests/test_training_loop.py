@@ -225,7 +225,9 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(corpus, tmp_path):
     assert checkpoints.list_steps(tmp_path)[-1] == int(match.group(1)) >= 10  # saved where it stopped
 
 
-@pytest.mark.parametrize("mode", ["data", pytest.param("fsdp", marks=pytest.mark.slow)])  # fsdp: ~25 s more
+# Slow: the default run's multi-device representative is test_checkpoint_faults' 1-to-4-device resume (fsdp).
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["data", "fsdp"])
 def test_one_and_eight_devices_give_the_same_losses(mode):
     """Data parallel and FSDP over 8 simulated CPU devices train exactly like one device (float reduction order
     aside), with dropout on: its masks are a hash of each element's global index (ops/dropout.py), so they do not
