@@ -16,6 +16,13 @@ from tests.helpers import REPO
 
 TINY = "tests/tiny_train_config.py"
 
+
+def slow(*case):
+    """A case whose path another default case already takes (the same parser, or the same check in main): each
+    subprocess costs ~2 s of imports, so these run with -m slow."""
+    return pytest.param(*case, marks=pytest.mark.slow)
+
+
 CASES = [
     # (program, arguments, words the error line contains)
     ("train.py", ["--config", "nope.py", "--workdir", "w"], "--config nope.py: no such file nope.py"),
@@ -23,21 +30,21 @@ CASES = [
     ("train.py", ["--config", TINY], "--workdir is required"),  # ConfigError raised in main
     # config_checks.validate, before any work (--dry_run too): this exited 0 having done nothing
     ("train.py", ["--config", TINY, "--config.train.num_steps=-1", "--dry_run"], "train.num_steps: must be positive"),
-    ("train.py", ["--config", TINY, "--workdir", "train.py"], "--workdir train.py is a file, not a directory"),
-    ("train.py", ["--config", TINY, "--workdir", "train.py/w"], "--workdir train.py/w: cannot write there"),
+    slow("train.py", ["--config", TINY, "--workdir", "train.py"], "--workdir train.py is a file, not a directory"),
+    slow("train.py", ["--config", TINY, "--workdir", "train.py/w"], "--workdir train.py/w: cannot write there"),
     ("evaluate.py", ["--beam_size", "four"], "--beam_size"),
     ("evaluate.py", ["--hypotheses_file", "h.txt"], "--hypotheses_file needs --references_file"),  # in main
-    ("evaluate.py", ["--hypotheses_file", "no.txt", "--references_file", "no.txt"], "cannot read no.txt"),
-    ("transformer_jax.sweep", ["--config", "nope.py", "--workdir", "w"], "--config nope.py: no such file"),
+    slow("evaluate.py", ["--hypotheses_file", "no.txt", "--references_file", "no.txt"], "cannot read no.txt"),
+    slow("transformer_jax.sweep", ["--config", "nope.py", "--workdir", "w"], "--config nope.py: no such file"),
     ("transformer_jax.sweep", ["--config", TINY, "--workdir", "w"], "defines no get_sweep"),  # in main
     ("transformer_jax.visualize", ["schedule", "--config", "nope.py", "--output_dir", "o"], "no such file nope.py"),
-    ("transformer_jax.visualize", ["curves", "--metrics", "no.jsonl", "--output_dir", "o"], "--metrics: no such file"),
+    slow("transformer_jax.visualize", ["curves", "--metrics", "no.jsonl", "--output_dir", "o"], "--metrics: no such file"),
     ("transformer_jax.data.prepare", ["--config", "nope.py", "--workdir", "w"], "--config nope.py: no such file"),
-    ("transformer_jax.data.prepare", ["--config", TINY, "--config.data.text_dir=/none", "--workdir", "w"], "/none"),
+    slow("transformer_jax.data.prepare", ["--config", TINY, "--config.data.text_dir=/none", "--workdir", "w"], "/none"),
     ("benchmarks.attention", ["--seq_lens", "1k"], "--seq_lens: expected integers"),  # ConfigError in main
-    ("benchmarks.decode", ["--config", "nope.py"], "--config nope.py: no such file"),
-    ("benchmarks.data_pipeline", ["--epochs", "many"], "--epochs"),
-    ("benchmarks.train_step", ["--config", "nope.py"], "--config nope.py: no such file"),
+    slow("benchmarks.decode", ["--config", "nope.py"], "--config nope.py: no such file"),
+    slow("benchmarks.data_pipeline", ["--epochs", "many"], "--epochs"),
+    slow("benchmarks.train_step", ["--config", "nope.py"], "--config nope.py: no such file"),
     ("benchmarks.train_step", ["--config", TINY, "stray"], "unexpected arguments: ['stray']"),
 ]
 
@@ -47,7 +54,7 @@ def prog_of(program: str) -> str:
     return program if program.endswith(".py") else f"python -m {program}"
 
 
-@pytest.mark.parametrize("program, args, message", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+@pytest.mark.parametrize("program, args, message", CASES, ids=[f"{getattr(c, 'values', c)[0]}-{i}" for i, c in enumerate(CASES)])
 def test_a_mistake_is_one_line_and_a_nonzero_exit(program, args, message, tmp_path):
     command = [sys.executable, str(REPO / program)] if program.endswith(".py") else [sys.executable, "-m", program]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), "TINY_CORPUS": str(tmp_path)}
