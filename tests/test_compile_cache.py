@@ -68,17 +68,32 @@ def test_a_changed_program_misses_and_the_same_one_hits(cache):
     compiled(1.0), compiled(2.0)
     assert store.stats.hits == 0 and store.stats.writes >= 2
     jax.clear_caches()  # forget the in-memory executables: the next compile asks the disk
-    entries = {p.name for p in store._path.iterdir()}
+    entries = {p.name for p in store.path.iterdir()}
     assert float(compiled(2.0)) == pytest.approx(float(np.sin(np.arange(16.0) * 2).sum()), rel=1e-6)
     # The program itself comes from the disk; helpers first compiled before this cache existed may be written.
     assert store.stats.hits >= 1
-    assert not [name for name in {p.name for p in store._path.iterdir()} - entries if name.startswith("jit__lambda")]
+    assert not [name for name in {p.name for p in store.path.iterdir()} - entries if name.startswith("jit__lambda")]
+
+
+def test_the_report_counts_programs_compiled_and_loaded(cache):
+    """compile_cache.compilations(), which evaluate.py's report and train.py's first-step line print."""
+    compile_cache.enable(str(cache), min_compile_seconds=0)
+    before = compile_cache.compilations()
+    compiled(4.0)
+    after = compile_cache.compilations()
+    assert after["programs"] - before["programs"] >= 1 and after["compiled"] - before["compiled"] >= 1
+    assert after["loaded_from_cache"] == before["loaded_from_cache"] and after["seconds"] > before["seconds"]
+    jax.clear_caches()
+    compiled(4.0)
+    again = compile_cache.compilations()
+    assert again["loaded_from_cache"] - after["loaded_from_cache"] >= 1 and again["programs"] > after["programs"]
+    assert again["functions"]["jit(<lambda>)"] >= 2 and again["cache"] == str(compile_cache.store().path)
 
 
 def test_a_damaged_entry_is_one_warning_a_compile_and_is_replaced(cache, capsys):
     store = compile_cache.enable(str(cache), min_compile_seconds=0)
     expected = float(compiled(3.0))
-    entries = [p for p in store._path.iterdir() if not p.name.startswith(".")]
+    entries = [p for p in store.path.iterdir() if not p.name.startswith(".")]
     for entry in entries:
         data = bytearray(entry.read_bytes())
         data[len(data) // 2] ^= 0xFF
@@ -115,13 +130,13 @@ def test_a_full_disk_is_one_warning_and_compiling_goes_on(cache, capsys, monkeyp
     compiled(6.0)
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "No space left on device" in warnings[0]
-    assert store.stats.writes == 0 and not list(store._path.glob(".tmp-*"))  # no partial file left behind
+    assert store.stats.writes == 0 and not list(store.path.glob(".tmp-*"))  # no partial file left behind
 
 
 def test_every_command_line_takes_compilation_cache(tmp_path, cache):
     flag_values = flags.FlagValues()
     cli.parse_flags("prog", ["prog", f"--compilation_cache={tmp_path / 'mine'}"], flag_values)
-    assert compile_cache.store()._path.parent == tmp_path / "mine"
+    assert compile_cache.store().path.parent == tmp_path / "mine"
     cli.parse_flags("prog", ["prog", "--compilation_cache=off"], flags.FlagValues())
     assert compile_cache.store() is None and jax.config.jax_compilation_cache_dir is None
 

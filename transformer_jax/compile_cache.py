@@ -26,6 +26,7 @@ cache (jax would write their entries and then warn on every read).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import logging
@@ -37,6 +38,7 @@ from pathlib import Path
 
 import jax
 from jax._src import compilation_cache as jax_cache
+from jax._src import dispatch as jax_dispatch
 from jax._src.compilation_cache_interface import CacheInterface
 
 ENV = "TRANSFORMER_JAX_COMPILATION_CACHE"
@@ -91,12 +93,12 @@ class CheckedFileCache(CacheInterface):
     """One file per entry: the value and its SHA-256, written through a temporary file and a rename."""
 
     def __init__(self, path: Path):
-        self._path = path
+        self.path = path
         self.stats = Stats()
         self.writable = True
 
     def _file(self, key: str) -> Path:
-        return self._path / f"{key}{_SUFFIX}"
+        return self.path / f"{key}{_SUFFIX}"
 
     def get(self, key: str) -> bytes | None:
         file = self._file(key)
@@ -128,7 +130,7 @@ class CheckedFileCache(CacheInterface):
             return
         temporary = None
         try:
-            with tempfile.NamedTemporaryFile(dir=self._path, prefix=".tmp-", delete=False) as out:
+            with tempfile.NamedTemporaryFile(dir=self.path, prefix=".tmp-", delete=False) as out:
                 temporary = out.name
                 out.write(value)
                 out.write(hashlib.sha256(value).digest())
@@ -136,7 +138,7 @@ class CheckedFileCache(CacheInterface):
             self.stats.writes += 1
         except OSError as error:
             self.writable = False
-            warn(f"{self._path} cannot be written ({error.strerror or error}); compiling without writing to it")
+            warn(f"{self.path} cannot be written ({error.strerror or error}); compiling without writing to it")
             if temporary is not None:
                 try:
                     os.unlink(temporary)
@@ -205,3 +207,45 @@ def disable() -> None:
 def store() -> CheckedFileCache | None:
     """The store enable() installed, if the cache is on (its `stats` count hits, misses and writes)."""
     return _store
+
+
+@dataclasses.dataclass
+class Programs:
+    """The XLA programs this process built: compiled, or loaded from the persistent cache."""
+
+    count: int = 0
+    seconds: float = 0.0  # in XLA's compiler or reading the cache
+    tracing_seconds: float = 0.0  # tracing to a jaxpr and lowering it: paid again even when the cache has the program
+    functions: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # jitted name -> count
+
+
+_programs = Programs()
+
+
+def _count_program(event: str, seconds: float, fun_name: str = "?", **kwargs) -> None:
+    # jax times every executable it builds under this event, a persistent-cache load included.
+    if event == jax_dispatch.BACKEND_COMPILE_EVENT:
+        _programs.count += 1
+        _programs.seconds += seconds
+        _programs.functions[fun_name] += 1
+    elif event in (jax_dispatch.JAXPR_TRACE_EVENT, jax_dispatch.JAXPR_TO_MLIR_MODULE_EVENT):
+        _programs.tracing_seconds += seconds
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_program)
+
+
+def compilations() -> dict:
+    """What the reports print: programs built so far in this process, how many came from the persistent cache
+    (a cache on, else 0), how many XLA compiled, the seconds that took, the seconds spent tracing and lowering
+    (which a cache hit does not save: the cache key is the lowered program), and the count per jitted function."""
+    loaded = _store.stats.hits if _store is not None else 0
+    return {
+        "programs": _programs.count,
+        "loaded_from_cache": loaded,
+        "compiled": _programs.count - loaded,
+        "seconds": round(_programs.seconds, 2),
+        "tracing_seconds": round(_programs.tracing_seconds, 2),
+        "cache": str(_store.path) if _store is not None else None,
+        "functions": dict(_programs.functions.most_common()),
+    }

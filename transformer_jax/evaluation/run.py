@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from transformer_jax import config_checks, files
+from transformer_jax import compile_cache, config_checks, files
 from transformer_jax.decoding import GNMT
 from transformer_jax.decoding.ensemble import Ensemble
 from transformer_jax.errors import DiskFullError, EvalError
@@ -207,6 +207,7 @@ def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[s
         "lines": len(hypotheses),
         "blank_lines": blank,
         "stats": stats,
+        "compilations": compile_cache.compilations(),
         "scores": bleu.score_all(hypotheses, references) if references is not None else None,
     }
     out = sys.stderr if (stdin and output_file is None) else sys.stdout

@@ -31,6 +31,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from transformer_jax import data
+from transformer_jax.compile_cache import compilations
 from transformer_jax.data.batching import BATCH_KEYS, padded_eval_length
 from transformer_jax.errors import ConfigError, NonFiniteError
 from transformer_jax.model.spec import TransformerSpec
@@ -394,6 +395,9 @@ def run_steps(run: TrainingRun, stop: StopRequest) -> dict[str, float]:
             it_state = run.batches.get_state()
             state, metrics = run.train_step(state, batch)
             step += 1
+            if step == run.step + 1:  # what a restart waits for before training moves: mostly compilation
+                jax.block_until_ready(metrics)
+                logging.info("step %d is this process's first; XLA programs so far: %s", step, compilations())
             run.metric_log.add(metrics, real_tokens, flops.train_step_flops(run.spec, *shape), step)
             if is_due(step, config.train.log_every, num_steps):
                 last_logged = run.metric_log.write(step)
