@@ -12,6 +12,9 @@ source truncation and per-sentence output limits (evaluation/translate.py's rule
 its own formula, so only greedy outputs are expected to be identical. XLA uses every core of the machine: run with
 --threads equal to that count.
 
+--fresh_process: whole processes instead of calls, start to exit: evaluate.py with the compilation cache cold and
+warm against a CTranslate2 process that loads the export and translates (benchmarks/fresh_process.py).
+
 --modes nbest,score,sampling: the decoding modes, one JSON line each, against their counterparts: the 4-best of
 beam 4 against CTranslate2's num_hypotheses (its length_penalty is our `average` penalty), forced decoding of the
 split's references against score_batch, and sampling against our own greedy search (`modes_side_by_side`).
@@ -46,6 +49,7 @@ from absl import flags
 from flax import nnx
 from ml_collections import config_flags
 
+from benchmarks import fresh_process
 from transformer_jax import cli, decoding
 from transformer_jax.data.sources import shared_data_dir
 from transformer_jax.data.tokenizer import train_tokenizer
@@ -75,6 +79,9 @@ _BEAM_SIZES = flags.DEFINE_list("beam_sizes", ["4", "1"], "Beam sizes to compare
 _ALPHA = flags.DEFINE_float("alpha", 0.6, "Length penalty alpha (each engine's own formula).")
 _MODES = flags.DEFINE_list(
     "modes", ["translate"], "With --workdir: translate (1-best), nbest (4-best), score (forced decoding), sampling."
+)
+_FRESH = flags.DEFINE_bool(
+    "fresh_process", False, "With --workdir: whole evaluate.py processes, cold and warm cache, vs CTranslate2's."
 )
 _AVERAGE_LAST = flags.DEFINE_integer("average_last", None, "Checkpoints to average (default: the config's).")
 
@@ -333,6 +340,18 @@ def best_time(fn, repeats: int) -> float:
 
 def main(argv: list[str]) -> None:
     del argv  # no positional arguments (transformer_jax.cli.run refuses them)
+    if _WORKDIR.value and _FRESH.value:
+        fresh_process.evaluate_vs_ctranslate2(
+            _WORKDIR.value,
+            split=_SPLIT.value,
+            beam_sizes=[int(b) for b in _BEAM_SIZES.value],
+            batch_size=_BATCH_SIZE.value,
+            threads=_THREADS.value,
+            alpha=_ALPHA.value,
+            average_last=_AVERAGE_LAST.value,
+            repeats=_REPEATS.value,
+        )
+        return
     if _WORKDIR.value:
         if "translate" in _MODES.value:
             side_by_side(_WORKDIR.value)

@@ -5,12 +5,18 @@ python -m benchmarks.train_step --config configs/multi30k.py --config.data.batch
 Prints one JSON line: tokens_per_s, step_s, params, flops_per_step, mfu against a measured matmul peak, and the
 same for PyTorch (shared embeddings, tied output, label smoothing, Adam, dropout on), measured in the same run,
 interleaved so that machine noise hits both alike.
+
+python -m benchmarks.train_step --config configs/multi30k.py:size=small --fresh_process
+
+times train.py restarts from a checkpoint to their first step, with the compilation cache off and warm
+(benchmarks/fresh_process.py); the --config and --config.* arguments go to train.py as given.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 
 import jax
@@ -19,6 +25,7 @@ from absl import flags
 from flax import nnx
 from ml_collections import config_flags
 
+from benchmarks import fresh_process
 from transformer_jax import cli
 from transformer_jax.model import TransformerSpec
 from transformer_jax.sharding import make_mesh
@@ -30,6 +37,10 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.")
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps per round.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds of JAX and PyTorch.")
 _TORCH = flags.DEFINE_bool("torch", True, "Also time torch.nn.Transformer.")
+_FRESH = flags.DEFINE_bool(
+    "fresh_process", False, "Time train.py restarts to their first step, cache off vs warm (fresh_process.py)."
+)
+_REPEATS = flags.DEFINE_integer("repeats", 2, "--fresh_process: restarts of each kind, alternating.")
 
 
 def random_batch(rows: int, src_len: int, tgt_len: int, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -127,6 +138,9 @@ def torch_stepper(spec: TransformerSpec, batch, label_smoothing: float, opt):
 
 def main(argv: list[str]) -> None:
     del argv  # no positional arguments (transformer_jax.cli.run refuses them)
+    if _FRESH.value:
+        print(json.dumps(fresh_process.restart_times(fresh_process.config_arguments(sys.argv[1:]), _REPEATS.value)))
+        return
     config = _CONFIG.value
     spec = TransformerSpec.from_config(config)
     rows, length = config.data.batch_size, config.data.max_len

@@ -1,0 +1,220 @@
+"""What a user waits for: whole processes, start to exit, with the persistent compilation cache cold and warm.
+
+    python -m benchmarks.decode --workdir W --fresh_process [--beam_sizes 4,1 --repeats 2]
+    python -m benchmarks.train_step --config configs/multi30k.py:size=small --fresh_process [--repeats 2]
+
+Translation (`evaluate_vs_ctranslate2`): for each beam size, `evaluate.py --source_file` translates the split's
+sources in a fresh process, first with an empty cache directory of its own (cold: every program compiled and
+written), then `repeats` more times (warm: loaded from that directory), against a process that loads the same
+weights exported for CTranslate2 and translates the same file (benchmarks/ctranslate2_process.py), run between
+ours so that both meet the same machine load. Each process is timed from its start to its exit, by which point its
+last line is written. evaluate.py's report gives the XLA programs it built and how many came from the cache.
+
+Training restart (`restart_times`): a workdir with a checkpoint at step 1 (made by a first run, which also fills
+the cache), then restarts that each train one more step, alternately with the cache off and warm; timed from the
+process's start to its "is this process's first" log line (training/loop.py), i.e. until the first step is done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from transformer_jax.evaluation import bleu
+from transformer_jax.evaluation.inputs import split_pairs
+from transformer_jax.evaluation.restore import Restorer, restore_model
+from transformer_jax.evaluation.translate import input_limit, output_limit, position_limit, source_ids
+from transformer_jax.export.ctranslate2 import to_ctranslate2
+
+REPO = Path(__file__).resolve().parent.parent
+FIRST_STEP_LINE = "is this process's first"  # training/loop.py's log line after a process's first step
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+
+
+def timed_process(command: list[str], log: Path) -> float:
+    """Seconds from the process's start to its exit; its output goes to `log`; a failure raises with the log's
+    last lines."""
+    start = time.perf_counter()
+    with open(log, "w", encoding="utf-8") as out:
+        code = subprocess.run(command, cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT).returncode
+    seconds = time.perf_counter() - start
+    if code != 0:
+        tail = log.read_text(encoding="utf-8", errors="replace").splitlines()[-5:]
+        raise RuntimeError(f"{' '.join(command[:3])} ... exited {code}: {' | '.join(tail)}")
+    return seconds
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text(encoding="utf-8").split("\n")[:-1]
+
+
+def evaluate_vs_ctranslate2(
+    workdir: str,
+    *,
+    split: str,
+    beam_sizes: list[int],
+    batch_size: int,
+    threads: int,
+    alpha: float,
+    average_last: int | None,
+    repeats: int,
+) -> list[dict]:
+    """One report per beam size (module docstring)."""
+    restorer = Restorer()
+    config, model, steps = restore_model(restorer, workdir, average_last=average_last)
+    tokenizer = restorer.tokenizer(config, workdir)
+    sources, references, name = split_pairs(config, split)
+    limit = position_limit(model.spec)
+    max_input = input_limit(config.data.eval_max_len, limit)
+    limits = []
+    for sentence in sources:
+        ids, _ = source_ids(tokenizer, sentence, max_input)
+        limits.append(0 if ids is None else output_limit(len(ids), config.eval.max_extra_len, limit))
+    reports = []
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
+        source_file = tmp / "source.txt"
+        source_file.write_text("".join(f"{line}\n" for line in sources), encoding="utf-8")
+        export_dir = to_ctranslate2(model, tokenizer, tmp / "ct2")
+        del model
+        for beam_size in beam_sizes:
+            cache = tmp / f"xla-beam{beam_size}"
+            ours_out, theirs_out = tmp / f"ours.{beam_size}.txt", tmp / f"ct2.{beam_size}.txt"
+            ours = [
+                sys.executable,
+                "evaluate.py",
+                f"--workdir={workdir}",
+                f"--source_file={source_file}",
+                f"--output_file={ours_out}",
+                f"--beam_size={beam_size}",
+                f"--alpha={alpha}",
+                f"--batch_size={batch_size}",
+                f"--compilation_cache={cache}",
+            ] + ([f"--average_last={average_last}"] if average_last else [])
+            job = tmp / f"job.{beam_size}.json"
+            job.write_text(
+                json.dumps(
+                    {
+                        "model_dir": str(export_dir),
+                        "spm_model": str(tokenizer.path),
+                        "source_file": str(source_file),
+                        "output_file": str(theirs_out),
+                        "limits": limits,
+                        "max_input_pieces": max_input - 1,
+                        "beam_size": beam_size,
+                        "alpha": alpha,
+                        "batch_size": batch_size,
+                        "threads": threads,
+                    }
+                ),
+                encoding="utf-8",
+            )
+            theirs = [sys.executable, "-m", "benchmarks.ctranslate2_process", str(job)]
+            runs, compilations = {"ours_cold": [], "ours_warm": [], "ctranslate2": []}, {}
+            for i in range(repeats + 1):
+                kind = "ours_cold" if i == 0 else "ours_warm"
+                runs[kind].append(round(timed_process(ours, tmp / f"{kind}.log"), 2))
+                compilations.setdefault(kind, json.loads(Path(f"{ours_out}.json").read_text())["compilations"])
+                runs["ctranslate2"].append(round(timed_process(theirs, tmp / "ct2.log"), 2))
+            hyps, theirs_hyps = _lines(ours_out), _lines(theirs_out)
+            best = {k: min(v) for k, v in runs.items() if v}
+            report = {
+                "workdir": workdir,
+                "steps": steps,
+                "split": name,
+                "sentences": len(sources),
+                "beam_size": beam_size,
+                "batch_size": batch_size,
+                "cores": os.cpu_count(),
+                "ctranslate2_threads": threads,
+                "seconds": runs,
+                "warm_over_ctranslate2": round(best["ours_warm"] / best["ctranslate2"], 2) if repeats else None,
+                "cold_over_ctranslate2": round(best["ours_cold"] / best["ctranslate2"], 2),
+                "compilations": {
+                    k: {x: v[x] for x in ("programs", "loaded_from_cache", "compiled", "seconds")}
+                    for k, v in compilations.items()
+                },  # fmt: skip
+                "cache_bytes": directory_bytes(cache),
+                "bleu": {
+                    "ours": round(bleu.sacrebleu_scores(hyps, references)["bleu"]["score"], 2),
+                    "ctranslate2": round(bleu.sacrebleu_scores(theirs_hyps, references)["bleu"]["score"], 2),
+                },
+                "identical_outputs": sum(a == b for a, b in zip(hyps, theirs_hyps, strict=True)),
+            }
+            reports.append(report)
+            print(json.dumps(report), flush=True)
+    return reports
+
+
+def _first_step_seconds(command: list[str], log: Path) -> float:
+    """Seconds from the process's start until it logs its first step (the process then runs on to its exit)."""
+    start = time.perf_counter()
+    with open(log, "w", encoding="utf-8") as out:
+        proc = subprocess.Popen(
+            command, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        seconds = None
+        for line in proc.stdout:
+            out.write(line)
+            if seconds is None and FIRST_STEP_LINE in line:
+                seconds = time.perf_counter() - start
+        code = proc.wait()
+    if code != 0 or seconds is None:
+        tail = log.read_text(encoding="utf-8", errors="replace").splitlines()[-5:]
+        raise RuntimeError(f"train.py exited {code} without a first step: {' | '.join(tail)}")
+    return seconds
+
+
+def config_arguments(argv: list[str]) -> list[str]:
+    """The --config and --config.KEY arguments of a command line, as given (each as one --flag=value)."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--config" or (arg.startswith("--config.") and "=" not in arg):
+            out.append(f"{arg}={argv[i + 1]}")
+            i += 1
+        elif arg.startswith("--config=") or arg.startswith("--config."):
+            out.append(arg)
+        i += 1
+    return out
+
+
+def restart_times(config_arguments: list[str], repeats: int) -> dict:
+    """Restarts of train.py (module docstring): seconds to the first step with the cache off and warm."""
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
+        workdir, cache = tmp / "run", tmp / "xla"
+        base = [sys.executable, "train.py", *config_arguments, f"--workdir={workdir}"]
+        base += ["--config.train.log_every=1", "--config.ckpt.every_steps=1"]
+        base += ["--config.train.eval_every=0", "--config.train.bleu_every=0"]
+        first = _first_step_seconds(
+            base + ["--config.train.num_steps=1", f"--compilation_cache={cache}"], tmp / "0.log"
+        )
+        times: dict[str, list[float]] = {"off": [], "warm": []}
+        step = 1
+        for _ in range(repeats):
+            for mode in ("off", "warm"):
+                step += 1
+                setting = "off" if mode == "off" else str(cache)
+                command = base + [f"--config.train.num_steps={step}", f"--compilation_cache={setting}"]
+                times[mode].append(round(_first_step_seconds(command, tmp / f"{step}.log"), 2))
+        return {
+            "config": config_arguments,
+            "first_run_cold_s": round(first, 2),
+            "restart_to_first_step_s": times,
+            "speedup_warm_over_off": round(min(times["off"]) / min(times["warm"]), 2),
+            "cache_bytes": directory_bytes(cache),
+            "cache_files": sum(1 for f in cache.rglob("*") if f.is_file()),
+        }
