@@ -38,7 +38,7 @@ CASES = [
     slow("transformer_jax.sweep", ["--config", "nope.py", "--workdir", "w"], "--config nope.py: no such file"),
     ("transformer_jax.sweep", ["--config", TINY, "--workdir", "w"], "defines no get_sweep"),  # in main
     ("transformer_jax.visualize", ["schedule", "--config", "nope.py", "--output_dir", "o"], "no such file nope.py"),
-    slow("transformer_jax.visualize", ["curves", "--metrics", "no.jsonl", "--output_dir", "o"], "--metrics: no such file"),
+    slow("transformer_jax.visualize", ["curves", "--metrics", "no.jsonl", "--output_dir", "o"], "--metrics: no such"),
     ("transformer_jax.data.prepare", ["--config", "nope.py", "--workdir", "w"], "--config nope.py: no such file"),
     slow("transformer_jax.data.prepare", ["--config", TINY, "--config.data.text_dir=/none", "--workdir", "w"], "/none"),
     ("benchmarks.attention", ["--seq_lens", "1k"], "--seq_lens: expected integers"),  # ConfigError in main
@@ -54,7 +54,10 @@ def prog_of(program: str) -> str:
     return program if program.endswith(".py") else f"python -m {program}"
 
 
-@pytest.mark.parametrize("program, args, message", CASES, ids=[f"{getattr(c, 'values', c)[0]}-{i}" for i, c in enumerate(CASES)])
+IDS = [f"{getattr(case, 'values', case)[0]}-{i}" for i, case in enumerate(CASES)]
+
+
+@pytest.mark.parametrize("program, args, message", CASES, ids=IDS)
 def test_a_mistake_is_one_line_and_a_nonzero_exit(program, args, message, tmp_path):
     command = [sys.executable, str(REPO / program)] if program.endswith(".py") else [sys.executable, "-m", program]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), "TINY_CORPUS": str(tmp_path)}
