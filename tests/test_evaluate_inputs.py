@@ -288,13 +288,20 @@ def test_a_bad_config_eval_value_names_the_config_key(tmp_path, files, fake):
         evaluate_model(Options(workdir=str(tmp_path), source_file=str(src), output_file=str(tmp_path / "o")), fake)
 
 
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--beam_size", "0"], "--beam_size: must be positive (an integer >= 1, beams), got 0"),
-        (["--alpha", "nan"], "--alpha: must be >= 0 (a number, length penalty exponent), got nan"),
-        (["--checkpoint", "abc"], "--checkpoint must be 'latest' or a step number, got 'abc'"),
-        (["--average_steps", "1,x"], "--average_steps must be step numbers"),
+        # The same check_options path as the first (test_bad_flag_values_fail_before_restoring covers each value
+        # in-process); a subprocess costs ~2 s of imports, so these run with -m slow.
+        pytest.param(
+            ["--alpha", "nan"], "--alpha: must be >= 0 (a number, length penalty exponent), got nan", marks=SLOW
+        ),
+        pytest.param(["--checkpoint", "abc"], "--checkpoint must be 'latest' or a step number, got 'abc'", marks=SLOW),
+        pytest.param(["--average_steps", "1,x"], "--average_steps must be step numbers", marks=SLOW),
     ],
 )
 def test_bad_flag_values_on_the_command_line_are_one_line(tmp_path, args, message):
