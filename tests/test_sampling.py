@@ -13,6 +13,7 @@ from scipy import stats
 
 from tests.helpers.decoding import EOS, OneCheckpoint, shared_model
 from transformer_jax import decoding
+from transformer_jax.decoding.sampling import inverse_cdf
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation.run import Options, evaluate_model
 from transformer_jax.evaluation.translate import translate_nbest
@@ -62,16 +63,35 @@ def _draw(sampling: decoding.Sampling, seed: int) -> np.ndarray:
 )
 def test_the_drawn_distribution_is_the_reshaped_models(temperature, top_k, top_p):
     expected = _expected(temperature, top_k, top_p)
-    tokens = _draw(decoding.Sampling(temperature, top_k, top_p), seed=1)
-    counts = np.bincount(tokens, minlength=len(LOGITS))
+    counts = np.bincount(_draw(decoding.Sampling(temperature, top_k, top_p), seed=1), minlength=len(LOGITS))
     assert np.all(counts[expected == 0] == 0), "a token outside the kept set was drawn"
-    kept = expected > 0
-    assert stats.chisquare(counts[kept], ROWS * expected[kept]).pvalue > 1e-3
+    assert _chi_square_pvalue(counts, expected) > 1e-3
     np.testing.assert_allclose(
         np.exp(decoding.Sampling(temperature, top_k, top_p).log_probs(jnp.asarray(LOGITS[None]))[0]),
         expected,
         atol=1e-6,
     )
+
+
+def _chi_square_pvalue(counts: np.ndarray, expected: np.ndarray) -> float:
+    kept = expected > 0
+    return stats.chisquare(counts[kept], ROWS * expected[kept]).pvalue
+
+
+def test_the_chi_square_check_catches_a_slightly_wrong_sampler():
+    """The test above has the power to see a sampler that is a little off: draws at temperature 1.15 (every
+    probability within 0.03 of temperature 1's) fail it against temperature 1's distribution, seed after seed."""
+    expected = _expected(1.0, 0, 1.0)
+    for seed in (1, 2):
+        counts = np.bincount(_draw(decoding.Sampling(1.15, 0, 1.0), seed=seed), minlength=len(LOGITS))
+        assert _chi_square_pvalue(counts, expected) < 1e-3
+
+
+def test_inverse_cdf_draws_nothing_of_zero_weight_even_at_the_top_of_the_interval():
+    weights_BV = jnp.asarray([[0.0, 2.0, 0.0, 1.0, 0.0, 0.0], [3.0, 0.0, 0.0, 0.0, 0.0, 0.0]], jnp.float32)
+    for u, expected in ((0.0, [1, 0]), (0.6, [1, 0]), (0.67, [3, 0]), (np.nextafter(1.0, 0.0), [3, 0]), (1.0, [3, 0])):
+        got = inverse_cdf(weights_BV, jnp.full((2,), u, jnp.float32))
+        assert got.tolist() == expected, u
 
 
 def test_a_seed_reproduces_its_samples_and_other_seeds_differ():

@@ -5,8 +5,11 @@ back-translation (Edunov et al., 2018).
 Axis letters: see transformer_jax/__init__.py (B rows, V vocabulary).
 
 Reproducibility: every (sentence, sample) has its own key (`sample_keys`: the seed folded with the sentence's input
-line and the sample's number), and step t draws with that key folded with t. So a sample depends on its seed, its
-line and its number only, not on the batch it ran in, the rows beside it, or when the scheduler let it join.
+line and the sample's number), and step t draws with that key folded with t: one uniform number per row and step,
+turned into a token by inverting the distribution's CDF (`inverse_cdf`; jax.random.categorical would draw V Gumbel
+numbers per row and step, most of a sampling step's cost on CPU at V = 8000: docs/decoding.md). So a sample depends
+on its seed, its line and its number only, not on the batch it ran in, the rows beside it, or when the scheduler let
+it join.
 """
 
 from __future__ import annotations
@@ -57,15 +60,37 @@ class Sampling:
             log_probs_BV = jax.nn.log_softmax(jnp.where(log_probs_BV < threshold_B1, NEG_INF, log_probs_BV), axis=-1)
         return log_probs_BV
 
+    def weights(self, logits_BV: Array) -> Array:
+        """[B, V] the reshaped distribution's probabilities up to a factor per row (0: cut): without a cut,
+        exp((x - max x) / temperature), which spares log_probs' normalisation."""
+        if self.top_k or self.top_p < 1:
+            return jnp.exp(self.log_probs(logits_BV))
+        logits_BV = logits_BV.astype(jnp.float32)
+        return jnp.exp((logits_BV - jnp.max(logits_BV, axis=-1, keepdims=True)) / self.temperature)
+
     def chooser(self, keys_B2: Array) -> Choose:
-        """The token choice of the search (search.GreedyState.advance's `choose`): row b draws with its key
-        keys_B2[b] folded with its step."""
+        """The token choice of the search (search.GreedyState.advance's `choose`): row b draws one uniform number
+        with its key keys_B2[b] folded with its step, and inverts the CDF of its reshaped distribution there."""
 
         def choose(logits_BV: Array, step_B: Array) -> Array:
             step_keys = jax.vmap(jax.random.fold_in)(keys_B2, step_B)
-            return jax.vmap(jax.random.categorical)(step_keys, self.log_probs(logits_BV)).astype(jnp.int32)
+            u_B = jax.vmap(lambda key: jax.random.uniform(key, ()))(step_keys)
+            return inverse_cdf(self.weights(logits_BV), u_B)
 
         return choose
+
+
+def inverse_cdf(weights_BV: Array, u_B: Array) -> Array:
+    """[B] int32: for u uniform in [0, 1), the first index whose cumulative weight exceeds u times the row's total,
+    which is a draw from the categorical distribution of probabilities weights / total (weights >= 0, total > 0).
+
+    A zero-weight index never satisfies it (its cumulative weight equals its predecessor's); nor, should u * total
+    round up to the total, does any index past the last positive weight, whose cumulative weight is the total.
+    """
+    cdf_BV = jnp.cumsum(weights_BV, axis=-1)
+    total_B1 = cdf_BV[:, -1:]
+    below_BV = (cdf_BV <= u_B[:, None] * total_B1) & (cdf_BV < total_B1)
+    return jnp.sum(below_BV, axis=-1, dtype=jnp.int32)
 
 
 PLAIN = Sampling(temperature=1.0, top_k=0, top_p=1.0)  # the model's own distribution: what unset flags mean

@@ -285,9 +285,7 @@ class ModelCalls:
     def widen(self, context, *, src_len: int):
         return _widen(self.graph, self.params, context, src_len=src_len)
 
-    def stage(
-        self, context, s, max_len_B, alpha, stop_live, row_inputs, *, penalty: str, settle: int, sampling=None
-    ):
+    def stage(self, context, s, max_len_B, alpha, stop_live, row_inputs, *, penalty: str, settle: int, sampling=None):
         return _stage(
             self.graph,
             self.params,
