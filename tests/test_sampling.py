@@ -13,7 +13,7 @@ from scipy import stats
 
 from tests.helpers.decoding import EOS, OneCheckpoint, shared_model
 from transformer_jax import decoding
-from transformer_jax.decoding.sampling import inverse_cdf
+from transformer_jax.decoding.sampling import inverse_cdf, nucleus_threshold
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation.run import Options, evaluate_model
 from transformer_jax.evaluation.translate import translate_nbest
@@ -85,6 +85,23 @@ def test_the_chi_square_check_catches_a_slightly_wrong_sampler():
     for seed in (1, 2):
         counts = np.bincount(_draw(decoding.Sampling(1.15, 0, 1.0), seed=seed), minlength=len(LOGITS))
         assert _chi_square_pvalue(counts, expected) < 1e-3
+
+
+def test_the_nucleus_threshold_is_the_sorted_definitions():
+    """nucleus_threshold (bisection) against the definition on sorted rows: the least probability among the most
+    probable tokens kept until their mass reaches p, over 1000 tokens, ties and a one-token row included."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(16, 1000)) * 3
+    logits[1, :500] = logits[1, 500:]  # every probability twice
+    logits[2] = -np.inf
+    logits[2, 7] = 0.0
+    probs = np.exp(logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)).astype(np.float32)
+    for top_p in (0.1, 0.5, 0.9, 0.99):
+        got = np.asarray(nucleus_threshold(jnp.asarray(probs), top_p))
+        for row, threshold in zip(probs, got, strict=True):
+            ranked = np.sort(row.astype(np.float64))[::-1]
+            before = np.cumsum(ranked) - ranked
+            assert threshold == ranked[np.sum(before < top_p) - 1], (top_p, threshold)
 
 
 def test_inverse_cdf_draws_nothing_of_zero_weight_even_at_the_top_of_the_interval():
