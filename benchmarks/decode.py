@@ -14,7 +14,8 @@ its own formula, so only greedy outputs are expected to be identical. XLA uses e
 
 --modes nbest,score,sampling: the decoding modes, one JSON line each, against their counterparts: the 4-best of
 beam 4 against CTranslate2's num_hypotheses (its length_penalty is our `average` penalty), forced decoding of the
-split's references against score_batch, and sampling against our own greedy search (`modes_side_by_side`).
+split's references against score_batch, and sampling against our own greedy search (`modes_side_by_side`; with
+the output tokens (EOS included) of both and the ratio of the times per output token).
 
 Without --workdir (random weights):
 
@@ -239,8 +240,8 @@ def modes_side_by_side(workdir: str, modes: list[str]) -> None:
                 baseline = "our greedy search"
             else:
                 raise DataError(f"--modes: unknown mode {mode!r}; choose among translate, nbest, score, sampling")
-            first, steady, _ = timed_calls(ours, _REPEATS.value)
-            base_first, base_steady, _ = timed_calls(theirs, _REPEATS.value)
+            first, steady, ours_result = timed_calls(ours, _REPEATS.value)
+            base_first, base_steady, base_result = timed_calls(theirs, _REPEATS.value)
             report = {"workdir": workdir, "steps": steps, "split": split, "sentences": len(sources), "mode": mode}
             report.update(backend=jax.default_backend(), cores=os.cpu_count(), ctranslate2_threads=_THREADS.value)
             report["ours"] = {"first_call_s": round(first, 2), "steady_s": round(steady, 2)}
@@ -250,6 +251,10 @@ def modes_side_by_side(workdir: str, modes: list[str]) -> None:
                 "steady_s": round(base_steady, 2),
             }
             report["time_ratio_ours_over_baseline"] = round(steady / base_steady, 2)
+            if mode == "sampling":  # sampled outputs differ in length from greedy ones: the ratio per output token
+                tokens, base_tokens = ours_result[1]["tgt_tokens"], base_result[1]["tgt_tokens"]
+                report["ours"]["output_tokens"], report["baseline"]["output_tokens"] = tokens, base_tokens
+                report["time_per_token_ratio"] = round(steady / tokens / (base_steady / base_tokens), 2)
             print(json.dumps(report), flush=True)
 
 
