@@ -111,6 +111,24 @@ def test_inverse_cdf_draws_nothing_of_zero_weight_even_at_the_top_of_the_interva
         assert got.tolist() == expected, u
 
 
+def test_inverse_cdf_over_blocks_follows_the_flat_definition():
+    """The two-level search (blocks of CDF_BLOCK tokens, V not a multiple of it, whole blocks of zero weight) picks
+    the first index whose cumulative weight exceeds u * total, as numpy's float64 searchsorted does."""
+    rng = np.random.default_rng(3)
+    weights = np.exp(rng.normal(size=(4, 1000)) * 3)
+    weights[1, :300] = weights[1, 520:] = 0.0  # mass in blocks 2..4 only
+    weights[2, :999] = 0.0  # the last token, in the padded last block
+    weights[3, 1:] = 0.0
+    weights_NV = np.repeat(weights, 500, axis=0).astype(np.float32)
+    u_N = rng.uniform(size=len(weights_NV)).astype(np.float32)
+    got = np.asarray(inverse_cdf(jnp.asarray(weights_NV), jnp.asarray(u_N)))
+    cdf = np.cumsum(weights_NV.astype(np.float64), axis=-1)
+    expected = [np.searchsorted(c, u * c[-1], side="right") for c, u in zip(cdf, u_N, strict=True)]
+    assert np.all(weights_NV[np.arange(len(got)), got] > 0)
+    assert np.mean(got == expected) > 0.999  # float32 sums against float64: a boundary case may round either way
+    assert set(got[1000:1500]) == {999} and set(got[1500:]) == {0}
+
+
 def test_a_seed_reproduces_its_samples_and_other_seeds_differ():
     sampling = decoding.Sampling(1.0, 0, 1.0)
     a, b, c = _draw(sampling, 3), _draw(sampling, 3), _draw(sampling, 4)

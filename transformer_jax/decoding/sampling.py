@@ -105,17 +105,42 @@ def nucleus_threshold(probs_BV: Array, top_p: float) -> Array:
     return jax.lax.bitcast_convert_type(hi_B, jnp.float32)
 
 
+CDF_BLOCK = 128  # tokens per block of inverse_cdf's two-level search
+
+
 def inverse_cdf(weights_BV: Array, u_B: Array) -> Array:
     """[B] int32: for u uniform in [0, 1), the first index whose cumulative weight exceeds u times the row's total,
     which is a draw from the categorical distribution of probabilities weights / total (weights >= 0, total > 0).
 
-    A zero-weight index never satisfies it (its cumulative weight equals its predecessor's); nor, should u * total
-    round up to the total, does any index past the last positive weight, whose cumulative weight is the total.
+    In two levels, the same rule: the vocabulary in blocks of CDF_BLOCK tokens (the last padded with zero weight),
+    first the block where the cumulative block mass exceeds u * total, then the token inside it where the rest of
+    that mass is exceeded. A cumulative sum over V in one go costs several times the argmax of greedy search on CPU
+    (docs/decoding.md); two short ones cost about as much.
     """
-    cdf_BV = jnp.cumsum(weights_BV, axis=-1)
-    total_B1 = cdf_BV[:, -1:]
-    below_BV = (cdf_BV <= u_B[:, None] * total_B1) & (cdf_BV < total_B1)
-    return jnp.sum(below_BV, axis=-1, dtype=jnp.int32)
+    batch, vocab = weights_BV.shape
+    blocks = -(-vocab // CDF_BLOCK)
+    weights_BV = jnp.pad(weights_BV, [(0, 0), (0, blocks * CDF_BLOCK - vocab)])
+    weights_BKC = weights_BV.reshape(batch, blocks, CDF_BLOCK)
+    mass_BK = jnp.sum(weights_BKC, axis=-1)
+    cumulative_BK = jnp.cumsum(mass_BK, axis=-1)
+    target_B = u_B * cumulative_BK[:, -1]
+    block_B = _first_above(cumulative_BK, target_B)
+    before_B = jnp.take_along_axis(cumulative_BK - mass_BK, block_B[:, None], axis=1)[:, 0]
+    inside_BC = jnp.take_along_axis(weights_BKC, block_B[:, None, None], axis=1)[:, 0]
+    # Rounding can put the rest just outside the block's mass; clamped, it still lands on a positive weight.
+    rest_B = jnp.maximum(target_B - before_B, 0.0)
+    return block_B * CDF_BLOCK + _first_above(jnp.cumsum(inside_BC, axis=-1), rest_B)
+
+
+def _first_above(cumulative_BN: Array, target_B: Array) -> Array:
+    """[B] the first index whose cumulative weight exceeds target (non-decreasing rows of weights >= 0).
+
+    A zero-weight index never qualifies (its cumulative weight equals its predecessor's); nor, should the target
+    reach the row's total, does any index past the last positive weight, whose cumulative weight is the total.
+    """
+    total_B1 = cumulative_BN[:, -1:]
+    below_BN = (cumulative_BN <= target_B[:, None]) & (cumulative_BN < total_B1)
+    return jnp.sum(below_BN, axis=-1, dtype=jnp.int32)
 
 
 PLAIN = Sampling(temperature=1.0, top_k=0, top_p=1.0)  # the model's own distribution: what unset flags mean
