@@ -85,8 +85,8 @@ def nucleus_threshold(probs_BV: Array, top_p: float) -> Array:
     more probable tokens hold less than top_p (so tokens with probability >= s_K are kept, ties included).
 
     s_K is the least v with M(v) = sum of the probabilities above v < top_p (M steps down at each s_k), found by
-    bisection over float32 bit patterns in [0, 1]: 30 masked sums over [B, V] instead of a sort of every row, the
-    whole cost of a top-p step on CPU (docs/decoding.md).
+    bisection over float32 bit patterns in [0, 1]: 30 masked sums over [B, V] instead of a sort of every row, which
+    was most of a top-p step's cost on CPU (docs/decoding.md).
     """
 
     def mass_above_below_p(bits_B: Array) -> Array:
