@@ -15,9 +15,10 @@ its own formula, so only greedy outputs are expected to be identical. XLA uses e
 --fresh_process: whole processes instead of calls, start to exit: evaluate.py with the compilation cache cold and
 warm against a CTranslate2 process that loads the export and translates (benchmarks/fresh_process.py).
 
---modes nbest,score,sampling: the decoding modes, one JSON line each, against their counterparts: the 4-best of
-beam 4 against CTranslate2's num_hypotheses (its length_penalty is our `average` penalty), forced decoding of the
-split's references against score_batch, and sampling against our own greedy search (`modes_side_by_side`).
+--modes nbest,score,sampling: the decoding modes, one JSON line each, against their counterparts: the --nbest
+best (default 4) of beam 4 against CTranslate2's num_hypotheses (its length_penalty is our `average` penalty),
+forced decoding of the split's references against score_batch, and sampling against our own greedy search
+(`modes_side_by_side`; with the output tokens (EOS included) of both and the ratio of the times per output token).
 
 Without --workdir (random weights):
 
@@ -146,13 +147,14 @@ def side_by_side(workdir: str) -> None:
             print(json.dumps(report), flush=True)
 
 
-NBEST = 4  # hypotheses per sentence in the nbest mode (and its beam size)
+NBEST_BEAM = 4  # beam size of the nbest mode
+_NBEST = flags.DEFINE_integer("nbest", NBEST_BEAM, "Hypotheses per sentence in the nbest mode (at most its beam, 4).")
 
 
 def modes_side_by_side(workdir: str, modes: list[str]) -> None:
     """One JSON line per mode, each against its counterpart (module docstring): nbest against CTranslate2's
-    num_hypotheses (beam NBEST, its length_penalty = our `average` penalty), score against score_batch, sampling
-    (temperature 1, no cut, seed 0) against our own greedy search."""
+    num_hypotheses (--nbest of beam NBEST_BEAM, its length_penalty = our `average` penalty), score against
+    score_batch, sampling (temperature 1, no cut, seed 0) against our own greedy search."""
     import ctranslate2
 
     from transformer_jax.evaluation.restore import Restorer, restore_model
@@ -197,8 +199,8 @@ def modes_side_by_side(workdir: str, modes: list[str]) -> None:
                     model,
                     tokenizer,
                     sources,
-                    nbest=NBEST,
-                    beam_size=NBEST,
+                    nbest=_NBEST.value,
+                    beam_size=NBEST_BEAM,
                     length_penalty="average",
                     **common,
                 )
@@ -206,8 +208,8 @@ def modes_side_by_side(workdir: str, modes: list[str]) -> None:
                     translator.translate_batch,
                     batch,
                     max_batch_size=_BATCH_SIZE.value,
-                    beam_size=NBEST,
-                    num_hypotheses=NBEST,
+                    beam_size=NBEST_BEAM,
+                    num_hypotheses=_NBEST.value,
                     length_penalty=_ALPHA.value,
                     max_input_length=0,
                     max_decoding_length=longest,
@@ -246,9 +248,11 @@ def modes_side_by_side(workdir: str, modes: list[str]) -> None:
                 baseline = "our greedy search"
             else:
                 raise DataError(f"--modes: unknown mode {mode!r}; choose among translate, nbest, score, sampling")
-            first, steady, _ = timed_calls(ours, _REPEATS.value)
-            base_first, base_steady, _ = timed_calls(theirs, _REPEATS.value)
+            first, steady, ours_result = timed_calls(ours, _REPEATS.value)
+            base_first, base_steady, base_result = timed_calls(theirs, _REPEATS.value)
             report = {"workdir": workdir, "steps": steps, "split": split, "sentences": len(sources), "mode": mode}
+            if mode == "nbest":
+                report.update(nbest=_NBEST.value, beam_size=NBEST_BEAM)
             report.update(backend=jax.default_backend(), cores=os.cpu_count(), ctranslate2_threads=_THREADS.value)
             report["ours"] = {"first_call_s": round(first, 2), "steady_s": round(steady, 2)}
             report["baseline"] = {
@@ -257,6 +261,10 @@ def modes_side_by_side(workdir: str, modes: list[str]) -> None:
                 "steady_s": round(base_steady, 2),
             }
             report["time_ratio_ours_over_baseline"] = round(steady / base_steady, 2)
+            if mode == "sampling":  # sampled outputs differ in length from greedy ones: the ratio per output token
+                tokens, base_tokens = ours_result[1]["tgt_tokens"], base_result[1]["tgt_tokens"]
+                report["ours"]["output_tokens"], report["baseline"]["output_tokens"] = tokens, base_tokens
+                report["time_per_token_ratio"] = round(steady / tokens / (base_steady / base_tokens), 2)
             print(json.dumps(report), flush=True)
 
 

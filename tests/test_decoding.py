@@ -75,15 +75,13 @@ def test_exhaustive_beam_equals_brute_force_and_length_penalty_changes_the_winne
 
 
 @functools.partial(jax.jit, static_argnames=("beam_size", "max_steps", "table_seed"))
-def _stub_beam_best_only(seeds_B, max_len_B, alpha, *, beam_size, max_steps, table_seed):
+def _stub_beam_settle_1(seeds_B, max_len_B, alpha, *, beam_size, max_steps, table_seed):
     cache = {"h": seeds_B, "calls": jnp.zeros((), jnp.int32)}
     step = hash_stub(hash_table(table_seed))
-    return decoding.beam_search(
-        step, cache, max_len_B, beam_size=beam_size, alpha=alpha, max_steps=max_steps, best_only=True
-    )
+    return decoding.beam_search(step, cache, max_len_B, beam_size=beam_size, alpha=alpha, max_steps=max_steps, settle=1)
 
 
-def test_best_only_stops_early_with_the_full_searchs_best_hypothesis():
+def test_settle_1_stops_early_with_the_full_searchs_best_hypothesis():
     seeds = np.arange(40)
     max_lens = 3 + seeds % 6  # 3..8 tokens
     stopped_early = 0
@@ -91,7 +89,7 @@ def test_best_only_stops_early_with_the_full_searchs_best_hypothesis():
         for table_seed in (1, 2):
             kw = dict(beam_size=3, max_steps=8, table_seed=table_seed)
             full = _stub_beam(seeds, max_lens, alpha, **kw)
-            best = _stub_beam_best_only(seeds, max_lens, alpha, **kw)
+            best = _stub_beam_settle_1(seeds, max_lens, alpha, **kw)
             np.testing.assert_array_equal(best.tokens[:, 0], full.tokens[:, 0])
             np.testing.assert_allclose(best.scores[:, 0], full.scores[:, 0], rtol=1e-6)
             np.testing.assert_array_equal(best.lengths[:, 0], full.lengths[:, 0])

@@ -1,5 +1,6 @@
 """Ensembles (decoding/ensemble.py, evaluate.py --ensemble_workdirs): each step averages the members'
-log-probabilities, checked against the members' teacher-forced distributions; members are checked before use."""
+log-probabilities, checked against the members' teacher-forced distributions, in search and in forced decoding
+(--score); members are checked before use."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers.decoding import OneCheckpoint, shared_model
+from tests.helpers.decoding import CharTokenizer, OneCheckpoint, shared_model
 from tests.helpers.model import forward, tiny_model
 from transformer_jax import decoding
 from transformer_jax.decoding.ensemble import Ensemble
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation.run import Options, evaluate_model
+from transformer_jax.evaluation.scoring import score_pairs
 from transformer_jax.tokens import BOS_ID, EOS_ID, PAD_ID
 
 
@@ -45,6 +47,32 @@ def test_ensemble_greedy_follows_the_mean_of_the_members_log_probs_and_keeps_eac
         assert out == [int(t) for t in np.argmax(mean_TV, axis=-1)]
         np.testing.assert_allclose(r.log_probs[0], mean_TV[np.arange(n), out].sum(), rtol=1e-4, atol=1e-5)
     assert all(int(t) != PAD_ID for r in found for t in r.tokens[0, : int(r.lengths[0])])
+
+
+def _mean_log_probs_by_hand(members, src: list[int], tgt_in: list[int]) -> np.ndarray:
+    """[T, V] the renormalised mean of the members' teacher-forced log-probabilities, in float64 numpy."""
+    log_probs = [
+        np.asarray(jax.nn.log_softmax(forward(m, jnp.asarray([src]), jnp.asarray([tgt_in]))[0], -1), np.float64)
+        for m in members
+    ]
+    mean_TV = np.mean(log_probs, 0)
+    return mean_TV - np.logaddexp.reduce(mean_TV, axis=-1, keepdims=True)
+
+
+def test_ensemble_scores_are_sums_of_the_renormalised_mean_of_the_members_log_probs():
+    """Forced decoding with an ensemble (members of 3 and 1 decoder layers) against each pair's teacher-forced
+    members combined by hand; the pairs are batched (4 rows of different lengths), the reference one at a time."""
+    members, tok = [shared_model(), tiny_model(2, num_decoder_layers=1)], CharTokenizer()
+    sources, targets = ["hello world", "a", "the cat", "b c d e"], ["hallo welt", "", "die katze sass", "b"]
+    scores, stats = score_pairs(Ensemble(members), tok, sources, targets, batch_size=4, max_len=16)
+    for s, t, got in zip(sources, targets, scores, strict=True):
+        tgt = tok.encode(t) + [EOS_ID]
+        mean_TV = _mean_log_probs_by_hand(members, tok.encode(s) + [EOS_ID], [BOS_ID, *tgt[:-1]])
+        assert got.tokens == len(tgt)
+        np.testing.assert_allclose(got.log_prob, mean_TV[np.arange(len(tgt)), tgt].sum(), rtol=1e-4, atol=1e-5)
+    alone, _ = score_pairs(members[0], tok, sources, targets, batch_size=4, max_len=16)
+    assert all(abs(a.log_prob - e.log_prob) > 1e-3 for a, e in zip(alone, scores, strict=True))
+    assert stats["tokens"] == sum(s.tokens for s in scores)
 
 
 @pytest.mark.slow
@@ -89,6 +117,18 @@ def _evaluate(tmp_path, restorer, **flags):
 def test_ensemble_flag_decodes_with_every_member(tmp_path):
     _evaluate(tmp_path, _Restorers(), ensemble_workdirs=[str(tmp_path / "b")])
     assert len((tmp_path / "o" / "h").read_text(encoding="utf-8").splitlines()) == 2
+
+
+def test_score_flag_scores_with_the_ensemble(tmp_path):
+    """--score with --ensemble_workdirs teacher-forces the ensemble (here one model twice: the model's scores)."""
+    (tmp_path / "ref.txt").write_text("hallo welt\ndie katze\n", encoding="utf-8")
+    scored = {}
+    for name, members in (("alone", None), ("twice", [str(tmp_path / "b")])):
+        flags = dict(score=True, references_file=str(tmp_path / "ref.txt"), ensemble_workdirs=members)
+        _evaluate(tmp_path, _Restorers(), **flags, output_file=str(tmp_path / name))
+        scored[name] = [[float(x) for x in line.split("\t")] for line in (tmp_path / name).read_text().splitlines()]
+    assert len(scored["twice"]) == 2
+    np.testing.assert_allclose(scored["twice"], scored["alone"], rtol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ from scipy import stats
 
 from tests.helpers.decoding import EOS, OneCheckpoint, shared_model
 from transformer_jax import decoding
+from transformer_jax.decoding.sampling import inverse_cdf, nucleus_threshold
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation.run import Options, evaluate_model
 from transformer_jax.evaluation.translate import translate_nbest
@@ -62,16 +63,70 @@ def _draw(sampling: decoding.Sampling, seed: int) -> np.ndarray:
 )
 def test_the_drawn_distribution_is_the_reshaped_models(temperature, top_k, top_p):
     expected = _expected(temperature, top_k, top_p)
-    tokens = _draw(decoding.Sampling(temperature, top_k, top_p), seed=1)
-    counts = np.bincount(tokens, minlength=len(LOGITS))
+    counts = np.bincount(_draw(decoding.Sampling(temperature, top_k, top_p), seed=1), minlength=len(LOGITS))
     assert np.all(counts[expected == 0] == 0), "a token outside the kept set was drawn"
-    kept = expected > 0
-    assert stats.chisquare(counts[kept], ROWS * expected[kept]).pvalue > 1e-3
+    assert _chi_square_pvalue(counts, expected) > 1e-3
     np.testing.assert_allclose(
         np.exp(decoding.Sampling(temperature, top_k, top_p).log_probs(jnp.asarray(LOGITS[None]))[0]),
         expected,
         atol=1e-6,
     )
+
+
+def _chi_square_pvalue(counts: np.ndarray, expected: np.ndarray) -> float:
+    kept = expected > 0
+    return stats.chisquare(counts[kept], ROWS * expected[kept]).pvalue
+
+
+def test_the_chi_square_check_catches_a_slightly_wrong_sampler():
+    """The test above has the power to see a sampler that is a little off: draws at temperature 1.15 (every
+    probability within 0.03 of temperature 1's) fail it against temperature 1's distribution, seed after seed."""
+    expected = _expected(1.0, 0, 1.0)
+    for seed in (1, 2):
+        counts = np.bincount(_draw(decoding.Sampling(1.15, 0, 1.0), seed=seed), minlength=len(LOGITS))
+        assert _chi_square_pvalue(counts, expected) < 1e-3
+
+
+def test_the_nucleus_threshold_is_the_sorted_definitions():
+    """nucleus_threshold (bisection) against the definition on sorted rows: the least probability among the most
+    probable tokens kept until their mass reaches p, over 1000 tokens, ties and a one-token row included."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(16, 1000)) * 3
+    logits[1, :500] = logits[1, 500:]  # every probability twice
+    logits[2] = -np.inf
+    logits[2, 7] = 0.0
+    probs = np.exp(logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)).astype(np.float32)
+    for top_p in (0.1, 0.5, 0.9, 0.99):
+        got = np.asarray(nucleus_threshold(jnp.asarray(probs), top_p))
+        for row, threshold in zip(probs, got, strict=True):
+            ranked = np.sort(row.astype(np.float64))[::-1]
+            before = np.cumsum(ranked) - ranked
+            assert threshold == ranked[np.sum(before < top_p) - 1], (top_p, threshold)
+
+
+def test_inverse_cdf_draws_nothing_of_zero_weight_even_at_the_top_of_the_interval():
+    weights_BV = jnp.asarray([[0.0, 2.0, 0.0, 1.0, 0.0, 0.0], [3.0, 0.0, 0.0, 0.0, 0.0, 0.0]], jnp.float32)
+    for u, expected in ((0.0, [1, 0]), (0.6, [1, 0]), (0.67, [3, 0]), (np.nextafter(1.0, 0.0), [3, 0]), (1.0, [3, 0])):
+        got = inverse_cdf(weights_BV, jnp.full((2,), u, jnp.float32))
+        assert got.tolist() == expected, u
+
+
+def test_inverse_cdf_over_blocks_follows_the_flat_definition():
+    """The two-level search (blocks of CDF_BLOCK tokens, V not a multiple of it, whole blocks of zero weight) picks
+    the first index whose cumulative weight exceeds u * total, as numpy's float64 searchsorted does."""
+    rng = np.random.default_rng(3)
+    weights = np.exp(rng.normal(size=(4, 1000)) * 3)
+    weights[1, :300] = weights[1, 520:] = 0.0  # mass in blocks 2..4 only
+    weights[2, :999] = 0.0  # the last token, in the padded last block
+    weights[3, 1:] = 0.0
+    weights_NV = np.repeat(weights, 500, axis=0).astype(np.float32)
+    u_N = rng.uniform(size=len(weights_NV)).astype(np.float32)
+    got = np.asarray(inverse_cdf(jnp.asarray(weights_NV), jnp.asarray(u_N)))
+    cdf = np.cumsum(weights_NV.astype(np.float64), axis=-1)
+    expected = [np.searchsorted(c, u * c[-1], side="right") for c, u in zip(cdf, u_N, strict=True)]
+    assert np.all(weights_NV[np.arange(len(got)), got] > 0)
+    assert np.mean(got == expected) > 0.999  # float32 sums against float64: a boundary case may round either way
+    assert set(got[1000:1500]) == {999} and set(got[1500:]) == {0}
 
 
 def test_a_seed_reproduces_its_samples_and_other_seeds_differ():

@@ -3,11 +3,13 @@
 Axis letters: see transformer_jax/__init__.py.
 
 `Ensemble` has the methods the search binding (transformer.py) calls on a model: `encode`, `init_cache`, `decode`
-with a cache, `grow_cache`, `grow_source`, and a `spec` for the position limit. Each member keeps its own cache (its
+with a cache, `grow_cache`, `grow_source`, and a `spec` for the position limit; and the teacher-forced call
+(`__call__`) that forced decoding (evaluation/scoring.py) makes. Each member keeps its own cache (its
 cross- and self-attention layers, concatenated in member order inside one cache dict that shares the per-row write
 index and the source's segment ids), so the search, the refilling scheduler and beam reordering treat the ensemble
-as one model. Each step returns the members' next-token log-probabilities averaged, log p(y) = 1/M sum_m log p_m(y)
-(renormalised by the search's log_softmax). The members must share the vocabulary (one tokenizer).
+as one model. Each step returns the members' next-token log-probabilities averaged and renormalised,
+log p(y) = 1/M sum_m log p_m(y) - log sum_y' exp(1/M sum_m log p_m(y')) (`mean_log_probs`, the one rule for
+searching and for scoring). The members must share the vocabulary (one tokenizer).
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ from flax import nnx
 Array = jax.Array
 Cache = dict[str, Any]
 LAYER_KEYS = ("cross", "self")  # the cache's per-decoder-layer lists (model/transformer.py init_cache)
+
+
+def mean_log_probs(logits: Sequence[Array]) -> Array:
+    """The ensemble's log-probabilities [..., V] from its members' logits [..., V]: the mean of the members'
+    log-probabilities, renormalised (module docstring)."""
+    mean = jnp.mean(jnp.stack([jax.nn.log_softmax(x.astype(jnp.float32), -1) for x in logits]), axis=0)
+    return jax.nn.log_softmax(mean, -1)
 
 
 class Ensemble(nnx.Module):
@@ -64,12 +73,16 @@ class Ensemble(nnx.Module):
         )
 
     def decode(self, memory: None, tgt_tokens: Array, *, cache: Cache) -> tuple[Array, Cache]:
-        """The averaged next-token log-probabilities [B, T, V] and the updated cache (decoding with a cache only)."""
+        """The ensemble's next-token log-probabilities [B, T, V] and the updated cache (decoding with a cache only)."""
         if memory is not None:
             raise ValueError("an Ensemble decodes with a cache only (init_cache)")
         outs = [m.decode(None, tgt_tokens, cache=c) for m, c in zip(self.members, self._parts(cache), strict=True)]
-        log_probs = jnp.mean(jnp.stack([jax.nn.log_softmax(o[0].astype(jnp.float32), -1) for o in outs]), axis=0)
-        return log_probs, self._join([o[1] for o in outs])
+        return mean_log_probs([o[0] for o in outs]), self._join([o[1] for o in outs])
+
+    def __call__(self, src_tokens: Array, tgt_in: Array, **batch: Array | None) -> Array:
+        """The ensemble's teacher-forced log-probabilities [B, T, V] for a (possibly packed) batch: each member's
+        teacher-forced call (model/transformer.py's, with the same keyword arguments) combined by mean_log_probs."""
+        return mean_log_probs([m(src_tokens, tgt_in, **batch) for m in self.members])
 
     def grow_cache(self, cache: Cache, max_len: int) -> Cache:
         parts = self._parts(cache)

@@ -64,7 +64,7 @@ class Calls(Protocol):
         """The context with its sources padded to src_len positions."""
 
     def stage(
-        self, context, s, max_len_B, alpha, stop_live, row_inputs, *, penalty: str, best_only: bool, sampling: Any
+        self, context, s, max_len_B, alpha, stop_live, row_inputs, *, penalty: str, settle: int, sampling: Any
     ) -> Any:
         """Steps until at most stop_live sentences are live or a live one fills the cache (row_inputs: the rows'
         `row_inputs`, see refilling_search)."""
@@ -141,7 +141,7 @@ class _Refill:
         *,
         beam_size: int,
         penalty: str,
-        best_only: bool,
+        settle: int,
         sampling: Any,
         row_inputs_N: dict[str, np.ndarray],
         rows: int,
@@ -149,7 +149,7 @@ class _Refill:
         progress: Callable[[int], Any] | None,
     ):
         self.calls, self.sources, self.max_len_N, self.alpha = calls, sources, max_len_N, alpha
-        self.beam_size, self.penalty, self.best_only, self.sampling = beam_size, penalty, best_only, sampling
+        self.beam_size, self.penalty, self.settle, self.sampling = beam_size, penalty, settle, sampling
         self.shape, self.progress = shape, progress
         self.results: list[BeamResult | None] = [None] * len(sources)
         self.queue = collections.deque(sorted(range(len(sources)), key=lambda i: len(sources[i])))
@@ -275,7 +275,7 @@ class _Refill:
             np.int32(stop_live),
             self.row_inputs_R,
             penalty=self.penalty,
-            best_only=self.best_only,
+            settle=self.settle,
             sampling=self.sampling,
         )
         done, self.step_R = (np.array(x) for x in jax.device_get((self.state.sentence_done(), self.state.step_B)))
@@ -301,14 +301,14 @@ def refilling_search(
     rows: int,
     shape: Shape,
     penalty: str = GNMT,
-    best_only: bool = True,
+    settle: int = 1,
     sampling: Any = None,
     row_inputs_N: dict[str, np.ndarray] | None = None,
     progress: Callable[[int], Any] | None = None,
 ) -> list[BeamResult]:
     """The cached search of every sentence through one running batch of `rows` sentences (module docstring); each
     sentence's beams, best first. shape(longest source) gives a batch's padded source length and output slots;
-    progress(n) is called as n more sentences finish. penalty, best_only: as for beam_search; sampling: the
+    progress(n) is called as n more sentences finish. penalty, settle: as for beam_search; sampling: the
     token choice of greedy search (sampling.Sampling, or None: argmax); row_inputs_N: each
     sentence's own inputs to the search, rows on axis 0 ("prefix": its target prefix, `prefix_array`; "keys": its
     sampling key), which follow it into whichever row it takes."""
@@ -319,7 +319,7 @@ def refilling_search(
         alpha,
         beam_size=beam_size,
         penalty=penalty,
-        best_only=best_only,
+        settle=settle,
         sampling=sampling,
         row_inputs_N=row_inputs_N or {},
         rows=rows,

@@ -317,7 +317,7 @@ class BeamState(NamedTuple):
         decode_step: DecodeStep,
         max_len_B: Array,
         alpha: Array | float,
-        best_only: bool,
+        settle: int,
         penalty: str = GNMT,
         prefix_BP: Array | None = None,
     ) -> BeamState:
@@ -353,14 +353,11 @@ class BeamState(NamedTuple):
         finished_BW = (
             pick(s.finished_BW) | (token_BW == EOS_ID) | (s.step_B + 1 >= max_len_B)[:, None] | (score_BW == NEG_INF)
         )
-        if best_only:
-            best_finished_B = jnp.max(jnp.where(finished_BW, score_BW, NEG_INF), axis=1)
-            lp_max_B = jnp.maximum(
-                length_penalty(s.step_B + 1, alpha, penalty), length_penalty(max_len_B, alpha, penalty)
+        if settle:
+            finished_BW = (
+                finished_BW
+                | settled(finished_BW, score_BW, log_probs_BW, s.step_B, max_len_B, alpha, penalty, settle)[:, None]
             )
-            bound_BW = jnp.where(finished_BW, NEG_INF, log_probs_BW / lp_max_B[:, None])
-            settled_B = jnp.max(bound_BW, axis=1) < best_finished_B
-            finished_BW = finished_BW | settled_B[:, None]
         rows_R = (jnp.arange(batch)[:, None] * width + beam_BW).reshape(-1)  # each beam's parent row
         return BeamState(
             step_B=jnp.where(s.sentence_done(), s.step_B, s.step_B + 1),
@@ -371,6 +368,31 @@ class BeamState(NamedTuple):
             lengths_BW=pick(cand_len_BW),
             cache=gather_rows(cache, rows_R),
         )
+
+
+def settled(
+    finished_BW: Array,
+    score_BW: Array,
+    log_probs_BW: Array,
+    step_B: Array,
+    max_len_B: Array,
+    alpha: Array | float,
+    penalty: str,
+    settle: int,
+) -> Array:
+    """[B] whether each sentence's `settle` best finished hypotheses can no longer change (after a step, the beams
+    as beam_search's advance left them: step_B steps were taken before it).
+
+    log P only falls as tokens are added and lp grows with the length, so an unfinished beam's final score is at
+    most its bound log P / max(lp(t + 1), lp(max_len)). Once the settle-th best finished score is above every such
+    bound, no later candidate can score above any of those settle hypotheses: none of them is displaced from the W
+    beams (settle <= W), and nothing that finishes later ranks before them, so they are the full search's first
+    settle hypotheses.
+    """
+    nth_finished_B = jax.lax.top_k(jnp.where(finished_BW, score_BW, NEG_INF), settle)[0][:, -1]
+    lp_max_B = jnp.maximum(length_penalty(step_B + 1, alpha, penalty), length_penalty(max_len_B, alpha, penalty))
+    bound_BW = jnp.where(finished_BW, NEG_INF, log_probs_BW / lp_max_B[:, None])
+    return jnp.max(bound_BW, axis=1) < nth_finished_B
 
 
 def best_first(
@@ -419,7 +441,7 @@ def beam_search(
     alpha: Array | float,
     max_steps: int,
     grow: GrowCache | None = None,
-    best_only: bool = False,
+    settle: int = 0,
     penalty: str = GNMT,
     prefix_BP: Array | None = None,
 ) -> BeamResult:
@@ -433,11 +455,10 @@ def beam_search(
     With `grow` (see Decoder), the cache starts small and grows in stages (module docstring). With prefix_BP, each
     sentence's beams first follow its target prefix (as greedy_search's), then search freely.
 
-    best_only: a sentence also stops once no unfinished beam can overtake its best finished one. log P only falls
-    as tokens are added, so an unfinished beam's final score is at most log P / max(lp(t + 1), lp(max_len)); when
-    every such bound is below the best finished score, that hypothesis is the search's answer, as it would be after
-    running on. The first beam is then exactly the full search's; the others are returned as they stood (an
-    unfinished one without EOS). Translation needs only the first beam, and this saves the steps in which the
+    settle: a sentence also stops once its `settle` best hypotheses are settled (`settled`), 0: every beam runs to
+    its end. The first `settle` beams are then exactly the full search's; the others are returned as they stood (an
+    unfinished one without EOS, its score log P / lp(its length so far), below the settled ones). Translation needs
+    only the first beam (settle=1) and an n-best list the first N (settle=N <= W); this saves the steps in which the
     worse beams of a finished sentence wander on to its length limit.
     """
     first = max_steps if grow is None else cache_stages(max_steps)[0]
@@ -445,7 +466,7 @@ def beam_search(
     init = BeamState.start(tile_beams(cache, beam_size), batch, beam_size, first)
 
     def body(s: BeamState) -> BeamState:
-        return s.advance(decode_step, max_len_B, alpha, best_only, penalty, prefix_BP)
+        return s.advance(decode_step, max_len_B, alpha, settle, penalty, prefix_BP)
 
     s = _run_stages(body, init, max_steps, grow)
     return best_first(_pad_tokens(s.tokens_BWL, max_steps), s.log_probs_BW, s.lengths_BW, alpha, penalty)

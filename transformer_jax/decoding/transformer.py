@@ -117,7 +117,7 @@ def _row_rules(row_inputs: dict[str, Array], sampling: Sampling | None):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "beam_size", "max_steps", "use_cache", "penalty", "best_only", "sampling"),
+    static_argnames=("graphdef", "beam_size", "max_steps", "use_cache", "penalty", "settle", "sampling"),
 )
 def _search(
     graphdef: nnx.GraphDef,
@@ -131,7 +131,7 @@ def _search(
     max_steps: int,
     use_cache: bool,
     penalty: str,
-    best_only: bool,
+    settle: int,
     sampling: Sampling | None,
 ) -> BeamResult:
     """The whole search in one jitted call, every sentence's rows to the end (the reference of the refilling one)."""
@@ -154,7 +154,7 @@ def _search(
         alpha=alpha,
         max_steps=max_steps,
         grow=d.grow,
-        best_only=best_only,
+        settle=settle,
         penalty=penalty,
         prefix_BP=row_inputs.get("prefix"),
     )
@@ -234,7 +234,7 @@ def _widen(graph: Graph, params: list[Array], context: PyTree, *, src_len: int) 
     return graph.merge(params).grow_source(context, src_len)
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "penalty", "best_only", "sampling"), donate_argnames=("s",))
+@functools.partial(jax.jit, static_argnames=("graph", "penalty", "settle", "sampling"), donate_argnames=("s",))
 def _stage(
     graph: Graph,
     params: list[Array],
@@ -246,7 +246,7 @@ def _stage(
     row_inputs: dict[str, Array],
     *,
     penalty: str,
-    best_only: bool,
+    settle: int,
     sampling: Sampling | None,
 ):
     """Steps until at most `stop_live` sentences are live or a live one has filled the cache (`steps_until`)."""
@@ -254,7 +254,7 @@ def _stage(
     prefix_BP, choose = _row_rules(row_inputs, sampling)
     if isinstance(s, GreedyState):
         return steps_until(lambda s: s.advance(step, max_len_B, prefix_BP, choose), s, stop_live)
-    return steps_until(lambda s: s.advance(step, max_len_B, alpha, best_only, penalty, prefix_BP), s, stop_live)
+    return steps_until(lambda s: s.advance(step, max_len_B, alpha, settle, penalty, prefix_BP), s, stop_live)
 
 
 @functools.partial(jax.jit, static_argnames=("beam_size",))
@@ -285,9 +285,7 @@ class ModelCalls:
     def widen(self, context, *, src_len: int):
         return _widen(self.graph, self.params, context, src_len=src_len)
 
-    def stage(
-        self, context, s, max_len_B, alpha, stop_live, row_inputs, *, penalty: str, best_only: bool, sampling=None
-    ):
+    def stage(self, context, s, max_len_B, alpha, stop_live, row_inputs, *, penalty: str, settle: int, sampling=None):
         return _stage(
             self.graph,
             self.params,
@@ -298,7 +296,7 @@ class ModelCalls:
             stop_live,
             row_inputs,
             penalty=penalty,
-            best_only=best_only,
+            settle=settle,
             sampling=sampling,
         )
 
@@ -325,7 +323,7 @@ class Searcher:
         leaves, treedef = jax.tree.flatten(self.params)
         self.calls = ModelCalls(graph(self.graphdef, treedef), leaves) if use_cache and compact else None
 
-    def _one_jit(self, src_BS, max_len_B, row_inputs, *, beam_size, alpha, max_steps, penalty, best_only, sampling):
+    def _one_jit(self, src_BS, max_len_B, row_inputs, *, beam_size, alpha, max_steps, penalty, settle, sampling):
         return _search(
             self.graphdef,
             self.params,
@@ -337,7 +335,7 @@ class Searcher:
             max_steps=max_steps,
             use_cache=self.use_cache,
             penalty=penalty,
-            best_only=best_only,
+            settle=settle,
             sampling=sampling,
         )
 
@@ -350,21 +348,22 @@ class Searcher:
         alpha: float,
         max_steps: int,
         penalty: str = GNMT,
-        best_only: bool = True,
+        settle: int = 1,
         prefix_BP: Array | None = None,
         sampling: Sampling | None = None,
         keys_B2: Array | None = None,
     ) -> BeamResult:
         """One batch: src [B, S] (PAD-padded, EOS-terminated); beam_size 1 runs greedy search. Scores are
-        log P / lp with lp by `penalty` and `alpha` (search.length_penalty). best_only: a sentence stops once its
-        best beam is settled (the other beams are as they stood then); False runs every beam to its end (n-best).
+        log P / lp with lp by `penalty` and `alpha` (search.length_penalty). settle: a sentence stops once its
+        `settle` best beams are settled (search.beam_search; the others are as they stood then); 0 runs every beam
+        to its end.
         prefix_BP: target prefixes [B, P], PAD-padded (search.forced_tokens): each output starts with its prefix.
         sampling: draw each token (sampling.Sampling; beam_size 1), row b with its key keys_B2[b] (sample_keys).
 
         Batches of at least 2 MIN_ROWS sentences run the refilling search (nothing waits, so finished sentences
         only leave); smaller ones, or without compaction, the whole search is one jitted call (`_search`).
         """
-        settings = _settings(beam_size, alpha, penalty, best_only, sampling)
+        settings = _settings(beam_size, alpha, penalty, settle, sampling)
         row_inputs = _row_inputs(prefix_BP, keys_B2)
         if self.calls is None or src_BS.shape[0] < 2 * refill.MIN_ROWS:
             return self._one_jit(src_BS, max_len_B, row_inputs, **settings, max_steps=max_steps)
@@ -391,7 +390,7 @@ class Searcher:
         shape: refill.Shape,
         progress: Callable[[int], Any] | None = None,
         penalty: str = GNMT,
-        best_only: bool = True,
+        settle: int = 1,
         prefixes: Sequence[Sequence[int]] | None = None,
         sampling: Sampling | None = None,
         keys_N2: np.ndarray | None = None,
@@ -399,7 +398,7 @@ class Searcher:
         """Every sentence's beams (best first; tokens [W, L] with L at least its longest beam), decoded `batch_size`
         sentences at a time: sources are id lists (EOS-terminated), max_len_N their output limits, and
         shape(longest source) the padded source length and the most output slots of a batch. progress(n) is
-        called as n more sentences are done. penalty, best_only: as for __call__; prefixes: each sentence's target
+        called as n more sentences are done. penalty, settle: as for __call__; prefixes: each sentence's target
         prefix (ids, no EOS; empty: none), or None; sampling, keys_N2: as __call__'s, per sentence.
 
         With compaction and at least 2 MIN_ROWS rows, they run through the refilling scheduler (refill.py): greedy
@@ -407,7 +406,7 @@ class Searcher:
         batches. Shortest sources go first. The batch has batch_size rows, or as many as the sentences rounded up
         to a multiple of MIN_ROWS when fewer (refill.batch_rows).
         """
-        settings = _settings(beam_size, alpha, penalty, best_only, sampling)
+        settings = _settings(beam_size, alpha, penalty, settle, sampling)
         rows = refill.batch_rows(len(sources), batch_size)
         max_len_N = np.asarray(max_len_N, np.int32)
         if not len(sources):
@@ -451,10 +450,12 @@ class Searcher:
         return results
 
 
-def _settings(beam_size: int, alpha: float, penalty: str, best_only: bool, sampling: Sampling | None) -> dict:
+def _settings(beam_size: int, alpha: float, penalty: str, settle: int, sampling: Sampling | None) -> dict:
     if sampling is not None and beam_size != 1:
         raise ValueError(f"sampling draws one token per step: beam_size must be 1, got {beam_size}")
-    return dict(beam_size=beam_size, alpha=alpha, penalty=penalty, best_only=best_only, sampling=sampling)
+    if not 0 <= settle <= beam_size:
+        raise ValueError(f"settle must be in [0, beam_size={beam_size}] (hypotheses settled), got {settle}")
+    return dict(beam_size=beam_size, alpha=alpha, penalty=penalty, settle=settle, sampling=sampling)
 
 
 def _row_inputs(prefix: np.ndarray | None, keys: np.ndarray | None) -> dict[str, np.ndarray]:
@@ -484,16 +485,16 @@ def search(
     use_cache: bool = True,
     compact: bool = True,
     penalty: str = GNMT,
-    best_only: bool = True,
+    settle: int = 1,
 ) -> BeamResult:
     """Encodes src [B, S] (PAD-padded, EOS-terminated) and searches, jitted; beam_size 1 runs greedy search.
 
     Compiles per (graph, shapes, beam_size, cache stage, compacted batch size); alpha is traced, so changing it does
     not recompile.
     Runs the model in eval mode (dropout off) without changing the caller's model. For many batches of one model,
-    use `searcher`. A sentence stops once its best hypothesis is settled (beam_search's best_only): the first beam
-    is the full search's; the others are as they stood then (best_only=False: every beam is the full search's).
+    use `searcher`. A sentence stops once its `settle` best hypotheses are settled (beam_search's settle): those
+    beams are the full search's; the others are as they stood then (settle=0: every beam is the full search's).
     """
     return searcher(model, use_cache=use_cache, compact=compact)(
-        src_BS, max_len_B, beam_size=beam_size, alpha=alpha, max_steps=max_steps, penalty=penalty, best_only=best_only
+        src_BS, max_len_B, beam_size=beam_size, alpha=alpha, max_steps=max_steps, penalty=penalty, settle=settle
     )

@@ -47,8 +47,6 @@ def check_flags(o: Any) -> None:
             raise EvalError(
                 f"--ensemble_workdirs must be workdirs separated by commas, got {list(o.ensemble_workdirs)}"
             )
-        if o.score:
-            raise EvalError("--score teacher-forces one model; --ensemble_workdirs would be ignored: drop one")
     if o.score:
         if o.nbest is not None:
             raise EvalError("--score teacher-forces the given targets; --nbest would be ignored: drop one of them")

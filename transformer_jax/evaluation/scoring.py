@@ -5,7 +5,8 @@ side) and teacher-forced through the model: log P(y | x) = sum over t of log P(y
 then EOS. Pairs are batched one per row, sorted by length, each batch padded to a doubling bucket
 (data.batching.padded_eval_length) so that jit compiles a few shapes only. The per-token sums are those of the
 training loss's nll (training/losses.py, without label smoothing), so the corpus perplexity exp(-sum log P / tokens)
-is exp of the validation nll on the same pairs.
+is exp of the validation nll on the same pairs. An ensemble (decoding/ensemble.py) scores with the distribution its
+search uses, the renormalised mean of its members' log-probabilities at every target position.
 
 Axis letters: see transformer_jax/__init__.py.
 """

@@ -146,9 +146,9 @@ def translate_nbest(
     Sources are the tokenizer's ids then EOS (as in training); a source with more than max_input_len tokens is cut
     to max_input_len - 1 ids + EOS and counted. An empty (or blank) line gives empty outputs (EMPTY) without
     decoding. Each output has at most (source tokens + max_extra_len) tokens, EOS included. beam_size 1 is greedy
-    search. Hypotheses are ranked by log P / lp (decoding.length_penalty's `length_penalty` with `alpha`). With
-    nbest 1 a sentence stops once its best hypothesis is settled; with more, every beam runs to its end, so the
-    list is the full beam search's. prefixes: line i's output starts with prefixes[i], tokenized as a target
+    search. Hypotheses are ranked by log P / lp (decoding.length_penalty's `length_penalty` with `alpha`). A
+    sentence stops once its nbest best hypotheses are settled (decoding.beam_search's settle), so the list is the
+    full beam search's first nbest. prefixes: line i's output starts with prefixes[i], tokenized as a target
     (a blank prefix: none); the hypotheses' text and log-probabilities include it. sampling: instead of searching
     (beam_size 1), draw `nbest` samples per line (decoding.Sampling; reproducible for a seed), best score first;
     their log_prob is the model's own log P of the sample. The settings are checked where
@@ -209,7 +209,7 @@ def translate_nbest(
         shape=shape,
         progress=None if bar is None else bar.update,
         penalty=length_penalty,
-        best_only=nbest == 1 or sampling is not None,
+        settle=1 if sampling is not None else nbest,
         prefixes=None if prefixes is None else [list(tokenizer.encode(prefixes[i])) for i in lines],
         sampling=sampling,
         keys_N2=keys_N2,
