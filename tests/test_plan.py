@@ -16,6 +16,7 @@ import pytest
 from configs import common
 from tests.helpers import REPO
 from transformer_jax.accelerators import parse_topology
+from transformer_jax.evaluation.decode_plan import plan_decode
 from transformer_jax.training import plan
 
 pytestmark = pytest.mark.skipif(
@@ -129,6 +130,66 @@ def test_the_plan_report_prints_as_a_table_and_as_json(both_meshes):
     table = plan.format_reports(both_meshes["meshes"])
     assert "ESTIMATES" in table and "estimated step s" in table and "fsdp" in table
     json.dumps(both_meshes)  # every value is JSON
+
+
+def decode_config():
+    config = small_config()
+    config.train.bleu_every = 1000  # validation BLEU runs: the train state stays in HBM while it decodes
+    return config
+
+
+@pytest.fixture(scope="module")
+def decode_plan():
+    return plan_decode(decode_config(), parse_topology("v5e:2x2"), "data")
+
+
+def test_the_decode_plan_is_consistent(both_meshes, decode_plan):
+    train = both_meshes["meshes"]["data"]
+    # Validation's batch: eval.batch_size (64) of train.bleu_sentences, the longest source, beam 4.
+    assert [decode_plan[k] for k in ("beam_size", "sentences", "source_len", "search")] == [4, 64, 256, "refilling"]
+    programs = decode_plan["memory_analysis_per_chip"]
+    assert set(programs) == {"start", "grow", "stage"} and decode_plan["peak_program"] == "stage"
+    for memory in programs.values():  # the train step's sum rule
+        parts = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"] + memory["generated_code"]
+        assert memory["total"] == parts
+    peak = programs["stage"]
+    assert peak["argument"] >= train["per_chip_bytes"]["parameters"] and peak["temp"] > 0
+    assert peak["alias"] > 0  # the search state is donated from stage to stage
+    resident = decode_plan["train_state_resident_bytes"]
+    assert resident == train["per_chip_bytes"]["optimizer_state"] > 0
+    assert decode_plan["total_bytes"] == peak["total"] + resident and decode_plan["fits"]
+    # One step, not the loop's 306: XLA counts a while loop's body once; the formula leaves out the beam's top-k,
+    # softmax and norms (23% at this width).
+    count = decode_plan["flops_per_step"]
+    assert 1.0 <= count["compiled_per_chip"] / count["formula"] < 1.5
+    estimate = decode_plan["estimate"]
+    assert estimate["step_s"] >= max(estimate["compute_s"], estimate["hbm_s"]) > 0
+    assert estimate["s_per_output_token"] == pytest.approx(estimate["step_s"] / 64)
+    assert "validation decoding" in plan.format_reports({"data": {**train, "decode": decode_plan}})
+
+
+def test_an_eval_batch_that_cannot_fit_is_one_line_and_a_nonzero_exit():
+    # 2^16 sentences of 256 source tokens, beam 4: the TPU compiler refuses the encoder's 74 GB, in seconds.
+    config = small_config(d_model=32)
+    rows = ["--config.train.bleu_sentences=65536", "--config.eval.batch_size=65536"]
+    done = subprocess.run(
+        [*cli_args(config), *rows, "--plan", "v5e:2x2"], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("train.py: error: does not fit: validation's decoding"), lines
+    assert "HBM" in lines[0] and "eval.batch_size" in lines[0] and "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_a_plan_whose_decoding_exceeds_the_chip_fails_after_its_report(both_meshes, decode_plan, monkeypatch, capsys):
+    # Chips with room for the train step but not for validation's decoding beside the train state.
+    hbm = (decode_plan["total_bytes"] + both_meshes["meshes"]["data"]["memory_analysis_per_chip"]["total"]) / 2
+    assert both_meshes["meshes"]["data"]["memory_analysis_per_chip"]["total"] < hbm < decode_plan["total_bytes"]
+    monkeypatch.setattr(plan, "parse_topology", lambda name: small_chip_topology(hbm))
+    with pytest.raises(plan.DoesNotFit, match="does not fit: validation's decoding .* lower eval.batch_size"):
+        plan.run(decode_config(), "v5e:2x2", "", as_json=False, decode=plan_decode)
+    assert "NO" in capsys.readouterr().out  # the table was printed first
 
 
 @pytest.mark.slow

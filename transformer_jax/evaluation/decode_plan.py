@@ -25,6 +25,7 @@ from transformer_jax.decoding.refill import batch_rows
 from transformer_jax.evaluation.translate import batch_shape, input_limit, position_limit
 from transformer_jax.evaluation.validation import decoding_settings
 from transformer_jax.sharding import array_sharding, make_mesh, replicated, tracing_mesh
+from transformer_jax.training import flops
 from transformer_jax.training.plan import bytes_per_chip, collectives, compile_or_refuse, compiled_cost, memory_per_chip
 from transformer_jax.training.state import abstract_train_state, eval_model
 
@@ -82,6 +83,7 @@ def plan_decode(config: ml_collections.ConfigDict, topology: Topology, mesh_mode
             compile=compile_one,
         )
     memory = {name: memory_per_chip(compiled) for name, compiled in programs.items()}
+    estimate = _step_estimate(programs.get("stage"), topology, rows)
     peak = max(memory, key=lambda name: memory[name]["total"])
     # The train state stays in HBM while validation decodes; its parameters are already the programs' arguments.
     optimizer = bytes_per_chip(abstract["optimizer"], mesh, mesh_mode)
@@ -105,7 +107,12 @@ def plan_decode(config: ml_collections.ConfigDict, topology: Topology, mesh_mode
         "hbm_bytes_per_chip": chip.hbm_bytes,
         "fits": needed <= chip.hbm_bytes,
         "headroom_bytes": chip.hbm_bytes - needed,
-        "estimate": _step_estimate(programs.get("stage"), topology, rows),
+        "flops_per_step": {
+            "compiled_per_chip": estimate.pop("flops_per_step_per_chip"),
+            # every chip decodes every row (mesh data); with fsdp XLA may split them, so compare per chip with care
+            "formula": flops.decode_step_flops(model.spec, rows * beam_size, src_len, max_steps),
+        },
+        "estimate": estimate,
     }
 
 

@@ -455,6 +455,7 @@ def format_reports(reports: dict[str, dict]) -> str:
 def _decode_rows(cols: list[dict]) -> list[str]:
     """The table's rows of the reports' "decode" sections (validation BLEU's beam search)."""
     get = lambda f: [f(d) for d in cols]
+    flops_ = lambda v: "n/a" if v is None else f"{v:.3e}"
     first = cols[0]
     estimate = lambda key, fmt: get(lambda d: "n/a" if d["estimate"][key] is None else fmt.format(d["estimate"][key]))
     lines = [
@@ -470,7 +471,8 @@ def _decode_rows(cols: list[dict]) -> list[str]:
         _row("+ optimizer state (bleu_every > 0)", *get(lambda d: _size(d["train_state_resident_bytes"]))),
         _row("total", *get(lambda d: _size(d["total_bytes"]))),
         _row("fits (headroom)", *get(lambda d: f"{'yes' if d['fits'] else 'NO'} ({_size(d['headroom_bytes'])})")),
-        _row("compiled FLOPs per step per chip", *estimate("flops_per_step_per_chip", "{:.3e}")),
+        _row("compiled FLOPs per step per chip", *get(lambda d: flops_(d["flops_per_step"]["compiled_per_chip"]))),
+        _row("formula (training/flops.py)", *get(lambda d: flops_(d["flops_per_step"]["formula"]))),
         "ESTIMATES (nothing was run): " + first["estimate"]["roofline"],
         _row("estimated decoding step s", *estimate("step_s", "{:.3g}")),
         _row("estimated s per output token", *estimate("s_per_output_token", "{:.3g}")),
