@@ -135,6 +135,8 @@ def test_the_plan_report_prints_as_a_table_and_as_json(both_meshes):
 def decode_config():
     config = small_config()
     config.train.bleu_every = 1000  # validation BLEU runs: the train state stays in HBM while it decodes
+    # The smallest batch the refilling search takes (2 refill.MIN_ROWS sentences), short sources: a quick compile.
+    config.eval.batch_size, config.data.eval_max_len = 16, 32
     return config
 
 
@@ -145,8 +147,9 @@ def decode_plan():
 
 def test_the_decode_plan_is_consistent(both_meshes, decode_plan):
     train = both_meshes["meshes"]["data"]
-    # Validation's batch: eval.batch_size (64) of train.bleu_sentences, the longest source, beam 4.
-    assert [decode_plan[k] for k in ("beam_size", "sentences", "source_len", "search")] == [4, 64, 256, "refilling"]
+    # Validation's batch: eval.batch_size of train.bleu_sentences, the longest source, beam 4, the last cache stage.
+    assert [decode_plan[k] for k in ("beam_size", "sentences", "source_len", "search")] == [4, 16, 32, "refilling"]
+    assert decode_plan["output_slots"] == 32 + 50 == decode_plan["cache_stages"][-1]
     programs = decode_plan["memory_analysis_per_chip"]
     assert set(programs) == {"start", "grow", "stage"} and decode_plan["peak_program"] == "stage"
     for memory in programs.values():  # the train step's sum rule
@@ -158,13 +161,13 @@ def test_the_decode_plan_is_consistent(both_meshes, decode_plan):
     resident = decode_plan["train_state_resident_bytes"]
     assert resident == train["per_chip_bytes"]["optimizer_state"] > 0
     assert decode_plan["total_bytes"] == peak["total"] + resident and decode_plan["fits"]
-    # One step, not the loop's 306: XLA counts a while loop's body once; the formula leaves out the beam's top-k,
-    # softmax and norms (23% at this width).
+    # One step, not the loop's 82: XLA counts a while loop's body once; the formula leaves out the beam's top-k,
+    # softmax and norms.
     count = decode_plan["flops_per_step"]
     assert 1.0 <= count["compiled_per_chip"] / count["formula"] < 1.5
     estimate = decode_plan["estimate"]
     assert estimate["step_s"] >= max(estimate["compute_s"], estimate["hbm_s"]) > 0
-    assert estimate["s_per_output_token"] == pytest.approx(estimate["step_s"] / 64)
+    assert estimate["s_per_output_token"] == pytest.approx(estimate["step_s"] / 16)
     assert "validation decoding" in plan.format_reports({"data": {**train, "decode": decode_plan}})
 
 
@@ -182,13 +185,17 @@ def test_an_eval_batch_that_cannot_fit_is_one_line_and_a_nonzero_exit():
 
 
 @pytest.mark.slow
-def test_a_plan_whose_decoding_exceeds_the_chip_fails_after_its_report(both_meshes, decode_plan, monkeypatch, capsys):
+def test_a_plan_whose_decoding_exceeds_the_chip_fails_after_its_report(both_meshes, monkeypatch, capsys):
+    config = decode_config()
+    config.eval.batch_size, config.data.eval_max_len = 64, 256  # decoding needs more than the train step
+    decode = plan_decode(config, parse_topology("v5e:2x2"), "data")
+    train = both_meshes["meshes"]["data"]["memory_analysis_per_chip"]["total"]
     # Chips with room for the train step but not for validation's decoding beside the train state.
-    hbm = (decode_plan["total_bytes"] + both_meshes["meshes"]["data"]["memory_analysis_per_chip"]["total"]) / 2
-    assert both_meshes["meshes"]["data"]["memory_analysis_per_chip"]["total"] < hbm < decode_plan["total_bytes"]
+    hbm = (decode["total_bytes"] + train) / 2
+    assert train < hbm < decode["total_bytes"]
     monkeypatch.setattr(plan, "parse_topology", lambda name: small_chip_topology(hbm))
     with pytest.raises(plan.DoesNotFit, match="does not fit: validation's decoding .* lower eval.batch_size"):
-        plan.run(decode_config(), "v5e:2x2", "", as_json=False, decode=plan_decode)
+        plan.run(config, "v5e:2x2", "", as_json=False, decode=plan_decode)
     assert "NO" in capsys.readouterr().out  # the table was printed first
 
 
