@@ -171,6 +171,17 @@ def test_the_decode_plan_is_consistent(both_meshes, decode_plan):
     assert "validation decoding" in plan.format_reports({"data": {**train, "decode": decode_plan}})
 
 
+def test_a_small_eval_batch_is_planned_as_its_one_jitted_search(both_meshes):
+    # Under 2 refill.MIN_ROWS sentences the Searcher runs the whole search in one call: that program is planned,
+    # without a per-step estimate (XLA's count of it mixes the encoder with every cache stage's loop).
+    config = small_config(d_model=32)
+    config.eval.batch_size, config.data.eval_max_len = 8, 32
+    decode = plan_decode(config, parse_topology("v5e:2x2"), "data")
+    assert decode["search"] == "one jitted call" and list(decode["memory_analysis_per_chip"]) == ["search"]
+    assert decode["memory_analysis_per_chip"]["search"]["temp"] > 0 and decode["estimate"]["step_s"] is None
+    assert "n/a" in plan.format_reports({"data": {**both_meshes["meshes"]["data"], "decode": decode}})
+
+
 def test_an_eval_batch_that_cannot_fit_is_one_line_and_a_nonzero_exit():
     # 2^16 sentences of 256 source tokens, beam 4: the TPU compiler refuses the encoder's 74 GB, in seconds.
     config = small_config(d_model=32)
