@@ -339,16 +339,17 @@ class Searcher:
         penalty: str,
         best_only: bool,
         host: jax.sharding.Sharding,
-        compile: Callable[[str, jax.stages.Traced], jax.stages.Compiled],
+        compile_one: Callable[[str, jax.stages.Traced], jax.stages.Compiled],
     ) -> dict[str, jax.stages.Compiled]:
         """The jitted calls a batch of `rows` sentences of src_len source positions and max_steps output slots makes
         (`sentences`), compiled for ahead-of-time planning, by name: those at the peak of memory, the cache at its
         largest stage. Nothing runs: the model's parameters may be abstract (jax.ShapeDtypeStruct with shardings);
-        `host` is the sharding the host's inputs (sources, limits) take; compile(name, traced) compiles one.
+        `host` is the sharding the host's inputs (sources, limits) take; compile_one(name, traced) compiles one.
 
         The refilling search: "start" (encode the batch, first cache stage), "grow" (into the last stage from the
         one before: an upper bound of the grows), "stage" (the steps at the last stage, the full batch live); one
-        jitted call otherwise: "search". Each call's inputs are the previous one's outputs as compiled.
+        jitted call otherwise: "search". Each call's inputs are the previous one's outputs as compiled. (Greedy
+        search with sentences waiting also encodes and inserts them: calls on fewer rows than these.)
         """
         src_BS = jax.ShapeDtypeStruct((rows, src_len), jnp.int32, sharding=host)
         max_len_B = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=host)
@@ -368,7 +369,7 @@ class Searcher:
                 best_only=best_only,
                 sampling=None,
             )
-            return {"search": compile("search", traced)}
+            return {"search": compile_one("search", traced)}
 
         def outputs(traced: jax.stages.Traced, compiled: jax.stages.Compiled) -> PyTree:
             """What a compiled call returns, as the next call's abstract inputs."""
@@ -377,13 +378,13 @@ class Searcher:
 
         graph, params, stages = self.calls.graph, self.calls.params, cache_stages(max_steps)
         traced = _start.trace(graph, params, src_BS, beam_size=beam_size, slots=stages[0])
-        programs = {"start": compile("start", traced)}
+        programs = {"start": compile_one("start", traced)}
         context, s = outputs(traced, programs["start"])
         if len(stages) > 1:
             before = _start.trace(graph, params, src_BS, beam_size=beam_size, slots=stages[-2]).out_info[1]
             s = jax.tree.map(lambda x, like: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=like.sharding), before, s)
             traced = _grow.trace(graph, params, s, slots=stages[-1])
-            programs["grow"] = compile("grow", traced)
+            programs["grow"] = compile_one("grow", traced)
             s = outputs(traced, programs["grow"])
         traced = _stage.trace(
             graph,
@@ -398,7 +399,7 @@ class Searcher:
             best_only=best_only,
             sampling=None,
         )
-        programs["stage"] = compile("stage", traced)
+        programs["stage"] = compile_one("stage", traced)
         return programs
 
     def _one_jit(self, src_BS, max_len_B, row_inputs, *, beam_size, alpha, max_steps, penalty, best_only, sampling):

@@ -80,7 +80,7 @@ def plan_decode(config: ml_collections.ConfigDict, topology: Topology, mesh_mode
             penalty=decoding.GNMT,  # translate()'s default, which validation keeps
             best_only=True,  # translate() asks for the 1-best
             host=replicated(mesh),
-            compile=compile_one,
+            compile_one=compile_one,
         )
     memory = {name: memory_per_chip(compiled) for name, compiled in programs.items()}
     estimate = _step_estimate(programs.get("stage"), topology, rows)
