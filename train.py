@@ -16,6 +16,7 @@ from ml_collections import config_flags
 
 from transformer_jax import cli, config_checks
 from transformer_jax.errors import ConfigError
+from transformer_jax.evaluation.decode_plan import plan_decode
 from transformer_jax.evaluation.validation import bleu_evaluator
 from transformer_jax.sharding import initialize_distributed
 from transformer_jax.training import plan
@@ -39,7 +40,7 @@ def main(argv: list[str]) -> None:
     config = _CONFIG.value
     config_checks.validate(config)  # before any work: a bad value is one line now, not a traceback minutes later
     if _PLAN.value:
-        plan.run(config, _PLAN.value, _PLAN_SEARCH.value, _PLAN_JSON.value)
+        plan.run(config, _PLAN.value, _PLAN_SEARCH.value, _PLAN_JSON.value, decode=plan_decode)
         return
     if not _DRY_RUN.value:
         if not _WORKDIR.value:

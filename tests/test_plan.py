@@ -16,6 +16,7 @@ import pytest
 from configs import common
 from tests.helpers import REPO
 from transformer_jax.accelerators import parse_topology
+from transformer_jax.evaluation.decode_plan import plan_decode
 from transformer_jax.training import plan
 
 pytestmark = pytest.mark.skipif(
@@ -129,6 +130,84 @@ def test_the_plan_report_prints_as_a_table_and_as_json(both_meshes):
     table = plan.format_reports(both_meshes["meshes"])
     assert "ESTIMATES" in table and "estimated step s" in table and "fsdp" in table
     json.dumps(both_meshes)  # every value is JSON
+
+
+def decode_config():
+    config = small_config()
+    config.train.bleu_every = 1000  # validation BLEU runs: the train state stays in HBM while it decodes
+    # The smallest batch the refilling search takes (2 refill.MIN_ROWS sentences), short sources: a quick compile.
+    config.eval.batch_size, config.data.eval_max_len = 16, 32
+    return config
+
+
+@pytest.fixture(scope="module")
+def decode_plan():
+    return plan_decode(decode_config(), parse_topology("v5e:2x2"), "data")
+
+
+def test_the_decode_plan_is_consistent(both_meshes, decode_plan):
+    train = both_meshes["meshes"]["data"]
+    # Validation's batch: eval.batch_size of train.bleu_sentences, the longest source, beam 4, the last cache stage.
+    assert [decode_plan[k] for k in ("beam_size", "sentences", "source_len", "search")] == [4, 16, 32, "refilling"]
+    assert decode_plan["output_slots"] == 32 + 50 == decode_plan["cache_stages"][-1]
+    programs = decode_plan["memory_analysis_per_chip"]
+    assert set(programs) == {"start", "grow", "stage"} and decode_plan["peak_program"] == "stage"
+    for memory in programs.values():  # the train step's sum rule
+        parts = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"] + memory["generated_code"]
+        assert memory["total"] == parts
+    peak = programs["stage"]
+    assert peak["argument"] >= train["per_chip_bytes"]["parameters"] and peak["temp"] > 0
+    assert peak["alias"] > 0  # the search state is donated from stage to stage
+    resident = decode_plan["train_state_resident_bytes"]
+    assert resident == train["per_chip_bytes"]["optimizer_state"] > 0
+    assert decode_plan["total_bytes"] == peak["total"] + resident and decode_plan["fits"]
+    # One step, not the loop's 82: XLA counts a while loop's body once; the formula leaves out the beam's top-k,
+    # softmax and norms.
+    count = decode_plan["flops_per_step"]
+    assert 1.0 <= count["compiled_per_chip"] / count["formula"] < 1.5
+    estimate = decode_plan["estimate"]
+    assert estimate["step_s"] >= max(estimate["compute_s"], estimate["hbm_s"]) > 0
+    assert estimate["s_per_output_token"] == pytest.approx(estimate["step_s"] / 16)
+    assert "validation decoding" in plan.format_reports({"data": {**train, "decode": decode_plan}})
+
+
+def test_a_small_eval_batch_is_planned_as_its_one_jitted_search(both_meshes):
+    # Under 2 refill.MIN_ROWS sentences the Searcher runs the whole search in one call: that program is planned,
+    # without a per-step estimate (XLA's count of it mixes the encoder with every cache stage's loop).
+    config = small_config(d_model=32)
+    config.eval.batch_size, config.data.eval_max_len = 8, 32
+    decode = plan_decode(config, parse_topology("v5e:2x2"), "data")
+    assert decode["search"] == "one jitted call" and list(decode["memory_analysis_per_chip"]) == ["search"]
+    assert decode["memory_analysis_per_chip"]["search"]["temp"] > 0 and decode["estimate"]["step_s"] is None
+    assert "n/a" in plan.format_reports({"data": {**both_meshes["meshes"]["data"], "decode": decode}})
+
+
+def test_an_eval_batch_that_cannot_fit_is_one_line_and_a_nonzero_exit():
+    # 2^16 sentences of 256 source tokens, beam 4: the TPU compiler refuses the encoder's 74 GB, in seconds.
+    config = small_config(d_model=32)
+    rows = ["--config.train.bleu_sentences=65536", "--config.eval.batch_size=65536"]
+    done = subprocess.run(
+        [*cli_args(config), *rows, "--plan", "v5e:2x2"], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("train.py: error: does not fit: validation's decoding"), lines
+    assert "HBM" in lines[0] and "eval.batch_size" in lines[0] and "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_a_plan_whose_decoding_exceeds_the_chip_fails_after_its_report(both_meshes, monkeypatch, capsys):
+    config = decode_config()
+    config.eval.batch_size, config.data.eval_max_len = 64, 256  # decoding needs more than the train step
+    decode = plan_decode(config, parse_topology("v5e:2x2"), "data")
+    train = both_meshes["meshes"]["data"]["memory_analysis_per_chip"]["total"]
+    # Chips with room for the train step but not for validation's decoding beside the train state.
+    hbm = (decode["total_bytes"] + train) / 2
+    assert train < hbm < decode["total_bytes"]
+    monkeypatch.setattr(plan, "parse_topology", lambda name: small_chip_topology(hbm))
+    with pytest.raises(plan.DoesNotFit, match="does not fit: validation's decoding .* lower eval.batch_size"):
+        plan.run(config, "v5e:2x2", "", as_json=False, decode=plan_decode)
+    assert "NO" in capsys.readouterr().out  # the table was printed first
 
 
 @pytest.mark.slow

@@ -323,6 +323,83 @@ class Searcher:
         leaves, treedef = jax.tree.flatten(self.params)
         self.calls = ModelCalls(graph(self.graphdef, treedef), leaves) if use_cache and compact else None
 
+    def refills(self, rows: int) -> bool:
+        """Whether a batch of `rows` sentences runs through the refilling scheduler (else one jitted `_search`)."""
+        return self.calls is not None and rows >= 2 * refill.MIN_ROWS
+
+    def peak_programs(
+        self,
+        rows: int,
+        src_len: int,
+        max_steps: int,
+        *,
+        beam_size: int,
+        penalty: str,
+        settle: int,
+        host: jax.sharding.Sharding,
+        compile_one: Callable[[str, jax.stages.Traced], jax.stages.Compiled],
+    ) -> dict[str, jax.stages.Compiled]:
+        """The jitted calls a batch of `rows` sentences of src_len source positions and max_steps output slots makes
+        (`sentences`), compiled for ahead-of-time planning, by name: those at the peak of memory, the cache at its
+        largest stage. Nothing runs: the model's parameters may be abstract (jax.ShapeDtypeStruct with shardings);
+        `host` is the sharding the host's inputs (sources, limits) take; compile_one(name, traced) compiles one.
+
+        The refilling search: "start" (encode the batch, first cache stage), "grow" (into the last stage from the
+        one before: an upper bound of the grows), "stage" (the steps at the last stage, the full batch live); one
+        jitted call otherwise: "search". Each call's inputs are the previous one's outputs as compiled. (Greedy
+        search with sentences waiting also encodes and inserts them: calls on fewer rows than these.)
+        """
+        src_BS = jax.ShapeDtypeStruct((rows, src_len), jnp.int32, sharding=host)
+        max_len_B = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=host)
+        scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=host)
+        if not self.refills(rows):
+            traced = _search.trace(
+                self.graphdef,
+                self.params,
+                src_BS,
+                max_len_B,
+                scalar(jnp.float32),
+                {},
+                beam_size=beam_size,
+                max_steps=max_steps,
+                use_cache=self.use_cache,
+                penalty=penalty,
+                settle=settle,
+                sampling=None,
+            )
+            return {"search": compile_one("search", traced)}
+
+        def outputs(traced: jax.stages.Traced, compiled: jax.stages.Compiled) -> PyTree:
+            """What a compiled call returns, as the next call's abstract inputs."""
+            put = lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+            return jax.tree.map(put, traced.out_info, compiled.output_shardings)
+
+        graph, params, stages = self.calls.graph, self.calls.params, cache_stages(max_steps)
+        traced = _start.trace(graph, params, src_BS, beam_size=beam_size, slots=stages[0])
+        programs = {"start": compile_one("start", traced)}
+        context, s = outputs(traced, programs["start"])
+        if len(stages) > 1:
+            before = _start.trace(graph, params, src_BS, beam_size=beam_size, slots=stages[-2]).out_info[1]
+            s = jax.tree.map(lambda x, like: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=like.sharding), before, s)
+            traced = _grow.trace(graph, params, s, slots=stages[-1])
+            programs["grow"] = compile_one("grow", traced)
+            s = outputs(traced, programs["grow"])
+        traced = _stage.trace(
+            graph,
+            params,
+            context,
+            s,
+            max_len_B,
+            scalar(jnp.float32),
+            scalar(jnp.int32),
+            {},
+            penalty=penalty,
+            settle=settle,
+            sampling=None,
+        )
+        programs["stage"] = compile_one("stage", traced)
+        return programs
+
     def _one_jit(self, src_BS, max_len_B, row_inputs, *, beam_size, alpha, max_steps, penalty, settle, sampling):
         return _search(
             self.graphdef,
@@ -365,7 +442,7 @@ class Searcher:
         """
         settings = _settings(beam_size, alpha, penalty, settle, sampling)
         row_inputs = _row_inputs(prefix_BP, keys_B2)
-        if self.calls is None or src_BS.shape[0] < 2 * refill.MIN_ROWS:
+        if not self.refills(src_BS.shape[0]):
             return self._one_jit(src_BS, max_len_B, row_inputs, **settings, max_steps=max_steps)
         src_BS = np.asarray(src_BS, np.int32)
         found = refill.refilling_search(
@@ -415,7 +492,7 @@ class Searcher:
         results: list[BeamResult | None] = [None] * len(sources)
         prefix_NP = None if prefixes is None or not any(prefixes) else refill.prefix_array(prefixes)
         row_inputs_N = _row_inputs(prefix_NP, keys_N2)
-        if self.calls is not None and rows >= 2 * refill.MIN_ROWS:
+        if self.refills(rows):
             # Greedy search refills one running batch. Beam search runs batch by batch (finished sentences only
             # leave): it reorders its whole cache every step, and the wider cache a refilled batch keeps (its
             # longest live sentence sets it) costs more than the finished rows it saves (docs/decoding.md).

@@ -61,6 +61,13 @@ def output_limit(source_len: int, max_extra_len: int, position_limit: int | None
     return limit if position_limit is None else min(limit, position_limit)
 
 
+def batch_shape(longest: int, max_input_len: int, max_extra_len: int, position_limit: int | None) -> tuple[int, int]:
+    """A batch's padded source length (a few lengths that double, to bound compilations) and its most output slots,
+    given its longest source (EOS included) and the limits as input_limit and output_limit take them."""
+    src_len = padded_eval_length(longest, max_input_len)
+    return src_len, output_limit(src_len, max_extra_len, position_limit)
+
+
 class Hypothesis(NamedTuple):
     """One output of a sentence's n-best list."""
 
@@ -187,11 +194,9 @@ def translate_nbest(
     }
 
     def shape(longest: int) -> tuple[int, int]:
-        """A batch's padded source length (a few lengths that double, to bound compilations) and output slots."""
-        src_len = padded_eval_length(longest, max_input_len)
-        batch_shape = src_len, output_limit(src_len, max_extra_len, limit)
-        stats["shapes"].add(batch_shape)
-        return batch_shape
+        found = batch_shape(longest, max_input_len, max_extra_len, limit)
+        stats["shapes"].add(found)
+        return found
 
     bar = Progress(len(sources), "translating", "sentences") if progress else None
     # With sampling, each line is decoded nbest times, sample j of line i with its own key (sampling.sample_keys).

@@ -15,6 +15,17 @@ from transformer_jax.evaluation.bleu import score_all
 from transformer_jax.evaluation.translate import translate
 
 
+def decoding_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """translate()'s settings for validation BLEU: config.eval's, sources cut at data.eval_max_len (as evaluate.py)."""
+    return dict(
+        beam_size=config.eval.beam_size,
+        alpha=config.eval.alpha,
+        max_extra_len=config.eval.max_extra_len,
+        batch_size=config.eval.batch_size,
+        max_input_len=config.data.eval_max_len,
+    )
+
+
 def bleu_evaluator(config: ml_collections.ConfigDict, tokenizer: Any) -> Callable[[Any], dict[str, float]]:
     """A function of the model (eval mode) -> sacreBLEU, tokenized BLEU and chrF of its beam-search translations of
     the first train.bleu_sentences validation pairs, decoded with config.eval's settings (as evaluate.py)."""
@@ -22,16 +33,7 @@ def bleu_evaluator(config: ml_collections.ConfigDict, tokenizer: Any) -> Callabl
     sources, references = [s for s, _ in pairs], [t for _, t in pairs]
 
     def evaluate(model: Any) -> dict[str, float]:
-        hypotheses, _ = translate(
-            model,
-            tokenizer,
-            sources,
-            beam_size=config.eval.beam_size,
-            alpha=config.eval.alpha,
-            max_extra_len=config.eval.max_extra_len,
-            batch_size=config.eval.batch_size,
-            max_input_len=config.data.eval_max_len,
-        )
+        hypotheses, _ = translate(model, tokenizer, sources, **decoding_settings(config))
         return {name: float(value["score"]) for name, value in score_all(hypotheses, references).items()}
 
     return evaluate

@@ -15,32 +15,50 @@ import jax.numpy as jnp
 from transformer_jax.model.spec import TransformerSpec
 
 
+def _projections(spec: TransformerSpec, q_tokens: int, kv_tokens: int) -> float:
+    """Query, key/value and output projections of one attention layer."""
+    d, n, k, hq, hv = spec.d_model, spec.num_heads, spec.heads_kv, spec.d_qk, spec.d_v
+    return 2 * (q_tokens * d * n * hq + kv_tokens * d * k * (hq + hv) + q_tokens * n * hv * d)
+
+
+def _scores_and_mix(spec: TransformerSpec, q_len: int, kv_len: int) -> float:
+    """Attention scores and the weighted sum of the values, for one sequence."""
+    return 2 * q_len * kv_len * spec.num_heads * (spec.d_qk + spec.d_v)
+
+
+def _ffn(spec: TransformerSpec, tokens: int) -> float:
+    return 2 * (3 if spec.activation == "swiglu" else 2) * tokens * spec.d_model * spec.d_ff
+
+
 def forward_flops(spec: TransformerSpec, batch: int, src_len: int, tgt_len: int) -> float:
     """FLOPs of one forward pass over a [batch, src_len] source and [batch, tgt_len] target."""
-    d, n, k = spec.d_model, spec.num_heads, spec.heads_kv
-    hq, hv = spec.d_qk, spec.d_v
-    ffn_mats = 3 if spec.activation == "swiglu" else 2
-
-    def projections(q_tokens: int, kv_tokens: int) -> float:
-        return 2 * (q_tokens * d * n * hq + kv_tokens * d * k * (hq + hv) + q_tokens * n * hv * d)
-
-    def scores_and_mix(q_len: int, kv_len: int) -> float:
-        return 2 * q_len * kv_len * n * (hq + hv)
-
-    ffn = lambda tokens: 2 * ffn_mats * tokens * d * spec.d_ff
     s_tok, t_tok = batch * src_len, batch * tgt_len
     encoder = spec.num_encoder_layers * (
-        projections(s_tok, s_tok) + batch * scores_and_mix(src_len, src_len) + ffn(s_tok)
+        _projections(spec, s_tok, s_tok) + batch * _scores_and_mix(spec, src_len, src_len) + _ffn(spec, s_tok)
     )
     decoder = spec.num_decoder_layers * (
-        projections(t_tok, t_tok)
-        + batch * scores_and_mix(tgt_len, tgt_len)
-        + projections(t_tok, s_tok)
-        + batch * scores_and_mix(tgt_len, src_len)
-        + ffn(t_tok)
+        _projections(spec, t_tok, t_tok)
+        + batch * _scores_and_mix(spec, tgt_len, tgt_len)
+        + _projections(spec, t_tok, s_tok)
+        + batch * _scores_and_mix(spec, tgt_len, src_len)
+        + _ffn(spec, t_tok)
     )
-    logits = 2 * t_tok * d * spec.vocab_size
+    logits = 2 * t_tok * spec.d_model * spec.vocab_size
     return float(encoder + decoder + logits)
+
+
+def decode_step_flops(spec: TransformerSpec, rows: int, src_len: int, slots: int) -> float:
+    """FLOPs of one cached decoding step of `rows` rows (sentences x beams): each row's new token through the
+    decoder, its self-attention over all `slots` cache slots and its cross-attention over src_len positions (whose
+    keys and values the cache holds), and the logits."""
+    decoder = spec.num_decoder_layers * (
+        _projections(spec, rows, rows)
+        + rows * _scores_and_mix(spec, 1, slots)
+        + _projections(spec, rows, 0)
+        + rows * _scores_and_mix(spec, 1, src_len)
+        + _ffn(spec, rows)
+    )
+    return float(decoder + 2 * rows * spec.d_model * spec.vocab_size)
 
 
 def train_step_flops(spec: TransformerSpec, batch: int, src_len: int, tgt_len: int) -> float:

@@ -14,6 +14,7 @@ import json
 import math
 import re
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -131,7 +132,7 @@ def _batch_shape(key: str, rows: int, s_len: int, t_len: int) -> tuple[int, int]
     return (rows, s_len if key.startswith("src") else t_len)
 
 
-def _cost(compiled) -> tuple[dict, str]:
+def compiled_cost(compiled) -> tuple[dict, str]:
     """XLA's cost analysis of the compiled per-chip program (flops, bytes accessed) and where it came from."""
     cost = compiled.cost_analysis()
     if isinstance(cost, list | tuple):  # older jax: one dict per program
@@ -167,18 +168,40 @@ def compile_train_step(
             accum_steps=config.train.grad_accum_steps,
         )
         batch = {k: jax.ShapeDtypeStruct(_batch_shape(k, rows, s_len, t_len), jnp.int32) for k in BATCH_KEYS}
-        try:
-            compiled = train_step.trace(abstract, batch).lower().compile()
-        except jax.errors.JaxRuntimeError as error:
-            # The TPU compiler refuses a program whose buffers exceed the chip's HBM and says by how much.
-            if "RESOURCE_EXHAUSTED" not in str(error):
-                raise
-            detail = str(error).splitlines()[0].removeprefix("RESOURCE_EXHAUSTED: ").rstrip(".")
-            raise DoesNotFit(
-                f"does not fit: the train step (mesh={mesh_mode}, batch {[rows, s_len, t_len]}) on {topology.name}: "
-                f"XLA: {detail}; lower the batch (--plan_search=batch finds the largest) or try train.mesh=fsdp"
-            ) from None
+        compiled = compile_or_refuse(
+            train_step.trace(abstract, batch),
+            f"the train step (mesh={mesh_mode}, batch {[rows, s_len, t_len]}) on {topology.name}",
+            "lower the batch (--plan_search=batch finds the largest) or try train.mesh=fsdp",
+        )
     return compiled, abstract
+
+
+def compile_or_refuse(traced: jax.stages.Traced, what: str, remedy: str) -> jax.stages.Compiled:
+    """The traced program compiled; DoesNotFit, quoting the compiler, if it refuses for want of memory."""
+    try:
+        return traced.lower().compile()
+    except jax.errors.JaxRuntimeError as error:
+        # The TPU compiler refuses a program whose buffers exceed the chip's HBM and says by how much.
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        detail = str(error).splitlines()[0].removeprefix("RESOURCE_EXHAUSTED: ").rstrip(".")
+        raise DoesNotFit(f"does not fit: {what}: XLA: {detail}; {remedy}") from None
+
+
+def memory_per_chip(compiled: jax.stages.Compiled) -> dict[str, int]:
+    """XLA's memory_analysis() of a compiled per-chip program, and its total: argument + output - alias (donated
+    inputs the outputs reuse) + temp + generated code."""
+    memory = compiled.memory_analysis()
+    found = {
+        "argument": memory.argument_size_in_bytes,
+        "output": memory.output_size_in_bytes,
+        "alias": memory.alias_size_in_bytes,
+        "temp": memory.temp_size_in_bytes,
+        "generated_code": memory.generated_code_size_in_bytes,
+    }
+    return found | {
+        "total": found["argument"] + found["output"] - found["alias"] + found["temp"] + found["generated_code"]
+    }
 
 
 def plan_train_step(config: ml_collections.ConfigDict, topology: Topology, mesh_mode: str) -> dict:
@@ -192,18 +215,12 @@ def plan_train_step(config: ml_collections.ConfigDict, topology: Topology, mesh_
     compiled, abstract = compile_train_step(config, topology, mesh_mode, mesh, (rows, s_len, t_len))
     compile_s = time.perf_counter() - start
 
-    memory = compiled.memory_analysis()
-    used = (
-        memory.argument_size_in_bytes
-        + memory.output_size_in_bytes
-        - memory.alias_size_in_bytes
-        + memory.temp_size_in_bytes
-        + memory.generated_code_size_in_bytes
-    )
+    memory = memory_per_chip(compiled)
+    used = memory["total"]
     params = nnx.filter_state(abstract["model"], nnx.Param)
     spec = TransformerSpec.from_config(config)
     formula = flops.train_step_flops(spec, rows, s_len, t_len)
-    cost, cost_source = _cost(compiled)
+    cost, cost_source = compiled_cost(compiled)
     compiled_flops = cost.get("flops")
     comms = collectives(compiled.as_text(), topology.chips)
 
@@ -234,14 +251,7 @@ def plan_train_step(config: ml_collections.ConfigDict, topology: Topology, mesh_
             "optimizer_state": bytes_per_chip(abstract["optimizer"], mesh, mesh_mode),
             "batch": sum(math.prod(_batch_shape(k, rows, s_len, t_len)) * 4 for k in BATCH_KEYS) // topology.chips,
         },
-        "memory_analysis_per_chip": {
-            "argument": memory.argument_size_in_bytes,
-            "output": memory.output_size_in_bytes,
-            "alias": memory.alias_size_in_bytes,
-            "temp": memory.temp_size_in_bytes,
-            "generated_code": memory.generated_code_size_in_bytes,
-            "total": used,
-        },
+        "memory_analysis_per_chip": memory,
         "hbm_bytes_per_chip": chip.hbm_bytes,
         "fits": used <= chip.hbm_bytes,
         "headroom_bytes": chip.hbm_bytes - used,
@@ -362,6 +372,19 @@ def does_not_fit_line(report: dict) -> str:
     )
 
 
+def decode_does_not_fit_line(decode: dict, topology_name: str) -> str:
+    """One line for a plan whose validation decoding (a report's "decode" section) does not fit."""
+    resident = decode["train_state_resident_bytes"]
+    return (
+        f"does not fit: validation's decoding (beam {decode['beam_size']}, {decode['sentences']} sentences x "
+        f"{decode['source_len']} source tokens, {decode['output_slots']} output slots) needs "
+        f"{_gb(decode['total_bytes'])} per chip on {topology_name} (program {decode['peak_program']} "
+        f"{_gb(decode['total_bytes'] - resident)} + the train state's optimizer state {_gb(resident)}), "
+        f"{_gb(-decode['headroom_bytes'])} more than the chip's {_gb(decode['hbm_bytes_per_chip'])}; "
+        "lower eval.batch_size or data.eval_max_len"
+    )
+
+
 def _row(label: str, *values) -> str:
     return f"  {label:<34}" + "".join(f"{v:>22}" for v in values)
 
@@ -424,14 +447,59 @@ def format_reports(reports: dict[str, dict]) -> str:
         lines.append(_row(label, *get(lambda r, k=key, f=fmt: f.format(r["estimate"][k]))))
     lines.append(_row("train.num_steps", *get(lambda r: r["estimate"]["num_steps"])))
     lines.append(_row("compile s (this host)", *get(lambda r: f"{r['compile_s']:.1f}")))
+    if all("decode" in r for r in cols):
+        lines += _decode_rows([r["decode"] for r in cols])
     return "\n".join(lines)
+
+
+def _decode_rows(cols: list[dict]) -> list[str]:
+    """The table's rows of the reports' "decode" sections (validation BLEU's beam search)."""
+    get = lambda f: [f(d) for d in cols]
+    flops_ = lambda v: "n/a" if v is None else f"{v:.3e}"
+    first = cols[0]
+    estimate = lambda key, fmt: get(lambda d: "n/a" if d["estimate"][key] is None else fmt.format(d["estimate"][key]))
+    lines = [
+        f"validation decoding (beam {first['beam_size']}, {first['sentences']} sentences x {first['source_len']} "
+        f"source tokens, {first['output_slots']} output slots, {first['search']} search), per chip:",
+        *[f"  {d['placement']}" for d in cols[:1]],
+        _row("peak program", *get(lambda d: d["peak_program"])),
+    ]
+    for key in ("argument", "output", "alias", "temp", "total"):
+        peak = lambda d, k=key: _size(d["memory_analysis_per_chip"][d["peak_program"]][k])
+        lines.append(_row(f"compiled {key}", *get(peak)))
+    lines += [
+        _row("+ optimizer state (bleu_every > 0)", *get(lambda d: _size(d["train_state_resident_bytes"]))),
+        _row("total", *get(lambda d: _size(d["total_bytes"]))),
+        _row("fits (headroom)", *get(lambda d: f"{'yes' if d['fits'] else 'NO'} ({_size(d['headroom_bytes'])})")),
+        _row("compiled FLOPs per step per chip", *get(lambda d: flops_(d["flops_per_step"]["compiled_per_chip"]))),
+        _row("formula (training/flops.py)", *get(lambda d: flops_(d["flops_per_step"]["formula"]))),
+        "ESTIMATES (nothing was run): " + first["estimate"]["roofline"],
+        _row("estimated decoding step s", *estimate("step_s", "{:.3g}")),
+        _row("estimated s per output token", *estimate("s_per_output_token", "{:.3g}")),
+        _row("compile s (this host)", *get(lambda d: f"{sum(d['compile_s'].values()):.1f}")),
+    ]
+    return lines
 
 
 SEARCHES = ("", "batch", "mesh")
 
 
-def run(config: ml_collections.ConfigDict, topology_name: str, search: str, as_json: bool) -> dict:
-    """train.py --plan: the report (or search) printed as a table or JSON; DoesNotFit if nothing planned fits."""
+# (config, topology, mesh mode) -> the report's "decode" section: validation's decoding compiled for the slice.
+# Built outside training (train.py passes evaluation.decode_plan.plan_decode), so that training never imports it.
+DecodePlanner = Callable[[ml_collections.ConfigDict, Topology, str], dict]
+
+
+def run(
+    config: ml_collections.ConfigDict,
+    topology_name: str,
+    search: str,
+    as_json: bool,
+    decode: DecodePlanner | None = None,
+) -> dict:
+    """train.py --plan: the report (or search) printed as a table or JSON; DoesNotFit if nothing planned fits.
+
+    With `decode`, each mesh's report has a "decode" section, and a plan whose decoding does not fit on any mesh
+    whose train step fits fails too."""
     if search not in SEARCHES:
         raise ConfigError(f"--plan_search={search!r}: choose batch or mesh (or leave it out)")
     topology = parse_topology(topology_name)
@@ -443,6 +511,9 @@ def run(config: ml_collections.ConfigDict, topology_name: str, search: str, as_j
     else:
         report = (search_batch if search == "batch" else plan_train_step)(config, topology, config.train.mesh)
         result, reports = report, {config.train.mesh: report}
+    if decode is not None:
+        for mode, report in reports.items():
+            report["decode"] = decode(config, topology, mode)
     if as_json:
         print(json.dumps(result, indent=2))
     else:
@@ -461,4 +532,7 @@ def run(config: ml_collections.ConfigDict, topology_name: str, search: str, as_j
         if not reports:  # both meshes refused by the compiler
             raise DoesNotFit(" | ".join(result["refused_by_compiler"].values()))
         raise DoesNotFit(does_not_fit_line(min(reports.values(), key=lambda r: r["memory_analysis_per_chip"]["total"])))
+    trainable = [r["decode"] for r in reports.values() if r["fits"] and "decode" in r]
+    if trainable and not any(d["fits"] for d in trainable):
+        raise DoesNotFit(decode_does_not_fit_line(min(trainable, key=lambda d: d["total_bytes"]), topology.name))
     return result
