@@ -8,8 +8,10 @@ output file, each line's output limit (our rule, evaluation.translate.output_lim
 it has one source), the beam size, length penalty, batch size and threads. It imports ctranslate2 and
 sentencepiece only: importing transformer_jax would import JAX, which a CTranslate2 user does not pay for.
 Sources are SentencePiece pieces without EOS (the engine adds it), cut to the job's max_input_pieces; blank lines
-give blank outputs. One call per distinct limit, as export.ctranslate2.translate_ids makes for beam search (the
-engine's max_decoding_length is one number per call and counts the EOS it stops at).
+give blank outputs. With "one_call" false: one call per distinct limit, as export.ctranslate2.translate_ids makes
+for beam search (the engine's max_decoding_length is one number per call and counts the EOS it stops at), so that
+each output has our limit; with "one_call" true: one call with the largest limit, as a CTranslate2 user would make
+it (better batches; a beam output can then differ from ours where a sentence reaches its limit).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def main(job_file: str) -> None:
     for i, (line, limit) in enumerate(zip(lines, job["limits"], strict=True)):
         if line.strip():
             pieces[i] = sp.encode(line, out_type=str)[: job["max_input_pieces"]]
-            groups[limit].append(i)
+            groups[max(job["limits"]) if job["one_call"] else limit].append(i)
     outputs = [""] * len(lines)
     for limit, rows in sorted(groups.items()):
         results = translator.translate_batch(
