@@ -41,16 +41,25 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 
 
-def timed_process(command: list[str], log: Path) -> float:
-    """Seconds from the process's start to its exit; its output goes to `log`; a failure raises with the log's
-    last lines."""
-    start = time.perf_counter()
+def timed_process(command: list[str], log: Path, until: str | None = None) -> float:
+    """Seconds from the process's start to its exit, or to its first output line containing `until`; its output
+    goes to `log`; a failure (or no such line) raises with the log's last lines."""
+    start, seconds = time.perf_counter(), None
     with open(log, "w", encoding="utf-8") as out:
-        code = subprocess.run(command, cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT).returncode
-    seconds = time.perf_counter() - start
-    if code != 0:
+        proc = subprocess.Popen(
+            command, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for line in proc.stdout:
+            out.write(line)
+            if seconds is None and until is not None and until in line:
+                seconds = time.perf_counter() - start
+        code = proc.wait()
+    if until is None:
+        seconds = time.perf_counter() - start
+    if code != 0 or seconds is None:
         tail = log.read_text(encoding="utf-8", errors="replace").splitlines()[-5:]
-        raise RuntimeError(f"{' '.join(command[:3])} ... exited {code}: {' | '.join(tail)}")
+        missing = f" without a line {until!r}" if seconds is None else ""
+        raise RuntimeError(f"{' '.join(command[:3])} ... exited {code}{missing}: {' | '.join(tail)}")
     return seconds
 
 
@@ -170,25 +179,6 @@ def evaluate_vs_ctranslate2(
     return reports
 
 
-def _first_step_seconds(command: list[str], log: Path) -> float:
-    """Seconds from the process's start until it logs its first step (the process then runs on to its exit)."""
-    start = time.perf_counter()
-    with open(log, "w", encoding="utf-8") as out:
-        proc = subprocess.Popen(
-            command, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        seconds = None
-        for line in proc.stdout:
-            out.write(line)
-            if seconds is None and FIRST_STEP_LINE in line:
-                seconds = time.perf_counter() - start
-        code = proc.wait()
-    if code != 0 or seconds is None:
-        tail = log.read_text(encoding="utf-8", errors="replace").splitlines()[-5:]
-        raise RuntimeError(f"train.py exited {code} without a first step: {' | '.join(tail)}")
-    return seconds
-
-
 def config_arguments(argv: list[str]) -> list[str]:
     """The --config and --config.KEY arguments of a command line, as given (each as one --flag=value)."""
     out, i = [], 0
@@ -211,8 +201,8 @@ def restart_times(config_arguments: list[str], repeats: int) -> dict:
         base = [sys.executable, "train.py", *config_arguments, f"--workdir={workdir}"]
         base += ["--config.train.log_every=1", "--config.ckpt.every_steps=1"]
         base += ["--config.train.eval_every=0", "--config.train.bleu_every=0"]
-        first = _first_step_seconds(
-            base + ["--config.train.num_steps=1", f"--compilation_cache={cache}"], tmp / "0.log"
+        first = timed_process(
+            base + ["--config.train.num_steps=1", f"--compilation_cache={cache}"], tmp / "0.log", until=FIRST_STEP_LINE
         )
         times: dict[str, list[float]] = {"off": [], "warm": []}
         step = 1
@@ -221,7 +211,7 @@ def restart_times(config_arguments: list[str], repeats: int) -> dict:
                 step += 1
                 setting = "off" if mode == "off" else str(cache)
                 command = base + [f"--config.train.num_steps={step}", f"--compilation_cache={setting}"]
-                times[mode].append(round(_first_step_seconds(command, tmp / f"{step}.log"), 2))
+                times[mode].append(round(timed_process(command, tmp / f"{step}.log", until=FIRST_STEP_LINE), 2))
         return {
             "config": config_arguments,
             "first_run_cold_s": round(first, 2),
