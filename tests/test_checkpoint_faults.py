@@ -406,6 +406,8 @@ def test_a_one_device_run_resumes_on_four_devices_with_fsdp_and_the_same_losses(
     shutil.rmtree(workdir / "checkpoints" / "6")
     output = train_py_on_devices(4, workdir, corpus, **{"train.eval_every": 0, "train.mesh": "fsdp"})
     assert "resumed from the checkpoint at step 3" in output and "mesh {'data': 4}, train.mesh=fsdp" in output
+    # What a restart compiled (benchmarks/fresh_process.py times restarts to this line).
+    assert "step 4 is this process's first; XLA programs so far: {'programs': " in output
     one = {r["step"]: r["loss"] for r in read_metrics(trained / "metrics.jsonl") if "loss" in r}
     four = {r["step"]: r["loss"] for r in read_metrics(workdir / "metrics.jsonl") if "loss" in r}
     assert sorted(four) == [1, 2, 3, 4, 5, 6]
