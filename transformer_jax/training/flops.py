@@ -3,16 +3,28 @@
 One multiply-add is 2 FLOPs. Counted: every matmul (projections, attention scores and weighted sums, FFN, output
 logits) at the batch's padded shape, i.e. the work the hardware does. Not counted: softmax, norms, dropout and
 elementwise ops (a few percent). A training step costs 3x the forward pass (backward = 2x forward).
+
+MFU's denominator, when train.peak_flops is not set, is a measured matmul peak (`matmul_peak`): measured once per
+kind of machine and kept beside the compilation cache, so that a restart neither waits for it nor reports an MFU
+against a different (noisy) measurement.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+from transformer_jax import compile_cache
 from transformer_jax.model.spec import TransformerSpec
+
+PEAK_FILE = "matmul_peak.json"  # in the compilation cache's per-host directory: {peak_key(): FLOP/s}
 
 
 def _projections(spec: TransformerSpec, q_tokens: int, kv_tokens: int) -> float:
@@ -77,3 +89,54 @@ def measure_matmul_peak(size: int = 2048, repeats: int = 5) -> float:
         matmul(a).block_until_ready()
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best
+
+
+def peak_key() -> str:
+    """What a measured peak depends on: the device's platform and kind, the host's CPU type, the cores this process
+    may use (XLA:CPU's thread pool), jax's version and XLA_FLAGS."""
+    device = jax.devices()[0]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (
+        f"{device.platform} {device.device_kind} | host {compile_cache.host_kind()} | {cores} cores | "
+        f"jax {jax.__version__} | XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}"
+    )
+
+
+def _read_peaks(file: Path) -> dict[str, float]:
+    """The peaks a file holds; a missing or damaged file holds none (they are measured again and rewritten)."""
+    try:
+        peaks = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(peaks, dict):
+        return {}
+    return {k: float(v) for k, v in peaks.items() if isinstance(v, int | float) and v > 0}
+
+
+def matmul_peak(directory: Path | None) -> float:
+    """measure_matmul_peak() of this kind of machine (`peak_key`), kept in directory/PEAK_FILE after its first
+    measurement; measured every time when directory is None (the compilation cache is off).
+
+    The file is replaced whole through a rename; a directory that cannot be written only means measuring again.
+    """
+    if directory is None:
+        return measure_matmul_peak()
+    file, key = Path(directory) / PEAK_FILE, peak_key()
+    peaks = _read_peaks(file)
+    if key in peaks:
+        return peaks[key]
+    peaks[key] = measure_matmul_peak()
+    temporary = None
+    try:
+        with tempfile.NamedTemporaryFile("w", dir=directory, prefix=".tmp-peak-", delete=False) as out:
+            temporary = out.name
+            json.dump(peaks, out, indent=1)
+        os.replace(temporary, file)
+        temporary = None
+        logging.info("measured a matmul peak of %.3g FLOP/s per device for MFU; kept in %s", peaks[key], file)
+    except OSError as error:
+        logging.info("the matmul peak is not kept (%s cannot be written: %s)", file, error.strerror or error)
+    finally:
+        if temporary is not None:
+            Path(temporary).unlink(missing_ok=True)
+    return peaks[key]
