@@ -16,8 +16,6 @@ from ml_collections import config_flags
 
 from transformer_jax import cli, config_checks
 from transformer_jax.errors import ConfigError
-from transformer_jax.evaluation.decode_plan import plan_decode
-from transformer_jax.evaluation.validation import bleu_evaluator
 from transformer_jax.sharding import initialize_distributed
 from transformer_jax.training import plan
 from transformer_jax.training.loop import train_and_evaluate
@@ -33,6 +31,14 @@ _PLAN_SEARCH = flags.DEFINE_enum(
 )
 
 
+def _bleu_evaluator(config, tokenizer):
+    # Imported only when a run validates BLEU: translation (decoding, sacreBLEU) is about half a second of imports
+    # that a run without it, or a restart before its first step, would otherwise wait for.
+    from transformer_jax.evaluation.validation import bleu_evaluator
+
+    return bleu_evaluator(config, tokenizer)
+
+
 def main(argv: list[str]) -> None:
     del argv  # no positional arguments (transformer_jax.cli.run refuses them)
     logging.getLogger().setLevel(logging.INFO)
@@ -40,6 +46,8 @@ def main(argv: list[str]) -> None:
     config = _CONFIG.value
     config_checks.validate(config)  # before any work: a bad value is one line now, not a traceback minutes later
     if _PLAN.value:
+        from transformer_jax.evaluation.decode_plan import plan_decode  # only --plan decodes (see _bleu_evaluator)
+
         plan.run(config, _PLAN.value, _PLAN_SEARCH.value, _PLAN_JSON.value, decode=plan_decode)
         return
     if not _DRY_RUN.value:
@@ -50,7 +58,7 @@ def main(argv: list[str]) -> None:
     if _DRY_RUN.value:
         print(json.dumps(dry_run_summary(config), indent=2))
         return
-    train_and_evaluate(config, _WORKDIR.value, bleu=bleu_evaluator)
+    train_and_evaluate(config, _WORKDIR.value, bleu=_bleu_evaluator)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import pathlib
+import sys
 
 import jax
 
@@ -35,8 +36,7 @@ class MetricWriter:
             if resume_step and self.path.exists():
                 drop_records_after(self.path, resume_step)
             self._jsonl = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)  # closed in close()
-            from tensorboardX import SummaryWriter
-
+            SummaryWriter = _summary_writer_class()
             purge = {"purge_step": resume_step + 1} if resume_step else {}
             self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tensorboard"), **purge)
 
@@ -74,6 +74,25 @@ class MetricWriter:
         if self.enabled:
             os.close(self._jsonl)
             self._tb.close()
+
+
+def _summary_writer_class() -> type:
+    """tensorboardX's SummaryWriter, imported without torch.
+
+    tensorboardX imports torch whenever it is installed (requirements-dev.txt installs it), only to accept torch
+    tensors, which we never pass; that import costs a starting run about 1.5 s. The import runs with torch marked
+    unavailable, and the mark is removed at once so that code importing torch afterwards gets it as usual. Imported
+    here, not at the top, because the writer of a process other than 0 never needs it.
+    """
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+    else:
+        sys.modules["torch"] = None  # makes `import torch` raise ImportError, which tensorboardX expects
+        try:
+            from tensorboardX import SummaryWriter
+        finally:
+            del sys.modules["torch"]
+    return SummaryWriter
 
 
 def drop_records_after(path: pathlib.Path, step: int) -> int:
