@@ -18,12 +18,12 @@ from flax import nnx
 from configs import common
 from tests.helpers import REPO
 from tests.helpers.training import synthetic_batch, tiny_train_config, wait_for_checkpoint
-from transformer_jax import data
+from transformer_jax import compile_cache, data
 from transformer_jax.data import pipeline
 from transformer_jax.errors import ConfigError, DataError
 from transformer_jax.evaluation.validation import bleu_evaluator
 from transformer_jax.sharding import batch_sharding, make_mesh
-from transformer_jax.training import checkpoints, loop
+from transformer_jax.training import checkpoints, flops, loop
 from transformer_jax.training.loop import (
     NonFiniteError,
     check_batch_shapes,
@@ -163,6 +163,51 @@ def test_prefetched_batches_and_states_are_the_iterators_own(corpus, tmp_path):
             assert prefetched.get_state() == plain.get_state()  # the state after this batch, not after the queue
     finally:
         prefetched.close()
+
+
+def test_setup_builds_the_train_step_program_while_restoring_and_uses_the_kept_matmul_peak(
+    corpus, uninterrupted, tmp_path, monkeypatch
+):
+    """A restart waits for the train step's program while the checkpoint is read, not after it (compile_ahead),
+    the first step calls that program, and MFU divides by the peak kept beside the compilation cache."""
+    shutil.copytree(uninterrupted, tmp_path / "run")
+    monkeypatch.setattr(compile_cache, "store", lambda: SimpleNamespace(path=tmp_path))
+    (tmp_path / flops.PEAK_FILE).write_text(json.dumps({flops.peak_key(): 3e9}))
+    monkeypatch.setattr(flops, "measure_matmul_peak", lambda: pytest.fail("measured the matmul peak again"))
+
+    def programs() -> int:
+        return compile_cache.compilations()["functions"].get("jit(train_step)", 0)
+
+    before = programs()
+    run = loop.setup(tiny_train_config(corpus, num_steps=8, eval_every=0, peak_flops=0.0), tmp_path / "run")
+    try:
+        assert run.step == 6
+        assert programs() == before + 1  # built (or loaded from the cache) before any step
+        batch, _, _ = next(run.batches)
+        jax.block_until_ready(run.train_step(run.state, batch))
+        assert programs() == before + 1  # the first step called it: nothing built again
+        assert run.metric_log.peak_all_devices == 3e9 * jax.device_count()
+    finally:
+        run.close()
+
+
+def test_train_py_starts_without_importing_torch_or_the_decoder(tmp_path):
+    """tensorboardX would import torch (1.5 s) when it is installed, and a run without validation BLEU never needs
+    the decoder: neither is imported by train.py and its metric writer, and torch stays importable."""
+    script = (
+        "import sys, train\n"
+        "from transformer_jax.training.metrics import MetricWriter\n"
+        "MetricWriter(sys.argv[1]).close()\n"
+        "print(sorted(m for m in ('torch', 'transformer_jax.decoding') if m in sys.modules), "
+        "sys.modules.get('torch', 'absent') is not None)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "[] True", out.stdout
+    assert list((tmp_path / "tensorboard").iterdir())  # the TensorBoard writer did open its event file
 
 
 def _launch(corpus: pathlib.Path, workdir: pathlib.Path, num_steps: int) -> subprocess.Popen:

@@ -30,9 +30,9 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from transformer_jax import data
-from transformer_jax.compile_cache import compilations
+from transformer_jax import compile_cache, data
 from transformer_jax.data.batching import BATCH_KEYS, padded_eval_length
+from transformer_jax.data.pipeline import batch_shapes
 from transformer_jax.errors import ConfigError, NonFiniteError
 from transformer_jax.model.spec import TransformerSpec
 from transformer_jax.progress import Progress
@@ -312,6 +312,23 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path, bleu: BleuEv
     )
     graphs, abstract = abstract_train_state(config)
     shardings = state_shardings(abstract, mesh, config.train.mesh)
+    train_step, eval_step, _ = compile_steps(
+        graphs,
+        abstract,
+        mesh,
+        config.train.mesh,
+        label_smoothing=config.train.label_smoothing,
+        accum_steps=config.train.grad_accum_steps,
+    )
+    sharding = batch_sharding(mesh)
+    ahead = compile_ahead(
+        train_step,
+        abstract,
+        shardings,
+        batch_shapes(config.data, jax.process_count(), row_multiple),
+        sharding,
+        mesh,
+    )
     checkpointer = Checkpointer(workdir, config.ckpt)
     restored = checkpointer.restore_latest(abstract, shardings, config)
     if restored is None:
@@ -324,18 +341,11 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path, bleu: BleuEv
     # Written only once the checkpoint is accepted: a refused restart leaves the workdir as it was.
     if jax.process_index() == 0:
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
-    train_step, eval_step, _ = compile_steps(
-        graphs,
-        abstract,
-        mesh,
-        config.train.mesh,
-        label_smoothing=config.train.label_smoothing,
-        accum_steps=config.train.grad_accum_steps,
-    )
-    sharding = batch_sharding(mesh)
     writer = MetricWriter(workdir, resume_step=step)
     validation = Validation(config, graphs, tokenizer, eval_step, sharding, writer, bleu)
-    peak = config.train.peak_flops or flops.measure_matmul_peak()
+    ahead.join()  # before the matmul peak is timed, and so that the first step finds the program
+    cache = compile_cache.store()
+    peak = config.train.peak_flops or flops.matmul_peak(cache.path if cache is not None else None)
     writer.write(step, {f"data_{k}": v for k, v in data_stats.items() if isinstance(v, int)})
     progress = Progress(config.train.num_steps, "step", "steps", initial=step, enabled=jax.process_index() == 0)
     return TrainingRun(
@@ -352,6 +362,37 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path, bleu: BleuEv
         writer=writer,
         progress=progress,
     )
+
+
+def compile_ahead(train_step, abstract_state, shardings, shapes, batch_sharding_, mesh) -> threading.Thread:
+    """Traces, lowers and compiles (or loads from the compilation cache) the train step on a thread, started while
+    the checkpoint is restored (mostly waiting on files and checksumming in numpy, which leave the GIL free).
+
+    Only when the data has one batch shape (`shapes`, global (rows, S, T)): the thread's program is then the one the
+    first step calls, which jax's caches hand to that call. A thread that fails, or a program that is not the one
+    called, costs only its time: the step compiles as it would have without it. Returns the started thread.
+    """
+
+    def work() -> None:
+        rows, src_len, tgt_len = shapes[0]
+        batch = {
+            k: jax.ShapeDtypeStruct(
+                (rows, src_len if k.startswith("src") else tgt_len), jnp.int32, sharding=batch_sharding_
+            )
+            for k in BATCH_KEYS
+        }
+        state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, shardings)
+        try:
+            with tracing_mesh(mesh):  # as the step loop traces it (a context of this thread only)
+                train_step.lower(state, batch).compile()
+        except Exception as error:  # noqa: BLE001 - the first step compiles again and reports a real problem itself
+            logging.info("compiling the train step ahead failed (%s); it compiles at the first step", error)
+
+    # Not a daemon: a run that stops with an error before the first step exits once the thread is done, never
+    # while XLA still compiles (jax's exit handler tears the backend down).
+    thread = threading.Thread(target=work if len(shapes) == 1 else lambda: None, name="compile_ahead")
+    thread.start()
+    return thread
 
 
 @jax.jit
@@ -397,7 +438,9 @@ def run_steps(run: TrainingRun, stop: StopRequest) -> dict[str, float]:
             step += 1
             if step == run.step + 1:  # what a restart waits for before training moves: mostly compilation
                 jax.block_until_ready(metrics)
-                logging.info("step %d is this process's first; XLA programs so far: %s", step, compilations())
+                logging.info(
+                    "step %d is this process's first; XLA programs so far: %s", step, compile_cache.compilations()
+                )
             run.metric_log.add(metrics, real_tokens, flops.train_step_flops(run.spec, *shape), step)
             if is_due(step, config.train.log_every, num_steps):
                 last_logged = run.metric_log.write(step)
