@@ -39,6 +39,7 @@ from transformer_jax.decoding.search import (
     cache_stages,
     gather_rows,
     greedy_search,
+    length_penalty,
     steps_until,
     tile_beams,
 )
@@ -249,12 +250,17 @@ def _stage(
     settle: int,
     sampling: Sampling | None,
 ):
-    """Steps until at most `stop_live` sentences are live or a live one has filled the cache (`steps_until`)."""
+    """Steps until at most `stop_live` sentences are live or a live one has filled the cache (`steps_until`); the
+    state, and what the host reads of it (refill.Calls.stage)."""
     step = _context_step(graph.merge(params), context)
     prefix_BP, choose = _row_rules(row_inputs, sampling)
     if isinstance(s, GreedyState):
-        return steps_until(lambda s: s.advance(step, max_len_B, prefix_BP, choose), s, stop_live)
-    return steps_until(lambda s: s.advance(step, max_len_B, alpha, settle, penalty, prefix_BP), s, stop_live)
+        s = steps_until(lambda s: s.advance(step, max_len_B, prefix_BP, choose), s, stop_live)
+    else:
+        s = steps_until(lambda s: s.advance(step, max_len_B, alpha, settle, penalty, prefix_BP), s, stop_live)
+    tokens_BWL, log_probs_BW, lengths_BW = s.beams()
+    scores_BW = log_probs_BW / length_penalty(lengths_BW, alpha, penalty)
+    return s, refill.Outcome(s.sentence_done(), s.step_B, tokens_BWL, log_probs_BW, lengths_BW, scores_BW)
 
 
 @functools.partial(jax.jit, static_argnames=("beam_size",))
