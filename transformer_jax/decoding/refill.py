@@ -46,15 +46,11 @@ ENCODE_MULTIPLE = 8
 
 
 class Outcome(NamedTuple):
-    """What the host reads after a `Calls.stage` call, computed in that call (so that the host runs no array
-    operation of its own: each would be a small program compiled per batch size, in every process)."""
+    """What the host needs after a stage beyond the state's own arrays, computed on the device (`Calls.outcome`): the
+    host runs no array operation of its own (each would be a small program per batch size, in every process)."""
 
-    done_B: Any  # bool: the sentence is done
-    step_B: Any  # int32: its steps taken
-    tokens_BWL: Any  # its beams (state.beams())
-    log_probs_BW: Any
-    lengths_BW: Any
-    scores_BW: Any  # log_probs / length_penalty(lengths)
+    done_B: Any  # bool: the sentence is done (state.sentence_done())
+    scores_BW: Any  # float32: its beams' log_probs / length_penalty(lengths)
 
 
 class Calls(Protocol):
@@ -77,12 +73,15 @@ class Calls(Protocol):
 
     def stage(
         self, context, s, max_len_B, alpha, stop_live, row_inputs, *, penalty: str, settle: int, sampling: Any
-    ) -> tuple[Any, Outcome]:
+    ) -> Any:
         """Steps until at most stop_live sentences are live or a live one fills the cache (row_inputs: the rows'
-        `row_inputs`, see refilling_search); the state and its Outcome."""
+        `row_inputs`, see refilling_search)."""
 
     def keep(self, context, s, keep_K, *, beam_size: int) -> tuple[PyTree, Any]:
         """The context and state of the sentences keep_K only."""
+
+    def outcome(self, s, alpha, *, penalty: str) -> Outcome:
+        """What the host reads of the state s after a stage."""
 
 
 def compacted_size(live: int, running: int) -> int:
@@ -279,7 +278,7 @@ class _Refill:
         fit in a batch half the size, or a live sentence fills the cache), then records the finished sentences."""
         half = -(-self.rows() // 2)
         stop_live = self.rows() - MIN_ROWS if self.waiting() else (half if half >= MIN_ROWS else 0)
-        self.state, outcome = self.calls.stage(
+        self.state = self.calls.stage(
             self.context,
             self.state,
             self.max_len_R,
@@ -290,11 +289,14 @@ class _Refill:
             settle=self.settle,
             sampling=self.sampling,
         )
-        done, self.step_R = (np.array(x) for x in jax.device_get((outcome.done_B, outcome.step_B)))
+        outcome = self.calls.outcome(self.state, self.alpha, penalty=self.penalty)
+        done, self.step_R = (np.array(x) for x in jax.device_get((outcome.done_B, self.state.step_B)))
         finished = np.flatnonzero((self.sentence_R >= 0) & done)
         if not len(finished):
             return
-        tokens, log_probs, lengths, scores = jax.device_get(outcome[2:])
+        # beams() of the state fetched to the host: numpy's indexing, not a program (GreedyState adds the beam axis).
+        tokens, log_probs, lengths = jax.device_get(self.state._replace(cache=None)).beams()
+        scores = np.asarray(jax.device_get(outcome.scores_BW))
         for r in finished:
             self.results[self.sentence_R[r]] = sorted_beams(tokens[r], scores[r], log_probs[r], lengths[r])
         self.sentence_R[finished] = -1

@@ -250,17 +250,20 @@ def _stage(
     settle: int,
     sampling: Sampling | None,
 ):
-    """Steps until at most `stop_live` sentences are live or a live one has filled the cache (`steps_until`); the
-    state, and what the host reads of it (refill.Calls.stage)."""
+    """Steps until at most `stop_live` sentences are live or a live one has filled the cache (`steps_until`)."""
     step = _context_step(graph.merge(params), context)
     prefix_BP, choose = _row_rules(row_inputs, sampling)
     if isinstance(s, GreedyState):
-        s = steps_until(lambda s: s.advance(step, max_len_B, prefix_BP, choose), s, stop_live)
-    else:
-        s = steps_until(lambda s: s.advance(step, max_len_B, alpha, settle, penalty, prefix_BP), s, stop_live)
-    tokens_BWL, log_probs_BW, lengths_BW = s.beams()
-    scores_BW = log_probs_BW / length_penalty(lengths_BW, alpha, penalty)
-    return s, refill.Outcome(s.sentence_done(), s.step_B, tokens_BWL, log_probs_BW, lengths_BW, scores_BW)
+        return steps_until(lambda s: s.advance(step, max_len_B, prefix_BP, choose), s, stop_live)
+    return steps_until(lambda s: s.advance(step, max_len_B, alpha, settle, penalty, prefix_BP), s, stop_live)
+
+
+@functools.partial(jax.jit, static_argnames=("penalty",))
+def _outcome(s, alpha: Array, *, penalty: str) -> refill.Outcome:
+    """What the host reads of a state after `_stage` (refill.Outcome); s comes without its cache and with an empty
+    token buffer, so that this compiles per batch size only."""
+    _, log_probs_BW, lengths_BW = s.beams()
+    return refill.Outcome(s.sentence_done(), log_probs_BW / length_penalty(lengths_BW, alpha, penalty))
 
 
 @functools.partial(jax.jit, static_argnames=("beam_size",))
@@ -308,6 +311,12 @@ class ModelCalls:
 
     def keep(self, context, s, keep_K, *, beam_size: int):
         return _keep(context, s, keep_K, beam_size=beam_size)
+
+    def outcome(self, s, alpha, *, penalty: str):
+        tokens = next(f for f in s._fields if f.startswith("tokens_"))  # the output buffer, [B, L] or [B, W, L]
+        shape = getattr(s, tokens).shape
+        empty = np.zeros(shape[:-1] + (0,), np.int32)  # built on the host: no program
+        return _outcome(s._replace(cache=None, **{tokens: empty}), alpha, penalty=penalty)
 
 
 class Searcher:
