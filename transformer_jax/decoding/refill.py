@@ -36,8 +36,8 @@ Shape = Callable[[int], tuple[int, int]]  # longest source of a batch -> (padded
 
 MIN_ROWS = 8  # sentences: a step over fewer costs about the same (reading the weights dominates it)
 # A batch of at most this many sentences (whatever its beam size) grows its cache to the last stage at once, trading
-# longer cache reads in a few small steps for the compilations of the stages between: beam 4 on Multi30k builds 12
-# fewer programs for the same steady-state time (docs/compilation.md).
+# longer cache reads in a few small steps for the compilations of the stages between (measured for beam 4 in
+# docs/compilation.md, "Fewer decoding programs").
 FULL_CACHE_SENTENCES = 32
 # Waiting sentences are encoded with their sources padded to a multiple of this (then padded to the running batch's
 # source length, one of translate()'s few), so the encoder reads fewer padding tokens, for an encoder compilation
