@@ -385,7 +385,7 @@ def test_compacted_and_refill_sizes():
 def test_compacting_search_equals_the_whole_batch_search(beam_size, monkeypatch):
     """One batch through the refilling search: nothing waits, so finished sentences only leave the batch."""
     # 20 of 24 sentences stop within 3 tokens; the other 4 may run to 40 (stages 16, 40). After the first call the
-    # batch shrinks to 12 sentences, whose rows (<= FULL_CACHE_ROWS) grow the cache to 40 slots at once.
+    # batch shrinks to 12 sentences (<= FULL_CACHE_SENTENCES), which grow the cache to 40 slots at once.
     model, src = shared_model(), sources_BS(24, 9)
     max_len = jnp.array([40 if i % 6 == 0 else 1 + i % 3 for i in range(24)])
     kept = []
@@ -400,7 +400,7 @@ def test_compacting_search_equals_the_whole_batch_search(beam_size, monkeypatch)
         for c in (True, False)
     )
     assert kept == [12]
-    assert 12 * beam_size <= decoding.FULL_CACHE_ROWS
+    assert 12 <= decoding.FULL_CACHE_SENTENCES
     np.testing.assert_array_equal(compact.tokens, whole.tokens)
     np.testing.assert_array_equal(compact.lengths, whole.lengths)
     np.testing.assert_allclose(compact.scores, whole.scores, rtol=1e-5, atol=1e-6)
@@ -442,3 +442,48 @@ def test_refilling_search_equals_one_batch_at_a_time(monkeypatch):
         np.testing.assert_array_equal(r.tokens[0, :n], b.tokens[0, :n])
         np.testing.assert_allclose(r.log_probs, b.log_probs, rtol=1e-5, atol=1e-6)
     assert max(int(r.lengths[0]) for r in refilled) > 16  # someone decoded past the first cache stage
+
+
+def test_a_small_beam_batch_steps_at_the_last_cache_stage_only(monkeypatch):
+    """A batch of at most FULL_CACHE_SENTENCES sentences (beam 4: 4 times as many cache rows) grows its cache to the
+    last stage before its first step, so its steps compile once per batch size, not per (size, stage)."""
+    model, src = shared_model(), sources_BS(24, 9)
+    max_len = jnp.array([40 if i % 6 == 0 else 1 + i % 3 for i in range(24)])
+    stages = []
+    stage = binding._stage
+    monkeypatch.setattr(
+        binding,
+        "_stage",
+        lambda graph, params, context, s, *a, **k: (
+            stages.append(s.tokens_BWL.shape) or stage(graph, params, context, s, *a, **k)
+        ),
+    )
+    compact, whole = (
+        decoding.search(model, src, max_len, beam_size=4, alpha=0.6, max_steps=40, compact=c) for c in (True, False)
+    )
+    assert 24 <= decoding.FULL_CACHE_SENTENCES
+    assert len(stages) > 1 and {slots for _, _, slots in stages} == {40}, stages  # compacted, never at 16 slots
+    np.testing.assert_array_equal(compact.tokens, whole.tokens)
+    np.testing.assert_allclose(compact.scores, whole.scores, rtol=1e-5, atol=1e-6)
+    assert int(np.max(compact.lengths[:, 0])) > decoding.cache_stages(40)[0]
+
+
+@pytest.mark.parametrize("beam_size", [1, 2])
+def test_the_refilling_search_builds_no_programs_of_its_own_on_the_host(beam_size):
+    """Between its calls the scheduler only reads what they return (refill.Outcome): an array operation on the host
+    would be a small program per batch size, compiled in every process (too fast to be worth the disk cache)."""
+    from transformer_jax import compile_cache
+
+    rng = np.random.default_rng(7)
+    sources = [[int(t) for t in rng.integers(4, 50, n - 1)] + [EOS] for n in rng.integers(2, 12, 40)]
+    max_len = [12 if i % 5 == 0 else 1 + i % 3 for i in range(len(sources))]
+    model = shared_model()
+    jax.clear_caches()  # programs an earlier test built would not be built (nor counted) again
+    before = compile_cache.compilations()["functions"]
+    decoding.searcher(model).sentences(
+        sources, max_len, beam_size=beam_size, alpha=0.6, batch_size=16, shape=lambda longest: (16, 24)
+    )
+    built = {name for name, n in compile_cache.compilations()["functions"].items() if n > before.get(name, 0)}
+    calls = ("_start", "_encode", "_insert", "_grow", "_widen", "_stage", "_keep", "_outcome")
+    scheduler = {f"jit({name})" for name in calls}
+    assert "jit(_stage)" in built and built <= scheduler, built - scheduler

@@ -8,7 +8,7 @@ search functions over any decode step (`greedy_search`, `beam_search`).
 
 from transformer_jax.decoding.refill import (
     ENCODE_MULTIPLE,
-    FULL_CACHE_ROWS,
+    FULL_CACHE_SENTENCES,
     MIN_ROWS,
     compacted_size,
     refill_size,
@@ -55,7 +55,7 @@ __all__ = [
     "ENCODE_MULTIPLE",
     "EOS_ID",
     "FIRST_STAGE",
-    "FULL_CACHE_ROWS",
+    "FULL_CACHE_SENTENCES",
     "MIN_ROWS",
     "NEG_INF",
     "PAD_ID",

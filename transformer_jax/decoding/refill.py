@@ -12,7 +12,7 @@ sources first; encoded in blocks of about `rows`, a multiple of MIN_ROWS; joinin
 the live sentences into the smaller batch (`compacted_size`), or grows the cache to its next stage. Each sentence
 decodes at its own position (the search's step_B, the cache's per-row index), so rows that joined at different times
 share the batch. The stop condition is traced, so the calls compile per (rows, source length, cache stage) only; a
-batch of at most FULL_CACHE_ROWS cache rows with nothing waiting skips to the last stage. Results equal the one-jit
+batch of at most FULL_CACHE_SENTENCES sentences with nothing waiting skips to the last stage. Results equal the one-jit
 search's: a sentence's rows never interact with another's.
 
 The scheduler knows the search states (search.py) and nothing of the model: the model's part is `Calls`
@@ -23,26 +23,34 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.decoding.search import GNMT, BeamResult, cache_stages, length_penalty
+from transformer_jax.decoding.search import GNMT, BeamResult, cache_stages
 from transformer_jax.tokens import EOS_ID, PAD_ID
 
 PyTree = Any
 Shape = Callable[[int], tuple[int, int]]  # longest source of a batch -> (padded source length, most output slots)
 
 MIN_ROWS = 8  # sentences: a step over fewer costs about the same (reading the weights dominates it)
-# A batch of at most this many cache rows grows its cache to the last stage at once, trading longer cache reads in
-# a few small steps for the compilations of the stages between.
-FULL_CACHE_ROWS = 32
+# A batch of at most this many sentences (whatever its beam size) grows its cache to the last stage at once, trading
+# longer cache reads in a few small steps for the compilations of the stages between (measured for beam 4 in
+# docs/compilation.md, "Fewer decoding programs").
+FULL_CACHE_SENTENCES = 32
 # Waiting sentences are encoded with their sources padded to a multiple of this (then padded to the running batch's
 # source length, one of translate()'s few), so the encoder reads fewer padding tokens, for an encoder compilation
 # per length.
 ENCODE_MULTIPLE = 8
+
+
+class Outcome(NamedTuple):
+    """What the host needs after a stage beyond the state's own arrays, computed on the device (`Calls.outcome`): the
+    host runs no array operation of its own (each would be a small program per batch size, in every process)."""
+
+    done_B: Any  # bool: the sentence is done (state.sentence_done())
+    scores_BW: Any  # float32: its beams' log_probs / length_penalty(lengths)
 
 
 class Calls(Protocol):
@@ -71,6 +79,9 @@ class Calls(Protocol):
 
     def keep(self, context, s, keep_K, *, beam_size: int) -> tuple[PyTree, Any]:
         """The context and state of the sentences keep_K only."""
+
+    def outcome(self, s, alpha, *, penalty: str) -> Outcome:
+        """What the host reads of the state s after a stage."""
 
 
 def compacted_size(live: int, running: int) -> int:
@@ -243,7 +254,7 @@ class _Refill:
         if size < self.rows():
             keep = np.concatenate([live, self.free()[: size - len(live)]])
             self.context, self.state = self.calls.keep(
-                self.context, self.state, jnp.asarray(keep), beam_size=self.beam_size
+                self.context, self.state, keep.astype(np.int32), beam_size=self.beam_size
             )
             self.sentence_R, self.max_len_R, self.step_R = (
                 self.sentence_R[keep],
@@ -255,7 +266,7 @@ class _Refill:
     def _grow(self) -> None:
         """Grows the cache to the stage that has room for the furthest live sentence's next token (a small batch
         with nothing waiting: to the last stage at once)."""
-        if not self.waiting() and self.rows() * self.beam_size <= FULL_CACHE_ROWS:
+        if not self.waiting() and self.rows() <= FULL_CACHE_SENTENCES:
             slots = self.max_steps
         else:
             slots = next(n for n in cache_stages(self.max_steps) if n > np.max(self.step_R[self.live()]))
@@ -278,12 +289,14 @@ class _Refill:
             settle=self.settle,
             sampling=self.sampling,
         )
-        done, self.step_R = (np.array(x) for x in jax.device_get((self.state.sentence_done(), self.state.step_B)))
+        outcome = self.calls.outcome(self.state, self.alpha, penalty=self.penalty)
+        done, self.step_R = (np.array(x) for x in jax.device_get((outcome.done_B, self.state.step_B)))
         finished = np.flatnonzero((self.sentence_R >= 0) & done)
         if not len(finished):
             return
-        tokens, log_probs, lengths = jax.device_get(self.state.beams())
-        scores = log_probs / np.asarray(length_penalty(lengths, self.alpha, self.penalty))
+        # beams() of the state fetched to the host: numpy's indexing, not a program (GreedyState adds the beam axis).
+        tokens, log_probs, lengths = jax.device_get(self.state._replace(cache=None)).beams()
+        scores = np.asarray(jax.device_get(outcome.scores_BW))
         for r in finished:
             self.results[self.sentence_R[r]] = sorted_beams(tokens[r], scores[r], log_probs[r], lengths[r])
         self.sentence_R[finished] = -1

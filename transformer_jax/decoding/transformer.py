@@ -39,6 +39,7 @@ from transformer_jax.decoding.search import (
     cache_stages,
     gather_rows,
     greedy_search,
+    length_penalty,
     steps_until,
     tile_beams,
 )
@@ -257,6 +258,14 @@ def _stage(
     return steps_until(lambda s: s.advance(step, max_len_B, alpha, settle, penalty, prefix_BP), s, stop_live)
 
 
+@functools.partial(jax.jit, static_argnames=("penalty",))
+def _outcome(s, alpha: Array, *, penalty: str) -> refill.Outcome:
+    """What the host reads of a state after `_stage` (refill.Outcome); s comes without its cache and with an empty
+    token buffer, so that this compiles per batch size only."""
+    _, log_probs_BW, lengths_BW = s.beams()
+    return refill.Outcome(s.sentence_done(), log_probs_BW / length_penalty(lengths_BW, alpha, penalty))
+
+
 @functools.partial(jax.jit, static_argnames=("beam_size",))
 def _keep(context: PyTree, s, keep_K: Array, *, beam_size: int):
     """The context and state of the sentences keep_K only."""
@@ -302,6 +311,12 @@ class ModelCalls:
 
     def keep(self, context, s, keep_K, *, beam_size: int):
         return _keep(context, s, keep_K, beam_size=beam_size)
+
+    def outcome(self, s, alpha, *, penalty: str):
+        tokens = next(f for f in s._fields if f.startswith("tokens_"))  # the output buffer, [B, L] or [B, W, L]
+        shape = getattr(s, tokens).shape
+        empty = np.zeros(shape[:-1] + (0,), np.int32)  # built on the host: no program
+        return _outcome(s._replace(cache=None, **{tokens: empty}), alpha, penalty=penalty)
 
 
 class Searcher:
