@@ -17,6 +17,7 @@ from configs import common
 from tests.helpers import REPO
 from transformer_jax.accelerators import parse_topology
 from transformer_jax.evaluation.decode_plan import plan_decode
+from transformer_jax.sharding import make_mesh
 from transformer_jax.training import plan
 
 pytestmark = pytest.mark.skipif(
@@ -104,10 +105,15 @@ def test_a_batch_that_cannot_fit_is_one_line_and_a_nonzero_exit():
 
 def test_a_plan_with_our_pallas_attention_compiles_for_a_tpu_slice():
     # The Mosaic kernels run per chip in a shard_map over the mesh the step is traced under (sharding.tracing_mesh).
+    # The one TPU compile of a whole train step with attention.impl=pallas in the default run.
     config = small_config(d_model=128)
     config.attention.impl = "pallas"
-    report = plan.plan_train_step(config, parse_topology("v5e:2x2"), "data")
-    assert report["fits"] and report["flops_per_step"]["compiled"] > 0
+    topology = parse_topology("v5e:2x2")
+    compiled, _ = plan.compile_train_step(config, topology, "data", make_mesh(list(topology.devices())), (16, 32, 32))
+    hlo = compiled.as_text()
+    assert all(kernel in hlo for kernel in ("attention_forward_tpu", "attention_dkdv_tpu", "attention_dq_tpu"))
+    report = plan.memory_per_chip(compiled)
+    assert report["total"] < topology.chip.hbm_bytes and compiled.cost_analysis()["flops"] > 0
 
 
 def small_chip_topology(hbm_bytes: float):
