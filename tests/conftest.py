@@ -1,8 +1,8 @@
 """Test-wide settings: compile fast, and keep compiled programs for the session.
 
 The tests' programs are tiny, so XLA's compile time, not run time, dominates the suite; the lowest optimisation
-level compiles several times faster. Set before JAX starts its backend; subprocesses (train.py in the resume
-tests) inherit it, so compared runs share it.
+level and the flags below compile several times faster. Set before JAX starts its backend; subprocesses (train.py
+in the resume tests) inherit it, so compared runs share it.
 
 The persistent compilation cache (transformer_jax/compile_cache.py) lives in a directory of the test session's
 own, shared by the xdist workers and the subprocesses they start (through the environment), and removed at the
@@ -13,7 +13,13 @@ import os
 import shutil
 import tempfile
 
-_FAST = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# XLA:CPU's fusion emitters cost more per program than its elemental emitter, and codegen split into parallel
+# parts oversubscribes the cores the xdist workers already share: without both, test_model_transformer.py and
+# test_decoding.py ran 1.6x faster (docs/compilation.md, "The tests").
+_FAST = (
+    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    " --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
+)
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST}".strip()
 

@@ -1,6 +1,7 @@
-"""Compiled for real TPUs on this CPU host: our Pallas TPU attention fwd+bwd and the whole train step with
-attention.impl=pallas go through libtpu's compiler for v5e and v4 slices (accelerators.tpu_devices). Figures
-from memory_analysis() are the compiler's estimates of what the program would allocate, not measurements.
+"""Compiled for real TPUs on this CPU host: our Pallas TPU attention fwd+bwd goes through libtpu's compiler for
+v5e and v4 slices (accelerators.tpu_devices); the whole train step with attention.impl=pallas is compiled by
+tests/test_plan.py, through train.py --plan's own path. Figures from memory_analysis() are the compiler's
+estimates of what the program would allocate, not measurements.
 
 Needs libtpu (requirements-aot.txt); skipped without it. And a CPU host with libtpu installed stays quiet.
 """
@@ -19,12 +20,9 @@ import pytest
 
 from tests.helpers.aot import assert_linear_in_length, compile_attention
 from tests.helpers.attention import TPU_CASES, TPU_SMALL, forward_backward, make_inputs
-from tests.helpers.training import one_layer_config
 from transformer_jax import accelerators, platform
 from transformer_jax.ops import attention
 from transformer_jax.sharding import make_mesh
-from transformer_jax.training.state import abstract_train_state
-from transformer_jax.training.step import compile_steps
 
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
@@ -61,22 +59,6 @@ def test_the_interpret_mode_cases_compile_for_tpu(case, dtype) -> None:  # noqa:
     fn = functools.partial(forward_backward, "pallas", kw=kw, block_sizes=TPU_SMALL)
     with platform.compiling_for("tpu"):
         jax.jit(lambda *a: fn(a)).trace(*specs).lower().compile()
-
-
-@needs_libtpu
-def test_train_step_with_pallas_attention_compiles_for_a_v5e_slice() -> None:
-    config = one_layer_config()
-    config.attention.impl = "pallas"
-    graphs, state = abstract_train_state(config)
-    mesh = make_mesh(list(accelerators.tpu_devices("v5e:2x2")))
-    # Mosaic kernels run per device inside a shard_map over the mesh in context (ops/pallas_tpu.py).
-    with platform.compiling_for("tpu"), jax.set_mesh(mesh):
-        train, _, shardings = compile_steps(graphs, state, mesh, "data", label_smoothing=0.1, accum_steps=1)
-        keys = ("src_tokens", "src_segment_ids", "src_positions", "tgt_in", "tgt_out", "tgt_segment_ids")
-        batch = {key: jax.ShapeDtypeStruct((8, 32), jnp.int32) for key in (*keys, "tgt_positions")}
-        compiled = train.trace(state, batch).lower().compile()
-    hlo = compiled.as_text()
-    assert "attention_forward_tpu" in hlo and "attention_dkdv_tpu" in hlo and "attention_dq_tpu" in hlo
 
 
 @needs_libtpu

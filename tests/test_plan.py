@@ -17,6 +17,7 @@ from configs import common
 from tests.helpers import REPO
 from transformer_jax.accelerators import parse_topology
 from transformer_jax.evaluation.decode_plan import plan_decode
+from transformer_jax.sharding import make_mesh
 from transformer_jax.training import plan
 
 pytestmark = pytest.mark.skipif(
@@ -104,10 +105,15 @@ def test_a_batch_that_cannot_fit_is_one_line_and_a_nonzero_exit():
 
 def test_a_plan_with_our_pallas_attention_compiles_for_a_tpu_slice():
     # The Mosaic kernels run per chip in a shard_map over the mesh the step is traced under (sharding.tracing_mesh).
+    # The one TPU compile of a whole train step with attention.impl=pallas in the default run.
     config = small_config(d_model=128)
     config.attention.impl = "pallas"
-    report = plan.plan_train_step(config, parse_topology("v5e:2x2"), "data")
-    assert report["fits"] and report["flops_per_step"]["compiled"] > 0
+    topology = parse_topology("v5e:2x2")
+    compiled, _ = plan.compile_train_step(config, topology, "data", make_mesh(list(topology.devices())), (16, 32, 32))
+    hlo = compiled.as_text()
+    assert all(kernel in hlo for kernel in ("attention_forward_tpu", "attention_dkdv_tpu", "attention_dq_tpu"))
+    report = plan.memory_per_chip(compiled)
+    assert report["total"] < topology.chip.hbm_bytes and compiled.cost_analysis()["flops"] > 0
 
 
 def small_chip_topology(hbm_bytes: float):
@@ -116,14 +122,31 @@ def small_chip_topology(hbm_bytes: float):
     return dataclasses.replace(topology, chip=dataclasses.replace(topology.chip, hbm_bytes=hbm_bytes))
 
 
-def test_batch_search_returns_a_batch_that_compiles_and_fits(both_meshes):
-    # Chips with just the memory the fixture's 16 rows need: 32 rows cannot fit, the search halves to 16.
-    at_16 = both_meshes["meshes"]["data"]["memory_analysis_per_chip"]["total"]
-    found = plan.search_batch(small_config(batch_size=32), small_chip_topology(at_16), "data", tolerance=1.0)
-    assert found["search"]["largest_that_fits"] == 16 and found["search"]["first_that_does_not"] == 32
-    assert found["fits"] and found["step"]["batch_rows_src_tgt"][0] == 16
-    assert found["memory_analysis_per_chip"]["total"] == at_16
-    assert found["search"]["tried"][0]["total_bytes"] > at_16
+def test_batch_search_halves_doubles_and_bisects_to_the_largest_batch_that_fits(monkeypatch):
+    # The search's steps over a stand-in for the compile whose memory grows with the batch (each real compile takes
+    # seconds: test_batch_search_bisects_to_the_largest_batch_that_fits, -m slow, runs the TPU compiler).
+    compiled = []
+
+    def plan_train_step(config, topology, mesh_mode):
+        rows = config.data.batch_size
+        compiled.append(rows)
+        if rows > 256:  # the compiler refuses outright
+            raise plan.DoesNotFit(f"does not fit: {rows} rows")
+        total = 1_000 * rows
+        return {"fits": total <= topology.chip.hbm_bytes, "memory_analysis_per_chip": {"total": total}, "rows": rows}
+
+    monkeypatch.setattr(plan, "plan_train_step", plan_train_step)
+    chips = small_chip_topology(40_000)  # the batch moves in steps of 8 rows (check_batch_shapes); 40 fit
+    found = plan.search_batch(small_config(batch_size=512), chips, "data", tolerance=0)
+    assert found["rows"] == 40 and found["search"]["largest_that_fits"] == 40
+    assert found["search"]["first_that_does_not"] == 48
+    assert compiled == [512, 256, 128, 64, 32, 48, 40]  # halving from a refusal, then bisecting
+    assert [t["fits"] for t in found["search"]["tried"]] == [False] * 4 + [True, False, True]
+    compiled.clear()
+    found = plan.search_batch(small_config(batch_size=8), chips, "data", tolerance=0)
+    assert found["rows"] == 40 and compiled == [8, 16, 32, 64, 48, 40]  # doubling while it fits
+    with pytest.raises(plan.DoesNotFit, match="even data.batch_size=8, the smallest batch"):
+        plan.search_batch(small_config(batch_size=8), small_chip_topology(1_000), "data")
 
 
 def test_the_plan_report_prints_as_a_table_and_as_json(both_meshes):

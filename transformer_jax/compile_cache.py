@@ -43,9 +43,10 @@ from jax._src.compilation_cache_interface import CacheInterface
 
 ENV = "TRANSFORMER_JAX_COMPILATION_CACHE"
 OFF = ("off", "none", "false", "0")
-# Programs that compile faster than this are not written: loading an entry costs a file read and a
-# deserialisation (about a millisecond), so the smallest programs gain nothing from the disk.
-MIN_COMPILE_SECONDS = 0.05
+# Every program is written, however fast it compiles: XLA:CPU takes ~20 ms for even one elementwise op (its
+# fixed cost: LLVM code generation), and loading the entry ~1.5 ms (docs/compilation.md). Eager ops and small
+# initialisers are most of a process's programs.
+MIN_COMPILE_SECONDS = 0.0
 _DIGEST = hashlib.sha256().digest_size
 _SUFFIX = "-xla"
 _COMPILE_ONLY = "compile_only_runtime"  # the runtime_type of the clients of jax.experimental.topologies devices
