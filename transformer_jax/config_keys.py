@@ -394,7 +394,8 @@ KEYS: tuple[Key, ...] = (
         "train.peak_flops",
         0.0,
         at_least_zero(),
-        "FLOP/s of one device, for MFU and --dry_run; 0 = measure a matmul at start",
+        "FLOP/s of one device, for MFU and --dry_run; 0 = a matmul peak measured once per kind of machine (kept in"
+        " the compilation cache)",
         MAY_CHANGE,
     ),
     Key(
