@@ -296,11 +296,7 @@ class CharTokenizer:
 def test_translate_keeps_order_empty_lines_and_is_independent_of_batching(monkeypatch):
     # Batches under 2 MIN_ROWS sentences have little to gain from refilling: they run one-jit batches.
     monkeypatch.setattr(refill, "refilling_search", lambda *a, **k: pytest.fail("refilled a small batch"))
-    batches = []
-    one_jit = binding._search
-    monkeypatch.setattr(
-        binding, "_search", lambda g, p, src, *a, **k: batches.append(src.shape) or one_jit(g, p, src, *a, **k)
-    )
+    batches = record_calls(monkeypatch, "_search", lambda graph, params, src, *a, **k: src.shape)
     model, tok = shared_model(), CharTokenizer()
     sentences = ["hello world", "", "a", "x" * 40, "   ", "the cat sat on the mat", "b c"]
     settings = dict(beam_size=2, alpha=0.6, max_extra_len=5, max_input_len=16)
@@ -381,20 +377,32 @@ def test_compacted_and_refill_sizes():
     assert decoding.refill_size(40, 24) == 16  # never more than the batch's rows
 
 
+def record_calls(monkeypatch, name: str, what) -> list:
+    """The jitted call binding.<name> wrapped so that what(*args, **kwargs) of each call is recorded before it runs;
+    returns the record."""
+    calls, original = [], getattr(binding, name)
+
+    def recorded(*args, **kwargs):
+        calls.append(what(*args, **kwargs))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(binding, name, recorded)
+    return calls
+
+
+def mostly_short_limits() -> jnp.ndarray:
+    """Output limits of 24 sentences: 20 stop within 3 tokens, 4 may run to 40 (cache stages 16, 40)."""
+    return jnp.array([40 if i % 6 == 0 else 1 + i % 3 for i in range(24)])
+
+
 @pytest.mark.parametrize("beam_size", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_compacting_search_equals_the_whole_batch_search(beam_size, monkeypatch):
     """One batch through the refilling search: nothing waits, so finished sentences only leave the batch."""
     # 20 of 24 sentences stop within 3 tokens; the other 4 may run to 40 (stages 16, 40). After the first call the
     # batch shrinks to 12 sentences (<= FULL_CACHE_SENTENCES), which grow the cache to 40 slots at once.
     model, src = shared_model(), sources_BS(24, 9)
-    max_len = jnp.array([40 if i % 6 == 0 else 1 + i % 3 for i in range(24)])
-    kept = []
-    keep = binding._keep
-    monkeypatch.setattr(
-        binding,
-        "_keep",
-        lambda context, s, keep_K, **kw: kept.append(keep_K.shape[0]) or keep(context, s, keep_K, **kw),
-    )
+    max_len = mostly_short_limits()
+    kept = record_calls(monkeypatch, "_keep", lambda context, s, keep_K, **kw: keep_K.shape[0])
     compact, whole = (
         decoding.search(model, src, max_len, beam_size=beam_size, alpha=0.6, max_steps=40, compact=c)
         for c in (True, False)
@@ -415,14 +423,8 @@ def test_refilling_search_equals_one_batch_at_a_time(monkeypatch):
     lengths = [*rng.integers(2, 9, 36), *rng.integers(9, 16, 4)]  # the second block's sources fit in 8 positions
     sources = [[int(t) for t in rng.integers(4, 50, n - 1)] + [EOS] for n in lengths]
     max_len = [22 if i % 7 == 0 else 1 + i % 4 for i in range(len(sources))]
-    joined, widened = [], []
-    insert, widen = binding._insert, binding._widen
-    monkeypatch.setattr(
-        binding, "_insert", lambda *a, **k: joined.append(int(np.sum(np.asarray(a[4]) < 20))) or insert(*a, **k)
-    )
-    monkeypatch.setattr(
-        binding, "_widen", lambda *a, **k: widened.append((a[2]["src_segment_ids"].shape, k)) or widen(*a, **k)
-    )
+    joined = record_calls(monkeypatch, "_insert", lambda *a, **k: int(np.sum(np.asarray(a[4]) < 20)))
+    widened = record_calls(monkeypatch, "_widen", lambda *a, **k: (a[2]["src_segment_ids"].shape, k))
 
     def shape(longest: int) -> tuple[int, int]:
         return 16, 22
@@ -448,16 +450,8 @@ def test_a_small_beam_batch_steps_at_the_last_cache_stage_only(monkeypatch):
     """A batch of at most FULL_CACHE_SENTENCES sentences (beam 4: 4 times as many cache rows) grows its cache to the
     last stage before its first step, so its steps compile once per batch size, not per (size, stage)."""
     model, src = shared_model(), sources_BS(24, 9)
-    max_len = jnp.array([40 if i % 6 == 0 else 1 + i % 3 for i in range(24)])
-    stages = []
-    stage = binding._stage
-    monkeypatch.setattr(
-        binding,
-        "_stage",
-        lambda graph, params, context, s, *a, **k: (
-            stages.append(s.tokens_BWL.shape) or stage(graph, params, context, s, *a, **k)
-        ),
-    )
+    max_len = mostly_short_limits()
+    stages = record_calls(monkeypatch, "_stage", lambda graph, params, context, s, *a, **k: s.tokens_BWL.shape)
     compact, whole = (
         decoding.search(model, src, max_len, beam_size=4, alpha=0.6, max_steps=40, compact=c) for c in (True, False)
     )
