@@ -424,7 +424,7 @@ def test_refilling_search_equals_one_batch_at_a_time(monkeypatch):
     sources = [[int(t) for t in rng.integers(4, 50, n - 1)] + [EOS] for n in lengths]
     max_len = [22 if i % 7 == 0 else 1 + i % 4 for i in range(len(sources))]
     joined = record_calls(monkeypatch, "_insert", lambda *a, **k: int(np.sum(np.asarray(a[4]) < 20)))
-    widened = record_calls(monkeypatch, "_widen", lambda *a, **k: (a[2]["src_segment_ids"].shape, k))
+    widened = record_calls(monkeypatch, "_widen", lambda *a, **k: (a[1]["src_segment_ids"].shape, k["src_len"]))
 
     def shape(longest: int) -> tuple[int, int]:
         return 16, 22
@@ -437,7 +437,7 @@ def test_refilling_search_equals_one_batch_at_a_time(monkeypatch):
         for c in (True, False)
     )
     assert sum(joined) == len(sources) - 20 and len(joined) > 2  # the first 20 start; the others join in turns
-    assert widened == [((16, 8), {"src_len": 16})]  # the second block, encoded at 8 positions
+    assert widened == [((16, 8), 16)]  # the second block, encoded at 8 positions
     for r, b in zip(refilled, batched, strict=True):
         n = int(b.lengths[0])
         assert int(r.lengths[0]) == n
@@ -451,7 +451,7 @@ def test_a_small_beam_batch_steps_at_the_last_cache_stage_only(monkeypatch):
     last stage before its first step, so its steps compile once per batch size, not per (size, stage)."""
     model, src = shared_model(), sources_BS(24, 9)
     max_len = mostly_short_limits()
-    stages = record_calls(monkeypatch, "_stage", lambda graph, params, context, s, *a, **k: s.tokens_BWL.shape)
+    stages = record_calls(monkeypatch, "_stage", lambda params, context, s, *a, **k: s.tokens_BWL.shape)
     compact, whole = (
         decoding.search(model, src, max_len, beam_size=4, alpha=0.6, max_steps=40, compact=c) for c in (True, False)
     )

@@ -27,6 +27,7 @@ cache (jax would write their entries and then warn on every read).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -34,6 +35,8 @@ import os
 import platform
 import sys
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -97,11 +100,27 @@ class CheckedFileCache(CacheInterface):
         self.path = path
         self.stats = Stats()
         self.writable = True
+        self._local = threading.local()
+
+    @contextlib.contextmanager
+    def bypassed(self) -> Iterator[None]:
+        """jax's lookups and writes in this thread miss and write nothing (saved_programs.py: an executable jax
+        loaded from this cache does not serialize again, so the programs it stores are compiled afresh)."""
+        self._local.bypass = True
+        try:
+            yield
+        finally:
+            self._local.bypass = False
+
+    def _bypassed(self) -> bool:
+        return getattr(self._local, "bypass", False)
 
     def _file(self, key: str) -> Path:
         return self.path / f"{key}{_SUFFIX}"
 
     def get(self, key: str) -> bytes | None:
+        if self._bypassed():
+            return None
         file = self._file(key)
         try:
             data = file.read_bytes()
@@ -127,7 +146,7 @@ class CheckedFileCache(CacheInterface):
         return value
 
     def put(self, key: str, value: bytes) -> None:
-        if not self.writable:
+        if not self.writable or self._bypassed():
             return
         temporary = None
         try:
@@ -234,6 +253,13 @@ def _count_program(event: str, seconds: float, fun_name: str = "?", **kwargs) ->
 
 
 jax.monitoring.register_event_duration_secs_listener(_count_program)
+
+
+def count_loaded(fun_name: str, seconds: float) -> None:
+    """Counts a program that saved_programs.py loaded without jax (its store hit is counted by the store)."""
+    _programs.count += 1
+    _programs.seconds += seconds
+    _programs.functions[fun_name] += 1
 
 
 def compilations() -> dict:

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from transformer_jax import saved_programs
 from transformer_jax.decoding import refill
 from transformer_jax.decoding.sampling import Sampling
 from transformer_jax.decoding.search import (
@@ -180,6 +181,15 @@ class Graph:
     def merge(self, params: list[Array]) -> nnx.Module:
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, params))
 
+    @functools.cached_property
+    def _fingerprint(self) -> str:
+        return saved_programs.stable([self.graphdef, self.treedef])
+
+    def fingerprint(self) -> str:
+        """What saved_programs.py keys a program by for this static argument: the whole structure, every static
+        attribute of every module included."""
+        return self._fingerprint
+
 
 @functools.lru_cache(maxsize=8)
 def graph(graphdef: nnx.GraphDef, treedef: jax.tree_util.PyTreeDef) -> Graph:
@@ -187,8 +197,8 @@ def graph(graphdef: nnx.GraphDef, treedef: jax.tree_util.PyTreeDef) -> Graph:
     return Graph(graphdef, treedef)
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "beam_size", "slots"))
-def _start(graph: Graph, params: list[Array], src_BS: Array, *, beam_size: int, slots: int):
+@saved_programs.jit(static_argnames=("graph", "beam_size", "slots"))
+def _start(params: list[Array], src_BS: Array, *, graph: Graph, beam_size: int, slots: int):
     """Encodes the batch; the fixed context (R rows) and the search's first state, with `slots` slots."""
     model = graph.merge(params)
     seg_BS = unpacked_segment_ids(src_BS)
@@ -199,15 +209,15 @@ def _start(graph: Graph, params: list[Array], src_BS: Array, *, beam_size: int, 
     return context, BeamState.start(tile_beams(cache, beam_size), batch, beam_size, slots)
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "beam_size"))
-def _encode(graph: Graph, params: list[Array], src_BS: Array, *, beam_size: int) -> PyTree:
+@saved_programs.jit(static_argnames=("graph", "beam_size"))
+def _encode(params: list[Array], src_BS: Array, *, graph: Graph, beam_size: int) -> PyTree:
     """The fixed context of the sentences src_BS (cross-attention keys/values, source segment ids), R rows."""
     model = graph.merge(params)
     seg_BS = unpacked_segment_ids(src_BS)
     return _split_cache(model.init_cache(model.encode(src_BS, seg_BS), seg_BS, 0), beam_size)[0]
 
 
-@functools.partial(jax.jit, static_argnames=("beam_size",), donate_argnums=(0, 1))
+@saved_programs.jit(static_argnames=("beam_size",), donate_argnums=(0, 1))
 def _insert(context: PyTree, s, block: PyTree, first: Array, rows_K: Array, *, beam_size: int):
     """The sentences first, first + 1, ... of an encoded block (its context) take the rows rows_K of the running
     batch, one each (a row past the batch's end: that sentence is not taken), back at the start.
@@ -222,22 +232,21 @@ def _insert(context: PyTree, s, block: PyTree, first: Array, rows_K: Array, *, b
     return context, s._replace(cache={**s.cache, "index": s.cache["index"].at[rows_R].set(0, mode="drop")})
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "slots"))
-def _grow(graph: Graph, params: list[Array], s, *, slots: int):
+@saved_programs.jit(static_argnames=("graph", "slots"))
+def _grow(params: list[Array], s, *, graph: Graph, slots: int):
     """The state with its cache and output buffer grown to `slots` (a call of its own, so that `_stage` compiles
     for one input shape per cache size)."""
     return s.with_room(slots)._replace(cache=graph.merge(params).grow_cache(s.cache, slots))
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "src_len"))
-def _widen(graph: Graph, params: list[Array], context: PyTree, *, src_len: int) -> PyTree:
+@saved_programs.jit(static_argnames=("graph", "src_len"))
+def _widen(params: list[Array], context: PyTree, *, graph: Graph, src_len: int) -> PyTree:
     """The context with its sources padded to src_len positions (for longer sentences to join)."""
     return graph.merge(params).grow_source(context, src_len)
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "penalty", "settle", "sampling"), donate_argnames=("s",))
+@saved_programs.jit(static_argnames=("graph", "penalty", "settle", "sampling"), donate_argnames=("s",))
 def _stage(
-    graph: Graph,
     params: list[Array],
     context: PyTree,
     s,
@@ -246,6 +255,7 @@ def _stage(
     stop_live: Array,
     row_inputs: dict[str, Array],
     *,
+    graph: Graph,
     penalty: str,
     settle: int,
     sampling: Sampling | None,
@@ -258,7 +268,7 @@ def _stage(
     return steps_until(lambda s: s.advance(step, max_len_B, alpha, settle, penalty, prefix_BP), s, stop_live)
 
 
-@functools.partial(jax.jit, static_argnames=("penalty",))
+@saved_programs.jit(static_argnames=("penalty",))
 def _outcome(s, alpha: Array, *, penalty: str) -> refill.Outcome:
     """What the host reads of a state after `_stage` (refill.Outcome); s comes without its cache and with an empty
     token buffer, so that this compiles per batch size only."""
@@ -266,7 +276,7 @@ def _outcome(s, alpha: Array, *, penalty: str) -> refill.Outcome:
     return refill.Outcome(s.sentence_done(), log_probs_BW / length_penalty(lengths_BW, alpha, penalty))
 
 
-@functools.partial(jax.jit, static_argnames=("beam_size",))
+@saved_programs.jit(static_argnames=("beam_size",))
 def _keep(context: PyTree, s, keep_K: Array, *, beam_size: int):
     """The context and state of the sentences keep_K only."""
     return gather_rows(context, beam_rows(keep_K, beam_size)), s.select(keep_K)
@@ -280,23 +290,22 @@ class ModelCalls:
     params: list[Array]
 
     def start(self, src_BS, *, beam_size: int, slots: int):
-        return _start(self.graph, self.params, src_BS, beam_size=beam_size, slots=slots)
+        return _start(self.params, src_BS, graph=self.graph, beam_size=beam_size, slots=slots)
 
     def encode(self, src_BS, *, beam_size: int):
-        return _encode(self.graph, self.params, src_BS, beam_size=beam_size)
+        return _encode(self.params, src_BS, graph=self.graph, beam_size=beam_size)
 
     def insert(self, context, s, block, first, rows_K, *, beam_size: int):
         return _insert(context, s, block, first, rows_K, beam_size=beam_size)
 
     def grow(self, s, *, slots: int):
-        return _grow(self.graph, self.params, s, slots=slots)
+        return _grow(self.params, s, graph=self.graph, slots=slots)
 
     def widen(self, context, *, src_len: int):
-        return _widen(self.graph, self.params, context, src_len=src_len)
+        return _widen(self.params, context, graph=self.graph, src_len=src_len)
 
     def stage(self, context, s, max_len_B, alpha, stop_live, row_inputs, *, penalty: str, settle: int, sampling=None):
         return _stage(
-            self.graph,
             self.params,
             context,
             s,
@@ -304,6 +313,7 @@ class ModelCalls:
             alpha,
             stop_live,
             row_inputs,
+            graph=self.graph,
             penalty=penalty,
             settle=settle,
             sampling=sampling,
@@ -390,17 +400,16 @@ class Searcher:
             return jax.tree.map(put, traced.out_info, compiled.output_shardings)
 
         graph, params, stages = self.calls.graph, self.calls.params, cache_stages(max_steps)
-        traced = _start.trace(graph, params, src_BS, beam_size=beam_size, slots=stages[0])
+        traced = _start.trace(params, src_BS, graph=graph, beam_size=beam_size, slots=stages[0])
         programs = {"start": compile_one("start", traced)}
         context, s = outputs(traced, programs["start"])
         if len(stages) > 1:
-            before = _start.trace(graph, params, src_BS, beam_size=beam_size, slots=stages[-2]).out_info[1]
+            before = _start.trace(params, src_BS, graph=graph, beam_size=beam_size, slots=stages[-2]).out_info[1]
             s = jax.tree.map(lambda x, like: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=like.sharding), before, s)
-            traced = _grow.trace(graph, params, s, slots=stages[-1])
+            traced = _grow.trace(params, s, graph=graph, slots=stages[-1])
             programs["grow"] = compile_one("grow", traced)
             s = outputs(traced, programs["grow"])
         traced = _stage.trace(
-            graph,
             params,
             context,
             s,
@@ -408,6 +417,7 @@ class Searcher:
             scalar(jnp.float32),
             scalar(jnp.int32),
             {},
+            graph=graph,
             penalty=penalty,
             settle=settle,
             sampling=None,

@@ -1,0 +1,170 @@
+"""Programs saved under a key computed before tracing (transformer_jax/saved_programs.py): a fresh wrapper (as in a
+new process) loads them without tracing or compiling; a changed static argument, XLA flag or source file misses; a
+value the key cannot describe, a damaged entry or an entry that does not load costs a compile, never a wrong
+result."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tests.helpers.decoding import shared_model, sources_BS
+from transformer_jax import compile_cache, saved_programs
+from transformer_jax.decoding import transformer as binding
+from transformer_jax.decoding.search import BeamState, length_penalty
+from transformer_jax.model import Transformer, TransformerSpec
+
+
+class NoTracing:
+    """Stands in for a wrapper's jax.jit: any trace, lower or call fails the test."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the program was traced or compiled ({name}) although it was saved")
+
+    def __call__(self, *args, **kwargs):
+        raise AssertionError("the program was traced or compiled although it was saved")
+
+
+@pytest.fixture
+def store(tmp_path):
+    """A cache of the test's own, in this process; the session's cache is back afterwards."""
+    yield compile_cache.enable(str(tmp_path / "xla"))
+    compile_cache.enable()
+    saved_programs._process_key.cache_clear()
+
+
+def fresh(**static) -> saved_programs.Jit:
+    """A new wrapper of the same module-level function: nothing in memory, as in a new process."""
+    return saved_programs.Jit(length_penalty, static_argnames=("penalty",), **static)
+
+
+def entries(store) -> list:
+    return sorted(p.name for p in store.path.glob(f"*{saved_programs.SUFFIX}*"))
+
+
+LENGTHS, ALPHA = jnp.arange(1, 9), jnp.float32(0.6)
+
+
+def expected(penalty: str = "gnmt") -> np.ndarray:
+    return np.asarray(length_penalty(LENGTHS, ALPHA, penalty))
+
+
+def test_a_fresh_wrapper_loads_the_saved_program_without_tracing(store):
+    np.testing.assert_allclose(fresh()(LENGTHS, ALPHA, penalty="gnmt"), expected(), rtol=1e-6)
+    assert len(entries(store)) == 1
+    again = fresh()
+    again.jitted = NoTracing()
+    hits = store.stats.hits
+    np.testing.assert_allclose(again(LENGTHS, ALPHA, penalty="gnmt"), expected(), rtol=1e-6)
+    assert store.stats.hits == hits + 1
+    assert compile_cache.compilations()["functions"]["jit(length_penalty)"] >= 2  # counted in the report
+
+
+def test_a_changed_static_argument_shape_or_xla_flag_misses(store, monkeypatch):
+    fresh()(LENGTHS, ALPHA, penalty="gnmt")
+    np.testing.assert_allclose(fresh()(LENGTHS, ALPHA, penalty="average"), expected("average"), rtol=1e-6)
+    fresh()(LENGTHS[:4], ALPHA, penalty="gnmt")
+    fresh()(LENGTHS.astype(jnp.float32), ALPHA, penalty="gnmt")
+    assert len(entries(store)) == 4
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
+    saved_programs._process_key.cache_clear()
+    fresh()(LENGTHS, ALPHA, penalty="gnmt")
+    assert len(entries(store)) == 5
+
+
+def test_the_key_covers_every_source_file(tmp_path, monkeypatch):
+    package = tmp_path / "package"
+    (package / "sub").mkdir(parents=True)
+    (package / "sub" / "a.py").write_text("X = 1\n")
+    monkeypatch.setattr(saved_programs, "_PACKAGE", package)
+    saved_programs._process_key.cache_clear()
+    before = saved_programs._process_key()
+    (package / "sub" / "a.py").write_text("X = 2\n")
+    saved_programs._process_key.cache_clear()
+    assert saved_programs._process_key() != before
+    saved_programs._process_key.cache_clear()
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    width: int
+
+
+def test_stable_descriptions_differ_with_values_and_refuse_what_they_cannot_describe():
+    s = saved_programs.stable
+    assert s(BeamState) == s(BeamState) and s(1) != s(1.0) != s(True) and s("a") != s(b"a")
+    assert s({"a": 1, "b": (2, None)}) == s({"b": (2, None), "a": 1}) != s({"a": 1, "b": (3, None)})
+    assert s(jax.tree.structure({"a": 1})) != s(jax.tree.structure({"b": 1}))
+    assert s(jnp.float32) != s(jnp.bfloat16) and s(np.dtype("int32")) != s(np.dtype("int64"))
+    for unkeyable in (lambda x: x, Setting(3), object()):  # a test's own function, class, and an address
+        with pytest.raises(saved_programs.Unkeyable):
+            s(unkeyable)
+
+
+def test_the_models_graph_is_described_by_every_static_attribute():
+    def graph(**changes) -> binding.Graph:
+        spec = dataclasses.replace(shared_model().spec, **changes)
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(spec, rngs=nnx.Rngs(0))))
+        return binding.graph(graphdef, jax.tree.structure(state))
+
+    assert isinstance(shared_model().spec, TransformerSpec)
+    same = graph().fingerprint()
+    assert same == graph().fingerprint()
+    # Settings that keep every parameter's shape: only the graph's static attributes tell the programs apart.
+    for change in ({"activation": "gelu"}, {"norm_position": "pre"}, {"attention_window": 3}):
+        assert graph(**change).fingerprint() != same, change
+
+
+def test_an_undescribable_call_is_a_plain_jit_call(store):
+    wrapped = saved_programs.Jit(lambda x: x * 2)
+    assert float(wrapped(jnp.float32(3.0))) == 6.0
+    assert entries(store) == []
+
+
+def test_a_damaged_entry_or_one_that_does_not_load_is_compiled_and_replaced(store, capsys):
+    fresh()(LENGTHS, ALPHA, penalty="gnmt")
+    (entry,) = [store.path / name for name in entries(store)]
+    data = bytearray(entry.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    entry.write_bytes(bytes(data))
+    capsys.readouterr()
+    np.testing.assert_allclose(fresh()(LENGTHS, ALPHA, penalty="gnmt"), expected(), rtol=1e-6)
+    assert "damaged" in capsys.readouterr().err and store.stats.damaged == 1
+    store.put(entry.name[: -len("-xla")], b"not a program")  # a checksum that holds over bytes that do not load
+    np.testing.assert_allclose(fresh()(LENGTHS, ALPHA, penalty="gnmt"), expected(), rtol=1e-6)
+    again = fresh()
+    again.jitted = NoTracing()
+    np.testing.assert_allclose(again(LENGTHS, ALPHA, penalty="gnmt"), expected(), rtol=1e-6)  # replaced: good
+
+
+def test_a_program_jax_loaded_from_its_cache_is_not_what_is_saved(store, monkeypatch):
+    """An executable jax deserialized from its own cache entry serializes into one that fails at its first call
+    ("Function ... not found"): what is saved is compiled afresh. Also: a whole refilling search runs from saved
+    programs, as in a warm process."""
+    model = shared_model()
+    src_BS, max_len_B = np.asarray(sources_BS(16, 7)), np.full((16,), 6, np.int32)
+    with monkeypatch.context() as m:  # plain jax.jit calls: jax's own cache gets these programs, nothing is saved
+        m.setattr(saved_programs.compile_cache, "store", lambda: None)
+        want = binding.searcher(model)(src_BS, max_len_B, beam_size=2, alpha=0.6, max_steps=6)
+    assert entries(store) == []
+    jax.clear_caches()
+    wrappers = {n: f for n, f in vars(binding).items() if isinstance(f, saved_programs.Jit)}
+    binding.searcher(model)(src_BS, max_len_B, beam_size=2, alpha=0.6, max_steps=6)  # jax's cache has them all
+    assert {name.split("-")[0] for name in entries(store)} >= {"_start", "_stage", "_outcome"}
+    for f in wrappers.values():
+        f.loaded.clear()
+    jitted = {name: f.jitted for name, f in wrappers.items()}
+    try:
+        for f in wrappers.values():
+            f.jitted = NoTracing()
+        got = binding.searcher(model)(src_BS, max_len_B, beam_size=2, alpha=0.6, max_steps=6)
+    finally:
+        for name, f in wrappers.items():
+            f.jitted = jitted[name]
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.scores, want.scores, rtol=1e-6)

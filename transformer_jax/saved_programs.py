@@ -1,0 +1,205 @@
+"""Compiled programs kept on disk under a key computed before tracing: a warm process neither compiles nor traces.
+
+jax's persistent cache (compile_cache.py) saves XLA's compile, but its key is the lowered program, so every process
+still traces and lowers each program to find its entry: in a warm evaluate.py with beam 4 that was 7.6 s for 43
+programs against 2.0 s of loading them (docs/compilation.md). `jit` here is jax.jit for the package's own jitted
+functions, with an executable store in front: a call's key is computed from what the program is built from, and a hit
+loads the serialized executable (jax.experimental.serialize_executable) without tracing. A miss traces, lowers and
+compiles as jax.jit would (jax's cache still answers that compile) and writes the executable for the next process.
+
+What the key covers, so that a stored program is never used for a different one:
+- the code: a hash of every .py file of this package (any edit misses), and the versions of jax, jaxlib, flax,
+  optax, numpy and ml_dtypes;
+- the machine: the backend, its platform version, every device (kind, id, process), XLA_FLAGS and
+  LIBTPU_INIT_ARGS, jax's trace-time settings (`jax._src.config.trace_context()`: x64, matmul precision, the mesh
+  context, ...); entries live in compile_cache's per-host-CPU directory;
+- the function (module and name) and what its decorator closes over (`key`: the model's graph, for the train step);
+- the call: every static argument's value, the tree structure of the other arguments (with the module and name of
+  every node type), and each array's shape, dtype, weak type and sharding.
+A value the key cannot describe stably (`stable`: an object from outside the trusted packages, a function defined
+in a test, anything with a memory address in its description) makes the call a plain jax.jit call: never a wrong
+hit. Entries are checked files (compile_cache.CheckedFileCache): a damaged one is a miss and is replaced.
+
+Off with the cache (`--compilation_cache off`): then `jit` is jax.jit exactly. Ahead-of-time compiles for other
+devices (`.trace`, `.lower`) and calls under another trace go to jax.jit too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import hashlib
+import importlib.metadata
+import logging
+import os
+import pickle
+import time
+import types
+import zlib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src import config as jax_config
+from jax.experimental import serialize_executable
+
+from transformer_jax import compile_cache
+
+FORMAT = 1  # bumped when what an entry holds changes
+SUFFIX = "-exe"
+TRUSTED = ("transformer_jax", "flax", "jax", "jaxlib", "optax", "numpy", "ml_dtypes", "builtins", "collections")
+_PACKAGE = Path(__file__).resolve().parent
+_DEPTH = 64
+
+
+class Unkeyable(Exception):
+    """A value that `stable` cannot describe the same way in every process."""
+
+
+def _qualified(obj: Any) -> str:
+    module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if not module or not name or "<locals>" in name or module.split(".")[0] not in TRUSTED:
+        raise Unkeyable(f"{obj!r} is not a module-level object of {', '.join(TRUSTED)}")
+    return f"{module}.{name}"
+
+
+def stable(x: Any, depth: int = 0) -> str:
+    """A description of x that is equal in every process for equal values and differs where the values could build
+    different programs; Unkeyable where it cannot promise both."""
+    if depth > _DEPTH:
+        raise Unkeyable("nested too deeply")
+    d = depth + 1
+    if x is None or isinstance(x, (bool, int, float, complex, str, bytes)):
+        return f"{type(x).__name__}:{x!r}"
+    if isinstance(x, enum.Enum):
+        return f"{_qualified(type(x))}.{x.name}"
+    if isinstance(x, type):
+        return _qualified(x)
+    if isinstance(x, np.dtype):
+        return f"dtype:{x.str}"
+    if isinstance(x, np.ndarray):
+        return f"ndarray:{x.dtype.str}{x.shape}:{hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest()}"
+    if isinstance(x, jax.tree_util.PyTreeDef):
+        node = x.node_data()
+        head = "leaf" if node is None else f"{_qualified(node[0])}[{stable(node[1], d)}]"
+        return f"{head}({','.join(stable(c, d) for c in x.children())})"
+    if isinstance(x, functools.partial):
+        return f"partial({stable(x.func, d)},{stable(x.args, d)},{stable(x.keywords, d)})"
+    if callable(getattr(x, "fingerprint", None)) and not isinstance(x, type):
+        return f"{_qualified(type(x))}:{x.fingerprint()}"
+    if dataclasses.is_dataclass(x):
+        fields = {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
+        return f"{_qualified(type(x))}{stable(fields, d)}"
+    if isinstance(x, (tuple, list)):
+        return f"{_qualified(type(x))}[{','.join(stable(v, d) for v in x)}]"
+    if isinstance(x, (set, frozenset)):
+        return f"{_qualified(type(x))}{{{','.join(sorted(stable(v, d) for v in x))}}}"
+    if isinstance(x, Mapping):
+        items = sorted((stable(k, d), stable(v, d)) for k, v in x.items())
+        return f"{_qualified(type(x))}{{{','.join(f'{k}={v}' for k, v in items)}}}"
+    if isinstance(x, (types.FunctionType, types.BuiltinFunctionType, np.ufunc)) or callable(x):
+        return _qualified(x)
+    if hasattr(x, "__dict__"):
+        return f"{_qualified(type(x))}{stable(vars(x), d)}"
+    slots = [n for c in type(x).__mro__ for n in getattr(c, "__slots__", ()) if n not in ("__weakref__", "__dict__")]
+    if slots:
+        return f"{_qualified(type(x))}{stable({n: getattr(x, n, None) for n in slots}, d)}"
+    raise Unkeyable(f"{type(x).__name__} has no stable description")
+
+
+@functools.cache
+def _process_key() -> str:
+    """What every entry of this process shares: the code, the libraries and the machine (module docstring)."""
+    code = hashlib.sha256()
+    for file in sorted(_PACKAGE.rglob("*.py")):
+        code.update(str(file.relative_to(_PACKAGE)).encode() + b"\0" + file.read_bytes() + b"\0")
+    versions = {p: importlib.metadata.version(p) for p in ("jax", "jaxlib", "flax", "optax", "numpy", "ml_dtypes")}
+    devices = [(d.platform, d.device_kind, d.id, d.process_index) for d in jax.devices()]
+    backend = jax.devices()[0].client
+    flags = {k: os.environ.get(k) for k in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")}
+    return stable([FORMAT, code.hexdigest(), versions, devices, backend.platform, backend.platform_version, flags])
+
+
+def _aval(x: Any) -> tuple:
+    aval = jax.api_util.shaped_abstractify(x)
+    return aval.shape, aval.dtype, aval.weak_type, getattr(x, "sharding", None)
+
+
+def _stable_aval(shape, dtype, weak_type, sharding) -> str:
+    return f"{dtype}{list(shape)}{'w' if weak_type else ''}@{'-' if sharding is None else repr(sharding)}"
+
+
+class Jit:
+    """jax.jit(fun, ...) with the executable store in front (module docstring). Static arguments are keyword-only."""
+
+    def __init__(self, fun: Callable, *, static_argnames: tuple[str, ...] = (), key: Any = None, **jit_kwargs):
+        self.jitted = jax.jit(fun, static_argnames=static_argnames, **jit_kwargs)
+        self.name = f"jit({getattr(fun, '__name__', 'fun')})"
+        self.fun = fun
+        self.static_argnames = frozenset(static_argnames)
+        self.key = key
+        self.loaded: dict[tuple, Any] = {}
+        functools.update_wrapper(self, fun)
+
+    def trace(self, *args, **kwargs):
+        return self.jitted.trace(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        return self.jitted.lower(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        store = compile_cache.store()
+        if store is None:
+            return self.jitted(*args, **kwargs)
+        static = tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames))
+        dynamic = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+        leaves, treedef = jax.tree.flatten((args, dynamic))
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+            return self.jitted(*args, **kwargs)
+        avals = tuple(_aval(x) for x in leaves)
+        memory_key = (static, treedef, avals)
+        compiled = self.loaded.get(memory_key)
+        if compiled is None:
+            compiled = self.loaded[memory_key] = self._load_or_compile(store, static, treedef, avals, args, kwargs)
+        return compiled(*args, **dynamic)
+
+    def _load_or_compile(self, store, static, treedef, avals, args, kwargs):
+        try:
+            key = hashlib.sha256(
+                stable([_process_key(), jax_config.trace_context(), self.fun, self.key, static, treedef]).encode()
+                + "".join(_stable_aval(*a) for a in avals).encode()
+            ).hexdigest()
+        except Unkeyable as reason:
+            logging.debug("%s is compiled without the executable store: %s", self.name, reason)
+            return self.jitted.trace(*args, **kwargs).lower().compile()
+        entry = f"{self.name[4:-1]}-{key}{SUFFIX}"
+        start = time.perf_counter()
+        data = store.get(entry)
+        if data is not None:
+            try:
+                compiled = serialize_executable.deserialize_and_load(*pickle.loads(zlib.decompress(data)))
+            except Exception as error:  # noqa: BLE001 - an entry that loads wrong is a miss, compiled and replaced
+                logging.warning("%s: stored program %s did not load (%s); compiling it", self.name, entry, error)
+            else:
+                compile_cache.count_loaded(self.name, time.perf_counter() - start)
+                return compiled
+        with store.bypassed():  # compiled afresh: see CheckedFileCache.bypassed
+            compiled = self.jitted.trace(*args, **kwargs).lower().compile()
+        try:
+            # XLA:CPU's object code compresses ~5x (jax's own cache compresses its entries too).
+            value = zlib.compress(pickle.dumps(serialize_executable.serialize(compiled)), 1)
+        except (ValueError, NotImplementedError, pickle.PicklingError) as reason:
+            logging.debug("%s cannot be stored: %s", self.name, reason)
+        else:
+            store.put(entry, value)
+        return compiled
+
+
+def jit(fun: Callable | None = None, *, static_argnames: tuple[str, ...] = (), key: Any = None, **jit_kwargs):
+    """`Jit` as a decorator (`@saved_programs.jit(static_argnames=...)`) or a call (`jit(fun, key=..., ...)`)."""
+    if fun is None:
+        return functools.partial(jit, static_argnames=static_argnames, key=key, **jit_kwargs)
+    return Jit(fun, static_argnames=static_argnames, key=key, **jit_kwargs)
