@@ -14,10 +14,14 @@ import pytest
 from flax import nnx
 
 from tests.helpers.decoding import shared_model, sources_BS
+from tests.helpers.training import one_layer_config, synthetic_batch
 from transformer_jax import compile_cache, saved_programs
 from transformer_jax.decoding import transformer as binding
 from transformer_jax.decoding.search import BeamState, length_penalty
 from transformer_jax.model import Transformer, TransformerSpec
+from transformer_jax.sharding import make_mesh
+from transformer_jax.training.state import create_train_state
+from transformer_jax.training.step import compile_steps
 
 
 class NoTracing:
@@ -168,3 +172,28 @@ def test_a_program_jax_loaded_from_its_cache_is_not_what_is_saved(store, monkeyp
             f.jitted = jitted[name]
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_allclose(got.scores, want.scores, rtol=1e-6)
+
+
+def test_a_restarted_train_step_loads_without_tracing_and_a_changed_optimizer_setting_misses(store):
+    """train.py's step: a partial over the train graph, whose optimizer is optax closures over its settings."""
+
+    def step_for(config):
+        graphs, state = create_train_state(config)
+        step, _, _ = compile_steps(graphs, state, make_mesh(), "data", label_smoothing=0.1, accum_steps=1)
+        return step, state
+
+    config, batch = one_layer_config(), synthetic_batch(0, rows=8)
+    step, state = step_for(config)
+    _, want = step(state, batch)
+    restarted, state = step_for(config)  # a new process's step: nothing in memory
+    restarted.jitted = NoTracing()
+    hits = store.stats.hits
+    _, got = restarted(state, batch)
+    assert store.stats.hits == hits + 1
+    np.testing.assert_allclose(got["loss_sum"], want["loss_sum"], rtol=1e-6)
+    np.testing.assert_allclose(got["grad_norm"], want["grad_norm"], rtol=1e-6)
+    saved = len(entries(store))
+    config.opt.b2 = 0.99  # same shapes, same model: only the optimizer's closures differ
+    other, state = step_for(config)
+    other.precompile(state, batch)
+    assert len(entries(store)) == saved + 1

@@ -172,8 +172,8 @@ def test_setup_builds_the_train_step_program_while_restoring_and_uses_the_kept_m
     """A restart waits for the train step's program while the checkpoint is read, not after it (compile_ahead),
     the first step calls that program, and MFU divides by the peak kept beside the compilation cache."""
     shutil.copytree(uninterrupted, tmp_path / "run")
-    monkeypatch.setattr(compile_cache, "store", lambda: SimpleNamespace(path=tmp_path))
-    (tmp_path / flops.PEAK_FILE).write_text(json.dumps({flops.peak_key(): 3e9}))
+    store = compile_cache.enable(str(tmp_path / "xla"))  # a cache of the test's own; the session's is back after
+    (store.path / flops.PEAK_FILE).write_text(json.dumps({flops.peak_key(): 3e9}))
     monkeypatch.setattr(flops, "measure_matmul_peak", lambda: pytest.fail("measured the matmul peak again"))
 
     def programs() -> int:
@@ -193,6 +193,7 @@ def test_setup_builds_the_train_step_program_while_restoring_and_uses_the_kept_m
         assert run.metric_log.peak_all_devices == 3e9 * jax.device_count()
     finally:
         run.close()
+        compile_cache.enable()
 
 
 def test_train_py_starts_without_importing_torch_or_the_decoder(tmp_path):

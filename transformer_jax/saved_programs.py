@@ -13,7 +13,8 @@ What the key covers, so that a stored program is never used for a different one:
 - the machine: the backend, its platform version, every device (kind, id, process), XLA_FLAGS and
   LIBTPU_INIT_ARGS, jax's trace-time settings (`jax._src.config.trace_context()`: x64, matmul precision, the mesh
   context, ...); entries live in compile_cache's per-host-CPU directory;
-- the function (module and name) and what its decorator closes over (`key`: the model's graph, for the train step);
+- the function (module and name; a functools.partial's arguments too: the model's graph, for the train step) and the
+  jit settings (shardings, donation);
 - the call: every static argument's value, the tree structure of the other arguments (with the module and name of
   every node type), and each array's shape, dtype, weak type and sharding.
 A value the key cannot describe stably (`stable`: an object from outside the trusted packages, a function defined
@@ -59,11 +60,24 @@ class Unkeyable(Exception):
     """A value that `stable` cannot describe the same way in every process."""
 
 
-def _qualified(obj: Any) -> str:
+def _qualified(obj: Any, local: bool = False) -> str:
     module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
-    if not module or not name or "<locals>" in name or module.split(".")[0] not in TRUSTED:
+    if not module or not name or ("<locals>" in name and not local) or module.split(".")[0] not in TRUSTED:
         raise Unkeyable(f"{obj!r} is not a module-level object of {', '.join(TRUSTED)}")
     return f"{module}.{name}"
+
+
+def _stable_function(f: types.FunctionType, depth: int) -> str:
+    """A function of a trusted package: its code is fixed by the package (the source hash or a library version), so
+    its name, defaults and the values it closes over (optax's transformations are closures over their settings)
+    describe it."""
+    cells = []
+    for cell in f.__closure__ or ():
+        try:
+            cells.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            cells.append("<empty>")
+    return f"{_qualified(f, local=True)}({stable([cells, f.__defaults__, f.__kwdefaults__], depth)})"
 
 
 def stable(x: Any, depth: int = 0) -> str:
@@ -82,6 +96,10 @@ def stable(x: Any, depth: int = 0) -> str:
         return f"dtype:{x.str}"
     if isinstance(x, np.ndarray):
         return f"ndarray:{x.dtype.str}{x.shape}:{hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest()}"
+    if isinstance(x, jax.sharding.Sharding):
+        return _stable_sharding(x)
+    if isinstance(x, jax.sharding.Mesh):
+        return f"Mesh{x.axis_names}{x.devices.shape}{[dev.id for dev in x.devices.flat]}{x.axis_types}"
     if isinstance(x, jax.tree_util.PyTreeDef):
         node = x.node_data()
         head = "leaf" if node is None else f"{_qualified(node[0])}[{stable(node[1], d)}]"
@@ -100,7 +118,11 @@ def stable(x: Any, depth: int = 0) -> str:
     if isinstance(x, Mapping):
         items = sorted((stable(k, d), stable(v, d)) for k, v in x.items())
         return f"{_qualified(type(x))}{{{','.join(f'{k}={v}' for k, v in items)}}}"
-    if isinstance(x, (types.FunctionType, types.BuiltinFunctionType, np.ufunc)) or callable(x):
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        return stable(np.asarray(x), d)
+    if isinstance(x, types.FunctionType):
+        return _stable_function(x, d)
+    if isinstance(x, (types.BuiltinFunctionType, np.ufunc)) or callable(x):
         return _qualified(x)
     if hasattr(x, "__dict__"):
         return f"{_qualified(type(x))}{stable(vars(x), d)}"
@@ -123,24 +145,42 @@ def _process_key() -> str:
     return stable([FORMAT, code.hexdigest(), versions, devices, backend.platform, backend.platform_version, flags])
 
 
-def _aval(x: Any) -> tuple:
+def _arg(x: Any) -> tuple:
+    """What a compiled program asks of an argument: (shape, dtype, weak type, sharding); ShapeDtypeStructs (for
+    `precompile`) give what the arrays they stand for will."""
+    if isinstance(x, jax.Array):
+        return x.shape, x.dtype, x.aval.weak_type, x.sharding
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x.shape, x.dtype, x.weak_type, x.sharding
     aval = jax.api_util.shaped_abstractify(x)
-    return aval.shape, aval.dtype, aval.weak_type, getattr(x, "sharding", None)
+    return aval.shape, aval.dtype, aval.weak_type, None
 
 
-def _stable_aval(shape, dtype, weak_type, sharding) -> str:
-    return f"{dtype}{list(shape)}{'w' if weak_type else ''}@{'-' if sharding is None else repr(sharding)}"
+def _stable_sharding(sharding: jax.sharding.Sharding) -> str:
+    """A sharding with the ids of its devices in order (a Mesh's description names its axes, not its devices)."""
+    mesh = getattr(sharding, "mesh", None)
+    ids = (
+        [d.id for d in mesh.devices.flat]
+        if isinstance(mesh, jax.sharding.Mesh)
+        else sorted(d.id for d in sharding.device_set)
+    )
+    return f"{sharding!r}{ids}"
+
+
+def _stable_arg(shape, dtype, weak_type, sharding) -> str:
+    return f"{dtype}{list(shape)}{'w' if weak_type else ''}@{'-' if sharding is None else _stable_sharding(sharding)};"
 
 
 class Jit:
-    """jax.jit(fun, ...) with the executable store in front (module docstring). Static arguments are keyword-only."""
+    """jax.jit(fun, **jit_kwargs) with the executable store in front (module docstring); static arguments are
+    keyword-only. `fun` may be a functools.partial of a module-level function (its arguments are keyed)."""
 
-    def __init__(self, fun: Callable, *, static_argnames: tuple[str, ...] = (), key: Any = None, **jit_kwargs):
+    def __init__(self, fun: Callable, *, static_argnames: tuple[str, ...] = (), **jit_kwargs):
         self.jitted = jax.jit(fun, static_argnames=static_argnames, **jit_kwargs)
-        self.name = f"jit({getattr(fun, '__name__', 'fun')})"
+        self.name = f"jit({getattr(getattr(fun, 'func', fun), '__name__', 'fun')})"
         self.fun = fun
+        self.jit_kwargs = jit_kwargs
         self.static_argnames = frozenset(static_argnames)
-        self.key = key
         self.loaded: dict[tuple, Any] = {}
         functools.update_wrapper(self, fun)
 
@@ -151,27 +191,35 @@ class Jit:
         return self.jitted.lower(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
+        compiled = self.precompile(*args, **kwargs)
+        if compiled is None:
+            return self.jitted(*args, **kwargs)
+        return compiled(*args, **{k: v for k, v in kwargs.items() if k not in self.static_argnames})
+
+    def precompile(self, *args, **kwargs) -> jax.stages.Compiled | None:
+        """The program for these arguments (arrays, or ShapeDtypeStructs with shardings), loaded or compiled, kept for
+        the calls that follow; None where the store is off or the call runs under another trace."""
         store = compile_cache.store()
         if store is None:
-            return self.jitted(*args, **kwargs)
+            return None
         static = tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames))
-        dynamic = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
-        leaves, treedef = jax.tree.flatten((args, dynamic))
+        leaves, treedef = jax.tree.flatten((args, {k: v for k, v in kwargs.items() if k not in self.static_argnames}))
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
-            return self.jitted(*args, **kwargs)
-        avals = tuple(_aval(x) for x in leaves)
-        memory_key = (static, treedef, avals)
+            return None
+        arg_keys = tuple(_arg(x) for x in leaves)
+        context = jax_config.trace_context()
+        memory_key = (static, treedef, arg_keys, context)
         compiled = self.loaded.get(memory_key)
         if compiled is None:
-            compiled = self.loaded[memory_key] = self._load_or_compile(store, static, treedef, avals, args, kwargs)
-        return compiled(*args, **dynamic)
+            compiled = self.loaded[memory_key] = self._load_or_compile(store, memory_key, args, kwargs)
+        return compiled
 
-    def _load_or_compile(self, store, static, treedef, avals, args, kwargs):
+    def _load_or_compile(self, store, memory_key, args, kwargs) -> jax.stages.Compiled:
+        static, treedef, arg_keys, context = memory_key
         try:
-            key = hashlib.sha256(
-                stable([_process_key(), jax_config.trace_context(), self.fun, self.key, static, treedef]).encode()
-                + "".join(_stable_aval(*a) for a in avals).encode()
-            ).hexdigest()
+            settings = jax.tree.flatten(self.jit_kwargs)  # shardings may sit in pytrees of nnx Variables
+            described = stable([_process_key(), context, self.fun, settings[1], settings[0], static, treedef])
+            key = hashlib.sha256((described + "".join(_stable_arg(*a) for a in arg_keys)).encode()).hexdigest()
         except Unkeyable as reason:
             logging.debug("%s is compiled without the executable store: %s", self.name, reason)
             return self.jitted.trace(*args, **kwargs).lower().compile()
@@ -198,8 +246,8 @@ class Jit:
         return compiled
 
 
-def jit(fun: Callable | None = None, *, static_argnames: tuple[str, ...] = (), key: Any = None, **jit_kwargs):
-    """`Jit` as a decorator (`@saved_programs.jit(static_argnames=...)`) or a call (`jit(fun, key=..., ...)`)."""
+def jit(fun: Callable | None = None, *, static_argnames: tuple[str, ...] = (), **jit_kwargs):
+    """`Jit` as a decorator (`@saved_programs.jit(static_argnames=...)`) or a call (`jit(fun, ...)`)."""
     if fun is None:
-        return functools.partial(jit, static_argnames=static_argnames, key=key, **jit_kwargs)
-    return Jit(fun, static_argnames=static_argnames, key=key, **jit_kwargs)
+        return functools.partial(jit, static_argnames=static_argnames, **jit_kwargs)
+    return Jit(fun, static_argnames=static_argnames, **jit_kwargs)

@@ -384,7 +384,7 @@ def compile_ahead(train_step, abstract_state, shardings, shapes, batch_sharding_
         state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, shardings)
         try:
             with tracing_mesh(mesh):  # as the step loop traces it (a context of this thread only)
-                train_step.lower(state, batch).compile()
+                train_step.precompile(state, batch) or train_step.lower(state, batch).compile()
         except Exception as error:  # noqa: BLE001 - the first step compiles again and reports a real problem itself
             logging.info("compiling the train step ahead failed (%s); it compiles at the first step", error)
 
