@@ -16,7 +16,7 @@ SCRIPTS = {"train", "evaluate", "benchmarks", "tests", "configs"}
 # (evaluation.validation.bleu_evaluator), so it imports neither decoding nor evaluation; explain draws with visualize.
 LAYERS = [
     {"errors", "tokens", "platform", "compile_cache"},
-    {"files", "progress", "config_files"},
+    {"files", "progress", "config_files", "saved_programs"},
     {"cli", "sharding", "accelerators"},
     {"ops"},
     {"config_keys"},

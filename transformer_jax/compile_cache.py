@@ -19,6 +19,9 @@ entry whose checksum fails as a miss and replaces it, and reports an unwritable 
 warning line, after which the run compiles without writing. A damaged entry therefore costs a compile, never a
 failed run or a wrong program.
 
+jax's key needs the program traced and lowered first; the package's own jitted functions skip that on a hit through
+saved_programs.py, whose entries live in the same directory.
+
 Ahead-of-time compiles for devices this host does not have (transformer_jax/accelerators.py: a TPU or GPU topology
 compiled on a CPU host) run on a compile-only client, which cannot load an executable back: they never use the
 cache (jax would write their entries and then warn on every read).
@@ -235,7 +238,7 @@ class Programs:
 
     count: int = 0
     seconds: float = 0.0  # in XLA's compiler or reading the cache
-    tracing_seconds: float = 0.0  # tracing to a jaxpr and lowering it: paid again even when the cache has the program
+    tracing_seconds: float = 0.0  # tracing and lowering: paid again on a jax cache hit, not on a saved_programs one
     functions: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # jitted name -> count
 
 
@@ -265,7 +268,8 @@ def count_loaded(fun_name: str, seconds: float) -> None:
 def compilations() -> dict:
     """What the reports print: programs built so far in this process, how many came from the persistent cache
     (a cache on, else 0), how many XLA compiled, the seconds that took, the seconds spent tracing and lowering
-    (which a cache hit does not save: the cache key is the lowered program), and the count per jitted function."""
+    (which a jax cache hit does not save: its key is the lowered program; a saved_programs hit does), and the
+    count per jitted function."""
     loaded = _store.stats.hits if _store is not None else 0
     return {
         "programs": _programs.count,
