@@ -158,6 +158,8 @@ def test_a_program_jax_loaded_from_its_cache_is_not_what_is_saved(store, monkeyp
     assert entries(store) == []
     jax.clear_caches()
     wrappers = {n: f for n, f in vars(binding).items() if isinstance(f, saved_programs.Jit)}
+    for f in wrappers.values():  # programs an earlier test of this process loaded stay in memory otherwise
+        f.loaded.clear()
     binding.searcher(model)(src_BS, max_len_B, beam_size=2, alpha=0.6, max_steps=6)  # jax's cache has them all
     assert {name.split("-")[0] for name in entries(store)} >= {"_start", "_stage", "_outcome"}
     for f in wrappers.values():
@@ -192,8 +194,7 @@ def test_a_restarted_train_step_loads_without_tracing_and_a_changed_optimizer_se
     assert store.stats.hits == hits + 1
     np.testing.assert_allclose(got["loss_sum"], want["loss_sum"], rtol=1e-6)
     np.testing.assert_allclose(got["grad_norm"], want["grad_norm"], rtol=1e-6)
-    saved = len(entries(store))
     config.opt.b2 = 0.99  # same shapes, same model: only the optimizer's closures differ
-    other, state = step_for(config)
-    other.precompile(state, batch)
-    assert len(entries(store)) == saved + 1
+    other, _ = step_for(config)
+    assert saved_programs.stable(other.fun) != saved_programs.stable(step.fun)
+    assert saved_programs.stable(step_for(one_layer_config())[0].fun) == saved_programs.stable(step.fun)

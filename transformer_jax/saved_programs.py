@@ -239,7 +239,7 @@ class Jit:
         try:
             # XLA:CPU's object code compresses ~5x (jax's own cache compresses its entries too).
             value = zlib.compress(pickle.dumps(serialize_executable.serialize(compiled)), 1)
-        except (ValueError, NotImplementedError, pickle.PicklingError) as reason:
+        except Exception as reason:  # noqa: BLE001 - a program that cannot be saved is only not saved
             logging.debug("%s cannot be stored: %s", self.name, reason)
         else:
             store.put(entry, value)

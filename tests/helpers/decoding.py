@@ -136,7 +136,7 @@ class OneCheckpoint:
     def config_differences(self, saved, current):
         return []
 
-    def load_params(self, workdir, steps, config):
+    def load_params(self, workdir, steps, abstract_params):
         for _ in steps:
             self.loaded += 1
             yield self.params

@@ -54,7 +54,7 @@ class FakeRestorer:
         a, b = saved.model.to_dict(), current.model.to_dict()
         return [f"model.{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(a) if a.get(k) != b.get(k)]
 
-    def load_params(self, workdir, steps, config):
+    def load_params(self, workdir, steps, abstract_params):
         for step in steps:
             self.loaded.append(step)
             yield jax.tree.map(lambda x, step=step: x + np.float32(step / 1000), self.base)

@@ -10,22 +10,22 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import jax
 from flax import nnx
 from flax.traverse_util import flatten_dict
 
+from transformer_jax import saved_programs
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation.averaging import average_params, select_steps
-from transformer_jax.model import build_model
-from transformer_jax.training import checkpoints, state
+from transformer_jax.model import Transformer, TransformerSpec, build_model
+from transformer_jax.training import checkpoints
 
 
 class Restorer:
     """Reads checkpoints and the tokenizer of a workdir; tests substitute a fake with the same methods."""
 
     def __init__(self):
-        self._ckpt, self._state = checkpoints, state
+        self._ckpt = checkpoints
 
     def list_steps(self, workdir: str) -> list[int]:
         return self._ckpt.list_steps(workdir)
@@ -36,10 +36,10 @@ class Restorer:
     def config_differences(self, saved, current) -> list[str]:
         return self._ckpt.config_differences(saved.to_dict(), current.to_dict())
 
-    def load_params(self, workdir: str, steps: list[int], config) -> Iterator[dict]:
-        """The parameter pure dicts of `steps`, read one at a time."""
-        _, abstract = self._state.abstract_train_state(config)
-        return (self._ckpt.load_model_params(workdir, step, abstract) for step in steps)
+    def load_params(self, workdir: str, steps: list[int], abstract_params: nnx.State) -> Iterator[dict]:
+        """The parameter pure dicts of `steps`, read one at a time into the tree of `abstract_params` (the model's
+        nnx.Param state, abstract: the optimizer's state is not read, so its abstract tree is not built)."""
+        return (self._ckpt.load_model_params(workdir, step, {"model": abstract_params}) for step in steps)
 
     def tokenizer(self, config, workdir: str):
         if not config.data.tokenizer_model and not (Path(workdir) / tokenizer_lib.MODEL_FILENAME).exists():
@@ -87,12 +87,16 @@ def abstract_model(config: Any) -> Any:
     a program of its own (about 40 compilations and 1.5 s for a small model, before any decoding); here the other
     state comes from one jitted program in which XLA prunes the unused initialisers."""
 
-    def build() -> Any:
-        return build_model(config, rngs=nnx.Rngs(0))
-
-    model = nnx.eval_shape(build)
-    nnx.update(model, jax.jit(lambda: nnx.state(build(), nnx.Not(nnx.Param)))())
+    model = nnx.eval_shape(lambda: build_model(config, rngs=nnx.Rngs(0)))
+    nnx.update(model, _other_state(spec=model.spec))
     return model
+
+
+@saved_programs.jit(static_argnames=("spec",))
+def _other_state(*, spec: TransformerSpec) -> nnx.State:
+    """The state of build_model's model other than its parameters (the dropout streams' keys and counts, seed 0);
+    saved, so that a warm process does not trace the model's construction a second time."""
+    return nnx.state(Transformer(spec, rngs=nnx.Rngs(0)), nnx.Not(nnx.Param))
 
 
 def restore_model(
@@ -127,9 +131,9 @@ def restore_model(
     steps = choose_steps(
         available, workdir, checkpoint=checkpoint, average_last=average_last, average_steps=average_steps
     )
-    params = average_params(restorer.load_params(workdir, steps, config))
     model = abstract_model(config)
     target = nnx.state(model, nnx.Param)
+    params = average_params(restorer.load_params(workdir, steps, target))
 
     def shapes(tree: dict) -> dict[str, tuple[int, ...]]:
         # Layer lists have integer keys, hence the str() before joining.
