@@ -69,7 +69,7 @@ def test_a_fresh_wrapper_loads_the_saved_program_without_tracing(store):
     assert compile_cache.compilations()["functions"]["jit(length_penalty)"] >= 2  # counted in the report
 
 
-def test_a_changed_static_argument_shape_or_xla_flag_misses(store, monkeypatch):
+def test_a_changed_static_argument_shape_xla_flag_or_target_backend_misses(store, monkeypatch):
     fresh()(LENGTHS, ALPHA, penalty="gnmt")
     np.testing.assert_allclose(fresh()(LENGTHS, ALPHA, penalty="average"), expected("average"), rtol=1e-6)
     fresh()(LENGTHS[:4], ALPHA, penalty="gnmt")
@@ -79,6 +79,10 @@ def test_a_changed_static_argument_shape_or_xla_flag_misses(store, monkeypatch):
     saved_programs._process_key.cache_clear()
     fresh()(LENGTHS, ALPHA, penalty="gnmt")
     assert len(entries(store)) == 5
+    # The backend the package traces for (platform.compiling_for) chooses kernels: it is part of the key.
+    monkeypatch.setattr(saved_programs.platform, "target_backend", lambda: "gpu")
+    fresh()(LENGTHS, ALPHA, penalty="gnmt")
+    assert len(entries(store)) == 6
 
 
 def test_the_key_covers_every_source_file(tmp_path, monkeypatch):

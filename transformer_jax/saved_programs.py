@@ -12,7 +12,8 @@ What the key covers, so that a stored program is never used for a different one:
   optax, numpy and ml_dtypes;
 - the machine: the backend, its platform version, every device (kind, id, process), XLA_FLAGS and
   LIBTPU_INIT_ARGS, jax's trace-time settings (`jax._src.config.trace_context()`: x64, matmul precision, the mesh
-  context, ...); entries live in compile_cache's per-host-CPU directory;
+  context, ...), the backend the package traces for (`platform.target_backend()`); entries live in compile_cache's
+  per-host-CPU directory;
 - the function (module and name; a functools.partial's arguments too: the model's graph, for the train step) and the
   jit settings (shardings, donation);
 - the call: every static argument's value, the tree structure of the other arguments (with the module and name of
@@ -47,7 +48,7 @@ import numpy as np
 from jax._src import config as jax_config
 from jax.experimental import serialize_executable
 
-from transformer_jax import compile_cache
+from transformer_jax import compile_cache, platform
 
 FORMAT = 1  # bumped when what an entry holds changes
 SUFFIX = "-exe"
@@ -207,7 +208,7 @@ class Jit:
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
             return None
         arg_keys = tuple(_arg(x) for x in leaves)
-        context = jax_config.trace_context()
+        context = (jax_config.trace_context(), platform.target_backend())  # both steer tracing
         memory_key = (static, treedef, arg_keys, context)
         compiled = self.loaded.get(memory_key)
         if compiled is None:
