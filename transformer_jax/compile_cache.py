@@ -245,21 +245,20 @@ class Programs:
 _programs = Programs()
 
 
-def _count_program(event: str, seconds: float, fun_name: str = "?", **kwargs) -> None:
+def _on_jax_event(event: str, seconds: float, fun_name: str = "?", **kwargs) -> None:
     # jax times every executable it builds under this event, a persistent-cache load included.
     if event == jax_dispatch.BACKEND_COMPILE_EVENT:
-        _programs.count += 1
-        _programs.seconds += seconds
-        _programs.functions[fun_name] += 1
+        count_program(fun_name, seconds)
     elif event in (jax_dispatch.JAXPR_TRACE_EVENT, jax_dispatch.JAXPR_TO_MLIR_MODULE_EVENT):
         _programs.tracing_seconds += seconds
 
 
-jax.monitoring.register_event_duration_secs_listener(_count_program)
+jax.monitoring.register_event_duration_secs_listener(_on_jax_event)
 
 
-def count_loaded(fun_name: str, seconds: float) -> None:
-    """Counts a program that saved_programs.py loaded without jax (its store hit is counted by the store)."""
+def count_program(fun_name: str, seconds: float) -> None:
+    """Counts a program built (compiled, or loaded: by jax, or by saved_programs.py without jax, whose store hits the
+    store counts) and the seconds it took."""
     _programs.count += 1
     _programs.seconds += seconds
     _programs.functions[fun_name] += 1

@@ -233,7 +233,7 @@ class Jit:
             except Exception as error:  # noqa: BLE001 - an entry that loads wrong is a miss, compiled and replaced
                 logging.warning("%s: stored program %s did not load (%s); compiling it", self.name, entry, error)
             else:
-                compile_cache.count_loaded(self.name, time.perf_counter() - start)
+                compile_cache.count_program(self.name, time.perf_counter() - start)
                 return compiled
         with store.bypassed():  # compiled afresh: see CheckedFileCache.bypassed
             compiled = self.jitted.trace(*args, **kwargs).lower().compile()
