@@ -179,7 +179,8 @@ def test_the_decode_plan_is_consistent(both_meshes, decode_plan):
         parts = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"] + memory["generated_code"]
         assert memory["total"] == parts
     peak = programs["stage"]
-    assert peak["argument"] >= train["per_chip_bytes"]["parameters"] and peak["temp"] > 0
+    # temp may be 0: the TPU compiler reports no HBM temporaries for this tiny beam step.
+    assert peak["argument"] >= train["per_chip_bytes"]["parameters"]
     assert peak["alias"] > 0  # the search state is donated from stage to stage
     resident = decode_plan["train_state_resident_bytes"]
     assert resident == train["per_chip_bytes"]["optimizer_state"] > 0

@@ -10,7 +10,7 @@ of the package, and each file's docstring cites this legend instead of defining 
     W  beams per sentence                        R  beam rows, R = B W (row b W + w is beam w of sentence b)
     X  query block, Y key block (tiled kernels); I query blocks (T / X), J key blocks (S / Y)
     M  segments (packed sequences)               Z  frequencies of the sinusoidal encoding (D / 2)
-    P  positions (pictures of the positional encoding)
+    P  positions (pictures of the positional encoding)  C  candidates each beam proposes (beam search, min(W, V))
 """
 
 from transformer_jax import platform

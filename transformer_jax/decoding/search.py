@@ -124,12 +124,6 @@ def gather_rows(tree: PyTree, rows_R: Array) -> PyTree:
     return jax.tree.map(lambda x: x if jnp.ndim(x) == 0 else jnp.take(x, rows_R, axis=0), tree)
 
 
-def _next_log_probs(decode_step: DecodeStep, tokens_R: Array, cache: PyTree) -> tuple[Array, PyTree]:
-    logits, cache = decode_step(tokens_R[:, None], cache)
-    logits_RV = logits.reshape(tokens_R.shape[0], -1).astype(jnp.float32)
-    return jax.nn.log_softmax(logits_RV, axis=-1), cache
-
-
 def first_argmax(x_BV: Array) -> Array:
     """jnp.argmax over the last axis (the first index of the maximum), as two plain reductions.
 
@@ -324,30 +318,43 @@ class BeamState(NamedTuple):
         """One step of beam search (see beam_search)."""
         s = self
         batch, width = s.finished_BW.shape
-        log_probs_RV, cache = _next_log_probs(decode_step, s.last_BW.reshape(-1), s.cache)
-        vocab = log_probs_RV.shape[-1]
-        log_probs_BWV = log_probs_RV.reshape(batch, width, vocab)
+        logits_R1V, cache = decode_step(s.last_BW.reshape(-1, 1), s.cache)
+        logits_RV = logits_R1V.reshape(batch * width, -1).astype(jnp.float32)
+        vocab = logits_RV.shape[-1]
+        per_beam = min(width, vocab)  # C: the candidates each beam proposes
+        # A beam's candidates rank as its tokens' logits do (log P + log_softmax, then / lp, are monotone in the
+        # logit), so a sentence's best W of its W V candidates are among its beams' W best tokens each: the [R, V]
+        # work is the logits' max, their log-sum-exp and a top-k per row, and the candidates are [B, W, C]. Their
+        # log-probabilities are log_softmax's, computed with its operations (equal bits); only candidates of equal
+        # score but different logits may be taken in another order than a top-k over all W V would take them.
+        max_R1 = jnp.max(logits_RV, axis=-1, keepdims=True)
+        lse_R1 = jnp.log(jnp.sum(jnp.exp(logits_RV - max_R1), axis=-1, keepdims=True))
+        choosable_RV = logits_RV
         if prefix_BP is not None:  # inside its prefix, a sentence's beams can only emit the prefix's next token
             forced_B1 = forced_tokens(prefix_BP, s.step_B)[:, None]
-            allowed_BV = (forced_B1 == PAD_ID) | (jnp.arange(vocab) == forced_B1)
-            log_probs_BWV = jnp.where(allowed_BV[:, None, :], log_probs_BWV, NEG_INF)
+            allowed_RV = jnp.repeat((forced_B1 == PAD_ID) | (jnp.arange(vocab) == forced_B1), width, axis=0)
+            choosable_RV = jnp.where(allowed_RV, logits_RV, NEG_INF)
+        top_RC, top_token_RC = jax.lax.top_k(choosable_RV, per_beam)
+        log_probs_BWC = ((top_RC - max_R1) - lse_R1).reshape(batch, width, per_beam)
         # Candidate log-probabilities: extensions of unfinished beams; a finished beam only continues with PAD.
-        is_pad_V = jnp.arange(vocab) == PAD_ID
+        first_C = jnp.arange(per_beam) == 0
         fin_BW1 = s.finished_BW[..., None]
-        cand_BWV = jnp.where(
+        cand_BWC = jnp.where(
             fin_BW1,
-            jnp.where(is_pad_V, s.log_probs_BW[..., None], NEG_INF),
-            s.log_probs_BW[..., None] + log_probs_BWV,
+            jnp.where(first_C, s.log_probs_BW[..., None], NEG_INF),
+            s.log_probs_BW[..., None] + log_probs_BWC,
         )
+        token_BWC = jnp.where(fin_BW1, PAD_ID, top_token_RC.reshape(batch, width, per_beam))
         cand_len_BW = jnp.where(s.finished_BW, s.lengths_BW, s.step_B[:, None] + 1)
-        score_BWV = cand_BWV / length_penalty(cand_len_BW, alpha, penalty)[..., None]
-        score_BW, flat_BW = jax.lax.top_k(score_BWV.reshape(batch, width * vocab), width)
-        beam_BW, token_BW = flat_BW // vocab, (flat_BW % vocab).astype(jnp.int32)
+        score_BWC = cand_BWC / length_penalty(cand_len_BW, alpha, penalty)[..., None]
+        score_BW, flat_BW = jax.lax.top_k(score_BWC.reshape(batch, width * per_beam), width)
+        beam_BW = flat_BW // per_beam
+        token_BW = jnp.take_along_axis(token_BWC.reshape(batch, -1), flat_BW, axis=1).astype(jnp.int32)
 
         def pick(x_BW: Array) -> Array:
             return jnp.take_along_axis(x_BW, beam_BW, axis=1)
 
-        log_probs_BW = jnp.take_along_axis(cand_BWV.reshape(batch, -1), flat_BW, axis=1)
+        log_probs_BW = jnp.take_along_axis(cand_BWC.reshape(batch, -1), flat_BW, axis=1)
         tokens_BWL = jnp.take_along_axis(s.tokens_BWL, beam_BW[..., None], axis=1)
         # A beam finishes on EOS, at its sentence's maximum length, or when nothing finite is left (-inf: dead).
         finished_BW = (
