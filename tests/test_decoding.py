@@ -168,6 +168,46 @@ def test_beam_size_one_equals_greedy_on_stub():
             last = token
 
 
+def _all_candidates_step(logits_RV, s, alpha):
+    """Beam search's step as the top-W of all W V candidates of each sentence (the reference of BeamState.advance,
+    which takes each beam's best tokens first)."""
+    batch, width = s.finished_BW.shape
+    vocab = logits_RV.shape[-1]
+    log_probs_BWV = jax.nn.log_softmax(logits_RV, -1).reshape(batch, width, vocab)
+    cand_BWV = jnp.where(
+        s.finished_BW[..., None],
+        jnp.where(jnp.arange(vocab) == PAD, s.log_probs_BW[..., None], -jnp.inf),
+        s.log_probs_BW[..., None] + log_probs_BWV,
+    )
+    cand_len_BW = jnp.where(s.finished_BW, s.lengths_BW, s.step_B[:, None] + 1)
+    score_BWV = cand_BWV / decoding.length_penalty(cand_len_BW, alpha)[..., None]
+    score_BW, flat_BW = jax.lax.top_k(score_BWV.reshape(batch, -1), width)
+    return score_BW, flat_BW // vocab, flat_BW % vocab, jnp.take_along_axis(cand_BWV.reshape(batch, -1), flat_BW, 1)
+
+
+@pytest.mark.parametrize("vocab", [3, 50])  # fewer tokens than beams: each beam proposes all it has
+def test_each_beams_best_tokens_give_the_step_of_all_candidates(vocab):
+    batch, width, alpha = 6, 4, 0.6
+    rng = np.random.default_rng(vocab)
+    logits_RV = jnp.asarray(rng.normal(size=(batch * width, vocab)) * 3, jnp.float32)  # distinct: no ties
+    s = decoding.BeamState.start({}, batch, width, 8)._replace(
+        step_B=jnp.full((batch,), 3, jnp.int32),
+        finished_BW=jnp.asarray(rng.random((batch, width)) < 0.3).at[0].set(True).at[1].set(False),
+        log_probs_BW=jnp.asarray(-np.sort(rng.random((batch, width)) * 4, 1), jnp.float32),
+        lengths_BW=jnp.asarray(rng.integers(1, 4, (batch, width)), jnp.int32),
+    )
+    step = lambda tokens_R1, cache: (logits_RV[:, None], cache)  # noqa: E731
+    new = s.advance(step, jnp.full((batch,), 8), alpha, settle=0)
+    score_BW, beam_BW, token_BW, log_probs_BW = _all_candidates_step(logits_RV, s, alpha)
+    np.testing.assert_array_equal(new.last_BW, token_BW)
+    np.testing.assert_array_equal(new.log_probs_BW, log_probs_BW)  # the same bits, not only close
+    np.testing.assert_array_equal(new.tokens_BWL[:, :, 3], token_BW)
+    np.testing.assert_array_equal(
+        new.lengths_BW, jnp.take_along_axis(jnp.where(s.finished_BW, s.lengths_BW, 4), beam_BW, 1)
+    )
+    assert np.all(np.isfinite(score_BW[:, 0]))
+
+
 # -- the Transformer ---------------------------------------------------------------------------------------------
 
 
