@@ -59,8 +59,8 @@ class Calls(Protocol):
     def start(self, src_BS, *, beam_size: int, slots: int) -> tuple[PyTree, Any]:
         """Encodes a batch: (its fixed context, the search's first state with `slots` output slots)."""
 
-    def encode(self, src_KS, *, beam_size: int) -> PyTree:
-        """The fixed context of K waiting sentences (a block)."""
+    def encode(self, src_KS) -> PyTree:
+        """The fixed context of K waiting sentences (a block), a row per sentence."""
 
     def insert(self, context, s, block, first, rows_K, *, beam_size: int) -> tuple[PyTree, Any]:
         """Block sentences first, first + 1, ... take the rows rows_K (past the end: not taken), at their start."""
@@ -77,7 +77,7 @@ class Calls(Protocol):
         """Steps until at most stop_live sentences are live or a live one fills the cache (row_inputs: the rows'
         `row_inputs`, see refilling_search)."""
 
-    def keep(self, context, s, keep_K, *, beam_size: int) -> tuple[PyTree, Any]:
+    def keep(self, context, s, keep_K) -> tuple[PyTree, Any]:
         """The context and state of the sentences keep_K only."""
 
     def outcome(self, s, alpha, *, penalty: str) -> Outcome:
@@ -223,7 +223,7 @@ class _Refill:
     def _next_block(self) -> None:
         """Encodes the next block_rows waiting sentences together; widens block and batch to one source length."""
         self.block_ids, src_KS = self._take(self.block_rows)
-        self.block, self.joined = self.calls.encode(src_KS, beam_size=self.beam_size), 0
+        self.block, self.joined = self.calls.encode(src_KS), 0
         if src_KS.shape[1] < self.src_len:
             self.block = self.calls.widen(self.block, src_len=self.src_len)
         if self.src_len > self.context_len:
@@ -253,9 +253,7 @@ class _Refill:
         live, size = self.live(), compacted_size(len(self.live()), self.rows())
         if size < self.rows():
             keep = np.concatenate([live, self.free()[: size - len(live)]])
-            self.context, self.state = self.calls.keep(
-                self.context, self.state, keep.astype(np.int32), beam_size=self.beam_size
-            )
+            self.context, self.state = self.calls.keep(self.context, self.state, keep.astype(np.int32))
             self.sentence_R, self.max_len_R, self.step_R = (
                 self.sentence_R[keep],
                 self.max_len_R[keep],

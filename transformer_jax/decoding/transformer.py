@@ -4,9 +4,9 @@ Axis letters: see transformer_jax/__init__.py (B sentences, W beams per sentence
 joining or kept, S source positions, L output slots).
 
 The model's decoding cache splits in two (`_split_cache`): the context, fixed per sentence (the source's segment
-ids and the cross-attention keys/values), tiled over the beams once and closed over by the decode step; and what
-changes per step (the per-row write index and the self-attention keys/values), which the search carries and beam
-search reorders.
+ids and the cross-attention keys/values), one row per sentence and closed over by the decode step (the model's
+cross-attention reads it with the W queries of a sentence's beams together); and what changes per step (the
+per-row write index and the self-attention keys/values), which the search carries and beam search reorders.
 
 `Searcher` runs a batch either as one jitted call (`_search`) or through the refilling scheduler (refill.py), whose
 calls (`ModelCalls`) are the jitted functions below with the model's graph (`Graph`) as a static argument.
@@ -50,19 +50,25 @@ Array = jax.Array
 PyTree = Any
 
 
-def _split_cache(full: PyTree, beam_size: int) -> tuple[PyTree, PyTree]:
-    """The model's decoding cache as (context, cache): what stays fixed per sentence, tiled over the beams once (the
-    source's segment ids and the cross-attention keys/values), and what changes per step, with B rows (the write
-    index and the self-attention keys/values)."""
-    context = tile_beams({"src_segment_ids": full["src_segment_ids"], "cross": full["cross"]}, beam_size)
-    return context, {"index": full["index"], "self": full["self"]}
+def _split_cache(full: PyTree) -> tuple[PyTree, PyTree]:
+    """The model's decoding cache as (context, cache), both with B rows: what stays fixed per sentence (the source's
+    segment ids and the cross-attention keys/values), and what changes per step (the write index and the
+    self-attention keys/values; beam search tiles it to R rows).
+
+    The context is not tiled over the beams: a step's cross-attention reads each sentence's keys and values once
+    for its W beams (model/transformer.py, DecoderLayer), W times less than tiled rows would read (measured in
+    docs/benchmarks.md)."""
+    return (
+        {"src_segment_ids": full["src_segment_ids"], "cross": full["cross"]},
+        {"index": full["index"], "self": full["self"]},
+    )
 
 
 def _context_step(model: nnx.Module, context: PyTree) -> DecodeStep:
     """model.decode as a decode step over the per-step cache, the fixed context closed over.
 
     The context is the same for every beam of a sentence, so closing over it (instead of carrying it through the
-    loop) spares the beam search reordering it every step."""
+    loop) spares the beam search reordering it every step; it has a row per sentence (`_split_cache`)."""
 
     def decode_step(tokens_R1: Array, cache: PyTree) -> tuple[Array, PyTree]:
         logits_R1V, new = model.decode(None, tokens_R1, cache={**context, **cache})
@@ -76,12 +82,13 @@ def cached_decode_step(
 ) -> Decoder:
     """A Decoder over `model.decode` with a KV cache that grows in stages; for use inside a traced function.
 
-    The cross-attention keys/values are projected once per sentence (`init_cache`) and tiled over the beams once
-    (`_split_cache`). The returned cache holds what changes per step, with B rows (the search tiles them), and room
-    for the first stage's steps.
+    The cross-attention keys/values are projected once per sentence (`init_cache`), a row per sentence for all its
+    beams (`_split_cache`). The returned cache holds what changes per step, with B rows (the search tiles them), and
+    room for the first stage's steps.
     """
+    del beam_size  # recompute_decode_step's signature: the context has a row per sentence, the search tiles the cache
     full = model.init_cache(memory_BSD, src_segment_ids_BS, cache_stages(max_steps)[0])
-    context, cache = _split_cache(full, beam_size)
+    context, cache = _split_cache(full)
     return Decoder(_context_step(model, context), cache, model.grow_cache)
 
 
@@ -199,22 +206,22 @@ def graph(graphdef: nnx.GraphDef, treedef: jax.tree_util.PyTreeDef) -> Graph:
 
 @saved_programs.jit(static_argnames=("graph", "beam_size", "slots"))
 def _start(params: list[Array], src_BS: Array, *, graph: Graph, beam_size: int, slots: int):
-    """Encodes the batch; the fixed context (R rows) and the search's first state, with `slots` slots."""
+    """Encodes the batch; the fixed context (B rows) and the search's first state, with `slots` slots."""
     model = graph.merge(params)
     seg_BS = unpacked_segment_ids(src_BS)
-    context, cache = _split_cache(model.init_cache(model.encode(src_BS, seg_BS), seg_BS, slots), beam_size)
+    context, cache = _split_cache(model.init_cache(model.encode(src_BS, seg_BS), seg_BS, slots))
     batch = src_BS.shape[0]
     if beam_size == 1:
         return context, GreedyState.start(cache, batch, slots)
     return context, BeamState.start(tile_beams(cache, beam_size), batch, beam_size, slots)
 
 
-@saved_programs.jit(static_argnames=("graph", "beam_size"))
-def _encode(params: list[Array], src_BS: Array, *, graph: Graph, beam_size: int) -> PyTree:
-    """The fixed context of the sentences src_BS (cross-attention keys/values, source segment ids), R rows."""
+@saved_programs.jit(static_argnames=("graph",))
+def _encode(params: list[Array], src_BS: Array, *, graph: Graph) -> PyTree:
+    """The fixed context of the sentences src_BS (cross-attention keys/values, source segment ids), B rows."""
     model = graph.merge(params)
     seg_BS = unpacked_segment_ids(src_BS)
-    return _split_cache(model.init_cache(model.encode(src_BS, seg_BS), seg_BS, 0), beam_size)[0]
+    return _split_cache(model.init_cache(model.encode(src_BS, seg_BS), seg_BS, 0))[0]
 
 
 @saved_programs.jit(static_argnames=("beam_size",), donate_argnums=(0, 1))
@@ -225,9 +232,9 @@ def _insert(context: PyTree, s, block: PyTree, first: Array, rows_K: Array, *, b
     The rows' self-attention slots keep the previous sentence's keys and values: a row's slots after its write
     index are hidden by causality, and the new sentence overwrites each before it can attend to it.
     """
-    new = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, first * beam_size, rows_K.shape[0] * beam_size), block)
+    new = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, first, rows_K.shape[0]), block)
     rows_R = beam_rows(rows_K, beam_size)
-    context = jax.tree.map(lambda x, n: x.at[rows_R].set(n, mode="drop"), context, new)
+    context = jax.tree.map(lambda x, n: x.at[rows_K].set(n, mode="drop"), context, new)
     s = s.restart(rows_K)
     return context, s._replace(cache={**s.cache, "index": s.cache["index"].at[rows_R].set(0, mode="drop")})
 
@@ -276,10 +283,10 @@ def _outcome(s, alpha: Array, *, penalty: str) -> refill.Outcome:
     return refill.Outcome(s.sentence_done(), log_probs_BW / length_penalty(lengths_BW, alpha, penalty))
 
 
-@saved_programs.jit(static_argnames=("beam_size",))
-def _keep(context: PyTree, s, keep_K: Array, *, beam_size: int):
+@saved_programs.jit
+def _keep(context: PyTree, s, keep_K: Array):
     """The context and state of the sentences keep_K only."""
-    return gather_rows(context, beam_rows(keep_K, beam_size)), s.select(keep_K)
+    return gather_rows(context, keep_K), s.select(keep_K)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,8 +299,8 @@ class ModelCalls:
     def start(self, src_BS, *, beam_size: int, slots: int):
         return _start(self.params, src_BS, graph=self.graph, beam_size=beam_size, slots=slots)
 
-    def encode(self, src_BS, *, beam_size: int):
-        return _encode(self.params, src_BS, graph=self.graph, beam_size=beam_size)
+    def encode(self, src_BS):
+        return _encode(self.params, src_BS, graph=self.graph)
 
     def insert(self, context, s, block, first, rows_K, *, beam_size: int):
         return _insert(context, s, block, first, rows_K, beam_size=beam_size)
@@ -319,8 +326,8 @@ class ModelCalls:
             sampling=sampling,
         )
 
-    def keep(self, context, s, keep_K, *, beam_size: int):
-        return _keep(context, s, keep_K, beam_size=beam_size)
+    def keep(self, context, s, keep_K):
+        return _keep(context, s, keep_K)
 
     def outcome(self, s, alpha, *, penalty: str):
         tokens = next(f for f in s._fields if f.startswith("tokens_"))  # the output buffer, [B, L] or [B, W, L]

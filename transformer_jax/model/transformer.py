@@ -134,7 +134,12 @@ class DecoderLayer(nnx.Module):
 
         def cross_attention(h: Array) -> Array:
             # Q from the decoder, K and V from the encoder output; no causality, only segments and padding.
-            return self.cross_attn(
+            rows, length, width = h.shape[0], h.shape[1], h.shape[0] // cross_kv[0].shape[0]
+            # Beam decoding caches one row of keys/values per sentence for its `width` beams' rows (adjacent, see
+            # decoding/transformer.py _split_cache): those beams' queries attend together, as one sentence's queries.
+            if width > 1:
+                h = h.reshape(rows // width, width * length, h.shape[2])
+            out = self.cross_attn(
                 h,
                 cross_kv,
                 q_segment_ids=tgt_segment_ids,
@@ -144,6 +149,7 @@ class DecoderLayer(nnx.Module):
                 causal=False,
                 kv_heads_first=self_cache is not None,  # decoding: cached by init_cache, heads-first
             )
+            return out.reshape(rows, length, out.shape[2])
 
         y_BTD = self.self_attn_residual(y_BTD, masked_self_attention)
         y_BTD = self.cross_attn_residual(y_BTD, cross_attention)
