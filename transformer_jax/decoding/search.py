@@ -124,6 +124,13 @@ def gather_rows(tree: PyTree, rows_R: Array) -> PyTree:
     return jax.tree.map(lambda x: x if jnp.ndim(x) == 0 else jnp.take(x, rows_R, axis=0), tree)
 
 
+def max_and_logsumexp(logits: Array) -> tuple[Array, Array]:
+    """(m, l) of logits [..., V], each [..., 1]: their max and log sum exp(x - m), so that log_softmax(x) =
+    (x - m) - l with jax.nn.log_softmax's own operations (equal bits), for a search that needs it at a few entries."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    return top, jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))
+
+
 def first_argmax(x_BV: Array) -> Array:
     """jnp.argmax over the last axis (the first index of the maximum), as two plain reductions.
 
@@ -241,10 +248,10 @@ class GreedyState(NamedTuple):
         with `choose`, choose(logits_BV, step_B): a sampled one). log P counts the model's own probability."""
         logits_B1V, cache = decode_step(self.last_B[:, None], self.cache)
         logits_BV = logits_B1V[:, 0].astype(jnp.float32)
-        max_B1 = jnp.max(logits_BV, axis=-1, keepdims=True)
         # log_softmax at the argmax, x_max - logsumexp(x) = -log sum exp(x - x_max), without writing and re-reading
         # the [B, V] log_softmax.
-        gain_B = -jnp.log(jnp.sum(jnp.exp(logits_BV - max_B1), axis=-1))
+        max_B1, lse_B1 = max_and_logsumexp(logits_BV)
+        gain_B = -lse_B1[:, 0]
         token_B = first_argmax(logits_BV) if choose is None else choose(logits_BV, self.step_B)
         if choose is not None and prefix_BP is None:
             gain_B += jnp.take_along_axis(logits_BV, token_B[:, None], axis=1)[:, 0] - max_B1[:, 0]
@@ -327,8 +334,7 @@ class BeamState(NamedTuple):
         # work is the logits' max, their log-sum-exp and a top-k per row, and the candidates are [B, W, C]. Their
         # log-probabilities are log_softmax's, computed with its operations (equal bits); only candidates of equal
         # score but different logits may be taken in another order than a top-k over all W V would take them.
-        max_R1 = jnp.max(logits_RV, axis=-1, keepdims=True)
-        lse_R1 = jnp.log(jnp.sum(jnp.exp(logits_RV - max_R1), axis=-1, keepdims=True))
+        max_R1, lse_R1 = max_and_logsumexp(logits_RV)
         choosable_RV = logits_RV
         if prefix_BP is not None:  # inside its prefix, a sentence's beams can only emit the prefix's next token
             forced_B1 = forced_tokens(prefix_BP, s.step_B)[:, None]
