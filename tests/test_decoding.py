@@ -28,6 +28,8 @@ from tests.helpers.model import random_tokens
 from transformer_jax import decoding
 from transformer_jax.decoding import refill
 from transformer_jax.decoding import transformer as binding
+from transformer_jax.decoding.search import TOP_K_BLOCK
+from transformer_jax.decoding.search import top_k as blockwise_top_k
 from transformer_jax.evaluation.translate import translate
 from transformer_jax.model import unpacked_segment_ids
 
@@ -185,7 +187,8 @@ def _all_candidates_step(logits_RV, s, alpha):
     return score_BW, flat_BW // vocab, flat_BW % vocab, jnp.take_along_axis(cand_BWV.reshape(batch, -1), flat_BW, 1)
 
 
-@pytest.mark.parametrize("vocab", [3, 50])  # fewer tokens than beams: each beam proposes all it has
+# 3: fewer tokens than beams (each beam proposes all it has); the last: enough blocks for search.top_k's own path
+@pytest.mark.parametrize("vocab", [3, 50, 8 * TOP_K_BLOCK + 5])
 def test_each_beams_best_tokens_give_the_step_of_all_candidates(vocab):
     batch, width, alpha = 6, 4, 0.6
     rng = np.random.default_rng(vocab)
@@ -206,6 +209,22 @@ def test_each_beams_best_tokens_give_the_step_of_all_candidates(vocab):
         new.lengths_BW, jnp.take_along_axis(jnp.where(s.finished_BW, s.lengths_BW, 4), beam_BW, 1)
     )
     assert np.all(np.isfinite(score_BW[:, 0]))
+
+
+@pytest.mark.parametrize("size", [50 * TOP_K_BLOCK + 1, 8000])  # a last block cut short; Multi30k's vocabulary
+@pytest.mark.parametrize("k", [1, 4, 20])
+def test_blockwise_top_k_equals_lax_top_k_with_ties_and_minus_infinity(size, k):
+    assert -(-size // TOP_K_BLOCK) >= 2 * k  # enough blocks that top_k takes its own path, not lax.top_k
+    rng = np.random.default_rng(size + k)
+    x = rng.integers(0, 5, (16, size)).astype(np.float32)  # many ties, within and across blocks
+    x[1] = -np.inf  # a row with nothing finite: the lowest indices, as lax.top_k takes them
+    x[2, : size // 2] = -np.inf
+    x[3] = rng.normal(size=size)
+    x[4, size - 1] = 9.0  # the largest entry in the last, padded block
+    values, index = blockwise_top_k(jnp.asarray(x), k)
+    want_values, want_index = jax.lax.top_k(jnp.asarray(x), k)
+    np.testing.assert_array_equal(index, want_index)
+    np.testing.assert_array_equal(values, want_values)
 
 
 # -- the Transformer ---------------------------------------------------------------------------------------------

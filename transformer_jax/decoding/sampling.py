@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.decoding.search import NEG_INF
+from transformer_jax.decoding.search import NEG_INF, top_k
 
 Array = jax.Array
 Choose = Callable[[Array, Array], Array]  # (logits_BV, step_B) -> token_B
@@ -48,7 +48,7 @@ class Sampling:
         """[B, V] log-probabilities of the reshaped distribution the tokens are drawn from (-inf: cut)."""
         logits_BV = logits_BV.astype(jnp.float32) / self.temperature
         if self.top_k:
-            kth_B1 = jax.lax.top_k(logits_BV, min(self.top_k, logits_BV.shape[-1]))[0][:, -1:]
+            kth_B1 = top_k(logits_BV, min(self.top_k, logits_BV.shape[-1]))[0][:, -1:]
             logits_BV = jnp.where(logits_BV < kth_B1, NEG_INF, logits_BV)
         log_probs_BV = jax.nn.log_softmax(logits_BV, axis=-1)
         if self.top_p < 1:
