@@ -123,8 +123,11 @@ def xla_attention(
         weights_BNTS = jnp.where(any_visible_B1T1, weights_BNTS, 0.0)
     used_BNTS = weights_BNTS if weights_dropout is None else weights_dropout(weights_BNTS)
     weights_BKGTS = used_BNTS.reshape(batch, num_kv_heads, groups, q_len, kv_len)
-    out_BTKGE = jnp.einsum(f"bkgts,{kv_axes[:-1]}e->btkge", weights_BKGTS.astype(v.dtype), v)
-    out_BTNE = out_BTKGE.reshape(batch, q_len, num_heads, v.shape[-1])
+    # The product in batched-matmul order (batch axes b, k first, then the query rows), moved to [B, T, N, E] after:
+    # asked for "btkge" directly, XLA:CPU computed it as a dot with the value axis before the query axis, ~10x
+    # slower for the decoding step's shapes (docs/benchmarks.md).
+    out_BKGTE = jnp.einsum(f"bkgts,{kv_axes[:-1]}e->bkgte", weights_BKGTS.astype(v.dtype), v)
+    out_BTNE = out_BKGTE.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, num_heads, v.shape[-1])
     if return_weights:
         return out_BTNE, weights_BNTS
     return out_BTNE
