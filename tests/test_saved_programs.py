@@ -5,7 +5,9 @@ result."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -202,3 +204,43 @@ def test_a_restarted_train_step_loads_without_tracing_and_a_changed_optimizer_se
     other, _ = step_for(config)
     assert saved_programs.stable(other.fun) != saved_programs.stable(step.fun)
     assert saved_programs.stable(step_for(one_layer_config())[0].fun) == saved_programs.stable(step.fun)
+
+
+def test_a_prefetching_block_loads_what_the_last_block_of_its_name_used_on_background_threads(store, monkeypatch):
+    with saved_programs.prefetching("run"):
+        fresh()(LENGTHS, ALPHA, penalty="gnmt")
+        fresh()(LENGTHS, ALPHA, penalty="average")
+    assert len(list(store.path.glob(f"{saved_programs.USED_PREFIX}*"))) == 1
+    loads = []
+    deserialize = saved_programs._deserialize
+    monkeypatch.setattr(
+        saved_programs, "_deserialize", lambda data: loads.append(threading.current_thread().name) or deserialize(data)
+    )
+    with saved_programs.prefetching("run"):  # a new process's block: fresh wrappers, nothing in memory
+        concurrent.futures.wait(saved_programs._Prefetch.current.loading.values())
+        assert len(loads) == 2 and all(name.startswith("saved-programs") for name in loads)
+        hits = store.stats.hits
+        for penalty in ("gnmt", "average"):
+            again = fresh()
+            again.jitted = NoTracing()
+            np.testing.assert_allclose(again(LENGTHS, ALPHA, penalty=penalty), expected(penalty), rtol=1e-6)
+        assert store.stats.hits == hits and len(loads) == 2  # the calls took the loaded programs, read nothing
+    with saved_programs.prefetching("another run"):  # another name: nothing loads ahead
+        assert saved_programs._Prefetch.current.loading == {}
+
+
+def test_a_prefetch_record_naming_lost_or_damaged_programs_or_not_a_list_costs_nothing_but_their_compile(store):
+    with saved_programs.prefetching("run"):
+        fresh()(LENGTHS, ALPHA, penalty="gnmt")
+        fresh()(LENGTHS, ALPHA, penalty="average")
+    first, second = [store.path / name for name in entries(store)]
+    first.unlink()
+    second.write_bytes(b"damaged")
+    with saved_programs.prefetching("run"):
+        for penalty in ("gnmt", "average"):
+            np.testing.assert_allclose(fresh()(LENGTHS, ALPHA, penalty=penalty), expected(penalty), rtol=1e-6)
+    (record,) = store.path.glob(f"{saved_programs.USED_PREFIX}*")
+    store.put(record.name[: -len("-xla")], b"{not json")
+    with saved_programs.prefetching("run"):
+        assert saved_programs._Prefetch.current.loading == {}
+        np.testing.assert_allclose(fresh()(LENGTHS, ALPHA, penalty="gnmt"), expected(), rtol=1e-6)

@@ -121,14 +121,16 @@ class CheckedFileCache(CacheInterface):
     def _file(self, key: str) -> Path:
         return self.path / f"{key}{_SUFFIX}"
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, *, counted: bool = True) -> bytes | None:
+        """The entry's value, or None (absent, unreadable, damaged); counted=False: not in `stats` (an entry that is
+        not a program, e.g. saved_programs.py's record of the programs a run used)."""
         if self._bypassed():
             return None
         file = self._file(key)
         try:
             data = file.read_bytes()
         except FileNotFoundError:
-            self.stats.misses += 1
+            self.stats.misses += counted
             return None
         except OSError as error:
             self.stats.misses += 1
@@ -145,7 +147,7 @@ class CheckedFileCache(CacheInterface):
             except OSError:
                 pass
             return None
-        self.stats.hits += 1
+        self.stats.hits += counted
         return value
 
     def put(self, key: str, value: bytes) -> None:
@@ -243,6 +245,7 @@ class Programs:
 
 
 _programs = Programs()
+_programs_lock = threading.Lock()  # saved_programs.py loads programs on background threads too
 
 
 def _on_jax_event(event: str, seconds: float, fun_name: str = "?", **kwargs) -> None:
@@ -259,9 +262,10 @@ jax.monitoring.register_event_duration_secs_listener(_on_jax_event)
 def count_program(fun_name: str, seconds: float) -> None:
     """Counts a program built (compiled, or loaded: by jax, or by saved_programs.py without jax, whose store hits the
     store counts) and the seconds it took."""
-    _programs.count += 1
-    _programs.seconds += seconds
-    _programs.functions[fun_name] += 1
+    with _programs_lock:
+        _programs.count += 1
+        _programs.seconds += seconds
+        _programs.functions[fun_name] += 1
 
 
 def compilations() -> dict:

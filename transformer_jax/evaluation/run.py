@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from transformer_jax import compile_cache, config_checks, files
+from transformer_jax import compile_cache, config_checks, files, saved_programs
 from transformer_jax.decoding import GNMT
 from transformer_jax.decoding.ensemble import Ensemble
 from transformer_jax.errors import DiskFullError, EvalError
@@ -89,7 +89,18 @@ def compare_only(
 
 def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[str, Any]:
     """Restores, translates, writes the hypotheses and the JSON report; returns the report."""
-    options = check_options(options)
+    with contextlib.ExitStack() as stack:
+        return _evaluate_model(check_options(options), restorer, stack)
+
+
+def _programs_of(options: Options) -> str:
+    """What decides the programs an evaluation builds (saved_programs.prefetching's name): the model and every
+    option but the files it writes."""
+    written = dataclasses.replace(options, output_file=None, scores_file=None)
+    return f"evaluate {Path(options.workdir).resolve()} {written!r}"
+
+
+def _evaluate_model(options: Options, restorer: Restorer | None, stack: contextlib.ExitStack) -> dict[str, Any]:
     if options.config is not None:  # a --config the user gave; the one saved with the checkpoints was checked
         config_checks.validate(options.config)
     # Cheap input and output checks first, so a wrong file fails before the model is built.
@@ -116,6 +127,8 @@ def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[s
         check_folder_writable(Path(options.workdir) / "eval", "--workdir (the default output folder WORKDIR/eval)")
 
     restorer = restorer or Restorer()
+    # A warm run's stored programs load on background threads while the model restores (saved_programs.py).
+    stack.enter_context(saved_programs.prefetching(_programs_of(options)))
     if options.ensemble_workdirs:
         modes.check_ensemble_members(restorer, options.ensemble_workdirs)
     config, model, steps = restore_model(
