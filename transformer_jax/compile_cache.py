@@ -133,7 +133,7 @@ class CheckedFileCache(CacheInterface):
             self.stats.misses += counted
             return None
         except OSError as error:
-            self.stats.misses += 1
+            self.stats.misses += counted
             warn(f"entry {file} cannot be read ({error.strerror or error}); compiling instead")
             return None
         value, digest = data[:-_DIGEST], data[-_DIGEST:]

@@ -230,7 +230,7 @@ class Jit:
         except Unkeyable as reason:
             logging.debug("%s is compiled without the executable store: %s", self.name, reason)
             return self.jitted.trace(*args, **kwargs).lower().compile()
-        entry = f"{self.name[4:-1]}-{key}{SUFFIX}"
+        entry = _entry(self.name, key)
         prefetched = _Prefetch.take(entry)
         if prefetched is not None:
             return prefetched
@@ -254,6 +254,16 @@ class Jit:
         else:
             store.put(entry, value)
         return compiled
+
+
+def _entry(jit_name: str, key: str) -> str:
+    """A program's entry name in the store: its function ("_stage" of "jit(_stage)"), its key and SUFFIX."""
+    return f"{jit_name[4:-1]}-{key}{SUFFIX}"
+
+
+def _jit_name(entry: str) -> str:
+    """The inverse of `_entry` for the function's name, as the report counts it ("jit(_stage)")."""
+    return f"jit({entry[: -len(SUFFIX)].rsplit('-', 1)[0]})"
 
 
 def _deserialize(data: bytes) -> jax.stages.Compiled:
@@ -284,7 +294,7 @@ class _Prefetch:
             compiled = _deserialize(data)
         except Exception:  # noqa: BLE001 - the caller's own load of this entry reports the error
             return None
-        compile_cache.count_program(f"jit({entry[: -len(SUFFIX)].rsplit('-', 1)[0]})", time.perf_counter() - start)
+        compile_cache.count_program(_jit_name(entry), time.perf_counter() - start)
         return compiled
 
     @classmethod
