@@ -21,7 +21,9 @@ gives an empty hypothesis, scored against its reference as the sacrebleu command
 them. Bad flag values, an output that would overwrite an input, an output location that cannot be written, input
 that is not UTF-8 or has no lines: each stops the program with one line before the model is restored.
 
-Decoding modes (docs/decoding.md): --length_penalty gnmt|average|none, --nbest N (OUTPUT_FILE.nbest), --score
+Decoding modes (docs/decoding.md): --length_penalty gnmt|average|none, --finished in_beam|set_aside (what beam search
+does with a hypothesis that ends: keeps it among its beams, or sets it aside as CTranslate2 does), --nbest N
+(OUTPUT_FILE.nbest), --score
 (forced decoding of --source_file/--references_file), --prefix_file P, --sampling [--temperature --top_k --top_p
 --num_samples --seed], --ensemble_workdirs B,C, --mbr N [--mbr_utility bleu|chrf].
 """
@@ -54,6 +56,9 @@ flags.DEFINE_integer("batch_size", None, "Sentences per decoding batch (default 
 flags.DEFINE_string("output_file", None, "Hypotheses file; default WORKDIR/eval/<name>.<steps>.txt (stdin: stdout).")
 flags.DEFINE_string("scores_file", None, "JSON report; default OUTPUT_FILE.json.")
 flags.DEFINE_string("length_penalty", None, "Score normalisation: gnmt (default), average (score / len^alpha), none.")
+flags.DEFINE_string(
+    "finished", None, "Beam search: in_beam (default: ended hypotheses keep a beam) or set_aside (CTranslate2's rule)."
+)
 flags.DEFINE_string("prefix_file", None, "Line i's translation starts with line i of this file (empty line: none).")
 flags.DEFINE_bool("sampling", False, "Draw translations from the model instead of searching (beam size 1).")
 flags.DEFINE_float("temperature", None, "--sampling: divide the logits by this (> 0; default 1).")
@@ -86,6 +91,7 @@ def main(argv: list[str]) -> None:
         output_file=FLAGS.output_file,
         scores_file=FLAGS.scores_file,
         length_penalty=FLAGS.length_penalty,
+        finished=FLAGS.finished,
         nbest=FLAGS.nbest,
         prefix_file=FLAGS.prefix_file,
         sampling=FLAGS.sampling,

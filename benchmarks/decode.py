@@ -16,7 +16,8 @@ its own formula, so only greedy outputs are expected to be identical. XLA uses e
 warm against a CTranslate2 process that loads the export and translates (benchmarks/fresh_process.py).
 
 --modes nbest,score,sampling: the decoding modes, one JSON line each, against their counterparts: the --nbest
-best (default 4) of beam 4 against CTranslate2's num_hypotheses (its length_penalty is our `average` penalty),
+best (default 4) of beam 4 against CTranslate2's num_hypotheses (its length_penalty is our `average` penalty), for
+each of --finished's rules (in_beam, set_aside: CTranslate2's own search, decoding/set_aside.py),
 forced decoding of the split's references against score_batch, and sampling against our own greedy search
 (`modes_side_by_side`; with the output tokens (EOS included) of both and the ratio of the times per output token).
 
@@ -149,6 +150,11 @@ def side_by_side(workdir: str) -> None:
 
 NBEST_BEAM = 4  # beam size of the nbest mode
 _NBEST = flags.DEFINE_integer("nbest", NBEST_BEAM, "Hypotheses per sentence in the nbest mode (at most its beam, 4).")
+_FINISHED = flags.DEFINE_list(
+    "finished",
+    [decoding.IN_BEAM],
+    "nbest mode: beam search's rules for ended hypotheses (in_beam, set_aside), one JSON line each.",
+)
 
 
 def modes_side_by_side(workdir: str, modes: list[str]) -> None:
@@ -192,7 +198,9 @@ def modes_side_by_side(workdir: str, modes: list[str]) -> None:
             intra_threads=_THREADS.value,
         )
         batch = [[pieces[t] for t in x[:-1]] for x in ids]
-        for mode in modes:
+        index = {piece: i for i, piece in enumerate(pieces)}
+        runs = [(m, f) for m in modes for f in (_FINISHED.value if m == "nbest" else [None])]
+        for mode, finished in runs:
             if mode == "nbest":
                 ours = functools.partial(
                     translate_nbest,
@@ -202,6 +210,7 @@ def modes_side_by_side(workdir: str, modes: list[str]) -> None:
                     nbest=_NBEST.value,
                     beam_size=NBEST_BEAM,
                     length_penalty="average",
+                    finished=finished,
                     **common,
                 )
                 theirs = functools.partial(
@@ -252,7 +261,12 @@ def modes_side_by_side(workdir: str, modes: list[str]) -> None:
             base_first, base_steady, base_result = timed_calls(theirs, _REPEATS.value)
             report = {"workdir": workdir, "steps": steps, "split": split, "sentences": len(sources), "mode": mode}
             if mode == "nbest":
-                report.update(nbest=_NBEST.value, beam_size=NBEST_BEAM)
+                report.update(nbest=_NBEST.value, beam_size=NBEST_BEAM, finished=finished)
+                # Lists equal to CTranslate2's, hypothesis for hypothesis (its one call has one output limit, the
+                # longest sentence's, so a list that reaches a shorter sentence's limit can differ).
+                theirs_lists = [[tokenizer.decode([index[p] for p in h]) for h in r.hypotheses] for r in base_result]
+                ours_lists = [[h.text for h in x] for x, s in zip(ours_result[0], sources, strict=True) if s.strip()]
+                report["identical_lists"] = sum(a == b for a, b in zip(ours_lists, theirs_lists, strict=True))
             report.update(backend=jax.default_backend(), cores=os.cpu_count(), ctranslate2_threads=_THREADS.value)
             report["ours"] = {"first_call_s": round(first, 2), "steady_s": round(steady, 2)}
             report["baseline"] = {

@@ -136,3 +136,43 @@ def test_nbest_with_the_average_penalty_scores_as_num_hypotheses(setup, alpha):
         if alpha == 0.0:
             assert o[0].text == theirs[0]
     assert common >= len(sources)
+
+
+@pytest.mark.parametrize(("alpha", "nbest"), [(1.0, 4), (0.0, 2), (0.6, 1)])
+def test_set_aside_nbest_lists_equal_num_hypotheses(setup, alpha, nbest):
+    """With finished hypotheses set aside (decoding/set_aside.py), ours is CTranslate2's search: the same n-best
+    lists, hypothesis for hypothesis and in order, and the same scores, with length normalisation (stopping at W
+    ended hypotheses) and without (CTranslate2's early exit)."""
+    model, tokenizer, translator, pieces, sources, _ = setup
+    ours, _ = translate_nbest(
+        model,
+        tokenizer,
+        sources,
+        nbest=nbest,
+        beam_size=4,
+        alpha=alpha,
+        max_extra_len=MAX_EXTRA_LEN,
+        batch_size=8,
+        max_input_len=MAX_INPUT_LEN,
+        length_penalty="average",
+        finished="set_aside",
+    )
+    ids, limits = _limits(tokenizer, sources)
+    index = {piece: i for i, piece in enumerate(pieces)}
+    ended = 0
+    for o, x, limit in zip(ours, ids, limits, strict=True):
+        [r] = translator.translate_batch(
+            [[pieces[t] for t in x[:-1]]],
+            beam_size=4,
+            num_hypotheses=nbest,
+            length_penalty=alpha,
+            return_scores=True,
+            max_input_length=0,
+            max_decoding_length=limit,
+            min_decoding_length=0,
+        )
+        assert [h.text for h in o] == [tokenizer.decode([index[p] for p in h]) for h in r.hypotheses]
+        np.testing.assert_allclose([h.score for h in o], r.scores, atol=1e-4, rtol=0)
+        ended += sum(h.ended for h in o)
+    # hypotheses that end with EOS, and (in the longer lists) ones cut at the limit
+    assert ended > 0 and (nbest == 1 or ended < len(sources) * nbest)

@@ -26,6 +26,7 @@ from tests.helpers.decoding import (
     log_softmax,
     next_hash,
     reference_lp,
+    set_aside_reference,
     shared_model,
 )
 from transformer_jax import decoding
@@ -124,6 +125,55 @@ def test_nbest_early_stop_keeps_the_full_searchs_first_n_in_fewer_steps(width, p
     assert total_steps == sorted(total_steps) and max(total_steps[:2]) < full_steps.sum(), total_steps
 
 
+@functools.partial(jax.jit, static_argnames=("width", "n", "max_steps", "table_seed", "penalty"))
+def _stub_set_aside(seeds_B, max_len_B, alpha, *, width, n, max_steps, table_seed, penalty):
+    cache = {"h": seeds_B, "calls": jnp.zeros((), jnp.int32)}
+    step = hash_stub(hash_table(table_seed))
+    return decoding.set_aside_search(
+        step, cache, max_len_B, beam_size=width, hypotheses=n, alpha=alpha, max_steps=max_steps, penalty=penalty
+    )
+
+
+@pytest.mark.parametrize(
+    ("width", "n", "penalty", "alpha"),
+    [(4, 4, "average", 1.0), (4, 2, "none", 0.0), (5, 3, "gnmt", 0.6), (4, 1, "average", 0.0), (3, 3, "gnmt", 2.0)],
+)
+def test_set_aside_search_equals_ctranslate2s_loop_written_out(width, n, penalty, alpha):
+    """The set-aside search (decoding/set_aside.py) against CTranslate2's beam search loop written out in plain
+    Python for one sentence (tests/helpers/decoding.py): the same n best hypotheses, in order, with their scores,
+    for 48 sentences of limits 4..8, with length normalisation (W ended hypotheses stop a sentence) and without
+    (the early exit, which also waits for the best extension of a step to end)."""
+    seeds = np.arange(48)
+    max_lens = 4 + seeds % 5
+    result = _stub_set_aside(seeds, max_lens, alpha, width=width, n=n, max_steps=8, table_seed=2, penalty=penalty)
+    assert result.tokens.shape[:2] == (len(seeds), n)
+    for b, (seed, max_len) in enumerate(zip(seeds, max_lens, strict=True)):
+        expected = set_aside_reference(hash_table(2), int(seed), int(max_len), width, n, alpha, penalty)
+        got = [_strip(np.asarray(result.tokens[b, i]), int(result.lengths[b, i])) for i in range(len(expected))]
+        assert got == [tokens for _, tokens in expected], f"sentence {b}"
+        np.testing.assert_allclose(result.scores[b, : len(expected)], [x for x, _ in expected], rtol=1e-5)
+        assert np.all(result.scores[b, len(expected) :] == -np.inf)  # places no hypothesis took
+
+
+def test_set_aside_search_stops_sooner_than_the_full_search_and_differs_from_it():
+    """At N = W the in-beam search runs every beam to its end; the set-aside one stops at W ended hypotheses, in
+    fewer steps, and its lists are not the full search's (it keeps hypotheses the full search pruned)."""
+    seeds = np.arange(48)
+    max_lens = 4 + seeds % 5
+    kw = dict(max_steps=8, table_seed=2, penalty="average")
+    aside = _stub_set_aside(seeds, max_lens, 1.0, width=4, n=4, **kw)
+    full, full_steps = _stub_beam_steps(seeds, max_lens, 1.0, width=4, settle=0, **kw)
+    assert int(jnp.sum(aside.lengths[:, 0] > 0)) == len(seeds)
+    assert not np.array_equal(aside.tokens, full.tokens)
+    cache = decoding.tile_beams({"h": seeds, "calls": jnp.zeros((), jnp.int32)}, 4)
+    s = decoding.SetAsideState.start(cache, len(seeds), 4, 4, 8)
+    step = hash_stub(hash_table(2))
+    s = jax.lax.while_loop(
+        lambda s: ~jnp.all(s.sentence_done()), lambda s: s.advance(step, max_lens, 1.0, "average"), s
+    )
+    assert int(s.step_B.sum()) < int(full_steps.sum())
+
+
 def test_settle_above_the_beam_size_is_refused():
     with pytest.raises(ValueError, match="settle must be in"):
         decoding.searcher(shared_model()).sentences(
@@ -172,6 +222,36 @@ def test_nbest_through_the_scheduler_equals_the_full_beam_search(penalty):
         np.testing.assert_allclose(o.scores * lp, o.log_probs, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("penalty", "alpha", "n"), [("average", 1.0, 3), pytest.param("none", 0.0, 2, marks=pytest.mark.slow)]
+)
+def test_set_aside_through_the_scheduler_equals_its_one_jit_search(penalty, alpha, n):
+    """The set-aside search's state through the refilling batch (compaction, cache stages, the host's outcome)
+    gives each sentence the one-jit search's n hypotheses."""
+    sources, model = _sources(20), shared_model()
+    max_len = [3 + i % 6 for i in range(len(sources))]
+    refilled, one_jit = (
+        decoding.searcher(model, compact=c).sentences(
+            sources,
+            max_len,
+            beam_size=3,
+            alpha=alpha,
+            batch_size=16,
+            shape=lambda _: (16, 9),
+            penalty=penalty,
+            settle=n,
+            finished=decoding.SET_ASIDE,
+        )
+        for c in (True, False)
+    )
+    for r, o in zip(refilled, one_jit, strict=True):
+        assert r.tokens.shape[0] == o.tokens.shape[0] == n
+        np.testing.assert_array_equal(r.lengths, o.lengths)
+        for w in range(n):
+            np.testing.assert_array_equal(r.tokens[w, : o.lengths[w]], o.tokens[w, : o.lengths[w]])
+        np.testing.assert_allclose(r.scores, o.scores, rtol=1e-5, atol=1e-6)
+
+
 def test_translate_nbest_gives_n_entries_per_line_best_first_and_refuses_n_over_beam():
     model, tok = shared_model(), CharTokenizer()
     sentences = ["hello world", "", "a", "the cat sat", "b c"]
@@ -216,7 +296,35 @@ def test_nbest_file_has_n_lines_per_input_line_and_the_1best_stays_in_the_output
             length = log_prob / score
             assert log_prob < 0 and length == pytest.approx(round(length), abs=1e-3)
             assert len(text) <= round(length) <= len(lines[i]) + 1 + 5
-    assert report["search"] == {"length_penalty": "average", "nbest": 2, "nbest_file": f"{out}.nbest"}
+    assert report["search"] == {
+        "length_penalty": "average",
+        "finished": "in_beam",
+        "nbest": 2,
+        "nbest_file": f"{out}.nbest",
+    }
+
+
+def test_finished_set_aside_writes_that_searchs_nbest_lists(tmp_path):
+    """--finished set_aside reaches the search: the n-best file holds the set-aside search's lists, which differ from
+    the in-beam search's here."""
+    from flax import nnx
+
+    from transformer_jax.model import build_model
+
+    lines = ["hello world", "", "a b", "the cat"]
+    report = _evaluate(tmp_path, lines, nbest=2, finished="set_aside", length_penalty="average", alpha=1.0)
+    assert report["search"]["finished"] == "set_aside"
+    out = Path(tmp_path / "out" / "hyp.txt.nbest").read_text(encoding="utf-8").splitlines()
+    written = [(i, text) for i, text, *_ in map(parse_nbest_line, out)]
+    checkpoint = OneCheckpoint()
+    model = build_model(checkpoint.config, rngs=nnx.Rngs(1))  # OneCheckpoint's parameters
+    settings = dict(beam_size=2, alpha=1.0, max_extra_len=5, max_input_len=checkpoint.config.data.eval_max_len)
+    settings.update(nbest=2, batch_size=4, length_penalty="average")
+    searched = {}
+    for finished in decoding.FINISHED_RULES:
+        lists, _ = translate_nbest(model, CharTokenizer(), lines, finished=finished, **settings)
+        searched[finished] = [(i, h.text) for i, x in enumerate(lists) for h in x]
+    assert written == searched["set_aside"] != searched["in_beam"]
 
 
 @pytest.mark.parametrize(
@@ -226,6 +334,8 @@ def test_nbest_file_has_n_lines_per_input_line_and_the_1best_stays_in_the_output
         (dict(nbest=3, beam_size=2), r"--nbest 3 must be between 1 and the beam size \(2\)"),
         (dict(nbest=0), r"--nbest 0 must be between 1"),
         (dict(length_penalty="mean"), r"--length_penalty 'mean': choose one of gnmt, average, none"),
+        (dict(finished="aside"), r"--finished 'aside': choose one of in_beam, set_aside"),
+        (dict(finished="set_aside", sampling=True), r"--finished is beam search's rule; --sampling does not search"),
     ],
 )
 def test_bad_search_flags_are_refused_in_one_line_and_nothing_is_written(tmp_path, flags, message):

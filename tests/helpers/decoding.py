@@ -68,6 +68,49 @@ def brute_force(
     return sorted(out, key=lambda x: -x[0])
 
 
+def set_aside_reference(
+    table: np.ndarray, seed: int, max_len: int, width: int, n: int, alpha: float, penalty: str
+) -> list[tuple[float, tuple[int, ...]]]:
+    """(score, tokens) of the n best hypotheses of CTranslate2's beam search (decoding.cc, BeamSearch, patience 1),
+    written as its loop is, one sentence in plain Python: the 2 W best extensions by log P; each of the first W that
+    ends (EOS, or the limit) is registered and its place taken by the next secondary candidate that is not EOS; done
+    at the limit, with W registered, or (no normalisation) once the first candidate of some step ended and n are
+    registered. Candidates of log P -inf are left out (decoding/set_aside.py's one departure)."""
+    beams = [(seed, BOS, (), 0.0)]  # (hash, last token, tokens, log P); the first step has one beam
+    registered, top_ended = [], False
+    early = penalty == "none" or alpha == 0
+    for step in range(max_len):
+        candidates = []
+        for b, (h, last, _, log_p) in enumerate(beams):
+            h = next_hash(h, last)
+            log_probs = log_softmax(table[h].astype(np.float64))
+            candidates += [(log_p + log_probs[t], b, t, h) for t in range(VOCAB) if log_probs[t] > -np.inf]
+        candidates.sort(key=lambda c: (-c[0], c[1], c[2]))  # ties: the lower beam, then the lower token
+        candidates = candidates[: 2 * width]
+        last_step = step + 1 == max_len
+        secondary, kept = width, []
+        for k in range(min(width, len(candidates))):
+            log_p, b, t, h = candidates[k]
+            chosen = candidates[k]
+            if t == EOS or last_step:
+                top_ended |= k == 0
+                seq = beams[b][2] + (t,)
+                registered.append((log_p / reference_lp(len(seq), alpha, penalty), seq))
+                chosen = None
+                while secondary < len(candidates):
+                    secondary += 1
+                    if candidates[secondary - 1][2] != EOS:
+                        chosen = candidates[secondary - 1]
+                        break
+            if chosen is not None:
+                log_p, b, t, h = chosen
+                kept.append((h, t, beams[b][2] + (t,), log_p))
+        if last_step or (top_ended and len(registered) >= n if early else len(registered) >= width):
+            break
+        beams = kept
+    return sorted(registered, key=lambda x: -x[0])[:n]
+
+
 def reference_lp(length: int, alpha: float, penalty: str) -> float:
     """The length penalty by its formula (gnmt: Wu et al. 2016; average: |Y| ** alpha; none: 1)."""
     return {"gnmt": ((5 + length) / 6) ** alpha, "average": length**alpha, "none": 1.0}[penalty]

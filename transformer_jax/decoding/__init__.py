@@ -1,9 +1,10 @@
-"""Decoding: search over a decode step (search.py: greedy and beam), its binding to the Transformer
-(transformer.py: the decode step over the model's cache, and `Searcher`), and the host-side scheduler that refills
-a running batch as sentences finish (refill.py).
+"""Decoding: search over a decode step (search.py: greedy and beam; set_aside.py: beam search that sets finished
+hypotheses aside), its binding to the Transformer (transformer.py: the decode step over the model's cache, and
+`Searcher`), and the host-side scheduler that refills a running batch as sentences finish (refill.py).
 
 Callers use this package's names: `searcher(model)` / `Searcher` for translation, `search` for one batch, and the
-search functions over any decode step (`greedy_search`, `beam_search`).
+search functions over any decode step (`greedy_search`, `beam_search`, and set_aside.py's `set_aside_search`, which
+sets finished hypotheses aside as CTranslate2 does).
 """
 
 from transformer_jax.decoding.refill import (
@@ -37,6 +38,13 @@ from transformer_jax.decoding.search import (
     length_penalty,
     tile_beams,
 )
+from transformer_jax.decoding.set_aside import (
+    FINISHED_RULES,
+    IN_BEAM,
+    SET_ASIDE,
+    SetAsideState,
+    set_aside_search,
+)
 from transformer_jax.decoding.transformer import (
     Searcher,
     cached_decode_step,
@@ -48,7 +56,12 @@ from transformer_jax.tokens import BOS_ID, EOS_ID, PAD_ID
 
 __all__ = [
     "AVERAGE",
+    "FINISHED_RULES",
     "GNMT",
+    "IN_BEAM",
+    "SET_ASIDE",
+    "SetAsideState",
+    "set_aside_search",
     "LENGTH_PENALTIES",
     "NONE",
     "BOS_ID",

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from transformer_jax.decoding.search import GNMT, BeamResult, cache_stages
+from transformer_jax.decoding.set_aside import IN_BEAM, pool_size
 from transformer_jax.tokens import EOS_ID, PAD_ID
 
 PyTree = Any
@@ -56,8 +57,9 @@ class Outcome(NamedTuple):
 class Calls(Protocol):
     """What the scheduler runs on the device; each is a jitted call (transformer.py's ModelCalls)."""
 
-    def start(self, src_BS, *, beam_size: int, slots: int) -> tuple[PyTree, Any]:
-        """Encodes a batch: (its fixed context, the search's first state with `slots` output slots)."""
+    def start(self, src_BS, *, beam_size: int, slots: int, pool: int) -> tuple[PyTree, Any]:
+        """Encodes a batch: (its fixed context, the search's first state with `slots` output slots; pool > 0: a
+        set-aside beam search's, keeping that many hypotheses)."""
 
     def encode(self, src_KS) -> PyTree:
         """The fixed context of K waiting sentences (a block), a row per sentence."""
@@ -154,6 +156,7 @@ class _Refill:
         penalty: str,
         settle: int,
         sampling: Any,
+        finished: str,
         row_inputs_N: dict[str, np.ndarray],
         rows: int,
         shape: Shape,
@@ -185,7 +188,8 @@ class _Refill:
         for k, x in row_inputs_N.items():
             self.row_inputs_R[k][: len(ids)] = x[ids]
         self.slots = cache_stages(self.max_steps)[0]
-        self.context, self.state = calls.start(src_KS, beam_size=beam_size, slots=self.slots)
+        pool = pool_size(finished, beam_size, settle)
+        self.context, self.state = calls.start(src_KS, beam_size=beam_size, slots=self.slots, pool=pool)
         self.context_len = self.src_len  # source positions of the running batch's context
 
     def rows(self) -> int:
@@ -314,12 +318,14 @@ def refilling_search(
     penalty: str = GNMT,
     settle: int = 1,
     sampling: Any = None,
+    finished: str = IN_BEAM,
     row_inputs_N: dict[str, np.ndarray] | None = None,
     progress: Callable[[int], Any] | None = None,
 ) -> list[BeamResult]:
     """The cached search of every sentence through one running batch of `rows` sentences (module docstring); each
     sentence's beams, best first. shape(longest source) gives a batch's padded source length and output slots;
-    progress(n) is called as n more sentences finish. penalty, settle: as for beam_search; sampling: the
+    progress(n) is called as n more sentences finish. penalty, settle: as for beam_search; finished: IN_BEAM
+    (search.py's beam search) or SET_ASIDE (set_aside.py's, keeping `settle` hypotheses); sampling: the
     token choice of greedy search (sampling.Sampling, or None: argmax); row_inputs_N: each
     sentence's own inputs to the search, rows on axis 0 ("prefix": its target prefix, `prefix_array`; "keys": its
     sampling key), which follow it into whichever row it takes."""
@@ -332,6 +338,7 @@ def refilling_search(
         penalty=penalty,
         settle=settle,
         sampling=sampling,
+        finished=finished,
         row_inputs_N=row_inputs_N or {},
         rows=rows,
         shape=shape,

@@ -64,7 +64,7 @@ def cache_stages(max_steps: int) -> list[int]:
     return stages
 
 
-def _run_stages(body: Callable, state: NamedTuple, max_steps: int, grow: GrowCache | None):
+def run_stages(body: Callable, state: NamedTuple, max_steps: int, grow: GrowCache | None):
     """Runs the search loop over the cache stages (one loop over max_steps slots when grow is None)."""
     if grow is None:
         return _loop(body, state, max_steps)
@@ -167,7 +167,7 @@ def first_argmax(x_BV: Array) -> Array:
     return jnp.minimum(jnp.min(index_BV, axis=-1), vocab - 1)
 
 
-def _write(seq: Array, step: Array, tokens: Array) -> Array:
+def write_step(seq: Array, step: Array, tokens: Array) -> Array:
     """seq[..., step] = tokens (seq [..., L], tokens [...], step broadcasting against tokens: each row its own slot;
     a step of L or more writes nothing)."""
     return jnp.where(jnp.arange(seq.shape[-1]) == step[..., None], tokens[..., None], seq)
@@ -183,6 +183,16 @@ def forced_tokens(prefix_BP: Array, step_B: Array) -> Array:
     return jnp.where(step_B < width, at_B, PAD_ID)
 
 
+def choosable(logits_RV: Array, prefix_BP: Array | None, step_B: Array, width: int) -> Array:
+    """The logits of the tokens each row may emit (the others -inf): inside its target prefix, a sentence's W beams
+    can only emit the prefix's next token (`forced_tokens`); without prefixes, every token."""
+    if prefix_BP is None:
+        return logits_RV
+    forced_B1 = forced_tokens(prefix_BP, step_B)[:, None]
+    allowed_RV = jnp.repeat((forced_B1 == PAD_ID) | (jnp.arange(logits_RV.shape[-1]) == forced_B1), width, axis=0)
+    return jnp.where(allowed_RV, logits_RV, NEG_INF)
+
+
 class GreedyResult(NamedTuple):
     tokens: Array  # [B, L] int32: the output, EOS included when emitted, PAD after
     log_probs: Array  # [B] float32: log P(tokens | source)
@@ -196,7 +206,7 @@ class BeamResult(NamedTuple):
     lengths: Array  # [B, W] int32: emitted tokens, EOS included
 
 
-def _pad_tokens(tokens: Array, slots: int) -> Array:
+def pad_tokens(tokens: Array, slots: int) -> Array:
     """tokens [..., L'] padded with PAD to [..., slots] (L' <= slots): the output buffer grows with the cache."""
     extra = slots - tokens.shape[-1]
     return tokens if extra == 0 else jnp.pad(tokens, [(0, 0)] * (tokens.ndim - 1) + [(0, extra)])
@@ -207,7 +217,7 @@ def beam_rows(rows_K: Array, width: int) -> Array:
     return (rows_K[:, None] * width + jnp.arange(width)).reshape(-1)
 
 
-def _restarted(s: NamedTuple, rows_K: Array, fresh: NamedTuple) -> NamedTuple:
+def restarted(s: NamedTuple, rows_K: Array, fresh: NamedTuple) -> NamedTuple:
     """s with the per-sentence arrays of the sentences rows_K (rows past the end: dropped) set to those of `fresh`, a
     state of len(rows_K) sentences just started; the cache is left as it is."""
     per_sentence = jax.tree.map(
@@ -216,7 +226,7 @@ def _restarted(s: NamedTuple, rows_K: Array, fresh: NamedTuple) -> NamedTuple:
     return per_sentence._replace(cache=s.cache)
 
 
-def _selected(s: NamedTuple, keep_K: Array, width: int) -> NamedTuple:
+def selected(s: NamedTuple, keep_K: Array, width: int) -> NamedTuple:
     """s for the sentences keep_K only: their per-sentence arrays and their `width` cache rows each."""
     per_sentence = jax.tree.map(lambda x: jnp.take(x, keep_K, axis=0), s._replace(cache=None))
     return per_sentence._replace(cache=gather_rows(s.cache, beam_rows(keep_K, width)))
@@ -236,7 +246,7 @@ class GreedyState(NamedTuple):
         return self.done_B
 
     def with_room(self, slots: int) -> GreedyState:
-        return self._replace(tokens_BL=_pad_tokens(self.tokens_BL, slots))
+        return self._replace(tokens_BL=pad_tokens(self.tokens_BL, slots))
 
     def beams(self) -> tuple[Array, Array, Array]:
         """(tokens [B, 1, L], log_probs [B, 1], lengths [B, 1]): the result as one beam per sentence."""
@@ -244,11 +254,11 @@ class GreedyState(NamedTuple):
 
     def restart(self, rows_K: Array) -> GreedyState:
         """The sentences in rows_K back at the start (nothing emitted); the cache is the caller's to reset."""
-        return _restarted(self, rows_K, GreedyState.start(None, rows_K.shape[0], self.tokens_BL.shape[-1]))
+        return restarted(self, rows_K, GreedyState.start(None, rows_K.shape[0], self.tokens_BL.shape[-1]))
 
     def select(self, keep_K: Array) -> GreedyState:
         """The state of the sentences keep_K only, in that order."""
-        return _selected(self, keep_K, 1)
+        return selected(self, keep_K, 1)
 
     @classmethod
     def start(cls, cache: PyTree, batch: int, slots: int) -> GreedyState:
@@ -288,7 +298,7 @@ class GreedyState(NamedTuple):
             step_B=jnp.where(self.done_B, self.step_B, self.step_B + 1),
             done_B=self.done_B | (token_B == EOS_ID) | (self.step_B + 1 >= max_len_B),
             last_B=token_B,
-            tokens_BL=_write(self.tokens_BL, self.step_B, token_B),
+            tokens_BL=write_step(self.tokens_BL, self.step_B, token_B),
             log_probs_B=self.log_probs_B + jnp.where(self.done_B, 0.0, gain_B),
             cache=cache,
         )
@@ -309,7 +319,7 @@ class BeamState(NamedTuple):
         return jnp.all(self.finished_BW, axis=1)
 
     def with_room(self, slots: int) -> BeamState:
-        return self._replace(tokens_BWL=_pad_tokens(self.tokens_BWL, slots))
+        return self._replace(tokens_BWL=pad_tokens(self.tokens_BWL, slots))
 
     def beams(self) -> tuple[Array, Array, Array]:
         """(tokens [B, W, L], log_probs [B, W], lengths [B, W])."""
@@ -318,11 +328,11 @@ class BeamState(NamedTuple):
     def restart(self, rows_K: Array) -> BeamState:
         """The sentences in rows_K back at the start (nothing emitted); the cache is the caller's to reset."""
         _, width, slots = self.tokens_BWL.shape
-        return _restarted(self, rows_K, BeamState.start(None, rows_K.shape[0], width, slots))
+        return restarted(self, rows_K, BeamState.start(None, rows_K.shape[0], width, slots))
 
     def select(self, keep_K: Array) -> BeamState:
         """The state of the sentences keep_K only, in that order (their W cache rows each)."""
-        return _selected(self, keep_K, self.finished_BW.shape[1])
+        return selected(self, keep_K, self.finished_BW.shape[1])
 
     @classmethod
     def start(cls, cache_R: PyTree, batch: int, width: int, slots: int) -> BeamState:
@@ -359,12 +369,7 @@ class BeamState(NamedTuple):
         # log-probabilities are log_softmax's, computed with its operations (equal bits); only candidates of equal
         # score but different logits may be taken in another order than a top-k over all W V would take them.
         max_R1, lse_R1 = max_and_logsumexp(logits_RV)
-        choosable_RV = logits_RV
-        if prefix_BP is not None:  # inside its prefix, a sentence's beams can only emit the prefix's next token
-            forced_B1 = forced_tokens(prefix_BP, s.step_B)[:, None]
-            allowed_RV = jnp.repeat((forced_B1 == PAD_ID) | (jnp.arange(vocab) == forced_B1), width, axis=0)
-            choosable_RV = jnp.where(allowed_RV, logits_RV, NEG_INF)
-        top_RC, top_token_RC = top_k(choosable_RV, per_beam)
+        top_RC, top_token_RC = top_k(choosable(logits_RV, prefix_BP, s.step_B, width), per_beam)
         log_probs_BWC = ((top_RC - max_R1) - lse_R1).reshape(batch, width, per_beam)
         # Candidate log-probabilities: extensions of unfinished beams; a finished beam only continues with PAD.
         first_C = jnp.arange(per_beam) == 0
@@ -400,7 +405,7 @@ class BeamState(NamedTuple):
             step_B=jnp.where(s.sentence_done(), s.step_B, s.step_B + 1),
             finished_BW=finished_BW,
             last_BW=token_BW,
-            tokens_BWL=_write(tokens_BWL, s.step_B[:, None], token_BW),
+            tokens_BWL=write_step(tokens_BWL, s.step_B[:, None], token_BW),
             log_probs_BW=log_probs_BW,
             lengths_BW=pick(cand_len_BW),
             cache=gather_rows(cache, rows_R),
@@ -465,8 +470,8 @@ def greedy_search(
     """
     first = max_steps if grow is None else cache_stages(max_steps)[0]
     init = GreedyState.start(cache, max_len_B.shape[0], first)
-    s = _run_stages(lambda s: s.advance(decode_step, max_len_B, prefix_BP, choose), init, max_steps, grow)
-    return GreedyResult(_pad_tokens(s.tokens_BL, max_steps), s.log_probs_B, s.step_B)
+    s = run_stages(lambda s: s.advance(decode_step, max_len_B, prefix_BP, choose), init, max_steps, grow)
+    return GreedyResult(pad_tokens(s.tokens_BL, max_steps), s.log_probs_B, s.step_B)
 
 
 def beam_search(
@@ -505,5 +510,5 @@ def beam_search(
     def body(s: BeamState) -> BeamState:
         return s.advance(decode_step, max_len_B, alpha, settle, penalty, prefix_BP)
 
-    s = _run_stages(body, init, max_steps, grow)
-    return best_first(_pad_tokens(s.tokens_BWL, max_steps), s.log_probs_BW, s.lengths_BW, alpha, penalty)
+    s = run_stages(body, init, max_steps, grow)
+    return best_first(pad_tokens(s.tokens_BWL, max_steps), s.log_probs_BW, s.lengths_BW, alpha, penalty)

@@ -30,7 +30,6 @@ from transformer_jax.decoding.sampling import Sampling
 from transformer_jax.decoding.search import (
     GNMT,
     BeamResult,
-    BeamState,
     Decoder,
     DecodeStep,
     GreedyState,
@@ -44,6 +43,7 @@ from transformer_jax.decoding.search import (
     steps_until,
     tile_beams,
 )
+from transformer_jax.decoding.set_aside import IN_BEAM, SetAsideState, pool_size, set_aside_search, start_state
 from transformer_jax.model.transformer import unpacked_segment_ids
 
 Array = jax.Array
@@ -126,7 +126,7 @@ def _row_rules(row_inputs: dict[str, Array], sampling: Sampling | None):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "beam_size", "max_steps", "use_cache", "penalty", "settle", "sampling"),
+    static_argnames=("graphdef", "beam_size", "max_steps", "use_cache", "penalty", "settle", "sampling", "pool"),
 )
 def _search(
     graphdef: nnx.GraphDef,
@@ -142,8 +142,10 @@ def _search(
     penalty: str,
     settle: int,
     sampling: Sampling | None,
+    pool: int,
 ) -> BeamResult:
-    """The whole search in one jitted call, every sentence's rows to the end (the reference of the refilling one)."""
+    """The whole search in one jitted call, every sentence's rows to the end (the reference of the refilling one);
+    pool > 0: the set-aside search keeping that many hypotheses (set_aside.py)."""
     model = nnx.merge(graphdef, state)
     src_segment_ids_BS = unpacked_segment_ids(src_BS)
     memory_BSD = model.encode(src_BS, src_segment_ids_BS)
@@ -155,6 +157,19 @@ def _search(
             d.step, d.cache, max_len_B, max_steps=max_steps, grow=d.grow, prefix_BP=prefix_BP, choose=choose
         )
         return best_first(g.tokens[:, None], g.log_probs[:, None], g.lengths[:, None], alpha, penalty)
+    if pool:
+        return set_aside_search(
+            d.step,
+            d.cache,
+            max_len_B,
+            beam_size=beam_size,
+            hypotheses=pool,
+            alpha=alpha,
+            max_steps=max_steps,
+            grow=d.grow,
+            penalty=penalty,
+            prefix_BP=row_inputs.get("prefix"),
+        )
     return beam_search(
         d.step,
         d.cache,
@@ -204,16 +219,17 @@ def graph(graphdef: nnx.GraphDef, treedef: jax.tree_util.PyTreeDef) -> Graph:
     return Graph(graphdef, treedef)
 
 
-@saved_programs.jit(static_argnames=("graph", "beam_size", "slots"))
-def _start(params: list[Array], src_BS: Array, *, graph: Graph, beam_size: int, slots: int):
-    """Encodes the batch; the fixed context (B rows) and the search's first state, with `slots` slots."""
+@saved_programs.jit(static_argnames=("graph", "beam_size", "slots", "pool"))
+def _start(params: list[Array], src_BS: Array, *, graph: Graph, beam_size: int, slots: int, pool: int):
+    """Encodes the batch; the fixed context (B rows) and the search's first state, with `slots` slots (pool > 0:
+    a set-aside beam search's, set_aside.py)."""
     model = graph.merge(params)
     seg_BS = unpacked_segment_ids(src_BS)
     context, cache = _split_cache(model.init_cache(model.encode(src_BS, seg_BS), seg_BS, slots))
     batch = src_BS.shape[0]
     if beam_size == 1:
         return context, GreedyState.start(cache, batch, slots)
-    return context, BeamState.start(tile_beams(cache, beam_size), batch, beam_size, slots)
+    return context, start_state(cache, batch, beam_size, slots, pool)
 
 
 @saved_programs.jit(static_argnames=("graph",))
@@ -272,6 +288,8 @@ def _stage(
     prefix_BP, choose = _row_rules(row_inputs, sampling)
     if isinstance(s, GreedyState):
         return steps_until(lambda s: s.advance(step, max_len_B, prefix_BP, choose), s, stop_live)
+    if isinstance(s, SetAsideState):
+        return steps_until(lambda s: s.advance(step, max_len_B, alpha, penalty, prefix_BP), s, stop_live)
     return steps_until(lambda s: s.advance(step, max_len_B, alpha, settle, penalty, prefix_BP), s, stop_live)
 
 
@@ -296,8 +314,8 @@ class ModelCalls:
     graph: Graph
     params: list[Array]
 
-    def start(self, src_BS, *, beam_size: int, slots: int):
-        return _start(self.params, src_BS, graph=self.graph, beam_size=beam_size, slots=slots)
+    def start(self, src_BS, *, beam_size: int, slots: int, pool: int):
+        return _start(self.params, src_BS, graph=self.graph, beam_size=beam_size, slots=slots, pool=pool)
 
     def encode(self, src_BS):
         return _encode(self.params, src_BS, graph=self.graph)
@@ -330,10 +348,10 @@ class ModelCalls:
         return _keep(context, s, keep_K)
 
     def outcome(self, s, alpha, *, penalty: str):
-        tokens = next(f for f in s._fields if f.startswith("tokens_"))  # the output buffer, [B, L] or [B, W, L]
-        shape = getattr(s, tokens).shape
-        empty = np.zeros(shape[:-1] + (0,), np.int32)  # built on the host: no program
-        return _outcome(s._replace(cache=None, **{tokens: empty}), alpha, penalty=penalty)
+        # The token buffers ([B, L], [B, W, L], a set-aside search's pool [B, N, L]) empty, built on the host: no
+        # program.
+        empty = {f: np.zeros(getattr(s, f).shape[:-1] + (0,), np.int32) for f in s._fields if "tokens_" in f}
+        return _outcome(s._replace(cache=None, **empty), alpha, penalty=penalty)
 
 
 class Searcher:
@@ -398,6 +416,7 @@ class Searcher:
                 penalty=penalty,
                 settle=settle,
                 sampling=None,
+                pool=0,
             )
             return {"search": compile_one("search", traced)}
 
@@ -407,11 +426,13 @@ class Searcher:
             return jax.tree.map(put, traced.out_info, compiled.output_shardings)
 
         graph, params, stages = self.calls.graph, self.calls.params, cache_stages(max_steps)
-        traced = _start.trace(params, src_BS, graph=graph, beam_size=beam_size, slots=stages[0])
+        traced = _start.trace(params, src_BS, graph=graph, beam_size=beam_size, slots=stages[0], pool=0)
         programs = {"start": compile_one("start", traced)}
         context, s = outputs(traced, programs["start"])
         if len(stages) > 1:
-            before = _start.trace(params, src_BS, graph=graph, beam_size=beam_size, slots=stages[-2]).out_info[1]
+            before = _start.trace(params, src_BS, graph=graph, beam_size=beam_size, slots=stages[-2], pool=0).out_info[
+                1
+            ]
             s = jax.tree.map(lambda x, like: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=like.sharding), before, s)
             traced = _grow.trace(params, s, graph=graph, slots=stages[-1])
             programs["grow"] = compile_one("grow", traced)
@@ -432,7 +453,9 @@ class Searcher:
         programs["stage"] = compile_one("stage", traced)
         return programs
 
-    def _one_jit(self, src_BS, max_len_B, row_inputs, *, beam_size, alpha, max_steps, penalty, settle, sampling):
+    def _one_jit(
+        self, src_BS, max_len_B, row_inputs, *, beam_size, alpha, max_steps, penalty, settle, sampling, finished
+    ):
         return _search(
             self.graphdef,
             self.params,
@@ -446,6 +469,7 @@ class Searcher:
             penalty=penalty,
             settle=settle,
             sampling=sampling,
+            pool=pool_size(finished, beam_size, settle),
         )
 
     def __call__(
@@ -461,6 +485,7 @@ class Searcher:
         prefix_BP: Array | None = None,
         sampling: Sampling | None = None,
         keys_B2: Array | None = None,
+        finished: str = IN_BEAM,
     ) -> BeamResult:
         """One batch: src [B, S] (PAD-padded, EOS-terminated); beam_size 1 runs greedy search. Scores are
         log P / lp with lp by `penalty` and `alpha` (search.length_penalty). settle: a sentence stops once its
@@ -468,11 +493,14 @@ class Searcher:
         to its end.
         prefix_BP: target prefixes [B, P], PAD-padded (search.forced_tokens): each output starts with its prefix.
         sampling: draw each token (sampling.Sampling; beam_size 1), row b with its key keys_B2[b] (sample_keys).
+        finished: what beam search does with a hypothesis that ends (set_aside.FINISHED_RULES): keeps it among its
+        beams (`in_beam`), or sets it aside (`set_aside`: CTranslate2's search, returning `settle` hypotheses, or
+        beam_size with settle 0).
 
         Batches of at least 2 MIN_ROWS sentences run the refilling search (nothing waits, so finished sentences
         only leave); smaller ones, or without compaction, the whole search is one jitted call (`_search`).
         """
-        settings = _settings(beam_size, alpha, penalty, settle, sampling)
+        settings = _settings(beam_size, alpha, penalty, settle, sampling, finished)
         row_inputs = _row_inputs(prefix_BP, keys_B2)
         if not self.refills(src_BS.shape[0]):
             return self._one_jit(src_BS, max_len_B, row_inputs, **settings, max_steps=max_steps)
@@ -503,19 +531,21 @@ class Searcher:
         prefixes: Sequence[Sequence[int]] | None = None,
         sampling: Sampling | None = None,
         keys_N2: np.ndarray | None = None,
+        finished: str = IN_BEAM,
     ) -> list[BeamResult]:
         """Every sentence's beams (best first; tokens [W, L] with L at least its longest beam), decoded `batch_size`
         sentences at a time: sources are id lists (EOS-terminated), max_len_N their output limits, and
         shape(longest source) the padded source length and the most output slots of a batch. progress(n) is
         called as n more sentences are done. penalty, settle: as for __call__; prefixes: each sentence's target
-        prefix (ids, no EOS; empty: none), or None; sampling, keys_N2: as __call__'s, per sentence.
+        prefix (ids, no EOS; empty: none), or None; sampling, keys_N2: as __call__'s, per sentence; finished: as
+        __call__'s.
 
         With compaction and at least 2 MIN_ROWS rows, they run through the refilling scheduler (refill.py): greedy
         search in one refilled batch, beam search batch by batch (see below); otherwise in consecutive one-jit
         batches. Shortest sources go first. The batch has batch_size rows, or as many as the sentences rounded up
         to a multiple of MIN_ROWS when fewer (refill.batch_rows).
         """
-        settings = _settings(beam_size, alpha, penalty, settle, sampling)
+        settings = _settings(beam_size, alpha, penalty, settle, sampling, finished)
         rows = refill.batch_rows(len(sources), batch_size)
         max_len_N = np.asarray(max_len_N, np.int32)
         if not len(sources):
@@ -559,12 +589,15 @@ class Searcher:
         return results
 
 
-def _settings(beam_size: int, alpha: float, penalty: str, settle: int, sampling: Sampling | None) -> dict:
+def _settings(
+    beam_size: int, alpha: float, penalty: str, settle: int, sampling: Sampling | None, finished: str
+) -> dict:
     if sampling is not None and beam_size != 1:
         raise ValueError(f"sampling draws one token per step: beam_size must be 1, got {beam_size}")
     if not 0 <= settle <= beam_size:
         raise ValueError(f"settle must be in [0, beam_size={beam_size}] (hypotheses settled), got {settle}")
-    return dict(beam_size=beam_size, alpha=alpha, penalty=penalty, settle=settle, sampling=sampling)
+    pool_size(finished, beam_size, settle)  # an unknown rule is refused
+    return dict(beam_size=beam_size, alpha=alpha, penalty=penalty, settle=settle, sampling=sampling, finished=finished)
 
 
 def _row_inputs(prefix: np.ndarray | None, keys: np.ndarray | None) -> dict[str, np.ndarray]:
@@ -595,6 +628,7 @@ def search(
     compact: bool = True,
     penalty: str = GNMT,
     settle: int = 1,
+    finished: str = IN_BEAM,
 ) -> BeamResult:
     """Encodes src [B, S] (PAD-padded, EOS-terminated) and searches, jitted; beam_size 1 runs greedy search.
 
@@ -603,7 +637,15 @@ def search(
     Runs the model in eval mode (dropout off) without changing the caller's model. For many batches of one model,
     use `searcher`. A sentence stops once its `settle` best hypotheses are settled (beam_search's settle): those
     beams are the full search's; the others are as they stood then (settle=0: every beam is the full search's).
+    finished: as for Searcher.__call__.
     """
     return searcher(model, use_cache=use_cache, compact=compact)(
-        src_BS, max_len_B, beam_size=beam_size, alpha=alpha, max_steps=max_steps, penalty=penalty, settle=settle
+        src_BS,
+        max_len_B,
+        beam_size=beam_size,
+        alpha=alpha,
+        max_steps=max_steps,
+        penalty=penalty,
+        settle=settle,
+        finished=finished,
     )

@@ -24,10 +24,12 @@ SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "num_samples", "seed")
 
 
 def check_flags(o: Any) -> None:
-    """EvalError for search flags that cannot work: an unknown --length_penalty, --nbest over the beam size (when
-    --beam_size is given; the config's is checked once read), or --nbest with stdin."""
+    """EvalError for search flags that cannot work: an unknown --length_penalty or --finished, --nbest over the beam
+    size (when --beam_size is given; the config's is checked once read), or --nbest with stdin."""
     if o.length_penalty is not None and o.length_penalty not in decoding.LENGTH_PENALTIES:
         raise EvalError(f"--length_penalty {o.length_penalty!r}: choose one of {', '.join(decoding.LENGTH_PENALTIES)}")
+    if o.finished is not None and o.finished not in decoding.FINISHED_RULES:
+        raise EvalError(f"--finished {o.finished!r}: choose one of {', '.join(decoding.FINISHED_RULES)}")
     _check_mbr(o)
     given = [f"--{name}" for name in SAMPLING_FLAGS if getattr(o, name) is not None]
     if given and not o.sampling:
@@ -37,6 +39,8 @@ def check_flags(o: Any) -> None:
             raise EvalError(f"--sampling draws one token per step; --beam_size {o.beam_size} would be ignored")
         if o.nbest is not None or o.score:
             raise EvalError("--sampling draws --num_samples translations per line; drop --nbest and --score")
+        if o.finished is not None:
+            raise EvalError("--finished is beam search's rule; --sampling does not search: drop one of them")
         if o.source_file == "-":
             raise EvalError("--sampling needs a --source_file or a --split: stdin is translated one line at a time")
         check_sampling(sampling_of(o), 1 if o.num_samples is None else o.num_samples)

@@ -44,6 +44,7 @@ class Options:
     output_file: str | None = None
     scores_file: str | None = None
     length_penalty: str | None = None  # gnmt | average | none (None: decoding.GNMT)
+    finished: str | None = None  # in_beam | set_aside: beam search's rule for ended hypotheses (None: decoding.IN_BEAM)
     nbest: int | None = None  # also write each line's N best hypotheses to OUTPUT_FILE.nbest (evaluation/nbest.py)
     prefix_file: str | None = None  # line i's translation starts with line i of this file (target side)
     sampling: bool = False  # draw translations instead of searching (decoding/sampling.py); the five below tune it
@@ -71,6 +72,7 @@ _MODEL_FLAGS = (
     "batch_size",
     "output_file",
     "length_penalty",
+    "finished",
     "nbest",
     "prefix_file",
     "temperature",

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from transformer_jax import compile_cache, config_checks, files, saved_programs
-from transformer_jax.decoding import GNMT
+from transformer_jax.decoding import GNMT, IN_BEAM
 from transformer_jax.decoding.ensemble import Ensemble
 from transformer_jax.errors import DiskFullError, EvalError
 from transformer_jax.evaluation import bleu, mbr, modes, significance
@@ -157,6 +157,8 @@ def _evaluate_model(options: Options, restorer: Restorer | None, stack: contextl
         "nbest": options.mbr or options.nbest or options.num_samples or 1,
     }
     sampling = modes.sampling_of(options)
+    if sampling is None:
+        search["finished"] = options.finished or IN_BEAM
     if sampling is not None:
         settings["beam_size"] = 1
         search["sampling"] = {**dataclasses.asdict(sampling), "seed": options.seed or 0, "num_samples": search["nbest"]}
@@ -177,7 +179,10 @@ def _evaluate_model(options: Options, restorer: Restorer | None, stack: contextl
     refuse_overwriting_inputs(written, inputs)
     if stdin:
         hypotheses, stats = translate_stream(
-            model, tokenizer, {**settings, "length_penalty": search["length_penalty"]}, output_file
+            model,
+            tokenizer,
+            {**settings, "length_penalty": search["length_penalty"], "finished": search["finished"]},
+            output_file,
         )
         if not hypotheses:
             raise EvalError("stdin had no lines: nothing was translated")
@@ -190,6 +195,7 @@ def _evaluate_model(options: Options, restorer: Restorer | None, stack: contextl
             sources,
             nbest=search["nbest"],
             length_penalty=search["length_penalty"],
+            finished=search.get("finished", IN_BEAM),
             prefixes=prefixes,
             sampling=sampling,
             seed=options.seed or 0,

@@ -111,6 +111,7 @@ def translate(
     length_penalty: str = decoding.GNMT,
     prefixes: Sequence[str] | None = None,
     progress: bool = False,
+    finished: str = decoding.IN_BEAM,
 ) -> tuple[list[str], dict[str, Any]]:
     """One output per input sentence, in order, and statistics (see translate_nbest, of which this is the 1-best)."""
     found, stats = translate_nbest(
@@ -126,6 +127,7 @@ def translate(
         length_penalty=length_penalty,
         prefixes=prefixes,
         progress=progress,
+        finished=finished,
     )
     return [hypotheses[0].text for hypotheses in found], stats
 
@@ -146,6 +148,7 @@ def translate_nbest(
     sampling: decoding.Sampling | None = None,
     seed: int = 0,
     progress: bool = False,
+    finished: str = decoding.IN_BEAM,
 ) -> tuple[list[list[Hypothesis]], dict[str, Any]]:
     """The `nbest` best hypotheses of each input sentence (nbest <= beam_size), best first, in input order, and
     statistics of the 1-best.
@@ -153,9 +156,11 @@ def translate_nbest(
     Sources are the tokenizer's ids then EOS (as in training); a source with more than max_input_len tokens is cut
     to max_input_len - 1 ids + EOS and counted. An empty (or blank) line gives empty outputs (EMPTY) without
     decoding. Each output has at most (source tokens + max_extra_len) tokens, EOS included. beam_size 1 is greedy
-    search. Hypotheses are ranked by log P / lp (decoding.length_penalty's `length_penalty` with `alpha`). A
-    sentence stops once its nbest best hypotheses are settled (decoding.beam_search's settle), so the list is the
-    full beam search's first nbest. prefixes: line i's output starts with prefixes[i], tokenized as a target
+    search. Hypotheses are ranked by log P / lp (decoding.length_penalty's `length_penalty` with `alpha`). With
+    `finished` IN_BEAM, a sentence stops once its nbest best hypotheses are settled (decoding.beam_search's settle),
+    so the list is the full beam search's first nbest; with SET_ASIDE, finished hypotheses leave the beam and the
+    search stops as CTranslate2's does (decoding/set_aside.py), and the list is that search's nbest best.
+    prefixes: line i's output starts with prefixes[i], tokenized as a target
     (a blank prefix: none); the hypotheses' text and log-probabilities include it. sampling: instead of searching
     (beam_size 1), draw `nbest` samples per line (decoding.Sampling; reproducible for a seed), best score first;
     their log_prob is the model's own log P of the sample. The settings are checked where
@@ -218,6 +223,7 @@ def translate_nbest(
         prefixes=None if prefixes is None else [list(tokenizer.encode(prefixes[i])) for i in lines],
         sampling=sampling,
         keys_N2=keys_N2,
+        finished=finished,
     )
     for j in range(0, len(lines), samples):
         i = lines[j]
