@@ -9,8 +9,9 @@ same weights (transformer_jax.export.ctranslate2), with CTranslate2 on --threads
 size with each engine's first-call time (ours includes XLA compilation), its steady-state time (the best of
 --repeats further calls), sacreBLEU, and how many outputs are identical. Both sides use the same tokenization,
 source truncation and per-sentence output limits (evaluation/translate.py's rules); CTranslate2's length penalty is
-its own formula, so only greedy outputs are expected to be identical. XLA uses every core of the machine: run with
---threads equal to that count.
+its own formula, so only greedy outputs are expected to be identical, unless ours is `--length_penalty average`
+(CTranslate2's formula) with `--finished set_aside` (its search: decoding/set_aside.py), one line per --finished
+rule for each beam size above 1. XLA uses every core of the machine: run with --threads equal to that count.
 
 --fresh_process: whole processes instead of calls, start to exit: evaluate.py with the compilation cache cold and
 warm against a CTranslate2 process that loads the export and translates (benchmarks/fresh_process.py).
@@ -79,6 +80,14 @@ _BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Sentences per batch, on bo
 _THREADS = flags.DEFINE_integer("threads", 2, "CTranslate2's intra_threads (XLA uses every core).")
 _BEAM_SIZES = flags.DEFINE_list("beam_sizes", ["4", "1"], "Beam sizes to compare (1 is greedy).")
 _ALPHA = flags.DEFINE_float("alpha", 0.6, "Length penalty alpha (each engine's own formula).")
+_FINISHED = flags.DEFINE_list(
+    "finished",
+    [decoding.IN_BEAM],
+    "translate (beam > 1) and nbest modes: beam search's rules for ended hypotheses (in_beam, set_aside), a line each.",
+)
+_LENGTH_PENALTY = flags.DEFINE_string(
+    "length_penalty", decoding.GNMT, "translate mode: our length penalty (average is CTranslate2's formula)."
+)
 _MODES = flags.DEFINE_list(
     "modes", ["translate"], "With --workdir: translate (1-best), nbest (4-best), score (forced decoding), sampling."
 )
@@ -114,7 +123,8 @@ def side_by_side(workdir: str) -> None:
         translator = ctranslate2.Translator(
             str(export_dir), device="cpu", inter_threads=1, intra_threads=_THREADS.value
         )
-        for beam_size in map(int, _BEAM_SIZES.value):
+        runs = [(b, f) for b in map(int, _BEAM_SIZES.value) for f in (_FINISHED.value if b > 1 else [decoding.IN_BEAM])]
+        for beam_size, finished in runs:
             settings = dict(
                 beam_size=beam_size,
                 alpha=_ALPHA.value,
@@ -122,7 +132,10 @@ def side_by_side(workdir: str) -> None:
                 batch_size=_BATCH_SIZE.value,
                 max_input_len=config.data.eval_max_len,
             )
-            ours = timed_calls(functools.partial(translate, model, tokenizer, sources, **settings), _REPEATS.value)
+            search = dict(length_penalty=_LENGTH_PENALTY.value, finished=finished)
+            ours = timed_calls(
+                functools.partial(translate, model, tokenizer, sources, **settings, **search), _REPEATS.value
+            )
             theirs = timed_calls(
                 functools.partial(
                     ctranslate2_translate,
@@ -134,7 +147,8 @@ def side_by_side(workdir: str) -> None:
                 ),
                 _REPEATS.value,
             )
-            report = {"workdir": workdir, "steps": steps, "split": split, "sentences": len(sources), **settings}
+            report = {"workdir": workdir, "steps": steps, "split": split, "sentences": len(sources)}
+            report.update(**settings, **search)
             report.update(backend=jax.default_backend(), cores=os.cpu_count(), ctranslate2_threads=_THREADS.value)
             for name, (first, steady, (hyps, _)) in (("ours", ours), ("ctranslate2", theirs)):
                 report[name] = {
@@ -150,11 +164,6 @@ def side_by_side(workdir: str) -> None:
 
 NBEST_BEAM = 4  # beam size of the nbest mode
 _NBEST = flags.DEFINE_integer("nbest", NBEST_BEAM, "Hypotheses per sentence in the nbest mode (at most its beam, 4).")
-_FINISHED = flags.DEFINE_list(
-    "finished",
-    [decoding.IN_BEAM],
-    "nbest mode: beam search's rules for ended hypotheses (in_beam, set_aside), one JSON line each.",
-)
 
 
 def modes_side_by_side(workdir: str, modes: list[str]) -> None:

@@ -398,6 +398,26 @@ def test_prefixed_greedy_and_exhaustive_beam_equal_brute_force_over_the_outputs_
             assert seq[t] == best_next
 
 
+@pytest.mark.parametrize(("penalty", "alpha"), [("average", 1.0), ("none", 0.0)])
+def test_prefixed_set_aside_search_equals_ctranslate2s_loop_from_the_prefix(penalty, alpha):
+    """With target prefixes, the set-aside search follows each prefix with one live beam, then searches as
+    CTranslate2's loop does from the prefix; a limit inside the prefix (sentence 3: 3 of its 3 tokens) cuts it."""
+    seeds, max_len = np.array([30, 39, 16, 7]), np.array([6, 5, 6, 3])
+    step = hash_stub(hash_table(3))
+    cache = {"h": jnp.asarray(seeds), "calls": jnp.zeros((), jnp.int32)}
+    result = jax.jit(
+        lambda c, m, p: decoding.set_aside_search(
+            step, c, m, beam_size=3, hypotheses=2, alpha=alpha, max_steps=6, penalty=penalty, prefix_BP=p
+        )
+    )(cache, max_len, _prefix_BP())
+    for b, (seed, prefix) in enumerate(zip(seeds, PREFIXES, strict=True)):
+        expected = set_aside_reference(hash_table(3), int(seed), int(max_len[b]), 3, 2, alpha, penalty, prefix)
+        got = [_strip(np.asarray(result.tokens[b, i]), int(result.lengths[b, i])) for i in range(len(expected))]
+        assert got == [tokens for _, tokens in expected], f"sentence {b}"
+        assert all(g[: len(prefix)] == prefix[: len(g)] for g in got)
+        np.testing.assert_allclose(result.scores[b, : len(expected)], [x for x, _ in expected], rtol=1e-5)
+
+
 def _next_log_prob(table: np.ndarray, seed: int, prefix: tuple[int, ...], token: int) -> float:
     h = seed
     for last in (2, *prefix):  # BOS, then the tokens fed so far

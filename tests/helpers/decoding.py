@@ -69,17 +69,32 @@ def brute_force(
 
 
 def set_aside_reference(
-    table: np.ndarray, seed: int, max_len: int, width: int, n: int, alpha: float, penalty: str
+    table: np.ndarray,
+    seed: int,
+    max_len: int,
+    width: int,
+    n: int,
+    alpha: float,
+    penalty: str,
+    prefix: tuple[int, ...] = (),
 ) -> list[tuple[float, tuple[int, ...]]]:
     """(score, tokens) of the n best hypotheses of CTranslate2's beam search (decoding.cc, BeamSearch, patience 1),
     written as its loop is, one sentence in plain Python: the 2 W best extensions by log P; each of the first W that
     ends (EOS, or the limit) is registered and its place taken by the next secondary candidate that is not EOS; done
     at the limit, with W registered, or (no normalisation) once the first candidate of some step ended and n are
-    registered. Candidates of log P -inf are left out (decoding/set_aside.py's one departure)."""
-    beams = [(seed, BOS, (), 0.0)]  # (hash, last token, tokens, log P); the first step has one beam
+    registered. Candidates of log P -inf are left out (decoding/set_aside.py's one departure). With a target
+    prefix, the search starts from it as its one beam (its tokens' log-probabilities counted), unless the limit
+    cuts it first."""
     registered, top_ended = [], False
+    h, last, log_p = seed, BOS, 0.0
+    for step, token in enumerate(prefix):
+        h = next_hash(h, last)
+        log_p, last = log_p + log_softmax(table[h].astype(np.float64))[token], token
+        if step + 1 == max_len:
+            return [(log_p / reference_lp(step + 1, alpha, penalty), prefix[: step + 1])]
+    beams = [(h, last, prefix, log_p)]  # (hash, last token, tokens, log P); the first step has one beam
     early = penalty == "none" or alpha == 0
-    for step in range(max_len):
+    for step in range(len(prefix), max_len):
         candidates = []
         for b, (h, last, _, log_p) in enumerate(beams):
             h = next_hash(h, last)
