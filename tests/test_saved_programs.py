@@ -244,3 +244,33 @@ def test_a_prefetch_record_naming_lost_or_damaged_programs_or_not_a_list_costs_n
     with saved_programs.prefetching("run"):
         assert saved_programs._Prefetch.current.loading == {}
         np.testing.assert_allclose(fresh()(LENGTHS, ALPHA, penalty="gnmt"), expected(), rtol=1e-6)
+
+
+def test_a_set_aside_search_runs_from_its_own_saved_programs(store):
+    """The set-aside beam search (decoding/set_aside.py) saves programs of its own (the pool's size is a static
+    argument of `_start`, its state's type part of every later call's key): the in-beam search's are never taken
+    for it, and a second run, as in a warm process, loads all of them without tracing, with equal results."""
+    model = shared_model()
+    src_BS, max_len_B = np.asarray(sources_BS(16, 7)), np.full((16,), 6, np.int32)
+    wrappers = {n: f for n, f in vars(binding).items() if isinstance(f, saved_programs.Jit)}
+    for f in wrappers.values():
+        f.loaded.clear()
+    search = dict(beam_size=3, alpha=1.0, max_steps=6, penalty="average", settle=2)
+    binding.searcher(model)(src_BS, max_len_B, finished="in_beam", **search)
+    in_beam = {name for name in entries(store) if name.startswith(("_start", "_stage"))}
+    want = binding.searcher(model)(src_BS, max_len_B, finished="set_aside", **search)
+    both = {name for name in entries(store) if name.startswith(("_start", "_stage"))}
+    assert {n.split("-")[0] for n in both - in_beam} == {"_start", "_stage"}
+    for f in wrappers.values():
+        f.loaded.clear()
+    jitted = {name: f.jitted for name, f in wrappers.items()}
+    try:
+        for f in wrappers.values():
+            f.jitted = NoTracing()
+        got = binding.searcher(model)(src_BS, max_len_B, finished="set_aside", **search)
+    finally:
+        for name, f in wrappers.items():
+            f.jitted = jitted[name]
+    assert got.tokens.shape[1] == 2  # the pool's two best
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.scores, want.scores, rtol=1e-6)
