@@ -92,6 +92,37 @@ def test_greedy_with_a_target_prefix_equals_target_prefix(setup):
     assert any(len(tokenizer.encode(p)) for p in prefixes)
 
 
+def _our_nbest(model, tokenizer, sources, nbest: int, alpha: float, finished: str):
+    """Our nbest best of beam 4 with the `average` penalty (CTranslate2's length_penalty formula)."""
+    settings = dict(max_extra_len=MAX_EXTRA_LEN, batch_size=8, max_input_len=MAX_INPUT_LEN, length_penalty="average")
+    lists, _ = translate_nbest(
+        model, tokenizer, sources, nbest=nbest, beam_size=4, alpha=alpha, finished=finished, **settings
+    )
+    return lists
+
+
+def _their_nbest(setup, sources, nbest: int, alpha: float) -> list[tuple[list[str], list[float]]]:
+    """CTranslate2's num_hypotheses list of beam 4 for each source, one call each with that source's output limit:
+    (texts, scores)."""
+    _, tokenizer, translator, pieces, _, _ = setup
+    index = {piece: i for i, piece in enumerate(pieces)}
+    ids, limits = _limits(tokenizer, sources)
+    lists = []
+    for x, limit in zip(ids, limits, strict=True):
+        [r] = translator.translate_batch(
+            [[pieces[t] for t in x[:-1]]],
+            beam_size=4,
+            num_hypotheses=nbest,
+            length_penalty=alpha,
+            return_scores=True,
+            max_input_length=0,
+            max_decoding_length=limit,
+            min_decoding_length=0,
+        )
+        lists.append(([tokenizer.decode([index[p] for p in h]) for h in r.hypotheses], list(r.scores)))
+    return lists
+
+
 @pytest.mark.parametrize("alpha", [1.0, 0.0])
 def test_nbest_with_the_average_penalty_scores_as_num_hypotheses(setup, alpha):
     """CTranslate2's length_penalty is our `average` (score / |Y| ** alpha, |Y| counting EOS; our `gnmt` has no
@@ -99,36 +130,12 @@ def test_nbest_with_the_average_penalty_scores_as_num_hypotheses(setup, alpha):
     differ where the searches do (docs/decoding.md): ours keeps finished hypotheses in the W beams, CTranslate2
     sets them aside and keeps W live ones, so it holds hypotheses ours pruned. Without normalisation (alpha 0)
     both find the same best hypothesis."""
-    model, tokenizer, translator, pieces, sources, _ = setup
+    model, tokenizer, _, _, sources, _ = setup
     sources = sources[:8]
-    ours, _ = translate_nbest(
-        model,
-        tokenizer,
-        sources,
-        nbest=4,
-        beam_size=4,
-        alpha=alpha,
-        max_extra_len=MAX_EXTRA_LEN,
-        batch_size=8,
-        max_input_len=MAX_INPUT_LEN,
-        length_penalty="average",
-    )
-    ids, limits = _limits(tokenizer, sources)
-    index = {piece: i for i, piece in enumerate(pieces)}
+    ours = _our_nbest(model, tokenizer, sources, 4, alpha, "in_beam")
     common = 0
-    for o, x, limit in zip(ours, ids, limits, strict=True):
-        [r] = translator.translate_batch(
-            [[pieces[t] for t in x[:-1]]],
-            beam_size=4,
-            num_hypotheses=4,
-            length_penalty=alpha,
-            return_scores=True,
-            max_input_length=0,
-            max_decoding_length=limit,
-            min_decoding_length=0,
-        )
-        theirs = [tokenizer.decode([index[p] for p in h]) for h in r.hypotheses]
-        scores = {t: s for t, s in zip(theirs, r.scores, strict=True) if theirs.count(t) == 1}
+    for o, (theirs, their_scores) in zip(ours, _their_nbest(setup, sources, 4, alpha), strict=True):
+        scores = {t: s for t, s in zip(theirs, their_scores, strict=True) if theirs.count(t) == 1}
         for h in o:
             if h.text in scores and [g.text for g in o].count(h.text) == 1:
                 common += 1
@@ -143,36 +150,12 @@ def test_set_aside_nbest_lists_equal_num_hypotheses(setup, alpha, nbest):
     """With finished hypotheses set aside (decoding/set_aside.py), ours is CTranslate2's search: the same n-best
     lists, hypothesis for hypothesis and in order, and the same scores, with length normalisation (stopping at W
     ended hypotheses) and without (CTranslate2's early exit)."""
-    model, tokenizer, translator, pieces, sources, _ = setup
-    ours, _ = translate_nbest(
-        model,
-        tokenizer,
-        sources,
-        nbest=nbest,
-        beam_size=4,
-        alpha=alpha,
-        max_extra_len=MAX_EXTRA_LEN,
-        batch_size=8,
-        max_input_len=MAX_INPUT_LEN,
-        length_penalty="average",
-        finished="set_aside",
-    )
-    ids, limits = _limits(tokenizer, sources)
-    index = {piece: i for i, piece in enumerate(pieces)}
+    model, tokenizer, _, _, sources, _ = setup
+    ours = _our_nbest(model, tokenizer, sources, nbest, alpha, "set_aside")
     ended = 0
-    for o, x, limit in zip(ours, ids, limits, strict=True):
-        [r] = translator.translate_batch(
-            [[pieces[t] for t in x[:-1]]],
-            beam_size=4,
-            num_hypotheses=nbest,
-            length_penalty=alpha,
-            return_scores=True,
-            max_input_length=0,
-            max_decoding_length=limit,
-            min_decoding_length=0,
-        )
-        assert [h.text for h in o] == [tokenizer.decode([index[p] for p in h]) for h in r.hypotheses]
-        np.testing.assert_allclose([h.score for h in o], r.scores, atol=1e-4, rtol=0)
+    for o, (theirs, their_scores) in zip(ours, _their_nbest(setup, sources, nbest, alpha), strict=True):
+        assert [h.text for h in o] == theirs
+        np.testing.assert_allclose([h.score for h in o], their_scores, atol=1e-4, rtol=0)
         ended += sum(h.ended for h in o)
     # hypotheses that end with EOS, and (in the longer lists) ones cut at the limit
     assert ended > 0 and (nbest == 1 or ended < len(sources) * nbest)

@@ -181,6 +181,13 @@ def test_settle_above_the_beam_size_is_refused():
         )
 
 
+def test_an_unknown_rule_for_finished_hypotheses_is_refused():
+    with pytest.raises(ValueError, match="unknown rule for finished hypotheses 'aside'"):
+        decoding.searcher(shared_model()).sentences(
+            [[5, EOS]], [3], beam_size=2, alpha=0.6, batch_size=8, shape=lambda _: (8, 3), finished="aside"
+        )
+
+
 def test_unknown_length_penalty_is_refused():
     with pytest.raises(ValueError, match="unknown length penalty 'mean'"):
         decoding.length_penalty(3, 1.0, "mean")
@@ -191,25 +198,23 @@ def _sources(n: int, seed: int = 7) -> list[list[int]]:
     return [[int(t) for t in rng.integers(4, 50, k - 1)] + [EOS] for k in rng.integers(2, 12, n)]
 
 
+def _refilled_and_one_jit(max_len: list[int], **search) -> tuple[list, list]:
+    """Beam 3 over 20 sources (batch 16) through the refilling scheduler and as one-jit batches."""
+    sources, model = _sources(len(max_len)), shared_model()
+    return tuple(
+        decoding.searcher(model, compact=c).sentences(
+            sources, max_len, beam_size=3, batch_size=16, shape=lambda _: (16, 9), **search
+        )
+        for c in (True, False)
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("penalty", ["average", "none"])
 def test_nbest_through_the_scheduler_equals_the_full_beam_search(penalty):
     """settle=0 runs every beam to its end, in the refilling batch as in one jit."""
-    sources, model = _sources(20), shared_model()
-    max_len = [3 + i % 6 for i in range(len(sources))]
-    refilled, one_jit = (
-        decoding.searcher(model, compact=c).sentences(
-            sources,
-            max_len,
-            beam_size=3,
-            alpha=1.0,
-            batch_size=16,
-            shape=lambda _: (16, 9),
-            penalty=penalty,
-            settle=0,
-        )
-        for c in (True, False)
-    )
+    max_len = [3 + i % 6 for i in range(20)]
+    refilled, one_jit = _refilled_and_one_jit(max_len, alpha=1.0, penalty=penalty, settle=0)
     for r, o, limit in zip(refilled, one_jit, max_len, strict=True):
         np.testing.assert_array_equal(r.lengths, o.lengths)
         for w in range(3):
@@ -228,22 +233,8 @@ def test_nbest_through_the_scheduler_equals_the_full_beam_search(penalty):
 def test_set_aside_through_the_scheduler_equals_its_one_jit_search(penalty, alpha, n):
     """The set-aside search's state through the refilling batch (compaction, cache stages, the host's outcome)
     gives each sentence the one-jit search's n hypotheses."""
-    sources, model = _sources(20), shared_model()
-    max_len = [3 + i % 6 for i in range(len(sources))]
-    refilled, one_jit = (
-        decoding.searcher(model, compact=c).sentences(
-            sources,
-            max_len,
-            beam_size=3,
-            alpha=alpha,
-            batch_size=16,
-            shape=lambda _: (16, 9),
-            penalty=penalty,
-            settle=n,
-            finished=decoding.SET_ASIDE,
-        )
-        for c in (True, False)
-    )
+    max_len = [3 + i % 6 for i in range(20)]
+    refilled, one_jit = _refilled_and_one_jit(max_len, alpha=alpha, penalty=penalty, settle=n, finished="set_aside")
     for r, o in zip(refilled, one_jit, strict=True):
         assert r.tokens.shape[0] == o.tokens.shape[0] == n
         np.testing.assert_array_equal(r.lengths, o.lengths)

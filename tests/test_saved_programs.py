@@ -6,6 +6,7 @@ result."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import threading
 
@@ -34,6 +35,22 @@ class NoTracing:
 
     def __call__(self, *args, **kwargs):
         raise AssertionError("the program was traced or compiled although it was saved")
+
+
+@contextlib.contextmanager
+def decoding_calls_without_tracing():
+    """The decoding binding's saved-program wrappers with nothing loaded in memory (as in a new process) and any
+    trace or compile failing the test, for the duration of the block."""
+    wrappers = [f for f in vars(binding).values() if isinstance(f, saved_programs.Jit)]
+    jitted = [f.jitted for f in wrappers]
+    for f in wrappers:
+        f.loaded.clear()
+        f.jitted = NoTracing()
+    try:
+        yield
+    finally:
+        for f, j in zip(wrappers, jitted, strict=True):
+            f.jitted = j
 
 
 @pytest.fixture
@@ -168,16 +185,8 @@ def test_a_program_jax_loaded_from_its_cache_is_not_what_is_saved(store, monkeyp
         f.loaded.clear()
     binding.searcher(model)(src_BS, max_len_B, beam_size=2, alpha=0.6, max_steps=6)  # jax's cache has them all
     assert {name.split("-")[0] for name in entries(store)} >= {"_start", "_stage", "_outcome"}
-    for f in wrappers.values():
-        f.loaded.clear()
-    jitted = {name: f.jitted for name, f in wrappers.items()}
-    try:
-        for f in wrappers.values():
-            f.jitted = NoTracing()
+    with decoding_calls_without_tracing():
         got = binding.searcher(model)(src_BS, max_len_B, beam_size=2, alpha=0.6, max_steps=6)
-    finally:
-        for name, f in wrappers.items():
-            f.jitted = jitted[name]
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_allclose(got.scores, want.scores, rtol=1e-6)
 
@@ -261,16 +270,8 @@ def test_a_set_aside_search_runs_from_its_own_saved_programs(store):
     want = binding.searcher(model)(src_BS, max_len_B, finished="set_aside", **search)
     both = {name for name in entries(store) if name.startswith(("_start", "_stage"))}
     assert {n.split("-")[0] for n in both - in_beam} == {"_start", "_stage"}
-    for f in wrappers.values():
-        f.loaded.clear()
-    jitted = {name: f.jitted for name, f in wrappers.items()}
-    try:
-        for f in wrappers.values():
-            f.jitted = NoTracing()
+    with decoding_calls_without_tracing():
         got = binding.searcher(model)(src_BS, max_len_B, finished="set_aside", **search)
-    finally:
-        for name, f in wrappers.items():
-            f.jitted = jitted[name]
     assert got.tokens.shape[1] == 2  # the pool's two best
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_allclose(got.scores, want.scores, rtol=1e-6)

@@ -54,7 +54,7 @@ from transformer_jax.decoding.search import (
     top_k,
     write_step,
 )
-from transformer_jax.tokens import BOS_ID, EOS_ID, PAD_ID
+from transformer_jax.tokens import EOS_ID, PAD_ID
 
 Array = jax.Array
 PyTree = Any
@@ -117,7 +117,7 @@ class SetAsideState(NamedTuple):
             done_B=jnp.zeros((batch,), bool),
             top_ended_B=jnp.zeros((batch,), bool),
             ended_B=jnp.zeros((batch,), jnp.int32),
-            last_BW=jnp.full((batch, width), BOS_ID, jnp.int32),
+            last_BW=live.last_BW,
             tokens_BWL=live.tokens_BWL,
             log_probs_BW=live.log_probs_BW,
             pool_tokens_BNL=jnp.full((batch, pool, slots), PAD_ID, jnp.int32),
