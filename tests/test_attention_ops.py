@@ -286,3 +286,30 @@ def test_heads_first_keys_give_the_same_attention(impl):
     expected = ops.attention(q, k, v, impl=impl, **masking)
     got = ops.attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), impl=impl, kv_heads_first=True, **masking)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["xla", "blockwise"])
+def test_beam_lineage_attention_equals_attention_over_the_reordered_cache(impl):
+    # A decoding cache of 2 sentences x 3 beams whose rows never move: row r's slot l is read from its sentence's row
+    # lineage[r, l]. The reference gathers each row's history into place and attends as a decode step does
+    # (heads-first, causal by position); grouped heads (4 query heads on 2 key/value heads).
+    width, rows, slots = 3, 6, 7
+    kq, kk, kv, kl = jax.random.split(jax.random.key(7), 4)
+    q = jax.random.normal(kq, (rows, 1, 4, 8))
+    k = jax.random.normal(kk, (rows, 2, slots, 8))
+    v = jax.random.normal(kv, (rows, 2, slots, 8))
+    lineage = jax.random.randint(kl, (rows, slots), 0, width)
+    masking = dict(
+        causal=True,
+        q_positions=jnp.array([[3], [3], [3], [6], [6], [6]]),
+        kv_positions=jnp.broadcast_to(jnp.arange(slots), (rows, slots)),
+    )
+    source_RL = (jnp.arange(rows) // width * width)[:, None] + lineage  # the row holding slot l of row r
+    in_place = lambda x: x[source_RL, :, jnp.arange(slots)[None, :]].transpose(0, 2, 1, 3)  # [R, K, L, H]
+    expected = ops.attention(q, in_place(k), in_place(v), impl=impl, kv_heads_first=True, **masking)
+    got = ops.attention(q, k, v, impl=impl, kv_heads_first=True, lineage=(lineage, width), **masking)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="beam lineage needs a heads-first cache and a softmax impl"):
+        ops.attention(q, k, v, impl="linear", kv_heads_first=True, lineage=(lineage, width), **masking)
+    with pytest.raises(ValueError, match="beam lineage takes no options but scale"):
+        ops.attention(q, k, v, kv_heads_first=True, lineage=(lineage, width), return_weights=True, **masking)

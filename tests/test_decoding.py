@@ -232,17 +232,16 @@ def test_blockwise_top_k_equals_lax_top_k_with_ties_and_minus_infinity(size, k):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "beam_size", "max_steps"))
 def _cached_steps(graphdef, state, src_BS, tokens_RT, perms_TR, *, beam_size, max_steps):
-    """Feeds tokens_RT step by step through cached_decode_step, reordering the cache rows by perms_TR first."""
+    """Feeds tokens_RT step by step through cached_decode_step, reordering the cache rows by perms_TR first (with
+    the Decoder's reorder: the keys and values stay, the beam lineage follows)."""
     model = nnx.merge(graphdef, state)
     seg = unpacked_segment_ids(src_BS)
-    step, cache, grow = decoding.cached_decode_step(
-        model, model.encode(src_BS, seg), seg, beam_size=beam_size, max_steps=max_steps
-    )
-    cache = decoding.tile_beams(grow(cache, max_steps), beam_size)
+    d = decoding.cached_decode_step(model, model.encode(src_BS, seg), seg, beam_size=beam_size, max_steps=max_steps)
+    cache = decoding.tile_beams(d.grow(d.cache, max_steps), beam_size)
 
     def body(cache, xs):
         tokens_R, perm_R = xs
-        logits, cache = step(tokens_R[:, None], decoding.gather_rows(cache, perm_R))
+        logits, cache = d.step(tokens_R[:, None], d.reorder(cache, perm_R))
         return cache, logits[:, 0]
 
     _, logits_TRV = jax.lax.scan(body, cache, (tokens_RT.T, perms_TR))

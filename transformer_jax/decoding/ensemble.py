@@ -3,13 +3,13 @@
 Axis letters: see transformer_jax/__init__.py.
 
 `Ensemble` has the methods the search binding (transformer.py) calls on a model: `encode`, `init_cache`, `decode`
-with a cache, `grow_cache`, `grow_source`, and a `spec` for the position limit; and the teacher-forced call
-(`__call__`) that forced decoding (evaluation/scoring.py) makes. Each member keeps its own cache (its
-cross- and self-attention layers, concatenated in member order inside one cache dict that shares the per-row write
-index and the source's segment ids), so the search, the refilling scheduler and beam reordering treat the ensemble
-as one model. Each step returns the members' next-token log-probabilities averaged and renormalised,
-log p(y) = 1/M sum_m log p_m(y) - log sum_y' exp(1/M sum_m log p_m(y')) (`mean_log_probs`, the one rule for
-searching and for scoring). The members must share the vocabulary (one tokenizer).
+with a cache, `grow_cache`, `reorder_cache`, `grow_source`, and a `spec` for the position limit; and the
+teacher-forced call (`__call__`) that forced decoding (evaluation/scoring.py) makes. Each member keeps its own
+cache (its cross- and self-attention layers, concatenated in member order inside one cache dict that shares the
+per-row write index, the beam lineage and the source's segment ids), so the search, the refilling scheduler and
+beam reordering treat the ensemble as one model. Each step returns the members' next-token log-probabilities
+averaged and renormalised, log p(y) = 1/M sum_m log p_m(y) - log sum_y' exp(1/M sum_m log p_m(y')) (`mean_log_probs`,
+the one rule for searching and for scoring). The members must share the vocabulary (one tokenizer).
 """
 
 from __future__ import annotations
@@ -87,6 +87,10 @@ class Ensemble(nnx.Module):
     def grow_cache(self, cache: Cache, max_len: int) -> Cache:
         parts = self._parts(cache)
         return self._join([m.grow_cache(c, max_len) for m, c in zip(self.members, parts, strict=True)])
+
+    def reorder_cache(self, cache: Cache, rows_R: Array) -> Cache:
+        """The members' shared index and beam lineage follow the beams (model/transformer.py reorder_cache)."""
+        return self.members[0].reorder_cache(cache, rows_R)
 
     def grow_source(self, cache: Cache, src_len: int) -> Cache:
         parts = self._parts(cache)

@@ -5,8 +5,11 @@ beam w of sentence b, L output slots = max_steps).
 
 A decode step is `decode_step(tokens_R1, cache) -> (logits_R1V, cache)`: it reads the next input token of every
 row and returns the next-token logits. The cache is any pytree whose non-scalar leaves have the rows on axis 0
-(scalar leaves, such as a stub's step counter, are shared by all rows and never tiled or reordered). The
-search functions only need this interface, so tests drive them with stubs whose distributions they control.
+(scalar leaves, such as a stub's step counter, are shared by all rows and never tiled or reordered). Beam search
+makes the cache follow its surviving beams with the Decoder's `reorder(cache, rows_R)`, by default `gather_rows`
+(every row moves); the Transformer's keeps its cached keys and values in place and moves only a beam lineage (model/
+transformer.py reorder_cache). The search functions only need this interface, so tests drive them with stubs whose
+distributions they control.
 
 Search (both functions; the reserved ids are those of transformer_jax/tokens.py): the decoder input starts with BOS;
 a hypothesis finishes when it emits EOS or reaches its sentence's maximum length `max_len_B` (then it is kept as it
@@ -14,11 +17,11 @@ is, without EOS); after that only PAD follows and its score never changes. Lengt
 EOS included. `jax.lax.while_loop` runs the steps and stops as soon as every hypothesis of every sentence has
 finished.
 
-Cache stages: a step reads every slot of the self-attention cache and beam search reorders all of them, so their
-cost grows with the cache's size, not with the tokens decoded so far. Outputs are mostly much shorter than their
-limit (source + max_extra_len), so a search with a `grow` function runs in stages of growing cache size (16,
-32, 64, ..., max_steps; `cache_stages`), one while_loop each: a stage ends when its slots are full or every
-hypothesis has finished, and the next one starts from a cache grown by zero slots. Each stage is compiled once;
+Cache stages: a step reads every slot of the self-attention cache, so its cost grows with the cache's size, not
+with the tokens decoded so far. Outputs are mostly much shorter than their limit (source + max_extra_len), so a
+search with a `grow` function runs in stages of growing cache size (16, 32, 64, ..., max_steps; `cache_stages`), one
+while_loop each: a stage ends when its slots are full or every hypothesis has finished, and the next one starts
+from a cache grown by zero slots. Each stage is compiled once;
 the results equal a single loop over max_steps slots (empty slots are never attended).
 
 The states (GreedyState, BeamState) are the loop carries; the host-side scheduler (refill.py) also runs them a few
@@ -39,6 +42,7 @@ Array = jax.Array
 PyTree = Any
 DecodeStep = Callable[[Array, PyTree], tuple[Array, PyTree]]
 GrowCache = Callable[[PyTree, int], PyTree]
+Reorder = Callable[[PyTree, Array], PyTree]  # (cache, rows_R) -> the cache whose row r continues row rows_R[r]
 NEG_INF = -jnp.inf
 FIRST_STAGE = 16  # slots of the first cache stage: most Multi30k outputs (~13 tokens) finish inside it
 # `top_k` reads the vocabulary in blocks of this many logits (fastest of 16-128 on [256, 8000], docs/benchmarks.md).
@@ -46,12 +50,14 @@ TOP_K_BLOCK = 64
 
 
 class Decoder(NamedTuple):
-    """A decode step, its initial cache, and `grow(cache, n)` giving the cache room for n steps (None: it has
-    room for max_steps already)."""
+    """A decode step, its initial cache, `grow(cache, n)` giving the cache room for n steps (None: it has room for
+    max_steps already), and `reorder(cache, rows_R)`, how beam search makes the cache follow its beams (default
+    `gather_rows`: every row moves; the Transformer moves less, model/transformer.py reorder_cache)."""
 
     step: DecodeStep
     cache: PyTree
     grow: GrowCache | None = None
+    reorder: Reorder | None = None
 
 
 def cache_stages(max_steps: int) -> list[int]:
@@ -355,8 +361,9 @@ class BeamState(NamedTuple):
         settle: int,
         penalty: str = GNMT,
         prefix_BP: Array | None = None,
+        reorder: Reorder | None = None,
     ) -> BeamState:
-        """One step of beam search (see beam_search)."""
+        """One step of beam search (see beam_search); reorder: as Decoder's."""
         s = self
         batch, width = s.finished_BW.shape
         logits_R1V, cache = decode_step(s.last_BW.reshape(-1, 1), s.cache)
@@ -408,7 +415,7 @@ class BeamState(NamedTuple):
             tokens_BWL=write_step(tokens_BWL, s.step_B[:, None], token_BW),
             log_probs_BW=log_probs_BW,
             lengths_BW=pick(cand_len_BW),
-            cache=gather_rows(cache, rows_R),
+            cache=(reorder or gather_rows)(cache, rows_R),
         )
 
 
@@ -486,6 +493,7 @@ def beam_search(
     settle: int = 0,
     penalty: str = GNMT,
     prefix_BP: Array | None = None,
+    reorder: Reorder | None = None,
 ) -> BeamResult:
     """Beam search with the length penalty lp (`length_penalty`'s `penalty`); `cache` has B rows and is tiled to
     R = B W rows here, once.
@@ -501,14 +509,14 @@ def beam_search(
     its end. The first `settle` beams are then exactly the full search's; the others are returned as they stood (an
     unfinished one without EOS, its score log P / lp(its length so far), below the settled ones). Translation needs
     only the first beam (settle=1) and an n-best list the first N (settle=N <= W); this saves the steps in which the
-    worse beams of a finished sentence wander on to its length limit.
+    worse beams of a finished sentence wander on to its length limit. reorder: as Decoder's.
     """
     first = max_steps if grow is None else cache_stages(max_steps)[0]
     batch = max_len_B.shape[0]
     init = BeamState.start(tile_beams(cache, beam_size), batch, beam_size, first)
 
     def body(s: BeamState) -> BeamState:
-        return s.advance(decode_step, max_len_B, alpha, settle, penalty, prefix_BP)
+        return s.advance(decode_step, max_len_B, alpha, settle, penalty, prefix_BP, reorder)
 
     s = run_stages(body, init, max_steps, grow)
     return best_first(pad_tokens(s.tokens_BWL, max_steps), s.log_probs_BW, s.lengths_BW, alpha, penalty)

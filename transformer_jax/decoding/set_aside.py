@@ -40,6 +40,7 @@ from transformer_jax.decoding.search import (
     BeamState,
     DecodeStep,
     GrowCache,
+    Reorder,
     best_first,
     cache_stages,
     choosable,
@@ -133,8 +134,9 @@ class SetAsideState(NamedTuple):
         alpha: Array | float,
         penalty: str = GNMT,
         prefix_BP: Array | None = None,
+        reorder: Reorder | None = None,
     ) -> SetAsideState:
-        """One step (module docstring)."""
+        """One step (module docstring); reorder: as search.Decoder's."""
         s = self
         batch, width = s.last_BW.shape
         pool = s.pool_log_probs_BN.shape[1]
@@ -192,7 +194,7 @@ class SetAsideState(NamedTuple):
             pool_tokens_BNL=pooled(s.pool_tokens_BNL, tokens_BKL[:, :width]),
             pool_log_probs_BN=pooled(s.pool_log_probs_BN, joining_BW),
             pool_lengths_BN=pooled(s.pool_lengths_BN, jnp.where(joins_BW, length_B[:, None], 0)),
-            cache=gather_rows(cache, rows_R),
+            cache=(reorder or gather_rows)(cache, rows_R),
         )
 
 
@@ -217,11 +219,14 @@ def set_aside_search(
     grow: GrowCache | None = None,
     penalty: str = GNMT,
     prefix_BP: Array | None = None,
+    reorder: Reorder | None = None,
 ) -> BeamResult:
     """Beam search of beam_size live beams that sets finished hypotheses aside (module docstring), as one loop;
-    `cache` has B rows. Returns each sentence's `hypotheses` best (<= beam_size), best first. grow and prefix_BP
-    as for search.beam_search."""
+    `cache` has B rows. Returns each sentence's `hypotheses` best (<= beam_size), best first. grow, prefix_BP and
+    reorder as for search.beam_search."""
     first = max_steps if grow is None else cache_stages(max_steps)[0]
     init = start_state(cache, max_len_B.shape[0], beam_size, first, hypotheses)
-    s = run_stages(lambda s: s.advance(decode_step, max_len_B, alpha, penalty, prefix_BP), init, max_steps, grow)
+    s = run_stages(
+        lambda s: s.advance(decode_step, max_len_B, alpha, penalty, prefix_BP, reorder), init, max_steps, grow
+    )
     return best_first(pad_tokens(s.pool_tokens_BNL, max_steps), s.pool_log_probs_BN, s.pool_lengths_BN, alpha, penalty)

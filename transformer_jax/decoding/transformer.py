@@ -6,7 +6,8 @@ joining or kept, S source positions, L output slots).
 The model's decoding cache splits in two (`_split_cache`): the context, fixed per sentence (the source's segment
 ids and the cross-attention keys/values), one row per sentence and closed over by the decode step (the model's
 cross-attention reads it with the W queries of a sentence's beams together); and what changes per step (the
-per-row write index and the self-attention keys/values), which the search carries and beam search reorders.
+per-row write index, the self-attention keys/values and the beam lineage), which the search carries and beam search
+reorders (`model.reorder_cache`: only the index and the lineage move, ops/attention.py lineage_attention).
 
 `Searcher` runs a batch either as one jitted call (`_search`) or through the refilling scheduler (refill.py), whose
 calls (`ModelCalls`) are the jitted functions below with the model's graph (`Graph`) as a static argument.
@@ -52,16 +53,14 @@ PyTree = Any
 
 def _split_cache(full: PyTree) -> tuple[PyTree, PyTree]:
     """The model's decoding cache as (context, cache), both with B rows: what stays fixed per sentence (the source's
-    segment ids and the cross-attention keys/values), and what changes per step (the write index and the
-    self-attention keys/values; beam search tiles it to R rows).
+    segment ids and the cross-attention keys/values), and what changes per step (everything else: the write index, the
+    self-attention keys/values, the beam lineage; beam search tiles it to R rows).
 
     The context is not tiled over the beams: a step's cross-attention reads each sentence's keys and values once
     for its W beams (model/transformer.py, DecoderLayer), W times less than tiled rows would read (measured in
     docs/benchmarks.md)."""
-    return (
-        {"src_segment_ids": full["src_segment_ids"], "cross": full["cross"]},
-        {"index": full["index"], "self": full["self"]},
-    )
+    fixed = ("src_segment_ids", "cross")
+    return {k: full[k] for k in fixed}, {k: x for k, x in full.items() if k not in fixed}
 
 
 def _context_step(model: nnx.Module, context: PyTree) -> DecodeStep:
@@ -72,7 +71,7 @@ def _context_step(model: nnx.Module, context: PyTree) -> DecodeStep:
 
     def decode_step(tokens_R1: Array, cache: PyTree) -> tuple[Array, PyTree]:
         logits_R1V, new = model.decode(None, tokens_R1, cache={**context, **cache})
-        return logits_R1V, {"index": new["index"], "self": new["self"]}
+        return logits_R1V, {k: new[k] for k in cache}
 
     return decode_step
 
@@ -89,7 +88,7 @@ def cached_decode_step(
     del beam_size  # recompute_decode_step's signature: the context has a row per sentence, the search tiles the cache
     full = model.init_cache(memory_BSD, src_segment_ids_BS, cache_stages(max_steps)[0])
     context, cache = _split_cache(full)
-    return Decoder(_context_step(model, context), cache, model.grow_cache)
+    return Decoder(_context_step(model, context), cache, model.grow_cache, model.reorder_cache)
 
 
 def recompute_decode_step(
@@ -169,6 +168,7 @@ def _search(
             grow=d.grow,
             penalty=penalty,
             prefix_BP=row_inputs.get("prefix"),
+            reorder=d.reorder,
         )
     return beam_search(
         d.step,
@@ -181,6 +181,7 @@ def _search(
         settle=settle,
         penalty=penalty,
         prefix_BP=row_inputs.get("prefix"),
+        reorder=d.reorder,
     )
 
 
@@ -284,13 +285,14 @@ def _stage(
     sampling: Sampling | None,
 ):
     """Steps until at most `stop_live` sentences are live or a live one has filled the cache (`steps_until`)."""
-    step = _context_step(graph.merge(params), context)
+    model = graph.merge(params)
+    step, reorder = _context_step(model, context), model.reorder_cache
     prefix_BP, choose = _row_rules(row_inputs, sampling)
     if isinstance(s, GreedyState):
         return steps_until(lambda s: s.advance(step, max_len_B, prefix_BP, choose), s, stop_live)
     if isinstance(s, SetAsideState):
-        return steps_until(lambda s: s.advance(step, max_len_B, alpha, penalty, prefix_BP), s, stop_live)
-    return steps_until(lambda s: s.advance(step, max_len_B, alpha, settle, penalty, prefix_BP), s, stop_live)
+        return steps_until(lambda s: s.advance(step, max_len_B, alpha, penalty, prefix_BP, reorder), s, stop_live)
+    return steps_until(lambda s: s.advance(step, max_len_B, alpha, settle, penalty, prefix_BP, reorder), s, stop_live)
 
 
 @saved_programs.jit(static_argnames=("penalty",))

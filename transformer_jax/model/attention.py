@@ -60,11 +60,13 @@ class MultiHeadAttention(nnx.Module):
         kv_positions: Array | None,
         causal: bool,
         kv_heads_first: bool = False,
+        lineage: tuple[Array, int] | None = None,
     ) -> Array:
         """Attends queries from x to precomputed (K, V) heads; returns [B, T, D].
 
         kv is ([B, S, K, H], [B, S, K, E]) as project_kv returns them, or heads-first ([B, K, S, H], [B, K, S, E])
-        with kv_heads_first, the layout of the decoding cache (see ops/attention.py for why).
+        with kv_heads_first, the layout of the decoding cache (see ops/attention.py for why). lineage: (lineage_RL,
+        W) of a cache shared by each sentence's W beams (ops.attention's lineage).
         """
         batch, length, _ = x_BTD.shape
         q_BTNH = self.q_proj(x_BTD).reshape(batch, length, self.num_heads, self.d_qk)
@@ -77,6 +79,7 @@ class MultiHeadAttention(nnx.Module):
             q_positions=q_positions,
             kv_positions=kv_positions,
             window=self.window,
+            lineage=lineage,
         )
         use_dropout = self.dropout_rate > 0 and not self.weights_dropout.deterministic
         if self.capture_weights or use_dropout:
@@ -130,6 +133,14 @@ def append_to_cache(cache: dict[str, Array], k_BTKH: Array, v_BTKE: Array, index
         return write_row(slots, heads_first(new_BTKX).astype(slots.dtype), index_B)
 
     return {"k": write(cache["k"], k_BTKH), "v": write(cache["v"], v_BTKE)}
+
+
+def append_lineage(lineage_RL: Array, width: int, length: int, index_R: Array) -> Array:
+    """The beam lineage (ops/masks.py) after each row writes `length` slots from index_R[r] on: those slots are its
+    own (beam r mod W of its sentence)."""
+    rows = lineage_RL.shape[0]
+    own_RT = jnp.broadcast_to((jnp.arange(rows, dtype=jnp.int32) % width)[:, None], (rows, length))
+    return jax.vmap(jax.lax.dynamic_update_slice_in_dim, in_axes=(0, 0, 0, None))(lineage_RL, own_RT, index_R, 0)
 
 
 def grow_slots(slots: Array, max_len: int) -> Array:

@@ -18,6 +18,7 @@ from transformer_jax.model import layers
 from transformer_jax.model.attention import (
     CACHE_SLOT_AXIS,
     MultiHeadAttention,
+    append_lineage,
     append_to_cache,
     grow_self_cache,
     grow_slots,
@@ -26,6 +27,7 @@ from transformer_jax.model.attention import (
 )
 from transformer_jax.model.layers import Embedding, FeedForward, LearnedPositions, dense, make_norm, sinusoidal_encoding
 from transformer_jax.model.spec import TransformerSpec
+from transformer_jax.ops.attention import SOFTMAX_IMPLEMENTATIONS
 from transformer_jax.tokens import PAD_ID
 
 Array = jax.Array
@@ -106,6 +108,7 @@ class DecoderLayer(nnx.Module):
         src_segment_ids: Array | None,
         self_cache: dict[str, Array] | None,
         cache_index: Array | None,
+        lineage: tuple[Array, int] | None = None,
     ) -> tuple[Array, dict[str, Array] | None]:
         new_cache = None
 
@@ -130,6 +133,7 @@ class DecoderLayer(nnx.Module):
                 kv_positions=kv_positions,
                 causal=True,
                 kv_heads_first=self_cache is not None,
+                lineage=lineage,
             )
 
         def cross_attention(h: Array) -> Array:
@@ -250,7 +254,10 @@ class Transformer(nnx.Module):
         ids, or the source tokens to derive them from as `encode` does. With a cache from `init_cache`, tgt_tokens
         are the next T tokens (usually T = 1), memory and the source are not read (the cache holds the projected
         cross-attention keys/values and the source segment ids), and the return value is (logits, updated cache).
+        With a context row per W > 1 cache rows (a sentence's beams), the self-attention reads each beam's slots
+        through the cache's beam lineage (`reorder_cache`).
         """
+        lineage = None
         if cache is None:
             if memory is None:
                 raise ValueError("decode needs the encoder memory when no cache is given")
@@ -264,6 +271,12 @@ class Transformer(nnx.Module):
             tgt_positions = index[:, None] + jnp.arange(length, dtype=jnp.int32)
             tgt_segment_ids, src_segment_ids = None, cache["src_segment_ids"]
             cross_kvs = [(c["k"], c["v"]) for c in cache["cross"]]
+            # A context row per sentence for W > 1 rows (its beams, see cross_attention): with a beam lineage the
+            # beams share their self-attention slots (`reorder_cache`).
+            width = batch // src_segment_ids.shape[0]
+            if "lineage" in cache and width > 1:
+                cache = {**cache, "lineage": append_lineage(cache["lineage"], width, length, index)}
+                lineage = (cache["lineage"], width)
         y_BTD = self._embed(tgt_tokens, tgt_positions, target=True)
         new_self = []
         for i, layer in enumerate(self.decoder_layers):
@@ -275,6 +288,7 @@ class Transformer(nnx.Module):
                 src_segment_ids=src_segment_ids,
                 self_cache=None if cache is None else cache["self"][i],
                 cache_index=index,
+                lineage=lineage,
             )
             new_self.append(layer_cache)
         if self.decoder_norm is not None:
@@ -290,7 +304,8 @@ class Transformer(nnx.Module):
         """A decoding cache for up to max_len target tokens: cross-attention K/V projected once per sentence.
 
         The source's segment ids (or its tokens, to derive them from) are kept to mask its padding, as in `decode`.
-        Keys and values are held heads-first (model/attention.py CACHE_SLOT_AXIS); `grow_cache` adds slots.
+        Keys and values are held heads-first (model/attention.py CACHE_SLOT_AXIS); `grow_cache` adds slots. With a
+        softmax attention the cache also holds a beam lineage [B, max_len] (`reorder_cache`).
         """
         if self.spec.positional == "learned" and max_len > self.spec.max_len:
             raise ValueError(f"decoding {max_len} tokens exceeds model.max_len={self.spec.max_len}")
@@ -301,12 +316,29 @@ class Transformer(nnx.Module):
         for layer in self.decoder_layers:
             k, v = layer.cross_attn.project_kv(memory)
             cross.append({"k": heads_first(k), "v": heads_first(v)})
-        return {
+        cache = {
             "index": jnp.zeros((batch,), jnp.int32),
             "src_segment_ids": src_segment_ids,
             "cross": cross,
             "self": [init_self_cache(layer.self_attn, batch, max_len, dtype) for layer in self.decoder_layers],
         }
+        if self.spec.attention_impl in SOFTMAX_IMPLEMENTATIONS:  # ops.attention's beam lineage is softmax's
+            cache["lineage"] = jnp.zeros((batch, max_len), jnp.int32)
+        return cache
+
+    @staticmethod
+    def reorder_cache(cache: Cache, rows_R: Array) -> Cache:
+        """The per-step cache (`index`, `self`, `lineage`) following beam search's survivors: row r continues the
+        hypothesis of row rows_R[r], a row of the same sentence (decoding/search.py's Decoder.reorder).
+
+        With a beam lineage (ops/masks.py) the cached keys and values stay where they were written and only the
+        lineage and the write index follow the beams (`decode` then reads each slot from the row the lineage names);
+        without one, every row moves. Only for beam rows whose context has a row per sentence (more than one beam):
+        with a context tiled to every row, `decode` reads each row's own slots.
+        """
+        if "lineage" not in cache:
+            return jax.tree.map(lambda x: jnp.take(x, rows_R, axis=0), cache)
+        return {**cache, "index": cache["index"][rows_R], "lineage": cache["lineage"][rows_R]}
 
     def grow_cache(self, cache: Cache, max_len: int) -> Cache:
         """`cache` with room for max_len target tokens (at least its own), the tokens decoded so far kept.
@@ -316,7 +348,10 @@ class Transformer(nnx.Module):
         """
         if self.spec.positional == "learned" and max_len > self.spec.max_len:
             raise ValueError(f"decoding {max_len} tokens exceeds model.max_len={self.spec.max_len}")
-        return {**cache, "self": [grow_self_cache(c, max_len) for c in cache["self"]]}
+        grown = {**cache, "self": [grow_self_cache(c, max_len) for c in cache["self"]]}
+        if "lineage" in cache:
+            grown["lineage"] = jnp.pad(cache["lineage"], [(0, 0), (0, max_len - cache["lineage"].shape[1])])
+        return grown
 
     def grow_source(self, cache: Cache, src_len: int) -> Cache:
         """`cache` with room for sources of src_len tokens (at least its own): the new positions are padding

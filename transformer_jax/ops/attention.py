@@ -22,7 +22,7 @@ from collections.abc import Callable, Hashable
 import jax
 import jax.numpy as jnp
 
-from transformer_jax.ops.masks import AttentionMask
+from transformer_jax.ops.masks import AttentionMask, lineage_mask
 
 Array = jax.Array
 
@@ -133,6 +133,57 @@ def xla_attention(
     return out_BTNE
 
 
+def lineage_attention(
+    q: Array, k: Array, v: Array, mask: AttentionMask, lineage_RL: Array, width: int, *, scale: float | None = None
+) -> Array:
+    """Attention over a heads-first decoding cache shared by each sentence's `width` beams: k [R, K, L, H] and
+    v [R, K, L, E] hold what each row wrote (rows never move), and query row r reads slot l from its sentence's row
+    lineage_RL[r, l] (ops/masks.py, beam lineage), under `mask` (causality, [R, 1, T, L]).
+    q [R, T, N, H] -> [R, T, N, E].
+
+    Why: beam search would otherwise reorder the whole cache to follow the surviving beams at every step, a copy of
+    every cached key and value (read and written) on top of the step's own read of them; here a step reads each once
+    and only the lineage, L integers a row, follows the beams. Each row's keys are scored against all W queries of
+    its sentence (W times the scores of one query a row, few next to the step's matmuls), then the softmax runs over
+    the sentence's W L slots with the other rows' slots masked, so the result is the reordered cache's attention.
+    """
+    rows, q_len, num_heads, head_dim = q.shape
+    _, num_kv_heads, kv_len, _ = k.shape
+    batch, groups = rows // width, num_heads // num_kv_heads
+    scale = head_dim**-0.5 if scale is None else scale
+    queries = width * q_len * groups  # Q: a sentence's queries per key/value head, in (beam, position, group) order
+    # [R, T, K, G, H] -> [B, K, Q, H], broadcast over the key rows w, so that the dots batch over (b, w, k), the
+    # cache's leading axes (XLA reads it in place). The scores come out slots-major ([L, Q] per batch) and are then
+    # transposed (they are small): XLA:CPU computed the [Q, L] product 3x slower at these shapes (and the weights
+    # times V in [L, Q] order 6x slower; 128 rows, 82 slots, docs/decoding.md).
+    q_BKQH = q.reshape(batch, width, q_len, num_kv_heads, groups, head_dim).transpose(0, 3, 1, 2, 4, 5)
+    q_B1KQH = q_BKQH.reshape(batch, 1, num_kv_heads, queries, head_dim)
+    q_BWKQH = jnp.broadcast_to(q_B1KQH, (batch, width, num_kv_heads, queries, head_dim))
+    k_BWKLH = k.reshape(batch, width, num_kv_heads, kv_len, head_dim)
+    v_BWKLE = v.reshape(batch, width, num_kv_heads, kv_len, v.shape[-1])
+    scores_BWKLQ = jnp.einsum("bwklh,bwkqh->bwklq", k_BWKLH, q_BWKQH, preferred_element_type=jnp.float32)
+    scores_BWKLQ = jax.lax.optimization_barrier(scores_BWKLQ)  # XLA would fold the transpose below into the dot
+    scores_BWKQL = jnp.swapaxes(scores_BWKLQ, 3, 4) * scale
+    # Visible: the row is the query's ancestor's at that slot, and causality ([R, 1, T, L] -> per query).
+    lineage_BWQL = lineage_mask(lineage_RL, width)[:, :, :, None, None, :]  # [B, W, Wq, 1, 1, L]
+    causal = mask.dense()
+    if causal is not None:
+        causal_BQL = causal.reshape(batch, 1, width, q_len, 1, kv_len)
+        lineage_BWQL = lineage_BWQL & causal_BQL
+    visible_BW1QL = jnp.broadcast_to(lineage_BWQL, (batch, width, width, q_len, groups, kv_len)).reshape(
+        batch, width, 1, queries, kv_len
+    )
+    scores_BWKQL = jnp.where(visible_BW1QL, scores_BWKQL, -jnp.inf)
+    top_B1KQ1 = jnp.max(scores_BWKQL, axis=(1, 4), keepdims=True)
+    top_B1KQ1 = jnp.where(jnp.isfinite(top_B1KQ1), top_B1KQ1, 0.0)  # a query that sees no key: zeros, not NaN
+    exp_BWKQL = jnp.exp(scores_BWKQL - top_B1KQ1)
+    total_B1KQ1 = jnp.sum(exp_BWKQL, axis=(1, 4), keepdims=True)
+    weights_BWKQL = exp_BWKQL / jnp.where(total_B1KQ1 > 0, total_B1KQ1, 1.0)
+    out_BKQE = jnp.einsum("bwkql,bwkle->bwkqe", weights_BWKQL.astype(v.dtype), v_BWKLE).sum(axis=1)
+    out_BWTKGE = out_BKQE.reshape(batch, num_kv_heads, width, q_len, groups, -1).transpose(0, 2, 3, 1, 4, 5)
+    return out_BWTKGE.reshape(rows, q_len, num_heads, v.shape[-1])
+
+
 def attention(
     q: Array,
     k: Array,
@@ -146,12 +197,15 @@ def attention(
     window: int | None = None,
     impl: str = "xla",
     kv_heads_first: bool = False,
+    lineage: tuple[Array, int] | None = None,
     **options,
 ) -> Array:
     """Runs the implementation named `impl` with the mask of ops/masks.py's rules; options go to it (e.g. scale).
 
     kv_heads_first: k and v are [B, K, S, H] / [B, K, S, E] (see the module docstring). Softmax implementations
     then run the reference on them in place; others (linear) get them sequence-first.
+    lineage: (lineage_RL, W) for a heads-first decoding cache whose rows come in groups of W beams that share their
+    slots (`lineage_attention`); softmax implementations only.
     """
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention impl {impl!r}; choose one of {sorted(IMPLEMENTATIONS)}")
@@ -170,6 +224,12 @@ def attention(
         kv_positions=kv_positions,
         window=window,
     )
+    if lineage is not None:
+        if not kv_heads_first or impl not in SOFTMAX_IMPLEMENTATIONS:
+            raise ValueError(f"attention: beam lineage needs a heads-first cache and a softmax impl, got {impl!r}")
+        if set(options) - {"scale"}:
+            raise ValueError(f"attention: beam lineage takes no options but scale, got {sorted(options)}")
+        return lineage_attention(q, k, v, mask, *lineage, **options)
     if kv_heads_first:
         return xla_attention(q, k, v, mask, kv_heads_first=True, **options)
     return IMPLEMENTATIONS[impl](q, k, v, mask, **options)

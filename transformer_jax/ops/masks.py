@@ -9,6 +9,9 @@ The rules, written here once:
 - window=w keeps keys with 0 <= p_q - p_k < w when causal, |p_q - p_k| < w otherwise (local attention).
 - A query row with no visible key returns zeros (never NaN), and its gradients are zero (each implementation
   guarantees this for its own arithmetic).
+- Beam lineage (decoding's self-attention cache, whose rows come in groups of W, a sentence's beams, and never
+  move): beam q of a sentence reads slot l from its sentence's row lineage[q, l], the row where its ancestor at
+  step l wrote; the other W - 1 rows' slot l are hidden from it (`lineage_mask`). Causality still applies.
 
 Forms: `dense()` is the [B, 1, T, S] mask (xla); `tile()` rebuilds the pairs of one [X, Y] tile from per-token
 vectors with elementwise ops, so that it also lowers inside Pallas kernels (blockwise, pallas); `loop_bounds()`
@@ -313,6 +316,14 @@ def _count_keys_before(kv_seg_BS: Array, kv_pos_BS: Array, seg_BT: Array, pos_BT
     bounds = (jnp.zeros_like(seg_BT), jnp.full_like(seg_BT, kv_len))
     count_BT, _ = lax.fori_loop(0, max(1, kv_len).bit_length(), step, bounds)
     return count_BT
+
+
+def lineage_mask(lineage_RL: Array, width: int) -> Array:
+    """Boolean [B, W, W, L]: whether beam q of sentence b (axis 2) may see slot l of beam w's cache row (axis 1),
+    lineage_RL[b W + q, l] == w (the beam-lineage rule of the module docstring). R = B W rows."""
+    rows, slots = lineage_RL.shape
+    lineage_BQL = lineage_RL.reshape(rows // width, 1, width, slots)
+    return lineage_BQL == jnp.arange(width, dtype=lineage_RL.dtype)[None, :, None, None]
 
 
 def _block_min_max(x_BT: Array, block: int) -> tuple[Array, Array]:
