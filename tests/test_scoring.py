@@ -11,10 +11,11 @@ import pytest
 
 from tests.helpers.decoding import CharTokenizer, OneCheckpoint, shared_model
 from tests.helpers.model import forward
+from transformer_jax.data import batching
 from transformer_jax.data.pipeline import eval_batches
 from transformer_jax.errors import EvalError, UserError
 from transformer_jax.evaluation.run import Options, evaluate_model
-from transformer_jax.evaluation.scoring import score_pairs
+from transformer_jax.evaluation.scoring import packed_batches, score_pairs
 from transformer_jax.evaluation.translate import translate_nbest
 from transformer_jax.training.losses import cross_entropy_sums
 
@@ -49,6 +50,29 @@ def test_corpus_nll_equals_the_training_loss_and_rows_do_not_interact():
         assert alone.tokens == scores[i].tokens
         np.testing.assert_allclose(alone.log_prob, scores[i].log_prob, rtol=1e-5)
     assert scores[1].tokens == 1  # an empty target: EOS only
+
+
+def test_pairs_are_packed_once_each_into_few_equal_batches():
+    # 300 pairs of 1-20 tokens a side in rows of 32 slots: each pair in one batch, segments side by side within a
+    # row, batches of equal rows (a multiple of 8, at most batch_size), and the slots mostly tokens (one pair a row
+    # padded to a bucket filled about half).
+    rng = np.random.default_rng(0)
+    src = [list(rng.integers(4, 50, rng.integers(1, 20))) for _ in range(300)]
+    tgt = [list(rng.integers(4, 50, rng.integers(1, 20))) for _ in range(300)]
+    examples = batching.from_ids(src, tgt, 32)
+    plans = list(packed_batches(examples, 64, 32))
+    assert sorted(np.concatenate([p.items for p in plans])) == list(range(300))
+    assert len({p.shape for p in plans}) == 1 and plans[0].shape[0] % 8 == 0 and plans[0].shape[0] <= 64
+    for p in plans:
+        for lens, offsets in ((examples.src_lens, p.src_offsets), (examples.tgt_lens, p.tgt_offsets)):
+            ends = offsets + lens[p.items]
+            assert ends.max() <= 32
+            for r in np.unique(p.rows):  # within a row, the pairs' slots do not overlap
+                mine = np.argsort(offsets[p.rows == r])
+                assert np.all(offsets[p.rows == r][mine][1:] >= ends[p.rows == r][mine][:-1])
+    slots = len(plans) * plans[0].shape[0] * 32
+    assert examples.tgt_lens.sum() / slots > 0.8
+    assert list(packed_batches(batching.from_ids([], [], 32), 64, 32)) == []
 
 
 def test_the_score_of_a_searched_output_is_the_searchs_log_probability():

@@ -2,8 +2,10 @@
 
 Each pair is tokenized and cut as validation cuts it (data.batching.from_ids: at most max_len - 1 ids then EOS per
 side) and teacher-forced through the model: log P(y | x) = sum over t of log P(y_t | y_<t, x), the target's tokens
-then EOS. Pairs are batched one per row, sorted by length, each batch padded to a doubling bucket
-(data.batching.padded_eval_length) so that jit compiles a few shapes only. The per-token sums are those of the
+then EOS. Pairs are packed several to a row (first fit, longest first: data.batching.first_fit), each its own
+segment, into rows of one length (the doubling bucket of the longest side, data.batching.padded_eval_length), in
+batches of `batch_size` rows: one compiled shape, and about as many slots as tokens (one pair a row padded to its
+batch's bucket filled half of test2016's slots, docs/decoding.md). The per-token sums are those of the
 training loss's nll (training/losses.py, without label smoothing), so the corpus perplexity exp(-sum log P / tokens)
 is exp of the validation nll on the same pairs. An ensemble (decoding/ensemble.py) scores with the distribution its
 search uses, the renormalised mean of its members' log-probabilities at every target position.
@@ -81,19 +83,18 @@ def score_pairs(
     graphdef, state = nnx.split(copy)
 
     log_probs, tokens = np.zeros(len(examples)), examples.tgt_lens.copy()
-    order = np.lexsort((examples.src_lens, examples.tgt_lens))
-    bar = Progress(len(order), "scoring", "sentences") if progress else None
-    for items in _chunks(order, batch_size):
-        shape = (
-            batch_size,
-            batching.padded_eval_length(int(examples.src_lens[items].max()), limit),
-            batching.padded_eval_length(int(examples.tgt_lens[items].max()), limit),
-        )
-        batch = batching.assemble(examples, batching.one_per_row(items, shape))
+    longest = int(max(examples.src_lens.max(initial=1), examples.tgt_lens.max(initial=1)))
+    row_len = batching.padded_eval_length(longest, limit)
+    bar = Progress(len(examples), "scoring", "sentences") if progress else None
+    for plan in packed_batches(examples, batch_size, row_len):
+        batch = batching.assemble(examples, plan)
         log_probs_BT = np.asarray(_token_log_probs(graphdef, state, batch), np.float64)
-        log_probs[items] = log_probs_BT[: len(items)].sum(axis=1)
+        # Each pair's sum over its own slots (its segment of its row), from prefix sums of the flat batch.
+        prefix = np.concatenate([[0.0], np.cumsum(log_probs_BT.reshape(-1))])
+        first = plan.rows * row_len + plan.tgt_offsets
+        log_probs[plan.items] = prefix[first + examples.tgt_lens[plan.items]] - prefix[first]
         if bar is not None:
-            bar.update(len(items))
+            bar.update(len(plan.items))
     if bar is not None:
         bar.close()
     scores = [SentenceScore(float(lp), int(n)) for lp, n in zip(log_probs, tokens, strict=True)]
@@ -112,9 +113,21 @@ def score_pairs(
     return scores, stats
 
 
-def _chunks(order: np.ndarray, size: int) -> Iterable[np.ndarray]:
-    for start in range(0, len(order), size):
-        yield order[start : start + size]
+def packed_batches(examples: batching.Examples, batch_size: int, row_len: int) -> Iterable[batching.Plan]:
+    """Every pair, packed first fit (longest first) into rows of row_len slots a side, in plans of at most batch_size
+    rows: the fewest batches, of equal rows (a multiple of 8), so that the last is not mostly empty rows."""
+    order = np.argsort(-(examples.src_lens + examples.tgt_lens), kind="stable")
+    row, src_off, tgt_off, seg = batching.first_fit(examples.src_lens[order], examples.tgt_lens[order], row_len)
+    used = int(row.max(initial=-1)) + 1
+    if not used:
+        return
+    per_batch = -(-used // max(1, -(-used // batch_size)))  # the used rows spread evenly over the fewest batches
+    rows = min(batch_size, -(-per_batch // 8) * 8)
+    for first in range(0, used, rows):
+        mine = (row >= first) & (row < first + rows)
+        yield batching.Plan(
+            order[mine], row[mine] - first, src_off[mine], tgt_off[mine], seg[mine], (rows, row_len, row_len)
+        )
 
 
 def score_lines(scores: Sequence[SentenceScore]) -> list[str]:
