@@ -7,11 +7,23 @@ Training calls `get_tokenizer(config.data, workdir, vocab_size=...)`, `open_trai
 """
 
 from transformer_jax.data.batching import BATCH_KEYS, Examples, bucket_shapes, padding_efficiency, tokenize_pairs
-from transformer_jax.data.pipeline import WindowBatchIterator, eval_batches, make_train_iterator
 from transformer_jax.data.sources import load_split, open_split, open_stream
 from transformer_jax.data.store import open_train_store
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, get_tokenizer, train_tokenizer
 from transformer_jax.errors import DataError
+
+# The grain pipeline is imported when first asked for: grain costs ~0.2 s to import, and evaluate.py and the
+# other commands that read a tokenizer or a split through this package never batch with it.
+_PIPELINE = ("WindowBatchIterator", "eval_batches", "make_train_iterator")
+
+
+def __getattr__(name: str):
+    if name in _PIPELINE:
+        from transformer_jax.data import pipeline
+
+        return getattr(pipeline, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BATCH_KEYS",
