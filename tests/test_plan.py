@@ -206,6 +206,7 @@ def test_a_small_eval_batch_is_planned_as_its_one_jitted_search(both_meshes):
     assert "n/a" in plan.format_reports({"data": {**both_meshes["meshes"]["data"], "decode": decode}})
 
 
+@pytest.mark.slow  # ~15 s; test_a_batch_that_cannot_fit_is_one_line_and_a_nonzero_exit takes the same CLI path
 def test_an_eval_batch_that_cannot_fit_is_one_line_and_a_nonzero_exit():
     # 2^16 sentences of 256 source tokens, beam 4: the TPU compiler refuses the encoder's 74 GB, in seconds.
     config = small_config(d_model=32)

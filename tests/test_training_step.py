@@ -45,11 +45,20 @@ def _params(state):
     return jax.tree.leaves(nnx.to_pure_dict(model_params(state)))
 
 
-def test_gradient_accumulation_equals_one_big_batch():
-    config = one_layer_config(dropout_rate=0.0)  # dropout draws would differ between the two ways of batching
-    # Adam with eps 1e-9 turns float rounding in near-zero gradients into +-lr steps; eps 1 keeps the update
-    # proportional to the gradient, so parameters compare the accumulated gradients themselves.
+def step_config(**model):
+    """One config for the train steps of this file, so that they share one compiled program (the tests' cache).
+
+    No dropout: its draws would differ between the two ways of batching of the accumulation test. Adam with eps
+    1e-9 turns float rounding in near-zero gradients into +-lr steps; eps 1 keeps the update proportional to the
+    gradient, so parameters compare the accumulated gradients themselves.
+    """
+    config = one_layer_config(dropout_rate=0.0, **model)
     config.opt.eps = 1.0
+    return config
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    config = step_config()
     batch = synthetic_batch(0, rows=8)
     mesh = make_mesh()
     results = []
@@ -70,7 +79,7 @@ def test_gradient_accumulation_equals_one_big_batch():
 
 
 def test_non_finite_update_is_skipped_and_counted():
-    config = one_layer_config()
+    config = step_config()
     graphs, state = create_train_state(config)
     step, _, _ = compile_steps(graphs, state, make_mesh(), "data", label_smoothing=0.1, accum_steps=1)
     model_state = nnx.to_pure_dict(state)
@@ -98,7 +107,7 @@ def test_bfloat16_train_step_keeps_float32_params_and_matches_float32():
     batch = synthetic_batch(0, rows=8)
     results = {}
     for dtype in ("float32", "bfloat16"):
-        config = one_layer_config(dropout_rate=0.0, dtype=dtype)
+        config = step_config(dtype=dtype)
         graphs, state = create_train_state(config)
         step, _, _ = compile_steps(graphs, state, make_mesh(), "data", label_smoothing=0.1, accum_steps=1)
         state, metrics = step(state, batch)
