@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from configs import common
-from tests.helpers import DATA
+from tests.helpers import DATA, REPO
 from tests.helpers.fakes import WordTokenizer
 from transformer_jax.data import batching, pipeline
 from transformer_jax.data import tokenizer as tokenizer_lib
@@ -337,3 +340,19 @@ def test_eval_batches_with_targets_for_validation_loss():
     assert examples[1] == ((tokenizer.ids["d"],), tuple([tokenizer.ids["z"]] * 5))
     with pytest.raises(DataError, match="3 sentences but 2 targets"):
         pipeline.eval_batches(sources_, tokenizer, 4, 6, targets=targets[:2])
+
+
+def test_evaluate_py_imports_no_grain_and_the_package_still_names_the_pipeline():
+    """transformer_jax.data imports its grain pipeline only when one of its names is asked for (~0.2 s that
+    evaluate.py, which batches by itself, never needs)."""
+    script = (
+        "import sys, evaluate\n"
+        "print('grain' in sys.modules)\n"
+        "from transformer_jax import data\n"
+        "from transformer_jax.data import pipeline\n"
+        "print(data.eval_batches is pipeline.eval_batches, 'grain' in sys.modules)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[-2:] == ["False", "True True"], out.stdout
