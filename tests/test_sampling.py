@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
 
 from tests.helpers.decoding import EOS, OneCheckpoint, shared_model
 from transformer_jax import decoding
@@ -75,6 +74,8 @@ def test_the_drawn_distribution_is_the_reshaped_models(temperature, top_k, top_p
 
 def _chi_square_pvalue(counts: np.ndarray, expected: np.ndarray) -> float:
     kept = expected > 0
+    from scipy import stats  # here: ~1 s to import, which every xdist worker would pay at collection
+
     return stats.chisquare(counts[kept], ROWS * expected[kept]).pvalue
 
 

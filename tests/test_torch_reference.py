@@ -6,7 +6,13 @@ import pytest
 
 from tests.helpers.model import random_tokens, tiny_model
 
-torch = pytest.importorskip("torch", reason="torch is not installed: `pip install torch==2.13.0` (CPU build)")
+torch = None  # imported by the fixture below: at collection, every xdist worker would pay ~2 s importing it
+
+
+@pytest.fixture(autouse=True)
+def _torch():
+    global torch
+    torch = pytest.importorskip("torch", reason="torch is not installed: `pip install torch==2.13.0` (CPU build)")
 
 
 def _t(x) -> "torch.Tensor":

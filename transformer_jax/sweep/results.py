@@ -35,8 +35,6 @@ from typing import Any
 
 import jax
 from flax import nnx
-from matplotlib.figure import Figure
-from scipy import stats
 
 from transformer_jax.model import build_model
 from transformer_jax.sweep import significance
@@ -116,6 +114,8 @@ def welch_interval(a: Sequence[float], b: Sequence[float], confidence: float = C
     if va + vb == 0:
         return delta, delta
     dof = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    from scipy import stats  # here: ~1 s to import, for the one quantile of a sweep with seeds
+
     half = float(stats.t.ppf((1 + confidence) / 2, dof)) * math.sqrt(va + vb)
     return delta - half, delta + half
 
@@ -265,6 +265,8 @@ def write_results(rows: list[dict], workdir: pathlib.Path, reference_label: str 
 
 
 def _chart(rows: list[dict], columns: list[str], workdir: pathlib.Path, reference_label: str) -> None:
+    from matplotlib.figure import Figure  # here: ~0.5 s to import, for the chart alone
+
     names = [r["variant"] for r in rows]
     seeds = "n_seeds" in columns
     fig = Figure(figsize=(12, max(3, 0.35 * len(rows) + 1.5)), dpi=100)  # no pyplot: no backend, no global state
