@@ -62,7 +62,7 @@ from transformer_jax.evaluation.inputs import split_pairs
 from transformer_jax.evaluation.restore import Restorer, restore_model
 from transformer_jax.evaluation.translate import position_limit, translate
 from transformer_jax.export.ctranslate2 import ctranslate2_translate, to_ctranslate2
-from transformer_jax.model import build_model
+from transformer_jax.model import build_model, model_rngs
 
 DATA = shared_data_dir() / "wmt14_ende" / "test.en"
 NUM_LINES = 500
@@ -391,7 +391,7 @@ def main(argv: list[str]) -> None:
             modes_side_by_side(_WORKDIR.value, extra)
         return
     config = _CONFIG.value
-    model = build_model(config, rngs=nnx.Rngs(0))
+    model = build_model(config, rngs=model_rngs(0))
     model.eval()
     ids, how = source_ids(_TOKENIZER.value, config.model.vocab_size, _NUM_SENTENCES.value, config.data.eval_max_len)
     batch, src_len = len(ids), max(len(x) for x in ids)

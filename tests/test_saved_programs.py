@@ -21,9 +21,10 @@ from tests.helpers.training import one_layer_config, synthetic_batch
 from transformer_jax import compile_cache, saved_programs
 from transformer_jax.decoding import transformer as binding
 from transformer_jax.decoding.search import BeamState, length_penalty
+from transformer_jax.evaluation.restore import abstract_model
 from transformer_jax.model import Transformer, TransformerSpec
-from transformer_jax.sharding import make_mesh
-from transformer_jax.training.state import create_train_state
+from transformer_jax.sharding import make_mesh, state_shardings
+from transformer_jax.training.state import create_train_state, eval_model
 from transformer_jax.training.step import compile_steps
 
 
@@ -187,6 +188,26 @@ def test_a_program_jax_loaded_from_its_cache_is_not_what_is_saved(store, monkeyp
     assert {name.split("-")[0] for name in entries(store)} >= {"_start", "_stage", "_outcome"}
     with decoding_calls_without_tracing():
         got = binding.searcher(model)(src_BS, max_len_B, beam_size=2, alpha=0.6, max_steps=6)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.scores, want.scores, rtol=1e-6)
+
+
+def test_evaluate_pys_model_decodes_with_the_programs_validation_bleu_saved_in_training(store):
+    """Validation BLEU decodes with the train state's eval model, its arrays on the run's 1-device mesh; evaluate.py
+    with a model built abstractly (restore.abstract_model) and filled with host arrays from the checkpoint. Both
+    call the same saved programs, so the first evaluate.py after a run with validation BLEU loads them. Failed
+    with evaluate.py's model built from other random streams (another graph) or the mesh's sharding in the key."""
+    config = one_layer_config()
+    graphs, state = create_train_state(config)
+    state = jax.device_put(state, state_shardings(state, make_mesh(), "data"))
+    validation_model = eval_model(graphs, state)
+    src_BS, max_len_B = np.asarray(sources_BS(16, 7)), np.full((16,), 6, np.int32)
+    want = binding.searcher(validation_model)(src_BS, max_len_B, beam_size=2, alpha=0.6, max_steps=6)
+    evaluation_model = abstract_model(config)
+    nnx.update(evaluation_model, jax.device_get(nnx.state(validation_model, nnx.Param)))
+    evaluation_model.eval()
+    with decoding_calls_without_tracing():
+        got = binding.searcher(evaluation_model)(src_BS, max_len_B, beam_size=2, alpha=0.6, max_steps=6)
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_allclose(got.scores, want.scores, rtol=1e-6)
 

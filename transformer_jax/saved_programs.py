@@ -164,7 +164,13 @@ def _arg(x: Any) -> tuple:
 
 
 def _stable_sharding(sharding: jax.sharding.Sharding) -> str:
-    """A sharding with the ids of its devices in order (a Mesh's description names its axes, not its devices)."""
+    """A sharding with the ids of its devices in order (a Mesh's description names its axes, not its devices).
+
+    An array whole on the default device is described as an argument without a sharding (a host array, which jax
+    puts there), however it was placed: training's parameters on its 1-device mesh and evaluate.py's arrays then
+    call the same programs (XLA's program for them is the same, and either kind of argument runs it)."""
+    if sharding.is_fully_replicated and sharding.device_set == {_default_device()}:
+        return "-"
     mesh = getattr(sharding, "mesh", None)
     ids = (
         [d.id for d in mesh.devices.flat]
@@ -172,6 +178,12 @@ def _stable_sharding(sharding: jax.sharding.Sharding) -> str:
         else sorted(d.id for d in sharding.device_set)
     )
     return f"{sharding!r}{ids}"
+
+
+def _default_device() -> jax.Device:
+    """The device jax puts a host array on (jax_default_device: a device, a platform's name, or None)."""
+    device = jax.config.jax_default_device
+    return jax.devices(device)[0] if isinstance(device, str) else device or jax.devices()[0]
 
 
 def _stable_arg(shape, dtype, weak_type, sharding) -> str:

@@ -17,7 +17,7 @@ from transformer_jax import saved_programs
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation.averaging import average_params, select_steps
-from transformer_jax.model import Transformer, TransformerSpec, build_model
+from transformer_jax.model import Transformer, TransformerSpec, build_model, model_rngs
 from transformer_jax.training import checkpoints
 
 
@@ -87,7 +87,7 @@ def abstract_model(config: Any) -> Any:
     a program of its own (about 40 compilations and 1.5 s for a small model, before any decoding); here the other
     state comes from one jitted program in which XLA prunes the unused initialisers."""
 
-    model = nnx.eval_shape(lambda: build_model(config, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: build_model(config, rngs=model_rngs(0)))
     nnx.update(model, _other_state(spec=model.spec))
     return model
 
@@ -96,7 +96,7 @@ def abstract_model(config: Any) -> Any:
 def _other_state(*, spec: TransformerSpec) -> nnx.State:
     """The state of build_model's model other than its parameters (the dropout streams' keys and counts, seed 0);
     saved, so that a warm process does not trace the model's construction a second time."""
-    return nnx.state(Transformer(spec, rngs=nnx.Rngs(0)), nnx.Not(nnx.Param))
+    return nnx.state(Transformer(spec, rngs=model_rngs(0)), nnx.Not(nnx.Param))
 
 
 def restore_model(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import ml_collections
 from flax import nnx
 
@@ -14,4 +15,23 @@ def build_model(config: ml_collections.ConfigDict, *, rngs: nnx.Rngs) -> Transfo
     return Transformer(TransformerSpec.from_config(config), rngs=rngs)
 
 
-__all__ = ["Transformer", "TransformerSpec", "build_model", "capture_attention_weights", "unpacked_segment_ids"]
+def model_rngs(seed: int) -> nnx.Rngs:
+    """The random streams every model is built with, in training and for evaluation alike.
+
+    Separate streams: parameter init and dropout draw from different keys of the same seed. Dropout masks come from
+    a counter hash (ops/dropout.py) that draws only two words per call from this key, so the key's impl costs
+    nothing; it stays "rbg" because the key is part of every checkpoint and another impl has another shape. The
+    streams are part of the model's graph and state, so a model built otherwise (for evaluation) would compile
+    other decoding programs than the ones validation BLEU saved during training (docs/compilation.md).
+    """
+    return nnx.Rngs(params=seed, dropout=jax.random.key(seed + 1, impl="rbg"))
+
+
+__all__ = [
+    "Transformer",
+    "TransformerSpec",
+    "build_model",
+    "capture_attention_weights",
+    "model_rngs",
+    "unpacked_segment_ids",
+]

@@ -36,7 +36,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from transformer_jax.model import build_model
+from transformer_jax.model import build_model, model_rngs
 from transformer_jax.sweep import significance
 from transformer_jax.sweep.significance import HYPOTHESES_FILE
 from transformer_jax.training.metrics import read_metrics
@@ -51,7 +51,7 @@ CONFIDENCE = 0.95
 
 def parameter_count(config) -> int:
     """The model's number of parameters, from shapes only."""
-    model = nnx.eval_shape(lambda: build_model(config, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: build_model(config, rngs=model_rngs(0)))
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from transformer_jax.model import Transformer, build_model
+from transformer_jax.model import Transformer, build_model, model_rngs
 from transformer_jax.training.optim import make_optimizer
 
 
@@ -47,10 +46,7 @@ class Graphs:
 
 
 def create_model(config: ml_collections.ConfigDict, seed: int) -> Transformer:
-    # Separate streams: parameter init and dropout draw from different keys of the same seed. Dropout masks come
-    # from a counter hash (ops/dropout.py) that draws only two words per call from this key, so the key's impl costs
-    # nothing; it stays "rbg" because the key is part of every checkpoint and another impl has another shape.
-    return build_model(config, rngs=nnx.Rngs(params=seed, dropout=jax.random.key(seed + 1, impl="rbg")))
+    return build_model(config, rngs=model_rngs(seed))
 
 
 def new_train_state(config: ml_collections.ConfigDict) -> TrainState:

@@ -7,7 +7,7 @@ import ml_collections
 from flax import nnx
 
 from transformer_jax.data.pipeline import batch_shapes
-from transformer_jax.model import TransformerSpec, build_model
+from transformer_jax.model import TransformerSpec, build_model, model_rngs
 from transformer_jax.sharding import make_mesh
 from transformer_jax.training import flops
 from transformer_jax.training.loop import check_batch_shapes
@@ -20,7 +20,7 @@ def dry_run_summary(config: ml_collections.ConfigDict) -> dict:
     train.grad_accum_steps micro-batches.
     """
     spec = TransformerSpec.from_config(config)
-    model = nnx.eval_shape(lambda: build_model(config, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: build_model(config, rngs=model_rngs(0)))
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     mesh = make_mesh()
     shapes = batch_shapes(config.data, jax.process_count(), check_batch_shapes(config, mesh))
