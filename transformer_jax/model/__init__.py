@@ -27,11 +27,18 @@ def model_rngs(seed: int) -> nnx.Rngs:
     return nnx.Rngs(params=seed, dropout=jax.random.key(seed + 1, impl="rbg"))
 
 
+def parameter_count(config: ml_collections.ConfigDict) -> int:
+    """The config's model's number of parameters, from shapes only (nothing allocated)."""
+    model = nnx.eval_shape(lambda: build_model(config, rngs=model_rngs(0)))
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
 __all__ = [
     "Transformer",
     "TransformerSpec",
     "build_model",
     "capture_attention_weights",
     "model_rngs",
+    "parameter_count",
     "unpacked_segment_ids",
 ]

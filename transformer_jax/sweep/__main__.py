@@ -44,12 +44,12 @@ from ml_collections import config_flags
 from transformer_jax import config_checks
 from transformer_jax.cli import USAGE_STATUS, fail, parse_flags
 from transformer_jax.errors import ConfigError, VariantInterrupted, exit_on_user_error
+from transformer_jax.model import parameter_count
 from transformer_jax.sweep import significance
 from transformer_jax.sweep.results import (
     REFERENCE_METRICS,
     aggregate_seeds,
     decoded,
-    parameter_count,
     run_metrics,
     summarize_variant,
     write_results,

@@ -33,10 +33,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-import jax
-from flax import nnx
-
-from transformer_jax.model import build_model, model_rngs
+from transformer_jax.model import parameter_count
 from transformer_jax.sweep import significance
 from transformer_jax.sweep.significance import HYPOTHESES_FILE
 from transformer_jax.training.metrics import read_metrics
@@ -47,12 +44,6 @@ REFERENCE_METRICS = ("valid_perplexity", "valid_bleu")
 METRICS = ("valid_perplexity", "valid_bleu", "valid_chrf", "tokens_per_s", "wall_s")  # averaged over seeds
 DELTA_METRICS = ("valid_perplexity", "valid_bleu", "valid_chrf")  # against the first variant, with an interval
 CONFIDENCE = 0.95
-
-
-def parameter_count(config) -> int:
-    """The model's number of parameters, from shapes only."""
-    model = nnx.eval_shape(lambda: build_model(config, rngs=model_rngs(0)))
-    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
 def decoded(run_dir: pathlib.Path) -> bool:

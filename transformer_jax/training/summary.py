@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import jax
 import ml_collections
-from flax import nnx
 
 from transformer_jax.data.pipeline import batch_shapes
-from transformer_jax.model import TransformerSpec, build_model, model_rngs
+from transformer_jax.model import TransformerSpec, parameter_count
 from transformer_jax.sharding import make_mesh
 from transformer_jax.training import flops
 from transformer_jax.training.loop import check_batch_shapes
@@ -20,8 +19,7 @@ def dry_run_summary(config: ml_collections.ConfigDict) -> dict:
     train.grad_accum_steps micro-batches.
     """
     spec = TransformerSpec.from_config(config)
-    model = nnx.eval_shape(lambda: build_model(config, rngs=model_rngs(0)))
-    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    params = parameter_count(config)
     mesh = make_mesh()
     shapes = batch_shapes(config.data, jax.process_count(), check_batch_shapes(config, mesh))
     # FLOPs per target token at the longest shape, and per step for the largest batch by tokens.
