@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import ml_collections
 from flax import nnx
@@ -29,7 +31,14 @@ def model_rngs(seed: int) -> nnx.Rngs:
 
 def parameter_count(config: ml_collections.ConfigDict) -> int:
     """The config's model's number of parameters, from shapes only (nothing allocated)."""
-    model = nnx.eval_shape(lambda: build_model(config, rngs=model_rngs(0)))
+    return _parameter_count(TransformerSpec.from_config(config))
+
+
+@functools.lru_cache(maxsize=64)
+def _parameter_count(spec: TransformerSpec) -> int:
+    # Kept per spec, which is all that shapes the model: tracing the initialisers of a big model takes about a second,
+    # and a sweep counts every variant, many of one spec.
+    model = nnx.eval_shape(lambda: Transformer(spec, rngs=model_rngs(0)))
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
