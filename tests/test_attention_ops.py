@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.helpers import jitted
 from tests.helpers.attention import (
     TILES,
     Case,
@@ -22,7 +23,6 @@ from tests.helpers.attention import (
     forward_backward,
     make_inputs,
     reference,
-    run_jit,
 )
 from transformer_jax import ops
 from transformer_jax.ops import dispatch
@@ -100,7 +100,7 @@ def test_padding_never_leaks(impl: str) -> None:
     q_pad = (kw["q_segment_ids"] <= 0)[:, :, None, None]
     kv_pad = (kw["kv_segment_ids"] <= 0)[:, :, None, None]
     poisoned = (jnp.where(q_pad, jnp.nan, q), jnp.where(kv_pad, jnp.nan, k), jnp.where(kv_pad, jnp.nan, v), do)
-    got = run_jit(lambda a: forward_backward(impl, a, kw, **TILES[impl]), poisoned)
+    got = jax.jit(lambda a: forward_backward(impl, a, kw, **TILES[impl]))(poisoned)
     assert_matches(got, want, jnp.float32, f"{impl} with NaN padding")
 
 
@@ -108,8 +108,8 @@ def test_fully_masked_rows_are_zero() -> None:
     """Rows that see no key (causal with T > S, disjoint segments) give exact zeros and zero gradients."""
     case = Case("disjoint", q_len=40, kv_len=24, segments="disjoint", causal=True)
     arrays, kw = make_inputs(case, jnp.float32)
-    out, dq, _, _ = run_jit(lambda a: forward_backward("blockwise", a, kw, **TILES["blockwise"]), arrays)
-    mask = run_jit(lambda: ops.attention_mask(case.batch, case.q_len, case.kv_len, **kw))  # [B, 1, T, S]
+    out, dq, _, _ = jax.jit(lambda a: forward_backward("blockwise", a, kw, **TILES["blockwise"]))(arrays)
+    mask = jax.jit(lambda: ops.attention_mask(case.batch, case.q_len, case.kv_len, **kw))()  # [B, 1, T, S]
     blind = ~np.any(np.asarray(mask)[:, 0], axis=-1)  # [B, T]
     assert int(blind.sum()) > 10
     assert np.all(np.asarray(out)[blind] == 0.0) and np.all(np.asarray(dq)[blind] == 0.0)
@@ -126,8 +126,8 @@ def test_rows_are_deterministic_functions_of_themselves(impl: str) -> None:
     arrays, kw = make_inputs(case, jnp.float32)
     flipped = tuple(x[::-1] for x in arrays), {k: v[::-1] if isinstance(v, jax.Array) else v for k, v in kw.items()}
     assert not np.array_equal(kw["q_segment_ids"], flipped[1]["q_segment_ids"]), "rows should differ in their masks"
-    first = run_jit(lambda a: forward_backward(impl, a, kw, **TILES[impl]), arrays)
-    second = run_jit(lambda a: forward_backward(impl, a, flipped[1], **TILES[impl]), flipped[0])
+    first = jax.jit(lambda a: forward_backward(impl, a, kw, **TILES[impl]))(arrays)
+    second = jax.jit(lambda a: forward_backward(impl, a, flipped[1], **TILES[impl]))(flipped[0])
     for a, b in zip(first, second, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[::-1])
 
@@ -145,8 +145,8 @@ def test_composes_with_vmap_remat_grad(impl: str) -> None:
         return jnp.sum(jnp.sin(jax.vmap(attend)(q, k, v)))
 
     with jax.default_matmul_precision("highest"):
-        want = run_jit(jax.value_and_grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2)), q2, k2, v2)
-    got = run_jit(jax.value_and_grad(lambda *a: loss(impl, *a), argnums=(0, 1, 2)), q2, k2, v2)
+        want = jax.jit(jax.value_and_grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2)))(q2, k2, v2)
+    got = jax.jit(jax.value_and_grad(lambda *a: loss(impl, *a), argnums=(0, 1, 2)))(q2, k2, v2)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
 
@@ -200,8 +200,8 @@ def test_auto_choice() -> None:
     assert choose(small.astype(jnp.float32), "gpu") == "pallas"
     # auto runs end to end on this machine
     arrays, kw = make_inputs(Case("auto", segments="packed", causal=True), jnp.float32)
-    out = run_jit(lambda a: ops.attention(*a, impl="auto", **kw), arrays[:3])
-    np.testing.assert_allclose(out, run_jit(lambda a: ops.attention(*a, impl="xla", **kw), arrays[:3]), atol=1e-5)
+    out = jax.jit(lambda a: ops.attention(*a, impl="auto", **kw))(arrays[:3])
+    np.testing.assert_allclose(out, jax.jit(lambda a: ops.attention(*a, impl="xla", **kw))(arrays[:3]), atol=1e-5)
 
 
 def test_unsupported_combinations_fail_clearly() -> None:
@@ -283,8 +283,8 @@ def test_heads_first_keys_give_the_same_attention(impl):
         q_positions=jnp.array([[4], [2], [5]]),
         kv_positions=jnp.broadcast_to(jnp.arange(6), (3, 6)),
     )
-    expected = ops.attention(q, k, v, impl=impl, **masking)
-    got = ops.attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), impl=impl, kv_heads_first=True, **masking)
+    expected = jitted(ops.attention, q, k, v, impl=impl, **masking)
+    got = jitted(ops.attention, q, *(jnp.swapaxes(x, 1, 2) for x in (k, v)), impl=impl, kv_heads_first=True, **masking)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -306,8 +306,8 @@ def test_beam_lineage_attention_equals_attention_over_the_reordered_cache(impl):
     )
     source_RL = (jnp.arange(rows) // width * width)[:, None] + lineage  # the row holding slot l of row r
     in_place = lambda x: x[source_RL, :, jnp.arange(slots)[None, :]].transpose(0, 2, 1, 3)  # [R, K, L, H]
-    expected = ops.attention(q, in_place(k), in_place(v), impl=impl, kv_heads_first=True, **masking)
-    got = ops.attention(q, k, v, impl=impl, kv_heads_first=True, lineage=(lineage, width), **masking)
+    expected = jitted(ops.attention, q, in_place(k), in_place(v), impl=impl, kv_heads_first=True, **masking)
+    got = jitted(ops.attention, q, k, v, impl=impl, kv_heads_first=True, lineage=(lineage, width), **masking)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="beam lineage needs a heads-first cache and a softmax impl"):
         ops.attention(q, k, v, impl="linear", kv_heads_first=True, lineage=(lineage, width), **masking)

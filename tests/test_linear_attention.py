@@ -7,13 +7,14 @@ import optax
 import pytest
 from flax import nnx
 
+from tests.helpers import jitted
 from tests.helpers.model import random_tokens, tiny_model
 from tests.helpers.reference import naive_linear_attention
 from transformer_jax import ops
 
 
 def linear_attention(q, k, v, **masking):
-    return ops.attention(q, k, v, impl="linear", **masking)
+    return jitted(ops.attention, q, k, v, impl="linear", **masking)
 
 
 def _qkv(seed, t, s, n=4, kv_heads=4, h=8):

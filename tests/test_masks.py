@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.helpers import jitted
 from tests.helpers.reference import naive_linear_attention
 from transformer_jax import ops
 from transformer_jax.ops import blockwise, pallas_kernels
@@ -145,5 +146,5 @@ def test_linear_attention_sums_over_the_dense_mask(seed: int) -> None:
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.standard_normal((batch, q_len, 4, 8)), jnp.float32)
     k, v = (jnp.asarray(rng.standard_normal((batch, kv_len, 2, 8)), jnp.float32) for _ in range(2))
-    got = ops.attention(q, k, v, impl="linear", **kw)
+    got = jitted(ops.attention, q, k, v, impl="linear", **kw)
     np.testing.assert_allclose(got, naive_linear_attention(q, k, v, **kw), rtol=1e-4, atol=1e-5)

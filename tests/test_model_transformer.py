@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from configs import common, wmt14_ende
-from tests.helpers.model import forward, random_tokens, tiny_model, tiny_spec
+from tests.helpers.model import call, forward, random_tokens, tiny_model, tiny_spec
 from tests.helpers.reference import hand_count
 from transformer_jax.model import Transformer, TransformerSpec, capture_attention_weights, parameter_count
 
@@ -96,9 +96,10 @@ def test_encoder_is_permutation_equivariant_only_without_positional_encoding():
     src = random_tokens(0, (1, 7))
     perm = np.random.default_rng(0).permutation(7)
     plain = tiny_model(positional="none")
-    np.testing.assert_allclose(plain.encode(src[:, perm]), plain.encode(src)[:, perm], rtol=1e-5, atol=1e-5)
+    encode = call(plain, "encode", src)
+    np.testing.assert_allclose(call(plain, "encode", src[:, perm]), encode[:, perm], rtol=1e-5, atol=1e-5)
     with_pe = tiny_model(positional="sinusoidal")
-    assert np.abs(with_pe.encode(src[:, perm]) - with_pe.encode(src)[:, perm]).max() > 1e-2
+    assert np.abs(call(with_pe, "encode", src[:, perm]) - call(with_pe, "encode", src)[:, perm]).max() > 1e-2
 
 
 @pytest.mark.parametrize("norm_position", ["post", "pre"])
@@ -107,9 +108,9 @@ def test_cached_decoding_equals_full_recompute(norm_position):
     src = jnp.concatenate([random_tokens(0, (2, 5)), jnp.zeros((2, 2), jnp.int32)], 1).at[1, 3:].set(0)
     tgt = random_tokens(1, (2, 6))
     src_seg = (src != 0).astype(jnp.int32)
-    memory = model.encode(src)
-    full = model.decode(memory, tgt, src_segment_ids=src_seg)
-    cache = model.init_cache(memory, src_seg, max_len=8)
+    memory = call(model, "encode", src)
+    full = call(model, "decode", memory, tgt, src_segment_ids=src_seg)
+    cache = call(model, "init_cache", memory, src_seg, max_len=8)
     step = nnx.jit(lambda m, tok, c: m.decode(None, tok, cache=c))
     steps = []
     for t in range(tgt.shape[1]):
@@ -124,13 +125,13 @@ def test_decode_masks_source_padding_without_explicit_segment_ids():
     model = tiny_model()
     src, tgt = random_tokens(0, (1, 5)), random_tokens(1, (1, 4))
     padded = jnp.concatenate([src, jnp.zeros((1, 3), jnp.int32)], 1)
-    alone = model.decode(model.encode(src), tgt, src_tokens=src)
-    memory = model.encode(padded)
-    from_tokens = model.decode(memory, tgt, src_tokens=padded)
-    explicit = model.decode(memory, tgt, src_segment_ids=(jnp.arange(8) < 5).astype(jnp.int32)[None])
+    alone = call(model, "decode", call(model, "encode", src), tgt, src_tokens=src)
+    memory = call(model, "encode", padded)
+    from_tokens = call(model, "decode", memory, tgt, src_tokens=padded)
+    explicit = call(model, "decode", memory, tgt, src_segment_ids=(jnp.arange(8) < 5).astype(jnp.int32)[None])
     np.testing.assert_allclose(from_tokens, explicit, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(from_tokens, alone, rtol=1e-5, atol=1e-5)
-    cache = model.init_cache(memory, None, max_len=4, src_tokens=padded)
+    cache = call(model, "init_cache", memory, None, max_len=4, src_tokens=padded)
     np.testing.assert_array_equal(cache["src_segment_ids"], [[1, 1, 1, 1, 1, 0, 0, 0]])
     # Neither segment ids nor tokens: the padding cannot be known, so it is an error rather than "all real".
     with pytest.raises(ValueError, match="decode needs src_segment_ids or src_tokens"):

@@ -20,7 +20,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from tests.helpers.attention import TPU_CASES as CASES
 from tests.helpers.attention import TPU_SMALL as SMALL
-from tests.helpers.attention import Case, assert_matches, forward_backward, make_inputs, reference, run_jit
+from tests.helpers.attention import Case, assert_matches, forward_backward, make_inputs, reference
 from transformer_jax import ops, platform
 from transformer_jax.ops import pallas_attention, pallas_tpu
 from transformer_jax.ops.masks import AttentionMask, array_module
@@ -35,7 +35,7 @@ def tpu_interpret():
 
 def check(case: Case, dtype: jnp.dtype, sizes: pallas_tpu.TpuBlockSizes = SMALL) -> None:
     arrays, kw = make_inputs(case, dtype)
-    got = run_jit(lambda a: forward_backward("pallas", a, kw, block_sizes=sizes), arrays)
+    got = jax.jit(lambda a: forward_backward("pallas", a, kw, block_sizes=sizes))(arrays)
     assert_matches(got, reference(arrays, kw), dtype, f"pallas tpu {case.name} {jnp.dtype(dtype).name}")
 
 

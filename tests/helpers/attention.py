@@ -18,15 +18,6 @@ TILES = {
     "pallas": dict(block_sizes=pallas_attention.BlockSizes(16, 16, 16, 16, 16, 16)),
 }
 
-# Tests compile at XLA's lowest optimisation level: compiling, not running, dominates their time (~3x faster).
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
-def run_jit(fn, *args):  # noqa: ANN001, ANN201
-    """jax.jit(fn)(*args), compiled with FAST_COMPILE."""
-    return jax.jit(fn).lower(*args).compile(compiler_options=FAST_COMPILE)(*args)
-
-
 # Normalised max error, max |x - ref| / max |ref|, against the float32 reference on the same (rounded) inputs.
 # float32: exact algebra up to summation order, ~1e-6. Low precision: the kernels round P and dS to the input
 # dtype before their matmuls (as FlashAttention does), so the error is a few units of the format's epsilon:
@@ -103,7 +94,7 @@ def forward_backward(impl: str, arrays: tuple, kw: dict, **impl_kwargs) -> tuple
 def reference(arrays: tuple, kw: dict) -> tuple:
     """The xla reference in float32 at full matmul precision, on the same (possibly rounded) inputs."""
     with jax.default_matmul_precision("highest"):
-        return run_jit(lambda a: forward_backward("xla", a, kw), tuple(x.astype(jnp.float32) for x in arrays))
+        return jax.jit(lambda a: forward_backward("xla", a, kw))(tuple(x.astype(jnp.float32) for x in arrays))
 
 
 def assert_matches(got: tuple, want: tuple, dtype: jnp.dtype, what: str = "") -> None:
@@ -118,7 +109,7 @@ def assert_matches(got: tuple, want: tuple, dtype: jnp.dtype, what: str = "") ->
 
 def check(impl: str, case: Case, dtype: jnp.dtype = jnp.float32) -> None:
     arrays, kw = make_inputs(case, dtype)
-    got = run_jit(lambda a: forward_backward(impl, a, kw, **TILES.get(impl, {})), arrays)
+    got = jax.jit(lambda a: forward_backward(impl, a, kw, **TILES.get(impl, {})))(arrays)
     assert_matches(got, reference(arrays, kw), dtype, f"{impl} {case.name} {jnp.dtype(dtype).name}")
 
 

@@ -1,5 +1,9 @@
 """Small shared builders for the model tests."""
 
+import functools
+from typing import Any
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -30,11 +34,20 @@ def random_tokens(seed: int, shape: tuple[int, ...], vocab: int = 50) -> jnp.nda
     return jnp.asarray(np.random.default_rng(seed).integers(4, vocab, size=shape), jnp.int32)
 
 
-@nnx.jit
-def _forward(model: Transformer, args: tuple, kwargs: dict) -> jnp.ndarray:
-    return model(*args, **kwargs)
+@functools.partial(nnx.jit, static_argnames=("method", "static"))
+def _call(model: Transformer, method: str, args: tuple, arrays: dict, static: tuple) -> Any:
+    return getattr(model, method)(*args, **arrays, **dict(static))
+
+
+def call(model: Transformer, method: str, *args, **kwargs) -> Any:
+    """model.method(*args, **kwargs) compiled as one program (array keywords traced, the others static): run eagerly,
+    each of its operations compiles a program of its own for every new shape, which is what makes small-model tests
+    slow on CPU (test_model_transformer.py's eager calls: ~200 programs a test)."""
+    arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array | np.ndarray)}
+    static = tuple(sorted((k, v) for k, v in kwargs.items() if k not in arrays))
+    return _call(model, method, args, arrays, static)
 
 
 def forward(model: Transformer, *args, **kwargs) -> jnp.ndarray:
-    """model(*args, **kwargs) compiled: eager op-by-op dispatch is what makes small-model tests slow on CPU."""
-    return _forward(model, args, kwargs)
+    """model(*args, **kwargs), compiled (see `call`)."""
+    return call(model, "__call__", *args, **kwargs)
