@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers.model import random_tokens, tiny_model
+from tests.helpers.model import call, random_tokens, tiny_model
 
 torch = None  # imported by the fixture below: at collection, every xdist worker would pay ~2 s importing it
 
@@ -86,8 +86,8 @@ def test_matches_torch_nn_transformer():
     src_real = np.asarray(src != 0)
     positions_s, positions_t = jnp.arange(7)[None], jnp.arange(6)[None]
     # Embedding * sqrt(d_model) + PE is ours on both sides: torch.nn.Transformer starts after the embeddings.
-    x = _t(model._embed(src, positions_s, target=False))
-    y = _t(model._embed(tgt, positions_t, target=True))
+    x = _t(call(model, "_embed", src, positions_s, target=False))
+    y = _t(call(model, "_embed", tgt, positions_t, target=True))
     with torch.no_grad():
         pad_mask = torch.from_numpy(~src_real)
         memory_ref = ref.encoder(x, src_key_padding_mask=pad_mask)
@@ -95,8 +95,8 @@ def test_matches_torch_nn_transformer():
         out_ref = ref.decoder(y, memory_ref, tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=pad_mask)
         logits_ref = out_ref @ _t(model.src_embed.table_VD[...]).T
 
-    memory = model.encode(src)
-    logits = model.decode(memory, tgt, src_segment_ids=jnp.asarray(src_real, jnp.int32))
+    memory = call(model, "encode", src)
+    logits = call(model, "decode", memory, tgt, src_segment_ids=jnp.asarray(src_real, jnp.int32))
     # Compare real positions only: torch leaves arbitrary values at padded encoder positions.
     assert _rel_err(np.asarray(memory)[src_real], memory_ref.numpy()[src_real]) < 1e-5
     assert _rel_err(logits, logits_ref.numpy()) < 1e-5
