@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests.helpers import jitted
 from tests.helpers.model import tiny_spec
 from transformer_jax import ops
 from transformer_jax.model.attention import MultiHeadAttention
@@ -60,11 +61,13 @@ def test_masked_rows_are_zero_and_padding_does_not_leak():
     q, k, v = _qkv()
     kv_seg = jnp.array([[1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1]])
     q_seg = jnp.array([[1, 1, 0, 0, 0], [1, 1, 1, 1, 1]])
-    out = ops.attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+    out = jitted(ops.attention, q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
     np.testing.assert_array_equal(out[0, 2:], 0.0)
     poisoned = v.at[0, 3:].set(1e30)
-    np.testing.assert_array_equal(ops.attention(q, k, poisoned, q_segment_ids=q_seg, kv_segment_ids=kv_seg), out)
-    grad = jax.grad(lambda q: ops.attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg).sum())(q)
+    np.testing.assert_array_equal(
+        jitted(ops.attention, q, k, poisoned, q_segment_ids=q_seg, kv_segment_ids=kv_seg), out
+    )
+    grad = jitted(jax.grad(lambda q: ops.attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg).sum()), q)
     assert np.isfinite(grad).all()
 
 
