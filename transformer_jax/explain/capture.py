@@ -139,8 +139,8 @@ def beam_steps(model: Any, src_ids: list[int], settings: dict[str, Any], piece: 
 
 @nnx.jit
 def _teacher_forced(model: Any, src_1S: jax.Array, tgt_in_1T: jax.Array) -> tuple[nnx.State, jax.Array, jax.Array]:
-    # Compiled, although for one sentence: op by op, every operation compiles on its own (visualize/attention.py's
-    # pass: 5.4-6.7 s op by op, 1.4-1.9 s jitted; docs/compilation.md).
+    # Compiled, although for one sentence: op by op, every operation compiles a program of its own, several times
+    # slower than compiling the pass once (docs/compilation.md).
     memory_1SD = model.encode(src_1S)
     logits_1TV = model.decode(memory_1SD, tgt_in_1T, src_tokens=src_1S)
     return nnx.pop(model, nnx.Intermediate), memory_1SD, logits_1TV

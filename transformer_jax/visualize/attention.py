@@ -52,8 +52,8 @@ class AttentionResult:
 
 @nnx.jit
 def _capturing_forward(model: Any, src_1S: jax.Array, tgt_1T: jax.Array) -> nnx.State:
-    # Compiled, although for one sentence pair: op by op, every operation compiles on its own, and the whole pass
-    # took 5.4-6.7 s against 1.4-1.9 s jitted (Multi30k `small`, 2-core CPU, cache off; docs/compilation.md).
+    # Compiled, although for one sentence pair: op by op, every operation compiles a program of its own, several
+    # times slower than compiling the pass once (docs/compilation.md).
     model(src_1S, tgt_1T)
     return nnx.pop(model, nnx.Intermediate)
 
