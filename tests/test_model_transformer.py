@@ -111,10 +111,9 @@ def test_cached_decoding_equals_full_recompute(norm_position):
     memory = call(model, "encode", src)
     full = call(model, "decode", memory, tgt, src_segment_ids=src_seg)
     cache = call(model, "init_cache", memory, src_seg, max_len=8)
-    step = nnx.jit(lambda m, tok, c: m.decode(None, tok, cache=c))
     steps = []
     for t in range(tgt.shape[1]):
-        logits, cache = step(model, tgt[:, t : t + 1], cache)
+        logits, cache = call(model, "decode", None, tgt[:, t : t + 1], cache=cache)
         steps.append(logits)
     np.testing.assert_allclose(jnp.concatenate(steps, 1), full, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(cache["index"], [tgt.shape[1]] * 2)  # each row's next slot

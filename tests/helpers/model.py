@@ -39,11 +39,16 @@ def _call(model: Transformer, method: str, args: tuple, arrays: dict, static: tu
     return getattr(model, method)(*args, **arrays, **dict(static))
 
 
+def _holds_arrays(value: Any) -> bool:
+    leaves = jax.tree.leaves(value)
+    return bool(leaves) and all(isinstance(x, jax.Array | np.ndarray) for x in leaves)
+
+
 def call(model: Transformer, method: str, *args, **kwargs) -> Any:
-    """model.method(*args, **kwargs) compiled as one program (array keywords traced, the others static): run eagerly,
-    each of its operations compiles a program of its own for every new shape, which is what makes small-model tests
-    slow on CPU (test_model_transformer.py's eager calls: ~200 programs a test)."""
-    arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array | np.ndarray)}
+    """model.method(*args, **kwargs) compiled as one program (keywords holding arrays, e.g. a cache, traced; the
+    others static): run eagerly, each of its operations compiles a program of its own for every new shape, which is
+    what makes small-model tests slow on CPU (test_model_transformer.py's eager calls: ~200 programs a test)."""
+    arrays = {k: v for k, v in kwargs.items() if _holds_arrays(v)}
     static = tuple(sorted((k, v) for k, v in kwargs.items() if k not in arrays))
     return _call(model, method, args, arrays, static)
 
