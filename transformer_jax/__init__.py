@@ -13,8 +13,9 @@ of the package, and each file's docstring cites this legend instead of defining 
     P  positions (pictures of the positional encoding)  C  candidates each beam proposes (beam search, min(W, V))
 """
 
-from transformer_jax import platform
+from transformer_jax import jax_fixes, platform
 
 __version__ = "0.1.0"
 
 platform.configure_host()  # before anything starts a jax backend: a CPU host stays quiet with libtpu installed
+jax_fixes.install()  # before anything traces
