@@ -15,7 +15,7 @@ SCRIPTS = {"train", "evaluate", "benchmarks", "tests", "configs"}
 # never those of its own layer or a later one. training receives validation BLEU as a function
 # (evaluation.validation.bleu_evaluator), so it imports neither decoding nor evaluation; explain draws with visualize.
 LAYERS = [
-    {"errors", "tokens", "platform", "compile_cache"},
+    {"errors", "tokens", "platform", "jax_fixes", "compile_cache"},
     {"files", "progress", "config_files", "saved_programs"},
     {"cli", "sharding", "accelerators"},
     {"ops"},
