@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
+from jax._src import core
 from jax._src.interpreters import partial_eval
 
 from tests.helpers.model import tiny_spec
@@ -55,3 +56,11 @@ def test_concretizing_a_tracer_still_says_where_it_came_from(walks):
     with pytest.raises(jax.errors.ConcretizationTypeError, match="depends on the value of the argument x"):
         concretize(jnp.ones(3))
     assert walks[0] > 0  # the message still traces the value back
+
+
+def test_install_leaves_a_sharding_property_that_does_not_walk_the_trace(monkeypatch):
+    # A jax release that answers `sharding` otherwise (or without the walk) keeps its own property.
+    own = property(lambda tracer: None)
+    monkeypatch.setattr(core.Tracer, "sharding", own)
+    jax_fixes.install()
+    assert core.Tracer.__dict__["sharding"] is own

@@ -23,7 +23,9 @@ def _sharding_without_origin(tracer: core.Tracer):
 
 def install() -> None:
     """Makes `tracer.sharding` raise its AttributeError without walking the trace. Idempotent; changes nothing on
-    a jax whose tracers have no `sharding` property of their own."""
+    a jax whose `Tracer.sharding` does not build that message (a release with the walk removed, or a property that
+    answers otherwise)."""
     current = core.Tracer.__dict__.get("sharding")
-    if isinstance(current, property) and current.fget is not _sharding_without_origin:
+    code = getattr(getattr(current, "fget", None), "__code__", None)
+    if isinstance(current, property) and code is not None and "_origin_msg" in code.co_names:
         core.Tracer.sharding = property(_sharding_without_origin, doc=current.__doc__)
