@@ -312,10 +312,14 @@ def test_leftover_read_errors_of_a_failed_restore_are_not_logged(caplog):
     assert [r.exc_info[1] for r in caplog.records] == [exc]
 
 
-def test_the_noise_filter_is_installed_only_around_the_orbax_call_and_kept_after_a_failure(caplog):
+def test_the_noise_filter_is_installed_only_around_the_orbax_call_and_kept_after_a_failure(caplog, monkeypatch):
     """The hooks and logger filters are the process's as before once a call succeeded; after a failure they stay
-    (TensorStore finishes the abandoned reads later), still dropping only the noise. (Other tests' failed restores
-    may have left their own filter in this process, so this one is checked by identity.)"""
+    (TensorStore finishes the abandoned reads later), still dropping only the noise, and their removal first
+    collects the garbage the failure left (a full collection, only then: it takes a good part of a second).
+    (Other tests' failed restores may have left their own filter in this process, so this one is checked by
+    identity.)"""
+    collections = []
+    monkeypatch.setattr(checkpoints.gc, "collect", lambda *args: collections.append(args))
     noise = RuntimeError("Event loop is closed")
     hooks = (sys.unraisablehook, sys.excepthook, threading.excepthook)
     absl = logging.getLogger("absl")
@@ -333,11 +337,13 @@ def test_the_noise_filter_is_installed_only_around_the_orbax_call_and_kept_after
         with quiet:
             assert installed(quiet) and not logged(noise) and logged(ValueError("another error"))
         assert not installed(quiet) and (sys.unraisablehook, sys.excepthook, threading.excepthook) == hooks
+        assert collections == []  # nothing failed: nothing to collect
         with pytest.raises(KeyError), quiet:
             raise KeyError("a failed restore")
         assert installed(quiet) and not logged(noise) and logged(ValueError("another error"))
         quiet.remove()
         assert not installed(quiet) and (sys.unraisablehook, sys.excepthook, threading.excepthook) == hooks
+        assert collections == [()] and not quiet.failed
 
 
 # 4. One training run per workdir.
