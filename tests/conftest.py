@@ -9,6 +9,7 @@ own, shared by the xdist workers and the subprocesses they start (through the en
 end: tests never read a user's cache, and a program compiled by one test process is loaded by the others.
 """
 
+import gc
 import os
 import shutil
 import tempfile
@@ -26,6 +27,10 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 # fast program at the lowest execution-time effort: the two TPU train steps of tests/test_plan.py's meshes compiled
 # in 10.1 s instead of 17.5 s. The tests check the plans' rules, not their numbers; users' plans keep the default.
 os.environ.setdefault("JAX_EXEC_TIME_OPTIMIZATION_EFFORT", "-1.0")
+# Tracing allocates many short-lived objects: at Python's default threshold (700) the collector ran ~2,600 times
+# over test_decoding.py and test_model_transformer.py and took ~4 s of their ~55; at 50,000, 26 times and 0.6-0.9 s
+# (docs/compilation.md, "The tests"). Reference counting still frees every array at once; only cycles wait longer.
+gc.set_threshold(50_000, 20, 20)
 
 
 # Imported after XLA_FLAGS is set: importing the helpers imports JAX.
