@@ -502,6 +502,33 @@ def test_a_full_disk_during_a_save_keeps_the_finished_checkpoints_and_a_restart_
     assert checkpoints.list_steps(workdir) == [6, 9]
 
 
+def test_a_save_after_a_failed_one_collects_the_failures_leftovers_and_a_save_after_a_good_one_does_not(
+    trained, corpus, tmp_path, monkeypatch
+):
+    """The save filter stays after a failed save (its writes finish later); the same Checkpointer's next save that
+    succeeds removes it, collecting garbage first so that what the failure left reports while the filter drops it.
+    After a save that succeeded there is nothing to collect, and a full collection takes a good part of a second."""
+    workdir = _copy(trained, tmp_path)
+    config = _config(corpus)
+    config.ckpt.async_save = False
+    _, state, it_state = _restore_latest(workdir, config)
+    collections = []
+    checkpointer = checkpoints.Checkpointer(workdir, config.ckpt)
+    try:
+        with monkeypatch.context() as full:
+            _disk_full_at_the_array_writes(full)
+            with pytest.raises(DiskFullError):
+                checkpointer.save(9, state, it_state, config)
+        monkeypatch.setattr(checkpoints.gc, "collect", lambda *args: collections.append(args))
+        checkpointer.save(9, state, it_state, config)
+        assert collections == [()]
+        checkpointer.save(12, state, it_state, config)
+        assert collections == [()]
+    finally:
+        checkpointer.close()
+    assert checkpoints.list_steps(workdir)[-2:] == [9, 12]
+
+
 def _abstract_and_shardings(config):
     _, abstract = abstract_train_state(config)
     return abstract, jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), abstract)
