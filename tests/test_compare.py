@@ -16,8 +16,8 @@ import pytest
 from tests.helpers import DATA, REPO
 from transformer_jax.errors import EvalError, ScoreError
 from transformer_jax.evaluation import bleu, significance
-from transformer_jax.evaluation.options import Options, check_options
-from transformer_jax.evaluation.run import evaluate
+from transformer_jax.evaluation.__main__ import evaluate
+from transformer_jax.evaluation.options import parse
 
 SACREBLEU = str(Path(sys.executable).parent / "sacrebleu")
 MULTI30K_TEST_DE = DATA / "multi30k" / "test.de"
@@ -96,7 +96,7 @@ def test_compare_prints_both_systems_and_writes_the_report(three_files, tmp_path
     a, b, r = three_files
     scores_file = tmp_path / "out" / "cmp.json"
     report = evaluate(
-        Options(hypotheses_file=str(a), compare_file=str(b), references_file=str(r), scores_file=str(scores_file))
+        dict(hypotheses_file=str(a), compare_file=str(b), references_file=str(r), scores_file=str(scores_file))
     )
     expected = significance.paired_bootstrap(
         bleu.read_lines(b), bleu.read_lines(a), bleu.read_lines(r)
@@ -147,7 +147,7 @@ def test_identical_outputs_are_flagged_and_the_report_is_plain_json():
 )
 def test_bad_compare_flags_are_refused_before_reading(options, message):
     with pytest.raises(EvalError, match=message):
-        check_options(Options(**options))
+        parse(options)
 
 
 def test_line_count_mismatch_is_one_line_naming_the_files(three_files, tmp_path):

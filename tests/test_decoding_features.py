@@ -6,7 +6,6 @@ refilling scheduler, against the one-jit search of the same sentences.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from pathlib import Path
 
@@ -31,8 +30,8 @@ from tests.helpers.decoding import (
 )
 from transformer_jax import decoding
 from transformer_jax.errors import EvalError
+from transformer_jax.evaluation.__main__ import evaluate
 from transformer_jax.evaluation.nbest import parse_nbest_line
-from transformer_jax.evaluation.run import Options, evaluate_model
 from transformer_jax.evaluation.translate import EMPTY, translate, translate_nbest
 
 
@@ -267,8 +266,8 @@ def _evaluate(tmp_path, lines, restorer=None, **flags):
     tmp_path.mkdir(exist_ok=True)
     src = tmp_path / "src.txt"
     src.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    options = Options(workdir=str(tmp_path), source_file=str(src), output_file=str(tmp_path / "out" / "hyp.txt"))
-    return evaluate_model(dataclasses.replace(options, **flags), restorer or OneCheckpoint())
+    options = dict(workdir=str(tmp_path), source_file=str(src), output_file=str(tmp_path / "out" / "hyp.txt"))
+    return evaluate(dict(options, **flags), restorer or OneCheckpoint())
 
 
 def test_nbest_file_has_n_lines_per_input_line_and_the_1best_stays_in_the_output(tmp_path):

@@ -22,7 +22,7 @@ from transformer_jax import files
 from transformer_jax.data import store
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import DiskFullError
-from transformer_jax.evaluation import run
+from transformer_jax.evaluation import outputs
 from transformer_jax.training import metrics
 from transformer_jax.training.metrics import MetricWriter, read_metrics
 
@@ -92,9 +92,9 @@ def test_a_full_disk_while_writing_an_evaluation_output_keeps_the_earlier_file(t
     monkeypatch.setattr(files.os, "replace", full)
     with pytest.raises(DiskFullError, match=rf"disk full while writing {out} \(needs about .* free\); nothing was"):
         if which == "hypotheses":
-            run._write_lines(str(out), ["ein hund", "eine katze"])
+            outputs.write_lines(str(out), ["ein hund", "eine katze"])
         else:
-            run._write_json(str(out), {"scores": 1})
+            outputs.write_json(str(out), {"scores": 1})
     monkeypatch.setattr(files.os, "replace", real_replace)
     assert out.read_text() == "an earlier complete file\n"
     assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]  # the temporary file is gone

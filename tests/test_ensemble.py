@@ -4,8 +4,6 @@ log-probabilities, checked against the members' teacher-forced distributions, in
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +14,7 @@ from tests.helpers.model import forward, tiny_model
 from transformer_jax import decoding
 from transformer_jax.decoding.ensemble import Ensemble
 from transformer_jax.errors import EvalError
-from transformer_jax.evaluation.run import Options, evaluate_model
+from transformer_jax.evaluation.__main__ import evaluate
 from transformer_jax.evaluation.scoring import score_pairs
 from transformer_jax.tokens import BOS_ID, EOS_ID, PAD_ID
 
@@ -109,8 +107,8 @@ class _Restorers(OneCheckpoint):
 def _evaluate(tmp_path, restorer, **flags):
     src = tmp_path / "src.txt"
     src.write_text("hello world\nthe cat\n", encoding="utf-8")
-    options = Options(workdir=str(tmp_path), source_file=str(src), output_file=str(tmp_path / "o" / "h"))
-    return evaluate_model(dataclasses.replace(options, **flags), restorer)
+    options = dict(workdir=str(tmp_path), source_file=str(src), output_file=str(tmp_path / "o" / "h"))
+    return evaluate(dict(options, **flags), restorer)
 
 
 @pytest.mark.slow

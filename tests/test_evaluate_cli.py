@@ -1,9 +1,10 @@
-"""evaluate.py and the package code under it (transformer_jax.evaluation.run and .restore): scores-only mode
-against the sacrebleu command on real data, and the model mode with a fake restorer.
+"""evaluate.py (transformer_jax.evaluation.__main__) and the library under it (transformer_jax.evaluation.run and
+.restore): scores-only mode against the sacrebleu command on real data, and the model mode with a fake restorer.
 
 The model-mode tests substitute the checkpoint reader (restore.Restorer) with a fake that serves parameters of a
 known mean, so they check the evaluation logic: step selection, averaging, the config check, one output line per
-input line, the report, and that bad inputs fail early with clear messages.
+input line, the report and where it goes, that bad inputs fail early with clear messages, and that the library
+prints nothing (only the command line does).
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ import pytest
 from flax import nnx
 
 from tests.helpers import DATA, REPO
-from tests.helpers.fakes import CharTokenizer, FakeRestorer, tiny_config
+from tests.helpers.fakes import FakeRestorer, tiny_config
 from transformer_jax.data.tokenizer import train_tokenizer
 from transformer_jax.errors import EvalError
-from transformer_jax.evaluation import bleu, restore
-from transformer_jax.evaluation.options import Options
-from transformer_jax.evaluation.run import evaluate_model, translate_stream
+from transformer_jax.evaluation import bleu, restore, run
+from transformer_jax.evaluation.__main__ import evaluate
+from transformer_jax.evaluation.options import FLAGS, Compare, Model, ScorePairs, ScoresOnly, Translate, parse
 
 PYTHON = sys.executable
 SACREBLEU = str(Path(sys.executable).parent / "sacrebleu")
@@ -145,9 +146,9 @@ def test_references_with_another_line_count_fail_before_the_model_is_restored(tm
     src.write_text("a\nb\nc\n", encoding="utf-8")
     ref.write_text("a\nb\n", encoding="utf-8")
     fake = FakeRestorer()
-    options = Options(workdir=str(tmp_path), source_file=str(src), references_file=str(ref))
+    options = dict(workdir=str(tmp_path), source_file=str(src), references_file=str(ref))
     with pytest.raises(bleu.ScoreError, match=r"src\.en has 3 lines, .*ref\.de has 2"):
-        evaluate_model(options, fake)
+        evaluate(options, fake)
     assert fake.loaded == []
 
 
@@ -157,10 +158,10 @@ def test_translate_a_file_one_output_per_input_line_and_report(tmp_path, capsys)
     src.write_text("\n".join(sources) + "\n", encoding="utf-8")
     ref.write_text("hallo welt\n\neine viel längere zeile\nkurz\n", encoding="utf-8")
     out = tmp_path / "out" / "hyp.de"
-    options = Options(
+    options = dict(
         workdir=str(tmp_path), source_file=str(src), references_file=str(ref), output_file=str(out), alpha=0.0
     )
-    report = evaluate_model(options, FakeRestorer())
+    report = evaluate(options, FakeRestorer())
     hypotheses = bleu.read_lines(out)
     assert len(hypotheses) == len(sources) and hypotheses[1] == ""
     assert report["checkpoint_steps"] == [200, 300]
@@ -175,20 +176,108 @@ def test_translate_a_file_one_output_per_input_line_and_report(tmp_path, capsys)
     assert set(report["scores"]) == {"bleu", "chrf", "tokenized_bleu"}
     saved = json.loads(Path(f"{out}.json").read_text())
     assert saved["checkpoint_steps"] == [200, 300] and saved["scores"]["bleu"]["signature"].startswith("nrefs:1")
-    printed = capsys.readouterr().out
-    assert "sacreBLEU BLEU = " in printed and '"checkpoint_steps"' in printed
+    # stdout: the few summary lines a person reads (the report is in its file, not printed).
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("4 lines translated") and printed[1].startswith("sacreBLEU BLEU = ")
+    assert printed[-2:] == [f"hypotheses: {out}", f"report: {out}.json"] and len(printed) == 6
 
-    # stdin, one line at a time: the same outputs (greedy-equal settings, batch of one) in the same order.
-    _, model, _ = restore.restore_model(FakeRestorer(), str(tmp_path))
+    # stdin, one line at a time: the same outputs (batch of one) in the same order, on stdout; the summary goes to
+    # stderr and the report to WORKDIR/eval/stdin.<steps>.json.
     stdin = io.StringIO("\n".join(sources) + "\n")
-    settings = {"beam_size": 2, "alpha": 0.0, "max_extra_len": 5, "batch_size": 1, "max_input_len": 256}
     old_stdin, sys.stdin = sys.stdin, stdin
     try:
-        streamed, stats = translate_stream(model, CharTokenizer(), settings, None)
+        streamed = evaluate(dict(workdir=str(tmp_path), source_file="-", alpha=0.0), FakeRestorer())
     finally:
         sys.stdin = old_stdin
-    assert capsys.readouterr().out.splitlines() == streamed
-    assert streamed == hypotheses and stats["sentences"] == 4 and stats["empty"] == 1
+    printed = capsys.readouterr()
+    assert printed.out.splitlines() == hypotheses and printed.err.startswith("4 lines translated")
+    assert streamed["stats"]["sentences"] == 4 and streamed["stats"]["empty"] == 1
+    report_file = tmp_path / "eval" / "stdin.step300-avg2.json"
+    assert json.loads(report_file.read_text()) == json.loads(json.dumps(streamed))
+    assert f"report: {report_file}" in printed.err
+
+
+def test_json_prints_the_report_on_stdout_and_the_summary_on_stderr(tmp_path, capsys):
+    src = tmp_path / "src.en"
+    src.write_text("hello world\nshort\n", encoding="utf-8")
+    out = tmp_path / "hyp.de"
+    report = evaluate(
+        dict(workdir=str(tmp_path), source_file=str(src), output_file=str(out), json=True), FakeRestorer()
+    )
+    printed = capsys.readouterr()
+    assert json.loads(printed.out) == json.loads(json.dumps(report)) == json.loads(Path(f"{out}.json").read_text())
+    assert printed.err.splitlines()[0].startswith("2 lines translated") and f"report: {out}.json" in printed.err
+
+
+def test_json_with_the_translations_of_stdin_on_stdout_is_refused(tmp_path):
+    with pytest.raises(EvalError, match="--json prints the report on stdout, where stdin's translations go"):
+        parse(dict(workdir=str(tmp_path), source_file="-", json=True))
+    parse(dict(workdir=str(tmp_path), source_file="-", json=True, output_file=str(tmp_path / "o")))  # a file: fine
+
+
+def test_a_default_report_that_is_an_input_is_refused_before_translating(tmp_path, capsys, monkeypatch):
+    """stdin's translations on stdout: the report's default is WORKDIR/eval/stdin.<steps>.json, never an input."""
+    ref = tmp_path / "eval" / "stdin.step300-avg2.json"
+    ref.parent.mkdir()
+    ref.write_text("hallo\nwelt\n", encoding="utf-8")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nworld\n"))
+    with pytest.raises(EvalError, match=r"--scores_file \S*stdin\.step300-avg2\.json is the input --references_file"):
+        evaluate(dict(workdir=str(tmp_path), source_file="-", references_file=str(ref)), FakeRestorer())
+    assert ref.read_text(encoding="utf-8") == "hallo\nwelt\n" and capsys.readouterr().out == ""
+
+
+def test_scores_only_prints_the_scores_and_with_json_only_the_report_on_stdout(tmp_path):
+    hyp, ref = tmp_path / "hyp.txt", tmp_path / "ref.txt"
+    hyp.write_text("a b c d\ne f\n", encoding="utf-8")
+    ref.write_text("a b c d\ne f g\n", encoding="utf-8")
+    plain = run_evaluate("--hypotheses_file", str(hyp), "--references_file", str(ref))
+    assert plain.returncode == 0 and len(plain.stdout.splitlines()) == 3  # the three scores; no report file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hyp.txt", "ref.txt"]
+    as_json = run_evaluate("--hypotheses_file", str(hyp), "--references_file", str(ref), "--json")
+    assert as_json.returncode == 0 and as_json.stderr.splitlines() == plain.stdout.splitlines()
+    report = json.loads(as_json.stdout)
+    assert (
+        report["hypotheses_file"] == str(hyp) and report["bleu"]["score"] == bleu.score_files(hyp, ref)["bleu"]["score"]
+    )
+
+
+def test_the_library_prints_nothing(tmp_path, capfd, monkeypatch):
+    """Each mode of evaluation.run returns its data; only the command line prints (stdout and stderr captured at
+    the file descriptors, so a print from any layer would show)."""
+    src, ref, other = tmp_path / "src.en", tmp_path / "ref.de", tmp_path / "other.de"
+    src.write_text("hello world\n\nshort\n", encoding="utf-8")
+    ref.write_text("hallo welt\n\nkurz\n", encoding="utf-8")
+    other.write_text("hallo\n\nkurz\n", encoding="utf-8")
+    capfd.readouterr()
+    assert run.scores_only(ScoresOnly(str(ref), str(ref)))["chrf"]["score"] == 100
+    assert run.compare(Compare(str(ref), str(other), str(ref)))["comparison"]["bleu"]["p_value"] < 1
+    model = Model(str(tmp_path))
+    translate = Translate(model, source_file=str(src), references_file=str(ref))
+    loaded = run.load(translate, FakeRestorer())
+    translation = run.translate(translate, loaded)
+    assert len(translation.hypotheses) == 3 and translation.report["scores"] is not None
+    stdin = Translate(model, source_file="-")
+    streamed = run.stream_result(stdin, loaded, list(run.stream(stdin, loaded, ["hello world", "", "short"])))
+    assert streamed.hypotheses == translation.hypotheses
+    pairs = ScorePairs(model, source_file=str(src), references_file=str(ref))
+    assert len(run.score(pairs, run.load(pairs, FakeRestorer())).scores) == 3
+    assert capfd.readouterr() == ("", "")
+    assert not (tmp_path / "eval").exists() and sorted(p.name for p in tmp_path.iterdir()) == [
+        "other.de",
+        "ref.de",
+        "src.en",
+    ]
+
+
+def test_each_flag_with_choices_refuses_any_other_value_and_unset_means_its_default(tmp_path):
+    chosen = [flag for flag in FLAGS if flag.choices]
+    assert {flag.name for flag in chosen} == {"split", "length_penalty", "finished", "mbr_utility"}
+    for flag in chosen:
+        with pytest.raises(EvalError, match=f"--{flag.name} 'bogus': choose one of {', '.join(flag.choices)}$"):
+            parse(dict(workdir=str(tmp_path), **{flag.name: "bogus"}))
+    mode, _ = parse(dict(workdir=str(tmp_path), mbr=2))
+    assert (mode.split, mode.decoding.length_penalty, mode.decoding.finished) == ("test", "gnmt", "in_beam")
+    assert (mode.decoding.mbr_utility, mode.decoding.candidates, mode.decoding.seed) == ("bleu", 2, 0)
 
 
 @pytest.mark.slow

@@ -22,9 +22,8 @@ from tests.helpers import REPO
 from tests.helpers.fakes import FakeRestorer, tiny_config
 from transformer_jax.data import sources as sources_lib
 from transformer_jax.errors import EvalError, ScoreError
-from transformer_jax.evaluation import bleu, restore
-from transformer_jax.evaluation.options import Options
-from transformer_jax.evaluation.run import evaluate, evaluate_model, translate_stream
+from transformer_jax.evaluation import bleu
+from transformer_jax.evaluation.__main__ import evaluate
 
 
 def run_evaluate(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
@@ -106,18 +105,18 @@ def test_an_output_that_is_an_input_is_refused_before_restoring(
         spelled = str(tmp_path / "hard")
         os.link(path, spelled)
     (tmp_path / "sub").mkdir()
-    options = Options(workdir=str(tmp_path), source_file=str(src), references_file=str(ref), **{flag: spelled})
+    options = dict(workdir=str(tmp_path), source_file=str(src), references_file=str(ref), **{flag: spelled})
     with pytest.raises(EvalError, match="would destroy the input"):
-        evaluate_model(options, fake)
+        evaluate(options, fake)
     assert fake.loaded == [] and path.read_bytes() == before
 
 
 def test_scores_only_refuses_a_scores_file_that_is_an_input_and_output_equal_to_scores(tmp_path, files, capsys):
     src, ref = files
     with pytest.raises(EvalError, match=r"--scores_file .*ref\.de is the input --references_file"):
-        evaluate(Options(hypotheses_file=str(src), references_file=str(ref), scores_file=str(ref)))
+        evaluate(dict(hypotheses_file=str(src), references_file=str(ref), scores_file=str(ref)))
     assert ref.read_text(encoding="utf-8") == "hallo welt\nkurz\n" and capsys.readouterr().out == ""
-    same = Options(workdir=str(tmp_path), source_file=str(src), output_file="o.txt", scores_file="./o.txt")
+    same = dict(workdir=str(tmp_path), source_file=str(src), output_file="o.txt", scores_file="./o.txt")
     with pytest.raises(EvalError, match="are the same file"):
         evaluate(same, fake)
 
@@ -138,7 +137,7 @@ def test_an_output_over_a_text_split_file_is_refused_before_translating(tmp_path
     (data / "test.de").write_text("b\n", encoding="utf-8")
     fake.config.data.update(source="text", text_dir=str(data))
     with pytest.raises(EvalError, match=r"test\.de is the input split file \(de\)"):
-        evaluate_model(Options(workdir=str(tmp_path), output_file=str(data / "test.de")), fake)
+        evaluate(dict(workdir=str(tmp_path), output_file=str(data / "test.de")), fake)
     assert (data / "test.de").read_text(encoding="utf-8") == "b\n"
 
 
@@ -154,7 +153,7 @@ def test_split_with_blank_lines_gives_one_hypothesis_per_line_and_scores_them_al
     (data / "test.de").write_text("\n".join(de) + "\n", encoding="utf-8")
     fake.config.data.update(source="text", text_dir=str(data))
     out = tmp_path / "hyp.txt"
-    report = evaluate_model(Options(workdir=str(tmp_path), output_file=str(out), alpha=0.0), fake)
+    report = evaluate(dict(workdir=str(tmp_path), output_file=str(out), alpha=0.0), fake)
     hypotheses = bleu.read_lines(out)
     assert len(hypotheses) == len(en)  # before: 7, the pairs with an empty side were dropped
     assert report["lines"] == len(en)
@@ -175,20 +174,18 @@ def test_invalid_utf8_in_a_source_or_reference_file_names_the_line_before_restor
     bad = tmp_path / "bad.en"
     bad.write_bytes(b"fine\nstill fine\nna\xefve\n")
     with pytest.raises(EvalError, match=r"bad\.en, line 3: invalid UTF-8 .*byte 3 of the line"):
-        evaluate_model(Options(workdir=str(tmp_path), source_file=str(bad)), fake)
+        evaluate(dict(workdir=str(tmp_path), source_file=str(bad)), fake)
     with pytest.raises(ScoreError, match=r"bad\.en, line 3: invalid UTF-8"):
-        evaluate_model(Options(workdir=str(tmp_path), source_file=str(src), references_file=str(bad)), fake)
+        evaluate(dict(workdir=str(tmp_path), source_file=str(src), references_file=str(bad)), fake)
     assert fake.loaded == []
 
 
 def test_invalid_utf8_on_stdin_stops_at_its_line_after_writing_the_lines_before(tmp_path, capsys, monkeypatch, fake):
-    _, model, _ = restore.restore_model(fake, str(tmp_path))
     # As the interpreter opens stdin in a UTF-8 locale: lenient decoding (surrogateescape) over a binary buffer.
     stdin = io.TextIOWrapper(io.BytesIO(b"\n \n\xff\xfe oops\nnever read\n"), "utf-8", "surrogateescape")
     monkeypatch.setattr(sys, "stdin", stdin)
-    settings = {"beam_size": 2, "alpha": 0.0, "max_extra_len": 5, "batch_size": 1, "max_input_len": 256}
     with pytest.raises(EvalError, match=r"stdin, line 3: invalid UTF-8 .*byte 1 of the line.*2 lines before"):
-        translate_stream(model, None, settings, None)
+        evaluate(dict(workdir=str(tmp_path), source_file="-", alpha=0.0), fake)
     assert capsys.readouterr().out == "\n\n"  # the two lines before it, written and flushed
 
 
@@ -209,7 +206,7 @@ def test_an_unwritable_output_location_fails_before_restoring(tmp_path, files, f
     else:
         kwargs[flag] = str(blocker / "deeper" / "x.txt")
     with pytest.raises(EvalError, match="is a directory|is not a directory"):
-        evaluate_model(Options(workdir=str(workdir), source_file=str(src), **kwargs), fake)
+        evaluate(dict(workdir=str(workdir), source_file=str(src), **kwargs), fake)
     assert fake.loaded == []
 
 
@@ -218,7 +215,7 @@ def test_an_unwritable_scores_file_fails_before_scoring(tmp_path, files, capsys)
     blocker = tmp_path / "a_file"
     blocker.write_text("x", encoding="utf-8")
     with pytest.raises(EvalError, match="a_file is not a directory"):
-        evaluate(Options(hypotheses_file=str(src), references_file=str(ref), scores_file=str(blocker / "s.json")))
+        evaluate(dict(hypotheses_file=str(src), references_file=str(ref), scores_file=str(blocker / "s.json")))
     assert capsys.readouterr().out == ""
 
 
@@ -229,13 +226,13 @@ def test_empty_source_file_and_empty_stdin_are_clear_errors(tmp_path, capsys, mo
     empty = tmp_path / "empty.en"
     empty.write_bytes(b"")
     with pytest.raises(EvalError, match=r"--source_file \S*empty\.en"):
-        evaluate_model(Options(workdir=str(tmp_path), source_file=str(empty)), fake)
+        evaluate(dict(workdir=str(tmp_path), source_file=str(empty)), fake)
     with pytest.raises(ScoreError, match="have no lines: nothing to score"):
-        evaluate_model(Options(workdir=str(tmp_path), source_file=str(empty), references_file=str(empty)), fake)
+        evaluate(dict(workdir=str(tmp_path), source_file=str(empty), references_file=str(empty)), fake)
     assert fake.loaded == []
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))
     with pytest.raises(EvalError, match="stdin had no lines"):
-        evaluate_model(Options(workdir=str(tmp_path), source_file="-"), fake)
+        evaluate(dict(workdir=str(tmp_path), source_file="-"), fake)
 
 
 def test_scoring_two_empty_files_is_one_line(tmp_path):
@@ -278,14 +275,14 @@ def test_bad_flag_values_fail_before_restoring(tmp_path, options, message, fake)
     fake.list_steps = lambda workdir: pytest.fail("a checkpoint was looked at")
     options = {"workdir": str(tmp_path), **options}
     with pytest.raises(EvalError, match=message):
-        evaluate(Options(**options), fake)
+        evaluate(dict(**options), fake)
 
 
 def test_a_bad_config_eval_value_names_the_config_key(tmp_path, files, fake):
     src, _ = files
     fake.config.eval.beam_size = 0
     with pytest.raises(EvalError, match=r"config\.eval\.beam_size\b.* got 0"):
-        evaluate_model(Options(workdir=str(tmp_path), source_file=str(src), output_file=str(tmp_path / "o")), fake)
+        evaluate(dict(workdir=str(tmp_path), source_file=str(src), output_file=str(tmp_path / "o")), fake)
 
 
 SLOW = pytest.mark.slow

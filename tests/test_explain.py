@@ -19,8 +19,7 @@ from matplotlib.image import imread
 
 from tests.helpers.training import tiny_train_config, write_corpus
 from transformer_jax.data.tokenizer import get_tokenizer
-from transformer_jax.evaluation.options import Options
-from transformer_jax.evaluation.run import evaluate_model
+from transformer_jax.evaluation.__main__ import evaluate
 from transformer_jax.evaluation.translate import source_ids
 from transformer_jax.explain import TEXT, explain, figures, numbers, render, summary
 from transformer_jax.explain import __main__ as explain_cli
@@ -70,7 +69,7 @@ def evaluate_py(workdir: Path, sentence: str, beam_size: int | None, tmp_path: P
     """evaluate.py's translation of one sentence (its package entry point, with the real checkpoint reader)."""
     source, output = tmp_path / f"src{beam_size}.txt", tmp_path / f"out{beam_size}.txt"
     source.write_text(sentence + "\n", encoding="utf-8")
-    evaluate_model(Options(workdir=str(workdir), source_file=str(source), output_file=str(output), beam_size=beam_size))
+    evaluate(dict(workdir=str(workdir), source_file=str(source), output_file=str(output), beam_size=beam_size))
     return output.read_text(encoding="utf-8").rstrip("\n")
 
 

@@ -26,8 +26,8 @@ from tests.helpers.model import forward, tiny_model, tiny_spec
 from tests.helpers.training import tiny_train_config, write_corpus
 from transformer_jax.data.tokenizer import Tokenizer, train_tokenizer
 from transformer_jax.errors import ConfigError, EvalError
-from transformer_jax.evaluation.options import Options, decoding_settings
-from transformer_jax.evaluation.run import evaluate_model
+from transformer_jax.evaluation.__main__ import evaluate
+from transformer_jax.evaluation.options import Decoding, decoding_settings
 from transformer_jax.evaluation.translate import position_limit, translate
 from transformer_jax.tokens import BOS_ID, EOS_ID
 from transformer_jax.training import checkpoints, state
@@ -323,14 +323,14 @@ def test_command_line_export_of_a_workdir_equals_evaluate_greedy_on_100_sentence
     assert "Traceback" not in again.stderr + empty.stderr
 
     source = data / "test.en"
-    options = Options(workdir=str(workdir), average_last=2, beam_size=1, source_file=str(source))
-    options.output_file = str(tmp_path / "hyp.txt")
-    report = evaluate_model(options)
+    hypotheses_file = tmp_path / "hyp.txt"
+    flags = dict(workdir=str(workdir), average_last=2, beam_size=1, source_file=str(source))
+    report = evaluate({**flags, "output_file": str(hypotheses_file)})
     assert report["checkpoint_steps"] == [20, 30]
-    ours = Path(options.output_file).read_text(encoding="utf-8").splitlines()
+    ours = hypotheses_file.read_text(encoding="utf-8").splitlines()
     sentences_100 = source.read_text(encoding="utf-8").splitlines()
     assert len(sentences_100) == len(ours) == 100
     theirs, stats = export_lib.ctranslate2_translate(
-        translator(out), Tokenizer(out / "spm.model"), sentences_100, **decoding_settings(options, config)
+        translator(out), Tokenizer(out / "spm.model"), sentences_100, **decoding_settings(Decoding(beam_size=1), config)
     )
     assert theirs == ours and stats["hit_max_len"] == report["stats"]["hit_max_len"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -11,8 +10,8 @@ from sacrebleu.metrics import CHRF
 from tests.helpers.decoding import OneCheckpoint
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation import mbr
+from transformer_jax.evaluation.__main__ import evaluate
 from transformer_jax.evaluation.nbest import parse_nbest_line
-from transformer_jax.evaluation.run import Options, evaluate_model
 
 # The search's best (first) is the outlier; the consensus is the second.
 CANDIDATES = ["dogs bark loudly tonight", "the cat sat on the mat", "the cat sat on a mat", "a cat sat on the mat"]
@@ -34,8 +33,8 @@ def test_expected_utility_is_the_mean_over_the_other_candidates():
 def _evaluate(tmp_path, restorer=None, **flags):
     src = tmp_path / "src.txt"
     src.write_text("hello world\n\nthe cat\n", encoding="utf-8")
-    options = Options(workdir=str(tmp_path), source_file=str(src), output_file=str(tmp_path / "o" / "h"))
-    return evaluate_model(dataclasses.replace(options, **flags), restorer or OneCheckpoint())
+    options = dict(workdir=str(tmp_path), source_file=str(src), output_file=str(tmp_path / "o" / "h"))
+    return evaluate(dict(options, **flags), restorer or OneCheckpoint())
 
 
 def test_mbr_flag_chooses_among_the_nbest_by_expected_utility(tmp_path):

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +12,7 @@ from tests.helpers.decoding import EOS, OneCheckpoint, shared_model
 from transformer_jax import decoding
 from transformer_jax.decoding.sampling import inverse_cdf, nucleus_threshold
 from transformer_jax.errors import EvalError
-from transformer_jax.evaluation.run import Options, evaluate_model
+from transformer_jax.evaluation.__main__ import evaluate
 from transformer_jax.evaluation.translate import translate_nbest
 
 # One step over 8 tokens: PAD, BOS and UNK impossible, EOS and four words with these logits.
@@ -200,10 +198,10 @@ def test_translate_draws_num_samples_per_line_reproducibly(tmp_path):
 def test_bad_sampling_flags_are_refused_in_one_line_before_the_model_and_nothing_is_written(tmp_path, flags, message):
     src = tmp_path / "src.txt"
     src.write_text("a b\n", encoding="utf-8")
-    options = Options(workdir=str(tmp_path), source_file=str(src), output_file=str(tmp_path / "o" / "h"), sampling=True)
+    options = dict(workdir=str(tmp_path), source_file=str(src), output_file=str(tmp_path / "o" / "h"), sampling=True)
     restorer = OneCheckpoint()
     with pytest.raises(EvalError, match=message):
-        evaluate_model(dataclasses.replace(options, **flags), restorer)
+        evaluate(dict(options, **flags), restorer)
     assert restorer.loaded == 0 and not (tmp_path / "o").exists()
 
 
@@ -211,8 +209,8 @@ def test_sampling_flags_write_the_samples(tmp_path):
     src = tmp_path / "src.txt"
     src.write_text("a b\nhello\n", encoding="utf-8")
     out = tmp_path / "o" / "h"
-    options = Options(workdir=str(tmp_path), source_file=str(src), output_file=str(out), sampling=True)
-    report = evaluate_model(dataclasses.replace(options, num_samples=2, seed=3, top_k=5), OneCheckpoint())
+    options = dict(workdir=str(tmp_path), source_file=str(src), output_file=str(out), sampling=True)
+    report = evaluate(dict(options, num_samples=2, seed=3, top_k=5), OneCheckpoint())
     assert len(out.read_text(encoding="utf-8").splitlines()) == 2
     assert len(out.with_name("h.nbest").read_text(encoding="utf-8").splitlines()) == 4
     assert report["search"]["sampling"] == {"temperature": 1.0, "top_k": 5, "top_p": 1.0, "seed": 3, "num_samples": 2}

@@ -3,8 +3,6 @@ log-probabilities, and the command line's inputs."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,7 +12,7 @@ from tests.helpers.model import forward
 from transformer_jax.data import batching
 from transformer_jax.data.pipeline import eval_batches
 from transformer_jax.errors import EvalError, UserError
-from transformer_jax.evaluation.run import Options, evaluate_model
+from transformer_jax.evaluation.__main__ import evaluate
 from transformer_jax.evaluation.scoring import packed_batches, score_pairs
 from transformer_jax.evaluation.translate import translate_nbest
 from transformer_jax.training.losses import cross_entropy_sums
@@ -94,10 +92,10 @@ def _evaluate(tmp_path, sources, targets, restorer=None, **flags):
     src, ref = tmp_path / "src.txt", tmp_path / "ref.txt"
     src.write_text("".join(x + "\n" for x in sources), encoding="utf-8")
     ref.write_text("".join(x + "\n" for x in targets), encoding="utf-8")
-    options = Options(
+    options = dict(
         workdir=str(tmp_path), source_file=str(src), references_file=str(ref), output_file=str(tmp_path / "o" / "s")
     )
-    return evaluate_model(dataclasses.replace(options, **flags), restorer or OneCheckpoint())
+    return evaluate(dict(options, **flags), restorer or OneCheckpoint())
 
 
 def test_score_flag_writes_one_line_per_pair_and_the_corpus_perplexity(tmp_path):
@@ -130,4 +128,4 @@ def test_score_needs_references(tmp_path):
     src = tmp_path / "src.txt"
     src.write_text("a\n", encoding="utf-8")
     with pytest.raises(EvalError, match="--score needs --references_file"):
-        evaluate_model(Options(workdir=str(tmp_path), source_file=str(src), score=True), OneCheckpoint())
+        evaluate(dict(workdir=str(tmp_path), source_file=str(src), score=True), OneCheckpoint())

@@ -19,6 +19,7 @@ from sacrebleu.metrics import BLEU, CHRF
 from tests.helpers.sweeps import fails, write_run
 from transformer_jax.errors import ScoreError
 from transformer_jax.evaluation import significance
+from transformer_jax.evaluation.run import Translation
 from transformer_jax.sweep import __main__ as sweep
 from transformer_jax.sweep import runner
 from transformer_jax.sweep import significance as sweep_significance
@@ -192,7 +193,7 @@ def _tiny_refs(corpus: pathlib.Path) -> list[str]:
 def test_aggregate_only_recomputes_the_tests_from_stored_hypotheses(corpus, tmp_path, monkeypatch):
     """--aggregate_only neither trains nor decodes; the table gets p-values, marks and the paper verdicts."""
     monkeypatch.setattr(loop, "train_and_evaluate", lambda *a: pytest.fail("trained"))
-    monkeypatch.setattr(runner, "evaluate_model", lambda *a: pytest.fail("decoded"))
+    monkeypatch.setattr(runner, "translate", lambda *a: pytest.fail("decoded"))
     refs = _tiny_refs(corpus)
     workdir = tmp_path / "sw"
     for i in range(3):
@@ -223,18 +224,23 @@ def test_finished_runs_without_hypotheses_are_decoded_and_not_retrained(corpus, 
     (old / RESULT_FILE).write_text(json.dumps({"name": "pre_ln", "num_steps": 2, "wall_s": 1.0}))
     decodes = []
 
-    def fake_decode(options):
-        decodes.append(options)
+    def fake_translate(mode):
+        decodes.append(mode)
         write_run(tmp_path / "decoded", noisy(refs, 0.5, 0), refs, perplexity=6.0)
-        for name in (HYPOTHESES_FILE, SCORES_FILE):
-            pathlib.Path(options.workdir, name).write_bytes((tmp_path / "decoded" / name).read_bytes())
+        hypotheses = (tmp_path / "decoded" / HYPOTHESES_FILE).read_text(encoding="utf-8").splitlines()
+        return Translation(hypotheses, None, json.loads((tmp_path / "decoded" / SCORES_FILE).read_text()))
 
     monkeypatch.setattr(loop, "train_and_evaluate", lambda *a: pytest.fail("trained a finished run"))
-    monkeypatch.setattr(runner, "evaluate_model", fake_decode)
+    monkeypatch.setattr(runner, "translate", fake_translate)
     assert sweep.main(["--config", CONFIG, "--workdir", str(workdir)]) == 0
-    [options] = decodes
-    assert (options.workdir, options.split, options.average_last) == (str(old), "valid", 1)
-    assert (options.output_file, options.scores_file) == (str(old / HYPOTHESES_FILE), str(old / SCORES_FILE))
+    [mode] = decodes
+    assert (mode.model.workdir, mode.split, mode.model.average_last) == (str(old), "valid", 1)
+    # The sweep writes what the library returned: the hypotheses, and the report with their file.
+    decoded = tmp_path / "decoded"
+    assert (old / HYPOTHESES_FILE).read_bytes() == (decoded / HYPOTHESES_FILE).read_bytes()
+    report = json.loads((old / SCORES_FILE).read_text())
+    assert report["scores"] == json.loads((decoded / SCORES_FILE).read_text())["scores"]
+    assert report["hypotheses_file"] == str(old / HYPOTHESES_FILE)
     rows = list(csv.DictReader(open(workdir / "results.csv")))
     assert rows[1]["valid_bleu"] != "1.0" and float(rows[1]["bleu_p"]) < 0.05  # full-split BLEU, not training's
     assert sweep.main(["--config", CONFIG, "--workdir", str(workdir)]) == 0
@@ -247,7 +253,7 @@ def test_sigterm_while_decoding_stops_the_sweep_and_leaves_the_run_undecoded(cor
         (workdir / name).mkdir(parents=True)
         (workdir / name / RESULT_FILE).write_text(json.dumps({"name": name, "num_steps": 2, "wall_s": 1.0}))
     monkeypatch.setattr(loop, "train_and_evaluate", lambda *a: pytest.fail("trained a finished run"))
-    monkeypatch.setattr(runner, "evaluate_model", lambda options: os.kill(os.getpid(), signal.SIGTERM))
+    monkeypatch.setattr(runner, "translate", lambda mode: os.kill(os.getpid(), signal.SIGTERM))
     before = signal.getsignal(signal.SIGTERM)
     assert sweep.main(["--config", CONFIG, "--workdir", str(workdir)]) == 1
     assert "variant base stopped while decoding the validation split; run the same command" in capsys.readouterr().err

@@ -1,7 +1,7 @@
 """The flags that choose and average a workdir's checkpoints, defined once for every command that restores a model.
 
 evaluate.py and `python -m transformer_jax.export` share them (names, defaults, help), so that an export serves
-exactly the parameters evaluate.py scored; both hand `selection()` to evaluation.options.Options.
+exactly the parameters evaluate.py scored; both hand `selection()` to evaluation.options.Model.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from typing import Any
 
 from absl import flags
 from ml_collections import config_flags
+
+NAMES = ("workdir", "config", "checkpoint", "average_last", "average_steps")
 
 
 def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
@@ -29,7 +31,5 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
 
 
 def selection(flag_values: flags.FlagValues = flags.FLAGS) -> dict[str, Any]:
-    """The parsed values, as evaluation.options.Options' keyword arguments."""
-    return {
-        name: flag_values[name].value for name in ("workdir", "config", "checkpoint", "average_last", "average_steps")
-    }
+    """The parsed values, as evaluation.options.Model's keyword arguments."""
+    return {name: flag_values[name].value for name in NAMES}

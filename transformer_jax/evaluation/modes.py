@@ -1,8 +1,9 @@
 """The decoding modes' options beyond one search (n-best lists, sampling, MBR, target prefixes, forced decoding,
-ensembles): their checks, which run before any file is read or the model restored (evaluation/run.py's
-check_options calls `check_flags`), and the ensemble's members.
+ensembles): their checks, which run before any file is read or the model restored (evaluation.options.parse calls
+`check_flags`), and the ensemble's members.
 
-`o` is evaluation/run.py's Options (its field names are the flags, which the messages name).
+`o` holds evaluate.py's flag values by name (None: not given), which the messages name; the allowed values of a
+flag with choices are checked by `parse`, from the flag table (evaluation.options.FLAGS).
 """
 
 from __future__ import annotations
@@ -13,10 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from transformer_jax import decoding
 from transformer_jax.decoding.sampling import PLAIN
 from transformer_jax.errors import EvalError
-from transformer_jax.evaluation.mbr import UTILITIES
 from transformer_jax.evaluation.restore import restore_model
 from transformer_jax.evaluation.translate import check_nbest, check_sampling
 
@@ -24,12 +23,8 @@ SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "num_samples", "seed")
 
 
 def check_flags(o: Any) -> None:
-    """EvalError for search flags that cannot work: an unknown --length_penalty or --finished, --nbest over the beam
-    size (when --beam_size is given; the config's is checked once read), or --nbest with stdin."""
-    if o.length_penalty is not None and o.length_penalty not in decoding.LENGTH_PENALTIES:
-        raise EvalError(f"--length_penalty {o.length_penalty!r}: choose one of {', '.join(decoding.LENGTH_PENALTIES)}")
-    if o.finished is not None and o.finished not in decoding.FINISHED_RULES:
-        raise EvalError(f"--finished {o.finished!r}: choose one of {', '.join(decoding.FINISHED_RULES)}")
+    """EvalError for decoding flags that cannot work together: sampling with searching, --nbest over the beam size
+    (when --beam_size is given; the config's is checked once read), --nbest, --mbr or --sampling with stdin."""
     _check_mbr(o)
     given = [f"--{name}" for name in SAMPLING_FLAGS if getattr(o, name) is not None]
     if given and not o.sampling:
@@ -72,8 +67,6 @@ def _check_mbr(o: Any) -> None:
         return
     if o.mbr < 2:
         raise EvalError(f"--mbr {o.mbr}: choose among at least 2 candidates")
-    if o.mbr_utility is not None and o.mbr_utility not in UTILITIES:
-        raise EvalError(f"--mbr_utility {o.mbr_utility!r}: choose one of {', '.join(UTILITIES)}")
     for name in ("nbest", "num_samples"):
         if getattr(o, name) is not None:
             raise EvalError(f"--mbr N sets how many candidates there are; --{name} would be ignored: drop it")

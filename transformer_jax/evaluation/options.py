@@ -1,132 +1,262 @@
-"""What an evaluation run translates, with which checkpoints and settings (`Options`), checked in one place.
+"""evaluate.py's flags (one table: name, type, help, allowed values, which mode reads it), the one small frozen
+record per mode they become, and the checks between them, all made before any file is read.
 
-`check_options` finds everything a user can get wrong in the options (a flag value, an output that would overwrite
-an input) without reading a file; `check_writable` and `check_folder_writable` test output locations without
-leaving anything behind. evaluate.py, the export, the explanation page and the sweep share them.
+`parse(values)` turns the flag values into a mode record (`ScoresOnly`, `Compare`, `Translate`, `ScorePairs`) and the
+command line's `Outputs`, or raises EvalError naming the flag and what to do. The library (evaluation/run.py) runs a
+record and returns data; evaluate.py (evaluation/__main__.py) writes the files. `check_writable` and
+`check_folder_writable` test output locations without leaving anything behind; the export, the explanation page and
+the sweep share the checkpoint checks (`check_model`) and these.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+import types
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from transformer_jax import config_checks, files
+from absl import flags
+
+from transformer_jax import config_checks, decoding, files
 from transformer_jax.errors import ConfigError, EvalError
-from transformer_jax.evaluation import modes
+from transformer_jax.evaluation import checkpoint_flags, modes
+from transformer_jax.evaluation.mbr import UTILITIES
 
 SPLITS = ("valid", "test")
 
+# The modes a flag can be read by: scores only and compare (no model), and the model's modes (translate, --score).
+NO_MODEL, MODEL = "no_model", "model"
 
-@dataclasses.dataclass
-class Options:
-    """What to translate with which checkpoints and settings; None means the config's value (config.eval).
 
-    Field names are the command-line flags (--beam_size ...), which error messages name.
-    """
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """One of evaluate.py's flags: everything known of it, in one place."""
 
-    workdir: str | None = None
+    name: str
+    type: type  # str, int, float, bool or list (of str)
+    help: str
+    modes: tuple[str, ...]  # which modes read it: NO_MODEL, MODEL
+    choices: tuple[str, ...] = ()  # the allowed values ('' : any)
+    default: Any = None  # what an unset flag means, when that is a constant (else the help names the config key)
+
+    def describe(self) -> str:
+        """The --help text: the help, the allowed values and the default."""
+        text = self.help
+        if self.choices:
+            text += f" One of {', '.join(self.choices)}."
+        if self.default is not None:
+            text += f" Default {self.default}."
+        return text
+
+
+BOTH = (NO_MODEL, MODEL)
+FLAGS = (
+    Flag("split", str, "Split of the configured data to translate.", (MODEL,), SPLITS, "test"),
+    Flag("source_file", str, "Translate this file (one sentence a line; '-' = stdin) instead of --split.", (MODEL,)),
+    Flag("references_file", str, "References, one a line, for --source_file or --hypotheses_file.", BOTH),
+    Flag("hypotheses_file", str, "Score this file against --references_file; no model is loaded.", (NO_MODEL,)),
+    Flag("compare_file", str, "With --hypotheses_file: the baseline's translations; paired bootstrap.", (NO_MODEL,)),
+    Flag("beam_size", int, "Beams (default config.eval.beam_size); 1 is greedy search.", (MODEL,)),
+    Flag("alpha", float, "Length penalty exponent (default config.eval.alpha).", (MODEL,)),
+    Flag("max_extra_len", int, "Output tokens beyond the input length (default config.eval).", (MODEL,)),
+    Flag("batch_size", int, "Sentences per decoding batch (default config.eval.batch_size).", (MODEL,)),
+    Flag("output_file", str, "Hypotheses file; default WORKDIR/eval/<name>.<steps>.txt (stdin: stdout).", (MODEL,)),
+    Flag(
+        "scores_file",
+        str,
+        "The JSON report; default OUTPUT_FILE.json (stdin to stdout: WORKDIR/eval/stdin.<steps>.json; scores only: "
+        "none).",
+        BOTH,
+    ),
+    Flag("json", bool, "Print the JSON report on stdout (the summary lines go to stderr).", BOTH),
+    Flag(
+        "length_penalty",
+        str,
+        "Score normalisation (average: score / len^alpha).",
+        (MODEL,),
+        decoding.LENGTH_PENALTIES,
+        decoding.GNMT,
+    ),
+    Flag(
+        "finished",
+        str,
+        "Beam search's rule for ended hypotheses (set_aside: CTranslate2's).",
+        (MODEL,),
+        decoding.FINISHED_RULES,
+        decoding.IN_BEAM,
+    ),
+    Flag("nbest", int, "Also write each line's N (<= beam) best to OUTPUT_FILE.nbest (Marian format).", (MODEL,)),
+    Flag("prefix_file", str, "Line i's translation starts with line i of this file (empty line: none).", (MODEL,)),
+    Flag("sampling", bool, "Draw translations from the model instead of searching (beam size 1).", (MODEL,)),
+    Flag("temperature", float, "--sampling: divide the logits by this (> 0; default 1).", (MODEL,)),
+    Flag("top_k", int, "--sampling: draw among the k most probable tokens (default 0: all).", (MODEL,)),
+    Flag("top_p", float, "--sampling: draw from the smallest set holding this probability (default 1).", (MODEL,)),
+    Flag(
+        "num_samples", int, "--sampling: samples per line; more than one go to OUTPUT_FILE.nbest.", (MODEL,), default=1
+    ),
+    Flag("seed", int, "--sampling: the seed; a line's samples depend on it and the line only.", (MODEL,), default=0),
+    Flag("mbr", int, "Choose among N candidates (the N-best, or N samples) by expected utility (MBR).", (MODEL,)),
+    Flag("mbr_utility", str, "--mbr: the utility.", (MODEL,), UTILITIES, UTILITIES[0]),
+    Flag("ensemble_workdirs", list, "More workdirs whose models decode with --workdir's (one tokenizer).", (MODEL,)),
+    Flag("score", bool, "Forced decoding: log P(reference | source) per line and the perplexity.", (MODEL,)),
+)
+FLAG = {flag.name: flag for flag in FLAGS}
+
+
+def define(flag_values) -> None:
+    """Defines evaluate.py's flags (the checkpoint flags too, shared with the export) in absl's `flag_values`.
+
+    Every default is None (False for a switch): a flag's value there means "given", and its meaning when unset is
+    applied by `parse`."""
+    checkpoint_flags.define(flag_values)
+    define_of = {
+        str: flags.DEFINE_string,
+        int: flags.DEFINE_integer,
+        float: flags.DEFINE_float,
+        bool: flags.DEFINE_bool,
+        list: flags.DEFINE_list,
+    }
+    for flag in FLAGS:
+        define_of[flag.type](flag.name, False if flag.type is bool else None, flag.describe(), flag_values=flag_values)
+
+
+def values_of(flag_values) -> dict[str, Any]:
+    """The parsed flag values `parse` takes."""
+    names = (*checkpoint_flags.NAMES, *FLAG)
+    return {name: flag_values[name].value for name in names}
+
+
+# -- the mode records -----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """Which model: a workdir's checkpoints (the steps averaged), and the ensemble's other members."""
+
+    workdir: str
     config: Any = None  # ml_collections.ConfigDict, or None: the one saved with the checkpoints
-    checkpoint: str = "latest"
-    average_last: int | None = None
-    average_steps: Sequence[int | str] | None = None
-    split: str | None = None  # None: test (when there is no source_file)
-    source_file: str | None = None
-    references_file: str | None = None
-    hypotheses_file: str | None = None  # scores-only mode: no model
-    compare_file: str | None = None  # scores-only mode: the baseline of a paired bootstrap test against hypotheses
+    checkpoint: str = "latest"  # or a step: the last checkpoint to use
+    average_last: int | None = None  # None: config.eval.average_last
+    average_steps: tuple[int, ...] | None = None  # exactly these steps (instead of average_last)
+    ensemble_workdirs: tuple[str, ...] | None = None  # more models decoding with workdir's (decoding/ensemble.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoresOnly:
+    """Score existing translations against references (no model)."""
+
+    hypotheses_file: str
+    references_file: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Compare:
+    """sacreBLEU's paired bootstrap test of a system's translations against a baseline's (no model)."""
+
+    hypotheses_file: str
+    compare_file: str  # the baseline
+    references_file: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoding:
+    """How to decode: the search flags (None: config.eval's value, or decoding.sampling.PLAIN's) and how to choose
+    among a line's candidates. `decoding_settings` and `modes.sampling_of` read it."""
+
     beam_size: int | None = None
     alpha: float | None = None
     max_extra_len: int | None = None
     batch_size: int | None = None
-    output_file: str | None = None
-    scores_file: str | None = None
-    length_penalty: str | None = None  # gnmt | average | none (None: decoding.GNMT)
-    finished: str | None = None  # in_beam | set_aside: beam search's rule for ended hypotheses (None: decoding.IN_BEAM)
-    nbest: int | None = None  # also write each line's N best hypotheses to OUTPUT_FILE.nbest (evaluation/nbest.py)
-    prefix_file: str | None = None  # line i's translation starts with line i of this file (target side)
-    sampling: bool = False  # draw translations instead of searching (decoding/sampling.py); the five below tune it
-    temperature: float | None = None  # None: decoding.sampling.PLAIN's
+    length_penalty: str = decoding.GNMT
+    finished: str = decoding.IN_BEAM  # (sampling does not search)
+    nbest: int | None = None  # each line's N best also go to the n-best list
+    sampling: bool = False
+    temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
-    num_samples: int | None = None  # samples per line (None: 1); more than one also go to OUTPUT_FILE.nbest
-    seed: int | None = None  # None: 0
-    mbr: int | None = None  # choose among this many candidates (the n-best, or samples) by expected utility (mbr.py)
-    mbr_utility: str | None = None  # bleu | chrf (None: bleu)
-    ensemble_workdirs: Sequence[str] | None = None  # more models decoding with --workdir's (decoding/ensemble.py)
-    score: bool = False  # forced decoding: log P(reference | source) per line instead of translating (scoring.py)
+    num_samples: int | None = None  # samples per line (with sampling)
+    seed: int = 0
+    mbr: int | None = None  # choose among this many candidates by expected utility (evaluation/mbr.py)
+    mbr_utility: str | None = None  # with mbr
+
+    @property
+    def candidates(self) -> int:
+        """How many hypotheses each line's search gives: the n-best, the samples, or MBR's candidates."""
+        return self.mbr or self.nbest or self.num_samples or 1
 
 
-_MODEL_FLAGS = (
-    "workdir",
-    "config",
-    "average_last",
-    "average_steps",
-    "split",
-    "source_file",
-    "beam_size",
-    "alpha",
-    "max_extra_len",
-    "batch_size",
-    "output_file",
-    "length_penalty",
-    "finished",
-    "nbest",
-    "prefix_file",
-    "temperature",
-    "top_k",
-    "top_p",
-    "num_samples",
-    "seed",
-    "mbr",
-    "mbr_utility",
-    "ensemble_workdirs",
-)
+@dataclasses.dataclass(frozen=True)
+class Translate:
+    """Translate a split, a file or stdin (source_file '-') with a model, and score it when there are references."""
+
+    model: Model
+    split: str | None = None  # None with a source_file
+    source_file: str | None = None
+    references_file: str | None = None  # with a source_file (a split brings its own)
+    prefix_file: str | None = None
+    decoding: Decoding = Decoding()
+
+    @property
+    def stdin(self) -> bool:
+        return self.source_file == "-"
+
+
+@dataclasses.dataclass(frozen=True)
+class ScorePairs:
+    """Forced decoding: the model's log P(reference | source) of each pair of a split or of two files."""
+
+    model: Model
+    split: str | None = None
+    source_file: str | None = None
+    references_file: str | None = None
+    batch_size: int | None = None  # None: config.eval.batch_size
+
+
+Options = Decoding  # the flags decoding_settings reads, by the name its signature gives them
+
+Mode = ScoresOnly | Compare | Translate | ScorePairs
+
+
+@dataclasses.dataclass(frozen=True)
+class Outputs:
+    """What the command line writes: the hypotheses (or --score's lines) and the JSON report, and where it prints."""
+
+    output_file: str | None = None  # None: the default (evaluation/__main__.py), or stdout for stdin
+    scores_file: str | None = None  # None: OUTPUT_FILE.json
+    json: bool = False  # the report on stdout
+
+
+# -- the checks -----------------------------------------------------------------------------------------------------
+
 _AT_LEAST_ONE = ("beam_size", "batch_size", "max_extra_len", "average_last")
 
 
-def check_options(options: Options) -> Options:
-    """The options with --average_steps as ints, or EvalError naming the flag and what to do. Reads no file."""
-    o = options
+def parse(values: Mapping[str, Any]) -> tuple[Mode, Outputs]:
+    """The mode record and the outputs the flag values ask for (names as the flags; absent or None: unset), or
+    EvalError naming the flag and what to do. Reads no file."""
+    unknown = set(values) - {*checkpoint_flags.NAMES, *FLAG}
+    if unknown:
+        raise TypeError(f"not evaluate.py flags: {sorted(unknown)}")
+    unset = {name: False if flag.type is bool else None for name, flag in FLAG.items()}
+    o = types.SimpleNamespace(**{**dict.fromkeys(checkpoint_flags.NAMES), "checkpoint": "latest", **unset, **values})
+    if o.checkpoint is None:
+        o.checkpoint = "latest"
     if o.compare_file is not None and (o.hypotheses_file is None or not o.references_file):
         raise EvalError(
             "--compare_file needs --hypotheses_file and --references_file: it compares two systems' translations "
             "of the same references"
         )
+    outputs = Outputs(o.output_file, o.scores_file, bool(o.json))
     if o.hypotheses_file is not None:
-        if not o.references_file:
-            raise EvalError("--hypotheses_file needs --references_file")
-        if o.compare_file is not None:
-            if not o.compare_file:
-                raise EvalError("--compare_file is empty: give the baseline system's translations")
-            if _same_file(o.compare_file, o.hypotheses_file):
-                raise EvalError(
-                    f"--compare_file {o.compare_file} is --hypotheses_file {o.hypotheses_file}: a system compared "
-                    "with itself differs by nothing; give the other system's translations"
-                )
-        given = [f"--{name}" for name in _MODEL_FLAGS if getattr(o, name) is not None]
-        given += ["--checkpoint"] if o.checkpoint != "latest" else []
-        given += ["--score"] if o.score else []
-        if given:
-            raise EvalError(
-                f"--hypotheses_file scores existing translations without a model; {', '.join(given)} "
-                "would be ignored: drop them, or drop --hypotheses_file to translate"
-            )
-        refuse_overwriting_inputs(
-            {"--scores_file": o.scores_file},
-            {
-                "--hypotheses_file": o.hypotheses_file,
-                "--compare_file": o.compare_file,
-                "--references_file": o.references_file,
-            },
-        )
-        return o
+        return _no_model(o), outputs
     if not o.workdir:
         raise EvalError("give --workdir (translate with a trained model) or --hypotheses_file (score only)")
-    if o.split is not None and o.split not in SPLITS:
-        raise EvalError(f"--split {o.split!r}: choose one of {', '.join(SPLITS)}")
+    for flag in FLAGS:
+        value = getattr(o, flag.name)
+        if flag.choices and value is not None and value not in flag.choices:
+            raise EvalError(f"--{flag.name} {value!r}: choose one of {', '.join(flag.choices)}")
     if o.source_file is not None:
         if not o.source_file:
             raise EvalError("--source_file is empty: give a file, or - for stdin")
@@ -136,25 +266,91 @@ def check_options(options: Options) -> Options:
         raise EvalError("--references_file goes with --source_file; a --split brings its own references")
     check_numbers({name: getattr(o, name) for name in (*_AT_LEAST_ONE, "alpha")}, "--")
     modes.check_flags(o)
-    if str(o.checkpoint) != "latest" and not _is_step(o.checkpoint):
-        raise EvalError(f"--checkpoint must be 'latest' or a step number, got {o.checkpoint!r}")
+    stdin = o.source_file == "-"
+    if o.json and stdin and o.output_file is None:
+        raise EvalError("--json prints the report on stdout, where stdin's translations go: give --output_file")
+    model = check_model(
+        Model(o.workdir, o.config, o.checkpoint, o.average_last, o.average_steps, _tuple(o.ensemble_workdirs))
+    )
+    written = output_files(o.output_file, o.scores_file, stdin)
+    if o.nbest is not None and o.output_file is not None:
+        written["--nbest (OUTPUT_FILE.nbest)"] = f"{o.output_file}.nbest"
+    split = o.split or (FLAG["split"].default if o.source_file is None else None)
+    given = {"split": split, "source_file": o.source_file, "references_file": o.references_file}
+    if o.score:
+        mode = ScorePairs(model, batch_size=o.batch_size, **given)
+    else:
+        mode = Translate(model, prefix_file=o.prefix_file, decoding=_decoding(o), **given)
+    refuse_overwriting_inputs(written, input_files(mode))
+    return mode, outputs
+
+
+def _no_model(o: Any) -> ScoresOnly | Compare:
+    if not o.references_file:
+        raise EvalError("--hypotheses_file needs --references_file")
+    if o.compare_file is not None:
+        if not o.compare_file:
+            raise EvalError("--compare_file is empty: give the baseline system's translations")
+        if _same_file(o.compare_file, o.hypotheses_file):
+            raise EvalError(
+                f"--compare_file {o.compare_file} is --hypotheses_file {o.hypotheses_file}: a system compared "
+                "with itself differs by nothing; give the other system's translations"
+            )
+    given = [f"--{name}" for name in checkpoint_flags.NAMES if name != "checkpoint" and getattr(o, name) is not None]
+    given += ["--checkpoint"] if o.checkpoint != "latest" else []
+    given += [f"--{f.name}" for f in FLAGS if NO_MODEL not in f.modes and getattr(o, f.name) not in (None, False)]
+    if given:
+        raise EvalError(
+            f"--hypotheses_file scores existing translations without a model; {', '.join(given)} "
+            "would be ignored: drop them, or drop --hypotheses_file to translate"
+        )
+    inputs = {"--hypotheses_file": o.hypotheses_file, "--compare_file": o.compare_file}
+    refuse_overwriting_inputs({"--scores_file": o.scores_file}, {**inputs, "--references_file": o.references_file})
+    if o.compare_file is not None:
+        return Compare(o.hypotheses_file, o.compare_file, o.references_file)
+    return ScoresOnly(o.hypotheses_file, o.references_file)
+
+
+def _decoding(o: Any) -> Decoding:
+    """The Decoding record of checked flag values, the constant defaults (the table's) filled in."""
+    fields = {f.name: getattr(o, f.name) for f in dataclasses.fields(Decoding)}
+    fields.update(
+        sampling=bool(o.sampling),
+        length_penalty=o.length_penalty or FLAG["length_penalty"].default,
+        finished=o.finished or FLAG["finished"].default,
+        seed=FLAG["seed"].default if o.seed is None else o.seed,
+        mbr_utility=(o.mbr_utility or FLAG["mbr_utility"].default) if o.mbr is not None else None,
+    )
+    if o.sampling and o.num_samples is None and o.mbr is None:
+        fields["num_samples"] = FLAG["num_samples"].default
+    return Decoding(**fields)
+
+
+def _tuple(values: Sequence[Any] | None) -> tuple[Any, ...] | None:
+    return None if values is None else tuple(values)
+
+
+def check_model(model: Model) -> Model:
+    """The record with its checkpoint and --average_steps as the restore takes them (a str, ints), or EvalError
+    naming the flag. Shared by every command that restores a model (the export, the explanation page)."""
+    check_numbers({"average_last": model.average_last}, "--")
+    if str(model.checkpoint) != "latest" and not _is_step(model.checkpoint):
+        raise EvalError(f"--checkpoint must be 'latest' or a step number, got {model.checkpoint!r}")
     average_steps = None
-    if o.average_steps is not None:
-        if o.average_last is not None:
+    if model.average_steps is not None:
+        if model.average_last is not None:
             raise EvalError("give --average_last or --average_steps, not both")
-        if str(o.checkpoint) != "latest":
+        if str(model.checkpoint) != "latest":
             raise EvalError("--average_steps names its steps; --checkpoint would be ignored: drop one of them")
-        if not o.average_steps or not all(_is_step(s) for s in o.average_steps):
-            raise EvalError(f"--average_steps must be step numbers separated by commas, got {list(o.average_steps)}")
-        average_steps = [int(s) for s in o.average_steps]
+        if not model.average_steps or not all(_is_step(s) for s in model.average_steps):
+            raise EvalError(
+                f"--average_steps must be step numbers separated by commas, got {list(model.average_steps)}"
+            )
+        average_steps = tuple(int(s) for s in model.average_steps)
         duplicates = sorted({s for s in average_steps if average_steps.count(s) > 1})
         if duplicates:
             raise EvalError(f"--average_steps lists step(s) {duplicates} more than once")
-    outputs = output_files(o.output_file, o.scores_file, o.source_file == "-")
-    if o.nbest is not None and o.output_file is not None:
-        outputs["--nbest (OUTPUT_FILE.nbest)"] = f"{o.output_file}.nbest"
-    refuse_overwriting_inputs(outputs, input_files(o))
-    return dataclasses.replace(o, average_steps=average_steps, checkpoint=str(o.checkpoint))
+    return dataclasses.replace(model, average_steps=average_steps, checkpoint=str(model.checkpoint))
 
 
 def check_numbers(values: dict[str, Any], prefix: str) -> None:
@@ -174,11 +370,12 @@ def _is_step(value: Any) -> bool:
     return text.isascii() and text.isdigit()
 
 
-def input_files(o: Options) -> dict[str, str | None]:
+def input_files(mode: Translate | ScorePairs) -> dict[str, str | None]:
+    """The files a model mode reads, by flag (a split's files are known once its config is: inputs.split_files)."""
     return {
-        "--source_file": None if o.source_file == "-" else o.source_file,
-        "--references_file": o.references_file,
-        "--prefix_file": o.prefix_file,
+        "--source_file": None if mode.source_file == "-" else mode.source_file,
+        "--references_file": mode.references_file,
+        "--prefix_file": getattr(mode, "prefix_file", None),
     }
 
 

@@ -1,9 +1,10 @@
 """Run one sentence through a restored model and keep what its own modules computed on the way.
 
-The translation is evaluate.py's (evaluation.translate.translate with evaluation.options.decoding_settings); the beam's
-hypotheses after each step come from decoding's own search, rerun with the length limit raised one step at a time;
-the intermediates come from one teacher-forced pass of model.encode / model.decode with the modules' capture points
-on (model.transformer.capture_intermediates): nothing here re-implements a layer.
+The translation is evaluate.py's (evaluation.translate.translate with the settings evaluation.options.decoding_settings
+makes of a Decoding record); the beam's hypotheses after each step come from decoding's own search, rerun with the
+length limit raised one step at a time; the intermediates come from one teacher-forced pass of model.encode /
+model.decode with the modules' capture points on (model.transformer.capture_intermediates): nothing here
+re-implements a layer.
 
 Axis letters: see transformer_jax/__init__.py.
 """
@@ -23,7 +24,7 @@ from flax import nnx
 from transformer_jax import decoding
 from transformer_jax.data.batching import padded_eval_length
 from transformer_jax.errors import VisualizeError
-from transformer_jax.evaluation.options import Options, check_options, decoding_settings
+from transformer_jax.evaluation.options import Decoding, Model, check_model, check_numbers, decoding_settings
 from transformer_jax.evaluation.restore import Restorer, restore_model
 from transformer_jax.evaluation.translate import input_limit, output_limit, position_limit, source_ids, translate
 from transformer_jax.model.transformer import capture_intermediates
@@ -82,14 +83,18 @@ def restore(workdir: str, checkpoint: str, average_last: int | None, options: di
     """(config, model, tokenizer, steps, decoding settings), restored as evaluate.py restores them."""
     if not Path(workdir).is_dir():
         raise VisualizeError(f"--workdir {workdir}: no such directory")
-    opts = check_options(Options(workdir=workdir, checkpoint=checkpoint, average_last=average_last, **options))
+    model_record = check_model(Model(workdir, checkpoint=checkpoint, average_last=average_last))
+    check_numbers(options, "--")
+    decoding_record = Decoding(**options)
     restorer = Restorer()
     with warnings.catch_warnings():
         # Orbax warns that it reads the shardings from the checkpoint: expected, restoring on one device.
         warnings.filterwarnings("ignore", "Sharding info not provided", UserWarning)
-        config, model, steps = restore_model(restorer, workdir, checkpoint=checkpoint, average_last=opts.average_last)
+        config, model, steps = restore_model(
+            restorer, workdir, checkpoint=model_record.checkpoint, average_last=model_record.average_last
+        )
     tokenizer = restorer.tokenizer(config, workdir)
-    return config, model, tokenizer, steps, decoding_settings(opts, config)
+    return config, model, tokenizer, steps, decoding_settings(decoding_record, config)
 
 
 def beam_steps(model: Any, src_ids: list[int], settings: dict[str, Any], piece: Any) -> tuple[list, list[int]]:

@@ -36,7 +36,7 @@ import sentencepiece as spm
 
 from transformer_jax.data.tokenizer import MODEL_FILENAME
 from transformer_jax.errors import ConfigError, EvalError
-from transformer_jax.evaluation.options import Options, check_folder_writable, check_options
+from transformer_jax.evaluation.options import Model, check_folder_writable, check_model
 from transformer_jax.evaluation.restore import Restorer, restore_model
 from transformer_jax.evaluation.translate import input_limit, output_limit, source_ids
 from transformer_jax.model.layers import sinusoidal_encoding
@@ -373,19 +373,11 @@ def export_workdir(
 ) -> dict[str, Any]:
     """Exports the checkpoints evaluate.py would use (same flags, same selection and averaging); returns a report.
 
-    Everything cheap is checked before the parameters are read: the flags (evaluation.options.check_options, the same
+    Everything cheap is checked before the parameters are read: the flags (evaluation.options.check_model, the same
     messages as evaluate.py), the output directory, that checkpoints exist, that CTranslate2 is installed and can
     express the architecture of the config.
     """
-    options = check_options(
-        Options(
-            workdir=workdir,
-            config=config,
-            checkpoint=checkpoint,
-            average_last=average_last,
-            average_steps=average_steps,
-        )
-    )
+    options = check_model(Model(workdir, config, checkpoint, average_last, average_steps))
     output_dir = Path(output_dir)
     check_output(output_dir, force)
     check_folder_writable(output_dir.parent, "--output")

@@ -21,9 +21,9 @@ DIR/NAME/seed<i> (with N = 1 in DIR/NAME); each run is skipped or resumed on its
 
 Decoding: after a run's training finishes, the sweep translates the whole validation split with the run's last
 checkpoint, no averaging (as the paper's Table 3), and the config's beam search (config.eval: beam_size, alpha,
-max_extra_len, batch_size), through evaluate.py's path (`evaluation.run.evaluate_model`). The hypotheses and the
-report go in the run directory (valid.hyp, valid_scores.json); a run is finished once both exist, and a trained
-run without them gets them on the next invocation. BLEU and chrF in the results come from them, and so
+max_extra_len, batch_size), through the library evaluate.py runs (`evaluation.run.load` and `.translate`). The
+hypotheses and the report go in the run directory (valid.hyp, valid_scores.json); a run is finished once both exist,
+and a trained run without them gets them on the next invocation. BLEU and chrF in the results come from them, and so
 does the paired bootstrap of each variant against the first (sweep/significance.py), which
 --aggregate_only recomputes without decoding. SIGTERM while decoding stops the sweep like SIGTERM while training;
 the decoding starts anew next time.

@@ -18,8 +18,9 @@ import ml_collections
 
 from transformer_jax import config_checks, config_files
 from transformer_jax.errors import ConfigError, VariantInterrupted
-from transformer_jax.evaluation.options import Options
-from transformer_jax.evaluation.run import evaluate_model
+from transformer_jax.evaluation import run
+from transformer_jax.evaluation.options import Model, Translate
+from transformer_jax.evaluation.outputs import write_json, write_lines
 from transformer_jax.evaluation.validation import bleu_evaluator
 from transformer_jax.sweep.results import HYPOTHESES_FILE, REFERENCE_METRICS, RESULT_FILE, SCORES_FILE, decoded
 from transformer_jax.training import loop
@@ -186,19 +187,21 @@ def decode_run(name: str, run_dir: pathlib.Path) -> None:
     if decoded(run_dir):
         return
     logging.info("sweep: %s: decoding the validation split", name)
-    options = Options(
-        workdir=str(run_dir),
-        split="valid",
-        average_last=1,  # the last checkpoint: the paper's Table 3 averages none
-        output_file=str(run_dir / HYPOTHESES_FILE),
-        scores_file=str(run_dir / SCORES_FILE),
-    )
+    # The last checkpoint: the paper's Table 3 averages none.
+    mode = Translate(Model(str(run_dir), average_last=1), split="valid")
     (run_dir / SCORES_FILE).unlink(missing_ok=True)  # a stale report must not pass for the new hypotheses
     # Unlike training, a decode cannot save its progress; SIGTERM abandons it (hypotheses are written only at its end).
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        evaluate_model(options)
+        translation = translate(mode)
     except _Terminated:
         raise VariantInterrupted(f"variant {name} stopped while decoding the validation split") from None
     finally:
         signal.signal(signal.SIGTERM, previous)
+    write_lines(run_dir / HYPOTHESES_FILE, translation.hypotheses)
+    write_json(run_dir / SCORES_FILE, {**translation.report, "hypotheses_file": str(run_dir / HYPOTHESES_FILE)})
+
+
+def translate(mode: Translate) -> run.Translation:
+    """evaluate.py's translation and scores (the library, evaluation.run), with a progress bar."""
+    return run.translate(mode, run.load(mode), progress=True)

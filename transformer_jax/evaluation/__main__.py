@@ -1,0 +1,201 @@
+"""evaluate.py's command line (also `python -m transformer_jax.evaluation`): the flags become a mode record
+(evaluation.options.parse), the library runs it (evaluation.run), and this module writes the files and prints a few
+summary lines; the JSON report goes to its file (--scores_file, default beside the output) and to stdout only with
+--json (the summary lines then go to stderr). See evaluate.py for the modes and their flags.
+
+Every output location is checked before the model is restored, and no output may be an input (under any spelling or
+link): the default names are checked once the restored checkpoints name them, before anything is translated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+from transformer_jax import files
+from transformer_jax.errors import DiskFullError
+from transformer_jax.evaluation import bleu, run, significance
+from transformer_jax.evaluation.inputs import stdin_lines
+from transformer_jax.evaluation.nbest import nbest_lines
+from transformer_jax.evaluation.options import (
+    Compare,
+    Outputs,
+    ScorePairs,
+    ScoresOnly,
+    Translate,
+    check_folder_writable,
+    check_writable,
+    output_files,
+    parse,
+    refuse_overwriting_inputs,
+    values_of,
+)
+from transformer_jax.evaluation.outputs import to_json, write_json, write_lines
+from transformer_jax.evaluation.restore import Restorer
+from transformer_jax.evaluation.scoring import score_lines
+
+PROG = "evaluate.py"
+DEFAULT_FOLDER = "eval"  # WORKDIR/eval holds the outputs that have no name given
+
+
+def evaluate(values: Mapping[str, Any], restorer: Restorer | None = None, *, progress: bool = True) -> dict[str, Any]:
+    """What evaluate.py does with these flag values (by name; absent: unset): writes the outputs, prints the
+    summary, returns the report. `restorer`: the checkpoint reader (tests give a fake)."""
+    mode, outputs = parse(values)
+    if isinstance(mode, ScoresOnly | Compare):
+        return _no_model(mode, outputs)
+    stdin = getattr(mode, "stdin", False)
+    for flag, path in output_files(outputs.output_file, outputs.scores_file, stdin).items():
+        if path:
+            check_writable(path, flag.split(" ")[0])
+    if outputs.output_file is None and (not stdin or outputs.scores_file is None):
+        folder = "output" if not stdin else "report"
+        check_folder_writable(_folder(mode), f"--workdir (the default {folder} folder WORKDIR/{DEFAULT_FOLDER})")
+    loaded = run.load(mode, restorer)
+    if isinstance(mode, ScorePairs):
+        return _score(mode, outputs, loaded, progress)
+    if stdin:
+        return _stream(mode, outputs, loaded)
+    return _translate(mode, outputs, loaded, progress)
+
+
+def _folder(mode: Translate | ScorePairs) -> Path:
+    return Path(mode.model.workdir) / DEFAULT_FOLDER
+
+
+def _no_model(mode: ScoresOnly | Compare, outputs: Outputs) -> dict[str, Any]:
+    if outputs.scores_file:
+        check_writable(outputs.scores_file, "--scores_file")
+    if isinstance(mode, Compare):
+        report = run.compare(mode)
+        summary = significance.format_comparison(
+            report["comparison"], system_name=mode.hypotheses_file, baseline_name=mode.compare_file
+        )
+    else:
+        report = run.scores_only(mode)
+        summary = bleu.format_scores(report)
+    return _finish(report, outputs.scores_file, [summary], outputs.json)
+
+
+def _translate(mode: Translate, outputs: Outputs, loaded: run.Loaded, progress: bool) -> dict[str, Any]:
+    output_file = outputs.output_file or str(_folder(mode) / f"{run.output_name(mode, loaded)}.txt")
+    scores_file = outputs.scores_file or f"{output_file}.json"
+    d = mode.decoding
+    nbest_file = f"{output_file}.nbest" if d.nbest is not None or d.candidates > 1 else None
+    written = {"--output_file": output_file, "--scores_file": scores_file, "--nbest (OUTPUT_FILE.nbest)": nbest_file}
+    refuse_overwriting_inputs(written, loaded.inputs)
+    translation = run.translate(mode, loaded, progress=progress)
+    write_lines(output_file, translation.hypotheses)
+    report = {**translation.report, "hypotheses_file": output_file}
+    if nbest_file:
+        write_lines(nbest_file, list(nbest_lines(translation.lists)))
+        report["search"] = {**report["search"], "nbest_file": nbest_file}
+    written = f"hypotheses: {output_file}" + (f"; n-best lists: {nbest_file}" if nbest_file else "")
+    return _finish(report, scores_file, [*_summary(report), written], outputs.json)
+
+
+def _stream(mode: Translate, outputs: Outputs, loaded: run.Loaded) -> dict[str, Any]:
+    """stdin, one line at a time: each translation is written (and flushed) as soon as it is ready."""
+    output_file = outputs.output_file
+    scores_file = outputs.scores_file or (
+        f"{output_file}.json" if output_file else str(_folder(mode) / f"stdin.{loaded.tag}.json")
+    )
+    refuse_overwriting_inputs({"--output_file": output_file, "--scores_file": scores_file}, loaded.inputs)
+    if output_file:
+        Path(output_file).parent.mkdir(parents=True, exist_ok=True)
+    out = open(output_file, "w", encoding="utf-8") if output_file else sys.stdout
+    results = []
+    try:
+        for hypothesis, stats in run.stream(mode, loaded, stdin_lines()):
+            try:
+                out.write(hypothesis + "\n")
+                out.flush()
+            except OSError as e:
+                if out is sys.stdout or not files.is_disk_full(e):
+                    raise
+                raise _stream_disk_full(output_file, len(results)) from None
+            results.append((hypothesis, stats))
+    except DiskFullError:
+        with contextlib.suppress(OSError):  # closing flushes the line that did not fit again
+            out.close()
+        raise
+    finally:
+        if out is not sys.stdout and not out.closed:
+            out.close()
+    translation = run.stream_result(mode, loaded, results)
+    report = {**translation.report, "hypotheses_file": output_file}
+    # With the translations on stdout, the summary goes to stderr.
+    return _finish(report, scores_file, _summary(report), outputs.json, to_stderr=output_file is None)
+
+
+def _stream_disk_full(output_file: str, written: int) -> DiskFullError:
+    """The streamed output renamed to OUTPUT.partial (it holds only the lines before the full disk)."""
+    partial = f"{output_file}.partial"
+    os.replace(output_file, partial)
+    return DiskFullError(
+        f"disk full while writing {output_file} ({files.space_report(output_file)}): the translations of the first "
+        f"{written} lines are in {partial}; free space and run again"
+    )
+
+
+def _score(mode: ScorePairs, outputs: Outputs, loaded: run.Loaded, progress: bool) -> dict[str, Any]:
+    """--score: each pair's log-probability line (scoring.score_lines), and the report with the perplexity."""
+    output_file = outputs.output_file or str(_folder(mode) / f"{loaded.name}.{loaded.tag}.scores.txt")
+    scores_file = outputs.scores_file or f"{output_file}.json"
+    refuse_overwriting_inputs({"--output_file": output_file, "--scores_file": scores_file}, loaded.inputs)
+    scored = run.score(mode, loaded, progress=progress)
+    write_lines(output_file, score_lines(scored.scores))
+    report = {**scored.report, "scores_file": output_file}
+    stats = scored.report["scoring"]
+    summary = (
+        f"{len(scored.scores)} pairs scored ({stats['tokens']} target tokens): perplexity {stats['perplexity']:.4f}, "
+        f"nll {stats['nll_per_token']:.4f} per token; one line per pair (sum, mean, tokens) in {output_file}"
+    )
+    return _finish(report, scores_file, [summary], outputs.json)
+
+
+def _summary(report: dict[str, Any]) -> list[str]:
+    lines = [run.lines_summary(report["lines"], report["blank_lines"])]
+    if report["scores"] is not None:
+        lines.append(bleu.format_scores(report["scores"]))
+    return lines
+
+
+def _finish(
+    report: dict[str, Any], scores_file: str | None, summary: list[str], as_json: bool, to_stderr: bool = False
+) -> dict[str, Any]:
+    """Writes the report (when it has a file) and prints the summary, or with --json the report on stdout and the
+    summary on stderr; returns the report."""
+    if scores_file:
+        write_json(scores_file, report)
+        summary = [*summary, f"report: {scores_file}"]
+    out: TextIO = sys.stderr if (as_json or to_stderr) else sys.stdout
+    print("\n".join(summary), file=out)
+    if as_json:
+        print(to_json(report))
+    return report
+
+
+def main(argv: list[str]) -> None:
+    """absl's main: evaluate.py's flags, as `options.define` defined them in absl's FLAGS."""
+    from absl import flags
+
+    del argv  # no positional arguments (transformer_jax.cli.run refuses them)
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs each checkpoint handler it creates at INFO
+    evaluate(values_of(flags.FLAGS))
+
+
+if __name__ == "__main__":
+    from absl import flags
+
+    from transformer_jax import cli
+    from transformer_jax.evaluation.options import define
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    define(flags.FLAGS)
+    cli.run(main, "python -m transformer_jax.evaluation")
