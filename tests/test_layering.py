@@ -145,6 +145,7 @@ def test_every_command_line_is_a_main_module_of_the_package_it_drives():
     )
     assert commands == [
         "data/prepare.py",
+        "evaluation/__main__.py",
         "explain/__main__.py",
         "export/__main__.py",
         "sweep/__main__.py",
