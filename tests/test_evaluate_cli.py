@@ -269,12 +269,14 @@ def test_the_library_prints_nothing(tmp_path, capfd, monkeypatch):
     ]
 
 
-def test_each_flag_with_choices_refuses_any_other_value_and_unset_means_its_default(tmp_path):
+def test_each_flag_with_choices_refuses_any_other_value_a_tuning_flag_needs_its_switch_unset_is_the_default(tmp_path):
     chosen = [flag for flag in FLAGS if flag.choices]
     assert {flag.name for flag in chosen} == {"split", "length_penalty", "finished", "mbr_utility"}
     for flag in chosen:
         with pytest.raises(EvalError, match=f"--{flag.name} 'bogus': choose one of {', '.join(flag.choices)}$"):
             parse(dict(workdir=str(tmp_path), **{flag.name: "bogus"}))
+    with pytest.raises(EvalError, match=r"^--top_k, --seed go with --sampling: add --sampling, or drop them$"):
+        parse(dict(workdir=str(tmp_path), top_k=5, seed=1))
     mode, _ = parse(dict(workdir=str(tmp_path), mbr=2))
     assert (mode.split, mode.decoding.length_penalty, mode.decoding.finished) == ("test", "gnmt", "in_beam")
     assert (mode.decoding.mbr_utility, mode.decoding.candidates, mode.decoding.seed) == ("bleu", 2, 0)

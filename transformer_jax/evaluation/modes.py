@@ -17,18 +17,13 @@ from typing import Any
 from transformer_jax.decoding.sampling import PLAIN
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation.restore import restore_model
-from transformer_jax.evaluation.translate import check_nbest, check_sampling
-
-SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "num_samples", "seed")
+from transformer_jax.evaluation.translate import check_nbest
 
 
 def check_flags(o: Any) -> None:
     """EvalError for decoding flags that cannot work together: sampling with searching, --nbest over the beam size
     (when --beam_size is given; the config's is checked once read), --nbest, --mbr or --sampling with stdin."""
     _check_mbr(o)
-    given = [f"--{name}" for name in SAMPLING_FLAGS if getattr(o, name) is not None]
-    if given and not o.sampling:
-        raise EvalError(f"{', '.join(given)} tune --sampling: add --sampling, or drop them")
     if o.sampling:
         if o.beam_size not in (None, 1):
             raise EvalError(f"--sampling draws one token per step; --beam_size {o.beam_size} would be ignored")
@@ -38,7 +33,6 @@ def check_flags(o: Any) -> None:
             raise EvalError("--finished is beam search's rule; --sampling does not search: drop one of them")
         if o.source_file == "-":
             raise EvalError("--sampling needs a --source_file or a --split: stdin is translated one line at a time")
-        check_sampling(sampling_of(o), 1 if o.num_samples is None else o.num_samples)
     if o.prefix_file is not None and (o.score or o.source_file == "-"):
         raise EvalError("--prefix_file goes with translating a --source_file or a --split (not --score, not stdin)")
     if o.ensemble_workdirs is not None:
@@ -61,8 +55,6 @@ def check_flags(o: Any) -> None:
 
 
 def _check_mbr(o: Any) -> None:
-    if o.mbr_utility is not None and o.mbr is None:
-        raise EvalError("--mbr_utility goes with --mbr N: add --mbr, or drop it")
     if o.mbr is None:
         return
     if o.mbr < 2:

@@ -23,6 +23,7 @@ from transformer_jax import config_checks, decoding, files
 from transformer_jax.errors import ConfigError, EvalError
 from transformer_jax.evaluation import checkpoint_flags, modes
 from transformer_jax.evaluation.mbr import UTILITIES
+from transformer_jax.evaluation.translate import check_sampling
 
 SPLITS = ("valid", "test")
 
@@ -38,8 +39,9 @@ class Flag:
     type: type  # str, int, float, bool or list (of str)
     help: str
     modes: tuple[str, ...]  # which modes read it: NO_MODEL, MODEL
-    choices: tuple[str, ...] = ()  # the allowed values ('' : any)
+    choices: tuple[str, ...] = ()  # the allowed values (empty: any)
     default: Any = None  # what an unset flag means, when that is a constant (else the help names the config key)
+    needs: str = ""  # the flag it tunes, without which it is refused (--temperature needs --sampling)
 
     def describe(self) -> str:
         """The --help text: the help, the allowed values and the default."""
@@ -48,6 +50,8 @@ class Flag:
             text += f" One of {', '.join(self.choices)}."
         if self.default is not None:
             text += f" Default {self.default}."
+        if self.needs:
+            text += f" Needs --{self.needs}."
         return text
 
 
@@ -90,15 +94,24 @@ FLAGS = (
     Flag("nbest", int, "Also write each line's N (<= beam) best to OUTPUT_FILE.nbest (Marian format).", (MODEL,)),
     Flag("prefix_file", str, "Line i's translation starts with line i of this file (empty line: none).", (MODEL,)),
     Flag("sampling", bool, "Draw translations from the model instead of searching (beam size 1).", (MODEL,)),
-    Flag("temperature", float, "--sampling: divide the logits by this (> 0; default 1).", (MODEL,)),
-    Flag("top_k", int, "--sampling: draw among the k most probable tokens (default 0: all).", (MODEL,)),
-    Flag("top_p", float, "--sampling: draw from the smallest set holding this probability (default 1).", (MODEL,)),
+    Flag("temperature", float, "Divide the logits by this (> 0; default 1).", (MODEL,), needs="sampling"),
+    Flag("top_k", int, "Draw among the k most probable tokens (default 0: all).", (MODEL,), needs="sampling"),
     Flag(
-        "num_samples", int, "--sampling: samples per line; more than one go to OUTPUT_FILE.nbest.", (MODEL,), default=1
+        "top_p", float, "Draw from the smallest set holding this probability (default 1).", (MODEL,), needs="sampling"
     ),
-    Flag("seed", int, "--sampling: the seed; a line's samples depend on it and the line only.", (MODEL,), default=0),
+    Flag(
+        "num_samples",
+        int,
+        "Samples per line; more than one go to OUTPUT_FILE.nbest.",
+        (MODEL,),
+        default=1,
+        needs="sampling",
+    ),
+    Flag(
+        "seed", int, "The seed; a line's samples depend on it and the line only.", (MODEL,), default=0, needs="sampling"
+    ),
     Flag("mbr", int, "Choose among N candidates (the N-best, or N samples) by expected utility (MBR).", (MODEL,)),
-    Flag("mbr_utility", str, "--mbr: the utility.", (MODEL,), UTILITIES, UTILITIES[0]),
+    Flag("mbr_utility", str, "The utility of MBR's choice.", (MODEL,), UTILITIES, UTILITIES[0], needs="mbr"),
     Flag("ensemble_workdirs", list, "More workdirs whose models decode with --workdir's (one tokenizer).", (MODEL,)),
     Flag("score", bool, "Forced decoding: log P(reference | source) per line and the perplexity.", (MODEL,)),
 )
@@ -169,15 +182,15 @@ class Decoding:
     alpha: float | None = None
     max_extra_len: int | None = None
     batch_size: int | None = None
-    length_penalty: str = decoding.GNMT
-    finished: str = decoding.IN_BEAM  # (sampling does not search)
+    length_penalty: str = FLAG["length_penalty"].default
+    finished: str = FLAG["finished"].default  # (sampling does not search)
     nbest: int | None = None  # each line's N best also go to the n-best list
     sampling: bool = False
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
     num_samples: int | None = None  # samples per line (with sampling)
-    seed: int = 0
+    seed: int = FLAG["seed"].default
     mbr: int | None = None  # choose among this many candidates by expected utility (evaluation/mbr.py)
     mbr_utility: str | None = None  # with mbr
 
@@ -265,6 +278,14 @@ def parse(values: Mapping[str, Any]) -> tuple[Mode, Outputs]:
     elif o.references_file is not None:
         raise EvalError("--references_file goes with --source_file; a --split brings its own references")
     check_numbers({name: getattr(o, name) for name in (*_AT_LEAST_ONE, "alpha")}, "--")
+    for switch in dict.fromkeys(flag.needs for flag in FLAGS if flag.needs):
+        tuning = [f"--{f.name}" for f in FLAGS if f.needs == switch and getattr(o, f.name) is not None]
+        if tuning and not getattr(o, switch):
+            one = len(tuning) == 1
+            raise EvalError(
+                f"{', '.join(tuning)} {'goes' if one else 'go'} with --{switch}: add --{switch}, or drop "
+                f"{'it' if one else 'them'}"
+            )
     modes.check_flags(o)
     stdin = o.source_file == "-"
     if o.json and stdin and o.output_file is None:
@@ -281,6 +302,8 @@ def parse(values: Mapping[str, Any]) -> tuple[Mode, Outputs]:
         mode = ScorePairs(model, batch_size=o.batch_size, **given)
     else:
         mode = Translate(model, prefix_file=o.prefix_file, decoding=_decoding(o), **given)
+        if mode.decoding.sampling:
+            check_sampling(modes.sampling_of(mode.decoding), mode.decoding.mbr or mode.decoding.num_samples)
     refuse_overwriting_inputs(written, input_files(mode))
     return mode, outputs
 
