@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from absl import flags
 from flax import nnx
 
 from tests.helpers import DATA, REPO
@@ -27,7 +28,17 @@ from transformer_jax.data.tokenizer import train_tokenizer
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation import bleu, restore, run
 from transformer_jax.evaluation.__main__ import evaluate
-from transformer_jax.evaluation.options import FLAGS, Compare, Model, ScorePairs, ScoresOnly, Translate, parse
+from transformer_jax.evaluation.options import (
+    FLAGS,
+    Compare,
+    Model,
+    ScorePairs,
+    ScoresOnly,
+    Translate,
+    define,
+    parse,
+    values_of,
+)
 
 PYTHON = sys.executable
 SACREBLEU = str(Path(sys.executable).parent / "sacrebleu")
@@ -277,6 +288,14 @@ def test_each_flag_with_choices_refuses_any_other_value_a_tuning_flag_needs_its_
             parse(dict(workdir=str(tmp_path), **{flag.name: "bogus"}))
     with pytest.raises(EvalError, match=r"^--top_k, --seed go with --sampling: add --sampling, or drop them$"):
         parse(dict(workdir=str(tmp_path), top_k=5, seed=1))
+    # The absl flags come from the same table; --split is checked as the command line is parsed (exit status 2).
+    fv = flags.FlagValues()
+    define(fv)
+    with pytest.raises(flags.IllegalFlagValueError, match="should be one of <valid|test>"):
+        fv(["evaluate.py", "--split=train"])
+    fv(["evaluate.py", "--workdir", str(tmp_path), "--length_penalty=average", "--json"])
+    mode, outputs = parse(values_of(fv))
+    assert mode.decoding.length_penalty == "average" and outputs.json and mode.model.workdir == str(tmp_path)
     mode, _ = parse(dict(workdir=str(tmp_path), mbr=2))
     assert (mode.split, mode.decoding.length_penalty, mode.decoding.finished) == ("test", "gnmt", "in_beam")
     assert (mode.decoding.mbr_utility, mode.decoding.candidates, mode.decoding.seed) == ("bleu", 2, 0)

@@ -292,7 +292,7 @@ SLOW = pytest.mark.slow
     "args, message",
     [
         (["--beam_size", "0"], "--beam_size: must be positive (an integer >= 1, beams), got 0"),
-        # The same check_options path as the first (test_bad_flag_values_fail_before_restoring covers each value
+        # The same options.parse path as the first (test_bad_flag_values_fail_before_restoring covers each value
         # in-process); a subprocess costs ~2 s of imports, so these run with -m slow.
         pytest.param(
             ["--alpha", "nan"], "--alpha: must be >= 0 (a number, length penalty exponent), got nan", marks=SLOW

@@ -50,7 +50,7 @@ def check_flags(o: Any) -> None:
     if o.nbest is not None:
         if o.source_file == "-":
             raise EvalError("--nbest needs a --source_file or a --split: stdin is translated one line at a time")
-        # Without --beam_size only nbest >= 1 can be checked here; evaluate_model checks the config's beam size.
+        # Without --beam_size only nbest >= 1 can be checked here; run.settings_of checks the config's beam size.
         check_nbest(o.nbest, o.nbest if o.beam_size is None else o.beam_size)
 
 

@@ -132,7 +132,16 @@ def define(flag_values) -> None:
         list: flags.DEFINE_list,
     }
     for flag in FLAGS:
-        define_of[flag.type](flag.name, False if flag.type is bool else None, flag.describe(), flag_values=flag_values)
+        unset = False if flag.type is bool else None
+        if flag.name in _ABSL_CHECKED:
+            flags.DEFINE_enum(flag.name, unset, flag.choices, flag.describe(), flag_values=flag_values)
+        else:
+            define_of[flag.type](flag.name, unset, flag.describe(), flag_values=flag_values)
+
+
+# Checked by absl as the command line is parsed (a usage error, exit status 2), as --split always was; the other
+# choices are checked by `parse` (status 1), so that library callers get the same check.
+_ABSL_CHECKED = ("split",)
 
 
 def values_of(flag_values) -> dict[str, Any]:

@@ -84,7 +84,7 @@ def load(mode: Translate | ScorePairs, restorer: Restorer | None = None) -> Load
         config_checks.validate(m.config)
     references = bleu.read_lines(mode.references_file) if mode.references_file else None
     sources = None
-    if mode.source_file and not mode.source_file == "-":
+    if mode.source_file and mode.source_file != "-":
         sources = read_sources(mode.source_file)
         if references is not None:
             bleu.check_line_counts(sources, references, mode.source_file, mode.references_file)
