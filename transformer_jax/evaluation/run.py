@@ -9,6 +9,9 @@ and nothing written (evaluate.py, evaluation/__main__.py, writes the files and p
 
 `load` reads and checks the inputs (UTF-8, line counts, prefixes) before it restores the model, so that a wrong file
 fails first; `Loaded.inputs` names every file read, for the caller's check that no output overwrites one.
+
+The decoding settings (evaluation.options.decoding_settings of the Translate record's Decoding) are made in
+`settings_of` and passed whole to translate_nbest() in `translate` and to translate() in `stream`.
 """
 
 from __future__ import annotations
