@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax import accelerators, ops, platform
-from transformer_jax.ops import pallas_tpu
 from transformer_jax.ops.masks import AttentionMask
+from transformer_jax.ops.pallas import tpu as pallas_tpu
 
 Array = jax.Array
 IMPLS = ("ours", "jax_flash", "splash", "xla")

@@ -14,7 +14,7 @@ skipped: no compute, and the index maps clamp the streamed block into [lo, hi) s
 fetch it either. Tiles in [a, c) are seen whole and skip the mask.
 
 Operands are heads-first ([B, N, T, H]); per-query vectors are columns [B, T, 1], per-key vectors rows [B, 1, S],
-lse and delta [B, N, T, 1] (pallas_tpu.py states the layout rules). Axis letters: see transformer_jax/__init__.py.
+lse and delta [B, N, T, 1] (tpu.py states the layout rules). Axis letters: see transformer_jax/__init__.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""FlashAttention-2 on TPU with our own Pallas kernels (pallas_tpu_kernels.py), lowered with Mosaic; the custom
+"""FlashAttention-2 on TPU with our own Pallas kernels (tpu_kernels.py), lowered with Mosaic; the custom
 VJP's backward recomputes the tiles from the saved log-sum-exp (a dK/dV kernel over key blocks and a dQ kernel over
 query blocks). `attention(..., impl="pallas")` runs it when platform.target_backend() is "tpu"; on a CPU host it
 runs in TPU interpret mode (jax.experimental.pallas.tpu.force_tpu_interpret_mode) or compiles for a TPU topology
@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from transformer_jax.ops.attention import recompute_vjp
 from transformer_jax.ops.masks import AttentionMask, pad_tokens
-from transformer_jax.ops.pallas_tpu_kernels import (
+from transformer_jax.ops.pallas.tpu_kernels import (
     COUNT_LANES,
     KernelConfig,
     dkdv_kernel,
@@ -247,7 +247,7 @@ def _bytes(*arrays: Array) -> int:
 
 
 def _mask_specs(mask: AttentionMask, q_block: int, q_index, kv_block: int, kv_index) -> tuple[list, list]:  # noqa: ANN001
-    """(specs, args) of the per-token vectors, in the order pallas_tpu_kernels._Refs names them."""
+    """(specs, args) of the per-token vectors, in the order tpu_kernels._Refs names them."""
     q_spec = pl.BlockSpec((None, q_block, 1), q_index)
     kv_spec = pl.BlockSpec((None, 1, kv_block), kv_index)
     specs, args = [], []
