@@ -63,7 +63,7 @@ def test_attention_compiles_for_gpu_at_32k_with_memory_linear_in_length(chip: st
     assert_linear_in_length(compiled, 32768)
 
 
-@pytest.mark.slow  # ~20 s; the default run compiles our Triton kernels at 2k and a whole Pallas train step for a TPU
+@pytest.mark.slow  # the default run compiles our Triton kernels at 2k and a whole Pallas train step for a TPU
 @needs_cuda_plugin
 def test_train_step_with_pallas_attention_compiles_for_an_h100() -> None:
     config = one_layer_config()

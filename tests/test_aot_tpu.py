@@ -52,7 +52,7 @@ def test_attention_compiles_for_tpu_at_32k_with_memory_linear_in_length(topology
 
 @needs_libtpu
 @pytest.mark.parametrize("case,dtype", TPU_CASES, ids=[c.name for c, _ in TPU_CASES])
-def test_the_interpret_mode_cases_compile_for_tpu(case, dtype) -> None:  # noqa: ANN001
+def test_the_interpret_mode_cases_compile_for_tpu(case, dtype) -> None:
     """The shapes, masks and smallest tiles checked in interpret mode also pass Mosaic's own checks."""
     (q, k, v, do), kw = make_inputs(case, dtype)
     sharding = jax.sharding.SingleDeviceSharding(accelerators.tpu_devices("v5e:2x2")[0])

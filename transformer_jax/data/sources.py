@@ -339,7 +339,7 @@ def _prepare_command(name: str, data_dir: str | None) -> str:
 def open_tfds_split(name: str, data_dir: str, split: str, src_lang: str, tgt_lang: str, *, download: bool) -> TfdsPairs:
     """Opens a TFDS translation split; prepares it first if `download` and it is missing."""
     import tensorflow_datasets as tfds  # only data.source=tfds needs it, and importing it takes seconds
-    import tensorflow_datasets.translate  # noqa: F401  (registers wmt*_translate; TFDS imports it lazily otherwise)
+    import tensorflow_datasets.translate  # registers wmt*_translate, which TFDS otherwise imports lazily
 
     data_dir = str(resolve_path(data_dir)) if data_dir else None
     try:
