@@ -270,13 +270,7 @@ KEYS: tuple[Key, ...] = (
         "text (a directory of {split}.{lang} files), multi30k (fetched) or tfds",
         MAY_CHANGE,
     ),
-    Key(
-        "data.text_dir",
-        "../shared/data/multi30k",
-        TEXT,
-        "directory with {split}.{lang} files, for source=text",
-        MAY_CHANGE,
-    ),
+    Key("data.text_dir", "", TEXT, "directory with {split}.{lang} files, for source=text (required by it)", MAY_CHANGE),
     Key("data.tfds_name", "wmt14_translate/de-en", TEXT, "TFDS builder/config, for source=tfds", MAY_CHANGE),
     Key(
         "data.tfds_data_dir",
