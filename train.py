@@ -3,7 +3,7 @@
 Starting in a workdir that has checkpoints resumes from the latest. --dry_run builds the model abstractly, prints
 its size, FLOPs, batch shapes, device mesh and a time estimate, and exits without touching data. --plan TOPOLOGY
 (e.g. v5e-8, v4-32, h100:8) compiles the train step for that TPU or GPU slice on this host and reports memory per
-chip, fit, collectives and an estimated step time (transformer_jax/training/plan.py; needs requirements-aot.txt).
+chip, fit, collectives and an estimated step time (transformer_jax/plan/; needs requirements-aot.txt).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from ml_collections import config_flags
 from transformer_jax import cli, config_checks
 from transformer_jax.errors import ConfigError
 from transformer_jax.sharding import initialize_distributed
-from transformer_jax.training import plan
 from transformer_jax.training.loop import train_and_evaluate
 from transformer_jax.training.summary import dry_run_summary
 
@@ -39,6 +38,19 @@ def _bleu_evaluator(config, tokenizer):
     return bleu_evaluator(config, tokenizer)
 
 
+def _plan(config) -> None:
+    # Imported only for --plan: the plan compiles decoding too, whose imports a training run need not wait for.
+    import jax
+
+    from transformer_jax.plan import report
+
+    # This host only compiles: its backend is the CPU's even where libtpu or the CUDA plugin is installed.
+    jax.config.update("jax_platforms", "cpu")
+    result = report.run(config, _PLAN.value, _PLAN_SEARCH.value)
+    print(report.render(result, config, as_json=_PLAN_JSON.value))
+    report.check_fits(result, config)  # after the report: it shows by how much
+
+
 def main(argv: list[str]) -> None:
     del argv  # no positional arguments (transformer_jax.cli.run refuses them)
     logging.getLogger().setLevel(logging.INFO)
@@ -46,9 +58,7 @@ def main(argv: list[str]) -> None:
     config = _CONFIG.value
     config_checks.validate(config)  # before any work: a bad value is one line now, not a traceback minutes later
     if _PLAN.value:
-        from transformer_jax.evaluation.decode_plan import plan_decode  # only --plan decodes (see _bleu_evaluator)
-
-        plan.run(config, _PLAN.value, _PLAN_SEARCH.value, _PLAN_JSON.value, decode=plan_decode)
+        _plan(config)
         return
     if not _DRY_RUN.value:
         if not _WORKDIR.value:

@@ -10,7 +10,7 @@ program compiled this way (the plugin returns no cost model without a device), s
 
 Implementations: ours (attention impl=pallas, Triton), jax's pallas.ops.gpu.attention.mha (Triton, its default
 tiles), cudnn (attention impl=cudnn: jax.nn.dot_product_attention's cuDNN flash attention) and xla.
-The target configs are transformer_jax/gpu_targets/*.txtpb (accelerators.parse_topology).
+The target configs are transformer_jax/plan/gpu_targets/*.txtpb (accelerators.parse_topology).
 
 Axis letters: see transformer_jax/__init__.py.
 """
@@ -26,8 +26,9 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.attention_tpu import MODEL_WIDTH
-from transformer_jax import accelerators, ops, platform
+from transformer_jax import ops, platform
 from transformer_jax.errors import ConfigError
+from transformer_jax.plan import accelerators
 
 Array = jax.Array
 IMPLS = ("ours", "jax_pallas", "cudnn", "xla")

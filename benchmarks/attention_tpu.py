@@ -27,9 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax import accelerators, ops, platform
-from transformer_jax.ops import pallas_tpu
+from transformer_jax import ops, platform
 from transformer_jax.ops.masks import AttentionMask
+from transformer_jax.ops.pallas import tpu as pallas_tpu
+from transformer_jax.plan import accelerators
 
 Array = jax.Array
 IMPLS = ("ours", "jax_flash", "splash", "xla")

@@ -14,6 +14,7 @@ import json
 import os
 import tempfile
 import time
+from pathlib import Path
 
 from absl import flags
 
@@ -22,7 +23,7 @@ from transformer_jax import cli
 from transformer_jax.data import batching, pipeline, sources
 from transformer_jax.data import tokenizer as tokenizer_lib
 
-DATA = sources.shared_data_dir()
+DATA = sources.local_data_dir() or Path("$TRANSFORMER_JAX_DATA")  # the local corpora; unset, it skips
 
 _VOCAB_SIZE = flags.DEFINE_integer("vocab_size", 8000, "Pieces of the joint SentencePiece model.")
 _EPOCHS = flags.DEFINE_float("epochs", 1.0, "Epochs of tokens each mode batches.")

@@ -33,10 +33,10 @@ from configs import common
 from transformer_jax import cli
 from transformer_jax.data import pipeline, store
 from transformer_jax.data import tokenizer as tokenizer_lib
-from transformer_jax.data.sources import shared_data_dir
+from transformer_jax.data.sources import local_data_dir
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = shared_data_dir()
+DATA = local_data_dir() or Path("$TRANSFORMER_JAX_DATA")  # the local corpora; unset, the benchmark skips
 
 _MODES = flags.DEFINE_list("modes", ["throughput", "scale"], "What to measure: throughput, scale.")
 _PAIRS = flags.DEFINE_integer("pairs", 4_500_000, "Lines per side of the synthetic corpus (scale).")

@@ -54,7 +54,7 @@ from ml_collections import config_flags
 
 from benchmarks import fresh_process
 from transformer_jax import cli, decoding
-from transformer_jax.data.sources import shared_data_dir
+from transformer_jax.data.sources import local_data_dir
 from transformer_jax.data.tokenizer import train_tokenizer
 from transformer_jax.errors import DataError
 from transformer_jax.evaluation import bleu
@@ -64,7 +64,7 @@ from transformer_jax.evaluation.translate import position_limit, translate
 from transformer_jax.export.ctranslate2 import ctranslate2_translate, to_ctranslate2
 from transformer_jax.model import build_model, model_rngs
 
-DATA = shared_data_dir() / "wmt14_ende" / "test.en"
+DATA = (local_data_dir() or Path("$TRANSFORMER_JAX_DATA")) / "wmt14_ende" / "test.en"
 NUM_LINES = 500
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/wmt14_ende.py:size=base", "Config file[:arg].")

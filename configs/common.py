@@ -31,10 +31,6 @@ def model_config(size: str) -> ml_collections.ConfigDict:
     return config_keys.group("model", config_keys.size_row(size))
 
 
-def attention_config() -> ml_collections.ConfigDict:
-    return config_keys.group("attention")
-
-
 def data_config() -> ml_collections.ConfigDict:
     return config_keys.group("data")
 
@@ -42,18 +38,6 @@ def data_config() -> ml_collections.ConfigDict:
 def opt_config(d_model: int) -> ml_collections.ConfigDict:
     """The opt group for a model of width d_model (the paper's learning rate depends on it)."""
     return config_keys.group("opt", config_keys.Size(d_model, 0, 0, 0, 0, 0.0))
-
-
-def train_config() -> ml_collections.ConfigDict:
-    return config_keys.group("train")
-
-
-def eval_config() -> ml_collections.ConfigDict:
-    return config_keys.group("eval")
-
-
-def ckpt_config() -> ml_collections.ConfigDict:
-    return config_keys.group("ckpt")
 
 
 def base_config(size: str) -> ml_collections.ConfigDict:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from jax.experimental import topologies
 
-from transformer_jax import accelerators
-from transformer_jax.accelerators import CHIPS, parse_topology
 from transformer_jax.errors import ConfigError
+from transformer_jax.plan import accelerators
+from transformer_jax.plan.accelerators import CHIPS, parse_topology
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """Compiled for real GPUs on this CPU host: our Pallas attention (Triton) fwd+bwd and the whole train step with
 attention.impl=pallas go through the CUDA plugin's compiler for H100 and H200 (accelerators.parse_topology, the
-target configs in transformer_jax/gpu_targets/). Figures from memory_analysis() are the compiler's estimates of
+target configs in transformer_jax/plan/gpu_targets/). Figures from memory_analysis() are the compiler's estimates of
 what the program would allocate, not measurements.
 
 Needs the CUDA plugin (requirements-aot.txt); skipped without it.
@@ -16,10 +16,11 @@ import pytest
 
 from tests.helpers.aot import assert_linear_in_length, compile_attention
 from tests.helpers.training import one_layer_config
-from transformer_jax import accelerators, platform
+from transformer_jax import platform
 from transformer_jax.ops import attention
+from transformer_jax.plan import accelerators
+from transformer_jax.plan import train_step as plan
 from transformer_jax.sharding import make_mesh
-from transformer_jax.training import plan
 
 needs_cuda_plugin = pytest.mark.skipif(
     importlib.util.find_spec("jax_cuda12_plugin") is None,
@@ -62,7 +63,7 @@ def test_attention_compiles_for_gpu_at_32k_with_memory_linear_in_length(chip: st
     assert_linear_in_length(compiled, 32768)
 
 
-@pytest.mark.slow  # ~20 s; the default run compiles our Triton kernels at 2k and a whole Pallas train step for a TPU
+@pytest.mark.slow  # the default run compiles our Triton kernels at 2k and a whole Pallas train step for a TPU
 @needs_cuda_plugin
 def test_train_step_with_pallas_attention_compiles_for_an_h100() -> None:
     config = one_layer_config()

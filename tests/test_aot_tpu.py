@@ -20,8 +20,9 @@ import pytest
 
 from tests.helpers.aot import assert_linear_in_length, compile_attention
 from tests.helpers.attention import TPU_CASES, TPU_SMALL, forward_backward, make_inputs
-from transformer_jax import accelerators, platform
+from transformer_jax import platform
 from transformer_jax.ops import attention
+from transformer_jax.plan import accelerators
 from transformer_jax.sharding import make_mesh
 
 needs_libtpu = pytest.mark.skipif(
@@ -51,7 +52,7 @@ def test_attention_compiles_for_tpu_at_32k_with_memory_linear_in_length(topology
 
 @needs_libtpu
 @pytest.mark.parametrize("case,dtype", TPU_CASES, ids=[c.name for c, _ in TPU_CASES])
-def test_the_interpret_mode_cases_compile_for_tpu(case, dtype) -> None:  # noqa: ANN001
+def test_the_interpret_mode_cases_compile_for_tpu(case, dtype) -> None:
     """The shapes, masks and smallest tiles checked in interpret mode also pass Mosaic's own checks."""
     (q, k, v, do), kw = make_inputs(case, dtype)
     sharding = jax.sharding.SingleDeviceSharding(accelerators.tpu_devices("v5e:2x2")[0])

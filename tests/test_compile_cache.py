@@ -148,7 +148,7 @@ def test_the_default_directory_and_the_environment():
 
 
 def test_ahead_of_time_compiles_for_a_tpu_leave_the_cache_alone(cache, capfd):
-    accelerators = pytest.importorskip("transformer_jax.accelerators")
+    accelerators = pytest.importorskip("transformer_jax.plan.accelerators")
     try:
         devices = accelerators.tpu_devices("v5e:2x2")
     except Exception as error:  # noqa: BLE001 - any failure to make the devices means libtpu is not usable here

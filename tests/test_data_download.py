@@ -140,7 +140,7 @@ def test_multi30k_source_prefers_shared_copy(tmp_path, monkeypatch):
     for split in sources.MULTI30K_SPLITS:
         for lang in ("en", "de"):
             (shared / "multi30k" / f"{split}.{lang}").write_text(f"{split} {lang}\n", encoding="utf-8")
-    monkeypatch.setenv("TRANSFORMER_JAX_DATA", str(shared))
+    monkeypatch.setenv(sources.DATA_ENV, str(shared))
 
     def no_network(*args, **kwargs):
         raise AssertionError("must not download when the shared copy exists")
@@ -149,3 +149,27 @@ def test_multi30k_source_prefers_shared_copy(tmp_path, monkeypatch):
     config = common.data_config()
     config.source, config.cache_dir = "multi30k", str(tmp_path / "cache")
     assert sources.load_split(config, "test") == [("test en", "test de")]
+
+
+@pytest.mark.parametrize("local", ["unset", "without multi30k"])
+def test_multi30k_source_without_a_local_copy_downloads_into_the_cache(tmp_path, monkeypatch, local):
+    if local == "unset":
+        monkeypatch.delenv(sources.DATA_ENV, raising=False)
+    else:
+        (tmp_path / "corpora").mkdir()
+        monkeypatch.setenv(sources.DATA_ENV, str(tmp_path / "corpora"))
+    fetched = []
+
+    def fetch(cache, **kwargs):
+        fetched.append(Path(cache))
+        folder = Path(cache) / "multi30k"
+        folder.mkdir(parents=True)
+        for lang in ("en", "de"):
+            (folder / f"test.{lang}").write_text(f"downloaded {lang}\n", encoding="utf-8")
+        return folder
+
+    monkeypatch.setattr(sources, "fetch_multi30k", fetch)
+    config = common.data_config()
+    config.source, config.cache_dir = "multi30k", str(tmp_path / "cache")
+    assert sources.load_split(config, "test") == [("downloaded en", "downloaded de")]
+    assert fetched == [tmp_path / "cache"]

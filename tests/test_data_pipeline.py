@@ -286,7 +286,7 @@ def test_restored_iterator_continues_with_exactly_the_next_batch(corpus, mode):
 
 
 def test_length_filter_counts_and_keeps_the_boundary(tmp_path):
-    words = lambda n, tag: " ".join(f"{tag}{i}" for i in range(n))  # noqa: E731
+    words = lambda n, tag: " ".join(f"{tag}{i}" for i in range(n))
     pairs = [(words(7, "a"), words(3, "b")), (words(8, "c"), words(3, "d")), (words(2, "e"), words(8, "f"))]
     pairs += [(words(3, "g"), words(7, "h")), (words(1, "i"), words(1, "j"))]
     write_pairs(tmp_path, pairs)

@@ -131,12 +131,21 @@ def test_unknown_source_name():
         sources.open_split(config, "train")
 
 
-def test_relative_text_dir_resolves_against_the_repository_root(monkeypatch, tmp_path):
-    config = common.data_config()  # text_dir defaults to ../shared/data/multi30k, relative to the repository
-    if not (sources.REPO_ROOT / config.text_dir / "valid.en").exists():
-        pytest.skip(f"shared corpora not found at {sources.REPO_ROOT / config.text_dir}")
-    monkeypatch.chdir(tmp_path)  # a training run started elsewhere still finds them
-    assert len(sources.load_split(config, "valid")) == 1014
+def test_a_relative_text_dir_is_taken_from_the_working_directory_wherever_the_repository_is(monkeypatch, tmp_path):
+    write(tmp_path, "valid.en", "A dog.\n")
+    write(tmp_path, "valid.de", "Ein Hund.\n")
+    monkeypatch.chdir(tmp_path)
+    assert sources.load_split(text_config(Path(".")), "valid") == [("A dog.", "Ein Hund.")]
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # the same config, started from another directory
+    with pytest.raises(DataError, match="no files for language 'en'"):
+        sources.load_split(text_config(Path(".")), "valid")
+
+
+def test_a_text_source_without_a_directory_says_which_key_to_set():
+    config = common.data_config()  # data.source=text, and no text_dir by default: no path of this checkout
+    with pytest.raises(DataError, match="data.source=text needs data.text_dir"):
+        sources.load_split(config, "valid")
 
 
 # ----------------------------------------------------------------------------------------------------------------

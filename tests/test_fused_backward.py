@@ -74,7 +74,7 @@ def _relative_errors(a: dict, b: dict) -> list[float]:
     return [float(jnp.linalg.norm(x - y)) / max(float(jnp.linalg.norm(y)), floor) for x, y in pairs]
 
 
-@pytest.mark.parametrize("untied", [False, pytest.param(True, marks=pytest.mark.slow)])  # untied: 10 s more
+@pytest.mark.parametrize("untied", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_on_and_off_give_the_same_loss_and_gradients_in_float32(untied):
     extra = dict(share_embeddings=False, tie_output=False) if untied else {}
     on = tiny_model(seed=4, **ONE_LAYER, fused_backward="on", **extra)

@@ -17,7 +17,7 @@ SCRIPTS = {"train", "evaluate", "benchmarks", "tests", "configs"}
 LAYERS = [
     {"errors", "tokens", "platform", "jax_fixes", "compile_cache"},
     {"files", "progress", "config_files", "saved_programs"},
-    {"cli", "sharding", "accelerators"},
+    {"cli", "sharding"},
     {"ops"},
     {"config_keys"},
     {"config_checks"},
@@ -25,7 +25,7 @@ LAYERS = [
     {"data"},
     {"training", "decoding"},
     {"evaluation"},
-    {"export", "visualize", "sweep"},
+    {"export", "visualize", "sweep", "plan"},
     {"explain"},
 ]
 

@@ -33,7 +33,7 @@ def _losses(impl: str, steps: int = 3) -> list[float]:
     return losses
 
 
-# Slow (blockwise 20 s, pallas in interpret mode ~50 s): tests/test_attention_ops.py checks every implementation's
+# Slow (pallas runs in interpret mode on CPU): tests/test_attention_ops.py checks every implementation's
 # values and gradients against the reference in the default run.
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", ["blockwise", "pallas"])

@@ -24,7 +24,7 @@ def test_decoder_cannot_see_the_future():
     assert np.abs(logits_changed[:, i + 1 :] - logits[:, i + 1 :]).max() > 1e-3
 
 
-@pytest.mark.slow  # ~10 s; test_decoder_cannot_see_the_future checks causality in the default run
+@pytest.mark.slow  # test_decoder_cannot_see_the_future checks causality in the default run
 def test_gradient_of_decoder_output_with_respect_to_later_inputs_is_zero():
     model = tiny_model(num_decoder_layers=2)
     src = random_tokens(0, (1, 5))

@@ -22,8 +22,9 @@ from tests.helpers.attention import TPU_CASES as CASES
 from tests.helpers.attention import TPU_SMALL as SMALL
 from tests.helpers.attention import Case, assert_matches, forward_backward, make_inputs, reference
 from transformer_jax import ops, platform
-from transformer_jax.ops import pallas_attention, pallas_tpu
 from transformer_jax.ops.masks import AttentionMask, array_module
+from transformer_jax.ops.pallas import gpu as pallas_gpu
+from transformer_jax.ops.pallas import tpu as pallas_tpu
 
 
 @pytest.fixture
@@ -107,7 +108,7 @@ def test_bad_inputs_are_one_clear_line_at_trace_time() -> None:
             sizes = pallas_tpu.TpuBlockSizes(16, 64, 16, 128)
             jax.eval_shape(lambda q: ops.attention(q, q, q, impl="pallas", block_sizes=sizes), bf16)
         with pytest.raises(ValueError, match="block_sizes for backend 'tpu' must be TpuBlockSizes"):
-            gpu_sizes = pallas_attention.BlockSizes(16, 16, 16, 16, 16, 16)
+            gpu_sizes = pallas_gpu.BlockSizes(16, 16, 16, 16, 16, 16)
             jax.eval_shape(lambda q: ops.attention(q, q, q, impl="pallas", block_sizes=gpu_sizes), bf16)
 
 

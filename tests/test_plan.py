@@ -15,16 +15,17 @@ import pytest
 
 from configs import common
 from tests.helpers import REPO
-from transformer_jax.accelerators import parse_topology
-from transformer_jax.evaluation.decode_plan import plan_decode
+from transformer_jax.plan import report
+from transformer_jax.plan import train_step as plan
+from transformer_jax.plan.accelerators import parse_topology
+from transformer_jax.plan.decode import plan_decode
 from transformer_jax.sharding import make_mesh
-from transformer_jax.training import plan
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None, reason="needs libtpu: pip install -r requirements-aot.txt"
 )
 # XLA's FLOPs count softmax, norms and elementwise ops that training/flops.py leaves out: a few percent at
-# d_model = 256 (3% with mesh fsdp and 6% with data for this config on v5e:2x2), more for narrower models.
+# d_model = 256, more for narrower models.
 FLOPS_TOLERANCE = 0.1
 
 
@@ -82,8 +83,8 @@ def test_fsdp_gathers_parameters_and_data_parallel_reduces_gradients(both_meshes
 
 
 def test_compiled_flops_agree_with_the_formula(both_meshes):
-    for report in both_meshes["meshes"].values():
-        assert report["flops_per_step"]["compiled_over_formula"] == pytest.approx(1.0, abs=FLOPS_TOLERANCE)
+    for planned in both_meshes["meshes"].values():
+        assert planned["flops_per_step"]["compiled_over_formula"] == pytest.approx(1.0, abs=FLOPS_TOLERANCE)
 
 
 def test_a_batch_that_cannot_fit_is_one_line_and_a_nonzero_exit():
@@ -150,9 +151,11 @@ def test_batch_search_halves_doubles_and_bisects_to_the_largest_batch_that_fits(
 
 
 def test_the_plan_report_prints_as_a_table_and_as_json(both_meshes):
-    table = plan.format_reports(both_meshes["meshes"])
+    config = small_config()
+    table = report.render(both_meshes, config)
     assert "ESTIMATES" in table and "estimated step s" in table and "fsdp" in table
-    json.dumps(both_meshes)  # every value is JSON
+    assert table.splitlines()[-1] == f"chosen mesh: {both_meshes['chosen']}"
+    assert json.loads(report.render(both_meshes, config, as_json=True))["chosen"] == both_meshes["chosen"]
 
 
 def decode_config():
@@ -192,7 +195,7 @@ def test_the_decode_plan_is_consistent(both_meshes, decode_plan):
     estimate = decode_plan["estimate"]
     assert estimate["step_s"] >= max(estimate["compute_s"], estimate["hbm_s"]) > 0
     assert estimate["s_per_output_token"] == pytest.approx(estimate["step_s"] / 16)
-    assert "validation decoding" in plan.format_reports({"data": {**train, "decode": decode_plan}})
+    assert "validation decoding" in report.format_reports({"data": {**train, "decode": decode_plan}})
 
 
 def test_a_small_eval_batch_is_planned_as_its_one_jitted_search(both_meshes):
@@ -203,10 +206,10 @@ def test_a_small_eval_batch_is_planned_as_its_one_jitted_search(both_meshes):
     decode = plan_decode(config, parse_topology("v5e:2x2"), "data")
     assert decode["search"] == "one jitted call" and list(decode["memory_analysis_per_chip"]) == ["search"]
     assert decode["memory_analysis_per_chip"]["search"]["temp"] > 0 and decode["estimate"]["step_s"] is None
-    assert "n/a" in plan.format_reports({"data": {**both_meshes["meshes"]["data"], "decode": decode}})
+    assert "n/a" in report.format_reports({"data": {**both_meshes["meshes"]["data"], "decode": decode}})
 
 
-@pytest.mark.slow  # ~15 s; test_a_batch_that_cannot_fit_is_one_line_and_a_nonzero_exit takes the same CLI path
+@pytest.mark.slow  # test_a_batch_that_cannot_fit_is_one_line_and_a_nonzero_exit takes the same CLI path
 def test_an_eval_batch_that_cannot_fit_is_one_line_and_a_nonzero_exit():
     # 2^16 sentences of 256 source tokens, beam 4: the TPU compiler refuses the encoder's 74 GB, in seconds.
     config = small_config(d_model=32)
@@ -221,7 +224,7 @@ def test_an_eval_batch_that_cannot_fit_is_one_line_and_a_nonzero_exit():
 
 
 @pytest.mark.slow
-def test_a_plan_whose_decoding_exceeds_the_chip_fails_after_its_report(both_meshes, monkeypatch, capsys):
+def test_a_plan_whose_decoding_exceeds_the_chip_fails_after_its_report(both_meshes, monkeypatch):
     config = decode_config()
     config.eval.batch_size, config.data.eval_max_len = 64, 256  # decoding needs more than the train step
     decode = plan_decode(config, parse_topology("v5e:2x2"), "data")
@@ -229,10 +232,11 @@ def test_a_plan_whose_decoding_exceeds_the_chip_fails_after_its_report(both_mesh
     # Chips with room for the train step but not for validation's decoding beside the train state.
     hbm = (decode["total_bytes"] + train) / 2
     assert train < hbm < decode["total_bytes"]
-    monkeypatch.setattr(plan, "parse_topology", lambda name: small_chip_topology(hbm))
+    monkeypatch.setattr(report, "parse_topology", lambda name: small_chip_topology(hbm))
+    result = report.run(config, "v5e:2x2")
+    assert "NO" in report.render(result, config)  # the table that train.py prints first says so
     with pytest.raises(plan.DoesNotFit, match="does not fit: validation's decoding .* lower eval.batch_size"):
-        plan.run(config, "v5e:2x2", "", as_json=False, decode=plan_decode)
-    assert "NO" in capsys.readouterr().out  # the table was printed first
+        report.check_fits(result, config)
 
 
 @pytest.mark.slow

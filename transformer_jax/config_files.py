@@ -36,7 +36,7 @@ def load_module(path: str, name: str | None = None) -> types.ModuleType:
     except SyntaxError as e:  # the file itself: its own line and column
         where = f"{e.filename or path}:{e.lineno}" if e.lineno else str(e.filename or path)
         raise ConfigError(f"{where}: {type(e).__name__}: {e.msg}; fix the config file") from None
-    except Exception as e:  # noqa: BLE001 - whatever the file raised while it was imported
+    except Exception as e:  # whatever the file raised while it was imported
         raise ConfigError(f"{_where(e, file)}: while importing it: {_what(e)}") from None
     return module
 
@@ -49,7 +49,7 @@ def call(module: types.ModuleType, path: str, function: str, *args: Any) -> Any:
         raise ConfigError(f"{path}: defines no {function}(arg)")
     try:
         return fn(*args)
-    except Exception as e:  # noqa: BLE001 - whatever the user's function raised
+    except Exception as e:  # whatever the user's function raised
         called = f"{function}({', '.join(map(repr, args))})"
         raise ConfigError(f"{_where(e, Path(path))}: {called} raised {_what(e)}") from None
 

@@ -7,10 +7,11 @@ A key's default is a value, or a function of the model size's row of `SIZES` (th
 `doc` says what the number counts; config_checks' one-line errors quote it. `resume=MATCH` marks a key whose
 change makes a checkpoint unusable: the parameter or optimizer structure, what the tokens mean, or which
 batches the saved data-iterator position stands for (docs/reliability.md lists what may change between restarts).
-Adding a key is one `Key(...)` line here; tests/test_config_keys.py fails if a key lacks any of its facts.
+Adding a key is one `Key(...)` line here (a model key is also a field of TransformerSpec); tests/test_config_keys.py
+fails if a key lacks any of its facts.
 
-This module imports no JAX at import time: the choice sets defined by a registry elsewhere (attention
-implementations, mesh modes) are read from there when a config is checked.
+The choice sets defined by a registry elsewhere (attention implementations, mesh modes) are read from there when a
+config is checked.
 """
 
 from __future__ import annotations
@@ -61,13 +62,13 @@ SEED_LIMIT = 2**32
 
 
 def _attention_impls() -> list[str]:
-    from transformer_jax import ops  # registers every implementation on import; JAX only when a config is checked
+    from transformer_jax import ops  # importing it registers every implementation
 
     return sorted(ops.IMPLEMENTATIONS)
 
 
 def _mesh_modes() -> list[str]:
-    from transformer_jax.sharding import MESH_MODES  # JAX only when a config is checked
+    from transformer_jax.sharding import MESH_MODES
 
     return list(MESH_MODES)
 
@@ -269,13 +270,7 @@ KEYS: tuple[Key, ...] = (
         "text (a directory of {split}.{lang} files), multi30k (fetched) or tfds",
         MAY_CHANGE,
     ),
-    Key(
-        "data.text_dir",
-        "../shared/data/multi30k",
-        TEXT,
-        "directory with {split}.{lang} files, for source=text",
-        MAY_CHANGE,
-    ),
+    Key("data.text_dir", "", TEXT, "directory with {split}.{lang} files, for source=text (required by it)", MAY_CHANGE),
     Key("data.tfds_name", "wmt14_translate/de-en", TEXT, "TFDS builder/config, for source=tfds", MAY_CHANGE),
     Key(
         "data.tfds_data_dir",

@@ -5,14 +5,27 @@ paths below.
 Fixtures shared by several modules (`corpus`) are in tests/conftest.py.
 """
 
+import os
 import pathlib
 
 import jax
 
-from transformer_jax.data.sources import shared_data_dir
+from transformer_jax.data.sources import DATA_ENV
 
 REPO = pathlib.Path(__file__).resolve().parents[2]  # the repository root: train.py, evaluate.py, configs/
-DATA = shared_data_dir()  # the read-only corpora (../shared/data or $TRANSFORMER_JAX_DATA); tests skip without them
+
+
+def local_corpora() -> pathlib.Path:
+    """The read-only corpora the tests read: $TRANSFORMER_JAX_DATA, else ../shared/data beside this checkout (where
+    CI keeps them), exported when it exists so that the package and the commands the tests start use it too. Tests
+    that need a corpus skip without it."""
+    path = pathlib.Path(os.environ.get(DATA_ENV) or REPO.parent / "shared" / "data")
+    if path.is_dir():
+        os.environ.setdefault(DATA_ENV, str(path))
+    return path
+
+
+DATA = local_corpora()
 
 
 def jitted(fn, *args, **options):  # noqa: ANN001, ANN201

@@ -10,12 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax import ops
-from transformer_jax.ops import pallas_attention, pallas_tpu
+from transformer_jax.ops.pallas import gpu as pallas_gpu
+from transformer_jax.ops.pallas import tpu as pallas_tpu
 
 # Small tiles so that 20-60 tokens make several tiles of each kind (skipped, masked, unmasked, partial).
 TILES = {
     "blockwise": dict(block_q=16, block_k=16),
-    "pallas": dict(block_sizes=pallas_attention.BlockSizes(16, 16, 16, 16, 16, 16)),
+    "pallas": dict(block_sizes=pallas_gpu.BlockSizes(16, 16, 16, 16, 16, 16)),
 }
 
 # Normalised max error, max |x - ref| / max |ref|, against the float32 reference on the same (rounded) inputs.

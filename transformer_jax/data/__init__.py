@@ -12,7 +12,7 @@ from transformer_jax.data.store import open_train_store
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, get_tokenizer, train_tokenizer
 from transformer_jax.errors import DataError
 
-# The grain pipeline is imported when first asked for: grain costs ~0.2 s to import, and evaluate.py and the
+# The grain pipeline is imported when first asked for: importing grain is slow, and evaluate.py and the
 # other commands that read a tokenizer or a split through this package never batch with it.
 _PIPELINE = ("WindowBatchIterator", "eval_batches", "make_train_iterator")
 

@@ -27,7 +27,9 @@ from transformer_jax.progress import Progress
 
 Pair = tuple[str, str]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+# A folder of local corpus copies (multi30k/, tatoeba_deu_eng/, wmt14_ende/, each of {split}.{lang} files) that
+# offline machines, CI and the tests name; data.source=multi30k reads its copy there instead of downloading.
+DATA_ENV = "TRANSFORMER_JAX_DATA"
 
 MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/"
 # Upstream Task 1 raw files: (our split name, upstream stem) and their SHA-256 digests, those of the files at
@@ -43,21 +45,16 @@ MULTI30K_SHA256 = {
 }
 
 
-def shared_data_dir() -> Path:
-    """The read-only corpora folder next to the repository (`../shared/data`), or $TRANSFORMER_JAX_DATA."""
-    return Path(os.environ.get("TRANSFORMER_JAX_DATA") or REPO_ROOT.parent / "shared" / "data")
+def local_data_dir() -> Path | None:
+    """The folder of local corpus copies that $TRANSFORMER_JAX_DATA names (DATA_ENV), or None where it is unset."""
+    value = os.environ.get(DATA_ENV)
+    return Path(value).expanduser() if value else None
 
 
 def resolve_path(path: str | os.PathLike) -> Path:
-    """A relative path means the working directory if it exists there, else the repository root.
-
-    Config defaults such as `../shared/data/multi30k` are written relative to the repository root, while paths a
-    user types on the command line are relative to where they stand; trying both keeps both working.
-    """
-    path = Path(path).expanduser()
-    if path.is_absolute() or path.exists():
-        return path
-    return REPO_ROOT / path
+    """A path from a config: `~` expanded, a relative one taken from the working directory (never from where the
+    repository sits)."""
+    return Path(path).expanduser()
 
 
 def cache_dir(config: ml_collections.ConfigDict) -> Path:
@@ -245,7 +242,7 @@ def read_text_split(
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Multi30k: the shared copy when present, else downloaded and verified into the cache.
+# Multi30k: the local copy under $TRANSFORMER_JAX_DATA when complete, else downloaded and verified into the cache.
 
 
 def fetch_multi30k(cache: str | os.PathLike, *, base_url: str = MULTI30K_URL, timeout: float = 60.0) -> Path:
@@ -266,9 +263,13 @@ def fetch_multi30k(cache: str | os.PathLike, *, base_url: str = MULTI30K_URL, ti
 
 
 def multi30k_dir(config: ml_collections.ConfigDict) -> Path:
-    shared = shared_data_dir() / "multi30k"
-    if all((shared / f"{split}.{lang}").is_file() for split in MULTI30K_SPLITS for lang in ("en", "de")):
-        return shared
+    """The folder of Multi30k's {train,valid,test}.{en,de}: the local copy if complete, else the checksummed
+    download in the cache (fetched once)."""
+    local = local_data_dir()
+    if local is not None:
+        copy = local / "multi30k"
+        if all((copy / f"{split}.{lang}").is_file() for split in MULTI30K_SPLITS for lang in ("en", "de")):
+            return copy
     return fetch_multi30k(cache_dir(config))
 
 
@@ -339,7 +340,7 @@ def _prepare_command(name: str, data_dir: str | None) -> str:
 def open_tfds_split(name: str, data_dir: str, split: str, src_lang: str, tgt_lang: str, *, download: bool) -> TfdsPairs:
     """Opens a TFDS translation split; prepares it first if `download` and it is missing."""
     import tensorflow_datasets as tfds  # only data.source=tfds needs it, and importing it takes seconds
-    import tensorflow_datasets.translate  # noqa: F401  (registers wmt*_translate; TFDS imports it lazily otherwise)
+    import tensorflow_datasets.translate  # registers wmt*_translate, which TFDS otherwise imports lazily
 
     data_dir = str(resolve_path(data_dir)) if data_dir else None
     try:
@@ -393,7 +394,13 @@ def open_split(config: ml_collections.ConfigDict, split: str, *, keep_blank: boo
 
 def _text_directory(config: ml_collections.ConfigDict) -> str | os.PathLike:
     """The directory of {split}.{lang} files of a text or multi30k source (multi30k: fetched if needed)."""
-    return multi30k_dir(config) if config.source == "multi30k" else config.text_dir
+    if config.source == "multi30k":
+        return multi30k_dir(config)
+    if not config.text_dir:
+        raise DataError(
+            "data.source=text needs data.text_dir: a directory of {split}.{lang} files (or use data.source=multi30k)"
+        )
+    return config.text_dir
 
 
 def open_stream(config: ml_collections.ConfigDict, split: str) -> TextPairs | TfdsPairs:

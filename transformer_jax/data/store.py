@@ -106,7 +106,7 @@ class _NpyWriter:
 
     def __init__(self, path: Path, dtype: np.dtype):
         self.path, self.dtype, self.length = path, dtype, 0
-        self._file = open(path, "wb")  # noqa: SIM115  (closed by close(); the build's cleanup removes it on error)
+        self._file = open(path, "wb")  # closed by close(); the build's cleanup removes it on error
         self._file.write(b"\0" * HEADER_BYTES)
         self._digest = hashlib.sha256()
 

@@ -1,6 +1,6 @@
 """The model's hyperparameters as one validated, immutable record built from the `model` and `attention` groups.
 
-Its fields are derived from the keys of those groups (config_keys.KEYS), so a new model key is a new field.
+A new model key is a `Key` in config_keys.KEYS and a field here; tests/test_config_keys.py fails until both exist.
 """
 
 from __future__ import annotations
@@ -28,23 +28,44 @@ def fused_backward_enabled(setting: str, backend: str | None = None) -> bool:
     return setting == "on"
 
 
-def _field(key: str) -> str:
-    """The spec field of a config key: model.d_model -> d_model, attention.impl -> attention_impl."""
-    group, _, leaf = key.partition(".")
-    return leaf if group == "model" else f"{group}_{leaf}"
+_ATTENTION_FIELDS = ("attention_impl", "attention_window")  # the fields of attention.* keys
 
 
-# Every model.* and attention.* key, as the spec's fields with the types of their rules (config_keys.KEYS).
-SPEC_KEYS = tuple(k.name for k in config_keys.KEYS if k.name.startswith(("model.", "attention.")))
-_FIELDS = [(_field(k), config_keys.BY_NAME[k].rule.kind) for k in SPEC_KEYS]
+@dataclasses.dataclass(frozen=True)
+class TransformerSpec:
+    """Every value the modules need: one field per model.* key, and attention.* as attention_* (config_keys.KEYS
+    holds each key's default, unit and rule; tests/test_config_keys.py checks that the fields and keys agree).
 
+    Frozen (hashable: a static argument of jitted functions) and without defaults: they live in config_keys."""
 
-class _SpecMethods:
-    """What TransformerSpec computes from its fields, and how it is built from a config."""
+    vocab_size: int
+    d_model: int
+    num_heads: int
+    num_kv_heads: int  # 0 = num_heads
+    qk_head_dim: int  # 0 = d_model / num_heads
+    v_head_dim: int  # 0 = d_model / num_heads
+    d_ff: int
+    num_encoder_layers: int
+    num_decoder_layers: int
+    dropout_rate: float
+    attention_dropout_rate: float
+    ffn_dropout_rate: float
+    activation: str
+    norm: str
+    norm_position: str
+    norm_epsilon: float
+    positional: str
+    max_len: int
+    share_embeddings: bool
+    tie_output: bool
+    dtype: str
+    fused_backward: str
+    attention_impl: str
+    attention_window: int  # 0 = full attention
 
     def __post_init__(self) -> None:
         # Each value against its key's rule, then the rules between keys: what validate() applies to a config.
-        config_checks.check_model({key: getattr(self, _field(key)) for key in SPEC_KEYS})
+        config_checks.check_model({config_key(f): getattr(self, f.name) for f in dataclasses.fields(self)})
 
     @property
     def heads_kv(self) -> int:
@@ -75,18 +96,17 @@ class _SpecMethods:
     def from_config(cls, config: ml_collections.ConfigDict) -> TransformerSpec:
         """Builds the spec from a full config (groups `model` and `attention`)."""
         given = {f"{group}.{leaf}": value for group in ("model", "attention") for leaf, value in config[group].items()}
-        unknown = sorted(set(given) - set(SPEC_KEYS))
+        keys = {config_key(f): f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(given) - set(keys))
         if unknown:
             raise ConfigError(f"config keys {unknown[0]} ... are not model hyperparameters: {unknown}")
-        missing = sorted(set(SPEC_KEYS) - set(given))
+        missing = sorted(set(keys) - set(given))
         if missing:
             raise ConfigError(f"config is missing model keys: {missing}")
-        return cls(**{_field(key): given[key] for key in SPEC_KEYS})
+        return cls(**{name: given[key] for key, name in keys.items()})
 
 
-# Frozen (hashable: a static argument of jitted functions) and without defaults: they live in config_keys.
-TransformerSpec = dataclasses.make_dataclass("TransformerSpec", _FIELDS, bases=(_SpecMethods,), frozen=True)
-TransformerSpec.__module__ = __name__  # make_dataclass's own `module` argument needs Python 3.12
-TransformerSpec.__doc__ = (
-    "Every value the modules need: one field per model.* key (attention.* as attention_*), typed by its rule."
-)
+def config_key(field: dataclasses.Field) -> str:
+    """The config key of a spec field: d_model -> model.d_model, attention_impl -> attention.impl."""
+    name = field.name
+    return f"attention.{name.removeprefix('attention_')}" if name in _ATTENTION_FIELDS else f"model.{name}"

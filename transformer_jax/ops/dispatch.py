@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax import platform
-from transformer_jax.ops import pallas_attention, pallas_tpu
 from transformer_jax.ops.attention import IMPLEMENTATIONS, Array, register
 from transformer_jax.ops.masks import AttentionMask
+from transformer_jax.ops.pallas import gpu as pallas_gpu
+from transformer_jax.ops.pallas import tpu as pallas_tpu
 
 # On CPU, blockwise beats the reference from about 1k tokens per side (benchmarks/attention.py: at 1k, 1 head,
 # 2-4x faster forward and 2-3x fwd+bwd; at 512 tokens x 32 (batch, head) pairs they are even), and past
@@ -74,8 +75,8 @@ def choose_impl(q: Array, k: Array, v: Array, mask: AttentionMask, *, backend: s
             return "cudnn"
         pallas_ok = (
             q.dtype == k.dtype == v.dtype
-            and q.dtype in pallas_attention.SUPPORTED_DTYPES
-            and max(head_dim, v.shape[-1]) <= pallas_attention.MAX_HEAD_DIM
+            and q.dtype in pallas_gpu.SUPPORTED_DTYPES
+            and max(head_dim, v.shape[-1]) <= pallas_gpu.MAX_HEAD_DIM
         )
         if pallas_ok:
             return "pallas"

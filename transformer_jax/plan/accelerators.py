@@ -153,7 +153,7 @@ def _devices(topology: Topology) -> tuple[jax.Device, ...]:
     chip = topology.chip
     try:
         if chip.platform == "cuda":
-            target = resources.files("transformer_jax").joinpath("gpu_targets", f"{chip.name}.txtpb").read_text()
+            target = resources.files("transformer_jax.plan").joinpath("gpu_targets", f"{chip.name}.txtpb").read_text()
             desc = topologies.get_topology_desc(platform="cuda", target_config=target, topology=topology.shape)
         else:
             # libtpu looks for a TPU VM's metadata when it loads and warns on stderr without these; a plan needs

@@ -1,4 +1,4 @@
-"""FlashAttention-2 on TPU with our own Pallas kernels (pallas_tpu_kernels.py), lowered with Mosaic; the custom
+"""FlashAttention-2 on TPU with our own Pallas kernels (tpu_kernels.py), lowered with Mosaic; the custom
 VJP's backward recomputes the tiles from the saved log-sum-exp (a dK/dV kernel over key blocks and a dQ kernel over
 query blocks). `attention(..., impl="pallas")` runs it when platform.target_backend() is "tpu"; on a CPU host it
 runs in TPU interpret mode (jax.experimental.pallas.tpu.force_tpu_interpret_mode) or compiles for a TPU topology
@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from transformer_jax.ops.attention import recompute_vjp
 from transformer_jax.ops.masks import AttentionMask, pad_tokens
-from transformer_jax.ops.pallas_tpu_kernels import (
+from transformer_jax.ops.pallas.tpu_kernels import (
     COUNT_LANES,
     KernelConfig,
     dkdv_kernel,
@@ -198,7 +198,7 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _prepare(q, k, v, mask, scale, block_sizes, *, count_tiles: bool):  # noqa: ANN001, ANN202
+def _prepare(q, k, v, mask, scale, block_sizes, *, count_tiles: bool):
     """Pads lengths to whole tiles (padding gets segment 0), moves heads first, and builds the static config."""
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
@@ -224,7 +224,7 @@ def _prepare(q, k, v, mask, scale, block_sizes, *, count_tiles: bool):  # noqa: 
     return (q, k, v), mask, _Static(cfg_fwd, cfg_bwd, sizes, tiles)
 
 
-def _static_tiles(mask, batch, num_heads, num_kv_heads, q_len, kv_len, q_pad, kv_pad, sizes) -> tuple:  # noqa: ANN001
+def _static_tiles(mask, batch, num_heads, num_kv_heads, q_len, kv_len, q_pad, kv_pad, sizes) -> tuple:
     """Tiles for the kernels' cost estimates, known at trace time: those that the causal/window rule and the
     padding leave (default positions; all tiles with explicit ones). Segment ids are data: packed rows compute
     fewer tiles than this bound (planned_tiles counts them on concrete masks)."""
@@ -246,8 +246,8 @@ def _bytes(*arrays: Array) -> int:
     return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in arrays)
 
 
-def _mask_specs(mask: AttentionMask, q_block: int, q_index, kv_block: int, kv_index) -> tuple[list, list]:  # noqa: ANN001
-    """(specs, args) of the per-token vectors, in the order pallas_tpu_kernels._Refs names them."""
+def _mask_specs(mask: AttentionMask, q_block: int, q_index, kv_block: int, kv_index) -> tuple[list, list]:
+    """(specs, args) of the per-token vectors, in the order tpu_kernels._Refs names them."""
     q_spec = pl.BlockSpec((None, q_block, 1), q_index)
     kv_spec = pl.BlockSpec((None, 1, kv_block), kv_index)
     specs, args = [], []
@@ -266,21 +266,21 @@ def _prefetch(mask: AttentionMask, cfg: KernelConfig, block_q: int, block_k: int
     return [mask.loop_bounds(block_q, block_k, transpose=transpose).reshape(-1)]
 
 
-def _query_grid_streamed(cfg: KernelConfig):  # noqa: ANN202
+def _query_grid_streamed(cfg: KernelConfig):
     """Key block of grid step (b, n, i, j): j itself, or clamped into the row's visible range."""
     if not cfg.masked:
         return lambda b, i, j, *_: j
     return lambda b, i, j, bounds: streamed_block(bounds, b * cfg.num_i + i, j)
 
 
-def _count_spec(cfg: KernelConfig, rows: tuple[int, int, int], index) -> tuple[list, list]:  # noqa: ANN001
+def _count_spec(cfg: KernelConfig, rows: tuple[int, int, int], index) -> tuple[list, list]:
     if not cfg.count_tiles:
         return [], []
     spec = pl.BlockSpec((None, None, None, 1, COUNT_LANES), index)
     return [spec], [jax.ShapeDtypeStruct((*rows, 1, COUNT_LANES), jnp.int32)]
 
 
-def _call(kernel, cfg: KernelConfig, grid, in_specs, out_specs, out_shape, scratch, semantics, cost, name):  # noqa: ANN001, ANN202
+def _call(kernel, cfg: KernelConfig, grid, in_specs, out_specs, out_shape, scratch, semantics, cost, name):
     if cfg.count_tiles:
         scratch = [*scratch, pltpu.SMEM((1,), jnp.int32)]
     return pl.pallas_call(
@@ -359,17 +359,17 @@ def _backward_calls(res: tuple, do: Array, static: _Static) -> tuple:
 
     # dK, dV: grid over key blocks of each key/value head; the reduction walks its G query heads' query blocks.
     if cfg.masked:
-        q_i = lambda b, j, i, bounds: streamed_block(bounds, b * cfg.num_j + j, i)  # noqa: E731
+        q_i = lambda b, j, i, bounds: streamed_block(bounds, b * cfg.num_j + j, i)
     else:
-        q_i = lambda b, j, i, *_: i  # noqa: E731
+        q_i = lambda b, j, i, *_: i
     mask_specs, mask_args = _mask_specs(
         mask, bq, lambda b, h, j, gi, i, *s: (b, q_i(b, j, i, *s), 0), bk, lambda b, h, j, gi, i, *s: (b, 0, j)
     )
     count_specs, count_shapes = _count_spec(
         cfg, (batch, num_kv_heads, cfg.num_j), lambda b, h, j, gi, i, *s: (b, h, j, 0, 0)
     )
-    q_row = lambda b, h, j, gi, i, *s: (b, h * g + gi, q_i(b, j, i, *s), 0)  # noqa: E731
-    kv_row = lambda b, h, j, gi, i, *s: (b, h, j, 0)  # noqa: E731
+    q_row = lambda b, h, j, gi, i, *s: (b, h * g + gi, q_i(b, j, i, *s), 0)
+    kv_row = lambda b, h, j, gi, i, *s: (b, h, j, 0)
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype), *count_shapes]
     tiles = static.tiles[1]
     cost = pl.CostEstimate(
@@ -409,8 +409,8 @@ def _backward_calls(res: tuple, do: Array, static: _Static) -> tuple:
         mask, bq, lambda b, n, i, j, *s: (b, i, 0), bk, lambda b, n, i, j, *s: (b, 0, kv_j(b, i, j, *s))
     )
     count_specs, count_shapes = _count_spec(cfg, (batch, num_heads, cfg.num_i), lambda b, n, i, j, *s: (b, n, i, 0, 0))
-    q_blk = lambda b, n, i, j, *s: (b, n, i, 0)  # noqa: E731
-    kv_blk = lambda b, n, i, j, *s: (b, lax.div(n, g), kv_j(b, i, j, *s), 0)  # noqa: E731
+    q_blk = lambda b, n, i, j, *s: (b, n, i, 0)
+    kv_blk = lambda b, n, i, j, *s: (b, lax.div(n, g), kv_j(b, i, j, *s), 0)
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), *count_shapes]
     tiles = static.tiles[2]
     cost = pl.CostEstimate(

@@ -1,8 +1,8 @@
-"""FlashAttention-2 with our own Pallas kernels (pallas_kernels.py): forward, and a custom VJP whose backward
+"""FlashAttention-2 with our own Pallas kernels (gpu_kernels.py): forward, and a custom VJP whose backward
 recomputes the tiles from the saved log-sum-exp (dK/dV kernel over key blocks, dQ kernel over query blocks).
 
 Lowered with Triton on GPU; runs with interpret=True on CPU (slow: for tests). On TPU, `impl="pallas"` runs the
-Mosaic kernels of pallas_tpu.py instead: these kernels' layouts (per-token vectors, head-squeezed blocks) do not
+Mosaic kernels of tpu.py instead: these kernels' layouts (per-token vectors, head-squeezed blocks) do not
 meet Mosaic's tiling rules.
 
 Axis letters: see transformer_jax/__init__.py.
@@ -20,8 +20,8 @@ from jax.experimental import pallas as pl
 from transformer_jax import platform
 from transformer_jax.ops.attention import recompute_vjp, register
 from transformer_jax.ops.masks import AttentionMask, pad_tokens
-from transformer_jax.ops.pallas_kernels import KernelConfig, dkdv_kernel, dq_kernel, forward_kernel
-from transformer_jax.ops.pallas_tpu import TpuBlockSizes, tpu_attention
+from transformer_jax.ops.pallas.gpu_kernels import KernelConfig, dkdv_kernel, dq_kernel, forward_kernel
+from transformer_jax.ops.pallas.tpu import TpuBlockSizes, tpu_attention
 
 Array = jax.Array
 
@@ -89,7 +89,7 @@ def pallas_attention(
     """FlashAttention-2 in Pallas; the whole mask (segments, positions, causal, window) and grouped heads.
 
     Head dims are zero-padded to a power of two (>= 16, <= 256) and lengths to whole tiles, inside. `backend`
-    overrides platform.target_backend() ("gpu" lowers with Triton, "cpu" interprets, "tpu" runs pallas_tpu.py's
+    overrides platform.target_backend() ("gpu" lowers with Triton, "cpu" interprets, "tpu" runs tpu.py's
     Mosaic kernels, which take TpuBlockSizes), e.g. to lower for a GPU here.
     """
     backend = platform.target_backend() if backend is None else backend
@@ -161,7 +161,7 @@ def _mask_inputs(
     bounds_spec: pl.BlockSpec,
     bounds: tuple[int, int, bool],
 ) -> tuple[list, list]:
-    """Extra (specs, args) in the order pallas_kernels._split_refs reads them: per-token vectors, loop bounds.
+    """Extra (specs, args) in the order gpu_kernels._split_refs reads them: per-token vectors, loop bounds.
 
     bounds = (block_q, block_k, transpose) of AttentionMask.loop_bounds; they are passed only if anything is masked.
     """

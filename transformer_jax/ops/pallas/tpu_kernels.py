@@ -14,7 +14,7 @@ skipped: no compute, and the index maps clamp the streamed block into [lo, hi) s
 fetch it either. Tiles in [a, c) are seen whole and skip the mask.
 
 Operands are heads-first ([B, N, T, H]); per-query vectors are columns [B, T, 1], per-key vectors rows [B, 1, S],
-lse and delta [B, N, T, 1] (pallas_tpu.py states the layout rules). Axis letters: see transformer_jax/__init__.py.
+lse and delta [B, N, T, 1] (tpu.py states the layout rules). Axis letters: see transformer_jax/__init__.py.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _dot(a: Array, b: Array, contract_a: int, contract_b: int) -> Array:
 class _Refs:
     """A kernel's refs by name: scalar-prefetched bounds, then inputs, mask vectors, outputs, scratch."""
 
-    def __init__(self, cfg: KernelConfig, refs: tuple, inputs: tuple[str, ...], outputs: tuple[str, ...], scratch):  # noqa: ANN001
+    def __init__(self, cfg: KernelConfig, refs: tuple, inputs: tuple[str, ...], outputs: tuple[str, ...], scratch):
         refs = list(refs)
         self.bounds = refs.pop(0) if cfg.masked else None
         names = list(inputs)
@@ -79,18 +79,18 @@ class _Refs:
         return self.cfg.mask.pairs(*self.vectors())
 
 
-def row_bounds(bounds_ref, row: Array) -> tuple[Array, Array, Array, Array]:  # noqa: ANN001
+def row_bounds(bounds_ref, row: Array) -> tuple[Array, Array, Array, Array]:
     """(lo, a, c, hi) of one row of tiles in the flattened [rows * 4] loop bounds."""
     return tuple(bounds_ref[row * 4 + k] for k in range(4))
 
 
-def streamed_block(bounds_ref, row: Array, step: Array) -> Array:  # noqa: ANN001
+def streamed_block(bounds_ref, row: Array, step: Array) -> Array:
     """The block a grid step reads: `step` clamped into [lo, hi), so a skipped step re-uses a fetched block."""
     lo, _, _, hi = row_bounds(bounds_ref, row)
     return jnp.minimum(jnp.maximum(step, lo), jnp.maximum(hi - 1, lo))
 
 
-def _visit(r: _Refs, row: Array, step: Array, compute) -> None:  # noqa: ANN001
+def _visit(r: _Refs, row: Array, step: Array, compute) -> None:
     """Runs compute(tile_masked) if the tile is visible; counts it when counting."""
 
     def counted(tile_masked: bool) -> None:
@@ -118,7 +118,7 @@ def _store_count(r: _Refs) -> None:
         r.count[...] = jnp.full(r.count.shape, r.counter[0], jnp.int32)
 
 
-def forward_kernel(*refs, cfg: KernelConfig) -> None:  # noqa: ANN002 (Pallas refs)
+def forward_kernel(*refs, cfg: KernelConfig) -> None:
     """Query block i [X, H] against key block j [Y, H]; at the last j writes O [X, E] and lse [X, 1]."""
     r = _Refs(cfg, refs, ("q", "k", "v"), ("o", "lse"), ("m", "l", "acc"))
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
@@ -159,7 +159,7 @@ def forward_kernel(*refs, cfg: KernelConfig) -> None:  # noqa: ANN002 (Pallas re
         _store_count(r)
 
 
-def dkdv_kernel(*refs, cfg: KernelConfig) -> None:  # noqa: ANN002
+def dkdv_kernel(*refs, cfg: KernelConfig) -> None:
     """Key block j [Y, H] against query block i of query head (h G + g); at the last (g, i) writes dK and dV."""
     r = _Refs(cfg, refs, ("q", "k", "v", "do", "lse", "delta"), ("dk", "dv"), ("dk_acc", "dv_acc"))
     b, j, g, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
@@ -190,7 +190,7 @@ def dkdv_kernel(*refs, cfg: KernelConfig) -> None:  # noqa: ANN002
         _store_count(r)
 
 
-def dq_kernel(*refs, cfg: KernelConfig) -> None:  # noqa: ANN002
+def dq_kernel(*refs, cfg: KernelConfig) -> None:
     """Query block i [X, H] against key block j; at the last j writes dQ [X, H]."""
     r = _Refs(cfg, refs, ("q", "k", "v", "do", "lse", "delta"), ("dq",), ("dq_acc",))
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)

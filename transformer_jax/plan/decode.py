@@ -20,13 +20,19 @@ import jax
 import ml_collections
 
 from transformer_jax import decoding, platform
-from transformer_jax.accelerators import Topology
 from transformer_jax.decoding.refill import batch_rows
 from transformer_jax.evaluation.translate import batch_shape, input_limit, position_limit
 from transformer_jax.evaluation.validation import decoding_settings
+from transformer_jax.plan.accelerators import Topology
+from transformer_jax.plan.train_step import (
+    bytes_per_chip,
+    collectives,
+    compile_or_refuse,
+    compiled_cost,
+    memory_per_chip,
+)
 from transformer_jax.sharding import array_sharding, make_mesh, replicated, tracing_mesh
 from transformer_jax.training import flops
-from transformer_jax.training.plan import bytes_per_chip, collectives, compile_or_refuse, compiled_cost, memory_per_chip
 from transformer_jax.training.state import abstract_train_state, eval_model
 
 DECODE_ROOFLINE = (

@@ -1,5 +1,5 @@
-"""`train.py --plan TOPOLOGY`: compile the step training runs for a TPU or GPU slice on this (CPU) host, with no
-data, and report what it needs per chip, whether it fits, its collectives and an estimated cost.
+"""The train step of `train.py --plan TOPOLOGY` compiled for a TPU or GPU slice on this (CPU) host, with no data:
+what it needs per chip, whether it fits, its collectives and an estimated cost; and the searches over batch and mesh.
 
 The program compiled is the loop's own: `abstract_train_state` and `compile_steps` (the same jitted function,
 shardings, donation, micro-batching, dtype and attention implementation), for the batch shape of
@@ -10,11 +10,9 @@ choice made from the backend follows the target. Nothing runs: the report's time
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import time
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -23,11 +21,12 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from transformer_jax import platform
-from transformer_jax.accelerators import Topology, parse_topology
 from transformer_jax.data.batching import BATCH_KEYS
 from transformer_jax.data.pipeline import batch_shapes
 from transformer_jax.errors import ConfigError
 from transformer_jax.model import TransformerSpec
+from transformer_jax.plan import xla_cost
+from transformer_jax.plan.accelerators import Topology
 from transformer_jax.sharding import MESH_MODES, array_sharding, make_mesh, tracing_mesh
 from transformer_jax.training import flops
 from transformer_jax.training.loop import check_batch_shapes
@@ -139,14 +138,10 @@ def compiled_cost(compiled) -> tuple[dict, str]:
         cost = cost[0] if cost else None
     if cost:
         return dict(cost), "compiled (XLA cost_analysis)"
-    # A deviceless GPU compile returns no cost analysis; XLA's HloCostAnalysis, run by the host's CPU client over
-    # the compiled GPU module, counts the same program (a private jax API: without it the formula stands in).
+    # A deviceless GPU compile returns no cost analysis: XLA's HloCostAnalysis counts the same compiled module
+    # (xla_cost.py, a private jax API: without it the formula stands in).
     try:
-        from jax._src.lib import xla_client  # private: imported only where it is used, so its loss is caught
-
-        module = compiled.runtime_executable().hlo_modules()[0]
-        cost = xla_client._xla.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
-        return dict(cost), "compiled (XLA HloCostAnalysis of the compiled module)"
+        return xla_cost.hlo_module_cost(compiled), "compiled (XLA HloCostAnalysis of the compiled module)"
     except (AttributeError, ImportError, IndexError, RuntimeError):
         return {}, "formula (the compiler gave no count)"
 
@@ -325,7 +320,7 @@ def search_batch(
             best, low, high = (report, value, high) if report else (best, low, value)
     if best is None:
         last = tried[-1]
-        need = last.get("compiler") or f"needs {_gb(last['total_bytes'])} per chip of {_gb(topology.chip.hbm_bytes)}"
+        need = last.get("compiler") or f"needs {gb(last['total_bytes'])} per chip of {gb(topology.chip.hbm_bytes)}"
         raise DoesNotFit(f"does not fit: even data.{key}={unit}, the smallest batch on {topology.name}: {need}")
     while high is not None and high - low > max(unit, low * tolerance):
         value = (low + high) // 2 // unit * unit
@@ -350,189 +345,6 @@ def search_mesh(config: ml_collections.ConfigDict, topology: Topology) -> dict:
     return {"meshes": reports, "refused_by_compiler": refused, "chosen": chosen}
 
 
-def _gb(n: float) -> str:
+def gb(n: float) -> str:
+    """Bytes as decimal gigabytes: 1.23 GB."""
     return f"{n / 1e9:.2f} GB"
-
-
-def _size(n: float) -> str:
-    """Bytes in decimal units: 1.23 GB, 456 MB, 7.8 kB."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
-def does_not_fit_line(report: dict) -> str:
-    total = report["memory_analysis_per_chip"]["total"]
-    return (
-        f"does not fit: the train step (mesh={report['step']['mesh']}, batch {report['step']['batch_rows_src_tgt']}) "
-        f"needs {_gb(total)} per chip on {report['topology']['name']}, {_gb(-report['headroom_bytes'])} more than "
-        f"the chip's {_gb(report['hbm_bytes_per_chip'])}; lower the batch (--plan_search=batch finds the largest) "
-        "or try train.mesh=fsdp"
-    )
-
-
-def decode_does_not_fit_line(decode: dict, topology_name: str) -> str:
-    """One line for a plan whose validation decoding (a report's "decode" section) does not fit."""
-    resident = decode["train_state_resident_bytes"]
-    return (
-        f"does not fit: validation's decoding (beam {decode['beam_size']}, {decode['sentences']} sentences x "
-        f"{decode['source_len']} source tokens, {decode['output_slots']} output slots) needs "
-        f"{_gb(decode['total_bytes'])} per chip on {topology_name} (program {decode['peak_program']} "
-        f"{_gb(decode['total_bytes'] - resident)} + the train state's optimizer state {_gb(resident)}), "
-        f"{_gb(-decode['headroom_bytes'])} more than the chip's {_gb(decode['hbm_bytes_per_chip'])}; "
-        "lower eval.batch_size or data.eval_max_len"
-    )
-
-
-def _row(label: str, *values) -> str:
-    return f"  {label:<34}" + "".join(f"{v:>22}" for v in values)
-
-
-def format_reports(reports: dict[str, dict]) -> str:
-    """A readable table of one or more reports (columns), every time and rate marked as an estimate."""
-    first = next(iter(reports.values()))
-    top = first["topology"]
-    cols = list(reports.values())
-    get = lambda f: [f(r) for r in cols]
-    flops_ = lambda v: "n/a" if v is None else f"{v:.3e}"
-    lines = [
-        f"plan for {top['name']}: {top['chips']} x {top['device_kind']} on {top['hosts']} host(s); nothing was run",
-        _row("", *reports),
-        _row("mesh", *get(lambda r: r["step"]["mesh"])),
-        _row("batch rows x S x T", *get(lambda r: "x".join(map(str, r["step"]["batch_rows_src_tgt"])))),
-        _row(
-            "dtype / attention / micro-batches",
-            *get(lambda r: f"{r['step']['dtype']}/{r['step']['attention_impl']}/{r['step']['grad_accum_steps']}"),
-        ),
-        "per chip:",
-    ]
-    for key, label in (("parameters", "parameters"), ("optimizer_state", "optimizer state"), ("batch", "batch")):
-        lines.append(_row(label, *get(lambda r, k=key: _size(r["per_chip_bytes"][k]))))
-    for key in ("argument", "output", "alias", "temp", "generated_code", "total"):
-        lines.append(_row(f"compiled {key}", *get(lambda r, k=key: _size(r["memory_analysis_per_chip"][k]))))
-    lines += [
-        _row("HBM", *get(lambda r: _size(r["hbm_bytes_per_chip"]))),
-        _row("fits (headroom)", *get(lambda r: f"{'yes' if r['fits'] else 'NO'} ({_size(r['headroom_bytes'])})")),
-        "FLOPs per step (all chips):",
-        _row("compiled (XLA)", *get(lambda r: flops_(r["flops_per_step"]["compiled"]))),
-        _row("formula (training/flops.py)", *get(lambda r: flops_(r["flops_per_step"]["formula"]))),
-        _row(
-            "compiled / formula",
-            *get(
-                lambda r: (
-                    "n/a"
-                    if r["flops_per_step"]["compiled_over_formula"] is None
-                    else f"{r['flops_per_step']['compiled_over_formula']:.3f}"
-                )
-            ),
-        ),
-        "collectives per step in the compiled HLO (count, result bytes):",
-    ]
-    for op in COLLECTIVES:
-        count = lambda r, o=op: (
-            f"{r['collectives_per_step'][o]['count']}, {_size(r['collectives_per_step'][o]['bytes'])}"
-        )
-        lines.append(_row(op, *get(count)))
-    lines.append("ESTIMATES (nothing was run): " + first["estimate"]["roofline"])
-    for key, label, fmt in (
-        ("compute_s", "estimated compute s", "{:.3g}"),
-        ("hbm_s", "estimated HBM traffic s", "{:.3g}"),
-        ("collective_s", "estimated collective s", "{:.3g}"),
-        ("step_s", "estimated step s", "{:.3g}"),
-        ("mfu", "estimated MFU", "{:.2f}"),
-        ("target_token_slots_per_s", "estimated target tokens/s", "{:,.0f}"),
-        ("hours", "estimated hours for num_steps", "{:.3g}"),
-    ):
-        lines.append(_row(label, *get(lambda r, k=key, f=fmt: f.format(r["estimate"][k]))))
-    lines.append(_row("train.num_steps", *get(lambda r: r["estimate"]["num_steps"])))
-    lines.append(_row("compile s (this host)", *get(lambda r: f"{r['compile_s']:.1f}")))
-    if all("decode" in r for r in cols):
-        lines += _decode_rows([r["decode"] for r in cols])
-    return "\n".join(lines)
-
-
-def _decode_rows(cols: list[dict]) -> list[str]:
-    """The table's rows of the reports' "decode" sections (validation BLEU's beam search)."""
-    get = lambda f: [f(d) for d in cols]
-    flops_ = lambda v: "n/a" if v is None else f"{v:.3e}"
-    first = cols[0]
-    estimate = lambda key, fmt: get(lambda d: "n/a" if d["estimate"][key] is None else fmt.format(d["estimate"][key]))
-    lines = [
-        f"validation decoding (beam {first['beam_size']}, {first['sentences']} sentences x {first['source_len']} "
-        f"source tokens, {first['output_slots']} output slots, {first['search']} search), per chip:",
-        *[f"  {d['placement']}" for d in cols[:1]],
-        _row("peak program", *get(lambda d: d["peak_program"])),
-    ]
-    for key in ("argument", "output", "alias", "temp", "total"):
-        peak = lambda d, k=key: _size(d["memory_analysis_per_chip"][d["peak_program"]][k])
-        lines.append(_row(f"compiled {key}", *get(peak)))
-    lines += [
-        _row("+ optimizer state (bleu_every > 0)", *get(lambda d: _size(d["train_state_resident_bytes"]))),
-        _row("total", *get(lambda d: _size(d["total_bytes"]))),
-        _row("fits (headroom)", *get(lambda d: f"{'yes' if d['fits'] else 'NO'} ({_size(d['headroom_bytes'])})")),
-        _row("compiled FLOPs per step per chip", *get(lambda d: flops_(d["flops_per_step"]["compiled_per_chip"]))),
-        _row("formula (training/flops.py)", *get(lambda d: flops_(d["flops_per_step"]["formula"]))),
-        "ESTIMATES (nothing was run): " + first["estimate"]["roofline"],
-        _row("estimated decoding step s", *estimate("step_s", "{:.3g}")),
-        _row("estimated s per output token", *estimate("s_per_output_token", "{:.3g}")),
-        _row("compile s (this host)", *get(lambda d: f"{sum(d['compile_s'].values()):.1f}")),
-    ]
-    return lines
-
-
-SEARCHES = ("", "batch", "mesh")
-
-
-# (config, topology, mesh mode) -> the report's "decode" section: validation's decoding compiled for the slice.
-# Built outside training (train.py passes evaluation.decode_plan.plan_decode), so that training never imports it.
-DecodePlanner = Callable[[ml_collections.ConfigDict, Topology, str], dict]
-
-
-def run(
-    config: ml_collections.ConfigDict,
-    topology_name: str,
-    search: str,
-    as_json: bool,
-    decode: DecodePlanner | None = None,
-) -> dict:
-    """train.py --plan: the report (or search) printed as a table or JSON; DoesNotFit if nothing planned fits.
-
-    With `decode`, each mesh's report has a "decode" section, and a plan whose decoding does not fit on any mesh
-    whose train step fits fails too."""
-    if search not in SEARCHES:
-        raise ConfigError(f"--plan_search={search!r}: choose batch or mesh (or leave it out)")
-    topology = parse_topology(topology_name)
-    # The host only compiles: its backend is the CPU's even where libtpu or the CUDA plugin is installed.
-    jax.config.update("jax_platforms", "cpu")
-    if search == "mesh":
-        result = search_mesh(config, topology)
-        reports = result["meshes"]
-    else:
-        report = (search_batch if search == "batch" else plan_train_step)(config, topology, config.train.mesh)
-        result, reports = report, {config.train.mesh: report}
-    if decode is not None:
-        for mode, report in reports.items():
-            report["decode"] = decode(config, topology, mode)
-    if as_json:
-        print(json.dumps(result, indent=2))
-    else:
-        if reports:
-            print(format_reports(reports))
-        if search == "batch":
-            found = result["search"]
-            print(
-                f"largest batch that fits: {found['key']}={found['largest_that_fits']} ({len(found['tried'])} compiles)"
-            )
-        if search == "mesh":
-            for mode, message in result["refused_by_compiler"].items():
-                print(f"mesh {mode}: {message}")
-            print(f"chosen mesh: {result['chosen'] or 'neither fits'}")
-    if not any(r["fits"] for r in reports.values()):
-        if not reports:  # both meshes refused by the compiler
-            raise DoesNotFit(" | ".join(result["refused_by_compiler"].values()))
-        raise DoesNotFit(does_not_fit_line(min(reports.values(), key=lambda r: r["memory_analysis_per_chip"]["total"])))
-    trainable = [r["decode"] for r in reports.values() if r["fits"] and "decode" in r]
-    if trainable and not any(d["fits"] for d in trainable):
-        raise DoesNotFit(decode_does_not_fit_line(min(trainable, key=lambda d: d["total_bytes"]), topology.name))
-    return result

@@ -56,14 +56,14 @@ def _tile_mask(cfg: KernelConfig, q_vecs: tuple, kv_vecs: tuple) -> Array:
     return cfg.mask.tile(*q_vecs, *kv_vecs)
 
 
-def _load_vecs(cfg: KernelConfig, seg_ref, pos_ref, index) -> tuple:  # noqa: ANN001 (Pallas refs)
+def _load_vecs(cfg: KernelConfig, seg_ref, pos_ref, index) -> tuple:
     return (
         seg_ref[index] if cfg.segments else None,
         pos_ref[index] if cfg.positions else None,
     )
 
 
-def _three_loops(bounds_ref, num_tiles: int, body, carry):  # noqa: ANN001
+def _three_loops(bounds_ref, num_tiles: int, body, carry):
     """Runs body(j, carry, masked) over the visible tiles: masked [lo, a), unmasked [a, c), masked [c, hi)."""
     if bounds_ref is None:
         return lax.fori_loop(0, num_tiles, lambda j, c: body(j, c, False), carry)
@@ -86,7 +86,7 @@ def _split_refs(cfg: KernelConfig, refs: tuple, masked: bool) -> tuple:
     return q_seg, kv_seg, q_pos, kv_pos, bounds, refs
 
 
-def forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, block_k: int, masked: bool) -> None:  # noqa: ANN001
+def forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, block_k: int, masked: bool) -> None:
     """One query block [X, H] against all key blocks; writes O [X, E] and lse [X] (base 2, +inf if nothing seen)."""
     q_seg_ref, kv_seg_ref, q_pos_ref, kv_pos_ref, bounds_ref, (o_ref, lse_ref) = _split_refs(cfg, refs, masked)
     q_XH = q_ref[...]
@@ -94,7 +94,7 @@ def forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, block_k: int, 
     q_vecs = _load_vecs(cfg, q_seg_ref, q_pos_ref, slice(None)) if masked else None
     scale2 = cfg.scale * LOG2E
 
-    def body(j, carry: tuple, tile_masked: bool) -> tuple:  # noqa: ANN001
+    def body(j, carry: tuple, tile_masked: bool) -> tuple:
         m_X, l_X, acc_XE = carry
         kv_slice = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
         s_XY = _dot(q_XH, k_ref[kv_slice, :], 1, 1) * scale2
@@ -127,12 +127,12 @@ def forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, block_k: int, 
 
 
 def dkdv_kernel(
-    q_ref,  # noqa: ANN001
-    k_ref,  # noqa: ANN001
-    v_ref,  # noqa: ANN001
-    do_ref,  # noqa: ANN001
-    lse_ref,  # noqa: ANN001
-    delta_ref,  # noqa: ANN001
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
     *refs,
     cfg: KernelConfig,
     block_q: int,
@@ -148,8 +148,8 @@ def dkdv_kernel(
     kv_vecs = _load_vecs(cfg, kv_seg_ref, kv_pos_ref, slice(None)) if masked else None
     scale2 = cfg.scale * LOG2E
 
-    def head(g, carry: tuple) -> tuple:  # noqa: ANN001
-        def body(i, carry: tuple, tile_masked: bool) -> tuple:  # noqa: ANN001
+    def head(g, carry: tuple) -> tuple:
+        def body(i, carry: tuple, tile_masked: bool) -> tuple:
             dk_YH, dv_YE = carry
             q_slice = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
             q_XH, do_XE = q_ref[q_slice, g, :], do_ref[q_slice, g, :]
@@ -173,12 +173,12 @@ def dkdv_kernel(
 
 
 def dq_kernel(
-    q_ref,  # noqa: ANN001
-    k_ref,  # noqa: ANN001
-    v_ref,  # noqa: ANN001
-    do_ref,  # noqa: ANN001
-    lse_ref,  # noqa: ANN001
-    delta_ref,  # noqa: ANN001
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
     *refs,
     cfg: KernelConfig,
     block_k: int,
@@ -192,7 +192,7 @@ def dq_kernel(
     q_vecs = _load_vecs(cfg, q_seg_ref, q_pos_ref, slice(None)) if masked else None
     scale2 = cfg.scale * LOG2E
 
-    def body(j, dq_XH: Array, tile_masked: bool) -> Array:  # noqa: ANN001
+    def body(j, dq_XH: Array, tile_masked: bool) -> Array:
         kv_slice = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
         k_YH, v_YE = k_ref[kv_slice, :], v_ref[kv_slice, :]
         s_XY = _dot(q_XH, k_YH, 1, 1) * scale2

@@ -1,0 +1,200 @@
+"""`train.py --plan`'s report: the plan of a train step (and of validation's decoding) on a slice, or a search over
+batch or mesh, as a readable table or JSON; and the one line that says what does not fit."""
+
+from __future__ import annotations
+
+import json
+
+import ml_collections
+
+from transformer_jax.errors import ConfigError
+from transformer_jax.plan.accelerators import parse_topology
+from transformer_jax.plan.decode import plan_decode
+from transformer_jax.plan.train_step import (
+    COLLECTIVES,
+    DoesNotFit,
+    gb,
+    plan_train_step,
+    search_batch,
+    search_mesh,
+)
+
+SEARCHES = ("", "batch", "mesh")
+
+
+def run(config: ml_collections.ConfigDict, topology_name: str, search: str = "") -> dict:
+    """The plan of `config` on the slice (search "": the config as it is; "batch": the largest batch that fits;
+    "mesh": data and fsdp side by side), each mesh's report with a "decode" section for validation's decoding."""
+    if search not in SEARCHES:
+        raise ConfigError(f"--plan_search={search!r}: choose batch or mesh (or leave it out)")
+    topology = parse_topology(topology_name)
+    if search == "mesh":
+        result = search_mesh(config, topology)
+    else:
+        report = (search_batch if search == "batch" else plan_train_step)(config, topology, config.train.mesh)
+        result = report
+    for mode, report in meshes(result, config).items():
+        report["decode"] = plan_decode(config, topology, mode)
+    return result
+
+
+def meshes(result: dict, config: ml_collections.ConfigDict) -> dict[str, dict]:
+    """The train-step reports of a result of `run`, by mesh."""
+    return result["meshes"] if "meshes" in result else {config.train.mesh: result}
+
+
+def render(result: dict, config: ml_collections.ConfigDict, as_json: bool = False) -> str:
+    """A result of `run` as JSON, or as the table with the search's conclusion."""
+    if as_json:
+        return json.dumps(result, indent=2)
+    reports = meshes(result, config)
+    lines = [format_reports(reports)] if reports else []
+    if "search" in result:
+        found = result["search"]
+        lines.append(
+            f"largest batch that fits: {found['key']}={found['largest_that_fits']} ({len(found['tried'])} compiles)"
+        )
+    if "meshes" in result:
+        lines += [f"mesh {mode}: {message}" for mode, message in result["refused_by_compiler"].items()]
+        lines.append(f"chosen mesh: {result['chosen'] or 'neither fits'}")
+    return "\n".join(lines)
+
+
+def check_fits(result: dict, config: ml_collections.ConfigDict) -> None:
+    """DoesNotFit, one line saying what to lower, unless a planned train step fits and so does its decoding."""
+    reports = meshes(result, config)
+    if not any(r["fits"] for r in reports.values()):
+        if not reports:  # both meshes refused by the compiler
+            raise DoesNotFit(" | ".join(result["refused_by_compiler"].values()))
+        raise DoesNotFit(does_not_fit_line(min(reports.values(), key=lambda r: r["memory_analysis_per_chip"]["total"])))
+    trainable = [r for r in reports.values() if r["fits"] and "decode" in r]
+    if trainable and not any(r["decode"]["fits"] for r in trainable):
+        worst = min(trainable, key=lambda r: r["decode"]["total_bytes"])
+        raise DoesNotFit(decode_does_not_fit_line(worst["decode"], worst["topology"]["name"]))
+
+
+def _size(n: float) -> str:
+    """Bytes in decimal units: 1.23 GB, 456 MB, 7.8 kB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def does_not_fit_line(report: dict) -> str:
+    total = report["memory_analysis_per_chip"]["total"]
+    return (
+        f"does not fit: the train step (mesh={report['step']['mesh']}, batch {report['step']['batch_rows_src_tgt']}) "
+        f"needs {gb(total)} per chip on {report['topology']['name']}, {gb(-report['headroom_bytes'])} more than "
+        f"the chip's {gb(report['hbm_bytes_per_chip'])}; lower the batch (--plan_search=batch finds the largest) "
+        "or try train.mesh=fsdp"
+    )
+
+
+def decode_does_not_fit_line(decode: dict, topology_name: str) -> str:
+    """One line for a plan whose validation decoding (a report's "decode" section) does not fit."""
+    resident = decode["train_state_resident_bytes"]
+    return (
+        f"does not fit: validation's decoding (beam {decode['beam_size']}, {decode['sentences']} sentences x "
+        f"{decode['source_len']} source tokens, {decode['output_slots']} output slots) needs "
+        f"{gb(decode['total_bytes'])} per chip on {topology_name} (program {decode['peak_program']} "
+        f"{gb(decode['total_bytes'] - resident)} + the train state's optimizer state {gb(resident)}), "
+        f"{gb(-decode['headroom_bytes'])} more than the chip's {gb(decode['hbm_bytes_per_chip'])}; "
+        "lower eval.batch_size or data.eval_max_len"
+    )
+
+
+def _row(label: str, *values) -> str:
+    return f"  {label:<34}" + "".join(f"{v:>22}" for v in values)
+
+
+def format_reports(reports: dict[str, dict]) -> str:
+    """A readable table of one or more reports (columns), every time and rate marked as an estimate."""
+    first = next(iter(reports.values()))
+    top = first["topology"]
+    cols = list(reports.values())
+    get = lambda f: [f(r) for r in cols]
+    flops_ = lambda v: "n/a" if v is None else f"{v:.3e}"
+    lines = [
+        f"plan for {top['name']}: {top['chips']} x {top['device_kind']} on {top['hosts']} host(s); nothing was run",
+        _row("", *reports),
+        _row("mesh", *get(lambda r: r["step"]["mesh"])),
+        _row("batch rows x S x T", *get(lambda r: "x".join(map(str, r["step"]["batch_rows_src_tgt"])))),
+        _row(
+            "dtype / attention / micro-batches",
+            *get(lambda r: f"{r['step']['dtype']}/{r['step']['attention_impl']}/{r['step']['grad_accum_steps']}"),
+        ),
+        "per chip:",
+    ]
+    for key, label in (("parameters", "parameters"), ("optimizer_state", "optimizer state"), ("batch", "batch")):
+        lines.append(_row(label, *get(lambda r, k=key: _size(r["per_chip_bytes"][k]))))
+    for key in ("argument", "output", "alias", "temp", "generated_code", "total"):
+        lines.append(_row(f"compiled {key}", *get(lambda r, k=key: _size(r["memory_analysis_per_chip"][k]))))
+    lines += [
+        _row("HBM", *get(lambda r: _size(r["hbm_bytes_per_chip"]))),
+        _row("fits (headroom)", *get(lambda r: f"{'yes' if r['fits'] else 'NO'} ({_size(r['headroom_bytes'])})")),
+        "FLOPs per step (all chips):",
+        _row("compiled (XLA)", *get(lambda r: flops_(r["flops_per_step"]["compiled"]))),
+        _row("formula (training/flops.py)", *get(lambda r: flops_(r["flops_per_step"]["formula"]))),
+        _row(
+            "compiled / formula",
+            *get(
+                lambda r: (
+                    "n/a"
+                    if r["flops_per_step"]["compiled_over_formula"] is None
+                    else f"{r['flops_per_step']['compiled_over_formula']:.3f}"
+                )
+            ),
+        ),
+        "collectives per step in the compiled HLO (count, result bytes):",
+    ]
+    for op in COLLECTIVES:
+        count = lambda r, o=op: (
+            f"{r['collectives_per_step'][o]['count']}, {_size(r['collectives_per_step'][o]['bytes'])}"
+        )
+        lines.append(_row(op, *get(count)))
+    lines.append("ESTIMATES (nothing was run): " + first["estimate"]["roofline"])
+    for key, label, fmt in (
+        ("compute_s", "estimated compute s", "{:.3g}"),
+        ("hbm_s", "estimated HBM traffic s", "{:.3g}"),
+        ("collective_s", "estimated collective s", "{:.3g}"),
+        ("step_s", "estimated step s", "{:.3g}"),
+        ("mfu", "estimated MFU", "{:.2f}"),
+        ("target_token_slots_per_s", "estimated target tokens/s", "{:,.0f}"),
+        ("hours", "estimated hours for num_steps", "{:.3g}"),
+    ):
+        lines.append(_row(label, *get(lambda r, k=key, f=fmt: f.format(r["estimate"][k]))))
+    lines.append(_row("train.num_steps", *get(lambda r: r["estimate"]["num_steps"])))
+    lines.append(_row("compile s (this host)", *get(lambda r: f"{r['compile_s']:.1f}")))
+    if all("decode" in r for r in cols):
+        lines += _decode_rows([r["decode"] for r in cols])
+    return "\n".join(lines)
+
+
+def _decode_rows(cols: list[dict]) -> list[str]:
+    """The table's rows of the reports' "decode" sections (validation BLEU's beam search)."""
+    get = lambda f: [f(d) for d in cols]
+    flops_ = lambda v: "n/a" if v is None else f"{v:.3e}"
+    first = cols[0]
+    estimate = lambda key, fmt: get(lambda d: "n/a" if d["estimate"][key] is None else fmt.format(d["estimate"][key]))
+    lines = [
+        f"validation decoding (beam {first['beam_size']}, {first['sentences']} sentences x {first['source_len']} "
+        f"source tokens, {first['output_slots']} output slots, {first['search']} search), per chip:",
+        *[f"  {d['placement']}" for d in cols[:1]],
+        _row("peak program", *get(lambda d: d["peak_program"])),
+    ]
+    for key in ("argument", "output", "alias", "temp", "total"):
+        peak = lambda d, k=key: _size(d["memory_analysis_per_chip"][d["peak_program"]][k])
+        lines.append(_row(f"compiled {key}", *get(peak)))
+    lines += [
+        _row("+ optimizer state (bleu_every > 0)", *get(lambda d: _size(d["train_state_resident_bytes"]))),
+        _row("total", *get(lambda d: _size(d["total_bytes"]))),
+        _row("fits (headroom)", *get(lambda d: f"{'yes' if d['fits'] else 'NO'} ({_size(d['headroom_bytes'])})")),
+        _row("compiled FLOPs per step per chip", *get(lambda d: flops_(d["flops_per_step"]["compiled_per_chip"]))),
+        _row("formula (training/flops.py)", *get(lambda d: flops_(d["flops_per_step"]["formula"]))),
+        "ESTIMATES (nothing was run): " + first["estimate"]["roofline"],
+        _row("estimated decoding step s", *estimate("step_s", "{:.3g}")),
+        _row("estimated s per output token", *estimate("s_per_output_token", "{:.3g}")),
+        _row("compile s (this host)", *get(lambda d: f"{sum(d['compile_s'].values()):.1f}")),
+    ]
+    return lines
