@@ -36,7 +36,7 @@ from transformer_jax.evaluation.options import (
 )
 from transformer_jax.evaluation.restore import Restorer, restore_model
 from transformer_jax.evaluation.scoring import score_lines, score_pairs
-from transformer_jax.evaluation.translate import check_nbest, translate, translate_nbest
+from transformer_jax.evaluation.translate import DecodeSettings, check_nbest, translate, translate_nbest
 
 
 def evaluate(options: Options, restorer: Restorer | None = None) -> dict[str, Any]:
@@ -160,11 +160,10 @@ def _evaluate_model(options: Options, restorer: Restorer | None, stack: contextl
     if sampling is None:
         search["finished"] = options.finished or IN_BEAM
     if sampling is not None:
-        settings["beam_size"] = 1
         search["sampling"] = {**dataclasses.asdict(sampling), "seed": options.seed or 0, "num_samples": search["nbest"]}
     elif search["nbest"] > 1:
         flag = "--mbr" if options.mbr is not None else "--nbest"
-        check_nbest(search["nbest"], settings["beam_size"], flag)  # a beam size from the config
+        check_nbest(search["nbest"], settings.search.beam_size, flag)  # a beam size from the config
     if options.mbr is not None:
         search["mbr_utility"] = options.mbr_utility or mbr.UTILITIES[0]
     tag = f"step{steps[-1]}" + (f"-avg{len(steps)}" if len(steps) > 1 else "")
@@ -172,35 +171,20 @@ def _evaluate_model(options: Options, restorer: Restorer | None, stack: contextl
         return _forced_decoding(options, model, tokenizer, config, (sources, references), f"{name}.{tag}", inputs)
     output_file = options.output_file
     if output_file is None and not stdin:
-        output_file = str(Path(options.workdir) / "eval" / f"{name}.{tag}.beam{settings['beam_size']}.txt")
+        output_file = str(Path(options.workdir) / "eval" / f"{name}.{tag}.beam{settings.search.beam_size}.txt")
     scores_file = options.scores_file or (f"{output_file}.json" if output_file else None)
     nbest_file = f"{output_file}.nbest" if options.nbest is not None or search["nbest"] > 1 else None
     written = {"--output_file": output_file, "--scores_file": scores_file, "--nbest (OUTPUT_FILE.nbest)": nbest_file}
     refuse_overwriting_inputs(written, inputs)
     if stdin:
-        hypotheses, stats = translate_stream(
-            model,
-            tokenizer,
-            {**settings, "length_penalty": search["length_penalty"], "finished": search["finished"]},
-            output_file,
-        )
+        hypotheses, stats = translate_stream(model, tokenizer, settings, output_file)
         if not hypotheses:
             raise EvalError("stdin had no lines: nothing was translated")
         if references is not None:
             bleu.check_line_counts(hypotheses, references, "stdin", options.references_file)
     else:
         lists, stats = translate_nbest(
-            model,
-            tokenizer,
-            sources,
-            nbest=search["nbest"],
-            length_penalty=search["length_penalty"],
-            finished=search.get("finished", IN_BEAM),
-            prefixes=prefixes,
-            sampling=sampling,
-            seed=options.seed or 0,
-            progress=True,
-            **settings,
+            model, tokenizer, sources, settings, nbest=search["nbest"], prefixes=prefixes, progress=True
         )
         hypotheses = [x[0].text for x in lists]
         if options.mbr is not None:
@@ -221,7 +205,7 @@ def _evaluate_model(options: Options, restorer: Restorer | None, stack: contextl
         "source": name,
         "references_file": options.references_file,
         "hypotheses_file": output_file,
-        "decoding": settings,
+        "decoding": settings.report(),
         "search": search,
         "lines": len(hypotheses),
         "blank_lines": blank,
@@ -245,7 +229,7 @@ def _forced_decoding(options: Options, model, tokenizer, config, pairs, name: st
     output_file = options.output_file or str(Path(options.workdir) / "eval" / f"{name}.scores.txt")
     scores_file = options.scores_file or f"{output_file}.json"
     refuse_overwriting_inputs({"--output_file": output_file, "--scores_file": scores_file}, inputs)
-    batch_size = decoding_settings(options, config)["batch_size"]
+    batch_size = decoding_settings(options, config).batch_size
     scores, stats = score_pairs(
         model, tokenizer, *pairs, batch_size=batch_size, max_len=config.data.eval_max_len, progress=True
     )
@@ -277,19 +261,19 @@ def lines_summary(lines: int, blank: dict[str, int | None]) -> str:
     )
 
 
-def translate_stream(model, tokenizer, settings: dict, output_file: str | None) -> tuple[list[str], dict]:
+def translate_stream(model, tokenizer, settings: DecodeSettings, output_file: str | None) -> tuple[list[str], dict]:
     """Translates stdin one line at a time, writing each output as soon as it is ready.
 
     A line that is not UTF-8 stops the run with an EvalError naming it, after the lines before it were written.
     """
-    settings = {**settings, "batch_size": 1}  # one line at a time: nothing waits for a full batch
+    settings = dataclasses.replace(settings, batch_size=1)  # one line at a time: nothing waits for a full batch
     if output_file:
         Path(output_file).parent.mkdir(parents=True, exist_ok=True)
     out = open(output_file, "w", encoding="utf-8") if output_file else sys.stdout
     hypotheses, totals = [], {}
     try:
         for line in stdin_lines():
-            [hyp], stats = translate(model, tokenizer, [line], **settings)
+            [hyp], stats = translate(model, tokenizer, [line], settings)
             try:
                 out.write(hyp + "\n")
                 out.flush()
