@@ -22,11 +22,13 @@ from flax import nnx
 
 from tests.helpers import DATA, REPO
 from tests.helpers.fakes import CharTokenizer, FakeRestorer, tiny_config
+from transformer_jax import decoding
 from transformer_jax.data.tokenizer import train_tokenizer
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation import bleu, restore
 from transformer_jax.evaluation.options import Options
 from transformer_jax.evaluation.run import evaluate_model, translate_stream
+from transformer_jax.evaluation.translate import DecodeSettings
 
 PYTHON = sys.executable
 SACREBLEU = str(Path(sys.executable).parent / "sacrebleu")
@@ -181,7 +183,7 @@ def test_translate_a_file_one_output_per_input_line_and_report(tmp_path, capsys)
     # stdin, one line at a time: the same outputs (greedy-equal settings, batch of one) in the same order.
     _, model, _ = restore.restore_model(FakeRestorer(), str(tmp_path))
     stdin = io.StringIO("\n".join(sources) + "\n")
-    settings = {"beam_size": 2, "alpha": 0.0, "max_extra_len": 5, "batch_size": 1, "max_input_len": 256}
+    settings = DecodeSettings(decoding.Beam(alpha=0.0, beam_size=2), max_extra_len=5, batch_size=1, max_input_len=256)
     old_stdin, sys.stdin = sys.stdin, stdin
     try:
         streamed, stats = translate_stream(model, CharTokenizer(), settings, None)

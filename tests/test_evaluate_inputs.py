@@ -20,11 +20,13 @@ import pytest
 
 from tests.helpers import REPO
 from tests.helpers.fakes import FakeRestorer, tiny_config
+from transformer_jax import decoding
 from transformer_jax.data import sources as sources_lib
 from transformer_jax.errors import EvalError, ScoreError
 from transformer_jax.evaluation import bleu, restore
 from transformer_jax.evaluation.options import Options
 from transformer_jax.evaluation.run import evaluate, evaluate_model, translate_stream
+from transformer_jax.evaluation.translate import DecodeSettings
 
 
 def run_evaluate(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
@@ -186,7 +188,7 @@ def test_invalid_utf8_on_stdin_stops_at_its_line_after_writing_the_lines_before(
     # As the interpreter opens stdin in a UTF-8 locale: lenient decoding (surrogateescape) over a binary buffer.
     stdin = io.TextIOWrapper(io.BytesIO(b"\n \n\xff\xfe oops\nnever read\n"), "utf-8", "surrogateescape")
     monkeypatch.setattr(sys, "stdin", stdin)
-    settings = {"beam_size": 2, "alpha": 0.0, "max_extra_len": 5, "batch_size": 1, "max_input_len": 256}
+    settings = DecodeSettings(decoding.Beam(alpha=0.0, beam_size=2), max_extra_len=5, batch_size=1, max_input_len=256)
     with pytest.raises(EvalError, match=r"stdin, line 3: invalid UTF-8 .*byte 1 of the line.*2 lines before"):
         translate_stream(model, None, settings, None)
     assert capsys.readouterr().out == "\n\n"  # the two lines before it, written and flushed

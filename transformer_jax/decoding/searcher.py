@@ -71,7 +71,11 @@ class Searcher:
         """
         src_BS = jax.ShapeDtypeStruct((rows, src_len), jnp.int32, sharding=host)
         max_len_B = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=host)
-        search = jax.tree.map(lambda x: jax.ShapeDtypeStruct((), jnp.asarray(x).dtype, sharding=host), search)
+        # The spec's leaves (alpha; a sampling seed) as the Python scalars they are at run time: weakly typed.
+        leaf = lambda x: jax.ShapeDtypeStruct(
+            (), jax.dtypes.canonicalize_dtype(np.result_type(x)), sharding=host, weak_type=True
+        )
+        search = jax.tree.map(leaf, search)
         if not self.refills(rows):
             traced = calls.search_batch.trace(
                 self.graphdef,
