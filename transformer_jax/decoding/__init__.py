@@ -52,6 +52,7 @@ from transformer_jax.decoding.searches import (
     SetAside,
     run_search,
     search_for,
+    search_spec,
 )
 from transformer_jax.decoding.set_aside import SetAsideState, set_aside_search
 from transformer_jax.tokens import BOS_ID, EOS_ID, PAD_ID
@@ -102,6 +103,7 @@ __all__ = [
     "run_search",
     "search",
     "search_for",
+    "search_spec",
     "searcher",
     "source_batch",
     "tile_beams",

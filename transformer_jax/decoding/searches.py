@@ -51,8 +51,9 @@ IN_BEAM, SET_ASIDE = "in_beam", "set_aside"
 FINISHED_RULES = (IN_BEAM, SET_ASIDE)  # what beam search does with a hypothesis that ends (set_aside.py)
 
 
-def _spec(*values: str) -> Callable[[type], type]:
-    """A frozen keyword-only dataclass registered as a pytree whose leaves are the fields `values`."""
+def search_spec(*values: str) -> Callable[[type], type]:
+    """The class decorator of a spec: a frozen keyword-only dataclass registered as a pytree whose leaves are the
+    fields `values` (traced by jit), its other fields static (every spec has `alpha` among its values)."""
 
     def register(cls: type) -> type:
         cls = dataclasses.dataclass(frozen=True, kw_only=True)(cls)
@@ -62,7 +63,7 @@ def _spec(*values: str) -> Callable[[type], type]:
     return register
 
 
-@_spec("alpha")
+@search_spec("alpha")
 class Search:
     """What every search shares: hypotheses are ranked by log P / lp(length) (search.length_penalty's `penalty`
     with `alpha`). Subclasses override `start` and `advance`, and the class facts below where they differ."""
@@ -117,12 +118,12 @@ class Search:
         return best_first(pad_tokens(tokens, max_steps), log_probs, lengths, self.alpha, self.penalty)
 
 
-@_spec("alpha")
+@search_spec("alpha")
 class Greedy(Search):
     """The most probable token at each step (search.GreedyState): Search's own rules."""
 
 
-@_spec("alpha")
+@search_spec("alpha")
 class Beam(Search):
     """Beam search keeping finished hypotheses among its W beams (search.beam_search); a sentence stops once its
     `settle` best are settled (0: every beam runs to its end)."""
@@ -151,7 +152,7 @@ class Beam(Search):
         return s.advance(step, max_len_B, self.alpha, self.settle, self.penalty, row_inputs.get("prefix"), reorder)
 
 
-@_spec("alpha")
+@search_spec("alpha")
 class SetAside(Search):
     """Beam search that sets finished hypotheses aside (set_aside.py, CTranslate2's), returning `hypotheses` of them
     (0: beam_size)."""
@@ -181,7 +182,7 @@ class SetAside(Search):
         return s.advance(step, max_len_B, self.alpha, self.penalty, row_inputs.get("prefix"), reorder)
 
 
-@_spec("alpha", "seed")
+@search_spec("alpha", "seed")
 class Sampled(Search):
     """Each token drawn from the model's reshaped distribution (sampling.py), row by row with its own key: an n-best
     list is n draws of the line, best score first."""
