@@ -66,7 +66,9 @@ def search_spec(*values: str) -> Callable[[type], type]:
 @search_spec("alpha")
 class Search:
     """What every search shares: hypotheses are ranked by log P / lp(length) (search.length_penalty's `penalty`
-    with `alpha`). Subclasses override `start` and `advance`, and the class facts below where they differ."""
+    with `alpha`). Its own state and step are greedy search's (one row per sentence, search.GreedyState); a subclass
+    overrides `advance` (and `start` for another state) and the class facts below where they differ, and is
+    decorated with `search_spec`."""
 
     alpha: float  # the length penalty's exponent (traced: a new value does not recompile)
     penalty: str = GNMT  # search.LENGTH_PENALTIES
