@@ -60,7 +60,7 @@ from transformer_jax.errors import DataError
 from transformer_jax.evaluation import bleu
 from transformer_jax.evaluation.inputs import split_pairs
 from transformer_jax.evaluation.restore import Restorer, restore_model
-from transformer_jax.evaluation.translate import position_limit, translate
+from transformer_jax.evaluation.translate import DecodeSettings, position_limit, translate
 from transformer_jax.export.ctranslate2 import ctranslate2_translate, to_ctranslate2
 from transformer_jax.model import build_model, model_rngs
 
@@ -125,30 +125,26 @@ def side_by_side(workdir: str) -> None:
         )
         runs = [(b, f) for b in map(int, _BEAM_SIZES.value) for f in (_FINISHED.value if b > 1 else [decoding.IN_BEAM])]
         for beam_size, finished in runs:
-            settings = dict(
-                beam_size=beam_size,
-                alpha=_ALPHA.value,
+            settings = DecodeSettings(
+                decoding.search_for(beam_size, _ALPHA.value, _LENGTH_PENALTY.value, finished),
                 max_extra_len=config.eval.max_extra_len,
                 batch_size=_BATCH_SIZE.value,
                 max_input_len=config.data.eval_max_len,
             )
-            search = dict(length_penalty=_LENGTH_PENALTY.value, finished=finished)
-            ours = timed_calls(
-                functools.partial(translate, model, tokenizer, sources, **settings, **search), _REPEATS.value
-            )
+            ours = timed_calls(functools.partial(translate, model, tokenizer, sources, settings), _REPEATS.value)
             theirs = timed_calls(
                 functools.partial(
                     ctranslate2_translate,
                     translator,
                     tokenizer,
                     sources,
+                    settings,
                     position_limit=position_limit(model.spec),
-                    **settings,
                 ),
                 _REPEATS.value,
             )
             report = {"workdir": workdir, "steps": steps, "split": split, "sentences": len(sources)}
-            report.update(**settings, **search)
+            report.update(**settings.report(), length_penalty=_LENGTH_PENALTY.value, finished=finished)
             report.update(backend=jax.default_backend(), cores=os.cpu_count(), ctranslate2_threads=_THREADS.value)
             for name, (first, steady, (hyps, _)) in (("ours", ours), ("ctranslate2", theirs)):
                 report[name] = {
@@ -194,10 +190,7 @@ def modes_side_by_side(workdir: str, modes: list[str]) -> None:
     ids = [source_ids(tokenizer, s, max_input_len)[0] for s in sources if s.strip()]
     longest = max(output_limit(len(x), config.eval.max_extra_len, limit) for x in ids)
     common = dict(
-        alpha=_ALPHA.value,
-        max_extra_len=config.eval.max_extra_len,
-        batch_size=_BATCH_SIZE.value,
-        max_input_len=config.data.eval_max_len,
+        max_extra_len=config.eval.max_extra_len, batch_size=_BATCH_SIZE.value, max_input_len=config.data.eval_max_len
     )
     with tempfile.TemporaryDirectory() as tmp:
         translator = ctranslate2.Translator(
@@ -211,16 +204,9 @@ def modes_side_by_side(workdir: str, modes: list[str]) -> None:
         runs = [(m, f) for m in modes for f in (_FINISHED.value if m == "nbest" else [None])]
         for mode, finished in runs:
             if mode == "nbest":
+                search = decoding.search_for(NBEST_BEAM, _ALPHA.value, "average", finished)
                 ours = functools.partial(
-                    translate_nbest,
-                    model,
-                    tokenizer,
-                    sources,
-                    nbest=_NBEST.value,
-                    beam_size=NBEST_BEAM,
-                    length_penalty="average",
-                    finished=finished,
-                    **common,
+                    translate_nbest, model, tokenizer, sources, DecodeSettings(search, **common), nbest=_NBEST.value
                 )
                 theirs = functools.partial(
                     translator.translate_batch,
@@ -252,17 +238,14 @@ def modes_side_by_side(workdir: str, modes: list[str]) -> None:
                 )
                 baseline = "ctranslate2 score_batch"
             elif mode == "sampling":
+                sampled = decoding.search_for(1, _ALPHA.value, sampling=decoding.Sampling(1.0, 0, 1.0))
+                greedy = decoding.search_for(1, _ALPHA.value)
                 ours = functools.partial(
-                    translate_nbest,
-                    model,
-                    tokenizer,
-                    sources,
-                    nbest=1,
-                    beam_size=1,
-                    sampling=decoding.Sampling(1.0, 0, 1.0),
-                    **common,
+                    translate_nbest, model, tokenizer, sources, DecodeSettings(sampled, **common), nbest=1
                 )
-                theirs = functools.partial(translate_nbest, model, tokenizer, sources, nbest=1, beam_size=1, **common)
+                theirs = functools.partial(
+                    translate_nbest, model, tokenizer, sources, DecodeSettings(greedy, **common), nbest=1
+                )
                 baseline = "our greedy search"
             else:
                 raise DataError(f"--modes: unknown mode {mode!r}; choose among translate, nbest, score, sampling")

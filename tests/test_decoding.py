@@ -3,6 +3,7 @@ and the Transformer's cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -26,11 +27,10 @@ from tests.helpers.decoding import (
 )
 from tests.helpers.model import random_tokens
 from transformer_jax import decoding
-from transformer_jax.decoding import refill
-from transformer_jax.decoding import transformer as binding
+from transformer_jax.decoding import calls, refill
 from transformer_jax.decoding.search import TOP_K_BLOCK
 from transformer_jax.decoding.search import top_k as blockwise_top_k
-from transformer_jax.evaluation.translate import translate
+from transformer_jax.evaluation.translate import DecodeSettings, translate
 from transformer_jax.model import unpacked_segment_ids
 
 
@@ -304,7 +304,7 @@ def test_beam_search_on_model_scores_equal_full_recompute_log_probs():
     # The shapes of translate()'s batches in the test below (4 rows, bucket 16, 16 + 5 steps): one compilation.
     model, src = shared_model(), sources_BS(4, 16)
     max_len = jnp.array([6, 21, 9, 3])
-    cached = decoding.search(model, src, max_len, beam_size=2, alpha=0.6, max_steps=21)
+    cached = decoding.search(model, src, max_len, decoding.Beam(alpha=0.6, beam_size=2), max_steps=21)
     expected = _teacher_forced_log_probs(*nnx.split(model), src, cached.tokens, cached.lengths)
     np.testing.assert_allclose(cached.log_probs, expected, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(cached.scores, expected / decoding.length_penalty(cached.lengths, 0.6), rtol=1e-5)
@@ -323,14 +323,14 @@ def _model_beam1(graphdef, state, src_BS, max_len_B, *, max_steps):
 def test_beam_size_one_equals_greedy_on_model_and_search_runs_without_dropout():
     model, src, max_len = shared_model(), sources_BS(), jnp.array([8, 5])
     beam = _model_beam1(*nnx.split(model), src, max_len, max_steps=8)
-    greedy = decoding.search(model, src, max_len, beam_size=1, alpha=0.6, max_steps=8)  # greedy search
+    greedy = decoding.search(model, src, max_len, decoding.Greedy(alpha=0.6), max_steps=8)
     np.testing.assert_array_equal(beam.tokens, greedy.tokens)
     np.testing.assert_allclose(beam.log_probs, greedy.log_probs, rtol=1e-5)
     # A model in train mode (as during training's validation BLEU) is searched with dropout off, and stays in
     # train mode.
     model.train()
     try:
-        searched = decoding.search(model, src, max_len, beam_size=1, alpha=0.6, max_steps=8)
+        searched = decoding.search(model, src, max_len, decoding.Greedy(alpha=0.6), max_steps=8)
         assert model.embed_dropout.deterministic is False
     finally:
         model.eval()
@@ -354,11 +354,11 @@ class CharTokenizer:
 def test_translate_keeps_order_empty_lines_and_is_independent_of_batching(monkeypatch):
     # Batches under 2 MIN_ROWS sentences have little to gain from refilling: they run one-jit batches.
     monkeypatch.setattr(refill, "refilling_search", lambda *a, **k: pytest.fail("refilled a small batch"))
-    batches = record_calls(monkeypatch, "_search", lambda graph, params, src, *a, **k: src.shape)
+    batches = record_calls(monkeypatch, "search_batch", lambda graph, params, src, *a, **k: src.shape)
     model, tok = shared_model(), CharTokenizer()
     sentences = ["hello world", "", "a", "x" * 40, "   ", "the cat sat on the mat", "b c"]
-    settings = dict(beam_size=2, alpha=0.6, max_extra_len=5, max_input_len=16)
-    outputs, stats = translate(model, tok, sentences, batch_size=4, **settings)
+    settings = DecodeSettings(decoding.Beam(alpha=0.6, beam_size=2), max_extra_len=5, batch_size=4, max_input_len=16)
+    outputs, stats = translate(model, tok, sentences, settings)
     assert len(outputs) == len(sentences)
     assert outputs[1] == "" and outputs[4] == ""
     assert stats["empty"] == 2 and stats["truncated"] == 2 and stats["truncated_lines"] == [4, 6]
@@ -366,14 +366,14 @@ def test_translate_keeps_order_empty_lines_and_is_independent_of_batching(monkey
     assert stats["shapes"] == [(16, 21)]
     # Each sentence translated alone (other rows in its batch) gives the same output.
     for i in (0, 3, 5):
-        alone, _ = translate(model, tok, [sentences[i]], batch_size=4, **settings)
+        alone, _ = translate(model, tok, [sentences[i]], settings)
         assert alone == [outputs[i]]
     for out, sentence in zip(outputs, sentences, strict=True):
         if sentence.strip():
             assert len(out) <= min(len(sentence) + 1, 16) + 5
     # Fewer sentences than batch_size: one batch of as many rows as needed, rounded up to a multiple of 8.
     batches.clear()
-    together, stats = translate(model, tok, sentences, batch_size=64, **settings)
+    together, stats = translate(model, tok, sentences, dataclasses.replace(settings, batch_size=64))
     assert together == outputs and batches == [(8, 16)]
 
 
@@ -436,16 +436,16 @@ def test_compacted_and_refill_sizes():
 
 
 def record_calls(monkeypatch, name: str, what) -> list:
-    """The jitted call binding.<name> wrapped so that what(*args, **kwargs) of each call is recorded before it runs;
+    """The jitted call calls.<name> wrapped so that what(*args, **kwargs) of each call is recorded before it runs;
     returns the record."""
-    calls, original = [], getattr(binding, name)
+    record, original = [], getattr(calls, name)
 
     def recorded(*args, **kwargs):
-        calls.append(what(*args, **kwargs))
+        record.append(what(*args, **kwargs))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(binding, name, recorded)
-    return calls
+    monkeypatch.setattr(calls, name, recorded)
+    return record
 
 
 def mostly_short_limits() -> jnp.ndarray:
@@ -460,9 +460,9 @@ def test_compacting_search_equals_the_whole_batch_search(beam_size, monkeypatch)
     # batch shrinks to 12 sentences (<= FULL_CACHE_SENTENCES), which grow the cache to 40 slots at once.
     model, src = shared_model(), sources_BS(24, 9)
     max_len = mostly_short_limits()
-    kept = record_calls(monkeypatch, "_keep", lambda context, s, keep_K, **kw: keep_K.shape[0])
+    kept = record_calls(monkeypatch, "keep", lambda context, s, keep_K, **kw: keep_K.shape[0])
     compact, whole = (
-        decoding.search(model, src, max_len, beam_size=beam_size, alpha=0.6, max_steps=40, compact=c)
+        decoding.search(model, src, max_len, decoding.search_for(beam_size, 0.6), max_steps=40, compact=c)
         for c in (True, False)
     )
     assert kept == [12]
@@ -481,8 +481,8 @@ def test_refilling_search_equals_one_batch_at_a_time(monkeypatch):
     lengths = [*rng.integers(2, 9, 36), *rng.integers(9, 16, 4)]  # the second block's sources fit in 8 positions
     sources = [[int(t) for t in rng.integers(4, 50, n - 1)] + [EOS] for n in lengths]
     max_len = [22 if i % 7 == 0 else 1 + i % 4 for i in range(len(sources))]
-    joined = record_calls(monkeypatch, "_insert", lambda *a, **k: int(np.sum(np.asarray(a[4]) < 20)))
-    widened = record_calls(monkeypatch, "_widen", lambda *a, **k: (a[1]["src_segment_ids"].shape, k["src_len"]))
+    joined = record_calls(monkeypatch, "insert", lambda *a, **k: int(np.sum(np.asarray(a[4]) < 20)))
+    widened = record_calls(monkeypatch, "widen", lambda *a, **k: (a[1]["src_segment_ids"].shape, k["src_len"]))
 
     def shape(longest: int) -> tuple[int, int]:
         return 16, 22
@@ -490,7 +490,7 @@ def test_refilling_search_equals_one_batch_at_a_time(monkeypatch):
     model = shared_model()
     refilled, batched = (
         decoding.searcher(model, compact=c).sentences(
-            sources, max_len, beam_size=1, alpha=0.6, batch_size=20, shape=shape
+            sources, max_len, decoding.Greedy(alpha=0.6), batch_size=20, shape=shape
         )
         for c in (True, False)
     )
@@ -509,10 +509,9 @@ def test_a_small_beam_batch_steps_at_the_last_cache_stage_only(monkeypatch):
     last stage before its first step, so its steps compile once per batch size, not per (size, stage)."""
     model, src = shared_model(), sources_BS(24, 9)
     max_len = mostly_short_limits()
-    stages = record_calls(monkeypatch, "_stage", lambda params, context, s, *a, **k: s.tokens_BWL.shape)
-    compact, whole = (
-        decoding.search(model, src, max_len, beam_size=4, alpha=0.6, max_steps=40, compact=c) for c in (True, False)
-    )
+    stages = record_calls(monkeypatch, "stage", lambda params, context, s, *a, **k: s.tokens_BWL.shape)
+    beam = decoding.Beam(alpha=0.6, beam_size=4)
+    compact, whole = (decoding.search(model, src, max_len, beam, max_steps=40, compact=c) for c in (True, False))
     assert 24 <= decoding.FULL_CACHE_SENTENCES
     assert len(stages) > 1 and {slots for _, _, slots in stages} == {40}, stages  # compacted, never at 16 slots
     np.testing.assert_array_equal(compact.tokens, whole.tokens)
@@ -533,9 +532,9 @@ def test_the_refilling_search_builds_no_programs_of_its_own_on_the_host(beam_siz
     jax.clear_caches()  # programs an earlier test built would not be built (nor counted) again
     before = compile_cache.compilations()["functions"]
     decoding.searcher(model).sentences(
-        sources, max_len, beam_size=beam_size, alpha=0.6, batch_size=16, shape=lambda longest: (16, 24)
+        sources, max_len, decoding.search_for(beam_size, 0.6), batch_size=16, shape=lambda longest: (16, 24)
     )
     built = {name for name, n in compile_cache.compilations()["functions"].items() if n > before.get(name, 0)}
-    calls = ("_start", "_encode", "_insert", "_grow", "_widen", "_stage", "_keep", "_outcome")
-    scheduler = {f"jit({name})" for name in calls}
-    assert "jit(_stage)" in built and built <= scheduler, built - scheduler
+    names = ("start", "encode", "insert", "grow", "widen", "stage", "keep", "outcome")
+    scheduler = {f"jit({name})" for name in names}
+    assert "jit(stage)" in built and built <= scheduler, built - scheduler

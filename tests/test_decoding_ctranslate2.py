@@ -13,8 +13,9 @@ import pytest
 
 from tests.helpers.model import tiny_model
 from tests.helpers.training import write_corpus
+from transformer_jax import decoding
 from transformer_jax.evaluation.scoring import score_pairs
-from transformer_jax.evaluation.translate import output_limit, source_ids, translate_nbest
+from transformer_jax.evaluation.translate import DecodeSettings, output_limit, source_ids, translate_nbest
 from transformer_jax.tokens import EOS_ID
 
 ctranslate2 = pytest.importorskip("ctranslate2", reason="ctranslate2 is not installed: the comparisons need it")
@@ -61,18 +62,10 @@ def _limits(tokenizer, sentences):
 def test_greedy_with_a_target_prefix_equals_target_prefix(setup):
     model, tokenizer, translator, pieces, sources, targets = setup
     prefixes = [" ".join(t.split()[: i % 3]) for i, t in enumerate(targets)]  # 0, 1 or 2 words of the reference
-    ours, _ = translate_nbest(
-        model,
-        tokenizer,
-        sources,
-        nbest=1,
-        beam_size=1,
-        alpha=0.0,
-        max_extra_len=MAX_EXTRA_LEN,
-        batch_size=8,
-        max_input_len=MAX_INPUT_LEN,
-        prefixes=prefixes,
+    settings = DecodeSettings(
+        decoding.Greedy(alpha=0.0), max_extra_len=MAX_EXTRA_LEN, batch_size=8, max_input_len=MAX_INPUT_LEN
     )
+    ours, _ = translate_nbest(model, tokenizer, sources, settings, nbest=1, prefixes=prefixes)
     ids, limits = _limits(tokenizer, sources)
     results = translator.translate_batch(
         [[pieces[t] for t in x[:-1]] for x in ids],
@@ -94,10 +87,9 @@ def test_greedy_with_a_target_prefix_equals_target_prefix(setup):
 
 def _our_nbest(model, tokenizer, sources, nbest: int, alpha: float, finished: str):
     """Our nbest best of beam 4 with the `average` penalty (CTranslate2's length_penalty formula)."""
-    settings = dict(max_extra_len=MAX_EXTRA_LEN, batch_size=8, max_input_len=MAX_INPUT_LEN, length_penalty="average")
-    lists, _ = translate_nbest(
-        model, tokenizer, sources, nbest=nbest, beam_size=4, alpha=alpha, finished=finished, **settings
-    )
+    search = decoding.search_for(4, alpha, "average", finished)
+    settings = DecodeSettings(search, max_extra_len=MAX_EXTRA_LEN, batch_size=8, max_input_len=MAX_INPUT_LEN)
+    lists, _ = translate_nbest(model, tokenizer, sources, settings, nbest=nbest)
     return lists
 
 

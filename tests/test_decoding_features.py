@@ -32,7 +32,7 @@ from transformer_jax import decoding
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation.__main__ import evaluate
 from transformer_jax.evaluation.nbest import parse_nbest_line
-from transformer_jax.evaluation.translate import EMPTY, translate, translate_nbest
+from transformer_jax.evaluation.translate import EMPTY, DecodeSettings, translate, translate_nbest
 
 
 @functools.partial(jax.jit, static_argnames=("beam_size", "max_steps", "table_seed", "penalty", "settle"))
@@ -175,16 +175,16 @@ def test_set_aside_search_stops_sooner_than_the_full_search_and_differs_from_it(
 
 def test_settle_above_the_beam_size_is_refused():
     with pytest.raises(ValueError, match="settle must be in"):
-        decoding.searcher(shared_model()).sentences(
-            [[5, EOS]], [3], beam_size=2, alpha=0.6, batch_size=8, shape=lambda _: (8, 3), settle=3
-        )
+        decoding.Beam(alpha=0.6, beam_size=2, settle=3)
+    with pytest.raises(ValueError, match="settle must be in"):
+        decoding.SetAside(alpha=0.6, beam_size=2, hypotheses=3)
+    with pytest.raises(ValueError, match="1 to 2"):
+        decoding.Beam(alpha=0.6, beam_size=2).nbest(3)
 
 
 def test_an_unknown_rule_for_finished_hypotheses_is_refused():
     with pytest.raises(ValueError, match="unknown rule for finished hypotheses 'aside'"):
-        decoding.searcher(shared_model()).sentences(
-            [[5, EOS]], [3], beam_size=2, alpha=0.6, batch_size=8, shape=lambda _: (8, 3), finished="aside"
-        )
+        decoding.search_for(2, 0.6, finished="aside")
 
 
 def test_unknown_length_penalty_is_refused():
@@ -197,13 +197,11 @@ def _sources(n: int, seed: int = 7) -> list[list[int]]:
     return [[int(t) for t in rng.integers(4, 50, k - 1)] + [EOS] for k in rng.integers(2, 12, n)]
 
 
-def _refilled_and_one_jit(max_len: list[int], **search) -> tuple[list, list]:
-    """Beam 3 over 20 sources (batch 16) through the refilling scheduler and as one-jit batches."""
+def _refilled_and_one_jit(max_len: list[int], search: decoding.Search) -> tuple[list, list]:
+    """A search over 20 sources (batch 16) through the refilling scheduler and as one-jit batches."""
     sources, model = _sources(len(max_len)), shared_model()
     return tuple(
-        decoding.searcher(model, compact=c).sentences(
-            sources, max_len, beam_size=3, batch_size=16, shape=lambda _: (16, 9), **search
-        )
+        decoding.searcher(model, compact=c).sentences(sources, max_len, search, batch_size=16, shape=lambda _: (16, 9))
         for c in (True, False)
     )
 
@@ -213,7 +211,8 @@ def _refilled_and_one_jit(max_len: list[int], **search) -> tuple[list, list]:
 def test_nbest_through_the_scheduler_equals_the_full_beam_search(penalty):
     """settle=0 runs every beam to its end, in the refilling batch as in one jit."""
     max_len = [3 + i % 6 for i in range(20)]
-    refilled, one_jit = _refilled_and_one_jit(max_len, alpha=1.0, penalty=penalty, settle=0)
+    beam = decoding.Beam(alpha=1.0, penalty=penalty, beam_size=3, settle=0)
+    refilled, one_jit = _refilled_and_one_jit(max_len, beam)
     for r, o, limit in zip(refilled, one_jit, max_len, strict=True):
         np.testing.assert_array_equal(r.lengths, o.lengths)
         for w in range(3):
@@ -233,7 +232,8 @@ def test_set_aside_through_the_scheduler_equals_its_one_jit_search(penalty, alph
     """The set-aside search's state through the refilling batch (compaction, cache stages, the host's outcome)
     gives each sentence the one-jit search's n hypotheses."""
     max_len = [3 + i % 6 for i in range(20)]
-    refilled, one_jit = _refilled_and_one_jit(max_len, alpha=alpha, penalty=penalty, settle=n, finished="set_aside")
+    aside = decoding.SetAside(alpha=alpha, penalty=penalty, beam_size=3, hypotheses=n)
+    refilled, one_jit = _refilled_and_one_jit(max_len, aside)
     for r, o in zip(refilled, one_jit, strict=True):
         assert r.tokens.shape[0] == o.tokens.shape[0] == n
         np.testing.assert_array_equal(r.lengths, o.lengths)
@@ -245,9 +245,9 @@ def test_set_aside_through_the_scheduler_equals_its_one_jit_search(penalty, alph
 def test_translate_nbest_gives_n_entries_per_line_best_first_and_refuses_n_over_beam():
     model, tok = shared_model(), CharTokenizer()
     sentences = ["hello world", "", "a", "the cat sat", "b c"]
-    settings = dict(beam_size=3, alpha=0.6, max_extra_len=5, max_input_len=16, batch_size=4)
-    lists, stats = translate_nbest(model, tok, sentences, nbest=3, **settings)
-    best, _ = translate(model, tok, sentences, **settings)
+    settings = DecodeSettings(decoding.Beam(alpha=0.6, beam_size=3), max_extra_len=5, batch_size=4, max_input_len=16)
+    lists, stats = translate_nbest(model, tok, sentences, settings, nbest=3)
+    best, _ = translate(model, tok, sentences, settings)
     assert [len(x) for x in lists] == [3] * len(sentences)
     assert lists[1] == [EMPTY] * 3
     assert [x[0].text for x in lists] == best and stats["sentences"] == len(sentences)
@@ -256,7 +256,7 @@ def test_translate_nbest_gives_n_entries_per_line_best_first_and_refuses_n_over_
         for h in x:
             assert h.log_prob <= 0 and h.score == pytest.approx(h.log_prob / reference_lp(h.length, 0.6, "gnmt"))
     with pytest.raises(EvalError, match="--nbest 4 must be between 1 and the beam size"):
-        translate_nbest(model, tok, sentences, nbest=4, **settings)
+        translate_nbest(model, tok, sentences, settings, nbest=4)
 
 
 # -- evaluate.py's flags ------------------------------------------------------------------------------------------
@@ -308,11 +308,13 @@ def test_finished_set_aside_writes_that_searchs_nbest_lists(tmp_path):
     written = [(i, text) for i, text, *_ in map(parse_nbest_line, out)]
     checkpoint = OneCheckpoint()
     model = build_model(checkpoint.config, rngs=nnx.Rngs(1))  # OneCheckpoint's parameters
-    settings = dict(beam_size=2, alpha=1.0, max_extra_len=5, max_input_len=checkpoint.config.data.eval_max_len)
-    settings.update(nbest=2, batch_size=4, length_penalty="average")
     searched = {}
     for finished in decoding.FINISHED_RULES:
-        lists, _ = translate_nbest(model, CharTokenizer(), lines, finished=finished, **settings)
+        search = decoding.search_for(2, 1.0, "average", finished)
+        settings = DecodeSettings(
+            search, max_extra_len=5, batch_size=4, max_input_len=checkpoint.config.data.eval_max_len
+        )
+        lists, _ = translate_nbest(model, CharTokenizer(), lines, settings, nbest=2)
         searched[finished] = [(i, h.text) for i, x in enumerate(lists) for h in x]
     assert written == searched["set_aside"] != searched["in_beam"]
 
@@ -424,7 +426,12 @@ def test_prefixes_through_the_scheduler_equal_the_one_jit_search(beam_size):
     max_len = [2 + i % 7 for i in range(len(sources))]
     refilled, one_jit = (
         decoding.searcher(model, compact=c).sentences(
-            sources, max_len, beam_size=beam_size, alpha=0.6, batch_size=16, shape=lambda _: (16, 9), prefixes=prefixes
+            sources,
+            max_len,
+            decoding.search_for(beam_size, 0.6),
+            batch_size=16,
+            shape=lambda _: (16, 9),
+            prefixes=prefixes,
         )
         for c in (True, False)
     )

@@ -24,11 +24,12 @@ from tests.helpers import REPO
 from tests.helpers.fakes import FakeRestorer
 from tests.helpers.model import forward, tiny_model, tiny_spec
 from tests.helpers.training import tiny_train_config, write_corpus
+from transformer_jax import decoding
 from transformer_jax.data.tokenizer import Tokenizer, train_tokenizer
 from transformer_jax.errors import ConfigError, EvalError
 from transformer_jax.evaluation.__main__ import evaluate
 from transformer_jax.evaluation.options import Decoding, decoding_settings
-from transformer_jax.evaluation.translate import position_limit, translate
+from transformer_jax.evaluation.translate import DecodeSettings, position_limit, translate
 from transformer_jax.tokens import BOS_ID, EOS_ID
 from transformer_jax.training import checkpoints, state
 
@@ -39,7 +40,7 @@ from transformer_jax.export import ctranslate2 as export_lib  # noqa: E402 - nee
 
 VOCAB = 320  # byte fallback reserves 256 ids, plus the corpus' characters (as helpers.training.tiny_train_config)
 # Greedy, outputs of at most source + 5 tokens, sources cut at 16 tokens: small, and every rule is exercised.
-SETTINGS = dict(beam_size=1, alpha=0.6, max_extra_len=5, batch_size=8, max_input_len=16)
+SETTINGS = DecodeSettings(decoding.Greedy(alpha=0.6), max_extra_len=5, batch_size=8, max_input_len=16)
 LONG_LINE = " ".join(["the red dog runs in the green park"] * 4)  # > 16 tokens
 
 
@@ -88,7 +89,7 @@ def sentences(directory: Path, tokenizer) -> list[str]:
     """The test split, blank lines, a line far over max_input_len and one of exactly max_input_len ids (which
     translate() cuts too, since EOS makes it one longer)."""
     lines = directory.joinpath("test.en").read_text(encoding="utf-8").splitlines()
-    limit = SETTINGS["max_input_len"]
+    limit = SETTINGS.max_input_len
     at_limit = next(f"{a} {b}" for a in lines for b in lines if len(tokenizer.encode(f"{a} {b}")) == limit)
     return lines + ["", LONG_LINE, "  ", at_limit]
 
@@ -100,9 +101,9 @@ def translator(path: Path):
 def assert_same_greedy_outputs(model, path, tokenizer, lines, settings) -> dict:
     """translate()'s outputs, ids and statistics equal those of the engine through ctranslate2_translate."""
     ours_tokenizer, theirs_tokenizer = RecordingTokenizer(tokenizer), RecordingTokenizer(tokenizer)
-    ours, ours_stats = translate(model, ours_tokenizer, lines, **settings)
+    ours, ours_stats = translate(model, ours_tokenizer, lines, settings)
     theirs, stats = export_lib.ctranslate2_translate(
-        translator(path), theirs_tokenizer, lines, position_limit=position_limit(model.spec), **settings
+        translator(path), theirs_tokenizer, lines, settings, position_limit=position_limit(model.spec)
     )
     assert theirs == ours
     # Token for token: translate() detokenizes in length order, the engine's caller in input order.
@@ -331,6 +332,6 @@ def test_command_line_export_of_a_workdir_equals_evaluate_greedy_on_100_sentence
     sentences_100 = source.read_text(encoding="utf-8").splitlines()
     assert len(sentences_100) == len(ours) == 100
     theirs, stats = export_lib.ctranslate2_translate(
-        translator(out), Tokenizer(out / "spm.model"), sentences_100, **decoding_settings(Decoding(beam_size=1), config)
+        translator(out), Tokenizer(out / "spm.model"), sentences_100, decoding_settings(Decoding(beam_size=1), config)
     )
     assert theirs == ours and stats["hit_max_len"] == report["stats"]["hit_max_len"]

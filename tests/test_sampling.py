@@ -13,7 +13,7 @@ from transformer_jax import decoding
 from transformer_jax.decoding.sampling import inverse_cdf, nucleus_threshold
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation.__main__ import evaluate
-from transformer_jax.evaluation.translate import translate_nbest
+from transformer_jax.evaluation.translate import DecodeSettings, translate_nbest
 
 # One step over 8 tokens: PAD, BOS and UNK impossible, EOS and four words with these logits.
 LOGITS = np.array([-np.inf, 0.3, -np.inf, -np.inf, 1.2, 0.9, -0.5, -1.5], np.float32)
@@ -140,18 +140,12 @@ def test_samples_through_the_scheduler_equal_the_one_jit_ones_and_depend_on_line
     model, rng = shared_model(), np.random.default_rng(2)
     sources = [[int(t) for t in rng.integers(4, 50, k - 1)] + [EOS] for k in rng.integers(2, 10, 20)]
     max_len = [4 + i % 6 for i in range(20)]
-    keys = decoding.sample_keys(7, np.arange(20), np.zeros(20, np.int32))
-    sampling = decoding.Sampling(1.3, 0, 0.95)
+    sampled = decoding.Sampled(alpha=0.6, sampling=decoding.Sampling(1.3, 0, 0.95), seed=7)
+    keys = sampled.row_inputs(np.arange(20), np.zeros(20, np.int32))
+    np.testing.assert_array_equal(keys["keys"], decoding.sample_keys(7, np.arange(20), np.zeros(20, np.int32)))
     refilled, one_jit = (
         decoding.searcher(model, compact=c).sentences(
-            sources,
-            max_len,
-            beam_size=1,
-            alpha=0.6,
-            batch_size=16,
-            shape=lambda _: (16, 9),
-            sampling=sampling,
-            keys_N2=keys,
+            sources, max_len, sampled, batch_size=16, shape=lambda _: (16, 9), row_inputs_N=keys
         )
         for c in (True, False)
     )
@@ -161,7 +155,7 @@ def test_samples_through_the_scheduler_equal_the_one_jit_ones_and_depend_on_line
         np.testing.assert_array_equal(r.tokens[0, :n], o.tokens[0, :n])
         np.testing.assert_allclose(r.log_probs, o.log_probs, rtol=1e-5, atol=1e-6)
     greedy = decoding.searcher(model).sentences(
-        sources, max_len, beam_size=1, alpha=0.6, batch_size=16, shape=lambda _: (16, 9)
+        sources, max_len, decoding.Greedy(alpha=0.6), batch_size=16, shape=lambda _: (16, 9)
     )
     assert any(not np.array_equal(g.tokens, r.tokens) for g, r in zip(greedy, refilled, strict=True))
 
@@ -171,16 +165,20 @@ def test_translate_draws_num_samples_per_line_reproducibly(tmp_path):
 
     model, tok = shared_model(), CharTokenizer()
     lines = ["hello world", "", "the cat sat"]
-    settings = dict(beam_size=1, alpha=0.6, max_extra_len=5, batch_size=4, max_input_len=16)
     sampling = decoding.Sampling(1.0, 10, 1.0)
-    a, _ = translate_nbest(model, tok, lines, nbest=3, sampling=sampling, seed=5, **settings)
-    b, _ = translate_nbest(model, tok, lines, nbest=3, sampling=sampling, seed=5, **settings)
-    c, _ = translate_nbest(model, tok, lines, nbest=3, sampling=sampling, seed=6, **settings)
+
+    def settings(seed: int) -> DecodeSettings:
+        search = decoding.search_for(1, 0.6, sampling=sampling, seed=seed)
+        return DecodeSettings(search, max_extra_len=5, batch_size=4, max_input_len=16)
+
+    a, _ = translate_nbest(model, tok, lines, settings(5), nbest=3)
+    b, _ = translate_nbest(model, tok, lines, settings(5), nbest=3)
+    c, _ = translate_nbest(model, tok, lines, settings(6), nbest=3)
     assert a == b and a != c
     assert [len(x) for x in a] == [3, 3, 3]
     assert all([h.score for h in x] == sorted((h.score for h in x), reverse=True) for x in a)
     # The first line's samples do not depend on the lines beside it.
-    alone, _ = translate_nbest(model, tok, lines[:1], nbest=3, sampling=sampling, seed=5, **settings)
+    alone, _ = translate_nbest(model, tok, lines[:1], settings(5), nbest=3)
     assert alone[0] == a[0]
 
 

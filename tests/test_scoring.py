@@ -9,12 +9,13 @@ import pytest
 
 from tests.helpers.decoding import CharTokenizer, OneCheckpoint, shared_model
 from tests.helpers.model import forward
+from transformer_jax import decoding
 from transformer_jax.data import batching
 from transformer_jax.data.pipeline import eval_batches
 from transformer_jax.errors import EvalError, UserError
 from transformer_jax.evaluation.__main__ import evaluate
 from transformer_jax.evaluation.scoring import packed_batches, score_pairs
-from transformer_jax.evaluation.translate import translate_nbest
+from transformer_jax.evaluation.translate import DecodeSettings, translate_nbest
 from transformer_jax.training.losses import cross_entropy_sums
 
 SOURCES = ["hello world", "a", "", "the cat sat on the mat", "b c d", "x" * 30]
@@ -77,9 +78,8 @@ def test_the_score_of_a_searched_output_is_the_searchs_log_probability():
     """Teacher-forcing what beam search produced gives the log P the search accumulated (EOS included)."""
     model, tok = shared_model(), CharTokenizer()
     sources = [s for s in SOURCES if s][:4]
-    lists, _ = translate_nbest(
-        model, tok, sources, nbest=2, beam_size=2, alpha=0.6, max_extra_len=5, batch_size=4, max_input_len=64
-    )
+    settings = DecodeSettings(decoding.Beam(alpha=0.6, beam_size=2), max_extra_len=5, batch_size=4, max_input_len=64)
+    lists, _ = translate_nbest(model, tok, sources, settings, nbest=2)
     ended = [(s, h) for s, x in zip(sources, lists, strict=True) for h in x if len(h.text) + 1 == h.length]
     assert ended, "some hypotheses must end with EOS"
     scores, _ = score_pairs(model, tok, [s for s, _ in ended], [h.text for _, h in ended], batch_size=4, max_len=64)

@@ -1,12 +1,14 @@
 """Decoding: search over a decode step (search.py: greedy and beam; set_aside.py: beam search that sets finished
-hypotheses aside), its binding to the Transformer (transformer.py: the decode step over the model's cache, and
-`Searcher`), and the host-side scheduler that refills a running batch as sentences finish (refill.py).
+hypotheses aside; sampling.py: drawing tokens), one frozen spec per search (searches.py), the Transformer's decode
+step (binding.py), the jitted calls (calls.py), the host-side scheduler that refills a running batch as sentences
+finish (refill.py), and `Searcher`, which runs a spec over a model (searcher.py).
 
-Callers use this package's names: `searcher(model)` / `Searcher` for translation, `search` for one batch, and the
-search functions over any decode step (`greedy_search`, `beam_search`, and set_aside.py's `set_aside_search`, which
-sets finished hypotheses aside as CTranslate2 does).
+Callers use this package's names: a spec (`Greedy`, `Beam`, `SetAside`, `Sampled`, or `search_for` from evaluate.py's
+settings), `searcher(model)` / `Searcher` to run it, `search` for one batch, and the search functions over any decode
+step (`greedy_search`, `beam_search`, set_aside.py's `set_aside_search`).
 """
 
+from transformer_jax.decoding.binding import cached_decode_step, recompute_decode_step
 from transformer_jax.decoding.refill import (
     ENCODE_MULTIPLE,
     FULL_CACHE_SENTENCES,
@@ -38,20 +40,21 @@ from transformer_jax.decoding.search import (
     length_penalty,
     tile_beams,
 )
-from transformer_jax.decoding.set_aside import (
+from transformer_jax.decoding.searcher import Searcher, search, searcher
+from transformer_jax.decoding.searches import (
     FINISHED_RULES,
     IN_BEAM,
     SET_ASIDE,
-    SetAsideState,
-    set_aside_search,
+    Beam,
+    Greedy,
+    Sampled,
+    Search,
+    SetAside,
+    run_search,
+    search_for,
+    search_spec,
 )
-from transformer_jax.decoding.transformer import (
-    Searcher,
-    cached_decode_step,
-    recompute_decode_step,
-    search,
-    searcher,
-)
+from transformer_jax.decoding.set_aside import SetAsideState, set_aside_search
 from transformer_jax.tokens import BOS_ID, EOS_ID, PAD_ID
 
 __all__ = [
@@ -72,13 +75,18 @@ __all__ = [
     "MIN_ROWS",
     "NEG_INF",
     "PAD_ID",
+    "Beam",
     "BeamResult",
     "BeamState",
     "DecodeStep",
     "Decoder",
+    "Greedy",
     "GreedyResult",
     "GreedyState",
+    "Sampled",
     "Sampling",
+    "Search",
+    "SetAside",
     "Searcher",
     "beam_search",
     "best_first",
@@ -92,7 +100,10 @@ __all__ = [
     "recompute_decode_step",
     "refill_size",
     "sample_keys",
+    "run_search",
     "search",
+    "search_for",
+    "search_spec",
     "searcher",
     "source_batch",
     "tile_beams",

@@ -15,8 +15,8 @@ share the batch. The stop condition is traced, so the calls compile per (rows, s
 batch of at most FULL_CACHE_SENTENCES sentences with nothing waiting skips to the last stage. Results equal the one-jit
 search's: a sentence's rows never interact with another's.
 
-The scheduler knows the search states (search.py) and nothing of the model: the model's part is `Calls`
-(transformer.py's ModelCalls).
+The scheduler knows nothing of the model nor of the kind of search: the model's part is `Calls` (calls.py's
+ModelCalls), the search's the spec it passes to them whole (searches.py), of which it reads `beam_size` only.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import numpy as np
 
-from transformer_jax.decoding.search import GNMT, BeamResult, cache_stages
-from transformer_jax.decoding.set_aside import IN_BEAM, pool_size
+from transformer_jax.decoding.search import BeamResult, cache_stages
+from transformer_jax.decoding.searches import Search
 from transformer_jax.tokens import EOS_ID, PAD_ID
 
 PyTree = Any
@@ -55,11 +55,10 @@ class Outcome(NamedTuple):
 
 
 class Calls(Protocol):
-    """What the scheduler runs on the device; each is a jitted call (transformer.py's ModelCalls)."""
+    """What the scheduler runs on the device; each is a jitted call (calls.py's ModelCalls)."""
 
-    def start(self, src_BS, *, beam_size: int, slots: int, pool: int) -> tuple[PyTree, Any]:
-        """Encodes a batch: (its fixed context, the search's first state with `slots` output slots; pool > 0: a
-        set-aside beam search's, keeping that many hypotheses)."""
+    def start(self, src_BS, search: Search, *, slots: int) -> tuple[PyTree, Any]:
+        """Encodes a batch: (its fixed context, the search's first state with `slots` output slots)."""
 
     def encode(self, src_KS) -> PyTree:
         """The fixed context of K waiting sentences (a block), a row per sentence."""
@@ -73,16 +72,14 @@ class Calls(Protocol):
     def widen(self, context, *, src_len: int) -> PyTree:
         """The context with its sources padded to src_len positions."""
 
-    def stage(
-        self, context, s, max_len_B, alpha, stop_live, row_inputs, *, penalty: str, settle: int, sampling: Any
-    ) -> Any:
+    def stage(self, context, s, max_len_B, stop_live, row_inputs, search: Search) -> Any:
         """Steps until at most stop_live sentences are live or a live one fills the cache (row_inputs: the rows'
         `row_inputs`, see refilling_search)."""
 
     def keep(self, context, s, keep_K) -> tuple[PyTree, Any]:
         """The context and state of the sentences keep_K only."""
 
-    def outcome(self, s, alpha, *, penalty: str) -> Outcome:
+    def outcome(self, s, search: Search) -> Outcome:
         """What the host reads of the state s after a stage."""
 
 
@@ -150,20 +147,14 @@ class _Refill:
         calls: Calls,
         sources: Sequence[np.ndarray],
         max_len_N: np.ndarray,
-        alpha: float,
+        search: Search,
         *,
-        beam_size: int,
-        penalty: str,
-        settle: int,
-        sampling: Any,
-        finished: str,
         row_inputs_N: dict[str, np.ndarray],
         rows: int,
         shape: Shape,
         progress: Callable[[int], Any] | None,
     ):
-        self.calls, self.sources, self.max_len_N, self.alpha = calls, sources, max_len_N, alpha
-        self.beam_size, self.penalty, self.settle, self.sampling = beam_size, penalty, settle, sampling
+        self.calls, self.sources, self.max_len_N, self.search = calls, sources, max_len_N, search
         self.shape, self.progress = shape, progress
         self.results: list[BeamResult | None] = [None] * len(sources)
         self.queue = collections.deque(sorted(range(len(sources)), key=lambda i: len(sources[i])))
@@ -188,8 +179,7 @@ class _Refill:
         for k, x in row_inputs_N.items():
             self.row_inputs_R[k][: len(ids)] = x[ids]
         self.slots = cache_stages(self.max_steps)[0]
-        pool = pool_size(finished, beam_size, settle)
-        self.context, self.state = calls.start(src_KS, beam_size=beam_size, slots=self.slots, pool=pool)
+        self.context, self.state = calls.start(src_KS, search, slots=self.slots)
         self.context_len = self.src_len  # source positions of the running batch's context
 
     def rows(self) -> int:
@@ -244,7 +234,7 @@ class _Refill:
             into = np.full(k, self.rows(), np.int32)  # the block's dummy rows go past the batch's end: dropped
             into[: len(ids)] = free[: len(ids)]
             self.context, self.state = self.calls.insert(
-                self.context, self.state, self.block, np.int32(self.joined), into, beam_size=self.beam_size
+                self.context, self.state, self.block, np.int32(self.joined), into, beam_size=self.search.beam_size
             )
             self.joined += len(ids)
             taken = into[: len(ids)]
@@ -284,14 +274,11 @@ class _Refill:
             self.context,
             self.state,
             self.max_len_R,
-            self.alpha,
             np.int32(stop_live),
             self.row_inputs_R,
-            penalty=self.penalty,
-            settle=self.settle,
-            sampling=self.sampling,
+            self.search,
         )
-        outcome = self.calls.outcome(self.state, self.alpha, penalty=self.penalty)
+        outcome = self.calls.outcome(self.state, self.search)
         done, self.step_R = (np.array(x) for x in jax.device_get((outcome.done_B, self.state.step_B)))
         finished = np.flatnonzero((self.sentence_R >= 0) & done)
         if not len(finished):
@@ -310,37 +297,18 @@ def refilling_search(
     calls: Calls,
     sources: Sequence[np.ndarray],
     max_len_N: np.ndarray,
-    alpha: float,
+    search: Search,
     *,
-    beam_size: int,
     rows: int,
     shape: Shape,
-    penalty: str = GNMT,
-    settle: int = 1,
-    sampling: Any = None,
-    finished: str = IN_BEAM,
     row_inputs_N: dict[str, np.ndarray] | None = None,
     progress: Callable[[int], Any] | None = None,
 ) -> list[BeamResult]:
-    """The cached search of every sentence through one running batch of `rows` sentences (module docstring); each
-    sentence's beams, best first. shape(longest source) gives a batch's padded source length and output slots;
-    progress(n) is called as n more sentences finish. penalty, settle: as for beam_search; finished: IN_BEAM
-    (search.py's beam search) or SET_ASIDE (set_aside.py's, keeping `settle` hypotheses); sampling: the
-    token choice of greedy search (sampling.Sampling, or None: argmax); row_inputs_N: each
-    sentence's own inputs to the search, rows on axis 0 ("prefix": its target prefix, `prefix_array`; "keys": its
-    sampling key), which follow it into whichever row it takes."""
+    """The cached search (searches.py's spec) of every sentence through one running batch of `rows` sentences
+    (module docstring); each sentence's hypotheses, best first. shape(longest source) gives a batch's padded source
+    length and output slots; progress(n) is called as n more sentences finish; row_inputs_N: each sentence's own
+    inputs to the search, rows on axis 0 ("prefix": its target prefix, `prefix_array`; "keys": its sampling key),
+    which follow it into whichever row it takes."""
     return _Refill(
-        calls,
-        sources,
-        max_len_N,
-        alpha,
-        beam_size=beam_size,
-        penalty=penalty,
-        settle=settle,
-        sampling=sampling,
-        finished=finished,
-        row_inputs_N=row_inputs_N or {},
-        rows=rows,
-        shape=shape,
-        progress=progress,
+        calls, sources, max_len_N, search, row_inputs_N=row_inputs_N or {}, rows=rows, shape=shape, progress=progress
     ).run()

@@ -60,17 +60,6 @@ from transformer_jax.tokens import EOS_ID, PAD_ID
 Array = jax.Array
 PyTree = Any
 
-IN_BEAM, SET_ASIDE = "in_beam", "set_aside"
-FINISHED_RULES = (IN_BEAM, SET_ASIDE)  # what beam search does with a hypothesis that ends (module docstring)
-
-
-def pool_size(finished: str, beam_size: int, hypotheses: int) -> int:
-    """Hypotheses a set-aside search keeps per sentence (`hypotheses`, or every beam's worth when 0), or 0 for a
-    search that keeps them in the beam (and for greedy search, which has one beam either way)."""
-    if finished not in FINISHED_RULES:
-        raise ValueError(f"unknown rule for finished hypotheses {finished!r}; expected one of {FINISHED_RULES}")
-    return (hypotheses or beam_size) if finished == SET_ASIDE and beam_size > 1 else 0
-
 
 class SetAsideState(NamedTuple):
     """The loop state: W live beams per sentence ([B, W]), the pool of its N best ended hypotheses ([B, N]), and the
@@ -198,15 +187,6 @@ class SetAsideState(NamedTuple):
         )
 
 
-def start_state(cache_B: PyTree, batch: int, width: int, slots: int, pool: int) -> BeamState | SetAsideState:
-    """The first state of a beam search of `width` beams (the cache tiled to B W rows): search.py's BeamState, or
-    with pool > 0 a set-aside search keeping `pool` hypotheses (`pool_size`)."""
-    cache_R = tile_beams(cache_B, width)
-    if pool:
-        return SetAsideState.start(cache_R, batch, width, pool, slots)
-    return BeamState.start(cache_R, batch, width, slots)
-
-
 def set_aside_search(
     decode_step: DecodeStep,
     cache: PyTree,
@@ -225,7 +205,7 @@ def set_aside_search(
     `cache` has B rows. Returns each sentence's `hypotheses` best (<= beam_size), best first. grow, prefix_BP and
     reorder as for search.beam_search."""
     first = max_steps if grow is None else cache_stages(max_steps)[0]
-    init = start_state(cache, max_len_B.shape[0], beam_size, first, hypotheses)
+    init = SetAsideState.start(tile_beams(cache, beam_size), max_len_B.shape[0], beam_size, hypotheses, first)
     s = run_stages(
         lambda s: s.advance(decode_step, max_len_B, alpha, penalty, prefix_BP, reorder), init, max_steps, grow
     )

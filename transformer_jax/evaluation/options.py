@@ -23,7 +23,7 @@ from transformer_jax import config_checks, decoding, files
 from transformer_jax.errors import ConfigError, EvalError
 from transformer_jax.evaluation import checkpoint_flags, modes
 from transformer_jax.evaluation.mbr import UTILITIES
-from transformer_jax.evaluation.translate import check_sampling
+from transformer_jax.evaluation.translate import DecodeSettings, check_sampling
 
 SPLITS = ("valid", "test")
 
@@ -235,8 +235,6 @@ class ScorePairs:
     references_file: str | None = None
     batch_size: int | None = None  # None: config.eval.batch_size
 
-
-Options = Decoding  # the flags decoding_settings reads, by the name its signature gives them
 
 Mode = ScoresOnly | Compare | Translate | ScorePairs
 
@@ -464,11 +462,26 @@ def check_folder_writable(folder: str | os.PathLike, flag: str) -> None:
         raise EvalError(f"{flag}: cannot write in {folder} ({e.strerror or e}); choose another location") from e
 
 
-def decoding_settings(options: Options, config) -> dict[str, Any]:
-    """The flags' decoding values, else the config's (config.eval); a bad config value names its key."""
+def decoding_settings(options: Decoding, config) -> DecodeSettings:
+    """translate()'s settings from the flags, else the config (config.eval); a bad config value names its key. The
+    search is the flags' (decoding.search_for): --sampling (modes.sampling_of; beam size 1), else greedy or beam
+    search with --length_penalty and --finished."""
     keys = ("beam_size", "alpha", "max_extra_len", "batch_size")
     from_config = {key: config.eval[key] for key in keys if getattr(options, key) is None}
     check_numbers(from_config, "config.eval.")
     settings = {key: from_config[key] if key in from_config else getattr(options, key) for key in keys}
-    settings["max_input_len"] = config.data.eval_max_len
-    return settings
+    sampling = modes.sampling_of(options)
+    search = decoding.search_for(
+        1 if sampling is not None else settings["beam_size"],
+        settings["alpha"],
+        options.length_penalty or decoding.GNMT,
+        options.finished or decoding.IN_BEAM,
+        sampling,
+        options.seed or 0,
+    )
+    return DecodeSettings(
+        search=search,
+        max_extra_len=settings["max_extra_len"],
+        batch_size=settings["batch_size"],
+        max_input_len=config.data.eval_max_len,
+    )

@@ -37,7 +37,7 @@ from transformer_jax.evaluation.options import (
 )
 from transformer_jax.evaluation.restore import Restorer, restore_model
 from transformer_jax.evaluation.scoring import SentenceScore, score_pairs
-from transformer_jax.evaluation.translate import Hypothesis, check_nbest, translate_nbest
+from transformer_jax.evaluation.translate import DecodeSettings, Hypothesis, check_nbest, translate_nbest
 from transformer_jax.evaluation.translate import translate as translate_sentences
 
 STREAM_STATS = ("sentences", "empty", "truncated", "hit_max_len", "src_tokens", "tgt_tokens", "seconds")
@@ -133,19 +133,18 @@ class Translation:
     report: dict[str, Any]
 
 
-def settings_of(mode: Translate, loaded: Loaded) -> tuple[Any, dict[str, Any]]:
+def settings_of(mode: Translate, loaded: Loaded) -> tuple[DecodeSettings, dict[str, Any]]:
     """(the settings translate() takes, the report's account of the search), the config filling unset flags; an
     n-best list longer than the config's beam is refused here."""
     d = mode.decoding
     settings = decoding_settings(d, loaded.config)
     search: dict[str, Any] = {"length_penalty": d.length_penalty, "nbest": d.candidates}
     if d.sampling:
-        settings["beam_size"] = 1
         search["sampling"] = {**dataclasses.asdict(modes.sampling_of(d)), "seed": d.seed, "num_samples": d.candidates}
     else:
         search["finished"] = d.finished
         if d.candidates > 1:
-            check_nbest(d.candidates, settings["beam_size"], "--mbr" if d.mbr is not None else "--nbest")
+            check_nbest(d.candidates, settings.search.beam_size, "--mbr" if d.mbr is not None else "--nbest")
     if d.mbr is not None:
         search["mbr_utility"] = d.mbr_utility
     return settings, search
@@ -154,7 +153,7 @@ def settings_of(mode: Translate, loaded: Loaded) -> tuple[Any, dict[str, Any]]:
 def output_name(mode: Translate, loaded: Loaded) -> str:
     """The default name of a translation's outputs: source, checkpoints, beams (test(x).step300-avg2.beam4)."""
     settings, _ = settings_of(mode, loaded)
-    return f"{loaded.name}.{loaded.tag}.beam{settings['beam_size']}"
+    return f"{loaded.name}.{loaded.tag}.beam{settings.search.beam_size}"
 
 
 def translate(mode: Translate, loaded: Loaded, *, progress: bool = False) -> Translation:
@@ -169,14 +168,10 @@ def translate(mode: Translate, loaded: Loaded, *, progress: bool = False) -> Tra
         loaded.model,
         loaded.tokenizer,
         loaded.sources,
+        settings,
         nbest=search["nbest"],
-        length_penalty=d.length_penalty,
-        finished=d.finished,
         prefixes=loaded.prefixes,
-        sampling=modes.sampling_of(d),
-        seed=d.seed,
         progress=progress,
-        **settings,
     )
     hypotheses = [x[0].text for x in lists]
     if d.mbr is not None:
@@ -192,16 +187,13 @@ def stream(mode: Translate, loaded: Loaded, lines: Iterable[str]) -> Iterator[tu
     """Each line's translation as soon as it is ready (batches of one: nothing waits for a full batch), with the
     line's statistics; `stream_result` makes the Translation of them."""
     settings, _ = settings_of(mode, loaded)
-    settings = {**settings, "batch_size": 1}
-    d = mode.decoding
+    settings = dataclasses.replace(settings, batch_size=1)
     for line in lines:
         [hypothesis], stats = translate_sentences(
             loaded.model,
             loaded.tokenizer,
             [line],
-            length_penalty=d.length_penalty,
-            finished=d.finished,
-            **settings,
+            settings,
         )
         yield hypothesis, stats
 
@@ -219,7 +211,7 @@ def stream_result(mode: Translate, loaded: Loaded, results: list[tuple[str, dict
 
 
 def _report(
-    mode: Translate, loaded: Loaded, settings: Any, search: dict, hypotheses: list[str], stats: dict
+    mode: Translate, loaded: Loaded, settings: DecodeSettings, search: dict, hypotheses: list[str], stats: dict
 ) -> dict[str, Any]:
     references = loaded.references
     return {
@@ -227,7 +219,7 @@ def _report(
         "checkpoint_steps": loaded.steps,
         "source": loaded.name,
         "references_file": mode.references_file,
-        "decoding": settings,
+        "decoding": settings.report(),
         "search": search,
         "lines": len(hypotheses),
         "blank_lines": {

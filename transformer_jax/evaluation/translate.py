@@ -11,6 +11,7 @@ Axis letters: see transformer_jax/__init__.py.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
@@ -98,37 +99,37 @@ def check_sampling(sampling: decoding.Sampling, num_samples: int) -> None:
         raise EvalError(f"--num_samples must be >= 1, got {num_samples}")
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeSettings:
+    """What translate() decodes with: the search (decoding.searches' spec) and the batch and length limits."""
+
+    search: decoding.Search
+    max_extra_len: int  # output tokens beyond the source's (EOS included): output_limit
+    batch_size: int  # sentences decoded together
+    max_input_len: int  # source tokens kept, EOS included: input_limit
+
+    def report(self) -> dict[str, Any]:
+        """The settings as evaluate.py's report lists them."""
+        return {
+            "beam_size": self.search.beam_size,
+            "alpha": self.search.alpha,
+            "max_extra_len": self.max_extra_len,
+            "batch_size": self.batch_size,
+            "max_input_len": self.max_input_len,
+        }
+
+
 def translate(
     model: nnx.Module,
     tokenizer: Tokenizer,
     sentences: Sequence[str],
+    settings: DecodeSettings,
     *,
-    beam_size: int,
-    alpha: float,
-    max_extra_len: int,
-    batch_size: int,
-    max_input_len: int,
-    length_penalty: str = decoding.GNMT,
     prefixes: Sequence[str] | None = None,
     progress: bool = False,
-    finished: str = decoding.IN_BEAM,
 ) -> tuple[list[str], dict[str, Any]]:
     """One output per input sentence, in order, and statistics (see translate_nbest, of which this is the 1-best)."""
-    found, stats = translate_nbest(
-        model,
-        tokenizer,
-        sentences,
-        nbest=1,
-        beam_size=beam_size,
-        alpha=alpha,
-        max_extra_len=max_extra_len,
-        batch_size=batch_size,
-        max_input_len=max_input_len,
-        length_penalty=length_penalty,
-        prefixes=prefixes,
-        progress=progress,
-        finished=finished,
-    )
+    found, stats = translate_nbest(model, tokenizer, sentences, settings, nbest=1, prefixes=prefixes, progress=progress)
     return [hypotheses[0].text for hypotheses in found], stats
 
 
@@ -136,46 +137,36 @@ def translate_nbest(
     model: nnx.Module,
     tokenizer: Tokenizer,
     sentences: Sequence[str],
+    settings: DecodeSettings,
     *,
     nbest: int,
-    beam_size: int,
-    alpha: float,
-    max_extra_len: int,
-    batch_size: int,
-    max_input_len: int,
-    length_penalty: str = decoding.GNMT,
     prefixes: Sequence[str] | None = None,
-    sampling: decoding.Sampling | None = None,
-    seed: int = 0,
     progress: bool = False,
-    finished: str = decoding.IN_BEAM,
 ) -> tuple[list[list[Hypothesis]], dict[str, Any]]:
-    """The `nbest` best hypotheses of each input sentence (nbest <= beam_size), best first, in input order, and
-    statistics of the 1-best.
+    """The `nbest` best hypotheses of each input sentence, best first, in input order, and statistics of the 1-best.
 
     Sources are the tokenizer's ids then EOS (as in training); a source with more than max_input_len tokens is cut
     to max_input_len - 1 ids + EOS and counted. An empty (or blank) line gives empty outputs (EMPTY) without
-    decoding. Each output has at most (source tokens + max_extra_len) tokens, EOS included. beam_size 1 is greedy
-    search. Hypotheses are ranked by log P / lp (decoding.length_penalty's `length_penalty` with `alpha`). With
-    `finished` IN_BEAM, a sentence stops once its nbest best hypotheses are settled (decoding.beam_search's settle),
-    so the list is the full beam search's first nbest; with SET_ASIDE, finished hypotheses leave the beam and the
-    search stops as CTranslate2's does (decoding/set_aside.py), and the list is that search's nbest best.
-    prefixes: line i's output starts with prefixes[i], tokenized as a target
-    (a blank prefix: none); the hypotheses' text and log-probabilities include it. sampling: instead of searching
-    (beam_size 1), draw `nbest` samples per line (decoding.Sampling; reproducible for a seed), best score first;
-    their log_prob is the model's own log P of the sample. The settings are checked where
-    they come in, by the rules of their config keys (config_checks.RULES: eval.*, data.eval_max_len), which
-    validate() applies to every config and evaluate.py to its flags.
+    decoding. Each output has at most (source tokens + max_extra_len) tokens, EOS included. Hypotheses are ranked by
+    log P / lp (decoding.length_penalty with the search's penalty and alpha). The list is what the search gives for
+    nbest (decoding.Search.nbest: a beam search's nbest <= beam_size best, the full search's first nbest for
+    decoding.Beam, CTranslate2's for decoding.SetAside; greedy search: nbest 1), or nbest decodes of the line when
+    the search asks for that (decoding.Search.copies: decoding.Sampled draws nbest samples, reproducible for its
+    seed, best score first; their log_prob is the model's own log P of the sample).
+    prefixes: line i's output starts with prefixes[i], tokenized as a target (a blank prefix: none); the hypotheses'
+    text and log-probabilities include it. The settings are checked where they come in, by the rules of their config
+    keys (config_checks.RULES: eval.*, data.eval_max_len), which validate() applies to every config and evaluate.py
+    to its flags.
     """
-    if sampling is None:
-        check_nbest(nbest, beam_size)
-    else:
-        check_sampling(sampling, nbest)
+    copies = settings.search.copies(nbest)
+    check_nbest(nbest, settings.search.beam_size if copies == 1 else nbest)  # n decodes: any n >= 1
+    search = settings.search.nbest(1 if copies > 1 else nbest)
     if prefixes is not None and len(prefixes) != len(sentences):
         raise EvalError(f"{len(sentences)} sentences but {len(prefixes)} prefixes: give one prefix per sentence")
     start = time.perf_counter()
     limit = position_limit(model.spec)
-    max_input_len = input_limit(max_input_len, limit)
+    max_input_len = input_limit(settings.max_input_len, limit)
+    max_extra_len = settings.max_extra_len
 
     outputs = [[EMPTY] * nbest for _ in sentences]
     sources: dict[int, list[int]] = {}
@@ -204,33 +195,25 @@ def translate_nbest(
         return found
 
     bar = Progress(len(sources), "translating", "sentences") if progress else None
-    # With sampling, each line is decoded nbest times, sample j of line i with its own key (sampling.sample_keys).
-    samples = 1 if sampling is None else nbest
-    lines = [i for i in sources for _ in range(samples)]
-    keys_N2 = None
-    if sampling is not None:
-        keys_N2 = decoding.sample_keys(seed, np.array(lines), np.tile(np.arange(samples), len(sources)))
+    # Each line is decoded `copies` times (sampling: its nbest draws), copy j of line i with its own row inputs.
+    lines = [i for i in sources for _ in range(copies)]
+    row_inputs = search.row_inputs(np.array(lines, np.int64), np.tile(np.arange(copies), len(sources)))
     found = decoding.searcher(model).sentences(
         [sources[i] for i in lines],
         [output_limit(len(sources[i]), max_extra_len, limit) for i in lines],
-        beam_size=beam_size,
-        alpha=alpha,
-        batch_size=batch_size,
+        search,
+        batch_size=settings.batch_size,
         shape=shape,
         progress=None if bar is None else bar.update,
-        penalty=length_penalty,
-        settle=1 if sampling is not None else nbest,
         prefixes=None if prefixes is None else [list(tokenizer.encode(prefixes[i])) for i in lines],
-        sampling=sampling,
-        keys_N2=keys_N2,
-        finished=finished,
+        row_inputs_N=row_inputs,
     )
-    for j in range(0, len(lines), samples):
+    for j in range(0, len(lines), copies):
         i = lines[j]
-        if sampling is None:
+        if copies == 1:
             outputs[i] = [_hypothesis(tokenizer, found[j], w) for w in range(nbest)]
-        else:  # the samples, best score first
-            drawn = [_hypothesis(tokenizer, found[j + k], 0) for k in range(samples)]
+        else:  # the decodes, best score first
+            drawn = [_hypothesis(tokenizer, found[j + k], 0) for k in range(copies)]
             outputs[i] = sorted(drawn, key=lambda h: -h.score)
         stats["hit_max_len"] += not outputs[i][0].ended
         stats["tgt_tokens"] += outputs[i][0].length

@@ -10,16 +10,16 @@ from typing import Any
 
 import ml_collections
 
-from transformer_jax import data
+from transformer_jax import data, decoding
 from transformer_jax.evaluation.bleu import score_all
-from transformer_jax.evaluation.translate import translate
+from transformer_jax.evaluation.translate import DecodeSettings, translate
 
 
-def decoding_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
-    """translate()'s settings for validation BLEU: config.eval's, sources cut at data.eval_max_len (as evaluate.py)."""
-    return dict(
-        beam_size=config.eval.beam_size,
-        alpha=config.eval.alpha,
+def decoding_settings(config: ml_collections.ConfigDict) -> DecodeSettings:
+    """translate()'s settings for validation BLEU: config.eval's search (decoding.search_for: greedy or beam, GNMT
+    length penalty), sources cut at data.eval_max_len (as evaluate.py)."""
+    return DecodeSettings(
+        search=decoding.search_for(config.eval.beam_size, config.eval.alpha),
         max_extra_len=config.eval.max_extra_len,
         batch_size=config.eval.batch_size,
         max_input_len=config.data.eval_max_len,
@@ -31,9 +31,10 @@ def bleu_evaluator(config: ml_collections.ConfigDict, tokenizer: Any) -> Callabl
     the first train.bleu_sentences validation pairs, decoded with config.eval's settings (as evaluate.py)."""
     pairs = data.load_split(config.data, config.data.valid_split)[: config.train.bleu_sentences]
     sources, references = [s for s, _ in pairs], [t for _, t in pairs]
+    settings = decoding_settings(config)
 
     def evaluate(model: Any) -> dict[str, float]:
-        hypotheses, _ = translate(model, tokenizer, sources, **decoding_settings(config))
+        hypotheses, _ = translate(model, tokenizer, sources, settings)
         return {name: float(value["score"]) for name, value in score_all(hypotheses, references).items()}
 
     return evaluate

@@ -26,7 +26,14 @@ from transformer_jax.data.batching import padded_eval_length
 from transformer_jax.errors import VisualizeError
 from transformer_jax.evaluation.options import Decoding, Model, check_model, check_numbers, decoding_settings
 from transformer_jax.evaluation.restore import Restorer, restore_model
-from transformer_jax.evaluation.translate import input_limit, output_limit, position_limit, source_ids, translate
+from transformer_jax.evaluation.translate import (
+    DecodeSettings,
+    input_limit,
+    output_limit,
+    position_limit,
+    source_ids,
+    translate,
+)
 from transformer_jax.model.transformer import capture_intermediates
 from transformer_jax.tokens import BOS_ID, EOS_ID, PAD_ID
 from transformer_jax.visualize.attention import token_pieces
@@ -97,7 +104,7 @@ def restore(workdir: str, checkpoint: str, average_last: int | None, options: di
     return config, model, tokenizer, steps, decoding_settings(decoding_record, config)
 
 
-def beam_steps(model: Any, src_ids: list[int], settings: dict[str, Any], piece: Any) -> tuple[list, list[int]]:
+def beam_steps(model: Any, src_ids: list[int], settings: DecodeSettings, piece: Any) -> tuple[list, list[int]]:
     """The live hypotheses after each search step, and the best final hypothesis's ids (EOS included).
 
     decoding's search with a sentence limit of t steps runs exactly the first t steps of the full search (the
@@ -106,18 +113,16 @@ def beam_steps(model: Any, src_ids: list[int], settings: dict[str, Any], piece: 
     step), so the search compiled for the translation serves every t, and row 0 computes what translate() did.
     """
     positions = position_limit(model.spec)
-    src_len = padded_eval_length(len(src_ids), input_limit(settings["max_input_len"], positions))
-    max_steps = output_limit(src_len, settings["max_extra_len"], positions)
-    src_BS = decoding.source_batch([src_ids], settings["batch_size"], src_len)
-    sentence_limit = output_limit(len(src_ids), settings["max_extra_len"], positions)
+    src_len = padded_eval_length(len(src_ids), input_limit(settings.max_input_len, positions))
+    max_steps = output_limit(src_len, settings.max_extra_len, positions)
+    src_BS = decoding.source_batch([src_ids], settings.batch_size, src_len)
+    sentence_limit = output_limit(len(src_ids), settings.max_extra_len, positions)
     search = decoding.searcher(model)
 
     def run(t: int) -> decoding.BeamResult:
-        max_len_B = np.ones((settings["batch_size"],), np.int32)
+        max_len_B = np.ones((settings.batch_size,), np.int32)
         max_len_B[0] = t
-        result = search(
-            src_BS, max_len_B, beam_size=settings["beam_size"], alpha=settings["alpha"], max_steps=max_steps
-        )
+        result = search(src_BS, max_len_B, settings.search, max_steps=max_steps)
         return decoding.BeamResult(*(np.asarray(x[0]) for x in result))
 
     final = run(sentence_limit)
@@ -203,10 +208,10 @@ def explain(
         workdir, checkpoint, average_last, {"beam_size": beam_size, "alpha": alpha}
     )
     check_selection(model.spec, layer, head)
-    limit = input_limit(settings["max_input_len"], position_limit(model.spec))
+    limit = input_limit(settings.max_input_len, position_limit(model.spec))
     src_ids, cut = source_ids(tokenizer, sentence, limit)  # translate()'s rule; the sentence is not blank here
     truncated = (len(tokenizer.encode(sentence)) + 1, limit) if cut else None  # (tokens before, after)
-    [translation], _ = translate(model, tokenizer, [sentence], **settings)
+    [translation], _ = translate(model, tokenizer, [sentence], settings)
 
     vocab = token_pieces(tokenizer, range(tokenizer.vocab_size))
 
@@ -233,7 +238,7 @@ def explain(
         truncated=truncated,
         translation=translation,
         beam_steps=steps_beams,
-        settings={**settings, "max_input_len": limit},
+        settings={**settings.report(), "max_input_len": limit},
         steps=steps,
         layer=layer,
         head=head,

@@ -38,7 +38,7 @@ from transformer_jax.data.tokenizer import MODEL_FILENAME
 from transformer_jax.errors import ConfigError, EvalError
 from transformer_jax.evaluation.options import Model, check_folder_writable, check_model
 from transformer_jax.evaluation.restore import Restorer, restore_model
-from transformer_jax.evaluation.translate import input_limit, output_limit, source_ids
+from transformer_jax.evaluation.translate import DecodeSettings, input_limit, output_limit, source_ids
 from transformer_jax.model.layers import sinusoidal_encoding
 from transformer_jax.model.spec import TransformerSpec
 from transformer_jax.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
@@ -306,24 +306,23 @@ def ctranslate2_translate(
     translator: Any,
     tokenizer: Any,
     sentences: Sequence[str],
+    settings: DecodeSettings,
     *,
-    beam_size: int,
-    alpha: float,
-    max_extra_len: int,
-    batch_size: int,
-    max_input_len: int,
     position_limit: int | None = None,
 ) -> tuple[list[str], dict[str, Any]]:
     """evaluation.translate.translate's outputs and statistics, decoded by a ctranslate2.Translator of an export.
 
     The same tokenization, source truncation, per-sentence output limit and detokenization as translate(), so
-    that greedy outputs are identical; `position_limit` is evaluation.translate.position_limit(model.spec).
+    that greedy outputs are identical; `position_limit` is evaluation.translate.position_limit(model.spec). The
+    engine searches with the settings' beam size and alpha (its own beam search, GNMT length penalty).
     """
+    beam_size, alpha = settings.search.beam_size, settings.search.alpha
+    max_extra_len, batch_size = settings.max_extra_len, settings.batch_size
     start = time.perf_counter()
     pieces = vocabulary(tokenizer)
     sources: dict[int, list[int]] = {}
     truncated_lines = []
-    max_input_len = input_limit(max_input_len, position_limit)
+    max_input_len = input_limit(settings.max_input_len, position_limit)
     for i, sentence in enumerate(sentences):
         ids, cut = source_ids(tokenizer, sentence, max_input_len)
         if ids is not None:

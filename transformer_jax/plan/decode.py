@@ -3,7 +3,7 @@ planned for, at its peak of memory, so that a run that trains but whose validati
 
 The programs are the Searcher's own (`decoding.Searcher.peak_programs`): the batch of `validation.bleu_evaluator`
 (train.bleu_sentences sentences, eval.batch_size at a time: `refill.batch_rows`), its longest source
-(data.eval_max_len) and its largest cache stage, with the settings `validation.decoding_settings` gives translate().
+(data.eval_max_len) and its largest cache stage, with the search `validation.decoding_settings` gives translate().
 The parameters sit as the train state places them (`sharding.array_sharding` for train.mesh) and the host's inputs
 are replicated, as jit places the numpy sources validation passes: with mesh `data` nothing is sharded, every chip
 decodes the whole batch and the numbers are one chip's; with `fsdp` XLA's sharding propagation splits the work
@@ -52,9 +52,9 @@ PLACEMENT = {
 def plan_decode(config: ml_collections.ConfigDict, topology: Topology, mesh_mode: str) -> dict:
     """Compiles validation's decoding programs for the slice and returns the report's "decode" section."""
     settings = decoding_settings(config)
-    beam_size, chip = settings["beam_size"], topology.chip
+    search, chip = settings.search, topology.chip
     mesh = make_mesh(list(topology.devices()))
-    rows = batch_rows(config.train.bleu_sentences, settings["batch_size"])
+    rows = batch_rows(config.train.bleu_sentences, settings.batch_size)
     compile_s: dict[str, float] = {}
     jax.clear_caches()  # a trace made for the host backend must not be reused for the target
     with platform.compiling_for(chip.platform), tracing_mesh(mesh):
@@ -62,11 +62,11 @@ def plan_decode(config: ml_collections.ConfigDict, topology: Topology, mesh_mode
         place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=array_sharding(x.shape, mesh, mesh_mode))
         model = eval_model(graphs, jax.tree.map(place, abstract))
         limit = position_limit(model.spec)
-        longest = input_limit(settings["max_input_len"], limit)
-        src_len, max_steps = batch_shape(longest, longest, settings["max_extra_len"], limit)
+        longest = input_limit(settings.max_input_len, limit)
+        src_len, max_steps = batch_shape(longest, longest, settings.max_extra_len, limit)
         what = (
-            f"validation's decoding (beam {beam_size}, {rows} sentences x {src_len} source tokens, {max_steps} output "
-            f"slots, mesh={mesh_mode}) on {topology.name}"
+            f"validation's decoding (beam {search.beam_size}, {rows} sentences x {src_len} source tokens, "
+            f"{max_steps} output slots, mesh={mesh_mode}) on {topology.name}"
         )
 
         def compile_one(name: str, traced: jax.stages.Traced) -> jax.stages.Compiled:
@@ -79,14 +79,7 @@ def plan_decode(config: ml_collections.ConfigDict, topology: Topology, mesh_mode
 
         searcher = decoding.searcher(model)
         programs = searcher.peak_programs(
-            rows,
-            src_len,
-            max_steps,
-            beam_size=beam_size,
-            penalty=decoding.GNMT,  # translate()'s default, which validation keeps
-            settle=1,  # translate() asks for the 1-best
-            host=replicated(mesh),
-            compile_one=compile_one,
+            rows, src_len, max_steps, search, host=replicated(mesh), compile_one=compile_one
         )
     memory = {name: memory_per_chip(compiled) for name, compiled in programs.items()}
     estimate = _step_estimate(programs.get("stage"), topology, rows)
@@ -96,8 +89,8 @@ def plan_decode(config: ml_collections.ConfigDict, topology: Topology, mesh_mode
     resident = optimizer if config.train.bleu_every else 0
     needed = memory[peak]["total"] + resident
     return {
-        "beam_size": beam_size,
-        "alpha": settings["alpha"],
+        "beam_size": search.beam_size,
+        "alpha": search.alpha,
         "sentences": rows,
         "source_len": src_len,
         "output_slots": max_steps,
@@ -116,7 +109,7 @@ def plan_decode(config: ml_collections.ConfigDict, topology: Topology, mesh_mode
         "flops_per_step": {
             "compiled_per_chip": estimate.pop("flops_per_step_per_chip"),
             # every chip decodes every row (mesh data); with fsdp XLA may split them, so compare per chip with care
-            "formula": flops.decode_step_flops(model.spec, rows * beam_size, src_len, max_steps),
+            "formula": flops.decode_step_flops(model.spec, rows * search.beam_size, src_len, max_steps),
         },
         "estimate": estimate,
     }

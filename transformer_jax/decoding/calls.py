@@ -1,0 +1,187 @@
+"""The jitted calls of a search on a model: the whole search in one call (`search_batch`), and the refilling
+scheduler's calls (`ModelCalls`, refill.Calls).
+
+Axis letters: see transformer_jax/__init__.py (B sentences, W beams per sentence, R = B W cache rows, K sentences
+joining or kept, S source positions).
+
+Every call takes the search spec (searches.py) whole: its `alpha` is traced, its other fields are static, so the
+calls compile once per (model structure, kind of search, shapes). The model's graph is a static argument too
+(`Graph`), and its parameters travel as a list of leaves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from transformer_jax.decoding import refill
+from transformer_jax.decoding.binding import cached_decode_step, context_step, recompute_decode_step, split_cache
+from transformer_jax.decoding.search import BeamResult, beam_rows, gather_rows, steps_until
+from transformer_jax.decoding.searches import RowInputs, Search, run_search
+from transformer_jax.model.transformer import unpacked_segment_ids
+
+Array = jax.Array
+PyTree = Any
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_steps", "use_cache"))
+def search_batch(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    src_BS: Array,
+    max_len_B: Array,
+    row_inputs: RowInputs,
+    search: Search,
+    *,
+    max_steps: int,
+    use_cache: bool,
+) -> BeamResult:
+    """The whole search in one jitted call, every sentence's rows to the end (the reference of the refilling one)."""
+    model = nnx.merge(graphdef, state)
+    src_segment_ids_BS = unpacked_segment_ids(src_BS)
+    memory_BSD = model.encode(src_BS, src_segment_ids_BS)
+    make = cached_decode_step if use_cache else recompute_decode_step
+    d = make(model, memory_BSD, src_segment_ids_BS, beam_size=search.beam_size, max_steps=max_steps)
+    return run_search(search, d, max_len_B, max_steps=max_steps, row_inputs=row_inputs)
+
+
+# -- the refilling scheduler's calls on the model (refill.Calls) --------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Graph:
+    """A model's graph and its parameters' tree structure: the static argument of the jitted calls below.
+
+    jit hashes and compares its static arguments on every call, and a GraphDef is slow to hash, while the
+    scheduler makes a few hundred calls per translation. A Graph hashes by identity, and `graph()` gives one per
+    (graphdef, treedef), so the calls compile once per model structure. The parameters travel as a list of leaves,
+    which jit flattens faster than an nnx.State.
+    """
+
+    graphdef: nnx.GraphDef
+    treedef: jax.tree_util.PyTreeDef
+
+    def merge(self, params: list[Array]) -> nnx.Module:
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, params))
+
+
+@functools.lru_cache(maxsize=8)
+def graph(graphdef: nnx.GraphDef, treedef: jax.tree_util.PyTreeDef) -> Graph:
+    """The one Graph of this model structure (see Graph)."""
+    return Graph(graphdef, treedef)
+
+
+@functools.partial(jax.jit, static_argnames=("graph", "slots"))
+def start(params: list[Array], src_BS: Array, search: Search, *, graph: Graph, slots: int):
+    """Encodes the batch; the fixed context (B rows) and the search's first state, with `slots` slots."""
+    model = graph.merge(params)
+    seg_BS = unpacked_segment_ids(src_BS)
+    context, cache = split_cache(model.init_cache(model.encode(src_BS, seg_BS), seg_BS, slots))
+    return context, search.start(cache, src_BS.shape[0], slots)
+
+
+@functools.partial(jax.jit, static_argnames=("graph",))
+def encode(params: list[Array], src_BS: Array, *, graph: Graph) -> PyTree:
+    """The fixed context of the sentences src_BS (cross-attention keys/values, source segment ids), B rows."""
+    model = graph.merge(params)
+    seg_BS = unpacked_segment_ids(src_BS)
+    return split_cache(model.init_cache(model.encode(src_BS, seg_BS), seg_BS, 0))[0]
+
+
+@functools.partial(jax.jit, static_argnames=("beam_size",), donate_argnums=(0, 1))
+def insert(context: PyTree, s, block: PyTree, first: Array, rows_K: Array, *, beam_size: int):
+    """The sentences first, first + 1, ... of an encoded block (its context) take the rows rows_K of the running
+    batch, one each (a row past the batch's end: that sentence is not taken), back at the start.
+
+    The rows' self-attention slots keep the previous sentence's keys and values: a row's slots after its write
+    index are hidden by causality, and the new sentence overwrites each before it can attend to it.
+    """
+    new = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, first, rows_K.shape[0]), block)
+    rows_R = beam_rows(rows_K, beam_size)
+    context = jax.tree.map(lambda x, n: x.at[rows_K].set(n, mode="drop"), context, new)
+    s = s.restart(rows_K)
+    return context, s._replace(cache={**s.cache, "index": s.cache["index"].at[rows_R].set(0, mode="drop")})
+
+
+@functools.partial(jax.jit, static_argnames=("graph", "slots"))
+def grow(params: list[Array], s, *, graph: Graph, slots: int):
+    """The state with its cache and output buffer grown to `slots` (a call of its own, so that `stage` compiles
+    for one input shape per cache size)."""
+    return s.with_room(slots)._replace(cache=graph.merge(params).grow_cache(s.cache, slots))
+
+
+@functools.partial(jax.jit, static_argnames=("graph", "src_len"))
+def widen(params: list[Array], context: PyTree, *, graph: Graph, src_len: int) -> PyTree:
+    """The context with its sources padded to src_len positions (for longer sentences to join)."""
+    return graph.merge(params).grow_source(context, src_len)
+
+
+@functools.partial(jax.jit, static_argnames=("graph",), donate_argnames=("s",))
+def stage(
+    params: list[Array],
+    context: PyTree,
+    s,
+    max_len_B: Array,
+    stop_live: Array,
+    row_inputs: RowInputs,
+    search: Search,
+    *,
+    graph: Graph,
+):
+    """Steps until at most `stop_live` sentences are live or a live one has filled the cache (`steps_until`)."""
+    model = graph.merge(params)
+    step, reorder = context_step(model, context), model.reorder_cache
+    return steps_until(lambda s: search.advance(s, step, max_len_B, row_inputs, reorder), s, stop_live)
+
+
+@jax.jit
+def outcome(s, search: Search) -> refill.Outcome:
+    """What the host reads of a state after `stage` (refill.Outcome); s comes without its cache and with an empty
+    token buffer, so that this compiles per batch size only."""
+    return refill.Outcome(s.sentence_done(), search.scores(s))
+
+
+@jax.jit
+def keep(context: PyTree, s, keep_K: Array):
+    """The context and state of the sentences keep_K only."""
+    return gather_rows(context, keep_K), s.select(keep_K)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCalls:
+    """refill.Calls on one model: the jitted functions above with its graph and parameters."""
+
+    graph: Graph
+    params: list[Array]
+
+    def start(self, src_BS, search: Search, *, slots: int):
+        return start(self.params, src_BS, search, graph=self.graph, slots=slots)
+
+    def encode(self, src_BS):
+        return encode(self.params, src_BS, graph=self.graph)
+
+    def insert(self, context, s, block, first, rows_K, *, beam_size: int):
+        return insert(context, s, block, first, rows_K, beam_size=beam_size)
+
+    def grow(self, s, *, slots: int):
+        return grow(self.params, s, graph=self.graph, slots=slots)
+
+    def widen(self, context, *, src_len: int):
+        return widen(self.params, context, graph=self.graph, src_len=src_len)
+
+    def stage(self, context, s, max_len_B, stop_live, row_inputs, search: Search):
+        return stage(self.params, context, s, max_len_B, stop_live, row_inputs, search, graph=self.graph)
+
+    def keep(self, context, s, keep_K):
+        return keep(context, s, keep_K)
+
+    def outcome(self, s, search: Search):
+        # The token buffers ([B, L], [B, W, L], a set-aside search's pool [B, N, L]) empty, built on the host: no
+        # program.
+        empty = {f: np.zeros(getattr(s, f).shape[:-1] + (0,), np.int32) for f in s._fields if "tokens_" in f}
+        return outcome(s._replace(cache=None, **empty), search)
