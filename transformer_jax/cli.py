@@ -11,6 +11,7 @@ missing file, fails with a traceback on first access of the config. Config files
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -98,7 +99,21 @@ def parse_flags(
     except (AttributeError, KeyError) as e:  # a --config.KEY=VALUE override of a key the config does not have
         fail(prog, f"config: {type(e).__name__} {_one_line(e)}")
     compile_cache.enable(flag_values.compilation_cache)
+    _hide_compile_only_cache_reads()
     return rest
+
+
+def _hide_compile_only_cache_reads() -> None:
+    """Hides the one warning jax gives for ahead-of-time compiles for devices this host lacks (train.py --plan,
+    accelerators.py): their compile-only client writes its executable to the persistent cache but cannot load one,
+    so a second compile of the same program warns "Error reading persistent compilation cache entry ... PjRtCompiler
+    must be constructed with a Client to call DeserializeLoadedExecutable" and compiles again, which is the right
+    outcome. Every other cache warning (a damaged entry, an unwritable directory) still shows."""
+    warnings.filterwarnings(
+        "ignore",
+        message=r"Error reading persistent compilation cache entry .*DeserializeLoadedExecutable",
+        category=UserWarning,
+    )
 
 
 def run(main: Callable[[list[str]], Any], prog: str, status: int = 1) -> None:

@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from transformer_jax import saved_programs
 from transformer_jax.decoding import refill
 from transformer_jax.decoding.sampling import Sampling
 from transformer_jax.decoding.search import (
@@ -204,15 +203,6 @@ class Graph:
     def merge(self, params: list[Array]) -> nnx.Module:
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, params))
 
-    @functools.cached_property
-    def _fingerprint(self) -> str:
-        return saved_programs.stable([self.graphdef, self.treedef])
-
-    def fingerprint(self) -> str:
-        """What saved_programs.py keys a program by for this static argument: the whole structure, every static
-        attribute of every module included."""
-        return self._fingerprint
-
 
 @functools.lru_cache(maxsize=8)
 def graph(graphdef: nnx.GraphDef, treedef: jax.tree_util.PyTreeDef) -> Graph:
@@ -220,7 +210,7 @@ def graph(graphdef: nnx.GraphDef, treedef: jax.tree_util.PyTreeDef) -> Graph:
     return Graph(graphdef, treedef)
 
 
-@saved_programs.jit(static_argnames=("graph", "beam_size", "slots", "pool"))
+@functools.partial(jax.jit, static_argnames=("graph", "beam_size", "slots", "pool"))
 def _start(params: list[Array], src_BS: Array, *, graph: Graph, beam_size: int, slots: int, pool: int):
     """Encodes the batch; the fixed context (B rows) and the search's first state, with `slots` slots (pool > 0:
     a set-aside beam search's, set_aside.py)."""
@@ -233,7 +223,7 @@ def _start(params: list[Array], src_BS: Array, *, graph: Graph, beam_size: int, 
     return context, start_state(cache, batch, beam_size, slots, pool)
 
 
-@saved_programs.jit(static_argnames=("graph",))
+@functools.partial(jax.jit, static_argnames=("graph",))
 def _encode(params: list[Array], src_BS: Array, *, graph: Graph) -> PyTree:
     """The fixed context of the sentences src_BS (cross-attention keys/values, source segment ids), B rows."""
     model = graph.merge(params)
@@ -241,7 +231,7 @@ def _encode(params: list[Array], src_BS: Array, *, graph: Graph) -> PyTree:
     return _split_cache(model.init_cache(model.encode(src_BS, seg_BS), seg_BS, 0))[0]
 
 
-@saved_programs.jit(static_argnames=("beam_size",), donate_argnums=(0, 1))
+@functools.partial(jax.jit, static_argnames=("beam_size",), donate_argnums=(0, 1))
 def _insert(context: PyTree, s, block: PyTree, first: Array, rows_K: Array, *, beam_size: int):
     """The sentences first, first + 1, ... of an encoded block (its context) take the rows rows_K of the running
     batch, one each (a row past the batch's end: that sentence is not taken), back at the start.
@@ -256,20 +246,20 @@ def _insert(context: PyTree, s, block: PyTree, first: Array, rows_K: Array, *, b
     return context, s._replace(cache={**s.cache, "index": s.cache["index"].at[rows_R].set(0, mode="drop")})
 
 
-@saved_programs.jit(static_argnames=("graph", "slots"))
+@functools.partial(jax.jit, static_argnames=("graph", "slots"))
 def _grow(params: list[Array], s, *, graph: Graph, slots: int):
     """The state with its cache and output buffer grown to `slots` (a call of its own, so that `_stage` compiles
     for one input shape per cache size)."""
     return s.with_room(slots)._replace(cache=graph.merge(params).grow_cache(s.cache, slots))
 
 
-@saved_programs.jit(static_argnames=("graph", "src_len"))
+@functools.partial(jax.jit, static_argnames=("graph", "src_len"))
 def _widen(params: list[Array], context: PyTree, *, graph: Graph, src_len: int) -> PyTree:
     """The context with its sources padded to src_len positions (for longer sentences to join)."""
     return graph.merge(params).grow_source(context, src_len)
 
 
-@saved_programs.jit(static_argnames=("graph", "penalty", "settle", "sampling"), donate_argnames=("s",))
+@functools.partial(jax.jit, static_argnames=("graph", "penalty", "settle", "sampling"), donate_argnames=("s",))
 def _stage(
     params: list[Array],
     context: PyTree,
@@ -295,7 +285,7 @@ def _stage(
     return steps_until(lambda s: s.advance(step, max_len_B, alpha, settle, penalty, prefix_BP, reorder), s, stop_live)
 
 
-@saved_programs.jit(static_argnames=("penalty",))
+@functools.partial(jax.jit, static_argnames=("penalty",))
 def _outcome(s, alpha: Array, *, penalty: str) -> refill.Outcome:
     """What the host reads of a state after `_stage` (refill.Outcome); s comes without its cache and with an empty
     token buffer, so that this compiles per batch size only."""
@@ -303,7 +293,7 @@ def _outcome(s, alpha: Array, *, penalty: str) -> refill.Outcome:
     return refill.Outcome(s.sentence_done(), log_probs_BW / length_penalty(lengths_BW, alpha, penalty))
 
 
-@saved_programs.jit
+@jax.jit
 def _keep(context: PyTree, s, keep_K: Array):
     """The context and state of the sentences keep_K only."""
     return gather_rows(context, keep_K), s.select(keep_K)

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from transformer_jax import compile_cache, config_checks, files, saved_programs
+from transformer_jax import config_checks, files
 from transformer_jax.decoding import GNMT, IN_BEAM
 from transformer_jax.decoding.ensemble import Ensemble
 from transformer_jax.errors import DiskFullError, EvalError
@@ -93,13 +93,6 @@ def evaluate_model(options: Options, restorer: Restorer | None = None) -> dict[s
         return _evaluate_model(check_options(options), restorer, stack)
 
 
-def _programs_of(options: Options) -> str:
-    """What decides the programs an evaluation builds (saved_programs.prefetching's name): the model and every
-    option but the files it writes."""
-    written = dataclasses.replace(options, output_file=None, scores_file=None)
-    return f"evaluate {Path(options.workdir).resolve()} {written!r}"
-
-
 def _evaluate_model(options: Options, restorer: Restorer | None, stack: contextlib.ExitStack) -> dict[str, Any]:
     if options.config is not None:  # a --config the user gave; the one saved with the checkpoints was checked
         config_checks.validate(options.config)
@@ -127,8 +120,6 @@ def _evaluate_model(options: Options, restorer: Restorer | None, stack: contextl
         check_folder_writable(Path(options.workdir) / "eval", "--workdir (the default output folder WORKDIR/eval)")
 
     restorer = restorer or Restorer()
-    # A warm run's stored programs load on background threads while the model restores (saved_programs.py).
-    stack.enter_context(saved_programs.prefetching(_programs_of(options)))
     if options.ensemble_workdirs:
         modes.check_ensemble_members(restorer, options.ensemble_workdirs)
     config, model, steps = restore_model(
@@ -226,7 +217,6 @@ def _evaluate_model(options: Options, restorer: Restorer | None, stack: contextl
         "lines": len(hypotheses),
         "blank_lines": blank,
         "stats": stats,
-        "compilations": compile_cache.compilations(),
         "scores": bleu.score_all(hypotheses, references) if references is not None else None,
     }
     out = sys.stderr if (stdin and output_file is None) else sys.stdout
