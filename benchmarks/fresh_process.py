@@ -10,7 +10,6 @@ weights exported for CTranslate2 and translates the same file (benchmarks/ctrans
 ours so that both meet the same machine load: once with one engine call per output limit (every output under our
 limit, as the in-process comparison runs it) and once with one call for all (what a CTranslate2 user would
 write). Each process is timed from its start to its exit, by which point its last line is written.
-evaluate.py's report gives the XLA programs it built and how many came from the cache.
 
 Training restart (`restart_times`): a workdir with a checkpoint at step 1 (made by a first run, which also fills
 the cache), then restarts that each train one more step, alternately with the cache off and warm; timed from the
@@ -138,11 +137,9 @@ def evaluate_vs_ctranslate2(
             theirs = [sys.executable, "-m", "benchmarks.ctranslate2_process", str(job)]
             theirs_one_call = [sys.executable, "-m", "benchmarks.ctranslate2_process", str(one_call)]
             runs = {"ours_cold": [], "ours_warm": [], "ctranslate2": [], "ctranslate2_one_call": []}
-            compilations = {}
             for i in range(repeats + 1):
                 kind = "ours_cold" if i == 0 else "ours_warm"
                 runs[kind].append(round(timed_process(ours, tmp / f"{kind}.log"), 2))
-                compilations.setdefault(kind, json.loads(Path(f"{ours_out}.json").read_text())["compilations"])
                 runs["ctranslate2_one_call"].append(round(timed_process(theirs_one_call, tmp / "ct2.log"), 2))
                 runs["ctranslate2"].append(round(timed_process(theirs, tmp / "ct2.log"), 2))
             hyps, theirs_hyps = _lines(ours_out), _lines(theirs_out)
@@ -163,10 +160,6 @@ def evaluate_vs_ctranslate2(
                     round(best["ours_warm"] / best["ctranslate2_one_call"], 2) if repeats else None
                 ),
                 "cold_over_ctranslate2_one_call": round(best["ours_cold"] / best["ctranslate2_one_call"], 2),
-                "compilations": {
-                    k: {x: v[x] for x in ("programs", "loaded_from_cache", "compiled", "seconds")}
-                    for k, v in compilations.items()
-                },  # fmt: skip
                 "cache_bytes": directory_bytes(cache),
                 "bleu": {
                     "ours": round(bleu.sacrebleu_scores(hyps, references)["bleu"]["score"], 2),

@@ -1,10 +1,14 @@
-"""Test-wide settings: compile fast, and keep compiled programs for the session.
+"""Test-wide settings: compile fast, run on the CPU, and keep compiled programs for the session.
 
 The tests' programs are tiny, so XLA's compile time, not run time, dominates the suite; the lowest optimisation
 level and the flags below compile several times faster. Set before JAX starts its backend; subprocesses (train.py
 in the resume tests) inherit it, so compared runs share it.
 
-The persistent compilation cache (transformer_jax/compile_cache.py) lives in a directory of the test session's
+The tests run on the CPU (JAX_PLATFORMS=cpu unless set): on a CPU host with libtpu installed (requirements-aot.txt,
+for the TPU compile tests) jax would otherwise try the TPU first and print its initialisation errors; several test
+processes may load libtpu at once (ALLOW_MULTIPLE_LIBTPU_LOAD: its lock guards a TPU this host does not have).
+
+jax's persistent compilation cache (transformer_jax/compile_cache.py) lives in a directory of the test session's
 own, shared by the xdist workers and the subprocesses they start (through the environment), and removed at the
 end: tests never read a user's cache, and a program compiled by one test process is loaded by the others.
 """
@@ -15,8 +19,7 @@ import shutil
 import tempfile
 
 # XLA:CPU's fusion emitters cost more per program than its elemental emitter, and codegen split into parallel
-# parts oversubscribes the cores the xdist workers already share: without both, test_model_transformer.py and
-# test_decoding.py ran 1.6x faster (docs/compilation.md, "The tests").
+# parts oversubscribes the cores the xdist workers already share (docs/compilation.md, "The tests").
 _FAST = (
     "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
     " --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
@@ -24,13 +27,15 @@ _FAST = (
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST}".strip()
 # The TPU and GPU compilers (the plans and AOT tests compile for chips this host does not have) search less for a
-# fast program at the lowest execution-time effort: the two TPU train steps of tests/test_plan.py's meshes compiled
-# in 10.1 s instead of 17.5 s. The tests check the plans' rules, not their numbers; users' plans keep the default.
+# fast program at the lowest execution-time effort. The tests check the plans' rules, not their numbers; users'
+# plans keep the default.
 os.environ.setdefault("JAX_EXEC_TIME_OPTIMIZATION_EFFORT", "-1.0")
-# Tracing allocates many short-lived objects: at Python's default threshold (700) the collector ran ~2,600 times
-# over test_decoding.py and test_model_transformer.py and took ~4 s of their ~55; at 50,000, 26 times and 0.6-0.9 s
-# (docs/compilation.md, "The tests"). Reference counting still frees every array at once; only cycles wait longer.
+# Tracing allocates many short-lived objects, and at Python's default threshold the collector runs thousands of
+# times over a test file (docs/compilation.md, "The tests"). Reference counting still frees every array at once;
+# only cycles wait longer.
 gc.set_threshold(50_000, 20, 20)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 # Imported after XLA_FLAGS is set: importing the helpers imports JAX.

@@ -523,18 +523,24 @@ def test_a_small_beam_batch_steps_at_the_last_cache_stage_only(monkeypatch):
 def test_the_refilling_search_builds_no_programs_of_its_own_on_the_host(beam_size):
     """Between its calls the scheduler only reads what they return (refill.Outcome): an array operation on the host
     would be a small program per batch size, compiled in every process (too fast to be worth the disk cache)."""
-    from transformer_jax import compile_cache
-
     rng = np.random.default_rng(7)
     sources = [[int(t) for t in rng.integers(4, 50, n - 1)] + [EOS] for n in rng.integers(2, 12, 40)]
     max_len = [12 if i % 5 == 0 else 1 + i % 3 for i in range(len(sources))]
     model = shared_model()
+    built = set()
+
+    def on_compile(event: str, seconds: float, fun_name: str = "?", **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":  # every program built, a cache load included
+            built.add(fun_name)
+
     jax.clear_caches()  # programs an earlier test built would not be built (nor counted) again
-    before = compile_cache.compilations()["functions"]
-    decoding.searcher(model).sentences(
-        sources, max_len, decoding.search_for(beam_size, 0.6), batch_size=16, shape=lambda longest: (16, 24)
-    )
-    built = {name for name, n in compile_cache.compilations()["functions"].items() if n > before.get(name, 0)}
+    jax.monitoring.register_event_duration_secs_listener(on_compile)
+    try:
+        decoding.searcher(model).sentences(
+            sources, max_len, decoding.search_for(beam_size, 0.6), batch_size=16, shape=lambda longest: (16, 24)
+        )
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_compile)
     names = ("start", "encode", "insert", "grow", "widen", "stage", "keep", "outcome")
     scheduler = {f"jit({name})" for name in names}
     assert "jit(stage)" in built and built <= scheduler, built - scheduler

@@ -1,4 +1,10 @@
-"""The target platform: choices that depend on the accelerator follow compiling_for(...), not the host."""
+"""The target platform: choices that depend on the accelerator follow compiling_for(...), not the host; and
+importing the package configures nothing."""
+
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -36,3 +42,24 @@ def test_accelerator_choices_follow_the_target():
 def test_an_unknown_platform_is_refused():
     with pytest.raises(ValueError, match="unknown platform 'metal'"):
         platform.backend_of("metal")
+
+
+IMPORT_CHECK = """
+import json, os, sys
+import jax
+before_config, before_env = dict(jax.config.values), dict(os.environ)
+import transformer_jax, transformer_jax.cli, transformer_jax.training.loop, transformer_jax.evaluation.run
+import transformer_jax.decoding, transformer_jax.accelerators
+config = {k: repr(v) for k, v in jax.config.values.items() if repr(v) != repr(before_config.get(k))}
+env = {k: v for k, v in os.environ.items() if before_env.get(k) != v}
+print(json.dumps({"config": config, "env": env}))
+"""
+
+
+def test_importing_the_package_changes_no_jax_setting_and_no_environment_variable():
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "ALLOW_MULTIPLE_LIBTPU_LOAD")}
+    out = subprocess.run(
+        [sys.executable, "-c", IMPORT_CHECK], env=env, capture_output=True, text=True, check=True, timeout=120
+    )
+    changed = json.loads(out.stdout.strip().splitlines()[-1])
+    assert changed["config"] == {} and changed["env"] == {}, changed

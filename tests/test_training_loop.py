@@ -172,26 +172,29 @@ def test_setup_builds_the_train_step_program_while_restoring_and_uses_the_kept_m
     """A restart waits for the train step's program while the checkpoint is read, not after it (compile_ahead),
     the first step calls that program, and MFU divides by the peak kept beside the compilation cache."""
     shutil.copytree(uninterrupted, tmp_path / "run")
-    store = compile_cache.enable(str(tmp_path / "xla"))  # a cache of the test's own; the session's is back after
-    (store.path / flops.PEAK_FILE).write_text(json.dumps({flops.peak_key(): 3e9}))
+    directory = compile_cache.enable(str(tmp_path / "xla"))  # the test's own cache; the session's is back after
+    (directory / flops.PEAK_FILE).write_text(json.dumps({flops.peak_key(): 3e9}))
     monkeypatch.setattr(flops, "measure_matmul_peak", lambda: pytest.fail("measured the matmul peak again"))
+    built = []
 
-    def programs() -> int:
-        return compile_cache.compilations()["functions"].get("jit(train_step)", 0)
+    def on_compile(event: str, seconds: float, fun_name: str = "?", **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration" and fun_name == "jit(train_step)":
+            built.append(threading.current_thread().name)
 
     for thread in threading.enumerate():  # an earlier test's setup that raised may still be compiling its step
         if thread.name == "compile_ahead":
             thread.join()
-    before = programs()
+    jax.monitoring.register_event_duration_secs_listener(on_compile)
     run = loop.setup(tiny_train_config(corpus, num_steps=8, eval_every=0, peak_flops=0.0), tmp_path / "run")
     try:
         assert run.step == 6
-        assert programs() == before + 1  # built (or loaded from the cache) before any step
+        assert built == ["compile_ahead"]  # built (or loaded from the cache) before any step
         batch, _, _ = next(run.batches)
         jax.block_until_ready(run.train_step(run.state, batch))
-        assert programs() == before + 1  # the first step called it: nothing built again
+        assert built == ["compile_ahead"]  # the first step called it: nothing built again
         assert run.metric_log.peak_all_devices == 3e9 * jax.device_count()
     finally:
+        jax.monitoring.unregister_event_duration_listener(on_compile)
         run.close()
         compile_cache.enable()
 

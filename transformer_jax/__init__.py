@@ -11,11 +11,9 @@ of the package, and each file's docstring cites this legend instead of defining 
     X  query block, Y key block (tiled kernels); I query blocks (T / X), J key blocks (S / Y)
     M  segments (packed sequences)               Z  frequencies of the sinusoidal encoding (D / 2)
     P  positions (pictures of the positional encoding)  C  candidates each beam proposes (beam search, min(W, V))
+
+Importing the package configures nothing (no jax setting, no environment variable): the command lines do
+(cli.parse_flags turns the persistent compilation cache on).
 """
 
-from transformer_jax import jax_fixes, platform
-
 __version__ = "0.1.0"
-
-platform.configure_host()  # before anything starts a jax backend: a CPU host stays quiet with libtpu installed
-jax_fixes.install()  # before anything traces

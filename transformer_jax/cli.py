@@ -11,6 +11,7 @@ missing file, fails with a traceback on first access of the config. Config files
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -98,7 +99,47 @@ def parse_flags(
     except (AttributeError, KeyError) as e:  # a --config.KEY=VALUE override of a key the config does not have
         fail(prog, f"config: {type(e).__name__} {_one_line(e)}")
     compile_cache.enable(flag_values.compilation_cache)
+    _hide_compile_only_cache_reads()
+    _drop_callbacks_into_closed_event_loops()
     return rest
+
+
+def _hide_compile_only_cache_reads() -> None:
+    """Hides the one warning jax gives for ahead-of-time compiles for devices this host lacks (train.py --plan,
+    accelerators.py): their compile-only client writes its executable to the persistent cache but cannot load one,
+    so a second compile of the same program warns "Error reading persistent compilation cache entry ... PjRtCompiler
+    must be constructed with a Client to call DeserializeLoadedExecutable" and compiles again, which is the right
+    outcome. Every other cache warning (a damaged entry, an unwritable directory) still shows."""
+    warnings.filterwarnings(
+        "ignore",
+        message=r"Error reading persistent compilation cache entry .*DeserializeLoadedExecutable",
+        category=UserWarning,
+    )
+
+
+def _is_callback_into_a_closed_event_loop(unraisable: Any) -> bool:
+    error = unraisable.exc_value
+    return unraisable.object is None and isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+
+
+def _drop_callbacks_into_closed_event_loops() -> None:
+    """The one process-wide filter, installed once by the command lines (never by the library): a checkpoint
+    restore that fails (a damaged checkpoint, reported in one line by checkpoints.py) leaves TensorStore reads in
+    flight after Orbax has closed the event loop it ran them in; as each completes, TensorStore's callback calls
+    `loop.call_soon_threadsafe` on the closed loop and reports the RuntimeError("Event loop is closed") through
+    sys.unraisablehook, with no object: tens to hundreds of tracebacks after the one error line, printed at times
+    nothing can wait for (Orbax keeps no handle on those reads). Only that report is dropped; every other
+    unraisable exception reaches the previous hook."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_closed_event_loop_callbacks", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if not _is_callback_into_a_closed_event_loop(unraisable):
+            previous(unraisable)
+
+    hook.drops_closed_event_loop_callbacks = True
+    sys.unraisablehook = hook
 
 
 def run(main: Callable[[list[str]], Any], prog: str, status: int = 1) -> None:

@@ -6,14 +6,15 @@ checkpoint reading itself sits behind `Restorer`, the seam tests replace with a 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
 from flax import nnx
 from flax.traverse_util import flatten_dict
 
-from transformer_jax import saved_programs
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation.averaging import average_params, select_steps
@@ -92,10 +93,9 @@ def abstract_model(config: Any) -> Any:
     return model
 
 
-@saved_programs.jit(static_argnames=("spec",))
+@functools.partial(jax.jit, static_argnames=("spec",))
 def _other_state(*, spec: TransformerSpec) -> nnx.State:
-    """The state of build_model's model other than its parameters (the dropout streams' keys and counts, seed 0);
-    saved, so that a warm process does not trace the model's construction a second time."""
+    """The state of build_model's model other than its parameters (the dropout streams' keys and counts, seed 0)."""
     return nnx.state(Transformer(spec, rngs=model_rngs(0)), nnx.Not(nnx.Param))
 
 

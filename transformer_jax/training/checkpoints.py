@@ -14,15 +14,13 @@ then falls back to the one before it and moves the damaged one aside (`<step>.da
 
 from __future__ import annotations
 
-import gc
+import contextlib
 import json
 import logging
 import pathlib
 import shutil
-import sys
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -107,73 +105,38 @@ def _is_save_noise(exc: BaseException | None) -> bool:
     return files.is_disk_full(exc) or _is_loop_closed(exc)
 
 
-class _Quiet:
-    """While installed, drops the exceptions `drop(exc)` selects from the "absl" and "asyncio" loggers (Orbax's
-    threads log their failures there, asyncio its tasks whose exception nobody retrieved), sys.unraisablehook,
-    sys.excepthook and threading.excepthook; everything else goes on as before. Orbax reports one failure many
-    times over, from every thread and coroutine it ran; the caller reports it once, in one line.
-
-    Installed only around the Orbax calls that can fail so (a restore; a save, until it is awaited) and removed
-    after them when they succeed. After a failure it stays: TensorStore completes the reads and writes that the
-    failed call abandoned in its own threads, later, at times nothing can wait for, and each one reports the closed
-    event loop. Removed after a failure it saw (a save filter's next save succeeded), it first collects garbage, so
-    that the tasks Orbax left unfinished report their exceptions while the filter is still in place. Only then: a
-    full collection takes 0.2-0.5 s in a process that has imported jax, flax and Orbax, and after a call that
-    succeeded it found nothing to drop (103 saves and restores of the checkpoint tests, counted).
-    """
+class _OrbaxLogFilter(logging.Filter):
+    """Drops the records of Orbax's loggers ("absl": its threads, "asyncio": its coroutines whose exception nobody
+    retrieved) whose exception `drop` selects: Orbax reports one failure from every thread and coroutine it ran,
+    and the caller reports it once, in one line. Attached only for the duration of an Orbax call (`during`, or
+    attach/detach around an asynchronous save until it is awaited); everything else is logged as before. The reads
+    a failed restore leaves in flight report later, through sys.unraisablehook: the command lines drop those
+    (cli._drop_callbacks_into_closed_event_loops), the library changes no process-wide hook."""
 
     LOGGERS = ("absl", "asyncio")
 
     def __init__(self, drop: Callable[[BaseException | None], bool]):
+        super().__init__()
         self.drop = drop
-        self.failed = False  # an Orbax call under this filter failed since it was installed
-        self._previous: tuple | None = None
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.exc_info and self.drop(record.exc_info[1]))
 
-    def install(self) -> None:
-        if self._previous is not None:
-            return
-        unraisable, excepthook, thread_hook = sys.unraisablehook, sys.excepthook, threading.excepthook
-        self._previous = (unraisable, excepthook, thread_hook)
-
-        def quiet_unraisable(info):
-            if not self.drop(info.exc_value):
-                unraisable(info)
-
-        def quiet_excepthook(kind, value, tb):
-            if not self.drop(value):
-                excepthook(kind, value, tb)
-
-        def quiet_thread_hook(args):
-            if not self.drop(args.exc_value):
-                thread_hook(args)
-
-        sys.unraisablehook, sys.excepthook, threading.excepthook = quiet_unraisable, quiet_excepthook, quiet_thread_hook
+    def attach(self) -> None:
         for name in self.LOGGERS:
-            logging.getLogger(name).addFilter(self)
+            logging.getLogger(name).addFilter(self)  # adding one already attached does nothing
 
-    def remove(self) -> None:
-        if self._previous is None:
-            return
-        if self.failed:
-            gc.collect()
-            self.failed = False
-        sys.unraisablehook, sys.excepthook, threading.excepthook = self._previous
-        self._previous = None
+    def detach(self) -> None:
         for name in self.LOGGERS:
             logging.getLogger(name).removeFilter(self)
 
-    def __enter__(self) -> _Quiet:
-        self.install()
-        return self
-
-    def __exit__(self, kind, value, tb) -> None:
-        if kind is None:
-            self.remove()
-        else:
-            self.failed = True
+    @contextlib.contextmanager
+    def during(self) -> Iterator[None]:
+        self.attach()
+        try:
+            yield
+        finally:
+            self.detach()
 
 
 def _missing_parts(workdir: str | pathlib.Path, step: int, items: tuple[str, ...]) -> str | None:
@@ -263,7 +226,7 @@ class Checkpointer:
         self.manager = _manager(workdir, keep=ckpt.keep, async_save=ckpt.async_save, cleanup_tmp=True)
         self._async = ckpt.async_save
         self._in_flight: tuple[int, int] | None = None  # (step, bytes) of a save not yet awaited
-        self._quiet = _Quiet(_is_save_noise)
+        self._log_filter = _OrbaxLogFilter(_is_save_noise)
         self._failed = False
 
     def save(
@@ -273,15 +236,19 @@ class Checkpointer:
         for a state that may be worse than the ones before it (a stop after non-finite updates).
 
         A full disk, now or when an asynchronous save of an earlier step completes, is a DiskFullError naming the
-        step, the directory and the space needed and free (`_disk_full`); ckpt.keep then has removed nothing.
+        step, the directory and the space needed and free (`_disk_full`); ckpt.keep then has removed nothing. A
+        disk with less free space than the checkpoint needs (`_space_needed`) is that error before Orbax starts.
         """
         self.wait()  # the previous save's failure is reported for its own step, before this one starts
         pure = nnx.to_pure_dict(state)
         # Hashed before the save starts: the arrays are valid until the next train step donates them.
         sums = {"version": checksums.VERSION, "arrays": checksums.checksums(pure)}
         manager = self.manager if rotate else _manager(self.workdir, keep=None)
-        self._in_flight = (step, sum(x.nbytes for x in jax.tree.leaves(pure)))
-        self._quiet.install()  # removed once the save is awaited (wait)
+        needed = self._space_needed(step, sum(x.nbytes for x in jax.tree.leaves(pure)))
+        if files.free_bytes(checkpoint_dir(self.workdir)) < needed:  # Orbax's threads would fail one by one
+            raise self._disk_full(step, needed)
+        self._in_flight = (step, needed)
+        self._log_filter.attach()  # detached once the save is awaited (wait) or has failed (_failed_save)
         try:
             manager.save(
                 step,
@@ -300,7 +267,7 @@ class Checkpointer:
             raise
         if not rotate:
             self._in_flight = None
-            self._quiet.remove()
+            self._log_filter.detach()
             self.manager.reload()
         elif not self._async:
             self.wait()
@@ -315,25 +282,33 @@ class Checkpointer:
             self._failed_save(e)
             raise
         self._in_flight = None
-        self._quiet.remove()
+        self._log_filter.detach()
 
     def _failed_save(self, error: Exception) -> None:
         """After a save failed: its unfinished directory removed, a full disk re-raised as one DiskFullError line
-        (any other failure is a bug and keeps its traceback). The filter stays for the writes left in flight."""
+        (any other failure is a bug and keeps its traceback)."""
         step, needed = self._in_flight
         self._in_flight, self._failed = None, True
-        self._quiet.failed = True
+        self._log_filter.detach()
         if jax.process_index() == 0:
             for tmp in checkpoint_dir(self.workdir).glob(f"{step}.orbax-checkpoint-tmp*"):
                 shutil.rmtree(tmp, ignore_errors=True)
         if files.is_disk_full(error):
             raise self._disk_full(step, needed) from None
 
+    def _space_needed(self, step: int, array_bytes: int) -> int:
+        """Bytes a checkpoint of `step` takes: what the last finished one took on disk (metadata included), a closer
+        estimate than its arrays' bytes, or those bytes when there is none. Orbax writes a new checkpoint before
+        ckpt.keep removes an old one, so the whole of it must fit."""
+        directory = checkpoint_dir(self.workdir)
+        finished = sorted(s for s in self.manager.all_steps() if s != step and (directory / str(s)).is_dir())
+        if not finished:
+            return array_bytes
+        return max(array_bytes, sum(f.stat().st_size for f in (directory / str(finished[-1])).rglob("*")))
+
     def _disk_full(self, step: int, needed: int) -> DiskFullError:
         directory = checkpoint_dir(self.workdir)
         finished = [s for s in list_steps(self.workdir) if s != step]
-        if finished:  # what the last one took on disk (metadata included) is a closer estimate than the array bytes
-            needed = max(needed, sum(f.stat().st_size for f in (directory / str(finished[-1])).rglob("*")))
         last = f"step {finished[-1]}, kept" if finished else "none"
         again = f"resumes from step {finished[-1]}" if finished else "starts again"
         return DiskFullError(
@@ -368,7 +343,7 @@ class Checkpointer:
         errors, damaged = [], []
         for step in steps:
             try:
-                with _Quiet(_is_restore_noise):
+                with _OrbaxLogFilter(_is_restore_noise).during():
                     restored, keys = self._restore(step, target, current)
             except _Damaged as e:
                 errors.append(f"step {step}: {e}")
@@ -470,7 +445,7 @@ def load_model_params(workdir: str | pathlib.Path, step: int, abstract_state: nn
     if missing:
         raise CheckpointError(f"{where} is damaged: {missing}")
     try:
-        with _Quiet(_is_restore_noise):
+        with _OrbaxLogFilter(_is_restore_noise).during():
             restored, key = _restore_model_params(workdir, step, abstract_state)
     except Exception as e:  # noqa: BLE001 - any failure to read is a damaged checkpoint
         raise CheckpointError(f"{where} cannot be read: {describe_error(e)}") from None

@@ -344,8 +344,7 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path, bleu: BleuEv
     writer = MetricWriter(workdir, resume_step=step)
     validation = Validation(config, graphs, tokenizer, eval_step, sharding, writer, bleu)
     ahead.join()  # before the matmul peak is timed, and so that the first step finds the program
-    cache = compile_cache.store()
-    peak = config.train.peak_flops or flops.matmul_peak(cache.path if cache is not None else None)
+    peak = config.train.peak_flops or flops.matmul_peak(compile_cache.directory())
     writer.write(step, {f"data_{k}": v for k, v in data_stats.items() if isinstance(v, int)})
     progress = Progress(config.train.num_steps, "step", "steps", initial=step, enabled=jax.process_index() == 0)
     return TrainingRun(
@@ -384,7 +383,7 @@ def compile_ahead(train_step, abstract_state, shardings, shapes, batch_sharding_
         state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, shardings)
         try:
             with tracing_mesh(mesh):  # as the step loop traces it (a context of this thread only)
-                train_step.precompile(state, batch) or train_step.lower(state, batch).compile()
+                train_step.lower(state, batch).compile()
         except Exception as error:  # noqa: BLE001 - the first step compiles again and reports a real problem itself
             logging.info("compiling the train step ahead failed (%s); it compiles at the first step", error)
 
@@ -425,7 +424,8 @@ def run_steps(run: TrainingRun, stop: StopRequest) -> dict[str, float]:
     unless its arrays themselves are non-finite: such a state is never saved (save_if_finite).
     """
     config, num_steps = run.config, run.config.train.num_steps
-    state, step, saved_step, it_state, last_logged = run.state, run.step, run.step, None, {}
+    # A restored run has its checkpoint at run.step; a new one has none yet.
+    state, step, saved_step, it_state, last_logged = run.state, run.step, run.step or None, None, {}
     stopping = False
     try:
         while step < num_steps:
@@ -438,28 +438,25 @@ def run_steps(run: TrainingRun, stop: StopRequest) -> dict[str, float]:
             step += 1
             if step == run.step + 1:  # what a restart waits for before training moves: mostly compilation
                 jax.block_until_ready(metrics)
-                logging.info(
-                    "step %d is this process's first; XLA programs so far: %s", step, compile_cache.compilations()
-                )
+                logging.info("step %d is this process's first", step)
             run.metric_log.add(metrics, real_tokens, flops.train_step_flops(run.spec, *shape), step)
             if is_due(step, config.train.log_every, num_steps):
                 last_logged = run.metric_log.write(step)
             # Checkpoint first: validation BLEU decodes for minutes, and a crash in it must not cost the steps.
-            if is_due(step, config.ckpt.every_steps, num_steps):
-                save_if_finite(run, step, state, it_state)
+            if is_due(step, config.ckpt.every_steps, num_steps) and save_if_finite(run, step, state, it_state):
                 saved_step = step
             run.validation.run_due(step, state)
         run.metric_log.flush()
-        if stopping and saved_step != step:
-            save_if_finite(run, step, state, it_state)
+        if stopping:
+            if saved_step == step or save_if_finite(run, step, state, it_state):
+                logging.warning("SIGTERM: saved the checkpoint at step %d; exiting", step)
+            else:
+                logging.warning("SIGTERM: exiting at step %d without saving it (see the error above)", step)
     except NonFiniteError:
         # Finite but maybe diverging: saved without rotating away the checkpoints before it.
         if saved_step != step:
             save_if_finite(run, step, state, it_state, rotate=False)
         raise
-    finally:
-        if stopping:
-            logging.warning("SIGTERM: saved the checkpoint at step %d; exiting", step)
     return last_logged
 
 

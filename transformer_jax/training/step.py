@@ -15,7 +15,6 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from transformer_jax import saved_programs
 from transformer_jax.sharding import batch_sharding, state_shardings
 from transformer_jax.training.losses import cross_entropy_sums
 from transformer_jax.training.state import Graphs
@@ -107,13 +106,13 @@ def compile_steps(
     """jit once with shardings (state donated). Returns (train_step, eval_step, state shardings)."""
     shardings = state_shardings(state, mesh, mesh_mode)
     data = batch_sharding(mesh)
-    train = saved_programs.jit(
+    train = jax.jit(
         functools.partial(train_step, graphs.train, label_smoothing=label_smoothing, accum_steps=accum_steps),
         in_shardings=(shardings, data),
         out_shardings=(shardings, None),
         donate_argnums=0,
     )
-    evaluate = saved_programs.jit(
+    evaluate = jax.jit(
         functools.partial(eval_step, graphs.eval, label_smoothing=label_smoothing),
         in_shardings=(shardings, data),
     )
