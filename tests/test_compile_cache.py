@@ -96,10 +96,20 @@ def test_a_changed_program_misses_and_the_same_one_hits(cache):
     written = {p.name for p in directory.glob("jit__lambda*")}
     compiled(2.0)
     assert {p.name for p in directory.glob("jit__lambda*")} > written  # a program of its own
+    x = jnp.arange(16.0)
     jax.clear_caches()  # forget the in-memory executables: the next compile asks the disk
-    entries = {p.name for p in directory.iterdir()}
-    assert float(compiled(2.0)) == pytest.approx(float(np.sin(np.arange(16.0) * 2).sum()), rel=1e-6)
-    assert {p.name for p in directory.iterdir()} == entries  # loaded, nothing written
+    hits = []
+
+    def listener(event: str, **kwargs) -> None:
+        hits.append(event)
+
+    jax.monitoring.register_event_listener(listener)
+    try:
+        result = float(jax.jit(lambda x: jnp.sin(x * 2.0).sum())(x))
+    finally:
+        jax.monitoring.unregister_event_listener(listener)
+    assert result == pytest.approx(float(np.sin(np.arange(16.0) * 2).sum()), rel=1e-6)
+    assert hits.count("/jax/compilation_cache/cache_hits") == 1, hits  # loaded from the disk, not compiled
 
 
 def test_an_unusable_directory_is_one_warning_and_no_cache(tmp_path, cache, capsys):

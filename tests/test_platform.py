@@ -49,7 +49,7 @@ import json, os, sys
 import jax
 before_config, before_env = dict(jax.config.values), dict(os.environ)
 import transformer_jax, transformer_jax.cli, transformer_jax.training.loop, transformer_jax.evaluation.run
-import transformer_jax.decoding, transformer_jax.accelerators
+import transformer_jax.decoding, transformer_jax.plan.accelerators
 config = {k: repr(v) for k, v in jax.config.values.items() if repr(v) != repr(before_config.get(k))}
 env = {k: v for k, v in os.environ.items() if before_env.get(k) != v}
 print(json.dumps({"config": config, "env": env}))
