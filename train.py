@@ -14,7 +14,8 @@ import logging
 from absl import flags
 from ml_collections import config_flags
 
-from transformer_jax import cli, config_checks
+from transformer_jax import cli
+from transformer_jax.config import checks
 from transformer_jax.errors import ConfigError
 from transformer_jax.sharding import initialize_distributed
 from transformer_jax.training.loop import train_and_evaluate
@@ -56,14 +57,14 @@ def main(argv: list[str]) -> None:
     logging.getLogger().setLevel(logging.INFO)
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file it renames at INFO
     config = _CONFIG.value
-    config_checks.validate(config)  # before any work: a bad value is one line now, not a traceback minutes later
+    checks.validate(config)  # before any work: a bad value is one line now, not a traceback minutes later
     if _PLAN.value:
         _plan(config)
         return
     if not _DRY_RUN.value:
         if not _WORKDIR.value:
             raise ConfigError("--workdir is required (checkpoints, tokenizer and metrics go there)")
-        config_checks.check_workdir(_WORKDIR.value)
+        checks.check_workdir(_WORKDIR.value)
     initialize_distributed()
     if _DRY_RUN.value:
         print(json.dumps(dry_run_summary(config), indent=2))

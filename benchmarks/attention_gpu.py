@@ -26,9 +26,10 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.attention_tpu import MODEL_WIDTH
-from transformer_jax import ops, platform
+from transformer_jax import ops
 from transformer_jax.errors import ConfigError
 from transformer_jax.plan import accelerators
+from transformer_jax.runtime import platform
 
 Array = jax.Array
 IMPLS = ("ours", "jax_pallas", "cudnn", "xla")

@@ -26,7 +26,7 @@ _FAST = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=
 CHILD = """
 import collections, json, sys, time
 import jax, jax.numpy as jnp
-from transformer_jax import compile_cache
+from transformer_jax.runtime import compile_cache
 compile_cache.enable(sys.argv[1])
 seconds = collections.Counter()
 jax.monitoring.register_event_duration_secs_listener(lambda event, s, **_: seconds.update({event: s, event + "#n": 1}))

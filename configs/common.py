@@ -1,7 +1,7 @@
 """Shared config groups for the config files: `base_config(size=...)`, then override what differs.
 
 Every key's default, unit, allowed values and whether it must match on resume are written once, in
-transformer_jax/config_keys.py (`KEYS`); the groups here are built from it. A config file changes defaults by
+transformer_jax/config/schema.py (`KEYS`); the groups here are built from it. A config file changes defaults by
 assignment (`config.data.batch_size = 32`) and states why in a comment.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import ml_collections
 
-from transformer_jax import config_keys
+from transformer_jax.config import schema
 
-SIZES = config_keys.SIZES  # name -> (d_model, num_heads, d_ff, encoder layers, decoder layers, P_drop)
+SIZES = schema.SIZES  # name -> (d_model, num_heads, d_ff, encoder layers, decoder layers, P_drop)
 
 
 def parse_arg(arg: str | None, **defaults: str) -> dict[str, str]:
@@ -28,18 +28,18 @@ def parse_arg(arg: str | None, **defaults: str) -> dict[str, str]:
 
 
 def model_config(size: str) -> ml_collections.ConfigDict:
-    return config_keys.group("model", config_keys.size_row(size))
+    return schema.group("model", schema.size_row(size))
 
 
 def data_config() -> ml_collections.ConfigDict:
-    return config_keys.group("data")
+    return schema.group("data")
 
 
 def opt_config(d_model: int) -> ml_collections.ConfigDict:
     """The opt group for a model of width d_model (the paper's learning rate depends on it)."""
-    return config_keys.group("opt", config_keys.Size(d_model, 0, 0, 0, 0, 0.0))
+    return schema.group("opt", schema.Size(d_model, 0, 0, 0, 0, 0.0))
 
 
 def base_config(size: str) -> ml_collections.ConfigDict:
     """All groups with their defaults for a model size; config files override and then lock."""
-    return config_keys.base_config(size)
+    return schema.base_config(size)

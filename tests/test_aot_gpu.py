@@ -16,10 +16,10 @@ import pytest
 
 from tests.helpers.aot import assert_linear_in_length, compile_attention
 from tests.helpers.training import one_layer_config
-from transformer_jax import platform
 from transformer_jax.ops import attention
 from transformer_jax.plan import accelerators
 from transformer_jax.plan import train_step as plan
+from transformer_jax.runtime import platform
 from transformer_jax.sharding import make_mesh
 
 needs_cuda_plugin = pytest.mark.skipif(

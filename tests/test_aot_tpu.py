@@ -21,9 +21,9 @@ import pytest
 
 from tests.helpers.aot import assert_linear_in_length, compile_attention
 from tests.helpers.attention import TPU_CASES, TPU_SMALL, forward_backward, make_inputs
-from transformer_jax import platform
 from transformer_jax.ops import attention
 from transformer_jax.plan import accelerators
+from transformer_jax.runtime import platform
 from transformer_jax.sharding import make_mesh
 
 needs_libtpu = pytest.mark.skipif(

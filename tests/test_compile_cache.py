@@ -16,13 +16,14 @@ import numpy as np
 import pytest
 from absl import flags
 
-from transformer_jax import cli, compile_cache
+from transformer_jax import cli
+from transformer_jax.runtime import compile_cache
 
 PROGRAM = textwrap.dedent(
     """
     import json, sys
     import jax, jax.numpy as jnp
-    from transformer_jax import compile_cache
+    from transformer_jax.runtime import compile_cache
     events = []
     jax.monitoring.register_event_listener(lambda event, **kwargs: events.append(event))
     compile_cache.enable(sys.argv[1])

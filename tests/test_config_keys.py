@@ -10,8 +10,8 @@ import typing
 import pytest
 
 from configs import common
-from transformer_jax import config_checks, config_keys
-from transformer_jax.config_keys import KEYS, MAY_CHANGE, Key
+from transformer_jax.config import checks, schema
+from transformer_jax.config.schema import KEYS, MAY_CHANGE, Key
 from transformer_jax.errors import ConfigError
 from transformer_jax.model.spec import TransformerSpec, config_key
 from transformer_jax.training import checkpoints
@@ -22,25 +22,25 @@ def test_every_key_has_each_of_its_facts():
     assert len(names) == len(set(names)), "a key is written twice"
     for key in KEYS:
         assert key.doc.strip() and key.rule.unit == key.doc, key.name  # the unit the one-line errors quote
-        for size in config_keys.SIZES.values():
+        for size in schema.SIZES.values():
             if key.name != "size":  # set by base_config, from the size's name
                 key.rule.check(key.name, key.default_for(size))  # the default obeys its own rule
 
 
 def test_a_key_without_a_fact_cannot_be_written():
     with pytest.raises(TypeError):
-        Key("train.new_key", 1, config_keys.count(1), "steps")  # no resume decision
+        Key("train.new_key", 1, schema.count(1), "steps")  # no resume decision
     with pytest.raises(ValueError, match="say its unit and meaning"):
-        Key("train.new_key", 1, config_keys.count(1), "", MAY_CHANGE)
+        Key("train.new_key", 1, schema.count(1), "", MAY_CHANGE)
     with pytest.raises(ValueError, match="MATCH or MAY_CHANGE"):
-        Key("train.new_key", 1, config_keys.count(1), "steps", True)
+        Key("train.new_key", 1, schema.count(1), "steps", True)
 
 
-@pytest.mark.parametrize("size", sorted(config_keys.SIZES))
+@pytest.mark.parametrize("size", sorted(schema.SIZES))
 def test_a_config_holds_every_key_with_its_default_and_validates(size):
     config = common.base_config(size)
-    config_checks.validate(config)
-    row = config_keys.SIZES[size]
+    checks.validate(config)
+    row = schema.SIZES[size]
     for key in KEYS:
         if key.name != "size":
             group, _, leaf = key.name.rpartition(".")
@@ -62,7 +62,7 @@ def test_a_bad_value_of_any_key_is_refused_naming_the_key(key):
     group, _, leaf = key.name.rpartition(".")
     config[group][leaf] = bad_value(key)
     with pytest.raises(ConfigError, match=rf"^config key {key.name}: "):
-        config_checks.validate(config)
+        checks.validate(config)
 
 
 def test_a_restart_is_refused_exactly_when_a_must_match_key_changes():
@@ -74,9 +74,9 @@ def test_a_restart_is_refused_exactly_when_a_must_match_key_changes():
         current = common.base_config("tiny").to_dict()
         current[group][leaf] = saved[group][leaf] + 1
         named = [line.split(":")[0] for line in checkpoints.config_differences(saved, current)]
-        assert named == ([key.name] if key.resume == config_keys.MATCH else []), key.name
+        assert named == ([key.name] if key.resume == schema.MATCH else []), key.name
     # What a resume must keep: the model's shape, the optimizer, the global batch; what it may change: the rest.
-    must = {k.name for k in KEYS if k.resume == config_keys.MATCH}
+    must = {k.name for k in KEYS if k.resume == schema.MATCH}
     assert {"model.d_model", "model.vocab_size", "opt.optimizer", "data.batch_size", "data.max_len"} <= must
     assert not must & {"train.mesh", "train.grad_accum_steps", "train.num_steps", "attention.impl", "model.dtype"}
 

@@ -8,7 +8,7 @@ import pytest
 
 from tests.helpers import REPO
 from tests.helpers.reference import hand_count
-from transformer_jax import config_checks
+from transformer_jax.config import checks
 from transformer_jax.errors import ConfigError
 from transformer_jax.model import TransformerSpec, parameter_count
 from transformer_jax.training import migrations
@@ -42,7 +42,7 @@ def _cases():
 def test_config_loads_locked_and_builds_a_model(name, arg):
     module = importlib.import_module(f"configs.{name}")
     config = module.get_config(arg)
-    config_checks.validate(config)  # every leaf has a rule and keeps it
+    checks.validate(config)  # every leaf has a rule and keeps it
     assert config.is_locked
     with pytest.raises(AttributeError):
         config.model.d_modle = 3  # a misspelt key fails instead of silently adding one
@@ -50,7 +50,7 @@ def test_config_loads_locked_and_builds_a_model(name, arg):
         variant = module.get_config(arg)
         # A locked config raises on a key that does not exist, so a misspelt override fails here.
         variant.update_from_flattened_dict({k: v for k, v in override.items() if k not in ("name", "reference")})
-        config_checks.validate(variant)  # every leaf of every variant, and the rules between keys
+        checks.validate(variant)  # every leaf of every variant, and the rules between keys
         TransformerSpec.from_config(variant)  # every variant is a valid model (heads divide, impl exists, ...)
     count = parameter_count(config)  # builds the model abstractly (cached per spec: configs share sizes)
     # Every config's base model is the paper's architecture (variants live in sweeps), so its size is the hand count.

@@ -18,11 +18,11 @@ import pytest
 
 from tests.helpers import REPO
 from tests.helpers.training import tiny_train_config, write_corpus
-from transformer_jax import files
 from transformer_jax.data import store
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import DiskFullError
 from transformer_jax.evaluation import outputs
+from transformer_jax.runtime import files
 from transformer_jax.training import metrics
 from transformer_jax.training.metrics import MetricWriter, read_metrics
 

@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from transformer_jax import platform
 from transformer_jax.model.spec import fused_backward_enabled
 from transformer_jax.ops.dispatch import choose_impl
 from transformer_jax.ops.masks import AttentionMask
+from transformer_jax.runtime import platform
 
 
 def test_target_backend_is_the_host_outside_compiling_for():

@@ -19,10 +19,11 @@ from flax import nnx
 from configs import common
 from tests.helpers import REPO
 from tests.helpers.training import synthetic_batch, tiny_train_config, wait_for_checkpoint
-from transformer_jax import compile_cache, data
+from transformer_jax import data
 from transformer_jax.data import pipeline
 from transformer_jax.errors import ConfigError, DataError
 from transformer_jax.evaluation.validation import bleu_evaluator
+from transformer_jax.runtime import compile_cache
 from transformer_jax.sharding import batch_sharding, make_mesh
 from transformer_jax.training import checkpoints, flops, loop
 from transformer_jax.training.loop import (

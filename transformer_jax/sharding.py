@@ -15,8 +15,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from transformer_jax import platform
 from transformer_jax.errors import ConfigError
+from transformer_jax.runtime import platform
 
 MESH_MODES = ("data", "fsdp")
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from transformer_jax import platform
 from transformer_jax.ops import attention
+from transformer_jax.runtime import platform
 
 BATCH, HEADS = 1, 8
 

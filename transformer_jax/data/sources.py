@@ -20,10 +20,10 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from transformer_jax import compile_cache
 from transformer_jax.data import download as download_lib
 from transformer_jax.errors import DataError
-from transformer_jax.progress import Progress
+from transformer_jax.runtime import compile_cache
+from transformer_jax.runtime.progress import Progress
 
 Pair = tuple[str, str]
 

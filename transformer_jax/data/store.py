@@ -50,11 +50,11 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from transformer_jax import files
 from transformer_jax.data import batching, sources
 from transformer_jax.data.tokenizer import Tokenizer
 from transformer_jax.errors import DataError, DiskFullError
-from transformer_jax.progress import Progress
+from transformer_jax.runtime import files
+from transformer_jax.runtime.progress import Progress
 
 log = logging.getLogger(__name__)  # the standard logger, which train.py shows at INFO (it quiets absl's)
 

@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-from transformer_jax import files
 from transformer_jax.errors import DiskFullError
 from transformer_jax.evaluation import bleu, run, significance
 from transformer_jax.evaluation.inputs import stdin_lines
@@ -38,6 +37,7 @@ from transformer_jax.evaluation.options import (
 from transformer_jax.evaluation.outputs import to_json, write_json, write_lines
 from transformer_jax.evaluation.restore import Restorer
 from transformer_jax.evaluation.scoring import score_lines
+from transformer_jax.runtime import files
 
 PROG = "evaluate.py"
 DEFAULT_FOLDER = "eval"  # WORKDIR/eval holds the outputs that have no name given

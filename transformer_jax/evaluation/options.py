@@ -19,11 +19,13 @@ from typing import Any
 
 from absl import flags
 
-from transformer_jax import config_checks, decoding, files
+from transformer_jax import decoding
+from transformer_jax.config import checks
 from transformer_jax.errors import ConfigError, EvalError
 from transformer_jax.evaluation import checkpoint_flags, modes
 from transformer_jax.evaluation.mbr import UTILITIES
 from transformer_jax.evaluation.translate import DecodeSettings, check_sampling
+from transformer_jax.runtime import files
 
 SPLITS = ("valid", "test")
 
@@ -384,13 +386,13 @@ def check_model(model: Model) -> Model:
 
 
 def check_numbers(values: dict[str, Any], prefix: str) -> None:
-    """EvalError for a decoding value that cannot work, by the rule of its config key (config_checks.RULES, the
+    """EvalError for a decoding value that cannot work, by the rule of its config key (checks.RULES, the
     one source of allowed ranges); `prefix` + key is the name a user set it by (--beam_size, config.eval.alpha)."""
     for key, value in values.items():
         if value is None:
             continue
         try:
-            config_checks.RULES[f"eval.{key}"].check(f"eval.{key}", value, name=f"{prefix}{key}")
+            checks.RULES[f"eval.{key}"].check(f"eval.{key}", value, name=f"{prefix}{key}")
         except ConfigError as e:
             raise EvalError(str(e)) from e
 

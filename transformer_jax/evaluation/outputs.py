@@ -7,8 +7,8 @@ import json
 import os
 from typing import Any
 
-from transformer_jax import files
 from transformer_jax.errors import DiskFullError
+from transformer_jax.runtime import files
 
 
 def write_lines(path: str | os.PathLike, lines: list[str]) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from transformer_jax import config_checks
+from transformer_jax.config import checks
 from transformer_jax.decoding.ensemble import Ensemble
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation import bleu, mbr, modes, significance
@@ -84,7 +84,7 @@ def load(mode: Translate | ScorePairs, restorer: Restorer | None = None) -> Load
     """Reads and checks the inputs, then restores the model (and the ensemble's members)."""
     m = mode.model
     if m.config is not None:  # a --config the user gave; the one saved with the checkpoints was checked
-        config_checks.validate(m.config)
+        checks.validate(m.config)
     references = bleu.read_lines(mode.references_file) if mode.references_file else None
     sources = None
     if mode.source_file and mode.source_file != "-":

@@ -22,7 +22,7 @@ from flax import nnx
 from transformer_jax import decoding
 from transformer_jax.data.batching import padded_eval_length
 from transformer_jax.errors import EvalError
-from transformer_jax.progress import Progress
+from transformer_jax.runtime.progress import Progress
 from transformer_jax.tokens import EOS_ID, PAD_ID
 
 
@@ -155,7 +155,7 @@ def translate_nbest(
     seed, best score first; their log_prob is the model's own log P of the sample).
     prefixes: line i's output starts with prefixes[i], tokenized as a target (a blank prefix: none); the hypotheses'
     text and log-probabilities include it. The settings are checked where they come in, by the rules of their config
-    keys (config_checks.RULES: eval.*, data.eval_max_len), which validate() applies to every config and evaluate.py
+    keys (checks.RULES: eval.*, data.eval_max_len), which validate() applies to every config and evaluate.py
     to its flags.
     """
     copies = settings.search.copies(nbest)

@@ -1,6 +1,6 @@
 """The model's hyperparameters as one validated, immutable record built from the `model` and `attention` groups.
 
-A new model key is a `Key` in config_keys.KEYS and a field here; tests/test_config_keys.py fails until both exist.
+A new model key is a `Key` in schema.KEYS and a field here; tests/test_config_keys.py fails until both exist.
 """
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ import dataclasses
 import jax.numpy as jnp
 import ml_collections
 
-from transformer_jax import config_checks, config_keys, platform
+from transformer_jax.config import checks, schema
 from transformer_jax.errors import ConfigError
+from transformer_jax.runtime import platform
 
-DTYPES = {name: getattr(jnp, name) for name in config_keys.DTYPES}  # model.dtype -> computation dtype
+DTYPES = {name: getattr(jnp, name) for name in schema.DTYPES}  # model.dtype -> computation dtype
 
 
 def fused_backward_enabled(setting: str, backend: str | None = None) -> bool:
@@ -33,10 +34,10 @@ _ATTENTION_FIELDS = ("attention_impl", "attention_window")  # the fields of atte
 
 @dataclasses.dataclass(frozen=True)
 class TransformerSpec:
-    """Every value the modules need: one field per model.* key, and attention.* as attention_* (config_keys.KEYS
+    """Every value the modules need: one field per model.* key, and attention.* as attention_* (schema.KEYS
     holds each key's default, unit and rule; tests/test_config_keys.py checks that the fields and keys agree).
 
-    Frozen (hashable: a static argument of jitted functions) and without defaults: they live in config_keys."""
+    Frozen (hashable: a static argument of jitted functions) and without defaults: they live in config/schema.py."""
 
     vocab_size: int
     d_model: int
@@ -65,7 +66,7 @@ class TransformerSpec:
 
     def __post_init__(self) -> None:
         # Each value against its key's rule, then the rules between keys: what validate() applies to a config.
-        config_checks.check_model({config_key(f): getattr(self, f.name) for f in dataclasses.fields(self)})
+        checks.check_model({config_key(f): getattr(self, f.name) for f in dataclasses.fields(self)})
 
     @property
     def heads_kv(self) -> int:

@@ -8,11 +8,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from transformer_jax import platform
 from transformer_jax.ops.attention import IMPLEMENTATIONS, Array, register
 from transformer_jax.ops.masks import AttentionMask
 from transformer_jax.ops.pallas import gpu as pallas_gpu
 from transformer_jax.ops.pallas import tpu as pallas_tpu
+from transformer_jax.runtime import platform
 
 # On CPU, blockwise beats the reference from about 1k tokens per side (benchmarks/attention.py: at 1k, 1 head,
 # 2-4x faster forward and 2-3x fwd+bwd; at 512 tokens x 32 (batch, head) pairs they are even), and past

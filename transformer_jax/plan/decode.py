@@ -19,7 +19,7 @@ import time
 import jax
 import ml_collections
 
-from transformer_jax import decoding, platform
+from transformer_jax import decoding
 from transformer_jax.decoding.refill import batch_rows
 from transformer_jax.evaluation.translate import batch_shape, input_limit, position_limit
 from transformer_jax.evaluation.validation import decoding_settings
@@ -31,6 +31,7 @@ from transformer_jax.plan.train_step import (
     compiled_cost,
     memory_per_chip,
 )
+from transformer_jax.runtime import platform
 from transformer_jax.sharding import array_sharding, make_mesh, replicated, tracing_mesh
 from transformer_jax.training import flops
 from transformer_jax.training.state import abstract_train_state, eval_model

@@ -20,13 +20,13 @@ import ml_collections
 from flax import nnx
 from jax.sharding import Mesh
 
-from transformer_jax import platform
 from transformer_jax.data.batching import BATCH_KEYS
 from transformer_jax.data.pipeline import batch_shapes
 from transformer_jax.errors import ConfigError
 from transformer_jax.model import TransformerSpec
 from transformer_jax.plan import xla_cost
 from transformer_jax.plan.accelerators import Topology
+from transformer_jax.runtime import platform
 from transformer_jax.sharding import MESH_MODES, array_sharding, make_mesh, tracing_mesh
 from transformer_jax.training import flops
 from transformer_jax.training.loop import check_batch_shapes

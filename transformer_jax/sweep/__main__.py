@@ -41,8 +41,8 @@ from typing import Any
 from absl import flags
 from ml_collections import config_flags
 
-from transformer_jax import config_checks
 from transformer_jax.cli import USAGE_STATUS, fail, parse_flags
+from transformer_jax.config import checks
 from transformer_jax.errors import ConfigError, VariantInterrupted, exit_on_user_error
 from transformer_jax.model import parameter_count
 from transformer_jax.sweep import significance
@@ -130,7 +130,7 @@ def _run(fv: flags.FlagValues) -> int:
                 train_command(config_arg, run_dir(workdir, r, seeds), {**common, **r.variant.overrides, **r.overrides})
             )
         return 0
-    config_checks.check_workdir(workdir)
+    checks.check_workdir(workdir)
     interrupted = None
     if not fv.aggregate_only:
         for r in chosen:

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import ml_collections
 
-from transformer_jax import config_checks, config_files
+from transformer_jax.config import checks, loading
 from transformer_jax.errors import ConfigError, VariantInterrupted
 from transformer_jax.evaluation import run
 from transformer_jax.evaluation.options import Model, Translate
@@ -44,7 +44,7 @@ def load_config_module(path: str):
     The --config flag hands back only get_config()'s result; the sweep also needs the module's get_sweep(arg) and
     REFERENCE, and a fresh get_config(arg) for each variant.
     """
-    return config_files.load_module(path, f"sweep_config_{pathlib.Path(path).stem}")
+    return loading.load_module(path, f"sweep_config_{pathlib.Path(path).stem}")
 
 
 def variants(config_arg: str, common: dict[str, Any] | None = None) -> list[Variant]:
@@ -57,7 +57,7 @@ def variants(config_arg: str, common: dict[str, Any] | None = None) -> list[Vari
     if not hasattr(module, "get_sweep"):
         raise ConfigError(f"config file {path} defines no get_sweep(arg); add one returning a list of override dicts")
     out, seen = [], set()
-    for i, override in enumerate(config_files.call(module, path, "get_sweep", arg or None)):
+    for i, override in enumerate(loading.call(module, path, "get_sweep", arg or None)):
         override = dict(override)
         name = override.pop("name", None)
         if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
@@ -72,7 +72,7 @@ def variants(config_arg: str, common: dict[str, Any] | None = None) -> list[Vari
         unknown = sorted(set(reference) - set(REFERENCE_METRICS))
         if unknown:
             raise ConfigError(f"{path}: sweep variant {name!r}: reference keys {unknown}; known: {REFERENCE_METRICS}")
-        config = config_files.call(module, path, "get_config", arg or None)
+        config = loading.call(module, path, "get_config", arg or None)
         config.update_from_flattened_dict(common or {})
         for key, value in override.items():
             try:
@@ -82,7 +82,7 @@ def variants(config_arg: str, common: dict[str, Any] | None = None) -> list[Vari
             except TypeError as e:
                 raise ConfigError(f"{path}: sweep variant {name!r}: {key}={value!r} has the wrong type ({e})") from e
         try:
-            config_checks.validate(config)
+            checks.validate(config)
         except ConfigError as e:
             raise ConfigError(f"{path}: sweep variant {name!r}: {e}") from e
         out.append(Variant(name, override, config, reference))
@@ -140,7 +140,7 @@ def runs(variant: Variant, seeds: int) -> list[Run]:
         config = variant.config.copy_and_resolve_references()
         config.update_from_flattened_dict(overrides)
         try:
-            config_checks.validate(config)
+            checks.validate(config)
         except ConfigError as e:
             raise ConfigError(f"sweep variant {variant.name!r}, seed {i} of --seeds {seeds}: {e}") from e
         out.append(Run(variant, i, f"{variant.name}/seed{i}", overrides, config))

@@ -29,15 +29,16 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from flax.traverse_util import flatten_dict
 
-from transformer_jax import config_keys, files
+from transformer_jax.config import schema
 from transformer_jax.errors import CheckpointError, DiskFullError
+from transformer_jax.runtime import files
 from transformer_jax.training import checksums, migrations
 from transformer_jax.training.state import TrainState
 
 ITEMS = ("state", "data", "config", "checksums")
 # Keys whose change makes a checkpoint unusable (the parameter or optimizer structure, what the tokens mean, which
-# batches the saved iterator position stands for): those marked MATCH in config_keys.KEYS. Others may change.
-STRUCTURAL_KEYS = config_keys.MUST_MATCH
+# batches the saved iterator position stands for): those marked MATCH in schema.KEYS. Others may change.
+STRUCTURAL_KEYS = schema.MUST_MATCH
 
 
 def checkpoint_dir(workdir: str | pathlib.Path) -> pathlib.Path:

@@ -21,8 +21,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from transformer_jax import compile_cache
 from transformer_jax.model.spec import TransformerSpec
+from transformer_jax.runtime import compile_cache
 
 PEAK_FILE = "matmul_peak.json"  # in the compilation cache's per-host directory: {peak_key(): FLOP/s}
 

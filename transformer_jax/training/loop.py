@@ -30,12 +30,13 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from transformer_jax import compile_cache, data
+from transformer_jax import data
 from transformer_jax.data.batching import BATCH_KEYS, padded_eval_length
 from transformer_jax.data.pipeline import batch_shapes
 from transformer_jax.errors import ConfigError, NonFiniteError
 from transformer_jax.model.spec import TransformerSpec
-from transformer_jax.progress import Progress
+from transformer_jax.runtime import compile_cache
+from transformer_jax.runtime.progress import Progress
 from transformer_jax.sharding import batch_sharding, make_mesh, state_shardings, tracing_mesh
 from transformer_jax.training import flops, workdir_lock
 from transformer_jax.training.checkpoints import Checkpointer

@@ -1,5 +1,5 @@
 """Metric writers: WORKDIR/metrics.jsonl (one JSON object per logged step) and TensorBoard event files
-(tensorboardX, no TensorFlow needed). The progress display is transformer_jax.progress."""
+(tensorboardX, no TensorFlow needed). The progress display is transformer_jax.runtime.progress."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import sys
 
 import jax
 
-from transformer_jax import files
 from transformer_jax.errors import DiskFullError
+from transformer_jax.runtime import files
 
 
 class MetricWriter:

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from transformer_jax import config_checks
+from transformer_jax.config import checks
 
 
 def learning_rate_schedule(opt: ml_collections.ConfigDict, num_steps: int) -> optax.Schedule:
@@ -17,7 +17,7 @@ def learning_rate_schedule(opt: ml_collections.ConfigDict, num_steps: int) -> op
     cosine:   linear warmup to learning_rate, then cosine decay to 0 at num_steps
     constant: linear warmup to learning_rate, then constant
     """
-    config_checks.check_opt(opt)  # the rules of config_checks.RULES, as validate() applies them
+    checks.check_opt(opt)  # the rules of checks.RULES, as validate() applies them
     peak, warmup = float(opt.learning_rate), max(int(opt.warmup_steps), 1)
     if opt.schedule == "paper":
         return lambda step: peak * jnp.minimum((step + 1.0) ** -0.5, (step + 1.0) * warmup**-1.5)

@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from transformer_jax import platform
 from transformer_jax.ops.attention import recompute_vjp, register
 from transformer_jax.ops.masks import AttentionMask, pad_tokens
 from transformer_jax.ops.pallas.gpu_kernels import KernelConfig, dkdv_kernel, dq_kernel, forward_kernel
 from transformer_jax.ops.pallas.tpu import TpuBlockSizes, tpu_attention
+from transformer_jax.runtime import platform
 
 Array = jax.Array
 

@@ -1,7 +1,7 @@
 """What a run is given, checked before any work: every config value against its key's rule, and the workdir.
 
 Each key's rule (a type, a range or a set of choices, and its unit) is written once, with its default, in
-`config_keys.KEYS`; `RULES` is that table. `validate(config)` checks every leaf against it, refuses a leaf with no
+`schema.KEYS`; `RULES` is that table. `validate(config)` checks every leaf against it, refuses a leaf with no
 key (a key no code reads, most often a misspelling in a config file), and then the rules between keys
 (`check_model`, `check_opt`). It is called once by train.py, by the sweep for every variant and by evaluate.py for
 a given --config; TransformerSpec and the optimiser call the same checks, so there is one source for each rule. A
@@ -16,9 +16,9 @@ import pathlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from transformer_jax import files
-from transformer_jax.config_keys import RULES
+from transformer_jax.config.schema import RULES
 from transformer_jax.errors import ConfigError
+from transformer_jax.runtime import files
 
 
 def leaves(config: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:

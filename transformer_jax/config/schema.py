@@ -1,10 +1,10 @@
 """Every config key, written once: its default, its unit and meaning, what it may hold, and whether it must match
 on resume. Everything else derives from `KEYS`: the config groups of configs/common.py (`group`), the rules
-config_checks applies (`RULES`), the keys a checkpoint's config must share with a restart (`MUST_MATCH`) and the
+config/checks.py applies (`RULES`), the keys a checkpoint's config must share with a restart (`MUST_MATCH`) and the
 model's hyperparameters (model/spec.py's TransformerSpec has one field per `model.*`/`attention.*` key).
 
 A key's default is a value, or a function of the model size's row of `SIZES` (the size-dependent ones). Its
-`doc` says what the number counts; config_checks' one-line errors quote it. `resume=MATCH` marks a key whose
+`doc` says what the number counts; checks.py's one-line errors quote it. `resume=MATCH` marks a key whose
 change makes a checkpoint unusable: the parameter or optimizer structure, what the tokens mean, or which
 batches the saved data-iterator position stands for (docs/reliability.md lists what may change between restarts).
 Adding a key is one `Key(...)` line here (a model key is also a field of TransformerSpec); tests/test_config_keys.py
