@@ -117,7 +117,7 @@ def check(impl: str, case: Case, dtype: jnp.dtype = jnp.float32) -> None:
 # --- blockwise: the whole semantics, cheaply -----------------------------------------------------------------
 
 
-TPU_SMALL = pallas_tpu.TpuBlockSizes(16, 128, 16, 128)  # the smallest tiles of pallas_tpu.py's layout rules
+TPU_SMALL = pallas_tpu.TpuBlockSizes(16, 128, 16, 128)  # the smallest tiles of ops/pallas/tpu.py's layout rules
 
 TPU_CASES = [
     # Packed rows of three segments with padded tails, causal, two query heads per key head; odd lengths that
