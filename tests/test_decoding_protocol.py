@@ -35,11 +35,16 @@ def _sources(n: int) -> list[list[int]]:
     return [[int(t) for t in rng.integers(4, 50, k - 1)] + [EOS] for k in rng.integers(2, 12, n)]
 
 
-def _second_best_directly(model, sources: list[list[int]], max_len: list[int], slots: int):
-    """(tokens, log P) of each sentence, step by step from the teacher-forced logits of its prefix (no cache)."""
+def _padded(sources: list[list[int]]) -> np.ndarray:
     src_NS = np.full((len(sources), 16), PAD, np.int32)
     for i, ids in enumerate(sources):
         src_NS[i, : len(ids)] = ids
+    return src_NS
+
+
+def _second_best_directly(model, sources: list[list[int]], max_len: list[int], slots: int):
+    """(tokens, log P) of each sentence, step by step from the teacher-forced logits of its prefix (no cache)."""
+    src_NS = _padded(sources)
     outputs, log_probs, done = [[] for _ in sources], np.zeros(len(sources)), np.zeros(len(sources), bool)
     for t in range(max(max_len)):
         tgt_NT = np.full((len(sources), slots), PAD, np.int32)
@@ -57,6 +62,14 @@ def _second_best_directly(model, sources: list[list[int]], max_len: list[int], s
     return outputs, log_probs
 
 
+def _first_logits(model, sources: list[list[int]], slots: int) -> np.ndarray:
+    """Each sentence's logits at the first output step (teacher-forced BOS)."""
+    src_NS = _padded(sources)
+    tgt_NT = np.full((len(sources), slots), PAD, np.int32)
+    tgt_NT[:, 0] = BOS
+    return np.asarray(forward(model, jnp.asarray(src_NS), jnp.asarray(tgt_NT))[:, 0], np.float64)
+
+
 @pytest.mark.parametrize("compact", [True, False])  # the refilling scheduler; one-jit batches
 def test_a_search_defined_in_a_test_runs_through_the_scheduler(compact):
     model, sources = shared_model(), _sources(20)
@@ -72,8 +85,13 @@ def test_a_search_defined_in_a_test_runs_through_the_scheduler(compact):
         assert np.all(r.tokens[0, n:] == PAD)
         np.testing.assert_allclose(r.log_probs[0], log_p, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(r.scores[0], r.log_probs[0] / reference_lp(n, 0.6, "gnmt"), rtol=1e-6)
+    # Not greedy search: greedy's first token is each sentence's most probable one, the toy search's is not.
     greedy = searcher.sentences(sources, max_len, decoding.Greedy(alpha=0.6), batch_size=16, shape=lambda _: (16, 9))
-    assert all(int(g.tokens[0, 0]) != int(r.tokens[0, 0]) for g, r in zip(greedy, found, strict=True))
+    first = _first_logits(model, sources, 9)
+    for i, (g, r) in enumerate(zip(greedy, found, strict=True)):
+        ranked = np.argsort(-first[i], kind="stable")
+        assert int(g.tokens[0, 0]) == int(ranked[0]), (i, int(g.tokens[0, 0]), ranked[:3])
+        assert int(r.tokens[0, 0]) != int(g.tokens[0, 0]), (i, int(r.tokens[0, 0]), ranked[:3])
 
 
 def test_a_spec_is_a_static_structure_with_alpha_traced():
