@@ -150,6 +150,13 @@ def test_a_damaged_best_checkpoint_falls_back_to_the_next_best(selected, tmp_pat
     assert "step 4" in caplog.text
 
 
+def test_more_best_checkpoints_than_scored_is_one_line(selected):
+    with pytest.raises(
+        EvalError, match=r"^--average_best 4: only 3 scored checkpoint\(s\) .*\[4, 6, 12\]; pass --average_best 3"
+    ):
+        restore.restore_model(restore.Restorer(), str(selected), average_best=4)
+
+
 def test_checkpoint_best_without_a_best_record_is_one_line(corpus, tmp_path):
     workdir = tmp_path / "plain"
     train_and_evaluate(tiny_train_config(corpus, num_steps=3), workdir)
