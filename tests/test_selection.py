@@ -150,6 +150,17 @@ def test_a_damaged_best_checkpoint_falls_back_to_the_next_best(selected, tmp_pat
     assert "step 4" in caplog.text
 
 
+def test_a_damaged_score_file_is_skipped_by_readers_and_moved_aside_by_a_restart(corpus, selected, tmp_path, caplog):
+    workdir = tmp_path / "w"
+    shutil.copytree(selected, workdir)
+    (checkpoints.checkpoint_dir(workdir) / "4" / "metrics" / "metrics").write_text('{"valid_bl')  # truncated
+    assert checkpoints.best_steps(workdir) == [6, 12]  # the reader reports it and ranks the others
+    assert "scores of the checkpoint at step 4 cannot be read" in caplog.text
+    train_and_evaluate(selecting_config(corpus, 14), workdir, bleu=scripted([0]))
+    assert checkpoints.list_steps(workdir) == [6, 12, 14]
+    assert [p.name.split(".")[0] for p in checkpoints.checkpoint_dir(workdir).glob("4.damaged-*")] == ["4"]
+
+
 def test_more_best_checkpoints_than_scored_is_one_line(selected):
     with pytest.raises(
         EvalError, match=r"^--average_best 4: only 3 scored checkpoint\(s\) .*\[4, 6, 12\]; pass --average_best 3"

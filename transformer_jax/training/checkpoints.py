@@ -92,6 +92,9 @@ def _manager(
         enable_async_checkpointing=async_save,
         create=not read_only,
         cleanup_tmp_directories=cleanup_tmp,
+        # A reader lists the steps without reading every checkpoint's scores: one damaged score file would make
+        # Orbax's constructor raise (best_scores reads them one by one and reports a damaged one).
+        lightweight_initialize=read_only,
         **policy,
     )
     return ocp.CheckpointManager(checkpoint_dir(workdir), options=options, item_names=ITEMS)
@@ -102,6 +105,22 @@ def list_steps(workdir: str | pathlib.Path) -> list[int]:
     if not checkpoint_dir(workdir).is_dir():
         return []
     return sorted(_manager(workdir, read_only=True).all_steps())
+
+
+def damaged_scores(workdir: str | pathlib.Path) -> dict[int, str]:
+    """step -> what is wrong, for every checkpoint whose saved scores (Orbax's `metrics` item) cannot be read: Orbax
+    reads them all when a manager that ranks checkpoints starts, and one damaged file would stop it."""
+    damaged = {}
+    directory = checkpoint_dir(workdir)
+    for path in directory.glob("*/metrics/metrics") if directory.is_dir() else ():
+        step = path.parent.parent.name
+        if not step.isdigit():
+            continue
+        try:
+            json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            damaged[int(step)] = f"its scores ({path}) cannot be read: {describe_error(e)}"
+    return damaged
 
 
 def best_scores(workdir: str | pathlib.Path) -> list[tuple[int, float]]:
@@ -292,6 +311,7 @@ class Checkpointer:
         """`select_metric`: the validation score that ranks checkpoints (train.select_metric) when the run keeps
         best checkpoints or stops early; saves then carry their scores."""
         self.workdir = pathlib.Path(workdir)
+        self._move_aside_damaged_scores()
         # cleanup_tmp_directories: a save that a crash or a full disk left unfinished (`<step>.orbax-checkpoint-tmp`)
         # is removed when the next run starts; Orbax never lists it as a checkpoint.
         self.manager = _manager(
@@ -480,6 +500,20 @@ class Checkpointer:
         if problem:
             raise _Damaged(problem)
         return restored, keys
+
+    def _move_aside_damaged_scores(self) -> None:
+        """Moves aside (process 0; every process waits) each checkpoint whose scores cannot be read, before Orbax
+        reads them; the restore then falls back past it like past any damaged checkpoint."""
+        damaged = damaged_scores(self.workdir) if jax.process_index() == 0 else {}
+        for step, problem in sorted(damaged.items()):
+            moved = move_aside(self.workdir, step)
+            logging.error(
+                "checkpoint %d in %s is damaged (%s); moved aside to %s (kept)", step, self.workdir, problem, moved
+            )
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("transformer_jax: checkpoints with damaged scores moved aside")
 
     def _move_aside(self, steps: list[int]) -> None:
         """Moves damaged checkpoints aside (process 0; every process waits for it) and re-lists the steps."""
