@@ -7,9 +7,12 @@ from __future__ import annotations
 import logging
 import pathlib
 import shutil
+import subprocess
+import sys
 
 import pytest
 
+from tests.helpers import REPO
 from tests.helpers.training import tiny_train_config
 from tests.test_selection import scripted
 from transformer_jax.config import checks
@@ -90,3 +93,22 @@ def test_validation_loss_selects_and_stops_without_decoding(corpus, tmp_path):
     stop = next((s for i, s in enumerate(steps) if i and losses[s] >= min(losses[t] for t in steps[:i])), 6)
     assert max(train_steps(tmp_path / "w")) == stop and max(steps) == stop
     assert checkpoints.best_steps(tmp_path / "w")[0] == min(steps, key=losses.get)
+
+
+def test_train_py_refuses_early_stopping_without_validation_in_one_line(corpus, tmp_path):
+    command = [
+        sys.executable,
+        str(REPO / "train.py"),
+        "--config",
+        str(REPO / "tests" / "tiny_train_config.py"),
+        f"--config.data.text_dir={corpus}",
+        "--config.train.eval_every=0",
+        "--config.train.early_stop_patience=3",
+        "--workdir",
+        str(tmp_path / "w"),
+    ]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and "config key train.early_stop_patience=3 needs a validation" in lines[0]
+    assert not (tmp_path / "w" / "checkpoints").exists()
