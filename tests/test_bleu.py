@@ -61,6 +61,28 @@ def test_sacrebleu_scores_equal_the_sacrebleu_command_and_carry_signatures(tmp_p
     assert "tokenized BLEU (tensor2tensor get_ende_bleu procedure, compound splitting) = " in text
 
 
+def test_ter_and_chrfpp_equal_the_sacrebleu_command_with_their_signatures(tmp_path):
+    """TER and chrF++ as `sacrebleu REF -i HYP -m ter chrf --chrf-word-order 2` prints them."""
+    hyps = ["The cat sat on the mat.", "A dog barked loudly at night", "Ein Haus-Boot, bitte!", ""]
+    refs = ["The cat sat on a mat.", "A dog barked at night.", "Ein Hausboot, bitte!", "Nichts."]
+    hyp_file, ref_file = tmp_path / "hyp.txt", tmp_path / "ref.txt"
+    hyp_file.write_text("\n".join(hyps) + "\n", encoding="utf-8")
+    ref_file.write_text("\n".join(refs) + "\n", encoding="utf-8")
+    command = [SACREBLEU, str(ref_file), "-i", str(hyp_file), "-m", "ter", "chrf", "--chrf-word-order", "2", "-w", "4"]
+    cli = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0, cli.stderr
+    printed = {entry["name"]: entry for entry in json.loads(cli.stdout)}
+    scores = bleu.score_files(hyp_file, ref_file)
+    for key, name in (("ter", "TER"), ("chrfpp", "chrF2++")):
+        assert round(scores[key]["score"], 4) == printed[name]["score"], key
+        assert scores[key]["signature"] == printed[name]["signature"] and scores[key]["name"] == name
+        assert 10 < scores[key]["score"] < 90  # neither trivial nor perfect
+    assert scores["chrfpp"]["score"] != scores["chrf"]["score"]  # word bigrams count
+    text = bleu.format_scores(scores)
+    assert f"TER = {scores['ter']['score']:.2f}" in text and f"chrF2++ = {scores['chrfpp']['score']:.2f}" in text
+    assert bleu.LOWER_IS_BETTER == {"ter"}
+
+
 def test_read_lines_like_sacrebleu_and_line_count_check(tmp_path):
     path = tmp_path / "h.txt"
     path.write_bytes("one  \r\ntwo\u2028still two\n\nlast".encode())

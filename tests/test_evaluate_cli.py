@@ -83,9 +83,13 @@ def test_scores_only_mode_equals_the_sacrebleu_command_on_newstest2014(tmp_path)
     lines = ours.stdout.splitlines()
     ours_bleu = float(lines[0].split(" = ")[1].split()[0])
     ours_chrf = float(lines[1].split(" = ")[1].split()[0])
-    ours_tok = float(lines[2].split(" = ")[1].split()[0])
+    ours_chrfpp = float(lines[2].split(" = ")[1].split()[0])
+    ours_ter = float(lines[3].split(" = ")[1].split()[0])
+    ours_tok = float(lines[4].split(" = ")[1].split()[0])
     assert lines[0].startswith("sacreBLEU BLEU = ") and "tok:13a|smooth:exp" in lines[0]
-    assert lines[2].startswith("tokenized BLEU (tensor2tensor get_ende_bleu procedure, compound splitting) = ")
+    assert lines[2].startswith("sacreBLEU chrF2++ = ") and "nc:6|nw:2" in lines[2]
+    assert lines[3].startswith("sacreBLEU TER = ") and "tok:tercom" in lines[3]
+    assert lines[4].startswith("tokenized BLEU (tensor2tensor get_ende_bleu procedure, compound splitting) = ")
     # The sacrebleu command, at two decimals (-w 2) and at its default one decimal.
     for width in ("2", "1"):
         cli = subprocess.run(
@@ -97,6 +101,15 @@ def test_scores_only_mode_equals_the_sacrebleu_command_on_newstest2014(tmp_path)
         assert cli.returncode == 0, cli.stderr
         cli_bleu, cli_chrf = json.loads(cli.stdout)
         assert cli_bleu == round(ours_bleu, int(width)) and cli_chrf == round(ours_chrf, int(width))
+    cli = subprocess.run(
+        [SACREBLEU, str(ref), "-i", str(hyp), "-m", "ter", "chrf", "--chrf-word-order", "2", "-w", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cli.returncode == 0, cli.stderr
+    printed = {entry["name"]: entry["score"] for entry in json.loads(cli.stdout)}
+    assert (printed["TER"], printed["chrF2++"]) == (ours_ter, ours_chrfpp)
     assert 10 < ours_bleu < 90 and ours_tok != ours_bleu  # a real, different, number
 
 
@@ -184,13 +197,15 @@ def test_translate_a_file_one_output_per_input_line_and_report(tmp_path, capsys)
         "max_input_len": 256,
     }
     assert report["stats"]["sentences"] == 4 and report["stats"]["empty"] == 1
-    assert set(report["scores"]) == {"bleu", "chrf", "tokenized_bleu"}
+    assert set(report["scores"]) == {"bleu", "chrf", "chrfpp", "ter", "tokenized_bleu"}
     saved = json.loads(Path(f"{out}.json").read_text())
     assert saved["checkpoint_steps"] == [200, 300] and saved["scores"]["bleu"]["signature"].startswith("nrefs:1")
     # stdout: the few summary lines a person reads (the report is in its file, not printed).
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith("4 lines translated") and printed[1].startswith("sacreBLEU BLEU = ")
-    assert printed[-2:] == [f"hypotheses: {out}", f"report: {out}.json"] and len(printed) == 6
+    assert (
+        printed[-2:] == [f"hypotheses: {out}", f"report: {out}.json"] and len(printed) == 8
+    )  # lines, 5 scores, 2 paths
 
     # stdin, one line at a time: the same outputs (batch of one) in the same order, on stdout; the summary goes to
     # stderr and the report to WORKDIR/eval/stdin.<steps>.json.
@@ -242,7 +257,7 @@ def test_scores_only_prints_the_scores_and_with_json_only_the_report_on_stdout(t
     hyp.write_text("a b c d\ne f\n", encoding="utf-8")
     ref.write_text("a b c d\ne f g\n", encoding="utf-8")
     plain = run_evaluate("--hypotheses_file", str(hyp), "--references_file", str(ref))
-    assert plain.returncode == 0 and len(plain.stdout.splitlines()) == 3  # the three scores; no report file
+    assert plain.returncode == 0 and len(plain.stdout.splitlines()) == 5  # the five scores; no report file
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hyp.txt", "ref.txt"]
     as_json = run_evaluate("--hypotheses_file", str(hyp), "--references_file", str(ref), "--json")
     assert as_json.returncode == 0 and as_json.stderr.splitlines() == plain.stdout.splitlines()

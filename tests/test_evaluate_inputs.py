@@ -254,13 +254,17 @@ BAD_OPTIONS = [
     (dict(alpha=-0.5), r"--alpha: must be >= 0 \(a number, length penalty exponent\), got -0.5"),
     (dict(alpha=math.nan), "--alpha: .* got nan"),
     (dict(alpha=math.inf), "--alpha: .* got inf"),
-    (dict(checkpoint="abc"), "--checkpoint must be 'latest' or a step number, got 'abc'"),
-    (dict(checkpoint="-5"), "--checkpoint must be 'latest' or a step number"),
+    (dict(checkpoint="abc"), "--checkpoint must be 'latest', 'best' or a step number, got 'abc'"),
+    (dict(checkpoint="-5"), "--checkpoint must be 'latest', 'best' or a step number"),
     (dict(average_steps=["100", "x"]), "--average_steps must be step numbers"),
     (dict(average_steps=[]), "--average_steps must be step numbers"),
     (dict(average_steps=["100", "100"]), r"lists step\(s\) \[100\] more than once"),
     (dict(average_steps=["100"], average_last=2), "--average_last or --average_steps, not both"),
     (dict(average_steps=["100"], checkpoint="200"), "--checkpoint would be ignored"),
+    (dict(checkpoint="best", average_last=2), "--checkpoint best with --average_last: .* --average_best"),
+    (dict(average_best=0), r"--average_best must be >= 1 \(checkpoints averaged\), got 0"),
+    (dict(average_best=2, average_last=3), "give one of --average_best, --average_last and --average_steps"),
+    (dict(average_best=2, checkpoint="200"), "--average_best takes the best checkpoints; --checkpoint STEP"),
     (dict(split="train"), "--split 'train': choose one of valid, test"),
     (dict(split="test", source_file="s.en"), "--split or --source_file, not both"),
     (dict(references_file="r.de"), "--references_file goes with --source_file"),
@@ -297,7 +301,9 @@ SLOW = pytest.mark.slow
         pytest.param(
             ["--alpha", "nan"], "--alpha: must be >= 0 (a number, length penalty exponent), got nan", marks=SLOW
         ),
-        pytest.param(["--checkpoint", "abc"], "--checkpoint must be 'latest' or a step number, got 'abc'", marks=SLOW),
+        pytest.param(
+            ["--checkpoint", "abc"], "--checkpoint must be 'latest', 'best' or a step number, got 'abc'", marks=SLOW
+        ),
         pytest.param(["--average_steps", "1,x"], "--average_steps must be step numbers", marks=SLOW),
     ],
 )

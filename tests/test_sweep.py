@@ -99,6 +99,8 @@ def test_sweep_runs_skips_finished_variants_and_aggregates(corpus, tmp_path):
         assert report["checkpoint_steps"] == [2] and report["lines"] == 24
     rows = list(csv.DictReader(open(workdir / "results.csv")))
     assert float(rows[1]["valid_bleu"]) == round(report["scores"]["bleu"]["score"], 2)
+    assert float(rows[1]["valid_ter"]) == round(report["scores"]["ter"]["score"], 2)
+    assert float(rows[1]["valid_chrfpp"]) == round(report["scores"]["chrfpp"]["score"], 2)
     assert rows[1]["paired_seeds"] == "1" and 0 < float(rows[1]["bleu_p"]) <= 1
     assert [r["variant"] for r in rows] == ["base", "pre_ln"]
     assert rows[1]["overrides"] == "model.norm_position=pre"

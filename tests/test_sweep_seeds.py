@@ -106,6 +106,8 @@ def _run(ppl, bleu, finished=True):
         "valid_perplexity": ppl,
         "valid_bleu": bleu,
         "valid_chrf": bleu + 30.0,
+        "valid_chrfpp": bleu + 28.0,
+        "valid_ter": 80.0 - bleu,
         "tokens_per_s": 100.0,
         "wall_s": 2.0,
         "finished": finished,
@@ -148,11 +150,12 @@ def test_results_table_marks_a_missing_seed_and_gives_intervals(tmp_path):
     results.write_results(results.aggregate_seeds(SYNTHETIC, 3), tmp_path)
     table = (tmp_path / "results.md").read_text()
     assert (
-        "| seeds | valid_perplexity | valid_bleu | valid_chrf | tokens_per_s | wall_s | Δ valid_perplexity [95% CI] |"
-        in table
+        "| seeds | valid_perplexity | valid_bleu | valid_chrf | valid_chrfpp | valid_ter | tokens_per_s | wall_s "
+        "| Δ valid_perplexity [95% CI] |" in table
     )
     assert (
-        "| base | (none) | 10 | 3 of 3 | 9.00 ± 1.00 | 21.00 ± 1.00 | 51.00 ± 1.00 | 100.00 ± 0.00 | 2.00 ± 0.00 "
+        "| base | (none) | 10 | 3 of 3 | 9.00 ± 1.00 | 21.00 ± 1.00 | 51.00 ± 1.00 | 49.00 ± 1.00 | 59.00 ± 1.00 "
+        "| 100.00 ± 0.00 | 2.00 ± 0.00 "
         "| (base) |" in table
     )
     assert "| v | (none) | 10 | 2 of 3 * | 7.50 ± 0.71 |" in table

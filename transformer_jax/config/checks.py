@@ -88,11 +88,41 @@ def validate(config: Mapping[str, Any]) -> None:
         raise ConfigError(f"config lacks keys {missing}; start from configs/common.py base_config")
     check_model({k: v for k, v in values.items() if k.startswith(("model.", "attention."))})
     check_opt(config["opt"])
+    check_selection(values)
     if values["model.positional"] == "learned" and values["data.max_len"] > values["model.max_len"]:
         raise ConfigError(
             f"config key data.max_len: {values['data.max_len']} tokens per side exceed the {values['model.max_len']} "
             "positions of the learned positional embedding (model.max_len); lower one or raise the other"
         )
+
+
+def check_selection(values: Mapping[str, Any]) -> None:
+    """Keeping the best checkpoints and stopping early both rank validations: they need train.eval_every > 0."""
+    for key in ("ckpt.keep_best", "train.early_stop_patience"):
+        if values[key] and not values["train.eval_every"]:
+            raise ConfigError(
+                f"config key {key}={values[key]} needs a validation to rank checkpoints by, but train.eval_every=0; "
+                f"set train.eval_every > 0 or {key}=0"
+            )
+    extra_valid_sets(values["eval.extra_valid"])
+
+
+def extra_valid_sets(spec: str) -> list[tuple[str, str, str]]:
+    """(name, text directory, split) of every set of eval.extra_valid ('NAME=TEXT_DIR[:SPLIT],...'); ConfigError
+    naming the key for a malformed or repeated entry."""
+    sets: list[tuple[str, str, str]] = []
+    for entry in filter(None, (part.strip() for part in spec.split(","))):
+        name, equals, where = entry.partition("=")
+        directory, _, split = where.rpartition(":") if ":" in where else (where, "", "valid")
+        if not equals or not name.isidentifier() or not directory or not split:
+            raise ConfigError(
+                f"config key eval.extra_valid: {entry!r} is not NAME=TEXT_DIR[:SPLIT] (NAME letters, digits and _); "
+                "e.g. tatoeba=/data/tatoeba_deu_eng:dev"
+            )
+        if name in {n for n, _, _ in sets}:
+            raise ConfigError(f"config key eval.extra_valid: the name {name!r} is given twice; name each set once")
+        sets.append((name, directory, split))
+    return sets
 
 
 def check_workdir(path: str | os.PathLike) -> pathlib.Path:

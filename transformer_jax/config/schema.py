@@ -58,6 +58,8 @@ OPTIMIZERS = ("adam", "adamw")
 DATA_SOURCES = ("text", "multi30k", "tfds")
 BATCHINGS = ("pack", "bucket", "pad")
 TOKENIZER_TYPES = ("unigram", "bpe")
+# What selects the best checkpoints and stops early: validation loss, or a score of the decoded validation sentences.
+SELECT_METRICS = ("valid_bleu", "valid_chrf", "valid_chrfpp", "valid_ter", "valid_loss")
 SEED_LIMIT = 2**32
 
 
@@ -379,6 +381,21 @@ KEYS: tuple[Key, ...] = (
     Key("train.bleu_every", 0, count(0), "steps between validation BLEU evaluations; 0 = never", MAY_CHANGE),
     Key("train.bleu_sentences", 200, count(1), "validation sentences decoded for BLEU during training", MAY_CHANGE),
     Key(
+        "train.select_metric",
+        "valid_loss",
+        choice(SELECT_METRICS),
+        "validation score that ranks checkpoints (ckpt.keep_best) and early stopping; loss and ter: lower is better;"
+        " bleu/chrf/chrfpp/ter decode the first train.bleu_sentences at every train.eval_every",
+        MAY_CHANGE,
+    ),
+    Key(
+        "train.early_stop_patience",
+        0,
+        count(0),
+        "validations without improvement of train.select_metric before the run stops; 0 = never stop early",
+        MAY_CHANGE,
+    ),
+    Key(
         "train.mesh",
         "data",
         choice(_mesh_modes),
@@ -422,9 +439,24 @@ KEYS: tuple[Key, ...] = (
         "eval.average_last", 5, count(1), "checkpoints averaged for the final model (paper: 5 base, 20 big)", MAY_CHANGE
     ),
     Key("eval.batch_size", 64, count(1), "sentences per decoding batch", MAY_CHANGE),
+    Key(
+        "eval.extra_valid",
+        "",
+        TEXT,
+        "validation sets reported beside data.valid_split, never selecting: NAME=TEXT_DIR[:SPLIT],... of"
+        " {split}.{lang} files (split default valid); empty = none",
+        MAY_CHANGE,
+    ),
     # ckpt
     Key("ckpt.every_steps", 1000, count(1), "steps between checkpoints", MAY_CHANGE),
     Key("ckpt.keep", 20, count(1), "checkpoints kept (enough for averaging)", MAY_CHANGE),
+    Key(
+        "ckpt.keep_best",
+        0,
+        count(0),
+        "checkpoints with the best train.select_metric kept besides the last ckpt.keep; 0 = none",
+        MAY_CHANGE,
+    ),
     Key("ckpt.async_save", True, FLAG, "save in the background", MAY_CHANGE),
 )
 

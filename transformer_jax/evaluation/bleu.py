@@ -1,4 +1,5 @@
-"""Translation scores: sacreBLEU corpus BLEU and chrF on detokenized text, and the paper-comparable tokenized BLEU.
+"""Translation scores: sacreBLEU corpus BLEU, chrF, chrF++ and TER on detokenized text, and the paper-comparable
+tokenized BLEU.
 
 sacreBLEU (Post, 2018) scores detokenized output against raw references with its own tokenization and prints a
 signature that makes the number reproducible; it is the score to report. Papers of the time (the Transformer
@@ -15,7 +16,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from sacrebleu.metrics import BLEU, CHRF
+from sacrebleu.metrics import BLEU, CHRF, TER
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 from sacrebleu.tokenizers.tokenizer_intl import TokenizerV14International
 
@@ -97,10 +98,20 @@ def _verbose(score: Any) -> str:
     return score.format(width=2).split(" ", 3)[-1]
 
 
+# Higher is better for every score but TER (an edit rate): the selection of checkpoints reads this.
+LOWER_IS_BETTER = frozenset({"ter"})
+
+
+def sacrebleu_metrics() -> dict[str, Any]:
+    """key -> sacreBLEU metric with the `sacrebleu` command's settings: bleu, chrf, chrfpp (`-m chrf
+    --chrf-word-order 2`) and ter."""
+    return {"bleu": BLEU(), "chrf": CHRF(), "chrfpp": CHRF(word_order=2), "ter": TER()}
+
+
 def sacrebleu_scores(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """sacreBLEU corpus BLEU and chrF with default settings (the same as the `sacrebleu` command)."""
+    """sacreBLEU corpus BLEU, chrF, chrF++ and TER with the `sacrebleu` command's settings."""
     out = {}
-    for key, metric in (("bleu", BLEU()), ("chrf", CHRF())):
+    for key, metric in sacrebleu_metrics().items():
         score = metric.corpus_score(list(hypotheses), [list(references)])
         out[key] = {
             "name": score.name,
@@ -112,7 +123,7 @@ def sacrebleu_scores(hypotheses: Sequence[str], references: Sequence[str]) -> di
 
 
 def score_all(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """{'bleu', 'chrf', 'tokenized_bleu'}: each with 'score' (0-100), 'signature' and a description.
+    """{'bleu', 'chrf', 'chrfpp', 'ter', 'tokenized_bleu'}: each with 'score' (0-100), 'signature' and a description.
 
     Every line counts, blank ones too, as the `sacrebleu` command counts them: an empty hypothesis matches nothing
     and adds its reference's length. No lines at all is an error (sacreBLEU has no score for an empty corpus).
@@ -131,11 +142,11 @@ def score_files(hyp_path: str | os.PathLike, ref_path: str | os.PathLike) -> dic
 
 def format_scores(scores: dict[str, dict[str, Any]]) -> str:
     """Human-readable lines, two decimals each, with the signatures."""
-    bleu, chrf, tok = scores["bleu"], scores["chrf"], scores["tokenized_bleu"]
-    return "\n".join(
-        [
-            f"sacreBLEU {bleu['name']} = {bleu['score']:.2f}  {bleu['verbose']}  signature: {bleu['signature']}",
-            f"sacreBLEU {chrf['name']} = {chrf['score']:.2f}  signature: {chrf['signature']}",
-            f"{tok['name']} = {tok['score']:.2f}  {tok['verbose']}  ({tok['procedure']})",
-        ]
-    )
+    bleu, tok = scores["bleu"], scores["tokenized_bleu"]
+    lines = [f"sacreBLEU {bleu['name']} = {bleu['score']:.2f}  {bleu['verbose']}  signature: {bleu['signature']}"]
+    for key in ("chrf", "chrfpp", "ter"):
+        if key in scores:  # reports written before chrF++ and TER existed lack them
+            score = scores[key]
+            lines.append(f"sacreBLEU {score['name']} = {score['score']:.2f}  signature: {score['signature']}")
+    lines.append(f"{tok['name']} = {tok['score']:.2f}  {tok['verbose']}  ({tok['procedure']})")
+    return "\n".join(lines)

@@ -11,22 +11,31 @@ from typing import Any
 from absl import flags
 from ml_collections import config_flags
 
-NAMES = ("workdir", "config", "checkpoint", "average_last", "average_steps")
+NAMES = ("workdir", "config", "checkpoint", "average_last", "average_steps", "average_best")
 
 
 def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
-    """Defines --config, --workdir, --checkpoint, --average_last and --average_steps."""
+    """Defines --config, --workdir, --checkpoint, --average_last, --average_steps and --average_best."""
     fv = {"flag_values": flag_values}
     config_flags.DEFINE_config_file(
         "config", None, "Config file; default: the config saved with the checkpoints.", **fv
     )
     flags.DEFINE_string("workdir", None, "Training directory with checkpoints/ and the tokenizer.", **fv)
-    flags.DEFINE_string("checkpoint", "latest", "latest, or the step of the last checkpoint to use.", **fv)
+    flags.DEFINE_string(
+        "checkpoint",
+        "latest",
+        "latest, best (the best by train.select_metric, kept by ckpt.keep_best), or the step of the last checkpoint "
+        "to use.",
+        **fv,
+    )
     flags.DEFINE_integer(
         "average_last", None, "Average this many checkpoints ending at --checkpoint (config.eval).", **fv
     )
     flags.DEFINE_list(
         "average_steps", None, "Average exactly these checkpoint steps (instead of --average_last).", **fv
+    )
+    flags.DEFINE_integer(
+        "average_best", None, "Average the K best checkpoints by train.select_metric (instead of --average_last).", **fv
     )
 
 

@@ -161,10 +161,11 @@ class Model:
 
     workdir: str
     config: Any = None  # ml_collections.ConfigDict, or None: the one saved with the checkpoints
-    checkpoint: str = "latest"  # or a step: the last checkpoint to use
+    checkpoint: str = "latest"  # "best" (by train.select_metric), or a step: the last checkpoint to use
     average_last: int | None = None  # None: config.eval.average_last
     average_steps: tuple[int, ...] | None = None  # exactly these steps (instead of average_last)
     ensemble_workdirs: tuple[str, ...] | None = None  # more models decoding with workdir's (decoding/ensemble.py)
+    average_best: int | None = None  # the mean of this many best checkpoints (instead of average_last)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,7 +301,15 @@ def parse(values: Mapping[str, Any]) -> tuple[Mode, Outputs]:
     if o.json and stdin and o.output_file is None:
         raise EvalError("--json prints the report on stdout, where stdin's translations go: give --output_file")
     model = check_model(
-        Model(o.workdir, o.config, o.checkpoint, o.average_last, o.average_steps, _tuple(o.ensemble_workdirs))
+        Model(
+            o.workdir,
+            o.config,
+            o.checkpoint,
+            o.average_last,
+            o.average_steps,
+            _tuple(o.ensemble_workdirs),
+            average_best=o.average_best,
+        )
     )
     written = output_files(o.output_file, o.scores_file, stdin)
     if o.nbest is not None and o.output_file is not None:
@@ -366,8 +375,17 @@ def check_model(model: Model) -> Model:
     """The record with its checkpoint and --average_steps as the restore takes them (a str, ints), or EvalError
     naming the flag. Shared by every command that restores a model (the export, the explanation page)."""
     check_numbers({"average_last": model.average_last}, "--")
-    if str(model.checkpoint) != "latest" and not _is_step(model.checkpoint):
-        raise EvalError(f"--checkpoint must be 'latest' or a step number, got {model.checkpoint!r}")
+    if str(model.checkpoint) not in ("latest", "best") and not _is_step(model.checkpoint):
+        raise EvalError(f"--checkpoint must be 'latest', 'best' or a step number, got {model.checkpoint!r}")
+    if model.average_best is not None:
+        if model.average_best < 1:
+            raise EvalError(f"--average_best must be >= 1 (checkpoints averaged), got {model.average_best}")
+        if model.average_last is not None or model.average_steps is not None:
+            raise EvalError("give one of --average_best, --average_last and --average_steps")
+        if str(model.checkpoint) not in ("latest", "best"):
+            raise EvalError("--average_best takes the best checkpoints; --checkpoint STEP would be ignored: drop one")
+    if str(model.checkpoint) == "best" and model.average_last is not None:
+        raise EvalError("--checkpoint best with --average_last: average the best ones with --average_best instead")
     average_steps = None
     if model.average_steps is not None:
         if model.average_last is not None:

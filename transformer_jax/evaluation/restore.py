@@ -7,6 +7,7 @@ checkpoint reading itself sits behind `Restorer`, the seam tests replace with a 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from flax import nnx
 from flax.traverse_util import flatten_dict
 
 from transformer_jax.data import tokenizer as tokenizer_lib
-from transformer_jax.errors import EvalError
+from transformer_jax.errors import CheckpointError, EvalError
 from transformer_jax.evaluation.averaging import average_params, select_steps
 from transformer_jax.model import Transformer, TransformerSpec, build_model, model_rngs
 from transformer_jax.training import checkpoints
@@ -33,6 +34,10 @@ class Restorer:
 
     def load_config(self, workdir: str):
         return self._ckpt.load_config(workdir)
+
+    def best_steps(self, workdir: str) -> list[int]:
+        """The steps of the checkpoints scored by train.select_metric, best first."""
+        return self._ckpt.best_steps(workdir)
 
     def config_differences(self, saved, current) -> list[str]:
         return self._ckpt.config_differences(saved.to_dict(), current.to_dict())
@@ -82,6 +87,43 @@ def choose_steps(
     return select_steps(candidates, average_last, None)
 
 
+def best_params(restorer: Restorer, workdir: str, count: int, target: nnx.State, used: list[int]) -> Iterator[dict]:
+    """The parameters of the `count` best checkpoints that can be read, best first, appending each step to `used`.
+
+    A damaged best checkpoint is reported in one line and the next best takes its place (as a restart falls back
+    from a damaged latest checkpoint); EvalError when there is no scored checkpoint or too few readable ones.
+    """
+    ranked = restorer.best_steps(workdir)
+    if not ranked:
+        raise EvalError(
+            f"--checkpoint best: no checkpoint in {Path(workdir) / 'checkpoints'} has a score of its select metric "
+            "(train.select_metric, saved when ckpt.keep_best or train.early_stop_patience is set); train with "
+            "ckpt.keep_best, or give --checkpoint latest or a step"
+        )
+    if count > len(ranked):
+        raise EvalError(
+            f"--average_best {count}: only {len(ranked)} scored checkpoint(s) in {workdir}: {ranked}; pass "
+            f"--average_best {len(ranked)}"
+        )
+    damaged = []
+    for step in ranked:
+        if len(used) == count:
+            return
+        try:
+            params = next(iter(restorer.load_params(workdir, [step], target)))
+        except CheckpointError as e:
+            logging.warning("best checkpoint at step %d is damaged (%s); using the next best", step, e)
+            damaged.append(step)
+            continue
+        used.append(step)
+        yield params
+    if len(used) < count:
+        raise EvalError(
+            f"--average_best {count}: only {len(used)} of the scored checkpoints in {workdir} can be read "
+            f"(damaged: {damaged}); pass a smaller --average_best"
+        )
+
+
 def abstract_model(config: Any) -> Any:
     """The config's model with abstract parameters (shapes and dtypes, for the checkpoint's arrays to fill) and its
     other state (the dropout streams' keys and counts) concrete. Building it eagerly would run every initialiser as
@@ -107,11 +149,13 @@ def restore_model(
     checkpoint: str = "latest",
     average_last: int | None = None,
     average_steps: Sequence[int] | None = None,
+    average_best: int | None = None,
 ) -> tuple[Any, Any, list[int]]:
     """(config, model in eval mode with the averaged parameters, steps used).
 
     `config` None means the one saved with the checkpoints; a given one must agree with it on every key that
-    shapes the model. `average_last` None means config.eval.average_last.
+    shapes the model. `average_last` None means config.eval.average_last. checkpoint="best" or `average_best`
+    (K): the best (the mean of the K best) checkpoints by train.select_metric, best first in the steps used.
     """
     available = restorer.list_steps(workdir)
     if not available:
@@ -126,14 +170,19 @@ def restore_model(
                 "--config does not match the config saved with the checkpoints; differing keys (saved -> given): "
                 + "; ".join(diff)
             )
-    if average_last is None:
-        average_last = config.eval.average_last
-    steps = choose_steps(
-        available, workdir, checkpoint=checkpoint, average_last=average_last, average_steps=average_steps
-    )
     model = abstract_model(config)
     target = nnx.state(model, nnx.Param)
-    params = average_params(restorer.load_params(workdir, steps, target))
+    if checkpoint == "best" or average_best:
+        steps: list[int] = []
+        params = average_params(best_params(restorer, workdir, average_best or 1, target, steps))
+        steps.sort()  # ascending, as every other selection lists them
+    else:
+        if average_last is None:
+            average_last = config.eval.average_last
+        steps = choose_steps(
+            available, workdir, checkpoint=checkpoint, average_last=average_last, average_steps=average_steps
+        )
+        params = average_params(restorer.load_params(workdir, steps, target))
 
     def shapes(tree: dict) -> dict[str, tuple[int, ...]]:
         # Layer lists have integer keys, hence the str() before joining.

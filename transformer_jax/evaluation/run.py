@@ -108,6 +108,7 @@ def load(mode: Translate | ScorePairs, restorer: Restorer | None = None) -> Load
         checkpoint=m.checkpoint,
         average_last=m.average_last,
         average_steps=m.average_steps,
+        average_best=m.average_best,
     )
     tokenizer = restorer.tokenizer(config, m.workdir)
     if m.ensemble_workdirs:

@@ -10,9 +10,10 @@ from typing import Any
 
 import ml_collections
 
-from transformer_jax import data, decoding
+from transformer_jax import decoding
 from transformer_jax.evaluation.bleu import score_all
 from transformer_jax.evaluation.translate import DecodeSettings, translate
+from transformer_jax.training.loop import validation_sets
 
 
 def decoding_settings(config: ml_collections.ConfigDict) -> DecodeSettings:
@@ -27,14 +28,18 @@ def decoding_settings(config: ml_collections.ConfigDict) -> DecodeSettings:
 
 
 def bleu_evaluator(config: ml_collections.ConfigDict, tokenizer: Any) -> Callable[[Any], dict[str, float]]:
-    """A function of the model (eval mode) -> sacreBLEU, tokenized BLEU and chrF of its beam-search translations of
-    the first train.bleu_sentences validation pairs, decoded with config.eval's settings (as evaluate.py)."""
-    pairs = data.load_split(config.data, config.data.valid_split)[: config.train.bleu_sentences]
-    sources, references = [s for s, _ in pairs], [t for _, t in pairs]
+    """A function of the model (eval mode) -> sacreBLEU, chrF, chrF++, TER and tokenized BLEU of its beam-search
+    translations of the first train.bleu_sentences validation pairs, decoded with config.eval's settings (as
+    evaluate.py): `bleu`, ... for data.valid_split, `NAME_bleu`, ... for each eval.extra_valid set."""
+    sets = [(name, pairs[: config.train.bleu_sentences]) for name, pairs in validation_sets(config)]
     settings = decoding_settings(config)
 
     def evaluate(model: Any) -> dict[str, float]:
-        hypotheses, _ = translate(model, tokenizer, sources, settings)
-        return {name: float(value["score"]) for name, value in score_all(hypotheses, references).items()}
+        out = {}
+        for name, pairs in sets:
+            hypotheses, _ = translate(model, tokenizer, [s for s, _ in pairs], settings)
+            scores = score_all(hypotheses, [t for _, t in pairs])
+            out.update({f"{name}_{key}" if name else key: float(value["score"]) for key, value in scores.items()})
+        return out
 
     return evaluate

@@ -1,7 +1,7 @@
 """Export a trained model for serving: a CTranslate2 model directory from a workdir's checkpoints.
 
     python -m transformer_jax.export --workdir DIR --format ctranslate2 --output OUT [--config C]
-        [--checkpoint latest|STEP] [--average_last N | --average_steps A,B] [--force]
+        [--checkpoint latest|best|STEP] [--average_last N | --average_steps A,B | --average_best K] [--force]
 
 The checkpoints are chosen and averaged exactly as evaluate.py chooses them (the same flags and defaults:
 --average_last defaults to config.eval.average_last). OUT holds model.bin, config.json, shared_vocabulary.json and

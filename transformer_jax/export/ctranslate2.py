@@ -367,6 +367,7 @@ def export_workdir(
     checkpoint: str = "latest",
     average_last: int | None = None,
     average_steps: Sequence[int | str] | None = None,
+    average_best: int | None = None,
     force: bool = False,
     restorer: Any = None,
 ) -> dict[str, Any]:
@@ -376,7 +377,7 @@ def export_workdir(
     messages as evaluate.py), the output directory, that checkpoints exist, that CTranslate2 is installed and can
     express the architecture of the config.
     """
-    options = check_model(Model(workdir, config, checkpoint, average_last, average_steps))
+    options = check_model(Model(workdir, config, checkpoint, average_last, average_steps, average_best=average_best))
     output_dir = Path(output_dir)
     check_output(output_dir, force)
     check_folder_writable(output_dir.parent, "--output")
@@ -395,6 +396,7 @@ def export_workdir(
         checkpoint=options.checkpoint,
         average_last=options.average_last,
         average_steps=options.average_steps,
+        average_best=options.average_best,
     )
     tokenizer = restorer.tokenizer(config, workdir)
     # Room for evaluate.py's longest decode (eval_max_len source tokens + max_extra_len) and the engine's defaults.

@@ -41,7 +41,9 @@ from transformer_jax.training.metrics import read_metrics
 RESULT_FILE = "sweep_result.json"  # written when a run's training finished
 SCORES_FILE = "valid_scores.json"  # evaluate.py's report on it; written last, so its presence means decoded
 REFERENCE_METRICS = ("valid_perplexity", "valid_bleu")
-METRICS = ("valid_perplexity", "valid_bleu", "valid_chrf", "tokens_per_s", "wall_s")  # averaged over seeds
+# Averaged over seeds; valid_ter is an edit rate (lower is better), the other scores higher is better.
+METRICS = ("valid_perplexity", "valid_bleu", "valid_chrf", "valid_chrfpp", "valid_ter", "tokens_per_s", "wall_s")
+SCORES = {"valid_bleu": "bleu", "valid_chrf": "chrf", "valid_chrfpp": "chrfpp", "valid_ter": "ter"}  # -> report key
 DELTA_METRICS = ("valid_perplexity", "valid_bleu", "valid_chrf")  # against the first variant, with an interval
 CONFIDENCE = 0.95
 
@@ -57,9 +59,9 @@ def decoded(run_dir: pathlib.Path) -> bool:
 
 
 def run_metrics(run_dir: pathlib.Path) -> dict[str, Any]:
-    """steps, valid_perplexity, valid_bleu, valid_chrf, tokens_per_s, wall_s of one run directory ("" where absent)
-    and finished (trained and decoded)."""
-    row: dict[str, Any] = {key: "" for key in ("steps", "valid_perplexity", "valid_bleu", "valid_chrf")}
+    """steps, valid_perplexity, the sacreBLEU scores (SCORES), tokens_per_s, wall_s of one run directory ("" where
+    absent) and finished (trained and decoded)."""
+    row: dict[str, Any] = {key: "" for key in ("steps", "valid_perplexity", *SCORES)}
     row.update(tokens_per_s="", wall_s="")
     metrics_file = run_dir / "metrics.jsonl"
     if metrics_file.exists():
@@ -74,7 +76,9 @@ def run_metrics(run_dir: pathlib.Path) -> dict[str, Any]:
     row["finished"] = decoded(run_dir)
     if row["finished"]:
         scores = json.loads((run_dir / SCORES_FILE).read_text())["scores"]
-        row["valid_bleu"], row["valid_chrf"] = round(scores["bleu"]["score"], 2), round(scores["chrf"]["score"], 2)
+        for column, key in SCORES.items():
+            if key in scores:  # a run decoded before chrF++ and TER were reported lacks them
+                row[column] = round(scores[key]["score"], 2)
         row["wall_s"] = round(json.loads((run_dir / RESULT_FILE).read_text())["wall_s"], 1)
     return row
 

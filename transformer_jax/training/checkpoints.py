@@ -10,6 +10,12 @@ right because every host's iterator state is the same (hosts plan the same globa
 
 A checkpoint that cannot be read or verified is reported in one line naming its step and what is wrong; training
 then falls back to the one before it and moves the damaged one aside (`<step>.damaged-<time>`, never deleted).
+
+Best checkpoints (ckpt.keep_best, ranked by train.select_metric): a checkpoint saved at a validation carries that
+validation's scores in Orbax's `metrics` item. Orbax's preservation policies decide what a save removes: LatestN
+keeps the last ckpt.keep, BestN the ckpt.keep_best best scored ones, and a checkpoint either keeps is kept
+(AnyPreservationPolicy), so the best are never rotated away. `best_steps` ranks a workdir's scored checkpoints by
+the select metric of its latest config.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import pathlib
 import shutil
 import time
@@ -32,7 +39,7 @@ from flax.traverse_util import flatten_dict
 from transformer_jax.config import schema
 from transformer_jax.errors import CheckpointError, DiskFullError
 from transformer_jax.runtime import files
-from transformer_jax.training import checksums, migrations
+from transformer_jax.training import checksums, migrations, selection
 from transformer_jax.training.state import TrainState
 
 ITEMS = ("state", "data", "config", "checksums")
@@ -52,13 +59,43 @@ def config_differences(saved: dict, current: dict, keys: tuple[str, ...] = STRUC
 
 
 def _manager(
-    workdir, *, keep: int | None = None, async_save: bool = False, read_only: bool = False, cleanup_tmp: bool = False
+    workdir,
+    *,
+    keep: int | None = None,
+    async_save: bool = False,
+    read_only: bool = False,
+    cleanup_tmp: bool = False,
+    select_metric: str | None = None,
+    keep_best: int = 0,
 ):
+    """Orbax's manager of WORKDIR/checkpoints. With `select_metric`, saves write their scores (`metrics`) and a save
+    removes only what neither the last `keep` nor the `keep_best` best scored checkpoints hold."""
+    policy = {"max_to_keep": keep}
+    if select_metric is not None:
+        worst = selection.worst(select_metric)
+        policy = {
+            "best_fn": lambda metrics: float(metrics.get(select_metric, worst)),  # writes the metrics item
+            "best_mode": "min" if select_metric in selection.LOWER_IS_BETTER else "max",
+            "preservation_policy": ocp.checkpoint_managers.AnyPreservationPolicy(
+                [
+                    ocp.checkpoint_managers.LatestN(n=keep),
+                    ocp.checkpoint_managers.BestN(
+                        get_metric_fn=lambda metrics: float(metrics.get(select_metric, worst)),
+                        reverse=select_metric in selection.LOWER_IS_BETTER,  # sorted worst first, the last n kept
+                        n=keep_best,
+                        keep_checkpoints_without_metrics=False,
+                    ),
+                ]
+            ),
+        }
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep,
         enable_async_checkpointing=async_save,
         create=not read_only,
         cleanup_tmp_directories=cleanup_tmp,
+        # A reader lists the steps without reading every checkpoint's scores: one damaged score file would make
+        # Orbax's constructor raise (best_scores reads them one by one and reports a damaged one).
+        lightweight_initialize=read_only,
+        **policy,
     )
     return ocp.CheckpointManager(checkpoint_dir(workdir), options=options, item_names=ITEMS)
 
@@ -68,6 +105,56 @@ def list_steps(workdir: str | pathlib.Path) -> list[int]:
     if not checkpoint_dir(workdir).is_dir():
         return []
     return sorted(_manager(workdir, read_only=True).all_steps())
+
+
+def damaged_scores(workdir: str | pathlib.Path) -> dict[int, str]:
+    """step -> what is wrong, for every checkpoint whose saved scores (Orbax's `metrics` item) cannot be read: Orbax
+    reads them all when a manager that ranks checkpoints starts, and one damaged file would stop it."""
+    damaged = {}
+    directory = checkpoint_dir(workdir)
+    for path in directory.glob("*/metrics/metrics") if directory.is_dir() else ():
+        step = path.parent.parent.name
+        if not step.isdigit():
+            continue
+        try:
+            json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            damaged[int(step)] = f"its scores ({path}) cannot be read: {describe_error(e)}"
+    return damaged
+
+
+def best_scores(workdir: str | pathlib.Path) -> list[tuple[int, float]]:
+    """(step, score) of every checkpoint saved with a score of train.select_metric (as the latest checkpoint's
+    config names it), best first; ties go to the earlier step. Empty when no checkpoint carries one."""
+    steps = list_steps(workdir)
+    if not steps:
+        return []
+    metric = None
+    for step in reversed(steps):  # the newest config that can be read (a damaged one is skipped, as on restore)
+        try:
+            metric = load_config(workdir, step).train.get("select_metric", None)
+            break
+        except CheckpointError:
+            continue
+    if metric is None:
+        return []
+    manager = _manager(workdir, read_only=True)
+    scored = []
+    for step in steps:
+        try:
+            metrics = manager.metrics(step)
+        except Exception as e:  # noqa: BLE001 - a damaged score file: that checkpoint is not ranked
+            logging.warning("the scores of the checkpoint at step %d cannot be read (%s)", step, describe_error(e))
+            continue
+        if metrics is not None and metric in metrics and not math.isnan(float(metrics[metric])):
+            scored.append((step, float(metrics[metric])))
+    sign = 1.0 if metric in selection.LOWER_IS_BETTER else -1.0
+    return sorted(scored, key=lambda item: (sign * item[1], item[0]))
+
+
+def best_steps(workdir: str | pathlib.Path) -> list[int]:
+    """The steps of the checkpoints with a score of train.select_metric, best first (`best_scores`)."""
+    return [step for step, _ in best_scores(workdir)]
 
 
 def describe_error(e: BaseException, limit: int = 300) -> str:
@@ -220,21 +307,41 @@ def _saved_keys(workdir: str | pathlib.Path, step: int) -> dict[str, Any]:
 class Checkpointer:
     """Saves every `ckpt.every_steps` (asynchronously), keeps the last `ckpt.keep`, restores the latest good one."""
 
-    def __init__(self, workdir: str | pathlib.Path, ckpt: ml_collections.ConfigDict):
+    def __init__(self, workdir: str | pathlib.Path, ckpt: ml_collections.ConfigDict, select_metric: str | None = None):
+        """`select_metric`: the validation score that ranks checkpoints (train.select_metric) when the run keeps
+        best checkpoints or stops early; saves then carry their scores."""
         self.workdir = pathlib.Path(workdir)
+        self._move_aside_damaged_scores()
         # cleanup_tmp_directories: a save that a crash or a full disk left unfinished (`<step>.orbax-checkpoint-tmp`)
         # is removed when the next run starts; Orbax never lists it as a checkpoint.
-        self.manager = _manager(workdir, keep=ckpt.keep, async_save=ckpt.async_save, cleanup_tmp=True)
+        self.manager = _manager(
+            workdir,
+            keep=ckpt.keep,
+            async_save=ckpt.async_save,
+            cleanup_tmp=True,
+            select_metric=select_metric,
+            keep_best=ckpt.get("keep_best", 0),
+        )
+        self.selection: dict | None = None  # the selection record of the checkpoint restore_latest restored
         self._async = ckpt.async_save
         self._in_flight: tuple[int, int] | None = None  # (step, bytes) of a save not yet awaited
         self._log_filter = _OrbaxLogFilter(_is_save_noise)
         self._failed = False
 
     def save(
-        self, step: int, state: nnx.State, data_state: Any, config: ml_collections.ConfigDict, rotate: bool = True
+        self,
+        step: int,
+        state: nnx.State,
+        data_state: Any,
+        config: ml_collections.ConfigDict,
+        rotate: bool = True,
+        metrics: dict[str, float] | None = None,
+        selection_record: dict | None = None,
     ) -> None:
         """Saves the checkpoint of `step`; rotate=False keeps every older checkpoint (ckpt.keep is not applied),
-        for a state that may be worse than the ones before it (a stop after non-finite updates).
+        for a state that may be worse than the ones before it (a stop after non-finite updates). `metrics`: the
+        validation scores of this step, that rank it among the best; `selection_record`: training.selection's
+        record, saved beside the iterator position.
 
         A full disk, now or when an asynchronous save of an earlier step completes, is a DiskFullError naming the
         step, the directory and the space needed and free (`_disk_full`); ckpt.keep then has removed nothing. A
@@ -255,10 +362,11 @@ class Checkpointer:
                 step,
                 args=ocp.args.Composite(
                     state=ocp.args.StandardSave(pure),
-                    data=ocp.args.JsonSave({"iterator": data_state}),
+                    data=ocp.args.JsonSave({"iterator": data_state, "selection": selection_record}),
                     config=ocp.args.JsonSave(json.loads(config.to_json())),
                     checksums=ocp.args.JsonSave(sums),
                 ),
+                metrics=metrics,
                 force=True,
             )
             if not rotate:
@@ -354,6 +462,7 @@ class Checkpointer:
             self._move_aside(damaged)
             state = jax.tree.map(lambda x: x, abstract_state)  # a copy to fill
             nnx.replace_by_pure_dict(state, {name: restored.state[keys[name]] for name in TrainState.FIELDS})
+            self.selection = restored.data.get("selection")
             return step, state, restored.data["iterator"]
         raise CheckpointError(
             f"no checkpoint in {checkpoint_dir(self.workdir)} could be read ({'; '.join(errors)}); move the damaged "
@@ -391,6 +500,20 @@ class Checkpointer:
         if problem:
             raise _Damaged(problem)
         return restored, keys
+
+    def _move_aside_damaged_scores(self) -> None:
+        """Moves aside (process 0; every process waits) each checkpoint whose scores cannot be read, before Orbax
+        reads them; the restore then falls back past it like past any damaged checkpoint."""
+        damaged = damaged_scores(self.workdir) if jax.process_index() == 0 else {}
+        for step, problem in sorted(damaged.items()):
+            moved = move_aside(self.workdir, step)
+            logging.error(
+                "checkpoint %d in %s is damaged (%s); moved aside to %s (kept)", step, self.workdir, problem, moved
+            )
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("transformer_jax: checkpoints with damaged scores moved aside")
 
     def _move_aside(self, steps: list[int]) -> None:
         """Moves damaged checkpoints aside (process 0; every process waits for it) and re-lists the steps."""

@@ -3,7 +3,10 @@
 The Python loop never waits on the device for the step it just dispatched: metrics are fetched one step late,
 batches are prepared and placed on the devices by grain's prefetch thread. The pieces: `setup` builds everything
 from the config into a `TrainingRun`; `run_steps` is the step loop; `MetricLog` fetches and logs step metrics;
-`Validation` runs validation loss and BLEU when due; `StopRequest` turns SIGTERM into a clean stop.
+`Validation` runs validation loss and BLEU when due (on data.valid_split and the reported eval.extra_valid sets);
+`StopRequest` turns SIGTERM into a clean stop. With ckpt.keep_best or train.early_stop_patience, every validation
+is ranked by train.select_metric (training.selection): one that improves it saves a checkpoint with its scores, and
+train.early_stop_patience validations without improvement stop the run.
 
 Validation BLEU needs translation, which sits above training (decoding, evaluation): the trainer receives it as a
 function (`BleuEvaluator`), built by the caller (train.py: evaluation.validation.bleu_evaluator), so training
@@ -31,6 +34,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from transformer_jax import data
+from transformer_jax.config.checks import extra_valid_sets
 from transformer_jax.data.batching import BATCH_KEYS, padded_eval_length
 from transformer_jax.data.pipeline import batch_shapes
 from transformer_jax.errors import ConfigError, NonFiniteError
@@ -38,7 +42,7 @@ from transformer_jax.model.spec import TransformerSpec
 from transformer_jax.runtime import compile_cache
 from transformer_jax.runtime.progress import Progress
 from transformer_jax.sharding import batch_sharding, make_mesh, state_shardings, tracing_mesh
-from transformer_jax.training import flops, workdir_lock
+from transformer_jax.training import flops, selection, workdir_lock
 from transformer_jax.training.checkpoints import Checkpointer
 from transformer_jax.training.losses import summarize
 from transformer_jax.training.metrics import MetricWriter
@@ -46,7 +50,8 @@ from transformer_jax.training.optim import learning_rate_schedule
 from transformer_jax.training.state import Graphs, abstract_train_state, create_train_state, eval_model
 from transformer_jax.training.step import compile_steps
 
-# (config, tokenizer) -> a function of the model in eval mode that returns {metric name: score}: validation BLEU.
+# (config, tokenizer) -> a function of the model in eval mode that returns {metric name: score}: validation BLEU,
+# chrF, chrF++ and TER of data.valid_split, and `NAME_bleu`... of each eval.extra_valid set.
 BleuEvaluator = Callable[[ml_collections.ConfigDict, Any], Callable[[Any], dict[str, float]]]
 
 # With several hosts, every this many steps the hosts agree whether any of them got SIGTERM (one tiny all-gather):
@@ -107,13 +112,28 @@ def host_block(array: np.ndarray) -> np.ndarray:
     return array[jax.process_index() * rows : (jax.process_index() + 1) * rows]
 
 
-def validation_batches(config: ml_collections.ConfigDict, tokenizer) -> list[dict[str, np.ndarray]]:
-    """Every validation pair once, sorted by length, each batch cut to its longest row rounded up to a bucket.
+def validation_sets(config: ml_collections.ConfigDict) -> list[tuple[str, list[tuple[str, str]]]]:
+    """(name, pairs) of every validation set: data.valid_split first (name ""), then each eval.extra_valid set
+    (text files {split}.{lang} in its directory, the run's languages)."""
+    sets = [("", data.load_split(config.data, config.data.valid_split))]
+    for name, directory, split in extra_valid_sets(config.eval.extra_valid):
+        source = ml_collections.ConfigDict(config.data.to_dict())
+        source.source, source.text_dir = "text", directory
+        sets.append((name, data.load_split(source, split)))
+    return sets
+
+
+def validation_batches(
+    config: ml_collections.ConfigDict, tokenizer, pairs: list[tuple[str, str]] | None = None
+) -> list[dict[str, np.ndarray]]:
+    """Every validation pair once (`pairs`, default data.valid_split's), sorted by length, each batch cut to its
+    longest row rounded up to a bucket.
 
     Padding every batch to data.eval_max_len would spend most of a validation on the logits of padding; bucketed
     lengths (16, 32, 64, ...) keep the compiled shapes few. Loss sums do not depend on the order.
     """
-    pairs = data.load_split(config.data, config.data.valid_split)
+    if pairs is None:
+        pairs = data.load_split(config.data, config.data.valid_split)
     pairs = sorted(pairs, key=lambda pair: (len(pair[1]), len(pair[0])))  # characters: a proxy for tokens
     batches, _ = data.eval_batches(
         [s for s, _ in pairs],
@@ -248,27 +268,47 @@ class MetricLog:
         return metrics
 
 
+def decodes_at_validation(config: ml_collections.ConfigDict) -> bool:
+    """Whether every train.eval_every validation decodes: the ranked select metric is a score of translations."""
+    return selection.is_tracked(config) and config.train.select_metric in selection.DECODED
+
+
 class Validation:
-    """Validation loss every train.eval_every steps and BLEU every train.bleu_every steps (and at the last step)."""
+    """Validation loss every train.eval_every steps and BLEU every train.bleu_every steps (and at the last step);
+    BLEU at every train.eval_every too when the ranked select metric needs translations. Each eval.extra_valid
+    set is scored beside data.valid_split, its metrics named valid_NAME_*."""
 
     def __init__(
         self, config, graphs: Graphs, tokenizer, eval_step, sharding, writer: MetricWriter, bleu: BleuEvaluator | None
     ):
         self.config, self.graphs = config, graphs
         self.eval_step, self.sharding, self.writer = eval_step, sharding, writer
-        self.batches = validation_batches(config, tokenizer) if config.train.eval_every else []
-        self.bleu = bleu(config, tokenizer) if config.train.bleu_every else None
+        sets = validation_sets(config) if config.train.eval_every else []
+        self.batches = [(name, validation_batches(config, tokenizer, pairs)) for name, pairs in sets]
+        self.decodes = decodes_at_validation(config)
+        self.bleu = bleu(config, tokenizer) if config.train.bleu_every or self.decodes else None
 
-    def run_due(self, step: int, state) -> None:
+    def is_due(self, step: int) -> bool:
+        """Whether a ranked validation (train.eval_every) runs after `step`."""
+        return is_due(step, self.config.train.eval_every, self.config.train.num_steps)
+
+    def run_due(self, step: int, state) -> dict[str, float]:
+        """Runs what is due after `step`; returns every score written, named as in metrics.jsonl (valid_*)."""
         train, num_steps = self.config.train, self.config.train.num_steps
+        scores: dict[str, float] = {}
         if is_due(step, train.eval_every, num_steps):
-            metrics = evaluate_loss(self.eval_step, state, self.batches, self.sharding)
-            self.writer.write(step, metrics, prefix="valid_")
-            logging.info("step %d validation: %s", step, json.dumps(metrics))
-        if is_due(step, train.bleu_every, num_steps):
+            for name, batches in self.batches:
+                metrics = evaluate_loss(self.eval_step, state, batches, self.sharding)
+                prefix = f"valid_{name}_" if name else "valid_"
+                self.writer.write(step, metrics, prefix=prefix)
+                scores.update({prefix + k: v for k, v in metrics.items()})
+                logging.info("step %d validation%s: %s", step, f" ({name})" if name else "", json.dumps(metrics))
+        if is_due(step, train.bleu_every, num_steps) or (self.decodes and is_due(step, train.eval_every, num_steps)):
             bleu = self.bleu(eval_model(self.graphs, state))
             self.writer.write(step, bleu, prefix="valid_")
+            scores.update({f"valid_{k}": v for k, v in bleu.items()})
             logging.info("step %d validation BLEU: %s", step, json.dumps(bleu))
+        return scores
 
 
 @dataclasses.dataclass
@@ -287,6 +327,7 @@ class TrainingRun:
     validation: Validation
     writer: MetricWriter
     progress: Progress
+    record: selection.Record  # the best validation so far and early stopping's count (restored with the state)
 
     def close(self) -> None:
         self.batches.close()
@@ -330,7 +371,9 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path, bleu: BleuEv
         sharding,
         mesh,
     )
-    checkpointer = Checkpointer(workdir, config.ckpt)
+    checkpointer = Checkpointer(
+        workdir, config.ckpt, config.train.select_metric if selection.is_tracked(config) else None
+    )
     restored = checkpointer.restore_latest(abstract, shardings, config)
     if restored is None:
         state = jax.jit(lambda: create_train_state(config)[1], out_shardings=shardings)()
@@ -361,6 +404,7 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path, bleu: BleuEv
         validation=validation,
         writer=writer,
         progress=progress,
+        record=selection.Record.from_json(checkpointer.selection, config.train.select_metric),
     )
 
 
@@ -402,9 +446,12 @@ def _all_finite(state) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.bool_(True)
 
 
-def save_if_finite(run: TrainingRun, step: int, state, it_state, rotate: bool = True) -> bool:
+def save_if_finite(
+    run: TrainingRun, step: int, state, it_state, rotate: bool = True, metrics: dict[str, float] | None = None
+) -> bool:
     """Saves a checkpoint unless the state holds a NaN or infinity: such a state must neither become the latest
-    checkpoint nor make ckpt.keep rotate away the last finite one. rotate=False keeps every older checkpoint."""
+    checkpoint nor make ckpt.keep rotate away the last finite one. rotate=False keeps every older checkpoint;
+    `metrics` are the step's validation scores (they rank it among the best). The selection record goes with it."""
     if not bool(_all_finite(state)):
         steps = run.checkpointer.manager.all_steps()
         logging.error(
@@ -413,7 +460,9 @@ def save_if_finite(run: TrainingRun, step: int, state, it_state, rotate: bool = 
             f"step {max(steps)}" if steps else "none",
         )
         return False
-    run.checkpointer.save(step, state, it_state, run.config, rotate=rotate)
+    run.checkpointer.save(
+        step, state, it_state, run.config, rotate=rotate, metrics=metrics, selection_record=run.record.to_json()
+    )
     return True
 
 
@@ -428,6 +477,16 @@ def run_steps(run: TrainingRun, stop: StopRequest) -> dict[str, float]:
     # A restored run has its checkpoint at run.step; a new one has none yet.
     state, step, saved_step, it_state, last_logged = run.state, run.step, run.step or None, None, {}
     stopping = False
+    ranked = selection.is_tracked(config)
+    if ranked and run.record.still_stopped(config):
+        logging.warning(
+            "this run stopped early at step %d after %d validations without improvement; %s. Nothing to train: "
+            "raise train.num_steps or train.early_stop_patience to continue",
+            run.record.stopped_at,
+            run.record.since_best,
+            run.record.describe(),
+        )
+        return last_logged
     try:
         while step < num_steps:
             stopping = stop.due(step)
@@ -443,6 +502,13 @@ def run_steps(run: TrainingRun, stop: StopRequest) -> dict[str, float]:
             run.metric_log.add(metrics, real_tokens, flops.train_step_flops(run.spec, *shape), step)
             if is_due(step, config.train.log_every, num_steps):
                 last_logged = run.metric_log.write(step)
+            if ranked and run.validation.is_due(step):
+                # Ranked: the scores decide whether this step is saved, so validation runs before the checkpoint.
+                if _validate_and_rank(run, step, state, it_state):
+                    saved_step = step
+                if run.record.stopped_at is not None:
+                    break
+                continue
             # Checkpoint first: validation BLEU decodes for minutes, and a crash in it must not cost the steps.
             if is_due(step, config.ckpt.every_steps, num_steps) and save_if_finite(run, step, state, it_state):
                 saved_step = step
@@ -461,6 +527,28 @@ def run_steps(run: TrainingRun, stop: StopRequest) -> dict[str, float]:
     return last_logged
 
 
+def _validate_and_rank(run: TrainingRun, step: int, state, it_state) -> bool:
+    """Validates after `step`, updates the selection record, and saves a checkpoint with the scores if the step is
+    due one or improved the select metric; marks the record stopped once the patience is spent. Whether it saved."""
+    config, record = run.config, run.record
+    scores = run.validation.run_due(step, state)
+    metric = config.train.select_metric
+    improved = record.update(step, scores.get(metric, selection.worst(metric)))
+    if improved:
+        logging.info("step %d improved %s to %.4f", step, metric, record.best_score)
+    if record.exhausted(config.train.early_stop_patience):
+        record.stop(step, config)
+        logging.warning(
+            "early stopping at step %d: %d validations without improvement of %s; %s",
+            step,
+            record.since_best,
+            metric,
+            record.describe(),
+        )
+    due = is_due(step, config.ckpt.every_steps, config.train.num_steps) or improved or record.stopped_at is not None
+    return due and save_if_finite(run, step, state, it_state, metrics=scores)
+
+
 def train_and_evaluate(
     config: ml_collections.ConfigDict, workdir: str | pathlib.Path, bleu: BleuEvaluator | None = None
 ) -> dict[str, float]:
@@ -474,6 +562,11 @@ def train_and_evaluate(
         raise ValueError(
             f"train.bleu_every={config.train.bleu_every} needs a BLEU evaluator: pass "
             "bleu=transformer_jax.evaluation.validation.bleu_evaluator (or set train.bleu_every=0)"
+        )
+    if decodes_at_validation(config) and bleu is None:
+        raise ValueError(
+            f"train.select_metric={config.train.select_metric} needs a BLEU evaluator: pass "
+            "bleu=transformer_jax.evaluation.validation.bleu_evaluator (or select valid_loss)"
         )
     workdir = pathlib.Path(workdir)
     with workdir_lock.locked(workdir):
