@@ -197,7 +197,7 @@ def _by_size(field: str) -> Callable[[Size], Any]:
 
 KEYS: tuple[Key, ...] = (
     Key(
-        "size", None, NAME, "label of the model size the config started from (SIZES)", MAY_CHANGE
+        "size", None, NAME, "label of the model size the config started from (SIZES)", MAY_CHANGE, architecture=True
     ),  # set by base_config
     # model: what the modules are built from (TransformerSpec)
     Key("model.vocab_size", 32000, count(1), "tokens in the joint source-target vocabulary", MATCH, architecture=True),

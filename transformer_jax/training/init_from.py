@@ -83,7 +83,7 @@ def _copy(config: ml_collections.ConfigDict, values: dict[str, Any]) -> ml_colle
     new = ml_collections.ConfigDict(config.to_dict())
     for key, value in values.items():
         group, _, leaf = key.rpartition(".")
-        new[group][leaf] = value
+        (new[group] if group else new)[leaf] = value
     return new.lock() if config.is_locked else new
 
 
