@@ -181,6 +181,19 @@ def test_a_workdir_holding_another_runs_checkpoints_is_refused(source, corpus, t
     assert _snapshot(other) == before
 
 
+def test_a_workdir_holding_another_tokenizer_is_refused(source, corpus, tmp_path):
+    workdir = tmp_path / "ft"
+    workdir.mkdir()
+    (workdir / "spm.model").write_bytes(b"another run's tokenizer")
+    _refused(
+        ConfigError,
+        rf"--workdir {workdir} holds a tokenizer \({workdir / 'spm.model'}\) other than the source's",
+        finetune_config(corpus, source),
+        workdir,
+    )
+    assert (workdir / "spm.model").read_bytes() == b"another run's tokenizer"
+
+
 @pytest.mark.parametrize(
     "step,match", [("best", "has no best-checkpoint record"), ("5", "has no checkpoint at step 5")]
 )

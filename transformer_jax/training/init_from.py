@@ -63,8 +63,7 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | os.PathLike, overr
         return Start(_with_architecture(config, own, overrides, workdir, f"the checkpoint in --workdir {workdir}"))
     if checkpoints.list_steps(workdir):  # none of its own checkpoints is readable: restore_latest says which
         return Start(config)
-    step, source_config, params = _read_source(config, source, overrides, workdir)
-    merged = _with_architecture(config, source_config, overrides, workdir, f"train.init_from {source}")
+    step, source_config, merged, params = _read_source(config, source, overrides, workdir)
     _copy_tokenizer(source, source_config, workdir)
     logging.info("starting from the parameters of the checkpoint at step %d in %s", step, source)
     return Start(merged, params, step)
@@ -117,9 +116,10 @@ def _check_same_run(own: ml_collections.ConfigDict, config: ml_collections.Confi
 
 def _read_source(
     config: ml_collections.ConfigDict, source: pathlib.Path, overrides: set[str], workdir: pathlib.Path
-) -> tuple[int, ml_collections.ConfigDict, dict]:
-    """(step, saved config, model parameters) of the source checkpoint train.init_step names. For `latest`, a
-    damaged newest checkpoint is reported and the one before it tried; the source is only read."""
+) -> tuple[int, ml_collections.ConfigDict, ml_collections.ConfigDict, dict]:
+    """(step, saved config, the run's config with its architecture, model parameters) of the source checkpoint
+    train.init_step names. For `latest`, a damaged newest checkpoint is reported and the one before it tried; the
+    source is only read."""
     where = f"config key train.init_from: {source}"
     if not source.is_dir():
         raise ConfigError(
@@ -153,7 +153,7 @@ def _read_source(
             errors.append(f"step {step}: {e}")
             logging.error("%s; trying the checkpoint before it", e)
             continue
-        return step, source_config, params
+        return step, source_config, merged, params
     raise CheckpointError(
         f"{where}: no checkpoint could be read ({'; '.join(errors)}); give another train.init_from or train.init_step"
     )
