@@ -74,6 +74,7 @@ def test_the_run_starts_from_the_sources_parameters_with_a_fresh_optimizer(sourc
     assert start.source_step == 6  # init_step=latest
     assert start.config.model.d_ff == SOURCE_D_FF and start.config.model.dropout_rate == 0.05
     assert (workdir / "spm.model").read_bytes() == (source / "spm.model").read_bytes()
+    assert start.config.data.tokenizer_model == ""  # the workdir's spm.model, as the source's was its own
     run = loop.setup(start.config, workdir, None, start.params)
     try:
         state = jax.device_get(nnx.to_pure_dict(run.state))
@@ -109,6 +110,17 @@ def test_a_restart_resumes_its_own_checkpoint_without_the_source(source, corpus,
     assert resumed.model.d_ff == SOURCE_D_FF  # the architecture now comes from the run's own checkpoint
     last = _params(workdir, 6, resumed)
     jax.tree.map(np.testing.assert_array_equal, last["encoder_layers"], first["encoder_layers"])
+
+
+def test_a_source_given_a_tokenizer_file_passes_on_a_copy_of_it(source, corpus, tmp_path):
+    shared = tmp_path / "shared.model"
+    shutil.copyfile(source / "spm.model", shared)
+    config = source_config(corpus)
+    config.data.tokenizer_model, config.train.num_steps = str(shared), 3
+    loop.train_and_evaluate(config, tmp_path / "given")
+    start = init_from.prepare(finetune_config(corpus, tmp_path / "given"), tmp_path / "ft")
+    assert start.config.data.tokenizer_model == str((tmp_path / "ft" / "spm.model").resolve())
+    assert (tmp_path / "ft" / "spm.model").read_bytes() == shared.read_bytes()
 
 
 def test_a_damaged_newest_source_checkpoint_falls_back_to_the_one_before(source, corpus, tmp_path):

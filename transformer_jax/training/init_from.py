@@ -170,7 +170,10 @@ def _with_architecture(
     ConfigError listing the command-line overrides that contradict them."""
     flat, current = flatten_dict(reference.to_dict(), sep="."), flatten_dict(config.to_dict(), sep=".")
     values = {key: _saved_value(flat, key) for key in schema.ARCHITECTURE}
-    tokenizer = str(workdir.resolve() / MODEL_FILENAME)
+    # A source that trained its tokenizer into its workdir (it has exactly model.vocab_size pieces) leaves the key
+    # empty, and so does this run: the workdir's spm.model, wherever the workdir is moved. A source given a file
+    # (which may have fewer pieces) names the copy explicitly, which get_tokenizer accepts smaller.
+    tokenizer = str(workdir.resolve() / MODEL_FILENAME) if reference.data.tokenizer_model else ""
     contradicting = [
         f"{key}={current[key]!r} (source: {values[key]!r})"
         for key in schema.ARCHITECTURE
