@@ -69,7 +69,8 @@ def main(argv: list[str]) -> None:
     if _DRY_RUN.value:
         print(json.dumps(dry_run_summary(config), indent=2))
         return
-    train_and_evaluate(config, _WORKDIR.value, bleu=_bleu_evaluator)
+    overrides = tuple(config_flags.get_override_values(flags.FLAGS[_CONFIG.name]))  # --config.KEY=VALUE given
+    train_and_evaluate(config, _WORKDIR.value, bleu=_bleu_evaluator, overrides=overrides)
 
 
 if __name__ == "__main__":

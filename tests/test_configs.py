@@ -18,6 +18,7 @@ CONFIG_ARGS = {
     "wmt14_ende": ["size=base", "size=big", "size=tiny", None],
     "wmt14_enfr": ["size=base", "size=big", "size=tiny", None],
     "multi30k": [None, "direction=de-en", "size=tiny"],
+    "finetune": ["init_from=runs/source", "init_from=runs/source,direction=de-en"],
     "quickstart": [None],
     "ablations_table3": ["scale=paper", "scale=mini,steps=400", "scale=tiny,steps=4"],
     "ablations_architecture": ["scale=small,steps=100"],

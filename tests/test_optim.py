@@ -1,11 +1,17 @@
-"""Learning-rate schedules (equal to their formulas at every step) and the optimizer's config checks."""
+"""Learning-rate schedules (equal to their formulas at every step), the optimizer's config checks, and freezing
+parameters by path (opt.freeze)."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from configs import common
+from tests.helpers.training import one_layer_config
 from transformer_jax.errors import ConfigError
 from transformer_jax.training.optim import learning_rate_schedule, make_optimizer
+from transformer_jax.training.state import create_model
 
 
 def reference(name: str, peak: float, warmup_steps: int, num_steps: int, step: int) -> float:
@@ -67,4 +73,41 @@ def test_bad_optimizer_settings_name_the_key():
     opt = common.opt_config(512)
     opt.weight_decay = 0.1
     with pytest.raises(ConfigError, match="opt.weight_decay.*adamw"):
+        make_optimizer(opt, 10)
+
+
+def _trained_with_freeze(freeze: str, optimizer: str = "adamw", steps: int = 3):
+    """A one-layer model's parameters before and after `steps` updates by gradients of ones, with opt.freeze."""
+    config = one_layer_config()
+    config.opt.freeze, config.opt.optimizer, config.opt.clip_grad_norm = freeze, optimizer, 1.0
+    config.opt.weight_decay = 0.1 if optimizer == "adamw" else 0.0
+    model = create_model(config, 0)
+    optimizer_ = nnx.Optimizer(model, make_optimizer(config.opt, 10), wrt=nnx.Param)
+    before = jax.tree.map(np.array, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    grads = jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param))
+    for _ in range(steps):
+        optimizer_.update(model, grads)
+    return before, nnx.to_pure_dict(nnx.state(model, nnx.Param)), optimizer_
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw"])
+def test_frozen_parameters_stay_bit_identical_and_the_others_train(optimizer):
+    before, after, opt = _trained_with_freeze(r"encoder_layers, src_embed", optimizer)
+    for path in ("encoder_layers", "src_embed"):
+        jax.tree.map(np.testing.assert_array_equal, after[path], before[path])
+    changed = jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != b)), after, before))
+    assert sum(changed) == len(jax.tree.leaves(after["decoder_layers"]))  # every decoder parameter trained
+    # Frozen parameters have no Adam moments: the state holds the trained parameters' alone.
+    _, _, plain = _trained_with_freeze("", optimizer, steps=0)
+    sizes = [sum(x.size for x in jax.tree.leaves(nnx.state(o.opt_state))) for o in (opt, plain)]
+    encoder_and_embedding = sum(x.size for x in jax.tree.leaves([before["encoder_layers"], before["src_embed"]]))
+    assert sizes[1] - sizes[0] == 2 * encoder_and_embedding  # mu and nu
+
+
+def test_a_freeze_pattern_that_matches_nothing_is_refused_naming_it():
+    with pytest.raises(ConfigError, match=r"^config key opt.freeze: 'embed\$' matches no parameter path \(of 43: "):
+        _trained_with_freeze("encoder, embed$", steps=0)
+    opt = common.opt_config(512)
+    opt.freeze = "encoder(["
+    with pytest.raises(ConfigError, match=r"^config key opt.freeze: 'encoder\(\[' is not a regular expression"):
         make_optimizer(opt, 10)

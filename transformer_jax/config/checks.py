@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import os
 import pathlib
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -76,6 +77,28 @@ def check_opt(opt: Mapping[str, Any]) -> None:
             f"config key opt.weight_decay: Adam has no decoupled weight decay (got {opt['weight_decay']}); "
             "use opt.optimizer=adamw or set it to 0"
         )
+    for pattern in freeze_patterns(opt["freeze"]):
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ConfigError(f"config key opt.freeze: {pattern!r} is not a regular expression ({e})") from None
+
+
+def freeze_patterns(freeze: str) -> list[str]:
+    """The regexes of opt.freeze (comma-separated; blanks around them ignored)."""
+    return [pattern.strip() for pattern in freeze.split(",") if pattern.strip()]
+
+
+def check_init(train: Mapping[str, Any]) -> None:
+    """train.init_step: latest, best or a step number, and only with train.init_from."""
+    step = train["init_step"]
+    if step not in ("latest", "best") and not step.isdigit():
+        raise ConfigError(f"config key train.init_step: must be latest, best or a step number, got {step!r}")
+    if step != "latest" and not train["init_from"]:
+        raise ConfigError(
+            f"config key train.init_step: {step!r} names a checkpoint of train.init_from, which is empty; "
+            "set train.init_from to the workdir to start from"
+        )
 
 
 def validate(config: Mapping[str, Any]) -> None:
@@ -89,6 +112,7 @@ def validate(config: Mapping[str, Any]) -> None:
     check_model({k: v for k, v in values.items() if k.startswith(("model.", "attention."))})
     check_opt(config["opt"])
     check_selection(values)
+    check_init(config["train"])
     if values["model.positional"] == "learned" and values["data.max_len"] > values["model.max_len"]:
         raise ConfigError(
             f"config key data.max_len: {values['data.max_len']} tokens per side exceed the {values['model.max_len']} "

@@ -1,12 +1,17 @@
 """Every config key, written once: its default, its unit and meaning, what it may hold, and whether it must match
 on resume. Everything else derives from `KEYS`: the config groups of configs/common.py (`group`), the rules
-config/checks.py applies (`RULES`), the keys a checkpoint's config must share with a restart (`MUST_MATCH`) and the
-model's hyperparameters (model/spec.py's TransformerSpec has one field per `model.*`/`attention.*` key).
+config/checks.py applies (`RULES`), the keys a checkpoint's config must share with a restart (`MUST_MATCH`), the
+keys a fine-tuning run takes from its source (`ARCHITECTURE`) and the model's hyperparameters (model/spec.py's
+TransformerSpec has one field per `model.*`/`attention.*` key).
 
 A key's default is a value, or a function of the model size's row of `SIZES` (the size-dependent ones). Its
 `doc` says what the number counts; checks.py's one-line errors quote it. `resume=MATCH` marks a key whose
 change makes a checkpoint unusable: the parameter or optimizer structure, what the tokens mean, or which
 batches the saved data-iterator position stands for (docs/reliability.md lists what may change between restarts).
+`architecture=True` is a second, separate rule: the key shapes the parameters or the computation, or says what the
+token ids mean, so a run started from another's parameters (`train.init_from`) takes its value from the source's
+saved config (training/init_from.py). Regularisation, data, batching, optimizer and schedule keys are not
+architecture: they are the fine-tuning run's own, even where a restart must keep them (`resume=MATCH`).
 Adding a key is one `Key(...)` line here (a model key is also a field of TransformerSpec); tests/test_config_keys.py
 fails if a key lacks any of its facts.
 
@@ -167,13 +172,15 @@ MATCH, MAY_CHANGE = "must match", "may change"  # on resume: whether a restart m
 @dataclasses.dataclass(frozen=True)
 class Key:
     """One config key: dotted name, default (a value, or a function of the size's `Size` row), what it may hold,
-    its unit and meaning, and whether a restart must keep it (`resume`: MATCH or MAY_CHANGE)."""
+    its unit and meaning, whether a restart must keep it (`resume`: MATCH or MAY_CHANGE) and whether a fine-tuning
+    run takes it from its source (`architecture`)."""
 
     name: str
     default: Any
     rule: Rule
     doc: str
     resume: str  # MATCH or MAY_CHANGE
+    architecture: bool = False  # shapes the parameters or the computation, or what the token ids mean
 
     def __post_init__(self) -> None:
         if not self.doc:
@@ -192,18 +199,36 @@ def _by_size(field: str) -> Callable[[Size], Any]:
 
 KEYS: tuple[Key, ...] = (
     Key(
-        "size", None, NAME, "label of the model size the config started from (SIZES)", MAY_CHANGE
+        "size", None, NAME, "label of the model size the config started from (SIZES)", MAY_CHANGE, architecture=True
     ),  # set by base_config
     # model: what the modules are built from (TransformerSpec)
-    Key("model.vocab_size", 32000, count(1), "tokens in the joint source-target vocabulary", MATCH),
-    Key("model.d_model", _by_size("d_model"), count(1), "width of every residual stream", MATCH),
-    Key("model.num_heads", _by_size("num_heads"), count(1), "h, attention heads per layer", MATCH),
-    Key("model.num_kv_heads", 0, count(0), "key/value heads (grouped-query attention); 0 = num_heads", MATCH),
-    Key("model.qk_head_dim", 0, count(0), "d_k per head; 0 = d_model / num_heads", MATCH),
-    Key("model.v_head_dim", 0, count(0), "d_v per head; 0 = d_model / num_heads", MATCH),
-    Key("model.d_ff", _by_size("d_ff"), count(1), "inner width of the position-wise feed-forward network", MATCH),
-    Key("model.num_encoder_layers", _by_size("encoder_layers"), count(0), "N, encoder layers", MATCH),
-    Key("model.num_decoder_layers", _by_size("decoder_layers"), count(0), "N, decoder layers", MATCH),
+    Key("model.vocab_size", 32000, count(1), "tokens in the joint source-target vocabulary", MATCH, architecture=True),
+    Key("model.d_model", _by_size("d_model"), count(1), "width of every residual stream", MATCH, architecture=True),
+    Key("model.num_heads", _by_size("num_heads"), count(1), "h, attention heads per layer", MATCH, architecture=True),
+    Key(
+        "model.num_kv_heads",
+        0,
+        count(0),
+        "key/value heads (grouped-query attention); 0 = num_heads",
+        MATCH,
+        architecture=True,
+    ),
+    Key("model.qk_head_dim", 0, count(0), "d_k per head; 0 = d_model / num_heads", MATCH, architecture=True),
+    Key("model.v_head_dim", 0, count(0), "d_v per head; 0 = d_model / num_heads", MATCH, architecture=True),
+    Key(
+        "model.d_ff",
+        _by_size("d_ff"),
+        count(1),
+        "inner width of the position-wise feed-forward network",
+        MATCH,
+        architecture=True,
+    ),
+    Key(
+        "model.num_encoder_layers", _by_size("encoder_layers"), count(0), "N, encoder layers", MATCH, architecture=True
+    ),
+    Key(
+        "model.num_decoder_layers", _by_size("decoder_layers"), count(0), "N, decoder layers", MATCH, architecture=True
+    ),
     Key(
         "model.dropout_rate",
         _by_size("dropout_rate"),
@@ -225,26 +250,56 @@ KEYS: tuple[Key, ...] = (
         "probability, on the FFN hidden activation (not in the paper)",
         MAY_CHANGE,
     ),
-    Key("model.activation", "relu", choice(ACTIVATIONS), "FFN activation: relu (paper), gelu, swiglu", MATCH),
-    Key("model.norm", "layernorm", choice(NORMS), "layernorm (paper) or rmsnorm", MATCH),
+    Key(
+        "model.activation",
+        "relu",
+        choice(ACTIVATIONS),
+        "FFN activation: relu (paper), gelu, swiglu",
+        MATCH,
+        architecture=True,
+    ),
+    Key("model.norm", "layernorm", choice(NORMS), "layernorm (paper) or rmsnorm", MATCH, architecture=True),
     Key(
         "model.norm_position",
         "post",
         choice(NORM_POSITIONS),
         "post: LayerNorm(x + Sublayer(x)) (paper); pre: x + Sublayer(LayerNorm(x))",
         MATCH,
+        architecture=True,
     ),
-    Key("model.norm_epsilon", 1e-6, positive(), "added to the variance inside the norm", MAY_CHANGE),
+    Key("model.norm_epsilon", 1e-6, positive(), "added to the variance inside the norm", MAY_CHANGE, architecture=True),
     Key(
         "model.positional",
         "sinusoidal",
         choice(POSITIONALS),
         "positional encoding: sinusoidal (paper), learned, none",
         MATCH,
+        architecture=True,
     ),
-    Key("model.max_len", 1024, count(1), "positions a learned positional embedding holds, tokens", MATCH),
-    Key("model.share_embeddings", True, FLAG, "one matrix for source and target embeddings (paper 3.4)", MATCH),
-    Key("model.tie_output", True, FLAG, "the output softmax reuses the target embedding matrix (paper 3.4)", MATCH),
+    Key(
+        "model.max_len",
+        1024,
+        count(1),
+        "positions a learned positional embedding holds, tokens",
+        MATCH,
+        architecture=True,
+    ),
+    Key(
+        "model.share_embeddings",
+        True,
+        FLAG,
+        "one matrix for source and target embeddings (paper 3.4)",
+        MATCH,
+        architecture=True,
+    ),
+    Key(
+        "model.tie_output",
+        True,
+        FLAG,
+        "the output softmax reuses the target embedding matrix (paper 3.4)",
+        MATCH,
+        architecture=True,
+    ),
     Key("model.dtype", "float32", choice(DTYPES), "computation dtype; parameters stay float32", MAY_CHANGE),
     # Hand-written backward passes of the linear layers, the tied logits projection and the loss, arranged for
     # XLA:CPU (the same gradients as autodiff, fewer transposed copies).
@@ -263,7 +318,14 @@ KEYS: tuple[Key, ...] = (
         "ops.attention implementation (auto picks by backend)",
         MAY_CHANGE,
     ),
-    Key("attention.window", 0, count(0), "local attention window, tokens; 0 = full attention", MAY_CHANGE),
+    Key(
+        "attention.window",
+        0,
+        count(0),
+        "local attention window, tokens; 0 = full attention",
+        MAY_CHANGE,
+        architecture=True,
+    ),
     # data
     Key(
         "data.source",
@@ -295,7 +357,9 @@ KEYS: tuple[Key, ...] = (
         "an existing SentencePiece .model file; empty = train one into the workdir",
         MAY_CHANGE,
     ),
-    Key("data.tokenizer_type", "unigram", choice(TOKENIZER_TYPES), "SentencePiece model type", MATCH),
+    Key(
+        "data.tokenizer_type", "unigram", choice(TOKENIZER_TYPES), "SentencePiece model type", MATCH, architecture=True
+    ),
     Key(
         "data.tokenizer_sample_sentences",
         1_000_000,
@@ -364,6 +428,15 @@ KEYS: tuple[Key, ...] = (
         MAY_CHANGE,
     ),
     Key("opt.warmup_steps", 4000, count(0), "steps of linear warmup", MAY_CHANGE),
+    # The optimizer state holds moments of the trained parameters only: another set cannot restore it.
+    Key(
+        "opt.freeze",
+        "",
+        TEXT,
+        "comma-separated regexes; parameters whose path (e.g. encoder_layers/0/ffn/w1/kernel) one matches stay"
+        " fixed; empty = train all",
+        MATCH,
+    ),
     Key(
         "opt.clip_grad_norm",
         0.0,
@@ -374,6 +447,21 @@ KEYS: tuple[Key, ...] = (
     # train
     Key("train.seed", 0, count(0, high=SEED_LIMIT), "seed of parameter init and dropout", MAY_CHANGE),
     Key("train.num_steps", 100_000, count(1), "optimizer steps", MAY_CHANGE),
+    # Which parameters the run started from: a restart names the same source (and never reads it again).
+    Key(
+        "train.init_from",
+        "",
+        TEXT,
+        "a workdir whose checkpoint's model parameters start this run (fine-tuning); empty = random parameters",
+        MATCH,
+    ),
+    Key(
+        "train.init_step",
+        "latest",
+        NAME,
+        "checkpoint of train.init_from: latest, best, or a step number",
+        MATCH,
+    ),
     Key("train.grad_accum_steps", 1, count(1), "micro-batches per optimizer step (the same global batch)", MAY_CHANGE),
     Key("train.label_smoothing", 0.1, fraction(), "epsilon_ls (paper)", MAY_CHANGE),
     Key("train.log_every", 100, count(1), "steps between metric logs", MAY_CHANGE),
@@ -463,6 +551,7 @@ KEYS: tuple[Key, ...] = (
 BY_NAME: dict[str, Key] = {key.name: key for key in KEYS}
 RULES: dict[str, Rule] = {key.name: key.rule for key in KEYS}
 MUST_MATCH: tuple[str, ...] = tuple(key.name for key in KEYS if key.resume == MATCH)
+ARCHITECTURE: tuple[str, ...] = tuple(key.name for key in KEYS if key.architecture)
 GROUPS = ("model", "attention", "data", "opt", "train", "eval", "ckpt")
 
 

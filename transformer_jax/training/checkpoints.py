@@ -53,8 +53,12 @@ def checkpoint_dir(workdir: str | pathlib.Path) -> pathlib.Path:
 
 
 def config_differences(saved: dict, current: dict, keys: tuple[str, ...] = STRUCTURAL_KEYS) -> list[str]:
-    """'key: saved -> current' for every structural key that differs."""
+    """'key: saved -> current' for every structural key that differs. A key the saved config lacks was added
+    after it was written: that run had the key's default (when it does not depend on the model size)."""
     a, b = flatten_dict(saved, sep="."), flatten_dict(current, sep=".")
+    for k in keys:
+        default = schema.BY_NAME[k].default if k in schema.BY_NAME else None
+        a.setdefault(k, None if callable(default) else default)
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
 
 

@@ -42,7 +42,7 @@ from transformer_jax.model.spec import TransformerSpec
 from transformer_jax.runtime import compile_cache
 from transformer_jax.runtime.progress import Progress
 from transformer_jax.sharding import batch_sharding, make_mesh, state_shardings, tracing_mesh
-from transformer_jax.training import flops, selection, workdir_lock
+from transformer_jax.training import flops, init_from, selection, workdir_lock
 from transformer_jax.training.checkpoints import Checkpointer
 from transformer_jax.training.losses import summarize
 from transformer_jax.training.metrics import MetricWriter
@@ -336,8 +336,14 @@ class TrainingRun:
         self.writer.close()
 
 
-def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path, bleu: BleuEvaluator | None = None) -> TrainingRun:
-    """Mesh, tokenizer, data, the state (restored from the latest checkpoint or new), compiled steps, writers."""
+def setup(
+    config: ml_collections.ConfigDict,
+    workdir: pathlib.Path,
+    bleu: BleuEvaluator | None = None,
+    init_params: dict | None = None,
+) -> TrainingRun:
+    """Mesh, tokenizer, data, the state (restored from the latest checkpoint, or new: with `init_params`, the model
+    parameters of a fine-tuning source, init_from.prepare), compiled steps, writers."""
     workdir.mkdir(parents=True, exist_ok=True)
     mesh = make_mesh()
     logging.info("training on %d devices, mesh %s, train.mesh=%s", mesh.size, dict(mesh.shape), config.train.mesh)
@@ -378,6 +384,8 @@ def setup(config: ml_collections.ConfigDict, workdir: pathlib.Path, bleu: BleuEv
     if restored is None:
         state = jax.jit(lambda: create_train_state(config)[1], out_shardings=shardings)()
         step = 0
+        if init_params is not None:
+            state = init_from.with_params(state, init_params, shardings)
     else:
         step, state, it_state = restored
         train_iter.set_state(it_state)
@@ -550,9 +558,16 @@ def _validate_and_rank(run: TrainingRun, step: int, state, it_state) -> bool:
 
 
 def train_and_evaluate(
-    config: ml_collections.ConfigDict, workdir: str | pathlib.Path, bleu: BleuEvaluator | None = None
+    config: ml_collections.ConfigDict,
+    workdir: str | pathlib.Path,
+    bleu: BleuEvaluator | None = None,
+    overrides: tuple[str, ...] = (),
 ) -> dict[str, float]:
     """Trains (or resumes) in workdir until config.train.num_steps; returns the last logged metrics.
+
+    With train.init_from, a run without a checkpoint of its own starts from the source's parameters, and the
+    architecture comes from there (training.init_from); `overrides` are the keys the user set on the command line,
+    refused where they contradict it.
 
     `bleu` builds the validation BLEU function (needed when train.bleu_every > 0; train.py passes
     evaluation.validation.bleu_evaluator). The workdir is locked for the run (training.workdir_lock): a second
@@ -570,7 +585,8 @@ def train_and_evaluate(
         )
     workdir = pathlib.Path(workdir)
     with workdir_lock.locked(workdir):
-        run = setup(config, workdir, bleu)
+        start = init_from.prepare(config, workdir, overrides)
+        run = setup(start.config, workdir, bleu, start.params)
         try:
             with StopRequest() as stop, tracing_mesh(run.mesh):
                 return run_steps(run, stop)

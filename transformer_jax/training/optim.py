@@ -1,12 +1,20 @@
-"""Optax optimiser and learning-rate schedules from the `opt` config group."""
+"""Optax optimiser and learning-rate schedules from the `opt` config group, and freezing parameters by path."""
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
+import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
+from flax import nnx
 
 from transformer_jax.config import checks
+from transformer_jax.errors import ConfigError
+
+TRAIN, FROZEN = "train", "frozen"  # the labels of optax.multi_transform
 
 
 def learning_rate_schedule(opt: ml_collections.ConfigDict, num_steps: int) -> optax.Schedule:
@@ -32,7 +40,12 @@ def learning_rate_schedule(opt: ml_collections.ConfigDict, num_steps: int) -> op
 
 
 def make_optimizer(opt: ml_collections.ConfigDict, num_steps: int) -> optax.GradientTransformation:
-    """Adam (b1, b2, eps from the config; paper: 0.9, 0.98, 1e-9) or AdamW, with optional global-norm clipping."""
+    """Adam (b1, b2, eps from the config; paper: 0.9, 0.98, 1e-9) or AdamW, with optional global-norm clipping.
+
+    With opt.freeze, the parameters whose path a pattern matches get zero updates (optax.set_to_zero) and no Adam
+    moments, and clipping sees only the trained ones' gradients (optax.multi_transform); a pattern that matches no
+    parameter is a ConfigError when the optimizer state is initialised.
+    """
     schedule = learning_rate_schedule(opt, num_steps)  # checks the opt group
     if opt.optimizer == "adam":
         tx = optax.adam(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps)
@@ -40,4 +53,43 @@ def make_optimizer(opt: ml_collections.ConfigDict, num_steps: int) -> optax.Grad
         tx = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay)
     if opt.clip_grad_norm > 0:
         tx = optax.chain(optax.clip_by_global_norm(opt.clip_grad_norm), tx)
-    return tx
+    patterns = checks.freeze_patterns(opt.freeze)
+    if not patterns:
+        return tx
+    return optax.multi_transform(
+        {TRAIN: tx, FROZEN: optax.set_to_zero()}, lambda params: freeze_labels(params, patterns)
+    )
+
+
+def param_path(path: tuple) -> str:
+    """'encoder_layers/0/ffn/w1/kernel': a parameter's path in the model, as opt.freeze patterns match it."""
+    return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def freeze_labels(params: Any, patterns: list[str]) -> Any:
+    """FROZEN for every parameter whose path one of `patterns` matches (re.search), TRAIN for the others, in the
+    tree of `params` (an nnx.State of Variables or of arrays); ConfigError naming a pattern that matches none."""
+    compiled = [re.compile(pattern) for pattern in patterns]
+    matched: set[str] = set()
+
+    def label(path: tuple, _) -> str:
+        name = param_path(path)
+        hits = {p.pattern for p in compiled if p.search(name)}
+        matched.update(hits)
+        return FROZEN if hits else TRAIN
+
+    labels = jax.tree_util.tree_map_with_path(label, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    unmatched = [pattern for pattern in patterns if pattern not in matched]
+    if unmatched:
+        paths = parameter_paths(params)
+        raise ConfigError(
+            f"config key opt.freeze: {unmatched[0]!r} matches no parameter path (of {len(paths)}: {paths[0]}, ..., "
+            f"{paths[-1]}); fix or remove the pattern"
+        )
+    return labels
+
+
+def parameter_paths(params: Any) -> list[str]:
+    """Every parameter's path (param_path), in tree order."""
+    leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return [param_path(path) for path, _ in leaves]

@@ -1,0 +1,225 @@
+"""Starting a run from another run's parameters (fine-tuning): `train.init_from=WORKDIR`, `train.init_step`.
+
+The source is a workdir of ours (or one of the same shape). Its checkpoint gives the model's parameters; the step
+counter, optimizer state, schedule, dropout RNG and data order start fresh. The keys marked `architecture` in
+config/schema.py (sizes, layers, vocabulary, activation, norms, positions, tokenizer type) come from the source's
+saved config, and a command-line override that contradicts one of them is refused; every other key is the
+fine-tuning run's own. The source's tokenizer is copied into the run's workdir (`spm.model`), so that the run
+never reads the source again once it has a checkpoint of its own: a restart then resumes that checkpoint, taking
+the architecture from it.
+
+`prepare` does every check before anything is written: a missing source, one without checkpoints, one whose
+every checkpoint is damaged, a contradicting override, a workdir holding another run's checkpoints or tokenizer
+are each one line (ConfigError or CheckpointError) and the source is only read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pathlib
+import shutil
+import tempfile
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+import ml_collections
+from flax import nnx
+from flax.traverse_util import flatten_dict
+
+from transformer_jax.config import checks, schema
+from transformer_jax.data.tokenizer import MODEL_FILENAME
+from transformer_jax.errors import CheckpointError, ConfigError
+from transformer_jax.training import checkpoints
+from transformer_jax.training.state import abstract_train_state
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """How a run starts: its config (with the source's architecture when it fine-tunes) and, for a fine-tuning run
+    without a checkpoint of its own yet, the source's model parameters (a pure dict) and their step."""
+
+    config: ml_collections.ConfigDict
+    params: dict | None = None
+    source_step: int | None = None
+
+
+def prepare(config: ml_collections.ConfigDict, workdir: str | os.PathLike, overrides: Iterable[str] = ()) -> Start:
+    """The run's start. Without train.init_from: the config as it is. With it, the config takes the architecture
+    keys (schema.ARCHITECTURE) and the tokenizer from the run's own latest checkpoint if it has one (the source is
+    not read), else from the source, whose parameters are then read here. `overrides`: the dotted keys the user set
+    on the command line; one that contradicts the source is refused."""
+    if not config.train.init_from:
+        return Start(config)
+    workdir = pathlib.Path(workdir)
+    source = pathlib.Path(config.train.init_from).expanduser().resolve()
+    config = _copy(config, {"train.init_from": str(source)})  # a restart from another directory names the same
+    overrides = set(overrides)
+    own = _own_config(workdir)
+    if own is not None:
+        _check_same_run(own, config, workdir)
+        return Start(_with_architecture(config, own, overrides, workdir, f"the checkpoint in --workdir {workdir}"))
+    if checkpoints.list_steps(workdir):  # none of its own checkpoints is readable: restore_latest says which
+        return Start(config)
+    step, source_config, merged, params = _read_source(config, source, overrides, workdir)
+    _copy_tokenizer(source, source_config, workdir)
+    logging.info("starting from the parameters of the checkpoint at step %d in %s", step, source)
+    return Start(merged, params, step)
+
+
+def with_params(state: nnx.State, params: dict, shardings: nnx.State) -> nnx.State:
+    """The train state with its model parameters replaced by `params` (a pure dict), placed with the state's
+    shardings; the optimizer state, step and counters are left as they are (fresh)."""
+    param_shardings = nnx.to_pure_dict(nnx.filter_state(shardings["model"], nnx.Param))
+    nnx.replace_by_pure_dict(state["model"], jax.device_put(params, param_shardings))
+    return state
+
+
+def _copy(config: ml_collections.ConfigDict, values: dict[str, Any]) -> ml_collections.ConfigDict:
+    """A copy of the config with dotted keys set (ConfigDict keeps each key's type)."""
+    new = ml_collections.ConfigDict(config.to_dict())
+    for key, value in values.items():
+        group, _, leaf = key.rpartition(".")
+        (new[group] if group else new)[leaf] = value
+    return new.lock() if config.is_locked else new
+
+
+def _saved_value(flat: dict[str, Any], key: str) -> Any:
+    """A key of a saved config; one the config lacks (added since) holds its default, as config_differences reads it."""
+    default = schema.BY_NAME[key].default
+    return flat.get(key, None if callable(default) else default)
+
+
+def _own_config(workdir: pathlib.Path) -> ml_collections.ConfigDict | None:
+    """The config of the newest checkpoint in workdir whose config can be read, or None."""
+    for step in reversed(checkpoints.list_steps(workdir)):
+        try:
+            return checkpoints.load_config(workdir, step)
+        except CheckpointError as e:
+            logging.warning("%s; trying the checkpoint before it", e)
+    return None
+
+
+def _check_same_run(own: ml_collections.ConfigDict, config: ml_collections.ConfigDict, workdir: pathlib.Path) -> None:
+    """ConfigError unless the workdir's checkpoints were written by a run started from the same source and step."""
+    flat = flatten_dict(own.to_dict(), sep=".")
+    saved = (_saved_value(flat, "train.init_from"), _saved_value(flat, "train.init_step"))
+    if saved != (config.train.init_from, config.train.init_step):
+        began = f"from {saved[0]} (init_step {saved[1]})" if saved[0] else "from random parameters"
+        raise ConfigError(
+            f"--workdir {workdir} holds checkpoints of another run (started {began}); fine-tune from "
+            f"{config.train.init_from} into a new --workdir"
+        )
+
+
+def _read_source(
+    config: ml_collections.ConfigDict, source: pathlib.Path, overrides: set[str], workdir: pathlib.Path
+) -> tuple[int, ml_collections.ConfigDict, ml_collections.ConfigDict, dict]:
+    """(step, saved config, the run's config with its architecture, model parameters) of the source checkpoint
+    train.init_step names. For `latest`, a damaged newest checkpoint is reported and the one before it tried; for
+    `best`, the next best (checkpoints.best_steps); the source is only read."""
+    where = f"config key train.init_from: {source}"
+    if not source.is_dir():
+        raise ConfigError(
+            f"{where} {'is not a directory' if source.exists() else 'does not exist'}; give the workdir "
+            "of a trained run"
+        )
+    steps = checkpoints.list_steps(source)
+    if not steps:
+        raise ConfigError(
+            f"{where} holds no checkpoint (nothing in {checkpoints.checkpoint_dir(source)}); train it "
+            "first or give another workdir"
+        )
+    init_step = config.train.init_step
+    if init_step == "best":
+        candidates = checkpoints.best_steps(source)  # best first: a damaged best falls back to the next best
+        if not candidates:
+            raise ConfigError(
+                f"config key train.init_step: {source} has no best-checkpoint record (it was trained without "
+                f"ckpt.keep_best); use latest or a step number (its steps: {steps})"
+            )
+    elif init_step == "latest":
+        candidates = list(reversed(steps))
+    elif int(init_step) in steps:
+        candidates = [int(init_step)]
+    else:
+        raise ConfigError(
+            f"config key train.init_step: {source} has no checkpoint at step {init_step}; its steps: {steps}"
+        )
+    errors = []
+    for step in candidates:
+        try:
+            source_config = checkpoints.load_config(source, step)
+            merged = _with_architecture(config, source_config, overrides, workdir, f"train.init_from {source}")
+            params = checkpoints.load_model_params(source, step, abstract_train_state(merged)[1])
+        except CheckpointError as e:
+            errors.append(f"step {step}: {e}")
+            logging.error("%s; trying %s", e, "the next best" if init_step == "best" else "the checkpoint before it")
+            continue
+        return step, source_config, merged, params
+    raise CheckpointError(
+        f"{where}: no checkpoint could be read ({'; '.join(errors)}); give another train.init_from or train.init_step"
+    )
+
+
+def _with_architecture(
+    config: ml_collections.ConfigDict,
+    reference: ml_collections.ConfigDict,
+    overrides: set[str],
+    workdir: pathlib.Path,
+    where: str,
+) -> ml_collections.ConfigDict:
+    """The config with every architecture key of `reference` and the workdir's copy of the source's tokenizer;
+    ConfigError listing the command-line overrides that contradict them."""
+    flat, current = flatten_dict(reference.to_dict(), sep="."), flatten_dict(config.to_dict(), sep=".")
+    values = {key: _saved_value(flat, key) for key in schema.ARCHITECTURE}
+    # A source that trained its tokenizer into its workdir (it has exactly model.vocab_size pieces) leaves the key
+    # empty, and so does this run: the workdir's spm.model, wherever the workdir is moved. A source given a file
+    # (which may have fewer pieces) names the copy explicitly, which get_tokenizer accepts smaller.
+    tokenizer = str(workdir.resolve() / MODEL_FILENAME) if reference.data.tokenizer_model else ""
+    contradicting = [
+        f"{key}={current[key]!r} (source: {values[key]!r})"
+        for key in schema.ARCHITECTURE
+        if key in overrides and current[key] != values[key]
+    ]
+    if "data.tokenizer_model" in overrides and current["data.tokenizer_model"] != tokenizer:
+        contradicting.append(f"data.tokenizer_model={current['data.tokenizer_model']!r} (source: its own tokenizer)")
+    if contradicting:
+        raise ConfigError(
+            f"{where}: --config overrides contradict the architecture and tokenizer it fixes: "
+            f"{', '.join(contradicting)}; remove them (a fine-tuning run takes these keys from its source)"
+        )
+    merged = _copy(config, {**values, "data.tokenizer_model": tokenizer})
+    checks.validate(merged)
+    return merged
+
+
+def _copy_tokenizer(source: pathlib.Path, source_config: ml_collections.ConfigDict, workdir: pathlib.Path) -> None:
+    """Copies the source's tokenizer to workdir/spm.model (whole or not at all); ConfigError if it is missing or
+    the workdir holds another tokenizer there."""
+    given = source_config.data.tokenizer_model
+    tokenizer = pathlib.Path(given).expanduser() if given else source / MODEL_FILENAME
+    if not tokenizer.is_file():
+        raise ConfigError(
+            f"config key train.init_from: the tokenizer of {source} ({tokenizer}) is missing; a "
+            "fine-tuning run needs the tokenizer its source was trained with"
+        )
+    target = workdir / MODEL_FILENAME
+    if target.exists():
+        if target.read_bytes() != tokenizer.read_bytes():
+            raise ConfigError(
+                f"--workdir {workdir} holds a tokenizer ({target}) other than the source's "
+                f"({tokenizer}); fine-tune into a new --workdir"
+            )
+        return
+    workdir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{MODEL_FILENAME}.", suffix=".tmp", dir=workdir)
+    os.close(fd)
+    try:
+        shutil.copyfile(tokenizer, tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
