@@ -13,8 +13,7 @@ import sys
 import pytest
 
 from tests.helpers import REPO
-from tests.helpers.training import tiny_train_config
-from tests.test_selection import scripted
+from tests.helpers.training import scripted, tiny_train_config
 from transformer_jax.config import checks
 from transformer_jax.training import checkpoints
 from transformer_jax.training.loop import train_and_evaluate

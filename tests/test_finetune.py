@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from tests.helpers import REPO
-from tests.helpers.training import tiny_train_config
+from tests.helpers.training import scripted, tiny_train_config
 from transformer_jax.config import checks, schema
 from transformer_jax.errors import CheckpointError, ConfigError
 from transformer_jax.training import checkpoints, init_from, loop
@@ -209,15 +209,10 @@ def test_a_workdir_holding_another_tokenizer_is_refused(source, corpus, tmp_path
 def test_init_step_best_starts_from_the_sources_best_checkpoint(corpus, tmp_path):
     """A source that kept its best checkpoints (ckpt.keep_best) by a scripted validation BLEU of 10, 30, 20 at steps
     2, 4, 6: step 4 is its best, and the fine-tuning run starts from it, not from the latest (6)."""
-    bleu = iter([10.0, 30.0, 20.0])
-
-    def scripted(config, tokenizer):
-        return lambda model: {"bleu": next(bleu), "chrf": 0.0}
-
     config = tiny_train_config(corpus, num_steps=6, eval_every=2, select_metric="valid_bleu")
     config.ckpt.update({"every_steps": 6, "keep": 1, "keep_best": 2})
     selecting = tmp_path / "selecting"
-    loop.train_and_evaluate(config, selecting, bleu=scripted)
+    loop.train_and_evaluate(config, selecting, bleu=scripted([10, 30, 20]))
     assert checkpoints.best_steps(selecting) == [4, 6]
     start = init_from.prepare(finetune_config(corpus, selecting, init_step="best"), tmp_path / "ft")
     assert start.source_step == 4

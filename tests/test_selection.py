@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers.training import tiny_train_config
+from tests.helpers.training import scripted, tiny_train_config
 from transformer_jax.config import checks
 from transformer_jax.errors import ConfigError, EvalError
 from transformer_jax.evaluation import restore
@@ -19,21 +19,6 @@ from transformer_jax.training import checkpoints, selection
 from transformer_jax.training.loop import train_and_evaluate
 from transformer_jax.training.metrics import read_metrics
 from transformer_jax.training.state import abstract_train_state
-
-
-def scripted(scores: list[float], calls: list[int] | None = None):
-    """A validation function (the trainer receives it as a function) whose BLEU follows `scores`, one a call."""
-    sequence = iter(scores)
-
-    def build(config, tokenizer):
-        def evaluate(model) -> dict[str, float]:
-            if calls is not None:
-                calls.append(1)
-            return {"bleu": float(next(sequence)), "chrf": 0.0}
-
-        return evaluate
-
-    return build
 
 
 def selecting_config(corpus: pathlib.Path, num_steps: int, **ckpt):

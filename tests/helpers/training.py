@@ -128,3 +128,18 @@ def one_layer_config(**model) -> ml_collections.ConfigDict:
     config.opt.learning_rate = 1e-2
     config.opt.schedule = "constant"
     return config
+
+
+def scripted(scores: list[float], calls: list[int] | None = None):
+    """A validation function (the trainer receives it as a function) whose BLEU follows `scores`, one a call."""
+    sequence = iter(scores)
+
+    def build(config, tokenizer):
+        def evaluate(model) -> dict[str, float]:
+            if calls is not None:
+                calls.append(1)
+            return {"bleu": float(next(sequence)), "chrf": 0.0}
+
+        return evaluate
+
+    return build
