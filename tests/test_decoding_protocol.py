@@ -90,8 +90,9 @@ def test_a_search_defined_in_a_test_runs_through_the_scheduler(compact):
     first = _first_logits(model, sources, 9)
     for i, (g, r) in enumerate(zip(greedy, found, strict=True)):
         ranked = np.argsort(-first[i], kind="stable")
-        assert int(g.tokens[0, 0]) == int(ranked[0]), (i, int(g.tokens[0, 0]), ranked[:3])
-        assert int(r.tokens[0, 0]) != int(g.tokens[0, 0]), (i, int(r.tokens[0, 0]), ranked[:3])
+        near_tie = first[i][ranked[0]] - first[i][ranked[1]] < 1e-4  # either program's rounding may break it
+        assert first[i][int(g.tokens[0, 0])] >= first[i][ranked[0]] - 1e-4, (i, int(g.tokens[0, 0]), ranked[:3])
+        assert int(r.tokens[0, 0]) != int(g.tokens[0, 0]) or near_tie, (i, int(r.tokens[0, 0]), ranked[:3])
 
 
 def test_a_spec_is_a_static_structure_with_alpha_traced():
