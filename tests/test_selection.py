@@ -66,6 +66,18 @@ def test_lower_is_better_for_ter_and_loss(tmp_path):
     assert record.update(2, 10.0) and not record.update(4, 5.0) and record.update(6, 11.0)
 
 
+def test_a_nan_score_never_outranks_a_real_one(corpus, tmp_path):
+    """BLEU 10, 30, NaN, 25, NaN, 1 at steps 2-12, checkpoints due at 6 (NaN) and 12: the one best kept is step 4's
+    30; a NaN among the scores Orbax sorts would make its choice of what to delete arbitrary."""
+    assert selection.rank({"valid_bleu": float("nan")}, "valid_bleu") == selection.worst("valid_bleu")
+    assert selection.rank({}, "valid_loss") == selection.worst("valid_loss") == float("inf")
+    workdir = tmp_path / "w"
+    nan = float("nan")
+    train_and_evaluate(selecting_config(corpus, 12, keep_best=1), workdir, bleu=scripted([10, 30, nan, 25, nan, 1]))
+    assert checkpoints.list_steps(workdir) == [4, 12]
+    assert checkpoints.best_steps(workdir)[0] == 4
+
+
 def test_keep_best_and_early_stopping_without_validation_are_refused(corpus):
     for key, value in (("ckpt.keep_best", 3), ("train.early_stop_patience", 2)):
         config = tiny_train_config(corpus, eval_every=0)

@@ -76,15 +76,14 @@ def _manager(
     removes only what neither the last `keep` nor the `keep_best` best scored checkpoints hold."""
     policy = {"max_to_keep": keep}
     if select_metric is not None:
-        worst = selection.worst(select_metric)
         policy = {
-            "best_fn": lambda metrics: float(metrics.get(select_metric, worst)),  # writes the metrics item
+            "best_fn": lambda metrics: selection.rank(metrics, select_metric),  # writes the metrics item
             "best_mode": "min" if select_metric in selection.LOWER_IS_BETTER else "max",
             "preservation_policy": ocp.checkpoint_managers.AnyPreservationPolicy(
                 [
                     ocp.checkpoint_managers.LatestN(n=keep),
                     ocp.checkpoint_managers.BestN(
-                        get_metric_fn=lambda metrics: float(metrics.get(select_metric, worst)),
+                        get_metric_fn=lambda metrics: selection.rank(metrics, select_metric),
                         reverse=select_metric in selection.LOWER_IS_BETTER,  # sorted worst first, the last n kept
                         n=keep_best,
                         keep_checkpoints_without_metrics=False,

@@ -30,6 +30,13 @@ def worst(metric: str) -> float:
     return math.inf if metric in LOWER_IS_BETTER else -math.inf
 
 
+def rank(metrics: dict[str, Any], metric: str) -> float:
+    """A saved checkpoint's score for ranking: `metric`'s value, or worst(metric) where it is missing or NaN (a NaN
+    would make any sort of the scores arbitrary, and Orbax's BestN sorts them to choose what it deletes)."""
+    score = float(metrics.get(metric, worst(metric)))
+    return worst(metric) if math.isnan(score) else score
+
+
 def better(metric: str, score: float, than: float | None) -> bool:
     """Whether `score` improves on `than` (None: nothing yet)."""
     if than is None:
