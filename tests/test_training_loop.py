@@ -357,3 +357,20 @@ def test_batches_that_do_not_split_over_the_devices_are_clear_errors(corpus, ove
         check_batch_shapes(config, mesh)
     config.update({"data": {"batch_size": 16}, "eval": {"batch_size": 8}})
     assert check_batch_shapes(config, mesh) == 8  # lcm(8, 2 micro-batches x 4 devices)
+
+
+def test_a_stop_before_the_first_step_saves_nothing_and_the_restart_trains(corpus, tmp_path):
+    """A checkpoint at step 0 would hold no data-iterator position (no batch was drawn), and every restart would
+    fail reading it: a stop that comes before any step saves nothing."""
+    config = tiny_train_config(corpus, num_steps=2, eval_every=0)
+    workdir = tmp_path / "run"
+    run = loop.setup(config, workdir)
+    try:
+        stop = loop.StopRequest()
+        stop.requested.set()
+        loop.run_steps(run, stop)
+    finally:
+        run.close()
+    assert checkpoints.list_steps(workdir) == []
+    loop.train_and_evaluate(config, workdir)
+    assert checkpoints.list_steps(workdir)[-1] == 2

@@ -523,7 +523,9 @@ def run_steps(run: TrainingRun, stop: StopRequest) -> dict[str, float]:
             run.validation.run_due(step, state)
         run.metric_log.flush()
         if stopping:
-            if saved_step == step or save_if_finite(run, step, state, it_state):
+            if it_state is None and saved_step != step:  # stopped before this new run's first batch
+                logging.warning("SIGTERM before the first step: nothing trained, nothing saved; exiting")
+            elif saved_step == step or save_if_finite(run, step, state, it_state):
                 logging.warning("SIGTERM: saved the checkpoint at step %d; exiting", step)
             else:
                 logging.warning("SIGTERM: exiting at step %d without saving it (see the error above)", step)
