@@ -111,3 +111,15 @@ def test_train_py_refuses_early_stopping_without_validation_in_one_line(corpus, 
     lines = [line for line in result.stderr.splitlines() if "error" in line]
     assert len(lines) == 1 and "config key train.early_stop_patience=3 needs a validation" in lines[0]
     assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+def test_a_sweep_variant_that_stopped_early_is_finished(corpus, tmp_path, monkeypatch):
+    """The sweep treats a variant that early stopping ended as finished: it writes its result (with the step) and
+    a rerun skips it, instead of calling it interrupted forever."""
+    from transformer_jax.sweep import runner
+
+    monkeypatch.setattr(runner, "bleu_evaluator", scripted([10, 20, 15, 18, 99, 99]))
+    config = stopping_config(corpus)
+    result = runner.run_variant("v", config, tmp_path / "v")
+    assert result["stopped_early_at"] == 8 and result["num_steps"] == 20
+    assert runner.run_variant("v", config, tmp_path / "v") == result  # finished: skipped

@@ -162,13 +162,16 @@ def run_variant(name: str, config: ml_collections.ConfigDict, workdir: pathlib.P
             logging.info("sweep: %s already finished; skipping", name)
             return result
     start = time.time()
-    loop.train_and_evaluate(config, workdir, bleu=bleu_evaluator)
+    stopped_early_at = loop.train_and_evaluate(config, workdir, bleu=bleu_evaluator).get(loop.STOPPED_EARLY_AT)
     # train_and_evaluate returns early on SIGTERM; such a variant is not finished and must not be skipped later.
+    # One that early stopping ended is finished (a rerun would train nothing).
     reached = max(list_steps(workdir), default=0)
-    if reached < config.train.num_steps:
+    if reached < config.train.num_steps and stopped_early_at is None:
         raise VariantInterrupted(f"variant {name} stopped at step {reached} of {config.train.num_steps}")
     # Wall time of the attempt that finished (a resumed variant's earlier attempts are not counted).
     result = {"name": name, "num_steps": config.train.num_steps, "wall_s": time.time() - start}
+    if stopped_early_at is not None:
+        result[loop.STOPPED_EARLY_AT] = stopped_early_at
     result_path.write_text(json.dumps(result))
     return result
 

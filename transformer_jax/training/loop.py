@@ -474,12 +474,17 @@ def save_if_finite(
     return True
 
 
+# The key of run_steps' result that says early stopping ended the run (at that step), before train.num_steps.
+STOPPED_EARLY_AT = "stopped_early_at"
+
+
 def run_steps(run: TrainingRun, stop: StopRequest) -> dict[str, float]:
     """Steps from run.step to train.num_steps (or a stop request): train, log, validate, checkpoint.
 
-    Returns the last logged metrics. A stop request or a run of non-finite updates (NonFiniteError, re-raised)
-    saves a checkpoint of the state reached; non-finite updates were skipped, so that state is the last good one,
-    unless its arrays themselves are non-finite: such a state is never saved (save_if_finite).
+    Returns the last logged metrics, with STOPPED_EARLY_AT when early stopping ended the run. A stop request or a
+    run of non-finite updates (NonFiniteError, re-raised) saves a checkpoint of the state reached; non-finite
+    updates were skipped, so that state is the last good one, unless its arrays themselves are non-finite: such a
+    state is never saved (save_if_finite).
     """
     config, num_steps = run.config, run.config.train.num_steps
     # A restored run has its checkpoint at run.step; a new one has none yet.
@@ -494,7 +499,7 @@ def run_steps(run: TrainingRun, stop: StopRequest) -> dict[str, float]:
             run.record.since_best,
             run.record.describe(),
         )
-        return last_logged
+        return {STOPPED_EARLY_AT: run.record.stopped_at}
     try:
         while step < num_steps:
             stopping = stop.due(step)
@@ -534,6 +539,8 @@ def run_steps(run: TrainingRun, stop: StopRequest) -> dict[str, float]:
         if saved_step != step:
             save_if_finite(run, step, state, it_state, rotate=False)
         raise
+    if ranked and run.record.stopped_at is not None:
+        return {**last_logged, STOPPED_EARLY_AT: run.record.stopped_at}
     return last_logged
 
 
