@@ -189,6 +189,28 @@ def test_invalid_utf8_on_stdin_stops_at_its_line_after_writing_the_lines_before(
     assert capsys.readouterr().out == "\n\n"  # the two lines before it, written and flushed
 
 
+def test_a_stream_that_fails_leaves_an_earlier_output_file_as_it_was(tmp_path, monkeypatch, fake):
+    """stdin into --output_file: the lines go to OUTPUT.partial until stdin ends, so a stream that fails (or
+    has no lines) never truncates an earlier OUTPUT; the lines translated before a failure stay in OUTPUT.partial."""
+    out = tmp_path / "out.txt"
+    out.write_text("an earlier translation\n", encoding="utf-8")
+    stdin = io.TextIOWrapper(io.BytesIO(b"\n \n\xff\xfe oops\n"), "utf-8", "surrogateescape")
+    monkeypatch.setattr(sys, "stdin", stdin)
+    with pytest.raises(EvalError, match=r"stdin, line 3: invalid UTF-8"):
+        evaluate(dict(workdir=str(tmp_path), source_file="-", output_file=str(out), alpha=0.0), fake)
+    assert out.read_text(encoding="utf-8") == "an earlier translation\n"
+    assert (tmp_path / "out.txt.partial").read_text(encoding="utf-8") == "\n\n"
+    (tmp_path / "out.txt.partial").unlink()
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    with pytest.raises(EvalError, match="stdin had no lines"):
+        evaluate(dict(workdir=str(tmp_path), source_file="-", output_file=str(out)), fake)
+    assert out.read_text(encoding="utf-8") == "an earlier translation\n"
+    assert not (tmp_path / "out.txt.partial").exists()
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    evaluate(dict(workdir=str(tmp_path), source_file="-", output_file=str(out), alpha=0.0), fake)
+    assert len(out.read_text(encoding="utf-8").splitlines()) == 1 and not (tmp_path / "out.txt.partial").exists()
+
+
 # -- 10: an unwritable output location is found before restoring -------------------------------------------------
 
 

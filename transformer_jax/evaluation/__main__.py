@@ -106,9 +106,12 @@ def _stream(mode: Translate, outputs: Outputs, loaded: run.Loaded) -> dict[str, 
         f"{output_file}.json" if output_file else str(_folder(mode) / f"stdin.{loaded.tag}.json")
     )
     refuse_overwriting_inputs({"--output_file": output_file, "--scores_file": scores_file}, loaded.inputs)
-    if output_file:
-        Path(output_file).parent.mkdir(parents=True, exist_ok=True)
-    out = open(output_file, "w", encoding="utf-8") if output_file else sys.stdout
+    # A file is streamed into OUTPUT.partial and renamed when stdin ends: an earlier OUTPUT stays as it was until
+    # then, and a run that fails leaves the lines it translated in OUTPUT.partial.
+    partial = f"{output_file}.partial" if output_file else None
+    if partial:
+        Path(partial).parent.mkdir(parents=True, exist_ok=True)
+    out = open(partial, "w", encoding="utf-8") if partial else sys.stdout
     results = []
     try:
         for hypothesis, stats in run.stream(mode, loaded, stdin_lines()):
@@ -120,23 +123,26 @@ def _stream(mode: Translate, outputs: Outputs, loaded: run.Loaded) -> dict[str, 
                     raise
                 raise _stream_disk_full(output_file, len(results)) from None
             results.append((hypothesis, stats))
-    except DiskFullError:
-        with contextlib.suppress(OSError):  # closing flushes the line that did not fit again
-            out.close()
+        translation = run.stream_result(mode, loaded, results)  # no lines, or a count unlike the references: raises
+    except BaseException:
+        if partial:
+            with contextlib.suppress(OSError):  # closing flushes a line that did not fit again
+                out.close()
+            if not results:  # nothing translated: no partial output to keep
+                with contextlib.suppress(OSError):
+                    os.unlink(partial)
         raise
-    finally:
-        if out is not sys.stdout and not out.closed:
-            out.close()
-    translation = run.stream_result(mode, loaded, results)
+    if partial:
+        out.close()
+        os.replace(partial, output_file)
     report = {**translation.report, "hypotheses_file": output_file}
     # With the translations on stdout, the summary goes to stderr.
     return _finish(report, scores_file, _summary(report), outputs.json, to_stderr=output_file is None)
 
 
 def _stream_disk_full(output_file: str, written: int) -> DiskFullError:
-    """The streamed output renamed to OUTPUT.partial (it holds only the lines before the full disk)."""
+    """The error of a full disk while streaming: OUTPUT.partial holds the lines before it."""
     partial = f"{output_file}.partial"
-    os.replace(output_file, partial)
     return DiskFullError(
         f"disk full while writing {output_file} ({files.space_report(output_file)}): the translations of the first "
         f"{written} lines are in {partial}; free space and run again"
