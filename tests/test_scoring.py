@@ -115,6 +115,8 @@ def test_score_flag_writes_one_line_per_pair_and_the_corpus_perplexity(tmp_path)
     [
         (TARGETS[:4], {}, r"src.txt has 6 lines, .*ref.txt has 4"),
         (TARGETS, {"nbest": 2}, r"--score .* --nbest"),
+        (TARGETS, {"beam_size": 8, "alpha": 1.5}, r"--score .*; --beam_size, --alpha would be ignored: drop them"),
+        (TARGETS, {"length_penalty": "average", "finished": "set_aside"}, r"--length_penalty, --finished would be"),
     ],
 )
 def test_bad_score_inputs_are_refused_before_the_model_and_nothing_is_written(tmp_path, targets, flags, message):

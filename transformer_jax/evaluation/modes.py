@@ -19,6 +19,9 @@ from transformer_jax.errors import EvalError
 from transformer_jax.evaluation.restore import restore_model
 from transformer_jax.evaluation.translate import check_nbest
 
+# The flags of a search, which --score (forced decoding: no search) would ignore.
+SEARCH_FLAGS = ("beam_size", "alpha", "max_extra_len", "length_penalty", "finished", "nbest")
+
 
 def check_flags(o: Any) -> None:
     """EvalError for decoding flags that cannot work together: sampling with searching, --nbest over the beam size
@@ -41,8 +44,12 @@ def check_flags(o: Any) -> None:
                 f"--ensemble_workdirs must be workdirs separated by commas, got {list(o.ensemble_workdirs)}"
             )
     if o.score:
-        if o.nbest is not None:
-            raise EvalError("--score teacher-forces the given targets; --nbest would be ignored: drop one of them")
+        searching = [f"--{k}" for k in SEARCH_FLAGS if getattr(o, k) is not None]
+        if searching:
+            raise EvalError(
+                f"--score teacher-forces the given targets; {', '.join(searching)} would be ignored: drop "
+                f"{'it' if len(searching) == 1 else 'them'}"
+            )
         if o.source_file == "-":
             raise EvalError("--score reads its pairs from --source_file and --references_file, not stdin")
         if o.source_file is not None and not o.references_file:
