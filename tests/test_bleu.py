@@ -80,7 +80,6 @@ def test_ter_and_chrfpp_equal_the_sacrebleu_command_with_their_signatures(tmp_pa
     assert scores["chrfpp"]["score"] != scores["chrf"]["score"]  # word bigrams count
     text = bleu.format_scores(scores)
     assert f"TER = {scores['ter']['score']:.2f}" in text and f"chrF2++ = {scores['chrfpp']['score']:.2f}" in text
-    assert bleu.LOWER_IS_BETTER == {"ter"}
 
 
 def test_read_lines_like_sacrebleu_and_line_count_check(tmp_path):

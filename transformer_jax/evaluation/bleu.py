@@ -98,10 +98,6 @@ def _verbose(score: Any) -> str:
     return score.format(width=2).split(" ", 3)[-1]
 
 
-# Higher is better for every score but TER (an edit rate): the selection of checkpoints reads this.
-LOWER_IS_BETTER = frozenset({"ter"})
-
-
 def sacrebleu_metrics() -> dict[str, Any]:
     """key -> sacreBLEU metric with the `sacrebleu` command's settings: bleu, chrf, chrfpp (`-m chrf
     --chrf-word-order 2`) and ter."""
