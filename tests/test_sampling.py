@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -212,3 +214,13 @@ def test_sampling_flags_write_the_samples(tmp_path):
     assert len(out.read_text(encoding="utf-8").splitlines()) == 2
     assert len(out.with_name("h.nbest").read_text(encoding="utf-8").splitlines()) == 4
     assert report["search"]["sampling"] == {"temperature": 1.0, "top_k": 5, "top_p": 1.0, "seed": 3, "num_samples": 2}
+
+
+def test_sampling_and_greedy_search_write_default_outputs_of_their_own(tmp_path):
+    src = tmp_path / "src.txt"
+    src.write_text("a b\nhello\n", encoding="utf-8")
+    options = dict(workdir=str(tmp_path), source_file=str(src))
+    greedy = evaluate(dict(options, beam_size=1), OneCheckpoint())["hypotheses_file"]
+    sampled = evaluate(dict(options, sampling=True, num_samples=1), OneCheckpoint())["hypotheses_file"]
+    assert greedy.endswith(".beam1.txt") and sampled.endswith(".sample1-seed0.txt")
+    assert sorted(p.name for p in (tmp_path / "eval").glob("*.txt")) == sorted([Path(greedy).name, Path(sampled).name])

@@ -68,7 +68,12 @@ FLAGS = (
     Flag("alpha", float, "Length penalty exponent (default config.eval.alpha).", (MODEL,)),
     Flag("max_extra_len", int, "Output tokens beyond the input length (default config.eval).", (MODEL,)),
     Flag("batch_size", int, "Sentences per decoding batch (default config.eval.batch_size).", (MODEL,)),
-    Flag("output_file", str, "Hypotheses file; default WORKDIR/eval/<name>.<steps>.txt (stdin: stdout).", (MODEL,)),
+    Flag(
+        "output_file",
+        str,
+        "Hypotheses file; default WORKDIR/eval/<source>.<steps>[-best].<search>.txt (stdin: stdout).",
+        (MODEL,),
+    ),
     Flag(
         "scores_file",
         str,

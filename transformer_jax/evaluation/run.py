@@ -152,9 +152,16 @@ def settings_of(mode: Translate, loaded: Loaded) -> tuple[DecodeSettings, dict[s
 
 
 def output_name(mode: Translate, loaded: Loaded) -> str:
-    """The default name of a translation's outputs: source, checkpoints, beams (test(x).step300-avg2.beam4)."""
+    """The default name of a translation's outputs: source, checkpoints (marked -best when chosen by score), and the
+    search (test(x).step300-avg2.beam4, test(x).step300-best.beam4-mbr8, test(x).step300.sample4-seed0), so that
+    evaluations that differ in these never write over each other's outputs."""
     settings, _ = settings_of(mode, loaded)
-    return f"{loaded.name}.{loaded.tag}.beam{settings.search.beam_size}"
+    d, m = mode.decoding, mode.model
+    chosen = "-best" if m.average_best is not None or m.checkpoint == "best" else ""
+    search = f"sample{d.candidates}-seed{d.seed}" if d.sampling else f"beam{settings.search.beam_size}"
+    if d.mbr is not None:
+        search += f"-mbr{d.mbr}"
+    return f"{loaded.name}.{loaded.tag}{chosen}.{search}"
 
 
 def translate(mode: Translate, loaded: Loaded, *, progress: bool = False) -> Translation:
