@@ -19,6 +19,7 @@ from tests.helpers import REPO
 from tests.helpers.training import scripted, tiny_train_config
 from transformer_jax.config import checks, schema
 from transformer_jax.errors import CheckpointError, ConfigError
+from transformer_jax.evaluation import restore
 from transformer_jax.training import checkpoints, init_from, loop
 from transformer_jax.training.state import abstract_train_state
 
@@ -110,6 +111,13 @@ def test_a_restart_resumes_its_own_checkpoint_without_the_source(source, corpus,
     assert resumed.model.d_ff == SOURCE_D_FF  # the architecture now comes from the run's own checkpoint
     last = _params(workdir, 6, resumed)
     jax.tree.map(np.testing.assert_array_equal, last["encoder_layers"], first["encoder_layers"])
+    # evaluate.py and the export take a --config that names the source otherwise (or not at all): how training
+    # began does not shape the model.
+    given = finetune_config(corpus, pathlib.Path("elsewhere"), init_step="3")
+    given.opt.freeze = ""
+    given.model.d_ff = SOURCE_D_FF
+    _, _, steps = restore.restore_model(restore.Restorer(), str(workdir), config=given, average_last=1)
+    assert steps == [6]
 
 
 def test_a_source_given_a_tokenizer_file_passes_on_a_copy_of_it(source, corpus, tmp_path):

@@ -22,6 +22,10 @@ from transformer_jax.evaluation.averaging import average_params, select_steps
 from transformer_jax.model import Transformer, TransformerSpec, build_model, model_rngs
 from transformer_jax.training import checkpoints
 
+# Keys a restart must keep that say only how the training began (the source a fine-tuned run started from, as its
+# saved config resolved it, and what it froze): a --config given to evaluate or export need not repeat them.
+EVALUATION_MAY_DIFFER = frozenset({"train.init_from", "train.init_step", "opt.freeze"})
+
 
 class Restorer:
     """Reads checkpoints and the tokenizer of a workdir; tests substitute a fake with the same methods."""
@@ -40,7 +44,10 @@ class Restorer:
         return self._ckpt.best_steps(workdir)
 
     def config_differences(self, saved, current) -> list[str]:
-        return self._ckpt.config_differences(saved.to_dict(), current.to_dict())
+        """The keys a given config must share with the saved one to restore its model: those a restart must keep,
+        but for how the training began (EVALUATION_MAY_DIFFER)."""
+        keys = tuple(k for k in self._ckpt.STRUCTURAL_KEYS if k not in EVALUATION_MAY_DIFFER)
+        return self._ckpt.config_differences(saved.to_dict(), current.to_dict(), keys)
 
     def load_params(self, workdir: str, steps: list[int], abstract_params: nnx.State) -> Iterator[dict]:
         """The parameter pure dicts of `steps`, read one at a time into the tree of `abstract_params` (the model's
