@@ -136,6 +136,15 @@ def test_checkpoint_best_and_average_best_restore_the_best_steps(selected):
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True))
 
 
+def test_average_last_takes_the_rotations_checkpoints_never_the_best_kept_apart(selected):
+    """Steps 4, 6, 12 with ckpt.keep=1: 4 and 6 are kept for their scores alone, so the last one is 12 and the last
+    two do not exist (averaging 6 with 12 would mix a best checkpoint into "the last")."""
+    restorer = restore.Restorer()
+    assert restore.restore_model(restorer, str(selected), average_last=1)[2] == [12]
+    with pytest.raises(EvalError, match=r"the last 2 checkpoints up to step 12, but only 1 exist"):
+        restore.restore_model(restorer, str(selected), average_last=2)
+
+
 def test_a_damaged_best_checkpoint_falls_back_to_the_next_best(selected, tmp_path, caplog):
     workdir = tmp_path / "w"
     shutil.copytree(selected, workdir)

@@ -186,8 +186,11 @@ def restore_model(
     else:
         if average_last is None:
             average_last = config.eval.average_last
+        # With ckpt.keep_best, checkpoints older than the last ckpt.keep are there for their scores alone: "the last
+        # N" are the rotation's, never those (--average_best averages the best).
+        latest = available[-config.ckpt.keep :] if config.ckpt.keep_best and checkpoint == "latest" else available
         steps = choose_steps(
-            available, workdir, checkpoint=checkpoint, average_last=average_last, average_steps=average_steps
+            latest, workdir, checkpoint=checkpoint, average_last=average_last, average_steps=average_steps
         )
         params = average_params(restorer.load_params(workdir, steps, target))
 
