@@ -184,7 +184,12 @@ def test_bad_config_override_is_a_clear_error(corpus, tmp_path, capsys, setting,
 def test_a_variant_stopped_early_is_not_marked_finished_and_stops_the_sweep(corpus, tmp_path, monkeypatch, capsys):
     """train_and_evaluate returns early on SIGTERM; the sweep must neither skip that variant later nor go on."""
     started = []
-    monkeypatch.setattr(loop, "train_and_evaluate", lambda config, workdir, bleu: started.append(workdir))  # no steps
+
+    def interrupted(config, workdir, bleu) -> dict:  # a SIGTERM before any step: no checkpoint, no early stop
+        started.append(workdir)
+        return {}
+
+    monkeypatch.setattr(loop, "train_and_evaluate", interrupted)
     assert sweep.main(["--config", CONFIG, "--workdir", str(tmp_path / "sw")]) == 1
     assert "variant base stopped at step 0 of 2; run the same command to resume it" in capsys.readouterr().err
     assert [p.name for p in started] == ["base"]  # pre_ln never started

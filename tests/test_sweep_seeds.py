@@ -193,7 +193,12 @@ def test_finished_seeds_are_skipped_an_unfinished_one_resumes_and_is_reported(co
     for name, seed in (("base", 0), ("base", 1), ("pre_ln", 0)):
         write_run(workdir / name / f"seed{seed}", refs, refs, perplexity=5.0 + seed + (name == "pre_ln"))
     started = []
-    monkeypatch.setattr(loop, "train_and_evaluate", lambda config, workdir, bleu: started.append(workdir))  # no steps
+
+    def interrupted(config, workdir, bleu) -> dict:  # a SIGTERM before any step: no checkpoint, no early stop
+        started.append(workdir)
+        return {}
+
+    monkeypatch.setattr(loop, "train_and_evaluate", interrupted)
     assert sweep.main(["--config", CONFIG, "--workdir", str(workdir), "--seeds", "2"]) == 1
     assert started == [workdir / "pre_ln" / "seed1"]
     assert "variant pre_ln/seed1 stopped at step 0 of 2" in capsys.readouterr().err

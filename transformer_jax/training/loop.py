@@ -474,8 +474,7 @@ def save_if_finite(
     return True
 
 
-# The key of run_steps' result that says early stopping ended the run (at that step), before train.num_steps.
-STOPPED_EARLY_AT = "stopped_early_at"
+STOPPED_EARLY_AT = "stopped_early_at"  # run_steps' result: the step where early stopping ended the run
 
 
 def run_steps(run: TrainingRun, stop: StopRequest) -> dict[str, float]:
