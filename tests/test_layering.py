@@ -25,6 +25,7 @@ LAYERS = [
     {"data"},
     {"training", "decoding"},
     {"evaluation"},
+    {"convert"},
     {"export", "visualize", "sweep", "plan"},
     {"explain"},
 ]
@@ -144,6 +145,7 @@ def test_every_command_line_is_a_main_module_of_the_package_it_drives():
         if '__name__ == "__main__"' in p.read_text(encoding="utf-8")
     )
     assert commands == [
+        "convert/__main__.py",
         "data/prepare.py",
         "evaluation/__main__.py",
         "explain/__main__.py",
@@ -151,7 +153,8 @@ def test_every_command_line_is_a_main_module_of_the_package_it_drives():
         "sweep/__main__.py",
         "visualize/__main__.py",
     ]
-    assert not [p.name for p in PACKAGE.glob("*.py") if p.stem in {"explain", "export", "visualize", "sweep"}]
+    commands = {"convert", "explain", "export", "visualize", "sweep"}
+    assert not [p.name for p in PACKAGE.glob("*.py") if p.stem in commands]
 
 
 # The one module allowed jax's private API: --plan's per-module cost analysis, which jax exposes nowhere else

@@ -1,6 +1,6 @@
-"""Export a trained model for serving: a CTranslate2 model directory from a workdir's checkpoints.
+"""Export a trained model for serving: a CTranslate2 model directory or a Hugging Face Marian folder.
 
-    python -m transformer_jax.export --workdir DIR --format ctranslate2 --output OUT [--config C]
+    python -m transformer_jax.export --workdir DIR --format ctranslate2|marian --output OUT [--config C]
         [--checkpoint latest|best|STEP] [--average_last N | --average_steps A,B | --average_best K] [--force]
 
 The checkpoints are chosen and averaged exactly as evaluate.py chooses them (the same flags and defaults:
@@ -9,6 +9,12 @@ spm.model; an existing OUT is replaced only with --force and only if it is an ea
 model.bin), and OUT appears whole or not at all. A workdir without checkpoints, an architecture the engine cannot
 express, or an existing OUT: one line on stderr, exit status 1.
 The library functions are in transformer_jax.export.ctranslate2 (to_ctranslate2, ctranslate2_translate).
+
+--format marian writes what MarianMTModel.from_pretrained and MarianTokenizer.from_pretrained load (config.json,
+generation_config.json, model.safetensors, the tokenizer files; transformer_jax.export.marian); --force replaces
+only an earlier export (a directory holding model.safetensors). A model Marian cannot represent is refused in one
+line naming the keys; a norm epsilon other than Marian's 1e-5 exports with one warning line on stderr stating the
+largest logit difference it makes.
 """
 
 from __future__ import annotations
@@ -16,17 +22,19 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 
 from absl import flags
 
 from transformer_jax import cli
 from transformer_jax.evaluation import checkpoint_flags
-from transformer_jax.export.ctranslate2 import export_workdir
+from transformer_jax.export import ctranslate2, marian
 
 PROG = "python -m transformer_jax.export"
 FLAGS = flags.FLAGS
 checkpoint_flags.define()  # evaluate.py's: same names, defaults and meaning
-flags.DEFINE_enum("format", "ctranslate2", ["ctranslate2"], "Inference engine to export to.")
+EXPORTERS = {"ctranslate2": ctranslate2.export_workdir, "marian": marian.export_workdir}
+flags.DEFINE_enum("format", "ctranslate2", list(EXPORTERS), "Inference engine or format to export to.")
 flags.DEFINE_string("output", None, "Model directory to write (must not exist, unless --force).")
 flags.DEFINE_bool("force", False, "Replace an existing --output directory that holds an earlier export.")
 flags.mark_flags_as_required(["workdir", "output"])
@@ -36,7 +44,14 @@ def main(argv: list[str]) -> None:
     del argv  # no positional arguments (cli.run refuses them)
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs each checkpoint handler it creates at INFO
     selected = checkpoint_flags.selection()
-    report = export_workdir(selected.pop("workdir"), FLAGS.output, force=FLAGS.force, **selected)
+    report = EXPORTERS[FLAGS.format](selected.pop("workdir"), FLAGS.output, force=FLAGS.force, **selected)
+    if "epsilon_logit_difference" in report:
+        print(
+            f"{PROG}: warning: model.norm_epsilon={report['norm_epsilon']} but transformers' Marian uses 1e-5; "
+            f"the exported model's logits differ by up to {report['epsilon_logit_difference']:.3g} on "
+            f"{len(marian.SAMPLE_SENTENCES)} sentences",
+            file=sys.stderr,
+        )
     print(json.dumps(report))
 
 

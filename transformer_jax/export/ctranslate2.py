@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -39,6 +38,7 @@ from transformer_jax.errors import ConfigError, EvalError
 from transformer_jax.evaluation.options import Model, check_folder_writable, check_model
 from transformer_jax.evaluation.restore import Restorer, restore_model
 from transformer_jax.evaluation.translate import DecodeSettings, input_limit, output_limit, source_ids
+from transformer_jax.export import output
 from transformer_jax.model.layers import sinusoidal_encoding
 from transformer_jax.model.spec import TransformerSpec
 from transformer_jax.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
@@ -178,20 +178,9 @@ def build_spec(model: Any, pieces: Sequence[str], *, max_positions: int) -> Any:
 
 
 def check_output(output_dir: Path, force: bool) -> None:
-    """EvalError unless `output_dir` may be written: it does not exist, or it is an earlier export and `force`.
-
-    --force replaces only a directory that holds a CTranslate2 model (model.bin), never a workdir or anything else
-    given by mistake.
-    """
-    if not output_dir.exists():
-        return
-    if not force:
-        raise EvalError(f"--output {output_dir} exists; choose another directory or pass --force to replace it")
-    if not (output_dir / "model.bin").is_file():
-        raise EvalError(
-            f"--output {output_dir} exists and is not a CTranslate2 model directory (no model.bin); --force "
-            "replaces only an earlier export: choose another directory"
-        )
+    """EvalError unless `output_dir` may be written (export.output.check_output: --force replaces only an earlier
+    export, a directory holding model.bin)."""
+    output.check_output(output_dir, force, "model.bin", "a CTranslate2 model directory")
 
 
 def to_ctranslate2(
@@ -221,31 +210,12 @@ def to_ctranslate2(
     ct2 = build_spec(model, pieces, max_positions=max_positions)
     ct2.validate()
     ct2.optimize(quantization=None)  # float32, as trained; the engine converts at load time (compute_type)
-    parent = output_dir.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", suffix=".tmp", dir=parent))
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would hide the model from a server running as another user
+
+    def fill(tmp: Path) -> None:
         ct2.save(str(tmp))
         shutil.copyfile(tokenizer.path, tmp / MODEL_FILENAME)  # the name a workdir gives it
-        if not output_dir.exists():
-            os.replace(tmp, output_dir)
-        else:  # --force: the old export moves aside first and comes back if the new one cannot take its place
-            old = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", suffix=".old", dir=parent))
-            os.replace(output_dir, old / output_dir.name)
-            try:
-                os.replace(tmp, output_dir)
-            except BaseException:
-                os.replace(old / output_dir.name, output_dir)
-                raise
-            finally:
-                shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return output_dir
+
+    return output.write_into_place(output_dir, fill)
 
 
 # -- decoding with our limits ---------------------------------------------------------------------------------

@@ -1,0 +1,169 @@
+"""transformers' Marian as the reference, run in a process of its own (`python -m tests.helpers.marian_reference`).
+
+torch is never imported into a pytest process (tests/test_torch_reference.py says why: after torch's kernels have
+run, CTranslate2 in the same process finds other beams), so the tests call `run(...)`, which starts this module:
+
+    make DIR JSON          a random-weight MarianMTModel and MarianTokenizer saved in DIR, offline: a small
+                           SentencePiece model trained here, vocab.json with </s> 0, <unk> 1 and <pad> last,
+                           swish, a non-zero final_logits_bias, random LayerNorm weights (JSON: config overrides)
+    logits DIR IN OUT      MarianMTModel.from_pretrained(DIR) logits for IN's (src, tgt) arrays (.npz) -> OUT
+    tokenize DIR JSON OUT  MarianTokenizer.from_pretrained(DIR) ids of JSON's sentences -> OUT (.json)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+SENTENCES = [
+    "A man in a blue shirt is standing on a ladder cleaning windows.",
+    "Two young children are playing in the sand near the water.",
+    "A woman is riding a bicycle down a busy street in the city.",
+    "The dog runs across the green field after a red ball.",
+    "Several people are waiting at the bus stop in the rain.",
+    "A group of friends sits around a table eating dinner.",
+] * 4
+
+
+def run(*args: str, timeout: int = 300) -> str:
+    """Runs this module with `args` in a fresh process; its stdout (AssertionError with the output on failure)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.marian_reference", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def _train_spm(prefix: Path, vocab_size: int) -> list[str]:
+    import sentencepiece as spm
+
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(SENTENCES),
+        model_prefix=str(prefix),
+        vocab_size=vocab_size,
+        model_type="unigram",
+        minloglevel=2,
+        hard_vocab_limit=False,
+    )
+    sp = spm.SentencePieceProcessor(model_file=f"{prefix}.model")
+    return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+
+
+def _vocab(pieces: list[str], extra: list[str]) -> dict[str, int]:
+    """Marian's layout: </s> 0, <unk> 1, the pieces, `extra` (language tokens), <pad> last."""
+    order = ["</s>", "<unk>"] + [p for p in pieces if p not in ("</s>", "<unk>", "<s>")] + extra + ["<pad>"]
+    return {piece: i for i, piece in enumerate(order)}
+
+
+def make(directory: str, overrides: dict) -> None:
+    import torch
+    from transformers import MarianConfig, MarianMTModel, MarianTokenizer
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    work = out / "spm"
+    work.mkdir(exist_ok=True)
+    separate = not overrides.get("share_encoder_decoder_embeddings", True)
+    extra = list(overrides.pop("language_tokens", []))
+    source_vocab = _vocab(_train_spm(work / "source", 60), extra)
+    target_vocab = _vocab(_train_spm(work / "target", 50), []) if separate else source_vocab
+    (out / "source.spm").write_bytes((work / "source.model").read_bytes())
+    (out / "target.spm").write_bytes((work / ("target" if separate else "source")).with_suffix(".model").read_bytes())
+    for p in work.iterdir():
+        p.unlink()
+    work.rmdir()
+    (out / "vocab.json").write_text(json.dumps(source_vocab))
+    if separate:
+        (out / "target_vocab.json").write_text(json.dumps(target_vocab))
+    pad = len(target_vocab) - 1
+    config = dict(
+        vocab_size=len(source_vocab),
+        decoder_vocab_size=len(target_vocab),
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        activation_function="swish",
+        scale_embedding=True,
+        max_position_embeddings=128,
+        pad_token_id=pad,
+        decoder_start_token_id=pad,
+        eos_token_id=0,
+        forced_eos_token_id=0,
+        bos_token_id=0,
+        share_encoder_decoder_embeddings=not separate,
+    )
+    config.update(overrides)
+    torch.manual_seed(overrides.get("seed", 0))
+    config.pop("seed", None)
+    model = MarianMTModel(MarianConfig(**config)).eval()
+    with torch.no_grad():
+        model.final_logits_bias.normal_(0.0, 0.5)
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight.normal_(1.0, 0.2)
+                module.bias.normal_(0.0, 0.2)
+            elif isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(0.0, 0.1)
+    model.generation_config.num_beams = 3
+    model.generation_config.max_length = 40
+    model.generation_config.bad_words_ids = [[pad]]
+    model.save_pretrained(out)
+    tokenizer = MarianTokenizer(
+        str(out / "source.spm"),
+        str(out / "target.spm"),
+        str(out / "vocab.json"),
+        target_vocab_file=str(out / "target_vocab.json") if separate else None,
+        source_lang="en",
+        target_lang="de",
+        separate_vocabs=separate,
+    )
+    tokenizer.save_pretrained(out)
+
+
+def logits(directory: str, inputs: str, output: str) -> None:
+    import torch
+    from transformers import MarianMTModel
+
+    model = MarianMTModel.from_pretrained(directory).eval()
+    arrays = np.load(inputs)
+    src, tgt = torch.from_numpy(arrays["src"]).long(), torch.from_numpy(arrays["tgt"]).long()
+    mask = src != model.config.pad_token_id
+    with torch.no_grad():
+        out = model(input_ids=src, attention_mask=mask, decoder_input_ids=tgt).logits
+    np.savez(output, logits=out.numpy())
+
+
+def tokenize(directory: str, sentences: str, output: str) -> None:
+    from transformers import MarianTokenizer
+
+    tokenizer = MarianTokenizer.from_pretrained(directory)
+    ids = [tokenizer(s)["input_ids"] for s in json.loads(sentences)]
+    Path(output).write_text(json.dumps(ids))
+
+
+if __name__ == "__main__":
+    command, *rest = sys.argv[1:]
+    if command == "make":
+        make(rest[0], json.loads(rest[1]) if len(rest) > 1 else {})
+    elif command == "logits":
+        logits(*rest)
+    elif command == "tokenize":
+        tokenize(*rest)
+    else:
+        raise SystemExit(f"unknown command {command!r}")

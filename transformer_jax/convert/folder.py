@@ -1,0 +1,282 @@
+"""A local Hugging Face Marian folder -> a workdir of ours: config, tokenizer files and a step-0 checkpoint.
+
+    read_folder(DIR) -> MarianFolder      every file checked, nothing written
+    write_workdir(folder, W)              W appears whole or not at all
+
+The folder is what `huggingface-cli download Helsinki-NLP/opus-mt-en-de` fetches: config.json, model.safetensors
+(or pytorch_model.bin), generation_config.json, source.spm, target.spm, vocab.json (target_vocab.json with
+separate vocabularies), tokenizer_config.json. safetensors are read with safetensors.numpy, one tensor at a time;
+a .bin is a pickle (it can run code), read with torch only when the caller allows it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from flax.traverse_util import flatten_dict, unflatten_dict
+
+from transformer_jax.config import checks, schema
+from transformer_jax.convert import marian
+from transformer_jax.errors import ConfigError, DataError
+from transformer_jax.evaluation.restore import abstract_model
+from transformer_jax.model import TransformerSpec
+from transformer_jax.training import checkpoints
+from transformer_jax.training.state import abstract_train_state
+
+CONFIG, GENERATION, TOKENIZER_CONFIG = "config.json", "generation_config.json", "tokenizer_config.json"
+SAFETENSORS, PICKLE = "model.safetensors", "pytorch_model.bin"
+SOURCE_SPM, TARGET_SPM, VOCAB, TARGET_VOCAB = "source.spm", "target.spm", "vocab.json", "target_vocab.json"
+BASE_SIZE = "base"  # the size row a converted config starts from; every model key is then set from config.json
+MARIAN_TOKENIZER = "marian"  # data.tokenizer of a workdir holding the four files above
+
+
+@dataclasses.dataclass
+class MarianFolder:
+    """A checked Marian folder: our config and where its tensors and tokenizer files are."""
+
+    path: Path
+    config: Any  # ml_collections.ConfigDict, validated
+    tensors: Callable[[], Iterator[tuple[str, np.ndarray]]]  # (name, array), one at a time
+    tokenizer_files: dict[str, Path]  # workdir file name -> file in the folder
+
+
+def _json(path: Path, required: bool = True) -> dict[str, Any]:
+    if not path.is_file():
+        if required:
+            raise DataError(f"{path} is missing; give a Hugging Face Marian folder (see docs/pretrained.md)")
+        return {}
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path} cannot be read as JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise DataError(f"{path} is not a JSON object")
+    return value
+
+
+def _vocab(path: Path, rows: int, special: dict[str, tuple[int, str]]) -> dict[str, int]:
+    """vocab.json (piece -> id), checked against the embedding's rows and `special`: piece -> (the id config.json
+    gives it, that key)."""
+    vocab = _json(path)
+    ids = list(vocab.values())
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise DataError(f"{path}: every value must be an integer id")
+    if len(vocab) != rows or sorted(ids) != list(range(rows)):
+        raise DataError(
+            f"{path} maps {len(vocab)} pieces to ids {min(ids, default=0)}..{max(ids, default=0)} but the embedding "
+            f"has {rows} rows (config.json); the vocabulary and the weights are of different models"
+        )
+    for piece, (expected, key) in special.items():
+        if vocab.get(piece) != expected:
+            raise DataError(f"{path} gives {piece} id {vocab.get(piece)} but config.json {key} is {expected}")
+    if marian.UNK_PIECE not in vocab:
+        raise DataError(f"{path} has no {marian.UNK_PIECE} piece (MarianTokenizer requires one)")
+    return vocab
+
+
+def _tensor_reader(path: Path, allow_pickle: bool) -> Callable[[], Iterator[tuple[str, np.ndarray]]]:
+    """A function yielding the folder's tensors as float32 numpy arrays, one at a time."""
+    safetensors = path / SAFETENSORS
+    if safetensors.is_file():
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(safetensors), framework="np") as f:
+                names = list(f.keys())
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a damaged header
+            raise DataError(f"{safetensors} cannot be read: {e}") from None
+
+        def read() -> Iterator[tuple[str, np.ndarray]]:
+            with safe_open(str(safetensors), framework="np") as f:
+                for name in names:
+                    yield name, f.get_tensor(name)
+
+        return read
+    pickle = path / PICKLE
+    if not pickle.is_file():
+        raise DataError(f"{path} holds neither {SAFETENSORS} nor {PICKLE}; download the model's weights")
+    if not allow_pickle:
+        raise DataError(
+            f"{pickle} is a pickle, which can run code when loaded: pass --allow_pickle if you trust it, or "
+            f"download {SAFETENSORS}"
+        )
+    try:
+        import torch
+    except ImportError:
+        raise DataError(
+            f"{pickle} needs torch to be read (pip install torch==2.13.0), or download {SAFETENSORS}"
+        ) from None
+
+    def read_pickle() -> Iterator[tuple[str, np.ndarray]]:
+        state = torch.load(str(pickle), map_location="cpu", weights_only=False)
+        for name in list(state):
+            yield name, state.pop(name).float().numpy()
+
+    return read_pickle
+
+
+def _our_config(hf: dict, generation: dict, tokenizer_config: dict, unk_id: int) -> Any:
+    config = schema.base_config(BASE_SIZE)
+    values = {**marian.model_keys(hf, unk_id), **marian.eval_keys(generation)}
+    values["data.tokenizer"] = MARIAN_TOKENIZER
+    for ours, theirs in (("data.src_lang", "source_lang"), ("data.tgt_lang", "target_lang")):
+        if isinstance(tokenizer_config.get(theirs), str) and tokenizer_config[theirs].isidentifier():
+            values[ours] = tokenizer_config[theirs]
+    for key, value in values.items():
+        group, leaf = key.split(".")
+        config[group][leaf] = value
+    checks.validate(config)
+    return config
+
+
+def read_folder(path: str | os.PathLike, *, allow_pickle: bool = False) -> MarianFolder:
+    """Checks a Marian folder's files and config (DataError/ConfigError naming the file or key); reads no weights."""
+    path = Path(path)
+    if not path.is_dir():
+        raise DataError(f"--from_marian {path} is not a directory")
+    hf = _json(path / CONFIG)
+    generation = _json(path / GENERATION, required=False)
+    tokenizer_config = _json(path / TOKENIZER_CONFIG, required=False)
+    if hf.get("model_type") != marian.MODEL_TYPE:
+        raise ConfigError(
+            f"{path / CONFIG} key model_type={hf.get('model_type')!r}: not a Marian model (expected "
+            f"{marian.MODEL_TYPE!r})"
+        )
+    shared = bool(hf.get("share_encoder_decoder_embeddings", True))
+    separate = bool(tokenizer_config.get("separate_vocabs", False)) or not shared
+    rows = hf.get("vocab_size")
+    if not isinstance(rows, int):
+        raise ConfigError(f"{path / CONFIG} key vocab_size={rows!r}: expected an integer")
+    target_rows = rows if shared else int(hf.get("decoder_vocab_size") or rows)
+    for name in (SOURCE_SPM, TARGET_SPM) + ((TARGET_VOCAB,) if separate else ()):
+        if not (path / name).is_file():
+            raise DataError(f"{path / name} is missing; a Marian folder holds the tokenizer files too")
+    try:
+        pad_id, eos_id = marian._one_id(hf, "pad_token_id"), marian._one_id(hf, "eos_token_id")
+    except ConfigError as e:
+        raise ConfigError(f"{path / CONFIG}: {e}") from None
+    special = {marian.PAD_PIECE: (pad_id, "pad_token_id"), marian.EOS_PIECE: (eos_id, "eos_token_id")}
+    source_vocab = _vocab(path / VOCAB, rows, {} if separate else special)
+    if separate:
+        _vocab(path / TARGET_VOCAB, target_rows, special)
+    try:
+        config = _our_config(hf, generation, tokenizer_config, source_vocab[marian.UNK_PIECE])
+    except ConfigError as e:
+        raise ConfigError(f"{path / CONFIG}: {e}") from None
+    files = {name: path / name for name in (SOURCE_SPM, TARGET_SPM, VOCAB)}
+    if separate:
+        files[TARGET_VOCAB] = path / TARGET_VOCAB
+    return MarianFolder(path, config, _tensor_reader(path, allow_pickle), files)
+
+
+def convert_params(folder: MarianFolder) -> tuple[dict, Any]:
+    """(our model parameters as a pure dict of float32 numpy arrays, the abstract train state), from the folder's
+    tensors, read one at a time; ConfigError naming a tensor that is missing, unexpected or of the wrong shape."""
+    spec = TransformerSpec.from_config(folder.config)
+    state = abstract_train_state(folder.config)[1]
+    shapes = flatten_dict(nnx.to_pure_dict(nnx.filter_state(state["model"], nnx.Param)))
+    entries = {entry.marian: entry for entry in marian.table(spec)}
+    tied = marian.aliases(spec)
+    if set(shapes) != {entry.ours for entry in entries.values()}:  # the table and the model disagree: a bug
+        raise AssertionError(f"mapping table and model differ: {set(shapes) ^ {e.ours for e in entries.values()}}")
+    params: dict[tuple, np.ndarray] = {}
+    copies: dict[str, np.ndarray] = {}
+    where = folder.path / SAFETENSORS
+    for name, array in folder.tensors():
+        if name in entries:
+            entry = entries[name]
+            params[entry.ours] = marian.from_marian(entry, array, shapes[entry.ours].shape)
+        elif name in tied:
+            copies[name] = array
+        elif name in marian.POSITION_KEYS:
+            expected = marian.marian_positions(array.shape[0], spec.d_model)
+            if array.shape != expected.shape or not np.allclose(array, expected, atol=1e-5):
+                raise ConfigError(
+                    f"tensor {name} is not Marian's sinusoidal table (learned positions?); it cannot be converted"
+                )
+        else:
+            raise ConfigError(f"{where}: unexpected tensor {name}; not a MarianMTModel of this config.json")
+    for name, original in tied.items():
+        if original not in entries:
+            continue
+        if original not in params and name in copies:  # only the tied copy was saved
+            entry = entries[original]
+            params[entry.ours] = marian.from_marian(entry, copies.pop(name), shapes[entry.ours].shape)
+    for name, copy in copies.items():
+        entry = entries[tied[name]]
+        if not np.array_equal(marian.from_marian(entry, copy, shapes[entry.ours].shape), params[entry.ours]):
+            raise ConfigError(
+                f"{where}: tensor {name} differs from {tied[name]} but config.json ties them; the weights are not "
+                "those of this config"
+            )
+    bias = ("final_logits_bias_V",)
+    if bias not in params:  # transformers leaves it out when it is zero (_keys_to_ignore_on_load_missing)
+        params[bias] = np.zeros(shapes[bias].shape, np.float32)
+    missing = [entry.marian for entry in entries.values() if entry.ours not in params]
+    if missing:
+        raise ConfigError(f"{where}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
+    return unflatten_dict(params), state
+
+
+def _state_tree(params: dict, state: Any, config: Any) -> Any:
+    """The train state of step 0: the converted parameters, the dropout streams of a model built from the config,
+    zeros for the rest (the optimizer's moments and counts and the non-finite counters start at zero, as
+    training.state.new_train_state makes them; tests/test_convert_marian.py checks that they agree)."""
+    pure = nnx.to_pure_dict(state)
+    filled = {name: jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), tree) for name, tree in pure.items()}
+    streams = nnx.to_pure_dict(nnx.state(abstract_model(config), nnx.Not(nnx.Param)))
+    filled["model"] = unflatten_dict({**flatten_dict(streams), **flatten_dict(params)})
+    nnx.replace_by_pure_dict(state, filled)
+    return state
+
+
+def check_workdir(workdir: str | os.PathLike) -> Path:
+    """The workdir to write; DataError if it exists and is not an empty directory."""
+    workdir = Path(workdir)
+    if workdir.exists() and (not workdir.is_dir() or any(workdir.iterdir())):
+        raise DataError(f"--workdir {workdir} exists and is not empty; give a new directory")
+    return workdir
+
+
+def write_workdir(folder: MarianFolder, workdir: str | os.PathLike) -> dict[str, Any]:
+    """Writes the workdir (config.json, the tokenizer files, the step-0 checkpoint) under a temporary sibling
+    name and renames it into place; returns a report."""
+    workdir = check_workdir(workdir)
+    workdir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{workdir.name}.", suffix=".tmp", dir=workdir.parent))
+    try:
+        params, state = convert_params(folder)
+        for name, source in folder.tokenizer_files.items():
+            shutil.copyfile(source, tmp / name)
+        config = folder.config
+        (tmp / "config.json").write_text(config.to_json_best_effort(indent=2))
+        ckpt = config.ckpt.copy_and_resolve_references()
+        ckpt.async_save = False
+        saver = checkpoints.Checkpointer(tmp, ckpt)
+        saver.save(0, _state_tree(params, state, config), None, config)
+        saver.close()
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700
+        if workdir.exists():
+            workdir.rmdir()  # empty (check_workdir)
+        os.replace(tmp, workdir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {
+        "workdir": str(workdir),
+        "from_marian": str(folder.path),
+        "parameters": int(sum(x.size for x in flatten_dict(params).values())),
+        "eval": {k: config.eval[k] for k in ("beam_size", "max_len", "alpha")},
+    }

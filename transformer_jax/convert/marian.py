@@ -1,0 +1,342 @@
+"""Hugging Face Marian (OPUS-MT) <-> our Transformer: the one table of parameter names, and the config both ways.
+
+Axis letters: see transformer_jax/__init__.py.
+
+How transformers' MarianMTModel (models/marian/modeling_marian.py) maps onto model/transformer.py:
+- torch's nn.Linear weight is [out, in], our nnx.Linear kernel [in, out]: every linear weight is transposed. Heads
+  are consecutive column blocks of the projections on both sides (q.view(B, T, N, H), our reshape to [B, T, N, H])
+  and both scale q.k by head_dim ** -0.5, so no head axis is reshaped.
+- Both are post-LN: LayerNorm(x + Sublayer(x)) with no final stack norm, embeddings scaled by sqrt(d_model)
+  (scale_embedding), static sinusoidal positions in Marian's concatenated layout (sin of every frequency, then
+  cos), logits y E^T + final_logits_bias, FFN fc2(act(fc1 x)). LayerNorm's epsilon is fixed at 1e-5 in
+  transformers (nn.LayerNorm's default).
+- A model of ours in the paper's interleaved layout exports exactly by permuting the model axis D of every weight
+  (`PERMUTATION`): positions then add in Marian's layout, and LayerNorm, whose statistics and elementwise affine
+  do not depend on the order of the features, commutes with the permutation.
+- Marian's special ids are kept: `</s>` = 0, `<unk>` = 1, `<pad>` = the last row; decoding starts from pad
+  (decoder_start_token_id), which is our model.bos_id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from transformer_jax.errors import ConfigError
+
+MODEL_TYPE = "marian"
+NORM_EPSILON = 1e-5  # transformers' Marian builds nn.LayerNorm(d_model): torch's default epsilon
+UNK_PIECE, EOS_PIECE, PAD_PIECE = "<unk>", "</s>", "<pad>"  # MarianTokenizer's defaults
+
+# Marian activation_function -> model.activation. transformers' "swish" and "silu" are both SiLU; its "gelu" is
+# the exact erf form while ours (jax.nn.gelu's default) is the tanh approximation, which it calls gelu_new.
+ACTIVATIONS = {"swish": "swish", "silu": "swish", "relu": "relu", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu"}
+EXPORT_ACTIVATIONS = {"swish": "swish", "relu": "relu", "gelu": "gelu_new"}
+
+LINEAR, VECTOR, ROW = "linear", "vector", "row"  # transposed [out, in]; copied as is; Marian's [1, V] bias row
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One parameter: its Marian state-dict name, our path in nnx.to_pure_dict(nnx.state(model, nnx.Param)), how
+    it converts (`kind`) and which axis of our array is the model axis D (None: none is)."""
+
+    marian: str
+    ours: tuple[str | int, ...]
+    kind: str
+    model_axis: int | None
+
+
+def _linear(marian: str, ours: tuple, d_in: bool) -> Iterator[Entry]:
+    """A linear layer: kernel [in, out] and bias [out]; D is its input (d_in) or its output."""
+    yield Entry(f"{marian}.weight", (*ours, "kernel"), LINEAR, 0 if d_in else 1)
+    yield Entry(f"{marian}.bias", (*ours, "bias"), VECTOR, None if d_in else 0)
+
+
+def _norm(marian: str, ours: tuple) -> Iterator[Entry]:
+    yield Entry(f"{marian}.weight", (*ours, "norm", "scale_D"), VECTOR, 0)
+    yield Entry(f"{marian}.bias", (*ours, "norm", "bias_D"), VECTOR, 0)
+
+
+def _attention(marian: str, ours: tuple) -> Iterator[Entry]:
+    for name in ("q_proj", "k_proj", "v_proj"):
+        yield from _linear(f"{marian}.{name}", (*ours, name), d_in=True)
+    yield from _linear(f"{marian}.out_proj", (*ours, "o_proj"), d_in=False)
+
+
+def _ffn(marian: str, ours: tuple) -> Iterator[Entry]:
+    yield from _linear(f"{marian}.fc1", (*ours, "ffn", "w1"), d_in=True)
+    yield from _linear(f"{marian}.fc2", (*ours, "ffn", "w2"), d_in=False)
+    yield from _norm(f"{marian}.final_layer_norm", (*ours, "ffn_residual"))
+
+
+def table(spec: Any) -> list[Entry]:
+    """Every parameter of a model of `spec` (model.spec.TransformerSpec) with its Marian name: the one mapping.
+
+    Embeddings: shared ones are Marian's model.shared.weight; separate ones its encoder and decoder embed_tokens.
+    A tied output layer has no entry of its own (`aliases` names Marian's tied copies); an untied one is lm_head.
+    """
+    entries = []
+    if spec.share_embeddings:
+        entries.append(Entry("model.shared.weight", ("src_embed", "table_VD"), VECTOR, 1))
+    else:
+        entries.append(Entry("model.encoder.embed_tokens.weight", ("src_embed", "table_VD"), VECTOR, 1))
+        entries.append(Entry("model.decoder.embed_tokens.weight", ("tgt_embed", "table_VD"), VECTOR, 1))
+    if not spec.tie_output:
+        entries.append(Entry("lm_head.weight", ("output_proj", "kernel"), LINEAR, 0))
+    entries.append(Entry("final_logits_bias", ("final_logits_bias_V",), ROW, None))
+    for i in range(spec.num_encoder_layers):
+        marian, ours = f"model.encoder.layers.{i}", ("encoder_layers", i)
+        entries += _attention(f"{marian}.self_attn", (*ours, "self_attn"))
+        entries += _norm(f"{marian}.self_attn_layer_norm", (*ours, "self_attn_residual"))
+        entries += _ffn(marian, ours)
+    for i in range(spec.num_decoder_layers):
+        marian, ours = f"model.decoder.layers.{i}", ("decoder_layers", i)
+        entries += _attention(f"{marian}.self_attn", (*ours, "self_attn"))
+        entries += _norm(f"{marian}.self_attn_layer_norm", (*ours, "self_attn_residual"))
+        entries += _attention(f"{marian}.encoder_attn", (*ours, "cross_attn"))
+        entries += _norm(f"{marian}.encoder_attn_layer_norm", (*ours, "cross_attn_residual"))
+        entries += _ffn(marian, ours)
+    return entries
+
+
+def aliases(spec: Any) -> dict[str, str]:
+    """Marian names that hold a tied copy of another entry's array -> that entry's Marian name.
+
+    Older checkpoints store every tied copy; transformers writes one. A copy that is present must equal its
+    original (else the weights are not tied as the config says).
+    """
+    target_embed = "model.shared.weight" if spec.share_embeddings else "model.decoder.embed_tokens.weight"
+    tied = {}
+    if spec.share_embeddings:
+        tied["model.encoder.embed_tokens.weight"] = target_embed
+        tied["model.decoder.embed_tokens.weight"] = target_embed
+    if spec.tie_output:
+        tied["lm_head.weight"] = target_embed
+    return tied
+
+
+POSITION_KEYS = ("model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight")
+
+
+def marian_positions(num_positions: int, d_model: int) -> np.ndarray:
+    """[P, D] float32: MarianSinusoidalPositionalEmbedding.create_weight, computed as transformers computes it."""
+    j = np.arange(d_model)
+    position_enc = np.arange(num_positions)[:, None] / np.power(10000, 2 * (j // 2) / d_model)[None, :]
+    half = d_model // 2 + d_model % 2
+    out = np.empty((num_positions, d_model), np.float32)
+    out[:, :half] = np.sin(position_enc[:, 0::2])
+    out[:, half:] = np.cos(position_enc[:, 1::2])
+    return out
+
+
+def permutation(d_model: int) -> np.ndarray:
+    """[D] int: column j of the concatenated layout is column PERMUTATION[j] of the interleaved one (sin of
+    frequency i: 2i -> i; cos: 2i + 1 -> D/2 + i)."""
+    return np.concatenate([np.arange(0, d_model, 2), np.arange(1, d_model, 2)])
+
+
+def to_marian(entry: Entry, ours: np.ndarray, perm: np.ndarray | None = None) -> np.ndarray:
+    """Our array of `entry` as Marian stores it; `perm`: the model-axis permutation of an interleaved model."""
+    if perm is not None and entry.model_axis is not None:
+        ours = np.take(ours, perm, axis=entry.model_axis)
+    if entry.kind == LINEAR:
+        return np.ascontiguousarray(ours.T)
+    if entry.kind == ROW:
+        return ours.reshape(1, -1)
+    return ours
+
+
+def from_marian(entry: Entry, marian: np.ndarray, expected: tuple[int, ...]) -> np.ndarray:
+    """Marian's array of `entry` as our float32 array of shape `expected`; ConfigError naming the tensor if the
+    shapes disagree."""
+    array = marian.T if entry.kind == LINEAR else marian.reshape(-1) if entry.kind == ROW else marian
+    if tuple(array.shape) != tuple(expected):
+        shape = tuple(expected[::-1]) if entry.kind == LINEAR else (1, *expected) if entry.kind == ROW else expected
+        raise ConfigError(
+            f"tensor {entry.marian} has shape {tuple(marian.shape)} but config.json says {shape}; the weights and "
+            "config.json are of different models"
+        )
+    return np.ascontiguousarray(array, dtype=np.float32)
+
+
+# -- configs -----------------------------------------------------------------------------------------------------
+
+# config.json keys of the BART-era MarianConfig that transformers' Marian no longer reads, with the only value
+# its code (and ours) implements: a checkpoint that sets another one was trained as another architecture.
+FIXED = {
+    "scale_embedding": True,
+    "normalize_before": False,
+    "normalize_embedding": False,
+    "add_final_layer_norm": False,
+    "static_position_embeddings": True,
+    "add_bias_logits": False,
+}
+
+
+def _one_id(hf: Mapping[str, Any], key: str) -> int:
+    value = hf.get(key)
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"config.json key {key}={value!r}: expected one token id")
+    return value
+
+
+def model_keys(hf: Mapping[str, Any], unk_id: int) -> dict[str, Any]:
+    """Our model.* keys (dotted) for a Marian config.json; ConfigError naming the first key we cannot represent.
+
+    `unk_id`: the id of <unk> in vocab.json (config.json does not hold it).
+    """
+    if hf.get("model_type") != MODEL_TYPE:
+        raise ConfigError(
+            f"config.json key model_type={hf.get('model_type')!r}: not a Marian model (expected {MODEL_TYPE!r})"
+        )
+    for key, value in FIXED.items():
+        if key in hf and hf[key] != value:
+            raise ConfigError(f"config.json key {key}={hf[key]!r}: only {value!r} is supported (Marian's own value)")
+    for a, b in (("encoder_attention_heads", "decoder_attention_heads"), ("encoder_ffn_dim", "decoder_ffn_dim")):
+        if hf.get(a) != hf.get(b):
+            raise ConfigError(f"config.json keys {a}={hf.get(a)!r} and {b}={hf.get(b)!r} differ; ours are one value")
+    activation = hf.get("activation_function")
+    if activation not in ACTIVATIONS:
+        raise ConfigError(
+            f"config.json key activation_function={activation!r} is not supported; supported: {sorted(ACTIVATIONS)}"
+        )
+    for key in ("d_model", "encoder_attention_heads", "encoder_ffn_dim", "vocab_size"):
+        if not isinstance(hf.get(key), int) or hf[key] < 1:
+            raise ConfigError(f"config.json key {key}={hf.get(key)!r}: expected a positive integer")
+    if hf["d_model"] % hf["encoder_attention_heads"] or hf["d_model"] % 2:
+        raise ConfigError(
+            f"config.json key d_model={hf['d_model']} must be even and divisible by encoder_attention_heads="
+            f"{hf['encoder_attention_heads']}"
+        )
+    shared = bool(hf.get("share_encoder_decoder_embeddings", True))
+    target_vocab = hf["vocab_size"] if shared else int(hf.get("decoder_vocab_size") or hf["vocab_size"])
+    pad_id, eos_id = _one_id(hf, "pad_token_id"), _one_id(hf, "eos_token_id")
+    bos_id = _one_id(hf, "decoder_start_token_id")
+    for key, value in (("pad_token_id", pad_id), ("eos_token_id", eos_id), ("decoder_start_token_id", bos_id)):
+        if not 0 <= value < target_vocab:
+            raise ConfigError(f"config.json key {key}={value} is outside the target vocabulary of {target_vocab}")
+    keys = {
+        "model.vocab_size": target_vocab,
+        "model.source_vocab_size": 0 if shared else hf["vocab_size"],
+        "model.d_model": hf["d_model"],
+        "model.num_heads": hf["encoder_attention_heads"],
+        "model.num_kv_heads": 0,
+        "model.qk_head_dim": 0,
+        "model.v_head_dim": 0,
+        "model.d_ff": hf["encoder_ffn_dim"],
+        "model.num_encoder_layers": int(hf.get("encoder_layers", 0)),
+        "model.num_decoder_layers": int(hf.get("decoder_layers", 0)),
+        "model.dropout_rate": float(hf.get("dropout", 0.1)),
+        "model.attention_dropout_rate": float(hf.get("attention_dropout", 0.0)),
+        "model.ffn_dropout_rate": float(hf.get("activation_dropout", 0.0)),
+        "model.activation": ACTIVATIONS[activation],
+        "model.norm": "layernorm",
+        "model.norm_position": "post",
+        "model.norm_epsilon": NORM_EPSILON,
+        "model.positional": "sinusoidal",
+        "model.sinusoid_layout": "concatenated",
+        "model.max_len": int(hf.get("max_position_embeddings", 1024)),
+        "model.share_embeddings": shared,
+        "model.tie_output": bool(hf.get("tie_word_embeddings", True)),
+        "model.final_logits_bias": True,
+        "model.pad_id": pad_id,
+        "model.eos_id": eos_id,
+        "model.bos_id": bos_id,
+        "model.unk_id": unk_id,
+    }
+    return keys
+
+
+def eval_keys(generation: Mapping[str, Any]) -> dict[str, Any]:
+    """config.eval keys from generation_config.json (num_beams, max_length, length_penalty)."""
+    keys = {}
+    if generation.get("num_beams") is not None:
+        keys["eval.beam_size"] = int(generation["num_beams"])
+    if generation.get("max_length") is not None:
+        keys["eval.max_len"] = int(generation["max_length"])
+    if generation.get("length_penalty") is not None:
+        # generate() divides a beam's log-probability by length ** length_penalty: our `average` penalty
+        # (evaluate.py --length_penalty average) with alpha = length_penalty.
+        keys["eval.alpha"] = float(generation["length_penalty"])
+    return keys
+
+
+def unsupported(config: Any) -> list[str]:
+    """What a config of ours has that Marian cannot represent: one reason per key (empty: it exports)."""
+    m, d_head = config.model, config.model.d_model // config.model.num_heads
+    checks = (
+        (m.norm_position != "post", f"model.norm_position={m.norm_position!r} (Marian is post-LN)"),
+        (m.norm != "layernorm", f"model.norm={m.norm!r} (Marian has LayerNorm)"),
+        (m.activation not in EXPORT_ACTIVATIONS, f"model.activation={m.activation!r} (Marian's FFN is not gated)"),
+        (m.num_kv_heads not in (0, m.num_heads), f"model.num_kv_heads={m.num_kv_heads} (grouped-query heads)"),
+        (m.qk_head_dim not in (0, d_head), f"model.qk_head_dim={m.qk_head_dim} (Marian's heads are d_model/h)"),
+        (m.v_head_dim not in (0, d_head), f"model.v_head_dim={m.v_head_dim} (Marian's heads are d_model/h)"),
+        (m.positional != "sinusoidal", f"model.positional={m.positional!r} (Marian's positions are sinusoidal)"),
+        (not m.tie_output, "model.tie_output=False (the output layer must be the target embedding)"),
+        (config.attention.window != 0, f"attention.window={config.attention.window} (Marian attends everywhere)"),
+    )
+    return [reason for bad, reason in checks if bad]
+
+
+def check_exportable(config: Any) -> None:
+    """ConfigError naming every key of `config` that Marian cannot represent, or nothing."""
+    reasons = unsupported(config)
+    if reasons:
+        raise ConfigError("cannot export to Marian: " + "; ".join(reasons))
+
+
+def marian_config(config: Any) -> dict[str, Any]:
+    """config.json of MarianMTModel for a config of ours (check_exportable first)."""
+    m = config.model
+    shared = bool(m.share_embeddings)
+    source_vocab = m.source_vocab_size or m.vocab_size
+    return {
+        "architectures": ["MarianMTModel"],
+        "model_type": MODEL_TYPE,
+        "vocab_size": m.vocab_size if shared else source_vocab,
+        "decoder_vocab_size": m.vocab_size,
+        "share_encoder_decoder_embeddings": shared,
+        "tie_word_embeddings": True,
+        "d_model": m.d_model,
+        "encoder_layers": m.num_encoder_layers,
+        "decoder_layers": m.num_decoder_layers,
+        "encoder_attention_heads": m.num_heads,
+        "decoder_attention_heads": m.num_heads,
+        "encoder_ffn_dim": m.d_ff,
+        "decoder_ffn_dim": m.d_ff,
+        "activation_function": EXPORT_ACTIVATIONS[m.activation],
+        "dropout": m.dropout_rate,
+        "attention_dropout": m.attention_dropout_rate,
+        "activation_dropout": m.ffn_dropout_rate,
+        "max_position_embeddings": m.max_len,
+        "scale_embedding": True,
+        "pad_token_id": m.pad_id,
+        "eos_token_id": m.eos_id,
+        "forced_eos_token_id": m.eos_id,
+        "decoder_start_token_id": m.bos_id,
+        "is_encoder_decoder": True,
+    }
+
+
+def generation_config(config: Any) -> dict[str, Any]:
+    """generation_config.json: our evaluation's beam size, length cap and length penalty exponent, and the pad
+    id never generated (decoding.search never emits it either)."""
+    m, e = config.model, config.eval
+    generation = {
+        "decoder_start_token_id": m.bos_id,
+        "eos_token_id": m.eos_id,
+        "forced_eos_token_id": m.eos_id,
+        "pad_token_id": m.pad_id,
+        "bad_words_ids": [[m.pad_id]],
+        "num_beams": e.beam_size,
+        "length_penalty": e.alpha,
+    }
+    # generate() needs an absolute cap (its default is 20 tokens): eval.max_len, or every position the model has.
+    generation["max_length"] = e.max_len or m.max_len
+    return generation

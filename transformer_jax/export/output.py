@@ -1,0 +1,59 @@
+"""An export's output directory, for every format: refused if it exists (unless --force replaces an earlier export
+of the same format), written under a temporary sibling name and renamed into place whole."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from transformer_jax.errors import EvalError
+
+
+def check_output(output_dir: Path, force: bool, marker: str, what: str) -> None:
+    """EvalError unless `output_dir` may be written: it does not exist, or it is an earlier export and `force`.
+
+    --force replaces only a directory that holds `marker` (an earlier export of `what`), never a workdir or
+    anything else given by mistake.
+    """
+    if not output_dir.exists():
+        return
+    if not force:
+        raise EvalError(f"--output {output_dir} exists; choose another directory or pass --force to replace it")
+    if not (output_dir / marker).is_file():
+        raise EvalError(
+            f"--output {output_dir} exists and is not {what} (no {marker}); --force replaces only an earlier "
+            "export: choose another directory"
+        )
+
+
+def write_into_place(output_dir: Path, fill: Callable[[Path], None]) -> Path:
+    """Calls fill(tmp) on a new directory next to `output_dir` and renames it to `output_dir`; an existing one (an
+    earlier export, see check_output) is moved aside first and comes back if the new one cannot take its place.
+    An interrupted export leaves no half-written directory."""
+    parent = output_dir.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", suffix=".tmp", dir=parent))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would hide the model from a server running as another user
+        fill(tmp)
+        if not output_dir.exists():
+            os.replace(tmp, output_dir)
+        else:  # --force
+            old = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", suffix=".old", dir=parent))
+            os.replace(output_dir, old / output_dir.name)
+            try:
+                os.replace(tmp, output_dir)
+            except BaseException:
+                os.replace(old / output_dir.name, output_dir)
+                raise
+            finally:
+                shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return output_dir
