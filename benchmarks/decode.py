@@ -128,6 +128,7 @@ def side_by_side(workdir: str) -> None:
             settings = DecodeSettings(
                 decoding.search_for(beam_size, _ALPHA.value, _LENGTH_PENALTY.value, finished),
                 max_extra_len=config.eval.max_extra_len,
+                max_len=config.eval.max_len,
                 batch_size=_BATCH_SIZE.value,
                 max_input_len=config.data.eval_max_len,
             )
@@ -173,6 +174,7 @@ def modes_side_by_side(workdir: str, modes: list[str]) -> None:
     from transformer_jax.evaluation.scoring import score_pairs
     from transformer_jax.evaluation.translate import (
         input_limit,
+        output_cap,
         output_limit,
         position_limit,
         source_ids,
@@ -188,9 +190,12 @@ def modes_side_by_side(workdir: str, modes: list[str]) -> None:
     limit = position_limit(model.spec)
     max_input_len = input_limit(config.data.eval_max_len, limit)
     ids = [source_ids(tokenizer, s, max_input_len)[0] for s in sources if s.strip()]
-    longest = max(output_limit(len(x), config.eval.max_extra_len, limit) for x in ids)
+    longest = max(output_limit(len(x), config.eval.max_extra_len, output_cap(config.eval.max_len, limit)) for x in ids)
     common = dict(
-        max_extra_len=config.eval.max_extra_len, batch_size=_BATCH_SIZE.value, max_input_len=config.data.eval_max_len
+        max_extra_len=config.eval.max_extra_len,
+        max_len=config.eval.max_len,
+        batch_size=_BATCH_SIZE.value,
+        max_input_len=config.data.eval_max_len,
     )
     with tempfile.TemporaryDirectory() as tmp:
         translator = ctranslate2.Translator(

@@ -29,7 +29,7 @@ from pathlib import Path
 from transformer_jax.evaluation import bleu
 from transformer_jax.evaluation.inputs import split_pairs
 from transformer_jax.evaluation.restore import Restorer, restore_model
-from transformer_jax.evaluation.translate import input_limit, output_limit, position_limit, source_ids
+from transformer_jax.evaluation.translate import input_limit, output_cap, output_limit, position_limit, source_ids
 from transformer_jax.export.ctranslate2 import to_ctranslate2
 
 REPO = Path(__file__).resolve().parent.parent
@@ -88,10 +88,10 @@ def evaluate_vs_ctranslate2(
     sources, references, name = split_pairs(config, split)
     limit = position_limit(model.spec)
     max_input = input_limit(config.data.eval_max_len, limit)
-    limits = []
+    limits, cap = [], output_cap(config.eval.max_len, limit)
     for sentence in sources:
         ids, _ = source_ids(tokenizer, sentence, max_input)
-        limits.append(0 if ids is None else output_limit(len(ids), config.eval.max_extra_len, limit))
+        limits.append(0 if ids is None else output_limit(len(ids), config.eval.max_extra_len, cap))
     reports = []
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)

@@ -66,6 +66,9 @@ def _saved_before_pad_id_was_removed(pad_id: int) -> ml_collections.ConfigDict:
 
     saved = common.base_config("tiny").to_dict()
     del saved["model"]["fused_backward"]  # did not exist yet
+    for name in migrations.ADDED_KEYS:  # nor did these
+        group, _, leaf = name.partition(".")
+        del saved[group][leaf]
     saved["model"]["pad_id"] = pad_id
     return ml_collections.ConfigDict(json.loads(json.dumps(saved)))
 
@@ -79,8 +82,24 @@ def test_configs_saved_with_model_pad_id_still_build_the_same_model():
     new = common.base_config("tiny")
     new.model.fused_backward = "on"
     assert spec == TransformerSpec.from_config(new)
+    assert old.eval.max_len == 0  # and the evaluation settings too: no absolute cap on outputs, as then
     with pytest.raises(ConfigError, match="model.pad_id: padding is always token id 0"):
         migrations.upgrade_config(_saved_before_pad_id_was_removed(5))
+
+
+def test_configs_saved_before_the_marian_keys_build_the_same_model():
+    """A checkpoint's config without model.final_logits_bias, model.sinusoid_layout and eval.max_len (every one
+    written before them) restores as the model it was trained as: no bias, interleaved positions, no output cap."""
+    from configs import common
+
+    saved = common.base_config("tiny").to_dict()
+    for name in ("model.final_logits_bias", "model.sinusoid_layout", "eval.max_len"):
+        group, _, leaf = name.partition(".")
+        del saved[group][leaf]
+    old = migrations.upgrade_config(ml_collections.ConfigDict(json.loads(json.dumps(saved))))
+    assert TransformerSpec.from_config(old) == TransformerSpec.from_config(common.base_config("tiny"))
+    assert old.eval.max_len == 0
+    assert migrations.upgrade_config(old).to_dict() == old.to_dict()  # today's keys: unchanged
 
 
 def test_a_new_config_without_a_model_key_fails():

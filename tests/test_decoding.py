@@ -30,7 +30,7 @@ from transformer_jax import decoding
 from transformer_jax.decoding import calls, refill
 from transformer_jax.decoding.search import TOP_K_BLOCK
 from transformer_jax.decoding.search import top_k as blockwise_top_k
-from transformer_jax.evaluation.translate import DecodeSettings, translate
+from transformer_jax.evaluation.translate import DecodeSettings, output_cap, output_limit, translate, translate_nbest
 from transformer_jax.model import unpacked_segment_ids
 
 
@@ -351,13 +351,37 @@ class CharTokenizer:
         return "".join(chr(ord("a") + (i - 4) % 26) for i in ids)
 
 
+def test_output_cap_is_eval_max_len_and_the_position_table_whichever_is_smaller():
+    assert output_cap(0, None) is None  # eval.max_len 0: no cap
+    assert output_cap(12, None) == 12 and output_cap(12, 8) == 8 and output_cap(0, 8) == 8 and output_cap(6, 8) == 6
+    assert output_limit(5, 50, output_cap(12, None)) == 12  # the absolute cap below source + max_extra_len
+    assert output_limit(5, 3, output_cap(12, None)) == 8  # the relative one below the cap
+    assert output_limit(5, 3, None) == 8
+
+
+def test_translate_stops_outputs_at_eval_max_len():
+    """eval.max_len caps every output (EOS included) whatever its source's length, and shrinks the batch's slots."""
+    model, tok = shared_model(), CharTokenizer()
+    sentences = ["hello world", "the cat sat on the mat", "a"]
+    settings = DecodeSettings(decoding.Greedy(alpha=0.6), max_extra_len=5, max_len=0, batch_size=4, max_input_len=32)
+    free, free_stats = translate_nbest(model, tok, sentences, settings, nbest=1)
+    capped, stats = translate_nbest(model, tok, sentences, dataclasses.replace(settings, max_len=4), nbest=1)
+    assert max(h[0].length for h in free) > 4  # a random model runs to its limit: the cap has work to do
+    assert all(h[0].length <= 4 for h in capped)
+    assert {output for _, output in stats["shapes"]} == {4}
+    for f, c in zip(free, capped, strict=True):  # greedy: the capped output is the free one's first tokens
+        assert f[0].text.startswith(c[0].text)
+
+
 def test_translate_keeps_order_empty_lines_and_is_independent_of_batching(monkeypatch):
     # Batches under 2 MIN_ROWS sentences have little to gain from refilling: they run one-jit batches.
     monkeypatch.setattr(refill, "refilling_search", lambda *a, **k: pytest.fail("refilled a small batch"))
     batches = record_calls(monkeypatch, "search_batch", lambda graph, params, src, *a, **k: src.shape)
     model, tok = shared_model(), CharTokenizer()
     sentences = ["hello world", "", "a", "x" * 40, "   ", "the cat sat on the mat", "b c"]
-    settings = DecodeSettings(decoding.Beam(alpha=0.6, beam_size=2), max_extra_len=5, batch_size=4, max_input_len=16)
+    settings = DecodeSettings(
+        decoding.Beam(alpha=0.6, beam_size=2), max_extra_len=5, max_len=0, batch_size=4, max_input_len=16
+    )
     outputs, stats = translate(model, tok, sentences, settings)
     assert len(outputs) == len(sentences)
     assert outputs[1] == "" and outputs[4] == ""

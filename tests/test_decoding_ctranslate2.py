@@ -63,7 +63,7 @@ def test_greedy_with_a_target_prefix_equals_target_prefix(setup):
     model, tokenizer, translator, pieces, sources, targets = setup
     prefixes = [" ".join(t.split()[: i % 3]) for i, t in enumerate(targets)]  # 0, 1 or 2 words of the reference
     settings = DecodeSettings(
-        decoding.Greedy(alpha=0.0), max_extra_len=MAX_EXTRA_LEN, batch_size=8, max_input_len=MAX_INPUT_LEN
+        decoding.Greedy(alpha=0.0), max_extra_len=MAX_EXTRA_LEN, max_len=0, batch_size=8, max_input_len=MAX_INPUT_LEN
     )
     ours, _ = translate_nbest(model, tokenizer, sources, settings, nbest=1, prefixes=prefixes)
     ids, limits = _limits(tokenizer, sources)
@@ -88,7 +88,7 @@ def test_greedy_with_a_target_prefix_equals_target_prefix(setup):
 def _our_nbest(model, tokenizer, sources, nbest: int, alpha: float, finished: str):
     """Our nbest best of beam 4 with the `average` penalty (CTranslate2's length_penalty formula)."""
     search = decoding.search_for(4, alpha, "average", finished)
-    settings = DecodeSettings(search, max_extra_len=MAX_EXTRA_LEN, batch_size=8, max_input_len=MAX_INPUT_LEN)
+    settings = DecodeSettings(search, max_extra_len=MAX_EXTRA_LEN, max_len=0, batch_size=8, max_input_len=MAX_INPUT_LEN)
     lists, _ = translate_nbest(model, tokenizer, sources, settings, nbest=nbest)
     return lists
 

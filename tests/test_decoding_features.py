@@ -245,7 +245,9 @@ def test_set_aside_through_the_scheduler_equals_its_one_jit_search(penalty, alph
 def test_translate_nbest_gives_n_entries_per_line_best_first_and_refuses_n_over_beam():
     model, tok = shared_model(), CharTokenizer()
     sentences = ["hello world", "", "a", "the cat sat", "b c"]
-    settings = DecodeSettings(decoding.Beam(alpha=0.6, beam_size=3), max_extra_len=5, batch_size=4, max_input_len=16)
+    settings = DecodeSettings(
+        decoding.Beam(alpha=0.6, beam_size=3), max_extra_len=5, max_len=0, batch_size=4, max_input_len=16
+    )
     lists, stats = translate_nbest(model, tok, sentences, settings, nbest=3)
     best, _ = translate(model, tok, sentences, settings)
     assert [len(x) for x in lists] == [3] * len(sentences)
@@ -312,7 +314,7 @@ def test_finished_set_aside_writes_that_searchs_nbest_lists(tmp_path):
     for finished in decoding.FINISHED_RULES:
         search = decoding.search_for(2, 1.0, "average", finished)
         settings = DecodeSettings(
-            search, max_extra_len=5, batch_size=4, max_input_len=checkpoint.config.data.eval_max_len
+            search, max_extra_len=5, max_len=0, batch_size=4, max_input_len=checkpoint.config.data.eval_max_len
         )
         lists, _ = translate_nbest(model, CharTokenizer(), lines, settings, nbest=2)
         searched[finished] = [(i, h.text) for i, x in enumerate(lists) for h in x]

@@ -193,6 +193,7 @@ def test_translate_a_file_one_output_per_input_line_and_report(tmp_path, capsys)
         "beam_size": 2,
         "alpha": 0.0,
         "max_extra_len": 5,
+        "max_len": 0,
         "batch_size": 4,
         "max_input_len": 256,
     }

@@ -113,7 +113,7 @@ def test_every_intermediate_is_the_models_own_tensor(run, beam):
     # Embedding × √d_model, + PE: from the embedding table and the model's sinusoidal_encoding.
     scaled = model.src_embed.table_VD[...][src[0]] * np.sqrt(d)
     close(x.sown["src_scaled_embedding"], scaled)
-    pe = sinusoidal_encoding(jnp.arange(S)[None], d)[0]
+    pe = sinusoidal_encoding(jnp.arange(S)[None], d, model.spec.sinusoid_layout)[0]
     close(x.sown["src_embedding_plus_positions"], scaled + pe)
     # Q, K, V of encoder layer 0: its projections of the embedded input (post-LN: the layer's input).
     attn = model.encoder_layers[0].self_attn

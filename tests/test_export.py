@@ -40,7 +40,7 @@ from transformer_jax.export import ctranslate2 as export_lib  # noqa: E402 - nee
 
 VOCAB = 320  # byte fallback reserves 256 ids, plus the corpus' characters (as helpers.training.tiny_train_config)
 # Greedy, outputs of at most source + 5 tokens, sources cut at 16 tokens: small, and every rule is exercised.
-SETTINGS = DecodeSettings(decoding.Greedy(alpha=0.6), max_extra_len=5, batch_size=8, max_input_len=16)
+SETTINGS = DecodeSettings(decoding.Greedy(alpha=0.6), max_extra_len=5, max_len=0, batch_size=8, max_input_len=16)
 LONG_LINE = " ".join(["the red dog runs in the green park"] * 4)  # > 16 tokens
 
 

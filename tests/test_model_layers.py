@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from configs import common
-from transformer_jax.model import TransformerSpec
+from transformer_jax.model import Transformer, TransformerSpec
 from transformer_jax.model.layers import (
     Embedding,
     FeedForward,
@@ -26,22 +26,44 @@ def tiny_spec(**overrides) -> TransformerSpec:
     return TransformerSpec.from_config(config)
 
 
-def test_sinusoidal_encoding_matches_formula():
+@pytest.mark.parametrize("layout", ["interleaved", "concatenated"])
+def test_sinusoidal_encoding_matches_formula(layout):
+    """interleaved: PE[p, 2i] = sin, PE[p, 2i+1] = cos (paper 3.5); concatenated (Marian): PE[p, i] = sin,
+    PE[p, d/2 + i] = cos, both of the angle p / 10000^(2i/d)."""
     d_model, length = 16, 50
-    pe = np.asarray(sinusoidal_encoding(jnp.arange(length)[None], d_model)[0])
+    pe = np.asarray(sinusoidal_encoding(jnp.arange(length)[None], d_model, layout)[0])
     expected = np.zeros((length, d_model))
     for pos in range(length):
         for i in range(d_model // 2):
-            expected[pos, 2 * i] = np.sin(pos / 10000 ** (2 * i / d_model))
-            expected[pos, 2 * i + 1] = np.cos(pos / 10000 ** (2 * i / d_model))
+            angle = pos / 10000 ** (2 * i / d_model)
+            sin_col, cos_col = (2 * i, 2 * i + 1) if layout == "interleaved" else (i, d_model // 2 + i)
+            expected[pos, sin_col] = np.sin(angle)
+            expected[pos, cos_col] = np.cos(angle)
     np.testing.assert_allclose(pe, expected, atol=1e-5)
+
+
+def test_unknown_sinusoid_layout_is_refused():
+    with pytest.raises(ValueError, match="model.sinusoid_layout"):
+        sinusoidal_encoding(jnp.arange(4)[None], 8, "sideways")
+
+
+def test_the_model_adds_the_positions_of_its_layout():
+    """model.sinusoid_layout reaches the embedding: Embedding * sqrt(d) + PE of that layout."""
+    tokens = jnp.asarray([[5, 6, 7, 8]])
+    positions = jnp.arange(4)[None]
+    for layout in ("interleaved", "concatenated"):
+        model = Transformer(tiny_spec(sinusoid_layout=layout), rngs=nnx.Rngs(0))
+        model.eval()
+        scaled = model.src_embed(tokens)
+        expected = scaled + sinusoidal_encoding(positions, model.spec.d_model, layout)
+        np.testing.assert_allclose(model._embed(tokens, positions, target=False), expected, atol=1e-6)
 
 
 @pytest.mark.parametrize("k", [1, 3, 17])
 def test_sinusoidal_encoding_offset_is_a_fixed_linear_map(k):
     """For every offset k a matrix M_k, independent of pos, gives PE(pos + k) = M_k PE(pos) (paper 3.5)."""
     d_model = 32
-    pe = np.asarray(sinusoidal_encoding(jnp.arange(1100)[None], d_model)[0], np.float64)
+    pe = np.asarray(sinusoidal_encoding(jnp.arange(1100)[None], d_model, "interleaved")[0], np.float64)
     # M_k is built from k alone: the block-diagonal rotation given by the sin/cos addition formulas.
     freqs = 1.0 / 10000 ** (np.arange(0, d_model, 2) / d_model)
     m_k = np.zeros((d_model, d_model))
@@ -59,7 +81,7 @@ def test_sinusoidal_encoding_offset_is_a_fixed_linear_map(k):
 
 def test_sinusoidal_encoding_restarts_with_positions():
     positions = jnp.array([[0, 1, 2, 0, 1]])
-    pe = sinusoidal_encoding(positions, 8)
+    pe = sinusoidal_encoding(positions, 8, "concatenated")
     np.testing.assert_array_equal(pe[0, 3], pe[0, 0])
     np.testing.assert_array_equal(pe[0, 4], pe[0, 1])
 
@@ -96,7 +118,7 @@ def test_rms_norm_matches_formula():
     np.testing.assert_allclose(norm(jnp.asarray(x)), expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("activation", ["relu", "gelu", "swiglu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "swiglu", "swish"])
 def test_feed_forward_matches_formula(activation):
     spec = tiny_spec(activation=activation)
     ffn = FeedForward(spec, rngs=nnx.Rngs(0))
@@ -108,6 +130,9 @@ def test_feed_forward_matches_formula(activation):
         h = np.maximum(0, h)  # max(0, x W1 + b1) W2 + b2
     elif activation == "gelu":
         h = np.asarray(jax.nn.gelu(h))
+    elif activation == "swish":
+        h = h / (1 + np.exp(-h))  # SiLU(x W1 + b1) W2 + b2, not gated
+        assert ffn.w3 is None
     else:
         w3, b3 = np.asarray(ffn.w3.kernel[...]), np.asarray(ffn.w3.bias[...])
         h = h / (1 + np.exp(-h)) * (x @ w3 + b3)

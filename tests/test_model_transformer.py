@@ -119,6 +119,27 @@ def test_cached_decoding_equals_full_recompute(norm_position):
     np.testing.assert_array_equal(cache["index"], [tgt.shape[1]] * 2)  # each row's next slot
 
 
+def test_final_logits_bias_is_added_to_every_logit_the_model_makes():
+    """model.final_logits_bias: a float32 [V] parameter final_logits_bias_V, zeros at init (the model starts as
+    without it), added to the logits of teacher forcing and of cached decoding alike (both go through decode)."""
+    plain, biased = tiny_model(seed=3), tiny_model(seed=3, final_logits_bias=True)
+    assert plain.final_logits_bias_V is None
+    bias = biased.final_logits_bias_V
+    assert bias[...].shape == (biased.spec.vocab_size,) and bias[...].dtype == jnp.float32
+    assert not np.asarray(bias[...]).any()
+    src, tgt = random_tokens(0, (2, 5)), random_tokens(1, (2, 4))
+    np.testing.assert_array_equal(forward(biased, src, tgt), forward(plain, src, tgt))
+    bias[...] = jax.random.normal(jax.random.key(1), bias[...].shape)
+    expected = forward(plain, src, tgt) + bias[...]
+    np.testing.assert_allclose(forward(biased, src, tgt), expected, rtol=1e-6, atol=1e-6)
+    memory = call(biased, "encode", src)
+    cache = call(biased, "init_cache", memory, None, max_len=4, src_tokens=src)
+    step, _ = call(biased, "decode", None, tgt[:, :1], cache=cache)
+    np.testing.assert_allclose(step[:, 0], expected[:, 0], rtol=1e-5, atol=1e-5)
+    grads = nnx.grad(lambda m: m(src, tgt)[..., 7].sum())(biased)
+    assert float(grads.final_logits_bias_V[...][7]) == src.shape[0] * tgt.shape[1]  # it is trained
+
+
 def test_decode_masks_source_padding_without_explicit_segment_ids():
     """decode derives the source's segment ids from its tokens as encode does, instead of reading padding as real."""
     model = tiny_model()
@@ -248,6 +269,7 @@ def test_parameter_count_equals_hand_derivation(size, expected_millions):
         ("norm", "batchnorm", "model.norm: unknown value"),
         ("norm_position", "middle", "model.norm_position"),
         ("positional", "rotary", "model.positional"),
+        ("sinusoid_layout", "shuffled", "model.sinusoid_layout: unknown value 'shuffled'"),
         ("dropout_rate", -0.1, r"model.dropout_rate: must be in \[0, 1\)"),
         ("num_kv_heads", 3, "model.num_kv_heads"),
         ("dtype", "float8", "model.dtype"),

@@ -171,7 +171,7 @@ def test_translate_draws_num_samples_per_line_reproducibly(tmp_path):
 
     def settings(seed: int) -> DecodeSettings:
         search = decoding.search_for(1, 0.6, sampling=sampling, seed=seed)
-        return DecodeSettings(search, max_extra_len=5, batch_size=4, max_input_len=16)
+        return DecodeSettings(search, max_extra_len=5, max_len=0, batch_size=4, max_input_len=16)
 
     a, _ = translate_nbest(model, tok, lines, settings(5), nbest=3)
     b, _ = translate_nbest(model, tok, lines, settings(5), nbest=3)

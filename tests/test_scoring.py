@@ -78,7 +78,9 @@ def test_the_score_of_a_searched_output_is_the_searchs_log_probability():
     """Teacher-forcing what beam search produced gives the log P the search accumulated (EOS included)."""
     model, tok = shared_model(), CharTokenizer()
     sources = [s for s in SOURCES if s][:4]
-    settings = DecodeSettings(decoding.Beam(alpha=0.6, beam_size=2), max_extra_len=5, batch_size=4, max_input_len=64)
+    settings = DecodeSettings(
+        decoding.Beam(alpha=0.6, beam_size=2), max_extra_len=5, max_len=0, batch_size=4, max_input_len=64
+    )
     lists, _ = translate_nbest(model, tok, sources, settings, nbest=2)
     ended = [(s, h) for s, x in zip(sources, lists, strict=True) for h in x if len(h.text) + 1 == h.length]
     assert ended, "some hypotheses must end with EOS"

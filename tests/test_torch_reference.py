@@ -71,16 +71,22 @@ def test_the_comparison_passes_in_a_process_of_its_own():
     )
     if done.returncode == 0 and "1 skipped" in done.stdout:
         pytest.skip("torch is not installed: `pip install torch==2.13.0` (CPU build)")
-    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 MATCHES = "test_matches_torch_nn_transformer"
 
 
 @pytest.mark.skipif(not os.environ.get(OWN_PROCESS), reason="runs in a process of its own (the test above)")
-def test_matches_torch_nn_transformer():
-    model = tiny_model(seed=4, d_model=32, num_heads=4, d_ff=64, num_encoder_layers=2, num_decoder_layers=3)
+@pytest.mark.parametrize("marian", [False, True], ids=["paper", "marian"])
+def test_matches_torch_nn_transformer(marian):
+    """The paper's model, and Marian's variant: swish FFN and a (random) final_logits_bias added to the logits."""
+    features = dict(activation="swish", final_logits_bias=True) if marian else {}
+    model = tiny_model(seed=4, d_model=32, num_heads=4, d_ff=64, num_encoder_layers=2, num_decoder_layers=3, **features)
     spec = model.spec
+    if marian:
+        bias = model.final_logits_bias_V
+        bias[...] = np.random.default_rng(5).normal(size=bias[...].shape).astype(np.float32)
     ref = torch.nn.Transformer(
         d_model=spec.d_model,
         nhead=spec.num_heads,
@@ -88,7 +94,7 @@ def test_matches_torch_nn_transformer():
         num_decoder_layers=spec.num_decoder_layers,
         dim_feedforward=spec.d_ff,
         dropout=0.0,
-        activation="relu",
+        activation=torch.nn.functional.silu if marian else "relu",
         layer_norm_eps=spec.norm_epsilon,
         batch_first=True,
         norm_first=False,
@@ -126,6 +132,8 @@ def test_matches_torch_nn_transformer():
         causal = torch.nn.Transformer.generate_square_subsequent_mask(6)
         out_ref = ref.decoder(y, memory_ref, tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=pad_mask)
         logits_ref = out_ref @ _t(model.src_embed.table_VD[...]).T
+        if marian:
+            logits_ref = logits_ref + _t(model.final_logits_bias_V[...])
 
     memory = call(model, "encode", src)
     logits = call(model, "decode", memory, tgt, src_segment_ids=jnp.asarray(src_real, jnp.int32))

@@ -52,10 +52,11 @@ SIZES = {
 
 # Choice sets of string-valued keys whose implementation has no registry of its own; the modules that dispatch on
 # them import these (model/spec.py, training/optim.py).
-ACTIVATIONS = ("relu", "gelu", "swiglu")
+ACTIVATIONS = ("relu", "gelu", "swiglu", "swish")
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("post", "pre")
 POSITIONALS = ("sinusoidal", "learned", "none")
+SINUSOID_LAYOUTS = ("interleaved", "concatenated")
 DTYPES = ("float32", "bfloat16", "float16")
 FUSED_BACKWARD = ("auto", "on", "off")
 SCHEDULES = ("paper", "rsqrt", "cosine", "constant")
@@ -254,7 +255,7 @@ KEYS: tuple[Key, ...] = (
         "model.activation",
         "relu",
         choice(ACTIVATIONS),
-        "FFN activation: relu (paper), gelu, swiglu",
+        "FFN activation: relu (paper), gelu, swiglu (gated), swish (SiLU, not gated: Marian's)",
         MATCH,
         architecture=True,
     ),
@@ -273,6 +274,15 @@ KEYS: tuple[Key, ...] = (
         "sinusoidal",
         choice(POSITIONALS),
         "positional encoding: sinusoidal (paper), learned, none",
+        MATCH,
+        architecture=True,
+    ),
+    Key(
+        "model.sinusoid_layout",
+        "interleaved",
+        choice(SINUSOID_LAYOUTS),
+        "columns of the sinusoidal table: interleaved (paper: PE[p, 2i] = sin, PE[p, 2i+1] = cos) or concatenated"
+        " (Marian, fairseq: the sines in the first d_model/2 columns, the cosines in the last)",
         MATCH,
         architecture=True,
     ),
@@ -297,6 +307,14 @@ KEYS: tuple[Key, ...] = (
         True,
         FLAG,
         "the output softmax reuses the target embedding matrix (paper 3.4)",
+        MATCH,
+        architecture=True,
+    ),
+    Key(
+        "model.final_logits_bias",
+        False,
+        FLAG,
+        "a learned float32 bias [vocab_size] added to the output logits (Marian's); zeros at init",
         MATCH,
         architecture=True,
     ),
@@ -521,6 +539,14 @@ KEYS: tuple[Key, ...] = (
         50,
         count(1),
         "tokens beyond the input length: the maximum output length (paper)",
+        MAY_CHANGE,
+    ),
+    Key(
+        "eval.max_len",
+        0,
+        count(0),
+        "most output tokens, EOS included, whatever the input length (beside eval.max_extra_len, the smaller"
+        " applies); 0 = no cap",
         MAY_CHANGE,
     ),
     Key(

@@ -507,6 +507,7 @@ def decoding_settings(options: Decoding, config) -> DecodeSettings:
     return DecodeSettings(
         search=search,
         max_extra_len=settings["max_extra_len"],
+        max_len=config.eval.max_len,
         batch_size=settings["batch_size"],
         max_input_len=config.data.eval_max_len,
     )

@@ -55,18 +55,26 @@ def input_limit(max_input_len: int, position_limit: int | None) -> int:
     return max_input_len if position_limit is None else min(max_input_len, position_limit)
 
 
-def output_limit(source_len: int, max_extra_len: int, position_limit: int | None) -> int:
-    """The most tokens an output may have, EOS included: source tokens (EOS included) + max_extra_len, and no more
-    than a learned position table has rows (`position_limit`; None for sinusoidal positions)."""
+def output_cap(max_len: int, position_limit: int | None) -> int | None:
+    """The most tokens any output may have, EOS included, whatever its source: eval.max_len (0 = no cap) and no more
+    than a learned position table has rows (`position_limit`); None = no cap."""
+    caps = [cap for cap in (max_len, position_limit) if cap]
+    return min(caps) if caps else None
+
+
+def output_limit(source_len: int, max_extra_len: int, cap: int | None) -> int:
+    """The most tokens an output may have, EOS included: source tokens (EOS included) + max_extra_len
+    (eval.max_extra_len), and no more than `cap` (output_cap; None: no cap)."""
     limit = source_len + max_extra_len
-    return limit if position_limit is None else min(limit, position_limit)
+    return limit if cap is None else min(limit, cap)
 
 
-def batch_shape(longest: int, max_input_len: int, max_extra_len: int, position_limit: int | None) -> tuple[int, int]:
+def batch_shape(longest: int, max_input_len: int, max_extra_len: int, cap: int | None) -> tuple[int, int]:
     """A batch's padded source length (a few lengths that double, to bound compilations) and its most output slots,
-    given its longest source (EOS included) and the limits as input_limit and output_limit take them."""
+    given its longest source (EOS included), max_input_len as input_limit gives it and the output limits as
+    output_limit takes them."""
     src_len = padded_eval_length(longest, max_input_len)
-    return src_len, output_limit(src_len, max_extra_len, position_limit)
+    return src_len, output_limit(src_len, max_extra_len, cap)
 
 
 class Hypothesis(NamedTuple):
@@ -105,6 +113,7 @@ class DecodeSettings:
 
     search: decoding.Search
     max_extra_len: int  # output tokens beyond the source's (EOS included): output_limit
+    max_len: int  # output tokens at most, EOS included, whatever the source (0 = no cap): output_cap
     batch_size: int  # sentences decoded together
     max_input_len: int  # source tokens kept, EOS included: input_limit
 
@@ -114,6 +123,7 @@ class DecodeSettings:
             "beam_size": self.search.beam_size,
             "alpha": self.search.alpha,
             "max_extra_len": self.max_extra_len,
+            "max_len": self.max_len,
             "batch_size": self.batch_size,
             "max_input_len": self.max_input_len,
         }
@@ -147,7 +157,8 @@ def translate_nbest(
 
     Sources are the tokenizer's ids then EOS (as in training); a source with more than max_input_len tokens is cut
     to max_input_len - 1 ids + EOS and counted. An empty (or blank) line gives empty outputs (EMPTY) without
-    decoding. Each output has at most (source tokens + max_extra_len) tokens, EOS included. Hypotheses are ranked by
+    decoding. Each output has at most (source tokens + max_extra_len) tokens, EOS included, and at most max_len
+    (output_cap). Hypotheses are ranked by
     log P / lp (decoding.length_penalty with the search's penalty and alpha). The list is what the search gives for
     nbest (decoding.Search.nbest: a beam search's nbest <= beam_size best, the full search's first nbest for
     decoding.Beam, CTranslate2's for decoding.SetAside; greedy search: nbest 1), or nbest decodes of the line when
@@ -166,7 +177,7 @@ def translate_nbest(
     start = time.perf_counter()
     limit = position_limit(model.spec)
     max_input_len = input_limit(settings.max_input_len, limit)
-    max_extra_len = settings.max_extra_len
+    max_extra_len, cap = settings.max_extra_len, output_cap(settings.max_len, limit)
 
     outputs = [[EMPTY] * nbest for _ in sentences]
     sources: dict[int, list[int]] = {}
@@ -190,7 +201,7 @@ def translate_nbest(
     }
 
     def shape(longest: int) -> tuple[int, int]:
-        found = batch_shape(longest, max_input_len, max_extra_len, limit)
+        found = batch_shape(longest, max_input_len, max_extra_len, cap)
         stats["shapes"].add(found)
         return found
 
@@ -200,7 +211,7 @@ def translate_nbest(
     row_inputs = search.row_inputs(np.array(lines, np.int64), np.tile(np.arange(copies), len(sources)))
     found = decoding.searcher(model).sentences(
         [sources[i] for i in lines],
-        [output_limit(len(sources[i]), max_extra_len, limit) for i in lines],
+        [output_limit(len(sources[i]), max_extra_len, cap) for i in lines],
         search,
         batch_size=settings.batch_size,
         shape=shape,

@@ -22,6 +22,7 @@ def decoding_settings(config: ml_collections.ConfigDict) -> DecodeSettings:
     return DecodeSettings(
         search=decoding.search_for(config.eval.beam_size, config.eval.alpha),
         max_extra_len=config.eval.max_extra_len,
+        max_len=config.eval.max_len,
         batch_size=config.eval.batch_size,
         max_input_len=config.data.eval_max_len,
     )

@@ -29,6 +29,7 @@ from transformer_jax.evaluation.restore import Restorer, restore_model
 from transformer_jax.evaluation.translate import (
     DecodeSettings,
     input_limit,
+    output_cap,
     output_limit,
     position_limit,
     source_ids,
@@ -114,9 +115,10 @@ def beam_steps(model: Any, src_ids: list[int], settings: DecodeSettings, piece: 
     """
     positions = position_limit(model.spec)
     src_len = padded_eval_length(len(src_ids), input_limit(settings.max_input_len, positions))
-    max_steps = output_limit(src_len, settings.max_extra_len, positions)
+    cap = output_cap(settings.max_len, positions)
+    max_steps = output_limit(src_len, settings.max_extra_len, cap)
     src_BS = decoding.source_batch([src_ids], settings.batch_size, src_len)
-    sentence_limit = output_limit(len(src_ids), settings.max_extra_len, positions)
+    sentence_limit = output_limit(len(src_ids), settings.max_extra_len, cap)
     search = decoding.searcher(model)
 
     def run(t: int) -> decoding.BeamResult:

@@ -44,8 +44,9 @@ def rotation(pe_k_D: np.ndarray) -> np.ndarray:
 
 
 def positional_table(length: int, d_model: int) -> np.ndarray:
-    """PE [P, D] for positions 0..length-1, from the model's own sinusoidal_encoding."""
-    return np.asarray(sinusoidal_encoding(jnp.arange(length)[None], d_model)[0], np.float64)
+    """PE [P, D] for positions 0..length-1, from the model's own sinusoidal_encoding, in the paper's interleaved
+    layout that `rotation` reads (model.sinusoid_layout=concatenated permutes the same columns: the check holds)."""
+    return np.asarray(sinusoidal_encoding(jnp.arange(length)[None], d_model, "interleaved")[0], np.float64)
 
 
 def position_check(length: int, d_model: int) -> PositionCheck:

@@ -37,7 +37,7 @@ from transformer_jax.data.tokenizer import MODEL_FILENAME
 from transformer_jax.errors import ConfigError, EvalError
 from transformer_jax.evaluation.options import Model, check_folder_writable, check_model
 from transformer_jax.evaluation.restore import Restorer, restore_model
-from transformer_jax.evaluation.translate import DecodeSettings, input_limit, output_limit, source_ids
+from transformer_jax.evaluation.translate import DecodeSettings, input_limit, output_cap, output_limit, source_ids
 from transformer_jax.export import output
 from transformer_jax.model.layers import sinusoidal_encoding
 from transformer_jax.model.spec import TransformerSpec
@@ -85,7 +85,7 @@ def position_table(model: Any, max_positions: int, target: bool) -> np.ndarray:
     if spec.positional == "none":
         return np.zeros((max_positions, spec.d_model), np.float32)
     positions_1P = jnp.arange(max_positions, dtype=jnp.int32)[None]
-    return np.asarray(sinusoidal_encoding(positions_1P, spec.d_model)[0], np.float32)
+    return np.asarray(sinusoidal_encoding(positions_1P, spec.d_model, spec.sinusoid_layout)[0], np.float32)
 
 
 def _array(param: Any) -> np.ndarray:
@@ -300,7 +300,8 @@ def ctranslate2_translate(
         if cut:
             truncated_lines.append(i + 1)
     rows = sorted(sources)
-    limits = [output_limit(len(sources[i]), max_extra_len, position_limit) for i in rows]
+    cap = output_cap(settings.max_len, position_limit)
+    limits = [output_limit(len(sources[i]), max_extra_len, cap) for i in rows]
     ids = translate_ids(
         translator, pieces, [sources[i] for i in rows], limits, beam_size=beam_size, alpha=alpha, batch_size=batch_size
     )
@@ -378,5 +379,9 @@ def export_workdir(
         "workdir": str(workdir),
         "checkpoint_steps": steps,
         "max_positions": model.spec.max_len if model.spec.positional == "learned" else max_positions,
-        "eval": {"max_extra_len": config.eval.max_extra_len, "eval_max_len": config.data.eval_max_len},
+        "eval": {
+            "max_extra_len": config.eval.max_extra_len,
+            "max_len": config.eval.max_len,
+            "eval_max_len": config.data.eval_max_len,
+        },
     }

@@ -142,16 +142,22 @@ def _tied_logits_bwd(residuals, d_logits_BTV):
 tied_logits.defvjp(_tied_logits_fwd, _tied_logits_bwd)
 
 
-def sinusoidal_encoding(positions_BT: Array, d_model: int) -> Array:
+def sinusoidal_encoding(positions_BT: Array, d_model: int, layout: str) -> Array:
     """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)) (paper 3.5).
 
-    Computed from explicit positions so that packed sequences restart at 0. Returns float32 [B, T, D].
+    layout (model.sinusoid_layout): "interleaved" indexes the columns as the formula does; "concatenated" (Marian,
+    fairseq) holds the same frequencies as PE(pos, i) = sin, PE(pos, d_model/2 + i) = cos. Computed from explicit
+    positions so that packed sequences restart at 0. Returns float32 [B, T, D].
     """
     if d_model % 2:
         raise ValueError(f"sinusoidal positional encoding needs an even model.d_model, got {d_model}")
+    if layout not in ("interleaved", "concatenated"):
+        raise ValueError(f"unknown model.sinusoid_layout {layout!r}")
     two_i = jnp.arange(0, d_model, 2, dtype=jnp.float32)  # 2i for i = 0 .. d_model/2 - 1
     inv_freq_Z = 1.0 / (10000.0 ** (two_i / d_model))
     angles_BTZ = positions_BT.astype(jnp.float32)[..., None] * inv_freq_Z
+    if layout == "concatenated":
+        return jnp.concatenate([jnp.sin(angles_BTZ), jnp.cos(angles_BTZ)], axis=-1)
     # Interleave so that even features are sines and odd features cosines, exactly as the formula indexes them.
     pe_BTZ2 = jnp.stack([jnp.sin(angles_BTZ), jnp.cos(angles_BTZ)], axis=-1)
     return pe_BTZ2.reshape(*positions_BT.shape, d_model)
@@ -205,7 +211,8 @@ def make_norm(spec: TransformerSpec) -> LayerNorm | RMSNorm:
 
 
 class FeedForward(nnx.Module):
-    """FFN(x) = max(0, x W1 + b1) W2 + b2 (paper 3.3); GELU, or SwiGLU (Swish(x W1) * (x W3)) W2 as options."""
+    """FFN(x) = max(0, x W1 + b1) W2 + b2 (paper 3.3); GELU, Swish (SiLU(x W1 + b1) W2 + b2, Marian's), or SwiGLU
+    (Swish(x W1) * (x W3)) W2 as options."""
 
     def __init__(self, spec: TransformerSpec, *, rngs: nnx.Rngs):
         self.activation = spec.activation
@@ -221,6 +228,8 @@ class FeedForward(nnx.Module):
             h_BTF = jax.nn.relu(h_BTF)
         elif self.activation == "gelu":
             h_BTF = jax.nn.gelu(h_BTF)
+        elif self.activation == "swish":
+            h_BTF = jax.nn.silu(h_BTF)
         else:
             h_BTF = jax.nn.silu(h_BTF) * self.w3(x_BTD)
         if self.capture_intermediates:

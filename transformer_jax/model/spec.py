@@ -56,9 +56,11 @@ class TransformerSpec:
     norm_position: str
     norm_epsilon: float
     positional: str
+    sinusoid_layout: str  # interleaved (paper) or concatenated (Marian): layers.sinusoidal_encoding
     max_len: int
     share_embeddings: bool
     tie_output: bool
+    final_logits_bias: bool  # Transformer.final_logits_bias_V added to the logits
     dtype: str
     fused_backward: str
     attention_impl: str

@@ -174,6 +174,10 @@ class Transformer(nnx.Module):
         self.src_embed = embedding()
         self.tgt_embed = None if spec.share_embeddings else embedding()
         self.output_proj = None if spec.tie_output else dense(spec.d_model, spec.vocab_size, spec, rngs, bias=False)
+        # Marian's final_logits_bias: float32 like every parameter, zeros so that a new model starts as without it.
+        self.final_logits_bias_V = (
+            nnx.Param(jnp.zeros((spec.vocab_size,), jnp.float32)) if spec.final_logits_bias else None
+        )
         if spec.positional == "learned":
             self.src_positions = LearnedPositions(spec.max_len, spec.d_model, rngs=rngs)
             self.tgt_positions = (
@@ -196,7 +200,8 @@ class Transformer(nnx.Module):
         x = embed(tokens_BT)
         scaled = x
         if self.spec.positional == "sinusoidal":
-            x = x + sinusoidal_encoding(positions_BT, self.spec.d_model).astype(x.dtype)
+            pe_BTD = sinusoidal_encoding(positions_BT, self.spec.d_model, self.spec.sinusoid_layout)
+            x = x + pe_BTD.astype(x.dtype)
         elif self.spec.positional == "learned":
             table = self.tgt_positions if target else self.src_positions
             x = x + table(positions_BT).astype(x.dtype)
@@ -218,11 +223,17 @@ class Transformer(nnx.Module):
         return segment_ids, positions
 
     def logits(self, y_BTD: Array) -> Array:
-        """The pre-softmax linear transformation, sharing the embedding matrix when tied (paper 3.4)."""
+        """The pre-softmax linear transformation, sharing the embedding matrix when tied (paper 3.4), in float32;
+        + final_logits_bias_V with model.final_logits_bias. Every consumer of logits (loss, search, scoring,
+        explain) reads them from `decode`, which calls this."""
         if self.output_proj is not None:
-            return self.output_proj(y_BTD).astype(jnp.float32)
-        embed = self.tgt_embed if self.tgt_embed is not None else self.src_embed
-        return embed.attend(y_BTD)
+            logits_BTV = self.output_proj(y_BTD).astype(jnp.float32)
+        else:
+            embed = self.tgt_embed if self.tgt_embed is not None else self.src_embed
+            logits_BTV = embed.attend(y_BTD)
+        if self.final_logits_bias_V is not None:
+            logits_BTV = logits_BTV + self.final_logits_bias_V[...]
+        return logits_BTV
 
     # -- public face ----------------------------------------------------------------------------------------------
 

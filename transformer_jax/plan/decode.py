@@ -21,7 +21,7 @@ import ml_collections
 
 from transformer_jax import decoding
 from transformer_jax.decoding.refill import batch_rows
-from transformer_jax.evaluation.translate import batch_shape, input_limit, position_limit
+from transformer_jax.evaluation.translate import batch_shape, input_limit, output_cap, position_limit
 from transformer_jax.evaluation.validation import decoding_settings
 from transformer_jax.plan.accelerators import Topology
 from transformer_jax.plan.train_step import (
@@ -64,7 +64,7 @@ def plan_decode(config: ml_collections.ConfigDict, topology: Topology, mesh_mode
         model = eval_model(graphs, jax.tree.map(place, abstract))
         limit = position_limit(model.spec)
         longest = input_limit(settings.max_input_len, limit)
-        src_len, max_steps = batch_shape(longest, longest, settings.max_extra_len, limit)
+        src_len, max_steps = batch_shape(longest, longest, settings.max_extra_len, output_cap(settings.max_len, limit))
         what = (
             f"validation's decoding (beam {search.beam_size}, {rows} sentences x {src_len} source tokens, "
             f"{max_steps} output slots, mesh={mesh_mode}) on {topology.name}"

@@ -7,6 +7,8 @@ Two migrations, each kept because checkpoints of those versions exist (tests/tes
 - Config: before `model.pad_id` was removed, the saved config held it (it could only ever be tokens.PAD_ID), and
   `model.fused_backward` did not exist (those versions ran the hand-written backward passes everywhere: 'on').
   `upgrade_config` rewrites such a saved config in today's keys; checkpoints.load_config applies it.
+- Config: keys added later (`ADDED_KEYS`) are missing from the configs saved before them; they get the value that
+  does what those versions did.
 """
 
 from __future__ import annotations
@@ -28,8 +30,27 @@ def state_keys(saved_keys: Iterable[str], fields: Sequence[str]) -> dict[str, An
     return {name: name for name in fields}
 
 
+# Keys added after checkpoints were written, and the value that does what the versions without them did.
+ADDED_KEYS: dict[str, Any] = {
+    "model.final_logits_bias": False,  # no bias on the logits
+    "model.sinusoid_layout": "interleaved",  # the paper's, the only layout there was
+    "eval.max_len": 0,  # no absolute cap on outputs, only eval.max_extra_len
+}
+
+
 def upgrade_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """A config saved with a checkpoint, in today's keys (unchanged when it has them already)."""
+    missing = {
+        name: value
+        for name, value in ADDED_KEYS.items()
+        if name.partition(".")[0] in config and name.partition(".")[2] not in config[name.partition(".")[0]]
+    }
+    if missing:
+        added = config.to_dict()
+        for name, value in missing.items():
+            group, _, leaf = name.partition(".")
+            added[group][leaf] = value
+        config = ml_collections.ConfigDict(added)
     if "model" not in config or "pad_id" not in config.model:
         return config
     upgraded = config.to_dict()

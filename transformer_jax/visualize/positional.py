@@ -44,7 +44,7 @@ def positional(
     positions = [int(p) for p in positions]
     if not positions or any(not 0 <= p < max_len - 1 for p in positions):
         raise VisualizeError(f"--positions must be in 0..{max_len - 2} (below --max_len - 1), got {positions}")
-    pe_PD = np.asarray(sinusoidal_encoding(jnp.arange(max_len)[None], d_model)[0])
+    pe_PD = np.asarray(sinusoidal_encoding(jnp.arange(max_len)[None], d_model, "interleaved")[0])  # the paper's
     offsets = np.arange(max_len - max(positions))
     dots = {p: pe_PD[p + offsets] @ pe_PD[p] for p in positions}
 
