@@ -1,0 +1,237 @@
+"""python -m transformer_jax.convert --from_marian: a random-weight MarianMTModel (built offline by transformers, in a
+process of its own: tests/helpers/marian_reference.py) becomes a workdir whose model gives transformers' logits.
+
+The reference model has what OPUS-MT models have: swish, a non-zero final_logits_bias, Marian's concatenated
+positions, </s> 0, <unk> 1 and <pad> last (decoding starts from pad), shared or separate vocabularies.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from flax.traverse_util import flatten_dict
+
+from tests.helpers.marian_reference import ROOT, run
+from transformer_jax.convert import folder, marian
+from transformer_jax.errors import ConfigError, DataError
+from transformer_jax.evaluation.restore import Restorer, restore_model
+from transformer_jax.training import checkpoints
+from transformer_jax.training.state import new_train_state, split_train_state
+
+
+@pytest.fixture(scope="module")
+def marian_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("marian") / "opus-mt-tiny"
+    run("make", str(path), "{}")
+    return path
+
+
+@pytest.fixture(scope="module")
+def separate_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("marian") / "opus-mt-separate"
+    run("make", str(path), json.dumps({"share_encoder_decoder_embeddings": False, "seed": 1}))
+    return path
+
+
+def convert(source: Path, workdir: Path) -> dict:
+    return folder.write_workdir(folder.read_folder(source), workdir)
+
+
+def restored(workdir: Path):
+    config, model, _ = restore_model(Restorer(), str(workdir))
+    return config, model
+
+
+def compare_logits(source: Path, workdir: Path, tmp_path: Path) -> float:
+    """Max |our logits - transformers' logits| on a batch with source padding (pad = the last id)."""
+    config, model = restored(workdir)
+    m = config.model
+    rng = np.random.default_rng(0)
+    src = rng.integers(2, (m.source_vocab_size or m.vocab_size) - 1, size=(3, 9))
+    src[:, -1] = m.eos_id
+    src[1, 5:] = m.pad_id  # a shorter sentence: EOS then padding
+    src[1, 4] = m.eos_id
+    tgt = rng.integers(2, m.vocab_size - 1, size=(3, 6))
+    tgt[:, 0] = m.bos_id
+    np.savez(tmp_path / "in.npz", src=src, tgt=tgt)
+    run("logits", str(source), str(tmp_path / "in.npz"), str(tmp_path / "out.npz"))
+    theirs = np.load(tmp_path / "out.npz")["logits"]
+    src_j, tgt_j = jnp.asarray(src, jnp.int32), jnp.asarray(tgt, jnp.int32)
+    ours = np.asarray(model.decode(model.encode(src_j), tgt_j, src_tokens=src_j))
+    assert ours.shape == theirs.shape
+    return float(np.abs(ours - theirs).max())
+
+
+def test_converted_logits_equal_transformers(marian_dir, tmp_path):
+    report = convert(marian_dir, tmp_path / "w")
+    config, _ = restored(tmp_path / "w")
+    m = config.model
+    assert (m.activation, m.sinusoid_layout, m.final_logits_bias) == ("swish", "concatenated", True)
+    assert (m.eos_id, m.unk_id, m.pad_id, m.bos_id) == (0, 1, m.vocab_size - 1, m.vocab_size - 1)
+    assert (config.eval.beam_size, config.eval.max_len) == (3, 40)  # generation_config.json
+    assert config.data.tokenizer == "marian"
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == [
+        "checkpoints",
+        "config.json",
+        "source.spm",
+        "target.spm",
+        "vocab.json",
+    ]
+    assert report["parameters"] > 0
+    assert compare_logits(marian_dir, tmp_path / "w", tmp_path) < 1e-4
+
+
+def test_separate_vocabularies_convert(separate_dir, tmp_path):
+    convert(separate_dir, tmp_path / "w")
+    config, _ = restored(tmp_path / "w")
+    assert not config.model.share_embeddings
+    assert config.model.source_vocab_size != config.model.vocab_size
+    assert (tmp_path / "w" / "target_vocab.json").is_file()
+    assert compare_logits(separate_dir, tmp_path / "w", tmp_path) < 1e-4
+
+
+def test_the_step0_state_is_what_training_starts_from_but_for_the_parameters(marian_dir, tmp_path):
+    """Optimizer moments, counts, non-finite counters and dropout streams are those of new_train_state."""
+    marian_folder = folder.read_folder(marian_dir)
+    params, state = folder.convert_params(marian_folder)
+    filled = flatten_dict(nnx.to_pure_dict(folder._state_tree(params, state, marian_folder.config)))
+    fresh = flatten_dict(nnx.to_pure_dict(split_train_state(new_train_state(marian_folder.config))[1]))
+    assert set(filled) == set(fresh)
+    for path, value in fresh.items():
+        if path[0] == "model" and path[1:] in flatten_dict(params):
+            continue
+        if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+            value, other = jax.random.key_data(value), jax.random.key_data(filled[path])
+        else:
+            other = filled[path]
+        np.testing.assert_array_equal(np.asarray(other), np.asarray(value), err_msg=str(path))
+
+
+def test_import_export_import_is_bit_identical(marian_dir, tmp_path):
+    convert(marian_dir, tmp_path / "a")
+    done = subprocess.run(
+        [sys.executable, "-m", "transformer_jax.export", "--format", "marian", "--workdir", str(tmp_path / "a")]
+        + ["--output", str(tmp_path / "exported"), "--average_last", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "warning" not in done.stderr
+    convert(tmp_path / "exported", tmp_path / "b")
+    restorer, step = Restorer(), 0
+    a_config, b_config = restorer.load_config(str(tmp_path / "a")), restorer.load_config(str(tmp_path / "b"))
+    assert a_config.model.to_dict() == b_config.model.to_dict()
+    assert a_config.eval.to_dict() == b_config.eval.to_dict()
+    _, state = split_train_state(new_train_state(a_config))
+    a = flatten_dict(checkpoints.load_model_params(tmp_path / "a", step, state))
+    b = flatten_dict(checkpoints.load_model_params(tmp_path / "b", step, state))
+    assert a.keys() == b.keys()
+    for path in a:
+        np.testing.assert_array_equal(np.asarray(a[path]), np.asarray(b[path]), err_msg=str(path))
+    for name in ("source.spm", "target.spm", "vocab.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+# -- bad input ----------------------------------------------------------------------------------------------------
+
+
+def _copy(source: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "folder"
+    shutil.copytree(source, target)
+    return target
+
+
+def _edit_json(path: Path, **changes) -> None:
+    value = json.loads(path.read_text())
+    value.update(changes)
+    path.write_text(json.dumps(value))
+
+
+def _cli(source: Path, workdir: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "transformer_jax.convert", "--from_marian", str(source), "--workdir", str(workdir)]
+        + list(extra),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: _edit_json(d / "config.json", model_type="bart"), "model_type='bart'"),
+        (lambda d: (d / "config.json").unlink(), "config.json is missing"),
+        (lambda d: (d / "source.spm").unlink(), "source.spm is missing"),
+        (lambda d: (d / "model.safetensors").unlink(), "neither model.safetensors nor pytorch_model.bin"),
+        (lambda d: _edit_json(d / "config.json", activation_function="gelu"), "activation_function='gelu'"),
+        (lambda d: _edit_json(d / "config.json", normalize_before=True), "normalize_before=True"),
+        (lambda d: _edit_json(d / "config.json", static_position_embeddings=False), "static_position_embeddings"),
+        (lambda d: _edit_json(d / "config.json", scale_embedding=False), "scale_embedding=False"),
+        (lambda d: _edit_json(d / "vocab.json", extra_piece=999), "vocab.json maps"),
+        (lambda d: _edit_json(d / "config.json", pad_token_id=5, decoder_start_token_id=5), "<pad> id"),
+    ],
+)
+def test_a_folder_we_cannot_convert_is_one_line_naming_the_file_or_key(marian_dir, tmp_path, edit, message):
+    source = _copy(marian_dir, tmp_path)
+    edit(source)
+    with pytest.raises((ConfigError, DataError), match=message.replace("(", r"\(")):
+        convert(source, tmp_path / "w")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]  # no workdir, no temporary sibling
+
+
+def test_weights_of_another_shape_leave_nothing_behind(marian_dir, tmp_path):
+    source = _copy(marian_dir, tmp_path)
+    _edit_json(source / "config.json", encoder_ffn_dim=48, decoder_ffn_dim=48)
+    with pytest.raises(ConfigError, match=r"tensor model\..*fc1.weight has shape"):
+        convert(source, tmp_path / "w")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
+
+
+def test_the_command_line_refuses_in_one_line_and_writes_nothing(marian_dir, tmp_path):
+    source = _copy(marian_dir, tmp_path)
+    (source / "model.safetensors").rename(source / "pytorch_model.bin")
+    done = _cli(source, tmp_path / "w")
+    assert done.returncode == 1
+    assert done.stderr.strip().count("\n") == 0, done.stderr
+    assert "pytorch_model.bin is a pickle" in done.stderr and "--allow_pickle" in done.stderr
+    assert not (tmp_path / "w").exists()
+
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "file").write_text("x")
+    done = _cli(marian_dir, tmp_path / "busy")
+    assert done.returncode == 1 and "is not empty" in done.stderr and done.stderr.strip().count("\n") == 0
+    assert [p.name for p in (tmp_path / "busy").iterdir()] == ["file"]
+
+
+def test_the_command_line_converts_and_reports(marian_dir, tmp_path):
+    done = _cli(marian_dir, tmp_path / "w")
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["workdir"] == str(tmp_path / "w")
+    assert checkpoints.list_steps(tmp_path / "w") == [0]
+
+
+def test_the_table_covers_every_parameter_of_every_marian_shape():
+    """Each of our parameters has exactly one Marian name, for shared, separate and untied embeddings."""
+    from tests.helpers.model import tiny_spec
+
+    for overrides in ({}, {"share_embeddings": False}, {"share_embeddings": False, "tie_output": False}):
+        spec = tiny_spec(final_logits_bias=True, **overrides)
+        from transformer_jax.model import Transformer
+
+        model = nnx.eval_shape(lambda spec=spec: Transformer(spec, rngs=nnx.Rngs(0)))
+        ours = set(flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+        entries = marian.table(spec)
+        assert {e.ours for e in entries} == ours
+        assert len({e.marian for e in entries}) == len(entries)
