@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -97,21 +96,20 @@ def test_separate_vocabularies_convert(separate_dir, tmp_path):
     assert compare_logits(separate_dir, tmp_path / "w", tmp_path) < 1e-4
 
 
-def test_the_step0_state_is_what_training_starts_from_but_for_the_parameters(marian_dir, tmp_path):
-    """Optimizer moments, counts, non-finite counters and dropout streams are those of new_train_state."""
-    marian_folder = folder.read_folder(marian_dir)
-    params, state = folder.convert_params(marian_folder)
-    filled = flatten_dict(nnx.to_pure_dict(folder._state_tree(params, state, marian_folder.config)))
-    fresh = flatten_dict(nnx.to_pure_dict(split_train_state(new_train_state(marian_folder.config))[1]))
-    assert set(filled) == set(fresh)
-    for path, value in fresh.items():
-        if path[0] == "model" and path[1:] in flatten_dict(params):
-            continue
-        if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
-            value, other = jax.random.key_data(value), jax.random.key_data(filled[path])
-        else:
-            other = filled[path]
-        np.testing.assert_array_equal(np.asarray(other), np.asarray(value), err_msg=str(path))
+def test_fine_tuning_starts_from_the_converted_parameters(marian_dir, tmp_path):
+    """train.init_from=W reads the step-0 checkpoint (the model's parameters alone) into a full train state."""
+    from transformer_jax.training import init_from
+
+    convert(marian_dir, tmp_path / "w")
+    config = checkpoints.load_config(tmp_path / "w")
+    config.train.init_from = str(tmp_path / "w")
+    start = init_from.prepare(config, tmp_path / "run")
+    params = flatten_dict(start.params)
+    _, model = restored(tmp_path / "w")
+    ours = flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    assert params.keys() == ours.keys() and start.source_step == 0
+    for path in ours:
+        np.testing.assert_array_equal(np.asarray(params[path]), np.asarray(ours[path]), err_msg=str(path))
 
 
 def test_import_export_import_is_bit_identical(marian_dir, tmp_path):

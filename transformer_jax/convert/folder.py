@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from flax.traverse_util import flatten_dict, unflatten_dict
@@ -28,10 +29,8 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from transformer_jax.config import checks, schema
 from transformer_jax.convert import marian
 from transformer_jax.errors import ConfigError, DataError
-from transformer_jax.evaluation.restore import abstract_model
-from transformer_jax.model import TransformerSpec
+from transformer_jax.model import TransformerSpec, build_model, model_rngs
 from transformer_jax.training import checkpoints
-from transformer_jax.training.state import abstract_train_state
 
 CONFIG, GENERATION, TOKENIZER_CONFIG = "config.json", "generation_config.json", "tokenizer_config.json"
 SAFETENSORS, PICKLE = "model.safetensors", "pytorch_model.bin"
@@ -97,9 +96,12 @@ def _tensor_reader(path: Path, allow_pickle: bool) -> Callable[[], Iterator[tupl
             raise DataError(f"{safetensors} cannot be read: {e}") from None
 
         def read() -> Iterator[tuple[str, np.ndarray]]:
-            with safe_open(str(safetensors), framework="np") as f:
-                for name in names:
-                    yield name, f.get_tensor(name)
+            # The file is mapped once per tensor: the pages a mapping has read count in the process's RSS until
+            # it is closed, so one mapping for all tensors would hold a second copy of the weights.
+            for name in names:
+                with safe_open(str(safetensors), framework="np") as f:
+                    tensor = f.get_tensor(name)
+                yield name, tensor
 
         return read
     pickle = path / PICKLE
@@ -179,39 +181,52 @@ def read_folder(path: str | os.PathLike, *, allow_pickle: bool = False) -> Maria
     return MarianFolder(path, config, _tensor_reader(path, allow_pickle), files)
 
 
-def convert_params(folder: MarianFolder) -> tuple[dict, Any]:
-    """(our model parameters as a pure dict of float32 numpy arrays, the abstract train state), from the folder's
-    tensors, read one at a time; ConfigError naming a tensor that is missing, unexpected or of the wrong shape."""
+def convert_params(folder: MarianFolder) -> dict:
+    """Our model parameters (a pure dict of float32 numpy arrays) from the folder's tensors, read and converted one
+    at a time; ConfigError naming a tensor that is missing, unexpected or of the wrong shape.
+
+    Every parameter is a view of one buffer allocated up front: converted arrays allocated one by one between the
+    reader's temporaries would leave the freed temporaries as holes the allocator keeps (benchmarks/convert_marian.py
+    measured half the weights again).
+    """
     spec = TransformerSpec.from_config(folder.config)
-    state = abstract_train_state(folder.config)[1]
-    shapes = flatten_dict(nnx.to_pure_dict(nnx.filter_state(state["model"], nnx.Param)))
+    model = nnx.eval_shape(lambda: build_model(folder.config, rngs=model_rngs(0)))  # shapes only
+    shapes = flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     entries = {entry.marian: entry for entry in marian.table(spec)}
     tied = marian.aliases(spec)
     if set(shapes) != {entry.ours for entry in entries.values()}:  # the table and the model disagree: a bug
         raise AssertionError(f"mapping table and model differ: {set(shapes) ^ {e.ours for e in entries.values()}}")
+    buffer = np.empty(sum(int(np.prod(x.shape)) for x in shapes.values()), np.float32)
+    views, offset = {}, 0
+    for path, x in sorted(shapes.items(), key=lambda item: str(item[0])):
+        size = int(np.prod(x.shape))
+        views[path], offset = buffer[offset : offset + size].reshape(x.shape), offset + size
     params: dict[tuple, np.ndarray] = {}
     copies: dict[str, np.ndarray] = {}
     where = folder.path / SAFETENSORS
+
+    def put(entry: marian.Entry, array: np.ndarray) -> None:
+        np.copyto(views[entry.ours], marian.from_marian(entry, array, shapes[entry.ours].shape, copy=False))
+        params[entry.ours] = views[entry.ours]
+
     for name, array in folder.tensors():
         if name in entries:
-            entry = entries[name]
-            params[entry.ours] = marian.from_marian(entry, array, shapes[entry.ours].shape)
+            put(entries[name], array)
         elif name in tied:
             copies[name] = array
         elif name in marian.POSITION_KEYS:
             expected = marian.marian_positions(array.shape[0], spec.d_model)
             if array.shape != expected.shape or not np.allclose(array, expected, atol=1e-5):
                 raise ConfigError(
-                    f"tensor {name} is not Marian's sinusoidal table (learned positions?); it cannot be converted"
+                    f"{where}: tensor {name} is not Marian's sinusoidal table (learned positions?); it cannot be "
+                    "converted"
                 )
         else:
             raise ConfigError(f"{where}: unexpected tensor {name}; not a MarianMTModel of this config.json")
+        del array
     for name, original in tied.items():
-        if original not in entries:
-            continue
-        if original not in params and name in copies:  # only the tied copy was saved
-            entry = entries[original]
-            params[entry.ours] = marian.from_marian(entry, copies.pop(name), shapes[entry.ours].shape)
+        if original in entries and entries[original].ours not in params and name in copies:
+            put(entries[original], copies.pop(name))  # only the tied copy was saved
     for name, copy in copies.items():
         entry = entries[tied[name]]
         if not np.array_equal(marian.from_marian(entry, copy, shapes[entry.ours].shape), params[entry.ours]):
@@ -221,23 +236,19 @@ def convert_params(folder: MarianFolder) -> tuple[dict, Any]:
             )
     bias = ("final_logits_bias_V",)
     if bias not in params:  # transformers leaves it out when it is zero (_keys_to_ignore_on_load_missing)
-        params[bias] = np.zeros(shapes[bias].shape, np.float32)
+        params[bias] = views[bias]
+        params[bias][...] = 0.0
     missing = [entry.marian for entry in entries.values() if entry.ours not in params]
     if missing:
         raise ConfigError(f"{where}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
-    return unflatten_dict(params), state
+    return unflatten_dict(params)
 
 
-def _state_tree(params: dict, state: Any, config: Any) -> Any:
-    """The train state of step 0: the converted parameters, the dropout streams of a model built from the config,
-    zeros for the rest (the optimizer's moments and counts and the non-finite counters start at zero, as
-    training.state.new_train_state makes them; tests/test_convert_marian.py checks that they agree)."""
-    pure = nnx.to_pure_dict(state)
-    filled = {name: jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), tree) for name, tree in pure.items()}
-    streams = nnx.to_pure_dict(nnx.state(abstract_model(config), nnx.Not(nnx.Param)))
-    filled["model"] = unflatten_dict({**flatten_dict(streams), **flatten_dict(params)})
-    nnx.replace_by_pure_dict(state, filled)
-    return state
+def model_state(params: dict) -> nnx.State:
+    """The checkpoint's state: the model's parameters alone (TrainState field "model"), all that evaluation and
+    train.init_from read (checkpoints.load_model_params). The optimizer's moments would be twice the weights again,
+    in memory and on disk; the dropout streams are the config's (evaluation.restore.abstract_model)."""
+    return nnx.State({"model": params})
 
 
 def check_workdir(workdir: str | os.PathLike) -> Path:
@@ -249,21 +260,23 @@ def check_workdir(workdir: str | os.PathLike) -> Path:
 
 
 def write_workdir(folder: MarianFolder, workdir: str | os.PathLike) -> dict[str, Any]:
-    """Writes the workdir (config.json, the tokenizer files, the step-0 checkpoint) under a temporary sibling
-    name and renames it into place; returns a report."""
+    """Writes the workdir (config.json, the tokenizer files, the step-0 checkpoint of the model) under a temporary
+    sibling name and renames it into place; returns a report."""
     workdir = check_workdir(workdir)
     workdir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{workdir.name}.", suffix=".tmp", dir=workdir.parent))
     try:
-        params, state = convert_params(folder)
+        # As jax arrays: Orbax's save of numpy arrays holds more temporaries (benchmarks/convert_marian.py).
+        params = jax.tree.map(jnp.asarray, convert_params(folder))
         for name, source in folder.tokenizer_files.items():
             shutil.copyfile(source, tmp / name)
         config = folder.config
         (tmp / "config.json").write_text(config.to_json_best_effort(indent=2))
         ckpt = config.ckpt.copy_and_resolve_references()
         ckpt.async_save = False
+        checkpoints.checkpoint_dir(tmp).mkdir()  # Orbax lists it before its first save
         saver = checkpoints.Checkpointer(tmp, ckpt)
-        saver.save(0, _state_tree(params, state, config), None, config)
+        saver.save(0, model_state(params), None, config)
         saver.close()
         umask = os.umask(0)
         os.umask(umask)

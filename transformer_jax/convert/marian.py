@@ -150,9 +150,9 @@ def to_marian(entry: Entry, ours: np.ndarray, perm: np.ndarray | None = None) ->
     return ours
 
 
-def from_marian(entry: Entry, marian: np.ndarray, expected: tuple[int, ...]) -> np.ndarray:
-    """Marian's array of `entry` as our float32 array of shape `expected`; ConfigError naming the tensor if the
-    shapes disagree."""
+def from_marian(entry: Entry, marian: np.ndarray, expected: tuple[int, ...], copy: bool = True) -> np.ndarray:
+    """Marian's array of `entry` as our float32 array of shape `expected` (copy=False: possibly a view of it);
+    ConfigError naming the tensor if the shapes disagree."""
     array = marian.T if entry.kind == LINEAR else marian.reshape(-1) if entry.kind == ROW else marian
     if tuple(array.shape) != tuple(expected):
         shape = tuple(expected[::-1]) if entry.kind == LINEAR else (1, *expected) if entry.kind == ROW else expected
@@ -160,7 +160,7 @@ def from_marian(entry: Entry, marian: np.ndarray, expected: tuple[int, ...]) -> 
             f"tensor {entry.marian} has shape {tuple(marian.shape)} but config.json says {shape}; the weights and "
             "config.json are of different models"
         )
-    return np.ascontiguousarray(array, dtype=np.float32)
+    return np.ascontiguousarray(array, dtype=np.float32) if copy else array
 
 
 # -- configs -----------------------------------------------------------------------------------------------------
