@@ -4,8 +4,9 @@
 
 W then holds config.json, the tokenizer (source.spm, target.spm, vocab.json[, target_vocab.json]) and a step-0
 checkpoint of the model's parameters: `evaluate.py --workdir W` translates with our search and `train.init_from=W`
-fine-tunes into a workdir of its own (see docs/pretrained.md). A folder that is not a Marian model, a missing or inconsistent file, or a non-empty W: one
-line on stderr, exit status 1, and nothing left behind. Prints a JSON report.
+fine-tunes into a workdir of its own (see docs/pretrained.md). A folder that is not a Marian model, a missing or
+inconsistent file, or a non-empty W: one line on stderr, exit status 1, and nothing left behind. Prints a JSON
+report.
 """
 
 from __future__ import annotations
