@@ -22,6 +22,7 @@ from configs import common
 from transformer_jax import cli
 from transformer_jax.data import batching, pipeline, sources
 from transformer_jax.data import tokenizer as tokenizer_lib
+from transformer_jax.tokens import SpecialIds
 
 DATA = sources.local_data_dir() or Path("$TRANSFORMER_JAX_DATA")  # the local corpora; unset, it skips
 
@@ -85,7 +86,7 @@ def main(argv: list[str]) -> None:
     config.text_dir = str(DATA / "multi30k")
     config.src_lang, config.tgt_lang = _SRC_LANG.value, _TGT_LANG.value
     with tempfile.TemporaryDirectory() as workdir:
-        tokenizer = tokenizer_lib.get_tokenizer(config, workdir, vocab_size=_VOCAB_SIZE.value)
+        tokenizer = tokenizer_lib.get_tokenizer(config, workdir, vocab_size=_VOCAB_SIZE.value, ids=SpecialIds.DEFAULT)
         start = time.perf_counter()
         pairs, _ = sources.read_text_split(config.text_dir, "train", config.src_lang, config.tgt_lang)
         examples = batching.tokenize_pairs(pairs, tokenizer, num_threads=1)

@@ -34,6 +34,7 @@ from transformer_jax import cli
 from transformer_jax.data import pipeline, store
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.data.sources import local_data_dir
+from transformer_jax.tokens import SpecialIds
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = local_data_dir() or Path("$TRANSFORMER_JAX_DATA")  # the local corpora; unset, the benchmark skips
@@ -203,7 +204,7 @@ def tokenizer_child() -> None:
     config = common.data_config()
     config.text_dir, config.tokenizer_sample_sentences = _CORPUS.value, _SAMPLE.value
     start = time.perf_counter()
-    tokenizer_lib.get_tokenizer(config, _WORKDIR.value, vocab_size=_VOCAB_SIZE.value)
+    tokenizer_lib.get_tokenizer(config, _WORKDIR.value, vocab_size=_VOCAB_SIZE.value, ids=SpecialIds.DEFAULT)
     print(json.dumps({"tokenizer_s": round(time.perf_counter() - start, 1)}))
 
 
@@ -218,7 +219,7 @@ def throughput() -> None:
     config = common.data_config()
     config.text_dir, config.tokenizer_sample_sentences = str(DATA / "multi30k"), 58_000
     with tempfile.TemporaryDirectory(dir=_TMP.value) as workdir:
-        tokenizer = tokenizer_lib.get_tokenizer(config, workdir, vocab_size=_VOCAB_SIZE.value)
+        tokenizer = tokenizer_lib.get_tokenizer(config, workdir, vocab_size=_VOCAB_SIZE.value, ids=SpecialIds.DEFAULT)
         start = time.perf_counter()
         examples, _ = store.open_train_store(config, tokenizer, build_if_missing=True, num_threads=1)
         build_s = time.perf_counter() - start

@@ -62,7 +62,8 @@ from transformer_jax.evaluation.inputs import split_pairs
 from transformer_jax.evaluation.restore import Restorer, restore_model
 from transformer_jax.evaluation.translate import DecodeSettings, position_limit, translate
 from transformer_jax.export.ctranslate2 import ctranslate2_translate, to_ctranslate2
-from transformer_jax.model import build_model, model_rngs
+from transformer_jax.model import build_model, model_rngs, unpacked_segment_ids
+from transformer_jax.tokens import SpecialIds
 
 DATA = (local_data_dir() or Path("$TRANSFORMER_JAX_DATA")) / "wmt14_ende" / "test.en"
 NUM_LINES = 500
@@ -289,10 +290,12 @@ def source_ids(kind: str, vocab_size: int, num_sentences: int, max_len: int) -> 
     else:
         size = min(2000, vocab_size)
         with tempfile.TemporaryDirectory() as tmp:
-            tok = train_tokenizer(lines, Path(tmp) / "spm.model", vocab_size=size, model_type="unigram")
+            tok = train_tokenizer(
+                lines, Path(tmp) / "spm.model", vocab_size=size, model_type="unigram", ids=SpecialIds.DEFAULT
+            )
             ids = [tok.encode(line) for line in lines]
         how = f"SentencePiece unigram, {size} pieces, trained on the {len(lines)} lines"
-    ids = [x[: max_len - 1] + [decoding.EOS_ID] for x in ids[:num_sentences]]
+    ids = [x[: max_len - 1] + [SpecialIds.DEFAULT.eos] for x in ids[:num_sentences]]  # the models' default ids
     return ids, how
 
 
@@ -300,23 +303,24 @@ def source_ids(kind: str, vocab_size: int, num_sentences: int, max_len: int) -> 
 def run_search(graphdef, state, src_BS, max_len_B, *, beam_size, max_steps, use_cache):
     """Beam search with EOS masked, so each sentence decodes exactly max_len_B tokens."""
     model = nnx.merge(graphdef, state)
-    seg = (src_BS != 0).astype(jnp.int32)
+    ids = SpecialIds.of(model.spec)
+    seg = unpacked_segment_ids(src_BS, ids.pad)
     make = decoding.cached_decode_step if use_cache else decoding.recompute_decode_step
     d = make(model, model.encode(src_BS, seg), seg, beam_size=beam_size, max_steps=max_steps)
 
     def no_eos_step(tokens, cache):
         logits, cache = d.step(tokens, cache)
-        return logits.at[..., decoding.EOS_ID].set(-jnp.inf), cache
+        return logits.at[..., ids.eos].set(-jnp.inf), cache
 
     return decoding.beam_search(
-        no_eos_step, d.cache, max_len_B, beam_size=beam_size, alpha=0.6, max_steps=max_steps, grow=d.grow
+        no_eos_step, d.cache, max_len_B, beam_size=beam_size, alpha=0.6, max_steps=max_steps, grow=d.grow, ids=ids
     )
 
 
 def step_flops(model, src_BS, *, beam_size: int, max_steps: int, use_cache: bool) -> float:
     """FLOPs of one decode step for B * beam_size rows, from XLA's cost analysis (encoder and cache setup excluded)."""
     graphdef, state = nnx.split(model)
-    seg = (src_BS != 0).astype(jnp.int32)
+    seg = unpacked_segment_ids(src_BS, model.spec.pad_id)
     memory = model.encode(src_BS, seg)
     make = decoding.cached_decode_step if use_cache else decoding.recompute_decode_step
 

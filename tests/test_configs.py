@@ -11,6 +11,7 @@ from tests.helpers.reference import hand_count
 from transformer_jax.config import checks
 from transformer_jax.errors import ConfigError
 from transformer_jax.model import TransformerSpec, parameter_count
+from transformer_jax.tokens import SpecialIds
 from transformer_jax.training import migrations
 
 CONFIG_DIR = REPO / "configs"
@@ -69,7 +70,18 @@ def _saved_before_pad_id_was_removed(pad_id: int) -> ml_collections.ConfigDict:
     for name in migrations.ADDED_KEYS:  # nor did these
         group, _, leaf = name.partition(".")
         del saved[group][leaf]
+    for key in ("eos_id", "bos_id", "unk_id"):  # did not exist yet: the ids were constants
+        del saved["model"][key]
     saved["model"]["pad_id"] = pad_id
+    return ml_collections.ConfigDict(json.loads(json.dumps(saved)))
+
+
+def _saved_before_the_special_ids_were_keys() -> ml_collections.ConfigDict:
+    from configs import common
+
+    saved = common.base_config("tiny").to_dict()
+    for key in ("pad_id", "eos_id", "bos_id", "unk_id"):
+        del saved["model"][key]
     return ml_collections.ConfigDict(json.loads(json.dumps(saved)))
 
 
@@ -83,7 +95,7 @@ def test_configs_saved_with_model_pad_id_still_build_the_same_model():
     new.model.fused_backward = "on"
     assert spec == TransformerSpec.from_config(new)
     assert old.eval.max_len == 0  # and the evaluation settings too: no absolute cap on outputs, as then
-    with pytest.raises(ConfigError, match="model.pad_id: padding is always token id 0"):
+    with pytest.raises(ConfigError, match="model.pad_id: a config saved without model.fused_backward had padding 0"):
         migrations.upgrade_config(_saved_before_pad_id_was_removed(5))
 
 
@@ -100,6 +112,42 @@ def test_configs_saved_before_the_marian_keys_build_the_same_model():
     assert TransformerSpec.from_config(old) == TransformerSpec.from_config(common.base_config("tiny"))
     assert old.eval.max_len == 0
     assert migrations.upgrade_config(old).to_dict() == old.to_dict()  # today's keys: unchanged
+
+
+def test_configs_saved_before_the_special_id_keys_keep_the_constants_of_their_version():
+    from configs import common
+
+    old = migrations.upgrade_config(_saved_before_the_special_ids_were_keys())
+    assert SpecialIds.of(old) == SpecialIds(pad=0, eos=1, bos=2, unk=3)
+    assert TransformerSpec.from_config(old) == TransformerSpec.from_config(common.base_config("tiny"))
+
+
+@pytest.mark.parametrize(
+    "ids, error",
+    [
+        ({"pad_id": 50}, "model.pad_id: 50 is not a row of the vocabulary"),
+        ({"eos_id": 0}, "model.eos_id: equals model.pad_id"),
+        ({"unk_id": 1}, "model.unk_id: equals model.eos_id"),
+        ({"bos_id": 1}, "model.eos_id: equals model.bos_id"),
+        ({"pad_id": -1}, "model.pad_id: must be"),
+    ],
+)
+def test_special_ids_are_checked(ids, error):
+    from configs import common
+
+    config = common.base_config("tiny")
+    config.model.vocab_size = 50
+    config.model.update(ids)
+    with pytest.raises(ConfigError, match=error):
+        TransformerSpec.from_config(config)
+
+
+def test_marian_ids_are_valid_and_bos_may_equal_pad():
+    from configs import common
+
+    config = common.base_config("tiny")
+    config.model.update(vocab_size=50, pad_id=49, bos_id=49, eos_id=0, unk_id=1)
+    assert SpecialIds.of(TransformerSpec.from_config(config)) == SpecialIds(pad=49, eos=0, bos=49, unk=1)
 
 
 def test_a_new_config_without_a_model_key_fails():

@@ -17,6 +17,7 @@ from tests.helpers.fakes import WordTokenizer
 from transformer_jax.data import batching, pipeline
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import DataError
+from transformer_jax.tokens import SpecialIds
 
 
 def synthetic_pairs(n: int, seed: int = 0, max_words: int = 20) -> list[tuple[str, str]]:
@@ -111,7 +112,7 @@ def check_plans_cover(examples, items, plans, carry):
     placed = np.concatenate([p.items for p in plans] + [carry])
     assert sorted(placed.tolist()) == sorted(items.tolist())
     for plan in plans:
-        got = sorted(unpack(batching.assemble(examples, plan)))
+        got = sorted(unpack(batching.assemble(examples, plan, WordTokenizer.ids)))
         want = []
         for i in plan.items:
             src, tgt = examples.pair(i)
@@ -195,7 +196,7 @@ def test_packing_efficiency_on_multi30k(tmp_path):
         pytest.skip(f"shared corpora not found at {DATA} (set TRANSFORMER_JAX_DATA)")
     config = common.data_config()
     config.text_dir, config.tokenizer_sample_sentences = str(DATA / "multi30k"), 20_000
-    tokenizer = tokenizer_lib.get_tokenizer(config, tmp_path, vocab_size=8000)
+    tokenizer = tokenizer_lib.get_tokenizer(config, tmp_path, vocab_size=8000, ids=SpecialIds.DEFAULT)
     assert (config.batching, config.max_len, config.batch_size) == ("pack", 64, 64)
     it, stats = pipeline.make_train_iterator(config, tokenizer, process_index=0, process_count=1)
     assert stats["kept"] == 29_000
@@ -337,7 +338,7 @@ def test_eval_batches_with_targets_for_validation_loss():
     assert stats["truncated"] == 1 and stats["truncated_targets"] == 1
     assert batch["example_index"].tolist() == [0, 1, 2, -1]
     examples = unpack({k: v for k, v in batch.items() if k != "example_index"})
-    assert examples[1] == ((tokenizer.ids["d"],), tuple([tokenizer.ids["z"]] * 5))
+    assert examples[1] == ((tokenizer.word_ids["d"],), tuple([tokenizer.word_ids["z"]] * 5))
     with pytest.raises(DataError, match="3 sentences but 2 targets"):
         pipeline.eval_batches(sources_, tokenizer, 4, 6, targets=targets[:2])
 

@@ -15,6 +15,7 @@ from tests.helpers.training import tiny_train_config, write_corpus
 from transformer_jax.data import store
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import DataError
+from transformer_jax.tokens import SpecialIds
 
 
 def test_prepare_writes_the_tokenizer_that_training_reuses(tmp_path):
@@ -29,7 +30,9 @@ def test_prepare_writes_the_tokenizer_that_training_reuses(tmp_path):
     assert report["sentences"] == {"train": 400, "valid": 24, "test": 24}
     assert report["pieces"] == 320 and pathlib.Path(report["tokenizer"]) == workdir / "spm.model"
     config = tiny_train_config(corpus)
-    reused = tokenizer_lib.get_tokenizer(config.data, workdir, vocab_size=320, train_if_missing=False)
+    reused = tokenizer_lib.get_tokenizer(
+        config.data, workdir, vocab_size=320, ids=SpecialIds.DEFAULT, train_if_missing=False
+    )
     assert reused.path == workdir / "spm.model"
     # The tokenized training store too, which a multi-host run may only open.
     assert pathlib.Path(report["store"]) == workdir / "spm.train.en-de.store" and report["store_counts"]["pairs"] == 400
@@ -41,5 +44,7 @@ def test_prepare_writes_the_tokenizer_that_training_reuses(tmp_path):
 def test_multi_host_run_without_a_tokenizer_says_how_to_make_one(tmp_path):
     config = tiny_train_config(write_corpus(tmp_path / "corpus"))
     with pytest.raises(DataError, match="python -m transformer_jax.data.prepare"):
-        tokenizer_lib.get_tokenizer(config.data, tmp_path / "run", vocab_size=320, train_if_missing=False)
+        tokenizer_lib.get_tokenizer(
+            config.data, tmp_path / "run", vocab_size=320, ids=SpecialIds.DEFAULT, train_if_missing=False
+        )
     assert not (tmp_path / "run" / "spm.model").exists()

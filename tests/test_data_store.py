@@ -14,6 +14,7 @@ from tests.helpers.training import tiny_train_config, write_corpus
 from transformer_jax.data import batching, pipeline, sources, store
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import DataError
+from transformer_jax.tokens import SpecialIds
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,9 @@ def corpus(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope="module")
 def tokenizer(corpus, tmp_path_factory) -> tokenizer_lib.Tokenizer:
     config = tiny_train_config(corpus)
-    return tokenizer_lib.get_tokenizer(config.data, tmp_path_factory.mktemp("run"), vocab_size=320)
+    return tokenizer_lib.get_tokenizer(
+        config.data, tmp_path_factory.mktemp("run"), vocab_size=320, ids=SpecialIds.of(config)
+    )
 
 
 def _config(corpus: pathlib.Path, **data):
@@ -44,7 +47,7 @@ def _fresh_tokenizer(tokenizer, directory: pathlib.Path) -> tokenizer_lib.Tokeni
     """The same tokenizer in its own directory, so each test has its own store."""
     directory.mkdir(parents=True, exist_ok=True)
     shutil.copy(tokenizer.path, directory / "spm.model")
-    return tokenizer_lib.Tokenizer(directory / "spm.model")
+    return tokenizer_lib.Tokenizer(directory / "spm.model", SpecialIds.DEFAULT)
 
 
 @pytest.mark.parametrize("mode", ["pack", "bucket", "pad"])
@@ -124,10 +127,12 @@ def test_a_stale_store_is_rebuilt_on_one_host_and_refused_on_several(corpus, tok
     store.open_train_store(_config(corpus), tok, build_if_missing=True)
     config = tiny_train_config(corpus)
     config.data.tokenizer_sample_sentences = 200
-    retrained = tokenizer_lib.get_tokenizer(config.data, tmp_path / "retrained", vocab_size=300)
+    retrained = tokenizer_lib.get_tokenizer(config.data, tmp_path / "retrained", vocab_size=300, ids=SpecialIds.DEFAULT)
     shutil.copy(retrained.path, tok.path)
     with pytest.raises(DataError, match=r"differs in tokenizer_sha256\)"):
-        store.open_train_store(_config(corpus), tokenizer_lib.Tokenizer(tok.path), build_if_missing=False)
+        store.open_train_store(
+            _config(corpus), tokenizer_lib.Tokenizer(tok.path, SpecialIds.DEFAULT), build_if_missing=False
+        )
     # Another direction is another store; max_len is applied when opened, so it is not part of the store.
     de_en = _config(corpus, src_lang="de", tgt_lang="en", max_len=16)
     assert store.store_path(de_en, tok) == tmp_path / "run" / "spm.train.de-en.store"

@@ -10,10 +10,10 @@ import sentencepiece as spm
 
 from configs import common
 from tests.helpers import DATA
-from transformer_jax import tokens
 from transformer_jax.data import sources
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import DataError
+from transformer_jax.tokens import SpecialIds
 
 TRICKY = [
     "  two leading, two inner  spaces and a trailing one ",
@@ -41,18 +41,17 @@ def workdir(tmp_path_factory) -> Path:
     config.text_dir = str(DATA / "multi30k")
     config.tokenizer_sample_sentences = 3000
     workdir = tmp_path_factory.mktemp("workdir")
-    tokenizer_lib.get_tokenizer(config, workdir, vocab_size=1000)
+    tokenizer_lib.get_tokenizer(config, workdir, vocab_size=1000, ids=SpecialIds.DEFAULT)
     return workdir
 
 
 @pytest.fixture(scope="module")
 def tokenizer(workdir) -> tokenizer_lib.Tokenizer:
-    return tokenizer_lib.Tokenizer(workdir / "spm.model")
+    return tokenizer_lib.Tokenizer(workdir / "spm.model", SpecialIds.DEFAULT)
 
 
 def test_reserved_ids_and_size(tokenizer):
-    reserved = (tokens.PAD_ID, tokens.EOS_ID, tokens.BOS_ID, tokens.UNK_ID)
-    assert (tokenizer.pad_id, tokenizer.eos_id, tokenizer.bos_id, tokenizer.unk_id) == reserved == (0, 1, 2, 3)
+    assert tokenizer.ids == SpecialIds.DEFAULT == SpecialIds(pad=0, eos=1, bos=2, unk=3)
     assert tokenizer.vocab_size == 1000
     ids = tokenizer.encode("A man rides a bike.")
     assert ids and min(ids) > 3, "ordinary text must not produce pad/eos/bos/unk"
@@ -68,7 +67,7 @@ def test_roundtrip_is_exact_on_real_corpora(tokenizer, folder, split):
         encoded = tokenizer.encode_batch(lines)
         assert [tokenizer.decode(ids) for ids in encoded] == lines
         assert encoded == [tokenizer.encode(line) for line in lines]
-        assert tokenizer.unk_id not in {i for ids in encoded for i in ids}  # byte fallback instead of <unk>
+        assert tokenizer.ids.unk not in {i for ids in encoded for i in ids}  # byte fallback instead of <unk>
 
 
 def test_roundtrip_of_characters_never_seen_in_training(tokenizer):
@@ -79,7 +78,7 @@ def test_roundtrip_of_characters_never_seen_in_training(tokenizer):
 def test_decode_stops_at_eos_and_drops_padding(tokenizer):
     ids = tokenizer.encode("Two dogs play.")
     assert (
-        tokenizer.decode([tokenizer.bos_id, *ids, tokenizer.eos_id, *tokenizer.encode("junk"), 0, 0])
+        tokenizer.decode([tokenizer.ids.bos, *ids, tokenizer.ids.eos, *tokenizer.encode("junk"), 0, 0])
         == "Two dogs play."
     )
     assert tokenizer.decode_batch([[*ids, 1, 0], [1]]) == ["Two dogs play.", ""]
@@ -91,30 +90,30 @@ def test_workdir_model_is_reused_not_retrained(workdir, tokenizer, monkeypatch):
 
     monkeypatch.setattr(tokenizer_lib, "train_tokenizer", no_training)
     config = common.data_config()
-    reused = tokenizer_lib.get_tokenizer(config, workdir, vocab_size=1000)
+    reused = tokenizer_lib.get_tokenizer(config, workdir, vocab_size=1000, ids=SpecialIds.DEFAULT)
     assert reused.encode("A dog runs.") == tokenizer.encode("A dog runs.")
     with pytest.raises(DataError, match="1000 pieces but model.vocab_size is 2000"):
-        tokenizer_lib.get_tokenizer(config, workdir, vocab_size=2000)
+        tokenizer_lib.get_tokenizer(config, workdir, vocab_size=2000, ids=SpecialIds.DEFAULT)
 
 
 def test_given_model_file(workdir, tmp_path):
     config = common.data_config()
     config.tokenizer_model = str(workdir / "spm.model")
-    assert tokenizer_lib.get_tokenizer(config, tmp_path, vocab_size=1200).vocab_size == 1000
+    assert tokenizer_lib.get_tokenizer(config, tmp_path, vocab_size=1200, ids=SpecialIds.DEFAULT).vocab_size == 1000
     assert not (tmp_path / "spm.model").exists()
     with pytest.raises(DataError, match="ids would fall outside"):
-        tokenizer_lib.get_tokenizer(config, tmp_path, vocab_size=500)
+        tokenizer_lib.get_tokenizer(config, tmp_path, vocab_size=500, ids=SpecialIds.DEFAULT)
 
 
 def test_unreadable_or_invalid_model_file(tmp_path):
     config = common.data_config()
     config.tokenizer_model = str(tmp_path / "missing.model")
     with pytest.raises(DataError, match="cannot read tokenizer model .*missing.model"):
-        tokenizer_lib.get_tokenizer(config, tmp_path, vocab_size=1000)
+        tokenizer_lib.get_tokenizer(config, tmp_path, vocab_size=1000, ids=SpecialIds.DEFAULT)
     garbage = tmp_path / "garbage.model"
     garbage.write_bytes(b"not a protobuf \xff\x00")
     with pytest.raises(DataError, match="garbage.model is not a SentencePiece model"):
-        tokenizer_lib.Tokenizer(garbage)
+        tokenizer_lib.Tokenizer(garbage, SpecialIds.DEFAULT)
 
 
 def test_a_model_with_other_reserved_ids_is_refused(tmp_path):
@@ -125,20 +124,43 @@ def test_a_model_with_other_reserved_ids_is_refused(tmp_path):
         sentence_iterator=iter(lines), model_prefix=str(prefix), vocab_size=200, minloglevel=2
     )
     with pytest.raises(
-        DataError, match=r"reserves \(pad, eos, bos, unk\) = \(-1, 2, 1, 0\); this project needs \(0, 1, 2, 3\)"
+        DataError,
+        match=r"reserves \(pad, eos, bos, unk\) = \(-1, 2, 1, 0\); the config's model.pad_id, .* \(0, 1, 2, 3\)",
     ):
-        tokenizer_lib.Tokenizer(f"{prefix}.model")
+        tokenizer_lib.Tokenizer(f"{prefix}.model", SpecialIds.DEFAULT)
+
+
+def test_a_tokenizer_trained_here_reserves_the_configs_ids_and_a_reused_one_must_match(tmp_path):
+    lines = corpus_lines("multi30k", "valid", "en", 500)
+    ids = SpecialIds(pad=3, eos=0, bos=2, unk=1)
+    trained = tokenizer_lib.train_tokenizer(
+        lines, tmp_path / "spm.model", vocab_size=400, model_type="unigram", ids=ids
+    )
+    assert trained.ids == ids
+    encoded = trained.encode("A man rides a bike.")
+    assert trained.decode([ids.bos, *encoded, ids.eos, 7, 7]) == "A man rides a bike."
+    config = common.data_config()
+    with pytest.raises(DataError, match=r"reserves \(pad, eos, bos, unk\) = \(3, 0, 2, 1\)"):
+        tokenizer_lib.get_tokenizer(config, tmp_path, vocab_size=400, ids=SpecialIds.DEFAULT)
+    with pytest.raises(DataError, match="model.bos_id .* other than model.pad_id"):
+        tokenizer_lib.train_tokenizer(
+            lines, tmp_path / "x.model", vocab_size=400, model_type="unigram", ids=SpecialIds(3, 0, 3, 1)
+        )
 
 
 def test_bpe_option_and_bad_type(tmp_path):
     lines = corpus_lines("multi30k", "valid", "en", 1014) + corpus_lines("multi30k", "valid", "de", 1014)
-    bpe = tokenizer_lib.train_tokenizer(lines, tmp_path / "bpe.model", vocab_size=600, model_type="bpe")
-    assert bpe.vocab_size == 600 and (bpe.pad_id, bpe.eos_id) == (0, 1)
+    bpe = tokenizer_lib.train_tokenizer(
+        lines, tmp_path / "bpe.model", vocab_size=600, model_type="bpe", ids=SpecialIds.DEFAULT
+    )
+    assert bpe.vocab_size == 600 and (bpe.ids.pad, bpe.ids.eos) == (0, 1)
     for text in lines[:50] + TRICKY:
         assert bpe.decode(bpe.encode(text)) == text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bpe.model"], "no temporary files left behind"
     with pytest.raises(DataError, match="unknown data.tokenizer_type 'wordpiece'"):
-        tokenizer_lib.train_tokenizer(lines, tmp_path / "x.model", vocab_size=600, model_type="wordpiece")
+        tokenizer_lib.train_tokenizer(
+            lines, tmp_path / "x.model", vocab_size=600, model_type="wordpiece", ids=SpecialIds.DEFAULT
+        )
 
 
 def test_the_sample_is_drawn_by_index_and_read_in_one_pass(tmp_path, monkeypatch):

@@ -15,6 +15,7 @@ from flax import nnx
 from tests.helpers.decoding import (
     BOS,
     EOS,
+    IDS,
     PAD,
     VOCAB,
     brute_force,
@@ -38,13 +39,13 @@ from transformer_jax.model import unpacked_segment_ids
 def _stub_beam(seeds_B, max_len_B, alpha, *, beam_size, max_steps, table_seed):
     cache = {"h": seeds_B, "calls": jnp.zeros((), jnp.int32)}
     step = hash_stub(hash_table(table_seed))
-    return decoding.beam_search(step, cache, max_len_B, beam_size=beam_size, alpha=alpha, max_steps=max_steps)
+    return decoding.beam_search(step, cache, max_len_B, beam_size=beam_size, alpha=alpha, max_steps=max_steps, ids=IDS)
 
 
 @functools.partial(jax.jit, static_argnames=("max_steps", "table_seed"))
 def _stub_greedy(seeds_B, max_len_B, *, max_steps, table_seed):
     cache = {"h": seeds_B, "calls": jnp.zeros((), jnp.int32)}
-    return decoding.greedy_search(hash_stub(hash_table(table_seed)), cache, max_len_B, max_steps=max_steps)
+    return decoding.greedy_search(hash_stub(hash_table(table_seed)), cache, max_len_B, max_steps=max_steps, ids=IDS)
 
 
 def _strip(tokens: np.ndarray, length: int) -> tuple[int, ...]:
@@ -80,7 +81,9 @@ def test_exhaustive_beam_equals_brute_force_and_length_penalty_changes_the_winne
 def _stub_beam_settle_1(seeds_B, max_len_B, alpha, *, beam_size, max_steps, table_seed):
     cache = {"h": seeds_B, "calls": jnp.zeros((), jnp.int32)}
     step = hash_stub(hash_table(table_seed))
-    return decoding.beam_search(step, cache, max_len_B, beam_size=beam_size, alpha=alpha, max_steps=max_steps, settle=1)
+    return decoding.beam_search(
+        step, cache, max_len_B, beam_size=beam_size, alpha=alpha, max_steps=max_steps, settle=1, ids=IDS
+    )
 
 
 def test_settle_1_stops_early_with_the_full_searchs_best_hypothesis():
@@ -111,7 +114,7 @@ def test_small_beam_length_penalty_decides_between_short_and_long():
     @jax.jit
     def run(alpha):
         return decoding.beam_search(
-            decode_step, {"t": jnp.zeros((), jnp.int32)}, jnp.array([3]), beam_size=2, alpha=alpha, max_steps=3
+            decode_step, {"t": jnp.zeros((), jnp.int32)}, jnp.array([3]), beam_size=2, alpha=alpha, max_steps=3, ids=IDS
         )
 
     short, long = run(0.0), run(0.6)
@@ -135,7 +138,7 @@ def test_finished_hypothesis_is_never_extended():
     @jax.jit
     def run():
         cache = {"t": jnp.zeros((), jnp.int32)}
-        return decoding.beam_search(decode_step, cache, jnp.array([6]), beam_size=2, alpha=1.0, max_steps=6)
+        return decoding.beam_search(decode_step, cache, jnp.array([6]), beam_size=2, alpha=1.0, max_steps=6, ids=IDS)
 
     result = run()
     np.testing.assert_array_equal(result.tokens[0, 0], [EOS, PAD, PAD, PAD, PAD, PAD])
@@ -179,7 +182,7 @@ def _all_candidates_step(logits_RV, s, alpha):
     cand_BWV = jnp.where(
         s.finished_BW[..., None],
         jnp.where(jnp.arange(vocab) == PAD, s.log_probs_BW[..., None], -jnp.inf),
-        s.log_probs_BW[..., None] + log_probs_BWV,
+        s.log_probs_BW[..., None] + jnp.where(jnp.arange(vocab) == PAD, -jnp.inf, log_probs_BWV),  # PAD: never
     )
     cand_len_BW = jnp.where(s.finished_BW, s.lengths_BW, s.step_B[:, None] + 1)
     score_BWV = cand_BWV / decoding.length_penalty(cand_len_BW, alpha)[..., None]
@@ -193,14 +196,14 @@ def test_each_beams_best_tokens_give_the_step_of_all_candidates(vocab):
     batch, width, alpha = 6, 4, 0.6
     rng = np.random.default_rng(vocab)
     logits_RV = jnp.asarray(rng.normal(size=(batch * width, vocab)) * 3, jnp.float32)  # distinct: no ties
-    s = decoding.BeamState.start({}, batch, width, 8)._replace(
+    s = decoding.BeamState.start({}, batch, width, 8, IDS)._replace(
         step_B=jnp.full((batch,), 3, jnp.int32),
         finished_BW=jnp.asarray(rng.random((batch, width)) < 0.3).at[0].set(True).at[1].set(False),
         log_probs_BW=jnp.asarray(-np.sort(rng.random((batch, width)) * 4, 1), jnp.float32),
         lengths_BW=jnp.asarray(rng.integers(1, 4, (batch, width)), jnp.int32),
     )
     step = lambda tokens_R1, cache: (logits_RV[:, None], cache)  # noqa: E731
-    new = s.advance(step, jnp.full((batch,), 8), alpha, settle=0)
+    new = s.advance(step, jnp.full((batch,), 8), alpha, settle=0, ids=IDS)
     score_BW, beam_BW, token_BW, log_probs_BW = _all_candidates_step(logits_RV, s, alpha)
     np.testing.assert_array_equal(new.last_BW, token_BW)
     np.testing.assert_array_equal(new.log_probs_BW, log_probs_BW)  # the same bits, not only close
@@ -235,7 +238,7 @@ def _cached_steps(graphdef, state, src_BS, tokens_RT, perms_TR, *, beam_size, ma
     """Feeds tokens_RT step by step through cached_decode_step, reordering the cache rows by perms_TR first (with
     the Decoder's reorder: the keys and values stay, the beam lineage follows)."""
     model = nnx.merge(graphdef, state)
-    seg = unpacked_segment_ids(src_BS)
+    seg = unpacked_segment_ids(src_BS, IDS.pad)
     d = decoding.cached_decode_step(model, model.encode(src_BS, seg), seg, beam_size=beam_size, max_steps=max_steps)
     cache = decoding.tile_beams(d.grow(d.cache, max_steps), beam_size)
 
@@ -252,7 +255,7 @@ def _cached_steps(graphdef, state, src_BS, tokens_RT, perms_TR, *, beam_size, ma
 def _full_logits(graphdef, state, src_BS, tgt_RT, *, beam_size):
     """model.decode without a cache on whole target prefixes, the encoder output tiled over beams."""
     model = nnx.merge(graphdef, state)
-    memory, seg = decoding.tile_beams((model.encode(src_BS), unpacked_segment_ids(src_BS)), beam_size)
+    memory, seg = decoding.tile_beams((model.encode(src_BS), unpacked_segment_ids(src_BS, IDS.pad)), beam_size)
     return model.decode(memory, tgt_RT, src_segment_ids=seg)
 
 
@@ -289,7 +292,7 @@ def _teacher_forced_log_probs(graphdef, state, src, tokens_BWL, lengths_BW):
     """log P(tokens | src) of every beam, from one full decode (no cache)."""
     model = nnx.merge(graphdef, state)
     b, w, length = tokens_BWL.shape
-    memory, seg = decoding.tile_beams((model.encode(src), unpacked_segment_ids(src)), w)
+    memory, seg = decoding.tile_beams((model.encode(src), unpacked_segment_ids(src, IDS.pad)), w)
     flat = tokens_BWL.reshape(b * w, length)
     tgt_in = jnp.concatenate([jnp.full((b * w, 1), BOS), flat[:, :-1]], 1)
     log_probs = jax.nn.log_softmax(
@@ -315,9 +318,11 @@ def test_beam_search_on_model_scores_equal_full_recompute_log_probs():
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_steps"))
 def _model_beam1(graphdef, state, src_BS, max_len_B, *, max_steps):
     model = nnx.merge(graphdef, state)
-    seg = unpacked_segment_ids(src_BS)
+    seg = unpacked_segment_ids(src_BS, IDS.pad)
     d = decoding.cached_decode_step(model, model.encode(src_BS, seg), seg, beam_size=1, max_steps=max_steps)
-    return decoding.beam_search(d.step, d.cache, max_len_B, beam_size=1, alpha=0.6, max_steps=max_steps, grow=d.grow)
+    return decoding.beam_search(
+        d.step, d.cache, max_len_B, beam_size=1, alpha=0.6, max_steps=max_steps, grow=d.grow, ids=IDS
+    )
 
 
 def test_beam_size_one_equals_greedy_on_model_and_search_runs_without_dropout():
@@ -342,6 +347,8 @@ def test_beam_size_one_equals_greedy_on_model_and_search_runs_without_dropout():
 
 class CharTokenizer:
     """Characters <-> ids 4..49 (vocab 50 of the tiny model), enough to drive translate()."""
+
+    ids = IDS
 
     def encode(self, text: str) -> list[int]:
         return [4 + ord(c) % 46 for c in text]
@@ -413,7 +420,7 @@ def test_cache_stages_double_then_end_at_max_steps():
 def _search_without_eos(graphdef, state, src_BS, max_len_B, *, beam_size, max_steps, staged):
     """Beam search with EOS masked (outputs run to max_len_B, across stages), staged or over one full-size cache."""
     model = nnx.merge(graphdef, state)
-    seg = unpacked_segment_ids(src_BS)
+    seg = unpacked_segment_ids(src_BS, IDS.pad)
     d = decoding.cached_decode_step(model, model.encode(src_BS, seg), seg, beam_size=beam_size, max_steps=max_steps)
 
     def step(tokens, cache):
@@ -421,7 +428,9 @@ def _search_without_eos(graphdef, state, src_BS, max_len_B, *, beam_size, max_st
         return logits.at[..., EOS].set(-jnp.inf), cache
 
     cache, grow = (d.cache, d.grow) if staged else (d.grow(d.cache, max_steps), None)
-    return decoding.beam_search(step, cache, max_len_B, beam_size=beam_size, alpha=0.6, max_steps=max_steps, grow=grow)
+    return decoding.beam_search(
+        step, cache, max_len_B, beam_size=beam_size, alpha=0.6, max_steps=max_steps, grow=grow, ids=IDS
+    )
 
 
 @pytest.mark.parametrize("beam_size", [pytest.param(1, marks=pytest.mark.slow), 3])

@@ -16,7 +16,7 @@ from tests.helpers.training import write_corpus
 from transformer_jax import decoding
 from transformer_jax.evaluation.scoring import score_pairs
 from transformer_jax.evaluation.translate import DecodeSettings, output_limit, source_ids, translate_nbest
-from transformer_jax.tokens import EOS_ID
+from transformer_jax.tokens import SpecialIds
 
 ctranslate2 = pytest.importorskip("ctranslate2", reason="ctranslate2 is not installed: the comparisons need it")
 from transformer_jax.export import ctranslate2 as export_lib  # noqa: E402 - needs the engine, checked above
@@ -31,10 +31,13 @@ def setup(tmp_path_factory):
 
     directory = write_corpus(tmp_path_factory.mktemp("corpus"))
     lines = [line for split in ("train.en", "train.de") for line in (directory / split).read_text().splitlines()]
-    tokenizer = train_tokenizer(lines, directory / "spm.model", vocab_size=VOCAB, model_type="unigram")
+    tokenizer = train_tokenizer(
+        lines, directory / "spm.model", vocab_size=VOCAB, model_type="unigram", ids=SpecialIds.DEFAULT
+    )
     model = tiny_model(0, num_encoder_layers=1, num_decoder_layers=1, vocab_size=VOCAB)
     table = model.src_embed.table_VD
-    table[...] = table[...].at[EOS_ID].set(1.1 * table[...][109])  # some outputs stop at EOS, others at the limit
+    # Some outputs stop at EOS, others at the limit.
+    table[...] = table[...].at[SpecialIds.DEFAULT.eos].set(1.1 * table[...][109])
     path = export_lib.to_ctranslate2(model, tokenizer, tmp_path_factory.mktemp("export") / "ct2", max_positions=64)
     translator = ctranslate2.Translator(str(path), device="cpu", intra_threads=1)
     sources = (directory / "test.en").read_text(encoding="utf-8").splitlines()[:12]
@@ -79,7 +82,7 @@ def test_greedy_with_a_target_prefix_equals_target_prefix(setup):
     index = {piece: i for i, piece in enumerate(pieces)}
     for o, r, limit, prefix in zip(ours, results, limits, prefixes, strict=True):
         out = [index[p] for p in r.hypotheses[0]][:limit]  # greedy: cut at each sentence's own limit
-        theirs = tokenizer.decode([t for t in out if t != EOS_ID])
+        theirs = tokenizer.decode([t for t in out if t != SpecialIds.DEFAULT.eos])
         assert o[0].text == theirs
         assert o[0].text.startswith(prefix)
     assert any(len(tokenizer.encode(p)) for p in prefixes)

@@ -16,6 +16,7 @@ import pytest
 
 from tests.helpers.decoding import (
     EOS,
+    IDS,
     PAD,
     CharTokenizer,
     OneCheckpoint,
@@ -48,6 +49,7 @@ def _stub_beam(seeds_B, max_len_B, alpha, *, beam_size, max_steps, table_seed, p
         max_steps=max_steps,
         penalty=penalty,
         settle=settle,
+        ids=IDS,
     )
 
 
@@ -94,9 +96,9 @@ def _stub_beam_steps(seeds_B, max_len_B, alpha, *, width, max_steps, table_seed,
     """Beam search's loop on the hashing stub, one cache stage: (the beams best first, each sentence's steps)."""
     cache = decoding.tile_beams({"h": seeds_B, "calls": jnp.zeros((), jnp.int32)}, width)
     step = hash_stub(hash_table(table_seed))
-    s = decoding.BeamState.start(cache, seeds_B.shape[0], width, max_steps)
+    s = decoding.BeamState.start(cache, seeds_B.shape[0], width, max_steps, IDS)
     s = jax.lax.while_loop(
-        lambda s: ~jnp.all(s.sentence_done()), lambda s: s.advance(step, max_len_B, alpha, settle, penalty), s
+        lambda s: ~jnp.all(s.sentence_done()), lambda s: s.advance(step, max_len_B, alpha, settle, penalty, ids=IDS), s
     )
     return decoding.best_first(s.tokens_BWL, s.log_probs_BW, s.lengths_BW, alpha, penalty), s.step_B
 
@@ -129,7 +131,15 @@ def _stub_set_aside(seeds_B, max_len_B, alpha, *, width, n, max_steps, table_see
     cache = {"h": seeds_B, "calls": jnp.zeros((), jnp.int32)}
     step = hash_stub(hash_table(table_seed))
     return decoding.set_aside_search(
-        step, cache, max_len_B, beam_size=width, hypotheses=n, alpha=alpha, max_steps=max_steps, penalty=penalty
+        step,
+        cache,
+        max_len_B,
+        beam_size=width,
+        hypotheses=n,
+        alpha=alpha,
+        max_steps=max_steps,
+        penalty=penalty,
+        ids=IDS,
     )
 
 
@@ -165,10 +175,10 @@ def test_set_aside_search_stops_sooner_than_the_full_search_and_differs_from_it(
     assert int(jnp.sum(aside.lengths[:, 0] > 0)) == len(seeds)
     assert not np.array_equal(aside.tokens, full.tokens)
     cache = decoding.tile_beams({"h": seeds, "calls": jnp.zeros((), jnp.int32)}, 4)
-    s = decoding.SetAsideState.start(cache, len(seeds), 4, 4, 8)
+    s = decoding.SetAsideState.start(cache, len(seeds), 4, 4, 8, IDS)
     step = hash_stub(hash_table(2))
     s = jax.lax.while_loop(
-        lambda s: ~jnp.all(s.sentence_done()), lambda s: s.advance(step, max_lens, 1.0, "average"), s
+        lambda s: ~jnp.all(s.sentence_done()), lambda s: s.advance(step, max_lens, 1.0, "average", ids=IDS), s
     )
     assert int(s.step_B.sum()) < int(full_steps.sum())
 
@@ -346,10 +356,10 @@ def _stub_prefixed(seeds_B, max_len_B, prefix_BP, *, beam_size, max_steps, table
     cache = {"h": seeds_B, "calls": jnp.zeros((), jnp.int32)}
     step = hash_stub(hash_table(table_seed))
     if beam_size == 1:
-        g = decoding.greedy_search(step, cache, max_len_B, max_steps=max_steps, prefix_BP=prefix_BP)
+        g = decoding.greedy_search(step, cache, max_len_B, max_steps=max_steps, prefix_BP=prefix_BP, ids=IDS)
         return g.tokens[:, None], g.log_probs[:, None], g.lengths[:, None]
     b = decoding.beam_search(
-        step, cache, max_len_B, beam_size=beam_size, alpha=0.6, max_steps=max_steps, prefix_BP=prefix_BP
+        step, cache, max_len_B, beam_size=beam_size, alpha=0.6, max_steps=max_steps, prefix_BP=prefix_BP, ids=IDS
     )
     return b.tokens, b.log_probs, b.lengths
 
@@ -401,7 +411,7 @@ def test_prefixed_set_aside_search_equals_ctranslate2s_loop_from_the_prefix(pena
     cache = {"h": jnp.asarray(seeds), "calls": jnp.zeros((), jnp.int32)}
     result = jax.jit(
         lambda c, m, p: decoding.set_aside_search(
-            step, c, m, beam_size=3, hypotheses=2, alpha=alpha, max_steps=6, penalty=penalty, prefix_BP=p
+            step, c, m, beam_size=3, hypotheses=2, alpha=alpha, max_steps=6, penalty=penalty, prefix_BP=p, ids=IDS
         )
     )(cache, max_len, _prefix_BP())
     for b, (seed, prefix) in enumerate(zip(seeds, PREFIXES, strict=True)):

@@ -8,12 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers.decoding import BOS, EOS, PAD, log_softmax, reference_lp, shared_model
+from tests.helpers.decoding import BOS, EOS, IDS, PAD, log_softmax, reference_lp, shared_model
 from tests.helpers.model import forward
 from transformer_jax import decoding
-from transformer_jax.tokens import UNK_ID as UNK
 
-BANNED = (PAD, BOS, UNK)  # reserved ids the toy search never emits (a generated PAD would read as padding)
+BANNED = (PAD, BOS, IDS.unk)  # reserved ids the toy search never emits (a generated PAD would read as padding)
 
 
 def _second_best(logits_BV: jax.Array, step_B: jax.Array) -> jax.Array:
@@ -27,7 +26,7 @@ class SecondBest(decoding.Search):
     scores)."""
 
     def advance(self, s, step, max_len_B, row_inputs, reorder):
-        return s.advance(step, max_len_B, None, _second_best)
+        return s.advance(step, max_len_B, None, _second_best, ids=self.reserved)
 
 
 def _sources(n: int) -> list[list[int]]:

@@ -23,6 +23,7 @@ from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import DiskFullError
 from transformer_jax.evaluation import outputs
 from transformer_jax.runtime import files
+from transformer_jax.tokens import SpecialIds
 from transformer_jax.training import metrics
 from transformer_jax.training.metrics import MetricWriter, read_metrics
 
@@ -64,7 +65,7 @@ def corpus(tmp_path_factory) -> pathlib.Path:
 
 def test_a_full_disk_while_building_the_store_leaves_no_store(corpus, tmp_path, monkeypatch):
     config = tiny_train_config(corpus).data
-    tok = tokenizer_lib.get_tokenizer(config, tmp_path, vocab_size=320)
+    tok = tokenizer_lib.get_tokenizer(config, tmp_path, vocab_size=320, ids=SpecialIds.DEFAULT)
     real_append = store._NpyWriter.append
     calls = []
 

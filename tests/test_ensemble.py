@@ -9,19 +9,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers.decoding import CharTokenizer, OneCheckpoint, shared_model
+from tests.helpers.decoding import BOS, EOS, PAD, CharTokenizer, OneCheckpoint, shared_model
 from tests.helpers.model import forward, tiny_model
 from transformer_jax import decoding
 from transformer_jax.decoding.ensemble import Ensemble
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation.__main__ import evaluate
 from transformer_jax.evaluation.scoring import score_pairs
-from transformer_jax.tokens import BOS_ID, EOS_ID, PAD_ID
 
 
 def _sources(n: int):
     rng = np.random.default_rng(6)
-    return [[int(t) for t in rng.integers(4, 50, k - 1)] + [EOS_ID] for k in rng.integers(2, 10, n)]
+    return [[int(t) for t in rng.integers(4, 50, k - 1)] + [EOS] for k in rng.integers(2, 10, n)]
 
 
 @pytest.mark.parametrize("sentences", [4, pytest.param(20, marks=pytest.mark.slow)])  # 20: the refilling batch
@@ -37,14 +36,14 @@ def test_ensemble_greedy_follows_the_mean_of_the_members_log_probs_and_keeps_eac
         n = int(r.lengths[0])
         out = [int(t) for t in r.tokens[0, :n]]
         # Padded to fixed lengths (one compilation per member); causality hides the padding after position n - 1.
-        src_BS = jnp.asarray([src + [PAD_ID] * (10 - len(src))])
-        tgt_BT = jnp.asarray([[BOS_ID, *out[:-1]] + [PAD_ID] * (9 - n)])
+        src_BS = jnp.asarray([src + [PAD] * (10 - len(src))])
+        tgt_BT = jnp.asarray([[BOS, *out[:-1]] + [PAD] * (9 - n)])
         log_probs = [np.asarray(jax.nn.log_softmax(forward(m, src_BS, tgt_BT)[0, :n], -1)) for m in members]
         mean_TV = np.mean(log_probs, 0)
         mean_TV = mean_TV - np.logaddexp.reduce(mean_TV, axis=-1, keepdims=True)
         assert out == [int(t) for t in np.argmax(mean_TV, axis=-1)]
         np.testing.assert_allclose(r.log_probs[0], mean_TV[np.arange(n), out].sum(), rtol=1e-4, atol=1e-5)
-    assert all(int(t) != PAD_ID for r in found for t in r.tokens[0, : int(r.lengths[0])])
+    assert all(int(t) != PAD for r in found for t in r.tokens[0, : int(r.lengths[0])])
 
 
 def _mean_log_probs_by_hand(members, src: list[int], tgt_in: list[int]) -> np.ndarray:
@@ -64,8 +63,8 @@ def test_ensemble_scores_are_sums_of_the_renormalised_mean_of_the_members_log_pr
     sources, targets = ["hello world", "a", "the cat", "b c d e"], ["hallo welt", "", "die katze sass", "b"]
     scores, stats = score_pairs(Ensemble(members), tok, sources, targets, batch_size=4, max_len=16)
     for s, t, got in zip(sources, targets, scores, strict=True):
-        tgt = tok.encode(t) + [EOS_ID]
-        mean_TV = _mean_log_probs_by_hand(members, tok.encode(s) + [EOS_ID], [BOS_ID, *tgt[:-1]])
+        tgt = tok.encode(t) + [EOS]
+        mean_TV = _mean_log_probs_by_hand(members, tok.encode(s) + [EOS], [BOS, *tgt[:-1]])
         assert got.tokens == len(tgt)
         np.testing.assert_allclose(got.log_prob, mean_TV[np.arange(len(tgt)), tgt].sum(), rtol=1e-4, atol=1e-5)
     alone, _ = score_pairs(members[0], tok, sources, targets, batch_size=4, max_len=16)

@@ -39,6 +39,7 @@ from transformer_jax.evaluation.options import (
     parse,
     values_of,
 )
+from transformer_jax.tokens import SpecialIds
 
 PYTHON = sys.executable
 SACREBLEU = str(Path(sys.executable).parent / "sacrebleu")
@@ -333,7 +334,7 @@ def test_end_to_end_with_real_checkpoints_and_tokenizer(tmp_path):
     saver.save(20, state, {"position": 1}, config)
     saver.close()
     lines = bleu.read_lines(multi30k)[:500]
-    train_tokenizer(lines, tmp_path / "spm.model", vocab_size=500, model_type="unigram")
+    train_tokenizer(lines, tmp_path / "spm.model", vocab_size=500, model_type="unigram", ids=SpecialIds.DEFAULT)
     src = tmp_path / "src.en"
     src.write_text("\n".join(lines[:5] + ["", lines[5]]) + "\n", encoding="utf-8")
     out = tmp_path / "hyp.txt"

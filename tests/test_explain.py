@@ -26,7 +26,7 @@ from transformer_jax.explain import __main__ as explain_cli
 from transformer_jax.explain.page import fmt, header
 from transformer_jax.model.layers import sinusoidal_encoding
 from transformer_jax.model.transformer import capture_attention_weights
-from transformer_jax.tokens import EOS_ID
+from transformer_jax.tokens import SpecialIds
 from transformer_jax.training.checkpoints import Checkpointer
 from transformer_jax.training.state import create_train_state, eval_model
 
@@ -43,7 +43,7 @@ def run(tmp_path_factory):
     config.eval.average_last = 1  # one checkpoint
     config.eval.max_extra_len = 4  # an untrained model rarely emits </s>: keep its outputs short
     config.eval.beam_size = 3
-    get_tokenizer(config.data, workdir, vocab_size=config.model.vocab_size)
+    get_tokenizer(config.data, workdir, vocab_size=config.model.vocab_size, ids=SpecialIds.of(config))
     graphs, state = create_train_state(config)
     checkpointer = Checkpointer(workdir, config.ckpt)
     checkpointer.save(1, state, {}, config)
@@ -202,12 +202,12 @@ def test_hindi_page_has_the_same_numbers_and_images(beam, pages):
 
 def test_long_sentence_is_cut_as_evaluate_cuts_it_and_the_page_says_so(run, beam):
     workdir, config, _ = run
-    tokenizer = get_tokenizer(config.data, workdir, vocab_size=config.model.vocab_size)
+    tokenizer = get_tokenizer(config.data, workdir, vocab_size=config.model.vocab_size, ids=SpecialIds.of(config))
     limit = config.data.eval_max_len
     long = " ".join([SENTENCE] * 10)
     ids, cut = source_ids(tokenizer, long, limit)  # evaluation.translate's rule, which capture uses
     full = tokenizer.encode(long)
-    assert ids == full[: limit - 1] + [EOS_ID] and cut
+    assert ids == full[: limit - 1] + [SpecialIds.DEFAULT.eos] and cut
     assert source_ids(tokenizer, SENTENCE, limit)[1] is False
     truncated = (len(full) + 1, limit)
     assert f"cut to {limit} tokens" in "".join(header(dataclasses.replace(beam, truncated=truncated), TEXT["en"]))

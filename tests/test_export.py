@@ -30,7 +30,7 @@ from transformer_jax.errors import ConfigError, EvalError
 from transformer_jax.evaluation.__main__ import evaluate
 from transformer_jax.evaluation.options import Decoding, decoding_settings
 from transformer_jax.evaluation.translate import DecodeSettings, position_limit, translate
-from transformer_jax.tokens import BOS_ID, EOS_ID
+from transformer_jax.tokens import SpecialIds
 from transformer_jax.training import checkpoints, state
 
 ctranslate2 = pytest.importorskip(
@@ -48,7 +48,7 @@ class RecordingTokenizer:
     """The project's tokenizer, recording the ids of every output it detokenizes."""
 
     def __init__(self, tokenizer):
-        self.inner, self.path, self.decoded = tokenizer, tokenizer.path, []
+        self.inner, self.path, self.ids, self.decoded = tokenizer, tokenizer.path, tokenizer.ids, []
 
     def encode(self, text):
         return self.inner.encode(text)
@@ -62,7 +62,9 @@ class RecordingTokenizer:
 def corpus(tmp_path_factory):
     directory = write_corpus(tmp_path_factory.mktemp("corpus"))
     lines = [line for split in ("train.en", "train.de") for line in (directory / split).read_text().splitlines()]
-    tokenizer = train_tokenizer(lines, directory / "spm.model", vocab_size=VOCAB, model_type="unigram")
+    tokenizer = train_tokenizer(
+        lines, directory / "spm.model", vocab_size=VOCAB, model_type="unigram", ids=SpecialIds.DEFAULT
+    )
     return directory, tokenizer
 
 
@@ -73,7 +75,7 @@ def eos_prone_model(**overrides):
     run into their limit (the test checks that both happen)."""
     model = tiny_model(0, num_encoder_layers=1, num_decoder_layers=1, vocab_size=VOCAB, **overrides)
     table = model.src_embed.table_VD
-    table[...] = table[...].at[EOS_ID].set(1.1 * table[...][109])
+    table[...] = table[...].at[SpecialIds.DEFAULT.eos].set(1.1 * table[...][109])
     return model
 
 
@@ -121,14 +123,14 @@ def assert_same_log_probs(model, path, tokenizer, directory: Path) -> None:
     src_BS = np.zeros((8, max(map(len, sources)) + 1), np.int32)
     tgt_BT = np.zeros((8, max(map(len, targets)) + 1), np.int32)
     for b, (s, t) in enumerate(zip(sources, targets, strict=True)):
-        src_BS[b, : len(s) + 1] = s + [EOS_ID]
-        tgt_BT[b, : len(t) + 1] = [BOS_ID] + t
+        src_BS[b, : len(s) + 1] = s + [SpecialIds.DEFAULT.eos]
+        tgt_BT[b, : len(t) + 1] = [SpecialIds.DEFAULT.bos] + t
     log_probs_BTV = np.asarray(jax.nn.log_softmax(forward(model, jnp.asarray(src_BS), jnp.asarray(tgt_BT)), -1))
     results = translator(path).score_batch(
         [[pieces[i] for i in s] for s in sources], [[pieces[i] for i in t] for t in targets]
     )
     for b, (t, result) in enumerate(zip(targets, results, strict=True)):
-        ours = log_probs_BTV[b, np.arange(len(t) + 1), t + [EOS_ID]]  # y_1 .. y_n then EOS
+        ours = log_probs_BTV[b, np.arange(len(t) + 1), t + [SpecialIds.DEFAULT.eos]]  # y_1 .. y_n then EOS
         np.testing.assert_allclose(result.log_probs, ours, atol=1e-4, rtol=0)
 
 
@@ -161,11 +163,11 @@ def test_the_directory_serves_alone_with_sentencepiece_and_our_reserved_ids(expo
     assert vocabulary == [sp.id_to_piece(i) for i in range(VOCAB)]
     config = json.loads((path / "config.json").read_text())
     assert [config["bos_token"], config["eos_token"], config["unk_token"]] == [
-        vocabulary[BOS_ID],
-        vocabulary[EOS_ID],
+        vocabulary[SpecialIds.DEFAULT.bos],
+        vocabulary[SpecialIds.DEFAULT.eos],
         vocabulary[3],
     ]
-    assert config["add_source_eos"] and config["decoder_start_token"] == vocabulary[BOS_ID]
+    assert config["add_source_eos"] and config["decoder_start_token"] == vocabulary[SpecialIds.DEFAULT.bos]
 
 
 def test_positions_are_our_interleaved_sinusoid_not_the_engines_own(exported):
@@ -305,7 +307,9 @@ def test_command_line_export_of_a_workdir_equals_evaluate_greedy_on_100_sentence
     config = tiny_train_config(data)
     config.lock()
     lines = data.joinpath("train.en").read_text().splitlines() + data.joinpath("train.de").read_text().splitlines()
-    train_tokenizer(lines, workdir / "spm.model", vocab_size=config.model.vocab_size, model_type="unigram")
+    train_tokenizer(
+        lines, workdir / "spm.model", vocab_size=config.model.vocab_size, model_type="unigram", ids=SpecialIds.DEFAULT
+    )
     _, train_state = state.create_train_state(config)
     saver = checkpoints.Checkpointer(workdir, config.ckpt)
     for step in (10, 20, 30):
@@ -332,6 +336,9 @@ def test_command_line_export_of_a_workdir_equals_evaluate_greedy_on_100_sentence
     sentences_100 = source.read_text(encoding="utf-8").splitlines()
     assert len(sentences_100) == len(ours) == 100
     theirs, stats = export_lib.ctranslate2_translate(
-        translator(out), Tokenizer(out / "spm.model"), sentences_100, decoding_settings(Decoding(beam_size=1), config)
+        translator(out),
+        Tokenizer(out / "spm.model", SpecialIds.DEFAULT),
+        sentences_100,
+        decoding_settings(Decoding(beam_size=1), config),
     )
     assert theirs == ours and stats["hit_max_len"] == report["stats"]["hit_max_len"]

@@ -20,6 +20,7 @@ import pytest
 from tests.helpers import REPO
 from tests.helpers.training import tiny_train_config, wait_for_checkpoint
 from transformer_jax import data
+from transformer_jax.tokens import SpecialIds
 from transformer_jax.training import checkpoints, loop
 from transformer_jax.training.metrics import read_metrics
 
@@ -92,7 +93,9 @@ def _shared_tokenizer(corpus: pathlib.Path) -> None:
     """One tokenizer and one tokenized store for every run, built once beforehand as the README says for
     multi-host runs (each would refuse to build its own)."""
     config = tiny_train_config(corpus)
-    tokenizer = data.get_tokenizer(config.data, corpus.parent, vocab_size=config.model.vocab_size)
+    tokenizer = data.get_tokenizer(
+        config.data, corpus.parent, vocab_size=config.model.vocab_size, ids=SpecialIds.of(config)
+    )
     data.open_train_store(config.data, tokenizer, build_if_missing=True)
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers.decoding import EOS, OneCheckpoint, shared_model
+from tests.helpers.decoding import EOS, IDS, OneCheckpoint, shared_model
 from transformer_jax import decoding
 from transformer_jax.decoding.sampling import inverse_cdf, nucleus_threshold
 from transformer_jax.errors import EvalError
@@ -48,7 +48,12 @@ def _draw(sampling: decoding.Sampling, seed: int) -> np.ndarray:
 
     result = jax.jit(
         lambda keys: decoding.greedy_search(
-            step, {"t": jnp.zeros((), jnp.int32)}, jnp.ones(ROWS, jnp.int32), max_steps=1, choose=sampling.chooser(keys)
+            step,
+            {"t": jnp.zeros((), jnp.int32)},
+            jnp.ones(ROWS, jnp.int32),
+            max_steps=1,
+            choose=sampling.chooser(keys),
+            ids=IDS,
         )
     )(jnp.asarray(keys))
     log_softmax = LOGITS - np.logaddexp.reduce(LOGITS[np.isfinite(LOGITS)])

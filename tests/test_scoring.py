@@ -58,7 +58,7 @@ def test_pairs_are_packed_once_each_into_few_equal_batches():
     rng = np.random.default_rng(0)
     src = [list(rng.integers(4, 50, rng.integers(1, 20))) for _ in range(300)]
     tgt = [list(rng.integers(4, 50, rng.integers(1, 20))) for _ in range(300)]
-    examples = batching.from_ids(src, tgt, 32)
+    examples = batching.from_ids(src, tgt, 32, eos=CharTokenizer.ids.eos)
     plans = list(packed_batches(examples, 64, 32))
     assert sorted(np.concatenate([p.items for p in plans])) == list(range(300))
     assert len({p.shape for p in plans}) == 1 and plans[0].shape[0] % 8 == 0 and plans[0].shape[0] <= 64
@@ -71,7 +71,7 @@ def test_pairs_are_packed_once_each_into_few_equal_batches():
                 assert np.all(offsets[p.rows == r][mine][1:] >= ends[p.rows == r][mine][:-1])
     slots = len(plans) * plans[0].shape[0] * 32
     assert examples.tgt_lens.sum() / slots > 0.8
-    assert list(packed_batches(batching.from_ids([], [], 32), 64, 32)) == []
+    assert list(packed_batches(batching.from_ids([], [], 32, eos=CharTokenizer.ids.eos), 64, 32)) == []
 
 
 def test_the_score_of_a_searched_output_is_the_searchs_log_probability():

@@ -13,6 +13,7 @@ from tests.helpers.training import tiny_train_config
 from transformer_jax import data
 from transformer_jax.model import TransformerSpec
 from transformer_jax.sharding import make_mesh
+from transformer_jax.tokens import SpecialIds
 from transformer_jax.training import flops
 from transformer_jax.training.loop import check_batch_shapes
 from transformer_jax.training.summary import dry_run_summary
@@ -39,7 +40,9 @@ def test_accumulation_splits_the_same_batch_so_flops_and_tokens_do_not_change(co
 def test_shapes_are_the_ones_the_data_pipeline_produces(corpus, tmp_path_factory, batching, accum):
     config = _config(corpus, batching, accum)
     shapes = dry_run_summary(config)["batch_shapes_rows_src_tgt"]
-    tokenizer = data.get_tokenizer(config.data, corpus.parent, vocab_size=config.model.vocab_size)
+    tokenizer = data.get_tokenizer(
+        config.data, corpus.parent, vocab_size=config.model.vocab_size, ids=SpecialIds.of(config)
+    )
     # The row multiple training asks for: bucket rows must split into accum micro-batches over the devices.
     row_multiple = check_batch_shapes(config, make_mesh())
     iterator, stats = data.make_train_iterator(config.data, tokenizer, row_multiple=row_multiple)

@@ -25,6 +25,7 @@ from transformer_jax.errors import ConfigError, DataError
 from transformer_jax.evaluation.validation import bleu_evaluator
 from transformer_jax.runtime import compile_cache
 from transformer_jax.sharding import batch_sharding, make_mesh
+from transformer_jax.tokens import SpecialIds
 from transformer_jax.training import checkpoints, flops, loop
 from transformer_jax.training.loop import (
     NonFiniteError,
@@ -151,7 +152,7 @@ def test_a_step_is_checkpointed_before_its_validation_runs(corpus, tmp_path, mon
 
 def test_prefetched_batches_and_states_are_the_iterators_own(corpus, tmp_path):
     config = tiny_train_config(corpus)
-    tokenizer = data.get_tokenizer(config.data, tmp_path, vocab_size=config.model.vocab_size)
+    tokenizer = data.get_tokenizer(config.data, tmp_path, vocab_size=config.model.vocab_size, ids=SpecialIds.of(config))
     plain, _ = data.make_train_iterator(config.data, tokenizer)
     source, _ = data.make_train_iterator(config.data, tokenizer)
     prefetched = prefetch(source, batch_sharding(make_mesh()))
@@ -324,7 +325,7 @@ def test_validation_batches_keep_every_token_in_bucketed_lengths(corpus, tmp_pat
     config = tiny_train_config(corpus)
     config.data.eval_max_len = 256
     config.eval.batch_size = 5
-    tokenizer = data.get_tokenizer(config.data, tmp_path, vocab_size=config.model.vocab_size)
+    tokenizer = data.get_tokenizer(config.data, tmp_path, vocab_size=config.model.vocab_size, ids=SpecialIds.of(config))
     batches = validation_batches(config, tokenizer)
     pairs = data.load_split(config.data, config.data.valid_split)
     padded, _ = data.eval_batches(

@@ -19,6 +19,7 @@ from tests.helpers import REPO
 from tests.helpers.training import tiny_train_config, write_corpus
 from transformer_jax import visualize as viz
 from transformer_jax.data.tokenizer import get_tokenizer
+from transformer_jax.tokens import SpecialIds
 from transformer_jax.training.checkpoints import Checkpointer
 from transformer_jax.training.optim import learning_rate_schedule
 from transformer_jax.training.state import create_train_state, eval_model
@@ -46,7 +47,7 @@ def run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("workdir")
     config = tiny_train_config(corpus)
     config.model.num_encoder_layers = config.model.num_decoder_layers = 2  # pictures of several layers
-    get_tokenizer(config.data, workdir, vocab_size=config.model.vocab_size)
+    get_tokenizer(config.data, workdir, vocab_size=config.model.vocab_size, ids=SpecialIds.of(config))
     graphs, state = create_train_state(config)
     # Step 2: every float array scaled, so its attention weights differ from step 1's.
     scaled = jax.tree.map(lambda x: x * 1.5 if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
@@ -60,7 +61,7 @@ def run(tmp_path_factory):
 
 def tokenizer_of(run):
     workdir, config, _ = run
-    return get_tokenizer(config.data, workdir, vocab_size=config.model.vocab_size)
+    return get_tokenizer(config.data, workdir, vocab_size=config.model.vocab_size, ids=SpecialIds.of(config))
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from tests.helpers.model import random_tokens, tiny_model
-from transformer_jax.tokens import BOS_ID, EOS_ID, PAD_ID
+from transformer_jax.tokens import SpecialIds
 
-PAD, EOS, BOS = PAD_ID, EOS_ID, BOS_ID
+IDS = SpecialIds.DEFAULT  # the stubs' and the tiny models' reserved ids
+PAD, EOS, BOS = IDS.pad, IDS.eos, IDS.bos
 VOCAB = 6  # 0 pad, 1 eos, 2 bos, 3 unk (never produced by the stubs), 4 and 5 "words"
 WORDS = (EOS, 4, 5)
 HASH_MOD = 101
@@ -150,6 +151,8 @@ ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 .,;:!?'-("  # ids 4..49, the ti
 class CharTokenizer:
     """One id per character, invertible on ALPHABET (ids 4..49); other characters map to ids by their code, and
     the reserved ids 0..3 decode to nothing."""
+
+    ids = IDS
 
     def encode(self, text: str) -> list[int]:
         return [4 + (ALPHABET.index(c) if c in ALPHABET else ord(c) % 46) for c in text]

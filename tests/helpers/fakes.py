@@ -9,6 +9,7 @@ from flax import nnx
 
 from configs import common
 from transformer_jax.model import build_model
+from transformer_jax.tokens import SpecialIds
 
 
 def tiny_config(**model_overrides):
@@ -25,6 +26,8 @@ def tiny_config(**model_overrides):
 
 class CharTokenizer:
     """Characters <-> ids 4..49 (vocab 50 of the tiny model), enough to drive translate()."""
+
+    ids = SpecialIds.DEFAULT  # the tiny configs' reserved ids
 
     def encode(self, text: str) -> list[int]:
         return [4 + ord(c) % 46 for c in text]
@@ -66,19 +69,19 @@ class FakeRestorer:
 class WordTokenizer:
     """One id per space-separated word (ids from 4 up), so tests control lengths exactly."""
 
-    pad_id, eos_id, bos_id, unk_id = 0, 1, 2, 3
+    ids = SpecialIds.DEFAULT  # the tiny configs' reserved ids
 
     def __init__(self):
-        self.ids: dict[str, int] = {}
+        self.word_ids: dict[str, int] = {}
         self.words: dict[int, str] = {}
 
     def encode(self, text: str) -> list[int]:
         out = []
         for word in text.split():
-            if word not in self.ids:
-                self.ids[word] = len(self.ids) + 4
-                self.words[self.ids[word]] = word
-            out.append(self.ids[word])
+            if word not in self.word_ids:
+                self.word_ids[word] = len(self.word_ids) + 4
+                self.words[self.word_ids[word]] = word
+            out.append(self.word_ids[word])
         return out
 
     def encode_batch(self, texts, num_threads: int = 1) -> list[list[int]]:

@@ -47,6 +47,7 @@ def check_model(values: Mapping[str, Any]) -> None:
     for key, value in values.items():
         check_value(key, value)
     m = {key.removeprefix("model."): value for key, value in values.items()}
+    check_special_ids(m)
     d_model, heads, kv_heads = m["d_model"], m["num_heads"], m["num_kv_heads"]
     if (m["qk_head_dim"] == 0 or m["v_head_dim"] == 0) and d_model % heads:
         raise ConfigError(
@@ -66,6 +67,26 @@ def check_model(values: Mapping[str, Any]) -> None:
             f"config key model.attention_dropout_rate: attention-weight dropout needs the materialised weights of "
             f"attention.impl='xla', not {m['attention.impl']!r}; set it to 0 or use xla"
         )
+
+
+def check_special_ids(m: Mapping[str, Any]) -> None:
+    """model.pad_id/eos_id/bos_id/unk_id (keys without `model.`): each a row of the vocabulary; pad, eos and unk
+    distinct, bos distinct from eos and unk (it may be pad: Marian's decoder starts from pad)."""
+    ids = {f"{f}_id": m[f"{f}_id"] for f in ("pad", "eos", "bos", "unk")}
+    for key, value in ids.items():
+        if value >= m["vocab_size"]:
+            raise ConfigError(
+                f"config key model.{key}: {value} is not a row of the vocabulary (model.vocab_size={m['vocab_size']})"
+            )
+    for a, b in (
+        ("pad_id", "eos_id"),
+        ("pad_id", "unk_id"),
+        ("eos_id", "unk_id"),
+        ("bos_id", "eos_id"),
+        ("bos_id", "unk_id"),
+    ):
+        if ids[a] == ids[b]:
+            raise ConfigError(f"config key model.{b}: equals model.{a} ({ids[a]}); the reserved ids must differ")
 
 
 def check_opt(opt: Mapping[str, Any]) -> None:

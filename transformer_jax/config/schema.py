@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import ml_collections
 
 from transformer_jax.errors import ConfigError
+from transformer_jax.tokens import SpecialIds
 
 
 class Size(NamedTuple):
@@ -204,6 +205,16 @@ KEYS: tuple[Key, ...] = (
     ),  # set by base_config
     # model: what the modules are built from (TransformerSpec)
     Key("model.vocab_size", 32000, count(1), "tokens in the joint source-target vocabulary", MATCH, architecture=True),
+    # The vocabulary's reserved ids (tokens.SpecialIds): what the token ids mean, so a fine-tuning run takes them.
+    *(
+        Key(f"model.{f}_id", getattr(SpecialIds.DEFAULT, f), count(0), doc, MATCH, architecture=True)
+        for f, doc in (
+            ("pad", "token id of padding, never emitted"),
+            ("eos", "token id ending every sentence"),
+            ("bos", "token id of the first decoder input (may equal model.pad_id)"),
+            ("unk", "token id of an unknown piece"),
+        )
+    ),
     Key("model.d_model", _by_size("d_model"), count(1), "width of every residual stream", MATCH, architecture=True),
     Key("model.num_heads", _by_size("num_heads"), count(1), "h, attention heads per layer", MATCH, architecture=True),
     Key(

@@ -4,17 +4,20 @@ A plan says where each example of a batch goes: its row, its offset in that row 
 `assemble` turns a plan into the batch contract, whose arrays `BATCH_KEYS` names (every module that builds or
 consumes batches uses that tuple), with a handful of vectorised numpy operations:
 
-  src_tokens      [B, S] int32  each sentence's ids then EOS=1, 0 at padding
+  src_tokens      [B, S] int32  each sentence's ids then EOS, PAD at padding
   src_segment_ids [B, S] int32  1, 2, ... per example packed in the row, 0 at padding
   src_positions   [B, S] int32  0, 1, 2, ... restarting at each segment, 0 at padding
-  tgt_in          [B, T] int32  BOS=2 then the target ids, per segment
-  tgt_out         [B, T] int32  the target ids then EOS=1 (tgt_in shifted left by one)
+  tgt_in          [B, T] int32  BOS then the target ids, per segment; PAD at padding
+  tgt_out         [B, T] int32  the target ids then EOS (tgt_in shifted left by one); PAD at padding
   tgt_segment_ids [B, T] int32  the same segment id k as the example's source side
   tgt_positions   [B, T] int32
 
 Planners take the example ids of one window (carried-over ids first) and return the batches they can fill
 completely plus the ids they leave over for the next window, so every batch has a fixed shape and no example is
 dropped or repeated within an epoch.
+
+The reserved ids (EOS, BOS, PAD) are the vocabulary's (tokens.SpecialIds, the tokenizer's `ids`). Whether a slot is
+real is its segment id's business (> 0), never its token's: BOS may equal PAD (Marian's decoder starts from pad).
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, Tokenizer
+from transformer_jax.data.tokenizer import Tokenizer
 from transformer_jax.errors import DataError
+from transformer_jax.tokens import SpecialIds
 
 ROW_MULTIPLE = 8  # default: bucket batches have a multiple of 8 rows, so they split evenly over up to 8 devices
 MIN_EVAL_LENGTH = 16  # tokens; the shortest padded length of an evaluation batch
@@ -72,13 +76,13 @@ class Examples:
         return src, self.tgt[self.tgt_starts[i] : self.tgt_starts[i + 1] - 1]
 
 
-def _ragged(ids: Sequence[Sequence[int]], max_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _ragged(ids: Sequence[Sequence[int]], eos: int, max_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Concatenates id lists with an EOS after each; with max_len, keeps at most max_len - 1 ids (EOS stays)."""
     if max_len is not None:
         ids = [x[: max_len - 1] for x in ids]
     lens = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
     flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(lens.sum()))
-    out = np.full(len(flat) + len(ids), EOS_ID, dtype=np.int32)
+    out = np.full(len(flat) + len(ids), eos, dtype=np.int32)
     # Token j of sentence i moves right by i places, leaving one EOS slot after each sentence.
     out[np.arange(len(flat)) + np.repeat(np.arange(len(ids)), lens)] = flat
     starts = np.zeros(len(ids) + 1, dtype=np.int64)
@@ -87,10 +91,11 @@ def _ragged(ids: Sequence[Sequence[int]], max_len: int | None = None) -> tuple[n
 
 
 def from_ids(
-    src_ids: Sequence[Sequence[int]], tgt_ids: Sequence[Sequence[int]], max_len: int | None = None
+    src_ids: Sequence[Sequence[int]], tgt_ids: Sequence[Sequence[int]], max_len: int | None = None, *, eos: int
 ) -> Examples:
-    src, src_starts = _ragged(src_ids, max_len)
-    tgt, tgt_starts = _ragged(tgt_ids, max_len)
+    """Examples of id lists (no EOS yet): each side gets `eos` appended, after at most max_len - 1 ids."""
+    src, src_starts = _ragged(src_ids, eos, max_len)
+    tgt, tgt_starts = _ragged(tgt_ids, eos, max_len)
     return Examples(src, src_starts, tgt, tgt_starts)
 
 
@@ -105,11 +110,14 @@ def tokenize_pairs(
     pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer, *, num_threads: int = 1, chunk: int = 100_000
 ) -> Examples:
     """Tokenizes pairs with SentencePiece's batch encoder, `chunk` pairs at a time to bound the Python lists."""
-    parts = [from_ids([], [])]
+    eos = tokenizer.ids.eos
+    parts = [from_ids([], [], eos=eos)]
     for start in range(0, len(pairs), chunk):
         src_text, tgt_text = zip(*pairs[start : start + chunk], strict=True)
         parts.append(
-            from_ids(tokenizer.encode_batch(src_text, num_threads), tokenizer.encode_batch(tgt_text, num_threads))
+            from_ids(
+                tokenizer.encode_batch(src_text, num_threads), tokenizer.encode_batch(tgt_text, num_threads), eos=eos
+            )
         )
     if len(parts) == 2:
         return parts[1]
@@ -344,24 +352,25 @@ def _scatter(flat: np.ndarray, starts: np.ndarray, plan: Plan, offsets: np.ndarr
     return dest, np.repeat(begin, lens) + pos, np.repeat(plan.segment_ids, lens), pos
 
 
-def assemble(examples: Examples, plan: Plan) -> dict[str, np.ndarray]:
-    """The batch dict of a plan; all arrays int32, 0 wherever a slot holds no token."""
+def assemble(examples: Examples, plan: Plan, ids: SpecialIds) -> dict[str, np.ndarray]:
+    """The batch dict of a plan; all arrays int32; wherever a slot holds no token, PAD in the token arrays and 0 in
+    the others."""
     num_rows, src_len, tgt_len = plan.shape
     batch = {}
     dest, index, seg, pos = _scatter(examples.src, examples.src_starts, plan, plan.src_offsets, src_len)
     for key, values in (("src_tokens", examples.src[index]), ("src_segment_ids", seg), ("src_positions", pos)):
-        batch[key] = np.zeros(num_rows * src_len, np.int32)
+        batch[key] = np.full(num_rows * src_len, ids.pad if key == "src_tokens" else 0, np.int32)
         batch[key][dest] = values
     dest, index, seg, pos = _scatter(examples.tgt, examples.tgt_starts, plan, plan.tgt_offsets, tgt_len)
     # tgt_in is tgt_out shifted right by one within each segment, with BOS in front.
-    tgt_in = np.where(pos == 0, BOS_ID, examples.tgt[index - 1])
+    tgt_in = np.where(pos == 0, ids.bos, examples.tgt[index - 1])
     for key, values in (
         ("tgt_in", tgt_in),
         ("tgt_out", examples.tgt[index]),
         ("tgt_segment_ids", seg),
         ("tgt_positions", pos),
     ):
-        batch[key] = np.zeros(num_rows * tgt_len, np.int32)
+        batch[key] = np.full(num_rows * tgt_len, ids.pad if key in ("tgt_in", "tgt_out") else 0, np.int32)
         batch[key][dest] = values
     return {k: batch[k].reshape(num_rows, -1) for k in BATCH_KEYS}
 

@@ -38,6 +38,7 @@ from absl import logging
 from transformer_jax.data import batching, sources
 from transformer_jax.data.tokenizer import Tokenizer
 from transformer_jax.errors import DataError
+from transformer_jax.tokens import SpecialIds
 
 
 def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
@@ -55,6 +56,7 @@ class StreamSpec:
     planner: batching.Planner
     window: int
     seed: int
+    ids: SpecialIds  # the vocabulary's reserved ids: PAD and BOS of the assembled batches
     host: tuple[int, int] = (0, 1)
 
 
@@ -116,7 +118,7 @@ class WindowBatchIterator(grain.DatasetIterator):
         self.last_real_tokens, self.last_global_shape = batching.real_tokens(examples, plan), plan.shape
         if host[1] > 1:
             plan = batching.host_rows(plan, *host)
-        return batching.assemble(examples, plan)
+        return batching.assemble(examples, plan, self._spec.ids)
 
     def get_state(self) -> dict[str, Any]:
         """A JSON-serialisable position: restoring it continues with exactly the batch that would come next."""
@@ -212,7 +214,7 @@ def make_train_iterator(
         )
     planner, shapes = make_planner(config, examples, process_count, row_multiple)
     dataset = WindowBatchDataset(
-        StreamSpec(examples, kept, planner, config.batch_window, seed, (process_index, process_count))
+        StreamSpec(examples, kept, planner, config.batch_window, seed, tokenizer.ids, (process_index, process_count))
     )
     stats.update(
         src_tokens=int(examples.src_lens[kept].sum()),
@@ -265,12 +267,13 @@ def eval_batches(
             stats["truncated_targets"],
             max_len,
         )
-    examples = batching.from_ids(src_ids, tgt_ids, max_len)
+    examples = batching.from_ids(src_ids, tgt_ids, max_len, eos=tokenizer.ids.eos)
 
     def generate() -> Iterator[dict[str, np.ndarray]]:
         for start in range(0, len(examples), batch_size):
             items = np.arange(start, min(start + batch_size, len(examples)))
-            batch = batching.assemble(examples, batching.one_per_row(items, (batch_size, max_len, max_len)))
+            plan = batching.one_per_row(items, (batch_size, max_len, max_len))
+            batch = batching.assemble(examples, plan, tokenizer.ids)
             if targets is None:
                 batch = {k: v for k, v in batch.items() if k.startswith("src_")}
             batch["example_index"] = np.full(batch_size, -1, np.int32)

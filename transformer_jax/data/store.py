@@ -181,7 +181,9 @@ def build(
                 if pairs:
                     src_text, tgt_text = zip(*pairs, strict=True)
                     part = batching.from_ids(
-                        tokenizer.encode_batch(src_text, num_threads), tokenizer.encode_batch(tgt_text, num_threads)
+                        tokenizer.encode_batch(src_text, num_threads),
+                        tokenizer.encode_batch(tgt_text, num_threads),
+                        eos=tokenizer.ids.eos,
                     )
                     for side, flat, starts in (("src", part.src, part.src_starts), ("tgt", part.tgt, part.tgt_starts)):
                         writers[f"{side}_starts"].append(starts[1:] + writers[side].length)

@@ -1,6 +1,7 @@
 """One joint SentencePiece vocabulary for both languages, trained on a sample of the training split and reused.
 
-The reserved ids pad, eos, bos, unk are those of transformer_jax/tokens.py. The model is trained with identity
+The reserved ids pad, eos, bos, unk are the config's (`model.*_id`, tokens.SpecialIds): a model trained here reserves
+them, and a reused one must reserve the same. The model is trained with identity
 normalization, no whitespace folding and byte fallback, so `decode(encode(s)) == s` for any string: BLEU is computed
 on exactly the text the tokenizer was given, and no character is ever mapped to <unk>.
 """
@@ -19,18 +20,17 @@ from absl import logging
 from transformer_jax.data import sources
 from transformer_jax.data.download import atomic_write
 from transformer_jax.errors import DataError
-from transformer_jax.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from transformer_jax.tokens import SpecialIds
 
 MODEL_FILENAME = "spm.model"
 
 
 class Tokenizer:
-    """A SentencePiece model with the project's reserved ids; encode adds no BOS/EOS (the pipeline does)."""
+    """A SentencePiece model that reserves `ids` (the config's); encode adds no BOS/EOS (the pipeline does)."""
 
-    pad_id, eos_id, bos_id, unk_id = PAD_ID, EOS_ID, BOS_ID, UNK_ID
-
-    def __init__(self, model_path: str | os.PathLike):
+    def __init__(self, model_path: str | os.PathLike, ids: SpecialIds):
         self.path = Path(model_path)
+        self.ids = ids
         try:
             proto = self.path.read_bytes()
         except OSError as e:
@@ -40,11 +40,12 @@ class Tokenizer:
             self._sp.LoadFromSerializedProto(proto)
         except Exception as e:  # sentencepiece raises RuntimeError/OSError with a terse message on bad files
             raise DataError(f"{self.path} is not a SentencePiece model: {e}") from e
-        ids = (self._sp.pad_id(), self._sp.eos_id(), self._sp.bos_id(), self._sp.unk_id())
-        reserved = (PAD_ID, EOS_ID, BOS_ID, UNK_ID)
-        if ids != reserved:
+        found = (self._sp.pad_id(), self._sp.eos_id(), self._sp.bos_id(), self._sp.unk_id())
+        reserved = (ids.pad, ids.eos, ids.bos, ids.unk)
+        if found != reserved:
             raise DataError(
-                f"tokenizer {self.path} reserves (pad, eos, bos, unk) = {ids}; this project needs {reserved}"
+                f"tokenizer {self.path} reserves (pad, eos, bos, unk) = {found}; the config's model.pad_id, eos_id, "
+                f"bos_id, unk_id are {reserved}: use a matching tokenizer or set those keys"
             )
 
     @property
@@ -63,9 +64,9 @@ class Tokenizer:
         out = []
         for i in ids:
             i = int(i)
-            if i == EOS_ID:
+            if i == self.ids.eos:
                 break
-            if i not in (PAD_ID, BOS_ID):
+            if i not in (self.ids.pad, self.ids.bos):
                 out.append(i)
         return self._sp.decode(out)
 
@@ -74,9 +75,15 @@ class Tokenizer:
 
 
 def train_tokenizer(
-    sentences: Iterable[str], model_path: str | os.PathLike, *, vocab_size: int, model_type: str
+    sentences: Iterable[str], model_path: str | os.PathLike, *, vocab_size: int, model_type: str, ids: SpecialIds
 ) -> Tokenizer:
-    """Trains a SentencePiece model (unigram or bpe) on `sentences` and writes it atomically to `model_path`."""
+    """Trains a SentencePiece model (unigram or bpe) reserving `ids` on `sentences`; writes it atomically to
+    `model_path`."""
+    if ids.bos == ids.pad:
+        raise DataError(
+            f"a SentencePiece model trained here needs model.bos_id ({ids.bos}) other than model.pad_id; "
+            "set them apart, or give the workdir a converted model's tokenizer"
+        )
     if model_type not in ("unigram", "bpe"):
         raise DataError(f"unknown data.tokenizer_type {model_type!r}; choose unigram or bpe")
     model_path = Path(model_path)
@@ -89,10 +96,10 @@ def train_tokenizer(
                 model_prefix=prefix,
                 vocab_size=vocab_size,
                 model_type=model_type,
-                pad_id=PAD_ID,
-                eos_id=EOS_ID,
-                bos_id=BOS_ID,
-                unk_id=UNK_ID,
+                pad_id=ids.pad,
+                eos_id=ids.eos,
+                bos_id=ids.bos,
+                unk_id=ids.unk,
                 # Exact roundtrip: no Unicode normalization, keep every space, spell unknown characters as bytes.
                 normalization_rule_name="identity",
                 remove_extra_whitespaces=False,
@@ -106,7 +113,7 @@ def train_tokenizer(
         finally:
             Path(f"{prefix}.vocab").unlink(missing_ok=True)
         os.replace(f"{prefix}.model", tmp)
-    return Tokenizer(model_path)
+    return Tokenizer(model_path, ids)
 
 
 def sample_sentences(pairs: sources.TextPairs | sources.TfdsPairs, num_sentences: int, *, seed: int = 0) -> list[str]:
@@ -121,16 +128,22 @@ def sample_sentences(pairs: sources.TextPairs | sources.TfdsPairs, num_sentences
 
 
 def get_tokenizer(
-    config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, vocab_size: int, train_if_missing: bool = True
+    config: ml_collections.ConfigDict,
+    workdir: str | os.PathLike,
+    *,
+    vocab_size: int,
+    ids: SpecialIds,
+    train_if_missing: bool = True,
 ) -> Tokenizer:
     """The configured tokenizer: `config.tokenizer_model` if set, else `workdir/spm.model`, trained if missing.
 
-    `vocab_size` is the model's (config.model.vocab_size). A reused model must have exactly that many pieces
-    (a different size means the workdir belongs to another config); a given model may be smaller.
+    `vocab_size` and `ids` are the model's (config.model.vocab_size, SpecialIds.of(config)). A reused model must
+    have exactly that many pieces (a different size means the workdir belongs to another config); a given model may
+    be smaller.
     `train_if_missing=False` (multi-host runs: every host must use the same file) fails instead of training.
     """
     if config.tokenizer_model:
-        tokenizer = Tokenizer(sources.resolve_path(config.tokenizer_model))
+        tokenizer = Tokenizer(sources.resolve_path(config.tokenizer_model), ids)
         if tokenizer.vocab_size > vocab_size:
             raise DataError(
                 f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but model.vocab_size is {vocab_size}; "
@@ -139,7 +152,7 @@ def get_tokenizer(
         return tokenizer
     path = Path(workdir) / MODEL_FILENAME
     if path.exists():
-        tokenizer = Tokenizer(path)
+        tokenizer = Tokenizer(path, ids)
         if tokenizer.vocab_size != vocab_size:
             raise DataError(
                 f"{path} has {tokenizer.vocab_size} pieces but model.vocab_size is {vocab_size}; "
@@ -157,4 +170,4 @@ def get_tokenizer(
     logging.info(
         "training a %s tokenizer with %d pieces on %d sentences", config.tokenizer_type, vocab_size, len(sentences)
     )
-    return train_tokenizer(sentences, path, vocab_size=vocab_size, model_type=config.tokenizer_type)
+    return train_tokenizer(sentences, path, vocab_size=vocab_size, model_type=config.tokenizer_type, ids=ids)

@@ -55,7 +55,6 @@ from transformer_jax.decoding.searches import (
     search_spec,
 )
 from transformer_jax.decoding.set_aside import SetAsideState, set_aside_search
-from transformer_jax.tokens import BOS_ID, EOS_ID, PAD_ID
 
 __all__ = [
     "AVERAGE",
@@ -67,14 +66,11 @@ __all__ = [
     "set_aside_search",
     "LENGTH_PENALTIES",
     "NONE",
-    "BOS_ID",
     "ENCODE_MULTIPLE",
-    "EOS_ID",
     "FIRST_STAGE",
     "FULL_CACHE_SENTENCES",
     "MIN_ROWS",
     "NEG_INF",
-    "PAD_ID",
     "Beam",
     "BeamResult",
     "BeamState",

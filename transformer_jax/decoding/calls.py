@@ -24,6 +24,7 @@ from transformer_jax.decoding.binding import cached_decode_step, context_step, r
 from transformer_jax.decoding.search import BeamResult, beam_rows, gather_rows, steps_until
 from transformer_jax.decoding.searches import RowInputs, Search, run_search
 from transformer_jax.model.transformer import unpacked_segment_ids
+from transformer_jax.tokens import SpecialIds
 
 Array = jax.Array
 PyTree = Any
@@ -43,7 +44,7 @@ def search_batch(
 ) -> BeamResult:
     """The whole search in one jitted call, every sentence's rows to the end (the reference of the refilling one)."""
     model = nnx.merge(graphdef, state)
-    src_segment_ids_BS = unpacked_segment_ids(src_BS)
+    src_segment_ids_BS = unpacked_segment_ids(src_BS, model.spec.pad_id)
     memory_BSD = model.encode(src_BS, src_segment_ids_BS)
     make = cached_decode_step if use_cache else recompute_decode_step
     d = make(model, memory_BSD, src_segment_ids_BS, beam_size=search.beam_size, max_steps=max_steps)
@@ -80,7 +81,7 @@ def graph(graphdef: nnx.GraphDef, treedef: jax.tree_util.PyTreeDef) -> Graph:
 def start(params: list[Array], src_BS: Array, search: Search, *, graph: Graph, slots: int):
     """Encodes the batch; the fixed context (B rows) and the search's first state, with `slots` slots."""
     model = graph.merge(params)
-    seg_BS = unpacked_segment_ids(src_BS)
+    seg_BS = unpacked_segment_ids(src_BS, model.spec.pad_id)
     context, cache = split_cache(model.init_cache(model.encode(src_BS, seg_BS), seg_BS, slots))
     return context, search.start(cache, src_BS.shape[0], slots)
 
@@ -89,12 +90,12 @@ def start(params: list[Array], src_BS: Array, search: Search, *, graph: Graph, s
 def encode(params: list[Array], src_BS: Array, *, graph: Graph) -> PyTree:
     """The fixed context of the sentences src_BS (cross-attention keys/values, source segment ids), B rows."""
     model = graph.merge(params)
-    seg_BS = unpacked_segment_ids(src_BS)
+    seg_BS = unpacked_segment_ids(src_BS, model.spec.pad_id)
     return split_cache(model.init_cache(model.encode(src_BS, seg_BS), seg_BS, 0))[0]
 
 
-@functools.partial(jax.jit, static_argnames=("beam_size",), donate_argnums=(0, 1))
-def insert(context: PyTree, s, block: PyTree, first: Array, rows_K: Array, *, beam_size: int):
+@functools.partial(jax.jit, static_argnames=("beam_size", "ids"), donate_argnums=(0, 1))
+def insert(context: PyTree, s, block: PyTree, first: Array, rows_K: Array, *, beam_size: int, ids: SpecialIds):
     """The sentences first, first + 1, ... of an encoded block (its context) take the rows rows_K of the running
     batch, one each (a row past the batch's end: that sentence is not taken), back at the start.
 
@@ -104,15 +105,15 @@ def insert(context: PyTree, s, block: PyTree, first: Array, rows_K: Array, *, be
     new = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, first, rows_K.shape[0]), block)
     rows_R = beam_rows(rows_K, beam_size)
     context = jax.tree.map(lambda x, n: x.at[rows_K].set(n, mode="drop"), context, new)
-    s = s.restart(rows_K)
+    s = s.restart(rows_K, ids)
     return context, s._replace(cache={**s.cache, "index": s.cache["index"].at[rows_R].set(0, mode="drop")})
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "slots"))
-def grow(params: list[Array], s, *, graph: Graph, slots: int):
+@functools.partial(jax.jit, static_argnames=("graph", "slots", "ids"))
+def grow(params: list[Array], s, *, graph: Graph, slots: int, ids: SpecialIds):
     """The state with its cache and output buffer grown to `slots` (a call of its own, so that `stage` compiles
     for one input shape per cache size)."""
-    return s.with_room(slots)._replace(cache=graph.merge(params).grow_cache(s.cache, slots))
+    return s.with_room(slots, ids)._replace(cache=graph.merge(params).grow_cache(s.cache, slots))
 
 
 @functools.partial(jax.jit, static_argnames=("graph", "src_len"))
@@ -165,11 +166,11 @@ class ModelCalls:
     def encode(self, src_BS):
         return encode(self.params, src_BS, graph=self.graph)
 
-    def insert(self, context, s, block, first, rows_K, *, beam_size: int):
-        return insert(context, s, block, first, rows_K, beam_size=beam_size)
+    def insert(self, context, s, block, first, rows_K, *, beam_size: int, ids: SpecialIds):
+        return insert(context, s, block, first, rows_K, beam_size=beam_size, ids=ids)
 
-    def grow(self, s, *, slots: int):
-        return grow(self.params, s, graph=self.graph, slots=slots)
+    def grow(self, s, *, slots: int, ids: SpecialIds):
+        return grow(self.params, s, graph=self.graph, slots=slots, ids=ids)
 
     def widen(self, context, *, src_len: int):
         return widen(self.params, context, graph=self.graph, src_len=src_len)

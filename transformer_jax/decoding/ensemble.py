@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from transformer_jax.tokens import SpecialIds
+
 Array = jax.Array
 Cache = dict[str, Any]
 LAYER_KEYS = ("cross", "self")  # the cache's per-decoder-layer lists (model/transformer.py init_cache)
@@ -40,6 +42,11 @@ class Ensemble(nnx.Module):
         vocab = {m.spec.vocab_size for m in members}
         if len(vocab) > 1:
             raise ValueError(f"ensemble members differ in vocabulary size: {sorted(vocab)}")
+        reserved = {SpecialIds.of(m.spec) for m in members}
+        if len(reserved) > 1:
+            raise ValueError(
+                f"ensemble members differ in their reserved ids (model.*_id): {sorted(map(str, reserved))}"
+            )
         self.members = nnx.List(members)
 
     @property

@@ -30,7 +30,7 @@ import numpy as np
 
 from transformer_jax.decoding.search import BeamResult, cache_stages
 from transformer_jax.decoding.searches import Search
-from transformer_jax.tokens import EOS_ID, PAD_ID
+from transformer_jax.tokens import SpecialIds
 
 PyTree = Any
 Shape = Callable[[int], tuple[int, int]]  # longest source of a batch -> (padded source length, most output slots)
@@ -63,10 +63,10 @@ class Calls(Protocol):
     def encode(self, src_KS) -> PyTree:
         """The fixed context of K waiting sentences (a block), a row per sentence."""
 
-    def insert(self, context, s, block, first, rows_K, *, beam_size: int) -> tuple[PyTree, Any]:
+    def insert(self, context, s, block, first, rows_K, *, beam_size: int, ids: SpecialIds) -> tuple[PyTree, Any]:
         """Block sentences first, first + 1, ... take the rows rows_K (past the end: not taken), at their start."""
 
-    def grow(self, s, *, slots: int) -> Any:
+    def grow(self, s, *, slots: int, ids: SpecialIds) -> Any:
         """The state with its cache and output buffer grown to `slots`."""
 
     def widen(self, context, *, src_len: int) -> PyTree:
@@ -110,26 +110,31 @@ def batch_rows(sentences: int, batch_size: int) -> int:
     return min(batch_size, -(-sentences // MIN_ROWS) * MIN_ROWS)
 
 
-def source_batch(sources: Sequence[Sequence[int]], rows: int, src_len: int) -> np.ndarray:
+def source_batch(sources: Sequence[Sequence[int]], rows: int, src_len: int, ids: SpecialIds) -> np.ndarray:
     """[rows, src_len] int32: the sources (ids then EOS) PAD-padded, then dummy rows of an empty source (EOS only),
     which decode for one step and are dropped."""
-    src_BS = np.full((rows, src_len), PAD_ID, np.int32)
-    src_BS[:, 0] = EOS_ID
+    src_BS = np.full((rows, src_len), ids.pad, np.int32)
+    src_BS[:, 0] = ids.eos
     for r, ids in enumerate(sources):
         src_BS[r, : len(ids)] = ids
     return src_BS
 
 
-def prefix_array(prefixes: Sequence[Sequence[int]]) -> np.ndarray:
+def prefix_array(prefixes: Sequence[Sequence[int]], ids: SpecialIds) -> np.ndarray:
     """[N, P] int32: the target prefixes PAD-padded to P, the longest rounded up to a power of two (so that the
     search compiles for a few widths only)."""
     width = 1
     while width < max(map(len, prefixes)):
         width *= 2
-    prefix_NP = np.full((len(prefixes), width), PAD_ID, np.int32)  # PAD_ID is 0: a row of zeros is no prefix
+    prefix_NP = np.full((len(prefixes), width), ids.pad, np.int32)  # a row of PAD is no prefix
     for i, ids in enumerate(prefixes):
         prefix_NP[i, : len(ids)] = ids
     return prefix_NP
+
+
+def empty_row_inputs(row_inputs_N: dict[str, np.ndarray], rows: int, ids: SpecialIds) -> dict[str, np.ndarray]:
+    """Per-row inputs of `rows` rows without a sentence, shaped as row_inputs_N's: no prefix (PAD), zero keys."""
+    return {k: np.full((rows, *x.shape[1:]), ids.pad if k == "prefix" else 0, x.dtype) for k, x in row_inputs_N.items()}
 
 
 def sorted_beams(tokens_WL: np.ndarray, scores_W: np.ndarray, log_probs_W: np.ndarray, lengths_W: np.ndarray):
@@ -167,15 +172,15 @@ class _Refill:
         self.joined = 0
         self.block_rows = rows - rows % MIN_ROWS
         ids, src_KS = self._take(rows)
-        src_KS = np.pad(src_KS, [(0, 0), (0, self.src_len - src_KS.shape[1])], constant_values=PAD_ID)
+        src_KS = np.pad(src_KS, [(0, 0), (0, self.src_len - src_KS.shape[1])], constant_values=search.reserved.pad)
         # The host's view of each row: its sentence (-1: none, finished or dummy), output limit and steps taken.
         self.sentence_R = np.array(ids + [-1] * (rows - len(ids)))
         self.max_len_R = np.ones(rows, np.int32)  # a row without a sentence stops after one step
         self.max_len_R[: len(ids)] = max_len_N[ids]
         self.step_R = np.zeros(rows, np.int32)
-        # The sentences' and the rows' own inputs to the search (a row without a sentence: zeros, e.g. no prefix).
+        # The sentences' and the rows' own inputs to the search (a row without a sentence: none, e.g. no prefix).
         self.row_inputs_N = row_inputs_N
-        self.row_inputs_R = {k: np.zeros((rows, *x.shape[1:]), x.dtype) for k, x in row_inputs_N.items()}
+        self.row_inputs_R = empty_row_inputs(row_inputs_N, rows, search.reserved)
         for k, x in row_inputs_N.items():
             self.row_inputs_R[k][: len(ids)] = x[ids]
         self.slots = cache_stages(self.max_steps)[0]
@@ -212,7 +217,7 @@ class _Refill:
         longest_src_len, longest_max_steps = self.shape(longest)
         self.src_len, self.max_steps = max(self.src_len, longest_src_len), max(self.max_steps, longest_max_steps)
         encoded_len = min(-(-longest // ENCODE_MULTIPLE) * ENCODE_MULTIPLE, self.src_len)
-        return ids, source_batch([self.sources[i] for i in ids], k, encoded_len)
+        return ids, source_batch([self.sources[i] for i in ids], k, encoded_len, self.search.reserved)
 
     def _next_block(self) -> None:
         """Encodes the next block_rows waiting sentences together; widens block and batch to one source length."""
@@ -234,7 +239,13 @@ class _Refill:
             into = np.full(k, self.rows(), np.int32)  # the block's dummy rows go past the batch's end: dropped
             into[: len(ids)] = free[: len(ids)]
             self.context, self.state = self.calls.insert(
-                self.context, self.state, self.block, np.int32(self.joined), into, beam_size=self.search.beam_size
+                self.context,
+                self.state,
+                self.block,
+                np.int32(self.joined),
+                into,
+                beam_size=self.search.beam_size,
+                ids=self.search.reserved,
             )
             self.joined += len(ids)
             taken = into[: len(ids)]
@@ -263,7 +274,7 @@ class _Refill:
         else:
             slots = next(n for n in cache_stages(self.max_steps) if n > np.max(self.step_R[self.live()]))
         if slots > self.slots:
-            self.state, self.slots = self.calls.grow(self.state, slots=slots), slots
+            self.state, self.slots = self.calls.grow(self.state, slots=slots, ids=self.search.reserved), slots
 
     def _stage(self) -> None:
         """Runs until the host can act (MIN_ROWS rows free for waiting sentences, or, nothing waiting, the live ones

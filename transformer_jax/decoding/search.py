@@ -11,11 +11,12 @@ makes the cache follow its surviving beams with the Decoder's `reorder(cache, ro
 transformer.py reorder_cache). The search functions only need this interface, so tests drive them with stubs whose
 distributions they control.
 
-Search (both functions; the reserved ids are those of transformer_jax/tokens.py): the decoder input starts with BOS;
-a hypothesis finishes when it emits EOS or reaches its sentence's maximum length `max_len_B` (then it is kept as it
-is, without EOS); after that only PAD follows and its score never changes. Lengths |Y| count the emitted tokens,
-EOS included. `jax.lax.while_loop` runs the steps and stops as soon as every hypothesis of every sentence has
-finished.
+Search (both functions; the reserved ids are the model's, a tokens.SpecialIds `ids`): the decoder input starts with
+BOS; PAD is never emitted (its logit is masked, as Marian's bad_words_ids do; log-probabilities keep their
+normalisation over the whole vocabulary); a hypothesis finishes when it emits EOS or reaches its sentence's maximum
+length `max_len_B` (then it is kept as it is, without EOS); after that only PAD follows and its score never changes.
+Lengths |Y| count the emitted tokens, EOS included. `jax.lax.while_loop` runs the steps and stops as soon as every
+hypothesis of every sentence has finished.
 
 Cache stages: a step reads every slot of the self-attention cache, so its cost grows with the cache's size, not
 with the tokens decoded so far. Outputs are mostly much shorter than their limit (source + max_extra_len), so a
@@ -36,7 +37,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from transformer_jax.tokens import BOS_ID, EOS_ID, PAD_ID
+from transformer_jax.tokens import SpecialIds
 
 Array = jax.Array
 PyTree = Any
@@ -70,12 +71,12 @@ def cache_stages(max_steps: int) -> list[int]:
     return stages
 
 
-def run_stages(body: Callable, state: NamedTuple, max_steps: int, grow: GrowCache | None):
+def run_stages(body: Callable, state: NamedTuple, max_steps: int, grow: GrowCache | None, ids: SpecialIds):
     """Runs the search loop over the cache stages (one loop over max_steps slots when grow is None)."""
     if grow is None:
         return _loop(body, state, max_steps)
     for slots in cache_stages(max_steps):
-        state = _loop(body, state.with_room(slots)._replace(cache=grow(state.cache, slots)), slots)
+        state = _loop(body, state.with_room(slots, ids)._replace(cache=grow(state.cache, slots)), slots)
     return state
 
 
@@ -179,23 +180,25 @@ def write_step(seq: Array, step: Array, tokens: Array) -> Array:
     return jnp.where(jnp.arange(seq.shape[-1]) == step[..., None], tokens[..., None], seq)
 
 
-def forced_tokens(prefix_BP: Array, step_B: Array) -> Array:
+def forced_tokens(prefix_BP: Array, step_B: Array, pad: int) -> Array:
     """[B] the token each sentence must emit at its step: prefix_BP[b, step_B[b]], PAD (none) past the prefix.
 
     A target prefix is PAD-padded to a common width P; the search emits its tokens first, then continues freely.
     """
     width = prefix_BP.shape[1]
     at_B = jnp.take_along_axis(prefix_BP, jnp.minimum(step_B, width - 1)[:, None], axis=1)[:, 0]
-    return jnp.where(step_B < width, at_B, PAD_ID)
+    return jnp.where(step_B < width, at_B, pad)
 
 
-def choosable(logits_RV: Array, prefix_BP: Array | None, step_B: Array, width: int) -> Array:
-    """The logits of the tokens each row may emit (the others -inf): inside its target prefix, a sentence's W beams
-    can only emit the prefix's next token (`forced_tokens`); without prefixes, every token."""
+def choosable(logits_RV: Array, prefix_BP: Array | None, step_B: Array, width: int, pad: int) -> Array:
+    """The logits of the tokens each row may emit (the others -inf): never PAD; inside its target prefix, a
+    sentence's W beams can only emit the prefix's next token (`forced_tokens`); without prefixes, every other token."""
+    vocab_V = jnp.arange(logits_RV.shape[-1])
+    logits_RV = jnp.where(vocab_V == pad, NEG_INF, logits_RV)
     if prefix_BP is None:
         return logits_RV
-    forced_B1 = forced_tokens(prefix_BP, step_B)[:, None]
-    allowed_RV = jnp.repeat((forced_B1 == PAD_ID) | (jnp.arange(logits_RV.shape[-1]) == forced_B1), width, axis=0)
+    forced_B1 = forced_tokens(prefix_BP, step_B, pad)[:, None]
+    allowed_RV = jnp.repeat((forced_B1 == pad) | (vocab_V == forced_B1), width, axis=0)
     return jnp.where(allowed_RV, logits_RV, NEG_INF)
 
 
@@ -212,10 +215,10 @@ class BeamResult(NamedTuple):
     lengths: Array  # [B, W] int32: emitted tokens, EOS included
 
 
-def pad_tokens(tokens: Array, slots: int) -> Array:
-    """tokens [..., L'] padded with PAD to [..., slots] (L' <= slots): the output buffer grows with the cache."""
+def pad_tokens(tokens: Array, slots: int, pad: int) -> Array:
+    """tokens [..., L'] padded with `pad` to [..., slots] (L' <= slots): the output buffer grows with the cache."""
     extra = slots - tokens.shape[-1]
-    return tokens if extra == 0 else jnp.pad(tokens, [(0, 0)] * (tokens.ndim - 1) + [(0, extra)])
+    return tokens if extra == 0 else jnp.pad(tokens, [(0, 0)] * (tokens.ndim - 1) + [(0, extra)], constant_values=pad)
 
 
 def beam_rows(rows_K: Array, width: int) -> Array:
@@ -251,28 +254,28 @@ class GreedyState(NamedTuple):
     def sentence_done(self) -> Array:
         return self.done_B
 
-    def with_room(self, slots: int) -> GreedyState:
-        return self._replace(tokens_BL=pad_tokens(self.tokens_BL, slots))
+    def with_room(self, slots: int, ids: SpecialIds) -> GreedyState:
+        return self._replace(tokens_BL=pad_tokens(self.tokens_BL, slots, ids.pad))
 
     def beams(self) -> tuple[Array, Array, Array]:
         """(tokens [B, 1, L], log_probs [B, 1], lengths [B, 1]): the result as one beam per sentence."""
         return self.tokens_BL[:, None], self.log_probs_B[:, None], self.step_B[:, None]
 
-    def restart(self, rows_K: Array) -> GreedyState:
+    def restart(self, rows_K: Array, ids: SpecialIds) -> GreedyState:
         """The sentences in rows_K back at the start (nothing emitted); the cache is the caller's to reset."""
-        return restarted(self, rows_K, GreedyState.start(None, rows_K.shape[0], self.tokens_BL.shape[-1]))
+        return restarted(self, rows_K, GreedyState.start(None, rows_K.shape[0], self.tokens_BL.shape[-1], ids))
 
     def select(self, keep_K: Array) -> GreedyState:
         """The state of the sentences keep_K only, in that order."""
         return selected(self, keep_K, 1)
 
     @classmethod
-    def start(cls, cache: PyTree, batch: int, slots: int) -> GreedyState:
+    def start(cls, cache: PyTree, batch: int, slots: int, ids: SpecialIds) -> GreedyState:
         return cls(
             step_B=jnp.zeros((batch,), jnp.int32),
             done_B=jnp.zeros((batch,), bool),
-            last_B=jnp.full((batch,), BOS_ID, jnp.int32),
-            tokens_BL=jnp.full((batch, slots), PAD_ID, jnp.int32),
+            last_B=jnp.full((batch,), ids.bos, jnp.int32),
+            tokens_BL=jnp.full((batch, slots), ids.pad, jnp.int32),
             log_probs_B=jnp.zeros((batch,), jnp.float32),
             cache=cache,
         )
@@ -283,26 +286,28 @@ class GreedyState(NamedTuple):
         max_len_B: Array,
         prefix_BP: Array | None = None,
         choose: Callable[[Array, Array], Array] | None = None,
+        *,
+        ids: SpecialIds,
     ) -> GreedyState:
-        """One step: every unfinished sentence appends its prefix's next token, else its most probable token (or,
-        with `choose`, choose(logits_BV, step_B): a sampled one). log P counts the model's own probability."""
+        """One step: every unfinished sentence appends its prefix's next token, else its most probable token other
+        than PAD (or, with `choose`, choose(logits_BV, step_B) of the logits without PAD: a sampled one). log P
+        counts the model's own probability, normalised over the whole vocabulary."""
         logits_B1V, cache = decode_step(self.last_B[:, None], self.cache)
         logits_BV = logits_B1V[:, 0].astype(jnp.float32)
         # log_softmax at the argmax, x_max - logsumexp(x) = -log sum exp(x - x_max), without writing and re-reading
-        # the [B, V] log_softmax.
+        # the [B, V] log_softmax; a token other than the argmax (PAD's logit the largest, sampled, forced) adds its
+        # logit's distance to the max.
         max_B1, lse_B1 = max_and_logsumexp(logits_BV)
-        gain_B = -lse_B1[:, 0]
-        token_B = first_argmax(logits_BV) if choose is None else choose(logits_BV, self.step_B)
-        if choose is not None and prefix_BP is None:
-            gain_B += jnp.take_along_axis(logits_BV, token_B[:, None], axis=1)[:, 0] - max_B1[:, 0]
+        allowed_BV = choosable(logits_BV, None, self.step_B, 1, ids.pad)
+        token_B = first_argmax(allowed_BV) if choose is None else choose(allowed_BV, self.step_B)
         if prefix_BP is not None:
-            forced_B = forced_tokens(prefix_BP, self.step_B)
-            token_B = jnp.where(forced_B == PAD_ID, token_B, forced_B)
-            gain_B += jnp.take_along_axis(logits_BV, token_B[:, None], axis=1)[:, 0] - max_B1[:, 0]
-        token_B = jnp.where(self.done_B, PAD_ID, token_B)
+            forced_B = forced_tokens(prefix_BP, self.step_B, ids.pad)
+            token_B = jnp.where(forced_B == ids.pad, token_B, forced_B)
+        gain_B = jnp.take_along_axis(logits_BV, token_B[:, None], axis=1)[:, 0] - max_B1[:, 0] - lse_B1[:, 0]
+        token_B = jnp.where(self.done_B, ids.pad, token_B)
         return GreedyState(
             step_B=jnp.where(self.done_B, self.step_B, self.step_B + 1),
-            done_B=self.done_B | (token_B == EOS_ID) | (self.step_B + 1 >= max_len_B),
+            done_B=self.done_B | (token_B == ids.eos) | (self.step_B + 1 >= max_len_B),
             last_B=token_B,
             tokens_BL=write_step(self.tokens_BL, self.step_B, token_B),
             log_probs_B=self.log_probs_B + jnp.where(self.done_B, 0.0, gain_B),
@@ -324,29 +329,29 @@ class BeamState(NamedTuple):
     def sentence_done(self) -> Array:
         return jnp.all(self.finished_BW, axis=1)
 
-    def with_room(self, slots: int) -> BeamState:
-        return self._replace(tokens_BWL=pad_tokens(self.tokens_BWL, slots))
+    def with_room(self, slots: int, ids: SpecialIds) -> BeamState:
+        return self._replace(tokens_BWL=pad_tokens(self.tokens_BWL, slots, ids.pad))
 
     def beams(self) -> tuple[Array, Array, Array]:
         """(tokens [B, W, L], log_probs [B, W], lengths [B, W])."""
         return self.tokens_BWL, self.log_probs_BW, self.lengths_BW
 
-    def restart(self, rows_K: Array) -> BeamState:
+    def restart(self, rows_K: Array, ids: SpecialIds) -> BeamState:
         """The sentences in rows_K back at the start (nothing emitted); the cache is the caller's to reset."""
         _, width, slots = self.tokens_BWL.shape
-        return restarted(self, rows_K, BeamState.start(None, rows_K.shape[0], width, slots))
+        return restarted(self, rows_K, BeamState.start(None, rows_K.shape[0], width, slots, ids))
 
     def select(self, keep_K: Array) -> BeamState:
         """The state of the sentences keep_K only, in that order (their W cache rows each)."""
         return selected(self, keep_K, self.finished_BW.shape[1])
 
     @classmethod
-    def start(cls, cache_R: PyTree, batch: int, width: int, slots: int) -> BeamState:
+    def start(cls, cache_R: PyTree, batch: int, width: int, slots: int, ids: SpecialIds) -> BeamState:
         return cls(
             step_B=jnp.zeros((batch,), jnp.int32),
             finished_BW=jnp.zeros((batch, width), bool),
-            last_BW=jnp.full((batch, width), BOS_ID, jnp.int32),
-            tokens_BWL=jnp.full((batch, width, slots), PAD_ID, jnp.int32),
+            last_BW=jnp.full((batch, width), ids.bos, jnp.int32),
+            tokens_BWL=jnp.full((batch, width, slots), ids.pad, jnp.int32),
             # All W beams start as the same empty prefix; only the first is live, so candidates are not duplicated.
             log_probs_BW=jnp.tile(jnp.array([0.0] + [NEG_INF] * (width - 1), jnp.float32), (batch, 1)),
             lengths_BW=jnp.zeros((batch, width), jnp.int32),
@@ -362,6 +367,8 @@ class BeamState(NamedTuple):
         penalty: str = GNMT,
         prefix_BP: Array | None = None,
         reorder: Reorder | None = None,
+        *,
+        ids: SpecialIds,
     ) -> BeamState:
         """One step of beam search (see beam_search); reorder: as Decoder's."""
         s = self
@@ -376,7 +383,7 @@ class BeamState(NamedTuple):
         # log-probabilities are log_softmax's, computed with its operations (equal bits); only candidates of equal
         # score but different logits may be taken in another order than a top-k over all W V would take them.
         max_R1, lse_R1 = max_and_logsumexp(logits_RV)
-        top_RC, top_token_RC = top_k(choosable(logits_RV, prefix_BP, s.step_B, width), per_beam)
+        top_RC, top_token_RC = top_k(choosable(logits_RV, prefix_BP, s.step_B, width, ids.pad), per_beam)
         log_probs_BWC = ((top_RC - max_R1) - lse_R1).reshape(batch, width, per_beam)
         # Candidate log-probabilities: extensions of unfinished beams; a finished beam only continues with PAD.
         first_C = jnp.arange(per_beam) == 0
@@ -386,7 +393,7 @@ class BeamState(NamedTuple):
             jnp.where(first_C, s.log_probs_BW[..., None], NEG_INF),
             s.log_probs_BW[..., None] + log_probs_BWC,
         )
-        token_BWC = jnp.where(fin_BW1, PAD_ID, top_token_RC.reshape(batch, width, per_beam))
+        token_BWC = jnp.where(fin_BW1, ids.pad, top_token_RC.reshape(batch, width, per_beam))
         cand_len_BW = jnp.where(s.finished_BW, s.lengths_BW, s.step_B[:, None] + 1)
         score_BWC = cand_BWC / length_penalty(cand_len_BW, alpha, penalty)[..., None]
         score_BW, flat_BW = jax.lax.top_k(score_BWC.reshape(batch, width * per_beam), width)
@@ -400,7 +407,7 @@ class BeamState(NamedTuple):
         tokens_BWL = jnp.take_along_axis(s.tokens_BWL, beam_BW[..., None], axis=1)
         # A beam finishes on EOS, at its sentence's maximum length, or when nothing finite is left (-inf: dead).
         finished_BW = (
-            pick(s.finished_BW) | (token_BW == EOS_ID) | (s.step_B + 1 >= max_len_B)[:, None] | (score_BW == NEG_INF)
+            pick(s.finished_BW) | (token_BW == ids.eos) | (s.step_B + 1 >= max_len_B)[:, None] | (score_BW == NEG_INF)
         )
         if settle:
             finished_BW = (
@@ -467,18 +474,19 @@ def greedy_search(
     grow: GrowCache | None = None,
     prefix_BP: Array | None = None,
     choose: Callable[[Array, Array], Array] | None = None,
+    ids: SpecialIds,
 ) -> GreedyResult:
     """Takes the most probable token at each step (with `choose`, the token it picks from the logits: sampling.py).
     `cache` has B rows; 1 <= max_len_B <= max_steps.
 
     With `grow` (see Decoder), the cache starts small and grows in stages (module docstring). With prefix_BP
     (target prefixes, PAD-padded), each sentence first emits its prefix (`forced_tokens`), its log-probabilities
-    counted, then continues; the length limit still holds.
+    counted, then continues; the length limit still holds. ids: the model's reserved ids (tokens.SpecialIds).
     """
     first = max_steps if grow is None else cache_stages(max_steps)[0]
-    init = GreedyState.start(cache, max_len_B.shape[0], first)
-    s = run_stages(lambda s: s.advance(decode_step, max_len_B, prefix_BP, choose), init, max_steps, grow)
-    return GreedyResult(pad_tokens(s.tokens_BL, max_steps), s.log_probs_B, s.step_B)
+    init = GreedyState.start(cache, max_len_B.shape[0], first, ids)
+    s = run_stages(lambda s: s.advance(decode_step, max_len_B, prefix_BP, choose, ids=ids), init, max_steps, grow, ids)
+    return GreedyResult(pad_tokens(s.tokens_BL, max_steps, ids.pad), s.log_probs_B, s.step_B)
 
 
 def beam_search(
@@ -494,6 +502,7 @@ def beam_search(
     penalty: str = GNMT,
     prefix_BP: Array | None = None,
     reorder: Reorder | None = None,
+    ids: SpecialIds,
 ) -> BeamResult:
     """Beam search with the length penalty lp (`length_penalty`'s `penalty`); `cache` has B rows and is tiled to
     R = B W rows here, once.
@@ -509,14 +518,15 @@ def beam_search(
     its end. The first `settle` beams are then exactly the full search's; the others are returned as they stood (an
     unfinished one without EOS, its score log P / lp(its length so far), below the settled ones). Translation needs
     only the first beam (settle=1) and an n-best list the first N (settle=N <= W); this saves the steps in which the
-    worse beams of a finished sentence wander on to its length limit. reorder: as Decoder's.
+    worse beams of a finished sentence wander on to its length limit. reorder: as Decoder's. ids: the model's
+    reserved ids (tokens.SpecialIds).
     """
     first = max_steps if grow is None else cache_stages(max_steps)[0]
     batch = max_len_B.shape[0]
-    init = BeamState.start(tile_beams(cache, beam_size), batch, beam_size, first)
+    init = BeamState.start(tile_beams(cache, beam_size), batch, beam_size, first, ids)
 
     def body(s: BeamState) -> BeamState:
-        return s.advance(decode_step, max_len_B, alpha, settle, penalty, prefix_BP, reorder)
+        return s.advance(decode_step, max_len_B, alpha, settle, penalty, prefix_BP, reorder, ids=ids)
 
-    s = run_stages(body, init, max_steps, grow)
-    return best_first(pad_tokens(s.tokens_BWL, max_steps), s.log_probs_BW, s.lengths_BW, alpha, penalty)
+    s = run_stages(body, init, max_steps, grow, ids)
+    return best_first(pad_tokens(s.tokens_BWL, max_steps, ids.pad), s.log_probs_BW, s.lengths_BW, alpha, penalty)

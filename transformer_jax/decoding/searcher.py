@@ -20,6 +20,7 @@ from flax import nnx
 from transformer_jax.decoding import calls, refill
 from transformer_jax.decoding.search import BeamResult, cache_stages
 from transformer_jax.decoding.searches import Search
+from transformer_jax.tokens import SpecialIds
 
 Array = jax.Array
 PyTree = Any
@@ -41,6 +42,7 @@ class Searcher:
         copy.eval()
         self.graphdef, self.params = nnx.split(copy)
         self.use_cache = use_cache
+        self.ids = SpecialIds.of(model.spec)  # every search runs with the model's reserved ids (Search.with_ids)
         leaves, treedef = jax.tree.flatten(self.params)
         self.calls = calls.ModelCalls(calls.graph(self.graphdef, treedef), leaves) if use_cache and compact else None
 
@@ -75,7 +77,7 @@ class Searcher:
         leaf = lambda x: jax.ShapeDtypeStruct(
             (), jax.dtypes.canonicalize_dtype(np.result_type(x)), sharding=host, weak_type=True
         )
-        search = jax.tree.map(leaf, search)
+        search = jax.tree.map(leaf, search.with_ids(self.ids))
         if not self.refills(rows):
             traced = calls.search_batch.trace(
                 self.graphdef,
@@ -101,7 +103,7 @@ class Searcher:
         if len(stages) > 1:
             before = calls.start.trace(params, src_BS, search, graph=graph, slots=stages[-2]).out_info[1]
             s = jax.tree.map(lambda x, like: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=like.sharding), before, s)
-            traced = calls.grow.trace(params, s, graph=graph, slots=stages[-1])
+            traced = calls.grow.trace(params, s, graph=graph, slots=stages[-1], ids=self.ids)
             programs["grow"] = compile_one("grow", traced)
             s = outputs(traced, programs["grow"])
         stop_live = jax.ShapeDtypeStruct((), jnp.int32, sharding=host)
@@ -139,6 +141,7 @@ class Searcher:
         Batches of at least 2 MIN_ROWS sentences run the refilling search (nothing waits, so finished sentences
         only leave); smaller ones, or without compaction, the whole search is one jitted call.
         """
+        search = search.with_ids(self.ids)
         row_inputs = _row_inputs(search, prefix_BP, row_inputs)
         if not self.refills(src_BS.shape[0]):
             return self._one_jit(src_BS, max_len_B, row_inputs, search, max_steps)
@@ -152,7 +155,9 @@ class Searcher:
             rows=src_BS.shape[0],
             shape=lambda _: src_BS.shape[1:] + (max_steps,),
         )
-        return BeamResult(*(np.stack(x) for x in zip(*(_pad_result(r, max_steps) for r in found), strict=True)))
+        return BeamResult(
+            *(np.stack(x) for x in zip(*(_pad_result(r, max_steps, self.ids.pad) for r in found), strict=True))
+        )
 
     def sentences(
         self,
@@ -177,9 +182,10 @@ class Searcher:
         consecutive one-jit batches. Shortest sources go first. The batch has batch_size rows, or as many as the
         sentences rounded up to a multiple of MIN_ROWS when fewer (refill.batch_rows).
         """
+        search = search.with_ids(self.ids)
         rows = refill.batch_rows(len(sources), batch_size)
         max_len_N = np.asarray(max_len_N, np.int32)
-        prefix_NP = None if prefixes is None or not any(prefixes) else refill.prefix_array(prefixes)
+        prefix_NP = None if prefixes is None or not any(prefixes) else refill.prefix_array(prefixes, self.ids)
         row_inputs_N = _row_inputs(search, prefix_NP, row_inputs_N)
         if not len(sources):
             return []
@@ -204,10 +210,10 @@ class Searcher:
         for j in range(0, len(order), rows):
             batch = order[j : j + rows]
             src_len, max_steps = shape(max(len(sources[i]) for i in batch))
-            src_BS = refill.source_batch([sources[i] for i in batch], rows, src_len)
+            src_BS = refill.source_batch([sources[i] for i in batch], rows, src_len, self.ids)
             max_len_B = np.ones((rows,), np.int32)  # a dummy row stops after one step
             max_len_B[: len(batch)] = max_len_N[batch]
-            row_inputs = {k: np.zeros((rows, *x.shape[1:]), x.dtype) for k, x in row_inputs_N.items()}  # 0: PAD
+            row_inputs = refill.empty_row_inputs(row_inputs_N, rows, self.ids)
             for k, x in row_inputs_N.items():
                 row_inputs[k][: len(batch)] = x[batch]
             found = jax.device_get(self._one_jit(src_BS, max_len_B, row_inputs, search, max_steps))
@@ -228,9 +234,9 @@ def _row_inputs(search: Search, prefix: Array | None, given: dict[str, Array] | 
     return inputs if prefix is None else {"prefix": np.asarray(prefix, np.int32), **inputs}
 
 
-def _pad_result(r: BeamResult, slots: int) -> BeamResult:
+def _pad_result(r: BeamResult, slots: int, pad: int) -> BeamResult:
     """One sentence's beams with tokens padded (PAD) to `slots`."""
-    return r._replace(tokens=np.pad(r.tokens, [(0, 0), (0, slots - r.tokens.shape[-1])]))
+    return r._replace(tokens=np.pad(r.tokens, [(0, 0), (0, slots - r.tokens.shape[-1])], constant_values=pad))
 
 
 def searcher(model: nnx.Module, *, use_cache: bool = True, compact: bool = True) -> Searcher:

@@ -11,8 +11,9 @@ batch or run batch by batch (`refills_one_batch`), the per-row inputs it needs (
 search is a new subclass (tests/test_decoding_protocol.py adds one there).
 
 Specs are jax pytrees: `alpha` (and a sampling seed) are leaves, so a new alpha does not recompile; every other field
-is static (hashed into the jitted programs' keys). `search_for` maps evaluate.py's settings to a spec: the one place
-that chooses the kind of search.
+is static (hashed into the jitted programs' keys). A spec's `ids` are the model's reserved ids (tokens.SpecialIds):
+the Searcher sets them from the model it runs (`with_ids`), so settings never carry a second copy of them.
+`search_for` maps evaluate.py's settings to a spec: the one place that chooses the kind of search.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from transformer_jax.decoding.search import (
     tile_beams,
 )
 from transformer_jax.decoding.set_aside import SetAsideState
+from transformer_jax.tokens import SpecialIds
 
 Array = jax.Array
 PyTree = Any
@@ -72,6 +74,7 @@ class Search:
 
     alpha: float  # the length penalty's exponent (traced: a new value does not recompile)
     penalty: str = GNMT  # search.LENGTH_PENALTIES
+    ids: SpecialIds | None = None  # the model's reserved ids; None until `with_ids` (the Searcher does it)
 
     beam_size: ClassVar[int] = 1  # cache rows per sentence (W), the most hypotheses one decode gives (a field below)
     refills_one_batch: ClassVar[bool] = True  # sentences refill one running batch (else: batch by batch)
@@ -80,6 +83,17 @@ class Search:
     def __post_init__(self) -> None:
         if self.penalty not in LENGTH_PENALTIES:
             raise ValueError(f"unknown length penalty {self.penalty!r}; expected one of {', '.join(LENGTH_PENALTIES)}")
+
+    def with_ids(self, ids: SpecialIds) -> Search:
+        """This search over a model whose reserved ids are `ids`."""
+        return self if self.ids == ids else dataclasses.replace(self, ids=ids)
+
+    @property
+    def reserved(self) -> SpecialIds:
+        """The reserved ids (ValueError while none are set: a spec runs over a model through `with_ids`)."""
+        if self.ids is None:
+            raise ValueError(f"{type(self).__name__} has no reserved ids: set them with with_ids(SpecialIds.of(...))")
+        return self.ids
 
     def nbest(self, n: int) -> Search:
         """The search whose decode of a sentence gives its n best hypotheses (ValueError unless 1 <= n <=
@@ -101,13 +115,13 @@ class Search:
 
     def start(self, cache_B: PyTree, batch: int, slots: int) -> NamedTuple:
         """The first state of `batch` sentences with `slots` output slots; cache_B has a row per sentence."""
-        return GreedyState.start(cache_B, batch, slots)
+        return GreedyState.start(cache_B, batch, slots, self.reserved)
 
     def advance(
         self, s: NamedTuple, step: DecodeStep, max_len_B: Array, row_inputs: RowInputs, reorder: Reorder | None
     ) -> NamedTuple:
         """One decode step of every sentence of the state s (reorder: as search.Decoder's)."""
-        return s.advance(step, max_len_B, row_inputs.get("prefix"))
+        return s.advance(step, max_len_B, row_inputs.get("prefix"), ids=self.reserved)
 
     def scores(self, s: NamedTuple) -> Array:
         """[B, W] each hypothesis's score log P / lp(length) as the state holds it (`beams()`)."""
@@ -117,7 +131,9 @@ class Search:
     def result(self, s: NamedTuple, max_steps: int) -> BeamResult:
         """Each sentence's hypotheses best first, their tokens padded to max_steps slots."""
         tokens, log_probs, lengths = s.beams()
-        return best_first(pad_tokens(tokens, max_steps), log_probs, lengths, self.alpha, self.penalty)
+        return best_first(
+            pad_tokens(tokens, max_steps, self.reserved.pad), log_probs, lengths, self.alpha, self.penalty
+        )
 
 
 @search_spec("alpha")
@@ -148,10 +164,11 @@ class Beam(Search):
         return dataclasses.replace(self, settle=n)
 
     def start(self, cache_B: PyTree, batch: int, slots: int) -> BeamState:
-        return BeamState.start(tile_beams(cache_B, self.beam_size), batch, self.beam_size, slots)
+        return BeamState.start(tile_beams(cache_B, self.beam_size), batch, self.beam_size, slots, self.reserved)
 
     def advance(self, s, step, max_len_B, row_inputs, reorder):
-        return s.advance(step, max_len_B, self.alpha, self.settle, self.penalty, row_inputs.get("prefix"), reorder)
+        prefix = row_inputs.get("prefix")
+        return s.advance(step, max_len_B, self.alpha, self.settle, self.penalty, prefix, reorder, ids=self.reserved)
 
 
 @search_spec("alpha")
@@ -178,10 +195,13 @@ class SetAside(Search):
 
     def start(self, cache_B: PyTree, batch: int, slots: int) -> SetAsideState:
         pool = self.hypotheses or self.beam_size
-        return SetAsideState.start(tile_beams(cache_B, self.beam_size), batch, self.beam_size, pool, slots)
+        cache_R = tile_beams(cache_B, self.beam_size)
+        return SetAsideState.start(cache_R, batch, self.beam_size, pool, slots, self.reserved)
 
     def advance(self, s, step, max_len_B, row_inputs, reorder):
-        return s.advance(step, max_len_B, self.alpha, self.penalty, row_inputs.get("prefix"), reorder)
+        return s.advance(
+            step, max_len_B, self.alpha, self.penalty, row_inputs.get("prefix"), reorder, ids=self.reserved
+        )
 
 
 @search_spec("alpha", "seed")
@@ -207,7 +227,8 @@ class Sampled(Search):
         return {"keys": sample_keys(self.seed, lines, copies)}
 
     def advance(self, s, step, max_len_B, row_inputs, reorder):
-        return s.advance(step, max_len_B, row_inputs.get("prefix"), self.sampling.chooser(row_inputs["keys"]))
+        chooser = self.sampling.chooser(row_inputs["keys"])
+        return s.advance(step, max_len_B, row_inputs.get("prefix"), chooser, ids=self.reserved)
 
 
 def search_for(
@@ -246,4 +267,4 @@ def run_search(
     def body(s: NamedTuple) -> NamedTuple:
         return search.advance(s, d.step, max_len_B, row_inputs, d.reorder)
 
-    return search.result(run_stages(body, init, max_steps, d.grow), max_steps)
+    return search.result(run_stages(body, init, max_steps, d.grow, search.reserved), max_steps)

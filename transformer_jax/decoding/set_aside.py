@@ -55,7 +55,7 @@ from transformer_jax.decoding.search import (
     top_k,
     write_step,
 )
-from transformer_jax.tokens import EOS_ID, PAD_ID
+from transformer_jax.tokens import SpecialIds
 
 Array = jax.Array
 PyTree = Any
@@ -80,19 +80,20 @@ class SetAsideState(NamedTuple):
     def sentence_done(self) -> Array:
         return self.done_B
 
-    def with_room(self, slots: int) -> SetAsideState:
+    def with_room(self, slots: int, ids: SpecialIds) -> SetAsideState:
         return self._replace(
-            tokens_BWL=pad_tokens(self.tokens_BWL, slots), pool_tokens_BNL=pad_tokens(self.pool_tokens_BNL, slots)
+            tokens_BWL=pad_tokens(self.tokens_BWL, slots, ids.pad),
+            pool_tokens_BNL=pad_tokens(self.pool_tokens_BNL, slots, ids.pad),
         )
 
     def beams(self) -> tuple[Array, Array, Array]:
         """The pool: (tokens [B, N, L], log_probs [B, N], lengths [B, N])."""
         return self.pool_tokens_BNL, self.pool_log_probs_BN, self.pool_lengths_BN
 
-    def restart(self, rows_K: Array) -> SetAsideState:
+    def restart(self, rows_K: Array, ids: SpecialIds) -> SetAsideState:
         """The sentences in rows_K back at the start (nothing emitted); the cache is the caller's to reset."""
         _, width, slots = self.tokens_BWL.shape
-        fresh = SetAsideState.start(None, rows_K.shape[0], width, self.pool_log_probs_BN.shape[1], slots)
+        fresh = SetAsideState.start(None, rows_K.shape[0], width, self.pool_log_probs_BN.shape[1], slots, ids)
         return restarted(self, rows_K, fresh)
 
     def select(self, keep_K: Array) -> SetAsideState:
@@ -100,8 +101,8 @@ class SetAsideState(NamedTuple):
         return selected(self, keep_K, self.last_BW.shape[1])
 
     @classmethod
-    def start(cls, cache_R: PyTree, batch: int, width: int, pool: int, slots: int) -> SetAsideState:
-        live = BeamState.start(None, batch, width, slots)  # one live empty beam per sentence, the others -inf
+    def start(cls, cache_R: PyTree, batch: int, width: int, pool: int, slots: int, ids: SpecialIds) -> SetAsideState:
+        live = BeamState.start(None, batch, width, slots, ids)  # one live empty beam per sentence, the others -inf
         return cls(
             step_B=live.step_B,
             done_B=jnp.zeros((batch,), bool),
@@ -110,7 +111,7 @@ class SetAsideState(NamedTuple):
             last_BW=live.last_BW,
             tokens_BWL=live.tokens_BWL,
             log_probs_BW=live.log_probs_BW,
-            pool_tokens_BNL=jnp.full((batch, pool, slots), PAD_ID, jnp.int32),
+            pool_tokens_BNL=jnp.full((batch, pool, slots), ids.pad, jnp.int32),
             pool_log_probs_BN=jnp.full((batch, pool), NEG_INF, jnp.float32),
             pool_lengths_BN=jnp.zeros((batch, pool), jnp.int32),
             cache=cache_R,
@@ -124,6 +125,8 @@ class SetAsideState(NamedTuple):
         penalty: str = GNMT,
         prefix_BP: Array | None = None,
         reorder: Reorder | None = None,
+        *,
+        ids: SpecialIds,
     ) -> SetAsideState:
         """One step (module docstring); reorder: as search.Decoder's."""
         s = self
@@ -134,7 +137,7 @@ class SetAsideState(NamedTuple):
         # A sentence's K best of its W V extensions are among its beams' K best tokens each (as in BeamState).
         per_beam = min(2 * width, logits_RV.shape[-1])
         max_R1, lse_R1 = max_and_logsumexp(logits_RV)
-        top_RC, token_RC = top_k(choosable(logits_RV, prefix_BP, s.step_B, width), per_beam)
+        top_RC, token_RC = top_k(choosable(logits_RV, prefix_BP, s.step_B, width, ids.pad), per_beam)
         cand_BWC = s.log_probs_BW[..., None] + ((top_RC - max_R1) - lse_R1).reshape(batch, width, per_beam)
         log_probs_BK, flat_BK = jax.lax.top_k(cand_BWC.reshape(batch, -1), min(2 * width, width * per_beam))
         token_BK = jnp.take_along_axis(token_RC.reshape(batch, -1), flat_BK, axis=1)
@@ -143,7 +146,7 @@ class SetAsideState(NamedTuple):
             jnp.take_along_axis(s.tokens_BWL, beam_BK[..., None], axis=1), s.step_B[:, None], token_BK
         )
         at_limit_B = s.step_B + 1 >= max_len_B
-        ends_BK = ~s.done_B[:, None] & (log_probs_BK > NEG_INF) & ((token_BK == EOS_ID) | at_limit_B[:, None])
+        ends_BK = ~s.done_B[:, None] & (log_probs_BK > NEG_INF) & ((token_BK == ids.eos) | at_limit_B[:, None])
         # The first W candidates that end join the pool, which keeps the N best by score.
         joins_BW = ends_BK[:, :width]
         length_B = s.step_B + 1
@@ -200,13 +203,19 @@ def set_aside_search(
     penalty: str = GNMT,
     prefix_BP: Array | None = None,
     reorder: Reorder | None = None,
+    ids: SpecialIds,
 ) -> BeamResult:
     """Beam search of beam_size live beams that sets finished hypotheses aside (module docstring), as one loop;
     `cache` has B rows. Returns each sentence's `hypotheses` best (<= beam_size), best first. grow, prefix_BP and
-    reorder as for search.beam_search."""
+    reorder and ids as for search.beam_search."""
     first = max_steps if grow is None else cache_stages(max_steps)[0]
-    init = SetAsideState.start(tile_beams(cache, beam_size), max_len_B.shape[0], beam_size, hypotheses, first)
+    init = SetAsideState.start(tile_beams(cache, beam_size), max_len_B.shape[0], beam_size, hypotheses, first, ids)
     s = run_stages(
-        lambda s: s.advance(decode_step, max_len_B, alpha, penalty, prefix_BP, reorder), init, max_steps, grow
+        lambda s: s.advance(decode_step, max_len_B, alpha, penalty, prefix_BP, reorder, ids=ids),
+        init,
+        max_steps,
+        grow,
+        ids,
     )
-    return best_first(pad_tokens(s.pool_tokens_BNL, max_steps), s.pool_log_probs_BN, s.pool_lengths_BN, alpha, penalty)
+    tokens_BNL = pad_tokens(s.pool_tokens_BNL, max_steps, ids.pad)
+    return best_first(tokens_BNL, s.pool_log_probs_BN, s.pool_lengths_BN, alpha, penalty)

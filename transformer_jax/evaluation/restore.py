@@ -20,6 +20,7 @@ from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import CheckpointError, EvalError
 from transformer_jax.evaluation.averaging import average_params, select_steps
 from transformer_jax.model import Transformer, TransformerSpec, build_model, model_rngs
+from transformer_jax.tokens import SpecialIds
 from transformer_jax.training import checkpoints
 
 # Keys a restart must keep that say only how the training began (the source a fine-tuned run started from, as its
@@ -60,7 +61,9 @@ class Restorer:
                 f"no tokenizer in {workdir} ({tokenizer_lib.MODEL_FILENAME}) and config.data.tokenizer_model is "
                 "empty; evaluate with the workdir the model was trained in"
             )
-        return tokenizer_lib.get_tokenizer(config.data, workdir, vocab_size=config.model.vocab_size)
+        return tokenizer_lib.get_tokenizer(
+            config.data, workdir, vocab_size=config.model.vocab_size, ids=SpecialIds.of(config)
+        )
 
 
 def choose_steps(

@@ -76,7 +76,7 @@ def score_pairs(
     start = time.perf_counter()
     limit = input_limit(max_len, position_limit(model.spec))
     src_ids, tgt_ids = [tokenizer.encode(s) for s in sources], [tokenizer.encode(t) for t in targets]
-    examples = batching.from_ids(src_ids, tgt_ids, limit)
+    examples = batching.from_ids(src_ids, tgt_ids, limit, eos=tokenizer.ids.eos)
     graphdef, state = nnx.split(model)
     copy = nnx.merge(graphdef, state)
     copy.eval()
@@ -87,7 +87,7 @@ def score_pairs(
     row_len = batching.padded_eval_length(longest, limit)
     bar = Progress(len(examples), "scoring", "sentences") if progress else None
     for plan in packed_batches(examples, batch_size, row_len):
-        batch = batching.assemble(examples, plan)
+        batch = batching.assemble(examples, plan, tokenizer.ids)
         log_probs_BT = np.asarray(_token_log_probs(graphdef, state, batch), np.float64)
         # Each pair's sum over its own slots (its segment of its row), from prefix sums of the flat batch.
         prefix = np.concatenate([[0.0], np.cumsum(log_probs_BT.reshape(-1))])

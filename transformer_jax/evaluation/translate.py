@@ -23,10 +23,12 @@ from transformer_jax import decoding
 from transformer_jax.data.batching import padded_eval_length
 from transformer_jax.errors import EvalError
 from transformer_jax.runtime.progress import Progress
-from transformer_jax.tokens import EOS_ID, PAD_ID
+from transformer_jax.tokens import SpecialIds
 
 
 class Tokenizer(Protocol):
+    ids: SpecialIds
+
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
@@ -42,7 +44,7 @@ def source_ids(tokenizer: Tokenizer, sentence: str, max_input_len: int) -> tuple
         return None, False
     ids = list(tokenizer.encode(sentence))
     cut = len(ids) + 1 > max_input_len
-    return (ids[: max_input_len - 1] if cut else ids) + [EOS_ID], cut
+    return (ids[: max_input_len - 1] if cut else ids) + [tokenizer.ids.eos], cut
 
 
 def position_limit(spec: Any) -> int | None:
@@ -241,6 +243,6 @@ def _hypothesis(tokenizer: Tokenizer, result: decoding.BeamResult, beam: int) ->
     """Beam `beam` of one sentence's result, detokenized without EOS and PAD."""
     n = int(result.lengths[beam])
     ids = result.tokens[beam, :n].tolist()
-    ended = bool(ids) and ids[-1] == EOS_ID
-    text = tokenizer.decode([t for t in ids if t not in (EOS_ID, PAD_ID)])
+    ended = bool(ids) and ids[-1] == tokenizer.ids.eos
+    text = tokenizer.decode([t for t in ids if t not in (tokenizer.ids.eos, tokenizer.ids.pad)])
     return Hypothesis(text, float(result.log_probs[beam]), float(result.scores[beam]), n, ended)

@@ -36,7 +36,7 @@ from transformer_jax.evaluation.translate import (
     translate,
 )
 from transformer_jax.model.transformer import capture_intermediates
-from transformer_jax.tokens import BOS_ID, EOS_ID, PAD_ID
+from transformer_jax.tokens import SpecialIds
 from transformer_jax.visualize.attention import token_pieces
 
 
@@ -117,7 +117,8 @@ def beam_steps(model: Any, src_ids: list[int], settings: DecodeSettings, piece: 
     src_len = padded_eval_length(len(src_ids), input_limit(settings.max_input_len, positions))
     cap = output_cap(settings.max_len, positions)
     max_steps = output_limit(src_len, settings.max_extra_len, cap)
-    src_BS = decoding.source_batch([src_ids], settings.batch_size, src_len)
+    ids = SpecialIds.of(model.spec)
+    src_BS = decoding.source_batch([src_ids], settings.batch_size, src_len, ids)
     sentence_limit = output_limit(len(src_ids), settings.max_extra_len, cap)
     search = decoding.searcher(model)
 
@@ -139,7 +140,7 @@ def beam_steps(model: Any, src_ids: list[int], settings: DecodeSettings, piece: 
                     [piece(i) for i in r.tokens[w, : r.lengths[w]]],
                     float(r.log_probs[w]),
                     float(r.scores[w]),
-                    bool(r.lengths[w] and r.tokens[w, r.lengths[w] - 1] == EOS_ID),
+                    bool(r.lengths[w] and r.tokens[w, r.lengths[w] - 1] == ids.eos),
                 )
                 for w in range(len(r.scores))
                 if np.isfinite(r.scores[w])
@@ -221,13 +222,14 @@ def explain(
         return piece_of(vocab, int(i))
 
     steps_beams, best = beam_steps(model, src_ids, settings, piece)
+    ids = SpecialIds.of(model.spec)
     if target is not None:
         tgt_ids = list(tokenizer.encode(target))
     else:
-        tgt_ids = [t for t in best if t not in (EOS_ID, PAD_ID)]
+        tgt_ids = [t for t in best if t not in (ids.eos, ids.pad)]
     if model.spec.positional == "learned":
         tgt_ids = tgt_ids[: model.spec.max_len - 1]
-    tgt_in_ids = [BOS_ID, *tgt_ids]
+    tgt_in_ids = [ids.bos, *tgt_ids]
     sown, memory_SD, logits_TV = intermediates(model, src_ids, tgt_in_ids)
     return Explanation(
         sentence=sentence,
@@ -235,7 +237,7 @@ def explain(
         src_pieces=[piece(i) for i in src_ids],
         tgt_in_ids=tgt_in_ids,
         tgt_in_pieces=[piece(i) for i in tgt_in_ids],
-        tgt_out_pieces=[piece(i) for i in [*tgt_ids, EOS_ID]],
+        tgt_out_pieces=[piece(i) for i in [*tgt_ids, ids.eos]],
         target_given=target is not None,
         truncated=truncated,
         translation=translation,

@@ -15,7 +15,6 @@ import numpy as np
 from transformer_jax.explain.capture import Explanation
 from transformer_jax.model.layers import sinusoidal_encoding
 from transformer_jax.ops.attention import attention_mask
-from transformer_jax.tokens import EOS_ID
 
 TOP_K = 5  # next-token candidates listed per target step
 
@@ -156,7 +155,7 @@ def step_figures(x: Explanation) -> list[StepFigures]:
     out = []
     for t, fed in enumerate(x.tgt_in_pieces):
         order = np.argsort(-probs_TV[t])[:TOP_K]
-        expected_id = x.tgt_in_ids[t + 1] if t + 1 < len(x.tgt_in_ids) else EOS_ID  # the last step predicts </s>
+        expected_id = x.tgt_in_ids[t + 1] if t + 1 < len(x.tgt_in_ids) else x.spec.eos_id  # the last: </s>
         expected_prob = probs_TV[t, expected_id]
         out.append(
             StepFigures(

@@ -41,7 +41,6 @@ from transformer_jax.evaluation.translate import DecodeSettings, input_limit, ou
 from transformer_jax.export import output
 from transformer_jax.model.layers import sinusoidal_encoding
 from transformer_jax.model.spec import TransformerSpec
-from transformer_jax.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 # CTranslate2's translate_batch defaults: inputs cut at 1024 tokens, outputs at 256. A table covering both lets
 # the exported model serve with the engine's defaults (positions beyond the table are an error in the engine).
@@ -167,10 +166,10 @@ def build_spec(model: Any, pieces: Sequence[str], *, max_positions: int) -> Any:
         _set_ffn(ct2_layer.ffn, layer.ffn_residual, layer.ffn)
 
     ct2.config.layer_norm_epsilon = spec.norm_epsilon
-    ct2.config.unk_token = pieces[UNK_ID]
-    ct2.config.bos_token = pieces[BOS_ID]
-    ct2.config.eos_token = pieces[EOS_ID]
-    ct2.config.decoder_start_token = pieces[BOS_ID]
+    ct2.config.unk_token = pieces[spec.unk_id]
+    ct2.config.bos_token = pieces[spec.bos_id]
+    ct2.config.eos_token = pieces[spec.eos_id]
+    ct2.config.decoder_start_token = pieces[spec.bos_id]
     ct2.config.add_source_eos = True
     ct2.register_source_vocabulary(list(pieces))
     ct2.register_target_vocabulary(list(pieces))
@@ -232,6 +231,7 @@ def translate_ids(
     beam_size: int,
     alpha: float,
     batch_size: int,
+    eos: int,
 ) -> list[list[int]]:
     """The engine's output ids for source ids that end with EOS, output i at most limits[i] tokens.
 
@@ -254,8 +254,8 @@ def translate_ids(
     for group_limit, rows in sorted(groups.items()):
         batch = []
         for i in rows:
-            if not sources[i] or sources[i][-1] != EOS_ID:
-                raise ValueError(f"source {i} does not end with EOS ({EOS_ID}): {list(sources[i])[-5:]}")
+            if not sources[i] or sources[i][-1] != eos:
+                raise ValueError(f"source {i} does not end with EOS ({eos}): {list(sources[i])[-5:]}")
             batch.append([pieces[t] for t in sources[i][:-1]])  # the engine adds EOS (add_source_eos)
         results = translator.translate_batch(
             batch,
@@ -303,16 +303,23 @@ def ctranslate2_translate(
     cap = output_cap(settings.max_len, position_limit)
     limits = [output_limit(len(sources[i]), max_extra_len, cap) for i in rows]
     ids = translate_ids(
-        translator, pieces, [sources[i] for i in rows], limits, beam_size=beam_size, alpha=alpha, batch_size=batch_size
+        translator,
+        pieces,
+        [sources[i] for i in rows],
+        limits,
+        beam_size=beam_size,
+        alpha=alpha,
+        batch_size=batch_size,
+        eos=tokenizer.ids.eos,
     )
     outputs = [""] * len(sentences)
     hit_max_len = 0
     for i, out in zip(rows, ids, strict=True):
-        if out and out[-1] == EOS_ID:
+        if out and out[-1] == tokenizer.ids.eos:
             out = out[:-1]
         else:
             hit_max_len += 1  # stopped by the length limit, not by EOS
-        outputs[i] = tokenizer.decode([t for t in out if t != PAD_ID])
+        outputs[i] = tokenizer.decode([t for t in out if t != tokenizer.ids.pad])
     seconds = time.perf_counter() - start
     stats = {
         "sentences": len(sentences),

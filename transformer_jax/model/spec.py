@@ -40,6 +40,10 @@ class TransformerSpec:
     Frozen (hashable: a static argument of jitted functions) and without defaults: they live in config/schema.py."""
 
     vocab_size: int
+    pad_id: int
+    eos_id: int
+    bos_id: int  # may equal pad_id (Marian's decoder starts from pad)
+    unk_id: int
     d_model: int
     num_heads: int
     num_kv_heads: int  # 0 = num_heads

@@ -28,15 +28,16 @@ from transformer_jax.model.attention import (
 from transformer_jax.model.layers import Embedding, FeedForward, LearnedPositions, dense, make_norm, sinusoidal_encoding
 from transformer_jax.model.spec import TransformerSpec
 from transformer_jax.ops.attention import SOFTMAX_IMPLEMENTATIONS
-from transformer_jax.tokens import PAD_ID
 
 Array = jax.Array
 Cache = dict[str, Any]
 
 
-def unpacked_segment_ids(tokens_BT: Array) -> Array:
-    """Segment ids of rows that each hold one sentence: 1 for real tokens, 0 for PAD (padding)."""
-    return (tokens_BT != PAD_ID).astype(jnp.int32)
+def unpacked_segment_ids(tokens_BT: Array, pad_id: int, *, target: bool = False) -> Array:
+    """Segment ids of rows that each hold one sentence: 1 for real tokens, 0 for padding (pad_id). A target row's
+    first input is BOS, real even where BOS is the pad id (Marian's decoder starts from pad)."""
+    segment_ids_BT = (tokens_BT != pad_id).astype(jnp.int32)
+    return segment_ids_BT.at[:, 0].set(1) if target else segment_ids_BT
 
 
 class Residual(nnx.Module):
@@ -211,13 +212,15 @@ class Transformer(nnx.Module):
             self.sow(nnx.Intermediate, f"{side}_embedding_plus_positions", x)
         return self.embed_dropout(x)
 
-    def _defaults(self, tokens_BT: Array, segment_ids: Array | None, positions: Array | None) -> tuple[Array, Array]:
-        """Unpacked inputs: segment 1 for real tokens, 0 for padding; positions 0, 1, 2, ..."""
+    def _defaults(
+        self, tokens_BT: Array, segment_ids: Array | None, positions: Array | None, target: bool = False
+    ) -> tuple[Array, Array]:
+        """Unpacked inputs: segment 1 for real tokens, 0 for padding (`unpacked_segment_ids`); positions 0, 1, ..."""
         batch, length = tokens_BT.shape
         if self.spec.positional == "learned" and length > self.spec.max_len:
             raise ValueError(f"sequence of {length} tokens exceeds model.max_len={self.spec.max_len}")
         if segment_ids is None:
-            segment_ids = unpacked_segment_ids(tokens_BT)
+            segment_ids = unpacked_segment_ids(tokens_BT, self.spec.pad_id, target=target)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
         return segment_ids, positions
@@ -272,8 +275,8 @@ class Transformer(nnx.Module):
         if cache is None:
             if memory is None:
                 raise ValueError("decode needs the encoder memory when no cache is given")
-            src_segment_ids = _source_segment_ids(src_tokens, src_segment_ids, "decode")
-            tgt_segment_ids, tgt_positions = self._defaults(tgt_tokens, tgt_segment_ids, tgt_positions)
+            src_segment_ids = _source_segment_ids(src_tokens, src_segment_ids, self.spec.pad_id, "decode")
+            tgt_segment_ids, tgt_positions = self._defaults(tgt_tokens, tgt_segment_ids, tgt_positions, target=True)
             cross_kvs = [layer.cross_attn.project_kv(memory) for layer in self.decoder_layers]
             index = None
         else:
@@ -320,7 +323,7 @@ class Transformer(nnx.Module):
         """
         if self.spec.positional == "learned" and max_len > self.spec.max_len:
             raise ValueError(f"decoding {max_len} tokens exceeds model.max_len={self.spec.max_len}")
-        src_segment_ids = _source_segment_ids(src_tokens, src_segment_ids, "init_cache")
+        src_segment_ids = _source_segment_ids(src_tokens, src_segment_ids, self.spec.pad_id, "init_cache")
         batch = memory.shape[0]
         dtype = self.spec.compute_dtype
         cross = []
@@ -398,14 +401,14 @@ class Transformer(nnx.Module):
         )
 
 
-def _source_segment_ids(src_tokens: Array | None, src_segment_ids: Array | None, caller: str) -> Array:
+def _source_segment_ids(src_tokens: Array | None, src_segment_ids: Array | None, pad_id: int, caller: str) -> Array:
     """The source's segment ids as given, or derived from its tokens; never all ones by default, which would let
     cross-attention read the memory of padding."""
     if src_segment_ids is not None:
         return src_segment_ids
     if src_tokens is None:
         raise ValueError(f"{caller} needs src_segment_ids or src_tokens, to mask the source's padding")
-    return unpacked_segment_ids(src_tokens)
+    return unpacked_segment_ids(src_tokens, pad_id)
 
 
 def capture_intermediates(model: Transformer, enabled: bool = True) -> None:

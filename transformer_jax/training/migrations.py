@@ -4,9 +4,11 @@ Two migrations, each kept because checkpoints of those versions exist (tests/tes
 
 - State layout: before the TrainState fields had names, a checkpoint's `state` item stored them under the
   positions 0, 1, 2 (the same order). `state_keys` maps each field to the key it is saved under.
-- Config: before `model.pad_id` was removed, the saved config held it (it could only ever be tokens.PAD_ID), and
-  `model.fused_backward` did not exist (those versions ran the hand-written backward passes everywhere: 'on').
-  `upgrade_config` rewrites such a saved config in today's keys; checkpoints.load_config applies it.
+- Config: the reserved ids were fixed constants (pad 0, eos 1, bos 2, unk 3: tokens.SpecialIds.DEFAULT) until the
+  `model.pad_id/eos_id/bos_id/unk_id` keys came; a config saved in between has none of them, and one saved before
+  that held `model.pad_id` alone (it could only be 0) and had no `model.fused_backward` (those versions ran the
+  hand-written backward passes everywhere: 'on'). `upgrade_config` rewrites such a saved config in today's keys;
+  checkpoints.load_config applies it.
 - Config: keys added later (`ADDED_KEYS`) are missing from the configs saved before them; they get the value that
   does what those versions did.
 """
@@ -19,7 +21,7 @@ from typing import Any
 import ml_collections
 
 from transformer_jax.errors import ConfigError
-from transformer_jax.tokens import PAD_ID
+from transformer_jax.tokens import FIELDS, SpecialIds
 
 
 def state_keys(saved_keys: Iterable[str], fields: Sequence[str]) -> dict[str, Any]:
@@ -40,26 +42,32 @@ ADDED_KEYS: dict[str, Any] = {
 
 def upgrade_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """A config saved with a checkpoint, in today's keys (unchanged when it has them already)."""
-    missing = {
+    added = {
         name: value
         for name, value in ADDED_KEYS.items()
         if name.partition(".")[0] in config and name.partition(".")[2] not in config[name.partition(".")[0]]
     }
-    if missing:
-        added = config.to_dict()
-        for name, value in missing.items():
+    if added:
+        values = config.to_dict()
+        for name, value in added.items():
             group, _, leaf = name.partition(".")
-            added[group][leaf] = value
-        config = ml_collections.ConfigDict(added)
-    if "model" not in config or "pad_id" not in config.model:
+            values[group][leaf] = value
+        config = ml_collections.ConfigDict(values)
+    if "model" not in config:
+        return config
+    missing = [f"{field}_id" for field in FIELDS if f"{field}_id" not in config.model]
+    if not missing and "fused_backward" in config.model:
         return config
     upgraded = config.to_dict()
     model = upgraded["model"]
-    pad_id = model.pop("pad_id")
-    if pad_id != PAD_ID:
-        raise ConfigError(
-            f"invalid config key model.pad_id: padding is always token id {PAD_ID} (transformer_jax/tokens.py), "
-            f"got {pad_id}; remove the key"
-        )
-    model.setdefault("fused_backward", "on")
+    if "fused_backward" not in model:
+        pad_id = model.get("pad_id", SpecialIds.DEFAULT.pad)
+        if pad_id != SpecialIds.DEFAULT.pad:
+            raise ConfigError(
+                f"invalid config key model.pad_id: a config saved without model.fused_backward had padding "
+                f"{SpecialIds.DEFAULT.pad} always, got {pad_id}; set it to {SpecialIds.DEFAULT.pad}"
+            )
+        model["fused_backward"] = "on"
+    for key in missing:  # the constants of those versions
+        model[key] = getattr(SpecialIds.DEFAULT, key.removesuffix("_id"))
     return ml_collections.ConfigDict(upgraded)

@@ -96,7 +96,7 @@ def _check_sentences(source: str, target: str) -> None:
 def encode_pair(tokenizer: Any, source: str, target: str) -> tuple[list[int], list[int]]:
     """(source ids then EOS, BOS then target ids): the model's inputs in training and translation."""
     _check_sentences(source, target)
-    return tokenizer.encode(source) + [tokenizer.eos_id], [tokenizer.bos_id] + tokenizer.encode(target)
+    return tokenizer.encode(source) + [tokenizer.ids.eos], [tokenizer.ids.bos] + tokenizer.encode(target)
 
 
 def load_model(workdir: str | Path, config: Any = None, checkpoint: str | int = "latest") -> tuple[Any, Any, Any, int]:
