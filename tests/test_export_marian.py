@@ -19,6 +19,7 @@ from transformer_jax.data.tokenizer import train_tokenizer
 from transformer_jax.errors import ConfigError, EvalError
 from transformer_jax.evaluation.restore import Restorer, restore_model
 from transformer_jax.export import marian as export_marian
+from transformer_jax.tokens import SpecialIds
 from transformer_jax.training import checkpoints
 from transformer_jax.training.state import new_train_state, split_train_state
 
@@ -29,7 +30,7 @@ def make_workdir(path: Path, seed: int = 0, **model) -> Path:
     """A workdir of ours (joint spm.model, a step-0 checkpoint) whose every parameter is random (LayerNorm and
     biases included, so that a mapping mistake in any of them shows in the logits)."""
     path.mkdir(parents=True)
-    train_tokenizer(SENTENCES, path / "spm.model", vocab_size=VOCAB, model_type="unigram")
+    train_tokenizer(SENTENCES, path / "spm.model", vocab_size=VOCAB, model_type="unigram", ids=SpecialIds.DEFAULT)
     config = schema.base_config("tiny")
     config.model.update(**{"vocab_size": VOCAB, "norm_epsilon": 1e-5, **model})
     config.ckpt.async_save = False
@@ -110,7 +111,7 @@ def test_the_exported_tokenizer_gives_our_ids(tmp_path):
     (tmp_path / "s.json").write_text(json.dumps(sentences))
     run("tokenize", str(tmp_path / "out"), str(tmp_path / "s.json"), str(tmp_path / "ids.json"))
     theirs = json.loads((tmp_path / "ids.json").read_text())
-    ours = Tokenizer(workdir / "spm.model")
+    ours = Tokenizer(workdir / "spm.model", SpecialIds.DEFAULT)
     assert theirs == [ours.encode(s) + [1] for s in sentences]  # MarianTokenizer appends </s>
 
 

@@ -7,7 +7,7 @@ run, CTranslate2 in the same process finds other beams), so the tests call `run(
                            SentencePiece model trained here, vocab.json with </s> 0, <unk> 1 and <pad> last,
                            swish, a non-zero final_logits_bias, random LayerNorm weights (JSON: config overrides)
     logits DIR IN OUT      MarianMTModel.from_pretrained(DIR) logits for IN's (src, tgt) arrays (.npz) -> OUT
-    tokenize DIR JSON OUT  MarianTokenizer.from_pretrained(DIR) ids of JSON's sentences -> OUT (.json)
+    tokenize DIR IN OUT    MarianTokenizer.from_pretrained(DIR) ids of IN's sentences (.json) -> OUT (.json)
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def tokenize(directory: str, sentences: str, output: str) -> None:
     from transformers import MarianTokenizer
 
     tokenizer = MarianTokenizer.from_pretrained(directory)
-    ids = [tokenizer(s)["input_ids"] for s in json.loads(sentences)]
+    ids = [tokenizer(s)["input_ids"] for s in json.loads(Path(sentences).read_text())]
     Path(output).write_text(json.dumps(ids))
 
 

@@ -295,11 +295,10 @@ def marian_config(config: Any) -> dict[str, Any]:
     """config.json of MarianMTModel for a config of ours (check_exportable first)."""
     m = config.model
     shared = bool(m.share_embeddings)
-    source_vocab = m.source_vocab_size or m.vocab_size
     return {
         "architectures": ["MarianMTModel"],
         "model_type": MODEL_TYPE,
-        "vocab_size": m.vocab_size if shared else source_vocab,
+        "vocab_size": m.vocab_size if shared else (m.source_vocab_size or m.vocab_size),
         "decoder_vocab_size": m.vocab_size,
         "share_encoder_decoder_embeddings": shared,
         "tie_word_embeddings": True,
