@@ -130,6 +130,7 @@ def _tensor_reader(path: Path, allow_pickle: bool) -> Callable[[], Iterator[tupl
 def _our_config(hf: dict, generation: dict, tokenizer_config: dict, unk_id: int) -> Any:
     config = schema.base_config(BASE_SIZE)
     values = {**marian.model_keys(hf, unk_id), **marian.eval_keys(generation)}
+    values["eval.average_last"] = 1  # the workdir holds one checkpoint
     values["data.tokenizer"] = MARIAN_TOKENIZER
     for ours, theirs in (("data.src_lang", "source_lang"), ("data.tgt_lang", "target_lang")):
         if isinstance(tokenizer_config.get(theirs), str) and tokenizer_config[theirs].isidentifier():
