@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from flax.traverse_util import flatten_dict, unflatten_dict
@@ -267,8 +266,9 @@ def write_workdir(folder: MarianFolder, workdir: str | os.PathLike) -> dict[str,
     workdir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{workdir.name}.", suffix=".tmp", dir=workdir.parent))
     try:
-        # As jax arrays: Orbax's save of numpy arrays holds more temporaries (benchmarks/convert_marian.py).
-        params = jax.tree.map(jnp.asarray, convert_params(folder))
+        # As jax arrays sharing the numpy buffer (DLPack: no copy): Orbax's save of numpy arrays holds more
+        # temporaries, and a copy would hold the weights twice (benchmarks/convert_marian.py).
+        params = jax.tree.map(jax.dlpack.from_dlpack, convert_params(folder))
         for name, source in folder.tokenizer_files.items():
             shutil.copyfile(source, tmp / name)
         config = folder.config
