@@ -88,6 +88,37 @@ def test_converted_logits_equal_transformers(marian_dir, tmp_path):
     assert compare_logits(marian_dir, tmp_path / "w", tmp_path) < 1e-4
 
 
+def test_greedy_outputs_equal_generate(marian_dir, tmp_path):
+    """Our greedy search on the converted model emits generate(num_beams=1)'s tokens. generate() counts the
+    decoder's start token in max_length and forces EOS at the last position (forced_eos_token_id); ours stops at
+    the limit without it, so a line that reaches the limit is compared up to it."""
+    from transformer_jax import decoding
+
+    convert(marian_dir, tmp_path / "w")
+    config, model = restored(tmp_path / "w")
+    m, limit = config.model, 12
+    rng = np.random.default_rng(3)
+    src = rng.integers(2, m.vocab_size - 1, size=(16, 10))
+    src[:, -1] = m.eos_id
+    for row, length in enumerate(rng.integers(2, 10, size=16)):
+        src[row, length - 1], src[row, length:] = m.eos_id, m.pad_id
+    np.savez(tmp_path / "src.npz", src=src)
+    arguments = {"num_beams": 1, "max_length": limit + 1}
+    run("generate", str(marian_dir), str(tmp_path / "src.npz"), str(tmp_path / "out.json"), json.dumps(arguments))
+    theirs = json.loads((tmp_path / "out.json").read_text())
+    ours = decoding.search(
+        model, jnp.asarray(src, jnp.int32), jnp.full((16,), limit), decoding.Greedy(alpha=0.0), max_steps=limit
+    )
+    for row in range(16):
+        length = int(ours.lengths[row, 0])
+        mine = [int(t) for t in ours.tokens[row, 0, :length]]
+        generated = [t for t in theirs[row][1:] if t != m.pad_id]  # after the start token
+        if mine[-1] == m.eos_id:
+            assert mine == generated, row
+        else:  # the limit: generate() put a forced EOS where we stopped
+            assert length == limit and mine[:-1] == generated[: limit - 1] and generated[-1] == m.eos_id, row
+
+
 def test_separate_vocabularies_convert(separate_dir, tmp_path):
     convert(separate_dir, tmp_path / "w")
     config, _ = restored(tmp_path / "w")

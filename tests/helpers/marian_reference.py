@@ -8,6 +8,7 @@ run, CTranslate2 in the same process finds other beams), so the tests call `run(
                            swish, a non-zero final_logits_bias, random LayerNorm weights (JSON: config overrides)
     logits DIR IN OUT      MarianMTModel.from_pretrained(DIR) logits for IN's (src, tgt) arrays (.npz) -> OUT
     tokenize DIR IN OUT    MarianTokenizer.from_pretrained(DIR) ids of IN's sentences (.json) -> OUT (.json)
+    generate DIR IN OUT J  generate() outputs for IN's src array (.npz) -> OUT (.json); J: generate's arguments
 """
 
 from __future__ import annotations
@@ -157,6 +158,19 @@ def tokenize(directory: str, sentences: str, output: str) -> None:
     Path(output).write_text(json.dumps(ids))
 
 
+def generate(directory: str, inputs: str, output: str, arguments: str) -> None:
+    import torch
+    from transformers import MarianMTModel
+
+    model = MarianMTModel.from_pretrained(directory).eval()
+    src = torch.from_numpy(np.load(inputs)["src"]).long()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=src, attention_mask=src != model.config.pad_token_id, do_sample=False, **json.loads(arguments)
+        )
+    Path(output).write_text(json.dumps(out.tolist()))
+
+
 if __name__ == "__main__":
     command, *rest = sys.argv[1:]
     if command == "make":
@@ -165,5 +179,7 @@ if __name__ == "__main__":
         logits(*rest)
     elif command == "tokenize":
         tokenize(*rest)
+    elif command == "generate":
+        generate(*rest)
     else:
         raise SystemExit(f"unknown command {command!r}")
