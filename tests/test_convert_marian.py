@@ -244,6 +244,22 @@ def test_the_command_line_refuses_in_one_line_and_writes_nothing(marian_dir, tmp
     assert [p.name for p in (tmp_path / "busy").iterdir()] == ["file"]
 
 
+def test_a_pickle_converts_with_allow_pickle_to_the_same_parameters(marian_dir, tmp_path):
+    """pytorch_model.bin (every tied copy and both position tables saved, as older uploads have them) converts,
+    with the flag, to the parameters model.safetensors gives."""
+    run("make", str(tmp_path / "bin"), json.dumps({"pickle": True}))  # the same seed as marian_dir
+    assert not (tmp_path / "bin" / "model.safetensors").exists()
+    done = _cli(tmp_path / "bin", tmp_path / "w_bin", "--allow_pickle")
+    assert done.returncode == 0, done.stderr[-2000:]
+    convert(marian_dir, tmp_path / "w")
+    config = checkpoints.load_config(tmp_path / "w")
+    _, state = split_train_state(new_train_state(config))
+    a = flatten_dict(checkpoints.load_model_params(tmp_path / "w", 0, state))
+    b = flatten_dict(checkpoints.load_model_params(tmp_path / "w_bin", 0, state))
+    for path in a:
+        np.testing.assert_array_equal(np.asarray(a[path]), np.asarray(b[path]), err_msg=str(path))
+
+
 def test_the_command_line_converts_and_reports(marian_dir, tmp_path):
     done = _cli(marian_dir, tmp_path / "w")
     assert done.returncode == 0, done.stderr[-2000:]

@@ -5,7 +5,8 @@ run, CTranslate2 in the same process finds other beams), so the tests call `run(
 
     make DIR JSON          a random-weight MarianMTModel and MarianTokenizer saved in DIR, offline: a small
                            SentencePiece model trained here, vocab.json with </s> 0, <unk> 1 and <pad> last,
-                           swish, a non-zero final_logits_bias, random LayerNorm weights (JSON: config overrides)
+                           swish, a non-zero final_logits_bias, random LayerNorm weights (JSON: config overrides;
+                           "pickle": true saves pytorch_model.bin instead of model.safetensors)
     logits DIR IN OUT      MarianMTModel.from_pretrained(DIR) logits for IN's (src, tgt) arrays (.npz) -> OUT
     tokenize DIR IN OUT    MarianTokenizer.from_pretrained(DIR) ids of IN's sentences (.json) -> OUT (.json)
     generate DIR IN OUT J  generate() outputs for IN's src array (.npz) -> OUT (.json); J: generate's arguments
@@ -77,6 +78,7 @@ def make(directory: str, overrides: dict) -> None:
     work = out / "spm"
     work.mkdir(exist_ok=True)
     separate = not overrides.get("share_encoder_decoder_embeddings", True)
+    pickle = overrides.pop("pickle", False)
     extra = list(overrides.pop("language_tokens", []))
     source_vocab = _vocab(_train_spm(work / "source", 60), extra)
     target_vocab = _vocab(_train_spm(work / "target", 50), []) if separate else source_vocab
@@ -125,6 +127,9 @@ def make(directory: str, overrides: dict) -> None:
     model.generation_config.max_length = 40
     model.generation_config.bad_words_ids = [[pad]]
     model.save_pretrained(out)
+    if pickle:  # an older upload: the whole state dict (tied copies and position tables included) as a pickle
+        torch.save(model.state_dict(), out / "pytorch_model.bin")
+        (out / "model.safetensors").unlink()
     tokenizer = MarianTokenizer(
         str(out / "source.spm"),
         str(out / "target.spm"),

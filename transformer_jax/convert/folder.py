@@ -119,7 +119,7 @@ def _tensor_reader(path: Path, allow_pickle: bool) -> Callable[[], Iterator[tupl
         ) from None
 
     def read_pickle() -> Iterator[tuple[str, np.ndarray]]:
-        state = torch.load(str(pickle), map_location="cpu", weights_only=False)
+        state = torch.load(str(pickle), map_location="cpu", weights_only=True)  # tensors only, no other objects
         for name in list(state):
             yield name, state.pop(name).float().numpy()
 
@@ -164,7 +164,7 @@ def read_folder(path: str | os.PathLike, *, allow_pickle: bool = False) -> Maria
         if not (path / name).is_file():
             raise DataError(f"{path / name} is missing; a Marian folder holds the tokenizer files too")
     try:
-        pad_id, eos_id = marian._one_id(hf, "pad_token_id"), marian._one_id(hf, "eos_token_id")
+        pad_id, eos_id = marian.one_id(hf, "pad_token_id"), marian.one_id(hf, "eos_token_id")
     except ConfigError as e:
         raise ConfigError(f"{path / CONFIG}: {e}") from None
     special = {marian.PAD_PIECE: (pad_id, "pad_token_id"), marian.EOS_PIECE: (eos_id, "eos_token_id")}

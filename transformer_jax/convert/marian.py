@@ -177,7 +177,8 @@ FIXED = {
 }
 
 
-def _one_id(hf: Mapping[str, Any], key: str) -> int:
+def one_id(hf: Mapping[str, Any], key: str) -> int:
+    """config.json's token id under `key` (a list of one id counts); ConfigError otherwise."""
     value = hf.get(key)
     if isinstance(value, list) and len(value) == 1:
         value = value[0]
@@ -216,8 +217,8 @@ def model_keys(hf: Mapping[str, Any], unk_id: int) -> dict[str, Any]:
         )
     shared = bool(hf.get("share_encoder_decoder_embeddings", True))
     target_vocab = hf["vocab_size"] if shared else int(hf.get("decoder_vocab_size") or hf["vocab_size"])
-    pad_id, eos_id = _one_id(hf, "pad_token_id"), _one_id(hf, "eos_token_id")
-    bos_id = _one_id(hf, "decoder_start_token_id")
+    pad_id, eos_id = one_id(hf, "pad_token_id"), one_id(hf, "eos_token_id")
+    bos_id = one_id(hf, "decoder_start_token_id")
     for key, value in (("pad_token_id", pad_id), ("eos_token_id", eos_id), ("decoder_start_token_id", bos_id)):
         if not 0 <= value < target_vocab:
             raise ConfigError(f"config.json key {key}={value} is outside the target vocabulary of {target_vocab}")
