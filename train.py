@@ -18,6 +18,7 @@ from transformer_jax import cli
 from transformer_jax.config import checks
 from transformer_jax.errors import ConfigError
 from transformer_jax.sharding import initialize_distributed
+from transformer_jax.training import init_from
 from transformer_jax.training.loop import train_and_evaluate
 from transformer_jax.training.summary import dry_run_summary
 
@@ -58,6 +59,9 @@ def main(argv: list[str]) -> None:
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file it renames at INFO
     config = _CONFIG.value
     checks.validate(config)  # before any work: a bad value is one line now, not a traceback minutes later
+    overrides = tuple(config_flags.get_override_values(flags.FLAGS[_CONFIG.name]))  # --config.KEY=VALUE given
+    if _PLAN.value or _DRY_RUN.value:
+        config = init_from.planned_config(config, overrides)  # a fine-tuning run's model is its source's
     if _PLAN.value:
         _plan(config)
         return
@@ -69,7 +73,6 @@ def main(argv: list[str]) -> None:
     if _DRY_RUN.value:
         print(json.dumps(dry_run_summary(config), indent=2))
         return
-    overrides = tuple(config_flags.get_override_values(flags.FLAGS[_CONFIG.name]))  # --config.KEY=VALUE given
     train_and_evaluate(config, _WORKDIR.value, bleu=_bleu_evaluator, overrides=overrides)
 
 

@@ -4,6 +4,7 @@ bad source or workdir in one line, leaving them as they were."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import shutil
@@ -20,6 +21,7 @@ from tests.helpers.training import scripted, tiny_train_config
 from transformer_jax.config import checks, schema
 from transformer_jax.errors import CheckpointError, ConfigError
 from transformer_jax.evaluation import restore
+from transformer_jax.model import parameter_count
 from transformer_jax.training import checkpoints, init_from, loop
 from transformer_jax.training.state import abstract_train_state
 
@@ -314,3 +316,18 @@ def test_train_py_refuses_a_missing_source_and_a_contradicting_override_in_one_l
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("train.py: error: train.init_from ") and "model.d_ff=64 (source: 48)" in last, last
     assert list((tmp_path / "ft").iterdir()) == []
+
+
+def test_dry_run_and_plan_size_the_source_model_without_reading_its_parameters(source, corpus, tmp_path):
+    source = _copy(source, tmp_path)
+    config = finetune_config(corpus, source)
+    assert config.model.d_ff != SOURCE_D_FF
+    assert init_from.planned_config(config).model.d_ff == SOURCE_D_FF
+    for step_dir in checkpoints.checkpoint_dir(source).iterdir():  # parameters unreadable: only the config is read
+        _flip_bits(step_dir)
+    result = _train_py(corpus, tmp_path / "ft", f"--config.train.init_from={source}", "--dry_run")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["parameters"] == parameter_count(source_config(corpus)), result.stdout
+    assert not (tmp_path / "ft").exists()
+    with pytest.raises(ConfigError, match=r"model.d_ff=64 \(source: 48\)"):
+        init_from.planned_config(config, ["model.d_ff"])

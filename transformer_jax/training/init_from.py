@@ -114,12 +114,27 @@ def _check_same_run(own: ml_collections.ConfigDict, config: ml_collections.Confi
         )
 
 
-def _read_source(
-    config: ml_collections.ConfigDict, source: pathlib.Path, overrides: set[str], workdir: pathlib.Path
-) -> tuple[int, ml_collections.ConfigDict, ml_collections.ConfigDict, dict]:
-    """(step, saved config, the run's config with its architecture, model parameters) of the source checkpoint
-    train.init_step names. For `latest`, a damaged newest checkpoint is reported and the one before it tried; for
-    `best`, the next best (checkpoints.best_steps); the source is only read."""
+def planned_config(config: ml_collections.ConfigDict, overrides: Iterable[str] = ()) -> ml_collections.ConfigDict:
+    """The config a run will train, for `--dry_run` and `--plan`: with train.init_from, the architecture keys of
+    the source checkpoint train.init_step names, read from its saved config only (no parameters are read, nothing
+    is written); ConfigError for a source `prepare` would refuse, or an override that contradicts it."""
+    if not config.train.init_from:
+        return config
+    source = pathlib.Path(config.train.init_from).expanduser().resolve()
+    errors = []
+    for step in _candidate_steps(config, source):
+        try:
+            reference = checkpoints.load_config(source, step)
+        except CheckpointError as e:
+            errors.append(f"step {step}: {e}")
+            continue
+        return _merged(config, reference, set(overrides), f"train.init_from {source}", config.data.tokenizer_model)
+    raise CheckpointError(_unreadable(source, errors))
+
+
+def _candidate_steps(config: ml_collections.ConfigDict, source: pathlib.Path) -> list[int]:
+    """The source's checkpoint steps to try, in order, for train.init_step: `latest` newest first (a damaged one
+    falls back to the one before it), `best` best first (checkpoints.best_steps), N exactly N."""
     where = f"config key train.init_from: {source}"
     if not source.is_dir():
         raise ConfigError(
@@ -134,34 +149,46 @@ def _read_source(
         )
     init_step = config.train.init_step
     if init_step == "best":
-        candidates = checkpoints.best_steps(source)  # best first: a damaged best falls back to the next best
+        candidates = checkpoints.best_steps(source)
         if not candidates:
             raise ConfigError(
                 f"config key train.init_step: {source} has no best-checkpoint record (it was trained without "
                 f"ckpt.keep_best); use latest or a step number (its steps: {steps})"
             )
-    elif init_step == "latest":
-        candidates = list(reversed(steps))
-    elif int(init_step) in steps:
-        candidates = [int(init_step)]
-    else:
-        raise ConfigError(
-            f"config key train.init_step: {source} has no checkpoint at step {init_step}; its steps: {steps}"
-        )
+        return candidates
+    if init_step == "latest":
+        return list(reversed(steps))
+    if int(init_step) in steps:
+        return [int(init_step)]
+    raise ConfigError(f"config key train.init_step: {source} has no checkpoint at step {init_step}; its steps: {steps}")
+
+
+def _unreadable(source: pathlib.Path, errors: list[str]) -> str:
+    return (
+        f"config key train.init_from: {source}: no checkpoint could be read ({'; '.join(errors)}); give another "
+        "train.init_from or train.init_step"
+    )
+
+
+def _read_source(
+    config: ml_collections.ConfigDict, source: pathlib.Path, overrides: set[str], workdir: pathlib.Path
+) -> tuple[int, ml_collections.ConfigDict, ml_collections.ConfigDict, dict]:
+    """(step, saved config, the run's config with its architecture, model parameters) of the source checkpoint
+    train.init_step names, trying the next candidate (_candidate_steps) when one is damaged; the source is only
+    read."""
     errors = []
-    for step in candidates:
+    for step in _candidate_steps(config, source):
         try:
             source_config = checkpoints.load_config(source, step)
             merged = _with_architecture(config, source_config, overrides, workdir, f"train.init_from {source}")
             params = checkpoints.load_model_params(source, step, abstract_train_state(merged)[1])
         except CheckpointError as e:
             errors.append(f"step {step}: {e}")
-            logging.error("%s; trying %s", e, "the next best" if init_step == "best" else "the checkpoint before it")
+            best = config.train.init_step == "best"
+            logging.error("%s; trying %s", e, "the next best" if best else "the checkpoint before it")
             continue
         return step, source_config, merged, params
-    raise CheckpointError(
-        f"{where}: no checkpoint could be read ({'; '.join(errors)}); give another train.init_from or train.init_step"
-    )
+    raise CheckpointError(_unreadable(source, errors))
 
 
 def _with_architecture(
@@ -173,12 +200,24 @@ def _with_architecture(
 ) -> ml_collections.ConfigDict:
     """The config with every architecture key of `reference` and the workdir's copy of the source's tokenizer;
     ConfigError listing the command-line overrides that contradict them."""
-    flat, current = flatten_dict(reference.to_dict(), sep="."), flatten_dict(config.to_dict(), sep=".")
-    values = {key: _saved_value(flat, key) for key in schema.ARCHITECTURE}
     # A source that trained its tokenizer into its workdir (it has exactly model.vocab_size pieces) leaves the key
     # empty, and so does this run: the workdir's spm.model, wherever the workdir is moved. A source given a file
     # (which may have fewer pieces) names the copy explicitly, which get_tokenizer accepts smaller.
     tokenizer = str(workdir.resolve() / MODEL_FILENAME) if reference.data.tokenizer_model else ""
+    return _merged(config, reference, overrides, where, tokenizer)
+
+
+def _merged(
+    config: ml_collections.ConfigDict,
+    reference: ml_collections.ConfigDict,
+    overrides: set[str],
+    where: str,
+    tokenizer: str,
+) -> ml_collections.ConfigDict:
+    """The config with every architecture key of `reference` and data.tokenizer_model = `tokenizer`; ConfigError
+    listing the command-line overrides that contradict them."""
+    flat, current = flatten_dict(reference.to_dict(), sep="."), flatten_dict(config.to_dict(), sep=".")
+    values = {key: _saved_value(flat, key) for key in schema.ARCHITECTURE}
     contradicting = [
         f"{key}={current[key]!r} (source: {values[key]!r})"
         for key in schema.ARCHITECTURE
