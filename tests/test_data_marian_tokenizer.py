@@ -215,3 +215,21 @@ def test_evaluate_target_lang_overrides_the_configs_for_the_tokenizer(tmp_path):
     evaluate(dict(options, target_lang="fra"), restorer)
     evaluate(options, restorer)
     assert seen == ["fra", ""] and restorer.config.data.target_lang == ""
+
+
+def test_a_fine_tuning_run_copies_a_marian_sources_tokenizer_files(tmp_path, models):
+    from transformer_jax.training import init_from
+
+    (tmp_path / "source").mkdir()
+    source = _workdir(tmp_path / "source", models, separate=True)
+    config = base_config("tiny")
+    config.data.tokenizer = "marian"
+    names = [f.name for f in tokenizer_lib.tokenizer_files(config.data, source)]
+    assert names == ["source.spm", "target.spm", "vocab.json", "target_vocab.json"]
+    run = tmp_path / "run"
+    init_from._copy_tokenizer(source, config, run)
+    assert all((run / name).read_bytes() == (source / name).read_bytes() for name in names)
+    assert _ours(run).fingerprint() == _ours(source).fingerprint()
+    (run / "vocab.json").write_text("{}", encoding="utf-8")
+    with pytest.raises(ConfigError, match="holds a tokenizer .*vocab.json.* other than the source's"):
+        init_from._copy_tokenizer(source, config, run)
