@@ -8,6 +8,7 @@ stopping rules are compared. Skipped when ctranslate2 is not installed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -184,13 +185,17 @@ def test_the_directory_serves_alone_with_sentencepiece_and_our_reserved_ids(expo
     assert config["add_source_eos"] and config["decoder_start_token"] == vocabulary[SpecialIds.DEFAULT.bos]
 
 
-def test_positions_are_our_interleaved_sinusoid_not_the_engines_own(exported):
-    """The engine's built-in table concatenates sin and cos; ours interleaves them (paper 3.5)."""
+def test_positions_are_our_sinusoid_in_the_models_layout_not_the_engines_own(exported):
+    """The engine's built-in table concatenates sin and cos; ours interleaves them (paper 3.5), unless
+    model.sinusoid_layout=concatenated (Marian's)."""
     model, _ = exported
     table_PD = export_lib.position_table(model, 8, target=False)
-    angle = 3 / 10000 ** (2 * 2 / model.spec.d_model)  # position 3, i = 2
-    assert table_PD.shape == (8, model.spec.d_model)
+    d = model.spec.d_model
+    angle = 3 / 10000 ** (2 * 2 / d)  # position 3, i = 2
+    assert table_PD.shape == (8, d)
     np.testing.assert_allclose(table_PD[3, 4:6], [np.sin(angle), np.cos(angle)], rtol=1e-5)
+    concatenated = export_lib.position_table(tiny_model(0, sinusoid_layout="concatenated"), 8, target=True)
+    np.testing.assert_allclose(concatenated[3, [2, d // 2 + 2]], [np.sin(angle), np.cos(angle)], rtol=1e-5)
 
 
 # The options the engine expresses: each gives our log-probabilities and greedy outputs. By default, one model with
@@ -221,11 +226,20 @@ ONE_OPTION = [
     dict(num_kv_heads=1),
     dict(qk_head_dim=16, v_head_dim=16),
     dict(norm_epsilon=1e-2),
+    dict(activation="swish"),
+    dict(final_logits_bias=True),
+    dict(sinusoid_layout="concatenated"),
 ]
+# What a Marian (OPUS-MT) model is besides the paper's: each maps onto the engine as its own Marian loader does.
+MARIAN_OPTIONS = dict(activation="swish", final_logits_bias=True, sinusoid_layout="concatenated", norm_epsilon=1e-5)
 
 
 def export_options(tokenizer, directory: Path, overrides: dict):
+    """A tiny model with `overrides` (a final_logits_bias made non-zero, as a trained one is) and its export."""
     model = tiny_model(0, num_encoder_layers=1, num_decoder_layers=1, vocab_size=VOCAB, **overrides)
+    if model.final_logits_bias_V is not None:
+        bias = model.final_logits_bias_V
+        bias[...] = jnp.asarray(np.random.default_rng(7).normal(0, 2, size=bias[...].shape), jnp.float32)
     return model, export_lib.to_ctranslate2(model, tokenizer, directory / "ct2", max_positions=64)
 
 
@@ -235,8 +249,19 @@ def test_options_the_engine_expresses_give_our_log_probs(corpus, tmp_path):
     assert_same_log_probs(model, path, tokenizer, directory)
 
 
+def test_marian_options_give_our_log_probs_and_greedy_outputs_with_eval_max_len(corpus, tmp_path):
+    """swish, final_logits_bias and the concatenated layout together; outputs also under an eval.max_len cap."""
+    directory, tokenizer = corpus
+    model, path = export_options(tokenizer, tmp_path, MARIAN_OPTIONS)
+    assert_same_log_probs(model, path, tokenizer, directory)
+    lines = sentences(directory, tokenizer)
+    assert_same_greedy_outputs(model, path, tokenizer, lines, SETTINGS)
+    capped = assert_same_greedy_outputs(model, path, tokenizer, lines, dataclasses.replace(SETTINGS, max_len=4))
+    assert capped["tgt_tokens"] <= 4 * (capped["sentences"] - capped["empty"])
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [ALL_OPTIONS, *ONE_OPTION], ids=str)
+@pytest.mark.parametrize("overrides", [ALL_OPTIONS, MARIAN_OPTIONS, *ONE_OPTION], ids=str)
 def test_options_the_engine_expresses_give_our_log_probs_and_greedy_outputs(corpus, tmp_path, overrides):
     directory, tokenizer = corpus
     model, path = export_options(tokenizer, tmp_path, overrides)
@@ -255,6 +280,37 @@ def test_options_the_engine_cannot_express_are_refused_in_one_line(overrides, ke
     with pytest.raises(ConfigError, match="^cannot export to CTranslate2: " + key) as e:
         export_lib.check_exportable(tiny_spec(**overrides))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("quantization", export_lib.QUANTIZATIONS)
+def test_a_quantized_export_is_smaller_loads_and_translates(corpus, exported, tmp_path, quantization):
+    """--quantization: CTranslate2's own weight quantization; the folder serves alone, its log-probabilities near
+    float32's."""
+    directory, tokenizer = corpus
+    model, float32 = exported
+    path = export_lib.to_ctranslate2(model, tokenizer, tmp_path / "ct2", max_positions=64, quantization=quantization)
+    size, float_size = (path / "model.bin").stat().st_size, (float32 / "model.bin").stat().st_size
+    assert size < 0.75 * float_size, (size, float_size)
+    lines = sentences(directory, tokenizer)
+    outputs, stats = export_lib.ctranslate2_translate(translator(path), tokenizer, lines, SETTINGS)
+    assert len(outputs) == len(lines) and stats["tgt_tokens"] > 0
+    float_outputs, _ = export_lib.ctranslate2_translate(translator(float32), tokenizer, lines, SETTINGS)
+    assert sum(a == b for a, b in zip(outputs, float_outputs, strict=True)) >= 0.75 * len(lines)
+    pieces = export_lib.vocabulary(tokenizer)
+    src = [[pieces[i] for i in tokenizer.encode(s)] for s in lines[:8]]
+    tgt = [[pieces[i] for i in tokenizer.encode(s)] for s in directory.joinpath("test.de").read_text().splitlines()[:8]]
+    ours = translator(float32).score_batch(src, tgt)
+    theirs = translator(path).score_batch(src, tgt)
+    for a, b in zip(ours, theirs, strict=True):
+        np.testing.assert_allclose(b.log_probs, a.log_probs, atol=0.2)
+
+
+def test_an_unknown_quantization_is_one_line(corpus, exported, tmp_path):
+    _, tokenizer = corpus
+    model, _ = exported
+    with pytest.raises(EvalError, match=r"^--quantization 'int4': choose one of \['int8'"):
+        export_lib.to_ctranslate2(model, tokenizer, tmp_path / "ct2", quantization="int4")
+    assert not (tmp_path / "ct2").exists()
 
 
 def test_an_existing_output_is_kept_unless_force_and_only_an_export_is_replaced(corpus, exported, tmp_path):
@@ -334,7 +390,10 @@ def test_command_line_export_of_a_workdir_equals_evaluate_greedy_on_100_sentence
     args = ["--workdir", str(workdir), "--format", "ctranslate2", "--output", str(out), "--average_last", "2"]
     result = run_export(*args)
     assert result.returncode == 0, result.stderr
-    assert '"checkpoint_steps": [20, 30]' in result.stdout
+    assert '"checkpoint_steps": [20, 30]' in result.stdout and '"quantization": "float32"' in result.stdout
+    int8 = run_export(*args[:5], str(tmp_path / "ct2_int8"), *args[6:], "--quantization", "int8")
+    assert int8.returncode == 0 and '"quantization": "int8"' in int8.stdout, int8.stderr
+    assert (tmp_path / "ct2_int8" / "model.bin").stat().st_size < (out / "model.bin").stat().st_size
     again = run_export(*args)
     assert again.returncode == 1 and again.stderr.count("\n") == 1 and "pass --force" in again.stderr
     empty = run_export("--workdir", str(tmp_path / "data"), "--output", str(tmp_path / "x"))

@@ -2,12 +2,14 @@
 
     python -m transformer_jax.export --workdir DIR --format ctranslate2|marian --output OUT [--config C]
         [--checkpoint latest|best|STEP] [--average_last N | --average_steps A,B | --average_best K] [--force]
+        [--quantization none|int8|int8_float32|bfloat16]     (ctranslate2 only)
 
 The checkpoints are chosen and averaged exactly as evaluate.py chooses them (the same flags and defaults:
 --average_last defaults to config.eval.average_last). OUT holds model.bin, config.json, shared_vocabulary.json and
 spm.model; an existing OUT is replaced only with --force and only if it is an earlier export (it holds
-model.bin), and OUT appears whole or not at all. A workdir without checkpoints, an architecture the engine cannot
-express, or an existing OUT: one line on stderr, exit status 1.
+model.bin), and OUT appears whole or not at all. --quantization stores the weights in CTranslate2's int8,
+int8_float32 or bfloat16 (its own quantization; default none: float32). A workdir without checkpoints, an
+architecture the engine cannot express, or an existing OUT: one line on stderr, exit status 1.
 The library functions are in transformer_jax.export.ctranslate2 (to_ctranslate2, ctranslate2_translate).
 
 --format marian writes what MarianMTModel.from_pretrained and MarianTokenizer.from_pretrained load (config.json,
@@ -27,6 +29,7 @@ import sys
 from absl import flags
 
 from transformer_jax import cli
+from transformer_jax.errors import EvalError
 from transformer_jax.evaluation import checkpoint_flags
 from transformer_jax.export import ctranslate2, marian
 
@@ -36,6 +39,12 @@ checkpoint_flags.define()  # evaluate.py's: same names, defaults and meaning
 EXPORTERS = {"ctranslate2": ctranslate2.export_workdir, "marian": marian.export_workdir}
 flags.DEFINE_enum("format", "ctranslate2", list(EXPORTERS), "Inference engine or format to export to.")
 flags.DEFINE_string("output", None, "Model directory to write (must not exist, unless --force).")
+flags.DEFINE_enum(
+    "quantization",
+    "none",
+    ["none", *ctranslate2.QUANTIZATIONS],
+    "--format ctranslate2: weight type in model.bin, none (float32) or CTranslate2's.",
+)
 flags.DEFINE_bool("force", False, "Replace an existing --output directory that holds an earlier export.")
 flags.mark_flags_as_required(["workdir", "output"])
 
@@ -44,7 +53,11 @@ def main(argv: list[str]) -> None:
     del argv  # no positional arguments (cli.run refuses them)
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs each checkpoint handler it creates at INFO
     selected = checkpoint_flags.selection()
-    report = EXPORTERS[FLAGS.format](selected.pop("workdir"), FLAGS.output, force=FLAGS.force, **selected)
+    options = {"quantization": None if FLAGS.quantization == "none" else FLAGS.quantization}
+    if FLAGS.format != "ctranslate2":
+        if options.pop("quantization") is not None:
+            raise EvalError("--quantization is CTranslate2's: --format marian writes float32 weights")
+    report = EXPORTERS[FLAGS.format](selected.pop("workdir"), FLAGS.output, force=FLAGS.force, **options, **selected)
     if "epsilon_logit_difference" in report:
         print(
             f"{PROG}: warning: model.norm_epsilon={report['norm_epsilon']} but transformers' Marian uses 1e-5; "

@@ -11,12 +11,16 @@ onto the engine's, each checked by tests/test_export.py against decoding.search'
 - post-LN (norm_position=post) is CTranslate2's pre_norm=False: LayerNorm(x + Sublayer(x)) in every sublayer,
   no final norm; pre-LN adds the final encoder and decoder norms. The norm epsilon is a model-level setting
   (config.json layer_norm_epsilon), written from model.norm_epsilon.
-- Positions are an explicit table added after the embedding * sqrt(d_model). CTranslate2's built-in sinusoid
-  concatenates sin and cos, ours interleave them (layers.sinusoidal_encoding), so the table is ours, computed by
-  that function for `max_positions` positions; a learned table is exported as it is, and positional=none as zeros.
+- Positions are an explicit table added after the embedding * sqrt(d_model), as CTranslate2's own Marian loader
+  writes Marian's: our table, computed by layers.sinusoidal_encoding in model.sinusoid_layout (interleaved or
+  concatenated) for `max_positions` positions; a learned table is exported as it is, and positional=none as zeros.
+- activation=swish is the engine's SWISH (SiLU) without GLU, swiglu the same with GLU; final_logits_bias is the
+  output projection's bias, where CTranslate2's Marian loader puts Marian's.
 - Sources end with EOS (add_source_eos in config.json), as in training; decoding starts from BOS and stops at EOS.
-- Weights are written in float32, as trained; the engine picks its compute type at load time (compute_type). A
-  model.dtype=bfloat16 model decodes in bfloat16 here, so its outputs may differ from the engine's float32 ones.
+- Weights are written in float32, as trained, unless `quantization` (QUANTIZATIONS, CTranslate2's own weight
+  quantization: int8, int8_float32, bfloat16) asks otherwise; the engine picks its compute type at load time
+  (compute_type). A model.dtype=bfloat16 model decodes in bfloat16 here, so its outputs may differ from the
+  engine's float32 ones.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ from transformer_jax.model.spec import TransformerSpec
 # CTranslate2's translate_batch defaults: inputs cut at 1024 tokens, outputs at 256. A table covering both lets
 # the exported model serve with the engine's defaults (positions beyond the table are an error in the engine).
 ENGINE_DEFAULT_POSITIONS = 1024
+# CTranslate2's weight quantizations the export offers (ctranslate2.specs.ModelSpec.optimize); None = float32.
+QUANTIZATIONS = ("int8", "int8_float32", "bfloat16")
 
 
 def unsupported(spec: Any) -> list[str]:
@@ -78,15 +84,16 @@ def position_table(model: Any, max_positions: int, target: bool) -> np.ndarray:
     spec = model.spec
     if spec.positional == "learned":
         table = model.tgt_positions if target else model.src_positions
-        return np.asarray(table.table_LD[...], np.float32)
+        return _array(table.table_LD)
     if spec.positional == "none":
         return np.zeros((max_positions, spec.d_model), np.float32)
     positions_1P = jnp.arange(max_positions, dtype=jnp.int32)[None]
-    return np.asarray(sinusoidal_encoding(positions_1P, spec.d_model, spec.sinusoid_layout)[0], np.float32)
+    return np.array(sinusoidal_encoding(positions_1P, spec.d_model, spec.sinusoid_layout)[0], np.float32)
 
 
 def _array(param: Any) -> np.ndarray:
-    return np.asarray(param[...], np.float32)
+    # A writable copy: CTranslate2's int8 quantization scales the arrays in place (a jax buffer's view is read-only).
+    return np.array(param[...], np.float32)
 
 
 def _set_linear(ct2_linear: Any, *layers: Any) -> None:
@@ -120,6 +127,7 @@ def build_spec(model: Any, pieces: Sequence[str], *, max_positions: int) -> Any:
         "relu": common_spec.Activation.RELU,
         "gelu": common_spec.Activation.GELUTanh,  # jax.nn.gelu's default is the tanh approximation
         "swiglu": common_spec.Activation.SWISH,  # Swish = SiLU
+        "swish": common_spec.Activation.SWISH,  # not gated: ffn_glu below is swiglu's alone
     }[spec.activation]
     common = dict(
         num_heads=spec.num_heads,
@@ -142,6 +150,8 @@ def build_spec(model: Any, pieces: Sequence[str], *, max_positions: int) -> Any:
     decoder.position_encodings.encodings = position_table(model, max_positions, target=True)
     # Tied output: logits = y E^T, i.e. a linear layer whose [out, in] weight is E itself.
     decoder.projection.weight = tgt_table if model.output_proj is None else _array(model.output_proj.kernel).T
+    if model.final_logits_bias_V is not None:
+        decoder.projection.bias = _array(model.final_logits_bias_V)
     if spec.norm_position == "pre":
         _set_norm(encoder.layer_norm, model.encoder_norm)
         _set_norm(decoder.layer_norm, model.decoder_norm)
@@ -174,6 +184,12 @@ def build_spec(model: Any, pieces: Sequence[str], *, max_positions: int) -> Any:
     return ct2
 
 
+def check_quantization(quantization: str | None) -> None:
+    """EvalError unless `quantization` is None (float32) or one of QUANTIZATIONS."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise EvalError(f"--quantization {quantization!r}: choose one of {list(QUANTIZATIONS)}, or none for float32")
+
+
 def check_output(output_dir: Path, force: bool) -> None:
     """EvalError unless `output_dir` may be written (export.output.check_output: --force replaces only an earlier
     export, a directory holding model.bin)."""
@@ -186,17 +202,20 @@ def to_ctranslate2(
     output_dir: str | os.PathLike,
     *,
     max_positions: int = ENGINE_DEFAULT_POSITIONS,
+    quantization: str | None = None,
     force: bool = False,
 ) -> Path:
     """Writes the model (an nnx Transformer) and its tokenizer (data.tokenizer.Tokenizer) as a CTranslate2 directory.
 
     `max_positions`: rows of the sinusoidal position table, the longest input and output the engine can then
-    decode (a learned table keeps its own model.max_len rows). The directory is built under a temporary name next
+    decode (a learned table keeps its own model.max_len rows). `quantization`: one of QUANTIZATIONS, the weights'
+    type in model.bin, or None for float32. The directory is built under a temporary name next
     to `output_dir` and renamed into place, so an interrupted export leaves no half-written model; an existing
     `output_dir` is replaced only with `force`.
     """
     output_dir = Path(output_dir)
     check_exportable(model.spec)
+    check_quantization(quantization)
     check_output(output_dir, force)
     if tokenizer.name != "spm":  # the export ships the joint SentencePiece model as its tokenizer
         raise EvalError(
@@ -211,7 +230,7 @@ def to_ctranslate2(
         )
     ct2 = build_spec(model, pieces, max_positions=max_positions)
     ct2.validate()
-    ct2.optimize(quantization=None)  # float32, as trained; the engine converts at load time (compute_type)
+    ct2.optimize(quantization=quantization)  # None: float32, as trained; the engine converts at load time
 
     def fill(tmp: Path) -> None:
         ct2.save(str(tmp))
@@ -349,6 +368,7 @@ def export_workdir(
     average_last: int | None = None,
     average_steps: Sequence[int | str] | None = None,
     average_best: int | None = None,
+    quantization: str | None = None,
     force: bool = False,
     restorer: Any = None,
 ) -> dict[str, Any]:
@@ -359,6 +379,7 @@ def export_workdir(
     express the architecture of the config.
     """
     options = check_model(Model(workdir, config, checkpoint, average_last, average_steps, average_best=average_best))
+    check_quantization(quantization)
     output_dir = Path(output_dir)
     check_output(output_dir, force)
     check_folder_writable(output_dir.parent, "--output")
@@ -382,10 +403,11 @@ def export_workdir(
     tokenizer = restorer.tokenizer(config, workdir)
     # Room for evaluate.py's longest decode (eval_max_len source tokens + max_extra_len) and the engine's defaults.
     max_positions = max(ENGINE_DEFAULT_POSITIONS, config.data.eval_max_len + config.eval.max_extra_len)
-    to_ctranslate2(model, tokenizer, output_dir, max_positions=max_positions, force=force)
+    to_ctranslate2(model, tokenizer, output_dir, max_positions=max_positions, quantization=quantization, force=force)
     return {
         "output": str(output_dir),
         "format": "ctranslate2",
+        "quantization": quantization or "float32",
         "workdir": str(workdir),
         "checkpoint_steps": steps,
         "max_positions": model.spec.max_len if model.spec.positional == "learned" else max_positions,
