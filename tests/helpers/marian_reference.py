@@ -10,6 +10,8 @@ run, CTranslate2 in the same process finds other beams), so the tests call `run(
     logits DIR IN OUT      MarianMTModel.from_pretrained(DIR) logits for IN's (src, tgt) arrays (.npz) -> OUT
     tokenize DIR IN OUT    MarianTokenizer.from_pretrained(DIR) ids of IN's sentences (.json) -> OUT (.json)
     generate DIR IN OUT J  generate() outputs for IN's src array (.npz) -> OUT (.json); J: generate's arguments
+    train DIR DATA STEPS   a small MarianMTModel trained STEPS Adam steps on DATA/train.{en,de} (Multi30k), with a
+                           SentencePiece model trained on it, saved in DIR: outputs that mean something
 """
 
 from __future__ import annotations
@@ -176,6 +178,83 @@ def generate(directory: str, inputs: str, output: str, arguments: str) -> None:
     Path(output).write_text(json.dumps(out.tolist()))
 
 
+def train(directory: str, data: str, steps: str) -> None:
+    import sentencepiece as spm
+    import torch
+    from transformers import MarianConfig, MarianMTModel, MarianTokenizer
+
+    out, data_dir = Path(directory), Path(data)
+    out.mkdir(parents=True, exist_ok=True)
+    en = (data_dir / "train.en").read_text().splitlines()[:8000]
+    de = (data_dir / "train.de").read_text().splitlines()[:8000]
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(en + de), model_prefix=str(out / "sp"), vocab_size=1000, minloglevel=2
+    )
+    sp = spm.SentencePieceProcessor(model_file=str(out / "sp.model"))
+    vocab = _vocab([sp.id_to_piece(i) for i in range(sp.get_piece_size())], [])
+    (out / "sp.model").rename(out / "source.spm")
+    (out / "target.spm").write_bytes((out / "source.spm").read_bytes())
+    (out / "sp.vocab").unlink()
+    (out / "vocab.json").write_text(json.dumps(vocab))
+    pad = len(vocab) - 1
+    config = MarianConfig(
+        vocab_size=len(vocab),
+        decoder_vocab_size=len(vocab),
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        activation_function="swish",
+        scale_embedding=True,
+        max_position_embeddings=128,
+        pad_token_id=pad,
+        decoder_start_token_id=pad,
+        eos_token_id=0,
+        forced_eos_token_id=0,
+        dropout=0.1,
+    )
+    torch.manual_seed(0)
+    model = MarianMTModel(config)
+    tokenizer = MarianTokenizer(
+        str(out / "source.spm"), str(out / "target.spm"), str(out / "vocab.json"), source_lang="en", target_lang="de"
+    )
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    rng = np.random.default_rng(0)
+    model.train()
+    for _ in range(int(steps)):
+        rows = rng.integers(0, len(en), size=48)
+        batch = tokenizer(
+            [en[i] for i in rows],
+            text_target=[de[i] for i in rows],
+            return_tensors="pt",
+            padding=True,
+            truncation=True,
+            max_length=40,
+        )
+        batch["labels"][batch["labels"] == pad] = -100
+        loss = model(**batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    print(f"loss {loss.item():.3f}")
+    model.eval()
+    model.generation_config.bad_words_ids = [[pad]]
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def encode(directory: str, sentences: str, output: str) -> None:
+    """MarianTokenizer's padded source ids (.npz src) of the first lines of a text file."""
+    from transformers import MarianTokenizer
+
+    tokenizer = MarianTokenizer.from_pretrained(directory)
+    lines = Path(sentences).read_text().splitlines()[:100]
+    np.savez(output, src=tokenizer(lines, padding=True, return_tensors="np")["input_ids"])
+
+
 if __name__ == "__main__":
     command, *rest = sys.argv[1:]
     if command == "make":
@@ -186,5 +265,9 @@ if __name__ == "__main__":
         tokenize(*rest)
     elif command == "generate":
         generate(*rest)
+    elif command == "train":
+        train(*rest)
+    elif command == "encode":
+        encode(*rest)
     else:
         raise SystemExit(f"unknown command {command!r}")
