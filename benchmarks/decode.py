@@ -238,8 +238,8 @@ def modes_side_by_side(workdir: str, modes: list[str]) -> None:
                 )
                 theirs = functools.partial(
                     translator.score_batch,
-                    [[pieces[t] for t in tokenizer.encode(x)] for x in sources],
-                    [[pieces[t] for t in tokenizer.encode(x)] for x in references],
+                    [[pieces[t] for t in tokenizer.encode_source(x)] for x in sources],
+                    [[pieces[t] for t in tokenizer.encode_target(x)] for x in references],
                     max_batch_size=_BATCH_SIZE.value,
                 )
                 baseline = "ctranslate2 score_batch"
@@ -262,7 +262,9 @@ def modes_side_by_side(workdir: str, modes: list[str]) -> None:
                 report.update(nbest=_NBEST.value, beam_size=NBEST_BEAM, finished=finished)
                 # Lists equal to CTranslate2's, hypothesis for hypothesis (its one call has one output limit, the
                 # longest sentence's, so a list that reaches a shorter sentence's limit can differ).
-                theirs_lists = [[tokenizer.decode([index[p] for p in h]) for h in r.hypotheses] for r in base_result]
+                theirs_lists = [
+                    [tokenizer.decode_target([index[p] for p in h]) for h in r.hypotheses] for r in base_result
+                ]
                 ours_lists = [[h.text for h in x] for x, s in zip(ours_result[0], sources, strict=True) if s.strip()]
                 report["identical_lists"] = sum(a == b for a, b in zip(ours_lists, theirs_lists, strict=True))
             report.update(backend=jax.default_backend(), cores=os.cpu_count(), ctranslate2_threads=_THREADS.value)
@@ -293,7 +295,7 @@ def source_ids(kind: str, vocab_size: int, num_sentences: int, max_len: int) -> 
             tok = train_tokenizer(
                 lines, Path(tmp) / "spm.model", vocab_size=size, model_type="unigram", ids=SpecialIds.DEFAULT
             )
-            ids = [tok.encode(line) for line in lines]
+            ids = [tok.encode_source(line) for line in lines]
         how = f"SentencePiece unigram, {size} pieces, trained on the {len(lines)} lines"
     ids = [x[: max_len - 1] + [SpecialIds.DEFAULT.eos] for x in ids[:num_sentences]]  # the models' default ids
     return ids, how

@@ -102,7 +102,7 @@ def test_a_restart_reads_no_text_and_tokenizes_nothing(corpus, tokenizer, tmp_pa
 
     monkeypatch.setattr(sources, "iter_lines", forbidden)
     monkeypatch.setattr(sources, "count_lines", forbidden)
-    monkeypatch.setattr(tokenizer_lib.Tokenizer, "encode_batch", forbidden)
+    monkeypatch.setattr(tokenizer_lib.Tokenizer, "encode_source_batch", forbidden)
     reopened, same_path = store.open_train_store(config, tok, build_if_missing=False)
     assert same_path == path and len(reopened) == 402
     assert (path / "manifest.json").read_text() == json.dumps(manifest, indent=1) + "\n"
@@ -195,7 +195,7 @@ def test_mismatched_line_counts_fail_before_any_tokenizing(tmp_path, tokenizer, 
     def no_work(*args, **kwargs):
         raise AssertionError("nothing may be decoded or tokenized before the line counts are compared")
 
-    monkeypatch.setattr(tokenizer_lib.Tokenizer, "encode_batch", no_work)
+    monkeypatch.setattr(tokenizer_lib.Tokenizer, "encode_source_batch", no_work)
     monkeypatch.setattr(sources, "iter_lines", no_work)
     tok = _fresh_tokenizer(tokenizer, tmp_path / "run")
     with pytest.raises(DataError, match=r"line counts differ: .*train.en has 3 lines, .*train.de has 2"):

@@ -53,7 +53,7 @@ def tokenizer(workdir) -> tokenizer_lib.Tokenizer:
 def test_reserved_ids_and_size(tokenizer):
     assert tokenizer.ids == SpecialIds.DEFAULT == SpecialIds(pad=0, eos=1, bos=2, unk=3)
     assert tokenizer.vocab_size == 1000
-    ids = tokenizer.encode("A man rides a bike.")
+    ids = tokenizer.encode_source("A man rides a bike.")
     assert ids and min(ids) > 3, "ordinary text must not produce pad/eos/bos/unk"
 
 
@@ -64,24 +64,24 @@ def test_reserved_ids_and_size(tokenizer):
 def test_roundtrip_is_exact_on_real_corpora(tokenizer, folder, split):
     for lang in ("en", "de"):
         lines = corpus_lines(folder, split, lang, 300)
-        encoded = tokenizer.encode_batch(lines)
-        assert [tokenizer.decode(ids) for ids in encoded] == lines
-        assert encoded == [tokenizer.encode(line) for line in lines]
+        encoded = tokenizer.encode_source_batch(lines)
+        assert [tokenizer.decode_target(ids) for ids in encoded] == lines
+        assert encoded == [tokenizer.encode_source(line) for line in lines]
         assert tokenizer.ids.unk not in {i for ids in encoded for i in ids}  # byte fallback instead of <unk>
 
 
 def test_roundtrip_of_characters_never_seen_in_training(tokenizer):
     for text in TRICKY:
-        assert tokenizer.decode(tokenizer.encode(text)) == text
+        assert tokenizer.decode_target(tokenizer.encode_source(text)) == text
 
 
 def test_decode_stops_at_eos_and_drops_padding(tokenizer):
-    ids = tokenizer.encode("Two dogs play.")
+    ids = tokenizer.encode_source("Two dogs play.")
     assert (
-        tokenizer.decode([tokenizer.ids.bos, *ids, tokenizer.ids.eos, *tokenizer.encode("junk"), 0, 0])
+        tokenizer.decode_target([tokenizer.ids.bos, *ids, tokenizer.ids.eos, *tokenizer.encode_source("junk"), 0, 0])
         == "Two dogs play."
     )
-    assert tokenizer.decode_batch([[*ids, 1, 0], [1]]) == ["Two dogs play.", ""]
+    assert tokenizer.decode_target_batch([[*ids, 1, 0], [1]]) == ["Two dogs play.", ""]
 
 
 def test_workdir_model_is_reused_not_retrained(workdir, tokenizer, monkeypatch):
@@ -91,7 +91,7 @@ def test_workdir_model_is_reused_not_retrained(workdir, tokenizer, monkeypatch):
     monkeypatch.setattr(tokenizer_lib, "train_tokenizer", no_training)
     config = common.data_config()
     reused = tokenizer_lib.get_tokenizer(config, workdir, vocab_size=1000, ids=SpecialIds.DEFAULT)
-    assert reused.encode("A dog runs.") == tokenizer.encode("A dog runs.")
+    assert reused.encode_source("A dog runs.") == tokenizer.encode_source("A dog runs.")
     with pytest.raises(DataError, match="1000 pieces but model.vocab_size is 2000"):
         tokenizer_lib.get_tokenizer(config, workdir, vocab_size=2000, ids=SpecialIds.DEFAULT)
 
@@ -137,8 +137,8 @@ def test_a_tokenizer_trained_here_reserves_the_configs_ids_and_a_reused_one_must
         lines, tmp_path / "spm.model", vocab_size=400, model_type="unigram", ids=ids
     )
     assert trained.ids == ids
-    encoded = trained.encode("A man rides a bike.")
-    assert trained.decode([ids.bos, *encoded, ids.eos, 7, 7]) == "A man rides a bike."
+    encoded = trained.encode_source("A man rides a bike.")
+    assert trained.decode_target([ids.bos, *encoded, ids.eos, 7, 7]) == "A man rides a bike."
     config = common.data_config()
     with pytest.raises(DataError, match=r"reserves \(pad, eos, bos, unk\) = \(3, 0, 2, 1\)"):
         tokenizer_lib.get_tokenizer(config, tmp_path, vocab_size=400, ids=SpecialIds.DEFAULT)
@@ -155,7 +155,7 @@ def test_bpe_option_and_bad_type(tmp_path):
     )
     assert bpe.vocab_size == 600 and (bpe.ids.pad, bpe.ids.eos) == (0, 1)
     for text in lines[:50] + TRICKY:
-        assert bpe.decode(bpe.encode(text)) == text
+        assert bpe.decode_target(bpe.encode_source(text)) == text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bpe.model"], "no temporary files left behind"
     with pytest.raises(DataError, match="unknown data.tokenizer_type 'wordpiece'"):
         tokenizer_lib.train_tokenizer(

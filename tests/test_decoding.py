@@ -26,6 +26,7 @@ from tests.helpers.decoding import (
     shared_model,
     sources_BS,
 )
+from tests.helpers.fakes import JointTokenizer
 from tests.helpers.model import random_tokens
 from transformer_jax import decoding
 from transformer_jax.decoding import calls, refill
@@ -345,7 +346,7 @@ def test_beam_size_one_equals_greedy_on_model_and_search_runs_without_dropout():
 # -- translate ---------------------------------------------------------------------------------------------------
 
 
-class CharTokenizer:
+class CharTokenizer(JointTokenizer):
     """Characters <-> ids 4..49 (vocab 50 of the tiny model), enough to drive translate()."""
 
     ids = IDS

@@ -49,8 +49,8 @@ def test_forced_decoding_log_probs_equal_score_batch(setup):
     model, tokenizer, translator, pieces, sources, targets = setup
     ours, _ = score_pairs(model, tokenizer, sources, targets, batch_size=8, max_len=64)
     theirs = translator.score_batch(
-        [[pieces[i] for i in tokenizer.encode(s)] for s in sources],
-        [[pieces[i] for i in tokenizer.encode(t)] for t in targets],
+        [[pieces[i] for i in tokenizer.encode_source(s)] for s in sources],
+        [[pieces[i] for i in tokenizer.encode_target(t)] for t in targets],
     )
     for o, t in zip(ours, theirs, strict=True):
         assert o.tokens == len(t.log_probs)  # the target's tokens and EOS
@@ -72,7 +72,7 @@ def test_greedy_with_a_target_prefix_equals_target_prefix(setup):
     ids, limits = _limits(tokenizer, sources)
     results = translator.translate_batch(
         [[pieces[t] for t in x[:-1]] for x in ids],
-        target_prefix=[[pieces[t] for t in tokenizer.encode(p)] for p in prefixes],
+        target_prefix=[[pieces[t] for t in tokenizer.encode_target(p)] for p in prefixes],
         beam_size=1,
         max_input_length=0,
         max_decoding_length=max(limits),
@@ -82,10 +82,10 @@ def test_greedy_with_a_target_prefix_equals_target_prefix(setup):
     index = {piece: i for i, piece in enumerate(pieces)}
     for o, r, limit, prefix in zip(ours, results, limits, prefixes, strict=True):
         out = [index[p] for p in r.hypotheses[0]][:limit]  # greedy: cut at each sentence's own limit
-        theirs = tokenizer.decode([t for t in out if t != SpecialIds.DEFAULT.eos])
+        theirs = tokenizer.decode_target([t for t in out if t != SpecialIds.DEFAULT.eos])
         assert o[0].text == theirs
         assert o[0].text.startswith(prefix)
-    assert any(len(tokenizer.encode(p)) for p in prefixes)
+    assert any(len(tokenizer.encode_source(p)) for p in prefixes)
 
 
 def _our_nbest(model, tokenizer, sources, nbest: int, alpha: float, finished: str):
@@ -114,7 +114,7 @@ def _their_nbest(setup, sources, nbest: int, alpha: float) -> list[tuple[list[st
             max_decoding_length=limit,
             min_decoding_length=0,
         )
-        lists.append(([tokenizer.decode([index[p] for p in h]) for h in r.hypotheses], list(r.scores)))
+        lists.append(([tokenizer.decode_target([index[p] for p in h]) for h in r.hypotheses], list(r.scores)))
     return lists
 
 

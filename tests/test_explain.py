@@ -206,7 +206,7 @@ def test_long_sentence_is_cut_as_evaluate_cuts_it_and_the_page_says_so(run, beam
     limit = config.data.eval_max_len
     long = " ".join([SENTENCE] * 10)
     ids, cut = source_ids(tokenizer, long, limit)  # evaluation.translate's rule, which capture uses
-    full = tokenizer.encode(long)
+    full = tokenizer.encode_source(long)
     assert ids == full[: limit - 1] + [SpecialIds.DEFAULT.eos] and cut
     assert source_ids(tokenizer, SENTENCE, limit)[1] is False
     truncated = (len(full) + 1, limit)

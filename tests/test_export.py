@@ -50,12 +50,26 @@ class RecordingTokenizer:
     def __init__(self, tokenizer):
         self.inner, self.path, self.ids, self.decoded = tokenizer, tokenizer.path, tokenizer.ids, []
 
-    def encode(self, text):
-        return self.inner.encode(text)
+    def encode_source(self, text):
+        return self.inner.encode_source(text)
 
-    def decode(self, ids):
+    def encode_target(self, text):
+        return self.inner.encode_target(text)
+
+    def decode_target(self, ids):
         self.decoded.append(tuple(int(i) for i in ids))
-        return self.inner.decode(ids)
+        return self.inner.decode_target(ids)
+
+    def target_pieces(self, ids):
+        return self.inner.target_pieces(ids)
+
+    @property
+    def name(self):
+        return self.inner.name
+
+    @property
+    def vocab_size(self):
+        return self.inner.vocab_size
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +106,7 @@ def sentences(directory: Path, tokenizer) -> list[str]:
     translate() cuts too, since EOS makes it one longer)."""
     lines = directory.joinpath("test.en").read_text(encoding="utf-8").splitlines()
     limit = SETTINGS.max_input_len
-    at_limit = next(f"{a} {b}" for a in lines for b in lines if len(tokenizer.encode(f"{a} {b}")) == limit)
+    at_limit = next(f"{a} {b}" for a in lines for b in lines if len(tokenizer.encode_source(f"{a} {b}")) == limit)
     return lines + ["", LONG_LINE, "  ", at_limit]
 
 
@@ -118,8 +132,8 @@ def assert_same_greedy_outputs(model, path, tokenizer, lines, settings) -> dict:
 def assert_same_log_probs(model, path, tokenizer, directory: Path) -> None:
     """The engine's log P(y_t | y_<t, x) of reference translations equal our model's (teacher forcing)."""
     pieces = export_lib.vocabulary(tokenizer)
-    sources = [tokenizer.encode(s) for s in directory.joinpath("test.en").read_text().splitlines()[:8]]
-    targets = [tokenizer.encode(s) for s in directory.joinpath("test.de").read_text().splitlines()[:8]]
+    sources = [tokenizer.encode_source(s) for s in directory.joinpath("test.en").read_text().splitlines()[:8]]
+    targets = [tokenizer.encode_target(s) for s in directory.joinpath("test.de").read_text().splitlines()[:8]]
     src_BS = np.zeros((8, max(map(len, sources)) + 1), np.int32)
     tgt_BT = np.zeros((8, max(map(len, targets)) + 1), np.int32)
     for b, (s, t) in enumerate(zip(sources, targets, strict=True)):

@@ -12,6 +12,7 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
+from tests.helpers.fakes import JointTokenizer
 from tests.helpers.model import random_tokens, tiny_model
 from transformer_jax.tokens import SpecialIds
 
@@ -148,7 +149,7 @@ def sources_BS(batch: int = 2, length: int = 7):
 ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 .,;:!?'-("  # ids 4..49, the tiny model's vocabulary of 50
 
 
-class CharTokenizer:
+class CharTokenizer(JointTokenizer):
     """One id per character, invertible on ALPHABET (ids 4..49); other characters map to ids by their code, and
     the reserved ids 0..3 decode to nothing."""
 
@@ -156,9 +157,6 @@ class CharTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return [4 + (ALPHABET.index(c) if c in ALPHABET else ord(c) % 46) for c in text]
-
-    def encode_batch(self, texts, num_threads: int = 1) -> list[list[int]]:
-        return [self.encode(t) for t in texts]
 
     def decode(self, ids) -> str:
         assert EOS not in ids and PAD not in ids

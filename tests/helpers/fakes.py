@@ -24,7 +24,25 @@ def tiny_config(**model_overrides):
     return config
 
 
-class CharTokenizer:
+class JointTokenizer:
+    """data/tokenizer.py's interface over a stand-in's `encode(text)` and `decode(ids)`, one vocabulary for both
+    sides."""
+
+    def encode_source(self, text: str) -> list[int]:
+        return self.encode(text)
+
+    encode_target = encode_source
+
+    def encode_source_batch(self, texts, num_threads: int = 1) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    encode_target_batch = encode_source_batch
+
+    def decode_target(self, ids) -> str:
+        return self.decode(ids)
+
+
+class CharTokenizer(JointTokenizer):
     """Characters <-> ids 4..49 (vocab 50 of the tiny model), enough to drive translate()."""
 
     ids = SpecialIds.DEFAULT  # the tiny configs' reserved ids
@@ -66,7 +84,7 @@ class FakeRestorer:
         return CharTokenizer()
 
 
-class WordTokenizer:
+class WordTokenizer(JointTokenizer):
     """One id per space-separated word (ids from 4 up), so tests control lengths exactly."""
 
     ids = SpecialIds.DEFAULT  # the tiny configs' reserved ids
@@ -83,9 +101,6 @@ class WordTokenizer:
                 self.words[self.word_ids[word]] = word
             out.append(self.word_ids[word])
         return out
-
-    def encode_batch(self, texts, num_threads: int = 1) -> list[list[int]]:
-        return [self.encode(t) for t in texts]
 
     def decode(self, ids) -> str:
         return " ".join(self.words[int(i)] for i in ids)

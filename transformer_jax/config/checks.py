@@ -48,6 +48,11 @@ def check_model(values: Mapping[str, Any]) -> None:
         check_value(key, value)
     m = {key.removeprefix("model."): value for key, value in values.items()}
     check_special_ids(m)
+    if m["source_vocab_size"] not in (0, m["vocab_size"]) and m["share_embeddings"]:
+        raise ConfigError(
+            f"config key model.source_vocab_size: {m['source_vocab_size']} source rows and {m['vocab_size']} target "
+            "rows cannot share one embedding; set model.share_embeddings=False"
+        )
     d_model, heads, kv_heads = m["d_model"], m["num_heads"], m["num_kv_heads"]
     if (m["qk_head_dim"] == 0 or m["v_head_dim"] == 0) and d_model % heads:
         raise ConfigError(

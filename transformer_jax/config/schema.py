@@ -65,6 +65,7 @@ OPTIMIZERS = ("adam", "adamw")
 DATA_SOURCES = ("text", "multi30k", "tfds")
 BATCHINGS = ("pack", "bucket", "pad")
 TOKENIZER_TYPES = ("unigram", "bpe")
+TOKENIZERS = ("spm", "marian")  # data/tokenizer.py: a joint SentencePiece model trained here, or a Marian model's
 # What selects the best checkpoints and stops early: validation loss, or a score of the decoded validation sentences.
 SELECT_METRICS = ("valid_bleu", "valid_chrf", "valid_chrfpp", "valid_ter", "valid_loss")
 SEED_LIMIT = 2**32
@@ -215,6 +216,7 @@ KEYS: tuple[Key, ...] = (
             ("unk", "token id of an unknown piece"),
         )
     ),
+    Key("model.source_vocab_size", 0, count(0), "encoder embedding rows; 0 = vocab_size", MATCH, architecture=True),
     Key("model.d_model", _by_size("d_model"), count(1), "width of every residual stream", MATCH, architecture=True),
     Key("model.num_heads", _by_size("num_heads"), count(1), "h, attention heads per layer", MATCH, architecture=True),
     Key(
@@ -389,6 +391,8 @@ KEYS: tuple[Key, ...] = (
     Key(
         "data.tokenizer_type", "unigram", choice(TOKENIZER_TYPES), "SentencePiece model type", MATCH, architecture=True
     ),
+    Key("data.tokenizer", "spm", choice(TOKENIZERS), "spm (joint, trained here) or marian", MATCH, architecture=True),
+    Key("data.target_lang", "", TEXT, "a >>lang<< token starts every source; empty = none", MATCH),
     Key(
         "data.tokenizer_sample_sentences",
         1_000_000,

@@ -1,6 +1,6 @@
 """Data: sources of raw sentence pairs, the SentencePiece tokenizer, and the grain batching pipeline.
 
-Training calls `get_tokenizer(config.data, workdir, vocab_size=..., ids=...)`, `open_train_store(config.data, tokenizer,
+Training calls `model_tokenizer(config, workdir)`, `open_train_store(config.data, tokenizer,
 ...)` (the training split tokenized once into memory-mapped files) and then
 `make_train_iterator(config.data, tokenizer, examples=...)`; evaluation calls `load_split(config.data, split)` and
 `eval_batches(...)`. The batch contract is documented in `batching`.
@@ -9,7 +9,7 @@ Training calls `get_tokenizer(config.data, workdir, vocab_size=..., ids=...)`, `
 from transformer_jax.data.batching import BATCH_KEYS, Examples, bucket_shapes, padding_efficiency, tokenize_pairs
 from transformer_jax.data.sources import load_split, open_split, open_stream
 from transformer_jax.data.store import open_train_store
-from transformer_jax.data.tokenizer import Tokenizer, get_tokenizer, train_tokenizer
+from transformer_jax.data.tokenizer import MarianTokenizer, Tokenizer, get_tokenizer, model_tokenizer, train_tokenizer
 from transformer_jax.errors import DataError
 
 # The grain pipeline is imported when first asked for: importing grain is slow, and evaluate.py and the
@@ -29,11 +29,13 @@ __all__ = [
     "BATCH_KEYS",
     "DataError",
     "Examples",
+    "MarianTokenizer",
     "Tokenizer",
     "WindowBatchIterator",
     "bucket_shapes",
     "eval_batches",
     "get_tokenizer",
+    "model_tokenizer",
     "load_split",
     "make_train_iterator",
     "open_split",

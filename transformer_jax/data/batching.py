@@ -116,7 +116,9 @@ def tokenize_pairs(
         src_text, tgt_text = zip(*pairs[start : start + chunk], strict=True)
         parts.append(
             from_ids(
-                tokenizer.encode_batch(src_text, num_threads), tokenizer.encode_batch(tgt_text, num_threads), eos=eos
+                tokenizer.encode_source_batch(src_text, num_threads),
+                tokenizer.encode_target_batch(tgt_text, num_threads),
+                eos=eos,
             )
         )
     if len(parts) == 2:

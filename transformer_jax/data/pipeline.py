@@ -250,8 +250,8 @@ def eval_batches(
     has `example_index` [B] (-1 on rows that only pad the last batch). With `targets` (e.g. for validation loss)
     the target keys of the contract are there too, truncated the same way; without, only the source keys.
     """
-    src_ids = tokenizer.encode_batch(sentences)
-    tgt_ids = tokenizer.encode_batch(targets) if targets is not None else [[] for _ in sentences]
+    src_ids = tokenizer.encode_source_batch(sentences)
+    tgt_ids = tokenizer.encode_target_batch(targets) if targets is not None else [[] for _ in sentences]
     if len(tgt_ids) != len(src_ids):
         raise DataError(f"eval_batches: {len(src_ids)} sentences but {len(tgt_ids)} targets")
     stats = {

@@ -21,8 +21,7 @@ from ml_collections import config_flags
 
 from transformer_jax import cli
 from transformer_jax.data import sources, store
-from transformer_jax.data.tokenizer import get_tokenizer
-from transformer_jax.tokens import SpecialIds
+from transformer_jax.data.tokenizer import model_tokenizer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (the one the run will use).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training directory that will hold spm.model.")
@@ -37,9 +36,7 @@ def main(argv: list[str]) -> None:
         splits[split] = len(sources.open_split(config.data, split))
     train = sources.open_stream(config.data, config.data.train_split)
     len(train)  # text: both sides' lines counted, so mismatched files fail before the tokenizer is trained
-    tokenizer = get_tokenizer(
-        config.data, _WORKDIR.value, vocab_size=config.model.vocab_size, ids=SpecialIds.of(config)
-    )
+    tokenizer = model_tokenizer(config, _WORKDIR.value)
     report = {"sentences": splits, "tokenizer": str(tokenizer.path), "pieces": tokenizer.vocab_size}
     if config.data.store:
         _, path = store.open_train_store(config.data, tokenizer, build_if_missing=True, num_threads=os.cpu_count())

@@ -69,7 +69,7 @@ SAMPLE_BLOCKS, SAMPLE_BYTES = 64, 4096  # what a start hashes of each file
 def store_path(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> Path:
     """Where the store of `config.train_split` lives: data.store_dir, else the tokenizer's directory."""
     directory = Path(config.store_dir).expanduser() if config.store_dir else tokenizer.path.parent
-    return directory / f"{tokenizer.path.stem}.{config.train_split}.{config.src_lang}-{config.tgt_lang}.store"
+    return directory / f"{tokenizer.name}.{config.train_split}.{config.src_lang}-{config.tgt_lang}.store"
 
 
 def identity(config: ml_collections.ConfigDict, tokenizer: Tokenizer, stream: sources.TextPairs | sources.TfdsPairs):
@@ -81,7 +81,7 @@ def identity(config: ml_collections.ConfigDict, tokenizer: Tokenizer, stream: so
         "split": config.train_split,
         "src_lang": config.src_lang,
         "tgt_lang": config.tgt_lang,
-        "tokenizer_sha256": hashlib.sha256(tokenizer.path.read_bytes()).hexdigest(),
+        "tokenizer_sha256": tokenizer.fingerprint(),  # the files' contents: another tokenizer's store is never reused
         "token_dtype": _token_dtype(tokenizer).str,
     }
 
@@ -181,8 +181,8 @@ def build(
                 if pairs:
                     src_text, tgt_text = zip(*pairs, strict=True)
                     part = batching.from_ids(
-                        tokenizer.encode_batch(src_text, num_threads),
-                        tokenizer.encode_batch(tgt_text, num_threads),
+                        tokenizer.encode_source_batch(src_text, num_threads),
+                        tokenizer.encode_target_batch(tgt_text, num_threads),
                         eos=tokenizer.ids.eos,
                     )
                     for side, flat, starts in (("src", part.src, part.src_starts), ("tgt", part.tgt, part.tgt_starts)):

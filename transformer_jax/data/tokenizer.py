@@ -1,13 +1,24 @@
-"""One joint SentencePiece vocabulary for both languages, trained on a sample of the training split and reused.
+"""The tokenizers: one joint SentencePiece vocabulary trained here (`data.tokenizer="spm"`, the default), or a converted
+Marian model's (`"marian"`: separate source and target SentencePiece models whose pieces map to ids through
+vocab.json, and target_vocab.json when the vocabularies are separate).
 
-The reserved ids pad, eos, bos, unk are the config's (`model.*_id`, tokens.SpecialIds): a model trained here reserves
-them, and a reused one must reserve the same. The model is trained with identity
-normalization, no whitespace folding and byte fallback, so `decode(encode(s)) == s` for any string: BLEU is computed
-on exactly the text the tokenizer was given, and no character is ever mapped to <unk>.
+Both have one interface, which every user of a tokenizer goes through (data pipeline and store, evaluation, validation,
+export, explain): `encode_source(text)` / `encode_target(text)` -> ids without EOS (the pipeline appends it),
+their `_batch` forms, `decode_target(ids)` -> text (reserved ids dropped, up to the first EOS), the pieces of ids on
+either side, `ids` (tokens.SpecialIds), `vocab_size` (the target's: the output softmax), `source_vocab_size`, and
+`fingerprint()`, what the tokenized store is keyed on. With `target_lang` (data.target_lang), every source starts with
+the one id of its `>>lang<<` token (multilingual Marian models choose the target language so).
+
+The reserved ids pad, eos, bos, unk are the config's (`model.*_id`): a SentencePiece model trained here reserves
+them, and a reused one must reserve the same. It is trained with identity normalization, no whitespace folding and
+byte fallback, so `decode(encode(s)) == s` for any string: BLEU is computed on exactly the text the tokenizer was
+given, and no character is ever mapped to <unk>. A Marian tokenizer gives the ids transformers' MarianTokenizer gives.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 from collections.abc import Iterable, Sequence
@@ -23,23 +34,51 @@ from transformer_jax.errors import DataError
 from transformer_jax.tokens import SpecialIds
 
 MODEL_FILENAME = "spm.model"
+# A converted Marian model's tokenizer in the workdir: transformers' MarianTokenizer files, under their names there.
+MARIAN_SOURCE_SPM = "source.spm"
+MARIAN_TARGET_SPM = "target.spm"
+MARIAN_VOCAB = "vocab.json"  # piece -> id, the source's, and the target's unless MARIAN_TARGET_VOCAB exists
+MARIAN_TARGET_VOCAB = "target_vocab.json"
+MARIAN_SPECIAL_PIECES = {"eos": "</s>", "unk": "<unk>", "pad": "<pad>"}  # the pieces of the reserved ids
+SPIECE_UNDERLINE = "\u2581"
+
+
+def language_token(lang: str) -> str:
+    """The token that makes a multilingual Marian model translate into `lang` (data.target_lang)."""
+    return f">>{lang}<<"
+
+
+def _language_code(text: str) -> tuple[list[str], str]:
+    """(a leading `>>xx<<` code, the rest): MarianTokenizer's remove_language_code, so texts given with a code
+    encode as there."""
+    if text.startswith(">>") and (end := text.find("<<")) != -1:
+        return [text[: end + 2]], text[end + 2 :]
+    return [], text
+
+
+def _load_spm(path: Path) -> spm.SentencePieceProcessor:
+    try:
+        proto = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read tokenizer model {path}: {e.strerror or e}") from e
+    sp = spm.SentencePieceProcessor()
+    try:
+        sp.LoadFromSerializedProto(proto)
+    except Exception as e:  # sentencepiece raises RuntimeError/OSError with a terse message on bad files
+        raise DataError(f"{path} is not a SentencePiece model: {e}") from e
+    return sp
 
 
 class Tokenizer:
-    """A SentencePiece model that reserves `ids` (the config's); encode adds no BOS/EOS (the pipeline does)."""
+    """A joint SentencePiece model that reserves `ids` (the config's); ids are SentencePiece's own."""
 
-    def __init__(self, model_path: str | os.PathLike, ids: SpecialIds):
+    name = "spm"
+
+    def __init__(self, model_path: str | os.PathLike, ids: SpecialIds, target_lang: str = ""):
         self.path = Path(model_path)
+        self.files = (self.path,)
         self.ids = ids
-        try:
-            proto = self.path.read_bytes()
-        except OSError as e:
-            raise DataError(f"cannot read tokenizer model {self.path}: {e.strerror or e}") from e
-        self._sp = spm.SentencePieceProcessor()
-        try:
-            self._sp.LoadFromSerializedProto(proto)
-        except Exception as e:  # sentencepiece raises RuntimeError/OSError with a terse message on bad files
-            raise DataError(f"{self.path} is not a SentencePiece model: {e}") from e
+        self._sp = _load_spm(self.path)
         found = (self._sp.pad_id(), self._sp.eos_id(), self._sp.bos_id(), self._sp.unk_id())
         reserved = (ids.pad, ids.eos, ids.bos, ids.unk)
         if found != reserved:
@@ -47,31 +86,161 @@ class Tokenizer:
                 f"tokenizer {self.path} reserves (pad, eos, bos, unk) = {found}; the config's model.pad_id, eos_id, "
                 f"bos_id, unk_id are {reserved}: use a matching tokenizer or set those keys"
             )
+        self.target_lang = target_lang
+        self._prefix = [] if not target_lang else [_language_id(self, target_lang, self._sp.piece_to_id)]
 
     @property
     def vocab_size(self) -> int:
         return self._sp.get_piece_size()
 
-    def encode(self, text: str) -> list[int]:
+    source_vocab_size = vocab_size
+
+    def fingerprint(self) -> str:
+        """What a store tokenized with this tokenizer depends on: its model file (and the language token)."""
+        digest = hashlib.sha256(self.path.read_bytes()).hexdigest()
+        return digest if not self.target_lang else f"{digest}+{language_token(self.target_lang)}"
+
+    def encode_source(self, text: str) -> list[int]:
+        return self._prefix + self._sp.encode(text)
+
+    def encode_target(self, text: str) -> list[int]:
         return self._sp.encode(text)
 
-    def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
+    def encode_source_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
         """Encodes many strings in one call; `num_threads` threads inside SentencePiece (1 = this core only)."""
+        return [self._prefix + x for x in self._sp.encode(list(texts), num_threads=num_threads)]
+
+    def encode_target_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
         return self._sp.encode(list(texts), num_threads=num_threads)
 
-    def decode(self, ids: Iterable[int]) -> str:
+    def decode_target(self, ids: Iterable[int]) -> str:
         """The text of `ids` up to the first EOS; padding and BOS are dropped (model outputs can be passed as is)."""
-        out = []
-        for i in ids:
-            i = int(i)
-            if i == self.ids.eos:
-                break
-            if i not in (self.ids.pad, self.ids.bos):
-                out.append(i)
-        return self._sp.decode(out)
+        return self._sp.decode(_content(ids, self.ids, drop=(self.ids.pad, self.ids.bos)))
 
-    def decode_batch(self, batch: Iterable[Iterable[int]]) -> list[str]:
-        return [self.decode(ids) for ids in batch]
+    def decode_target_batch(self, batch: Iterable[Iterable[int]]) -> list[str]:
+        return [self.decode_target(ids) for ids in batch]
+
+    def source_pieces(self, ids: Iterable[int]) -> list[str]:
+        return [self._sp.id_to_piece(int(i)) for i in ids]
+
+    target_pieces = source_pieces
+
+
+class MarianTokenizer:
+    """A converted Marian model's tokenizer in `directory` (MARIAN_* files): source text through source.spm, target
+    text through target.spm, pieces to ids through vocab.json (target_vocab.json for the target when it exists); a
+    piece missing from the map is unk. Gives the ids transformers' MarianTokenizer gives for the same text."""
+
+    name = "marian"
+
+    def __init__(self, directory: str | os.PathLike, ids: SpecialIds, target_lang: str = ""):
+        self.directory = Path(directory)
+        self.path = self.directory / MARIAN_VOCAB
+        self.ids = ids
+        target_vocab = self.directory / MARIAN_TARGET_VOCAB
+        names = (MARIAN_SOURCE_SPM, MARIAN_TARGET_SPM, MARIAN_VOCAB) + (
+            (MARIAN_TARGET_VOCAB,) if target_vocab.exists() else ()
+        )
+        self.files = tuple(self.directory / name for name in names)
+        self._source_sp = _load_spm(self.directory / MARIAN_SOURCE_SPM)
+        self._target_sp = _load_spm(self.directory / MARIAN_TARGET_SPM)
+        self._source_map = _load_vocab(self.path, ids)
+        self._target_map = _load_vocab(target_vocab, ids) if target_vocab.exists() else self._source_map
+        self._source_pieces = {i: p for p, i in self._source_map.items()}
+        self._target_pieces = {i: p for p, i in self._target_map.items()}
+        self.target_lang = target_lang
+        self._prefix = [] if not target_lang else [_language_id(self, target_lang, self._source_map.get)]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._target_map)
+
+    @property
+    def source_vocab_size(self) -> int:
+        return len(self._source_map)
+
+    def fingerprint(self) -> str:
+        """What a store tokenized with this tokenizer depends on: every file's name and contents, the language token."""
+        digest = hashlib.sha256()
+        for file in self.files:
+            digest.update(file.name.encode() + b"\0" + file.read_bytes())
+        digest.update(language_token(self.target_lang).encode() if self.target_lang else b"")
+        return digest.hexdigest()
+
+    def _encode(self, sp: spm.SentencePieceProcessor, vocab: dict, texts: Sequence[str], num_threads: int):
+        codes, rests = zip(*map(_language_code, texts), strict=True) if texts else ((), ())
+        pieces = sp.encode(list(rests), out_type=str, num_threads=num_threads)
+        unk = self.ids.unk
+        return [[vocab.get(p, unk) for p in (*c, *ps)] for c, ps in zip(codes, pieces, strict=True)]
+
+    def encode_source(self, text: str) -> list[int]:
+        return self.encode_source_batch([text])[0]
+
+    def encode_target(self, text: str) -> list[int]:
+        return self.encode_target_batch([text])[0]
+
+    def encode_source_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
+        return [self._prefix + x for x in self._encode(self._source_sp, self._source_map, texts, num_threads)]
+
+    def encode_target_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
+        return self._encode(self._target_sp, self._target_map, texts, num_threads)
+
+    def decode_target(self, ids: Iterable[int]) -> str:
+        """The text of `ids` up to the first EOS, every reserved id dropped (MarianTokenizer's decode with
+        skip_special_tokens)."""
+        drop = (self.ids.pad, self.ids.bos, self.ids.unk)
+        pieces = [self._target_pieces[i] for i in _content(ids, self.ids, drop=drop)]
+        return self._target_sp.decode_pieces(pieces).replace(SPIECE_UNDERLINE, " ").strip()
+
+    def decode_target_batch(self, batch: Iterable[Iterable[int]]) -> list[str]:
+        return [self.decode_target(ids) for ids in batch]
+
+    def source_pieces(self, ids: Iterable[int]) -> list[str]:
+        return [self._source_pieces[int(i)] for i in ids]
+
+    def target_pieces(self, ids: Iterable[int]) -> list[str]:
+        return [self._target_pieces[int(i)] for i in ids]
+
+
+def _content(ids: Iterable[int], reserved: SpecialIds, *, drop: tuple[int, ...]) -> list[int]:
+    """ids up to the first EOS, those in `drop` left out."""
+    out = []
+    for i in ids:
+        i = int(i)
+        if i == reserved.eos:
+            break
+        if i not in drop:
+            out.append(i)
+    return out
+
+
+def _load_vocab(path: Path, ids: SpecialIds) -> dict[str, int]:
+    """A Marian vocab.json (piece -> id): ids 0 .. n-1, the reserved pieces at the config's ids."""
+    try:
+        vocab = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DataError(f"cannot read the Marian vocabulary {path}: {e}") from e
+    if not isinstance(vocab, dict) or sorted(vocab.values()) != list(range(len(vocab))):
+        raise DataError(f"{path} is not a Marian vocabulary: it must map each piece to one of the ids 0 .. n-1")
+    for field, piece in MARIAN_SPECIAL_PIECES.items():
+        if vocab.get(piece) != getattr(ids, field):
+            raise DataError(
+                f"{path} has {piece} at id {vocab.get(piece)}, but model.{field}_id is {getattr(ids, field)}: "
+                "set the config's reserved ids to the vocabulary's"
+            )
+    return vocab
+
+
+def _language_id(tokenizer: Tokenizer | MarianTokenizer, lang: str, lookup) -> int:
+    """The id of `>>lang<<`, which must be one entry of the source vocabulary."""
+    token = language_token(lang)
+    i = lookup(token)
+    if i is None or tokenizer.source_pieces([i]) != [token]:
+        raise DataError(
+            f"data.target_lang={lang!r}: the source vocabulary of {tokenizer.path} has no token {token}; "
+            "choose a language the model was trained with"
+        )
+    return int(i)
 
 
 def train_tokenizer(
@@ -133,17 +302,22 @@ def get_tokenizer(
     *,
     vocab_size: int,
     ids: SpecialIds,
+    source_vocab_size: int = 0,
     train_if_missing: bool = True,
-) -> Tokenizer:
-    """The configured tokenizer: `config.tokenizer_model` if set, else `workdir/spm.model`, trained if missing.
+) -> Tokenizer | MarianTokenizer:
+    """The configured tokenizer (`config` is the data group). data.tokenizer="marian": the MARIAN_* files in the
+    workdir (a converted model's). "spm": `config.tokenizer_model` if set, else `workdir/spm.model`, trained if
+    missing. config.target_lang, when set, makes every source start with its `>>lang<<` token.
 
-    `vocab_size` and `ids` are the model's (config.model.vocab_size, SpecialIds.of(config)). A reused model must
-    have exactly that many pieces (a different size means the workdir belongs to another config); a given model may
-    be smaller.
+    `vocab_size`, `ids` and `source_vocab_size` are the model's (config.model.vocab_size, SpecialIds.of(config),
+    config.model.source_vocab_size; 0 = vocab_size). A reused model must have exactly that many pieces (a different
+    size means the workdir belongs to another config); a given SentencePiece model may be smaller.
     `train_if_missing=False` (multi-host runs: every host must use the same file) fails instead of training.
     """
+    if config.tokenizer == "marian":
+        return _marian_tokenizer(config, Path(workdir), ids, vocab_size, source_vocab_size or vocab_size)
     if config.tokenizer_model:
-        tokenizer = Tokenizer(sources.resolve_path(config.tokenizer_model), ids)
+        tokenizer = Tokenizer(sources.resolve_path(config.tokenizer_model), ids, config.target_lang)
         if tokenizer.vocab_size > vocab_size:
             raise DataError(
                 f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but model.vocab_size is {vocab_size}; "
@@ -152,7 +326,7 @@ def get_tokenizer(
         return tokenizer
     path = Path(workdir) / MODEL_FILENAME
     if path.exists():
-        tokenizer = Tokenizer(path, ids)
+        tokenizer = Tokenizer(path, ids, config.target_lang)
         if tokenizer.vocab_size != vocab_size:
             raise DataError(
                 f"{path} has {tokenizer.vocab_size} pieces but model.vocab_size is {vocab_size}; "
@@ -170,4 +344,58 @@ def get_tokenizer(
     logging.info(
         "training a %s tokenizer with %d pieces on %d sentences", config.tokenizer_type, vocab_size, len(sentences)
     )
-    return train_tokenizer(sentences, path, vocab_size=vocab_size, model_type=config.tokenizer_type, ids=ids)
+    train_tokenizer(sentences, path, vocab_size=vocab_size, model_type=config.tokenizer_type, ids=ids)
+    return Tokenizer(path, ids, config.target_lang)
+
+
+def model_tokenizer(
+    config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, train_if_missing: bool = True
+) -> Tokenizer | MarianTokenizer:
+    """`get_tokenizer` of a full config: its data group, with the model's vocabulary keys."""
+    return get_tokenizer(
+        config.data,
+        workdir,
+        vocab_size=config.model.vocab_size,
+        ids=SpecialIds.of(config),
+        source_vocab_size=config.model.source_vocab_size,
+        train_if_missing=train_if_missing,
+    )
+
+
+def tokenizer_files(config: ml_collections.ConfigDict, directory: str | os.PathLike) -> list[Path]:
+    """The files of the tokenizer a workdir holds under `config` (the data group): what a fine-tuning run copies."""
+    directory = Path(directory)
+    if config.tokenizer == "marian":
+        names = [MARIAN_SOURCE_SPM, MARIAN_TARGET_SPM, MARIAN_VOCAB]
+        if (directory / MARIAN_TARGET_VOCAB).exists():
+            names.append(MARIAN_TARGET_VOCAB)
+        return [directory / name for name in names]
+    return [Path(config.tokenizer_model).expanduser() if config.tokenizer_model else directory / MODEL_FILENAME]
+
+
+def _marian_tokenizer(
+    config: ml_collections.ConfigDict, workdir: Path, ids: SpecialIds, vocab_size: int, source_vocab_size: int
+) -> MarianTokenizer:
+    if config.tokenizer_model:
+        raise DataError(
+            f"data.tokenizer_model={config.tokenizer_model!r} names a SentencePiece model, but data.tokenizer is "
+            f"'marian', whose files are the workdir's ({MARIAN_SOURCE_SPM}, {MARIAN_TARGET_SPM}, {MARIAN_VOCAB}); "
+            "leave data.tokenizer_model empty"
+        )
+    missing = [name for name in (MARIAN_SOURCE_SPM, MARIAN_TARGET_SPM, MARIAN_VOCAB) if not (workdir / name).is_file()]
+    if missing:
+        raise DataError(
+            f"data.tokenizer='marian' needs {', '.join(missing)} in {workdir}: convert the model into this workdir "
+            "with `python -m transformer_jax.convert --from_marian DIR --workdir WORKDIR`"
+        )
+    tokenizer = MarianTokenizer(workdir, ids, config.target_lang)
+    for side, file, found, expected, key in (
+        ("target", tokenizer.files[-1], tokenizer.vocab_size, vocab_size, "model.vocab_size"),
+        ("source", tokenizer.path, tokenizer.source_vocab_size, source_vocab_size, "model.source_vocab_size"),
+    ):
+        if found != expected:
+            raise DataError(
+                f"{file} holds {found} {side} pieces but {key} is {expected}: the model's embedding rows must be "
+                "the vocabulary's"
+            )
+    return tokenizer

@@ -9,9 +9,7 @@ flag with choices are checked by `parse`, from the flag table (evaluation.option
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from transformer_jax.decoding.sampling import PLAIN
@@ -101,10 +99,10 @@ def check_ensemble_members(restorer: Any, workdirs: Sequence[str]) -> None:
 
 
 def tokenizer_fingerprint(config: Any, tokenizer: Any) -> tuple[str, str]:
-    """(what differs, in words) pairs an ensemble's members must share: the vocabulary size and the tokenizer
-    model's SHA-256 (a tokenizer without a file: its class)."""
-    path = getattr(tokenizer, "path", None)
-    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16] if path else type(tokenizer).__name__
+    """(what differs, in words) pairs an ensemble's members must share: the vocabulary size and the tokenizer's
+    fingerprint (a tokenizer without one: its class)."""
+    fingerprint = getattr(tokenizer, "fingerprint", None)
+    digest = fingerprint()[:16] if fingerprint else type(tokenizer).__name__
     return (f"vocabulary size {config.model.vocab_size}", f"tokenizer {digest}")
 
 
@@ -114,7 +112,9 @@ def restore_members(restorer: Any, workdirs: Sequence[str], config: Any, tokeniz
     refused before any member's parameters are read."""
     expected = tokenizer_fingerprint(config, tokenizer)
     for workdir in workdirs:
-        member_config = restorer.load_config(workdir)
+        member_config = restorer.load_config(workdir).copy_and_resolve_references()
+        with member_config.unlocked():
+            member_config.data.target_lang = config.data.target_lang  # the members read the same sources
         got = tokenizer_fingerprint(member_config, restorer.tokenizer(member_config, workdir))
         for want, have in zip(expected, got, strict=True):
             if want != have:

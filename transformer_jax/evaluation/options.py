@@ -119,6 +119,12 @@ FLAGS = (
     ),
     Flag("mbr", int, "Choose among N candidates (the N-best, or N samples) by expected utility (MBR).", (MODEL,)),
     Flag("mbr_utility", str, "The utility of MBR's choice.", (MODEL,), UTILITIES, UTILITIES[0], needs="mbr"),
+    Flag(
+        "target_lang",
+        str,
+        "Start every source with >>LANG<< (multilingual models; default data.target_lang).",
+        (MODEL,),
+    ),
     Flag("ensemble_workdirs", list, "More workdirs whose models decode with --workdir's (one tokenizer).", (MODEL,)),
     Flag("score", bool, "Forced decoding: log P(reference | source) per line and the perplexity.", (MODEL,)),
 )
@@ -171,6 +177,7 @@ class Model:
     average_steps: tuple[int, ...] | None = None  # exactly these steps (instead of average_last)
     ensemble_workdirs: tuple[str, ...] | None = None  # more models decoding with workdir's (decoding/ensemble.py)
     average_best: int | None = None  # the mean of this many best checkpoints (instead of average_last)
+    target_lang: str | None = None  # None: config.data.target_lang (the >>lang<< token every source starts with)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,6 +321,7 @@ def parse(values: Mapping[str, Any]) -> tuple[Mode, Outputs]:
             o.average_steps,
             _tuple(o.ensemble_workdirs),
             average_best=o.average_best,
+            target_lang=o.target_lang,
         )
     )
     written = output_files(o.output_file, o.scores_file, stdin)

@@ -20,7 +20,6 @@ from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import CheckpointError, EvalError
 from transformer_jax.evaluation.averaging import average_params, select_steps
 from transformer_jax.model import Transformer, TransformerSpec, build_model, model_rngs
-from transformer_jax.tokens import SpecialIds
 from transformer_jax.training import checkpoints
 
 # Keys a restart must keep that say only how the training began (the source a fine-tuned run started from, as its
@@ -56,14 +55,13 @@ class Restorer:
         return (self._ckpt.load_model_params(workdir, step, {"model": abstract_params}) for step in steps)
 
     def tokenizer(self, config, workdir: str):
-        if not config.data.tokenizer_model and not (Path(workdir) / tokenizer_lib.MODEL_FILENAME).exists():
-            raise EvalError(
-                f"no tokenizer in {workdir} ({tokenizer_lib.MODEL_FILENAME}) and config.data.tokenizer_model is "
-                "empty; evaluate with the workdir the model was trained in"
-            )
-        return tokenizer_lib.get_tokenizer(
-            config.data, workdir, vocab_size=config.model.vocab_size, ids=SpecialIds.of(config)
-        )
+        if config.data.tokenizer == "spm" and not config.data.tokenizer_model:
+            if not (Path(workdir) / tokenizer_lib.MODEL_FILENAME).exists():
+                raise EvalError(
+                    f"no tokenizer in {workdir} ({tokenizer_lib.MODEL_FILENAME}) and config.data.tokenizer_model is "
+                    "empty; evaluate with the workdir the model was trained in"
+                )
+        return tokenizer_lib.model_tokenizer(config, workdir)
 
 
 def choose_steps(

@@ -110,6 +110,10 @@ def load(mode: Translate | ScorePairs, restorer: Restorer | None = None) -> Load
         average_steps=m.average_steps,
         average_best=m.average_best,
     )
+    if m.target_lang is not None:  # --target_lang: the sources' >>lang<< token instead of data.target_lang's
+        config = config.copy_and_resolve_references()
+        with config.unlocked():
+            config.data.target_lang = m.target_lang
     tokenizer = restorer.tokenizer(config, m.workdir)
     if m.ensemble_workdirs:
         model = Ensemble([model, *modes.restore_members(restorer, m.ensemble_workdirs, config, tokenizer)])

@@ -75,7 +75,7 @@ def score_pairs(
         raise ValueError(f"{len(sources)} sources but {len(targets)} targets")
     start = time.perf_counter()
     limit = input_limit(max_len, position_limit(model.spec))
-    src_ids, tgt_ids = [tokenizer.encode(s) for s in sources], [tokenizer.encode(t) for t in targets]
+    src_ids, tgt_ids = tokenizer.encode_source_batch(sources), tokenizer.encode_target_batch(targets)
     examples = batching.from_ids(src_ids, tgt_ids, limit, eos=tokenizer.ids.eos)
     graphdef, state = nnx.split(model)
     copy = nnx.merge(graphdef, state)

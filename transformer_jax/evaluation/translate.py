@@ -27,11 +27,15 @@ from transformer_jax.tokens import SpecialIds
 
 
 class Tokenizer(Protocol):
+    """What translation needs of a tokenizer (data/tokenizer.py's interface)."""
+
     ids: SpecialIds
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode_source(self, text: str) -> list[int]: ...
 
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def encode_target(self, text: str) -> list[int]: ...
+
+    def decode_target(self, ids: Sequence[int]) -> str: ...
 
 
 # The rules of what is decoded, shared with every other engine that must decode exactly as we do
@@ -42,7 +46,7 @@ def source_ids(tokenizer: Tokenizer, sentence: str, max_input_len: int) -> tuple
     """(ids then EOS, cut to max_input_len - 1 ids + EOS; None for a blank line, which is not decoded), was_cut."""
     if not sentence.strip():
         return None, False
-    ids = list(tokenizer.encode(sentence))
+    ids = list(tokenizer.encode_source(sentence))
     cut = len(ids) + 1 > max_input_len
     return (ids[: max_input_len - 1] if cut else ids) + [tokenizer.ids.eos], cut
 
@@ -218,7 +222,7 @@ def translate_nbest(
         batch_size=settings.batch_size,
         shape=shape,
         progress=None if bar is None else bar.update,
-        prefixes=None if prefixes is None else [list(tokenizer.encode(prefixes[i])) for i in lines],
+        prefixes=None if prefixes is None else [list(tokenizer.encode_target(prefixes[i])) for i in lines],
         row_inputs_N=row_inputs,
     )
     for j in range(0, len(lines), copies):
@@ -244,5 +248,5 @@ def _hypothesis(tokenizer: Tokenizer, result: decoding.BeamResult, beam: int) ->
     n = int(result.lengths[beam])
     ids = result.tokens[beam, :n].tolist()
     ended = bool(ids) and ids[-1] == tokenizer.ids.eos
-    text = tokenizer.decode([t for t in ids if t not in (tokenizer.ids.eos, tokenizer.ids.pad)])
+    text = tokenizer.decode_target([t for t in ids if t not in (tokenizer.ids.eos, tokenizer.ids.pad)])
     return Hypothesis(text, float(result.log_probs[beam]), float(result.scores[beam]), n, ended)

@@ -37,7 +37,6 @@ from transformer_jax.evaluation.translate import (
 )
 from transformer_jax.model.transformer import capture_intermediates
 from transformer_jax.tokens import SpecialIds
-from transformer_jax.visualize.attention import token_pieces
 
 
 @dataclasses.dataclass
@@ -213,10 +212,10 @@ def explain(
     check_selection(model.spec, layer, head)
     limit = input_limit(settings.max_input_len, position_limit(model.spec))
     src_ids, cut = source_ids(tokenizer, sentence, limit)  # translate()'s rule; the sentence is not blank here
-    truncated = (len(tokenizer.encode(sentence)) + 1, limit) if cut else None  # (tokens before, after)
+    truncated = (len(tokenizer.encode_source(sentence)) + 1, limit) if cut else None  # (tokens before, after)
     [translation], _ = translate(model, tokenizer, [sentence], settings)
 
-    vocab = token_pieces(tokenizer, range(tokenizer.vocab_size))
+    vocab = tokenizer.target_pieces(range(tokenizer.vocab_size))
 
     def piece(i: int) -> str:
         return piece_of(vocab, int(i))
@@ -224,7 +223,7 @@ def explain(
     steps_beams, best = beam_steps(model, src_ids, settings, piece)
     ids = SpecialIds.of(model.spec)
     if target is not None:
-        tgt_ids = list(tokenizer.encode(target))
+        tgt_ids = list(tokenizer.encode_target(target))
     else:
         tgt_ids = [t for t in best if t not in (ids.eos, ids.pad)]
     if model.spec.positional == "learned":
@@ -234,7 +233,7 @@ def explain(
     return Explanation(
         sentence=sentence,
         src_ids=src_ids,
-        src_pieces=[piece(i) for i in src_ids],
+        src_pieces=tokenizer.source_pieces(src_ids),
         tgt_in_ids=tgt_in_ids,
         tgt_in_pieces=[piece(i) for i in tgt_in_ids],
         tgt_out_pieces=[piece(i) for i in [*tgt_ids, ids.eos]],

@@ -31,7 +31,6 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-import sentencepiece as spm
 
 from transformer_jax.data.tokenizer import MODEL_FILENAME
 from transformer_jax.errors import ConfigError, EvalError
@@ -70,9 +69,8 @@ def check_exportable(spec: Any) -> None:
 
 
 def vocabulary(tokenizer: Any) -> list[str]:
-    """The tokenizer's SentencePiece pieces in id order: row i of the exported vocabulary is our id i."""
-    sp = spm.SentencePieceProcessor(model_file=str(tokenizer.path))
-    return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    """The tokenizer's pieces in id order: row i of the exported vocabulary is our id i."""
+    return tokenizer.target_pieces(range(tokenizer.vocab_size))
 
 
 def position_table(model: Any, max_positions: int, target: bool) -> np.ndarray:
@@ -200,6 +198,11 @@ def to_ctranslate2(
     output_dir = Path(output_dir)
     check_exportable(model.spec)
     check_output(output_dir, force)
+    if tokenizer.name != "spm":  # the export ships the joint SentencePiece model as its tokenizer
+        raise EvalError(
+            f"the CTranslate2 export needs the joint SentencePiece tokenizer (data.tokenizer='spm'), not "
+            f"{tokenizer.name!r}; export a converted Marian model with --format marian"
+        )
     pieces = vocabulary(tokenizer)
     if len(pieces) != model.spec.vocab_size:
         raise EvalError(
@@ -319,7 +322,7 @@ def ctranslate2_translate(
             out = out[:-1]
         else:
             hit_max_len += 1  # stopped by the length limit, not by EOS
-        outputs[i] = tokenizer.decode([t for t in out if t != tokenizer.ids.pad])
+        outputs[i] = tokenizer.decode_target([t for t in out if t != tokenizer.ids.pad])
     seconds = time.perf_counter() - start
     stats = {
         "sentences": len(sentences),

@@ -40,6 +40,7 @@ class TransformerSpec:
     Frozen (hashable: a static argument of jitted functions) and without defaults: they live in config/schema.py."""
 
     vocab_size: int
+    source_vocab_size: int  # 0 = vocab_size
     pad_id: int
     eos_id: int
     bos_id: int  # may equal pad_id (Marian's decoder starts from pad)

@@ -167,13 +167,12 @@ class Transformer(nnx.Module):
     def __init__(self, spec: TransformerSpec, *, rngs: nnx.Rngs):
         self.spec = spec
 
-        def embedding() -> Embedding:
-            return Embedding(
-                spec.vocab_size, spec.d_model, spec.compute_dtype, fused_backward=spec.fused_backward_on, rngs=rngs
-            )
+        def embedding(rows: int) -> Embedding:
+            return Embedding(rows, spec.d_model, spec.compute_dtype, fused_backward=spec.fused_backward_on, rngs=rngs)
 
-        self.src_embed = embedding()
-        self.tgt_embed = None if spec.share_embeddings else embedding()
+        # A source vocabulary of its own (model.source_vocab_size, Marian's target_vocab.json) has its own rows.
+        self.src_embed = embedding(spec.source_vocab_size or spec.vocab_size)
+        self.tgt_embed = None if spec.share_embeddings else embedding(spec.vocab_size)
         self.output_proj = None if spec.tie_output else dense(spec.d_model, spec.vocab_size, spec, rngs, bias=False)
         # Marian's final_logits_bias: float32 like every parameter, zeros so that a new model starts as without it.
         self.final_logits_bias_V = (

@@ -30,7 +30,7 @@ from flax import nnx
 from flax.traverse_util import flatten_dict
 
 from transformer_jax.config import checks, schema
-from transformer_jax.data.tokenizer import MODEL_FILENAME
+from transformer_jax.data.tokenizer import MODEL_FILENAME, tokenizer_files
 from transformer_jax.errors import CheckpointError, ConfigError
 from transformer_jax.training import checkpoints
 from transformer_jax.training.state import abstract_train_state
@@ -197,29 +197,29 @@ def _with_architecture(
 
 
 def _copy_tokenizer(source: pathlib.Path, source_config: ml_collections.ConfigDict, workdir: pathlib.Path) -> None:
-    """Copies the source's tokenizer to workdir/spm.model (whole or not at all); ConfigError if it is missing or
-    the workdir holds another tokenizer there."""
-    given = source_config.data.tokenizer_model
-    tokenizer = pathlib.Path(given).expanduser() if given else source / MODEL_FILENAME
-    if not tokenizer.is_file():
-        raise ConfigError(
-            f"config key train.init_from: the tokenizer of {source} ({tokenizer}) is missing; a "
-            "fine-tuning run needs the tokenizer its source was trained with"
-        )
-    target = workdir / MODEL_FILENAME
-    if target.exists():
-        if target.read_bytes() != tokenizer.read_bytes():
+    """Copies the source's tokenizer files into workdir (spm.model; a converted Marian model's MARIAN_* files), each
+    whole or not at all; ConfigError if one is missing or the workdir holds another file under its name."""
+    for tokenizer in tokenizer_files(source_config.data, source):
+        if not tokenizer.is_file():
             raise ConfigError(
-                f"--workdir {workdir} holds a tokenizer ({target}) other than the source's "
-                f"({tokenizer}); fine-tune into a new --workdir"
+                f"config key train.init_from: the tokenizer of {source} ({tokenizer}) is missing; a "
+                "fine-tuning run needs the tokenizer its source was trained with"
             )
-        return
-    workdir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{MODEL_FILENAME}.", suffix=".tmp", dir=workdir)
-    os.close(fd)
-    try:
-        shutil.copyfile(tokenizer, tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        pathlib.Path(tmp).unlink(missing_ok=True)
-        raise
+        # A given SentencePiece file (data.tokenizer_model) becomes the workdir's spm.model, as its config says.
+        target = workdir / (MODEL_FILENAME if source_config.data.tokenizer == "spm" else tokenizer.name)
+        if target.exists():
+            if target.read_bytes() != tokenizer.read_bytes():
+                raise ConfigError(
+                    f"--workdir {workdir} holds a tokenizer ({target}) other than the source's "
+                    f"({tokenizer}); fine-tune into a new --workdir"
+                )
+            continue
+        workdir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=workdir)
+        os.close(fd)
+        try:
+            shutil.copyfile(tokenizer, tmp)
+            os.replace(tmp, target)
+        except BaseException:
+            pathlib.Path(tmp).unlink(missing_ok=True)
+            raise

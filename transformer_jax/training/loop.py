@@ -42,7 +42,6 @@ from transformer_jax.model.spec import TransformerSpec
 from transformer_jax.runtime import compile_cache
 from transformer_jax.runtime.progress import Progress
 from transformer_jax.sharding import batch_sharding, make_mesh, state_shardings, tracing_mesh
-from transformer_jax.tokens import SpecialIds
 from transformer_jax.training import flops, init_from, selection, workdir_lock
 from transformer_jax.training.checkpoints import Checkpointer
 from transformer_jax.training.losses import summarize
@@ -350,13 +349,7 @@ def setup(
     logging.info("training on %d devices, mesh %s, train.mesh=%s", mesh.size, dict(mesh.shape), config.train.mesh)
     row_multiple = check_batch_shapes(config, mesh)
     spec = TransformerSpec.from_config(config)
-    tokenizer = data.get_tokenizer(
-        config.data,
-        workdir,
-        vocab_size=config.model.vocab_size,
-        ids=SpecialIds.of(config),
-        train_if_missing=jax.process_count() == 1,
-    )
+    tokenizer = data.model_tokenizer(config, workdir, train_if_missing=jax.process_count() == 1)
     examples = None  # data.store=False: tokenized in memory by make_train_iterator
     if config.data.store:
         examples, _ = data.open_train_store(config.data, tokenizer, build_if_missing=jax.process_count() == 1)

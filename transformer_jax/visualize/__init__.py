@@ -14,7 +14,6 @@ from transformer_jax.visualize.attention import (
     encode_pair,
     load_model,
     plot_attention,
-    token_pieces,
 )
 from transformer_jax.visualize.figures import DPI
 from transformer_jax.visualize.positional import DOTS_FIGSIZE, PE_FIGSIZE, PositionalResult, positional
@@ -49,5 +48,4 @@ __all__ = [
     "plot_attention",
     "positional",
     "schedule",
-    "token_pieces",
 ]

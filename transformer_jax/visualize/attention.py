@@ -16,7 +16,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import sentencepiece as spm
 from flax import nnx
 
 from transformer_jax.errors import CheckpointError, EvalError, VisualizeError
@@ -81,12 +80,6 @@ def attention_weights(model: Any, src_ids: Sequence[int], tgt_in_ids: Sequence[i
     return out
 
 
-def token_pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:
-    """The SentencePiece piece of each id (▁ marks a word start; <0x..> are byte-fallback pieces)."""
-    sp = spm.SentencePieceProcessor(model_file=str(tokenizer.path))
-    return [sp.id_to_piece(int(i)) for i in ids]
-
-
 def _check_sentences(source: str, target: str) -> None:
     for name, text in (("--source", source), ("--target", target)):
         if not text.strip():
@@ -96,7 +89,8 @@ def _check_sentences(source: str, target: str) -> None:
 def encode_pair(tokenizer: Any, source: str, target: str) -> tuple[list[int], list[int]]:
     """(source ids then EOS, BOS then target ids): the model's inputs in training and translation."""
     _check_sentences(source, target)
-    return tokenizer.encode(source) + [tokenizer.ids.eos], [tokenizer.ids.bos] + tokenizer.encode(target)
+    src_ids = tokenizer.encode_source(source) + [tokenizer.ids.eos]
+    return src_ids, [tokenizer.ids.bos] + tokenizer.encode_target(target)
 
 
 def load_model(workdir: str | Path, config: Any = None, checkpoint: str | int = "latest") -> tuple[Any, Any, Any, int]:
@@ -201,8 +195,8 @@ def attention(
     _check_selection(spec.num_encoder_layers, spec.num_decoder_layers, spec.num_heads, layer, head)
     src_ids, tgt_in_ids = encode_pair(tokenizer, source, target)
     maps = AttentionMaps(
-        token_pieces(tokenizer, src_ids),
-        token_pieces(tokenizer, tgt_in_ids),
+        tokenizer.source_pieces(src_ids),  # ▁ marks a word start; <0x..> are byte-fallback pieces
+        tokenizer.target_pieces(tgt_in_ids),
         attention_weights(model, src_ids, tgt_in_ids),
     )
     drawn = plot_attention(maps, output_dir, layer=layer, head=head)
