@@ -324,3 +324,21 @@ def test_searches_on_a_trained_model_agree_with_generate(tmp_path):
     assert ended >= 90 and same == ended
     same, ended = agreement(4, decoding.SetAside(alpha=1.0, penalty="average", beam_size=4))
     assert ended >= 90 and same >= 0.9 * rows
+
+
+def test_a_multilingual_model_converts_and_its_language_token_leads_the_source(tmp_path):
+    """A model whose vocab.json has >>xx<< tokens: with data.target_lang the converted workdir's tokenizer gives
+    the ids MarianTokenizer gives for '>>xx<< text', and the logits still equal transformers'."""
+    source = tmp_path / "multi"
+    run("make", str(source), json.dumps({"language_tokens": [">>de<<", ">>fr<<"], "seed": 2}))
+    convert(source, tmp_path / "w")
+    config = checkpoints.load_config(tmp_path / "w")
+    config.data.target_lang = "fr"
+    tokenizer = Restorer().tokenizer(config, str(tmp_path / "w"))
+    sentences = ["A man is riding a bicycle.", "Two dogs play in the snow."]
+    (tmp_path / "s.json").write_text(json.dumps([f">>fr<< {s}" for s in sentences]))
+    run("tokenize", str(source), str(tmp_path / "s.json"), str(tmp_path / "ids.json"))
+    theirs = json.loads((tmp_path / "ids.json").read_text())
+    assert theirs == [tokenizer.encode_source(s) + [config.model.eos_id] for s in sentences]
+    assert theirs[0][0] == json.loads((source / "vocab.json").read_text())[">>fr<<"]
+    assert compare_logits(source, tmp_path / "w", tmp_path) < 1e-4

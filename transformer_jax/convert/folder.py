@@ -27,15 +27,17 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from transformer_jax.config import checks, schema
 from transformer_jax.convert import marian
+from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import ConfigError, DataError
 from transformer_jax.model import TransformerSpec, build_model, model_rngs
 from transformer_jax.training import checkpoints
 
 CONFIG, GENERATION, TOKENIZER_CONFIG = "config.json", "generation_config.json", "tokenizer_config.json"
 SAFETENSORS, PICKLE = "model.safetensors", "pytorch_model.bin"
-SOURCE_SPM, TARGET_SPM, VOCAB, TARGET_VOCAB = "source.spm", "target.spm", "vocab.json", "target_vocab.json"
+SOURCE_SPM, TARGET_SPM = tokenizer_lib.MARIAN_SOURCE_SPM, tokenizer_lib.MARIAN_TARGET_SPM  # Marian's names, ours too
+VOCAB, TARGET_VOCAB = tokenizer_lib.MARIAN_VOCAB, tokenizer_lib.MARIAN_TARGET_VOCAB
 BASE_SIZE = "base"  # the size row a converted config starts from; every model key is then set from config.json
-MARIAN_TOKENIZER = "marian"  # data.tokenizer of a workdir holding the four files above
+MARIAN_TOKENIZER = tokenizer_lib.MarianTokenizer.name  # data.tokenizer of a workdir holding the files above
 
 
 @dataclasses.dataclass

@@ -25,11 +25,12 @@ from typing import Any
 
 import numpy as np
 
+from transformer_jax.data.tokenizer import MARIAN_SPECIAL_PIECES
 from transformer_jax.errors import ConfigError
 
 MODEL_TYPE = "marian"
 NORM_EPSILON = 1e-5  # transformers' Marian builds nn.LayerNorm(d_model): torch's default epsilon
-UNK_PIECE, EOS_PIECE, PAD_PIECE = "<unk>", "</s>", "<pad>"  # MarianTokenizer's defaults
+UNK_PIECE, EOS_PIECE, PAD_PIECE = (MARIAN_SPECIAL_PIECES[field] for field in ("unk", "eos", "pad"))
 
 # Marian activation_function -> model.activation. transformers' "swish" and "silu" are both SiLU; its "gelu" is
 # the exact erf form while ours (jax.nn.gelu's default) is the tanh approximation, which it calls gelu_new.

@@ -27,6 +27,7 @@ from flax import nnx
 from flax.traverse_util import flatten_dict
 
 from transformer_jax.convert import folder, marian
+from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation.options import Model, check_folder_writable, check_model
 from transformer_jax.evaluation.restore import Restorer, restore_model
@@ -86,8 +87,7 @@ def tokenizer_files(config: Any, workdir: Path, tokenizer: Any) -> tuple[dict[st
     both source.spm and target.spm, with vocab.json mapping each piece to its id.
     """
     if config.data.tokenizer == folder.MARIAN_TOKENIZER:
-        names = [folder.SOURCE_SPM, folder.TARGET_SPM, folder.VOCAB, folder.TARGET_VOCAB]
-        return {name: workdir / name for name in names if (workdir / name).is_file()}, {}
+        return {path.name: path for path in tokenizer_lib.tokenizer_files(config.data, workdir)}, {}
     pieces = _pieces(tokenizer.path)
     if len(pieces) != config.model.vocab_size:
         raise EvalError(
@@ -180,7 +180,7 @@ def export_workdir(
         "checkpoint_steps": steps,
     }
     if config.model.norm_epsilon != marian.NORM_EPSILON:
-        ids = [tokenizer.encode(s)[: config.model.max_len - 1] + [config.model.eos_id] for s in SAMPLE_SENTENCES]
+        ids = [tokenizer.encode_source(s)[: config.model.max_len - 1] + [config.model.eos_id] for s in SAMPLE_SENTENCES]
         report["norm_epsilon"] = config.model.norm_epsilon
         report["epsilon_logit_difference"] = epsilon_logit_difference(model, ids)
     to_marian(model, config, files, output_dir)
