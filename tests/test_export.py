@@ -297,8 +297,11 @@ def test_a_quantized_export_is_smaller_loads_and_translates(corpus, exported, tm
     float_outputs, _ = export_lib.ctranslate2_translate(translator(float32), tokenizer, lines, SETTINGS)
     assert sum(a == b for a, b in zip(outputs, float_outputs, strict=True)) >= 0.75 * len(lines)
     pieces = export_lib.vocabulary(tokenizer)
-    src = [[pieces[i] for i in tokenizer.encode(s)] for s in lines[:8]]
-    tgt = [[pieces[i] for i in tokenizer.encode(s)] for s in directory.joinpath("test.de").read_text().splitlines()[:8]]
+    src = [[pieces[i] for i in tokenizer.encode_source(s)] for s in lines[:8]]
+    tgt = [
+        [pieces[i] for i in tokenizer.encode_target(s)]
+        for s in directory.joinpath("test.de").read_text().splitlines()[:8]
+    ]
     ours = translator(float32).score_batch(src, tgt)
     theirs = translator(path).score_batch(src, tgt)
     for a, b in zip(ours, theirs, strict=True):
