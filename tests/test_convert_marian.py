@@ -119,6 +119,7 @@ def test_greedy_outputs_equal_generate(marian_dir, tmp_path):
             assert length == limit and mine[:-1] == generated[: limit - 1] and generated[-1] == m.eos_id, row
 
 
+@pytest.mark.slow  # a fast representative: see the module's other tests
 def test_separate_vocabularies_convert(separate_dir, tmp_path):
     convert(separate_dir, tmp_path / "w")
     config, _ = restored(tmp_path / "w")
@@ -128,6 +129,7 @@ def test_separate_vocabularies_convert(separate_dir, tmp_path):
     assert compare_logits(separate_dir, tmp_path / "w", tmp_path) < 1e-4
 
 
+@pytest.mark.slow  # a fast representative: see the module's other tests
 def test_fine_tuning_starts_from_the_converted_parameters(marian_dir, tmp_path):
     """train.init_from=W reads the step-0 checkpoint (the model's parameters alone) into a full train state."""
     from transformer_jax.training import init_from
@@ -244,6 +246,7 @@ def test_the_command_line_refuses_in_one_line_and_writes_nothing(marian_dir, tmp
     assert [p.name for p in (tmp_path / "busy").iterdir()] == ["file"]
 
 
+@pytest.mark.slow  # a fast representative: see the module's other tests
 def test_a_pickle_converts_with_allow_pickle_to_the_same_parameters(marian_dir, tmp_path):
     """pytorch_model.bin (every tied copy and both position tables saved, as older uploads have them) converts,
     with the flag, to the parameters model.safetensors gives."""
@@ -260,6 +263,7 @@ def test_a_pickle_converts_with_allow_pickle_to_the_same_parameters(marian_dir, 
         np.testing.assert_array_equal(np.asarray(a[path]), np.asarray(b[path]), err_msg=str(path))
 
 
+@pytest.mark.slow  # a fast representative: see the module's other tests
 def test_the_command_line_converts_and_reports(marian_dir, tmp_path):
     done = _cli(marian_dir, tmp_path / "w")
     assert done.returncode == 0, done.stderr[-2000:]
@@ -326,6 +330,7 @@ def test_searches_on_a_trained_model_agree_with_generate(tmp_path):
     assert ended >= 90 and same >= 0.9 * rows
 
 
+@pytest.mark.slow  # a fast representative: see the module's other tests
 def test_a_multilingual_model_converts_and_its_language_token_leads_the_source(tmp_path):
     """A model whose vocab.json has >>xx<< tokens: with data.target_lang the converted workdir's tokenizer gives
     the ids MarianTokenizer gives for '>>xx<< text', and the logits still equal transformers'."""

@@ -104,7 +104,7 @@ def _ours(workdir: Path, target_lang: str = "") -> tokenizer_lib.MarianTokenizer
     )
 
 
-@pytest.mark.parametrize("separate", [False, True], ids=["shared", "separate"])
+@pytest.mark.parametrize("separate", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["shared", "separate"])
 def test_the_same_ids_and_text_as_transformers_marian_tokenizer(tmp_path, models, separate):
     workdir = _workdir(tmp_path, models, separate)
     ours, theirs = _ours(workdir), _theirs(workdir, separate)

@@ -79,7 +79,7 @@ def logit_difference(workdir: Path, exported: Path, tmp_path: Path) -> float:
     return float(np.abs(ours - theirs).max())
 
 
-@pytest.mark.parametrize("layout", ["interleaved", "concatenated"])
+@pytest.mark.parametrize("layout", ["interleaved", pytest.param("concatenated", marks=pytest.mark.slow)])
 def test_our_default_model_exports_exactly(tmp_path, layout):
     """The paper's model (relu, interleaved positions, tied shared embeddings) through the model-axis permutation,
     and Marian's own layout without it, with a non-zero final_logits_bias and swish in the second case."""
@@ -115,6 +115,7 @@ def test_the_exported_tokenizer_gives_our_ids(tmp_path):
     assert theirs == [ours.encode_source(s) + [1] for s in sentences]  # MarianTokenizer appends </s>
 
 
+@pytest.mark.slow  # a fast representative: see the module's other tests
 def test_another_norm_epsilon_exports_with_one_warning_line_stating_the_difference(tmp_path):
     workdir = make_workdir(tmp_path / "w", norm_epsilon=1e-2)
     done = export(workdir, tmp_path / "out")
