@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 from flax.traverse_util import flatten_dict
 
+from tests.helpers import DATA
 from tests.helpers.marian_reference import ROOT, run
 from transformer_jax.convert import folder, marian
 from transformer_jax.errors import ConfigError, DataError
@@ -289,7 +290,7 @@ def test_the_table_covers_every_parameter_of_every_marian_shape():
 
 # -- a trained model: outputs that mean something ------------------------------------------------------------------
 
-MULTI30K = Path("/work/shared/data/multi30k")
+MULTI30K = DATA / "multi30k"
 
 
 @pytest.mark.slow
