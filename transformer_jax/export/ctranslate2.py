@@ -39,7 +39,7 @@ import numpy as np
 from transformer_jax.data.tokenizer import MODEL_FILENAME
 from transformer_jax.errors import ConfigError, EvalError
 from transformer_jax.evaluation.options import Model, check_folder_writable, check_model
-from transformer_jax.evaluation.restore import Restorer, restore_model
+from transformer_jax.evaluation.restore import Restorer
 from transformer_jax.evaluation.translate import DecodeSettings, input_limit, output_cap, output_limit, source_ids
 from transformer_jax.export import output
 from transformer_jax.model.layers import sinusoidal_encoding
@@ -387,20 +387,9 @@ def export_workdir(
         import ctranslate2  # noqa: F401 - only to fail before the parameters are read
     except ImportError as e:
         raise EvalError(f"ctranslate2 is not installed ({e}); pip install ctranslate2==4.8.5") from e
-    restorer = restorer or Restorer()
-    if not restorer.list_steps(workdir):
-        raise EvalError(f"no checkpoint in {Path(workdir) / 'checkpoints'}; train first or fix --workdir")
-    check_exportable(TransformerSpec.from_config(options.config or restorer.load_config(workdir)))
-    config, model, steps = restore_model(
-        restorer,
-        workdir,
-        config=options.config,
-        checkpoint=options.checkpoint,
-        average_last=options.average_last,
-        average_steps=options.average_steps,
-        average_best=options.average_best,
+    config, model, steps, tokenizer = output.restore_checked(
+        workdir, options, restorer or Restorer(), lambda c: check_exportable(TransformerSpec.from_config(c))
     )
-    tokenizer = restorer.tokenizer(config, workdir)
     # Room for evaluate.py's longest decode (eval_max_len source tokens + max_extra_len) and the engine's defaults.
     max_positions = max(ENGINE_DEFAULT_POSITIONS, config.data.eval_max_len + config.eval.max_extra_len)
     to_ctranslate2(model, tokenizer, output_dir, max_positions=max_positions, quantization=quantization, force=force)

@@ -30,7 +30,7 @@ from transformer_jax.convert import folder, marian
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation.options import Model, check_folder_writable, check_model
-from transformer_jax.evaluation.restore import Restorer, restore_model
+from transformer_jax.evaluation.restore import Restorer
 from transformer_jax.export import output
 from transformer_jax.model.layers import LayerNorm
 
@@ -158,20 +158,9 @@ def export_workdir(
     output_dir = Path(output_dir)
     output.check_output(output_dir, force, MARKER, "a Marian export")
     check_folder_writable(output_dir.parent, "--output")
-    restorer = restorer or Restorer()
-    if not restorer.list_steps(workdir):
-        raise EvalError(f"no checkpoint in {Path(workdir) / 'checkpoints'}; train first or fix --workdir")
-    marian.check_exportable(options.config or restorer.load_config(workdir))
-    config, model, steps = restore_model(
-        restorer,
-        workdir,
-        config=options.config,
-        checkpoint=options.checkpoint,
-        average_last=options.average_last,
-        average_steps=options.average_steps,
-        average_best=options.average_best,
+    config, model, steps, tokenizer = output.restore_checked(
+        workdir, options, restorer or Restorer(), marian.check_exportable
     )
-    tokenizer = restorer.tokenizer(config, workdir)
     files = tokenizer_files(config, Path(workdir), tokenizer)
     report: dict[str, Any] = {
         "output": str(output_dir),
