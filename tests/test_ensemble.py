@@ -47,10 +47,13 @@ def test_ensemble_greedy_follows_the_mean_of_the_members_log_probs_and_keeps_eac
 
 
 def _mean_log_probs_by_hand(members, src: list[int], tgt_in: list[int]) -> np.ndarray:
-    """[T, V] the renormalised mean of the members' teacher-forced log-probabilities, in float64 numpy."""
+    """[T, V] the renormalised mean of the members' teacher-forced log-probabilities, in float64 numpy.
+
+    Padded to 16 (one compilation per member): padding in the source is masked, and causality hides it in the
+    target after position T - 1."""
+    src_BS, tgt_BT = jnp.asarray([src + [PAD] * (16 - len(src))]), jnp.asarray([tgt_in + [PAD] * (16 - len(tgt_in))])
     log_probs = [
-        np.asarray(jax.nn.log_softmax(forward(m, jnp.asarray([src]), jnp.asarray([tgt_in]))[0], -1), np.float64)
-        for m in members
+        np.asarray(jax.nn.log_softmax(forward(m, src_BS, tgt_BT)[0, : len(tgt_in)], -1), np.float64) for m in members
     ]
     mean_TV = np.mean(log_probs, 0)
     return mean_TV - np.logaddexp.reduce(mean_TV, axis=-1, keepdims=True)

@@ -65,9 +65,10 @@ def test_the_decoders_first_input_is_real_although_it_is_the_pad_id():
 
 
 def test_the_loss_ignores_padding():
-    """Each row alone, cut to its own length (no padding at all), sums to the batch's loss."""
+    """Each row alone, cut to its own length (no padding at all), sums to the batch's loss. (Three rows: every row
+    alone is a shape of its own, so a program of its own.)"""
     model = tiny_model(4, **MARIAN_KEYS)
-    batch = {k: jnp.asarray(v) for k, v in _batch(2).items()}
+    batch = {k: jnp.asarray(v) for k, v in _batch(2, rows=3).items()}
     logits = forward(
         model,
         batch["src_tokens"],
@@ -78,7 +79,7 @@ def test_the_loss_ignores_padding():
     real = batch["tgt_segment_ids"] > 0
     whole = float(cross_entropy_sums(logits, batch["tgt_out"], real, 0.1, fused_backward=False)["loss_sum"])
     rows = 0.0
-    for r in range(8):
+    for r in range(3):
         s, t = int(batch["src_segment_ids"][r].sum()), int(batch["tgt_segment_ids"][r].sum())
         alone = forward(model, batch["src_tokens"][r : r + 1, :s], batch["tgt_in"][r : r + 1, :t])
         sums = cross_entropy_sums(alone, batch["tgt_out"][r : r + 1, :t], jnp.ones((1, t)), 0.1, fused_backward=False)
@@ -98,13 +99,19 @@ def test_a_model_with_marian_ids_trains():
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
 
 
+def _decoder_input(prefix: list[int], width: int) -> jnp.ndarray:
+    """[[bos, *prefix]] filled up to `width` with a real token: the decoder is causal, so what follows position
+    len(prefix) never changes its logits, and every call has one shape (one compiled program)."""
+    return jnp.asarray([[MARIAN.bos, *prefix] + [2] * (width - 1 - len(prefix))])
+
+
 def _reference_greedy(model, src: list[int], limit: int) -> list[int]:
     """Greedy decoding by full recomputation, the decoder fed from bos = pad: argmax of each step's logits without
     pad, until eos or the limit."""
     out: list[int] = []
     src_1S = jnp.asarray([src + [MARIAN.pad] * (8 - len(src))])
     while len(out) < limit and (not out or out[-1] != MARIAN.eos):
-        logits_V = np.array(forward(model, src_1S, jnp.asarray([[MARIAN.bos, *out]]))[0, -1])
+        logits_V = np.array(forward(model, src_1S, _decoder_input(out, limit))[0, len(out)])
         logits_V[MARIAN.pad] = -np.inf
         out.append(int(np.argmax(logits_V)))
     return out
@@ -148,7 +155,7 @@ def test_greedy_and_beam_search_stop_at_the_vocabularys_eos_and_never_emit_pad()
             assert out[-1] == MARIAN.eos or len(out) == limit
             # Its log P is the teacher-forced one, normalised over the whole vocabulary (pad included).
             src_1S = jnp.asarray([src + [MARIAN.pad] * (8 - len(src))])
-            log_probs = jax.nn.log_softmax(forward(model, src_1S, jnp.asarray([[MARIAN.bos, *out[:-1]]]))[0], -1)
+            log_probs = jax.nn.log_softmax(forward(model, src_1S, _decoder_input(out[:-1], limit))[0], -1)
             np.testing.assert_allclose(
                 r.log_probs[w], np.sum(np.asarray(log_probs)[np.arange(len(out)), out]), rtol=1e-4, atol=1e-4
             )
