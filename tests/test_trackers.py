@@ -164,7 +164,9 @@ def mlflow_history(client, run) -> dict[int, dict]:
     return steps
 
 
+@pytest.mark.slow  # ~25 s: a training run, W&B's start (~5 s of its imports) and MLflow's store (~5 s)
 def test_a_run_logs_config_metrics_and_final_scores_to_offline_wandb_and_mlflow(env, corpus, tmp_path):
+    """End to end through the training loop (the fast representative is the resumed writer's test below)."""
     pytest.importorskip("wandb", reason="wandb is optional: pip install -r requirements-dev.txt")
     pytest.importorskip("mlflow", reason="mlflow is optional: pip install -r requirements-dev.txt")
     root, listener = env
@@ -210,15 +212,18 @@ def test_a_resumed_writer_continues_the_tracker_runs_and_skips_the_steps_they_ha
     pytest.importorskip("mlflow", reason="mlflow is optional: pip install -r requirements-dev.txt")
     root, _ = env
     config = tiny_train_config(corpus, trackers="wandb,mlflow", tracker_group="resumed")
+    params = dict(checks.leaves(config))
     writer = MetricWriter(tmp_path, config=config)
     _write(writer, range(0, 6), offset=0.0)
     writer.close()  # no finish: the first start was interrupted
     first = json.loads((tmp_path / trackers.STATE_FILE).read_text())
+    client, run = mlflow_run("resumed")
+    assert run.info.status == "FAILED" and run.data.params == {k: str(v) for k, v in params.items()}
     config.train.num_steps = 8  # a key that may change on resume: W&B's config and an MLflow tag follow it
     writer = MetricWriter(tmp_path, resume_step=3, config=config)
     writer.write(3, {"data_examples": 400})  # as the loop's restart logs at its checkpoint's step
     _write(writer, range(4, 9), offset=0.5)
-    writer.finish({})
+    writer.finish({"stopped_early_at": 8})
     writer.close()
     second = json.loads((tmp_path / trackers.STATE_FILE).read_text())
     assert {k: v["id"] for k, v in second.items()} == {k: v["id"] for k, v in first.items()}
@@ -230,13 +235,19 @@ def test_a_resumed_writer_continues_the_tracker_runs_and_skips_the_steps_they_ha
     jsonl = jsonl_by_step(tmp_path / "metrics.jsonl")
     assert all(jsonl[s] == want[s] for s in (6, 7, 8))
     runs = wandb_runs(root / "wandb", first["wandb"]["id"])
-    assert len(runs) == 2 and runs[1]["config"]["train.num_steps"] == 8
+    assert len(runs) == 2 and runs[0]["config"] == params and runs[0]["group"] == "resumed"
+    assert runs[1]["config"] == {**params, "train.num_steps": 8}
+    final = {"loss": 8.5, "learning_rate": 0.1, "valid_loss": 6.5, "data_examples": 400, "stopped_early_at": 8}
+    assert runs[1]["summary"] == {**final, "final_step": 8}
     assert sorted(runs[0]["history"]) == [0, 1, 2, 3, 4, 5] and sorted(runs[1]["history"]) == [6, 7, 8]
     assert_same_steps({**runs[0]["history"], **runs[1]["history"]}, want)
     client, run = mlflow_run("resumed")
     assert_same_steps(mlflow_history(client, run), want)
     assert run.data.params["train.num_steps"] == "6" and run.data.tags["resumed_with.train.num_steps"] == "8"
     assert run.info.status == "FINISHED"
+    assert {k: v for k, v in run.data.metrics.items() if k.startswith("final/")} == {
+        f"final/{k}": v for k, v in {**final, "final_step": 8}.items()
+    }
 
 
 @pytest.mark.slow
@@ -275,6 +286,16 @@ def test_an_unknown_tracker_is_one_line_naming_the_key_and_the_known_ones(corpus
     assert checks.tracker_names(" wandb,tensorboard,,wandb ") == ("wandb", "tensorboard")
 
 
+def test_a_missing_tracker_package_is_one_line_saying_what_to_install(corpus, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # what `import mlflow` finds when it is not installed
+    with pytest.raises(ConfigError) as error:
+        checks.validate(tiny_train_config(corpus, trackers="tensorboard,mlflow"))
+    message = str(error.value)
+    assert "\n" not in message and "config key train.trackers: mlflow needs its package" in message
+    assert f"pip install {TRACKERS['mlflow']}" in message
+
+
+@pytest.mark.slow  # ~5 s: a train.py process
 def test_a_missing_tracker_package_stops_train_py_before_any_work_with_what_to_install(corpus, tmp_path):
     """wandb made unimportable (sys.modules['wandb'] = None, as for a package not installed) in a train.py process."""
     script = (
@@ -309,3 +330,15 @@ def test_the_sweep_groups_its_runs_by_its_directory(tmp_path, tiny_corpus_env, c
     assert sweep.main(args) == 0
     assert all("--config.train.tracker_group=mine" in line for line in capsys.readouterr().out.splitlines())
     assert not os.path.exists(workdir)
+
+
+def test_only_process_0_logs_to_trackers(env, corpus, tmp_path, monkeypatch):
+    """Another host's writer (as its metrics.jsonl) opens no tracker: no W&B or MLflow run, no trackers.json."""
+    from transformer_jax.training import metrics
+
+    monkeypatch.setattr(metrics.jax, "process_index", lambda: 1)
+    writer = MetricWriter(tmp_path, config=tiny_train_config(corpus, trackers="tensorboard,wandb,mlflow"))
+    writer.write(1, {"loss": 1.0})
+    writer.finish({})
+    writer.close()
+    assert list(tmp_path.iterdir()) == []
