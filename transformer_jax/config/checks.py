@@ -11,13 +11,14 @@ failure is one ConfigError line naming the key, the value and what is allowed.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import os
 import pathlib
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from transformer_jax.config.schema import RULES
+from transformer_jax.config.schema import RULES, TRACKERS
 from transformer_jax.errors import ConfigError
 from transformer_jax.runtime import files
 
@@ -139,6 +140,7 @@ def validate(config: Mapping[str, Any]) -> None:
     check_opt(config["opt"])
     check_selection(values)
     check_init(config["train"])
+    tracker_names(values["train.trackers"])
     if values["model.positional"] == "learned" and values["data.max_len"] > values["model.max_len"]:
         raise ConfigError(
             f"config key data.max_len: {values['data.max_len']} tokens per side exceed the {values['model.max_len']} "
@@ -173,6 +175,24 @@ def extra_valid_sets(spec: str) -> list[tuple[str, str, str]]:
             raise ConfigError(f"config key eval.extra_valid: the name {name!r} is given twice; name each set once")
         sets.append((name, directory, split))
     return sets
+
+
+def tracker_names(spec: str) -> tuple[str, ...]:
+    """The trackers of train.trackers ('NAME,...', blanks ignored, each once, in order); ConfigError naming the key
+    for an unknown name or for a tracker whose optional package is not installed (found, never imported here)."""
+    names = tuple(dict.fromkeys(name.strip() for name in spec.split(",") if name.strip()))
+    for name in names:
+        if name not in TRACKERS:
+            raise ConfigError(
+                f"config key train.trackers: unknown tracker {name!r}; choose from {list(TRACKERS)} (comma-separated)"
+            )
+        requirement = TRACKERS[name]
+        if requirement and importlib.util.find_spec(requirement.partition("==")[0]) is None:
+            raise ConfigError(
+                f"config key train.trackers: {name} needs its package, which is not installed: "
+                f"pip install {requirement} (or remove {name} from train.trackers)"
+            )
+    return names
 
 
 def check_workdir(path: str | os.PathLike) -> pathlib.Path:

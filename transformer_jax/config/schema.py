@@ -69,6 +69,9 @@ TOKENIZERS = ("spm", "marian")  # data/tokenizer.py: a joint SentencePiece model
 # What selects the best checkpoints and stops early: validation loss, or a score of the decoded validation sentences.
 SELECT_METRICS = ("valid_bleu", "valid_chrf", "valid_chrfpp", "valid_ter", "valid_loss")
 SEED_LIMIT = 2**32
+# The experiment trackers of train.trackers (training/trackers.py), each with the pinned requirement of the optional
+# package it needs (None: a runtime dependency). requirements-dev.txt pins the same; tests/test_trackers.py checks it.
+TRACKERS = {"tensorboard": None, "wandb": "wandb==0.31.0", "mlflow": "mlflow==3.17.2"}
 
 
 def _attention_impls() -> list[str]:
@@ -546,6 +549,21 @@ KEYS: tuple[Key, ...] = (
         MAY_CHANGE,
     ),
     Key("train.max_nonfinite_steps", 10, count(1), "consecutive non-finite updates before the run stops", MAY_CHANGE),
+    Key(
+        "train.trackers",
+        "tensorboard",
+        TEXT,
+        f"comma-separated experiment trackers beside metrics.jsonl (always written), from {list(TRACKERS)}",
+        MAY_CHANGE,
+    ),
+    Key(
+        "train.tracker_group",
+        "",
+        TEXT,
+        "W&B group and MLflow experiment of the run (the sweep sets its directory's name); empty = no W&B group,"
+        " MLflow experiment transformer_jax",
+        MAY_CHANGE,
+    ),
     # eval
     Key("eval.beam_size", 4, count(1), "beams", MAY_CHANGE),
     Key("eval.alpha", 0.6, at_least_zero(), "length penalty exponent", MAY_CHANGE),

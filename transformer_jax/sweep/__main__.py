@@ -111,8 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(fv: flags.FlagValues) -> int:
     config_arg = config_flags.get_config_filename(fv["config"])
-    common = config_flags.get_override_values(fv["config"])
     workdir = pathlib.Path(fv.workdir)
+    # The sweep's runs are one W&B group and one MLflow experiment, unless --config.train.tracker_group names one.
+    common = {"train.tracker_group": workdir.resolve().name, **config_flags.get_override_values(fv["config"])}
     all_variants = variants(config_arg, common)
     seeds = num_seeds(config_arg, fv.seeds)
     all_runs = {v.name: runs(v, seeds) for v in all_variants}

@@ -391,7 +391,7 @@ def setup(
     # Written only once the checkpoint is accepted: a refused restart leaves the workdir as it was.
     if jax.process_index() == 0:
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
-    writer = MetricWriter(workdir, resume_step=step)
+    writer = MetricWriter(workdir, resume_step=step, config=config)
     validation = Validation(config, graphs, tokenizer, eval_step, sharding, writer, bleu)
     ahead.join()  # before the matmul peak is timed, and so that the first step finds the program
     peak = config.train.peak_flops or flops.matmul_peak(compile_cache.directory())
@@ -595,6 +595,6 @@ def train_and_evaluate(
         run = setup(start.config, workdir, bleu, start.params)
         try:
             with StopRequest() as stop, tracing_mesh(run.mesh):
-                return run_steps(run, stop)
+                return run.writer.finish(run_steps(run, stop))  # the trackers' final scores
         finally:
             run.close()

@@ -1,5 +1,6 @@
-"""Metric writers: WORKDIR/metrics.jsonl (one JSON object per logged step) and TensorBoard event files
-(tensorboardX, no TensorFlow needed). The progress display is transformer_jax.runtime.progress."""
+"""The metric writer: WORKDIR/metrics.jsonl (one JSON object per logged step), always, and the experiment trackers
+of train.trackers (training/trackers.py: TensorBoard by default, W&B, MLflow). The progress display is
+transformer_jax.runtime.progress."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ import json
 import logging
 import os
 import pathlib
-import sys
+from typing import Any
 
 import jax
+import ml_collections
 
+from transformer_jax.config import checks, schema
 from transformer_jax.errors import DiskFullError
 from transformer_jax.runtime import files
+from transformer_jax.training.trackers import Trackers
 
 
 class MetricWriter:
@@ -21,24 +25,33 @@ class MetricWriter:
 
     A record is one append of one line: a full disk (or any failed write) truncates the file back to the records
     before it, so metrics.jsonl never ends in a partial line, and is one DiskFullError line naming the file and
-    the step. TensorBoard's events are written after the record, and the same way.
+    the step. The trackers get each record's numbers after it is written, and a failed write there is the same line.
 
     A run resumed from the checkpoint of `resume_step` logs the steps after it again, so the records after that step
-    (written by the run that was interrupted) are first moved out of metrics.jsonl into metrics.superseded.jsonl,
-    and TensorBoard is told to purge its events after that step: each step is logged once.
+    (written by the run that was interrupted) are first moved out of metrics.jsonl into metrics.superseded.jsonl:
+    each step is logged once (trackers.py says how each tracker continues).
+
+    `config` names the trackers (train.trackers, train.tracker_group) and is their parameters; None: the default
+    trackers, with no parameters.
     """
 
-    def __init__(self, workdir: str | pathlib.Path, resume_step: int = 0):
+    def __init__(
+        self, workdir: str | pathlib.Path, resume_step: int = 0, config: ml_collections.ConfigDict | None = None
+    ):
         self.enabled = jax.process_index() == 0
         self.path = pathlib.Path(workdir) / "metrics.jsonl"
-        self._jsonl, self._tb = None, None
+        self._jsonl, self._trackers = None, None
+        self.latest: dict[str, float] = {}  # the last value of every number written by this start
+        self.last_step = resume_step
         if self.enabled:
             if resume_step and self.path.exists():
                 drop_records_after(self.path, resume_step)
             self._jsonl = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)  # closed in close()
-            SummaryWriter = _summary_writer_class()
-            purge = {"purge_step": resume_step + 1} if resume_step else {}
-            self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tensorboard"), **purge)
+            if config is None:
+                names, group, params = schema.BY_NAME["train.trackers"].default, "", {}
+            else:
+                names, group, params = config.train.trackers, config.train.tracker_group, dict(checks.leaves(config))
+            self._trackers = Trackers(checks.tracker_names(names), workdir, group, params, resume_step)
 
     def write(self, step: int, metrics: dict[str, float], prefix: str = "") -> None:
         if not self.enabled:
@@ -52,13 +65,21 @@ class MetricWriter:
         except OSError as e:
             os.ftruncate(self._jsonl, size)
             raise self._failed(step, e) from None
+        numbers = {k: v for k, v in record.items() if k != "step" and isinstance(v, int | float)}
+        self.latest.update(numbers)
+        self.last_step = step
         try:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, int | float):
-                    self._tb.add_scalar(key, value, step)
-            self._tb.flush()
+            self._trackers.log(step, numbers)
         except OSError as e:
             raise self._failed(step, e) from None
+
+    def finish(self, result: dict[str, Any]) -> dict[str, Any]:
+        """Gives the trackers the run's final scores: the last value of every number written by this start, with
+        the numbers of `result` (the training loop's: stopped_early_at) and final_step. Returns `result`."""
+        if self.enabled:
+            final = {**self.latest, **{k: v for k, v in result.items() if isinstance(v, int | float)}}
+            self._trackers.finish(self.last_step, {**final, "final_step": self.last_step})
+        return result
 
     def _failed(self, step: int, error: OSError) -> Exception:
         """A full disk as one line; any other failure to write is re-raised as it is."""
@@ -73,26 +94,7 @@ class MetricWriter:
     def close(self) -> None:
         if self.enabled:
             os.close(self._jsonl)
-            self._tb.close()
-
-
-def _summary_writer_class() -> type:
-    """tensorboardX's SummaryWriter, imported without torch.
-
-    tensorboardX imports torch whenever it is installed (requirements-dev.txt installs it), only to accept torch
-    tensors, which we never pass; that import costs a starting run about 1.5 s. The import runs with torch marked
-    unavailable, and the mark is removed at once so that code importing torch afterwards gets it as usual. Imported
-    here, not at the top, because the writer of a process other than 0 never needs it.
-    """
-    if "tensorboardX" in sys.modules or "torch" in sys.modules:
-        from tensorboardX import SummaryWriter
-    else:
-        sys.modules["torch"] = None  # makes `import torch` raise ImportError, which tensorboardX expects
-        try:
-            from tensorboardX import SummaryWriter
-        finally:
-            del sys.modules["torch"]
-    return SummaryWriter
+            self._trackers.close()
 
 
 def drop_records_after(path: pathlib.Path, step: int) -> int:
