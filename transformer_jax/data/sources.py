@@ -156,6 +156,20 @@ class TextPairs:
                 raise DataError(f"{path} is empty")
         self._lines: int | None = None
 
+    @classmethod
+    def of_files(cls, src_path: str | os.PathLike, tgt_path: str | os.PathLike, key: str) -> TextPairs:
+        """Two plain files, line i of one the translation of line i of the other (e.g. translate_corpus's input
+        and output); `key` is the config key that named them, for the error messages."""
+        pairs = cls.__new__(cls)
+        pairs.src_path, pairs.tgt_path = resolve_path(src_path), resolve_path(tgt_path)
+        for path in (pairs.src_path, pairs.tgt_path):
+            if not path.is_file():
+                raise DataError(f"{key}: no file {path}")
+            if not path.stat().st_size:
+                raise DataError(f"{key}: {path} is empty")
+        pairs._lines = None
+        return pairs
+
     def __len__(self) -> int:
         """Lines per side, blank ones included. Counted on first use (a pass over both files, nothing decoded);
         sides with different counts are an error."""
