@@ -84,8 +84,9 @@ class Mix:
 
     def __init__(self, kept: Sequence[np.ndarray], probabilities: np.ndarray, names: Sequence[str], seed: int):
         self.kept, self.probabilities, self.seed = list(kept), probabilities, seed
-        self.keys = [zlib.crc32(name.encode("utf-8")) for name in names]  # the order depends on the name, not the
-        self._orders: dict[tuple[int, int], np.ndarray] = {}  # position in data.corpora
+        # A corpus's order depends on its name, not on its position in data.corpora.
+        self.keys = [zlib.crc32(name.encode("utf-8")) for name in names]
+        self._orders: dict[tuple[int, int], np.ndarray] = {}
 
     def order(self, corpus: int, epoch: int) -> np.ndarray:
         """Corpus `corpus`'s kept ids in epoch `epoch`: a fresh permutation for every (seed, corpus name, epoch)."""
