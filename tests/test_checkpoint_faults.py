@@ -240,7 +240,7 @@ class _Batches:
         self.it_state = it_state
 
     def __next__(self):
-        return {}, 1, (1, 1, 1)
+        return {}, (1, {}), (1, 1, 1)
 
     def get_state(self):
         return self.it_state

@@ -162,7 +162,8 @@ def test_prefetched_batches_and_states_are_the_iterators_own(corpus, tmp_path):
             expected = next(plain)
             for key, value in expected.items():
                 np.testing.assert_array_equal(np.asarray(batch[key]), value)
-            assert (real_tokens, shape) == (plain.last_real_tokens, plain.last_global_shape)
+            assert real_tokens == (plain.last_real_tokens, plain.last_corpus_tokens)
+            assert shape == plain.last_global_shape
             assert prefetched.get_state() == plain.get_state()  # the state after this batch, not after the queue
     finally:
         prefetched.close()

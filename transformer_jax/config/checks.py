@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import math
 import os
 import pathlib
 import re
@@ -141,6 +142,7 @@ def validate(config: Mapping[str, Any]) -> None:
     check_selection(values)
     check_init(config["train"])
     tracker_names(values["train.trackers"])
+    corpus_specs(values["data.corpora"])
     if values["model.positional"] == "learned" and values["data.max_len"] > values["model.max_len"]:
         raise ConfigError(
             f"config key data.max_len: {values['data.max_len']} tokens per side exceed the {values['model.max_len']} "
@@ -157,6 +159,47 @@ def check_selection(values: Mapping[str, Any]) -> None:
                 f"set train.eval_every > 0 or {key}=0"
             )
     extra_valid_sets(values["eval.extra_valid"])
+
+
+CORPUS_KINDS = ("text", "tfds", "files")  # a {split}.{lang} directory, a TFDS builder, a file pair SRC+TGT
+
+
+def corpus_specs(spec: str) -> list[tuple[str, str, str, float, str]]:
+    """(name, kind, where, weight, tag) of every corpus of data.corpora ('NAME=KIND:WHERE:WEIGHT[:TAG],...', KIND
+    text, tfds or files, files' WHERE being SRC_FILE+TGT_FILE); ConfigError naming the key for a malformed entry, a
+    weight that is not > 0 or a repeated name."""
+    corpora: list[tuple[str, str, str, float, str]] = []
+    for entry in filter(None, (part.strip() for part in spec.split(","))):
+        name, equals, rest = entry.partition("=")
+        kind, _, rest = rest.partition(":")
+        where, _, last = rest.rpartition(":")
+        tag = ""
+        if last and not _is_number(last):  # the optional tag comes after the weight
+            tag, (where, _, last) = last, where.rpartition(":")
+        if not equals or not name.isidentifier() or kind not in CORPUS_KINDS or not where or not _is_number(last):
+            raise ConfigError(
+                f"config key data.corpora: {entry!r} is not NAME=KIND:WHERE:WEIGHT[:TAG] (NAME letters, digits and _; "
+                f"KIND one of {list(CORPUS_KINDS)}); e.g. real=text:/data/multi30k:1,bt=files:bt.en+mono.de:0.5:<BT>"
+            )
+        if kind == "files" and len([p for p in where.split("+") if p]) != 2:
+            raise ConfigError(f"config key data.corpora: corpus {name!r}: files needs SRC_FILE+TGT_FILE, got {where!r}")
+        weight = float(last)
+        if not (weight > 0 and math.isfinite(weight)):
+            raise ConfigError(f"config key data.corpora: corpus {name!r} has weight {last}; a weight must be > 0")
+        if tag and (tag.strip() != tag or any(c.isspace() for c in tag)):
+            raise ConfigError(f"config key data.corpora: corpus {name!r}: the tag {tag!r} must hold no spaces")
+        if name in {n for n, *_ in corpora}:
+            raise ConfigError(f"config key data.corpora: the name {name!r} is given twice; name each corpus once")
+        corpora.append((name, kind, where, weight, tag))
+    return corpora
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def extra_valid_sets(spec: str) -> list[tuple[str, str, str]]:

@@ -410,6 +410,15 @@ KEYS: tuple[Key, ...] = (
         "tokenize the training split once into memory-mapped files (False: in memory at every start)",
         MAY_CHANGE,
     ),
+    Key(
+        "data.corpora",
+        "",
+        TEXT,
+        "training corpora mixed by weight (the probability of each next pair), NAME=KIND:WHERE:WEIGHT[:TAG],...: KIND"
+        " text (a {split}.{lang} directory), tfds (a builder) or files (SRC+TGT); TAG starts each source; empty ="
+        " the single corpus of data.source",
+        MATCH,
+    ),
     Key("data.store_dir", "", TEXT, "directory of the tokenized store; empty = the tokenizer's directory", MAY_CHANGE),
     # The batches a saved iterator position stands for depend on these: they must match on resume.
     Key("data.batching", "pack", choice(BATCHINGS), "pack, bucket or pad", MATCH),

@@ -1,14 +1,14 @@
 """Data: sources of raw sentence pairs, the SentencePiece tokenizer, and the grain batching pipeline.
 
-Training calls `model_tokenizer(config, workdir)`, `open_train_store(config.data, tokenizer,
-...)` (the training split tokenized once into memory-mapped files) and then
+Training calls `model_tokenizer(config, workdir)`, `open_train_examples(config.data, tokenizer,
+...)` (the training split, or each corpus of data.corpora, tokenized once into memory-mapped files) and then
 `make_train_iterator(config.data, tokenizer, examples=...)`; evaluation calls `load_split(config.data, split)` and
 `eval_batches(...)`. The batch contract is documented in `batching`.
 """
 
 from transformer_jax.data.batching import BATCH_KEYS, Examples, bucket_shapes, padding_efficiency, tokenize_pairs
 from transformer_jax.data.sources import load_split, open_split, open_stream
-from transformer_jax.data.store import open_train_store
+from transformer_jax.data.store import open_train_examples, open_train_store
 from transformer_jax.data.tokenizer import MarianTokenizer, Tokenizer, get_tokenizer, model_tokenizer, train_tokenizer
 from transformer_jax.errors import DataError
 
@@ -40,6 +40,7 @@ __all__ = [
     "make_train_iterator",
     "open_split",
     "open_stream",
+    "open_train_examples",
     "open_train_store",
     "padding_efficiency",
     "tokenize_pairs",

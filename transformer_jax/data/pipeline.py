@@ -17,6 +17,11 @@ The epoch order is one numpy permutation per epoch rather than grain's `MapDatas
 Feistel shuffle costs microseconds per element, enough alone to cap the pipeline's throughput (docs/benchmarks.md);
 a permutation costs nanoseconds per element and is just as deterministic.
 
+Several corpora (data.corpora): their examples share one id space (`mixing.MixedExamples`), and each window's
+positions are drawn from the corpora by weight, each corpus going through its own endless reshuffled order
+(`mixing.Mix`); the iterator state then also holds how many pairs each corpus gave before the window. Batches are
+planned from the mixed window exactly as from one corpus's.
+
 Evaluation keeps every input in order: one sentence per row, long inputs truncated (counted), and
 `example_index` -1 on rows that only fill up the last batch.
 """
@@ -35,7 +40,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from transformer_jax.data import batching, sources
+from transformer_jax.data import batching, corpora, mixing, sources
 from transformer_jax.data.tokenizer import Tokenizer
 from transformer_jax.errors import DataError
 from transformer_jax.tokens import SpecialIds
@@ -51,7 +56,7 @@ class StreamSpec:
     """What fixes the training batches: the examples, which of them are kept, how a window becomes batches, the
     window size, the shuffle seed, and which block of each global batch's rows this host takes (index, count)."""
 
-    examples: batching.Examples
+    examples: batching.Examples | mixing.MixedExamples
     kept: np.ndarray
     planner: batching.Planner
     window: int
@@ -64,7 +69,9 @@ class WindowBatchIterator(grain.DatasetIterator):
     """Batches from consecutive windows of the endless, epoch-shuffled stream of kept examples.
 
     Stream position p is example kept[epoch_order(seed, p // n, n)[p % n]]. Window w covers positions
-    [w * window, (w + 1) * window) plus the ids the previous window carried over.
+    [w * window, (w + 1) * window) plus the ids the previous window carried over. With several corpora, the
+    window's positions are `mixing.Mix.window`'s, and `last_corpus_tokens` gives the real tokens of each corpus
+    in the global batch last returned (empty with one corpus).
     """
 
     def __init__(self, spec: StreamSpec):
@@ -78,6 +85,13 @@ class WindowBatchIterator(grain.DatasetIterator):
         self._plans: list[batching.Plan] | None = None  # the current window's batches, computed lazily
         self._next_carry = np.zeros(0, np.int64)
         self._order_cache: dict[int, np.ndarray] = {}
+        self.last_corpus_tokens: dict[str, int] = {}
+        self._mix, examples = None, spec.examples
+        if isinstance(examples, mixing.MixedExamples):
+            corpus = examples.corpus_of(spec.kept)
+            kept = [spec.kept[corpus == c] for c in range(len(examples.parts))]
+            self._mix = mixing.Mix(kept, examples.probabilities, examples.names, spec.seed)
+            self._consumed = self._next_consumed = np.zeros(len(kept), np.int64)  # pairs per corpus before window
 
     @property
     def epoch(self) -> int:
@@ -101,8 +115,12 @@ class WindowBatchIterator(grain.DatasetIterator):
         return np.concatenate(parts)
 
     def _plan_window(self) -> None:
-        start = self._window * self._spec.window
-        items = np.concatenate([self._carry, self._stream(start, start + self._spec.window)])
+        if self._mix is None:
+            start = self._window * self._spec.window
+            stream = self._stream(start, start + self._spec.window)
+        else:
+            stream, self._next_consumed = self._mix.window(self._window, self._spec.window, self._consumed)
+        items = np.concatenate([self._carry, stream])
         rng = np.random.default_rng([self._spec.seed, self._window])
         self._plans, self._next_carry = self._spec.planner(items, len(self._carry), rng)
 
@@ -111,10 +129,15 @@ class WindowBatchIterator(grain.DatasetIterator):
             self._plan_window()
         while self._emitted >= len(self._plans):
             self._window, self._carry, self._emitted = self._window + 1, self._next_carry, 0
+            if self._mix is not None:
+                self._consumed = self._next_consumed
             self._plan_window()
         plan = self._plans[self._emitted]
         self._emitted += 1
         examples, host = self._spec.examples, self._spec.host
+        if self._mix is not None:
+            examples, plan, per_corpus = examples.gather(plan)
+            self.last_corpus_tokens = dict(zip(self._spec.examples.names, per_corpus.tolist(), strict=True))
         self.last_real_tokens, self.last_global_shape = batching.real_tokens(examples, plan), plan.shape
         if host[1] > 1:
             plan = batching.host_rows(plan, *host)
@@ -122,12 +145,22 @@ class WindowBatchIterator(grain.DatasetIterator):
 
     def get_state(self) -> dict[str, Any]:
         """A JSON-serialisable position: restoring it continues with exactly the batch that would come next."""
-        return {"window": self._window, "carry": self._carry.tolist(), "emitted": self._emitted}
+        state = {"window": self._window, "carry": self._carry.tolist(), "emitted": self._emitted}
+        if self._mix is not None:
+            state["consumed"] = self._consumed.tolist()
+        return state
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._window = int(state["window"])
         self._carry = np.asarray(state["carry"], np.int64)
         self._emitted = int(state["emitted"])
+        if self._mix is not None:
+            if len(state.get("consumed", ())) != len(self._consumed):
+                raise DataError(
+                    f"the checkpoint's data position is for {len(state.get('consumed', ()))} corpora, but "
+                    f"data.corpora names {len(self._consumed)}; resume with the run's data.corpora"
+                )
+            self._consumed = np.asarray(state["consumed"], np.int64)
         self._plans = None
 
 
@@ -204,14 +237,22 @@ def make_train_iterator(
     if not 0 <= process_index < process_count:
         raise DataError(f"process_index {process_index} is not in [0, {process_count})")
     if examples is None:
-        pairs = sources.read_all(sources.open_split(config, config.train_split))
-        examples = batching.tokenize_pairs(pairs, tokenizer, num_threads=num_threads or os.cpu_count() or 1)
+        examples = tokenize_in_memory(config, tokenizer, num_threads or os.cpu_count() or 1)
     kept, stats = batching.length_filter(examples, config.max_len)
     if not len(kept):
         raise DataError(
             f"no training pair of split {config.train_split!r} is non-empty and at most "
             f"data.max_len={config.max_len} tokens per side ({stats})"
         )
+    if isinstance(examples, mixing.MixedExamples):
+        kept_per_corpus = np.bincount(examples.corpus_of(kept), minlength=len(examples.parts))
+        for name, count in zip(examples.names, kept_per_corpus.tolist(), strict=True):
+            if not count:
+                raise DataError(
+                    f"data.corpora: corpus {name!r} has no training pair that is non-empty and at most "
+                    f"data.max_len={config.max_len} tokens per side"
+                )
+            stats[f"kept_{name}"] = count
     planner, shapes = make_planner(config, examples, process_count, row_multiple)
     dataset = WindowBatchDataset(
         StreamSpec(examples, kept, planner, config.batch_window, seed, tokenizer.ids, (process_index, process_count))
@@ -234,6 +275,22 @@ def make_train_iterator(
         shapes,
     )
     return iter(dataset), stats
+
+
+def tokenize_in_memory(
+    config: ml_collections.ConfigDict, tokenizer: Tokenizer, num_threads: int
+) -> batching.Examples | mixing.MixedExamples:
+    """The training examples tokenized in memory (data.store=False): the split of data.source, or each corpus of
+    data.corpora (tags applied) as one `MixedExamples`."""
+    mix = corpora.corpora(config)
+    if not mix:
+        pairs = sources.read_all(sources.open_split(config, config.train_split))
+        return batching.tokenize_pairs(pairs, tokenizer, num_threads=num_threads)
+    parts = []
+    for corpus in mix:
+        pairs = [pair for _, chunk in corpora.open_corpus(config, corpus).chunks(1 << 16) for pair in chunk]
+        parts.append(batching.tokenize_pairs(pairs, tokenizer, num_threads=num_threads))
+    return mixing.MixedExamples(parts, [c.name for c in mix], [c.weight for c in mix])
 
 
 def eval_batches(

@@ -4,7 +4,8 @@ python -m transformer_jax.data.prepare --config configs/wmt14_ende.py:size=base 
 
 Downloads (or prepares, for TFDS) the train, validation and test splits, writes WORKDIR/spm.model (or uses
 data.tokenizer_model) and builds the memory-mapped store of the tokenized training split next to it
-(`transformer_jax.data.store`; skipped with data.store=False). Use it on a machine with internet before training on
+(`transformer_jax.data.store`; skipped with data.store=False); with data.corpora, one store per corpus, the
+tokenizer trained on their mix. Use it on a machine with internet before training on
 one without, and before every multi-host run: hosts must share one tokenizer and one store, and train.py refuses
 to build a separate one on each host. An existing store that matches is reused; `--verify` rereads all of it and
 checks every file's SHA-256 (a start only checks sizes and sampled blocks). Prints one JSON line: sentences per
@@ -20,7 +21,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from transformer_jax import cli
-from transformer_jax.data import sources, store
+from transformer_jax.data import corpora, sources, store
 from transformer_jax.data.tokenizer import model_tokenizer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (the one the run will use).", lock_config=True)
@@ -34,17 +35,28 @@ def main(argv: list[str]) -> None:
     splits = {}
     for split in (config.data.valid_split, config.data.test_split):  # small: read whole
         splits[split] = len(sources.open_split(config.data, split))
-    train = sources.open_stream(config.data, config.data.train_split)
-    len(train)  # text: both sides' lines counted, so mismatched files fail before the tokenizer is trained
+    mix = corpora.corpora(config.data)
+    # Text: both sides' lines are counted when opened, so mismatched files fail before the tokenizer is trained.
+    trains = [corpora.open_corpus(config.data, c) for c in mix] or [
+        sources.open_stream(config.data, config.data.train_split)
+    ]
+    for train in trains:
+        len(train)
     tokenizer = model_tokenizer(config, _WORKDIR.value)
     report = {"sentences": splits, "tokenizer": str(tokenizer.path), "pieces": tokenizer.vocab_size}
+    names = [f"{config.data.train_split}:{c.name}" for c in mix] or [config.data.train_split]
     if config.data.store:
-        _, path = store.open_train_store(config.data, tokenizer, build_if_missing=True, num_threads=os.cpu_count())
-        manifest = store.verify(path) if _VERIFY.value else store.read_manifest(path)
-        splits[config.data.train_split] = manifest["counts"]["pairs"]
-        report.update(store=str(path), store_counts=manifest["counts"], verified=_VERIFY.value)
+        _, paths = store.open_train_examples(config.data, tokenizer, build_if_missing=True, num_threads=os.cpu_count())
+        manifests = [store.verify(path) if _VERIFY.value else store.read_manifest(path) for path in paths]
+        splits.update({name: m["counts"]["pairs"] for name, m in zip(names, manifests, strict=True)})
+        if mix:  # one store per corpus
+            report["stores"] = {str(p): m["counts"] for p, m in zip(paths, manifests, strict=True)}
+        else:
+            report.update(store=str(paths[0]), store_counts=manifests[0]["counts"])
+        report["verified"] = _VERIFY.value
     else:
-        splits[config.data.train_split] = sum(len(pairs) for _, pairs in train.chunks(store.CHUNK_PAIRS))
+        for name, train in zip(names, trains, strict=True):
+            splits[name] = sum(len(pairs) for _, pairs in train.chunks(store.CHUNK_PAIRS))
     print(json.dumps(report))
 
 

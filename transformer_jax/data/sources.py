@@ -10,6 +10,7 @@ found by counting line breaks, before any sentence is decoded.
 
 from __future__ import annotations
 
+import codecs
 import itertools
 import os
 from collections.abc import Iterator, Sequence
@@ -66,6 +67,27 @@ def cache_dir(config: ml_collections.ConfigDict) -> Path:
 
 
 READ_BYTES = 1 << 24  # bytes read at a time when streaming a text file
+BOM = codecs.BOM_UTF8  # the byte-order mark Windows editors write at the start of UTF-8 files
+
+
+def leading_bom(data: bytes, name: str, *, scored: bool = False) -> bytes:
+    """The one rule for a UTF-8 byte-order mark at the start of a file's `data`.
+
+    A model input (training corpus, evaluation source or prefix) loses it: kept, it would become part of the first
+    sentence and change its translation. A file that is only scored (`scored`: references, hypotheses) keeps it,
+    as the `sacrebleu` command (2.6.0) reads it, U+FEFF at the start of the first line, with one warning naming
+    the file.
+    """
+    if not data.startswith(BOM):
+        return data
+    if scored:
+        logging.warning(
+            "%s starts with a UTF-8 byte-order mark; scored as the sacrebleu command scores it (U+FEFF kept in the "
+            "first line): remove the mark to score the first line's text alone",
+            name,
+        )
+        return data
+    return data[len(BOM) :]
 
 
 def count_lines(path: Path) -> int:
@@ -89,13 +111,17 @@ def iter_lines(path: Path) -> Iterator[list[str]]:
     """The lines of a UTF-8 file, a block at a time, split on LF only (sentences may hold U+2028 or U+0085,
     which are not breaks), a final CR dropped; the final LF ends the last line rather than starting an empty one.
 
-    Invalid UTF-8 raises `DataError` naming the file and the line, wherever in the file it is.
+    Invalid UTF-8 raises `DataError` naming the file and the line, wherever in the file it is. A leading
+    byte-order mark is dropped (`leading_bom`).
     """
     consumed = line_number = 0  # bytes and lines already yielded
-    rest = b""
+    rest, first = b"", True
     try:
         with open(path, "rb") as f:
             while block := f.read(READ_BYTES):
+                if first:
+                    stripped, first = leading_bom(block, str(path)), False
+                    consumed, block = len(block) - len(stripped), stripped
                 data = rest + block
                 cut = data.rfind(b"\n")
                 if cut < 0:
@@ -155,6 +181,20 @@ class TextPairs:
             if not path.stat().st_size:
                 raise DataError(f"{path} is empty")
         self._lines: int | None = None
+
+    @classmethod
+    def of_files(cls, src_path: str | os.PathLike, tgt_path: str | os.PathLike, key: str) -> TextPairs:
+        """Two plain files, line i of one the translation of line i of the other (e.g. translate_corpus's input
+        and output); `key` is the config key that named them, for the error messages."""
+        pairs = cls.__new__(cls)
+        pairs.src_path, pairs.tgt_path = resolve_path(src_path), resolve_path(tgt_path)
+        for path in (pairs.src_path, pairs.tgt_path):
+            if not path.is_file():
+                raise DataError(f"{key}: no file {path}")
+            if not path.stat().st_size:
+                raise DataError(f"{key}: {path} is empty")
+        pairs._lines = None
+        return pairs
 
     def __len__(self) -> int:
         """Lines per side, blank ones included. Counted on first use (a pass over both files, nothing decoded);

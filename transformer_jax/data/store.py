@@ -33,6 +33,9 @@ split or tokenizer (the manifest's `identity`), is built by a single-host run an
 command, by a multi-host one, like the tokenizer. A build writes into a temporary directory beside the store and
 renames it into place, so a failure (invalid UTF-8 on line 3,000,001) leaves no store behind, only one line
 naming the file and line.
+
+Several corpora (data.corpora): one store per corpus, `spm.corpus-NAME.train.en-de.store`, keyed the same way
+(its identity adds the corpus's kind and tag); `open_train_examples` opens them all as one `MixedExamples`.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from transformer_jax.data import batching, sources
+from transformer_jax.data import batching, corpora, mixing, sources
 from transformer_jax.data.tokenizer import Tokenizer
 from transformer_jax.errors import DataError, DiskFullError
 from transformer_jax.runtime import files
@@ -66,17 +69,33 @@ CHUNK_PAIRS = 100_000  # pairs read and tokenized at a time (bounds the Python s
 SAMPLE_BLOCKS, SAMPLE_BYTES = 64, 4096  # what a start hashes of each file
 
 
-def store_path(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> Path:
-    """Where the store of `config.train_split` lives: data.store_dir, else the tokenizer's directory."""
+def store_path(config: ml_collections.ConfigDict, tokenizer: Tokenizer, corpus: corpora.Corpus | None = None) -> Path:
+    """Where the store of `config.train_split` (of `corpus`, one of data.corpora) lives: data.store_dir, else the
+    tokenizer's directory."""
     directory = Path(config.store_dir).expanduser() if config.store_dir else tokenizer.path.parent
-    return directory / f"{tokenizer.name}.{config.train_split}.{config.src_lang}-{config.tgt_lang}.store"
+    name = f"{tokenizer.name}." + (f"corpus-{corpus.name}." if corpus else "")
+    return directory / f"{name}{config.train_split}.{config.src_lang}-{config.tgt_lang}.store"
 
 
-def identity(config: ml_collections.ConfigDict, tokenizer: Tokenizer, stream: sources.TextPairs | sources.TfdsPairs):
+Stream = sources.TextPairs | sources.TfdsPairs | corpora.Tagged
+
+
+def open_input(
+    config: ml_collections.ConfigDict, tokenizer: Tokenizer, corpus: corpora.Corpus | None = None
+) -> tuple[Stream, dict[str, Any]]:
+    """The training split (of `corpus`) opened for streaming, and the identity a store of it must record."""
+    if corpus is None:
+        stream = sources.open_stream(config, config.train_split)
+        return stream, identity(config, tokenizer, stream)
+    stream = corpora.open_corpus(config, corpus)
+    return stream, identity(config, tokenizer, stream, source=f"corpus:{corpus.kind}")
+
+
+def identity(config: ml_collections.ConfigDict, tokenizer: Tokenizer, stream: Stream, source: str | None = None):
     """What the store's contents depend on; a store whose manifest records another identity is stale."""
     return {
         "format": FORMAT,
-        "source": config.source,
+        "source": source or config.source,
         "input": stream.identity(),
         "split": config.train_split,
         "src_lang": config.src_lang,
@@ -150,6 +169,7 @@ def build(
     *,
     num_threads: int,
     chunk_pairs: int = CHUNK_PAIRS,
+    corpus: corpora.Corpus | None = None,
 ) -> dict[str, Any]:
     """Streams, tokenizes and writes the training split into a new store at `path`; returns its manifest.
 
@@ -159,8 +179,7 @@ def build(
     beside `path` and renamed into place when complete; any failure removes it.
     """
     start = time.perf_counter()
-    stream = sources.open_stream(config, config.train_split)
-    expected = identity(config, tokenizer, stream)
+    stream, expected = open_input(config, tokenizer, corpus)
     total = len(stream)  # text: counts both files' lines, so a mismatch fails before any tokenizing
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -328,16 +347,38 @@ def _differences(found: dict[str, Any], expected: dict[str, Any]) -> list[str]:
     return sorted(k for k in expected.keys() | found.keys() if found.get(k) != expected.get(k))
 
 
-def open_train_store(
+def open_train_examples(
     config: ml_collections.ConfigDict, tokenizer: Tokenizer, *, build_if_missing: bool, num_threads: int | None = None
+) -> tuple[batching.Examples | mixing.MixedExamples, list[Path]]:
+    """The training examples from their stores (`open_train_store`), and the stores' paths: the split of
+    data.source, or every corpus of data.corpora as one `MixedExamples`."""
+    mix = corpora.corpora(config)
+    if not mix:
+        examples, path = open_train_store(config, tokenizer, build_if_missing=build_if_missing, num_threads=num_threads)
+        return examples, [path]
+    opened = [
+        open_train_store(config, tokenizer, build_if_missing=build_if_missing, num_threads=num_threads, corpus=c)
+        for c in mix
+    ]
+    examples = mixing.MixedExamples([e for e, _ in opened], [c.name for c in mix], [c.weight for c in mix])
+    return examples, [path for _, path in opened]
+
+
+def open_train_store(
+    config: ml_collections.ConfigDict,
+    tokenizer: Tokenizer,
+    *,
+    build_if_missing: bool,
+    num_threads: int | None = None,
+    corpus: corpora.Corpus | None = None,
 ) -> tuple[batching.Examples, Path]:
-    """The training split's examples from its store, built first if missing or stale; and the store's path.
+    """The training split's (`corpus`'s) examples from its store, built first if missing or stale; the store's path.
 
     `config` is the data group. `build_if_missing=False` (multi-host runs: every host must read one store) fails
     with the prepare command instead of building. num_threads (SentencePiece) defaults to every core.
     """
-    path = store_path(config, tokenizer)
-    expected = identity(config, tokenizer, sources.open_stream(config, config.train_split))
+    path = store_path(config, tokenizer, corpus)
+    expected = open_input(config, tokenizer, corpus)[1]
     manifest = read_manifest(path)
     if manifest is not None and manifest["identity"] == expected:
         examples = open_examples(path, manifest)
@@ -353,5 +394,5 @@ def open_train_store(
             f"build their own): {_prepare_hint(path)}"
         )
     log.info("the tokenized training store %s %s: building it", path, why)
-    manifest = build(config, tokenizer, path, num_threads=num_threads or os.cpu_count() or 1)
+    manifest = build(config, tokenizer, path, num_threads=num_threads or os.cpu_count() or 1, corpus=corpus)
     return open_examples(path, manifest), path

@@ -13,6 +13,10 @@ The reserved ids pad, eos, bos, unk are the config's (`model.*_id`): a SentenceP
 them, and a reused one must reserve the same. It is trained with identity normalization, no whitespace folding and
 byte fallback, so `decode(encode(s)) == s` for any string: BLEU is computed on exactly the text the tokenizer was
 given, and no character is ever mapped to <unk>. A Marian tokenizer gives the ids transformers' MarianTokenizer gives.
+
+With several corpora (data.corpora), the model trained here learns from a sample of the mix (each corpus's share
+of the sentences is its weight's) and holds each corpus tag as a user-defined symbol, one piece that is never
+split; any tokenizer that would split a tag or map it to <unk> is refused (`check_tags`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import hashlib
 import json
 import os
 import random
+import zlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -28,7 +33,7 @@ import ml_collections
 import sentencepiece as spm
 from absl import logging
 
-from transformer_jax.data import sources
+from transformer_jax.data import corpora, sources
 from transformer_jax.data.download import atomic_write
 from transformer_jax.errors import DataError
 from transformer_jax.tokens import SpecialIds
@@ -244,10 +249,16 @@ def _language_id(tokenizer: Tokenizer | MarianTokenizer, lang: str, lookup) -> i
 
 
 def train_tokenizer(
-    sentences: Iterable[str], model_path: str | os.PathLike, *, vocab_size: int, model_type: str, ids: SpecialIds
+    sentences: Iterable[str],
+    model_path: str | os.PathLike,
+    *,
+    vocab_size: int,
+    model_type: str,
+    ids: SpecialIds,
+    symbols: Sequence[str] = (),
 ) -> Tokenizer:
     """Trains a SentencePiece model (unigram or bpe) reserving `ids` on `sentences`; writes it atomically to
-    `model_path`."""
+    `model_path`. `symbols` (corpus tags) become user-defined pieces: one id each, never split."""
     if ids.bos == ids.pad:
         raise DataError(
             f"a SentencePiece model trained here needs model.bos_id ({ids.bos}) other than model.pad_id; "
@@ -269,6 +280,7 @@ def train_tokenizer(
                 eos_id=ids.eos,
                 bos_id=ids.bos,
                 unk_id=ids.unk,
+                user_defined_symbols=list(symbols),
                 # Exact roundtrip: no Unicode normalization, keep every space, spell unknown characters as bytes.
                 normalization_rule_name="identity",
                 remove_extra_whitespaces=False,
@@ -296,6 +308,38 @@ def sample_sentences(pairs: sources.TextPairs | sources.TfdsPairs, num_sentences
     return [s for pair in pairs.pick(indices) for s in pair if s.strip()]
 
 
+def training_sample(config: ml_collections.ConfigDict) -> list[str]:
+    """The sentences a tokenizer is trained on (`config` is the data group): data.tokenizer_sample_sentences of
+    the training split, or of the mix of data.corpora, each corpus sampled in proportion to its weight."""
+    mix = corpora.corpora(config)
+    if not mix:
+        return sample_sentences(sources.open_stream(config, config.train_split), config.tokenizer_sample_sentences)
+    total = sum(c.weight for c in mix)
+    out = []
+    for corpus in mix:
+        share = max(2, round(config.tokenizer_sample_sentences * corpus.weight / total))
+        out.extend(
+            sample_sentences(corpora.open_corpus(config, corpus).stream, share, seed=zlib.crc32(corpus.name.encode()))
+        )
+    return out
+
+
+def check_tags(tokenizer: Tokenizer | MarianTokenizer, config: ml_collections.ConfigDict, key: str) -> None:
+    """Every tag of data.corpora must encode as one source piece of the tokenizer, never split nor <unk>;
+    DataError naming the tag and `key` (the setting that chose the tokenizer) otherwise."""
+    for corpus in corpora.corpora(config):
+        if not corpus.tag:
+            continue
+        ids = tokenizer.encode_source_batch([corpus.tag])[0][len(tokenizer.encode_source_batch([""])[0]) :]
+        pieces = tokenizer.source_pieces(ids)
+        if corpus.tag not in pieces or tokenizer.ids.unk in ids:
+            raise DataError(
+                f"data.corpora: the tag {corpus.tag!r} of corpus {corpus.name!r} is not one piece of the tokenizer "
+                f"{tokenizer.path} ({key}); it would become {pieces}: use a tokenizer that holds it as a "
+                "user-defined symbol, or leave the tokenizer to be trained here"
+            )
+
+
 def get_tokenizer(
     config: ml_collections.ConfigDict,
     workdir: str | os.PathLike,
@@ -313,9 +357,25 @@ def get_tokenizer(
     config.model.source_vocab_size; 0 = vocab_size). A reused model must have exactly that many pieces (a different
     size means the workdir belongs to another config); a given SentencePiece model may be smaller.
     `train_if_missing=False` (multi-host runs: every host must use the same file) fails instead of training.
+    Every tag of data.corpora must be one piece of it (`check_tags`).
     """
+    tokenizer, key = _get_tokenizer(config, workdir, vocab_size, ids, source_vocab_size, train_if_missing)
+    check_tags(tokenizer, config, key)
+    return tokenizer
+
+
+def _get_tokenizer(
+    config: ml_collections.ConfigDict,
+    workdir: str | os.PathLike,
+    vocab_size: int,
+    ids: SpecialIds,
+    source_vocab_size: int,
+    train_if_missing: bool,
+) -> tuple[Tokenizer | MarianTokenizer, str]:
+    """The tokenizer of `get_tokenizer` and the setting that chose it (for error messages)."""
     if config.tokenizer == "marian":
-        return _marian_tokenizer(config, Path(workdir), ids, vocab_size, source_vocab_size or vocab_size)
+        tokenizer = _marian_tokenizer(config, Path(workdir), ids, vocab_size, source_vocab_size or vocab_size)
+        return tokenizer, "data.tokenizer=marian"
     if config.tokenizer_model:
         tokenizer = Tokenizer(sources.resolve_path(config.tokenizer_model), ids, config.target_lang)
         if tokenizer.vocab_size > vocab_size:
@@ -323,7 +383,7 @@ def get_tokenizer(
                 f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but model.vocab_size is {vocab_size}; "
                 "ids would fall outside the embedding table"
             )
-        return tokenizer
+        return tokenizer, "data.tokenizer_model"
     path = Path(workdir) / MODEL_FILENAME
     if path.exists():
         tokenizer = Tokenizer(path, ids, config.target_lang)
@@ -333,19 +393,20 @@ def get_tokenizer(
                 "delete it to train a new one, or use the matching config"
             )
         logging.info("reusing tokenizer %s (%d pieces)", path, vocab_size)
-        return tokenizer
+        return tokenizer, f"the workdir's {MODEL_FILENAME}, trained before: delete it to train one with the tags"
     if not train_if_missing:
         raise DataError(
             f"{path} does not exist and this run may not train it (several hosts would each train their own): "
             "create it once with `python -m transformer_jax.data.prepare --config <the same config> --workdir "
             f"{workdir}` on a filesystem every host sees, or set data.tokenizer_model to an existing .model file"
         )
-    sentences = sample_sentences(sources.open_stream(config, config.train_split), config.tokenizer_sample_sentences)
+    sentences = training_sample(config)
     logging.info(
         "training a %s tokenizer with %d pieces on %d sentences", config.tokenizer_type, vocab_size, len(sentences)
     )
-    train_tokenizer(sentences, path, vocab_size=vocab_size, model_type=config.tokenizer_type, ids=ids)
-    return Tokenizer(path, ids, config.target_lang)
+    tags = sorted({c.tag for c in corpora.corpora(config) if c.tag})
+    train_tokenizer(sentences, path, vocab_size=vocab_size, model_type=config.tokenizer_type, ids=ids, symbols=tags)
+    return Tokenizer(path, ids, config.target_lang), "data.tokenizer=spm"
 
 
 def model_tokenizer(

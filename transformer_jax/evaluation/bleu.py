@@ -20,6 +20,7 @@ from sacrebleu.metrics import BLEU, CHRF, TER
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 from sacrebleu.tokenizers.tokenizer_intl import TokenizerV14International
 
+from transformer_jax.data import sources
 from transformer_jax.errors import ScoreError, UserError
 
 TOKENIZED_BLEU_LABEL = "tokenized BLEU (tensor2tensor get_ende_bleu procedure, compound splitting)"
@@ -27,11 +28,17 @@ _COMPOUND = re.compile(r"(\S)-(\S)")  # the perl s{(\S)-(\S)}{$1 ##AT##-##AT## $
 _TOKENIZERS = {"13a": Tokenizer13a, "intl": TokenizerV14International}
 
 
-def decode_lines(data: bytes, name: str, error: type[UserError] = ScoreError, first_line: int = 1) -> list[str]:
+def decode_lines(
+    data: bytes, name: str, error: type[UserError] = ScoreError, first_line: int = 1, *, scored: bool = False
+) -> list[str]:
     """UTF-8 bytes split at LF only, line endings removed; invalid UTF-8 raises `error` naming the line.
 
-    `first_line`: the number of the first line of `data` (for data read a line at a time).
+    `first_line`: the number of the first line of `data` (for data read a line at a time). A byte-order mark at
+    the start of the file (first_line 1) follows `sources.leading_bom`: dropped from a model input, kept with a
+    warning in a file that is only `scored`.
     """
+    if first_line == 1:
+        data = sources.leading_bom(data, name, scored=scored)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -48,13 +55,14 @@ def decode_lines(data: bytes, name: str, error: type[UserError] = ScoreError, fi
 
 
 def read_lines(path: str | os.PathLike) -> list[str]:
-    """The lines of a UTF-8 text file exactly as the `sacrebleu` command reads them (split at LF, rstripped)."""
+    """The lines of a UTF-8 text file exactly as the `sacrebleu` command reads them (split at LF, rstripped; a
+    byte-order mark kept, and warned about)."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
         raise ScoreError(f"cannot read {path}: {e.strerror or e}") from e
-    return [line.rstrip() for line in decode_lines(data, str(path))]
+    return [line.rstrip() for line in decode_lines(data, str(path), scored=True)]
 
 
 def check_line_counts(hypotheses: Sequence[str], references: Sequence[str], hyp_name: str, ref_name: str) -> None:

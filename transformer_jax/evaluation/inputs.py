@@ -1,6 +1,7 @@
 """The sentences an evaluation run reads: a UTF-8 file, a split of the configured data, or stdin line by line.
 
-Every line is kept, blank ones too: evaluation gives one hypothesis per source line.
+Every line is kept, blank ones too: evaluation gives one hypothesis per source line. A byte-order mark at the start
+of a file (or of stdin) is dropped, as from every model input (`sources.leading_bom`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from transformer_jax.evaluation import bleu
 
 
 def read_sources(path: str) -> list[str]:
-    """Lines of a UTF-8 file split at LF only, each with its line ending removed (nothing else)."""
+    """Lines of a UTF-8 file split at LF only, each with its line ending removed (nothing else); a leading
+    byte-order mark is dropped (`sources.leading_bom`): it is no part of the first sentence."""
     try:
         with open(path, "rb") as f:
             data = f.read()

@@ -83,7 +83,8 @@ class PlacedBatches(grain.DatasetIterator):
     def __next__(self) -> tuple[dict[str, jax.Array], int, tuple[int, int, int]]:
         batch = next(self._parent)
         placed = {k: place(batch[k], self._sharding) for k in BATCH_KEYS}
-        return placed, self._parent.last_real_tokens, self._parent.last_global_shape
+        tokens = (self._parent.last_real_tokens, self._parent.last_corpus_tokens)
+        return placed, tokens, self._parent.last_global_shape
 
     def get_state(self) -> dict[str, Any]:
         return self._parent.get_state()
@@ -223,9 +224,11 @@ class MetricLog:
     def _reset(self) -> None:
         self.sums = {"loss_sum": 0.0, "nll_sum": 0.0, "correct": 0.0, "tokens": 0.0}
         self.grad_norms, self.real_tokens, self.flops, self.steps, self.start = [], 0, 0.0, 0, time.time()
+        self.corpus_tokens: dict[str, int] = {}
 
-    def add(self, metrics: dict, real_tokens: int, step_flops: float, step: int) -> None:
-        """Takes the metrics of the step just dispatched and fetches those of the step before."""
+    def add(self, metrics: dict, real_tokens: tuple[int, dict[str, int]], step_flops: float, step: int) -> None:
+        """Takes the metrics of the step just dispatched (real tokens: all, and per corpus of data.corpora) and
+        fetches those of the step before."""
         self.flush()
         self.pending = (metrics, real_tokens, step_flops, step)
 
@@ -240,7 +243,9 @@ class MetricLog:
             self.sums[k] += float(metrics[k])
         if metrics["finite"]:
             self.grad_norms.append(float(metrics["grad_norm"]))
-        self.real_tokens += real_tokens
+        self.real_tokens += real_tokens[0]
+        for name, count in real_tokens[1].items():  # data.corpora: tokens_NAME, each corpus's share of them
+            self.corpus_tokens[name] = self.corpus_tokens.get(name, 0) + count
         self.flops += step_flops
         self.steps += 1
         if int(metrics["nonfinite_in_a_row"]) >= self.max_nonfinite:
@@ -261,6 +266,7 @@ class MetricLog:
             tokens_per_s=self.real_tokens / elapsed,
             steps_per_s=self.steps / elapsed,
             mfu=self.flops / elapsed / self.peak_all_devices,
+            **{f"tokens_{name}": count for name, count in self.corpus_tokens.items()},
         )
         self.writer.write(step, metrics)
         self.progress.set(step, **{k: metrics[k] for k in ("loss", "learning_rate", "tokens_per_s")})
@@ -352,7 +358,7 @@ def setup(
     tokenizer = data.model_tokenizer(config, workdir, train_if_missing=jax.process_count() == 1)
     examples = None  # data.store=False: tokenized in memory by make_train_iterator
     if config.data.store:
-        examples, _ = data.open_train_store(config.data, tokenizer, build_if_missing=jax.process_count() == 1)
+        examples, _ = data.open_train_examples(config.data, tokenizer, build_if_missing=jax.process_count() == 1)
     train_iter, data_stats = data.make_train_iterator(
         config.data, tokenizer, examples=examples, row_multiple=row_multiple
     )
