@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests.helpers import DATA
 from tests.helpers.marian_reference import ROOT, SENTENCES, run
 from transformer_jax.config import schema
 from transformer_jax.convert import marian
@@ -164,3 +165,45 @@ def test_an_existing_output_is_replaced_only_with_force_and_only_if_it_is_an_exp
     with pytest.raises(EvalError, match="is not a Marian export"):
         export_marian.export_workdir(str(workdir), workdir, average_last=1, force=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "w"]
+
+
+MULTI30K = DATA / "multi30k"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (MULTI30K / "train.en").is_file(), reason="needs the shared Multi30k copy")
+def test_an_exported_trained_model_translates_in_transformers_as_evaluate_does(tmp_path):
+    """A tiny model of ours trained 400 steps on Multi30k (a random one repeats one token and tests little),
+    exported: MarianMTModel.generate's greedy translations of 100 test2016 sentences, decoded by MarianTokenizer,
+    are evaluate.py's greedy translations, line for line."""
+    workdir, steps = tmp_path / "w", 400
+    trained = subprocess.run(
+        [sys.executable, "train.py", "--config", "configs/multi30k.py:size=tiny", "--workdir", str(workdir)]
+        + [f"--config.train.num_steps={steps}", "--config.opt.warmup_steps=100", "--config.train.eval_every=0"]
+        + [f"--config.ckpt.every_steps={steps}", "--config.data.tokenizer_sample_sentences=8000"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=1200,
+    )
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert export(workdir, tmp_path / "out").returncode == 0
+    source = tmp_path / "src.en"
+    source.write_text("".join(MULTI30K.joinpath("test.en").read_text(encoding="utf-8").splitlines(True)[:100]))
+    ours = tmp_path / "ours.de"
+    evaluated = subprocess.run(
+        [sys.executable, "evaluate.py", "--workdir", str(workdir), "--average_last", "1", "--beam_size", "1"]
+        + ["--max_extra_len", "20", "--source_file", str(source), "--output_file", str(ours)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    run("translate", str(tmp_path / "out"), str(source), str(tmp_path / "theirs.de"), "20", timeout=600)
+    mine = ours.read_text(encoding="utf-8").splitlines()
+    theirs = (tmp_path / "theirs.de").read_text(encoding="utf-8").splitlines()
+    assert len(mine) == len(theirs) == 100 and len(set(mine)) > 20  # outputs that differ from line to line
+    assert [i for i in range(100) if mine[i] != theirs[i]] == []

@@ -10,6 +10,8 @@ run, CTranslate2 in the same process finds other beams), so the tests call `run(
     logits DIR IN OUT      MarianMTModel.from_pretrained(DIR) logits for IN's (src, tgt) arrays (.npz) -> OUT
     tokenize DIR IN OUT    MarianTokenizer.from_pretrained(DIR) ids of IN's sentences (.json) -> OUT (.json)
     generate DIR IN OUT J  generate() outputs for IN's src array (.npz) -> OUT (.json); J: generate's arguments
+    translate DIR IN OUT N greedy translations of IN's lines (text) -> OUT (text), one sentence at a time, each
+                           capped at its source's token count + N tokens (evaluate.py's --max_extra_len)
     train DIR DATA STEPS   a small MarianMTModel trained STEPS Adam steps on DATA/train.{en,de} (Multi30k), with a
                            SentencePiece model trained on it, saved in DIR: outputs that mean something
 """
@@ -178,6 +180,23 @@ def generate(directory: str, inputs: str, output: str, arguments: str) -> None:
     Path(output).write_text(json.dumps(out.tolist()))
 
 
+def translate(directory: str, sentences: str, output: str, max_extra: str) -> None:
+    import torch
+    from transformers import MarianMTModel, MarianTokenizer
+
+    tokenizer = MarianTokenizer.from_pretrained(directory)
+    model = MarianMTModel.from_pretrained(directory).eval()
+    out = []
+    for line in Path(sentences).read_text(encoding="utf-8").splitlines():
+        ids = tokenizer(line, return_tensors="pt").input_ids  # </s> appended, as our sources end with EOS
+        with torch.no_grad():
+            # No forced EOS at the cap: evaluate.py cuts a hypothesis there, it does not end it with EOS.
+            cap = ids.shape[1] + int(max_extra)
+            tokens = model.generate(ids, num_beams=1, do_sample=False, max_new_tokens=cap, forced_eos_token_id=None)
+        out.append(tokenizer.decode(tokens[0], skip_special_tokens=True))
+    Path(output).write_text("".join(line + "\n" for line in out), encoding="utf-8")
+
+
 def train(directory: str, data: str, steps: str) -> None:
     import sentencepiece as spm
     import torch
@@ -265,6 +284,8 @@ if __name__ == "__main__":
         tokenize(*rest)
     elif command == "generate":
         generate(*rest)
+    elif command == "translate":
+        translate(*rest)
     elif command == "train":
         train(*rest)
     elif command == "encode":
