@@ -50,10 +50,10 @@ def _holder(path: pathlib.Path) -> dict | None:
         return None
 
 
-def acquire(workdir: pathlib.Path, name: str = LOCK_NAME, holder: str = "training run") -> pathlib.Path:
+def acquire(workdir: pathlib.Path, name: str = LOCK_NAME, owner: str = "training run") -> pathlib.Path:
     """Creates WORKDIR/<name> (train.lock) for this process, or raises WorkdirLocked naming the holder.
 
-    `name` and `holder` ("training run") let another command own a directory the same way (a sweep's sweep.lock)."""
+    `name` and `owner` ("training run") let another command own a directory the same way (a sweep's sweep.lock)."""
     path = workdir / name
     me = {
         "pid": os.getpid(),
@@ -79,14 +79,14 @@ def acquire(workdir: pathlib.Path, name: str = LOCK_NAME, holder: str = "trainin
                 else "an unreadable lock"
             )
             raise WorkdirLocked(
-                f"{workdir} is in use by another {holder}: {path} is held by {who}. Wait for it to finish or "
+                f"{workdir} is in use by another {owner}: {path} is held by {who}. Wait for it to finish or "
                 f"stop it; if that process is gone, delete {path}"
             ) from None
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(me) + "\n")
         return path
     raise WorkdirLocked(
-        f"could not take the lock {path}: it keeps reappearing; another {holder} is starting in {workdir}"
+        f"could not take the lock {path}: it keeps reappearing; another {owner} is starting in {workdir}"
     )
 
 
