@@ -277,3 +277,38 @@ def test_a_sweep_directory_owned_by_another_running_command_is_one_line(corpus, 
     finally:
         other.kill()
         other.wait()
+
+
+def test_the_local_launcher_never_runs_more_than_parallel_jobs_at_once(tmp_path, monkeypatch):
+    """submitit's local executor starts every job it gets; the launcher hands it the next run as one ends, and
+    counts a run still running from an earlier command."""
+    running: list[str] = []
+    most = []
+
+    class Job:
+        def __init__(self, label):
+            self.job_id, self.label, self.polls = str(1000 + len(most)), label, 0
+
+        def done(self):
+            self.polls += 1
+            if self.polls == 3:
+                running.remove(self.label)
+            return self.polls >= 3
+
+    class Executor:
+        def submit(self, run_job):
+            running.append(run_job.label)
+            most.append(len(running))
+            return Job(run_job.label)
+
+    earlier = {"launcher": "local", "job_id": str(os.getpid()), "host": socket.gethostname(), "folder": "f"}
+    alive = iter([True, True, True, False])
+    monkeypatch.setattr(launch, "_local_alive", lambda record: next(alive, False))
+    monkeypatch.setattr(launch, "POLL_S", 0.0)
+    tasks = [launch.Task(f"r{i}", None, tmp_path / f"r{i}") for i in range(5)]
+    launcher = launch.Launcher(name="local", parallel=2)
+    launch._run_local(launcher, Executor(), tasks, [tasks[0]._replace(label="old")], tmp_path, {"old": earlier})
+    assert running == [] and len(most) == 5
+    assert most[:2] == [1, 1]  # r1 waited for "old" (still running from an earlier command) to end
+    assert max(most) == 2
+    assert sorted(launch.load_jobs(tmp_path)) == ["old", "r0", "r1", "r2", "r3", "r4"]
