@@ -195,7 +195,7 @@ def test_slurm_submits_one_array_with_the_flags_sbatch_lines_and_never_a_second_
     args = ["--config", CONFIG, "--workdir", str(workdir), "--launcher", "slurm", "--parallel", "1"]
     args += [f"--slurm_nodes={nodes}", "--gpus_per_node=8", "--slurm_partition=gpu", "--slurm_cpus_per_task=12"]
     args += ["--slurm_mem=200G", "--time_min=120", "--slurm_account=nlp", "--slurm_qos=high"]
-    args += ["--slurm_extra=constraint=h100", "--slurm_extra=exclusive=1"]
+    args += ["--slurm_extra=constraint=h100", "--slurm_extra=exclusive"]
     assert sweep.main(args) == 0
     assert "2 runs pending or running" in capsys.readouterr().err
     [script] = scripts.iterdir()
@@ -209,7 +209,7 @@ def test_slurm_submits_one_array_with_the_flags_sbatch_lines_and_never_a_second_
             "#SBATCH --constraint=h100",
             "#SBATCH --cpus-per-task=12",
             f"#SBATCH --error={folder}/%A_%a_0_log.err",
-            "#SBATCH --exclusive=1",
+            "#SBATCH --exclusive",
             "#SBATCH --gpus-per-node=8",
             f"#SBATCH --job-name=sweep-{workdir.name}",
             "#SBATCH --mem=200G",
@@ -257,7 +257,7 @@ def test_parallel_zero_and_flags_of_another_launcher_are_one_line(corpus, tmp_pa
     assert "--slurm_partition is for --launcher slurm" in fails(
         [*base, "--launcher", "local", "--slurm_partition=x"], capsys
     )
-    assert "--slurm_extra 'exclusive'" in fails([*base, "--launcher", "slurm", "--slurm_extra=exclusive"], capsys)
+    assert "--slurm_extra '=1'" in fails([*base, "--launcher", "slurm", "--slurm_extra==1"], capsys)
     assert "for --launcher local or slurm" in fails([*base, "--parallel", "2"], capsys)
     assert not (tmp_path / "sw").exists()
 
@@ -312,3 +312,25 @@ def test_the_local_launcher_never_runs_more_than_parallel_jobs_at_once(tmp_path,
     assert most[:2] == [1, 1]  # r1 waited for "old" (still running from an earlier command) to end
     assert max(most) == 2
     assert sorted(launch.load_jobs(tmp_path)) == ["old", "r0", "r1", "r2", "r3", "r4"]
+
+
+def test_what_sbatch_refuses_is_its_message_in_one_line(corpus, tmp_path, monkeypatch, capsys):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in {
+        "sbatch": "echo 'sbatch: error: invalid partition specified: nope' >&2; exit 1",
+        "srun": "",
+    }.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    args = ["--config", CONFIG, "--workdir", str(tmp_path / "sw"), "--launcher", "slurm", "--slurm_partition=nope"]
+    with pytest.raises(SystemExit) as exit_info:
+        sweep.main(args)
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # submitit prints sbatch's stderr first
+    assert last == (
+        f"{runner.PROG}: error: sbatch refused the sweep's jobs (sbatch: error: invalid partition specified: nope); "
+        "check the --slurm_* flags"
+    )
+    assert not (tmp_path / "sw" / launch.JOBS_FILE).exists()

@@ -6,7 +6,7 @@ An entry may also hold "reference": {"valid_perplexity": x, "valid_bleu": y}, a 
 variant's change from the first one, ours beside the reference.
 Each variant trains in DIR/<name> with its resolved config saved there; a finished variant is skipped and an
 interrupted one resumes from its checkpoints. --dry_run lists the variants, --print_commands prints one train.py
-command per variant (for a cluster launcher), --only NAME runs one, --config.KEY=VALUE sets a config value in every
+command per variant, --only NAME runs one, --config.KEY=VALUE sets a config value in every
 variant (a shared tokenizer, a data directory), as for train.py. Results are aggregated into DIR/results.csv,
 DIR/results.md and DIR/results.png from the runs' metrics.jsonl and stored validation translations. SIGTERM saves
 the running variant's checkpoint and stops the sweep (exit status 1, results so far aggregated); the same command
@@ -27,6 +27,15 @@ and a trained run without them gets them on the next invocation. BLEU and chrF i
 does the paired bootstrap of each variant against the first (sweep/significance.py), which
 --aggregate_only recomputes without decoding. SIGTERM while decoding stops the sweep like SIGTERM while training;
 the decoding starts anew next time.
+
+Launchers (sweep/launch.py, docs/cluster.md): --launcher sequential (default) trains the runs one after another in
+this process. --launcher local|slurm makes each run (variant x seed) a submitit job, at most --parallel at once,
+on this machine (the command waits for them) or on a SLURM cluster (the command queues one job array and returns;
+--slurm_* flags, --gpus_per_node and --time_min say what each job asks for). A job trains and decodes its run as
+above, importing a snapshot of the package taken at submission; every run records its code version
+(code_version.json). Run the same command again to resubmit runs whose job ended unfinished (never a second copy of
+one pending or running) and aggregate what has finished; --status lists each run's state. One sweep command at a
+time owns DIR (DIR/sweep.lock).
 """
 
 from __future__ import annotations
@@ -110,16 +119,18 @@ def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
     flags.DEFINE_string("slurm_mem", None, "#SBATCH --mem, per node (e.g. 200G)", flag_values=fv)
     flags.DEFINE_string("slurm_account", None, "#SBATCH --account", flag_values=fv)
     flags.DEFINE_string("slurm_qos", None, "#SBATCH --qos", flag_values=fv)
-    flags.DEFINE_multi_string("slurm_extra", [], "KEY=VALUE: #SBATCH --KEY=VALUE (repeatable)", flag_values=fv)
+    flags.DEFINE_multi_string(
+        "slurm_extra", [], "KEY=VALUE: #SBATCH --KEY=VALUE; KEY: #SBATCH --KEY (repeatable)", flag_values=fv
+    )
     flags.mark_flags_as_required(["config", "workdir"], flag_values=fv)
     return fv
 
 
 def _launcher(fv: flags.FlagValues) -> launch.Launcher:
     """The launcher record of the flags; ConfigError for settings that cannot work together."""
-    bad = [item for item in fv.slurm_extra if "=" not in item or not item.split("=", 1)[0]]
+    bad = [item for item in fv.slurm_extra if not item.partition("=")[0] or item.startswith("-")]
     if bad:
-        raise ConfigError(f"--slurm_extra {bad[0]!r}: give KEY=VALUE (an sbatch option without its dashes)")
+        raise ConfigError(f"--slurm_extra {bad[0]!r}: give KEY=VALUE or KEY (an sbatch option without its dashes)")
     slurm_set = [name for name in fv if name.startswith("slurm_") and fv[name].present]
     if slurm_set and fv.launcher != "slurm":
         raise ConfigError(f"--{slurm_set[0]} is for --launcher slurm (the launcher is {fv.launcher})")

@@ -31,8 +31,9 @@ from typing import Any, NamedTuple
 
 import ml_collections
 import submitit
-from submitit.core.utils import JobPaths
+from submitit.core.utils import FailedJobError, JobPaths
 
+from transformer_jax.errors import ConfigError
 from transformer_jax.runtime.files import write_text_atomically
 from transformer_jax.sweep import code
 from transformer_jax.sweep.job import RunJob
@@ -60,7 +61,7 @@ class Slurm:
     mem: str | None = None  # e.g. "64G": memory per node
     account: str | None = None
     qos: str | None = None
-    extra: tuple[str, ...] = ()  # "key=value": #SBATCH --key=value
+    extra: tuple[str, ...] = ()  # "key=value": #SBATCH --key=value; "key": #SBATCH --key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +127,7 @@ def executor(launcher: Launcher, folder: pathlib.Path, snapshot: pathlib.Path, c
         ex.update_parameters(**common, local_timeout_min=launcher.time_min, gpus_per_node=launcher.gpus_per_node)
         return ex
     s = launcher.slurm
-    extra = dict(item.split("=", 1) for item in s.extra)
+    extra = {key: value if sep else True for key, sep, value in (item.partition("=") for item in s.extra)}
     ex.update_parameters(
         **common,
         timeout_min=max(1, round(launcher.time_min)),
@@ -222,10 +223,14 @@ def launch(launcher: Launcher, tasks: Sequence[Task], sweep_dir: pathlib.Path) -
         snapshot = code.snapshot(sweep_dir / "code")
         ex = executor(launcher, folder, snapshot, len(todo))
         if launcher.name == "slurm":
-            with ex.batch():  # one job array, at most `parallel` running at once
-                submitted = [
-                    ex.submit(RunJob(t.label, t.config, str(t.run_dir), launcher.compilation_cache)) for t in todo
-                ]
+            try:
+                with ex.batch():  # one job array, at most `parallel` running at once
+                    submitted = [
+                        ex.submit(RunJob(t.label, t.config, str(t.run_dir), launcher.compilation_cache)) for t in todo
+                    ]
+            except FailedJobError as e:  # sbatch refused (an unknown partition, an account without access, ...)
+                last = ([line for line in str(e).splitlines() if line.strip()] or ["no message"])[-1]
+                raise ConfigError(f"sbatch refused the sweep's jobs ({last}); check the --slurm_* flags") from None
             for t, job in zip(todo, submitted, strict=True):
                 jobs[t.label] = _record(launcher, job, folder)
             _save_jobs(sweep_dir, jobs)
