@@ -334,3 +334,10 @@ def test_what_sbatch_refuses_is_its_message_in_one_line(corpus, tmp_path, monkey
         "check the --slurm_* flags"
     )
     assert not (tmp_path / "sw" / launch.JOBS_FILE).exists()
+
+
+def test_a_local_job_gets_the_time_limit_and_gpus(tmp_path):
+    """In minutes, fractions kept (submitit's local executor signals signal_delay_s before it)."""
+    launcher = launch.Launcher(name="local", time_min=0.5, gpus_per_node=2)
+    ex = launch.executor(launcher, tmp_path / "sw" / "jobs", tmp_path / "snapshot", 2)
+    assert ex.parameters == {"name": "sweep-sw", "tasks_per_node": 1, "gpus_per_node": 2, "timeout_min": 0.5}

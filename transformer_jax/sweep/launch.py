@@ -72,7 +72,6 @@ class Launcher:
     parallel: int | None = None  # most runs at once; None: 1 for local, every run for slurm
     time_min: float = 24 * 60  # a job's time limit, minutes; submitit's signal comes before it
     gpus_per_node: int = 0  # local: the GPUs each job sees (CUDA_VISIBLE_DEVICES=0..N-1)
-    signal_delay_s: int | None = None  # seconds between the signal and the limit (None: submitit's: local 30, slurm 90)
     compilation_cache: str | None = None  # the command's --compilation_cache, for its jobs
     slurm: Slurm = Slurm()
 
@@ -119,8 +118,6 @@ def executor(launcher: Launcher, folder: pathlib.Path, snapshot: pathlib.Path, c
     python = _python(launcher, snapshot)
     ex = submitit.AutoExecutor(folder, cluster=launcher.name, **{f"{launcher.name}_python": python})
     common: dict[str, Any] = {"name": f"sweep-{folder.parent.name}", "tasks_per_node": 1}
-    if launcher.signal_delay_s is not None:
-        common[f"{launcher.name}_signal_delay_s"] = launcher.signal_delay_s
     if launcher.name == "local":
         # submitit's local executor takes fractional minutes (the tests' short limits); AutoExecutor's generic
         # timeout_min only whole ones.
