@@ -258,7 +258,7 @@ def test_parallel_zero_and_flags_of_another_launcher_are_one_line(corpus, tmp_pa
         [*base, "--launcher", "local", "--slurm_partition=x"], capsys
     )
     assert "--slurm_extra '=1'" in fails([*base, "--launcher", "slurm", "--slurm_extra==1"], capsys)
-    assert "for --launcher local or slurm" in fails([*base, "--parallel", "2"], capsys)
+    assert "--parallel is for --launcher local or slurm" in fails([*base, "--parallel", "2"], capsys)
     assert not (tmp_path / "sw").exists()
 
 

@@ -134,12 +134,12 @@ def _launcher(fv: flags.FlagValues) -> launch.Launcher:
     slurm_set = [name for name in fv if name.startswith("slurm_") and fv[name].present]
     if slurm_set and fv.launcher != "slurm":
         raise ConfigError(f"--{slurm_set[0]} is for --launcher slurm (the launcher is {fv.launcher})")
-    if fv.launcher == "sequential" and (fv["parallel"].present or fv["gpus_per_node"].present):
-        raise ConfigError("--parallel and --gpus_per_node are for --launcher local or slurm (sequential runs one)")
+    job_flags = [name for name in ("parallel", "time_min", "gpus_per_node") if fv[name].present]
+    if job_flags and fv.launcher == "sequential":
+        raise ConfigError(f"--{job_flags[0]} is for --launcher local or slurm (the sequential launcher runs no jobs)")
     slurm = launch.Slurm(
         partition=fv.slurm_partition,
         nodes=fv.slurm_nodes,
-        gpus_per_node=fv.gpus_per_node or None,
         cpus_per_task=fv.slurm_cpus_per_task,
         mem=fv.slurm_mem,
         account=fv.slurm_account,

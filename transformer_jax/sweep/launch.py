@@ -56,7 +56,6 @@ class Slurm:
 
     partition: str | None = None
     nodes: int = 1
-    gpus_per_node: int | None = None
     cpus_per_task: int | None = None
     mem: str | None = None  # e.g. "64G": memory per node
     account: str | None = None
@@ -71,7 +70,7 @@ class Launcher:
     name: str = "sequential"
     parallel: int | None = None  # most runs at once; None: 1 for local, every run for slurm
     time_min: float = 24 * 60  # a job's time limit, minutes; submitit's signal comes before it
-    gpus_per_node: int = 0  # local: the GPUs each job sees (CUDA_VISIBLE_DEVICES=0..N-1)
+    gpus_per_node: int = 0  # local: the GPUs each job sees (CUDA_VISIBLE_DEVICES=0..N-1); slurm: per node
     compilation_cache: str | None = None  # the command's --compilation_cache, for its jobs
     slurm: Slurm = Slurm()
 
@@ -129,7 +128,7 @@ def executor(launcher: Launcher, folder: pathlib.Path, snapshot: pathlib.Path, c
         **common,
         timeout_min=max(1, round(launcher.time_min)),
         nodes=s.nodes,
-        gpus_per_node=s.gpus_per_node,
+        gpus_per_node=launcher.gpus_per_node or None,
         cpus_per_task=s.cpus_per_task,
         slurm_partition=s.partition,
         slurm_mem=s.mem,
