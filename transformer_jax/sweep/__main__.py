@@ -6,7 +6,7 @@ An entry may also hold "reference": {"valid_perplexity": x, "valid_bleu": y}, a 
 variant's change from the first one, ours beside the reference.
 Each variant trains in DIR/<name> with its resolved config saved there; a finished variant is skipped and an
 interrupted one resumes from its checkpoints. --dry_run lists the variants, --print_commands prints one train.py
-command per variant (for a cluster launcher), --only NAME runs one, --config.KEY=VALUE sets a config value in every
+command per variant, --only NAME runs one, --config.KEY=VALUE sets a config value in every
 variant (a shared tokenizer, a data directory), as for train.py. Results are aggregated into DIR/results.csv,
 DIR/results.md and DIR/results.png from the runs' metrics.jsonl and stored validation translations. SIGTERM saves
 the running variant's checkpoint and stops the sweep (exit status 1, results so far aggregated); the same command
@@ -27,6 +27,15 @@ and a trained run without them gets them on the next invocation. BLEU and chrF i
 does the paired bootstrap of each variant against the first (sweep/significance.py), which
 --aggregate_only recomputes without decoding. SIGTERM while decoding stops the sweep like SIGTERM while training;
 the decoding starts anew next time.
+
+Launchers (sweep/launch.py, docs/cluster.md): --launcher sequential (default) trains the runs one after another in
+this process. --launcher local|slurm makes each run (variant x seed) a submitit job, at most --parallel at once,
+on this machine (the command waits for them) or on a SLURM cluster (the command queues one job array and returns;
+--slurm_* flags, --gpus_per_node and --time_min say what each job asks for). A job trains and decodes its run as
+above, importing a snapshot of the package taken at submission; every run records its code version
+(code_version.json). Run the same command again to resubmit runs whose job ended unfinished (never a second copy of
+one pending or running) and aggregate what has finished; --status lists each run's state. One sweep command at a
+time owns DIR (DIR/sweep.lock).
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ from transformer_jax.cli import USAGE_STATUS, fail, parse_flags
 from transformer_jax.config import checks
 from transformer_jax.errors import ConfigError, VariantInterrupted, exit_on_user_error
 from transformer_jax.model import parameter_count
-from transformer_jax.sweep import significance
+from transformer_jax.sweep import launch, significance
 from transformer_jax.sweep.results import (
     REFERENCE_METRICS,
     aggregate_seeds,
@@ -55,20 +64,19 @@ from transformer_jax.sweep.results import (
     write_results,
 )
 from transformer_jax.sweep.runner import (
+    PROG,
     Run,
     Variant,
-    decode_run,
+    configure_logging,
     load_config_module,
     num_seeds,
     run_dir,
-    run_variant,
     runs,
+    train_and_decode,
     train_command,
     variant_dir,
     variants,
 )
-
-PROG = "python -m transformer_jax.sweep"
 
 
 def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
@@ -92,8 +100,60 @@ def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
         lower_bound=1,
         flag_values=fv,
     )
+    flags.DEFINE_bool(
+        "status", False, "list each run's state (pending, running, finished, failed), run nothing", flag_values=fv
+    )
+    flags.DEFINE_enum("launcher", "sequential", launch.LAUNCHERS, "where runs train (docs/cluster.md)", flag_values=fv)
+    flags.DEFINE_integer(
+        "parallel", None, "most runs at once (local: default 1; slurm: default all)", lower_bound=1, flag_values=fv
+    )
+    flags.DEFINE_float(
+        "time_min", 24 * 60, "a job's time limit in minutes (#SBATCH --time)", lower_bound=0.1, flag_values=fv
+    )
+    flags.DEFINE_integer(
+        "gpus_per_node", 0, "GPUs per job (local) or node (slurm: --gpus-per-node)", lower_bound=0, flag_values=fv
+    )
+    flags.DEFINE_string("slurm_partition", None, "#SBATCH --partition", flag_values=fv)
+    flags.DEFINE_integer("slurm_nodes", 1, "#SBATCH --nodes (one task per node)", lower_bound=1, flag_values=fv)
+    flags.DEFINE_integer("slurm_cpus_per_task", None, "#SBATCH --cpus-per-task", lower_bound=1, flag_values=fv)
+    flags.DEFINE_string("slurm_mem", None, "#SBATCH --mem, per node (e.g. 200G)", flag_values=fv)
+    flags.DEFINE_string("slurm_account", None, "#SBATCH --account", flag_values=fv)
+    flags.DEFINE_string("slurm_qos", None, "#SBATCH --qos", flag_values=fv)
+    flags.DEFINE_multi_string(
+        "slurm_extra", [], "KEY=VALUE: #SBATCH --KEY=VALUE; KEY: #SBATCH --KEY (repeatable)", flag_values=fv
+    )
     flags.mark_flags_as_required(["config", "workdir"], flag_values=fv)
     return fv
+
+
+def _launcher(fv: flags.FlagValues) -> launch.Launcher:
+    """The launcher record of the flags; ConfigError for settings that cannot work together."""
+    bad = [item for item in fv.slurm_extra if not item.partition("=")[0] or item.startswith("-")]
+    if bad:
+        raise ConfigError(f"--slurm_extra {bad[0]!r}: give KEY=VALUE or KEY (an sbatch option without its dashes)")
+    slurm_set = [name for name in fv if name.startswith("slurm_") and fv[name].present]
+    if slurm_set and fv.launcher != "slurm":
+        raise ConfigError(f"--{slurm_set[0]} is for --launcher slurm (the launcher is {fv.launcher})")
+    job_flags = [name for name in ("parallel", "time_min", "gpus_per_node") if fv[name].present]
+    if job_flags and fv.launcher == "sequential":
+        raise ConfigError(f"--{job_flags[0]} is for --launcher local or slurm (the sequential launcher runs no jobs)")
+    slurm = launch.Slurm(
+        partition=fv.slurm_partition,
+        nodes=fv.slurm_nodes,
+        cpus_per_task=fv.slurm_cpus_per_task,
+        mem=fv.slurm_mem,
+        account=fv.slurm_account,
+        qos=fv.slurm_qos,
+        extra=tuple(fv.slurm_extra),
+    )
+    return launch.Launcher(
+        name=fv.launcher,
+        parallel=fv.parallel,
+        time_min=fv.time_min,
+        gpus_per_node=fv.gpus_per_node,
+        compilation_cache=fv.compilation_cache,
+        slurm=slurm,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -103,8 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rest = parse_flags(PROG, argv, fv, usage=__doc__)
     if len(rest) > 1:
         fail(PROG, f"unexpected arguments: {rest[1:]}")
-    logging.getLogger().setLevel(logging.INFO)
-    logging.getLogger("absl").setLevel(logging.WARNING)
+    configure_logging()
     with exit_on_user_error(PROG, USAGE_STATUS):
         return _run(fv)
 
@@ -131,17 +190,46 @@ def _run(fv: flags.FlagValues) -> int:
                 train_command(config_arg, run_dir(workdir, r, seeds), {**common, **r.variant.overrides, **r.overrides})
             )
         return 0
+    tasks = [launch.Task(r.label, r.config, run_dir(workdir, r, seeds)) for r in chosen]
+    if fv.status:
+        for label, state, detail in launch.status(workdir, tasks):
+            print(f"{label}\t{state}" + (f"\t{detail}" if detail else ""))
+        return 0
+    launcher = _launcher(fv)
     checks.check_workdir(workdir)
-    interrupted = None
-    if not fv.aggregate_only:
+    with launch.owned(workdir):
+        interrupted = None if fv.aggregate_only else _train(launcher, chosen, tasks, workdir, seeds)
+        _aggregate(config_arg, all_variants, all_runs, workdir, seeds)
+    if interrupted:
+        print(f"sweep interrupted: {interrupted}; run the same command to resume it", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _train(
+    launcher: launch.Launcher, chosen: list[Run], tasks: list[launch.Task], workdir: pathlib.Path, seeds: int
+) -> str | None:
+    """Trains and decodes the chosen runs with the launcher; what stopped or failed, if anything did."""
+    if launcher.name == "sequential":
         for r in chosen:
             logging.info("sweep: variant %s", r.label)
             try:
-                run_variant(r.label, r.config, run_dir(workdir, r, seeds))
-                decode_run(r.label, run_dir(workdir, r, seeds))
+                train_and_decode(r.label, r.config, run_dir(workdir, r, seeds))
             except VariantInterrupted as e:
-                interrupted = e
-                break
+                return str(e)
+        return None
+    states = launch.launch(launcher, tasks, workdir)
+    waiting = [label for label, state in states.items() if state in ("pending", "running")]
+    if waiting:
+        print(f"sweep: {len(waiting)} runs pending or running; --status lists them", file=sys.stderr)
+    failed = [label for label, state in states.items() if state == "failed"]
+    return f"runs {failed} failed (--status shows each one's last log line)" if failed else None
+
+
+def _aggregate(
+    config_arg: str, all_variants: list[Variant], all_runs: dict[str, list[Run]], workdir: pathlib.Path, seeds: int
+) -> None:
+    """results.csv/md/png of what has finished, and results.md printed."""
     if seeds == 1:
         rows = [summarize_variant(v, variant_dir(workdir, v.name)) for v in all_variants]
     else:
@@ -154,10 +242,6 @@ def _run(fv: flags.FlagValues) -> int:
     label = getattr(load_config_module(config_arg.partition(":")[0]), "REFERENCE", "reference")
     write_results(rows, workdir, reference_label=label)
     print((workdir / "results.md").read_text())
-    if interrupted:
-        print(f"sweep interrupted: {interrupted}; run the same command to resume it", file=sys.stderr)
-        return 1
-    return 0
 
 
 def _references(all_variants: list[Variant], finished: list[list[pathlib.Path | None]]) -> list[list[str] | None]:

@@ -14,6 +14,7 @@ import signal
 import time
 from typing import Any, NamedTuple
 
+import jax
 import ml_collections
 
 from transformer_jax.config import checks, loading
@@ -22,10 +23,12 @@ from transformer_jax.evaluation import run
 from transformer_jax.evaluation.options import Model, Translate
 from transformer_jax.evaluation.outputs import write_json, write_lines
 from transformer_jax.evaluation.validation import bleu_evaluator
+from transformer_jax.sweep import code
 from transformer_jax.sweep.results import HYPOTHESES_FILE, REFERENCE_METRICS, RESULT_FILE, SCORES_FILE, decoded
 from transformer_jax.training import loop
 from transformer_jax.training.checkpoints import list_steps
 
+PROG = "python -m transformer_jax.sweep"  # the command line, and the prefix of its jobs' one-line errors
 # A variant's name is a directory inside the sweep's workdir: no path separator, and never '.' or '..'.
 NAME_PATTERN = re.compile(r"(?!\.\.?\Z)[A-Za-z0-9_.=-]+")  # used with fullmatch
 
@@ -203,6 +206,22 @@ def decode_run(name: str, run_dir: pathlib.Path) -> None:
         signal.signal(signal.SIGTERM, previous)
     write_lines(run_dir / HYPOTHESES_FILE, translation.hypotheses)
     write_json(run_dir / SCORES_FILE, {**translation.report, "hypotheses_file": str(run_dir / HYPOTHESES_FILE)})
+
+
+def configure_logging() -> None:
+    """The sweep's logging, in its command line and in its jobs: INFO, absl's only from WARNING (orbax logs every
+    file it renames at INFO)."""
+    logging.getLogger().setLevel(logging.INFO)
+    logging.getLogger("absl").setLevel(logging.WARNING)
+
+
+def train_and_decode(label: str, config: ml_collections.ConfigDict, run_dir: pathlib.Path) -> None:
+    """One run as every launcher runs it (in the sweep's process, or as a job): records the code version, trains
+    (resuming; a finished run is skipped) and decodes its validation split. SIGTERM raises VariantInterrupted."""
+    if jax.process_index() == 0:  # the hosts of a multi-host run share its directory
+        code.record(run_dir)
+    run_variant(label, config, run_dir)
+    decode_run(label, run_dir)
 
 
 def translate(mode: Translate) -> run.Translation:

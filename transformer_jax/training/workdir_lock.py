@@ -50,9 +50,11 @@ def _holder(path: pathlib.Path) -> dict | None:
         return None
 
 
-def acquire(workdir: pathlib.Path) -> pathlib.Path:
-    """Creates WORKDIR/train.lock for this process, or raises WorkdirLocked naming the holder."""
-    path = workdir / LOCK_NAME
+def acquire(workdir: pathlib.Path, name: str = LOCK_NAME, owner: str = "training run") -> pathlib.Path:
+    """Creates WORKDIR/<name> (train.lock) for this process, or raises WorkdirLocked naming the holder.
+
+    `name` and `owner` ("training run") let another command own a directory the same way (a sweep's sweep.lock)."""
+    path = workdir / name
     me = {
         "pid": os.getpid(),
         "host": socket.gethostname(),
@@ -77,13 +79,15 @@ def acquire(workdir: pathlib.Path) -> pathlib.Path:
                 else "an unreadable lock"
             )
             raise WorkdirLocked(
-                f"{workdir} is in use by another training run: {path} is held by {who}. Wait for it to finish or "
+                f"{workdir} is in use by another {owner}: {path} is held by {who}. Wait for it to finish or "
                 f"stop it; if that process is gone, delete {path}"
             ) from None
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(me) + "\n")
         return path
-    raise WorkdirLocked(f"could not take the lock {path}: it keeps reappearing; another run is starting in {workdir}")
+    raise WorkdirLocked(
+        f"could not take the lock {path}: it keeps reappearing; another {owner} is starting in {workdir}"
+    )
 
 
 def release(path: pathlib.Path) -> None:

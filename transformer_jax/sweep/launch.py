@@ -1,0 +1,264 @@
+"""Where a sweep's runs train: in the sweep's own process one after another (`sequential`, the default), or as
+submitit jobs, one per run (variant x seed), on this machine (`local`) or on a SLURM cluster (`slurm`).
+
+- local: separate processes on this machine, at most `parallel` at once (submitit's local executor starts every
+  job it is given at once, so the sweep command submits the next run as one ends, and waits for the last).
+- slurm: one job array of the runs to start, at most `parallel` running at once (`--array=0-N%K`); the command
+  returns once they are queued. Each job asks for `nodes` nodes with one task per node; a multi-node job runs the
+  run on every node with jax.distributed initialised from SLURM's environment.
+
+Jobs import a snapshot of the package taken at submission (sweep/code.py), and record the version they ran in
+their run directory. DIR/jobs.json keeps each run's last job (launcher, id, submitit folder, host), so that a
+command run again, or --status, asks submitit and the cluster for its state and never submits a second job for a
+run that is pending or running; a run whose job ended without finishing it (killed, failed) is submitted again.
+DIR/sweep.lock makes one sweep command at a time own DIR. submitit's files (job scripts, pickles, logs) go in
+DIR/jobs/, snapshots in DIR/code/.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+import shlex
+import socket
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import ml_collections
+import submitit
+from submitit.core.utils import FailedJobError, JobPaths
+
+from transformer_jax.errors import ConfigError
+from transformer_jax.runtime.files import write_text_atomically
+from transformer_jax.sweep import code
+from transformer_jax.sweep.job import RunJob
+from transformer_jax.sweep.results import RESULT_FILE, decoded
+from transformer_jax.training import workdir_lock
+from transformer_jax.training.checkpoints import list_steps
+
+LAUNCHERS = ("sequential", "local", "slurm")
+JOBS_FILE = "jobs.json"
+LOCK_NAME = "sweep.lock"
+POLL_S = 2.0  # how often the local launcher looks at its jobs
+# sacct's states (the first word: "CANCELLED by 123") of a job that has not ended.
+SLURM_PENDING = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "RESIZING", "SUSPENDED")
+SLURM_RUNNING = ("RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING")
+
+
+@dataclasses.dataclass(frozen=True)
+class Slurm:
+    """The --slurm_* flags: what each job asks SLURM for (None: the cluster's default)."""
+
+    partition: str | None = None
+    nodes: int = 1
+    cpus_per_task: int | None = None
+    mem: str | None = None  # e.g. "64G": memory per node
+    account: str | None = None
+    qos: str | None = None
+    extra: tuple[str, ...] = ()  # "key=value": #SBATCH --key=value; "key": #SBATCH --key
+
+
+@dataclasses.dataclass(frozen=True)
+class Launcher:
+    """How a sweep runs its runs: the --launcher flag and its settings."""
+
+    name: str = "sequential"
+    parallel: int | None = None  # most runs at once; None: 1 for local, every run for slurm
+    time_min: float = 24 * 60  # a job's time limit, minutes; submitit's signal comes before it
+    gpus_per_node: int = 0  # local: the GPUs each job sees (CUDA_VISIBLE_DEVICES=0..N-1); slurm: per node
+    compilation_cache: str | None = None  # the command's --compilation_cache, for its jobs
+    slurm: Slurm = Slurm()
+
+
+class Task(NamedTuple):
+    """One run to launch."""
+
+    label: str
+    config: ml_collections.ConfigDict
+    run_dir: pathlib.Path
+
+
+@contextlib.contextmanager
+def owned(sweep_dir: pathlib.Path) -> Iterator[None]:
+    """DIR/sweep.lock for this command; WorkdirLocked (a UserError: one line) while another command owns DIR."""
+    path = workdir_lock.acquire(sweep_dir, LOCK_NAME, "sweep command")
+    try:
+        yield
+    finally:
+        workdir_lock.release(path)
+
+
+def load_jobs(sweep_dir: pathlib.Path) -> dict[str, dict[str, Any]]:
+    path = sweep_dir / JOBS_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _save_jobs(sweep_dir: pathlib.Path, jobs: dict[str, dict[str, Any]]) -> None:
+    write_text_atomically(sweep_dir / JOBS_FILE, json.dumps(jobs, indent=1) + "\n")
+
+
+def _python(launcher: Launcher, snapshot: pathlib.Path) -> str:
+    """The job's interpreter command: the snapshot first on the import path, and -P so that the working directory
+    (a checkout, perhaps) is not put before it; a multi-node job joins jax.distributed."""
+    path = os.pathsep.join(p for p in (str(snapshot), os.environ.get("PYTHONPATH", "")) if p)
+    env = [f"PYTHONPATH={path}"]
+    if launcher.name == "slurm" and launcher.slurm.nodes > 1:
+        env.append("TRANSFORMER_JAX_DISTRIBUTED=1")
+    return shlex.join(["env", *env, sys.executable, "-P"])
+
+
+def executor(launcher: Launcher, folder: pathlib.Path, snapshot: pathlib.Path, count: int) -> submitit.AutoExecutor:
+    """submitit's executor for `count` runs with the launcher's settings (the table in docs/cluster.md)."""
+    python = _python(launcher, snapshot)
+    ex = submitit.AutoExecutor(folder, cluster=launcher.name, **{f"{launcher.name}_python": python})
+    common: dict[str, Any] = {"name": f"sweep-{folder.parent.name}", "tasks_per_node": 1}
+    if launcher.name == "local":
+        # submitit's local executor takes fractional minutes (the tests' short limits); AutoExecutor's generic
+        # timeout_min only whole ones.
+        ex.update_parameters(**common, local_timeout_min=launcher.time_min, gpus_per_node=launcher.gpus_per_node)
+        return ex
+    s = launcher.slurm
+    extra = {key: value if sep else True for key, sep, value in (item.partition("=") for item in s.extra)}
+    ex.update_parameters(
+        **common,
+        timeout_min=max(1, round(launcher.time_min)),
+        nodes=s.nodes,
+        gpus_per_node=launcher.gpus_per_node or None,
+        cpus_per_task=s.cpus_per_task,
+        slurm_partition=s.partition,
+        slurm_mem=s.mem,
+        slurm_account=s.account,
+        slurm_qos=s.qos,
+        slurm_additional_parameters=extra or None,
+        slurm_array_parallelism=launcher.parallel or count,
+    )
+    return ex
+
+
+def _local_alive(record: dict[str, Any]) -> bool:
+    """Whether a local job's controller process (its id) still runs on this host."""
+    if record.get("host") != socket.gethostname():
+        return True  # cannot be checked from here; assume it runs rather than start a second copy
+    try:
+        os.kill(int(record["job_id"]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def job_state(record: dict[str, Any]) -> str:
+    """'pending', 'running' or 'ended' for a recorded job: the process on this host, or SLURM's accounting."""
+    if record["launcher"] == "local":
+        return "running" if _local_alive(record) else "ended"
+    job = submitit.SlurmJob(folder=record["folder"], job_id=record["job_id"])
+    state = job.watcher.get_state(job.job_id, mode="force").split()[0]
+    if state in SLURM_PENDING or state == "UNKNOWN":  # UNKNOWN: accounting has not seen a new job yet
+        return "pending"
+    return "running" if state in SLURM_RUNNING else "ended"
+
+
+def last_log_line(record: dict[str, Any]) -> str:
+    """The last non-empty line of a job's stderr log (else its stdout), or '' when there is none."""
+    paths = JobPaths(record["folder"], job_id=record["job_id"], task_id=0)
+    for path in (paths.stderr, paths.stdout):
+        if path.exists():
+            lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+            if lines:
+                return lines[-1]
+    return ""
+
+
+def run_state(run_dir: pathlib.Path, record: dict[str, Any] | None) -> tuple[str, str]:
+    """A run's state and what to add: finished; pending or running (its job); failed (its job ended without
+    finishing the run: the last line of its log); interrupted (the sequential launcher stopped it); not started."""
+    if decoded(run_dir):
+        return "finished", ""
+    if record is not None:
+        state = job_state(record)
+        if state != "ended":
+            return state, f"{record['launcher']} job {record['job_id']}"
+        return "failed", last_log_line(record) or f"{record['launcher']} job {record['job_id']} left no log"
+    reached = max(list_steps(run_dir), default=0) if run_dir.is_dir() else 0
+    if reached or (run_dir / RESULT_FILE).exists():
+        return "interrupted", f"checkpoint at step {reached}; run the sweep again to resume"
+    return "not started", ""
+
+
+def status(sweep_dir: pathlib.Path, tasks: Sequence[Task]) -> list[tuple[str, str, str]]:
+    """(label, state, detail) of every run (run_state)."""
+    jobs = load_jobs(sweep_dir)
+    return [(t.label, *run_state(t.run_dir, jobs.get(t.label))) for t in tasks]
+
+
+def _record(launcher: Launcher, job: submitit.Job, folder: pathlib.Path) -> dict[str, Any]:
+    return {
+        "launcher": launcher.name,
+        "job_id": str(job.job_id),
+        "folder": str(folder),
+        "host": socket.gethostname(),
+        "submitted": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def launch(launcher: Launcher, tasks: Sequence[Task], sweep_dir: pathlib.Path) -> dict[str, str]:
+    """Submits every task that is neither finished nor pending or running; local: waits until all have ended.
+
+    Returns each task's state afterwards (run_state's first part)."""
+    jobs = load_jobs(sweep_dir)
+    states = {t.label: run_state(t.run_dir, jobs.get(t.label))[0] for t in tasks}
+    todo = [t for t in tasks if states[t.label] not in ("finished", "pending", "running")]
+    folder = sweep_dir / "jobs"
+    if todo:
+        snapshot = code.snapshot(sweep_dir / "code")
+        ex = executor(launcher, folder, snapshot, len(todo))
+        if launcher.name == "slurm":
+            try:
+                with ex.batch():  # one job array, at most `parallel` running at once
+                    submitted = [
+                        ex.submit(RunJob(t.label, t.config, str(t.run_dir), launcher.compilation_cache)) for t in todo
+                    ]
+            except FailedJobError as e:  # sbatch refused (an unknown partition, an account without access, ...)
+                last = ([line for line in str(e).splitlines() if line.strip()] or ["no message"])[-1]
+                raise ConfigError(f"sbatch refused the sweep's jobs ({last}); check the --slurm_* flags") from None
+            for t, job in zip(todo, submitted, strict=True):
+                jobs[t.label] = _record(launcher, job, folder)
+            _save_jobs(sweep_dir, jobs)
+        else:
+            _run_local(launcher, ex, todo, [t for t in tasks if states[t.label] == "running"], sweep_dir, jobs)
+    elif launcher.name == "local":
+        _run_local(launcher, None, [], [t for t in tasks if states[t.label] == "running"], sweep_dir, jobs)
+    return {t.label: run_state(t.run_dir, load_jobs(sweep_dir).get(t.label))[0] for t in tasks}
+
+
+def _run_local(
+    launcher: Launcher,
+    ex: submitit.AutoExecutor | None,
+    todo: list[Task],
+    running: list[Task],
+    sweep_dir: pathlib.Path,
+    jobs: dict[str, dict[str, Any]],
+) -> None:
+    """Local jobs, at most `parallel` at once: runs already running (from an earlier command) count and are waited
+    for; the next task starts as one ends."""
+    limit = launcher.parallel or 1
+    queue = list(todo)
+    earlier = {t.label: jobs[t.label] for t in running}
+    live: dict[str, submitit.Job] = {}
+    while queue or live or earlier:
+        earlier = {label: r for label, r in earlier.items() if _local_alive(r)}
+        live = {label: job for label, job in live.items() if not job.done()}
+        while queue and len(live) + len(earlier) < limit:
+            t = queue.pop(0)
+            assert ex is not None
+            live[t.label] = job = ex.submit(RunJob(t.label, t.config, str(t.run_dir), launcher.compilation_cache))
+            jobs[t.label] = _record(launcher, job, sweep_dir / "jobs")
+            _save_jobs(sweep_dir, jobs)
+        if queue or live or earlier:
+            time.sleep(POLL_S)
