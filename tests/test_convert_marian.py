@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -145,6 +146,14 @@ def test_fine_tuning_starts_from_the_converted_parameters(marian_dir, tmp_path):
     assert params.keys() == ours.keys() and start.source_step == 0
     for path in ours:
         np.testing.assert_array_equal(np.asarray(params[path]), np.asarray(ours[path]), err_msg=str(path))
+
+
+def test_jax_takes_the_converted_parameters_over_without_a_copy(marian_dir):
+    """Every converted parameter starts on an address jax's CPU client aliases: a copy would hold the weights twice
+    while the checkpoint is written (benchmarks/convert_marian.py's peak)."""
+    params = flatten_dict(folder.convert_params(folder.read_folder(marian_dir)))
+    copied = [path for path, x in params.items() if jax.dlpack.from_dlpack(x).unsafe_buffer_pointer() != x.ctypes.data]
+    assert copied == []
 
 
 def test_import_export_import_is_bit_identical(marian_dir, tmp_path):

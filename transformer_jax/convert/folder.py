@@ -34,6 +34,7 @@ from transformer_jax.training import checkpoints
 
 CONFIG, GENERATION, TOKENIZER_CONFIG = "config.json", "generation_config.json", "tokenizer_config.json"
 SAFETENSORS, PICKLE = "model.safetensors", "pytorch_model.bin"
+_ALIGN_BYTES = 64  # the alignment at which jax's CPU client aliases a host buffer instead of copying it
 SOURCE_SPM, TARGET_SPM = tokenizer_lib.MARIAN_SOURCE_SPM, tokenizer_lib.MARIAN_TARGET_SPM  # Marian's names, ours too
 VOCAB, TARGET_VOCAB = tokenizer_lib.MARIAN_VOCAB, tokenizer_lib.MARIAN_TARGET_VOCAB
 BASE_SIZE = "base"  # the size row a converted config starts from; every model key is then set from config.json
@@ -198,11 +199,16 @@ def convert_params(folder: MarianFolder) -> dict:
     tied = marian.aliases(spec)
     if set(shapes) != {entry.ours for entry in entries.values()}:  # the table and the model disagree: a bug
         raise AssertionError(f"mapping table and model differ: {set(shapes) ^ {e.ours for e in entries.values()}}")
-    buffer = np.empty(sum(int(np.prod(x.shape)) for x in shapes.values()), np.float32)
+    # Each view starts on a 64-byte boundary: jax takes such a buffer over without a copy (jax.dlpack.from_dlpack
+    # in write_workdir); a view at any other address it copies.
+    align = _ALIGN_BYTES // 4
+    sizes = {path: -(-int(np.prod(x.shape)) // align) * align for path, x in shapes.items()}
+    raw = np.empty(sum(sizes.values()) + align, np.float32)
+    buffer = raw[(-raw.ctypes.data % _ALIGN_BYTES) // 4 :]
     views, offset = {}, 0
     for path, x in sorted(shapes.items(), key=lambda item: str(item[0])):
         size = int(np.prod(x.shape))
-        views[path], offset = buffer[offset : offset + size].reshape(x.shape), offset + size
+        views[path], offset = buffer[offset : offset + size].reshape(x.shape), offset + sizes[path]
     params: dict[tuple, np.ndarray] = {}
     copies: dict[str, np.ndarray] = {}
     where = folder.path / SAFETENSORS
