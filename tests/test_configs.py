@@ -2,6 +2,7 @@
 
 import importlib
 import json
+from pathlib import Path
 
 import ml_collections
 import pytest
@@ -112,6 +113,24 @@ def test_configs_saved_before_the_marian_keys_build_the_same_model():
     assert TransformerSpec.from_config(old) == TransformerSpec.from_config(common.base_config("tiny"))
     assert old.eval.max_len == 0
     assert migrations.upgrade_config(old).to_dict() == old.to_dict()  # today's keys: unchanged
+
+
+def test_a_config_saved_by_an_earlier_version_gets_every_key_of_today():
+    """tests/data/config_saved_before_the_marian_keys.json is the config.json a training run wrote before the
+    special ids, the Marian keys, corpus mixing and trackers existed (its text_dir made relative): upgraded as
+    checkpoints.load_config does, it has every key of today's schema, passes today's checks and builds the model it
+    was trained as. A key added to the schema without its entry in migrations.ADDED_KEYS fails here."""
+    from transformer_jax.config import checks, schema
+
+    saved = json.loads((Path(__file__).parent / "data" / "config_saved_before_the_marian_keys.json").read_text())
+    old = migrations.upgrade_config(ml_collections.ConfigDict(saved))
+    today = schema.base_config("small")
+    keys = {(group, leaf) for group in today for leaf in today[group]}
+    assert {(group, leaf) for group in old for leaf in old[group]} == keys
+    checks.validate(old)
+    spec = TransformerSpec.from_config(old)
+    assert (spec.vocab_size, spec.source_vocab_size, spec.sinusoid_layout) == (8000, 0, "interleaved")
+    assert not spec.final_logits_bias and SpecialIds.of(old) == SpecialIds.DEFAULT
 
 
 def test_configs_saved_before_the_special_id_keys_keep_the_constants_of_their_version():

@@ -37,6 +37,12 @@ ADDED_KEYS: dict[str, Any] = {
     "model.final_logits_bias": False,  # no bias on the logits
     "model.sinusoid_layout": "interleaved",  # the paper's, the only layout there was
     "eval.max_len": 0,  # no absolute cap on outputs, only eval.max_extra_len
+    "model.source_vocab_size": 0,  # the source vocabulary is the target's
+    "data.tokenizer": "spm",  # one joint SentencePiece model, the only tokenizer there was
+    "data.target_lang": "",  # no >>xx<< token before the source
+    "data.corpora": "",  # one training corpus
+    "train.trackers": "tensorboard",  # TensorBoard beside metrics.jsonl, as then
+    "train.tracker_group": "",
 }
 
 
