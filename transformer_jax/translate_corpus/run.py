@@ -175,7 +175,8 @@ def translate_corpus(job: Job, restorer: Restorer | None = None, *, progress: bo
     def commit(c: int, chunk: chunks.Chunk) -> None:
         chunks.write_chunk(parts, c, chunk, print_)
         done[c] = chunk
-        bar.update(len(chunk.hypotheses), **{"lines/s": (bar.done - bar.first) / (time.perf_counter() - bar.start)})
+        lines = bar.done + len(chunk.hypotheses) - bar.first  # translated by this process so far
+        bar.update(len(chunk.hypotheses), **{"lines/s": lines / (time.perf_counter() - bar.start)})
 
     try:
         _on_devices(device_models(loaded.model), todo, translate_chunk, commit)
