@@ -118,7 +118,8 @@ def test_a_stopped_run_resumes_to_the_same_bytes_and_a_damaged_chunk_is_redone(
     # A chunk cut short (as a non-atomic write killed half way would leave it) is detected and redone.
     damaged = chunks.chunk_path(parts, 1)
     damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
-    report = translate_corpus(job)
+    respelled = job_of({"workdir": f"{workdir}/./", **GREEDY}, str(source), str(target), CHUNK)  # the same workdir
+    report = translate_corpus(respelled)
     assert report["chunks_resumed"] == 1 and report["chunks_redone"] == [1]
     assert target.read_bytes() == out and Path(chunks.scores_file(str(target))).read_bytes() == scores
     assert not parts.exists()

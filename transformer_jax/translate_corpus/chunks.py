@@ -20,7 +20,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from transformer_jax.errors import EvalError
+from transformer_jax.errors import DiskFullError, EvalError
+from transformer_jax.evaluation.outputs import write_lines
 from transformer_jax.runtime import files
 
 FORMAT = 1  # the layout of the files below; a store of another format is refused
@@ -108,9 +109,19 @@ def chunk_path(parts: Path, index: int) -> Path:
 
 
 def write_chunk(parts: Path, index: int, chunk: Chunk, print_: str) -> None:
-    """Commits chunk `index` (made under the state of fingerprint `print_`) whole or not at all."""
+    """Commits chunk `index` (made under the state of fingerprint `print_`) whole or not at all; a full disk is
+    DiskFullError (the chunks committed before are kept for the resume)."""
     record = {"fingerprint": print_, **dataclasses.asdict(chunk)}
-    files.write_text_atomically(chunk_path(parts, index), json.dumps(record, ensure_ascii=False) + "\n")
+    path = chunk_path(parts, index)
+    try:
+        files.write_text_atomically(path, json.dumps(record, ensure_ascii=False) + "\n")
+    except OSError as e:
+        if not files.is_disk_full(e):
+            raise
+        raise DiskFullError(
+            f"disk full while committing {path} ({files.space_report(path)}); the chunks committed before it are "
+            "kept: free space and run the same command again to resume"
+        ) from None
 
 
 def read_chunk(parts: Path, index: int, print_: str, first: int, lines: int) -> Chunk | None:
@@ -127,15 +138,13 @@ def read_chunk(parts: Path, index: int, print_: str, first: int, lines: int) -> 
 
 
 def assemble(output: str, chunks: list[Chunk]) -> None:
-    """Writes OUT (one hypothesis a line) and OUT.scores from the chunks in order, each whole or not at all, then
-    removes OUT.parts: the work is done."""
+    """Writes OUT (one hypothesis a line) and OUT.scores from the chunks in order, each whole or not at all (a full
+    disk: DiskFullError, OUT.parts kept), then removes OUT.parts: the work is done."""
     hypotheses = [h for c in chunks for h in c.hypotheses]
-    rows = [
-        (lp, s) for c in chunks for lp, s in zip(c.log_probs, c.scores, strict=True)
-    ]  # None: a blank source line, which has no score
-    scores = [f"{_number(lp)}\t{_number(s)}" for lp, s in rows]
-    files.write_text_atomically(scores_file(output), "".join(f"{line}\n" for line in scores))
-    files.write_text_atomically(output, "".join(f"{h}\n" for h in hypotheses))
+    # None: a blank source line, which was not decoded and has no score.
+    rows = [(lp, s) for c in chunks for lp, s in zip(c.log_probs, c.scores, strict=True)]
+    write_lines(scores_file(output), [f"{_number(lp)}\t{_number(s)}" for lp, s in rows])
+    write_lines(output, hypotheses)
     shutil.rmtree(parts_dir(output))
 
 

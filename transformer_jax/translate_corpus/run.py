@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -92,14 +93,17 @@ def job_of(values: Mapping[str, Any], input_file: str | None, output: str | None
     models = {"--workdir": mode.model.workdir}
     models.update({f"--ensemble_workdirs ({w})": w for w in mode.model.ensemble_workdirs or ()})
     options.refuse_overwriting_inputs(written, {"--input": input_file, **models})
-    given = {name: _recorded(values.get(name)) for name in FLAG_NAMES if values.get(name) not in (None, False)}
+    given = {name: _recorded(name, values[name]) for name in FLAG_NAMES if values.get(name) not in (None, False)}
     return Job(mode, output, chunk_lines, given)
 
 
-def _recorded(value: Any) -> Any:
-    """A flag value as the state file records it: a config by the digest of its JSON."""
+def _recorded(name: str, value: Any) -> Any:
+    """A flag value as the state file records it: a config by the digest of its JSON, a workdir by its real path
+    (a resume may spell it otherwise)."""
     if hasattr(value, "to_json_best_effort"):
         return chunks.fingerprint({"config": value.to_json_best_effort(sort_keys=True)})
+    if name in ("workdir", "ensemble_workdirs"):
+        return os.path.realpath(value) if name == "workdir" else [os.path.realpath(w) for w in value]
     return list(value) if isinstance(value, tuple | list) else value
 
 
