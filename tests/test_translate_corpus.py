@@ -137,6 +137,10 @@ def test_a_resume_with_another_input_or_other_options_is_refused(workdir, tmp_pa
         translate_corpus(other)
     with pytest.raises(EvalError, match=r"other settings \(--chunk_lines 4 -> 5\)"):
         translate_corpus(job_of({"workdir": str(workdir), **GREEDY}, str(source), target, CHUNK + 1))
+    empty = tmp_path / "empty.en"
+    empty.write_bytes(b"")
+    with pytest.raises(EvalError, match=r"^--input \S+empty.en is empty: nothing to translate$"):
+        translate_corpus(job_of({"workdir": str(workdir), **GREEDY}, str(empty), str(tmp_path / "e.de"), CHUNK))
     source.write_text("another corpus\n", encoding="utf-8")
     with pytest.raises(EvalError, match=r"--input \S+in.en differs from the file \S+ was started on"):
         translate_corpus(job_of({"workdir": str(workdir), **GREEDY}, str(source), target, CHUNK))

@@ -118,6 +118,8 @@ def translate_corpus(job: Job, restorer: Restorer | None = None, *, progress: bo
             data = f.read()
     except OSError as e:
         raise EvalError(f"cannot read --input {source}: {e.strerror or e}") from e
+    if not data:
+        raise EvalError(f"--input {source} is empty: nothing to translate")
     parts = chunks.parts_dir(job.output)
     flag_of = {name: f"--{name}" for name in FLAG_NAMES} | {"chunk_lines": "--chunk_lines"}
     work = {
