@@ -131,7 +131,10 @@ def read_chunk(parts: Path, index: int, print_: str, first: int, lines: int) -> 
     record = json.loads(text)  # ValueError for a truncated or damaged file
     if not isinstance(record, dict) or record.pop("fingerprint", None) != print_:
         raise ValueError("made under other settings")
-    chunk = Chunk(**record)
+    try:
+        chunk = Chunk(**record)
+    except TypeError as e:  # other fields: another format's file
+        raise ValueError(str(e)) from None
     if chunk.first != first or not len(chunk.hypotheses) == len(chunk.log_probs) == len(chunk.scores) == lines:
         raise ValueError(f"holds other lines than [{first}, {first + lines})")
     return chunk

@@ -19,6 +19,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -143,16 +144,7 @@ def translate_corpus(job: Job, restorer: Restorer | None = None, *, progress: bo
     n, size = len(sources), job.chunk_lines
     bounds = [(first, min(first + size, n)) for first in range(0, n, size)]
     mine = [c for c in range(len(bounds)) if c % jax.process_count() == jax.process_index()]
-    done: dict[int, chunks.Chunk] = {}
-    redone = []
-    for c in mine:
-        first, end = bounds[c]
-        try:
-            done[c] = chunks.read_chunk(parts, c, print_, first, end - first)
-        except FileNotFoundError:
-            pass
-        except ValueError:
-            redone.append(c)
+    done, redone = _committed(parts, print_, {c: bounds[c] for c in mine})
     todo = [c for c in mine if c not in done]
     bar = Progress(
         sum(end - first for first, end in (bounds[c] for c in mine)),
@@ -190,8 +182,12 @@ def translate_corpus(job: Job, restorer: Restorer | None = None, *, progress: bo
         bar.close()
     _sync("translate_corpus chunks")
     if jax.process_index() == 0:
-        others = [c for c in range(len(bounds)) if c not in done]  # the other hosts' chunks
-        done.update({c: chunks.read_chunk(parts, c, print_, *_span(bounds[c])) for c in others})
+        others = {c: bounds[c] for c in range(len(bounds)) if c not in done}  # the other hosts' chunks
+        found, damaged = _committed(parts, print_, others)
+        if len(found) < len(others):
+            missing = sorted(set(others) - set(found))
+            raise EvalError(f"chunks {missing} of {parts} are missing or damaged ({damaged}): run again to redo them")
+        done.update(found)
         every = [done[c] for c in range(len(bounds))]
         chunks.assemble(job.output, every)
     else:
@@ -216,9 +212,20 @@ def translate_corpus(job: Job, restorer: Restorer | None = None, *, progress: bo
     }
 
 
-def _span(bound: tuple[int, int]) -> tuple[int, int]:
-    first, end = bound
-    return first, end - first
+def _committed(
+    parts: Path, print_: str, bounds: dict[int, tuple[int, int]]
+) -> tuple[dict[int, chunks.Chunk], list[int]]:
+    """The chunks of `bounds` (index: first line, end) committed whole under this work, and those found damaged or
+    of other work (to be redone)."""
+    done, damaged = {}, []
+    for c, (first, end) in bounds.items():
+        try:
+            done[c] = chunks.read_chunk(parts, c, print_, first, end - first)
+        except FileNotFoundError:
+            pass
+        except ValueError:
+            damaged.append(c)
+    return done, damaged
 
 
 def _sync(name: str) -> None:
