@@ -141,6 +141,11 @@ def test_a_resume_with_another_input_or_other_options_is_refused(workdir, tmp_pa
     empty.write_bytes(b"")
     with pytest.raises(EvalError, match=r"^--input \S+empty.en is empty: nothing to translate$"):
         translate_corpus(job_of({"workdir": str(workdir), **GREEDY}, str(empty), str(tmp_path / "e.de"), CHUNK))
+    latin1 = tmp_path / "latin1.en"
+    latin1.write_bytes("a dog\nthe café\n".encode("latin-1"))
+    with pytest.raises(EvalError, match=r"latin1.en, line 2: invalid UTF-8"):  # as evaluate.py: one line, no output
+        translate_corpus(job_of({"workdir": str(workdir), **GREEDY}, str(latin1), str(tmp_path / "l.de"), CHUNK))
+    assert not chunks.parts_dir(str(tmp_path / "l.de")).exists()
     source.write_text("another corpus\n", encoding="utf-8")
     with pytest.raises(EvalError, match=r"--input \S+in.en differs from the file \S+ was started on"):
         translate_corpus(job_of({"workdir": str(workdir), **GREEDY}, str(source), target, CHUNK))
