@@ -2,6 +2,7 @@
 
     python -m benchmarks.decode --workdir runs/m30k [--split test --batch_size 64 --threads 2 --beam_sizes 4,1]
     python -m benchmarks.decode --config configs/wmt14_ende.py:size=base --beam_size 4 --num_sentences 16
+    python -m benchmarks.decode --workdir runs/m30k --corpus data/multi30k/train.en [--corpus_lines 500]
 
 With --workdir (side by side), --modes translate (the default): the workdir's model (the checkpoints evaluate.py
 would average) translates the split with evaluation.translate.translate (evaluate.py's path) and, exported with the
@@ -15,6 +16,10 @@ rule for each beam size above 1. XLA uses every core of the machine: run with --
 
 --fresh_process: whole processes instead of calls, start to exit: evaluate.py with the compilation cache cold and
 warm against a CTranslate2 process that loads the export and translates (benchmarks/fresh_process.py).
+
+--corpus FILE [--corpus_lines N]: whole processes on a corpus: `python -m transformer_jax.translate_corpus` (compile
+included; cold, then warm compilation cache) on the first N lines of FILE (0: all) against CTranslate2's process
+with the same weights on the same lines, one JSON line per beam size (benchmarks/fresh_process.py).
 
 --modes nbest,score,sampling: the decoding modes, one JSON line each, against their counterparts: the --nbest
 best (default 4) of beam 4 against CTranslate2's num_hypotheses (its length_penalty is our `average` penalty), for
@@ -95,6 +100,10 @@ _MODES = flags.DEFINE_list(
 _FRESH = flags.DEFINE_bool(
     "fresh_process", False, "With --workdir: whole evaluate.py processes, cold and warm cache, vs CTranslate2's."
 )
+_CORPUS = flags.DEFINE_string(
+    "corpus", None, "With --workdir: time translate_corpus's whole process on this file against CTranslate2's."
+)
+_CORPUS_LINES = flags.DEFINE_integer("corpus_lines", 0, "With --corpus: its first N lines (0: all).")
 _AVERAGE_LAST = flags.DEFINE_integer("average_last", None, "Checkpoints to average (default: the config's).")
 
 
@@ -365,6 +374,21 @@ def best_time(fn, repeats: int) -> float:
 
 def main(argv: list[str]) -> None:
     del argv  # no positional arguments (transformer_jax.cli.run refuses them)
+    if _CORPUS.value and not _WORKDIR.value:
+        raise DataError("--corpus translates with a trained model: give --workdir")
+    if _WORKDIR.value and _CORPUS.value:
+        fresh_process.corpus_vs_ctranslate2(
+            _WORKDIR.value,
+            _CORPUS.value,
+            lines=_CORPUS_LINES.value,
+            beam_sizes=[int(b) for b in _BEAM_SIZES.value],
+            batch_size=_BATCH_SIZE.value,
+            threads=_THREADS.value,
+            alpha=_ALPHA.value,
+            average_last=_AVERAGE_LAST.value,
+            repeats=_REPEATS.value,
+        )
+        return
     if _WORKDIR.value and _FRESH.value:
         fresh_process.evaluate_vs_ctranslate2(
             _WORKDIR.value,

@@ -24,10 +24,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from transformer_jax.evaluation import bleu
-from transformer_jax.evaluation.inputs import split_pairs
+from transformer_jax.evaluation.inputs import read_sources, split_pairs
 from transformer_jax.evaluation.restore import Restorer, restore_model
 from transformer_jax.evaluation.translate import input_limit, output_cap, output_limit, position_limit, source_ids
 from transformer_jax.export.ctranslate2 import to_ctranslate2
@@ -70,6 +71,51 @@ def _lines(path: Path) -> list[str]:
     return path.read_text(encoding="utf-8").split("\n")[:-1]
 
 
+def _limits(config, model, tokenizer, sources: list[str]) -> tuple[list[int], int]:
+    """Each line's output limit by our rule (0 for a blank line) and the most source tokens kept (EOS included)."""
+    limit = position_limit(model.spec)
+    max_input = input_limit(config.data.eval_max_len, limit)
+    limits, cap = [], output_cap(config.eval.max_len, limit)
+    for sentence in sources:
+        ids, _ = source_ids(tokenizer, sentence, max_input)
+        limits.append(0 if ids is None else output_limit(len(ids), config.eval.max_extra_len, cap))
+    return limits, max_input
+
+
+def _ctranslate2_commands(job: dict, tmp: Path, name: str) -> dict[str, list[str]]:
+    """CTranslate2's processes for `job` (benchmarks/ctranslate2_process.py): one call per output limit, and one
+    call for all (what a CTranslate2 user would write), by their names in the report."""
+    commands = {}
+    for kind, one_call in (("ctranslate2", False), ("ctranslate2_one_call", True)):
+        path = tmp / f"job.{name}.{kind}.json"
+        path.write_text(json.dumps({**job, "one_call": one_call}), encoding="utf-8")
+        commands[kind] = [sys.executable, "-m", "benchmarks.ctranslate2_process", str(path)]
+    return commands
+
+
+def _race(ours: list[str], theirs: dict[str, list[str]], tmp: Path, repeats: int) -> dict[str, list[float]]:
+    """Seconds of each process: ours cold (its cache directory empty) then `repeats` times warm, each followed by
+    CTranslate2's, so that both meet the same machine load."""
+    runs: dict[str, list[float]] = {"ours_cold": [], "ours_warm": [], **{kind: [] for kind in theirs}}
+    for i in range(repeats + 1):
+        kind = "ours_cold" if i == 0 else "ours_warm"
+        runs[kind].append(round(timed_process(ours, tmp / f"{kind}.log"), 2))
+        for other, command in theirs.items():
+            runs[other].append(round(timed_process(command, tmp / f"{other}.log"), 2))
+    return runs
+
+
+def _ratios(runs: dict[str, list[float]]) -> dict[str, float | None]:
+    """Our best cold and warm process time over each CTranslate2 variant's best."""
+    best = {k: min(v) for k, v in runs.items() if v}
+    out = {}
+    for ours in ("warm", "cold"):
+        for theirs in ("ctranslate2", "ctranslate2_one_call"):
+            mine = best.get(f"ours_{ours}")
+            out[f"{ours}_over_{theirs}"] = round(mine / best[theirs], 2) if mine else None
+    return out
+
+
 def evaluate_vs_ctranslate2(
     workdir: str,
     *,
@@ -81,17 +127,88 @@ def evaluate_vs_ctranslate2(
     average_last: int | None,
     repeats: int,
 ) -> list[dict]:
-    """One report per beam size (module docstring)."""
+    """One report per beam size (module docstring): evaluate.py on the split against CTranslate2."""
     restorer = Restorer()
     config, model, steps = restore_model(restorer, workdir, average_last=average_last)
-    tokenizer = restorer.tokenizer(config, workdir)
     sources, references, name = split_pairs(config, split)
-    limit = position_limit(model.spec)
-    max_input = input_limit(config.data.eval_max_len, limit)
-    limits, cap = [], output_cap(config.eval.max_len, limit)
-    for sentence in sources:
-        ids, _ = source_ids(tokenizer, sentence, max_input)
-        limits.append(0 if ids is None else output_limit(len(ids), config.eval.max_extra_len, cap))
+
+    def ours(source_file: Path, output: Path) -> list[str]:
+        return ["evaluate.py", f"--source_file={source_file}", f"--output_file={output}"]
+
+    return _versus_ctranslate2(
+        workdir,
+        (restorer, config, model, steps),
+        sources,
+        references,
+        ours,
+        {"split": name},
+        beam_sizes=beam_sizes,
+        batch_size=batch_size,
+        threads=threads,
+        alpha=alpha,
+        average_last=average_last,
+        repeats=repeats,
+    )
+
+
+def corpus_vs_ctranslate2(
+    workdir: str,
+    corpus: str,
+    *,
+    lines: int,
+    beam_sizes: list[int],
+    batch_size: int,
+    threads: int,
+    alpha: float,
+    average_last: int | None,
+    repeats: int,
+) -> list[dict]:
+    """One report per beam size: the whole `python -m transformer_jax.translate_corpus` process on the first
+    `lines` lines of `corpus` (0: all) against CTranslate2's whole process on the same lines."""
+    restorer = Restorer()
+    config, model, steps = restore_model(restorer, workdir, average_last=average_last)
+    sources = read_sources(corpus)
+    sources = sources[:lines] if lines else sources
+
+    def ours(source_file: Path, output: Path) -> list[str]:
+        return ["-m", "transformer_jax.translate_corpus", f"--input={source_file}", f"--output={output}"]
+
+    return _versus_ctranslate2(
+        workdir,
+        (restorer, config, model, steps),
+        sources,
+        None,
+        ours,
+        {"corpus": corpus},
+        beam_sizes=beam_sizes,
+        batch_size=batch_size,
+        threads=threads,
+        alpha=alpha,
+        average_last=average_last,
+        repeats=repeats,
+    )
+
+
+def _versus_ctranslate2(
+    workdir: str,
+    restored: tuple,
+    sources: list[str],
+    references: list[str] | None,
+    ours_command: Callable[[Path, Path], list[str]],
+    described: dict,
+    *,
+    beam_sizes: list[int],
+    batch_size: int,
+    threads: int,
+    alpha: float,
+    average_last: int | None,
+    repeats: int,
+) -> list[dict]:
+    """For each beam size, our process (ours_command(source file, output file), with the workdir, search and cache
+    flags added) cold and warm against CTranslate2's processes with the same weights on the same lines."""
+    restorer, config, model, steps = restored
+    tokenizer = restorer.tokenizer(config, workdir)
+    limits, max_input = _limits(config, model, tokenizer, sources)
     reports = []
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
@@ -102,71 +219,34 @@ def evaluate_vs_ctranslate2(
         for beam_size in beam_sizes:
             cache = tmp / f"xla-beam{beam_size}"
             ours_out, theirs_out = tmp / f"ours.{beam_size}.txt", tmp / f"ct2.{beam_size}.txt"
-            ours = [
-                sys.executable,
-                "evaluate.py",
-                f"--workdir={workdir}",
-                f"--source_file={source_file}",
-                f"--output_file={ours_out}",
-                f"--beam_size={beam_size}",
-                f"--alpha={alpha}",
-                f"--batch_size={batch_size}",
-                f"--compilation_cache={cache}",
-            ] + ([f"--average_last={average_last}"] if average_last else [])
-            job = tmp / f"job.{beam_size}.json"
-            job.write_text(
-                json.dumps(
-                    {
-                        "model_dir": str(export_dir),
-                        "spm_model": str(tokenizer.path),
-                        "source_file": str(source_file),
-                        "output_file": str(theirs_out),
-                        "limits": limits,
-                        "max_input_pieces": max_input - 1,
-                        "beam_size": beam_size,
-                        "alpha": alpha,
-                        "batch_size": batch_size,
-                        "threads": threads,
-                        "one_call": False,
-                    }
-                ),
-                encoding="utf-8",
-            )
-            one_call = tmp / f"job.{beam_size}.one_call.json"
-            one_call.write_text(json.dumps({**json.loads(job.read_text()), "one_call": True}), encoding="utf-8")
-            theirs = [sys.executable, "-m", "benchmarks.ctranslate2_process", str(job)]
-            theirs_one_call = [sys.executable, "-m", "benchmarks.ctranslate2_process", str(one_call)]
-            runs = {"ours_cold": [], "ours_warm": [], "ctranslate2": [], "ctranslate2_one_call": []}
-            for i in range(repeats + 1):
-                kind = "ours_cold" if i == 0 else "ours_warm"
-                runs[kind].append(round(timed_process(ours, tmp / f"{kind}.log"), 2))
-                runs["ctranslate2_one_call"].append(round(timed_process(theirs_one_call, tmp / "ct2.log"), 2))
-                runs["ctranslate2"].append(round(timed_process(theirs, tmp / "ct2.log"), 2))
-            hyps, theirs_hyps = _lines(ours_out), _lines(theirs_out)
-            best = {k: min(v) for k, v in runs.items() if v}
-            report = {
-                "workdir": workdir,
-                "steps": steps,
-                "split": name,
-                "sentences": len(sources),
+            ours = [sys.executable, *ours_command(source_file, ours_out), f"--workdir={workdir}"]
+            ours += [f"--beam_size={beam_size}", f"--alpha={alpha}", f"--batch_size={batch_size}"]
+            ours += [f"--compilation_cache={cache}"] + ([f"--average_last={average_last}"] if average_last else [])
+            job = {
+                "model_dir": str(export_dir),
+                "spm_model": str(tokenizer.path),
+                "source_file": str(source_file),
+                "output_file": str(theirs_out),
+                "limits": limits,
+                "max_input_pieces": max_input - 1,
                 "beam_size": beam_size,
+                "alpha": alpha,
                 "batch_size": batch_size,
-                "cores": os.cpu_count(),
-                "ctranslate2_threads": threads,
-                "seconds": runs,
-                "warm_over_ctranslate2": round(best["ours_warm"] / best["ctranslate2"], 2) if repeats else None,
-                "cold_over_ctranslate2": round(best["ours_cold"] / best["ctranslate2"], 2),
-                "warm_over_ctranslate2_one_call": (
-                    round(best["ours_warm"] / best["ctranslate2_one_call"], 2) if repeats else None
-                ),
-                "cold_over_ctranslate2_one_call": round(best["ours_cold"] / best["ctranslate2_one_call"], 2),
-                "cache_bytes": directory_bytes(cache),
-                "bleu": {
+                "threads": threads,
+            }
+            runs = _race(ours, _ctranslate2_commands(job, tmp, f"beam{beam_size}"), tmp, repeats)
+            hyps, theirs_hyps = _lines(ours_out), _lines(theirs_out)
+            report = {"workdir": workdir, "steps": steps, **described, "sentences": len(sources)}
+            report.update(beam_size=beam_size, batch_size=batch_size, cores=os.cpu_count())
+            report.update(
+                ctranslate2_threads=threads, seconds=runs, **_ratios(runs), cache_bytes=directory_bytes(cache)
+            )
+            if references is not None:
+                report["bleu"] = {
                     "ours": round(bleu.sacrebleu_scores(hyps, references)["bleu"]["score"], 2),
                     "ctranslate2": round(bleu.sacrebleu_scores(theirs_hyps, references)["bleu"]["score"], 2),
-                },
-                "identical_outputs": sum(a == b for a, b in zip(hyps, theirs_hyps, strict=True)),
-            }
+                }
+            report["identical_outputs"] = sum(a == b for a, b in zip(hyps, theirs_hyps, strict=True))
             reports.append(report)
             print(json.dumps(report), flush=True)
     return reports

@@ -26,7 +26,7 @@ LAYERS = [
     {"training", "decoding"},
     {"evaluation"},
     {"convert"},
-    {"export", "visualize", "sweep", "plan"},
+    {"export", "visualize", "sweep", "plan", "translate_corpus"},
     {"explain"},
 ]
 
@@ -151,6 +151,7 @@ def test_every_command_line_is_a_main_module_of_the_package_it_drives():
         "explain/__main__.py",
         "export/__main__.py",
         "sweep/__main__.py",
+        "translate_corpus/__main__.py",
         "visualize/__main__.py",
     ]
     commands = {"convert", "explain", "export", "visualize", "sweep"}

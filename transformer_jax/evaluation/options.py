@@ -131,8 +131,9 @@ FLAGS = (
 FLAG = {flag.name: flag for flag in FLAGS}
 
 
-def define(flag_values) -> None:
-    """Defines evaluate.py's flags (the checkpoint flags too, shared with the export) in absl's `flag_values`.
+def define(flag_values, names: Sequence[str] | None = None) -> None:
+    """Defines evaluate.py's flags (the checkpoint flags too, shared with the export) in absl's `flag_values`;
+    `names`: only these of the table (a command that reads a subset, as translate_corpus).
 
     Every default is None (False for a switch): a flag's value there means "given", and its meaning when unset is
     applied by `parse`."""
@@ -144,7 +145,7 @@ def define(flag_values) -> None:
         bool: flags.DEFINE_bool,
         list: flags.DEFINE_list,
     }
-    for flag in FLAGS:
+    for flag in FLAGS if names is None else [FLAG[name] for name in names]:
         unset = False if flag.type is bool else None
         if flag.name in _ABSL_CHECKED:
             flags.DEFINE_enum(flag.name, unset, flag.choices, flag.describe(), flag_values=flag_values)

@@ -158,6 +158,7 @@ def translate_nbest(
     nbest: int,
     prefixes: Sequence[str] | None = None,
     progress: bool = False,
+    first_line: int = 0,
 ) -> tuple[list[list[Hypothesis]], dict[str, Any]]:
     """The `nbest` best hypotheses of each input sentence, best first, in input order, and statistics of the 1-best.
 
@@ -171,9 +172,10 @@ def translate_nbest(
     the search asks for that (decoding.Search.copies: decoding.Sampled draws nbest samples, reproducible for its
     seed, best score first; their log_prob is the model's own log P of the sample).
     prefixes: line i's output starts with prefixes[i], tokenized as a target (a blank prefix: none); the hypotheses'
-    text and log-probabilities include it. The settings are checked where they come in, by the rules of their config
-    keys (checks.RULES: eval.*, data.eval_max_len), which validate() applies to every config and evaluate.py
-    to its flags.
+    text and log-probabilities include it. first_line: the number of sentences[0] in a longer input (its chunk's
+    start, translate_corpus): sampling keys are drawn from the line's number in the whole input. The settings are
+    checked where they come in, by the rules of their config keys (checks.RULES: eval.*, data.eval_max_len), which
+    validate() applies to every config and evaluate.py to its flags.
     """
     copies = settings.search.copies(nbest)
     check_nbest(nbest, settings.search.beam_size if copies == 1 else nbest)  # n decodes: any n >= 1
@@ -214,7 +216,7 @@ def translate_nbest(
     bar = Progress(len(sources), "translating", "sentences") if progress else None
     # Each line is decoded `copies` times (sampling: its nbest draws), copy j of line i with its own row inputs.
     lines = [i for i in sources for _ in range(copies)]
-    row_inputs = search.row_inputs(np.array(lines, np.int64), np.tile(np.arange(copies), len(sources)))
+    row_inputs = search.row_inputs(np.array(lines, np.int64) + first_line, np.tile(np.arange(copies), len(sources)))
     found = decoding.searcher(model).sentences(
         [sources[i] for i in lines],
         [output_limit(len(sources[i]), max_extra_len, cap) for i in lines],
