@@ -90,6 +90,7 @@ def test_converted_logits_equal_transformers(marian_dir, tmp_path):
     assert compare_logits(marian_dir, tmp_path / "w", tmp_path) < 1e-4
 
 
+@pytest.mark.slow  # a fast representative: the logits test; greedy and ids on real text: the trained-model tests
 def test_greedy_outputs_equal_generate(marian_dir, tmp_path):
     """Our greedy search on the converted model emits generate(num_beams=1)'s tokens. generate() counts the
     decoder's start token in max_length and forces EOS at the last position (forced_eos_token_id); ours stops at

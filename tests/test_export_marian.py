@@ -103,6 +103,7 @@ def test_our_default_model_exports_exactly(tmp_path, layout):
     assert logit_difference(workdir, tmp_path / "out", tmp_path) < 1e-4
 
 
+@pytest.mark.slow  # a fast representative: the logits test; greedy and ids on real text: the trained-model tests
 def test_the_exported_tokenizer_gives_our_ids(tmp_path):
     from transformer_jax.data.tokenizer import Tokenizer
 
