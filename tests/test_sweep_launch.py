@@ -10,17 +10,21 @@ import signal
 import socket
 import stat
 import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
-from submitit.core import job_environment, utils
 
 from tests.helpers.sweeps import fails
 from transformer_jax.errors import VariantInterrupted
 from transformer_jax.sweep import __main__ as sweep
 from transformer_jax.sweep import code, job, launch, results, runner
+from transformer_jax.sweep.submitit_module import submitit
 from transformer_jax.training import loop
 from transformer_jax.training.metrics import read_metrics
+
+# Through submitit_module: importing submitit directly would reconfigure this process's logging (its docstring).
+job_environment, utils = submitit.core.job_environment, submitit.core.utils
 
 CONFIG = str(pathlib.Path(__file__).resolve().parent / "tiny_sweep_config.py")
 
@@ -341,3 +345,20 @@ def test_a_local_job_gets_the_time_limit_and_gpus(tmp_path):
     launcher = launch.Launcher(name="local", time_min=0.5, gpus_per_node=2)
     ex = launch.executor(launcher, tmp_path / "sw" / "jobs", tmp_path / "snapshot", 2)
     assert ex.parameters == {"name": "sweep-sw", "tasks_per_node": 1, "gpus_per_node": 2, "timeout_min": 0.5}
+
+
+def test_importing_the_sweep_keeps_the_processs_logging_handlers(tmp_path):
+    """submitit configures logging when first imported, closing every handler the process has (pytest's capture,
+    absl's, a log file); through sweep/submitit_module it does not, and SUBMITIT_LOG_LEVEL is left as it was."""
+    script = (
+        "import logging, os, sys\n"
+        f"handler = logging.FileHandler({str(tmp_path / 'log.txt')!r})\n"
+        "logging.getLogger().addHandler(handler)\n"
+        "import transformer_jax.sweep.__main__\n"
+        "assert 'submitit' in sys.modules\n"
+        "assert handler.stream is not None and not handler.stream.closed, 'the handler was closed'\n"
+        "assert 'SUBMITIT_LOG_LEVEL' not in os.environ\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "SUBMITIT_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]

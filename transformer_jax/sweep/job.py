@@ -25,12 +25,12 @@ import signal
 from typing import Any
 
 import ml_collections
-import submitit
 
 from transformer_jax.errors import VariantInterrupted, exit_on_user_error
 from transformer_jax.runtime import compile_cache
 from transformer_jax.sharding import initialize_distributed
 from transformer_jax.sweep.runner import PROG, configure_logging, train_and_decode
+from transformer_jax.sweep.submitit_module import submitit
 
 
 def preemption_signal() -> signal.Signals:

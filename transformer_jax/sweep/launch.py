@@ -30,14 +30,13 @@ from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import ml_collections
-import submitit
-from submitit.core.utils import FailedJobError, JobPaths
 
 from transformer_jax.errors import ConfigError
 from transformer_jax.runtime.files import write_text_atomically
 from transformer_jax.sweep import code
 from transformer_jax.sweep.job import RunJob
 from transformer_jax.sweep.results import RESULT_FILE, decoded
+from transformer_jax.sweep.submitit_module import FailedJobError, JobPaths, submitit
 from transformer_jax.training import workdir_lock
 from transformer_jax.training.checkpoints import list_steps
 
