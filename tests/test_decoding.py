@@ -192,7 +192,7 @@ def _all_candidates_step(logits_RV, s, alpha):
 
 
 # 3: fewer tokens than beams (each beam proposes all it has); the last: enough blocks for search.top_k's own path
-@pytest.mark.parametrize("vocab", [3, 50, 8 * TOP_K_BLOCK + 5])
+@pytest.mark.parametrize("vocab", [3, pytest.param(50, marks=pytest.mark.slow), 8 * TOP_K_BLOCK + 5])
 def test_each_beams_best_tokens_give_the_step_of_all_candidates(vocab):
     batch, width, alpha = 6, 4, 0.6
     rng = np.random.default_rng(vocab)
@@ -553,7 +553,7 @@ def test_a_small_beam_batch_steps_at_the_last_cache_stage_only(monkeypatch):
     assert int(np.max(compact.lengths[:, 0])) > decoding.cache_stages(40)[0]
 
 
-@pytest.mark.parametrize("beam_size", [1, 2])
+@pytest.mark.parametrize("beam_size", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_the_refilling_search_builds_no_programs_of_its_own_on_the_host(beam_size):
     """Between its calls the scheduler only reads what they return (refill.Outcome): an array operation on the host
     would be a small program per batch size, compiled in every process (too fast to be worth the disk cache)."""

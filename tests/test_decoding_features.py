@@ -104,7 +104,13 @@ def _stub_beam_steps(seeds_B, max_len_B, alpha, *, width, max_steps, table_seed,
 
 
 @pytest.mark.parametrize(
-    ("width", "penalty", "alpha"), [(4, "gnmt", 0.6), (4, "average", 1.0), (5, "none", 0.0), (5, "gnmt", 2.0)]
+    ("width", "penalty", "alpha"),
+    [
+        (4, "gnmt", 0.6),
+        pytest.param(4, "average", 1.0, marks=pytest.mark.slow),
+        (5, "none", 0.0),
+        pytest.param(5, "gnmt", 2.0, marks=pytest.mark.slow),
+    ],
 )
 def test_nbest_early_stop_keeps_the_full_searchs_first_n_in_fewer_steps(width, penalty, alpha):
     """settle=N stops a sentence once its N best finished hypotheses can no longer change: the first N beams equal

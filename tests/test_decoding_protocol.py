@@ -69,7 +69,8 @@ def _first_logits(model, sources: list[list[int]], slots: int) -> np.ndarray:
     return np.asarray(forward(model, jnp.asarray(src_NS), jnp.asarray(tgt_NT))[:, 0], np.float64)
 
 
-@pytest.mark.parametrize("compact", [True, False])  # the refilling scheduler; one-jit batches
+# the refilling scheduler; one-jit batches (slow: the protocol is the same, the scheduler is tested elsewhere)
+@pytest.mark.parametrize("compact", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_a_search_defined_in_a_test_runs_through_the_scheduler(compact):
     model, sources = shared_model(), _sources(20)
     max_len = [2 + i % 7 for i in range(len(sources))]

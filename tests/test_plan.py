@@ -104,6 +104,7 @@ def test_a_batch_that_cannot_fit_is_one_line_and_a_nonzero_exit():
     assert "HBM" in lines[0] and "Traceback" not in done.stderr  # the compiler says by how much
 
 
+@pytest.mark.slow  # the TPU kernels compile in tests/test_aot_tpu.py; here the plan around them
 def test_a_plan_with_our_pallas_attention_compiles_for_a_tpu_slice():
     # The Mosaic kernels run per chip in a shard_map over the mesh the step is traced under (sharding.tracing_mesh).
     # The one TPU compile of a whole train step with attention.impl=pallas in the default run.
