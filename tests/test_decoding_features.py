@@ -346,6 +346,7 @@ def test_finished_set_aside_writes_that_searchs_nbest_lists(tmp_path):
         (dict(length_penalty="mean"), r"--length_penalty 'mean': choose one of gnmt, average, none"),
         (dict(finished="aside"), r"--finished 'aside': choose one of in_beam, set_aside"),
         (dict(finished="set_aside", sampling=True), r"--finished is beam search's rule; --sampling does not search"),
+        (dict(max_len=-1), r"--max_len: must be"),
     ],
 )
 def test_bad_search_flags_are_refused_in_one_line_and_nothing_is_written(tmp_path, flags, message):
@@ -473,3 +474,20 @@ def test_prefix_file_starts_each_translation_and_a_line_count_mismatch_names_bot
     with pytest.raises(EvalError, match=r"--prefix_file .*short.txt has 1 lines, .*src.txt has 3"):
         _evaluate(tmp_path / "x", lines, restorer, prefix_file=str(tmp_path / "short.txt"))
     assert restorer.loaded == 0 and not (tmp_path / "x" / "out").exists()
+
+
+def test_max_len_flag_caps_the_outputs_over_the_configs(tmp_path):
+    """--max_len (an absolute cap, EOS included) overrides config.eval.max_len, which caps when the flag is unset."""
+    from transformer_jax.evaluation import options
+
+    config = OneCheckpoint().config
+    assert options.decoding_settings(options.Decoding(), config).max_len == config.eval.max_len == 0
+    assert options.decoding_settings(options.Decoding(max_len=3), config).max_len == 3
+    lines = ["hello world", "the cat sat on the mat"]
+    _evaluate(tmp_path / "free", lines, beam_size=1)
+    _evaluate(tmp_path / "capped", lines, max_len=3, beam_size=1)
+    free, capped = (Path(tmp_path, d, "out", "hyp.txt").read_text(encoding="utf-8") for d in ("free", "capped"))
+    free, capped = free.split("\n")[:-1], capped.split("\n")[:-1]  # (an empty output is a line too)
+    assert max(map(len, free)) > 3  # the cap has work to do (one character a token)
+    for f, c in zip(free, capped, strict=True):  # greedy: the capped output is the free one's first tokens
+        assert len(c) <= 3 and f.startswith(c)

@@ -222,13 +222,22 @@ def extra_valid_sets(spec: str) -> list[tuple[str, str, str]]:
 
 def tracker_names(spec: str) -> tuple[str, ...]:
     """The trackers of train.trackers ('NAME,...', blanks ignored, each once, in order); ConfigError naming the key
-    for an unknown name or for a tracker whose optional package is not installed (found, never imported here)."""
+    for an unknown name."""
     names = tuple(dict.fromkeys(name.strip() for name in spec.split(",") if name.strip()))
     for name in names:
         if name not in TRACKERS:
             raise ConfigError(
                 f"config key train.trackers: unknown tracker {name!r}; choose from {list(TRACKERS)} (comma-separated)"
             )
+    return names
+
+
+def tracker_packages(spec: str) -> tuple[str, ...]:
+    """tracker_names, and ConfigError naming the key for a tracker whose optional package is not installed (found,
+    never imported here). Only what trains needs them (train.py, the sweep, the metric writer): evaluating or
+    fine-tuning from a run that logged to W&B does not need wandb, so `validate` checks the names alone."""
+    names = tracker_names(spec)
+    for name in names:
         requirement = TRACKERS[name]
         if requirement and importlib.util.find_spec(requirement.partition("==")[0]) is None:
             raise ConfigError(

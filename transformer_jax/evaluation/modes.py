@@ -18,7 +18,7 @@ from transformer_jax.evaluation.restore import restore_model
 from transformer_jax.evaluation.translate import check_nbest
 
 # The flags of a search, which --score (forced decoding: no search) would ignore.
-SEARCH_FLAGS = ("beam_size", "alpha", "max_extra_len", "length_penalty", "finished", "nbest")
+SEARCH_FLAGS = ("beam_size", "alpha", "max_extra_len", "max_len", "length_penalty", "finished", "nbest")
 
 
 def check_flags(o: Any) -> None:

@@ -67,6 +67,7 @@ FLAGS = (
     Flag("beam_size", int, "Beams (default config.eval.beam_size); 1 is greedy search.", (MODEL,)),
     Flag("alpha", float, "Length penalty exponent (default config.eval.alpha).", (MODEL,)),
     Flag("max_extra_len", int, "Output tokens beyond the input length (default config.eval).", (MODEL,)),
+    Flag("max_len", int, "At most this many output tokens, EOS included (default config.eval; 0: no cap).", (MODEL,)),
     Flag("batch_size", int, "Sentences per decoding batch (default config.eval.batch_size).", (MODEL,)),
     Flag(
         "output_file",
@@ -206,6 +207,7 @@ class Decoding:
     beam_size: int | None = None
     alpha: float | None = None
     max_extra_len: int | None = None
+    max_len: int | None = None
     batch_size: int | None = None
     length_penalty: str = FLAG["length_penalty"].default
     finished: str = FLAG["finished"].default  # (sampling does not search)
@@ -300,7 +302,7 @@ def parse(values: Mapping[str, Any]) -> tuple[Mode, Outputs]:
             raise EvalError("give --split or --source_file, not both")
     elif o.references_file is not None:
         raise EvalError("--references_file goes with --source_file; a --split brings its own references")
-    check_numbers({name: getattr(o, name) for name in (*_AT_LEAST_ONE, "alpha")}, "--")
+    check_numbers({name: getattr(o, name) for name in (*_AT_LEAST_ONE, "alpha", "max_len")}, "--")
     for switch in dict.fromkeys(flag.needs for flag in FLAGS if flag.needs):
         tuning = [f"--{f.name}" for f in FLAGS if f.needs == switch and getattr(o, f.name) is not None]
         if tuning and not getattr(o, switch):
@@ -500,7 +502,7 @@ def decoding_settings(options: Decoding, config) -> DecodeSettings:
     """translate()'s settings from the flags, else the config (config.eval); a bad config value names its key. The
     search is the flags' (decoding.search_for): --sampling (modes.sampling_of; beam size 1), else greedy or beam
     search with --length_penalty and --finished."""
-    keys = ("beam_size", "alpha", "max_extra_len", "batch_size")
+    keys = ("beam_size", "alpha", "max_extra_len", "max_len", "batch_size")
     from_config = {key: config.eval[key] for key in keys if getattr(options, key) is None}
     check_numbers(from_config, "config.eval.")
     settings = {key: from_config[key] if key in from_config else getattr(options, key) for key in keys}
@@ -516,7 +518,7 @@ def decoding_settings(options: Decoding, config) -> DecodeSettings:
     return DecodeSettings(
         search=search,
         max_extra_len=settings["max_extra_len"],
-        max_len=config.eval.max_len,
+        max_len=settings["max_len"],
         batch_size=settings["batch_size"],
         max_input_len=config.data.eval_max_len,
     )

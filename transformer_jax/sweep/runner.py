@@ -86,6 +86,7 @@ def variants(config_arg: str, common: dict[str, Any] | None = None) -> list[Vari
                 raise ConfigError(f"{path}: sweep variant {name!r}: {key}={value!r} has the wrong type ({e})") from e
         try:
             checks.validate(config)
+            checks.tracker_packages(config.train.trackers)  # the sweep trains them
         except ConfigError as e:
             raise ConfigError(f"{path}: sweep variant {name!r}: {e}") from e
         out.append(Variant(name, override, config, reference))

@@ -51,7 +51,7 @@ class MetricWriter:
                 names, group, params = schema.BY_NAME["train.trackers"].default, "", {}
             else:
                 names, group, params = config.train.trackers, config.train.tracker_group, dict(checks.leaves(config))
-            self._trackers = Trackers(checks.tracker_names(names), workdir, group, params, resume_step)
+            self._trackers = Trackers(checks.tracker_packages(names), workdir, group, params, resume_step)
 
     def write(self, step: int, metrics: dict[str, float], prefix: str = "") -> None:
         if not self.enabled:

@@ -39,6 +39,7 @@ DECODING_FLAGS = (
     "beam_size",
     "alpha",
     "max_extra_len",
+    "max_len",
     "batch_size",
     "length_penalty",
     "finished",
