@@ -34,7 +34,9 @@ needs_libtpu = pytest.mark.skipif(
 
 @needs_libtpu
 @pytest.mark.parametrize(
-    "topology,head_dim,mask", [("v5e:2x2", 64, "causal"), ("v4:2x2x1", 128, "packed")], ids=lambda x: str(x)
+    "topology,head_dim,mask",
+    [("v5e:2x2", 64, "causal"), pytest.param("v4:2x2x1", 128, "packed", marks=pytest.mark.slow)],
+    ids=lambda x: str(x),
 )
 def test_attention_compiles_for_tpu_at_2k(topology: str, head_dim: int, mask: str) -> None:
     device = accelerators.tpu_devices(topology)[0]

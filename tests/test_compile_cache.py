@@ -86,6 +86,7 @@ def test_a_truncated_entry_is_a_warning_and_a_compile_never_a_wrong_result(cache
     assert "Error reading persistent compilation cache entry for 'jit__lambda'" in err and "truncated" in err, err
 
 
+@pytest.mark.slow  # trimmed from the default run: the file keeps a fast representative
 def test_a_changed_program_misses_and_the_same_one_hits(cache):
     directory = compile_cache.enable(str(cache))
     assert directory == cache / compile_cache.host_kind() and jax.config.jax_compilation_cache_dir == str(directory)

@@ -538,6 +538,7 @@ def test_refilling_search_equals_one_batch_at_a_time(monkeypatch):
     assert max(int(r.lengths[0]) for r in refilled) > 16  # someone decoded past the first cache stage
 
 
+@pytest.mark.slow  # trimmed from the default run: the file keeps a fast representative
 def test_a_small_beam_batch_steps_at_the_last_cache_stage_only(monkeypatch):
     """A batch of at most FULL_CACHE_SENTENCES sentences (beam 4: 4 times as many cache rows) grows its cache to the
     last stage before its first step, so its steps compile once per batch size, not per (size, stage)."""

@@ -74,6 +74,7 @@ def test_a_raised_patience_trains_on_from_the_stop(corpus, stopped, tmp_path):
     assert checkpoints.list_steps(workdir)[-1] == 12 and checkpoints.best_steps(workdir)[0] == 4
 
 
+@pytest.mark.slow  # trimmed from the default run: the file keeps a fast representative
 def test_a_raised_num_steps_trains_on_with_a_fresh_patience(corpus, stopped, tmp_path):
     workdir = tmp_path / "w"
     shutil.copytree(stopped, workdir)
@@ -113,6 +114,7 @@ def test_train_py_refuses_early_stopping_without_validation_in_one_line(corpus, 
     assert not (tmp_path / "w" / "checkpoints").exists()
 
 
+@pytest.mark.slow  # trimmed from the default run: the file keeps a fast representative
 def test_a_sweep_variant_that_stopped_early_is_finished(corpus, tmp_path, monkeypatch):
     """The sweep treats a variant that early stopping ended as finished: it writes its result (with the step) and
     a rerun skips it, instead of calling it interrupted forever."""

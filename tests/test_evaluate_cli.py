@@ -254,6 +254,7 @@ def test_a_default_report_that_is_an_input_is_refused_before_translating(tmp_pat
     assert ref.read_text(encoding="utf-8") == "hallo\nwelt\n" and capsys.readouterr().out == ""
 
 
+@pytest.mark.slow  # trimmed from the default run: the file keeps a fast representative
 def test_scores_only_prints_the_scores_and_with_json_only_the_report_on_stdout(tmp_path):
     hyp, ref = tmp_path / "hyp.txt", tmp_path / "ref.txt"
     hyp.write_text("a b c d\ne f\n", encoding="utf-8")

@@ -216,6 +216,7 @@ def test_a_workdir_holding_another_tokenizer_is_refused(source, corpus, tmp_path
     assert (workdir / "spm.model").read_bytes() == b"another run's tokenizer"
 
 
+@pytest.mark.slow  # trimmed from the default run: the file keeps a fast representative
 def test_init_step_best_starts_from_the_sources_best_checkpoint(corpus, tmp_path):
     """A source that kept its best checkpoints (ckpt.keep_best) by a scripted validation BLEU of 10, 30, 20 at steps
     2, 4, 6: step 4 is its best, and the fine-tuning run starts from it, not from the latest (6)."""

@@ -93,6 +93,7 @@ def _global_relative_error(a: dict, b: dict) -> float:
     return float(jnp.linalg.norm(flat(a) - flat(b)) / jnp.linalg.norm(flat(b)))
 
 
+@pytest.mark.slow  # trimmed from the default run: the file keeps a fast representative
 def test_on_and_off_agree_in_bfloat16_within_its_rounding():
     """bfloat16 keeps 8 bits of mantissa (relative rounding 2^-8 = 4e-3 per op), and the two backward passes round
     different intermediate products. Stated tolerance: all gradients together differ by < 2e-2 relative (measured

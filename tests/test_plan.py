@@ -199,6 +199,7 @@ def test_the_decode_plan_is_consistent(both_meshes, decode_plan):
     assert "validation decoding" in report.format_reports({"data": {**train, "decode": decode_plan}})
 
 
+@pytest.mark.slow  # trimmed from the default run: the file keeps a fast representative
 def test_a_small_eval_batch_is_planned_as_its_one_jitted_search(both_meshes):
     # Under 2 refill.MIN_ROWS sentences the Searcher runs the whole search in one call: that program is planned,
     # without a per-step estimate (XLA's count of it mixes the encoder with every cache stage's loop).

@@ -221,6 +221,7 @@ def test_sampling_flags_write_the_samples(tmp_path):
     assert report["search"]["sampling"] == {"temperature": 1.0, "top_k": 5, "top_p": 1.0, "seed": 3, "num_samples": 2}
 
 
+@pytest.mark.slow  # trimmed from the default run: the file keeps a fast representative
 def test_sampling_and_greedy_search_write_default_outputs_of_their_own(tmp_path):
     src = tmp_path / "src.txt"
     src.write_text("a b\nhello\n", encoding="utf-8")
