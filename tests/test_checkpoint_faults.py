@@ -542,3 +542,28 @@ def test_a_full_disk_in_the_training_loop_is_one_line_and_the_same_command_resum
     assert checkpoints.list_steps(workdir) == [6, 9]
     train = [r["step"] for r in read_metrics(workdir / "metrics.jsonl") if "loss" in r]
     assert train == list(range(1, 10))
+
+
+def test_unretrieved_reads_of_a_failed_restore_are_not_logged_and_other_records_are(caplog):
+    """The command lines' filter on asyncio's logger (cli._drop_unretrieved_reads_of_a_failed_restore): a failed
+    restore's TensorStore reads, collected after the one error line, are not logged; anything else asyncio says is."""
+    import asyncio.log
+
+    from transformer_jax import cli
+
+    logger = asyncio.log.logger
+    before = list(logger.filters)
+    try:
+        cli._drop_unretrieved_reads_of_a_failed_restore()
+        cli._drop_unretrieved_reads_of_a_failed_restore()  # installed once
+        assert len(logger.filters) == len(before) + 1
+        read = ValueError('OUT_OF_RANGE: Error opening "zarr" driver: Error reading "x/.zarray" in OCDBT database')
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            for what in ("Future", "Task"):
+                for error in (read, ValueError("something else"), RuntimeError('"zarr" driver')):
+                    message = f"{what} exception was never retrieved\nfuture: <{what}>"
+                    logger.error(message, exc_info=(type(error), error, None))
+        kept = [str(r.exc_info[1]) for r in caplog.records]
+        assert kept == ["something else", '"zarr" driver'] * 2
+    finally:
+        logger.filters[:] = before

@@ -10,6 +10,7 @@ missing file, fails with a traceback on first access of the config. Config files
 
 from __future__ import annotations
 
+import logging
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -102,6 +103,7 @@ def parse_flags(
     compile_cache.enable(flag_values.compilation_cache)
     _hide_compile_only_cache_reads()
     _drop_callbacks_into_closed_event_loops()
+    _drop_unretrieved_reads_of_a_failed_restore()
     return rest
 
 
@@ -141,6 +143,29 @@ def _drop_callbacks_into_closed_event_loops() -> None:
 
     hook.drops_closed_event_loop_callbacks = True
     sys.unraisablehook = hook
+
+
+class _UnretrievedTensorStoreRead(logging.Filter):
+    """Drops asyncio's "Future (or Task) exception was never retrieved" record of a TensorStore read (its
+    ValueError names the zarr driver or the OCDBT database); passes every other record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (
+            str(record.msg).startswith(("Future exception was never retrieved", "Task exception was never retrieved"))
+            and isinstance(error, ValueError)
+            and ('"zarr" driver' in str(error) or "OCDBT database" in str(error))
+        )
+
+
+def _drop_unretrieved_reads_of_a_failed_restore() -> None:
+    """The reads of a failed restore (see _drop_callbacks_into_closed_event_loops) also end as asyncio futures whose
+    exception nobody retrieves: when they are collected, at times nothing can wait for (at exit, after the one
+    error line), asyncio logs each with its read error. Only those records are dropped, by a filter on asyncio's
+    logger installed once by the command lines."""
+    logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, _UnretrievedTensorStoreRead) for f in logger.filters):
+        logger.addFilter(_UnretrievedTensorStoreRead())
 
 
 def run(main: Callable[[list[str]], Any], prog: str, status: int = 1) -> None:
