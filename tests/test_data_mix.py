@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.helpers.data import config_for, synthetic_pairs, write_pairs
 from tests.helpers.fakes import WordTokenizer
 from tests.helpers.training import tiny_train_config, write_corpus
-from tests.test_data_pipeline import config_for, synthetic_pairs, write_pairs
 from transformer_jax.config import checks
 from transformer_jax.data import corpora, mixing, pipeline, store
 from transformer_jax.data import tokenizer as tokenizer_lib

@@ -6,45 +6,18 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from configs import common
 from tests.helpers import DATA, REPO
+from tests.helpers.data import config_for, synthetic_pairs, write_pairs
 from tests.helpers.fakes import WordTokenizer
 from transformer_jax.data import batching, pipeline
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import DataError
 from transformer_jax.tokens import SpecialIds
-
-
-def synthetic_pairs(n: int, seed: int = 0, max_words: int = 20) -> list[tuple[str, str]]:
-    """Pairs whose first word names the example, with random lengths on both sides."""
-    rng = np.random.default_rng(seed)
-    pairs = []
-    for i in range(n):
-        src = " ".join([f"s{i}"] + [f"a{w}" for w in rng.integers(0, 50, rng.integers(0, max_words))])
-        tgt = " ".join([f"t{i}"] + [f"b{w}" for w in rng.integers(0, 50, rng.integers(0, max_words + 5))])
-        pairs.append((src, tgt))
-    return pairs
-
-
-def write_pairs(directory: Path, pairs: list[tuple[str, str]], split: str = "train") -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / f"{split}.en").write_text("".join(s + "\n" for s, _ in pairs), encoding="utf-8")
-    (directory / f"{split}.de").write_text("".join(t + "\n" for _, t in pairs), encoding="utf-8")
-    return directory
-
-
-def config_for(directory: Path, **overrides):
-    config = common.data_config()
-    config.text_dir = str(directory)
-    config.batch_size, config.max_len, config.batch_window = 8, 32, 256
-    for key, value in overrides.items():
-        config[key] = value
-    return config
 
 
 def unpack(batch: dict[str, np.ndarray]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
