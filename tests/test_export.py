@@ -24,7 +24,7 @@ import sentencepiece as spm
 from tests.helpers import REPO
 from tests.helpers.fakes import FakeRestorer
 from tests.helpers.model import forward, tiny_model, tiny_spec
-from tests.helpers.training import tiny_train_config, write_corpus
+from tests.helpers.training import tiny_train_config, untrained_workdir, write_corpus
 from transformer_jax import decoding
 from transformer_jax.data.tokenizer import Tokenizer, train_tokenizer
 from transformer_jax.errors import ConfigError, EvalError
@@ -32,7 +32,6 @@ from transformer_jax.evaluation.__main__ import evaluate
 from transformer_jax.evaluation.options import Decoding, decoding_settings
 from transformer_jax.evaluation.translate import DecodeSettings, position_limit, translate
 from transformer_jax.tokens import SpecialIds
-from transformer_jax.training import checkpoints, state
 
 ctranslate2 = pytest.importorskip(
     "ctranslate2", reason="ctranslate2 is not installed (pip install ctranslate2==4.8.5): export tests need the engine"
@@ -376,18 +375,8 @@ def run_export(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_command_line_export_of_a_workdir_equals_evaluate_greedy_on_100_sentences(tmp_path):
     data = write_corpus(tmp_path / "data", n_valid=100)
-    workdir = tmp_path / "workdir"
+    workdir = untrained_workdir(data, tmp_path / "workdir", steps=(10, 20, 30))
     config = tiny_train_config(data)
-    config.lock()
-    lines = data.joinpath("train.en").read_text().splitlines() + data.joinpath("train.de").read_text().splitlines()
-    train_tokenizer(
-        lines, workdir / "spm.model", vocab_size=config.model.vocab_size, model_type="unigram", ids=SpecialIds.DEFAULT
-    )
-    _, train_state = state.create_train_state(config)
-    saver = checkpoints.Checkpointer(workdir, config.ckpt)
-    for step in (10, 20, 30):
-        saver.save(step, train_state, {"position": step}, config)
-    saver.close()
 
     out = tmp_path / "ct2"
     args = ["--workdir", str(workdir), "--format", "ctranslate2", "--output", str(out), "--average_last", "2"]

@@ -19,11 +19,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO
-from tests.helpers.training import tiny_train_config, write_corpus
-from transformer_jax.data.tokenizer import train_tokenizer
+from tests.helpers.training import untrained_workdir, write_corpus
 from transformer_jax.errors import EvalError
-from transformer_jax.tokens import SpecialIds
-from transformer_jax.training import checkpoints, state
 from transformer_jax.translate_corpus import chunks
 from transformer_jax.translate_corpus.run import job_of, translate_corpus
 
@@ -36,18 +33,7 @@ def workdir(tmp_path_factory) -> Path:
     """A workdir with a tokenizer and one checkpoint of a tiny (untrained) model."""
     root = tmp_path_factory.mktemp("translate_corpus")
     data = write_corpus(root / "data", n_train=100)
-    workdir = root / "workdir"
-    config = tiny_train_config(data)
-    config.lock()
-    lines = data.joinpath("train.en").read_text().splitlines() + data.joinpath("train.de").read_text().splitlines()
-    train_tokenizer(
-        lines, workdir / "spm.model", vocab_size=config.model.vocab_size, model_type="unigram", ids=SpecialIds.DEFAULT
-    )
-    _, train_state = state.create_train_state(config)
-    saver = checkpoints.Checkpointer(workdir, config.ckpt)
-    saver.save(10, train_state, {"position": 10}, config)
-    saver.close()
-    return workdir
+    return untrained_workdir(data, root / "workdir")
 
 
 def write_input(path: Path) -> Path:

@@ -143,3 +143,24 @@ def scripted(scores: list[float], calls: list[int] | None = None):
         return evaluate
 
     return build
+
+
+def untrained_workdir(data: pathlib.Path, workdir: pathlib.Path, steps: tuple[int, ...] = (10,)) -> pathlib.Path:
+    """A workdir of tiny_train_config(data): a tokenizer trained on data's train split and, at each of `steps`, a
+    checkpoint of the same freshly initialised (untrained) state."""
+    from transformer_jax.data.tokenizer import train_tokenizer
+    from transformer_jax.tokens import SpecialIds
+    from transformer_jax.training import checkpoints, state
+
+    config = tiny_train_config(data)
+    config.lock()
+    lines = data.joinpath("train.en").read_text().splitlines() + data.joinpath("train.de").read_text().splitlines()
+    train_tokenizer(
+        lines, workdir / "spm.model", vocab_size=config.model.vocab_size, model_type="unigram", ids=SpecialIds.DEFAULT
+    )
+    _, train_state = state.create_train_state(config)
+    saver = checkpoints.Checkpointer(workdir, config.ckpt)
+    for step in steps:
+        saver.save(step, train_state, {"position": step}, config)
+    saver.close()
+    return workdir
