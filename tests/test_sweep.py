@@ -11,6 +11,7 @@ from tests.helpers.sweeps import fails
 from transformer_jax.errors import ConfigError
 from transformer_jax.sweep import __main__ as sweep
 from transformer_jax.sweep import results, runner
+from transformer_jax.sweep.splits import VALID
 from transformer_jax.training import loop
 
 CONFIG = str(pathlib.Path(__file__).resolve().parent / "tiny_sweep_config.py")
@@ -94,8 +95,8 @@ def test_sweep_runs_skips_finished_variants_and_aggregates(corpus, tmp_path):
         assert (workdir / name / "config.json").exists()
         assert (workdir / name / results.RESULT_FILE).exists()
         # The whole validation split (24 lines) decoded with the last checkpoint, hypotheses and scores kept.
-        assert len((workdir / name / results.HYPOTHESES_FILE).read_text().splitlines()) == 24
-        report = json.loads((workdir / name / results.SCORES_FILE).read_text())
+        assert len((workdir / name / VALID.hypotheses_file).read_text().splitlines()) == 24
+        report = json.loads((workdir / name / VALID.scores_file).read_text())
         assert report["checkpoint_steps"] == [2] and report["lines"] == 24
     rows = list(csv.DictReader(open(workdir / "results.csv")))
     assert float(rows[1]["valid_bleu"]) == round(report["scores"]["bleu"]["score"], 2)
@@ -132,7 +133,7 @@ def _row(variant, ppl, bleu, ref_ppl="", ref_bleu=""):
 
 
 def test_results_without_references_have_no_reference_columns(tmp_path):
-    results.write_results([_row("base", 9.0, 10.0), _row("v", "", "")], tmp_path)  # "v" has not run yet
+    results.write_results([_row("base", 9.0, 10.0), _row("v", "", "")], tmp_path, VALID)  # "v" has not run yet
     header = (tmp_path / "results.csv").read_text().splitlines()[0]
     assert "ref_" not in header and header.startswith("variant,")
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -140,7 +141,7 @@ def test_results_without_references_have_no_reference_columns(tmp_path):
 
 def test_results_with_references_chart_changes_from_the_first_variant(tmp_path):
     rows = [_row("base", 9.0, 10.0, 4.92, 25.8), _row("v", 8.0, 11.5, 5.29, 24.9), _row("w", "", "", 5.0, "")]
-    results.write_results(rows, tmp_path, reference_label="paper")
+    results.write_results(rows, tmp_path, VALID, reference_label="paper")
     table = (tmp_path / "results.md").read_text()
     assert "ref_valid_perplexity | ref_valid_bleu |" in table and "| 5.29 | 24.9 |" in table
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -152,7 +153,7 @@ def test_a_variant_that_failed_to_learn_does_not_flatten_the_other_bars(tmp_path
     savefig = Figure.savefig
     monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (figures.append(fig), savefig(fig, *a, **k)))
     rows = [_row("base", 9.0, 10.0, 4.92, 25.8), _row("v", 8.0, 11.5, 5.29, 24.9), _row("x", outlier, 1.0, 4.9, 25.5)]
-    results.write_results(rows, tmp_path, reference_label="paper")
+    results.write_results(rows, tmp_path, VALID, reference_label="paper")
     assert figures[0].axes[0].get_xscale() == scale  # +400% perplexity: logarithmic beyond +-50%
     assert figures[0].axes[1].get_xscale() == "linear"
 

@@ -19,6 +19,7 @@ from tests.helpers.sweeps import fails
 from transformer_jax.errors import VariantInterrupted
 from transformer_jax.sweep import __main__ as sweep
 from transformer_jax.sweep import code, job, launch, results, runner
+from transformer_jax.sweep.splits import VALID
 from transformer_jax.sweep.submitit_module import submitit
 from transformer_jax.training import loop
 from transformer_jax.training.metrics import read_metrics
@@ -74,7 +75,7 @@ def test_the_preemption_signal_stops_the_phase_then_submitit_requeues(tmp_path, 
     runs; outside training and decoding it stops the job at once. Either way submitit requeues this same run."""
     seen = []
 
-    def run(label, config, run_dir):
+    def run(label, config, run_dir, split):
         if where == "training":
             with loop.StopRequest() as stop:
                 os.kill(os.getpid(), job.preemption_signal())
@@ -84,7 +85,7 @@ def test_the_preemption_signal_stops_the_phase_then_submitit_requeues(tmp_path, 
         seen.append("not reached")
 
     monkeypatch.setattr(job, "train_and_decode", run)
-    the_job = job.RunJob("base", None, str(tmp_path / "base"), None)
+    the_job = job.RunJob("base", None, str(tmp_path / "base"), VALID, None)
     with _as_submitit_job(the_job, tmp_path / "jobs", monkeypatch) as paths:
         with pytest.raises(SystemExit) as exit_info:
             utils.DelayedSubmission.load(paths.submitted_pickle).result()
@@ -99,7 +100,7 @@ def test_a_preempted_job_saves_requeues_through_submitit_and_resumes_exactly(cor
     that submission resumes, and the run equals an uninterrupted one."""
     config = _base_config()
     whole = tmp_path / "whole"
-    assert job.RunJob("whole", config, str(whole), None)() == "whole"
+    assert job.RunJob("whole", config, str(whole), VALID, None)() == "whole"
     run_dir = tmp_path / "preempted"
     due = loop.StopRequest.due
     sent = []
@@ -111,16 +112,17 @@ def test_a_preempted_job_saves_requeues_through_submitit_and_resumes_exactly(cor
         return due(self, step)
 
     monkeypatch.setattr(loop.StopRequest, "due", signal_at_step_1)
-    with _as_submitit_job(job.RunJob("preempted", config, str(run_dir), None), tmp_path / "jobs", monkeypatch) as paths:
+    the_job = job.RunJob("preempted", config, str(run_dir), VALID, None)
+    with _as_submitit_job(the_job, tmp_path / "jobs", monkeypatch) as paths:
         with pytest.raises(SystemExit) as exit_info:
             utils.DelayedSubmission.load(paths.submitted_pickle).result()
         assert exit_info.value.code == 144
         assert sent == [1] and not (run_dir / results.RESULT_FILE).exists()
         assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r] == [1]
         assert utils.DelayedSubmission.load(paths.submitted_pickle).result() == "preempted"  # the restarted job
-    assert results.decoded(run_dir)
+    assert results.decoded(run_dir, VALID)
     assert _train_records(run_dir)[-1] == _train_records(whole)[-1]
-    assert (run_dir / results.HYPOTHESES_FILE).read_text() == (whole / results.HYPOTHESES_FILE).read_text()
+    assert (run_dir / VALID.hypotheses_file).read_text() == (whole / VALID.hypotheses_file).read_text()
     version = json.loads((run_dir / code.VERSION_FILE).read_text())
     assert len(version) == 1 and version[0]["source"] == str(code.package_root().parent)
 
@@ -129,14 +131,14 @@ def test_a_plain_sigterm_ends_the_job_with_one_line(tmp_path, monkeypatch, capsy
     """Without submitit's signal (scancel's SIGTERM) the loop saves and the job ends, its log's last line the
     error; nothing is requeued (the next sweep command resubmits the run)."""
 
-    def run(label, config, run_dir):
+    def run(label, config, run_dir, split):
         with loop.StopRequest():
             os.kill(os.getpid(), signal.SIGTERM)
         raise VariantInterrupted(f"variant {label} stopped at step 1 of 2")  # what run_variant raises then
 
     monkeypatch.setattr(job, "train_and_decode", run)
     with pytest.raises(SystemExit) as exit_info:
-        job.RunJob("base", None, str(tmp_path / "base"), None)()
+        job.RunJob("base", None, str(tmp_path / "base"), VALID, None)()
     assert exit_info.value.code == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"{runner.PROG}: error: variant base stopped at step 1 of 2"
@@ -309,7 +311,7 @@ def test_the_local_launcher_never_runs_more_than_parallel_jobs_at_once(tmp_path,
     alive = iter([True, True, True, False])
     monkeypatch.setattr(launch, "_local_alive", lambda record: next(alive, False))
     monkeypatch.setattr(launch, "POLL_S", 0.0)
-    tasks = [launch.Task(f"r{i}", None, tmp_path / f"r{i}") for i in range(5)]
+    tasks = [launch.Task(f"r{i}", None, tmp_path / f"r{i}", VALID) for i in range(5)]
     launcher = launch.Launcher(name="local", parallel=2)
     launch._run_local(launcher, Executor(), tasks, [tasks[0]._replace(label="old")], tmp_path, {"old": earlier})
     assert running == [] and len(most) == 5

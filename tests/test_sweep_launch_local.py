@@ -13,7 +13,8 @@ import time
 import pytest
 
 from transformer_jax.sweep import __main__ as sweep
-from transformer_jax.sweep import code, launch, results
+from transformer_jax.sweep import code, launch
+from transformer_jax.sweep.splits import VALID
 from transformer_jax.training.metrics import read_metrics
 
 CONFIG = str(pathlib.Path(__file__).resolve().parent / "tiny_sweep_config.py")
@@ -100,5 +101,5 @@ def test_a_job_preempted_mid_training_is_requeued_and_resumes_exactly(corpus, tm
     assert "SIGUSR2 received; its checkpoint is saved, requeueing" in log and "Requeued job" in log
     assert "resumed from the checkpoint at step" in log
     assert _metrics(workdir / "base")[-1] == _metrics(whole / "base")[-1]
-    hyps = results.HYPOTHESES_FILE
+    hyps = VALID.hypotheses_file
     assert (workdir / "base" / hyps).read_text() == (whole / "base" / hyps).read_text()

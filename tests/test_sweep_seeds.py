@@ -19,6 +19,7 @@ from transformer_jax.data import pipeline
 from transformer_jax.errors import ConfigError
 from transformer_jax.sweep import __main__ as sweep
 from transformer_jax.sweep import results, runner
+from transformer_jax.sweep.splits import VALID
 from transformer_jax.training import loop
 from transformer_jax.training.state import model_params, new_train_state, split_train_state
 
@@ -128,7 +129,7 @@ T_975_DOF4 = 2.7764451051977987  # scipy.stats.t.ppf(0.975, 4)
 
 
 def test_aggregation_gives_mean_std_seed_counts_and_welch_intervals():
-    base, v, w = results.aggregate_seeds(SYNTHETIC, 3)
+    base, v, w = results.aggregate_seeds(SYNTHETIC, 3, VALID)
     assert (base["valid_perplexity"], base["valid_perplexity_std"], base["n_seeds"], base["seeds"]) == (9.0, 1.0, 3, 3)
     assert (base["valid_bleu"], base["valid_bleu_std"], base["missing_seeds"]) == (21.0, 1.0, "")
     assert (v["valid_perplexity"], v["valid_perplexity_std"], v["n_seeds"], v["missing_seeds"]) == (7.5, 0.7071, 2, "2")
@@ -146,7 +147,7 @@ def test_aggregation_gives_mean_std_seed_counts_and_welch_intervals():
 
 
 def test_results_table_marks_a_missing_seed_and_gives_intervals(tmp_path):
-    results.write_results(results.aggregate_seeds(SYNTHETIC, 3), tmp_path)
+    results.write_results(results.aggregate_seeds(SYNTHETIC, 3, VALID), tmp_path, VALID)
     table = (tmp_path / "results.md").read_text()
     assert (
         "| seeds | valid_perplexity | valid_bleu | valid_chrf | valid_chrfpp | valid_ter | tokens_per_s | wall_s "
@@ -175,9 +176,9 @@ def test_the_chart_has_error_bars_with_and_without_references(tmp_path, monkeypa
     figures = []
     savefig = Figure.savefig
     monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (figures.append(fig), savefig(fig, *a, **k)))
-    results.write_results(results.aggregate_seeds(SYNTHETIC, 3), tmp_path)
+    results.write_results(results.aggregate_seeds(SYNTHETIC, 3, VALID), tmp_path, VALID)
     with_refs = [dict(v, ref_valid_perplexity=5.0, ref_valid_bleu=25.0) for v in SYNTHETIC]
-    results.write_results(results.aggregate_seeds(with_refs, 3), tmp_path, reference_label="paper")
+    results.write_results(results.aggregate_seeds(with_refs, 3, VALID), tmp_path, VALID, reference_label="paper")
     assert "| 5.0 | 25.0 |" in (tmp_path / "results.md").read_text()
     for fig in figures:
         assert all(

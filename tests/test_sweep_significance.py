@@ -23,7 +23,8 @@ from transformer_jax.evaluation.run import Translation
 from transformer_jax.sweep import __main__ as sweep
 from transformer_jax.sweep import runner
 from transformer_jax.sweep import significance as sweep_significance
-from transformer_jax.sweep.results import HYPOTHESES_FILE, RESULT_FILE, SCORES_FILE, aggregate_seeds, run_metrics
+from transformer_jax.sweep.results import RESULT_FILE, aggregate_seeds, run_metrics
+from transformer_jax.sweep.splits import VALID
 from transformer_jax.training import loop
 
 CONFIG = str(pathlib.Path(__file__).resolve().parent / "tiny_sweep_config.py")
@@ -103,10 +104,10 @@ def _rows(tmp_path: pathlib.Path, systems: dict[str, list[list[str] | None]], re
             if hyps is not None:
                 write_run(tmp_path / name / f"seed{i}", hyps, refs, perplexity=10.0 + i)
             dirs.append(tmp_path / name / f"seed{i}")
-        runs = [run_metrics(d) for d in dirs]
+        runs = [run_metrics(d, VALID) for d in dirs]
         entries.append({"variant": name, "overrides": "(none)", "parameters": 1, "runs": runs})
         finished.append([d if r["finished"] else None for d, r in zip(dirs, runs, strict=True)])
-    return aggregate_seeds(entries, 3), finished
+    return aggregate_seeds(entries, 3, VALID), finished
 
 
 def test_p_values_on_systems_with_known_answers(tmp_path):
@@ -121,7 +122,7 @@ def test_p_values_on_systems_with_known_answers(tmp_path):
         },
         REFS,
     )
-    rows = sweep_significance.add_significance(rows, finished, [REFS] * 4)
+    rows = sweep_significance.add_significance(rows, finished, [REFS] * 4, VALID)
     by_name = {r["variant"]: r for r in rows}
     assert by_name["base"]["bleu_p"] == "" and by_name["base"]["paired_seeds"] == ""
     assert (by_name["same"]["bleu_p"], by_name["same"]["chrf_p"], by_name["same"]["paired_seeds"]) == (1.0, 1.0, 3)
@@ -165,7 +166,7 @@ def test_paper_direction_by_bleu_and_by_perplexity(tmp_path):
     seeds_disagree["delta_valid_bleu_ci95_low"], seeds_disagree["delta_valid_bleu_ci95_high"] = -1.0, 4.0
     rows.insert(2, seeds_disagree)
     finished.insert(2, finished[1])
-    rows = sweep_significance.add_significance(rows, finished, [REFS] * 6 + [None])
+    rows = sweep_significance.add_significance(rows, finished, [REFS] * 6 + [None], VALID)
     verdicts = {r["variant"]: (r["paper_direction"], r["paper_direction_by"]) for r in rows}
     assert rows[2]["bleu_p"] < 0.05
     assert verdicts == {
@@ -181,9 +182,9 @@ def test_paper_direction_by_bleu_and_by_perplexity(tmp_path):
 
 def test_a_hypothesis_file_of_the_wrong_length_is_one_clear_error(tmp_path):
     rows, finished = _rows(tmp_path, {"base": [REFS], "v": [REFS]}, REFS)
-    (tmp_path / "v" / "seed0" / HYPOTHESES_FILE).write_text("one line\n")
+    (tmp_path / "v" / "seed0" / VALID.hypotheses_file).write_text("one line\n")
     with pytest.raises(ScoreError, match=r"v/seed0/valid.hyp has 1 lines, the validation split 60; delete .*valid_sco"):
-        sweep_significance.add_significance(rows, finished, [REFS, REFS])
+        sweep_significance.add_significance(rows, finished, [REFS, REFS], VALID)
 
 
 def _tiny_refs(corpus: pathlib.Path) -> list[str]:
@@ -227,8 +228,8 @@ def test_finished_runs_without_hypotheses_are_decoded_and_not_retrained(corpus, 
     def fake_translate(mode):
         decodes.append(mode)
         write_run(tmp_path / "decoded", noisy(refs, 0.5, 0), refs, perplexity=6.0)
-        hypotheses = (tmp_path / "decoded" / HYPOTHESES_FILE).read_text(encoding="utf-8").splitlines()
-        return Translation(hypotheses, None, json.loads((tmp_path / "decoded" / SCORES_FILE).read_text()))
+        hypotheses = (tmp_path / "decoded" / VALID.hypotheses_file).read_text(encoding="utf-8").splitlines()
+        return Translation(hypotheses, None, json.loads((tmp_path / "decoded" / VALID.scores_file).read_text()))
 
     monkeypatch.setattr(loop, "train_and_evaluate", lambda *a: pytest.fail("trained a finished run"))
     monkeypatch.setattr(runner, "translate", fake_translate)
@@ -237,10 +238,10 @@ def test_finished_runs_without_hypotheses_are_decoded_and_not_retrained(corpus, 
     assert (mode.model.workdir, mode.split, mode.model.average_last) == (str(old), "valid", 1)
     # The sweep writes what the library returned: the hypotheses, and the report with their file.
     decoded = tmp_path / "decoded"
-    assert (old / HYPOTHESES_FILE).read_bytes() == (decoded / HYPOTHESES_FILE).read_bytes()
-    report = json.loads((old / SCORES_FILE).read_text())
-    assert report["scores"] == json.loads((decoded / SCORES_FILE).read_text())["scores"]
-    assert report["hypotheses_file"] == str(old / HYPOTHESES_FILE)
+    assert (old / VALID.hypotheses_file).read_bytes() == (decoded / VALID.hypotheses_file).read_bytes()
+    report = json.loads((old / VALID.scores_file).read_text())
+    assert report["scores"] == json.loads((decoded / VALID.scores_file).read_text())["scores"]
+    assert report["hypotheses_file"] == str(old / VALID.hypotheses_file)
     rows = list(csv.DictReader(open(workdir / "results.csv")))
     assert rows[1]["valid_bleu"] != "1.0" and float(rows[1]["bleu_p"]) < 0.05  # full-split BLEU, not training's
     assert sweep.main(["--config", CONFIG, "--workdir", str(workdir)]) == 0
@@ -258,15 +259,15 @@ def test_sigterm_while_decoding_stops_the_sweep_and_leaves_the_run_undecoded(cor
     assert sweep.main(["--config", CONFIG, "--workdir", str(workdir)]) == 1
     assert "variant base stopped while decoding the validation split; run the same command" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGTERM) is before
-    assert not (workdir / "base" / SCORES_FILE).exists()
+    assert not (workdir / "base" / VALID.scores_file).exists()
 
 
 def test_a_stored_decode_of_an_earlier_step_count_is_not_used(tmp_path):
     refs = REFS
     write_run(tmp_path / "r", refs, refs, perplexity=5.0, steps=2)
-    assert run_metrics(tmp_path / "r")["finished"]
+    assert run_metrics(tmp_path / "r", VALID)["finished"]
     (tmp_path / "r" / RESULT_FILE).write_text(json.dumps({"name": "r", "num_steps": 4, "wall_s": 1.0}))
-    metrics = run_metrics(tmp_path / "r")
+    metrics = run_metrics(tmp_path / "r", VALID)
     assert not metrics["finished"] and metrics["valid_bleu"] == ""
 
 

@@ -9,7 +9,8 @@ import pytest
 
 from transformer_jax.evaluation import bleu
 from transformer_jax.sweep import __main__ as sweep
-from transformer_jax.sweep.results import HYPOTHESES_FILE, RESULT_FILE, SCORES_FILE
+from transformer_jax.sweep.results import RESULT_FILE
+from transformer_jax.sweep.splits import VALID, Split
 
 
 def fails(argv: list[str], capsys) -> str:
@@ -23,10 +24,15 @@ def fails(argv: list[str], capsys) -> str:
 
 
 def write_run(directory: pathlib.Path, hyps: list[str], refs: list[str], perplexity: float, steps: int = 2) -> None:
-    """A finished, decoded run as the sweep leaves it."""
+    """A finished run decoded on the validation split, as the sweep leaves it."""
     directory.mkdir(parents=True)
     (directory / "metrics.jsonl").write_text(json.dumps({"step": steps, "valid_perplexity": perplexity}) + "\n")
     (directory / RESULT_FILE).write_text(json.dumps({"name": directory.name, "num_steps": steps, "wall_s": 1.0}))
-    (directory / HYPOTHESES_FILE).write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+    write_decode(directory, VALID, hyps, refs, steps)
+
+
+def write_decode(directory: pathlib.Path, split: Split, hyps: list[str], refs: list[str], steps: int = 2) -> None:
+    """A run's stored translation of a split (hypotheses and evaluate.py's report on them), as the sweep writes it."""
+    (directory / split.hypotheses_file).write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
     report = {"checkpoint_steps": [steps], "scores": bleu.score_all(hyps, refs)}
-    (directory / SCORES_FILE).write_text(json.dumps(report))
+    (directory / split.scores_file).write_text(json.dumps(report))

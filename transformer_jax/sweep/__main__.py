@@ -28,6 +28,13 @@ does the paired bootstrap of each variant against the first (sweep/significance.
 --aggregate_only recomputes without decoding. SIGTERM while decoding stops the sweep like SIGTERM while training;
 the decoding starts anew next time.
 
+Test split: with --split test every finished run is also translated on its config's test split (same checkpoint,
+same search) into test.hyp and test_scores.json, and the results go to DIR/results_test.csv/md/png (the validation
+results files are left as they are): test_bleu, test_chrf, test_chrfpp, test_ter, with the seeds' intervals and
+the paired bootstrap over the test sentences; the perplexity is still the last validation perplexity of training,
+and the published (validation) references are not compared. A run already trained and decoded is only decoded on
+the test split; --aggregate_only --split test rebuilds results_test.* from the stored files.
+
 Launchers (sweep/launch.py, docs/cluster.md): --launcher sequential (default) trains the runs one after another in
 this process. --launcher local|slurm makes each run (variant x seed) a submitit job, at most --parallel at once,
 on this machine (the command waits for them) or on a SLURM cluster (the command queues one job array and returns;
@@ -77,6 +84,7 @@ from transformer_jax.sweep.runner import (
     variant_dir,
     variants,
 )
+from transformer_jax.sweep.splits import SPLITS, Split
 
 
 def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
@@ -91,7 +99,17 @@ def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
     flags.DEFINE_bool("dry_run", False, "list the variants and their overrides, run nothing", flag_values=fv)
     flags.DEFINE_bool("print_commands", False, "print one train.py command per variant", flag_values=fv)
     flags.DEFINE_string("only", None, "run only the variant with this name", flag_values=fv)
-    flags.DEFINE_bool("aggregate_only", False, "only rebuild results.csv/md/png", flag_values=fv)
+    flags.DEFINE_bool(
+        "aggregate_only", False, "only rebuild results.csv/md/png (results_test.* with --split test)", flag_values=fv
+    )
+    flags.DEFINE_enum(
+        "split",
+        "valid",
+        list(SPLITS),
+        "the split the results report: valid (results.*) or test (every finished run is also decoded on the test "
+        "split; results_test.*)",
+        flag_values=fv,
+    )
     flags.DEFINE_integer(
         "seeds",
         None,
@@ -190,7 +208,8 @@ def _run(fv: flags.FlagValues) -> int:
                 train_command(config_arg, run_dir(workdir, r, seeds), {**common, **r.variant.overrides, **r.overrides})
             )
         return 0
-    tasks = [launch.Task(r.label, r.config, run_dir(workdir, r, seeds)) for r in chosen]
+    split = SPLITS[fv.split]
+    tasks = [launch.Task(r.label, r.config, run_dir(workdir, r, seeds), split) for r in chosen]
     if fv.status:
         for label, state, detail in launch.status(workdir, tasks):
             print(f"{label}\t{state}" + (f"\t{detail}" if detail else ""))
@@ -198,23 +217,21 @@ def _run(fv: flags.FlagValues) -> int:
     launcher = _launcher(fv)
     checks.check_workdir(workdir)
     with launch.owned(workdir):
-        interrupted = None if fv.aggregate_only else _train(launcher, chosen, tasks, workdir, seeds)
-        _aggregate(config_arg, all_variants, all_runs, workdir, seeds)
+        interrupted = None if fv.aggregate_only else _train(launcher, tasks, workdir)
+        _aggregate(config_arg, all_variants, all_runs, workdir, seeds, split)
     if interrupted:
         print(f"sweep interrupted: {interrupted}; run the same command to resume it", file=sys.stderr)
         return 1
     return 0
 
 
-def _train(
-    launcher: launch.Launcher, chosen: list[Run], tasks: list[launch.Task], workdir: pathlib.Path, seeds: int
-) -> str | None:
+def _train(launcher: launch.Launcher, tasks: list[launch.Task], workdir: pathlib.Path) -> str | None:
     """Trains and decodes the chosen runs with the launcher; what stopped or failed, if anything did."""
     if launcher.name == "sequential":
-        for r in chosen:
-            logging.info("sweep: variant %s", r.label)
+        for t in tasks:
+            logging.info("sweep: variant %s", t.label)
             try:
-                train_and_decode(r.label, r.config, run_dir(workdir, r, seeds))
+                train_and_decode(t.label, t.config, t.run_dir, t.split)
             except VariantInterrupted as e:
                 return str(e)
         return None
@@ -227,25 +244,34 @@ def _train(
 
 
 def _aggregate(
-    config_arg: str, all_variants: list[Variant], all_runs: dict[str, list[Run]], workdir: pathlib.Path, seeds: int
+    config_arg: str,
+    all_variants: list[Variant],
+    all_runs: dict[str, list[Run]],
+    workdir: pathlib.Path,
+    seeds: int,
+    split: Split,
 ) -> None:
-    """results.csv/md/png of what has finished, and results.md printed."""
+    """The split's results files (results.csv/md/png, or results_test.*) of what has finished, the .md printed."""
     if seeds == 1:
-        rows = [summarize_variant(v, variant_dir(workdir, v.name)) for v in all_variants]
+        rows = [summarize_variant(v, variant_dir(workdir, v.name), split) for v in all_variants]
     else:
-        rows = aggregate_seeds([_seed_runs(v, all_runs[v.name], workdir, seeds) for v in all_variants], seeds)
+        entries = [_seed_runs(v, all_runs[v.name], workdir, seeds, split) for v in all_variants]
+        rows = aggregate_seeds(entries, seeds, split)
     finished = [
-        [d if decoded(d) else None for d in (run_dir(workdir, r, seeds) for r in all_runs[v.name])]
+        [d if decoded(d, split) else None for d in (run_dir(workdir, r, seeds) for r in all_runs[v.name])]
         for v in all_variants
     ]
-    rows = significance.add_significance(rows, finished, _references(all_variants, finished))
+    rows = significance.add_significance(rows, finished, _references(all_variants, finished, split), split)
     label = getattr(load_config_module(config_arg.partition(":")[0]), "REFERENCE", "reference")
-    write_results(rows, workdir, reference_label=label)
-    print((workdir / "results.md").read_text())
+    write_results(rows, workdir, split, reference_label=label)
+    print((workdir / f"{split.results_name}.md").read_text())
 
 
-def _references(all_variants: list[Variant], finished: list[list[pathlib.Path | None]]) -> list[list[str] | None]:
-    """Each variant's validation references (None for a variant with no finished run), read once per data config."""
+def _references(
+    all_variants: list[Variant], finished: list[list[pathlib.Path | None]], split: Split
+) -> list[list[str] | None]:
+    """Each variant's references of the split (None for a variant with no finished run), read once per data
+    config."""
     cache: dict[str, list[str]] = {}
     out = []
     for variant, runs_done in zip(all_variants, finished, strict=True):
@@ -254,18 +280,20 @@ def _references(all_variants: list[Variant], finished: list[list[pathlib.Path | 
             continue
         key = json.dumps(variant.config.data.to_dict(), sort_keys=True, default=str)
         if key not in cache:
-            cache[key] = significance.references_of(variant.config)
+            cache[key] = significance.references_of(variant.config, split)
         out.append(cache[key])
     return out
 
 
-def _seed_runs(variant: Variant, variant_runs: list[Run], workdir: pathlib.Path, seeds: int) -> dict[str, Any]:
+def _seed_runs(
+    variant: Variant, variant_runs: list[Run], workdir: pathlib.Path, seeds: int, split: Split
+) -> dict[str, Any]:
     """aggregate_seeds' input for one variant: its description and each seed's metrics."""
     entry: dict[str, Any] = {
         "variant": variant.name,
         "overrides": " ".join(f"{k}={v}" for k, v in variant.overrides.items()) or "(none)",
         "parameters": parameter_count(variant.config),
-        "runs": [run_metrics(run_dir(workdir, r, seeds)) for r in variant_runs],
+        "runs": [run_metrics(run_dir(workdir, r, seeds), split) for r in variant_runs],
     }
     entry.update({"ref_" + key: variant.reference.get(key, "") for key in REFERENCE_METRICS})
     return entry

@@ -1,10 +1,11 @@
 """One run of a sweep as a submitit job: what the local and SLURM launchers submit (sweep/launch.py).
 
-A job runs the run the way the sequential sweep does (runner.train_and_decode: code version, training, decoding)
-with the command line's settings: the same compilation cache, INFO logging, and a user error as one line
-`python -m transformer_jax.sweep: error: ...` on stderr (the last line of the job's log, which --status shows) and
-exit status 1. A multi-node SLURM job joins jax.distributed first (sharding.initialize_distributed; the launcher
-sets TRANSFORMER_JAX_DISTRIBUTED=1 and jax reads the rest from SLURM's environment).
+A job runs the run the way the sequential sweep does (runner.train_and_decode: code version, training, decoding
+the splits of the command's --split) with the command line's settings: the same compilation cache, INFO logging,
+and a user error as one line `python -m transformer_jax.sweep: error: ...` on stderr (the last line of the job's
+log, which --status shows) and exit status 1. A multi-node SLURM job joins jax.distributed first
+(sharding.initialize_distributed; the launcher sets TRANSFORMER_JAX_DISTRIBUTED=1 and jax reads the rest from
+SLURM's environment).
 
 Preemption and time limits follow submitit's checkpointing protocol. Before a time limit (and on preemption, where
 the cluster sends it) submitit sends the job its signal (USR2); its handler calls the job's `checkpoint()` and
@@ -30,6 +31,7 @@ from transformer_jax.errors import VariantInterrupted, exit_on_user_error
 from transformer_jax.runtime import compile_cache
 from transformer_jax.sharding import initialize_distributed
 from transformer_jax.sweep.runner import PROG, configure_logging, train_and_decode
+from transformer_jax.sweep.splits import Split
 from transformer_jax.sweep.submitit_module import submitit
 
 
@@ -49,6 +51,7 @@ class RunJob(submitit.helpers.Checkpointable):
     label: str
     config: ml_collections.ConfigDict
     run_dir: str
+    split: Split  # the command's --split: the run is decoded on split.decodes
     compilation_cache: str | None  # the sweep command's --compilation_cache (None: its default)
 
     def __call__(self) -> str:
@@ -74,7 +77,7 @@ class RunJob(submitit.helpers.Checkpointable):
 
         signal.signal(usr, stop)
         try:
-            train_and_decode(self.label, self.config, pathlib.Path(self.run_dir))
+            train_and_decode(self.label, self.config, pathlib.Path(self.run_dir), self.split)
         except VariantInterrupted:
             if not received or not callable(requeue):
                 raise  # a plain SIGTERM: the job ends; the next sweep command resubmits the run

@@ -8,9 +8,11 @@ submitit jobs, one per run (variant x seed), on this machine (`local`) or on a S
   run on every node with jax.distributed initialised from SLURM's environment.
 
 Jobs import a snapshot of the package taken at submission (sweep/code.py), and record the version they ran in
-their run directory. DIR/jobs.json keeps each run's last job (launcher, id, submitit folder, host), so that a
-command run again, or --status, asks submitit and the cluster for its state and never submits a second job for a
-run that is pending or running; a run whose job ended without finishing it (killed, failed) is submitted again.
+their run directory. DIR/jobs.json keeps each run's last job (launcher, id, submitit folder, host, the split it
+reports), so that a command run again, or --status, asks submitit and the cluster for its state and never submits a
+second job for a run that is pending or running; a run whose job ended without finishing it (killed, failed) is
+submitted again, and so is a run finished for `--split valid` when the command reports `--split test` (its job
+then only decodes the test split).
 DIR/sweep.lock makes one sweep command at a time own DIR. submitit's files (job scripts, pickles, logs) go in
 DIR/jobs/, snapshots in DIR/code/.
 """
@@ -36,6 +38,7 @@ from transformer_jax.runtime.files import write_text_atomically
 from transformer_jax.sweep import code
 from transformer_jax.sweep.job import RunJob
 from transformer_jax.sweep.results import RESULT_FILE, decoded
+from transformer_jax.sweep.splits import SPLITS, VALID, Split
 from transformer_jax.sweep.submitit_module import FailedJobError, JobPaths, submitit
 from transformer_jax.training import workdir_lock
 from transformer_jax.training.checkpoints import list_steps
@@ -80,6 +83,7 @@ class Task(NamedTuple):
     label: str
     config: ml_collections.ConfigDict
     run_dir: pathlib.Path
+    split: Split  # the command's --split: finished once decoded on split.decodes
 
 
 @contextlib.contextmanager
@@ -174,16 +178,26 @@ def last_log_line(record: dict[str, Any]) -> str:
     return ""
 
 
-def run_state(run_dir: pathlib.Path, record: dict[str, Any] | None) -> tuple[str, str]:
-    """A run's state and what to add: finished; pending or running (its job); failed (its job ended without
-    finishing the run: the last line of its log); interrupted (the sequential launcher stopped it); not started."""
-    if decoded(run_dir):
+def run_state(run_dir: pathlib.Path, record: dict[str, Any] | None, split: Split) -> tuple[str, str]:
+    """A run's state and what to add: finished (trained and decoded on split.decodes); pending or running (its
+    job); failed (its job ended without finishing the run: the last line of its log); not decoded (trained and
+    decoded on the validation split, not yet on this split); interrupted (the sequential launcher stopped it); not
+    started."""
+    if all(decoded(run_dir, s) for s in split.decodes):
         return "finished", ""
     if record is not None:
         state = job_state(record)
         if state != "ended":
             return state, f"{record['launcher']} job {record['job_id']}"
-        return "failed", last_log_line(record) or f"{record['launcher']} job {record['job_id']} left no log"
+        asked = SPLITS[record.get("split", VALID.name)]  # jobs recorded before --split decoded the validation split
+        if not decoded(run_dir, VALID) or set(split.decodes) <= set(asked.decodes):
+            return "failed", last_log_line(record) or f"{record['launcher']} job {record['job_id']} left no log"
+        # Its job did what an earlier command asked; this command's split is still to decode.
+    if decoded(run_dir, VALID):
+        return (
+            "not decoded",
+            f"the {split.description} split is not decoded yet; run the sweep with --split {split.name}",
+        )
     reached = max(list_steps(run_dir), default=0) if run_dir.is_dir() else 0
     if reached or (run_dir / RESULT_FILE).exists():
         return "interrupted", f"checkpoint at step {reached}; run the sweep again to resume"
@@ -193,15 +207,16 @@ def run_state(run_dir: pathlib.Path, record: dict[str, Any] | None) -> tuple[str
 def status(sweep_dir: pathlib.Path, tasks: Sequence[Task]) -> list[tuple[str, str, str]]:
     """(label, state, detail) of every run (run_state)."""
     jobs = load_jobs(sweep_dir)
-    return [(t.label, *run_state(t.run_dir, jobs.get(t.label))) for t in tasks]
+    return [(t.label, *run_state(t.run_dir, jobs.get(t.label), t.split)) for t in tasks]
 
 
-def _record(launcher: Launcher, job: submitit.Job, folder: pathlib.Path) -> dict[str, Any]:
+def _record(launcher: Launcher, job: submitit.Job, folder: pathlib.Path, split: Split) -> dict[str, Any]:
     return {
         "launcher": launcher.name,
         "job_id": str(job.job_id),
         "folder": str(folder),
         "host": socket.gethostname(),
+        "split": split.name,
         "submitted": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
@@ -211,7 +226,7 @@ def launch(launcher: Launcher, tasks: Sequence[Task], sweep_dir: pathlib.Path) -
 
     Returns each task's state afterwards (run_state's first part)."""
     jobs = load_jobs(sweep_dir)
-    states = {t.label: run_state(t.run_dir, jobs.get(t.label))[0] for t in tasks}
+    states = {t.label: run_state(t.run_dir, jobs.get(t.label), t.split)[0] for t in tasks}
     todo = [t for t in tasks if states[t.label] not in ("finished", "pending", "running")]
     folder = sweep_dir / "jobs"
     if todo:
@@ -221,19 +236,20 @@ def launch(launcher: Launcher, tasks: Sequence[Task], sweep_dir: pathlib.Path) -
             try:
                 with ex.batch():  # one job array, at most `parallel` running at once
                     submitted = [
-                        ex.submit(RunJob(t.label, t.config, str(t.run_dir), launcher.compilation_cache)) for t in todo
+                        ex.submit(RunJob(t.label, t.config, str(t.run_dir), t.split, launcher.compilation_cache))
+                        for t in todo
                     ]
             except FailedJobError as e:  # sbatch refused (an unknown partition, an account without access, ...)
                 last = ([line for line in str(e).splitlines() if line.strip()] or ["no message"])[-1]
                 raise ConfigError(f"sbatch refused the sweep's jobs ({last}); check the --slurm_* flags") from None
             for t, job in zip(todo, submitted, strict=True):
-                jobs[t.label] = _record(launcher, job, folder)
+                jobs[t.label] = _record(launcher, job, folder, t.split)
             _save_jobs(sweep_dir, jobs)
         else:
             _run_local(launcher, ex, todo, [t for t in tasks if states[t.label] == "running"], sweep_dir, jobs)
     elif launcher.name == "local":
         _run_local(launcher, None, [], [t for t in tasks if states[t.label] == "running"], sweep_dir, jobs)
-    return {t.label: run_state(t.run_dir, load_jobs(sweep_dir).get(t.label))[0] for t in tasks}
+    return {t.label: run_state(t.run_dir, load_jobs(sweep_dir).get(t.label), t.split)[0] for t in tasks}
 
 
 def _run_local(
@@ -256,8 +272,9 @@ def _run_local(
         while queue and len(live) + len(earlier) < limit:
             t = queue.pop(0)
             assert ex is not None
-            live[t.label] = job = ex.submit(RunJob(t.label, t.config, str(t.run_dir), launcher.compilation_cache))
-            jobs[t.label] = _record(launcher, job, sweep_dir / "jobs")
+            run_job = RunJob(t.label, t.config, str(t.run_dir), t.split, launcher.compilation_cache)
+            live[t.label] = job = ex.submit(run_job)
+            jobs[t.label] = _record(launcher, job, sweep_dir / "jobs", t.split)
             _save_jobs(sweep_dir, jobs)
         if queue or live or earlier:
             time.sleep(POLL_S)

@@ -5,6 +5,11 @@ see sweep/runner.py); its hypotheses and scores stay in the run directory (valid
 so the results can be rebuilt without decoding again. BLEU and chrF come from those scores (sacreBLEU, every
 validation sentence), perplexity from the last validation of training (also every sentence).
 
+With `--split test` every finished run is also decoded on the test split (test.hyp, test_scores.json) and the
+results go to DIR/results_test.csv/md/png: the same rows with the test scores (test_bleu, test_chrf, ...), the Δ
+intervals and the paired bootstrap over the test sentences; the perplexity stays the validation one, and the
+published (validation) references and the paper's direction are left out. sweep/splits.py names both layouts.
+
 One seed per variant: each row holds the variant's last validation perplexity, BLEU and chrF, its mean training
 throughput and wall time (a variant still running shows its perplexity so far).
 
@@ -35,33 +40,28 @@ from typing import Any
 
 from transformer_jax.model import parameter_count
 from transformer_jax.sweep import significance
-from transformer_jax.sweep.significance import HYPOTHESES_FILE
+from transformer_jax.sweep.splits import PERPLEXITY, VALID, Split
 from transformer_jax.training.metrics import read_metrics
 
 RESULT_FILE = "sweep_result.json"  # written when a run's training finished
-SCORES_FILE = "valid_scores.json"  # evaluate.py's report on it; written last, so its presence means decoded
-REFERENCE_METRICS = ("valid_perplexity", "valid_bleu")
-# Averaged over seeds; valid_ter is an edit rate (lower is better), the other scores higher is better.
-METRICS = ("valid_perplexity", "valid_bleu", "valid_chrf", "valid_chrfpp", "valid_ter", "tokens_per_s", "wall_s")
-SCORES = {"valid_bleu": "bleu", "valid_chrf": "chrf", "valid_chrfpp": "chrfpp", "valid_ter": "ter"}  # -> report key
-DELTA_METRICS = ("valid_perplexity", "valid_bleu", "valid_chrf")  # against the first variant, with an interval
+REFERENCE_METRICS = (PERPLEXITY, f"{VALID.name}_bleu")  # published numbers are validation numbers
 CONFIDENCE = 0.95
 
 
-def decoded(run_dir: pathlib.Path) -> bool:
-    """Whether the run finished training and its last checkpoint's validation translation is stored."""
-    result, scores = run_dir / RESULT_FILE, run_dir / SCORES_FILE
-    if not (result.exists() and scores.exists() and (run_dir / HYPOTHESES_FILE).exists()):
+def decoded(run_dir: pathlib.Path, split: Split) -> bool:
+    """Whether the run finished training and its last checkpoint's translation of the split is stored."""
+    result, scores = run_dir / RESULT_FILE, run_dir / split.scores_file
+    if not (result.exists() and scores.exists() and (run_dir / split.hypotheses_file).exists()):
         return False
     # A run trained further after it was decoded (a larger train.num_steps) needs decoding again.
     steps = json.loads(result.read_text())["num_steps"]
     return json.loads(scores.read_text()).get("checkpoint_steps") == [steps]
 
 
-def run_metrics(run_dir: pathlib.Path) -> dict[str, Any]:
-    """steps, valid_perplexity, the sacreBLEU scores (SCORES), tokens_per_s, wall_s of one run directory ("" where
-    absent) and finished (trained and decoded)."""
-    row: dict[str, Any] = {key: "" for key in ("steps", "valid_perplexity", *SCORES)}
+def run_metrics(run_dir: pathlib.Path, split: Split) -> dict[str, Any]:
+    """steps, valid_perplexity, the split's sacreBLEU scores (split.scores), tokens_per_s, wall_s of one run
+    directory ("" where absent) and finished (trained and decoded on the split)."""
+    row: dict[str, Any] = {key: "" for key in ("steps", PERPLEXITY, *split.scores)}
     row.update(tokens_per_s="", wall_s="")
     metrics_file = run_dir / "metrics.jsonl"
     if metrics_file.exists():
@@ -70,20 +70,20 @@ def run_metrics(run_dir: pathlib.Path) -> dict[str, Any]:
         if train:
             row["steps"] = train[-1]["step"]
             row["tokens_per_s"] = round(sum(r["tokens_per_s"] for r in train) / len(train), 1)
-        found = [r["valid_perplexity"] for r in records if "valid_perplexity" in r]
+        found = [r[PERPLEXITY] for r in records if PERPLEXITY in r]
         if found:
-            row["valid_perplexity"] = round(found[-1], 2)
-    row["finished"] = decoded(run_dir)
+            row[PERPLEXITY] = round(found[-1], 2)
+    row["finished"] = decoded(run_dir, split)
     if row["finished"]:
-        scores = json.loads((run_dir / SCORES_FILE).read_text())["scores"]
-        for column, key in SCORES.items():
+        scores = json.loads((run_dir / split.scores_file).read_text())["scores"]
+        for column, key in split.scores.items():
             if key in scores:  # a run decoded before chrF++ and TER were reported lacks them
                 row[column] = round(scores[key]["score"], 2)
         row["wall_s"] = round(json.loads((run_dir / RESULT_FILE).read_text())["wall_s"], 1)
     return row
 
 
-def summarize_variant(variant, run_dir: pathlib.Path) -> dict:
+def summarize_variant(variant, run_dir: pathlib.Path, split: Split) -> dict:
     """One results row from a variant's directory (empty fields where it has not run): the one-seed layout."""
     name, overrides, config, reference = variant
     row: dict[str, Any] = {
@@ -91,7 +91,7 @@ def summarize_variant(variant, run_dir: pathlib.Path) -> dict:
         "overrides": " ".join(f"{k}={v}" for k, v in overrides.items()) or "(none)",
         "parameters": parameter_count(config),
     }
-    metrics = run_metrics(run_dir)
+    metrics = run_metrics(run_dir, split)
     del metrics["finished"]
     row.update(metrics)
     for key in REFERENCE_METRICS:
@@ -115,7 +115,7 @@ def welch_interval(a: Sequence[float], b: Sequence[float], confidence: float = C
     return delta - half, delta + half
 
 
-def aggregate_seeds(variants: Sequence[dict[str, Any]], num_seeds: int) -> list[dict[str, Any]]:
+def aggregate_seeds(variants: Sequence[dict[str, Any]], num_seeds: int, split: Split) -> list[dict[str, Any]]:
     """Rows of mean, standard deviation and number of seeds per metric, and Δ against the first variant.
 
     Each entry of `variants`: variant, overrides, parameters, ref_* keys, and "runs": one run_metrics() dict per
@@ -124,7 +124,7 @@ def aggregate_seeds(variants: Sequence[dict[str, Any]], num_seeds: int) -> list[
     samples = []
     for v in variants:
         finished = [r for r in v["runs"] if r["finished"]]
-        samples.append({m: [float(r[m]) for r in finished if r[m] != ""] for m in METRICS})
+        samples.append({m: [float(r[m]) for r in finished if r[m] != ""] for m in split.metrics})
     rows = []
     for v, sample in zip(variants, samples, strict=True):
         finished = [i for i, r in enumerate(v["runs"]) if r["finished"]]
@@ -136,11 +136,11 @@ def aggregate_seeds(variants: Sequence[dict[str, Any]], num_seeds: int) -> list[
             "seeds": num_seeds,
             "missing_seeds": " ".join(str(i) for i in range(num_seeds) if i not in finished),
         }
-        for m in METRICS:
+        for m in split.metrics:
             values = sample[m]
             row[m] = round(statistics.fmean(values), 4) if values else ""
             row[m + "_std"] = round(statistics.stdev(values), 4) if len(values) > 1 else ""
-        for m in DELTA_METRICS:
+        for m in split.delta_metrics:
             base = samples[0][m]
             row["delta_" + m] = (
                 round(statistics.fmean(sample[m]) - statistics.fmean(base), 4) if base and sample[m] else ""
@@ -155,7 +155,7 @@ def aggregate_seeds(variants: Sequence[dict[str, Any]], num_seeds: int) -> list[
     return rows
 
 
-def _markdown(rows: list[dict], columns: list[str]) -> list[str]:
+def _markdown(rows: list[dict], columns: list[str], split: Split) -> list[str]:
     """The results table; several seeds: "mean ± std" cells, "2 of 3 *" for a row with seeds missing, Δ [CI].
 
     The test columns (bleu_p, chrf_p: p-values marked below 0.05; the paper_direction verdict with its metric) are
@@ -179,10 +179,10 @@ def _markdown(rows: list[dict], columns: list[str]) -> list[str]:
         header = shown + test_header + direction_header
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join([*(str(r[c]) for c in shown), *test_cells(r)]) + " |" for r in rows]
-        return lines + _legend(rows, tests, direction)
+        return lines + _legend(rows, tests, direction, split)
     refs = [c for c in columns if c.startswith("ref_")]
-    header = ["variant", "overrides", "parameters", "seeds", *METRICS]
-    header += [f"Δ {m} [95% CI]" for m in DELTA_METRICS] + test_header + refs + direction_header
+    header = ["variant", "overrides", "parameters", "seeds", *split.metrics]
+    header += [f"Δ {m} [95% CI]" for m in split.delta_metrics] + test_header + refs + direction_header
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     notes = []
     for r in rows:
@@ -200,10 +200,10 @@ def _markdown(rows: list[dict], columns: list[str]) -> list[str]:
                 )
             )
         cells = [r["variant"], r["overrides"], str(r["parameters"]), seeds]
-        for m in METRICS:
+        for m in split.metrics:
             mean, std = r[m], r[m + "_std"]
             cells.append("" if mean == "" else f"{mean:.2f} ± {std:.2f}" if std != "" else f"{mean:.2f}")
-        for m in DELTA_METRICS:
+        for m in split.delta_metrics:
             delta, low, high = r["delta_" + m], r[f"delta_{m}_ci95_low"], r[f"delta_{m}_ci95_high"]
             if r is rows[0]:
                 cells.append("(base)")
@@ -223,15 +223,22 @@ def _markdown(rows: list[dict], columns: list[str]) -> list[str]:
         "",
         f"mean ± sample standard deviation over seeds; Δ: change from {rows[0]['variant']} with Welch's t 95% CI",
     ]
-    return lines + _legend(rows, tests, direction)
+    return lines + _legend(rows, tests, direction, split)
 
 
-def _legend(rows: list[dict], tests: bool, direction: bool) -> list[str]:
+def _legend(rows: list[dict], tests: bool, direction: bool, split: Split) -> list[str]:
     lines = []
+    if not split.published:
+        lines.append(
+            f"{', '.join(split.scores)}: sacreBLEU on the whole {split.description} split (last checkpoint); "
+            f"{PERPLEXITY}: the last validation perplexity of training (the {split.description} split has none). "
+            f"Published reference numbers are validation numbers: they and the paper's direction are in "
+            f"{VALID.results_name}.md only."
+        )
     if tests:
         lines.append(
             f"BLEU p, chrF p: sacreBLEU's paired bootstrap (1000 resamples) of each variant against "
-            f"{rows[0]['variant']} over all validation sentences; {significance.MARK}: p < "
+            f"{rows[0]['variant']} over all {split.description} sentences; {significance.MARK}: p < "
             f"{significance.ALPHA}. With several seeds, seed i is paired with the base's seed i and each "
             "sentence is resampled with all its seeds' translations (transformer_jax/sweep/significance.py)."
         )
@@ -245,37 +252,42 @@ def _legend(rows: list[dict], tests: bool, direction: bool) -> list[str]:
     return ["", *lines] if lines else []
 
 
-def write_results(rows: list[dict], workdir: pathlib.Path, reference_label: str = "reference") -> None:
-    """results.csv, results.md and results.png (validation perplexity and BLEU per variant)."""
-    if not any(row["ref_" + key] != "" for row in rows for key in REFERENCE_METRICS):
-        # No published numbers: neither their columns nor the comparison with them.
+def write_results(rows: list[dict], workdir: pathlib.Path, split: Split, reference_label: str = "reference") -> None:
+    """results.csv, results.md and results.png (results_test.* for the test split): validation perplexity and the
+    split's BLEU per variant."""
+    if not split.published or not any(row["ref_" + key] != "" for row in rows for key in REFERENCE_METRICS):
+        # No published numbers for these results: neither their columns nor the comparison with them.
         rows = [{k: v for k, v in row.items() if not k.startswith(("ref_", "paper_direction"))} for row in rows]
     columns = list(rows[0])
-    with open(workdir / "results.csv", "w", newline="") as f:
+    with open(workdir / f"{split.results_name}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
-    (workdir / "results.md").write_text("\n".join(_markdown(rows, columns)) + "\n")
-    _chart(rows, columns, workdir, reference_label)
+    (workdir / f"{split.results_name}.md").write_text("\n".join(_markdown(rows, columns, split)) + "\n")
+    _chart(rows, columns, workdir, split, reference_label)
 
 
-def _chart(rows: list[dict], columns: list[str], workdir: pathlib.Path, reference_label: str) -> None:
+def _chart(rows: list[dict], columns: list[str], workdir: pathlib.Path, split: Split, reference_label: str) -> None:
     from matplotlib.figure import Figure  # here: ~0.5 s to import, for the chart alone
 
     names = [r["variant"] for r in rows]
     seeds = "n_seeds" in columns
     fig = Figure(figsize=(12, max(3, 0.35 * len(rows) + 1.5)), dpi=100)  # no pyplot: no backend, no global state
     axes = fig.subplots(1, 2)
-    if "ref_valid_bleu" not in columns:
-        for ax, key, label in ((axes[0], "valid_perplexity", "validation perplexity"), (axes[1], "valid_bleu", "BLEU")):
+    bleu = f"{split.name}_bleu"
+    if "ref_" + bleu not in columns:
+        for ax, key, label in (
+            (axes[0], PERPLEXITY, "validation perplexity"),
+            (axes[1], bleu, "BLEU" if split == VALID else f"BLEU ({split.description} split)"),
+        ):
             errors = [_number(r[key + "_std"]) for r in rows] if seeds else None
             ax.barh(names, [_number(r[key]) for r in rows], xerr=errors, capsize=3, color="tab:blue")
             ax.set_xlabel(label + (" (mean ± std over seeds)" if seeds else ""))
     else:
         # Scales differ (model size, data, steps), so compare each variant's change from the first variant.
         panels = (
-            (axes[0], "valid_perplexity", lambda x, x0: 100 * (x / x0 - 1), "validation perplexity, % change from "),
-            (axes[1], "valid_bleu", lambda x, x0: x - x0, "BLEU, change in points from "),
+            (axes[0], PERPLEXITY, lambda x, x0: 100 * (x / x0 - 1), "validation perplexity, % change from "),
+            (axes[1], bleu, lambda x, x0: x - x0, "BLEU, change in points from "),
         )
         positions = range(len(rows))
         for ax, key, change, label in panels:
@@ -303,7 +315,7 @@ def _chart(rows: list[dict], columns: list[str], workdir: pathlib.Path, referenc
             ax.axvline(0.0, color="black", linewidth=0.8)
             ax.set_yticks(list(positions), names)
             ax.set_xlabel(label + names[0])
-            if key == "valid_perplexity" and largest > 100:
+            if key == PERPLEXITY and largest > 100:
                 # One run that failed to learn (+300%) would flatten every other bar to a sliver.
                 ax.set_xscale("symlog", linthresh=50)
                 ticks = [-50, -25, 0, 25, 50] + [100 * 2**k for k in range(int(math.log2(largest / 100)) + 2)]
@@ -314,7 +326,7 @@ def _chart(rows: list[dict], columns: list[str], workdir: pathlib.Path, referenc
         ax.invert_yaxis()
     axes[1].set_yticklabels([])
     fig.tight_layout()
-    fig.savefig(workdir / "results.png")
+    fig.savefig(workdir / f"{split.results_name}.png")
 
 
 def _number(value: Any) -> float:

@@ -24,7 +24,8 @@ from transformer_jax.evaluation.options import Model, Translate
 from transformer_jax.evaluation.outputs import write_json, write_lines
 from transformer_jax.evaluation.validation import bleu_evaluator
 from transformer_jax.sweep import code
-from transformer_jax.sweep.results import HYPOTHESES_FILE, REFERENCE_METRICS, RESULT_FILE, SCORES_FILE, decoded
+from transformer_jax.sweep.results import REFERENCE_METRICS, RESULT_FILE, decoded
+from transformer_jax.sweep.splits import Split
 from transformer_jax.training import loop
 from transformer_jax.training.checkpoints import list_steps
 
@@ -188,25 +189,26 @@ def _raise_terminated(*_) -> None:
     raise _Terminated
 
 
-def decode_run(name: str, run_dir: pathlib.Path) -> None:
-    """Translates the whole validation split with a finished run's last checkpoint and stores hypotheses and scores
-    (valid.hyp, then valid_scores.json); skips a run already decoded. SIGTERM raises VariantInterrupted."""
-    if decoded(run_dir):
+def decode_run(name: str, run_dir: pathlib.Path, split: Split) -> None:
+    """Translates the whole split with a finished run's last checkpoint and stores hypotheses and scores
+    (valid.hyp, then valid_scores.json; test.*); skips a run already decoded. SIGTERM raises VariantInterrupted."""
+    if decoded(run_dir, split):
         return
-    logging.info("sweep: %s: decoding the validation split", name)
+    logging.info("sweep: %s: decoding the %s split", name, split.description)
     # The last checkpoint: the paper's Table 3 averages none.
-    mode = Translate(Model(str(run_dir), average_last=1), split="valid")
-    (run_dir / SCORES_FILE).unlink(missing_ok=True)  # a stale report must not pass for the new hypotheses
+    mode = Translate(Model(str(run_dir), average_last=1), split=split.name)
+    (run_dir / split.scores_file).unlink(missing_ok=True)  # a stale report must not pass for the new hypotheses
     # Unlike training, a decode cannot save its progress; SIGTERM abandons it (hypotheses are written only at its end).
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         translation = translate(mode)
     except _Terminated:
-        raise VariantInterrupted(f"variant {name} stopped while decoding the validation split") from None
+        raise VariantInterrupted(f"variant {name} stopped while decoding the {split.description} split") from None
     finally:
         signal.signal(signal.SIGTERM, previous)
-    write_lines(run_dir / HYPOTHESES_FILE, translation.hypotheses)
-    write_json(run_dir / SCORES_FILE, {**translation.report, "hypotheses_file": str(run_dir / HYPOTHESES_FILE)})
+    hypotheses = run_dir / split.hypotheses_file
+    write_lines(hypotheses, translation.hypotheses)
+    write_json(run_dir / split.scores_file, {**translation.report, "hypotheses_file": str(hypotheses)})
 
 
 def configure_logging() -> None:
@@ -216,13 +218,16 @@ def configure_logging() -> None:
     logging.getLogger("absl").setLevel(logging.WARNING)
 
 
-def train_and_decode(label: str, config: ml_collections.ConfigDict, run_dir: pathlib.Path) -> None:
+def train_and_decode(label: str, config: ml_collections.ConfigDict, run_dir: pathlib.Path, split: Split) -> None:
     """One run as every launcher runs it (in the sweep's process, or as a job): records the code version, trains
-    (resuming; a finished run is skipped) and decodes its validation split. SIGTERM raises VariantInterrupted."""
+    (resuming; a finished run is skipped) and decodes the splits the reported split needs (split.decodes: the
+    validation split, then the test split for --split test; each one skipped if already decoded). SIGTERM raises
+    VariantInterrupted."""
     if jax.process_index() == 0:  # the hosts of a multi-host run share its directory
         code.record(run_dir)
     run_variant(label, config, run_dir)
-    decode_run(label, run_dir)
+    for each in split.decodes:
+        decode_run(label, run_dir, each)
 
 
 def translate(mode: Translate) -> run.Translation:

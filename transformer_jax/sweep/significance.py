@@ -1,8 +1,9 @@
 """Is a sweep variant's change real, and does it go the paper's way? Columns of the sweep's results.
 
 For BLEU and chrF each variant is tested against the first variant (the base row) with sacreBLEU's paired bootstrap
-over the validation sentences (`evaluation.significance.pooled_paired_bootstrap`), on the hypotheses each finished
-run stored (DIR/NAME[/seedI]/valid.hyp), so `--aggregate_only` recomputes it without decoding.
+over the sentences of the reported split (`evaluation.significance.pooled_paired_bootstrap`), on the hypotheses each
+finished run stored (DIR/NAME[/seedI]/valid.hyp, or test.hyp against the test references with `--split test`), so
+`--aggregate_only` recomputes it without decoding.
 
 Several seeds: we use the per-seed hypotheses, not a seed-averaged system. Seed i of the variant is paired with
 seed i of the base (they share the initialisation seed and data order), the seeds finished in both are pooled, and
@@ -21,7 +22,8 @@ finished seeds, the Welch 95% interval of Δ BLEU over seeds excludes 0: the boo
 retrained model moves, so on the Multi30k Table 3 sweep it gave p = 0.001 to BLEU changes of 0.4-1 whose seed
 intervals straddle 0); a row with only a paper perplexity uses perplexity (significant: the Welch 95% interval of
 Δ perplexity excludes 0, which needs two finished seeds on both sides; "untested" otherwise). A significant change
-against a paper change of exactly 0 is "no".
+against a paper change of exactly 0 is "no". The paper's numbers are validation numbers: the test split's results have
+no paper_direction.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ from transformer_jax.errors import ScoreError
 from transformer_jax.evaluation import bleu
 from transformer_jax.evaluation.inputs import split_pairs
 from transformer_jax.evaluation.significance import pooled_paired_bootstrap
+from transformer_jax.sweep.splits import Split
 
-HYPOTHESES_FILE = "valid.hyp"  # a finished run's translation of the whole validation split
 ALPHA = 0.05  # a p-value below this marks a row
 TESTED = ("bleu", "chrf")
 MARK = "†"  # results.md's mark of p < ALPHA
@@ -56,24 +58,27 @@ def format_p(p: Any) -> str:
 
 
 def compare_runs(
-    base_runs: Sequence[pathlib.Path | None], variant_runs: Sequence[pathlib.Path | None], references: list[str]
+    base_runs: Sequence[pathlib.Path | None],
+    variant_runs: Sequence[pathlib.Path | None],
+    references: list[str],
+    split: Split,
 ) -> dict[str, Any]:
-    """bleu_p, chrf_p, paired_seeds and bleu_difference (pooled score minus the base's) of one variant.
+    """bleu_p, chrf_p, paired_seeds and bleu_difference (pooled score minus the base's) of one variant on the split.
 
-    `*_runs[i]` is seed i's run directory, or None where that seed has not finished (trained and decoded).
-    Nothing to pair: empty values.
+    `*_runs[i]` is seed i's run directory, or None where that seed has not finished (trained and decoded on the
+    split). Nothing to pair: empty values.
     """
     pairs = [(b, v) for b, v in zip(base_runs, variant_runs, strict=True) if b is not None and v is not None]
     if not pairs:
         return {"bleu_p": "", "chrf_p": "", "paired_seeds": 0, "bleu_difference": ""}
     lines: dict[pathlib.Path, list[str]] = {}
     for directory in {d for pair in pairs for d in pair}:
-        path = directory / HYPOTHESES_FILE
+        path = directory / split.hypotheses_file
         lines[directory] = bleu.read_lines(path)
         if len(lines[directory]) != len(references):
             raise ScoreError(
-                f"{path} has {len(lines[directory])} lines, the validation split {len(references)}; delete "
-                f"{directory / 'valid_scores.json'} and run the sweep again to decode it anew"
+                f"{path} has {len(lines[directory])} lines, the {split.description} split {len(references)}; delete "
+                f"{directory / split.scores_file} and run the sweep again to decode it anew"
             )
     result = pooled_paired_bootstrap([lines[b] for b, _ in pairs], [lines[v] for _, v in pairs], references)
     row: dict[str, Any] = {"paired_seeds": len(pairs)}
@@ -108,23 +113,25 @@ def add_significance(
     rows: list[dict[str, Any]],
     finished: Sequence[Sequence[pathlib.Path | None]],
     references: Sequence[list[str] | None],
+    split: Split,
 ) -> list[dict[str, Any]]:
     """The rows with the test and direction columns; rows[0] is the base.
 
-    `finished[v][i]`: the directory of variant v's seed i if it finished (trained and decoded), else None.
-    `references[v]`: variant v's validation references (None: not read, as no run of it finished). A variant
-    validated on other sentences than the base gets no test.
+    `finished[v][i]`: the directory of variant v's seed i if it finished (trained and decoded on the split), else
+    None. `references[v]`: variant v's references of the split (None: not read, as no run of it finished). A
+    variant scored on other sentences than the base gets no test.
     """
     out = []
     for i, (row, runs, refs) in enumerate(zip(rows, finished, references, strict=True)):
         row = dict(row)
         test = {"bleu_p": "", "chrf_p": "", "paired_seeds": "", "bleu_difference": ""}
         if i > 0 and refs is not None and refs == references[0]:
-            test = compare_runs(finished[0], runs, refs)
+            test = compare_runs(finished[0], runs, refs, split)
         difference = test.pop("bleu_difference")
         row.update(test)
-        # Nothing to judge for the base itself, or before both sides have a finished run.
-        judged = i > 0 and any(runs) and any(finished[0])
+        # Nothing to judge for the base itself, before both sides have a finished run, or on another split than the
+        # paper's numbers.
+        judged = split.published and i > 0 and any(runs) and any(finished[0])
         row["paper_direction"], row["paper_direction_by"] = (
             paper_direction(row, rows[0], difference) if judged else ("", "")
         )
@@ -132,6 +139,6 @@ def add_significance(
     return out
 
 
-def references_of(config) -> list[str]:
-    """The validation references of a config's data, as the sweep's decoding scored them."""
-    return split_pairs(config, "valid")[1]
+def references_of(config, split: Split) -> list[str]:
+    """The references of the split of a config's data, as the sweep's decoding scored them."""
+    return split_pairs(config, split.name)[1]
