@@ -9,9 +9,12 @@ from matplotlib.figure import Figure
 
 from tests.helpers.sweeps import fails
 from transformer_jax.errors import ConfigError
+from transformer_jax.evaluation import bleu, run
+from transformer_jax.evaluation.inputs import split_pairs
+from transformer_jax.evaluation.options import Model, Translate
 from transformer_jax.sweep import __main__ as sweep
 from transformer_jax.sweep import results, runner
-from transformer_jax.sweep.splits import VALID
+from transformer_jax.sweep.splits import TEST, VALID
 from transformer_jax.training import loop
 
 CONFIG = str(pathlib.Path(__file__).resolve().parent / "tiny_sweep_config.py")
@@ -88,9 +91,18 @@ def test_missing_config_file_or_flag_is_one_line(corpus, tmp_path, capsys):
     assert "'d_modle' Did you mean \"d_model\"" in fails(["--config", CONFIG, "--config.model.d_modle=8"], capsys)
 
 
-def test_sweep_runs_skips_finished_variants_and_aggregates(corpus, tmp_path):
-    workdir = tmp_path / "sw"
-    assert sweep.main(["--config", CONFIG, "--workdir", str(workdir)]) == 0
+@pytest.fixture(scope="module")
+def trained_sweep(corpus, tmp_path_factory) -> pathlib.Path:
+    """The tiny sweep trained and decoded on the validation split, once for the tests of this file that use it."""
+    workdir = tmp_path_factory.mktemp("trained") / "sw"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TINY_CORPUS", str(corpus))
+        assert sweep.main(["--config", CONFIG, "--workdir", str(workdir)]) == 0
+    return workdir
+
+
+def test_sweep_runs_skips_finished_variants_and_aggregates(trained_sweep):
+    workdir = trained_sweep
     for name in ("base", "pre_ln"):
         assert (workdir / name / "config.json").exists()
         assert (workdir / name / results.RESULT_FILE).exists()
@@ -115,6 +127,49 @@ def test_sweep_runs_skips_finished_variants_and_aggregates(corpus, tmp_path):
     stamp = (workdir / "base" / "metrics.jsonl").stat().st_mtime
     assert sweep.main(["--config", CONFIG, "--workdir", str(workdir)]) == 0
     assert (workdir / "base" / "metrics.jsonl").stat().st_mtime == stamp
+
+
+def _files(workdir: pathlib.Path) -> dict[pathlib.Path, tuple[bytes, int]]:
+    return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(workdir.rglob("*")) if p.is_file()}
+
+
+def test_split_test_decodes_a_trained_sweep_on_the_test_split_only(trained_sweep, corpus, monkeypatch):
+    """A sweep trained and decoded on validation: --split test decodes each run's last checkpoint on the test split
+    as evaluate.py's library does, trains nothing, changes no file, and reports the test scores in results_test.*."""
+    workdir = trained_sweep
+    before = _files(workdir)
+    monkeypatch.setattr(loop, "train_and_evaluate", lambda *a, **k: pytest.fail("trained a finished run"))
+    splits, translate = [], runner.translate
+    monkeypatch.setattr(runner, "translate", lambda mode: (splits.append(mode.split), translate(mode))[1])
+    assert sweep.main(["--config", CONFIG, "--workdir", str(workdir), "--split", "test"]) == 0
+    assert splits == ["test", "test"]  # base and pre_ln, the test split only
+    after = _files(workdir)
+    # Metrics, checkpoints, valid.hyp, valid_scores.json and results.* as they were (bytes and times).
+    assert {p: after[p] for p in before} == before
+    base = workdir / "base"
+    mode = Translate(Model(str(base), average_last=1), split="test")
+    expected = run.translate(mode, run.load(mode))  # what evaluate.py --split test writes
+    assert (base / TEST.hypotheses_file).read_text(encoding="utf-8").splitlines() == expected.hypotheses
+    config = runner.variants(CONFIG)[0].config
+    refs = split_pairs(config, "test")[1]
+    assert refs != split_pairs(config, "valid")[1]
+    report = json.loads((base / TEST.scores_file).read_text())
+    assert report["checkpoint_steps"] == [2] and report["lines"] == len(refs)
+    assert report["scores"]["chrf"]["score"] == bleu.score_all(expected.hypotheses, refs)["chrf"]["score"]
+    rows = list(csv.DictReader(open(workdir / "results_test.csv")))
+    valid_rows = list(csv.DictReader(open(workdir / "results.csv")))
+    assert float(rows[0]["test_bleu"]) == round(report["scores"]["bleu"]["score"], 2)
+    assert float(rows[0]["test_chrf"]) == round(report["scores"]["chrf"]["score"], 2)
+    assert [r["valid_perplexity"] for r in rows] == [r["valid_perplexity"] for r in valid_rows]
+    assert rows[1]["paired_seeds"] == "1" and 0 < float(rows[1]["bleu_p"]) <= 1
+    assert not any(c.startswith(("valid_bleu", "ref_", "paper_direction")) for c in rows[0])  # validation's only
+    table = (workdir / "results_test.md").read_text()
+    assert table.startswith("| variant |") and "| test_bleu |" in table
+    assert "the last validation perplexity of training" in table and "over all test sentences" in table
+    assert (workdir / "results_test.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Decoded on both splits: a third invocation decodes nothing.
+    assert sweep.main(["--config", CONFIG, "--workdir", str(workdir), "--split", "test"]) == 0
+    assert splits == ["test", "test"]
 
 
 def _row(variant, ppl, bleu, ref_ppl="", ref_bleu=""):

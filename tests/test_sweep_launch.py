@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import pathlib
+import pickle
 import signal
 import socket
 import stat
@@ -15,11 +16,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.helpers.sweeps import fails
+from tests.helpers.sweeps import fails, write_run
 from transformer_jax.errors import VariantInterrupted
 from transformer_jax.sweep import __main__ as sweep
 from transformer_jax.sweep import code, job, launch, results, runner
-from transformer_jax.sweep.splits import VALID
+from transformer_jax.sweep.splits import TEST, VALID
 from transformer_jax.sweep.submitit_module import submitit
 from transformer_jax.training import loop
 from transformer_jax.training.metrics import read_metrics
@@ -169,6 +170,54 @@ def test_status_names_each_state_and_a_failed_runs_last_log_line(corpus, tmp_pat
         f"pre_ln\trunning\tlocal job {os.getpid()}",
     ]
     assert not (workdir / launch.LOCK_NAME).exists()  # --status owns nothing
+
+
+def test_a_job_for_split_test_decodes_the_validation_then_the_test_split(tmp_path, monkeypatch):
+    """The job side of --split test (through pickling, as submitit hands it over): train (skipped when finished),
+    then decode the validation split, then the test split."""
+    calls = []
+    monkeypatch.setattr(runner, "run_variant", lambda label, config, run_dir: calls.append(("train", label)))
+    monkeypatch.setattr(runner, "decode_run", lambda label, run_dir, split: calls.append(("decode", split.name)))
+    monkeypatch.setattr(runner.code, "record", lambda run_dir: None)
+    the_job = pickle.loads(pickle.dumps(job.RunJob("base", None, str(tmp_path / "base"), TEST, None)))
+    assert the_job() == "base"
+    assert calls == [("train", "base"), ("decode", "valid"), ("decode", "test")]
+
+
+def test_split_test_submits_runs_decoded_on_validation_only_and_status_tells_why(corpus, tmp_path, monkeypatch, capsys):
+    """Runs whose jobs finished them for --split valid are 'not decoded' for --split test (a job of --split test
+    that ended without the test split failed), and --split test submits jobs that decode the test split."""
+    workdir = tmp_path / "sw"
+    refs = (corpus / "valid.de").read_text(encoding="utf-8").splitlines()
+    for name in ("base", "pre_ln"):
+        write_run(workdir / name, refs, refs, perplexity=5.0)
+    folder = workdir / "jobs"
+    folder.mkdir()
+    ended = _dead_pid()
+    (folder / f"{ended}_0_log.err").write_text("sweep: error: split 'test' of data.source=text has no lines\n")
+    record = {"launcher": "local", "folder": str(folder), "host": socket.gethostname(), "job_id": str(ended)}
+    jobs = {"base": {**record, "split": "valid"}, "pre_ln": {**record, "split": "test"}}
+    (workdir / launch.JOBS_FILE).write_text(json.dumps(jobs))
+    args = ["--config", CONFIG, "--workdir", str(workdir)]
+    assert sweep.main([*args, "--status"]) == 0
+    assert capsys.readouterr().out.split() == ["base", "finished", "pre_ln", "finished"]
+    assert sweep.main([*args, "--status", "--split", "test"]) == 0
+    assert capsys.readouterr().out.strip().splitlines() == [
+        "base\tnot decoded\tthe test split is not decoded yet; run the sweep with --split test",
+        "pre_ln\tfailed\tsweep: error: split 'test' of data.source=text has no lines",
+    ]
+    states = tmp_path / "states"
+    states.write_text("1234_0|PENDING|\n1234_1|PENDING|\n")
+    _stand_ins(tmp_path / "bin", states)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    assert sweep.main([*args, "--split", "test", "--launcher", "slurm"]) == 0
+    jobs = launch.load_jobs(workdir)
+    assert {label: (r["job_id"], r["split"]) for label, r in jobs.items()} == {
+        "base": ("1234_0", "test"),
+        "pre_ln": ("1234_1", "test"),
+    }
+    for i in range(2):
+        assert utils.DelayedSubmission.load(folder / f"1234_{i}_submitted.pkl").function.split == TEST
 
 
 def _stand_ins(bin_dir: pathlib.Path, state_file: pathlib.Path) -> pathlib.Path:

@@ -11,12 +11,13 @@ import json
 import os
 import pathlib
 import random
+import shutil
 import signal
 
 import pytest
 from sacrebleu.metrics import BLEU, CHRF
 
-from tests.helpers.sweeps import fails, write_run
+from tests.helpers.sweeps import fails, write_decode, write_run
 from transformer_jax.errors import ScoreError
 from transformer_jax.evaluation import significance
 from transformer_jax.evaluation.run import Translation
@@ -24,7 +25,7 @@ from transformer_jax.sweep import __main__ as sweep
 from transformer_jax.sweep import runner
 from transformer_jax.sweep import significance as sweep_significance
 from transformer_jax.sweep.results import RESULT_FILE, aggregate_seeds, run_metrics
-from transformer_jax.sweep.splits import VALID
+from transformer_jax.sweep.splits import TEST, VALID
 from transformer_jax.training import loop
 
 CONFIG = str(pathlib.Path(__file__).resolve().parent / "tiny_sweep_config.py")
@@ -277,3 +278,44 @@ def test_hypothesis_errors_in_aggregate_only_are_one_line(corpus, tmp_path, caps
     write_run(tmp_path / "sw" / "pre_ln", refs[1:], refs[1:], perplexity=5.0)
     err = fails(["--config", CONFIG, "--workdir", str(tmp_path / "sw"), "--aggregate_only"], capsys)
     assert "pre_ln/valid.hyp has 23 lines, the validation split 24" in err
+
+
+def test_aggregate_only_on_the_test_split_tests_test_hypotheses_against_test_references(
+    corpus, tmp_path, monkeypatch, capsys
+):
+    """results_test.* from test.hyp against the test references (a test split of 20 lines here, validation 24):
+    the seeds' Δ and the bootstrap on the test split, while results.* are left as they are. On validation pre_ln is
+    worse than base; on the test split both wrote the same lines (bootstrap p = 1) and pre_ln's scores are higher."""
+    monkeypatch.setattr(loop, "train_and_evaluate", lambda *a: pytest.fail("trained"))
+    monkeypatch.setattr(runner, "translate", lambda *a: pytest.fail("decoded"))
+    data = tmp_path / "data"
+    shutil.copytree(corpus, data)
+    for lang in ("en", "de"):
+        lines = (data / f"test.{lang}").read_text(encoding="utf-8").splitlines()
+        (data / f"test.{lang}").write_text("".join(line + "\n" for line in lines[:20]), encoding="utf-8")
+    monkeypatch.setenv("TINY_CORPUS", str(data))
+    valid, test = _tiny_refs(data), (data / "test.de").read_text(encoding="utf-8").splitlines()
+    workdir = tmp_path / "sw"
+    for i in range(2):
+        write_run(workdir / "base" / f"seed{i}", valid, valid, perplexity=9.0 + i)
+        write_decode(workdir / "base" / f"seed{i}", TEST, test, noisy(test, 0.5, i))  # a made-up report: lower
+        write_run(workdir / "pre_ln" / f"seed{i}", noisy(valid, 0.6, i), valid, perplexity=3.0 + i)
+        write_decode(workdir / "pre_ln" / f"seed{i}", TEST, test, test)
+    args = ["--config", CONFIG, "--workdir", str(workdir), "--seeds", "2", "--aggregate_only"]
+    assert sweep.main(args) == 0
+    valid_rows = list(csv.DictReader(open(workdir / "results.csv")))
+    assert float(valid_rows[1]["delta_valid_bleu"]) < 0 and float(valid_rows[1]["bleu_p"]) < 0.05
+    valid_files = {name: (workdir / name).read_bytes() for name in ("results.csv", "results.md", "results.png")}
+    assert sweep.main([*args, "--split", "test"]) == 0
+    assert {name: (workdir / name).read_bytes() for name in valid_files} == valid_files
+    rows = list(csv.DictReader(open(workdir / "results_test.csv")))
+    assert rows[1]["test_bleu"] == "100.0" and float(rows[1]["delta_test_bleu_ci95_low"]) > 0  # Welch over seeds
+    assert (rows[1]["paired_seeds"], rows[1]["bleu_p"], rows[1]["chrf_p"]) == ("2", "1.0", "1.0")  # same test.hyp
+    assert float(rows[1]["delta_valid_perplexity"]) == -6.0  # training's validation perplexity
+    assert "delta_valid_bleu" not in rows[1] and not any(c.startswith(("ref_", "paper_")) for c in rows[1])
+    table = (workdir / "results_test.md").read_text()
+    assert "| Δ test_bleu [95% CI] |" in table and "same direction as the paper" not in table
+    # A test hypothesis file of the wrong length names the test split and its report.
+    write_decode(workdir / "pre_ln" / "seed1", TEST, test[1:], test[1:])
+    err = fails([*args, "--split", "test"], capsys)
+    assert "pre_ln/seed1/test.hyp has 19 lines, the test split 20; delete" in err and "test_scores.json" in err
