@@ -14,7 +14,7 @@ import pytest
 
 from transformer_jax.sweep import __main__ as sweep
 from transformer_jax.sweep import code, launch
-from transformer_jax.sweep.splits import VALID
+from transformer_jax.sweep.splits import TEST, VALID
 from transformer_jax.training.metrics import read_metrics
 
 CONFIG = str(pathlib.Path(__file__).resolve().parent / "tiny_sweep_config.py")
@@ -24,8 +24,8 @@ TIMING = ("tokens_per_s", "wall_s")
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("tiny_corpus_env")]
 
 
-def _rows(workdir: pathlib.Path) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in csv.DictReader(open(workdir / "results.csv"))]
+def _rows(workdir: pathlib.Path, name: str = "results.csv") -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in csv.DictReader(open(workdir / name))]
 
 
 def _metrics(run_dir: pathlib.Path) -> list[dict]:
@@ -51,6 +51,17 @@ def test_two_variants_with_parallel_2_give_the_sequential_results(corpus, tmp_pa
     # Run again: nothing is submitted, the results are rebuilt.
     assert sweep.main(["--config", CONFIG, "--workdir", str(local), "--launcher", "local"]) == 0
     assert launch.load_jobs(local) == jobs
+    # --split test: new jobs only decode the trained runs' test split, as the sequential launcher does.
+    metrics = {name: _metrics(local / name) for name in ("base", "pre_ln")}
+    assert sweep.main(["--config", CONFIG, "--workdir", str(sequential), "--split", "test"]) == 0
+    args = ["--config", CONFIG, "--workdir", str(local), "--launcher", "local", "--parallel", "2", "--split", "test"]
+    assert sweep.main(args) == 0
+    assert _rows(local, "results_test.csv") == _rows(sequential, "results_test.csv")
+    assert {label: r["split"] for label, r in launch.load_jobs(local).items()} == {"base": "test", "pre_ln": "test"}
+    for name in ("base", "pre_ln"):
+        assert _metrics(local / name) == metrics[name]
+        hyps = TEST.hypotheses_file
+        assert (local / name / hyps).read_text() == (sequential / name / hyps).read_text()
 
 
 def test_a_failed_job_is_named_by_status_with_its_last_log_line(corpus, tmp_path, capsys):
