@@ -174,3 +174,19 @@ def test_the_sample_is_drawn_by_index_and_read_in_one_pass(tmp_path, monkeypatch
     sample = tokenizer_lib.sample_sentences(sources.open_stream(config, "train"), 40, seed=3)
     indices = sorted(random.Random(3).sample(range(100), 20))
     assert sample == [s for i in indices for s in (en[i], de[i])]
+
+
+def test_line_breaks_are_every_character_that_splits_a_line():
+    splitting = {c for c in map(chr, range(0x110000)) if len(f"a{c}b".splitlines()) > 1}
+    assert splitting == set(tokenizer_lib.LINE_BREAKS)
+
+
+def test_a_decoded_translation_is_one_line_whatever_byte_pieces_it_holds(tokenizer):
+    # A sampled output can hold byte-fallback pieces of line breaks: written as they are, they would shift every
+    # later line of the output file against its input.
+    pieces = ["<0x0A>", "<0x0C>", "<0x0D>", "<0xE2>", "<0x80>", "<0xA8>"]  # \n, \f, \r and U+2028 in UTF-8
+    ids = [*tokenizer.encode_source("Two"), *(tokenizer._sp.piece_to_id(p) for p in pieces)]
+    ids += tokenizer.encode_source("dogs")
+    assert tokenizer.ids.unk not in ids  # each byte is a piece of its own
+    text = tokenizer.decode_target(ids)
+    assert text.splitlines() == [text] and text.startswith("Two") and text.endswith("dogs")

@@ -119,8 +119,9 @@ class Tokenizer:
         return self._sp.encode(list(texts), num_threads=num_threads)
 
     def decode_target(self, ids: Iterable[int]) -> str:
-        """The text of `ids` up to the first EOS; padding and BOS are dropped (model outputs can be passed as is)."""
-        return self._sp.decode(_content(ids, self.ids, drop=(self.ids.pad, self.ids.bos)))
+        """The text of `ids` up to the first EOS, on one line (`one_line`); padding and BOS are dropped (model outputs
+        can be passed as is)."""
+        return one_line(self._sp.decode(_content(ids, self.ids, drop=(self.ids.pad, self.ids.bos))))
 
     def decode_target_batch(self, batch: Iterable[Iterable[int]]) -> list[str]:
         return [self.decode_target(ids) for ids in batch]
@@ -192,10 +193,10 @@ class MarianTokenizer:
 
     def decode_target(self, ids: Iterable[int]) -> str:
         """The text of `ids` up to the first EOS, every reserved id dropped (MarianTokenizer's decode with
-        skip_special_tokens)."""
+        skip_special_tokens), on one line (`one_line`)."""
         drop = (self.ids.pad, self.ids.bos, self.ids.unk)
         pieces = [self._target_pieces[i] for i in _content(ids, self.ids, drop=drop)]
-        return self._target_sp.decode_pieces(pieces).replace(SPIECE_UNDERLINE, " ").strip()
+        return one_line(self._target_sp.decode_pieces(pieces).replace(SPIECE_UNDERLINE, " ").strip())
 
     def decode_target_batch(self, batch: Iterable[Iterable[int]]) -> list[str]:
         return [self.decode_target(ids) for ids in batch]
@@ -205,6 +206,17 @@ class MarianTokenizer:
 
     def target_pieces(self, ids: Iterable[int]) -> list[str]:
         return [self._target_pieces[int(i)] for i in ids]
+
+
+# str.splitlines' line boundaries. A translation is one line of a file, but byte-fallback pieces (<0x0A>, <0x0C>, ...)
+# decode to any character: a sampled one would shift every later line of translate_corpus's or evaluate.py's output.
+LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
+_ONE_LINE = str.maketrans(dict.fromkeys(LINE_BREAKS, " "))
+
+
+def one_line(text: str) -> str:
+    """`text` with each line boundary replaced by a space."""
+    return text.translate(_ONE_LINE)
 
 
 def _content(ids: Iterable[int], reserved: SpecialIds, *, drop: tuple[int, ...]) -> list[int]:

@@ -4,7 +4,8 @@
         [--checkpoint latest|best|STEP] [--average_last N | --average_steps A,B | --average_best K]
         [--ensemble_workdirs B,C] [--beam_size B --alpha A ...] [--sampling --seed S --temperature T ...]
 
-Line i of OUT translates line i of FILE (a blank line gives an empty line; a line longer than data.eval_max_len
+Line i of OUT translates line i of FILE (a line break in a translation, such as a sampled byte piece, is written as
+a space: data/tokenizer.one_line; a blank line gives an empty line; a line longer than data.eval_max_len
 tokens is cut, as evaluate.py does; input that is not UTF-8 stops the program in one line naming the line). OUT.scores
 has one line per line: `log_prob<TAB>score`, the model's log P(output | source) summed over the output's tokens (EOS
 included) and the search's length-normalised score, log_prob / lp(length) (--length_penalty, --alpha); `nan` for a
