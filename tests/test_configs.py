@@ -24,6 +24,8 @@ CONFIG_ARGS = {
     "quickstart": [None],
     "ablations_table3": ["scale=paper", "scale=mini,steps=400", "scale=tiny,steps=4"],
     "ablations_architecture": ["scale=small,steps=100"],
+    "backtranslation": ["data=runs/bt/data", "data=runs/bt/data,direction=de-en,steps=50"],
+    "distillation": ["data=runs/kd/data"],
 }
 
 
@@ -198,3 +200,9 @@ def test_short_sweeps_keep_the_peak_learning_rate(arg):
     full_peak = learning_rate_schedule(full.opt, full.train.num_steps)(full.opt.warmup_steps - 1)
     short_peak = learning_rate_schedule(short.opt, short.train.num_steps)(short.opt.warmup_steps - 1)
     assert abs(float(short_peak) / float(full_peak) - 1) < 1e-3
+
+
+@pytest.mark.parametrize("name", ["backtranslation", "distillation"])
+def test_an_experiment_config_without_its_data_directory_says_which_argument_to_give(name):
+    with pytest.raises(ValueError, match="needs data=DIR"):
+        importlib.import_module(f"configs.{name}").get_config(None)
