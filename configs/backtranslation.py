@@ -16,6 +16,7 @@ import ml_collections
 from configs import ablations_table3, common
 
 TAG = "<BT>"
+DEFAULTS = dict(data="", steps="1600", direction="en-de")  # the config-file argument's keys and defaults
 
 
 def _files(data: str, src: str, tgt: str, stem_src: str, stem_tgt: str | None = None) -> str:
@@ -23,7 +24,7 @@ def _files(data: str, src: str, tgt: str, stem_src: str, stem_tgt: str | None = 
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    args = common.parse_arg(arg, data="", steps="1600", direction="en-de")
+    args = common.parse_arg(arg, **DEFAULTS)
     if not args["data"]:
         raise ValueError("configs/backtranslation.py needs data=DIR, the directory of docs/results.md's split files")
     # The mini model and steps of the seeded Table 3 sweep (d_model 128, ~1k tokens a step): each run fits minutes.
@@ -38,7 +39,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
 
 def get_sweep(arg: str | None = None) -> list[dict]:
-    data = common.parse_arg(arg, data="", steps="1600", direction="en-de")["data"]
+    args = common.parse_arg(arg, **DEFAULTS)
+    if args["direction"] != "en-de":
+        raise ValueError("the back-translation arms are en-de (mono.de is their monolingual side); drop direction=")
+    data = args["data"]
     real = f"real=files:{_files(data, 'en', 'de', 'real')}:10000"
     # Weights are the corpora's sizes: every pair, real or synthetic, is drawn equally often.
     bt = "bt=files:" + _files(data, "en", "de", "{}", "mono") + f":19000:{TAG}"

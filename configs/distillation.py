@@ -13,9 +13,11 @@ import ml_collections
 
 from configs import ablations_table3, common
 
+DEFAULTS = dict(data="", steps="4000")  # the config-file argument's keys and defaults
+
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    args = common.parse_arg(arg, data="", steps="4000")
+    args = common.parse_arg(arg, **DEFAULTS)
     if not args["data"]:
         raise ValueError("configs/distillation.py needs data=DIR, the directory of docs/results.md's teacher files")
     # The tiny model (d_model 32, 2+2 layers) and Multi30k's packed 32 x 64-token batches.
@@ -26,7 +28,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
 
 def get_sweep(arg: str | None = None) -> list[dict]:
-    data = common.parse_arg(arg, data="", steps="4000")["data"]
+    data = common.parse_arg(arg, **DEFAULTS)["data"]
     return [
         {"name": "references", "data.corpora": ""},  # data.source: Multi30k train as it is
         {"name": "teacher", "data.corpora": f"teacher=files:{data}/train.en+{data}/teacher.de:1"},

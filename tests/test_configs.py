@@ -24,7 +24,7 @@ CONFIG_ARGS = {
     "quickstart": [None],
     "ablations_table3": ["scale=paper", "scale=mini,steps=400", "scale=tiny,steps=4"],
     "ablations_architecture": ["scale=small,steps=100"],
-    "backtranslation": ["data=runs/bt/data", "data=runs/bt/data,direction=de-en,steps=50"],
+    "backtranslation": ["data=runs/bt/data", "data=runs/bt/data,steps=50"],
     "distillation": ["data=runs/kd/data"],
 }
 
@@ -206,3 +206,14 @@ def test_short_sweeps_keep_the_peak_learning_rate(arg):
 def test_an_experiment_config_without_its_data_directory_says_which_argument_to_give(name):
     with pytest.raises(ValueError, match="needs data=DIR"):
         importlib.import_module(f"configs.{name}").get_config(None)
+
+
+def test_the_back_translator_config_reverses_the_real_pairs_and_its_arms_refuse_that_direction():
+    from configs import backtranslation
+
+    config = backtranslation.get_config("data=runs/bt/data,direction=de-en")  # the de-en back-translator's run
+    checks.validate(config)
+    assert (config.data.src_lang, config.data.tgt_lang) == ("de", "en")
+    assert config.data.corpora == "real=files:runs/bt/data/real.de+runs/bt/data/real.en:1"
+    with pytest.raises(ValueError, match="arms are en-de"):
+        backtranslation.get_sweep("data=runs/bt/data,direction=de-en")

@@ -185,7 +185,8 @@ def test_a_decoded_translation_is_one_line_whatever_byte_pieces_it_holds(tokeniz
     # A sampled output can hold byte-fallback pieces of line breaks: written as they are, they would shift every
     # later line of the output file against its input.
     pieces = ["<0x0A>", "<0x0C>", "<0x0D>", "<0xE2>", "<0x80>", "<0xA8>"]  # \n, \f, \r and U+2028 in UTF-8
-    ids = [*tokenizer.encode_source("Two"), *(tokenizer._sp.piece_to_id(p) for p in pieces)]
+    model = spm.SentencePieceProcessor(model_file=str(tokenizer.path))
+    ids = [*tokenizer.encode_source("Two"), *(model.piece_to_id(p) for p in pieces)]
     ids += tokenizer.encode_source("dogs")
     assert tokenizer.ids.unk not in ids  # each byte is a piece of its own
     text = tokenizer.decode_target(ids)
