@@ -106,6 +106,34 @@ def test_a_spec_is_a_static_structure_with_alpha_traced():
         decoding.Beam(alpha=0.6)  # the number of beams has no default
 
 
+def test_specs_of_two_kinds_are_two_jit_keys_whatever_their_fields():
+    """Beam(settle=2) and SetAside(hypotheses=2) hold the same values, as do Greedy and a search defined elsewhere:
+    their treedefs differ by kind. jaxlib's register_dataclass treedefs compared equal here, and jit then ran the
+    in-beam search's program for a set-aside search whenever the two keys' hashes met in its cache (a test of
+    evaluate.py's --finished failed about once in ten runs)."""
+    beam = decoding.Beam(alpha=1.0, penalty="average", beam_size=2).nbest(2)
+    aside = decoding.SetAside(alpha=1.0, penalty="average", beam_size=2).nbest(2)
+    greedy, second = decoding.Greedy(alpha=0.6), SecondBest(alpha=0.6)
+    for a, b in [(beam, aside), (greedy, second), (greedy, decoding.Search(alpha=0.6))]:
+        assert jax.tree.leaves(a) == jax.tree.leaves(b)
+        assert jax.tree.structure(a) != jax.tree.structure(b), (a, b)
+    # The structure rebuilds the spec of its kind, with its static fields, around new leaves (no __init__ checks).
+    rebuilt = jax.tree.unflatten(jax.tree.structure(aside), [0.5])
+    assert type(rebuilt) is decoding.SetAside and rebuilt == decoding.SetAside(
+        alpha=0.5, penalty="average", beam_size=2, hypotheses=2
+    )
+    assert [str(path) for path, _ in jax.tree_util.tree_flatten_with_path(aside)[0]] == ["(GetAttrKey(name='alpha'),)"]
+    assert jax.tree.map(lambda x: x, decoding.Sampled(alpha=0.6, sampling=decoding.Sampling(1.0, 0, 1.0), seed=3)) == (
+        decoding.Sampled(alpha=0.6, sampling=decoding.Sampling(1.0, 0, 1.0), seed=3)
+    )
+
+    @jax.jit
+    def kind(spec):
+        return spec.alpha * (2.0 if isinstance(spec, decoding.SetAside) else 1.0)
+
+    assert (float(kind(beam)), float(kind(aside))) == (1.0, 2.0)
+
+
 def test_search_for_maps_evaluate_flags_to_one_spec_each():
     sampling = decoding.Sampling(1.0, 0, 1.0)
     assert decoding.search_for(1, 0.6) == decoding.Greedy(alpha=0.6)

@@ -55,12 +55,35 @@ FINISHED_RULES = (IN_BEAM, SET_ASIDE)  # what beam search does with a hypothesis
 
 def search_spec(*values: str) -> Callable[[type], type]:
     """The class decorator of a spec: a frozen keyword-only dataclass registered as a pytree whose leaves are the
-    fields `values` (traced by jit), its other fields static (every spec has `alpha` among its values)."""
+    fields `values` (traced by jit), its other fields static (every spec has `alpha` among its values).
+
+    Registered as a custom node, not with jax.tree_util.register_dataclass: jaxlib (0.10.2) compares two
+    register_dataclass treedefs by their fields' values without their types, so Beam(settle=2) and
+    SetAside(hypotheses=2) flatten to equal treedefs, and jit, whose cache then tells them apart by hash alone, can
+    run one's compiled search for the other (tests/test_decoding_protocol.py). A custom node's treedef carries its
+    type.
+    """
 
     def register(cls: type) -> type:
         cls = dataclasses.dataclass(frozen=True, kw_only=True)(cls)
-        static = [f.name for f in dataclasses.fields(cls) if f.name not in values]
-        return jax.tree_util.register_dataclass(cls, data_fields=list(values), meta_fields=static)
+        static = tuple(f.name for f in dataclasses.fields(cls) if f.name not in values)
+
+        def flatten_with_keys(spec: Search) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
+            leaves = [(jax.tree_util.GetAttrKey(name), getattr(spec, name)) for name in values]
+            return leaves, tuple(getattr(spec, name) for name in static)
+
+        def flatten(spec: Search) -> tuple[list[Any], tuple[Any, ...]]:
+            return [getattr(spec, name) for name in values], tuple(getattr(spec, name) for name in static)
+
+        def unflatten(meta: tuple[Any, ...], leaves: Any) -> Search:
+            # Without __init__: jax rebuilds specs around tracers and placeholders, which no check should see.
+            spec = object.__new__(cls)
+            for name, value in (*zip(values, leaves, strict=True), *zip(static, meta, strict=True)):
+                object.__setattr__(spec, name, value)
+            return spec
+
+        jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+        return cls
 
     return register
 
