@@ -1,0 +1,69 @@
+"""A decoding step's attention product against its key cache, with the cache in the CPU's caches or not; prints JSON.
+
+    python -m benchmarks.attention_cache [--rows 64 --heads 4 --slots 32 --head_dim 64 --caches 1,4,24 --repeats 20]
+
+The product is xla_attention's scores einsum for one query per row (greedy decoding), `btkgh,bksh->bkgts`, over a
+[rows, heads, slots, head_dim] float32 key cache. One jitted call computes it against each of N distinct caches,
+so that with N x (cache bytes) past the last-level cache every product reads its cache from memory, as a decoding
+step does whose working set (weights and caches) is larger than that cache (docs/benchmarks.md). A sum over the
+same caches is the memory-read floor. Per product: microseconds and GB/s of cache read (best of --repeats calls).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+_ROWS = flags.DEFINE_integer("rows", 64, "Rows (sentences x beams) of the step.")
+_HEADS = flags.DEFINE_integer("heads", 4, "Key/value heads.")
+_SLOTS = flags.DEFINE_integer("slots", 32, "Cache slots.")
+_HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Key width per head.")
+_CACHES = flags.DEFINE_list("caches", ["1", "4", "24"], "Distinct caches per call (N).")
+_REPEATS = flags.DEFINE_integer("repeats", 20, "Timed calls; the fastest counts.")
+
+
+def best_s(fn, args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))  # compiles
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure(rows: int, heads: int, slots: int, head_dim: int, caches: int, repeats: int) -> dict:
+    """The product's and the sum's time per cache, over `caches` distinct caches in one call."""
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(rows, 1, heads, 1, head_dim)), jnp.float32)
+    ks = [jnp.asarray(rng.normal(size=(rows, heads, slots, head_dim)), jnp.float32) for _ in range(caches)]
+    products = jax.jit(lambda q, ks: [jnp.einsum("btkgh,bksh->bkgts", q, k) for k in ks])
+    sums = jax.jit(lambda ks: [k.sum() for k in ks])
+    cache_bytes = rows * heads * slots * head_dim * 4
+    report = {
+        "caches": caches,
+        "cache_mib": round(cache_bytes / 2**20, 3),
+        "total_mib": round(caches * cache_bytes / 2**20, 1),
+    }
+    for name, fn, args in (("product", products, (q, ks)), ("sum", sums, (ks,))):
+        each = best_s(fn, args, repeats) / caches
+        report[f"{name}_us"] = round(each * 1e6, 1)
+        report[f"{name}_gb_per_s"] = round(cache_bytes / each / 1e9, 1)
+    return report
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    shape = dict(rows=_ROWS.value, heads=_HEADS.value, slots=_SLOTS.value, head_dim=_HEAD_DIM.value)
+    for n in map(int, _CACHES.value):
+        report = measure(**shape, caches=n, repeats=_REPEATS.value)
+        print(json.dumps({**shape, **report, "backend": jax.default_backend()}), flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
