@@ -67,13 +67,14 @@ def search_spec(*values: str) -> Callable[[type], type]:
     def register(cls: type) -> type:
         cls = dataclasses.dataclass(frozen=True, kw_only=True)(cls)
         static = tuple(f.name for f in dataclasses.fields(cls) if f.name not in values)
-
-        def flatten_with_keys(spec: Search) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
-            leaves = [(jax.tree_util.GetAttrKey(name), getattr(spec, name)) for name in values]
-            return leaves, tuple(getattr(spec, name) for name in static)
+        keys = [jax.tree_util.GetAttrKey(name) for name in values]
 
         def flatten(spec: Search) -> tuple[list[Any], tuple[Any, ...]]:
             return [getattr(spec, name) for name in values], tuple(getattr(spec, name) for name in static)
+
+        def flatten_with_keys(spec: Search) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
+            leaves, meta = flatten(spec)
+            return list(zip(keys, leaves, strict=True)), meta
 
         def unflatten(meta: tuple[Any, ...], leaves: Any) -> Search:
             # Without __init__: jax rebuilds specs around tracers and placeholders, which no check should see.
