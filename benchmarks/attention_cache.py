@@ -7,6 +7,12 @@ The product is xla_attention's scores einsum for one query per row (greedy decod
 so that with N x (cache bytes) past the last-level cache every product reads its cache from memory, as a decoding
 step does whose working set (weights and caches) is larger than that cache (docs/benchmarks.md). A sum over the
 same caches is the memory-read floor. Per product: microseconds and GB/s of cache read (best of --repeats calls).
+
+In that call XLA may run independent products side by side on the two cores. A step cannot: each layer's product
+waits for its query. So the `chained_us` figures time the products one after another, each query depending on the
+last product, for three forms of the same scores: `einsum` (the one above), `block_diagonal` (every head's query
+against every head's keys, a batched matrix product with 4 query rows that YNNPACK accepts, then each head's own
+block) and `halves` (two products over half the rows each, which XLA may run on the two cores at once).
 """
 
 from __future__ import annotations
@@ -37,6 +43,34 @@ def best_s(fn, args, repeats: int) -> float:
     return best
 
 
+def scores_einsum(q_BKH: jax.Array, k_BKSH: jax.Array) -> jax.Array:
+    """[B, K, S]: each row's and head's query against its keys (xla_attention's product for one query)."""
+    return jnp.einsum("bkh,bksh->bks", q_BKH, k_BKSH)
+
+
+def scores_block_diagonal(q_BKH: jax.Array, k_BKSH: jax.Array) -> jax.Array:
+    """The same scores from every head's query against every head's keys ([B, K, K*S]), diagonal blocks kept."""
+    b, k, s, h = k_BKSH.shape
+    every_BQKS = jnp.einsum("bqh,bnh->bqn", q_BKH, k_BKSH.reshape(b, k * s, h)).reshape(b, k, k, s)
+    return jnp.einsum("bqks,qk->bqs", every_BQKS, jnp.eye(k, dtype=every_BQKS.dtype))
+
+
+def scores_halves(q_BKH: jax.Array, k_BKSH: jax.Array) -> jax.Array:
+    """The same scores as two products over half the rows each."""
+    half = q_BKH.shape[0] // 2
+    return jnp.concatenate([scores_einsum(q_BKH[:half], k_BKSH[:half]), scores_einsum(q_BKH[half:], k_BKSH[half:])])
+
+
+FORMS = {"einsum": scores_einsum, "block_diagonal": scores_block_diagonal, "halves": scores_halves}
+
+
+def chained(form, q_BKH: jax.Array, ks: list[jax.Array]) -> jax.Array:
+    """The products against ks one after another: each query depends on the last product (as in a step)."""
+    for k in ks:
+        q_BKH = q_BKH + 1e-9 * form(q_BKH, k).sum(-1, keepdims=True)
+    return q_BKH
+
+
 def measure(rows: int, heads: int, slots: int, head_dim: int, caches: int, repeats: int) -> dict:
     """The product's and the sum's time per cache, over `caches` distinct caches in one call."""
     rng = np.random.default_rng(0)
@@ -54,6 +88,9 @@ def measure(rows: int, heads: int, slots: int, head_dim: int, caches: int, repea
         each = best_s(fn, args, repeats) / caches
         report[f"{name}_us"] = round(each * 1e6, 1)
         report[f"{name}_gb_per_s"] = round(cache_bytes / each / 1e9, 1)
+    for name, form in FORMS.items():
+        fn = jax.jit(lambda q, ks, form=form: chained(form, q, ks))
+        report[f"chained_us_{name}"] = round(best_s(fn, (q[:, 0, :, 0], ks), repeats) / caches * 1e6, 1)
     return report
 
 
