@@ -8,12 +8,16 @@ tracing off: it would cost more than the decode). The same programs run in the l
 compilation. From the trace's XLA:CPU threads: the window from the first operation to the last, the wall time
 during which some operation ran (the union of their intervals; the rest of the window the host was deciding or
 dispatching), each operation's self time (its children's time subtracted) summed by kind, and the ten largest.
-`profiled_s` against `unprofiled_s` shows what tracing cost.
+`profiled_s` against `unprofiled_s` shows what tracing cost. The untraced run also counts the time the host spent
+blocked in `jax.device_get` (waiting for the device's results: the scheduler reads each stage's outcome that way);
+the rest of it, `unprofiled_host_s`, is the host's own work, during which nothing else keeps the device busy:
+restoring the model (each translate_corpus call restores it), then scheduling, dispatching, tokenising, writing.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import pathlib
 import tempfile
@@ -106,6 +110,27 @@ def summarise(xplane: pathlib.Path) -> dict:
     }
 
 
+@contextlib.contextmanager
+def device_get_waits():
+    """Within the block, jax.device_get is timed: yields [seconds, calls], filled in as it is called."""
+    spent = [0.0, 0]
+    device_get = jax.device_get
+
+    def timed(x):
+        start = time.perf_counter()
+        try:
+            return device_get(x)
+        finally:
+            spent[0] += time.perf_counter() - start
+            spent[1] += 1
+
+    jax.device_get = timed
+    try:
+        yield spent
+    finally:
+        jax.device_get = device_get
+
+
 def main(argv: list[str]) -> None:
     del argv  # no positional arguments (transformer_jax.cli.run refuses them)
     with tempfile.TemporaryDirectory() as tmp:
@@ -121,7 +146,8 @@ def main(argv: list[str]) -> None:
             return time.perf_counter() - start
 
         first = translate("compile")
-        unprofiled = translate("unprofiled")
+        with device_get_waits() as waits:
+            unprofiled = translate("unprofiled")
         trace_dir = _TRACE_DIR.value or str(pathlib.Path(tmp, "trace"))
         profile = jax.profiler.ProfileOptions()
         profile.python_tracer_level = 0
@@ -134,6 +160,9 @@ def main(argv: list[str]) -> None:
             "beam_size": _BEAM_SIZE.value,
             "first_s": round(first, 2),
             "unprofiled_s": round(unprofiled, 2),
+            "unprofiled_waiting_s": round(waits[0], 3),
+            "unprofiled_device_gets": waits[1],
+            "unprofiled_host_s": round(unprofiled - waits[0], 3),
             "profiled_s": round(profiled, 2),
             **summarise(xplane),
         }
