@@ -5,7 +5,8 @@ file, as a CTranslate2 user's script would.
 
 JOB (written by benchmarks/fresh_process.py): the export directory, the SentencePiece model, the source file, the
 output file, each line's output limit (our rule, evaluation.translate.output_limit, computed by the caller so that
-it has one source), the beam size, length penalty, batch size and threads. It imports ctranslate2 and
+it has one source), the beam size, length penalty, batch size, threads (intra_threads) and inter_threads (1 if
+absent). It imports ctranslate2 and
 sentencepiece only: importing transformer_jax would import JAX, which a CTranslate2 user does not pay for.
 Sources are SentencePiece pieces without EOS (the engine adds it), cut to the job's max_input_pieces; blank lines
 give blank outputs. With "one_call" false: one call per distinct limit, as export.ctranslate2.translate_ids makes
@@ -27,7 +28,9 @@ import sentencepiece as spm
 def main(job_file: str) -> None:
     with open(job_file, encoding="utf-8") as f:
         job = json.load(f)
-    translator = ctranslate2.Translator(job["model_dir"], device="cpu", inter_threads=1, intra_threads=job["threads"])
+    translator = ctranslate2.Translator(
+        job["model_dir"], device="cpu", inter_threads=job.get("inter_threads", 1), intra_threads=job["threads"]
+    )
     sp = spm.SentencePieceProcessor(model_file=job["spm_model"])
     with open(job["source_file"], encoding="utf-8", newline="\n") as f:
         lines = f.read().split("\n")

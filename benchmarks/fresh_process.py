@@ -83,12 +83,19 @@ def _limits(config, model, tokenizer, sources: list[str]) -> tuple[list[int], in
 
 
 def _ctranslate2_commands(job: dict, tmp: Path, name: str) -> dict[str, list[str]]:
-    """CTranslate2's processes for `job` (benchmarks/ctranslate2_process.py): one call per output limit, and one
-    call for all (what a CTranslate2 user would write), by their names in the report."""
+    """CTranslate2's processes for `job` (benchmarks/ctranslate2_process.py), by their names in the report: one call
+    per output limit, and one call for all (what a CTranslate2 user would write), each with job's threads inside
+    one translation (intra_threads); and one call for all with as many translations at once, one thread each
+    (inter_threads, CTranslate2's way of using cores for throughput)."""
+    variants = {
+        "ctranslate2": {"one_call": False},
+        "ctranslate2_one_call": {"one_call": True},
+        "ctranslate2_one_call_inter": {"one_call": True, "inter_threads": job["threads"], "threads": 1},
+    }
     commands = {}
-    for kind, one_call in (("ctranslate2", False), ("ctranslate2_one_call", True)):
+    for kind, changes in variants.items():
         path = tmp / f"job.{name}.{kind}.json"
-        path.write_text(json.dumps({**job, "one_call": one_call}), encoding="utf-8")
+        path.write_text(json.dumps({**job, **changes}), encoding="utf-8")
         commands[kind] = [sys.executable, "-m", "benchmarks.ctranslate2_process", str(path)]
     return commands
 
@@ -108,11 +115,13 @@ def _race(ours: list[str], theirs: dict[str, list[str]], tmp: Path, repeats: int
 def _ratios(runs: dict[str, list[float]]) -> dict[str, float | None]:
     """Our best cold and warm process time over each CTranslate2 variant's best."""
     best = {k: min(v) for k, v in runs.items() if v}
+    theirs_best = min(v for k, v in best.items() if k.startswith("ctranslate2"))
     out = {}
     for ours in ("warm", "cold"):
-        for theirs in ("ctranslate2", "ctranslate2_one_call"):
-            mine = best.get(f"ours_{ours}")
+        mine = best.get(f"ours_{ours}")
+        for theirs in sorted(k for k in best if k.startswith("ctranslate2")):
             out[f"{ours}_over_{theirs}"] = round(mine / best[theirs], 2) if mine else None
+        out[f"{ours}_over_ctranslate2_fastest"] = round(mine / theirs_best, 2) if mine else None
     return out
 
 

@@ -140,7 +140,8 @@ def main(argv: list[str]) -> None:
         values = {"workdir": _WORKDIR.value, "average_last": _AVERAGE_LAST.value, "beam_size": _BEAM_SIZE.value}
 
         def translate(name: str) -> float:
-            job = run.job_of(values, str(source), str(pathlib.Path(tmp, name)), run.DEFAULT_CHUNK_LINES)
+            # One search at a time: the trace is of one search's steps.
+            job = run.job_of(values, str(source), str(pathlib.Path(tmp, name)), run.DEFAULT_CHUNK_LINES, streams=1)
             start = time.perf_counter()
             run.translate_corpus(job)
             return time.perf_counter() - start

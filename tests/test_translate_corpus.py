@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import pytest
 from tests.helpers import REPO
 from tests.helpers.training import untrained_workdir, write_corpus
 from transformer_jax.errors import EvalError
-from transformer_jax.translate_corpus import chunks
+from transformer_jax.translate_corpus import chunks, run
 from transformer_jax.translate_corpus.run import job_of, translate_corpus
 
 GREEDY = {"beam_size": 1, "max_extra_len": 4, "batch_size": 8, "average_last": 1}
@@ -93,7 +94,8 @@ def test_a_stopped_run_resumes_to_the_same_bytes_and_a_damaged_chunk_is_redone(
 ):
     source, out, scores, _ = reference
     target = tmp_path / "out.de"
-    job = job_of({"workdir": str(workdir), **GREEDY}, str(source), str(target), CHUNK)
+    # One stream: the chunks are committed in order, so the first two are chunks 0 and 1.
+    job = job_of({"workdir": str(workdir), **GREEDY}, str(source), str(target), CHUNK, streams=1)
     stopped_after(monkeypatch, 2)
     with pytest.raises(Stop):
         translate_corpus(job)
@@ -145,6 +147,8 @@ def test_an_output_that_is_the_input_is_refused_before_anything_is_read(tmp_path
             job_of({"workdir": str(tmp_path / "w")}, str(source), str(output), CHUNK)
     with pytest.raises(EvalError, match="--chunk_lines must be >= 1"):
         job_of({"workdir": str(tmp_path / "w")}, str(source), str(tmp_path / "o"), 0)
+    with pytest.raises(EvalError, match="--streams must be >= 0"):
+        job_of({"workdir": str(tmp_path / "w")}, str(source), str(tmp_path / "o"), CHUNK, streams=-1)
     with pytest.raises(EvalError, match="--temperature goes with --sampling"):
         job_of({"workdir": str(tmp_path / "w"), "temperature": 0.5}, str(source), str(tmp_path / "o"), CHUNK)
 
@@ -165,6 +169,29 @@ def test_sampling_resumed_equals_uninterrupted_and_draws_by_line_number(workdir,
     one_chunk = tmp_path / "one_chunk.de"
     translate_corpus(job_of(sampling, str(source), str(one_chunk), 16))
     assert one_chunk.read_bytes() == whole.read_bytes()
+
+
+def test_streams_decode_chunks_at_once_to_the_same_bytes(workdir, reference, tmp_path, monkeypatch):
+    source, out, scores, report = reference
+    assert report["streams"] == run.CPU_STREAMS == run.streams_per_device(0)  # the default on a CPU
+    assert run.streams_per_device(3) == 3
+    # The first two chunks must be in translation at the same time: each waits at the barrier for the other (one
+    # stream would wait alone and time out).
+    both = threading.Barrier(2, timeout=60)
+    calls = []
+    translate = run.translate_nbest
+
+    def together(*args, **kwargs):
+        calls.append(threading.get_ident())
+        if len(calls) <= 2:
+            both.wait()
+        return translate(*args, **kwargs)
+
+    monkeypatch.setattr(run, "translate_nbest", together)
+    target = tmp_path / "out.de"
+    report = translate_corpus(job_of({"workdir": str(workdir), **GREEDY}, str(source), str(target), CHUNK, 3))
+    assert report["streams"] == 3 and len(calls) == report["chunks"] and len(set(calls[:2])) == 2
+    assert target.read_bytes() == out and Path(chunks.scores_file(str(target))).read_bytes() == scores
 
 
 def run_command(workdir: Path, source: Path, output: Path, devices: int) -> subprocess.Popen:

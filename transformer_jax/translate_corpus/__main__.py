@@ -1,6 +1,6 @@
 """Translate a corpus with a trained model, in chunks that survive a stop or a kill:
 
-    python -m transformer_jax.translate_corpus --workdir W --input FILE --output OUT [--chunk_lines 1000]
+    python -m transformer_jax.translate_corpus --workdir W --input FILE --output OUT [--chunk_lines 1000] [--streams N]
         [--checkpoint latest|best|STEP] [--average_last N | --average_steps A,B | --average_best K]
         [--ensemble_workdirs B,C] [--beam_size B --alpha A ...] [--sampling --seed S --temperature T ...]
 
@@ -16,8 +16,9 @@ The work is committed to OUT.parts/ one chunk of --chunk_lines lines at a time; 
 again with the same flags, continues where it stopped, and the finished OUT and OUT.scores equal an uninterrupted
 run's byte for byte (sampling keys come from --seed and each line's number, not from the order of work). A resume
 with another input or other flags is refused in one line; a damaged chunk is redone. When all chunks are there,
-OUT and OUT.scores are written and OUT.parts is removed. Every local device decodes its own chunks; with several
-hosts (one process each, as train.py), each host takes every process_count-th chunk and process 0 writes OUT.
+OUT and OUT.scores are written and OUT.parts is removed. Every local device decodes its own chunks, --streams of
+them at once (by default run.CPU_STREAMS on a CPU, where concurrent searches use the cores that one search leaves
+idle, and 1 on an accelerator); with several hosts (one process each, as train.py), each host takes every process_count-th chunk and process 0 writes OUT.
 A JSON report goes to stdout; a progress bar (lines/s, ETA) to stderr.
 """
 
@@ -41,14 +42,18 @@ options.define(FLAGS, run.DECODING_FLAGS)  # evaluate.py's flags: same names, de
 flags.DEFINE_string("input", None, "The file to translate, one sentence a line (UTF-8).")
 flags.DEFINE_string("output", None, "The translations, one a line; OUTPUT.scores and OUTPUT.parts/ beside it.")
 flags.DEFINE_integer(
-    "chunk_lines", run.DEFAULT_CHUNK_LINES, "Lines per committed chunk (a resume redoes at most one per device)."
+    "chunk_lines", run.DEFAULT_CHUNK_LINES, "Lines per committed chunk (a resume redoes at most one per stream)."
+)
+flags.DEFINE_integer(
+    "streams", 0, f"Chunks each device decodes at once (0: {run.CPU_STREAMS} on a CPU, 1 on an accelerator)."
 )
 
 
 def main(argv: list[str]) -> None:
     del argv  # no positional arguments (cli.run refuses them)
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs each checkpoint handler it creates at INFO
-    job = run.job_of({name: FLAGS[name].value for name in run.FLAG_NAMES}, FLAGS.input, FLAGS.output, FLAGS.chunk_lines)
+    values = {name: FLAGS[name].value for name in run.FLAG_NAMES}
+    job = run.job_of(values, FLAGS.input, FLAGS.output, FLAGS.chunk_lines, FLAGS.streams)
     initialize_distributed()
     report = run.translate_corpus(job, progress=True)
     print(json.dumps(report))

@@ -6,9 +6,12 @@ training loop's checkpoints are. It prints nothing (the progress bar, when asked
 
 Parallelism: the input's chunks are dealt to the hosts (chunk c to process c mod process_count, one process per
 host, as training), and each host's chunks to its local devices: every device holds a copy of the parameters and
-decodes whole chunks, one at a time, in its own thread (jax releases the GIL while a device computes). A chunk's
-translation depends on its lines only (its batches are made from its own lines; sampling keys come from the seed
-and each line's number in the whole input), so which device or host made it, and in which order, changes nothing.
+decodes whole chunks in `streams` threads (jax releases the GIL while a device computes), each taking the next
+chunk when it has finished one. On a CPU, CPU_STREAMS threads are the default: one search's step leaves a core
+idle (its attention products and small projections run on one core, and the device waits while the host schedules
+between calls), which another search's step then uses (docs/benchmarks.md). A chunk's translation depends on its
+lines only (its batches are made from its own lines; sampling keys come from the seed and each line's number in
+the whole input), so which device, stream or host made it, and in which order, changes nothing.
 """
 
 from __future__ import annotations
@@ -53,20 +56,25 @@ DECODING_FLAGS = (
 )
 FLAG_NAMES = (*checkpoint_flags.NAMES, *DECODING_FLAGS)
 DEFAULT_CHUNK_LINES = 1000
+CPU_STREAMS = 2  # searches at once on a CPU device (streams=0); an accelerator runs one (docs/benchmarks.md)
 
 
 @dataclasses.dataclass(frozen=True)
 class Job:
     """A corpus to translate: evaluate.py's Translate record (its source_file is --input), where the output goes,
-    the chunk size, and the flags given as the state file records them."""
+    the chunk size, the flags given as the state file records them, and the searches each device runs at once
+    (0: CPU_STREAMS on a CPU, else 1; not recorded: it changes no output, only the speed)."""
 
     mode: options.Translate
     output: str
     chunk_lines: int
     options: dict[str, Any]
+    streams: int = 0
 
 
-def job_of(values: Mapping[str, Any], input_file: str | None, output: str | None, chunk_lines: int) -> Job:
+def job_of(
+    values: Mapping[str, Any], input_file: str | None, output: str | None, chunk_lines: int, streams: int = 0
+) -> Job:
     """The Job of translate_corpus's flag values (FLAG_NAMES, absent or None: unset), or EvalError naming the flag.
     Reads no file; checks that the outputs can be written and that none is an input."""
     if not input_file:
@@ -77,6 +85,8 @@ def job_of(values: Mapping[str, Any], input_file: str | None, output: str | None
         raise EvalError("--input - (stdin) cannot be resumed: give a file, or use evaluate.py --source_file -")
     if chunk_lines < 1:
         raise EvalError(f"--chunk_lines must be >= 1, got {chunk_lines}")
+    if streams < 0:
+        raise EvalError(f"--streams must be >= 0 (0: {CPU_STREAMS} on a CPU, 1 on an accelerator), got {streams}")
     unknown = set(values) - set(FLAG_NAMES)
     if unknown:
         raise TypeError(f"not translate_corpus flags: {sorted(unknown)}")
@@ -96,7 +106,7 @@ def job_of(values: Mapping[str, Any], input_file: str | None, output: str | None
     models.update({f"--ensemble_workdirs ({w})": w for w in mode.model.ensemble_workdirs or ()})
     options.refuse_overwriting_inputs(written, {"--input": input_file, **models})
     given = {name: _recorded(name, values[name]) for name in FLAG_NAMES if values.get(name) not in (None, False)}
-    return Job(mode, output, chunk_lines, given)
+    return Job(mode, output, chunk_lines, given, streams)
 
 
 def _recorded(name: str, value: Any) -> Any:
@@ -142,6 +152,7 @@ def translate_corpus(job: Job, restorer: Restorer | None = None, *, progress: bo
     _sync("translate_corpus state")
 
     sources = loaded.sources
+    streams = streams_per_device(job.streams)
     n, size = len(sources), job.chunk_lines
     bounds = [(first, min(first + size, n)) for first in range(0, n, size)]
     mine = [c for c in range(len(bounds)) if c % jax.process_count() == jax.process_index()]
@@ -178,7 +189,7 @@ def translate_corpus(job: Job, restorer: Restorer | None = None, *, progress: bo
         bar.update(len(chunk.hypotheses), **{"lines/s": lines / (time.perf_counter() - bar.start)})
 
     try:
-        _on_devices(device_models(loaded.model), todo, translate_chunk, commit)
+        _on_devices(device_models(loaded.model, streams), todo, translate_chunk, commit)
     finally:
         bar.close()
     _sync("translate_corpus chunks")
@@ -205,6 +216,7 @@ def translate_corpus(job: Job, restorer: Restorer | None = None, *, progress: bo
         "chunks_resumed": resumed,
         "chunks_redone": redone,
         "devices": jax.local_device_count(),
+        "streams": streams,
         "checkpoint_steps": loaded.steps,
         "decoding": settings.report(),
         "search": search,
@@ -234,13 +246,20 @@ def _sync(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def device_models(model: nnx.Module) -> list[nnx.Module]:
-    """A copy of the model on each local device (the model itself when there is one)."""
+def streams_per_device(streams: int) -> int:
+    """The searches each device runs at once: `streams`, or for 0 CPU_STREAMS on a CPU and 1 on an accelerator."""
+    return streams or (CPU_STREAMS if jax.default_backend() == "cpu" else 1)
+
+
+def device_models(model: nnx.Module, streams: int = 1) -> list[nnx.Module]:
+    """`streams` models on each local device, one a thread of `_on_devices`: the model itself when that is one,
+    else a copy of the parameters on each device, shared by that device's streams."""
     devices = jax.local_devices()
-    if len(devices) == 1:
+    if len(devices) == 1 and streams == 1:
         return [model]
     graphdef, state = nnx.split(model)
-    return [nnx.merge(graphdef, jax.device_put(state, device)) for device in devices]
+    placed = [state] if len(devices) == 1 else [jax.device_put(state, device) for device in devices]
+    return [nnx.merge(graphdef, on_device) for on_device in placed for _ in range(streams)]
 
 
 def _on_devices(
