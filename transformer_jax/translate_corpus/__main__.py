@@ -18,8 +18,8 @@ run's byte for byte (sampling keys come from --seed and each line's number, not 
 with another input or other flags is refused in one line; a damaged chunk is redone. When all chunks are there,
 OUT and OUT.scores are written and OUT.parts is removed. Every local device decodes its own chunks, --streams of
 them at once (by default run.CPU_STREAMS on a CPU, where concurrent searches use the cores that one search leaves
-idle, and 1 on an accelerator); with several hosts (one process each, as train.py), each host takes every process_count-th chunk and process 0 writes OUT.
-A JSON report goes to stdout; a progress bar (lines/s, ETA) to stderr.
+idle, and 1 on an accelerator); with several hosts (one process each, as train.py), each host takes every
+process_count-th chunk and process 0 writes OUT. A JSON report goes to stdout; a progress bar (lines/s, ETA) to stderr.
 """
 
 from __future__ import annotations
