@@ -44,9 +44,7 @@ flags.DEFINE_string("output", None, "The translations, one a line; OUTPUT.scores
 flags.DEFINE_integer(
     "chunk_lines", run.DEFAULT_CHUNK_LINES, "Lines per committed chunk (a resume redoes at most one per stream)."
 )
-flags.DEFINE_integer(
-    "streams", 0, f"Chunks each device decodes at once (0: {run.CPU_STREAMS} on a CPU, 1 on an accelerator)."
-)
+flags.DEFINE_integer("streams", 0, f"Chunks each device decodes at once ({run.STREAMS_ZERO}).")
 
 
 def main(argv: list[str]) -> None:

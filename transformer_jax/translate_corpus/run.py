@@ -57,6 +57,7 @@ DECODING_FLAGS = (
 FLAG_NAMES = (*checkpoint_flags.NAMES, *DECODING_FLAGS)
 DEFAULT_CHUNK_LINES = 1000
 CPU_STREAMS = 2  # searches at once on a CPU device (streams=0); an accelerator runs one (docs/benchmarks.md)
+STREAMS_ZERO = f"0: {CPU_STREAMS} on a CPU, 1 on an accelerator"  # what streams=0 means (streams_per_device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +87,7 @@ def job_of(
     if chunk_lines < 1:
         raise EvalError(f"--chunk_lines must be >= 1, got {chunk_lines}")
     if streams < 0:
-        raise EvalError(f"--streams must be >= 0 (0: {CPU_STREAMS} on a CPU, 1 on an accelerator), got {streams}")
+        raise EvalError(f"--streams must be >= 0 ({STREAMS_ZERO}), got {streams}")
     unknown = set(values) - set(FLAG_NAMES)
     if unknown:
         raise TypeError(f"not translate_corpus flags: {sorted(unknown)}")
