@@ -33,8 +33,8 @@ _PLAN_SEARCH = flags.DEFINE_enum(
 
 
 def _bleu_evaluator(config, tokenizer):
-    # Imported only when a run validates BLEU: translation (decoding, sacreBLEU) is about half a second of imports
-    # that a run without it, or a restart before its first step, would otherwise wait for.
+    # Imported only when a run validates BLEU: a run without it, or a restart before its first step, need not wait
+    # for translation's imports (decoding, sacreBLEU).
     from transformer_jax.evaluation.validation import bleu_evaluator
 
     return bleu_evaluator(config, tokenizer)

@@ -178,7 +178,7 @@ def _poisoned_run(workdir: pathlib.Path, config, checkpointer):
     step, state, it_state = _restore_latest(workdir, config)
 
     def poisoned_step(state, batch):
-        nan = lambda x: x * np.nan if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x  # noqa: E731
+        nan = lambda x: x * np.nan if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x
         poisoned_step.calls += 1
         metrics = {"loss_sum": np.nan, "nll_sum": np.nan, "correct": 0.0, "tokens": 1.0, "finite": 0.0}
         return jax.tree.map(nan, state), {**metrics, "grad_norm": np.nan, "nonfinite_in_a_row": poisoned_step.calls}

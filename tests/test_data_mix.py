@@ -76,7 +76,7 @@ def test_each_corpus_is_reshuffled_every_time_it_runs_out():
     epochs = [small[k : k + 3] for k in range(0, len(small) - 2, 3)]
     assert all(sorted(e) == [10, 11, 12] for e in epochs)
     assert len({tuple(e) for e in epochs}) > 1  # not the same order every epoch
-    one = lambda name: mixing.Mix([np.arange(100)], np.ones(1), [name], seed=4).order(0, 0)  # noqa: E731
+    one = lambda name: mixing.Mix([np.arange(100)], np.ones(1), [name], seed=4).order(0, 0)
     assert np.array_equal(one("x"), one("x")) and not np.array_equal(one("x"), one("z"))
 
 
@@ -85,7 +85,7 @@ def test_resume_at_any_step_gives_the_same_next_batches(tmp_path, batching):
     spec, _ = three_corpora(tmp_path)
     config = config_for(tmp_path / "a", corpora=spec, batch_window=64, batching=batching, tokens_per_batch=256)
     tok = WordTokenizer()
-    make = lambda: pipeline.make_train_iterator(config, tok, process_index=0, process_count=1, num_threads=1)[0]  # noqa: E731
+    make = lambda: pipeline.make_train_iterator(config, tok, process_index=0, process_count=1, num_threads=1)[0]
     reference = make()
     batches, states = [], []
     for _ in range(40):

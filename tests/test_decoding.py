@@ -203,7 +203,7 @@ def test_each_beams_best_tokens_give_the_step_of_all_candidates(vocab):
         log_probs_BW=jnp.asarray(-np.sort(rng.random((batch, width)) * 4, 1), jnp.float32),
         lengths_BW=jnp.asarray(rng.integers(1, 4, (batch, width)), jnp.int32),
     )
-    step = lambda tokens_R1, cache: (logits_RV[:, None], cache)  # noqa: E731
+    step = lambda tokens_R1, cache: (logits_RV[:, None], cache)
     new = s.advance(step, jnp.full((batch,), 8), alpha, settle=0, ids=IDS)
     score_BW, beam_BW, token_BW, log_probs_BW = _all_candidates_step(logits_RV, s, alpha)
     np.testing.assert_array_equal(new.last_BW, token_BW)

@@ -28,7 +28,7 @@ def local_corpora() -> pathlib.Path:
 DATA = local_corpora()
 
 
-def jitted(fn, *args, **options):  # noqa: ANN001, ANN201
+def jitted(fn, *args, **options):
     """fn(*args, **options) as one compiled program: positional arguments traced, options (masks, flags) constants.
 
     Run eagerly, each operation of fn compiles a program of its own for every new shape (~20 ms each, ~100 a small

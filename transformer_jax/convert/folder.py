@@ -94,7 +94,7 @@ def _tensor_reader(path: Path, allow_pickle: bool) -> Callable[[], Iterator[tupl
 
             with safe_open(str(safetensors), framework="np") as f:
                 names = list(f.keys())
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a damaged header
+        except Exception as e:  # safetensors raises its own error types for a damaged header
             raise DataError(f"{safetensors} cannot be read: {e}") from None
 
         def read() -> Iterator[tuple[str, np.ndarray]]:

@@ -144,8 +144,8 @@ def top_k(x_RV: Array, k: int) -> tuple[Array, Array]:
     """jax.lax.top_k(x_RV, k) for rows of many entries (a vocabulary), with equal values and indices, ties (the
     lower index first) included, for x without NaN.
 
-    XLA:CPU's TopK sorts: on [256, 8000] float32 it took 3.3-4.4 ms against 0.7 ms for this, a beam step's
-    largest cost after the logits matmul (docs/benchmarks.md). Here the row is cut into blocks of TOP_K_BLOCK: the k
+    XLA:CPU's TopK sorts the whole row, a beam step's largest cost after the logits matmul; this reads the row
+    twice instead (docs/benchmarks.md has the measurement). Here the row is cut into blocks of TOP_K_BLOCK: the k
     blocks of the largest maxima hold the row's k largest entries (any entry outranked by the maxima of k other
     blocks is outranked by k entries), so a top-k over the block maxima and one over those k blocks' entries,
     taken in index order, give lax.top_k's answer."""
@@ -165,8 +165,8 @@ def top_k(x_RV: Array, k: int) -> tuple[Array, Array]:
 def first_argmax(x_BV: Array) -> Array:
     """jnp.argmax over the last axis (the first index of the maximum), as two plain reductions.
 
-    XLA:CPU lowers argmax to a variadic (value, index) reduction, several times slower than a max and a min over a
-    [64, 8000] batch of logits, a visible part of a greedy step. A row with a NaN has no index equal to its max
+    XLA:CPU lowers argmax to a variadic (value, index) reduction, which it vectorises worse than a max and a min
+    over a batch of logits, a visible part of a greedy step. A row with a NaN has no index equal to its max
     and gets the last index, where argmax would point at the NaN; either way the output is garbage.
     """
     vocab = x_BV.shape[-1]

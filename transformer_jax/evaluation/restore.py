@@ -135,7 +135,7 @@ def best_params(restorer: Restorer, workdir: str, count: int, target: nnx.State,
 def abstract_model(config: Any) -> Any:
     """The config's model with abstract parameters (shapes and dtypes, for the checkpoint's arrays to fill) and its
     other state (the dropout streams' keys and counts) concrete. Building it eagerly would run every initialiser as
-    a program of its own (about 40 compilations and 1.5 s for a small model, before any decoding); here the other
+    a program of its own (a compilation for each of the model's initialisers, before any decoding); here the other
     state comes from one jitted program in which XLA prunes the unused initialisers."""
 
     model = nnx.eval_shape(lambda: build_model(config, rngs=model_rngs(0)))

@@ -7,9 +7,9 @@ builds once from its arguments. Which keys a query sees is written only there (o
 Keys and values may also come heads-first, k [B, K, S, H] and v [B, K, S, E] (`kv_heads_first=True`): the layout
 of the decoding cache. A decode step has one query per row against up to hundreds of cached keys, a
 matrix-vector product bound by reading the cache; with the keys sequence-first, XLA copies every cached key and
-value into heads-first order at every step before its batched dot (measured on CPU: 40 ms for 256 rows x 114 keys
-x 4 heads of 64 against 3 ms heads-first, benchmarks/decode.py). Softmax kernels then run the reference below, which
-reads the heads-first cache in place; one query per row leaves no query blocks for a tiled kernel to gain on.
+value into heads-first order at every step before its batched dot, a second read and a write of the whole cache
+(benchmarks/decode.py measures both layouts). Softmax kernels then run the reference below, which reads the
+heads-first cache in place; one query per row leaves no query blocks for a tiled kernel to gain on.
 
 Axis letters: see transformer_jax/__init__.py.
 """
@@ -124,8 +124,8 @@ def xla_attention(
     used_BNTS = weights_BNTS if weights_dropout is None else weights_dropout(weights_BNTS)
     weights_BKGTS = used_BNTS.reshape(batch, num_kv_heads, groups, q_len, kv_len)
     # The product in batched-matmul order (batch axes b, k first, then the query rows), moved to [B, T, N, E] after:
-    # asked for "btkge" directly, XLA:CPU computed it as a dot with the value axis before the query axis, ~10x
-    # slower for the decoding step's shapes (docs/benchmarks.md).
+    # asked for "btkge" directly, XLA:CPU computes it as a dot with the value axis before the query axis, which
+    # strides through the cache for the decoding step's shapes (docs/benchmarks.md has the measurement).
     out_BKGTE = jnp.einsum(f"bkgts,{kv_axes[:-1]}e->bkgte", weights_BKGTS.astype(v.dtype), v)
     out_BTNE = out_BKGTE.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, num_heads, v.shape[-1])
     if return_weights:
@@ -154,8 +154,8 @@ def lineage_attention(
     queries = width * q_len * groups  # Q: a sentence's queries per key/value head, in (beam, position, group) order
     # [R, T, K, G, H] -> [B, K, Q, H], broadcast over the key rows w, so that the dots batch over (b, w, k), the
     # cache's leading axes (XLA reads it in place). The scores come out slots-major ([L, Q] per batch) and are then
-    # transposed (they are small): XLA:CPU computed the [Q, L] product 3x slower at these shapes (and the weights
-    # times V in [L, Q] order 6x slower; 128 rows, 82 slots, docs/decoding.md).
+    # transposed (they are small): XLA:CPU computes the [Q, L] product, and the weights times V in [L, Q] order,
+    # more slowly at these shapes (docs/decoding.md has the measurement).
     q_BKQH = q.reshape(batch, width, q_len, num_kv_heads, groups, head_dim).transpose(0, 3, 1, 2, 4, 5)
     q_B1KQH = q_BKQH.reshape(batch, 1, num_kv_heads, queries, head_dim)
     q_BWKQH = jnp.broadcast_to(q_B1KQH, (batch, width, num_kv_heads, queries, head_dim))

@@ -14,8 +14,8 @@ from transformer_jax.ops.pallas import gpu as pallas_gpu
 from transformer_jax.ops.pallas import tpu as pallas_tpu
 from transformer_jax.runtime import platform
 
-# On CPU, blockwise beats the reference from about 1k tokens per side (benchmarks/attention.py: at 1k, 1 head,
-# 2-4x faster forward and 2-3x fwd+bwd; at 512 tokens x 32 (batch, head) pairs they are even), and past
+# On CPU, blockwise beats the reference from about 1k tokens per side (benchmarks/attention.py measures where;
+# docs/benchmarks.md has the numbers), and past
 # CPU_BLOCKWISE_MIN_BYTES of float32 scores the reference's [B, N, T, S] matrices stop fitting anyway.
 CPU_BLOCKWISE_MIN_SCORES = 1024 * 1024
 CPU_BLOCKWISE_MIN_BYTES = 1 << 30

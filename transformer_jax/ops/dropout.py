@@ -2,8 +2,8 @@
 
 keep(i) = hash(i, key) >= rate * 2^32, where i is the element's flat index and hash is two rounds of the
 "lowbias32" integer mixer (Wellons). jax.random.bernoulli instead runs a separate generator (threefry or XLA's
-RngBitGenerator) that writes a uint32 per element and then a compare: on a 2-core CPU that was ~0.3 s of a 1.85 s
-train step (benchmarks/train_step.py); this mask fuses into the multiply that applies it.
+RngBitGenerator) that writes a uint32 per element and then a compare, a visible share of a CPU train step
+(benchmarks/train_step.py measures it); this mask fuses into the multiply that applies it.
 
 Statistical quality is tested (tests/test_dropout.py): keep rate, independence of neighbouring elements and of
 different keys, uniformity of the bits.

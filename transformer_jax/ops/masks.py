@@ -47,7 +47,7 @@ def _conjoin(parts: list[Array]) -> Array | None:
     return functools.reduce(operator.and_, parts) if parts else None
 
 
-def array_module(x: Array | np.ndarray | None):  # noqa: ANN201 (a module)
+def array_module(x: Array | np.ndarray | None):  # numpy or jax.numpy
     """numpy for numpy vectors, else jax.numpy: a mask of numpy vectors is worked out on the host, without a
     device (trace-time facts, such as the tiles a kernel will compute, while compiling for another machine)."""
     return np if isinstance(x, np.ndarray) else jnp
@@ -83,7 +83,7 @@ class AttentionMask:
         q_positions: Array | None = None,
         kv_positions: Array | None = None,
         window: int | None = None,
-        xp=jnp,  # noqa: ANN001 (numpy or jax.numpy, see array_module)
+        xp=jnp,  # numpy or jax.numpy, see array_module
     ) -> AttentionMask:
         """The mask of the module docstring's rules: a missing segment side is all ones, positions end-aligned."""
         if window is not None and window <= 0:

@@ -109,7 +109,7 @@ def welch_interval(a: Sequence[float], b: Sequence[float], confidence: float = C
     if va + vb == 0:
         return delta, delta
     dof = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
-    from scipy import stats  # here: ~1 s to import, for the one quantile of a sweep with seeds
+    from scipy import stats  # here: a slow import, for the one quantile of a sweep with seeds
 
     half = float(stats.t.ppf((1 + confidence) / 2, dof)) * math.sqrt(va + vb)
     return delta - half, delta + half
@@ -268,7 +268,7 @@ def write_results(rows: list[dict], workdir: pathlib.Path, split: Split, referen
 
 
 def _chart(rows: list[dict], columns: list[str], workdir: pathlib.Path, split: Split, reference_label: str) -> None:
-    from matplotlib.figure import Figure  # here: ~0.5 s to import, for the chart alone
+    from matplotlib.figure import Figure  # here: a slow import, for the chart alone
 
     names = [r["variant"] for r in rows]
     seeds = "n_seeds" in columns

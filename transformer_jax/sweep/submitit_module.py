@@ -19,7 +19,7 @@ if "submitit" not in sys.modules:
     _given = os.environ.get(_KEY)
     os.environ[_KEY] = "NOCONFIG" if _given is None else _given
     try:
-        import submitit  # noqa: F401
+        import submitit
     finally:
         if _given is None:
             del os.environ[_KEY]

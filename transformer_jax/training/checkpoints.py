@@ -146,7 +146,7 @@ def best_scores(workdir: str | pathlib.Path) -> list[tuple[int, float]]:
     for step in steps:
         try:
             metrics = manager.metrics(step)
-        except Exception as e:  # noqa: BLE001 - a damaged score file: that checkpoint is not ranked
+        except Exception as e:  # a damaged score file: that checkpoint is not ranked
             logging.warning("the scores of the checkpoint at step %d cannot be read (%s)", step, describe_error(e))
             continue
         if metrics is not None and metric in metrics and not math.isnan(float(metrics[metric])):
@@ -479,7 +479,7 @@ class Checkpointer:
             raise _Damaged(missing)
         try:
             saved_config = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
-        except Exception as e:  # noqa: BLE001 - any failure to read means this checkpoint is damaged
+        except Exception as e:  # any failure to read means this checkpoint is damaged
             raise _Damaged(f"its config cannot be read: {describe_error(e)}") from None
         diff = config_differences(saved_config.config, current)
         if diff:
@@ -494,7 +494,7 @@ class Checkpointer:
             restored = self.manager.restore(
                 step, args=ocp.args.Composite(state=ocp.args.StandardRestore(on_disk), data=ocp.args.JsonRestore())
             )
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise _Damaged(f"its state cannot be read: {describe_error(e)}") from None
         try:
             problem = _checksum_problem(self.workdir, step, restored.state)
@@ -550,7 +550,7 @@ def load_config(workdir: str | pathlib.Path, step: int | None = None) -> ml_coll
         restored = _manager(workdir, read_only=True).restore(
             step, args=ocp.args.Composite(config=ocp.args.JsonRestore())
         )
-    except Exception as e:  # noqa: BLE001 - any failure to read is a damaged checkpoint
+    except Exception as e:  # any failure to read is a damaged checkpoint
         raise CheckpointError(
             f"the config of the checkpoint at step {step} in {checkpoint_dir(workdir)} cannot be read: "
             f"{describe_error(e)}"
@@ -574,7 +574,7 @@ def load_model_params(workdir: str | pathlib.Path, step: int, abstract_state: nn
     try:
         with _OrbaxLogFilter(_is_restore_noise).during():
             restored, key = _restore_model_params(workdir, step, abstract_state)
-    except Exception as e:  # noqa: BLE001 - any failure to read is a damaged checkpoint
+    except Exception as e:  # any failure to read is a damaged checkpoint
         raise CheckpointError(f"{where} cannot be read: {describe_error(e)}") from None
     verify(workdir, step, restored.state)
     return restored.state[key]

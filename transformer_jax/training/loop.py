@@ -441,7 +441,7 @@ def compile_ahead(train_step, abstract_state, shardings, shapes, batch_sharding_
         try:
             with tracing_mesh(mesh):  # as the step loop traces it (a context of this thread only)
                 train_step.lower(state, batch).compile()
-        except Exception as error:  # noqa: BLE001 - the first step compiles again and reports a real problem itself
+        except Exception as error:  # the first step compiles again and reports a real problem itself
             logging.info("compiling the train step ahead failed (%s); it compiles at the first step", error)
 
     # Not a daemon: a run that stops with an error before the first step exits once the thread is done, never

@@ -220,7 +220,7 @@ def _summary_writer_class() -> type:
     """tensorboardX's SummaryWriter, imported without torch.
 
     tensorboardX imports torch whenever it is installed (requirements-dev.txt installs it), only to accept torch
-    tensors, which we never pass; that import costs a starting run about 1.5 s. The import runs with torch marked
+    tensors, which we never pass, and a starting run would wait for that import. The import runs with torch marked
     unavailable, and the mark is removed at once so that code importing torch afterwards gets it as usual. Imported
     here, not at the top, because the writer of a process other than 0 never needs it.
     """
