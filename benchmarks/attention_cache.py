@@ -23,7 +23,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
+
+from transformer_jax import cli
 
 _ROWS = flags.DEFINE_integer("rows", 64, "Rows (sentences x beams) of the step.")
 _HEADS = flags.DEFINE_integer("heads", 4, "Key/value heads.")
@@ -103,4 +105,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main, "python -m benchmarks.attention_cache")

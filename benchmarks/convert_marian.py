@@ -122,6 +122,10 @@ def child(source: str, workdir: str) -> None:
     import jax
     import jax.numpy as jnp
 
+    from transformer_jax.runtime import platform
+
+    platform.use_cpu_without_accelerators()
+
     from transformer_jax.convert import folder
 
     jax.devices()

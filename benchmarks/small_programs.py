@@ -18,7 +18,9 @@ import subprocess
 import sys
 import tempfile
 
-from absl import app, flags
+from absl import flags
+
+from transformer_jax import cli
 
 _SHAPES = flags.DEFINE_integer("shapes", 40, "New shapes [n, 7], n = 1 .. shapes, each its own four programs.")
 _FAST = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
@@ -75,4 +77,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main, "python -m benchmarks.small_programs")

@@ -18,7 +18,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
+
+from transformer_jax import cli
 
 search = importlib.import_module("transformer_jax.decoding.search")  # the module (decoding.search is a function)
 
@@ -88,4 +90,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main, "python -m benchmarks.top_k")

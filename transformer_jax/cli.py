@@ -21,7 +21,7 @@ from ml_collections.config_flags.config_flags import ConfigFileFlagParser, is_co
 
 from transformer_jax.config import loading
 from transformer_jax.errors import ConfigError, exit_on_user_error
-from transformer_jax.runtime import compile_cache
+from transformer_jax.runtime import compile_cache, platform
 
 USAGE_STATUS = 2  # a command line that cannot work: the usage-error status of Unix tools and argparse
 
@@ -77,9 +77,11 @@ def parse_flags(
     """Parses argv (program name first) into flag_values; returns the program name and the positional arguments.
 
     Every command line gets --compilation_cache here and has the persistent compilation cache turned on (or off)
-    before it compiles anything. `usage`: for a FlagValues of one's own, which lacks absl's help flags, --help
-    prints it and the flags, exit 0.
+    before it compiles anything, and runs on the CPU where the host has no accelerator and the user chose no
+    platform (platform.use_cpu_without_accelerators: no plugin's failure to find its chip is printed). `usage`: for
+    a FlagValues of one's own, which lacks absl's help flags, --help prints it and the flags, exit 0.
     """
+    platform.use_cpu_without_accelerators()
     if "compilation_cache" not in flag_values:
         flags.DEFINE_string(
             "compilation_cache",
