@@ -73,6 +73,11 @@ def chained(form, q_BKH: jax.Array, ks: list[jax.Array]) -> jax.Array:
     return q_BKH
 
 
+def significant(x: float, digits: int = 3) -> float:
+    """x to `digits` significant figures: a fixed number of decimals rounds a slow machine's small rate to 0."""
+    return float(f"{x:.{digits}g}")
+
+
 def measure(rows: int, heads: int, slots: int, head_dim: int, caches: int, repeats: int) -> dict:
     """The product's and the sum's time per cache, over `caches` distinct caches in one call."""
     rng = np.random.default_rng(0)
@@ -88,11 +93,11 @@ def measure(rows: int, heads: int, slots: int, head_dim: int, caches: int, repea
     }
     for name, fn, args in (("product", products, (q, ks)), ("sum", sums, (ks,))):
         each = best_s(fn, args, repeats) / caches
-        report[f"{name}_us"] = round(each * 1e6, 1)
-        report[f"{name}_gb_per_s"] = round(cache_bytes / each / 1e9, 1)
+        report[f"{name}_us"] = significant(each * 1e6)
+        report[f"{name}_gb_per_s"] = significant(cache_bytes / each / 1e9)
     for name, form in FORMS.items():
         fn = jax.jit(lambda q, ks, form=form: chained(form, q, ks))
-        report[f"chained_us_{name}"] = round(best_s(fn, (q[:, 0, :, 0], ks), repeats) / caches * 1e6, 1)
+        report[f"chained_us_{name}"] = significant(best_s(fn, (q[:, 0, :, 0], ks), repeats) / caches * 1e6)
     return report
 
 

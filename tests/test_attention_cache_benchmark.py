@@ -16,6 +16,11 @@ def test_measure_times_the_product_and_the_read_floor_per_cache():
     assert all(report[f"chained_us_{name}"] > 0 for name in attention_cache.FORMS)
 
 
+def test_small_values_keep_three_significant_figures():
+    """A slow machine's rate of a tiny cache is small, never rounded to 0."""
+    assert attention_cache.significant(0.0432) == 0.0432 and attention_cache.significant(1234.5) == 1230.0
+
+
 def test_the_timed_forms_compute_the_same_scores():
     rng = np.random.default_rng(0)
     q_BKH = jnp.asarray(rng.normal(size=(6, 3, 8)), jnp.float32)
