@@ -37,10 +37,8 @@ def test_every_config_file_is_covered():
     assert set(_config_modules()) <= set(CONFIG_ARGS), "add the new config file and its arguments to CONFIG_ARGS"
 
 
-def _cases():
-    for name, args in CONFIG_ARGS.items():
-        for arg in args:
-            yield pytest.param(name, arg, id=f"{name}:{arg}")
+def _cases() -> list:
+    return [pytest.param(name, arg, id=f"{name}:{arg}") for name, args in CONFIG_ARGS.items() for arg in args]
 
 
 @pytest.mark.parametrize("name,arg", _cases())

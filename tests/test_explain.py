@@ -125,8 +125,8 @@ def test_every_intermediate_is_the_models_own_tensor(run, beam):
     # Attention weights: captured independently through the existing capture_attention_weights path.
     capture_attention_weights(model)
     try:
-        logits = model(src, tgt_in)
-        weights = nnx.to_pure_dict(nnx.pop(model, nnx.Intermediate))
+        logits, weights = nnx.capture(model, nnx.Intermediate)(src, tgt_in)
+        weights = nnx.to_pure_dict(weights)
     finally:
         capture_attention_weights(model, False)
     for stack in ("encoder_layers", "decoder_layers"):

@@ -163,8 +163,7 @@ def test_captured_attention_weights_are_the_ones_the_model_uses():
     model = tiny_model()
     src, tgt = random_tokens(0, (1, 5)), random_tokens(1, (1, 4))
     capture_attention_weights(model)
-    logits = forward(model, src, tgt)
-    weights = nnx.pop(model, nnx.Intermediate)
+    logits, weights = nnx.capture(forward, nnx.Intermediate)(model, src, tgt)
     capture_attention_weights(model, False)
     np.testing.assert_allclose(forward(model, src, tgt), logits, rtol=1e-6)  # capturing changes nothing
     enc0 = weights["encoder_layers"][0]["self_attn"]["attention_weights"][0]

@@ -149,13 +149,17 @@ def beam_steps(model: Any, src_ids: list[int], settings: DecodeSettings, piece: 
     return steps, best
 
 
+def _encode_decode(model: Any, src_1S: jax.Array, tgt_in_1T: jax.Array) -> tuple[jax.Array, jax.Array]:
+    memory_1SD = model.encode(src_1S)
+    return memory_1SD, model.decode(memory_1SD, tgt_in_1T, src_tokens=src_1S)
+
+
 @nnx.jit
 def _teacher_forced(model: Any, src_1S: jax.Array, tgt_in_1T: jax.Array) -> tuple[nnx.State, jax.Array, jax.Array]:
     # Compiled, although for one sentence: op by op, every operation compiles a program of its own, several times
     # slower than compiling the pass once (docs/compilation.md).
-    memory_1SD = model.encode(src_1S)
-    logits_1TV = model.decode(memory_1SD, tgt_in_1T, src_tokens=src_1S)
-    return nnx.pop(model, nnx.Intermediate), memory_1SD, logits_1TV
+    (memory_1SD, logits_1TV), sown = nnx.capture(_encode_decode, nnx.Intermediate)(model, src_1S, tgt_in_1T)
+    return sown, memory_1SD, logits_1TV
 
 
 def intermediates(model: Any, src_ids: list[int], tgt_in_ids: list[int]) -> tuple[dict, np.ndarray, np.ndarray]:

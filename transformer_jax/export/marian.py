@@ -62,7 +62,7 @@ def epsilon_logit_difference(model: Any, token_ids: Sequence[Sequence[int]]) -> 
     (transformers' Marian), decoding each of `token_ids` as source and, after BOS, as forced target."""
     graph, state = nnx.split(model)
     fixed = nnx.merge(graph, state)
-    for _, module in fixed.iter_modules():
+    for _, module in nnx.iter_modules(fixed):
         if isinstance(module, LayerNorm):
             module.epsilon = marian.NORM_EPSILON
     largest = 0.0

@@ -25,7 +25,8 @@ class MultiHeadAttention(nnx.Module):
     Set `capture_weights = True` to sow the attention weights [B, N, T, S] as `nnx.Intermediate`
     (computed with the materialising `xla` reference, whatever the configured kernel), and
     `capture_intermediates = True` to sow Q, K, V, the heads' outputs and the projected output (for
-    transformer_jax.explain). Both are off by default, so training and decoding trace exactly as without them.
+    transformer_jax.explain); the caller collects them with `nnx.capture(fn, nnx.Intermediate)`. Both are off by
+    default, so training and decoding trace exactly as without them.
     """
 
     def __init__(self, spec: TransformerSpec, *, rngs: nnx.Rngs):

@@ -413,8 +413,9 @@ def _source_segment_ids(src_tokens: Array | None, src_segment_ids: Array | None,
 def capture_intermediates(model: Transformer, enabled: bool = True) -> None:
     """Makes the model sow, as nnx.Intermediate, what transformer_jax.explain shows: the embedding terms,
     every attention's Q, K, V, weights, head outputs and output, every norm's input and output, the FFN's hidden
-    activations. Off (the default), nothing is sown and the model traces exactly as before."""
-    for _, module in model.iter_modules():
+    activations; collect them by running the model under `nnx.capture(fn, nnx.Intermediate)`. Off (the default),
+    nothing is sown and the model traces exactly as before."""
+    for _, module in nnx.iter_modules(model):
         if hasattr(module, "capture_intermediates"):
             module.capture_intermediates = enabled
         if isinstance(module, MultiHeadAttention):
@@ -422,7 +423,8 @@ def capture_intermediates(model: Transformer, enabled: bool = True) -> None:
 
 
 def capture_attention_weights(model: Transformer, enabled: bool = True) -> None:
-    """Makes every attention module sow its weights as nnx.Intermediate 'attention_weights' (see nnx.pop)."""
-    for _, module in model.iter_modules():
+    """Makes every attention module sow its weights as nnx.Intermediate 'attention_weights', collected by running
+    the model under `nnx.capture(fn, nnx.Intermediate)`."""
+    for _, module in nnx.iter_modules(model):
         if isinstance(module, MultiHeadAttention):
             module.capture_weights = enabled

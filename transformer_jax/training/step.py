@@ -76,7 +76,7 @@ def train_step(
     (_, rest, grads, sums), _ = jax.lax.scan(micro_step, (params, rest, zero_grads, zero_sums), micro)
     nnx.update(model, rest)
     grads = jax.tree.map(lambda g: g / jnp.maximum(sums["tokens"], 1.0), grads)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(sums["loss_sum"]) & jnp.isfinite(grad_norm)
 
     # nnx.state holds the live variables; tree.map snapshots their current arrays before the update mutates them.

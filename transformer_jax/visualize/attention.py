@@ -53,15 +53,15 @@ class AttentionResult:
 def _capturing_forward(model: Any, src_1S: jax.Array, tgt_1T: jax.Array) -> nnx.State:
     # Compiled, although for one sentence pair: op by op, every operation compiles a program of its own, several
     # times slower than compiling the pass once (docs/compilation.md).
-    model(src_1S, tgt_1T)
-    return nnx.pop(model, nnx.Intermediate)
+    _, sown = nnx.capture(model, nnx.Intermediate)(src_1S, tgt_1T)
+    return sown
 
 
 def attention_weights(model: Any, src_ids: Sequence[int], tgt_in_ids: Sequence[int]) -> dict[str, list[np.ndarray]]:
     """The attention weights the model computes for one sentence pair (teacher forcing), per kind and layer.
 
     They are the ones the forward pass uses: MultiHeadAttention sows them (model.capture_attention_weights) and
-    they are popped after one call of model(src, tgt_in). The model should be in eval mode (no dropout).
+    nnx.capture collects them from one call of model(src, tgt_in). The model should be in eval mode (no dropout).
     """
     capture_attention_weights(model)
     try:
