@@ -281,10 +281,22 @@ def test_options_the_engine_cannot_express_are_refused_in_one_line(overrides, ke
     assert "\n" not in str(e.value)
 
 
+# What each quantization keeps of float32's scores on every x86 CPU. bfloat16 rounds each weight to 8 significant
+# bits: per-token log-probabilities within 0.05. int8 also quantizes each matmul's activations, and where a CPU
+# lacks VNNI (AVX2 hosts, AVX-512 before Cascade Lake) CTranslate2's oneDNN kernels multiply unsigned by signed bytes
+# with `vpmaddubsw`, whose pairwise int16 sums saturate: the same export's log-probabilities differ by up to 0.03
+# on a VNNI host and 0.66 without (this test's model, `ONEDNN_MAX_CPU_ISA=AVX2`), so int8 is checked by what both
+# keep: the scores follow float32's (correlation, mean and largest drift) and most outputs are the same.
+INT8_MIN_CORRELATION = 0.9  # measured: 1.000 with VNNI, 0.967 without
+INT8_MAX_MEAN_DRIFT = 0.5  # nats per token; measured 0.012 and 0.25
+INT8_MAX_DRIFT = 1.5  # nats, any one token; measured 0.03 and 0.66
+MIN_SAME_OUTPUTS = {"bfloat16": 0.75, "int8": 0.5, "int8_float32": 0.5}  # measured 1.0 and 0.79 without VNNI
+
+
 @pytest.mark.parametrize("quantization", export_lib.QUANTIZATIONS)
 def test_a_quantized_export_is_smaller_loads_and_translates(corpus, exported, tmp_path, quantization):
     """--quantization: CTranslate2's own weight quantization; the folder serves alone, its log-probabilities near
-    float32's."""
+    float32's by what the quantization keeps on any x86 CPU (above)."""
     directory, tokenizer = corpus
     model, float32 = exported
     path = export_lib.to_ctranslate2(model, tokenizer, tmp_path / "ct2", max_positions=64, quantization=quantization)
@@ -294,17 +306,23 @@ def test_a_quantized_export_is_smaller_loads_and_translates(corpus, exported, tm
     outputs, stats = export_lib.ctranslate2_translate(translator(path), tokenizer, lines, SETTINGS)
     assert len(outputs) == len(lines) and stats["tgt_tokens"] > 0
     float_outputs, _ = export_lib.ctranslate2_translate(translator(float32), tokenizer, lines, SETTINGS)
-    assert sum(a == b for a, b in zip(outputs, float_outputs, strict=True)) >= 0.75 * len(lines)
+    same = sum(a == b for a, b in zip(outputs, float_outputs, strict=True))
+    assert same >= MIN_SAME_OUTPUTS[quantization] * len(lines), (same, len(lines))
     pieces = export_lib.vocabulary(tokenizer)
     src = [[pieces[i] for i in tokenizer.encode_source(s)] for s in lines[:8]]
     tgt = [
         [pieces[i] for i in tokenizer.encode_target(s)]
         for s in directory.joinpath("test.de").read_text().splitlines()[:8]
     ]
-    ours = translator(float32).score_batch(src, tgt)
-    theirs = translator(path).score_batch(src, tgt)
-    for a, b in zip(ours, theirs, strict=True):
-        np.testing.assert_allclose(b.log_probs, a.log_probs, atol=0.2)
+    ours = np.concatenate([r.log_probs for r in translator(float32).score_batch(src, tgt)])
+    theirs = np.concatenate([r.log_probs for r in translator(path).score_batch(src, tgt)])
+    assert ours.shape == theirs.shape
+    if quantization == "bfloat16":
+        np.testing.assert_allclose(theirs, ours, atol=0.05)
+        return
+    drift = np.abs(theirs - ours)
+    assert np.corrcoef(ours, theirs)[0, 1] >= INT8_MIN_CORRELATION, np.corrcoef(ours, theirs)
+    assert drift.mean() <= INT8_MAX_MEAN_DRIFT and drift.max() <= INT8_MAX_DRIFT, (drift.mean(), drift.max())
 
 
 def test_an_unknown_quantization_is_one_line(corpus, exported, tmp_path):
