@@ -304,7 +304,7 @@ def device_report(impls: list[str], seq_lens: list[int], runs: int, max_gib: flo
     Ordered by importance, and stops starting measurements after `budget_s` seconds, so that a fixed device
     allowance always yields the correctness table and the 16k-token numbers the targets are stated for.
     """
-    from transformer_jax.ops.pallas.gpu import BlockSizes
+    from transformer_jax.ops.pallas_gpu import BlockSizes
 
     start = time.time()
     emit(dict(device=str(jax.devices()[0]), jax=jax.__version__, budget_s=budget_s))

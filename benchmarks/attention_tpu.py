@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax import ops
+from transformer_jax.ops import pallas_tpu
 from transformer_jax.ops.masks import AttentionMask
-from transformer_jax.ops.pallas import tpu as pallas_tpu
 from transformer_jax.plan import accelerators
 from transformer_jax.runtime import platform
 

@@ -14,9 +14,8 @@ import pytest
 from tests.helpers import jitted
 from tests.helpers.reference import naive_linear_attention
 from transformer_jax import ops
-from transformer_jax.ops import blockwise
+from transformer_jax.ops import blockwise, pallas_gpu
 from transformer_jax.ops.masks import AttentionMask
-from transformer_jax.ops.pallas import gpu_kernels
 
 
 def packed_side(rng: np.random.Generator, batch: int, length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -74,7 +73,7 @@ def test_tiles_of_blockwise_and_pallas_assemble_to_the_dense_mask(seed: int) -> 
     y, num_j = blockwise._split_blocks(kv_len, 16)
     padded = mask.pad(batch, q_len, kv_len, x * num_i, y * num_j)
     q_vecs, kv_vecs = blockwise._vector_blocks(padded, blockwise._Static(1.0, x, y))
-    cfg = gpu_kernels.KernelConfig(1.0, padded.static(), padded.segments, padded.positions, groups=1)
+    cfg = pallas_gpu.KernelConfig(1.0, padded.static(), padded.segments, padded.positions, groups=1)
     got_BTS = np.ones((batch, x * num_i, y * num_j), bool)
     kernel_BTS = np.ones_like(got_BTS)
     for i in range(num_i):
@@ -85,7 +84,7 @@ def test_tiles_of_blockwise_and_pallas_assemble_to_the_dense_mask(seed: int) -> 
             if tile is not None:
                 got_BTS[:, i * x : (i + 1) * x, j * y : (j + 1) * y] = np.asarray(tile[:, 0, 0])
             for b in range(batch):
-                kernel_tile = gpu_kernels._tile_mask(
+                kernel_tile = pallas_gpu._tile_mask(
                     cfg,
                     tuple(None if v is None else v[b] for v in q_vec),  # [X]
                     tuple(None if v is None else v[b] for v in kv_vec),  # [Y]

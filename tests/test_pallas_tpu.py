@@ -22,9 +22,8 @@ from tests.helpers.attention import TPU_CASES as CASES
 from tests.helpers.attention import TPU_SMALL as SMALL
 from tests.helpers.attention import Case, assert_matches, forward_backward, make_inputs, reference
 from transformer_jax import ops
+from transformer_jax.ops import pallas_gpu, pallas_tpu
 from transformer_jax.ops.masks import AttentionMask, array_module
-from transformer_jax.ops.pallas import gpu as pallas_gpu
-from transformer_jax.ops.pallas import tpu as pallas_tpu
 from transformer_jax.runtime import platform
 
 

@@ -56,7 +56,7 @@ def make_mesh(devices: list | None = None) -> Mesh:
 
 def tracing_mesh(mesh: Mesh) -> contextlib.AbstractContextManager:
     """The mesh to trace steps under: Mosaic kernels cannot be partitioned by XLA, so on a TPU target our Pallas
-    attention (ops/pallas/tpu.py) runs per device in a shard_map over the mesh in context (jax.set_mesh); the
+    attention (ops/pallas_tpu.py) runs per device in a shard_map over the mesh in context (jax.set_mesh); the
     other backends trace without one."""
     return jax.set_mesh(mesh) if platform.target_backend() == "tpu" else contextlib.nullcontext()
 

@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax import ops
-from transformer_jax.ops.pallas import gpu as pallas_gpu
-from transformer_jax.ops.pallas import tpu as pallas_tpu
+from transformer_jax.ops import pallas_gpu, pallas_tpu
 
 # Small tiles so that 20-60 tokens make several tiles of each kind (skipped, masked, unmasked, partial).
 TILES = {
@@ -117,7 +116,7 @@ def check(impl: str, case: Case, dtype: jnp.dtype = jnp.float32) -> None:
 # --- blockwise: the whole semantics, cheaply -----------------------------------------------------------------
 
 
-TPU_SMALL = pallas_tpu.TpuBlockSizes(16, 128, 16, 128)  # the smallest tiles of ops/pallas/tpu.py's layout rules
+TPU_SMALL = pallas_tpu.TpuBlockSizes(16, 128, 16, 128)  # the smallest tiles of ops/pallas_tpu.py's layout rules
 
 TPU_CASES = [
     # Packed rows of three segments with padded tails, causal, two query heads per key head; odd lengths that

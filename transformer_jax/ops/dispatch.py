@@ -8,10 +8,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from transformer_jax.ops import pallas_gpu, pallas_tpu
 from transformer_jax.ops.attention import IMPLEMENTATIONS, Array, register
 from transformer_jax.ops.masks import AttentionMask
-from transformer_jax.ops.pallas import gpu as pallas_gpu
-from transformer_jax.ops.pallas import tpu as pallas_tpu
 from transformer_jax.runtime import platform
 
 # On CPU, blockwise beats the reference from about 1k tokens per side (benchmarks/attention.py measures where;
