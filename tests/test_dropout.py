@@ -1,4 +1,4 @@
-"""The hash dropout of ops.dropout: right keep rate, unbiased, independent across elements and keys."""
+"""The hash dropout of model/layers.py: right keep rate, unbiased, independent across elements and keys."""
 
 import jax
 import jax.numpy as jnp
@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from transformer_jax.model.layers import Dropout
-from transformer_jax.ops.dropout import dropout, hash_bits
+from transformer_jax.model.layers import Dropout, dropout, hash_bits
 
 SHAPE = (16, 64, 1024)  # 1,048,576 elements: a standard error of 3e-4 on the keep rate at rate 0.1
 

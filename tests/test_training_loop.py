@@ -286,7 +286,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(corpus, tmp_path):
 @pytest.mark.parametrize("mode", ["data", "fsdp"])
 def test_one_and_eight_devices_give_the_same_losses(mode):
     """Data parallel and FSDP over 8 simulated CPU devices train exactly like one device (float reduction order
-    aside), with dropout on: its masks are a hash of each element's global index (ops/dropout.py), so they do not
+    aside), with dropout on: its masks are a hash of each element's global index (model/layers.py), so they do not
     depend on how the batch is laid out over devices."""
     script = (
         "import json\n"

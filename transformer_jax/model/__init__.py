@@ -21,7 +21,7 @@ def model_rngs(seed: int) -> nnx.Rngs:
     """The random streams every model is built with, in training and for evaluation alike.
 
     Separate streams: parameter init and dropout draw from different keys of the same seed. Dropout masks come from
-    a counter hash (ops/dropout.py) that draws only two words per call from this key, so the key's impl costs
+    a counter hash (model/layers.py: dropout) that draws only two words per call from this key, so the key's impl costs
     nothing; it stays "rbg" because the key is part of every checkpoint and another impl has another shape. The
     streams are part of the model's graph and state, so a model built otherwise (for evaluation) would compile
     other decoding programs than the ones validation BLEU saved during training (docs/compilation.md).
