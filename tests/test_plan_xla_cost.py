@@ -1,5 +1,6 @@
-"""The one private jax API of transformer_jax (plan/xla_cost.py): when a jax upgrade moves or removes it, this test
-says so by name instead of the plan silently falling back to the FLOPs formula."""
+"""The one private jax API of transformer_jax (plan/train_step.py: hlo_module_cost_from_private_jax): when a jax
+upgrade moves or removes it, this test says so by name instead of the plan silently falling back to the FLOPs
+formula."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from transformer_jax.plan import train_step, xla_cost
+from transformer_jax.plan import train_step
 
 PRIVATE_API = "jax._src.lib.xla_client._xla.hlo_module_cost_analysis"
 
@@ -18,11 +19,12 @@ def matmul() -> jax.stages.Compiled:
 
 def test_the_private_cost_analysis_still_counts_a_compiled_module():
     try:
-        cost = xla_cost.hlo_module_cost(matmul())
+        cost = train_step.hlo_module_cost_from_private_jax(matmul())
     except (AttributeError, ImportError) as error:
         pytest.fail(
             f"jax {jax.__version__} no longer provides {PRIVATE_API} ({error}); --plan for GPUs reports the FLOPs "
-            "formula instead of the compiled count: find its new home and update transformer_jax/plan/xla_cost.py"
+            "formula instead of the compiled count: find its new home and update "
+            "transformer_jax/plan/train_step.py: hlo_module_cost_from_private_jax"
         )
     assert cost["flops"] == 2 * 8 * 16 * 4  # one multiply and one add per term of the matmul
     assert cost["flops"] == matmul().cost_analysis()["flops"]  # the same count the public API gives on CPU
