@@ -18,7 +18,6 @@ from tests.helpers import REPO
 from transformer_jax.plan import report
 from transformer_jax.plan import train_step as plan
 from transformer_jax.plan.accelerators import parse_topology
-from transformer_jax.plan.decode import plan_decode
 from transformer_jax.sharding import make_mesh
 
 pytestmark = pytest.mark.skipif(
@@ -169,7 +168,7 @@ def decode_config():
 
 @pytest.fixture(scope="module")
 def decode_plan():
-    return plan_decode(decode_config(), parse_topology("v5e:2x2"), "data")
+    return report.plan_decode(decode_config(), parse_topology("v5e:2x2"), "data")
 
 
 def test_the_decode_plan_is_consistent(both_meshes, decode_plan):
@@ -205,7 +204,7 @@ def test_a_small_eval_batch_is_planned_as_its_one_jitted_search(both_meshes):
     # without a per-step estimate (XLA's count of it mixes the encoder with every cache stage's loop).
     config = small_config(d_model=32)
     config.eval.batch_size, config.data.eval_max_len = 8, 32
-    decode = plan_decode(config, parse_topology("v5e:2x2"), "data")
+    decode = report.plan_decode(config, parse_topology("v5e:2x2"), "data")
     assert decode["search"] == "one jitted call" and list(decode["memory_analysis_per_chip"]) == ["search"]
     assert decode["memory_analysis_per_chip"]["search"]["temp"] > 0 and decode["estimate"]["step_s"] is None
     assert "n/a" in report.format_reports({"data": {**both_meshes["meshes"]["data"], "decode": decode}})
@@ -229,7 +228,7 @@ def test_an_eval_batch_that_cannot_fit_is_one_line_and_a_nonzero_exit():
 def test_a_plan_whose_decoding_exceeds_the_chip_fails_after_its_report(both_meshes, monkeypatch):
     config = decode_config()
     config.eval.batch_size, config.data.eval_max_len = 64, 256  # decoding needs more than the train step
-    decode = plan_decode(config, parse_topology("v5e:2x2"), "data")
+    decode = report.plan_decode(config, parse_topology("v5e:2x2"), "data")
     train = both_meshes["meshes"]["data"]["memory_analysis_per_chip"]["total"]
     # Chips with room for the train step but not for validation's decoding beside the train state.
     hbm = (decode["total_bytes"] + train) / 2
