@@ -19,7 +19,7 @@ import pytest
 from tests.helpers import REPO
 from tests.helpers.training import tiny_train_config, train_py_on_devices
 from transformer_jax.errors import CheckpointError, DiskFullError, NonFiniteError
-from transformer_jax.training import checkpoints, loop, workdir_lock
+from transformer_jax.training import bookkeeping, checkpoints, loop
 from transformer_jax.training.metrics import read_metrics
 from transformer_jax.training.state import abstract_train_state
 
@@ -109,7 +109,7 @@ def test_a_damaged_latest_checkpoint_is_moved_aside_and_the_run_goes_on(resumed_
 
 
 def test_a_checksum_does_not_depend_on_the_shards_and_changes_with_any_bit():
-    from transformer_jax.training.checksums import _shard_sum
+    from transformer_jax.training.bookkeeping import _shard_sum
 
     array = np.random.default_rng(0).standard_normal((37, 5, 3)).astype(np.float32)
     whole = _shard_sum(array, (), array.shape)
@@ -345,16 +345,14 @@ def test_orbax_logs_of_a_failed_restore_are_dropped_only_during_the_call(caplog)
 
 def test_a_second_run_in_the_same_workdir_is_refused_at_once(trained, corpus, tmp_path):
     workdir = _copy(trained, tmp_path)
-    assert not (trained / workdir_lock.LOCK_NAME).exists()  # the first run released its lock
+    assert not (trained / bookkeeping.LOCK_NAME).exists()  # the first run released its lock
     # A live process of this host: it waits for its stdin to close, which the test does when it is done.
     other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
-        lock = workdir / workdir_lock.LOCK_NAME
+        lock = workdir / bookkeeping.LOCK_NAME
         lock.write_text(json.dumps({"pid": other.pid, "host": socket.gethostname(), "started": "earlier"}))
         before = _snapshot(workdir)
-        with pytest.raises(
-            workdir_lock.WorkdirLocked, match=rf"in use by another training run: .* process {other.pid}"
-        ):
+        with pytest.raises(bookkeeping.WorkdirLocked, match=rf"in use by another training run: .* process {other.pid}"):
             loop.train_and_evaluate(_config(corpus), workdir)
         assert _snapshot(workdir) == before  # the lock stays and nothing else is touched
     finally:
@@ -365,15 +363,15 @@ def test_a_second_run_in_the_same_workdir_is_refused_at_once(trained, corpus, tm
 def test_a_lock_of_a_dead_process_is_taken_over_and_one_of_another_host_is_not(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    lock = tmp_path / workdir_lock.LOCK_NAME
+    lock = tmp_path / bookkeeping.LOCK_NAME
     lock.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": "earlier"}))
-    path = workdir_lock.acquire(tmp_path)
+    path = bookkeeping.acquire(tmp_path)
     assert json.loads(path.read_text())["pid"] == os.getpid()
-    workdir_lock.release(path)
+    bookkeeping.release(path)
     assert not lock.exists()
     lock.write_text(json.dumps({"pid": 1, "host": "elsewhere", "started": "earlier"}))
-    with pytest.raises(workdir_lock.WorkdirLocked, match="process 1 on host elsewhere"):
-        workdir_lock.acquire(tmp_path)
+    with pytest.raises(bookkeeping.WorkdirLocked, match="process 1 on host elsewhere"):
+        bookkeeping.acquire(tmp_path)
 
 
 # 5. Restarts: a refused one leaves the workdir as it was; one on another device count or mesh continues exactly.

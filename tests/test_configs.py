@@ -13,7 +13,7 @@ from transformer_jax.config import checks
 from transformer_jax.errors import ConfigError
 from transformer_jax.model import TransformerSpec, parameter_count
 from transformer_jax.tokens import SpecialIds
-from transformer_jax.training import migrations
+from transformer_jax.training import bookkeeping
 
 CONFIG_DIR = REPO / "configs"
 CONFIG_ARGS = {
@@ -68,7 +68,7 @@ def _saved_before_pad_id_was_removed(pad_id: int) -> ml_collections.ConfigDict:
 
     saved = common.base_config("tiny").to_dict()
     del saved["model"]["fused_backward"]  # did not exist yet
-    for name in migrations.ADDED_KEYS:  # nor did these
+    for name in bookkeeping.ADDED_KEYS:  # nor did these
         group, _, leaf = name.partition(".")
         del saved[group][leaf]
     for key in ("eos_id", "bos_id", "unk_id"):  # did not exist yet: the ids were constants
@@ -89,7 +89,7 @@ def _saved_before_the_special_ids_were_keys() -> ml_collections.ConfigDict:
 def test_configs_saved_with_model_pad_id_still_build_the_same_model():
     from configs import common
 
-    old = migrations.upgrade_config(_saved_before_pad_id_was_removed(0))  # as checkpoints.load_config does
+    old = bookkeeping.upgrade_config(_saved_before_pad_id_was_removed(0))  # as checkpoints.load_config does
     spec = TransformerSpec.from_config(old)
     assert spec.fused_backward == "on"  # what those versions ran
     new = common.base_config("tiny")
@@ -97,7 +97,7 @@ def test_configs_saved_with_model_pad_id_still_build_the_same_model():
     assert spec == TransformerSpec.from_config(new)
     assert old.eval.max_len == 0  # and the evaluation settings too: no absolute cap on outputs, as then
     with pytest.raises(ConfigError, match="model.pad_id: a config saved without model.fused_backward had padding 0"):
-        migrations.upgrade_config(_saved_before_pad_id_was_removed(5))
+        bookkeeping.upgrade_config(_saved_before_pad_id_was_removed(5))
 
 
 def test_configs_saved_before_the_marian_keys_build_the_same_model():
@@ -109,21 +109,21 @@ def test_configs_saved_before_the_marian_keys_build_the_same_model():
     for name in ("model.final_logits_bias", "model.sinusoid_layout", "eval.max_len"):
         group, _, leaf = name.partition(".")
         del saved[group][leaf]
-    old = migrations.upgrade_config(ml_collections.ConfigDict(json.loads(json.dumps(saved))))
+    old = bookkeeping.upgrade_config(ml_collections.ConfigDict(json.loads(json.dumps(saved))))
     assert TransformerSpec.from_config(old) == TransformerSpec.from_config(common.base_config("tiny"))
     assert old.eval.max_len == 0
-    assert migrations.upgrade_config(old).to_dict() == old.to_dict()  # today's keys: unchanged
+    assert bookkeeping.upgrade_config(old).to_dict() == old.to_dict()  # today's keys: unchanged
 
 
 def test_a_config_saved_by_an_earlier_version_gets_every_key_of_today():
     """tests/data/config_saved_before_the_marian_keys.json is the config.json a training run wrote before the
     special ids, the Marian keys, corpus mixing and trackers existed (its text_dir made relative): upgraded as
     checkpoints.load_config does, it has every key of today's schema, passes today's checks and builds the model it
-    was trained as. A key added to the schema without its entry in migrations.ADDED_KEYS fails here."""
+    was trained as. A key added to the schema without its entry in bookkeeping.ADDED_KEYS fails here."""
     from transformer_jax.config import checks, schema
 
     saved = json.loads((Path(__file__).parent / "data" / "config_saved_before_the_marian_keys.json").read_text())
-    old = migrations.upgrade_config(ml_collections.ConfigDict(saved))
+    old = bookkeeping.upgrade_config(ml_collections.ConfigDict(saved))
     today = schema.base_config("small")
     keys = {(group, leaf) for group in today for leaf in today[group]}
     assert {(group, leaf) for group in old for leaf in old[group]} == keys
@@ -136,7 +136,7 @@ def test_a_config_saved_by_an_earlier_version_gets_every_key_of_today():
 def test_configs_saved_before_the_special_id_keys_keep_the_constants_of_their_version():
     from configs import common
 
-    old = migrations.upgrade_config(_saved_before_the_special_ids_were_keys())
+    old = bookkeeping.upgrade_config(_saved_before_the_special_ids_were_keys())
     assert SpecialIds.of(old) == SpecialIds(pad=0, eos=1, bos=2, unk=3)
     assert TransformerSpec.from_config(old) == TransformerSpec.from_config(common.base_config("tiny"))
 

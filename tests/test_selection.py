@@ -15,7 +15,7 @@ from tests.helpers.training import scripted, tiny_train_config
 from transformer_jax.config import checks
 from transformer_jax.errors import ConfigError, EvalError
 from transformer_jax.evaluation import restore
-from transformer_jax.training import checkpoints, selection
+from transformer_jax.training import bookkeeping, checkpoints
 from transformer_jax.training.loop import train_and_evaluate
 from transformer_jax.training.metrics import read_metrics
 from transformer_jax.training.state import abstract_train_state
@@ -59,18 +59,18 @@ def test_best_checkpoints_survive_a_restart_and_the_rotation_after_it(corpus, se
 
 
 def test_lower_is_better_for_ter_and_loss(tmp_path):
-    record = selection.Record("valid_ter")
+    record = bookkeeping.SelectionRecord("valid_ter")
     assert record.update(2, 50.0) and record.update(4, 40.0) and not record.update(6, 45.0)
     assert (record.best_step, record.best_score, record.since_best) == (4, 40.0, 1)
-    record = selection.Record("valid_bleu")
+    record = bookkeeping.SelectionRecord("valid_bleu")
     assert record.update(2, 10.0) and not record.update(4, 5.0) and record.update(6, 11.0)
 
 
 def test_a_nan_score_never_outranks_a_real_one(corpus, tmp_path):
     """BLEU 10, 30, NaN, 25, NaN, 1 at steps 2-12, checkpoints due at 6 (NaN) and 12: the one best kept is step 4's
     30; a NaN among the scores Orbax sorts would make its choice of what to delete arbitrary."""
-    assert selection.rank({"valid_bleu": float("nan")}, "valid_bleu") == selection.worst("valid_bleu")
-    assert selection.rank({}, "valid_loss") == selection.worst("valid_loss") == float("inf")
+    assert bookkeeping.rank({"valid_bleu": float("nan")}, "valid_bleu") == bookkeeping.worst("valid_bleu")
+    assert bookkeeping.rank({}, "valid_loss") == bookkeeping.worst("valid_loss") == float("inf")
     workdir = tmp_path / "w"
     nan = float("nan")
     train_and_evaluate(selecting_config(corpus, 12, keep_best=1), workdir, bleu=scripted([10, 30, nan, 25, nan, 1]))

@@ -27,7 +27,7 @@ from tests.helpers.training import tiny_train_config
 from transformer_jax.config import checks
 from transformer_jax.config.schema import TRACKERS
 from transformer_jax.errors import ConfigError
-from transformer_jax.training import trackers
+from transformer_jax.training import metrics
 from transformer_jax.training.loop import train_and_evaluate
 from transformer_jax.training.metrics import MetricWriter, read_metrics
 
@@ -177,7 +177,7 @@ def test_a_run_logs_config_metrics_and_final_scores_to_offline_wandb_and_mlflow(
     assert {1, 3, 6} <= set(want) and "valid_loss" in want[6]
     params = dict(checks.leaves(config))
     last = {k: v for step in sorted(want) for k, v in want[step].items()}
-    ids = json.loads((workdir / trackers.STATE_FILE).read_text())
+    ids = json.loads((workdir / metrics.STATE_FILE).read_text())
     assert ids["wandb"]["last_step"] == ids["mlflow"]["last_step"] == 6
 
     (wandb_run,) = wandb_runs(root / "wandb", ids["wandb"]["id"])
@@ -216,7 +216,7 @@ def test_a_resumed_writer_continues_the_tracker_runs_and_skips_the_steps_they_ha
     writer = MetricWriter(tmp_path, config=config)
     _write(writer, range(0, 6), offset=0.0)
     writer.close()  # no finish: the first start was interrupted
-    first = json.loads((tmp_path / trackers.STATE_FILE).read_text())
+    first = json.loads((tmp_path / metrics.STATE_FILE).read_text())
     client, run = mlflow_run("resumed")
     assert run.info.status == "FAILED" and run.data.params == {k: str(v) for k, v in params.items()}
     config.train.num_steps = 8  # a key that may change on resume: W&B's config and an MLflow tag follow it
@@ -225,7 +225,7 @@ def test_a_resumed_writer_continues_the_tracker_runs_and_skips_the_steps_they_ha
     _write(writer, range(4, 9), offset=0.5)
     writer.finish({"stopped_early_at": 8})
     writer.close()
-    second = json.loads((tmp_path / trackers.STATE_FILE).read_text())
+    second = json.loads((tmp_path / metrics.STATE_FILE).read_text())
     assert {k: v["id"] for k, v in second.items()} == {k: v["id"] for k, v in first.items()}
     assert first["mlflow"]["last_step"] == 5 and second["mlflow"]["last_step"] == 8
 
@@ -259,12 +259,12 @@ def test_an_interrupted_training_run_resumes_the_same_tracker_runs(env, corpus, 
     root, _ = env
     config = tiny_train_config(corpus, trackers="wandb,mlflow", tracker_group="interrupted")
     train_and_evaluate(config, tmp_path)
-    first = json.loads((tmp_path / trackers.STATE_FILE).read_text())
+    first = json.loads((tmp_path / metrics.STATE_FILE).read_text())
     shutil.rmtree(tmp_path / "checkpoints" / "6")
     train_and_evaluate(
         tiny_train_config(corpus, trackers="wandb,mlflow", tracker_group="interrupted", num_steps=8), tmp_path
     )
-    second = json.loads((tmp_path / trackers.STATE_FILE).read_text())
+    second = json.loads((tmp_path / metrics.STATE_FILE).read_text())
     assert {k: v["id"] for k, v in second.items()} == {k: v["id"] for k, v in first.items()}
     jsonl = jsonl_by_step(tmp_path / "metrics.jsonl")
     client, run = mlflow_run("interrupted")
@@ -338,8 +338,6 @@ def test_the_sweep_groups_its_runs_by_its_directory(tmp_path, tiny_corpus_env, c
 
 def test_only_process_0_logs_to_trackers(env, corpus, tmp_path, monkeypatch):
     """Another host's writer (as its metrics.jsonl) opens no tracker: no W&B or MLflow run, no trackers.json."""
-    from transformer_jax.training import metrics
-
     monkeypatch.setattr(metrics.jax, "process_index", lambda: 1)
     writer = MetricWriter(tmp_path, config=tiny_train_config(corpus, trackers="tensorboard,wandb,mlflow"))
     writer.write(1, {"loss": 1.0})

@@ -81,7 +81,7 @@ TOKENIZERS = ("spm", "marian")  # data/tokenizer.py: a joint SentencePiece model
 # What selects the best checkpoints and stops early: validation loss, or a score of the decoded validation sentences.
 SELECT_METRICS = ("valid_bleu", "valid_chrf", "valid_chrfpp", "valid_ter", "valid_loss")
 SEED_LIMIT = 2**32
-# The experiment trackers of train.trackers (training/trackers.py), each with the pinned requirement of the optional
+# The experiment trackers of train.trackers (training/metrics.py), each with the pinned requirement of the optional
 # package it needs (None: a runtime dependency). requirements-dev.txt pins the same; tests/test_trackers.py checks it.
 TRACKERS = {"tensorboard": None, "wandb": "wandb==0.31.0", "mlflow": "mlflow==3.17.2"}
 

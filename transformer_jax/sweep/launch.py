@@ -40,7 +40,7 @@ from transformer_jax.sweep.job import RunJob
 from transformer_jax.sweep.results import RESULT_FILE, decoded
 from transformer_jax.sweep.splits import SPLITS, VALID, Split
 from transformer_jax.sweep.submitit_module import FailedJobError, JobPaths, submitit
-from transformer_jax.training import workdir_lock
+from transformer_jax.training import bookkeeping
 from transformer_jax.training.checkpoints import list_steps
 
 LAUNCHERS = ("sequential", "local", "slurm")
@@ -89,11 +89,11 @@ class Task(NamedTuple):
 @contextlib.contextmanager
 def owned(sweep_dir: pathlib.Path) -> Iterator[None]:
     """DIR/sweep.lock for this command; WorkdirLocked (a UserError: one line) while another command owns DIR."""
-    path = workdir_lock.acquire(sweep_dir, LOCK_NAME, "sweep command")
+    path = bookkeeping.acquire(sweep_dir, LOCK_NAME, "sweep command")
     try:
         yield
     finally:
-        workdir_lock.release(path)
+        bookkeeping.release(path)
 
 
 def load_jobs(sweep_dir: pathlib.Path) -> dict[str, dict[str, Any]]:

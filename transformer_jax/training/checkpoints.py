@@ -3,8 +3,8 @@
 Each checkpoint holds everything needed to continue exactly: model parameters, optimizer state, dropout RNG state,
 step and non-finite counters (item `state`, keyed by the TrainState fields "model", "optimizer", "counters"), the
 data iterator state (item `data`), the config (item `config`) and a checksum of every array of `state` (item
-`checksums`, see training.checksums), verified on every restore. Checkpoints of earlier layouts restore through
-training.migrations; checkpoints written before checksums existed restore without verification.
+`checksums`, see training.bookkeeping), verified on every restore. Checkpoints of earlier layouts restore through the
+migrations of training.bookkeeping; checkpoints written before checksums existed restore without verification.
 With several processes each writes its shards of `state`; the JSON items are written by process 0 alone, which is
 right because every host's iterator state is the same (hosts plan the same global batches; see data.pipeline).
 
@@ -39,7 +39,7 @@ from flax.traverse_util import flatten_dict
 from transformer_jax.config import schema
 from transformer_jax.errors import CheckpointError, DiskFullError
 from transformer_jax.runtime import files
-from transformer_jax.training import checksums, migrations, selection
+from transformer_jax.training import bookkeeping
 from transformer_jax.training.state import TrainState
 
 ITEMS = ("state", "data", "config", "checksums")
@@ -77,14 +77,14 @@ def _manager(
     policy = {"max_to_keep": keep}
     if select_metric is not None:
         policy = {
-            "best_fn": lambda metrics: selection.rank(metrics, select_metric),  # writes the metrics item
-            "best_mode": "min" if select_metric in selection.LOWER_IS_BETTER else "max",
+            "best_fn": lambda metrics: bookkeeping.rank(metrics, select_metric),  # writes the metrics item
+            "best_mode": "min" if select_metric in bookkeeping.LOWER_IS_BETTER else "max",
             "preservation_policy": ocp.checkpoint_managers.AnyPreservationPolicy(
                 [
                     ocp.checkpoint_managers.LatestN(n=keep),
                     ocp.checkpoint_managers.BestN(
-                        get_metric_fn=lambda metrics: selection.rank(metrics, select_metric),
-                        reverse=select_metric in selection.LOWER_IS_BETTER,  # sorted worst first, the last n kept
+                        get_metric_fn=lambda metrics: bookkeeping.rank(metrics, select_metric),
+                        reverse=select_metric in bookkeeping.LOWER_IS_BETTER,  # sorted worst first, the last n kept
                         n=keep_best,
                         keep_checkpoints_without_metrics=False,
                     ),
@@ -151,7 +151,7 @@ def best_scores(workdir: str | pathlib.Path) -> list[tuple[int, float]]:
             continue
         if metrics is not None and metric in metrics and not math.isnan(float(metrics[metric])):
             scored.append((step, float(metrics[metric])))
-    sign = 1.0 if metric in selection.LOWER_IS_BETTER else -1.0
+    sign = 1.0 if metric in bookkeeping.LOWER_IS_BETTER else -1.0
     return sorted(scored, key=lambda item: (sign * item[1], item[0]))
 
 
@@ -259,7 +259,7 @@ def _checksum_problem(workdir: str | pathlib.Path, step: int, tree: dict) -> str
     """What differs between the arrays of `tree` restored from `step` and their saved checksums, or None (also for
     a checkpoint written before checksums existed)."""
     expected = _saved_checksums(workdir, step)
-    problems = [] if expected is None else checksums.mismatches(expected, tree)
+    problems = [] if expected is None else bookkeeping.checksum_mismatches(expected, tree)
     if not problems:
         return None
     more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
@@ -296,7 +296,7 @@ def _abstract(tree, shardings=None):
 
 
 def _saved_keys(workdir: str | pathlib.Path, step: int) -> dict[str, Any]:
-    """TrainState field -> the top-level key the checkpoint of `step` stores it under (migrations.state_keys)."""
+    """TrainState field -> the top-level key the checkpoint of `step` stores it under (bookkeeping.state_keys)."""
     # The saved tree's metadata, read by a bare handler: a manager knows it only after a save in this process, and
     # a checkpointer would synchronise the hosts.
     handler = ocp.PyTreeCheckpointHandler()
@@ -304,7 +304,7 @@ def _saved_keys(workdir: str | pathlib.Path, step: int) -> dict[str, Any]:
         saved = handler.metadata(checkpoint_dir(workdir) / str(step) / "state").tree.keys()
     finally:
         handler.close()
-    return migrations.state_keys(saved, TrainState.FIELDS)
+    return bookkeeping.state_keys(saved, TrainState.FIELDS)
 
 
 class Checkpointer:
@@ -343,8 +343,8 @@ class Checkpointer:
     ) -> None:
         """Saves the checkpoint of `step`; rotate=False keeps every older checkpoint (ckpt.keep is not applied),
         for a state that may be worse than the ones before it (a stop after non-finite updates). `metrics`: the
-        validation scores of this step, that rank it among the best; `selection_record`: training.selection's
-        record, saved beside the iterator position.
+        validation scores of this step, that rank it among the best; `selection_record`: training.bookkeeping's
+        SelectionRecord, saved beside the iterator position.
 
         A full disk, now or when an asynchronous save of an earlier step completes, is a DiskFullError naming the
         step, the directory and the space needed and free (`_disk_full`); ckpt.keep then has removed nothing. A
@@ -353,7 +353,7 @@ class Checkpointer:
         self.wait()  # the previous save's failure is reported for its own step, before this one starts
         pure = nnx.to_pure_dict(state)
         # Hashed before the save starts: the arrays are valid until the next train step donates them.
-        sums = {"version": checksums.VERSION, "arrays": checksums.checksums(pure)}
+        sums = {"version": bookkeeping.CHECKSUMS_VERSION, "arrays": bookkeeping.checksums(pure)}
         manager = self.manager if rotate else _manager(self.workdir, keep=None)
         needed = self._space_needed(step, sum(x.nbytes for x in jax.tree.leaves(pure)))
         if files.free_bytes(checkpoint_dir(self.workdir)) < needed:  # Orbax's threads would fail one by one
@@ -555,7 +555,7 @@ def load_config(workdir: str | pathlib.Path, step: int | None = None) -> ml_coll
             f"the config of the checkpoint at step {step} in {checkpoint_dir(workdir)} cannot be read: "
             f"{describe_error(e)}"
         ) from None
-    return migrations.upgrade_config(ml_collections.ConfigDict(restored.config))
+    return bookkeeping.upgrade_config(ml_collections.ConfigDict(restored.config))
 
 
 def load_model_params(workdir: str | pathlib.Path, step: int, abstract_state: nnx.State) -> dict:

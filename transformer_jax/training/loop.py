@@ -5,7 +5,7 @@ batches are prepared and placed on the devices by grain's prefetch thread. The p
 from the config into a `TrainingRun`; `run_steps` is the step loop; `MetricLog` fetches and logs step metrics;
 `Validation` runs validation loss and BLEU when due (on data.valid_split and the reported eval.extra_valid sets);
 `StopRequest` turns SIGTERM into a clean stop. With ckpt.keep_best or train.early_stop_patience, every validation
-is ranked by train.select_metric (training.selection): one that improves it saves a checkpoint with its scores, and
+is ranked by train.select_metric (training.bookkeeping): one that improves it saves a checkpoint with its scores, and
 train.early_stop_patience validations without improvement stop the run.
 
 Validation BLEU needs translation, which sits above training (decoding, evaluation): the trainer receives it as a
@@ -42,7 +42,7 @@ from transformer_jax.model.spec import TransformerSpec
 from transformer_jax.runtime import compile_cache
 from transformer_jax.runtime.progress import Progress
 from transformer_jax.sharding import batch_sharding, make_mesh, state_shardings, tracing_mesh
-from transformer_jax.training import flops, init_from, selection, workdir_lock
+from transformer_jax.training import bookkeeping, flops, init_from
 from transformer_jax.training.checkpoints import Checkpointer
 from transformer_jax.training.losses import summarize
 from transformer_jax.training.metrics import MetricWriter
@@ -276,7 +276,7 @@ class MetricLog:
 
 def decodes_at_validation(config: ml_collections.ConfigDict) -> bool:
     """Whether every train.eval_every validation decodes: the ranked select metric is a score of translations."""
-    return selection.is_tracked(config) and config.train.select_metric in selection.DECODED
+    return bookkeeping.is_tracked(config) and config.train.select_metric in bookkeeping.DECODED
 
 
 class Validation:
@@ -333,7 +333,7 @@ class TrainingRun:
     validation: Validation
     writer: MetricWriter
     progress: Progress
-    record: selection.Record  # the best validation so far and early stopping's count (restored with the state)
+    record: bookkeeping.SelectionRecord  # the best validation so far, early stopping's count (restored with the state)
 
     def close(self) -> None:
         self.batches.close()
@@ -382,7 +382,7 @@ def setup(
         mesh,
     )
     checkpointer = Checkpointer(
-        workdir, config.ckpt, config.train.select_metric if selection.is_tracked(config) else None
+        workdir, config.ckpt, config.train.select_metric if bookkeeping.is_tracked(config) else None
     )
     restored = checkpointer.restore_latest(abstract, shardings, config)
     if restored is None:
@@ -416,7 +416,7 @@ def setup(
         validation=validation,
         writer=writer,
         progress=progress,
-        record=selection.Record.from_json(checkpointer.selection, config.train.select_metric),
+        record=bookkeeping.SelectionRecord.from_json(checkpointer.selection, config.train.select_metric),
     )
 
 
@@ -493,7 +493,7 @@ def run_steps(run: TrainingRun, stop: StopRequest) -> dict[str, float]:
     # A restored run has its checkpoint at run.step; a new one has none yet.
     state, step, saved_step, it_state, last_logged = run.state, run.step, run.step or None, None, {}
     stopping = False
-    ranked = selection.is_tracked(config)
+    ranked = bookkeeping.is_tracked(config)
     if ranked and run.record.still_stopped(config):
         logging.warning(
             "this run stopped early at step %d after %d validations without improvement; %s. Nothing to train: "
@@ -553,7 +553,7 @@ def _validate_and_rank(run: TrainingRun, step: int, state, it_state) -> bool:
     config, record = run.config, run.record
     scores = run.validation.run_due(step, state)
     metric = config.train.select_metric
-    improved = record.update(step, scores.get(metric, selection.worst(metric)))
+    improved = record.update(step, scores.get(metric, bookkeeping.worst(metric)))
     if improved:
         logging.info("step %d improved %s to %.4f", step, metric, record.best_score)
     if record.exhausted(config.train.early_stop_patience):
@@ -582,7 +582,7 @@ def train_and_evaluate(
     refused where they contradict it.
 
     `bleu` builds the validation BLEU function (needed when train.bleu_every > 0; train.py passes
-    evaluation.validation.bleu_evaluator). The workdir is locked for the run (training.workdir_lock): a second
+    evaluation.validation.bleu_evaluator). The workdir is locked for the run (training.bookkeeping): a second
     run in it stops at once with an error.
     """
     if config.train.bleu_every and bleu is None:
@@ -596,7 +596,7 @@ def train_and_evaluate(
             "bleu=transformer_jax.evaluation.validation.bleu_evaluator (or select valid_loss)"
         )
     workdir = pathlib.Path(workdir)
-    with workdir_lock.locked(workdir):
+    with bookkeeping.locked(workdir):
         start = init_from.prepare(config, workdir, overrides)
         run = setup(start.config, workdir, bleu, start.params)
         try:

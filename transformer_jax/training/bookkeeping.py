@@ -1,0 +1,423 @@
+"""The small records a training run keeps in its workdir beside the checkpoints' arrays, each a JSON object: the lock
+of the run, the selection record of its validations, the checksums of every checkpoint's arrays, and the saved
+configs (with what those written by earlier versions need today). training.checkpoints writes and reads the last
+three with every checkpoint; the training loop holds the lock and keeps the selection record.
+
+The lock, WORKDIR/train.lock: one training run per workdir. Two runs in one workdir would both write checkpoints and
+metrics, and one would crash mid-save. The lock file is created atomically (O_EXCL) and holds the pid, host and
+start time of its run; it is removed when the run ends. A lock left by a process that died (SIGKILL, a crash) on
+this host is detected (no such pid) and taken over; one from another host cannot be checked from here, so the
+message says which host and pid to look at. Multi-host: the hosts of one run share the workdir, so one lock stands
+for the run: process 0 takes it, and every process learns the outcome from one all-gather, so that either all start
+or all stop with the same error.
+
+The selection record: which validation was best, and whether to stop, for train.select_metric. The record travels
+with every checkpoint (in its `data` item, beside the iterator position), so a restart continues the count of
+validations without improvement, and a run that stopped early knows it has stopped. The checkpoints themselves are
+ranked by Orbax (training.checkpoints: the scores saved beside each checkpoint, a BestN preservation policy); this
+record only holds what early stopping needs.
+
+Checksums, written with each checkpoint and verified when it is restored: a flipped bit in a checkpoint's data files
+otherwise restores silently (Orbax checks no content). Each array gets a 64-bit sum over its elements of
+mix(bits(element) + mix(flat global index + 1)) modulo 2**64, where mix is splitmix64's finaliser. A sum over
+elements does not depend on how the array is split into shards, so:
+
+- each process hashes only the shards it holds with replica_id 0 (every element of the global array is in exactly
+  one such shard over all processes, whatever the mesh: replicated arrays are hashed once, by the process holding
+  replica 0, and sharded ones by every process for its own part), and the processes' partial sums are added with
+  one all-gather; process 0 writes them (the JSON item `checksums`, like the other JSON items);
+- a checkpoint saved with one layout (FSDP over 8 devices) verifies after a restore onto another (one device for
+  evaluation), because the sum is the same.
+
+A changed element changes its term to an unrelated 64-bit value, so the sum misses it with probability 2**-64.
+The hashes are computed from the host copies of the arrays just before the (possibly asynchronous) save starts,
+while the arrays are still valid (the next train step donates them).
+
+Migrations: what checkpoints written by earlier versions need to restore today, in one place; nothing else reads old
+layouts. Each is kept because checkpoints of those versions exist (tests/test_state.py, tests/test_configs.py):
+
+- State layout: before the TrainState fields had names, a checkpoint's `state` item stored them under the
+  positions 0, 1, 2 (the same order). `state_keys` maps each field to the key it is saved under.
+- Config: the reserved ids were fixed constants (pad 0, eos 1, bos 2, unk 3: tokens.SpecialIds.DEFAULT) until the
+  `model.pad_id/eos_id/bos_id/unk_id` keys came; a config saved in between has none of them, and one saved before
+  that held `model.pad_id` alone (it could only be 0) and had no `model.fused_backward` (those versions ran the
+  hand-written backward passes everywhere: 'on'). `upgrade_config` rewrites such a saved config in today's keys;
+  checkpoints.load_config applies it.
+- Config: keys added later (`ADDED_KEYS`) are missing from the configs saved before them; they get the value that
+  does what those versions did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import pathlib
+import socket
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from flax.traverse_util import flatten_dict
+from jax.experimental import multihost_utils
+
+from transformer_jax.errors import ConfigError, UserError
+from transformer_jax.tokens import FIELDS, SpecialIds
+
+# The lock.
+
+LOCK_NAME = "train.lock"
+
+
+class WorkdirLocked(UserError, RuntimeError):
+    """Another run holds the workdir's lock."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _holder(path: pathlib.Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def acquire(workdir: pathlib.Path, name: str = LOCK_NAME, owner: str = "training run") -> pathlib.Path:
+    """Creates WORKDIR/<name> (train.lock) for this process, or raises WorkdirLocked naming the holder.
+
+    `name` and `owner` ("training run") let another command own a directory the same way (a sweep's sweep.lock)."""
+    path = workdir / name
+    me = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    for _ in range(3):  # a stale lock removed by us, or one that vanished meanwhile: try again
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = _holder(path)
+            if holder is None:  # being written by its holder, or garbage: do not guess
+                time.sleep(0.2)
+                holder = _holder(path)
+            if holder and holder.get("host") == me["host"] and not _alive(int(holder.get("pid", -1))):
+                logging.warning("removing the stale lock %s of process %s, which no longer runs", path, holder["pid"])
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                continue
+            who = (
+                f"process {holder.get('pid')} on host {holder.get('host')} (started {holder.get('started')})"
+                if holder
+                else "an unreadable lock"
+            )
+            raise WorkdirLocked(
+                f"{workdir} is in use by another {owner}: {path} is held by {who}. Wait for it to finish or "
+                f"stop it; if that process is gone, delete {path}"
+            ) from None
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(me) + "\n")
+        return path
+    raise WorkdirLocked(
+        f"could not take the lock {path}: it keeps reappearing; another {owner} is starting in {workdir}"
+    )
+
+
+def release(path: pathlib.Path) -> None:
+    """Removes the lock if it is still this process's."""
+    holder = _holder(path)
+    if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+@contextlib.contextmanager
+def locked(workdir: pathlib.Path) -> Iterator[None]:
+    """Holds the workdir's lock inside (process 0 takes it; every process raises the same error if it cannot)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    path, error = None, None
+    if jax.process_index() == 0:
+        try:
+            path = acquire(workdir)
+        except WorkdirLocked as e:
+            error = e
+    if jax.process_count() > 1:
+        refused = np.asarray(multihost_utils.process_allgather(np.int32(error is not None)))
+        if refused.any() and error is None:
+            error = WorkdirLocked(f"{workdir} is in use by another training run (see process 0's message)")
+    if error is not None:
+        if path is not None:
+            release(path)
+        raise error
+    try:
+        yield
+    finally:
+        if path is not None:
+            release(path)
+
+
+# The selection record.
+
+# The select metrics for which lower is better (a loss, an edit rate); every other one is a score.
+LOWER_IS_BETTER = frozenset({"valid_loss", "valid_ter"})
+# The select metrics that need the validation sentences decoded (the rest need only the loss).
+DECODED = frozenset({"valid_bleu", "valid_chrf", "valid_chrfpp", "valid_ter"})
+
+
+def is_tracked(config: ml_collections.ConfigDict) -> bool:
+    """Whether the run ranks its validations: it keeps best checkpoints or stops early."""
+    return bool(config.ckpt.keep_best or config.train.early_stop_patience)
+
+
+def worst(metric: str) -> float:
+    """The score below every real one, for a checkpoint saved without `metric`."""
+    return math.inf if metric in LOWER_IS_BETTER else -math.inf
+
+
+def rank(metrics: dict[str, Any], metric: str) -> float:
+    """A saved checkpoint's score for ranking: `metric`'s value, or worst(metric) where it is missing or NaN (a NaN
+    would make any sort of the scores arbitrary, and Orbax's BestN sorts them to choose what it deletes)."""
+    score = float(metrics.get(metric, worst(metric)))
+    return worst(metric) if math.isnan(score) else score
+
+
+def better(metric: str, score: float, than: float | None) -> bool:
+    """Whether `score` improves on `than` (None: nothing yet)."""
+    if than is None:
+        return not math.isnan(score)
+    return score < than if metric in LOWER_IS_BETTER else score > than
+
+
+@dataclasses.dataclass
+class SelectionRecord:
+    """The best validation so far and the validations since it; `stopped_at` once early stopping has fired, with
+    the train.num_steps and patience it fired under (raising either lets a restart train on)."""
+
+    metric: str
+    best_step: int | None = None
+    best_score: float | None = None
+    since_best: int = 0
+    stopped_at: int | None = None
+    stopped_num_steps: int | None = None
+    stopped_patience: int | None = None
+
+    def update(self, step: int, score: float) -> bool:
+        """Counts one validation; True if it improved the best."""
+        if better(self.metric, score, self.best_score):
+            self.best_step, self.best_score, self.since_best = step, score, 0
+            return True
+        self.since_best += 1
+        return False
+
+    def exhausted(self, patience: int) -> bool:
+        return bool(patience) and self.since_best >= patience
+
+    def stop(self, step: int, config: ml_collections.ConfigDict) -> None:
+        self.stopped_at = step
+        self.stopped_num_steps, self.stopped_patience = config.train.num_steps, config.train.early_stop_patience
+
+    def still_stopped(self, config: ml_collections.ConfigDict) -> bool:
+        """Whether a restart with `config` must not train: the run stopped early and neither train.num_steps nor
+        the patience was raised since. Raising num_steps starts the patience afresh."""
+        if self.stopped_at is None:
+            return False
+        if config.train.num_steps > self.stopped_num_steps:
+            self.since_best, self.stopped_at = 0, None
+            return False
+        if config.train.early_stop_patience > self.stopped_patience or not config.train.early_stop_patience:
+            self.stopped_at = None
+            return False
+        return True
+
+    def describe(self) -> str:
+        if self.best_step is None:
+            return f"no validation scored {self.metric} yet"
+        return f"the best step is {self.best_step} with {self.metric}={self.best_score:.4f}"
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, saved: dict[str, Any] | None, metric: str) -> SelectionRecord:
+        """The saved record; a fresh one if there is none or it ranked another metric (its best means nothing
+        for this one)."""
+        if not saved or saved.get("metric") != metric:
+            return cls(metric)
+        return cls(**{f.name: saved.get(f.name, f.default) for f in dataclasses.fields(cls)})
+
+
+# Checksums.
+
+CHECKSUMS_VERSION = 1  # of the `checksums` item: {"version", "arrays": checksums(state)}
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_CHUNK = 1 << 20  # elements hashed at a time (bounds the uint64 temporaries to a few MiB)
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser (uint64 arithmetic wraps)."""
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def _shard_sum(values: np.ndarray, index: tuple[slice, ...], shape: tuple[int, ...]) -> int:
+    """The sum of the terms of one shard (`index`: its slices of the global array of `shape`)."""
+    values = np.ascontiguousarray(values)
+    if values.size == 0:
+        return 0
+    bits = values.view(np.dtype(f"u{values.dtype.itemsize}")) if values.dtype.itemsize in (1, 2, 4, 8) else None
+    if bits is None:
+        raise TypeError(f"cannot checksum dtype {values.dtype}")
+    if values.ndim == 0:
+        return int(_mix(bits.astype(np.uint64) + _mix(np.uint64(1))))
+    strides = np.cumprod((1,) + shape[:0:-1])[::-1].astype(np.uint64)  # row-major element strides
+    starts = [s.start or 0 for s in index] + [0] * (values.ndim - len(index))
+    inner = np.zeros(values.shape[1:], np.uint64)
+    for axis in range(1, values.ndim):
+        offsets = (np.arange(values.shape[axis], dtype=np.uint64) + np.uint64(starts[axis])) * strides[axis]
+        inner = inner + offsets.reshape((-1,) + (1,) * (values.ndim - 1 - axis))
+    inner = inner.reshape(-1)
+    rows = values.shape[0]
+    per_chunk = max(1, _CHUNK // max(1, inner.size))
+    total = np.uint64(0)
+    bits = bits.reshape(rows, -1)
+    with np.errstate(over="ignore"):
+        for r0 in range(0, rows, per_chunk):
+            r1 = min(rows, r0 + per_chunk)
+            row_offsets = (np.arange(r0, r1, dtype=np.uint64) + np.uint64(starts[0])) * strides[0]
+            flat = row_offsets[:, None] + inner[None, :]
+            terms = _mix(bits[r0:r1].astype(np.uint64) + _mix(flat + np.uint64(1)))
+            total = total + terms.sum(dtype=np.uint64)
+    return int(total)
+
+
+def _local_sum(x: Any) -> int:
+    """This process's part of an array's checksum: its shards with replica_id 0."""
+    if not isinstance(x, jax.Array):
+        array = np.asarray(x)
+        return _shard_sum(array, tuple(slice(0, n) for n in array.shape), array.shape)
+    total = 0
+    for shard in x.addressable_shards:
+        if shard.replica_id == 0:
+            total += _shard_sum(np.asarray(shard.data), shard.index, x.shape)
+    return total % (1 << 64)
+
+
+def _key_data(x: Any) -> Any:
+    """A PRNG key array's raw data (what is hashed and described for it); any other array as it is."""
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(x)
+    return x
+
+
+def checksums(tree: dict) -> dict[str, dict]:
+    """{"a/b/c": {"shape", "dtype", "sum"}} for every array of a pure dict; the same on every process.
+
+    With several processes every process must call it (one all-gather of the partial sums).
+    """
+    flat = {"/".join(str(k) for k in path): _key_data(x) for path, x in flatten_dict(tree).items()}
+    names = sorted(flat)
+    sums = [_local_sum(flat[name]) for name in names]
+    if jax.process_count() > 1 and any(
+        isinstance(flat[n], jax.Array) and not flat[n].is_fully_addressable for n in names
+    ):
+        # uint32 halves: without jax_enable_x64 a uint64 would be truncated on the way.
+        halves = np.array([[s >> 32, s & 0xFFFFFFFF] for s in sums], np.uint32).reshape(-1, 2)
+        gathered = np.asarray(multihost_utils.process_allgather(halves))  # (processes, arrays, 2)
+        sums = [sum((int(h) << 32) | int(lo) for h, lo in gathered[:, i]) % (1 << 64) for i in range(len(names))]
+    return {
+        name: {"shape": list(np.shape(flat[name])), "dtype": str(flat[name].dtype), "sum": f"{s:016x}"}
+        for name, s in zip(names, sums, strict=True)
+    }
+
+
+def checksum_mismatches(expected: dict[str, dict], tree: dict) -> list[str]:
+    """Names of the arrays of `tree` whose checksum (or shape or dtype) differs from `expected`, with what differs.
+
+    Only arrays present in `tree` are checked (evaluation restores the model parameters alone).
+    """
+    actual = checksums(tree)
+    problems = []
+    for name, record in actual.items():
+        saved = expected.get(name)
+        if saved is None:
+            problems.append(f"{name}: no checksum saved for it")
+        elif (saved["shape"], saved["dtype"]) != (record["shape"], record["dtype"]):
+            problems.append(
+                f"{name}: saved {saved['dtype']}{saved['shape']}, restored {record['dtype']}{record['shape']}"
+            )
+        elif saved["sum"] != record["sum"]:
+            problems.append(f"{name}: checksum {record['sum']} != saved {saved['sum']}")
+    return problems
+
+
+# Migrations.
+
+
+def state_keys(saved_keys: Iterable[str], fields: Sequence[str]) -> dict[str, Any]:
+    """TrainState field -> the top-level key of the saved `state` tree that holds it: the field's name, or its
+    position in a checkpoint of the positional layout."""
+    if set(saved_keys) == {str(i) for i in range(len(fields))}:
+        return {name: i for i, name in enumerate(fields)}
+    return {name: name for name in fields}
+
+
+# Keys added after checkpoints were written, and the value that does what the versions without them did.
+ADDED_KEYS: dict[str, Any] = {
+    "model.final_logits_bias": False,  # no bias on the logits
+    "model.sinusoid_layout": "interleaved",  # the paper's, the only layout there was
+    "eval.max_len": 0,  # no absolute cap on outputs, only eval.max_extra_len
+    "model.source_vocab_size": 0,  # the source vocabulary is the target's
+    "data.tokenizer": "spm",  # one joint SentencePiece model, the only tokenizer there was
+    "data.target_lang": "",  # no >>xx<< token before the source
+    "data.corpora": "",  # one training corpus
+    "train.trackers": "tensorboard",  # TensorBoard beside metrics.jsonl, as then
+    "train.tracker_group": "",
+}
+
+
+def upgrade_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A config saved with a checkpoint, in today's keys (unchanged when it has them already)."""
+    added = {
+        name: value
+        for name, value in ADDED_KEYS.items()
+        if name.partition(".")[0] in config and name.partition(".")[2] not in config[name.partition(".")[0]]
+    }
+    if added:
+        values = config.to_dict()
+        for name, value in added.items():
+            group, _, leaf = name.partition(".")
+            values[group][leaf] = value
+        config = ml_collections.ConfigDict(values)
+    if "model" not in config:
+        return config
+    missing = [f"{field}_id" for field in FIELDS if f"{field}_id" not in config.model]
+    if not missing and "fused_backward" in config.model:
+        return config
+    upgraded = config.to_dict()
+    model = upgraded["model"]
+    if "fused_backward" not in model:
+        pad_id = model.get("pad_id", SpecialIds.DEFAULT.pad)
+        if pad_id != SpecialIds.DEFAULT.pad:
+            raise ConfigError(
+                f"invalid config key model.pad_id: a config saved without model.fused_backward had padding "
+                f"{SpecialIds.DEFAULT.pad} always, got {pad_id}; set it to {SpecialIds.DEFAULT.pad}"
+            )
+        model["fused_backward"] = "on"
+    for key in missing:  # the constants of those versions
+        model[key] = getattr(SpecialIds.DEFAULT, key.removesuffix("_id"))
+    return ml_collections.ConfigDict(upgraded)
