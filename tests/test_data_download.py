@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from configs import common
-from transformer_jax.data import download, sources
+from transformer_jax.data import sources
 from transformer_jax.errors import DataError
 
 
@@ -118,19 +118,19 @@ def test_interrupted_download_leaves_no_partial_file(server, tmp_path):
     server.truncate.add("/train.en.gz")
     dest = tmp_path / "train.en.gz"
     with pytest.raises(DataError, match="interrupted"):
-        download.download(server.url + "train.en.gz", dest, hashlib.sha256(body).hexdigest())
+        sources.download(server.url + "train.en.gz", dest, hashlib.sha256(body).hexdigest())
     assert leftovers(tmp_path) == []
     # Once the server behaves, the same call succeeds.
     server.truncate.clear()
-    download.download(server.url + "train.en.gz", dest, hashlib.sha256(body).hexdigest())
+    sources.download(server.url + "train.en.gz", dest, hashlib.sha256(body).hexdigest())
     assert dest.read_bytes() == body and leftovers(tmp_path) == ["train.en.gz"]
 
 
 def test_http_error_and_unreachable_host_are_clear(server, tmp_path):
     with pytest.raises(DataError, match="HTTP 404"):
-        download.download(server.url + "missing.gz", tmp_path / "missing.gz", "0" * 64)
+        sources.download(server.url + "missing.gz", tmp_path / "missing.gz", "0" * 64)
     with pytest.raises(DataError, match="cannot download"):
-        download.download("http://127.0.0.1:9/x.gz", tmp_path / "x.gz", "0" * 64, timeout=5)
+        sources.download("http://127.0.0.1:9/x.gz", tmp_path / "x.gz", "0" * 64, timeout=5)
     assert leftovers(tmp_path) == []
 
 
@@ -145,7 +145,7 @@ def test_multi30k_source_prefers_shared_copy(tmp_path, monkeypatch):
     def no_network(*args, **kwargs):
         raise AssertionError("must not download when the shared copy exists")
 
-    monkeypatch.setattr(download, "download", no_network)
+    monkeypatch.setattr(sources, "download", no_network)
     config = common.data_config()
     config.source, config.cache_dir = "multi30k", str(tmp_path / "cache")
     assert sources.load_split(config, "test") == [("test en", "test de")]

@@ -14,7 +14,7 @@ from tests.helpers.data import config_for, synthetic_pairs, write_pairs
 from tests.helpers.fakes import WordTokenizer
 from tests.helpers.training import tiny_train_config, write_corpus
 from transformer_jax.config import checks
-from transformer_jax.data import corpora, mixing, pipeline, store
+from transformer_jax.data import mixing, pipeline, sources, store
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import ConfigError, DataError
 from transformer_jax.tokens import SpecialIds
@@ -189,7 +189,7 @@ def test_missing_empty_and_unequal_corpora_name_the_file(tmp_path):
     for spec, message in cases:
         config.corpora = spec
         with pytest.raises(DataError, match=message):
-            corpora.open_corpus(config, corpora.corpora(config)[0])
+            sources.open_corpus(config, sources.corpora(config)[0])
 
 
 def test_a_corpus_without_a_pair_that_fits_is_named(tmp_path):

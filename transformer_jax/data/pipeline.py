@@ -40,7 +40,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from transformer_jax.data import batching, corpora, mixing, sources
+from transformer_jax.data import batching, mixing, sources
 from transformer_jax.data.tokenizer import Tokenizer
 from transformer_jax.errors import DataError
 from transformer_jax.tokens import SpecialIds
@@ -282,13 +282,13 @@ def tokenize_in_memory(
 ) -> batching.Examples | mixing.MixedExamples:
     """The training examples tokenized in memory (data.store=False): the split of data.source, or each corpus of
     data.corpora (tags applied) as one `MixedExamples`."""
-    mix = corpora.corpora(config)
+    mix = sources.corpora(config)
     if not mix:
         pairs = sources.read_all(sources.open_split(config, config.train_split))
         return batching.tokenize_pairs(pairs, tokenizer, num_threads=num_threads)
     parts = []
     for corpus in mix:
-        pairs = [pair for _, chunk in corpora.open_corpus(config, corpus).chunks(1 << 16) for pair in chunk]
+        pairs = [pair for _, chunk in sources.open_corpus(config, corpus).chunks(1 << 16) for pair in chunk]
         parts.append(batching.tokenize_pairs(pairs, tokenizer, num_threads=num_threads))
     return mixing.MixedExamples(parts, [c.name for c in mix], [c.weight for c in mix])
 

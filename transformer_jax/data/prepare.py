@@ -21,7 +21,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from transformer_jax import cli
-from transformer_jax.data import corpora, sources, store
+from transformer_jax.data import sources, store
 from transformer_jax.data.tokenizer import model_tokenizer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (the one the run will use).", lock_config=True)
@@ -35,9 +35,9 @@ def main(argv: list[str]) -> None:
     splits = {}
     for split in (config.data.valid_split, config.data.test_split):  # small: read whole
         splits[split] = len(sources.open_split(config.data, split))
-    mix = corpora.corpora(config.data)
+    mix = sources.corpora(config.data)
     # Text: both sides' lines are counted when opened, so mismatched files fail before the tokenizer is trained.
-    trains = [corpora.open_corpus(config.data, c) for c in mix] or [
+    trains = [sources.open_corpus(config.data, c) for c in mix] or [
         sources.open_stream(config.data, config.data.train_split)
     ]
     for train in trains:

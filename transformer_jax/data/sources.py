@@ -1,4 +1,5 @@
-"""Sources of raw (source, target) sentence pairs: local text files, Multi30k fetched on demand, TFDS builders.
+"""Sources of raw (source, target) sentence pairs: local text files, Multi30k fetched on demand, TFDS builders,
+and the weighted training corpora of data.corpora.
 
 Every source yields untokenized strings in the direction the config names (`src_lang` -> `tgt_lang`). Small splits
 (validation, test) open as a sequence of pairs (`open_split`). A training split of any size opens for streaming
@@ -11,8 +12,17 @@ found by counting line breaks, before any sentence is decoded.
 from __future__ import annotations
 
 import codecs
+import contextlib
+import dataclasses
+import gzip
+import hashlib
+import http.client
 import itertools
 import os
+import shutil
+import tempfile
+import urllib.error
+import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +31,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from transformer_jax.data import download as download_lib
+from transformer_jax.config.checks import corpus_specs
 from transformer_jax.errors import DataError
 from transformer_jax.runtime import compile_cache
 from transformer_jax.runtime.progress import Progress
@@ -282,6 +292,76 @@ def read_text_split(
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Checksummed downloads into a cache directory: nothing unverified or partial is ever left under the final name.
+# A download streams into a temporary file next to its destination while hashing, checks the SHA-256 digest, and
+# only then renames the file into place (an atomic rename on one file system). Any failure removes the temporary
+# file, so a later run either finds a complete, verified file or downloads again.
+
+CHUNK_BYTES = 1 << 16
+
+
+@contextlib.contextmanager
+def atomic_write(dest: Path):
+    """Yields a temporary path next to `dest`; renames it onto `dest` only if the block finishes without error."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def download(url: str, dest: Path, sha256: str, *, timeout: float = 60.0) -> Path:
+    """Downloads `url` to `dest` unless `dest` exists; the file appears only once its SHA-256 equals `sha256`."""
+    dest = Path(dest)
+    if dest.exists():
+        return dest
+    logging.info("downloading %s to %s", url, dest)
+    with atomic_write(dest) as tmp:
+        digest = hashlib.sha256()
+        received = 0
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "wb") as f:
+                expected = response.headers.get("Content-Length")
+                while chunk := response.read(CHUNK_BYTES):
+                    f.write(chunk)
+                    digest.update(chunk)
+                    received += len(chunk)
+        except (http.client.IncompleteRead, ConnectionError) as e:
+            raise DataError(f"download of {url} was interrupted after {received} bytes ({e}); nothing was kept") from e
+        except urllib.error.HTTPError as e:
+            raise DataError(f"download of {url} failed: HTTP {e.code} {e.reason}") from e
+        except (urllib.error.URLError, TimeoutError, OSError) as e:
+            raise DataError(
+                f"cannot download {url}: {getattr(e, 'reason', e)}. Without internet access, put the files in place "
+                "by hand or point the config at local files (data.source=text, data.text_dir=...)"
+            ) from e
+        # A server that closes early without an error still sent fewer bytes than it announced.
+        if expected is not None and received != int(expected):
+            raise DataError(f"download of {url} was interrupted after {received} of {expected} bytes; nothing was kept")
+        if digest.hexdigest() != sha256:
+            raise DataError(
+                f"checksum mismatch for {dest.name} from {url}: expected sha256 {sha256}, got {digest.hexdigest()}; "
+                "the file was not kept (a changed upstream file or a corrupted transfer)"
+            )
+    return dest
+
+
+def gunzip(src: Path, dest: Path) -> Path:
+    """Decompresses the gzip file `src` into `dest` atomically; returns `dest`."""
+    with atomic_write(dest) as tmp:
+        try:
+            with gzip.open(src, "rb") as fin, open(tmp, "wb") as fout:
+                shutil.copyfileobj(fin, fout, CHUNK_BYTES)
+        except (OSError, EOFError) as e:
+            raise DataError(f"cannot decompress {src}: {e}") from e
+    return dest
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Multi30k: the local copy under $TRANSFORMER_JAX_DATA when complete, else downloaded and verified into the cache.
 
 
@@ -297,8 +377,8 @@ def fetch_multi30k(cache: str | os.PathLike, *, base_url: str = MULTI30K_URL, ti
             if final.exists():
                 continue
             name = f"{stem}.{lang}.gz"
-            gz = download_lib.download(base_url + name, target / "raw" / name, MULTI30K_SHA256[name], timeout=timeout)
-            download_lib.gunzip(gz, final)
+            gz = download(base_url + name, target / "raw" / name, MULTI30K_SHA256[name], timeout=timeout)
+            gunzip(gz, final)
     return target
 
 
@@ -462,16 +542,11 @@ def open_stream(config: ml_collections.ConfigDict, split: str) -> TextPairs | Tf
     raise DataError(f"unknown data.source {config.source!r}; choose text, multi30k or tfds")
 
 
-# The standard logger (not absl's, which train.py quiets to warnings), so a long build shows its progress there.
-def read_all(pairs: Sequence[Pair], indices: Sequence[int] | None = None) -> list[Pair]:
-    """Materialises `pairs` (or the given indices of it), reading TFDS records in batches."""
-    indices = range(len(pairs)) if indices is None else indices
+def read_all(pairs: Sequence[Pair]) -> list[Pair]:
+    """Materialises `pairs`, reading TFDS records in batches."""
     if isinstance(pairs, TfdsPairs):
-        out: list[Pair] = []
-        for start in range(0, len(indices), 4096):
-            out.extend(pairs.get_many(indices[start : start + 4096]))
-        return out
-    return [pairs[i] for i in indices]
+        return [pair for _, chunk in pairs.chunks(4096) for pair in chunk]
+    return list(pairs)
 
 
 def load_split(config: ml_collections.ConfigDict, split: str) -> list[Pair]:
@@ -481,3 +556,83 @@ def load_split(config: ml_collections.ConfigDict, split: str) -> list[Pair]:
     if len(kept) != len(pairs):
         logging.warning("split %s: skipped %d pairs with an empty side", split, len(pairs) - len(kept))
     return kept
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The training corpora of data.corpora, `NAME=KIND:WHERE:WEIGHT[:TAG],...` (parsed once, by
+# `config.checks.corpus_specs`): KIND `text` is a directory of {split}.{lang} files read as data.source=text reads
+# them (data.train_split), `tfds` a TFDS builder (with data.tfds_data_dir and data.tfds_download), `files` two plain
+# files `SRC_FILE+TGT_FILE` (translate_corpus's input and output, or the reverse for back-translation). A weight is
+# the probability that the next training pair comes from that corpus (`pipeline` mixes them); a tag (e.g.
+# `<BT>`, Caswell et al. 2019) is written before every non-empty source sentence of its corpus, and the tokenizer
+# holds it as one piece (`tokenizer.check_tags`). Empty data.corpora is the single corpus of data.source.
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """One entry of data.corpora."""
+
+    name: str
+    kind: str  # text, tfds or files
+    where: str  # the directory, the TFDS builder, or SRC_FILE+TGT_FILE
+    weight: float  # > 0; the mix uses weight / sum of weights
+    tag: str  # written before every non-empty source sentence; empty = none
+
+
+def corpora(config: ml_collections.ConfigDict) -> list[Corpus]:
+    """The corpora of data.corpora (`config` is the data group); empty when the single data.source is used."""
+    return [Corpus(*spec) for spec in corpus_specs(config.corpora)]
+
+
+class Tagged:
+    """A training stream (`TextPairs` or `TfdsPairs`) whose non-empty sources start with `tag` and a space.
+
+    Empty sources stay empty, so the pipeline's length filter still drops them. Streams like its input: `len()`,
+    `chunks(size)`, `pick(indices)`, `identity()` (which records the tag: a store of other tags is stale).
+    """
+
+    def __init__(self, stream: TextPairs | TfdsPairs, tag: str):
+        self.stream, self.tag = stream, tag
+
+    def __len__(self) -> int:
+        return len(self.stream)
+
+    def _tagged(self, pairs: Sequence[Pair]) -> list[Pair]:
+        if not self.tag:
+            return list(pairs)
+        return [(f"{self.tag} {s}" if s.strip() else s, t) for s, t in pairs]
+
+    def chunks(self, size: int) -> Iterator[tuple[int, list[Pair]]]:
+        for lines, pairs in self.stream.chunks(size):
+            yield lines, self._tagged(pairs)
+
+    def pick(self, indices: Sequence[int]) -> list[Pair]:
+        return self._tagged(self.stream.pick(indices))
+
+    def identity(self) -> dict[str, Any]:
+        return {**self.stream.identity(), "tag": self.tag}
+
+
+def open_corpus(config: ml_collections.ConfigDict, corpus: Corpus) -> Tagged:
+    """`corpus` opened for streaming, its tag applied; a missing or empty corpus is one DataError naming it."""
+    about = f"data.corpora: corpus {corpus.name!r}"
+    if corpus.kind == "text":
+        directory = resolve_path(corpus.where)
+        if not directory.is_dir():
+            raise DataError(f"{about}: the directory {directory} does not exist")
+        stream = TextPairs(directory, config.train_split, config.src_lang, config.tgt_lang)
+    elif corpus.kind == "files":
+        src, tgt = corpus.where.split("+")
+        stream = TextPairs.of_files(src, tgt, about)
+    else:
+        stream = open_tfds_split(
+            corpus.where,
+            config.tfds_data_dir,
+            config.train_split,
+            config.src_lang,
+            config.tgt_lang,
+            download=config.tfds_download,
+        )
+    if not len(stream):  # text: both sides' lines counted here, so unequal sides fail before anything is decoded
+        raise DataError(f"{about} ({corpus.where}) has no pairs")
+    return Tagged(stream, corpus.tag)

@@ -53,7 +53,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from transformer_jax.data import batching, corpora, mixing, sources
+from transformer_jax.data import batching, mixing, sources
 from transformer_jax.data.tokenizer import Tokenizer
 from transformer_jax.errors import DataError, DiskFullError
 from transformer_jax.runtime import files
@@ -69,7 +69,7 @@ CHUNK_PAIRS = 100_000  # pairs read and tokenized at a time (bounds the Python s
 SAMPLE_BLOCKS, SAMPLE_BYTES = 64, 4096  # what a start hashes of each file
 
 
-def store_path(config: ml_collections.ConfigDict, tokenizer: Tokenizer, corpus: corpora.Corpus | None = None) -> Path:
+def store_path(config: ml_collections.ConfigDict, tokenizer: Tokenizer, corpus: sources.Corpus | None = None) -> Path:
     """Where the store of `config.train_split` (of `corpus`, one of data.corpora) lives: data.store_dir, else the
     tokenizer's directory."""
     directory = Path(config.store_dir).expanduser() if config.store_dir else tokenizer.path.parent
@@ -77,17 +77,17 @@ def store_path(config: ml_collections.ConfigDict, tokenizer: Tokenizer, corpus: 
     return directory / f"{name}{config.train_split}.{config.src_lang}-{config.tgt_lang}.store"
 
 
-Stream = sources.TextPairs | sources.TfdsPairs | corpora.Tagged
+Stream = sources.TextPairs | sources.TfdsPairs | sources.Tagged
 
 
 def open_input(
-    config: ml_collections.ConfigDict, tokenizer: Tokenizer, corpus: corpora.Corpus | None = None
+    config: ml_collections.ConfigDict, tokenizer: Tokenizer, corpus: sources.Corpus | None = None
 ) -> tuple[Stream, dict[str, Any]]:
     """The training split (of `corpus`) opened for streaming, and the identity a store of it must record."""
     if corpus is None:
         stream = sources.open_stream(config, config.train_split)
         return stream, identity(config, tokenizer, stream)
-    stream = corpora.open_corpus(config, corpus)
+    stream = sources.open_corpus(config, corpus)
     return stream, identity(config, tokenizer, stream, source=f"corpus:{corpus.kind}")
 
 
@@ -169,7 +169,7 @@ def build(
     *,
     num_threads: int,
     chunk_pairs: int = CHUNK_PAIRS,
-    corpus: corpora.Corpus | None = None,
+    corpus: sources.Corpus | None = None,
 ) -> dict[str, Any]:
     """Streams, tokenizes and writes the training split into a new store at `path`; returns its manifest.
 
@@ -352,7 +352,7 @@ def open_train_examples(
 ) -> tuple[batching.Examples | mixing.MixedExamples, list[Path]]:
     """The training examples from their stores (`open_train_store`), and the stores' paths: the split of
     data.source, or every corpus of data.corpora as one `MixedExamples`."""
-    mix = corpora.corpora(config)
+    mix = sources.corpora(config)
     if not mix:
         examples, path = open_train_store(config, tokenizer, build_if_missing=build_if_missing, num_threads=num_threads)
         return examples, [path]
@@ -370,7 +370,7 @@ def open_train_store(
     *,
     build_if_missing: bool,
     num_threads: int | None = None,
-    corpus: corpora.Corpus | None = None,
+    corpus: sources.Corpus | None = None,
 ) -> tuple[batching.Examples, Path]:
     """The training split's (`corpus`'s) examples from its store, built first if missing or stale; the store's path.
 

@@ -33,8 +33,7 @@ import ml_collections
 import sentencepiece as spm
 from absl import logging
 
-from transformer_jax.data import corpora, sources
-from transformer_jax.data.download import atomic_write
+from transformer_jax.data import sources
 from transformer_jax.errors import DataError
 from transformer_jax.tokens import SpecialIds
 
@@ -279,7 +278,7 @@ def train_tokenizer(
     if model_type not in ("unigram", "bpe"):
         raise DataError(f"unknown data.tokenizer_type {model_type!r}; choose unigram or bpe")
     model_path = Path(model_path)
-    with atomic_write(model_path) as tmp:
+    with sources.atomic_write(model_path) as tmp:
         # SentencePiece writes `prefix.model` and `prefix.vocab`; train under a temporary prefix and rename.
         prefix = f"{tmp}.sp"
         try:
@@ -323,7 +322,7 @@ def sample_sentences(pairs: sources.TextPairs | sources.TfdsPairs, num_sentences
 def training_sample(config: ml_collections.ConfigDict) -> list[str]:
     """The sentences a tokenizer is trained on (`config` is the data group): data.tokenizer_sample_sentences of
     the training split, or of the mix of data.corpora, each corpus sampled in proportion to its weight."""
-    mix = corpora.corpora(config)
+    mix = sources.corpora(config)
     if not mix:
         return sample_sentences(sources.open_stream(config, config.train_split), config.tokenizer_sample_sentences)
     total = sum(c.weight for c in mix)
@@ -331,7 +330,7 @@ def training_sample(config: ml_collections.ConfigDict) -> list[str]:
     for corpus in mix:
         share = max(2, round(config.tokenizer_sample_sentences * corpus.weight / total))
         out.extend(
-            sample_sentences(corpora.open_corpus(config, corpus).stream, share, seed=zlib.crc32(corpus.name.encode()))
+            sample_sentences(sources.open_corpus(config, corpus).stream, share, seed=zlib.crc32(corpus.name.encode()))
         )
     return out
 
@@ -339,7 +338,7 @@ def training_sample(config: ml_collections.ConfigDict) -> list[str]:
 def check_tags(tokenizer: Tokenizer | MarianTokenizer, config: ml_collections.ConfigDict, key: str) -> None:
     """Every tag of data.corpora must encode as one source piece of the tokenizer, never split nor <unk>;
     DataError naming the tag and `key` (the setting that chose the tokenizer) otherwise."""
-    for corpus in corpora.corpora(config):
+    for corpus in sources.corpora(config):
         if not corpus.tag:
             continue
         ids = tokenizer.encode_source_batch([corpus.tag])[0][len(tokenizer.encode_source_batch([""])[0]) :]
@@ -416,7 +415,7 @@ def _get_tokenizer(
     logging.info(
         "training a %s tokenizer with %d pieces on %d sentences", config.tokenizer_type, vocab_size, len(sentences)
     )
-    tags = sorted({c.tag for c in corpora.corpora(config) if c.tag})
+    tags = sorted({c.tag for c in sources.corpora(config) if c.tag})
     train_tokenizer(sentences, path, vocab_size=vocab_size, model_type=config.tokenizer_type, ids=ids, symbols=tags)
     return Tokenizer(path, ids, config.target_lang), "data.tokenizer=spm"
 
