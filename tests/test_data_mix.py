@@ -14,7 +14,7 @@ from tests.helpers.data import config_for, synthetic_pairs, write_pairs
 from tests.helpers.fakes import WordTokenizer
 from tests.helpers.training import tiny_train_config, write_corpus
 from transformer_jax.config import checks
-from transformer_jax.data import mixing, pipeline, sources, store
+from transformer_jax.data import batching, pipeline, sources, store
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import ConfigError, DataError
 from transformer_jax.tokens import SpecialIds
@@ -67,7 +67,7 @@ def test_sources_are_drawn_by_weight_within_binomial_intervals(tmp_path):
 def test_each_corpus_is_reshuffled_every_time_it_runs_out():
     """Corpus c's draws, in order, are whole permutations of its kept ids, a new one every epoch, seeded by name."""
     kept = [np.arange(0, 10), np.arange(10, 13)]
-    mix = mixing.Mix(kept, np.array([0.5, 0.5]), ["x", "y"], seed=4)
+    mix = batching.Mix(kept, np.array([0.5, 0.5]), ["x", "y"], seed=4)
     consumed, drawn = np.zeros(2, np.int64), []
     for window in range(20):
         items, consumed = mix.window(window, 16, consumed)
@@ -76,7 +76,7 @@ def test_each_corpus_is_reshuffled_every_time_it_runs_out():
     epochs = [small[k : k + 3] for k in range(0, len(small) - 2, 3)]
     assert all(sorted(e) == [10, 11, 12] for e in epochs)
     assert len({tuple(e) for e in epochs}) > 1  # not the same order every epoch
-    one = lambda name: mixing.Mix([np.arange(100)], np.ones(1), [name], seed=4).order(0, 0)
+    one = lambda name: batching.Mix([np.arange(100)], np.ones(1), [name], seed=4).order(0, 0)
     assert np.array_equal(one("x"), one("x")) and not np.array_equal(one("x"), one("z"))
 
 

@@ -17,9 +17,9 @@ The epoch order is one numpy permutation per epoch rather than grain's `MapDatas
 Feistel shuffle costs microseconds per element, enough alone to cap the pipeline's throughput (docs/benchmarks.md);
 a permutation costs nanoseconds per element and is just as deterministic.
 
-Several corpora (data.corpora): their examples share one id space (`mixing.MixedExamples`), and each window's
+Several corpora (data.corpora): their examples share one id space (`batching.MixedExamples`), and each window's
 positions are drawn from the corpora by weight, each corpus going through its own endless reshuffled order
-(`mixing.Mix`); the iterator state then also holds how many pairs each corpus gave before the window. Batches are
+(`batching.Mix`); the iterator state then also holds how many pairs each corpus gave before the window. Batches are
 planned from the mixed window exactly as from one corpus's.
 
 Evaluation keeps every input in order: one sentence per row, long inputs truncated (counted), and
@@ -40,7 +40,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from transformer_jax.data import batching, mixing, sources
+from transformer_jax.data import batching, sources
 from transformer_jax.data.tokenizer import Tokenizer
 from transformer_jax.errors import DataError
 from transformer_jax.tokens import SpecialIds
@@ -56,7 +56,7 @@ class StreamSpec:
     """What fixes the training batches: the examples, which of them are kept, how a window becomes batches, the
     window size, the shuffle seed, and which block of each global batch's rows this host takes (index, count)."""
 
-    examples: batching.Examples | mixing.MixedExamples
+    examples: batching.Examples | batching.MixedExamples
     kept: np.ndarray
     planner: batching.Planner
     window: int
@@ -70,7 +70,7 @@ class WindowBatchIterator(grain.DatasetIterator):
 
     Stream position p is example kept[epoch_order(seed, p // n, n)[p % n]]. Window w covers positions
     [w * window, (w + 1) * window) plus the ids the previous window carried over. With several corpora, the
-    window's positions are `mixing.Mix.window`'s, and `last_corpus_tokens` gives the real tokens of each corpus
+    window's positions are `batching.Mix.window`'s, and `last_corpus_tokens` gives the real tokens of each corpus
     in the global batch last returned (empty with one corpus).
     """
 
@@ -87,10 +87,10 @@ class WindowBatchIterator(grain.DatasetIterator):
         self._order_cache: dict[int, np.ndarray] = {}
         self.last_corpus_tokens: dict[str, int] = {}
         self._mix, examples = None, spec.examples
-        if isinstance(examples, mixing.MixedExamples):
+        if isinstance(examples, batching.MixedExamples):
             corpus = examples.corpus_of(spec.kept)
             kept = [spec.kept[corpus == c] for c in range(len(examples.parts))]
-            self._mix = mixing.Mix(kept, examples.probabilities, examples.names, spec.seed)
+            self._mix = batching.Mix(kept, examples.probabilities, examples.names, spec.seed)
             self._consumed = self._next_consumed = np.zeros(len(kept), np.int64)  # pairs per corpus before window
 
     @property
@@ -244,7 +244,7 @@ def make_train_iterator(
             f"no training pair of split {config.train_split!r} is non-empty and at most "
             f"data.max_len={config.max_len} tokens per side ({stats})"
         )
-    if isinstance(examples, mixing.MixedExamples):
+    if isinstance(examples, batching.MixedExamples):
         kept_per_corpus = np.bincount(examples.corpus_of(kept), minlength=len(examples.parts))
         for name, count in zip(examples.names, kept_per_corpus.tolist(), strict=True):
             if not count:
@@ -279,7 +279,7 @@ def make_train_iterator(
 
 def tokenize_in_memory(
     config: ml_collections.ConfigDict, tokenizer: Tokenizer, num_threads: int
-) -> batching.Examples | mixing.MixedExamples:
+) -> batching.Examples | batching.MixedExamples:
     """The training examples tokenized in memory (data.store=False): the split of data.source, or each corpus of
     data.corpora (tags applied) as one `MixedExamples`."""
     mix = sources.corpora(config)
@@ -290,7 +290,7 @@ def tokenize_in_memory(
     for corpus in mix:
         pairs = [pair for _, chunk in sources.open_corpus(config, corpus).chunks(1 << 16) for pair in chunk]
         parts.append(batching.tokenize_pairs(pairs, tokenizer, num_threads=num_threads))
-    return mixing.MixedExamples(parts, [c.name for c in mix], [c.weight for c in mix])
+    return batching.MixedExamples(parts, [c.name for c in mix], [c.weight for c in mix])
 
 
 def eval_batches(

@@ -53,7 +53,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from transformer_jax.data import batching, mixing, sources
+from transformer_jax.data import batching, sources
 from transformer_jax.data.tokenizer import Tokenizer
 from transformer_jax.errors import DataError, DiskFullError
 from transformer_jax.runtime import files
@@ -349,7 +349,7 @@ def _differences(found: dict[str, Any], expected: dict[str, Any]) -> list[str]:
 
 def open_train_examples(
     config: ml_collections.ConfigDict, tokenizer: Tokenizer, *, build_if_missing: bool, num_threads: int | None = None
-) -> tuple[batching.Examples | mixing.MixedExamples, list[Path]]:
+) -> tuple[batching.Examples | batching.MixedExamples, list[Path]]:
     """The training examples from their stores (`open_train_store`), and the stores' paths: the split of
     data.source, or every corpus of data.corpora as one `MixedExamples`."""
     mix = sources.corpora(config)
@@ -360,7 +360,7 @@ def open_train_examples(
         open_train_store(config, tokenizer, build_if_missing=build_if_missing, num_threads=num_threads, corpus=c)
         for c in mix
     ]
-    examples = mixing.MixedExamples([e for e, _ in opened], [c.name for c in mix], [c.weight for c in mix])
+    examples = batching.MixedExamples([e for e, _ in opened], [c.name for c in mix], [c.weight for c in mix])
     return examples, [path for _, path in opened]
 
 
