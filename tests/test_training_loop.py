@@ -30,7 +30,6 @@ from transformer_jax.training import checkpoints, flops, loop
 from transformer_jax.training.loop import (
     NonFiniteError,
     check_batch_shapes,
-    prefetch,
     train_and_evaluate,
     validation_batches,
 )
@@ -155,7 +154,7 @@ def test_prefetched_batches_and_states_are_the_iterators_own(corpus, tmp_path):
     tokenizer = data.get_tokenizer(config.data, tmp_path, vocab_size=config.model.vocab_size, ids=SpecialIds.of(config))
     plain, _ = data.make_train_iterator(config.data, tokenizer)
     source, _ = data.make_train_iterator(config.data, tokenizer)
-    prefetched = prefetch(source, batch_sharding(make_mesh()))
+    prefetched = pipeline.prefetch(source, batch_sharding(make_mesh()))
     try:
         for _ in range(5):
             batch, real_tokens, shape = next(prefetched)

@@ -1,9 +1,11 @@
-"""Data: sources of raw sentence pairs, the SentencePiece tokenizer, and the grain batching pipeline.
+"""Data: sources of raw sentence pairs, the SentencePiece tokenizer, the tokenized store, and the grain batching
+pipeline that ends with the batches on the devices.
 
 Training calls `model_tokenizer(config, workdir)`, `open_train_examples(config.data, tokenizer,
-...)` (the training split, or each corpus of data.corpora, tokenized once into memory-mapped files) and then
-`make_train_iterator(config.data, tokenizer, examples=...)`; evaluation calls `load_split(config.data, split)` and
-`eval_batches(...)`. The batch contract is documented in `batching`.
+...)` (the training split, or each corpus of data.corpora, tokenized once into memory-mapped files), then
+`make_train_iterator(config.data, tokenizer, examples=...)` and `pipeline.prefetch` (placed on the devices ahead of
+the step); evaluation calls `load_split(config.data, split)` and `eval_batches(...)`. The batch contract is
+documented in `batching`.
 """
 
 from transformer_jax.data.batching import BATCH_KEYS, Examples, bucket_shapes, padding_efficiency, tokenize_pairs

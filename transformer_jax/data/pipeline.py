@@ -1,4 +1,5 @@
-"""The training and evaluation input pipelines: config -> batches of the contract in `batching`.
+"""The training and evaluation input pipelines: config -> batches of the contract in `batching`, placed on the
+devices.
 
 Training: the training split is tokenized once (into the memory-mapped store of `store`, or in memory),
 length-filtered (counts reported), and streamed forever, in a new order every epoch drawn from (seed, epoch).
@@ -21,6 +22,9 @@ Several corpora (data.corpora): their examples share one id space (`batching.Mix
 positions are drawn from the corpora by weight, each corpus going through its own endless reshuffled order
 (`batching.Mix`); the iterator state then also holds how many pairs each corpus gave before the window. Batches are
 planned from the mixed window exactly as from one corpus's.
+
+Placement is the training pipeline's last stage: `prefetch` assembles batches and places this host's rows on its
+devices a few batches ahead, on grain's prefetch thread, so the training loop never waits for its next batch.
 
 Evaluation keeps every input in order: one sentence per row, long inputs truncated (counted), and
 `example_index` -1 on rows that only fill up the last batch.
@@ -291,6 +295,44 @@ def tokenize_in_memory(
         pairs = [pair for _, chunk in sources.open_corpus(config, corpus).chunks(1 << 16) for pair in chunk]
         parts.append(batching.tokenize_pairs(pairs, tokenizer, num_threads=num_threads))
     return batching.MixedExamples(parts, [c.name for c in mix], [c.weight for c in mix])
+
+
+class PlacedBatches(grain.DatasetIterator):
+    """The training batches placed on the devices, each with the real tokens and the shape (rows, S, T) of its
+    global batch (all hosts), for throughput and FLOPs.
+
+    Its state is the data iterator's; `prefetch` runs it a few batches ahead on grain's prefetch thread.
+    """
+
+    def __init__(self, parent: WindowBatchIterator, sharding):
+        super().__init__(parent)
+        self._sharding = sharding
+
+    def __next__(self) -> tuple[dict[str, jax.Array], int, tuple[int, int, int]]:
+        batch = next(self._parent)
+        placed = {k: place(batch[k], self._sharding) for k in batching.BATCH_KEYS}
+        tokens = (self._parent.last_real_tokens, self._parent.last_corpus_tokens)
+        return placed, tokens, self._parent.last_global_shape
+
+    def get_state(self) -> dict[str, Any]:
+        return self._parent.get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._parent.set_state(state)
+
+
+def prefetch(iterator: WindowBatchIterator, sharding, depth: int = 2) -> grain.DatasetIterator:
+    """Placed batches prepared `depth` ahead on a thread (grain's ThreadPrefetchDatasetIterator).
+
+    Its get_state() after each batch is the data iterator's state right after that batch (what a checkpoint must
+    hold to continue with the next one), and an exception in the data iterator is raised by next() as itself.
+    """
+    return grain.experimental.ThreadPrefetchDatasetIterator(PlacedBatches(iterator, sharding), depth)
+
+
+def place(array: np.ndarray, sharding) -> jax.Array:
+    """This host's rows of a global batch, placed on its devices (multi-host aware)."""
+    return jax.make_array_from_process_local_data(sharding, np.asarray(array, np.int32))
 
 
 def eval_batches(

@@ -1,12 +1,13 @@
 """The training loop: config -> data -> jitted steps -> metrics and checkpoints, resumable exactly.
 
 The Python loop never waits on the device for the step it just dispatched: metrics are fetched one step late,
-batches are prepared and placed on the devices by grain's prefetch thread. The pieces: `setup` builds everything
-from the config into a `TrainingRun`; `run_steps` is the step loop; `MetricLog` fetches and logs step metrics;
-`Validation` runs validation loss and BLEU when due (on data.valid_split and the reported eval.extra_valid sets);
-`StopRequest` turns SIGTERM into a clean stop. With ckpt.keep_best or train.early_stop_patience, every validation
-is ranked by train.select_metric (training.bookkeeping): one that improves it saves a checkpoint with its scores, and
-train.early_stop_patience validations without improvement stop the run.
+batches are prepared and placed on the devices by grain's prefetch thread (data.pipeline.prefetch). The pieces:
+`setup` builds everything from the config into a `TrainingRun`; `run_steps` is the step loop; `MetricLog` fetches
+and logs step metrics; `Validation` runs validation loss and BLEU when due (on data.valid_split and the reported
+eval.extra_valid sets); `StopRequest` turns SIGTERM into a clean stop. With ckpt.keep_best or
+train.early_stop_patience, every validation is ranked by train.select_metric (training.bookkeeping): one that
+improves it saves a checkpoint with its scores, and train.early_stop_patience validations without improvement stop
+the run.
 
 Validation BLEU needs translation, which sits above training (decoding, evaluation): the trainer receives it as a
 function (`BleuEvaluator`), built by the caller (train.py: evaluation.validation.bleu_evaluator), so training
@@ -36,7 +37,7 @@ from jax.experimental import multihost_utils
 from transformer_jax import data
 from transformer_jax.config.checks import extra_valid_sets
 from transformer_jax.data.batching import BATCH_KEYS, padded_eval_length
-from transformer_jax.data.pipeline import batch_shapes
+from transformer_jax.data.pipeline import batch_shapes, place, prefetch
 from transformer_jax.errors import ConfigError, NonFiniteError
 from transformer_jax.model.spec import TransformerSpec
 from transformer_jax.runtime import compile_cache
@@ -67,44 +68,6 @@ def should_stop(requested: bool, step: int) -> bool:
     if step % STOP_CHECK_EVERY:
         return False
     return bool(np.any(multihost_utils.process_allgather(np.int32(requested))))
-
-
-class PlacedBatches(grain.DatasetIterator):
-    """The training batches placed on the devices, each with the real tokens and the shape (rows, S, T) of its
-    global batch (all hosts), for throughput and FLOPs.
-
-    Its state is the data iterator's; `prefetch` runs it a few batches ahead on grain's prefetch thread.
-    """
-
-    def __init__(self, parent: data.WindowBatchIterator, sharding):
-        super().__init__(parent)
-        self._sharding = sharding
-
-    def __next__(self) -> tuple[dict[str, jax.Array], int, tuple[int, int, int]]:
-        batch = next(self._parent)
-        placed = {k: place(batch[k], self._sharding) for k in BATCH_KEYS}
-        tokens = (self._parent.last_real_tokens, self._parent.last_corpus_tokens)
-        return placed, tokens, self._parent.last_global_shape
-
-    def get_state(self) -> dict[str, Any]:
-        return self._parent.get_state()
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        self._parent.set_state(state)
-
-
-def prefetch(iterator: data.WindowBatchIterator, sharding, depth: int = 2) -> grain.DatasetIterator:
-    """Placed batches prepared `depth` ahead on a thread (grain's ThreadPrefetchDatasetIterator).
-
-    Its get_state() after each batch is the data iterator's state right after that batch (what a checkpoint must
-    hold to continue with the next one), and an exception in the data iterator is raised by next() as itself.
-    """
-    return grain.experimental.ThreadPrefetchDatasetIterator(PlacedBatches(iterator, sharding), depth)
-
-
-def place(array: np.ndarray, sharding) -> jax.Array:
-    """This host's rows of a global batch, placed on its devices (multi-host aware)."""
-    return jax.make_array_from_process_local_data(sharding, np.asarray(array, np.int32))
 
 
 def host_block(array: np.ndarray) -> np.ndarray:
