@@ -30,8 +30,8 @@ from tests.helpers.fakes import JointTokenizer
 from tests.helpers.model import random_tokens
 from transformer_jax import decoding
 from transformer_jax.decoding import calls, refill
-from transformer_jax.decoding.search import TOP_K_BLOCK
-from transformer_jax.decoding.search import top_k as blockwise_top_k
+from transformer_jax.decoding.state import TOP_K_BLOCK
+from transformer_jax.decoding.state import top_k as blockwise_top_k
 from transformer_jax.evaluation.translate import DecodeSettings, output_cap, output_limit, translate, translate_nbest
 from transformer_jax.model import unpacked_segment_ids
 

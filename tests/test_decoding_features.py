@@ -154,8 +154,8 @@ def _stub_set_aside(seeds_B, max_len_B, alpha, *, width, n, max_steps, table_see
     [(4, 4, "average", 1.0), (4, 2, "none", 0.0), (5, 3, "gnmt", 0.6), (4, 1, "average", 0.0), (3, 3, "gnmt", 2.0)],
 )
 def test_set_aside_search_equals_ctranslate2s_loop_written_out(width, n, penalty, alpha):
-    """The set-aside search (decoding/set_aside.py) against CTranslate2's beam search loop written out in plain
-    Python for one sentence (tests/helpers/decoding.py): the same n best hypotheses, in order, with their scores,
+    """The set-aside search (decoding/state.py SetAsideState) against CTranslate2's beam search loop written out in
+    plain Python for one sentence (tests/helpers/decoding.py): the same n best hypotheses, in order, with their scores,
     for 48 sentences of limits 4..8, with length normalisation (W ended hypotheses stop a sentence) and without
     (the early exit, which also waits for the best extension of a step to end)."""
     seeds = np.arange(48)

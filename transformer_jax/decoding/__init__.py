@@ -18,28 +18,6 @@ from transformer_jax.decoding.refill import (
     source_batch,
 )
 from transformer_jax.decoding.sampling import Sampling, sample_keys
-from transformer_jax.decoding.search import (
-    AVERAGE,
-    FIRST_STAGE,
-    GNMT,
-    LENGTH_PENALTIES,
-    NEG_INF,
-    NONE,
-    BeamResult,
-    BeamState,
-    Decoder,
-    DecodeStep,
-    GreedyResult,
-    GreedyState,
-    beam_search,
-    best_first,
-    cache_stages,
-    first_argmax,
-    gather_rows,
-    greedy_search,
-    length_penalty,
-    tile_beams,
-)
 from transformer_jax.decoding.searcher import Searcher, search, searcher
 from transformer_jax.decoding.searches import (
     FINISHED_RULES,
@@ -54,7 +32,30 @@ from transformer_jax.decoding.searches import (
     search_for,
     search_spec,
 )
-from transformer_jax.decoding.set_aside import SetAsideState, set_aside_search
+from transformer_jax.decoding.state import (
+    AVERAGE,
+    FIRST_STAGE,
+    GNMT,
+    LENGTH_PENALTIES,
+    NEG_INF,
+    NONE,
+    BeamResult,
+    BeamState,
+    Decoder,
+    DecodeStep,
+    GreedyResult,
+    GreedyState,
+    SetAsideState,
+    beam_search,
+    best_first,
+    cache_stages,
+    first_argmax,
+    gather_rows,
+    greedy_search,
+    length_penalty,
+    set_aside_search,
+    tile_beams,
+)
 
 __all__ = [
     "AVERAGE",

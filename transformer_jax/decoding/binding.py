@@ -1,4 +1,4 @@
-"""The Transformer behind the decode-step interface (search.Decoder): the decode step over the model's cache.
+"""The Transformer behind the decode-step interface (state.Decoder): the decode step over the model's cache.
 
 Axis letters: see transformer_jax/__init__.py (B sentences, W beams per sentence, R = B W cache rows, S source
 positions, L output slots).
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from transformer_jax.decoding.search import Decoder, DecodeStep, cache_stages, tile_beams
+from transformer_jax.decoding.state import Decoder, DecodeStep, cache_stages, tile_beams
 
 Array = jax.Array
 PyTree = Any

@@ -21,8 +21,8 @@ from flax import nnx
 
 from transformer_jax.decoding import refill
 from transformer_jax.decoding.binding import cached_decode_step, context_step, recompute_decode_step, split_cache
-from transformer_jax.decoding.search import BeamResult, beam_rows, gather_rows, steps_until
 from transformer_jax.decoding.searches import RowInputs, Search, run_search
+from transformer_jax.decoding.state import BeamResult, beam_rows, gather_rows, steps_until
 from transformer_jax.model.transformer import unpacked_segment_ids
 from transformer_jax.tokens import SpecialIds
 

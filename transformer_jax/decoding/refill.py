@@ -28,8 +28,8 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import numpy as np
 
-from transformer_jax.decoding.search import BeamResult, cache_stages
 from transformer_jax.decoding.searches import Search
+from transformer_jax.decoding.state import BeamResult, cache_stages
 from transformer_jax.tokens import SpecialIds
 
 PyTree = Any

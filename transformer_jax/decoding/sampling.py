@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.decoding.search import NEG_INF, top_k
+from transformer_jax.decoding.state import NEG_INF, top_k
 
 Array = jax.Array
 Choose = Callable[[Array, Array], Array]  # (logits_BV, step_B) -> token_B
@@ -66,7 +66,7 @@ class Sampling:
         return jnp.exp((logits_BV - jnp.max(logits_BV, axis=-1, keepdims=True)) / self.temperature)
 
     def chooser(self, keys_B2: Array) -> Choose:
-        """The token choice of the search (search.GreedyState.advance's `choose`): row b draws one uniform number
+        """The token choice of the search (state.GreedyState.advance's `choose`): row b draws one uniform number
         with its key keys_B2[b] folded with its step, and inverts the CDF of its reshaped distribution there."""
 
         def choose(logits_BV: Array, step_B: Array) -> Array:

@@ -18,8 +18,8 @@ import numpy as np
 from flax import nnx
 
 from transformer_jax.decoding import calls, refill
-from transformer_jax.decoding.search import BeamResult, cache_stages
 from transformer_jax.decoding.searches import Search
+from transformer_jax.decoding.state import BeamResult, cache_stages
 from transformer_jax.tokens import SpecialIds
 
 Array = jax.Array

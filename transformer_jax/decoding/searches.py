@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from transformer_jax.decoding.sampling import Sampling, sample_keys
-from transformer_jax.decoding.search import (
+from transformer_jax.decoding.state import (
     GNMT,
     LENGTH_PENALTIES,
     BeamResult,
@@ -35,6 +35,7 @@ from transformer_jax.decoding.search import (
     DecodeStep,
     GreedyState,
     Reorder,
+    SetAsideState,
     best_first,
     cache_stages,
     length_penalty,
@@ -42,7 +43,6 @@ from transformer_jax.decoding.search import (
     run_stages,
     tile_beams,
 )
-from transformer_jax.decoding.set_aside import SetAsideState
 from transformer_jax.tokens import SpecialIds
 
 Array = jax.Array
@@ -50,7 +50,7 @@ PyTree = Any
 RowInputs = dict[str, Array]  # per-row inputs, rows on axis 0: "prefix" (target prefixes), "keys" (sampling keys)
 
 IN_BEAM, SET_ASIDE = "in_beam", "set_aside"
-FINISHED_RULES = (IN_BEAM, SET_ASIDE)  # what beam search does with a hypothesis that ends (set_aside.py)
+FINISHED_RULES = (IN_BEAM, SET_ASIDE)  # what beam search does with a hypothesis that ends (state.SetAsideState)
 
 
 def search_spec(*values: str) -> Callable[[type], type]:
@@ -92,12 +92,12 @@ def search_spec(*values: str) -> Callable[[type], type]:
 @search_spec("alpha")
 class Search:
     """What every search shares: hypotheses are ranked by log P / lp(length) (search.length_penalty's `penalty`
-    with `alpha`). Its own state and step are greedy search's (one row per sentence, search.GreedyState); a subclass
+    with `alpha`). Its own state and step are greedy search's (one row per sentence, state.GreedyState); a subclass
     overrides `advance` (and `start` for another state) and the class facts below where they differ, and is
     decorated with `search_spec`."""
 
     alpha: float  # the length penalty's exponent (traced: a new value does not recompile)
-    penalty: str = GNMT  # search.LENGTH_PENALTIES
+    penalty: str = GNMT  # state.LENGTH_PENALTIES
     ids: SpecialIds | None = None  # the model's reserved ids; None until `with_ids` (the Searcher does it)
 
     beam_size: ClassVar[int] = 1  # cache rows per sentence (W), the most hypotheses one decode gives (a field below)
@@ -144,7 +144,7 @@ class Search:
     def advance(
         self, s: NamedTuple, step: DecodeStep, max_len_B: Array, row_inputs: RowInputs, reorder: Reorder | None
     ) -> NamedTuple:
-        """One decode step of every sentence of the state s (reorder: as search.Decoder's)."""
+        """One decode step of every sentence of the state s (reorder: as state.Decoder's)."""
         return s.advance(step, max_len_B, row_inputs.get("prefix"), ids=self.reserved)
 
     def scores(self, s: NamedTuple) -> Array:
@@ -162,7 +162,7 @@ class Search:
 
 @search_spec("alpha")
 class Greedy(Search):
-    """The most probable token at each step (search.GreedyState): Search's own rules."""
+    """The most probable token at each step (state.GreedyState): Search's own rules."""
 
 
 @search_spec("alpha")
@@ -197,8 +197,8 @@ class Beam(Search):
 
 @search_spec("alpha")
 class SetAside(Search):
-    """Beam search that sets finished hypotheses aside (set_aside.py, CTranslate2's), returning `hypotheses` of them
-    (0: beam_size)."""
+    """Beam search that sets finished hypotheses aside (state.SetAsideState, CTranslate2's), returning `hypotheses`
+    of them (0: beam_size)."""
 
     beam_size: int = dataclasses.field()  # W live beams per sentence (required)
     hypotheses: int = 1

@@ -342,7 +342,7 @@ class Transformer(nnx.Module):
     @staticmethod
     def reorder_cache(cache: Cache, rows_R: Array) -> Cache:
         """The per-step cache (`index`, `self`, `lineage`) following beam search's survivors: row r continues the
-        hypothesis of row rows_R[r], a row of the same sentence (decoding/search.py's Decoder.reorder).
+        hypothesis of row rows_R[r], a row of the same sentence (decoding/state.py's Decoder.reorder).
 
         With a beam lineage (ops/masks.py) the cached keys and values stay where they were written and only the
         lineage and the write index follow the beams (`decode` then reads each slot from the row the lineage names);
