@@ -1,4 +1,4 @@
-"""Sampling (decoding/sampling.py, evaluate.py --sampling): the drawn distribution is the reshaped model's
+"""Sampling (decoding/specs.py, evaluate.py --sampling): the drawn distribution is the reshaped model's
 (chi-square on a stub), a seed reproduces its samples wherever they run, and bad settings are refused."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers.decoding import EOS, IDS, OneCheckpoint, shared_model
 from transformer_jax import decoding
-from transformer_jax.decoding.sampling import inverse_cdf, nucleus_threshold
+from transformer_jax.decoding.specs import inverse_cdf, nucleus_threshold
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation.__main__ import evaluate
 from transformer_jax.evaluation.translate import DecodeSettings, translate_nbest

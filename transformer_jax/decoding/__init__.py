@@ -1,11 +1,11 @@
-"""Decoding: search over a decode step (search.py: greedy and beam; set_aside.py: beam search that sets finished
-hypotheses aside; sampling.py: drawing tokens), one frozen spec per search (searches.py), the Transformer's decode
-step (binding.py), the jitted calls (calls.py), the host-side scheduler that refills a running batch as sentences
-finish (refill.py), and `Searcher`, which runs a spec over a model (searcher.py).
+"""Decoding: the search state over a decode step (state.py: greedy, beam and set-aside beam search), one frozen spec
+per search and sampling's token choice (specs.py), the Transformer's decode step (binding.py), the jitted calls
+(calls.py), the host-side scheduler that refills a running batch as sentences finish (refill.py), and `Searcher`,
+which runs a spec over a model (searcher.py).
 
 Callers use this package's names: a spec (`Greedy`, `Beam`, `SetAside`, `Sampled`, or `search_for` from evaluate.py's
 settings), `searcher(model)` / `Searcher` to run it, `search` for one batch, and the search functions over any decode
-step (`greedy_search`, `beam_search`, set_aside.py's `set_aside_search`).
+step (`greedy_search`, `beam_search`, `set_aside_search`).
 """
 
 from transformer_jax.decoding.binding import cached_decode_step, recompute_decode_step
@@ -17,20 +17,24 @@ from transformer_jax.decoding.refill import (
     refill_size,
     source_batch,
 )
-from transformer_jax.decoding.sampling import Sampling, sample_keys
 from transformer_jax.decoding.searcher import Searcher, search, searcher
-from transformer_jax.decoding.searches import (
+from transformer_jax.decoding.specs import (
     FINISHED_RULES,
     IN_BEAM,
     SET_ASIDE,
     Beam,
     Greedy,
     Sampled,
+    Sampling,
     Search,
     SetAside,
+    beam_search,
+    greedy_search,
     run_search,
+    sample_keys,
     search_for,
     search_spec,
+    set_aside_search,
 )
 from transformer_jax.decoding.state import (
     AVERAGE,
@@ -43,17 +47,13 @@ from transformer_jax.decoding.state import (
     BeamState,
     Decoder,
     DecodeStep,
-    GreedyResult,
     GreedyState,
     SetAsideState,
-    beam_search,
     best_first,
     cache_stages,
     first_argmax,
     gather_rows,
-    greedy_search,
     length_penalty,
-    set_aside_search,
     tile_beams,
 )
 
@@ -78,7 +78,6 @@ __all__ = [
     "DecodeStep",
     "Decoder",
     "Greedy",
-    "GreedyResult",
     "GreedyState",
     "Sampled",
     "Sampling",

@@ -4,7 +4,7 @@ scheduler's calls (`ModelCalls`, refill.Calls).
 Axis letters: see transformer_jax/__init__.py (B sentences, W beams per sentence, R = B W cache rows, K sentences
 joining or kept, S source positions).
 
-Every call takes the search spec (searches.py) whole: its `alpha` is traced, its other fields are static, so the
+Every call takes the search spec (specs.py) whole: its `alpha` is traced, its other fields are static, so the
 calls compile once per (model structure, kind of search, shapes). The model's graph is a static argument too
 (`Graph`), and its parameters travel as a list of leaves.
 """
@@ -21,7 +21,7 @@ from flax import nnx
 
 from transformer_jax.decoding import refill
 from transformer_jax.decoding.binding import cached_decode_step, context_step, recompute_decode_step, split_cache
-from transformer_jax.decoding.searches import RowInputs, Search, run_search
+from transformer_jax.decoding.specs import RowInputs, Search, run_search
 from transformer_jax.decoding.state import BeamResult, beam_rows, gather_rows, steps_until
 from transformer_jax.model.transformer import unpacked_segment_ids
 from transformer_jax.tokens import SpecialIds

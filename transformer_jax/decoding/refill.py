@@ -16,7 +16,7 @@ batch of at most FULL_CACHE_SENTENCES sentences with nothing waiting skips to th
 search's: a sentence's rows never interact with another's.
 
 The scheduler knows nothing of the model nor of the kind of search: the model's part is `Calls` (calls.py's
-ModelCalls), the search's the spec it passes to them whole (searches.py), of which it reads `beam_size` only.
+ModelCalls), the search's the spec it passes to them whole (specs.py), of which it reads `beam_size` only.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import numpy as np
 
-from transformer_jax.decoding.searches import Search
+from transformer_jax.decoding.specs import Search
 from transformer_jax.decoding.state import BeamResult, cache_stages
 from transformer_jax.tokens import SpecialIds
 
@@ -315,7 +315,7 @@ def refilling_search(
     row_inputs_N: dict[str, np.ndarray] | None = None,
     progress: Callable[[int], Any] | None = None,
 ) -> list[BeamResult]:
-    """The cached search (searches.py's spec) of every sentence through one running batch of `rows` sentences
+    """The cached search (specs.py's spec) of every sentence through one running batch of `rows` sentences
     (module docstring); each sentence's hypotheses, best first. shape(longest source) gives a batch's padded source
     length and output slots; progress(n) is called as n more sentences finish; row_inputs_N: each sentence's own
     inputs to the search, rows on axis 0 ("prefix": its target prefix, `prefix_array`; "keys": its sampling key),

@@ -1,4 +1,4 @@
-"""`Searcher`: a search spec (searches.py) run over a model's parameters, one batch or a list of sentences.
+"""`Searcher`: a search spec (specs.py) run over a model's parameters, one batch or a list of sentences.
 
 Axis letters: see transformer_jax/__init__.py (B sentences, N sentences of a list, S source positions, P prefix
 positions).
@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from transformer_jax.decoding import calls, refill
-from transformer_jax.decoding.searches import Search
+from transformer_jax.decoding.specs import Search
 from transformer_jax.decoding.state import BeamResult, cache_stages
 from transformer_jax.tokens import SpecialIds
 
@@ -133,7 +133,7 @@ class Searcher:
         prefix_BP: Array | None = None,
         row_inputs: dict[str, Array] | None = None,
     ) -> BeamResult:
-        """One batch: src [B, S] (PAD-padded, EOS-terminated), searched by `search` (searches.py); each sentence's
+        """One batch: src [B, S] (PAD-padded, EOS-terminated), searched by `search` (specs.py); each sentence's
         hypotheses best first, scored log P / lp (search.length_penalty).
         prefix_BP: target prefixes [B, P], PAD-padded (search.forced_tokens): each output starts with its prefix.
         row_inputs: the per-row inputs the search needs (`Search.needs`, e.g. sampling keys: Search.row_inputs).
@@ -254,7 +254,7 @@ def search(
     use_cache: bool = True,
     compact: bool = True,
 ) -> BeamResult:
-    """Encodes src [B, S] (PAD-padded, EOS-terminated) and runs `search` (searches.py), jitted.
+    """Encodes src [B, S] (PAD-padded, EOS-terminated) and runs `search` (specs.py), jitted.
 
     Compiles per (graph, shapes, kind of search, cache stage, compacted batch size); the spec's alpha is traced, so
     changing it does not recompile. Runs the model in eval mode (dropout off) without changing the caller's model.

@@ -203,12 +203,6 @@ def choosable(logits_RV: Array, prefix_BP: Array | None, step_B: Array, width: i
     return jnp.where(allowed_RV, logits_RV, NEG_INF)
 
 
-class GreedyResult(NamedTuple):
-    tokens: Array  # [B, L] int32: the output, EOS included when emitted, PAD after
-    log_probs: Array  # [B] float32: log P(tokens | source)
-    lengths: Array  # [B] int32: emitted tokens, EOS included
-
-
 class BeamResult(NamedTuple):
     tokens: Array  # [B, W, L] int32, best beam first; EOS included when emitted, PAD after
     scores: Array  # [B, W] float32: log P / lp(length), descending
@@ -317,7 +311,21 @@ class GreedyState(NamedTuple):
 
 
 class BeamState(NamedTuple):
-    """The loop state of beam search: per sentence and beam ([B, W]), and the cache with R = B W rows."""
+    """The loop state of beam search: per sentence and beam ([B, W]), and the cache with R = B W rows.
+
+    Beam search with the length penalty lp (`length_penalty`'s `penalty`): each step, every unfinished beam proposes
+    its V extensions (score log P / lp(t+1)) and every finished beam proposes itself followed by PAD (its score
+    unchanged); the best W of these W V candidates per sentence survive, and the cache rows are reordered to follow
+    them. A sentence is done when all W beams have finished, so W = 1 is exactly greedy search, and a beam large
+    enough to keep every candidate is exhaustive search. With target prefixes, each sentence's beams first follow its
+    prefix (as greedy search's), then search freely.
+
+    settle: a sentence also stops once its `settle` best hypotheses are settled (`settled`), 0: every beam runs to
+    its end. The first `settle` beams are then exactly the full search's; the others are returned as they stood (an
+    unfinished one without EOS, its score log P / lp(its length so far), below the settled ones). Translation needs
+    only the first beam (settle=1) and an n-best list the first N (settle=N <= W); this saves the steps in which the
+    worse beams of a finished sentence wander on to its length limit.
+    """
 
     step_B: Array  # int32: steps taken by each sentence (frozen once done)
     finished_BW: Array
@@ -371,7 +379,7 @@ class BeamState(NamedTuple):
         *,
         ids: SpecialIds,
     ) -> BeamState:
-        """One step of beam search (see beam_search); reorder: as Decoder's."""
+        """One step of beam search (the class docstring); reorder: as Decoder's."""
         s = self
         batch, width = s.finished_BW.shape
         logits_R1V, cache = decode_step(s.last_BW.reshape(-1, 1), s.cache)
@@ -438,7 +446,7 @@ def settled(
     settle: int,
 ) -> Array:
     """[B] whether each sentence's `settle` best finished hypotheses can no longer change (after a step, the beams
-    as beam_search's advance left them: step_B steps were taken before it).
+    as BeamState.advance left them: step_B steps were taken before it).
 
     log P only falls as tokens are added and lp grows with the length, so an unfinished beam's final score is at
     most its bound log P / max(lp(t + 1), lp(max_len)). Once the settle-th best finished score is above every such
@@ -464,73 +472,6 @@ def best_first(
         return jnp.take_along_axis(x, idx, axis=1)
 
     return BeamResult(sort(tokens_BWL), scores_BW, sort(log_probs_BW), sort(lengths_BW))
-
-
-def greedy_search(
-    decode_step: DecodeStep,
-    cache: PyTree,
-    max_len_B: Array,
-    *,
-    max_steps: int,
-    grow: GrowCache | None = None,
-    prefix_BP: Array | None = None,
-    choose: Callable[[Array, Array], Array] | None = None,
-    ids: SpecialIds,
-) -> GreedyResult:
-    """Takes the most probable token at each step (with `choose`, the token it picks from the logits: specs.Sampling).
-    `cache` has B rows; 1 <= max_len_B <= max_steps.
-
-    With `grow` (see Decoder), the cache starts small and grows in stages (module docstring). With prefix_BP
-    (target prefixes, PAD-padded), each sentence first emits its prefix (`forced_tokens`), its log-probabilities
-    counted, then continues; the length limit still holds. ids: the model's reserved ids (tokens.SpecialIds).
-    """
-    first = max_steps if grow is None else cache_stages(max_steps)[0]
-    init = GreedyState.start(cache, max_len_B.shape[0], first, ids)
-    s = run_stages(lambda s: s.advance(decode_step, max_len_B, prefix_BP, choose, ids=ids), init, max_steps, grow, ids)
-    return GreedyResult(pad_tokens(s.tokens_BL, max_steps, ids.pad), s.log_probs_B, s.step_B)
-
-
-def beam_search(
-    decode_step: DecodeStep,
-    cache: PyTree,
-    max_len_B: Array,
-    *,
-    beam_size: int,
-    alpha: Array | float,
-    max_steps: int,
-    grow: GrowCache | None = None,
-    settle: int = 0,
-    penalty: str = GNMT,
-    prefix_BP: Array | None = None,
-    reorder: Reorder | None = None,
-    ids: SpecialIds,
-) -> BeamResult:
-    """Beam search with the length penalty lp (`length_penalty`'s `penalty`); `cache` has B rows and is tiled to
-    R = B W rows here, once.
-
-    Each step, every unfinished beam proposes its V extensions (score log P / lp(t+1)) and every finished beam
-    proposes itself followed by PAD (its score unchanged); the best W of these W V candidates per sentence
-    survive, and the cache rows are reordered to follow them. A sentence is done when all W beams have finished,
-    so beam_size=1 is exactly greedy search, and a beam large enough to keep every candidate is exhaustive search.
-    With `grow` (see Decoder), the cache starts small and grows in stages (module docstring). With prefix_BP, each
-    sentence's beams first follow its target prefix (as greedy_search's), then search freely.
-
-    settle: a sentence also stops once its `settle` best hypotheses are settled (`settled`), 0: every beam runs to
-    its end. The first `settle` beams are then exactly the full search's; the others are returned as they stood (an
-    unfinished one without EOS, its score log P / lp(its length so far), below the settled ones). Translation needs
-    only the first beam (settle=1) and an n-best list the first N (settle=N <= W); this saves the steps in which the
-    worse beams of a finished sentence wander on to its length limit. reorder: as Decoder's. ids: the model's
-    reserved ids (tokens.SpecialIds).
-    """
-    first = max_steps if grow is None else cache_stages(max_steps)[0]
-    batch = max_len_B.shape[0]
-    init = BeamState.start(tile_beams(cache, beam_size), batch, beam_size, first, ids)
-
-    def body(s: BeamState) -> BeamState:
-        return s.advance(decode_step, max_len_B, alpha, settle, penalty, prefix_BP, reorder, ids=ids)
-
-    s = run_stages(body, init, max_steps, grow, ids)
-    return best_first(pad_tokens(s.tokens_BWL, max_steps, ids.pad), s.log_probs_BW, s.lengths_BW, alpha, penalty)
 
 
 class SetAsideState(NamedTuple):
@@ -684,34 +625,3 @@ class SetAsideState(NamedTuple):
             pool_lengths_BN=pooled(s.pool_lengths_BN, jnp.where(joins_BW, length_B[:, None], 0)),
             cache=(reorder or gather_rows)(cache, rows_R),
         )
-
-
-def set_aside_search(
-    decode_step: DecodeStep,
-    cache: PyTree,
-    max_len_B: Array,
-    *,
-    beam_size: int,
-    hypotheses: int,
-    alpha: Array | float,
-    max_steps: int,
-    grow: GrowCache | None = None,
-    penalty: str = GNMT,
-    prefix_BP: Array | None = None,
-    reorder: Reorder | None = None,
-    ids: SpecialIds,
-) -> BeamResult:
-    """Beam search of beam_size live beams that sets finished hypotheses aside (SetAsideState), as one loop;
-    `cache` has B rows. Returns each sentence's `hypotheses` best (<= beam_size), best first. grow, prefix_BP and
-    reorder and ids as for beam_search."""
-    first = max_steps if grow is None else cache_stages(max_steps)[0]
-    init = SetAsideState.start(tile_beams(cache, beam_size), max_len_B.shape[0], beam_size, hypotheses, first, ids)
-    s = run_stages(
-        lambda s: s.advance(decode_step, max_len_B, alpha, penalty, prefix_BP, reorder, ids=ids),
-        init,
-        max_steps,
-        grow,
-        ids,
-    )
-    tokens_BNL = pad_tokens(s.pool_tokens_BNL, max_steps, ids.pad)
-    return best_first(tokens_BNL, s.pool_log_probs_BN, s.pool_lengths_BN, alpha, penalty)

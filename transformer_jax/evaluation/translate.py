@@ -115,7 +115,7 @@ def check_sampling(sampling: decoding.Sampling, num_samples: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeSettings:
-    """What translate() decodes with: the search (decoding.searches' spec) and the batch and length limits."""
+    """What translate() decodes with: the search (a decoding.Search spec) and the batch and length limits."""
 
     search: decoding.Search
     max_extra_len: int  # output tokens beyond the source's (EOS included): output_limit
