@@ -29,7 +29,7 @@ from tests.helpers.decoding import (
 from tests.helpers.fakes import JointTokenizer
 from tests.helpers.model import random_tokens
 from transformer_jax import decoding
-from transformer_jax.decoding import calls, refill
+from transformer_jax.decoding import model_calls, refill
 from transformer_jax.decoding.state import TOP_K_BLOCK
 from transformer_jax.decoding.state import top_k as blockwise_top_k
 from transformer_jax.evaluation.translate import DecodeSettings, output_cap, output_limit, translate, translate_nbest
@@ -470,15 +470,15 @@ def test_compacted_and_refill_sizes():
 
 
 def record_calls(monkeypatch, name: str, what) -> list:
-    """The jitted call calls.<name> wrapped so that what(*args, **kwargs) of each call is recorded before it runs;
+    """The jitted call model_calls.<name> wrapped so that what(*args, **kwargs) of each call is recorded before it runs;
     returns the record."""
-    record, original = [], getattr(calls, name)
+    record, original = [], getattr(model_calls, name)
 
     def recorded(*args, **kwargs):
         record.append(what(*args, **kwargs))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(calls, name, recorded)
+    monkeypatch.setattr(model_calls, name, recorded)
     return record
 
 
@@ -556,7 +556,7 @@ def test_a_small_beam_batch_steps_at_the_last_cache_stage_only(monkeypatch):
 
 @pytest.mark.parametrize("beam_size", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_the_refilling_search_builds_no_programs_of_its_own_on_the_host(beam_size):
-    """Between its calls the scheduler only reads what they return (refill.Outcome): an array operation on the host
+    """Between its calls the scheduler only reads what they return (model_calls.Outcome): an array operation on the host
     would be a small program per batch size, compiled in every process (too fast to be worth the disk cache)."""
     rng = np.random.default_rng(7)
     sources = [[int(t) for t in rng.integers(4, 50, n - 1)] + [EOS] for n in rng.integers(2, 12, 40)]

@@ -1,14 +1,13 @@
 """Decoding: the search state over a decode step (state.py: greedy, beam and set-aside beam search), one frozen spec
-per search and sampling's token choice (specs.py), the Transformer's decode step (binding.py), the jitted calls
-(calls.py), the host-side scheduler that refills a running batch as sentences finish (refill.py), and `Searcher`,
-which runs a spec over a model (searcher.py).
-
+per search and sampling's token choice (specs.py), the Transformer's decode step and the jitted calls
+(model_calls.py), the host-side scheduler that refills a running batch as sentences finish (refill.py), and
+`Searcher`, which runs a spec over a model (searcher.py).
 Callers use this package's names: a spec (`Greedy`, `Beam`, `SetAside`, `Sampled`, or `search_for` from evaluate.py's
 settings), `searcher(model)` / `Searcher` to run it, `search` for one batch, and the search functions over any decode
 step (`greedy_search`, `beam_search`, `set_aside_search`).
 """
 
-from transformer_jax.decoding.binding import cached_decode_step, recompute_decode_step
+from transformer_jax.decoding.model_calls import cached_decode_step, recompute_decode_step
 from transformer_jax.decoding.refill import (
     ENCODE_MULTIPLE,
     FULL_CACHE_SENTENCES,

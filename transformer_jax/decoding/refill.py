@@ -15,7 +15,7 @@ share the batch. The stop condition is traced, so the calls compile per (rows, s
 batch of at most FULL_CACHE_SENTENCES sentences with nothing waiting skips to the last stage. Results equal the one-jit
 search's: a sentence's rows never interact with another's.
 
-The scheduler knows nothing of the model nor of the kind of search: the model's part is `Calls` (calls.py's
+The scheduler knows nothing of the model nor of the kind of search: the model's part is `Calls` (model_calls.py's
 ModelCalls), the search's the spec it passes to them whole (specs.py), of which it reads `beam_size` only.
 """
 
@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 
+from transformer_jax.decoding.model_calls import Outcome
 from transformer_jax.decoding.specs import Search
 from transformer_jax.decoding.state import BeamResult, cache_stages
 from transformer_jax.tokens import SpecialIds
@@ -46,16 +47,8 @@ FULL_CACHE_SENTENCES = 32
 ENCODE_MULTIPLE = 8
 
 
-class Outcome(NamedTuple):
-    """What the host needs after a stage beyond the state's own arrays, computed on the device (`Calls.outcome`): the
-    host runs no array operation of its own (each would be a small program per batch size, in every process)."""
-
-    done_B: Any  # bool: the sentence is done (state.sentence_done())
-    scores_BW: Any  # float32: its beams' log_probs / length_penalty(lengths)
-
-
 class Calls(Protocol):
-    """What the scheduler runs on the device; each is a jitted call (calls.py's ModelCalls)."""
+    """What the scheduler runs on the device; each is a jitted call (model_calls.ModelCalls)."""
 
     def start(self, src_BS, search: Search, *, slots: int) -> tuple[PyTree, Any]:
         """Encodes a batch: (its fixed context, the search's first state with `slots` output slots)."""

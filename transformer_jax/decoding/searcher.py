@@ -3,8 +3,8 @@
 Axis letters: see transformer_jax/__init__.py (B sentences, N sentences of a list, S source positions, P prefix
 positions).
 
-A batch runs either as one jitted call (calls.search_batch) or through the refilling scheduler (refill.py), whose
-calls are calls.ModelCalls.
+A batch runs either as one jitted call (model_calls.search_batch) or through the refilling scheduler (refill.py),
+whose calls are model_calls.ModelCalls.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from transformer_jax.decoding import calls, refill
+from transformer_jax.decoding import model_calls, refill
 from transformer_jax.decoding.specs import Search
 from transformer_jax.decoding.state import BeamResult, cache_stages
 from transformer_jax.tokens import SpecialIds
@@ -44,7 +44,9 @@ class Searcher:
         self.use_cache = use_cache
         self.ids = SpecialIds.of(model.spec)  # every search runs with the model's reserved ids (Search.with_ids)
         leaves, treedef = jax.tree.flatten(self.params)
-        self.calls = calls.ModelCalls(calls.graph(self.graphdef, treedef), leaves) if use_cache and compact else None
+        self.calls = (
+            model_calls.ModelCalls(model_calls.graph(self.graphdef, treedef), leaves) if use_cache and compact else None
+        )
 
     def refills(self, rows: int) -> bool:
         """Whether a batch of `rows` sentences runs through the refilling scheduler (else one jitted call)."""
@@ -79,7 +81,7 @@ class Searcher:
         )
         search = jax.tree.map(leaf, search.with_ids(self.ids))
         if not self.refills(rows):
-            traced = calls.search_batch.trace(
+            traced = model_calls.search_batch.trace(
                 self.graphdef,
                 self.params,
                 src_BS,
@@ -97,22 +99,22 @@ class Searcher:
             return jax.tree.map(put, traced.out_info, compiled.output_shardings)
 
         graph, params, stages = self.calls.graph, self.calls.params, cache_stages(max_steps)
-        traced = calls.start.trace(params, src_BS, search, graph=graph, slots=stages[0])
+        traced = model_calls.start.trace(params, src_BS, search, graph=graph, slots=stages[0])
         programs = {"start": compile_one("start", traced)}
         context, s = outputs(traced, programs["start"])
         if len(stages) > 1:
-            before = calls.start.trace(params, src_BS, search, graph=graph, slots=stages[-2]).out_info[1]
+            before = model_calls.start.trace(params, src_BS, search, graph=graph, slots=stages[-2]).out_info[1]
             s = jax.tree.map(lambda x, like: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=like.sharding), before, s)
-            traced = calls.grow.trace(params, s, graph=graph, slots=stages[-1], ids=self.ids)
+            traced = model_calls.grow.trace(params, s, graph=graph, slots=stages[-1], ids=self.ids)
             programs["grow"] = compile_one("grow", traced)
             s = outputs(traced, programs["grow"])
         stop_live = jax.ShapeDtypeStruct((), jnp.int32, sharding=host)
-        traced = calls.stage.trace(params, context, s, max_len_B, stop_live, {}, search, graph=graph)
+        traced = model_calls.stage.trace(params, context, s, max_len_B, stop_live, {}, search, graph=graph)
         programs["stage"] = compile_one("stage", traced)
         return programs
 
     def _one_jit(self, src_BS, max_len_B, row_inputs: dict[str, np.ndarray], search: Search, max_steps: int):
-        return calls.search_batch(
+        return model_calls.search_batch(
             self.graphdef,
             self.params,
             jnp.asarray(src_BS, jnp.int32),

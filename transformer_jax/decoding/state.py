@@ -91,18 +91,6 @@ def _loop(body: Callable, state: NamedTuple, slots: int):
     return jax.lax.while_loop(cond, body, state)
 
 
-def steps_until(body: Callable, state: NamedTuple, stop_live: Array) -> NamedTuple:
-    """while_loop(body) until at most `stop_live` sentences are live or a live one has filled the state's slots:
-    the refilling scheduler's calls stop there, for the host to act (stop_live is traced: one compilation)."""
-    slots = state.beams()[0].shape[-1]
-
-    def go_on(s: NamedTuple) -> Array:
-        live_B = ~s.sentence_done()
-        return (jnp.sum(live_B) > stop_live) & (jnp.max(jnp.where(live_B, s.step_B, 0)) < slots)
-
-    return jax.lax.while_loop(go_on, body, state)
-
-
 GNMT, AVERAGE, NONE = "gnmt", "average", "none"
 LENGTH_PENALTIES = (GNMT, AVERAGE, NONE)
 

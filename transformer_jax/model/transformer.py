@@ -141,7 +141,7 @@ class DecoderLayer(nnx.Module):
             # Q from the decoder, K and V from the encoder output; no causality, only segments and padding.
             rows, length, width = h.shape[0], h.shape[1], h.shape[0] // cross_kv[0].shape[0]
             # Beam decoding caches one row of keys/values per sentence for its `width` beams' rows (adjacent, see
-            # decoding/binding.py split_cache): those beams' queries attend together, as one sentence's queries.
+            # decoding/model_calls.py split_cache): those beams' queries attend together, as one sentence's queries.
             if width > 1:
                 h = h.reshape(rows // width, width * length, h.shape[2])
             out = self.cross_attn(
