@@ -29,7 +29,7 @@ from tests.helpers.decoding import (
 from tests.helpers.fakes import JointTokenizer
 from tests.helpers.model import random_tokens
 from transformer_jax import decoding
-from transformer_jax.decoding import model_calls, refill
+from transformer_jax.decoding import model_calls, scheduler
 from transformer_jax.decoding.state import TOP_K_BLOCK
 from transformer_jax.decoding.state import top_k as blockwise_top_k
 from transformer_jax.evaluation.translate import DecodeSettings, output_cap, output_limit, translate, translate_nbest
@@ -308,7 +308,7 @@ def test_beam_search_on_model_scores_equal_full_recompute_log_probs():
     # The shapes of translate()'s batches in the test below (4 rows, bucket 16, 16 + 5 steps): one compilation.
     model, src = shared_model(), sources_BS(4, 16)
     max_len = jnp.array([6, 21, 9, 3])
-    cached = decoding.search(model, src, max_len, decoding.Beam(alpha=0.6, beam_size=2), max_steps=21)
+    cached = decoding.Searcher(model)(src, max_len, decoding.Beam(alpha=0.6, beam_size=2), max_steps=21)
     expected = _teacher_forced_log_probs(*nnx.split(model), src, cached.tokens, cached.lengths)
     np.testing.assert_allclose(cached.log_probs, expected, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(cached.scores, expected / decoding.length_penalty(cached.lengths, 0.6), rtol=1e-5)
@@ -329,14 +329,14 @@ def _model_beam1(graphdef, state, src_BS, max_len_B, *, max_steps):
 def test_beam_size_one_equals_greedy_on_model_and_search_runs_without_dropout():
     model, src, max_len = shared_model(), sources_BS(), jnp.array([8, 5])
     beam = _model_beam1(*nnx.split(model), src, max_len, max_steps=8)
-    greedy = decoding.search(model, src, max_len, decoding.Greedy(alpha=0.6), max_steps=8)
+    greedy = decoding.Searcher(model)(src, max_len, decoding.Greedy(alpha=0.6), max_steps=8)
     np.testing.assert_array_equal(beam.tokens, greedy.tokens)
     np.testing.assert_allclose(beam.log_probs, greedy.log_probs, rtol=1e-5)
     # A model in train mode (as during training's validation BLEU) is searched with dropout off, and stays in
     # train mode.
     model.train()
     try:
-        searched = decoding.search(model, src, max_len, decoding.Greedy(alpha=0.6), max_steps=8)
+        searched = decoding.Searcher(model)(src, max_len, decoding.Greedy(alpha=0.6), max_steps=8)
         assert model.embed_dropout.deterministic is False
     finally:
         model.eval()
@@ -383,7 +383,7 @@ def test_translate_stops_outputs_at_eval_max_len():
 
 def test_translate_keeps_order_empty_lines_and_is_independent_of_batching(monkeypatch):
     # Batches under 2 MIN_ROWS sentences have little to gain from refilling: they run one-jit batches.
-    monkeypatch.setattr(refill, "refilling_search", lambda *a, **k: pytest.fail("refilled a small batch"))
+    monkeypatch.setattr(scheduler, "refilling_search", lambda *a, **k: pytest.fail("refilled a small batch"))
     batches = record_calls(monkeypatch, "search_batch", lambda graph, params, src, *a, **k: src.shape)
     model, tok = shared_model(), CharTokenizer()
     sentences = ["hello world", "", "a", "x" * 40, "   ", "the cat sat on the mat", "b c"]
@@ -496,7 +496,7 @@ def test_compacting_search_equals_the_whole_batch_search(beam_size, monkeypatch)
     max_len = mostly_short_limits()
     kept = record_calls(monkeypatch, "keep", lambda context, s, keep_K, **kw: keep_K.shape[0])
     compact, whole = (
-        decoding.search(model, src, max_len, decoding.search_for(beam_size, 0.6), max_steps=40, compact=c)
+        decoding.Searcher(model, compact=c)(src, max_len, decoding.search_for(beam_size, 0.6), max_steps=40)
         for c in (True, False)
     )
     assert kept == [12]
@@ -523,7 +523,7 @@ def test_refilling_search_equals_one_batch_at_a_time(monkeypatch):
 
     model = shared_model()
     refilled, batched = (
-        decoding.searcher(model, compact=c).sentences(
+        decoding.Searcher(model, compact=c).sentences(
             sources, max_len, decoding.Greedy(alpha=0.6), batch_size=20, shape=shape
         )
         for c in (True, False)
@@ -546,7 +546,7 @@ def test_a_small_beam_batch_steps_at_the_last_cache_stage_only(monkeypatch):
     max_len = mostly_short_limits()
     stages = record_calls(monkeypatch, "stage", lambda params, context, s, *a, **k: s.tokens_BWL.shape)
     beam = decoding.Beam(alpha=0.6, beam_size=4)
-    compact, whole = (decoding.search(model, src, max_len, beam, max_steps=40, compact=c) for c in (True, False))
+    compact, whole = (decoding.Searcher(model, compact=c)(src, max_len, beam, max_steps=40) for c in (True, False))
     assert 24 <= decoding.FULL_CACHE_SENTENCES
     assert len(stages) > 1 and {slots for _, _, slots in stages} == {40}, stages  # compacted, never at 16 slots
     np.testing.assert_array_equal(compact.tokens, whole.tokens)
@@ -571,7 +571,7 @@ def test_the_refilling_search_builds_no_programs_of_its_own_on_the_host(beam_siz
     jax.clear_caches()  # programs an earlier test built would not be built (nor counted) again
     jax.monitoring.register_event_duration_secs_listener(on_compile)
     try:
-        decoding.searcher(model).sentences(
+        decoding.Searcher(model).sentences(
             sources, max_len, decoding.search_for(beam_size, 0.6), batch_size=16, shape=lambda longest: (16, 24)
         )
     finally:

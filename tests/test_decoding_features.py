@@ -217,7 +217,7 @@ def _refilled_and_one_jit(max_len: list[int], search: decoding.Search) -> tuple[
     """A search over 20 sources (batch 16) through the refilling scheduler and as one-jit batches."""
     sources, model = _sources(len(max_len)), shared_model()
     return tuple(
-        decoding.searcher(model, compact=c).sentences(sources, max_len, search, batch_size=16, shape=lambda _: (16, 9))
+        decoding.Searcher(model, compact=c).sentences(sources, max_len, search, batch_size=16, shape=lambda _: (16, 9))
         for c in (True, False)
     )
 
@@ -444,7 +444,7 @@ def test_prefixes_through_the_scheduler_equal_the_one_jit_search(beam_size):
     prefixes = [[int(t) for t in rng.integers(4, 50, i % 4)] for i in range(len(sources))]
     max_len = [2 + i % 7 for i in range(len(sources))]
     refilled, one_jit = (
-        decoding.searcher(model, compact=c).sentences(
+        decoding.Searcher(model, compact=c).sentences(
             sources,
             max_len,
             decoding.search_for(beam_size, 0.6),

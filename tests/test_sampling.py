@@ -151,7 +151,7 @@ def test_samples_through_the_scheduler_equal_the_one_jit_ones_and_depend_on_line
     keys = sampled.row_inputs(np.arange(20), np.zeros(20, np.int32))
     np.testing.assert_array_equal(keys["keys"], decoding.sample_keys(7, np.arange(20), np.zeros(20, np.int32)))
     refilled, one_jit = (
-        decoding.searcher(model, compact=c).sentences(
+        decoding.Searcher(model, compact=c).sentences(
             sources, max_len, sampled, batch_size=16, shape=lambda _: (16, 9), row_inputs_N=keys
         )
         for c in (True, False)
@@ -161,7 +161,7 @@ def test_samples_through_the_scheduler_equal_the_one_jit_ones_and_depend_on_line
         assert int(r.lengths[0]) == n
         np.testing.assert_array_equal(r.tokens[0, :n], o.tokens[0, :n])
         np.testing.assert_allclose(r.log_probs, o.log_probs, rtol=1e-5, atol=1e-6)
-    greedy = decoding.searcher(model).sentences(
+    greedy = decoding.Searcher(model).sentences(
         sources, max_len, decoding.Greedy(alpha=0.6), batch_size=16, shape=lambda _: (16, 9)
     )
     assert any(not np.array_equal(g.tokens, r.tokens) for g, r in zip(greedy, refilled, strict=True))

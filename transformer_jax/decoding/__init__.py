@@ -1,22 +1,23 @@
 """Decoding: the search state over a decode step (state.py: greedy, beam and set-aside beam search), one frozen spec
 per search and sampling's token choice (specs.py), the Transformer's decode step and the jitted calls
-(model_calls.py), the host-side scheduler that refills a running batch as sentences finish (refill.py), and
-`Searcher`, which runs a spec over a model (searcher.py).
+(model_calls.py), and the scheduler (scheduler.py): `Searcher`, which runs a spec over a model, and the host-side
+scheduler that refills a running batch as sentences finish.
+
 Callers use this package's names: a spec (`Greedy`, `Beam`, `SetAside`, `Sampled`, or `search_for` from evaluate.py's
-settings), `searcher(model)` / `Searcher` to run it, `search` for one batch, and the search functions over any decode
-step (`greedy_search`, `beam_search`, `set_aside_search`).
+settings), `Searcher` to run it, and the search functions over any decode step (`greedy_search`, `beam_search`,
+`set_aside_search`).
 """
 
 from transformer_jax.decoding.model_calls import cached_decode_step, recompute_decode_step
-from transformer_jax.decoding.refill import (
+from transformer_jax.decoding.scheduler import (
     ENCODE_MULTIPLE,
     FULL_CACHE_SENTENCES,
     MIN_ROWS,
+    Searcher,
     compacted_size,
     refill_size,
     source_batch,
 )
-from transformer_jax.decoding.searcher import Searcher, search, searcher
 from transformer_jax.decoding.specs import (
     FINISHED_RULES,
     IN_BEAM,
@@ -96,10 +97,8 @@ __all__ = [
     "refill_size",
     "sample_keys",
     "run_search",
-    "search",
     "search_for",
     "search_spec",
-    "searcher",
     "source_batch",
     "tile_beams",
 ]

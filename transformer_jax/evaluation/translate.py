@@ -217,7 +217,7 @@ def translate_nbest(
     # Each line is decoded `copies` times (sampling: its nbest draws), copy j of line i with its own row inputs.
     lines = [i for i in sources for _ in range(copies)]
     row_inputs = search.row_inputs(np.array(lines, np.int64) + first_line, np.tile(np.arange(copies), len(sources)))
-    found = decoding.searcher(model).sentences(
+    found = decoding.Searcher(model).sentences(
         [sources[i] for i in lines],
         [output_limit(len(sources[i]), max_extra_len, cap) for i in lines],
         search,

@@ -357,7 +357,7 @@ class Transformer(nnx.Module):
         """`cache` with room for max_len target tokens (at least its own), the tokens decoded so far kept.
 
         Decoding can start with a short cache and grow it as the outputs get longer, so that each step reads and
-        reorders only as many slots as the longest output may have reached (decoding/refill.py's stages).
+        reorders only as many slots as the longest output may have reached (decoding/scheduler.py's stages).
         """
         if self.spec.positional == "learned" and max_len > self.spec.max_len:
             raise ValueError(f"decoding {max_len} tokens exceeds model.max_len={self.spec.max_len}")
