@@ -30,7 +30,8 @@ from tests.helpers.fakes import JointTokenizer
 from tests.helpers.model import random_tokens
 from transformer_jax import decoding
 from transformer_jax.decoding import model_calls, scheduler
-from transformer_jax.decoding.state import TOP_K_BLOCK
+from transformer_jax.decoding.specs import greedy_search
+from transformer_jax.decoding.state import TOP_K_BLOCK, BeamState, first_argmax, length_penalty
 from transformer_jax.decoding.state import top_k as blockwise_top_k
 from transformer_jax.evaluation.translate import DecodeSettings, output_cap, output_limit, translate, translate_nbest
 from transformer_jax.model import unpacked_segment_ids
@@ -46,7 +47,7 @@ def _stub_beam(seeds_B, max_len_B, alpha, *, beam_size, max_steps, table_seed):
 @functools.partial(jax.jit, static_argnames=("max_steps", "table_seed"))
 def _stub_greedy(seeds_B, max_len_B, *, max_steps, table_seed):
     cache = {"h": seeds_B, "calls": jnp.zeros((), jnp.int32)}
-    return decoding.greedy_search(hash_stub(hash_table(table_seed)), cache, max_len_B, max_steps=max_steps, ids=IDS)
+    return greedy_search(hash_stub(hash_table(table_seed)), cache, max_len_B, max_steps=max_steps, ids=IDS)
 
 
 def _strip(tokens: np.ndarray, length: int) -> tuple[int, ...]:
@@ -186,7 +187,7 @@ def _all_candidates_step(logits_RV, s, alpha):
         s.log_probs_BW[..., None] + jnp.where(jnp.arange(vocab) == PAD, -jnp.inf, log_probs_BWV),  # PAD: never
     )
     cand_len_BW = jnp.where(s.finished_BW, s.lengths_BW, s.step_B[:, None] + 1)
-    score_BWV = cand_BWV / decoding.length_penalty(cand_len_BW, alpha)[..., None]
+    score_BWV = cand_BWV / length_penalty(cand_len_BW, alpha)[..., None]
     score_BW, flat_BW = jax.lax.top_k(score_BWV.reshape(batch, -1), width)
     return score_BW, flat_BW // vocab, flat_BW % vocab, jnp.take_along_axis(cand_BWV.reshape(batch, -1), flat_BW, 1)
 
@@ -197,7 +198,7 @@ def test_each_beams_best_tokens_give_the_step_of_all_candidates(vocab):
     batch, width, alpha = 6, 4, 0.6
     rng = np.random.default_rng(vocab)
     logits_RV = jnp.asarray(rng.normal(size=(batch * width, vocab)) * 3, jnp.float32)  # distinct: no ties
-    s = decoding.BeamState.start({}, batch, width, 8, IDS)._replace(
+    s = BeamState.start({}, batch, width, 8, IDS)._replace(
         step_B=jnp.full((batch,), 3, jnp.int32),
         finished_BW=jnp.asarray(rng.random((batch, width)) < 0.3).at[0].set(True).at[1].set(False),
         log_probs_BW=jnp.asarray(-np.sort(rng.random((batch, width)) * 4, 1), jnp.float32),
@@ -311,7 +312,7 @@ def test_beam_search_on_model_scores_equal_full_recompute_log_probs():
     cached = decoding.Searcher(model)(src, max_len, decoding.Beam(alpha=0.6, beam_size=2), max_steps=21)
     expected = _teacher_forced_log_probs(*nnx.split(model), src, cached.tokens, cached.lengths)
     np.testing.assert_allclose(cached.log_probs, expected, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(cached.scores, expected / decoding.length_penalty(cached.lengths, 0.6), rtol=1e-5)
+    np.testing.assert_allclose(cached.scores, expected / length_penalty(cached.lengths, 0.6), rtol=1e-5)
     assert np.all(np.asarray(cached.lengths) <= np.asarray(max_len)[:, None])
     assert np.all(np.diff(np.asarray(cached.scores), axis=1) <= 0)  # best first
 
@@ -453,20 +454,20 @@ def test_first_argmax_equals_argmax_including_ties():
     x = np.asarray(random_tokens(8, (6, 40), vocab=5), np.float32)  # many ties: values 0..4 only
     x[0] = -np.inf
     x[1, 7] = np.inf
-    np.testing.assert_array_equal(decoding.first_argmax(jnp.asarray(x)), np.argmax(x, axis=-1))
+    np.testing.assert_array_equal(first_argmax(jnp.asarray(x)), np.argmax(x, axis=-1))
 
 
 def test_compacted_and_refill_sizes():
-    assert decoding.MIN_ROWS == 8
-    assert decoding.compacted_size(64, 64) == 64
-    assert decoding.compacted_size(33, 64) == 64
-    assert decoding.compacted_size(32, 64) == 32
-    assert decoding.compacted_size(3, 64) == 8  # not below the minimum
-    assert decoding.compacted_size(3, 24) == 12  # 24 -> 12; 6 would be below it
-    assert decoding.compacted_size(1, 6) == 6  # a batch under the minimum is never compacted
+    assert scheduler.MIN_ROWS == 8
+    assert scheduler.compacted_size(64, 64) == 64
+    assert scheduler.compacted_size(33, 64) == 64
+    assert scheduler.compacted_size(32, 64) == 32
+    assert scheduler.compacted_size(3, 64) == 8  # not below the minimum
+    assert scheduler.compacted_size(3, 24) == 12  # 24 -> 12; 6 would be below it
+    assert scheduler.compacted_size(1, 6) == 6  # a batch under the minimum is never compacted
     # Waiting sentences join 8, 16, 32, ... at a time (the encoder compiles for those sizes only).
-    assert [decoding.refill_size(free, 64) for free in (0, 7, 8, 15, 16, 40, 64)] == [0, 0, 8, 8, 16, 32, 64]
-    assert decoding.refill_size(40, 24) == 16  # never more than the batch's rows
+    assert [scheduler.refill_size(free, 64) for free in (0, 7, 8, 15, 16, 40, 64)] == [0, 0, 8, 8, 16, 32, 64]
+    assert scheduler.refill_size(40, 24) == 16  # never more than the batch's rows
 
 
 def record_calls(monkeypatch, name: str, what) -> list:
@@ -500,7 +501,7 @@ def test_compacting_search_equals_the_whole_batch_search(beam_size, monkeypatch)
         for c in (True, False)
     )
     assert kept == [12]
-    assert 12 <= decoding.FULL_CACHE_SENTENCES
+    assert 12 <= scheduler.FULL_CACHE_SENTENCES
     np.testing.assert_array_equal(compact.tokens, whole.tokens)
     np.testing.assert_array_equal(compact.lengths, whole.lengths)
     np.testing.assert_allclose(compact.scores, whole.scores, rtol=1e-5, atol=1e-6)
@@ -547,7 +548,7 @@ def test_a_small_beam_batch_steps_at_the_last_cache_stage_only(monkeypatch):
     stages = record_calls(monkeypatch, "stage", lambda params, context, s, *a, **k: s.tokens_BWL.shape)
     beam = decoding.Beam(alpha=0.6, beam_size=4)
     compact, whole = (decoding.Searcher(model, compact=c)(src, max_len, beam, max_steps=40) for c in (True, False))
-    assert 24 <= decoding.FULL_CACHE_SENTENCES
+    assert 24 <= scheduler.FULL_CACHE_SENTENCES
     assert len(stages) > 1 and {slots for _, _, slots in stages} == {40}, stages  # compacted, never at 16 slots
     np.testing.assert_array_equal(compact.tokens, whole.tokens)
     np.testing.assert_allclose(compact.scores, whole.scores, rtol=1e-5, atol=1e-6)

@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers.decoding import EOS, IDS, OneCheckpoint, shared_model
 from transformer_jax import decoding
-from transformer_jax.decoding.specs import inverse_cdf, nucleus_threshold
+from transformer_jax.decoding.specs import greedy_search, inverse_cdf, nucleus_threshold
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation.__main__ import evaluate
 from transformer_jax.evaluation.translate import DecodeSettings, translate_nbest
@@ -47,7 +47,7 @@ def _draw(sampling: decoding.Sampling, seed: int) -> np.ndarray:
         return jnp.broadcast_to(jnp.asarray(LOGITS), (tokens_R1.shape[0], 1, len(LOGITS))), cache
 
     result = jax.jit(
-        lambda keys: decoding.greedy_search(
+        lambda keys: greedy_search(
             step,
             {"t": jnp.zeros((), jnp.int32)},
             jnp.ones(ROWS, jnp.int32),

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from transformer_jax.decoding.specs import PLAIN_SAMPLING
+from transformer_jax.decoding import PLAIN_SAMPLING
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation.restore import restore_model
 from transformer_jax.evaluation.translate import check_nbest

@@ -165,12 +165,12 @@ def translate_nbest(
     Sources are the tokenizer's ids then EOS (as in training); a source with more than max_input_len tokens is cut
     to max_input_len - 1 ids + EOS and counted. An empty (or blank) line gives empty outputs (EMPTY) without
     decoding. Each output has at most (source tokens + max_extra_len) tokens, EOS included, and at most max_len
-    (output_cap). Hypotheses are ranked by
-    log P / lp (decoding.length_penalty with the search's penalty and alpha). The list is what the search gives for
-    nbest (decoding.Search.nbest: a beam search's nbest <= beam_size best, the full search's first nbest for
-    decoding.Beam, CTranslate2's for decoding.SetAside; greedy search: nbest 1), or nbest decodes of the line when
-    the search asks for that (decoding.Search.copies: decoding.Sampled draws nbest samples, reproducible for its
-    seed, best score first; their log_prob is the model's own log P of the sample).
+    (output_cap). Hypotheses are ranked by log P / lp (decoding/state.py length_penalty with the search's penalty
+    and alpha). The list is what the search gives for nbest (decoding.Search.nbest: a beam search's nbest <=
+    beam_size best, the full search's first nbest for decoding.Beam, CTranslate2's for decoding.SetAside; greedy
+    search: nbest 1), or nbest decodes of the line when the search asks for that (decoding.Search.copies:
+    decoding.Sampled draws nbest samples, reproducible for its seed, best score first; their log_prob is the model's
+    own log P of the sample).
     prefixes: line i's output starts with prefixes[i], tokenized as a target (a blank prefix: none); the hypotheses'
     text and log-probabilities include it. first_line: the number of sentences[0] in a longer input (its chunk's
     start, translate_corpus): sampling keys are drawn from the line's number in the whole input. The settings are

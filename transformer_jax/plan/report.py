@@ -15,7 +15,6 @@ import jax
 import ml_collections
 
 from transformer_jax import decoding
-from transformer_jax.decoding.scheduler import batch_rows
 from transformer_jax.errors import ConfigError
 from transformer_jax.evaluation.translate import batch_shape, input_limit, output_cap, position_limit
 from transformer_jax.evaluation.validation import decoding_settings
@@ -87,7 +86,7 @@ def plan_decode(config: ml_collections.ConfigDict, topology: Topology, mesh_mode
     settings = decoding_settings(config)
     search, chip = settings.search, topology.chip
     mesh = make_mesh(list(topology.devices()))
-    rows = batch_rows(config.train.bleu_sentences, settings.batch_size)
+    rows = decoding.batch_rows(config.train.bleu_sentences, settings.batch_size)
     compile_s: dict[str, float] = {}
     jax.clear_caches()  # a trace made for the host backend must not be reused for the target
     with platform.compiling_for(chip.platform), tracing_mesh(mesh):
