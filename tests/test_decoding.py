@@ -192,7 +192,7 @@ def _all_candidates_step(logits_RV, s, alpha):
     return score_BW, flat_BW // vocab, flat_BW % vocab, jnp.take_along_axis(cand_BWV.reshape(batch, -1), flat_BW, 1)
 
 
-# 3: fewer tokens than beams (each beam proposes all it has); the last: enough blocks for search.top_k's own path
+# 3: fewer tokens than beams (each beam proposes all it has); the last: enough blocks for state.top_k's own path
 @pytest.mark.parametrize("vocab", [3, pytest.param(50, marks=pytest.mark.slow), 8 * TOP_K_BLOCK + 5])
 def test_each_beams_best_tokens_give_the_step_of_all_candidates(vocab):
     batch, width, alpha = 6, 4, 0.6

@@ -1,4 +1,4 @@
-"""The search protocol (decoding/searches.py): a search defined here, and nowhere in the package, runs through the
+"""The search protocol (decoding/specs.py): a search defined here, and nowhere in the package, runs through the
 Searcher and the refilling scheduler on the tiny model and gives what a direct computation gives."""
 
 from __future__ import annotations
