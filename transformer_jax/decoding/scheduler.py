@@ -270,6 +270,9 @@ def _pad_result(r: BeamResult, slots: int, pad: int) -> BeamResult:
     return r._replace(tokens=np.pad(r.tokens, [(0, 0), (0, slots - r.tokens.shape[-1])], constant_values=pad))
 
 
+# -- the refilling scheduler: finished sentences leave the running batch, waiting ones take their rows -----------------
+
+
 def compacted_size(live: int, running: int) -> int:
     """Sentences the next call runs, given `live` unfinished ones among the `running` ones (nothing waits).
 

@@ -442,7 +442,7 @@ def run_search(
     return search.result(run_stages(body, init, max_steps, d.grow, search.reserved), max_steps)
 
 
-# -- the searches over a bare decode step (a stub's, in tests) ------------------------------------------------------
+# -- the searches as functions of a bare decode step (tests' stubs, benchmarks/decode.py) ------------------------------
 
 
 class GreedyResult(NamedTuple):
