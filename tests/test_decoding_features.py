@@ -30,8 +30,8 @@ from tests.helpers.decoding import (
     shared_model,
 )
 from transformer_jax import decoding
-from transformer_jax.decoding.specs import greedy_search, set_aside_search
-from transformer_jax.decoding.state import BeamState, SetAsideState, best_first, length_penalty
+from transformer_jax.decoding.specs import best_first, greedy_search, set_aside_search
+from transformer_jax.decoding.state import BeamState, SetAsideState, length_penalty
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation.__main__ import evaluate
 from transformer_jax.evaluation.nbest import parse_nbest_line

@@ -25,6 +25,7 @@ from transformer_jax.decoding.specs import (
     IN_BEAM,
     PLAIN_SAMPLING,
     Beam,
+    BeamResult,
     Greedy,
     Sampled,
     Sampling,
@@ -35,7 +36,7 @@ from transformer_jax.decoding.specs import (
     search_for,
     search_spec,
 )
-from transformer_jax.decoding.state import GNMT, LENGTH_PENALTIES, BeamResult, cache_stages, tile_beams
+from transformer_jax.decoding.state import GNMT, LENGTH_PENALTIES, cache_stages, tile_beams
 
 __all__ = [
     # the search specs

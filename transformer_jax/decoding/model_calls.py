@@ -26,9 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from transformer_jax.decoding.specs import RowInputs, Search, run_search
+from transformer_jax.decoding.specs import BeamResult, RowInputs, Search, run_search
 from transformer_jax.decoding.state import (
-    BeamResult,
     Decoder,
     DecodeStep,
     beam_rows,

@@ -36,8 +36,8 @@ import numpy as np
 from flax import nnx
 
 from transformer_jax.decoding import model_calls
-from transformer_jax.decoding.specs import Search
-from transformer_jax.decoding.state import BeamResult, cache_stages
+from transformer_jax.decoding.specs import BeamResult, Search
+from transformer_jax.decoding.state import cache_stages
 from transformer_jax.tokens import SpecialIds
 
 Array = jax.Array

@@ -43,7 +43,6 @@ from transformer_jax.decoding.state import (
     GNMT,
     LENGTH_PENALTIES,
     NEG_INF,
-    BeamResult,
     BeamState,
     Decoder,
     DecodeStep,
@@ -51,7 +50,6 @@ from transformer_jax.decoding.state import (
     GrowCache,
     Reorder,
     SetAsideState,
-    best_first,
     cache_stages,
     length_penalty,
     pad_tokens,
@@ -68,6 +66,29 @@ RowInputs = dict[str, Array]  # per-row inputs, rows on axis 0: "prefix" (target
 
 IN_BEAM, SET_ASIDE = "in_beam", "set_aside"
 FINISHED_RULES = (IN_BEAM, SET_ASIDE)  # what beam search does with a hypothesis that ends (state.SetAsideState)
+
+
+class BeamResult(NamedTuple):
+    """What a search gives: each sentence's hypotheses, best first (`best_first`)."""
+
+    tokens: Array  # [B, W, L] int32, best beam first; EOS included when emitted, PAD after
+    scores: Array  # [B, W] float32: log P / lp(length), descending
+    log_probs: Array  # [B, W] float32: log P(tokens | source)
+    lengths: Array  # [B, W] int32: emitted tokens, EOS included
+
+
+def best_first(
+    tokens_BWL: Array, log_probs_BW: Array, lengths_BW: Array, alpha: Array | float, penalty: str = GNMT
+) -> BeamResult:
+    """The beams of each sentence sorted by score log P / lp(length), best first."""
+    lp_BW = length_penalty(lengths_BW, alpha, penalty)
+    scores_BW, order_BW = jax.lax.top_k(log_probs_BW / lp_BW, log_probs_BW.shape[1])
+
+    def sort(x: Array) -> Array:
+        idx = order_BW.reshape(order_BW.shape + (1,) * (x.ndim - 2))
+        return jnp.take_along_axis(x, idx, axis=1)
+
+    return BeamResult(sort(tokens_BWL), scores_BW, sort(log_probs_BW), sort(lengths_BW))
 
 
 def search_spec(*values: str) -> Callable[[type], type]:

@@ -191,13 +191,6 @@ def choosable(logits_RV: Array, prefix_BP: Array | None, step_B: Array, width: i
     return jnp.where(allowed_RV, logits_RV, NEG_INF)
 
 
-class BeamResult(NamedTuple):
-    tokens: Array  # [B, W, L] int32, best beam first; EOS included when emitted, PAD after
-    scores: Array  # [B, W] float32: log P / lp(length), descending
-    log_probs: Array  # [B, W] float32: log P(tokens | source)
-    lengths: Array  # [B, W] int32: emitted tokens, EOS included
-
-
 def pad_tokens(tokens: Array, slots: int, pad: int) -> Array:
     """tokens [..., L'] padded with `pad` to [..., slots] (L' <= slots): the output buffer grows with the cache."""
     extra = slots - tokens.shape[-1]
@@ -446,20 +439,6 @@ def settled(
     lp_max_B = jnp.maximum(length_penalty(step_B + 1, alpha, penalty), length_penalty(max_len_B, alpha, penalty))
     bound_BW = jnp.where(finished_BW, NEG_INF, log_probs_BW / lp_max_B[:, None])
     return jnp.max(bound_BW, axis=1) < nth_finished_B
-
-
-def best_first(
-    tokens_BWL: Array, log_probs_BW: Array, lengths_BW: Array, alpha: Array | float, penalty: str = GNMT
-) -> BeamResult:
-    """The beams of each sentence sorted by score log P / lp(length), best first."""
-    lp_BW = length_penalty(lengths_BW, alpha, penalty)
-    scores_BW, order_BW = jax.lax.top_k(log_probs_BW / lp_BW, log_probs_BW.shape[1])
-
-    def sort(x: Array) -> Array:
-        idx = order_BW.reshape(order_BW.shape + (1,) * (x.ndim - 2))
-        return jnp.take_along_axis(x, idx, axis=1)
-
-    return BeamResult(sort(tokens_BWL), scores_BW, sort(log_probs_BW), sort(lengths_BW))
 
 
 class SetAsideState(NamedTuple):
