@@ -11,8 +11,8 @@ size with each engine's first-call time (ours includes XLA compilation), its ste
 --repeats further calls), sacreBLEU, and how many outputs are identical. Both sides use the same tokenization,
 source truncation and per-sentence output limits (evaluation/translate.py's rules); CTranslate2's length penalty is
 its own formula, so only greedy outputs are expected to be identical, unless ours is `--length_penalty average`
-(CTranslate2's formula) with `--finished set_aside` (its search: decoding/set_aside.py), one line per --finished
-rule for each beam size above 1. XLA uses every core of the machine: run with --threads equal to that count.
+(CTranslate2's formula) with `--finished set_aside` (its search: decoding/state.py SetAsideState), one line per
+--finished rule for each beam size above 1. XLA uses every core of the machine: run with --threads equal to that count.
 
 --fresh_process: whole processes instead of calls, start to exit: evaluate.py with the compilation cache cold and
 warm against a CTranslate2 process that loads the export and translates (benchmarks/fresh_process.py).
@@ -23,7 +23,7 @@ with the same weights on the same lines, one JSON line per beam size (benchmarks
 
 --modes nbest,score,sampling: the decoding modes, one JSON line each, against their counterparts: the --nbest
 best (default 4) of beam 4 against CTranslate2's num_hypotheses (its length_penalty is our `average` penalty), for
-each of --finished's rules (in_beam, set_aside: CTranslate2's own search, decoding/set_aside.py),
+each of --finished's rules (in_beam, set_aside: CTranslate2's own search, decoding/state.py SetAsideState),
 forced decoding of the split's references against score_batch, and sampling against our own greedy search
 (`modes_side_by_side`; with the output tokens (EOS included) of both and the ratio of the times per output token).
 

@@ -21,7 +21,7 @@ import numpy as np
 from absl import flags
 
 from transformer_jax import cli, decoding
-from transformer_jax.decoding.search import first_argmax
+from transformer_jax.decoding.state import first_argmax
 
 _ROWS = flags.DEFINE_integer("rows", 64, "Rows of the batch (sentences decoded together).")
 _VOCAB_SIZE = flags.DEFINE_integer("vocab_size", 8000, "Vocabulary size (the Multi30k configs': 8000).")

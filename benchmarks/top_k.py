@@ -1,4 +1,4 @@
-"""The beam step's per-row top-k: decoding.search.top_k (blocks of TOP_K_BLOCK) against jax.lax.top_k; prints JSON.
+"""The beam step's per-row top-k: decoding.state.top_k (blocks of TOP_K_BLOCK) against jax.lax.top_k; prints JSON.
 
     python -m benchmarks.top_k [--rows 256 --vocab 8000 --k 4 --blocks 16,32,64,128 --repeats 5]
 
@@ -10,7 +10,6 @@ and in tests/test_decoding.py). Bytes: one read of the logits (rows x vocab x 4 
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import time
@@ -21,8 +20,7 @@ import numpy as np
 from absl import flags
 
 from transformer_jax import cli
-
-search = importlib.import_module("transformer_jax.decoding.search")  # the module (decoding.search is a function)
+from transformer_jax.decoding import state
 
 _ROWS = flags.DEFINE_integer("rows", 256, "Rows (sentences x beams).")
 _VOCAB = flags.DEFINE_integer("vocab", 8000, "Entries per row.")
@@ -52,13 +50,13 @@ def main(argv):
     for block in map(int, _BLOCKS.value):
 
         def blockwise(x, k, block=block):
-            old, search.TOP_K_BLOCK = search.TOP_K_BLOCK, block
+            old, state.TOP_K_BLOCK = state.TOP_K_BLOCK, block
             try:  # read at trace time
-                return search.top_k(x, k)
+                return state.top_k(x, k)
             finally:
-                search.TOP_K_BLOCK = old
+                state.TOP_K_BLOCK = old
 
-        variants[f"search.top_k block {block}"] = blockwise
+        variants[f"state.top_k block {block}"] = blockwise
     want = jax.lax.top_k(x_RV, _K.value)
     for name, fn in variants.items():
         got = jax.jit(fn, static_argnums=1)(x_RV, _K.value)

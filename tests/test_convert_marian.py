@@ -109,8 +109,8 @@ def test_greedy_outputs_equal_generate(marian_dir, tmp_path):
     arguments = {"num_beams": 1, "max_length": limit + 1}
     run("generate", str(marian_dir), str(tmp_path / "src.npz"), str(tmp_path / "out.json"), json.dumps(arguments))
     theirs = json.loads((tmp_path / "out.json").read_text())
-    ours = decoding.search(
-        model, jnp.asarray(src, jnp.int32), jnp.full((16,), limit), decoding.Greedy(alpha=0.0), max_steps=limit
+    ours = decoding.Searcher(model)(
+        jnp.asarray(src, jnp.int32), jnp.full((16,), limit), decoding.Greedy(alpha=0.0), max_steps=limit
     )
     for row in range(16):
         length = int(ours.lengths[row, 0])
@@ -328,7 +328,7 @@ def test_searches_on_a_trained_model_agree_with_generate(tmp_path):
         arguments = {"num_beams": beams, "max_length": limit + 1, "length_penalty": 1.0, **generate_arguments}
         run("generate", str(source), str(tmp_path / "src.npz"), str(tmp_path / "out.json"), json.dumps(arguments))
         theirs = json.loads((tmp_path / "out.json").read_text())
-        ours = decoding.search(model, jnp.asarray(src, jnp.int32), jnp.full((rows,), limit), spec, max_steps=limit)
+        ours = decoding.Searcher(model)(jnp.asarray(src, jnp.int32), jnp.full((rows,), limit), spec, max_steps=limit)
         same = ended = 0
         for row in range(rows):
             mine = [int(t) for t in ours.tokens[row, 0, : int(ours.lengths[row, 0])]]

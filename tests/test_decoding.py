@@ -29,9 +29,10 @@ from tests.helpers.decoding import (
 from tests.helpers.fakes import JointTokenizer
 from tests.helpers.model import random_tokens
 from transformer_jax import decoding
-from transformer_jax.decoding import calls, refill
-from transformer_jax.decoding.search import TOP_K_BLOCK
-from transformer_jax.decoding.search import top_k as blockwise_top_k
+from transformer_jax.decoding import model_calls, scheduler
+from transformer_jax.decoding.specs import greedy_search
+from transformer_jax.decoding.state import TOP_K_BLOCK, BeamState, first_argmax, length_penalty
+from transformer_jax.decoding.state import top_k as blockwise_top_k
 from transformer_jax.evaluation.translate import DecodeSettings, output_cap, output_limit, translate, translate_nbest
 from transformer_jax.model import unpacked_segment_ids
 
@@ -46,7 +47,7 @@ def _stub_beam(seeds_B, max_len_B, alpha, *, beam_size, max_steps, table_seed):
 @functools.partial(jax.jit, static_argnames=("max_steps", "table_seed"))
 def _stub_greedy(seeds_B, max_len_B, *, max_steps, table_seed):
     cache = {"h": seeds_B, "calls": jnp.zeros((), jnp.int32)}
-    return decoding.greedy_search(hash_stub(hash_table(table_seed)), cache, max_len_B, max_steps=max_steps, ids=IDS)
+    return greedy_search(hash_stub(hash_table(table_seed)), cache, max_len_B, max_steps=max_steps, ids=IDS)
 
 
 def _strip(tokens: np.ndarray, length: int) -> tuple[int, ...]:
@@ -186,18 +187,18 @@ def _all_candidates_step(logits_RV, s, alpha):
         s.log_probs_BW[..., None] + jnp.where(jnp.arange(vocab) == PAD, -jnp.inf, log_probs_BWV),  # PAD: never
     )
     cand_len_BW = jnp.where(s.finished_BW, s.lengths_BW, s.step_B[:, None] + 1)
-    score_BWV = cand_BWV / decoding.length_penalty(cand_len_BW, alpha)[..., None]
+    score_BWV = cand_BWV / length_penalty(cand_len_BW, alpha)[..., None]
     score_BW, flat_BW = jax.lax.top_k(score_BWV.reshape(batch, -1), width)
     return score_BW, flat_BW // vocab, flat_BW % vocab, jnp.take_along_axis(cand_BWV.reshape(batch, -1), flat_BW, 1)
 
 
-# 3: fewer tokens than beams (each beam proposes all it has); the last: enough blocks for search.top_k's own path
+# 3: fewer tokens than beams (each beam proposes all it has); the last: enough blocks for state.top_k's own path
 @pytest.mark.parametrize("vocab", [3, pytest.param(50, marks=pytest.mark.slow), 8 * TOP_K_BLOCK + 5])
 def test_each_beams_best_tokens_give_the_step_of_all_candidates(vocab):
     batch, width, alpha = 6, 4, 0.6
     rng = np.random.default_rng(vocab)
     logits_RV = jnp.asarray(rng.normal(size=(batch * width, vocab)) * 3, jnp.float32)  # distinct: no ties
-    s = decoding.BeamState.start({}, batch, width, 8, IDS)._replace(
+    s = BeamState.start({}, batch, width, 8, IDS)._replace(
         step_B=jnp.full((batch,), 3, jnp.int32),
         finished_BW=jnp.asarray(rng.random((batch, width)) < 0.3).at[0].set(True).at[1].set(False),
         log_probs_BW=jnp.asarray(-np.sort(rng.random((batch, width)) * 4, 1), jnp.float32),
@@ -308,10 +309,10 @@ def test_beam_search_on_model_scores_equal_full_recompute_log_probs():
     # The shapes of translate()'s batches in the test below (4 rows, bucket 16, 16 + 5 steps): one compilation.
     model, src = shared_model(), sources_BS(4, 16)
     max_len = jnp.array([6, 21, 9, 3])
-    cached = decoding.search(model, src, max_len, decoding.Beam(alpha=0.6, beam_size=2), max_steps=21)
+    cached = decoding.Searcher(model)(src, max_len, decoding.Beam(alpha=0.6, beam_size=2), max_steps=21)
     expected = _teacher_forced_log_probs(*nnx.split(model), src, cached.tokens, cached.lengths)
     np.testing.assert_allclose(cached.log_probs, expected, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(cached.scores, expected / decoding.length_penalty(cached.lengths, 0.6), rtol=1e-5)
+    np.testing.assert_allclose(cached.scores, expected / length_penalty(cached.lengths, 0.6), rtol=1e-5)
     assert np.all(np.asarray(cached.lengths) <= np.asarray(max_len)[:, None])
     assert np.all(np.diff(np.asarray(cached.scores), axis=1) <= 0)  # best first
 
@@ -329,14 +330,14 @@ def _model_beam1(graphdef, state, src_BS, max_len_B, *, max_steps):
 def test_beam_size_one_equals_greedy_on_model_and_search_runs_without_dropout():
     model, src, max_len = shared_model(), sources_BS(), jnp.array([8, 5])
     beam = _model_beam1(*nnx.split(model), src, max_len, max_steps=8)
-    greedy = decoding.search(model, src, max_len, decoding.Greedy(alpha=0.6), max_steps=8)
+    greedy = decoding.Searcher(model)(src, max_len, decoding.Greedy(alpha=0.6), max_steps=8)
     np.testing.assert_array_equal(beam.tokens, greedy.tokens)
     np.testing.assert_allclose(beam.log_probs, greedy.log_probs, rtol=1e-5)
     # A model in train mode (as during training's validation BLEU) is searched with dropout off, and stays in
     # train mode.
     model.train()
     try:
-        searched = decoding.search(model, src, max_len, decoding.Greedy(alpha=0.6), max_steps=8)
+        searched = decoding.Searcher(model)(src, max_len, decoding.Greedy(alpha=0.6), max_steps=8)
         assert model.embed_dropout.deterministic is False
     finally:
         model.eval()
@@ -383,7 +384,7 @@ def test_translate_stops_outputs_at_eval_max_len():
 
 def test_translate_keeps_order_empty_lines_and_is_independent_of_batching(monkeypatch):
     # Batches under 2 MIN_ROWS sentences have little to gain from refilling: they run one-jit batches.
-    monkeypatch.setattr(refill, "refilling_search", lambda *a, **k: pytest.fail("refilled a small batch"))
+    monkeypatch.setattr(scheduler, "refilling_search", lambda *a, **k: pytest.fail("refilled a small batch"))
     batches = record_calls(monkeypatch, "search_batch", lambda graph, params, src, *a, **k: src.shape)
     model, tok = shared_model(), CharTokenizer()
     sentences = ["hello world", "", "a", "x" * 40, "   ", "the cat sat on the mat", "b c"]
@@ -453,32 +454,32 @@ def test_first_argmax_equals_argmax_including_ties():
     x = np.asarray(random_tokens(8, (6, 40), vocab=5), np.float32)  # many ties: values 0..4 only
     x[0] = -np.inf
     x[1, 7] = np.inf
-    np.testing.assert_array_equal(decoding.first_argmax(jnp.asarray(x)), np.argmax(x, axis=-1))
+    np.testing.assert_array_equal(first_argmax(jnp.asarray(x)), np.argmax(x, axis=-1))
 
 
 def test_compacted_and_refill_sizes():
-    assert decoding.MIN_ROWS == 8
-    assert decoding.compacted_size(64, 64) == 64
-    assert decoding.compacted_size(33, 64) == 64
-    assert decoding.compacted_size(32, 64) == 32
-    assert decoding.compacted_size(3, 64) == 8  # not below the minimum
-    assert decoding.compacted_size(3, 24) == 12  # 24 -> 12; 6 would be below it
-    assert decoding.compacted_size(1, 6) == 6  # a batch under the minimum is never compacted
+    assert scheduler.MIN_ROWS == 8
+    assert scheduler.compacted_size(64, 64) == 64
+    assert scheduler.compacted_size(33, 64) == 64
+    assert scheduler.compacted_size(32, 64) == 32
+    assert scheduler.compacted_size(3, 64) == 8  # not below the minimum
+    assert scheduler.compacted_size(3, 24) == 12  # 24 -> 12; 6 would be below it
+    assert scheduler.compacted_size(1, 6) == 6  # a batch under the minimum is never compacted
     # Waiting sentences join 8, 16, 32, ... at a time (the encoder compiles for those sizes only).
-    assert [decoding.refill_size(free, 64) for free in (0, 7, 8, 15, 16, 40, 64)] == [0, 0, 8, 8, 16, 32, 64]
-    assert decoding.refill_size(40, 24) == 16  # never more than the batch's rows
+    assert [scheduler.refill_size(free, 64) for free in (0, 7, 8, 15, 16, 40, 64)] == [0, 0, 8, 8, 16, 32, 64]
+    assert scheduler.refill_size(40, 24) == 16  # never more than the batch's rows
 
 
 def record_calls(monkeypatch, name: str, what) -> list:
-    """The jitted call calls.<name> wrapped so that what(*args, **kwargs) of each call is recorded before it runs;
+    """The jitted call model_calls.<name> wrapped so that what(*args, **kwargs) of each call is recorded before it runs;
     returns the record."""
-    record, original = [], getattr(calls, name)
+    record, original = [], getattr(model_calls, name)
 
     def recorded(*args, **kwargs):
         record.append(what(*args, **kwargs))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(calls, name, recorded)
+    monkeypatch.setattr(model_calls, name, recorded)
     return record
 
 
@@ -496,11 +497,11 @@ def test_compacting_search_equals_the_whole_batch_search(beam_size, monkeypatch)
     max_len = mostly_short_limits()
     kept = record_calls(monkeypatch, "keep", lambda context, s, keep_K, **kw: keep_K.shape[0])
     compact, whole = (
-        decoding.search(model, src, max_len, decoding.search_for(beam_size, 0.6), max_steps=40, compact=c)
+        decoding.Searcher(model, compact=c)(src, max_len, decoding.search_for(beam_size, 0.6), max_steps=40)
         for c in (True, False)
     )
     assert kept == [12]
-    assert 12 <= decoding.FULL_CACHE_SENTENCES
+    assert 12 <= scheduler.FULL_CACHE_SENTENCES
     np.testing.assert_array_equal(compact.tokens, whole.tokens)
     np.testing.assert_array_equal(compact.lengths, whole.lengths)
     np.testing.assert_allclose(compact.scores, whole.scores, rtol=1e-5, atol=1e-6)
@@ -523,7 +524,7 @@ def test_refilling_search_equals_one_batch_at_a_time(monkeypatch):
 
     model = shared_model()
     refilled, batched = (
-        decoding.searcher(model, compact=c).sentences(
+        decoding.Searcher(model, compact=c).sentences(
             sources, max_len, decoding.Greedy(alpha=0.6), batch_size=20, shape=shape
         )
         for c in (True, False)
@@ -546,8 +547,8 @@ def test_a_small_beam_batch_steps_at_the_last_cache_stage_only(monkeypatch):
     max_len = mostly_short_limits()
     stages = record_calls(monkeypatch, "stage", lambda params, context, s, *a, **k: s.tokens_BWL.shape)
     beam = decoding.Beam(alpha=0.6, beam_size=4)
-    compact, whole = (decoding.search(model, src, max_len, beam, max_steps=40, compact=c) for c in (True, False))
-    assert 24 <= decoding.FULL_CACHE_SENTENCES
+    compact, whole = (decoding.Searcher(model, compact=c)(src, max_len, beam, max_steps=40) for c in (True, False))
+    assert 24 <= scheduler.FULL_CACHE_SENTENCES
     assert len(stages) > 1 and {slots for _, _, slots in stages} == {40}, stages  # compacted, never at 16 slots
     np.testing.assert_array_equal(compact.tokens, whole.tokens)
     np.testing.assert_allclose(compact.scores, whole.scores, rtol=1e-5, atol=1e-6)
@@ -556,7 +557,7 @@ def test_a_small_beam_batch_steps_at_the_last_cache_stage_only(monkeypatch):
 
 @pytest.mark.parametrize("beam_size", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_the_refilling_search_builds_no_programs_of_its_own_on_the_host(beam_size):
-    """Between its calls the scheduler only reads what they return (refill.Outcome): an array operation on the host
+    """Between its calls the scheduler only reads what they return (model_calls.Outcome): an array operation on the host
     would be a small program per batch size, compiled in every process (too fast to be worth the disk cache)."""
     rng = np.random.default_rng(7)
     sources = [[int(t) for t in rng.integers(4, 50, n - 1)] + [EOS] for n in rng.integers(2, 12, 40)]
@@ -571,7 +572,7 @@ def test_the_refilling_search_builds_no_programs_of_its_own_on_the_host(beam_siz
     jax.clear_caches()  # programs an earlier test built would not be built (nor counted) again
     jax.monitoring.register_event_duration_secs_listener(on_compile)
     try:
-        decoding.searcher(model).sentences(
+        decoding.Searcher(model).sentences(
             sources, max_len, decoding.search_for(beam_size, 0.6), batch_size=16, shape=lambda longest: (16, 24)
         )
     finally:

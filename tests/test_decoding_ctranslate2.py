@@ -142,8 +142,8 @@ def test_nbest_with_the_average_penalty_scores_as_num_hypotheses(setup, alpha):
 
 @pytest.mark.parametrize(("alpha", "nbest"), [(1.0, 4), (0.0, 2), (0.6, 1)])
 def test_set_aside_nbest_lists_equal_num_hypotheses(setup, alpha, nbest):
-    """With finished hypotheses set aside (decoding/set_aside.py), ours is CTranslate2's search: the same n-best
-    lists, hypothesis for hypothesis and in order, and the same scores, with length normalisation (stopping at W
+    """With finished hypotheses set aside (decoding/state.py SetAsideState), ours is CTranslate2's search: the same
+    n-best lists, hypothesis for hypothesis and in order, and the same scores, with length normalisation (stopping at W
     ended hypotheses) and without (CTranslate2's early exit)."""
     model, tokenizer, _, _, sources, _ = setup
     ours = _our_nbest(model, tokenizer, sources, nbest, alpha, "set_aside")

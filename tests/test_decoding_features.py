@@ -30,6 +30,8 @@ from tests.helpers.decoding import (
     shared_model,
 )
 from transformer_jax import decoding
+from transformer_jax.decoding.specs import best_first, greedy_search, set_aside_search
+from transformer_jax.decoding.state import BeamState, SetAsideState, length_penalty
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation.__main__ import evaluate
 from transformer_jax.evaluation.nbest import parse_nbest_line
@@ -96,11 +98,11 @@ def _stub_beam_steps(seeds_B, max_len_B, alpha, *, width, max_steps, table_seed,
     """Beam search's loop on the hashing stub, one cache stage: (the beams best first, each sentence's steps)."""
     cache = decoding.tile_beams({"h": seeds_B, "calls": jnp.zeros((), jnp.int32)}, width)
     step = hash_stub(hash_table(table_seed))
-    s = decoding.BeamState.start(cache, seeds_B.shape[0], width, max_steps, IDS)
+    s = BeamState.start(cache, seeds_B.shape[0], width, max_steps, IDS)
     s = jax.lax.while_loop(
         lambda s: ~jnp.all(s.sentence_done()), lambda s: s.advance(step, max_len_B, alpha, settle, penalty, ids=IDS), s
     )
-    return decoding.best_first(s.tokens_BWL, s.log_probs_BW, s.lengths_BW, alpha, penalty), s.step_B
+    return best_first(s.tokens_BWL, s.log_probs_BW, s.lengths_BW, alpha, penalty), s.step_B
 
 
 @pytest.mark.parametrize(
@@ -136,7 +138,7 @@ def test_nbest_early_stop_keeps_the_full_searchs_first_n_in_fewer_steps(width, p
 def _stub_set_aside(seeds_B, max_len_B, alpha, *, width, n, max_steps, table_seed, penalty):
     cache = {"h": seeds_B, "calls": jnp.zeros((), jnp.int32)}
     step = hash_stub(hash_table(table_seed))
-    return decoding.set_aside_search(
+    return set_aside_search(
         step,
         cache,
         max_len_B,
@@ -154,8 +156,8 @@ def _stub_set_aside(seeds_B, max_len_B, alpha, *, width, n, max_steps, table_see
     [(4, 4, "average", 1.0), (4, 2, "none", 0.0), (5, 3, "gnmt", 0.6), (4, 1, "average", 0.0), (3, 3, "gnmt", 2.0)],
 )
 def test_set_aside_search_equals_ctranslate2s_loop_written_out(width, n, penalty, alpha):
-    """The set-aside search (decoding/set_aside.py) against CTranslate2's beam search loop written out in plain
-    Python for one sentence (tests/helpers/decoding.py): the same n best hypotheses, in order, with their scores,
+    """The set-aside search (decoding/state.py SetAsideState) against CTranslate2's beam search loop written out in
+    plain Python for one sentence (tests/helpers/decoding.py): the same n best hypotheses, in order, with their scores,
     for 48 sentences of limits 4..8, with length normalisation (W ended hypotheses stop a sentence) and without
     (the early exit, which also waits for the best extension of a step to end)."""
     seeds = np.arange(48)
@@ -181,7 +183,7 @@ def test_set_aside_search_stops_sooner_than_the_full_search_and_differs_from_it(
     assert int(jnp.sum(aside.lengths[:, 0] > 0)) == len(seeds)
     assert not np.array_equal(aside.tokens, full.tokens)
     cache = decoding.tile_beams({"h": seeds, "calls": jnp.zeros((), jnp.int32)}, 4)
-    s = decoding.SetAsideState.start(cache, len(seeds), 4, 4, 8, IDS)
+    s = SetAsideState.start(cache, len(seeds), 4, 4, 8, IDS)
     step = hash_stub(hash_table(2))
     s = jax.lax.while_loop(
         lambda s: ~jnp.all(s.sentence_done()), lambda s: s.advance(step, max_lens, 1.0, "average", ids=IDS), s
@@ -205,7 +207,7 @@ def test_an_unknown_rule_for_finished_hypotheses_is_refused():
 
 def test_unknown_length_penalty_is_refused():
     with pytest.raises(ValueError, match="unknown length penalty 'mean'"):
-        decoding.length_penalty(3, 1.0, "mean")
+        length_penalty(3, 1.0, "mean")
 
 
 def _sources(n: int, seed: int = 7) -> list[list[int]]:
@@ -217,7 +219,7 @@ def _refilled_and_one_jit(max_len: list[int], search: decoding.Search) -> tuple[
     """A search over 20 sources (batch 16) through the refilling scheduler and as one-jit batches."""
     sources, model = _sources(len(max_len)), shared_model()
     return tuple(
-        decoding.searcher(model, compact=c).sentences(sources, max_len, search, batch_size=16, shape=lambda _: (16, 9))
+        decoding.Searcher(model, compact=c).sentences(sources, max_len, search, batch_size=16, shape=lambda _: (16, 9))
         for c in (True, False)
     )
 
@@ -363,7 +365,7 @@ def _stub_prefixed(seeds_B, max_len_B, prefix_BP, *, beam_size, max_steps, table
     cache = {"h": seeds_B, "calls": jnp.zeros((), jnp.int32)}
     step = hash_stub(hash_table(table_seed))
     if beam_size == 1:
-        g = decoding.greedy_search(step, cache, max_len_B, max_steps=max_steps, prefix_BP=prefix_BP, ids=IDS)
+        g = greedy_search(step, cache, max_len_B, max_steps=max_steps, prefix_BP=prefix_BP, ids=IDS)
         return g.tokens[:, None], g.log_probs[:, None], g.lengths[:, None]
     b = decoding.beam_search(
         step, cache, max_len_B, beam_size=beam_size, alpha=0.6, max_steps=max_steps, prefix_BP=prefix_BP, ids=IDS
@@ -417,7 +419,7 @@ def test_prefixed_set_aside_search_equals_ctranslate2s_loop_from_the_prefix(pena
     step = hash_stub(hash_table(3))
     cache = {"h": jnp.asarray(seeds), "calls": jnp.zeros((), jnp.int32)}
     result = jax.jit(
-        lambda c, m, p: decoding.set_aside_search(
+        lambda c, m, p: set_aside_search(
             step, c, m, beam_size=3, hypotheses=2, alpha=alpha, max_steps=6, penalty=penalty, prefix_BP=p, ids=IDS
         )
     )(cache, max_len, _prefix_BP())
@@ -444,7 +446,7 @@ def test_prefixes_through_the_scheduler_equal_the_one_jit_search(beam_size):
     prefixes = [[int(t) for t in rng.integers(4, 50, i % 4)] for i in range(len(sources))]
     max_len = [2 + i % 7 for i in range(len(sources))]
     refilled, one_jit = (
-        decoding.searcher(model, compact=c).sentences(
+        decoding.Searcher(model, compact=c).sentences(
             sources,
             max_len,
             decoding.search_for(beam_size, 0.6),

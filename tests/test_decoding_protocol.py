@@ -1,4 +1,4 @@
-"""The search protocol (decoding/searches.py): a search defined here, and nowhere in the package, runs through the
+"""The search protocol (decoding/specs.py): a search defined here, and nowhere in the package, runs through the
 Searcher and the refilling scheduler on the tiny model and gives what a direct computation gives."""
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def test_a_search_defined_in_a_test_runs_through_the_scheduler(compact):
     model, sources = shared_model(), _sources(20)
     max_len = [2 + i % 7 for i in range(len(sources))]
     search = SecondBest(alpha=0.6)
-    searcher = decoding.searcher(model, compact=compact)
+    searcher = decoding.Searcher(model, compact=compact)
     assert searcher.refills(16) == compact  # 20 sentences in a batch of 16: the refilling path when compacting
     found = searcher.sentences(sources, max_len, search, batch_size=16, shape=lambda _: (16, 9))
     outputs, log_probs = _second_best_directly(model, sources, max_len, 9)
@@ -146,6 +146,6 @@ def test_search_for_maps_evaluate_flags_to_one_spec_each():
     with pytest.raises(ValueError, match="beam_size must be 1"):
         decoding.search_for(2, 0.6, sampling=sampling)
     with pytest.raises(ValueError, match="needs the per-row inputs"):  # a sampled search without its keys
-        decoding.searcher(shared_model()).sentences(
+        decoding.Searcher(shared_model()).sentences(
             [[5, EOS]], [3], decoding.search_for(1, 0.6, sampling=sampling), batch_size=8, shape=lambda _: (8, 3)
         )

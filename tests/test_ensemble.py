@@ -29,7 +29,7 @@ def test_ensemble_greedy_follows_the_mean_of_the_members_log_probs_and_keeps_eac
     members' teacher-forced log-probabilities, and the output's log P is their sum under the renormalised mean."""
     members = [shared_model(), tiny_model(2, num_decoder_layers=1)]
     sources, max_len = _sources(sentences), [3 + i % 6 for i in range(sentences)]
-    found = decoding.searcher(Ensemble(members)).sentences(
+    found = decoding.Searcher(Ensemble(members)).sentences(
         sources, max_len, decoding.Greedy(alpha=0.6), batch_size=16, shape=lambda _: (16, 9)
     )
     for src, r in zip(sources[:6], found[:6], strict=True):
@@ -80,8 +80,8 @@ def test_an_ensemble_of_one_model_twice_decodes_as_the_model():
     model, sources = shared_model(), _sources(4)
     max_len = [6] * 4
     beam, settings = decoding.Beam(alpha=0.6, beam_size=2), dict(batch_size=8, shape=lambda _: (16, 9))
-    alone = decoding.searcher(model).sentences(sources, max_len, beam, **settings)
-    twice = decoding.searcher(Ensemble([model, model])).sentences(sources, max_len, beam, **settings)
+    alone = decoding.Searcher(model).sentences(sources, max_len, beam, **settings)
+    twice = decoding.Searcher(Ensemble([model, model])).sentences(sources, max_len, beam, **settings)
     for a, t in zip(alone, twice, strict=True):
         np.testing.assert_array_equal(a.tokens, t.tokens)
         np.testing.assert_allclose(a.scores, t.scores, rtol=1e-5, atol=1e-6)

@@ -161,7 +161,7 @@ def test_the_plan_report_prints_as_a_table_and_as_json(both_meshes):
 def decode_config():
     config = small_config()
     config.train.bleu_every = 1000  # validation BLEU runs: the train state stays in HBM while it decodes
-    # The smallest batch the refilling search takes (2 refill.MIN_ROWS sentences), short sources: a quick compile.
+    # The smallest batch the refilling search takes (2 scheduler.MIN_ROWS sentences), short sources: a quick compile.
     config.eval.batch_size, config.data.eval_max_len = 16, 32
     return config
 
@@ -200,7 +200,7 @@ def test_the_decode_plan_is_consistent(both_meshes, decode_plan):
 
 @pytest.mark.slow  # trimmed from the default run: the file keeps a fast representative
 def test_a_small_eval_batch_is_planned_as_its_one_jitted_search(both_meshes):
-    # Under 2 refill.MIN_ROWS sentences the Searcher runs the whole search in one call: that program is planned,
+    # Under 2 scheduler.MIN_ROWS sentences the Searcher runs the whole search in one call: that program is planned,
     # without a per-step estimate (XLA's count of it mixes the encoder with every cache stage's loop).
     config = small_config(d_model=32)
     config.eval.batch_size, config.data.eval_max_len = 8, 32

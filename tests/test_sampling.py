@@ -1,4 +1,4 @@
-"""Sampling (decoding/sampling.py, evaluate.py --sampling): the drawn distribution is the reshaped model's
+"""Sampling (decoding/specs.py, evaluate.py --sampling): the drawn distribution is the reshaped model's
 (chi-square on a stub), a seed reproduces its samples wherever they run, and bad settings are refused."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers.decoding import EOS, IDS, OneCheckpoint, shared_model
 from transformer_jax import decoding
-from transformer_jax.decoding.sampling import inverse_cdf, nucleus_threshold
+from transformer_jax.decoding.specs import greedy_search, inverse_cdf, nucleus_threshold
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation.__main__ import evaluate
 from transformer_jax.evaluation.translate import DecodeSettings, translate_nbest
@@ -47,7 +47,7 @@ def _draw(sampling: decoding.Sampling, seed: int) -> np.ndarray:
         return jnp.broadcast_to(jnp.asarray(LOGITS), (tokens_R1.shape[0], 1, len(LOGITS))), cache
 
     result = jax.jit(
-        lambda keys: decoding.greedy_search(
+        lambda keys: greedy_search(
             step,
             {"t": jnp.zeros((), jnp.int32)},
             jnp.ones(ROWS, jnp.int32),
@@ -151,7 +151,7 @@ def test_samples_through_the_scheduler_equal_the_one_jit_ones_and_depend_on_line
     keys = sampled.row_inputs(np.arange(20), np.zeros(20, np.int32))
     np.testing.assert_array_equal(keys["keys"], decoding.sample_keys(7, np.arange(20), np.zeros(20, np.int32)))
     refilled, one_jit = (
-        decoding.searcher(model, compact=c).sentences(
+        decoding.Searcher(model, compact=c).sentences(
             sources, max_len, sampled, batch_size=16, shape=lambda _: (16, 9), row_inputs_N=keys
         )
         for c in (True, False)
@@ -161,7 +161,7 @@ def test_samples_through_the_scheduler_equal_the_one_jit_ones_and_depend_on_line
         assert int(r.lengths[0]) == n
         np.testing.assert_array_equal(r.tokens[0, :n], o.tokens[0, :n])
         np.testing.assert_allclose(r.log_probs, o.log_probs, rtol=1e-5, atol=1e-6)
-    greedy = decoding.searcher(model).sentences(
+    greedy = decoding.Searcher(model).sentences(
         sources, max_len, decoding.Greedy(alpha=0.6), batch_size=16, shape=lambda _: (16, 9)
     )
     assert any(not np.array_equal(g.tokens, r.tokens) for g, r in zip(greedy, refilled, strict=True))

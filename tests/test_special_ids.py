@@ -134,7 +134,7 @@ def _marian_model_that_often_ends_and_prefers_pad():
 def test_greedy_and_beam_search_stop_at_the_vocabularys_eos_and_never_emit_pad():
     model, sources = _marian_model_that_often_ends_and_prefers_pad()
     limit = 6
-    search = decoding.searcher(model)
+    search = decoding.Searcher(model)
     found = search.sentences(
         sources, [limit] * len(sources), decoding.Greedy(alpha=0.6), batch_size=4, shape=lambda _: (8, limit)
     )

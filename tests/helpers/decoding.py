@@ -84,7 +84,7 @@ def set_aside_reference(
     written as its loop is, one sentence in plain Python: the 2 W best extensions by log P; each of the first W that
     ends (EOS, or the limit) is registered and its place taken by the next secondary candidate that is not EOS; done
     at the limit, with W registered, or (no normalisation) once the first candidate of some step ended and n are
-    registered. Candidates of log P -inf are left out (decoding/set_aside.py's one departure). With a target
+    registered. Candidates of log P -inf are left out (decoding/state.py SetAsideState's one departure). With a target
     prefix, the search starts from it as its one beam (its tokens' log-probabilities counted), unless the limit
     cuts it first."""
     registered, top_ended = [], False

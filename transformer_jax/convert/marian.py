@@ -327,7 +327,7 @@ def marian_config(config: Any) -> dict[str, Any]:
 
 def generation_config(config: Any) -> dict[str, Any]:
     """generation_config.json: our evaluation's beam size, length cap and length penalty exponent, and the pad
-    id never generated (decoding.search never emits it either)."""
+    id never generated (decoding's searches never emit it either)."""
     m, e = config.model, config.eval
     generation = {
         "decoder_start_token_id": m.bos_id,

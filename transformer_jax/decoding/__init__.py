@@ -1,106 +1,69 @@
-"""Decoding: search over a decode step (search.py: greedy and beam; set_aside.py: beam search that sets finished
-hypotheses aside; sampling.py: drawing tokens), one frozen spec per search (searches.py), the Transformer's decode
-step (binding.py), the jitted calls (calls.py), the host-side scheduler that refills a running batch as sentences
-finish (refill.py), and `Searcher`, which runs a spec over a model (searcher.py).
+"""Decoding: search over a decode step, its binding to the Transformer, and the host-side scheduler.
 
-Callers use this package's names: a spec (`Greedy`, `Beam`, `SetAside`, `Sampled`, or `search_for` from evaluate.py's
-settings), `searcher(model)` / `Searcher` to run it, `search` for one batch, and the search functions over any decode
-step (`greedy_search`, `beam_search`, set_aside.py's `set_aside_search`).
+Four modules and an ensemble, read in this order from a translation:
+
+- scheduler.py: `Searcher`, a search spec run over a model's parameters (one batch, or a list of sentences through
+  the refilling scheduler: finished sentences leave the running batch and waiting ones take their rows);
+- model_calls.py: the model calls, the Transformer as a decode step (`cached_decode_step`) and the jitted calls the
+  Searcher makes;
+- specs.py: the search specs, one small frozen record per search (`Greedy`, `Beam`, `SetAside`, `Sampled`;
+  `search_for` maps evaluate.py's settings to one), sampling's token choice, and the searches over a bare decode step
+  (`beam_search` and friends);
+- state.py: the search state, the loop states of greedy, beam and set-aside beam search that a spec starts and
+  advances, cache stages and length penalties;
+- ensemble.py: several models behind one model's decoding interface.
+
+`__all__` is what the rest of the package, the command lines and the benchmarks use, and the spec classes that
+docs/decoding.md shows Python users; the tests reach the rest through the modules.
 """
 
-from transformer_jax.decoding.binding import cached_decode_step, recompute_decode_step
-from transformer_jax.decoding.refill import (
-    ENCODE_MULTIPLE,
-    FULL_CACHE_SENTENCES,
-    MIN_ROWS,
-    compacted_size,
-    refill_size,
-    source_batch,
-)
-from transformer_jax.decoding.sampling import Sampling, sample_keys
-from transformer_jax.decoding.search import (
-    AVERAGE,
-    FIRST_STAGE,
-    GNMT,
-    LENGTH_PENALTIES,
-    NEG_INF,
-    NONE,
-    BeamResult,
-    BeamState,
-    Decoder,
-    DecodeStep,
-    GreedyResult,
-    GreedyState,
-    beam_search,
-    best_first,
-    cache_stages,
-    first_argmax,
-    gather_rows,
-    greedy_search,
-    length_penalty,
-    tile_beams,
-)
-from transformer_jax.decoding.searcher import Searcher, search, searcher
-from transformer_jax.decoding.searches import (
+from transformer_jax.decoding.ensemble import Ensemble
+from transformer_jax.decoding.model_calls import cached_decode_step, recompute_decode_step
+from transformer_jax.decoding.scheduler import Searcher, batch_rows, source_batch
+from transformer_jax.decoding.specs import (
     FINISHED_RULES,
     IN_BEAM,
-    SET_ASIDE,
+    PLAIN_SAMPLING,
     Beam,
+    BeamResult,
     Greedy,
     Sampled,
+    Sampling,
     Search,
     SetAside,
-    run_search,
+    beam_search,
+    sample_keys,
     search_for,
     search_spec,
 )
-from transformer_jax.decoding.set_aside import SetAsideState, set_aside_search
+from transformer_jax.decoding.state import GNMT, LENGTH_PENALTIES, cache_stages, tile_beams
 
 __all__ = [
-    "AVERAGE",
-    "FINISHED_RULES",
-    "GNMT",
-    "IN_BEAM",
-    "SET_ASIDE",
-    "SetAsideState",
-    "set_aside_search",
-    "LENGTH_PENALTIES",
-    "NONE",
-    "ENCODE_MULTIPLE",
-    "FIRST_STAGE",
-    "FULL_CACHE_SENTENCES",
-    "MIN_ROWS",
-    "NEG_INF",
-    "Beam",
-    "BeamResult",
-    "BeamState",
-    "DecodeStep",
-    "Decoder",
+    # the search specs
+    "Search",
     "Greedy",
-    "GreedyResult",
-    "GreedyState",
+    "Beam",
+    "SetAside",
     "Sampled",
     "Sampling",
-    "Search",
-    "SetAside",
-    "Searcher",
-    "beam_search",
-    "best_first",
-    "cache_stages",
-    "cached_decode_step",
-    "compacted_size",
-    "first_argmax",
-    "gather_rows",
-    "greedy_search",
-    "length_penalty",
-    "recompute_decode_step",
-    "refill_size",
-    "sample_keys",
-    "run_search",
-    "search",
-    "search_for",
     "search_spec",
-    "searcher",
+    "search_for",
+    "FINISHED_RULES",
+    "IN_BEAM",
+    "GNMT",
+    "LENGTH_PENALTIES",
+    "PLAIN_SAMPLING",
+    "sample_keys",
+    # running them
+    "Searcher",
+    "BeamResult",
+    "batch_rows",
     "source_batch",
+    "cache_stages",
+    "Ensemble",
+    # a search over a decode step (benchmarks/decode.py)
+    "beam_search",
+    "cached_decode_step",
+    "recompute_decode_step",
     "tile_beams",
 ]

@@ -2,7 +2,7 @@
 
 Axis letters: see transformer_jax/__init__.py.
 
-`Ensemble` has the methods the search binding (binding.py, calls.py) calls on a model: `encode`, `init_cache`, `decode`
+`Ensemble` has the methods the search's model calls (model_calls.py) make: `encode`, `init_cache`, `decode`
 with a cache, `grow_cache`, `reorder_cache`, `grow_source`, and a `spec` for the position limit; and the
 teacher-forced call (`__call__`) that forced decoding (evaluation/scoring.py) makes. Each member keeps its own
 cache (its cross- and self-attention layers, concatenated in member order inside one cache dict that shares the

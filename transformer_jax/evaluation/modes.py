@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from transformer_jax.decoding.sampling import PLAIN
+from transformer_jax.decoding import PLAIN_SAMPLING
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation.restore import restore_model
 from transformer_jax.evaluation.translate import check_nbest
@@ -72,11 +72,11 @@ def _check_mbr(o: Any) -> None:
 
 
 def sampling_of(o: Any):
-    """The decoding.Sampling the flags ask for (unset ones: decoding.sampling.PLAIN's), or None without --sampling."""
+    """The decoding.Sampling the flags ask for (unset ones: decoding.PLAIN_SAMPLING's), or None without --sampling."""
     if not o.sampling:
         return None
     given = {k: getattr(o, k) for k in ("temperature", "top_k", "top_p") if getattr(o, k) is not None}
-    return dataclasses.replace(PLAIN, **given)
+    return dataclasses.replace(PLAIN_SAMPLING, **given)
 
 
 def check_prefix_count(prefixes: Sequence[str], sources: Sequence[str], prefix_name: str, source_name: str) -> None:

@@ -201,7 +201,7 @@ class Compare:
 
 @dataclasses.dataclass(frozen=True)
 class Decoding:
-    """How to decode: the search flags (None: config.eval's value, or decoding.sampling.PLAIN's) and how to choose
+    """How to decode: the search flags (None: config.eval's value, or decoding.PLAIN_SAMPLING's) and how to choose
     among a line's candidates. `decoding_settings` and `modes.sampling_of` read it."""
 
     beam_size: int | None = None

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from transformer_jax.config import checks
-from transformer_jax.decoding.ensemble import Ensemble
+from transformer_jax.decoding import Ensemble
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation import bleu, mbr, modes, significance
 from transformer_jax.evaluation.inputs import read_sources, split_files, split_pairs

@@ -115,7 +115,7 @@ def check_sampling(sampling: decoding.Sampling, num_samples: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeSettings:
-    """What translate() decodes with: the search (decoding.searches' spec) and the batch and length limits."""
+    """What translate() decodes with: the search (a decoding.Search spec) and the batch and length limits."""
 
     search: decoding.Search
     max_extra_len: int  # output tokens beyond the source's (EOS included): output_limit
@@ -165,12 +165,12 @@ def translate_nbest(
     Sources are the tokenizer's ids then EOS (as in training); a source with more than max_input_len tokens is cut
     to max_input_len - 1 ids + EOS and counted. An empty (or blank) line gives empty outputs (EMPTY) without
     decoding. Each output has at most (source tokens + max_extra_len) tokens, EOS included, and at most max_len
-    (output_cap). Hypotheses are ranked by
-    log P / lp (decoding.length_penalty with the search's penalty and alpha). The list is what the search gives for
-    nbest (decoding.Search.nbest: a beam search's nbest <= beam_size best, the full search's first nbest for
-    decoding.Beam, CTranslate2's for decoding.SetAside; greedy search: nbest 1), or nbest decodes of the line when
-    the search asks for that (decoding.Search.copies: decoding.Sampled draws nbest samples, reproducible for its
-    seed, best score first; their log_prob is the model's own log P of the sample).
+    (output_cap). Hypotheses are ranked by log P / lp (decoding/state.py length_penalty with the search's penalty
+    and alpha). The list is what the search gives for nbest (decoding.Search.nbest: a beam search's nbest <=
+    beam_size best, the full search's first nbest for decoding.Beam, CTranslate2's for decoding.SetAside; greedy
+    search: nbest 1), or nbest decodes of the line when the search asks for that (decoding.Search.copies:
+    decoding.Sampled draws nbest samples, reproducible for its seed, best score first; their log_prob is the model's
+    own log P of the sample).
     prefixes: line i's output starts with prefixes[i], tokenized as a target (a blank prefix: none); the hypotheses'
     text and log-probabilities include it. first_line: the number of sentences[0] in a longer input (its chunk's
     start, translate_corpus): sampling keys are drawn from the line's number in the whole input. The settings are
@@ -217,7 +217,7 @@ def translate_nbest(
     # Each line is decoded `copies` times (sampling: its nbest draws), copy j of line i with its own row inputs.
     lines = [i for i in sources for _ in range(copies)]
     row_inputs = search.row_inputs(np.array(lines, np.int64) + first_line, np.tile(np.arange(copies), len(sources)))
-    found = decoding.searcher(model).sentences(
+    found = decoding.Searcher(model).sentences(
         [sources[i] for i in lines],
         [output_limit(len(sources[i]), max_extra_len, cap) for i in lines],
         search,

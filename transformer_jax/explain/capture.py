@@ -119,7 +119,7 @@ def beam_steps(model: Any, src_ids: list[int], settings: DecodeSettings, piece: 
     ids = SpecialIds.of(model.spec)
     src_BS = decoding.source_batch([src_ids], settings.batch_size, src_len, ids)
     sentence_limit = output_limit(len(src_ids), settings.max_extra_len, cap)
-    search = decoding.searcher(model)
+    search = decoding.Searcher(model)
 
     def run(t: int) -> decoding.BeamResult:
         max_len_B = np.ones((settings.batch_size,), np.int32)

@@ -4,7 +4,7 @@ Axis letters: see transformer_jax/__init__.py.
 
 The exported directory holds model.bin, config.json, shared_vocabulary.json (row i is SentencePiece piece i, so
 CTranslate2's ids are ours) and the SentencePiece model (spm.model), everything a server needs. How our layers map
-onto the engine's, each checked by tests/test_export.py against decoding.search's outputs and the model's logits:
+onto the engine's, each checked by tests/test_export.py against decoding.Searcher's outputs and the model's logits:
 - nnx.Linear kernels are [in, out]; CTranslate2 weights are [out, in]. Self-attention's Q, K, V are one fused
   linear [Q; K; V]; cross-attention has Q and a fused [K; V]. Heads are consecutive column blocks on both sides,
   and with grouped key/value heads query head n reads key/value head n // G on both sides.
@@ -257,7 +257,7 @@ def translate_ids(
 ) -> list[list[int]]:
     """The engine's output ids for source ids that end with EOS, output i at most limits[i] tokens.
 
-    Outputs are as decoding.search returns them: ending with EOS, or cut at the limit without it. The engine's
+    Outputs are as a decoding.Searcher returns them: ending with EOS, or cut at the limit without it. The engine's
     max_decoding_length counts the EOS it stops at, as our limit does (checked: an output that reaches EOS at
     token k + 1 is cut to k tokens by max_decoding_length = k), but it is one number per call. Greedy search
     decodes each sentence independently of its limit, so one call with the largest limit, each output then cut to
@@ -265,7 +265,7 @@ def translate_ids(
     result depends on when hypotheses are forced to finish, so it makes one call per distinct limit.
     min_decoding_length=0 lets an output be EOS alone, as ours can; max_input_length=0 keeps the engine from
     cutting sources (they were cut by our rule). alpha goes to the engine's length_penalty, whose formula differs
-    from ours (decoding.length_penalty), so only greedy outputs are expected to be identical.
+    from ours (decoding/state.py length_penalty), so only greedy outputs are expected to be identical.
     """
     index = {piece: i for i, piece in enumerate(pieces)}
     groups: dict[int, list[int]] = defaultdict(list)

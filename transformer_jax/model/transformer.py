@@ -141,7 +141,7 @@ class DecoderLayer(nnx.Module):
             # Q from the decoder, K and V from the encoder output; no causality, only segments and padding.
             rows, length, width = h.shape[0], h.shape[1], h.shape[0] // cross_kv[0].shape[0]
             # Beam decoding caches one row of keys/values per sentence for its `width` beams' rows (adjacent, see
-            # decoding/binding.py split_cache): those beams' queries attend together, as one sentence's queries.
+            # decoding/model_calls.py split_cache): those beams' queries attend together, as one sentence's queries.
             if width > 1:
                 h = h.reshape(rows // width, width * length, h.shape[2])
             out = self.cross_attn(
@@ -342,7 +342,7 @@ class Transformer(nnx.Module):
     @staticmethod
     def reorder_cache(cache: Cache, rows_R: Array) -> Cache:
         """The per-step cache (`index`, `self`, `lineage`) following beam search's survivors: row r continues the
-        hypothesis of row rows_R[r], a row of the same sentence (decoding/search.py's Decoder.reorder).
+        hypothesis of row rows_R[r], a row of the same sentence (decoding/state.py's Decoder.reorder).
 
         With a beam lineage (ops/masks.py) the cached keys and values stay where they were written and only the
         lineage and the write index follow the beams (`decode` then reads each slot from the row the lineage names);
@@ -357,7 +357,7 @@ class Transformer(nnx.Module):
         """`cache` with room for max_len target tokens (at least its own), the tokens decoded so far kept.
 
         Decoding can start with a short cache and grow it as the outputs get longer, so that each step reads and
-        reorders only as many slots as the longest output may have reached (decoding/refill.py's stages).
+        reorders only as many slots as the longest output may have reached (decoding/scheduler.py's stages).
         """
         if self.spec.positional == "learned" and max_len > self.spec.max_len:
             raise ValueError(f"decoding {max_len} tokens exceeds model.max_len={self.spec.max_len}")

@@ -15,7 +15,6 @@ import jax
 import ml_collections
 
 from transformer_jax import decoding
-from transformer_jax.decoding.refill import batch_rows
 from transformer_jax.errors import ConfigError
 from transformer_jax.evaluation.translate import batch_shape, input_limit, output_cap, position_limit
 from transformer_jax.evaluation.validation import decoding_settings
@@ -75,7 +74,7 @@ def plan_decode(config: ml_collections.ConfigDict, topology: Topology, mesh_mode
     for, at its peak of memory, so that a run that trains but whose validation would not fit is caught too.
 
     The programs are the Searcher's own (`decoding.Searcher.peak_programs`): the batch of `validation.bleu_evaluator`
-    (train.bleu_sentences sentences, eval.batch_size at a time: `refill.batch_rows`), its longest source
+    (train.bleu_sentences sentences, eval.batch_size at a time: `decoding.batch_rows`), its longest source
     (data.eval_max_len) and its largest cache stage, with the search `validation.decoding_settings` gives translate().
     The parameters sit as the train state places them (`sharding.array_sharding` for train.mesh) and the host's inputs
     are replicated, as jit places the numpy sources validation passes: with mesh `data` nothing is sharded, every chip
@@ -87,7 +86,7 @@ def plan_decode(config: ml_collections.ConfigDict, topology: Topology, mesh_mode
     settings = decoding_settings(config)
     search, chip = settings.search, topology.chip
     mesh = make_mesh(list(topology.devices()))
-    rows = batch_rows(config.train.bleu_sentences, settings.batch_size)
+    rows = decoding.batch_rows(config.train.bleu_sentences, settings.batch_size)
     compile_s: dict[str, float] = {}
     jax.clear_caches()  # a trace made for the host backend must not be reused for the target
     with platform.compiling_for(chip.platform), tracing_mesh(mesh):
@@ -110,7 +109,7 @@ def plan_decode(config: ml_collections.ConfigDict, topology: Topology, mesh_mode
             compile_s[name] = time.perf_counter() - start
             return compiled
 
-        searcher = decoding.searcher(model)
+        searcher = decoding.Searcher(model)
         programs = searcher.peak_programs(
             rows, src_len, max_steps, search, host=replicated(mesh), compile_one=compile_one
         )

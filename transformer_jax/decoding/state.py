@@ -1,4 +1,4 @@
-"""Greedy and beam search over a generic decode step.
+"""The search state: greedy, beam and set-aside beam search as loop states over a generic decode step.
 
 Axis letters: see transformer_jax/__init__.py (here B sentences, W beams per sentence, R = B W rows with row b W + w
 beam w of sentence b, L output slots = max_steps).
@@ -8,10 +8,10 @@ row and returns the next-token logits. The cache is any pytree whose non-scalar 
 (scalar leaves, such as a stub's step counter, are shared by all rows and never tiled or reordered). Beam search
 makes the cache follow its surviving beams with the Decoder's `reorder(cache, rows_R)`, by default `gather_rows`
 (every row moves); the Transformer's keeps its cached keys and values in place and moves only a beam lineage (model/
-transformer.py reorder_cache). The search functions only need this interface, so tests drive them with stubs whose
+transformer.py reorder_cache). The states only need this interface, so tests drive them with stubs whose
 distributions they control.
 
-Search (both functions; the reserved ids are the model's, a tokens.SpecialIds `ids`): the decoder input starts with
+Search (every state; the reserved ids are the model's, a tokens.SpecialIds `ids`): the decoder input starts with
 BOS; PAD is never emitted (its logit is masked, as Marian's bad_words_ids do; log-probabilities keep their
 normalisation over the whole vocabulary); a hypothesis finishes when it emits EOS or reaches its sentence's maximum
 length `max_len_B` (then it is kept as it is, without EOS); after that only PAD follows and its score never changes.
@@ -25,8 +25,9 @@ while_loop each: a stage ends when its slots are full or every hypothesis has fi
 from a cache grown by zero slots. Each stage is compiled once;
 the results equal a single loop over max_steps slots (empty slots are never attended).
 
-The states (GreedyState, BeamState) are the loop carries; the host-side scheduler (refill.py) also runs them a few
-steps at a time and moves sentences between batches, through `restart` and `select`.
+The states (GreedyState, BeamState, SetAsideState) are the loop carries: a search spec (specs.py) starts one and
+advances it; the host-side scheduler (scheduler.py) also runs them a few steps at a time and moves sentences between
+batches, through `restart` and `select`.
 """
 
 from __future__ import annotations
@@ -88,18 +89,6 @@ def _loop(body: Callable, state: NamedTuple, slots: int):
         return (jnp.max(s.step_B) < slots) & ~jnp.all(s.sentence_done())
 
     return jax.lax.while_loop(cond, body, state)
-
-
-def steps_until(body: Callable, state: NamedTuple, stop_live: Array) -> NamedTuple:
-    """while_loop(body) until at most `stop_live` sentences are live or a live one has filled the state's slots:
-    the refilling scheduler's calls stop there, for the host to act (stop_live is traced: one compilation)."""
-    slots = state.beams()[0].shape[-1]
-
-    def go_on(s: NamedTuple) -> Array:
-        live_B = ~s.sentence_done()
-        return (jnp.sum(live_B) > stop_live) & (jnp.max(jnp.where(live_B, s.step_B, 0)) < slots)
-
-    return jax.lax.while_loop(go_on, body, state)
 
 
 GNMT, AVERAGE, NONE = "gnmt", "average", "none"
@@ -200,19 +189,6 @@ def choosable(logits_RV: Array, prefix_BP: Array | None, step_B: Array, width: i
     forced_B1 = forced_tokens(prefix_BP, step_B, pad)[:, None]
     allowed_RV = jnp.repeat((forced_B1 == pad) | (vocab_V == forced_B1), width, axis=0)
     return jnp.where(allowed_RV, logits_RV, NEG_INF)
-
-
-class GreedyResult(NamedTuple):
-    tokens: Array  # [B, L] int32: the output, EOS included when emitted, PAD after
-    log_probs: Array  # [B] float32: log P(tokens | source)
-    lengths: Array  # [B] int32: emitted tokens, EOS included
-
-
-class BeamResult(NamedTuple):
-    tokens: Array  # [B, W, L] int32, best beam first; EOS included when emitted, PAD after
-    scores: Array  # [B, W] float32: log P / lp(length), descending
-    log_probs: Array  # [B, W] float32: log P(tokens | source)
-    lengths: Array  # [B, W] int32: emitted tokens, EOS included
 
 
 def pad_tokens(tokens: Array, slots: int, pad: int) -> Array:
@@ -316,7 +292,21 @@ class GreedyState(NamedTuple):
 
 
 class BeamState(NamedTuple):
-    """The loop state of beam search: per sentence and beam ([B, W]), and the cache with R = B W rows."""
+    """The loop state of beam search: per sentence and beam ([B, W]), and the cache with R = B W rows.
+
+    Beam search with the length penalty lp (`length_penalty`'s `penalty`): each step, every unfinished beam proposes
+    its V extensions (score log P / lp(t+1)) and every finished beam proposes itself followed by PAD (its score
+    unchanged); the best W of these W V candidates per sentence survive, and the cache rows are reordered to follow
+    them. A sentence is done when all W beams have finished, so W = 1 is exactly greedy search, and a beam large
+    enough to keep every candidate is exhaustive search. With target prefixes, each sentence's beams first follow its
+    prefix (as greedy search's), then search freely.
+
+    settle: a sentence also stops once its `settle` best hypotheses are settled (`settled`), 0: every beam runs to
+    its end. The first `settle` beams are then exactly the full search's; the others are returned as they stood (an
+    unfinished one without EOS, its score log P / lp(its length so far), below the settled ones). Translation needs
+    only the first beam (settle=1) and an n-best list the first N (settle=N <= W); this saves the steps in which the
+    worse beams of a finished sentence wander on to its length limit.
+    """
 
     step_B: Array  # int32: steps taken by each sentence (frozen once done)
     finished_BW: Array
@@ -370,7 +360,7 @@ class BeamState(NamedTuple):
         *,
         ids: SpecialIds,
     ) -> BeamState:
-        """One step of beam search (see beam_search); reorder: as Decoder's."""
+        """One step of beam search (the class docstring); reorder: as Decoder's."""
         s = self
         batch, width = s.finished_BW.shape
         logits_R1V, cache = decode_step(s.last_BW.reshape(-1, 1), s.cache)
@@ -437,7 +427,7 @@ def settled(
     settle: int,
 ) -> Array:
     """[B] whether each sentence's `settle` best finished hypotheses can no longer change (after a step, the beams
-    as beam_search's advance left them: step_B steps were taken before it).
+    as BeamState.advance left them: step_B steps were taken before it).
 
     log P only falls as tokens are added and lp grows with the length, so an unfinished beam's final score is at
     most its bound log P / max(lp(t + 1), lp(max_len)). Once the settle-th best finished score is above every such
@@ -451,82 +441,154 @@ def settled(
     return jnp.max(bound_BW, axis=1) < nth_finished_B
 
 
-def best_first(
-    tokens_BWL: Array, log_probs_BW: Array, lengths_BW: Array, alpha: Array | float, penalty: str = GNMT
-) -> BeamResult:
-    """The beams of each sentence sorted by score log P / lp(length), best first."""
-    lp_BW = length_penalty(lengths_BW, alpha, penalty)
-    scores_BW, order_BW = jax.lax.top_k(log_probs_BW / lp_BW, log_probs_BW.shape[1])
+class SetAsideState(NamedTuple):
+    """The loop state of beam search that sets finished hypotheses aside (CTranslate2's and fairseq's rule): W live
+    beams per sentence ([B, W]), the pool of its N best ended hypotheses ([B, N]), and the cache with R = B W rows
+    (K = 2 W candidates per sentence).
 
-    def sort(x: Array) -> Array:
-        idx = order_BW.reshape(order_BW.shape + (1,) * (x.ndim - 2))
-        return jnp.take_along_axis(x, idx, axis=1)
+    BeamState keeps a finished hypothesis among its W beams, where it competes with the live beams' extensions for a
+    place: its first N beams are exactly the full search's, and a sentence waits until its N best hypotheses are
+    settled (`settled`), with N = W until every beam has ended. Here, as in CTranslate2 (decoding.cc, BeamSearch,
+    patience 1) and fairseq (SequenceGenerator), W beams stay live at every step and a hypothesis that ends moves to
+    a pool (flax's wmt example and tensor2tensor also keep such a pool, but stop on a length-penalty bound):
 
-    return BeamResult(sort(tokens_BWL), scores_BW, sort(log_probs_BW), sort(lengths_BW))
+    - each step ranks the K = 2 W best extensions of a sentence's live beams by log P (no length penalty inside);
+    - of the first W, each that ends (EOS, or the sentence's length limit) joins the pool, scored log P / lp(|Y|);
+    - the first W extensions that do not end are the next live beams (there are always W: at most W end);
+    - a sentence is done at its length limit; with length normalisation, once W hypotheses have ended; without it
+      (penalty `none` or alpha 0), once N have ended and the best extension of some step was one of them
+      (CTranslate2's early exit: no later hypothesis can beat that one);
+    - its result is the pool's N best by score, best first.
 
-
-def greedy_search(
-    decode_step: DecodeStep,
-    cache: PyTree,
-    max_len_B: Array,
-    *,
-    max_steps: int,
-    grow: GrowCache | None = None,
-    prefix_BP: Array | None = None,
-    choose: Callable[[Array, Array], Array] | None = None,
-    ids: SpecialIds,
-) -> GreedyResult:
-    """Takes the most probable token at each step (with `choose`, the token it picks from the logits: sampling.py).
-    `cache` has B rows; 1 <= max_len_B <= max_steps.
-
-    With `grow` (see Decoder), the cache starts small and grows in stages (module docstring). With prefix_BP
-    (target prefixes, PAD-padded), each sentence first emits its prefix (`forced_tokens`), its log-probabilities
-    counted, then continues; the length limit still holds. ids: the model's reserved ids (tokens.SpecialIds).
+    It decides differently from the full search (a hypothesis can be ranked below one the full search would have
+    pruned, and the search stops on a count, not a bound), so its lists are CTranslate2's, not the exhaustive-
+    compatible ones; in exchange it never waits for a sentence's last live beam to wander to its length limit
+    (docs/decoding.md). Only the N best of the pool are kept: a hypothesis's score never changes once it has ended,
+    so keeping the N best as they come equals sorting all of them at the end. A candidate of log P -inf (a beam with
+    nothing it may emit, or an empty start beam) never joins the pool, where CTranslate2 would list it with its -inf
+    score.
     """
-    first = max_steps if grow is None else cache_stages(max_steps)[0]
-    init = GreedyState.start(cache, max_len_B.shape[0], first, ids)
-    s = run_stages(lambda s: s.advance(decode_step, max_len_B, prefix_BP, choose, ids=ids), init, max_steps, grow, ids)
-    return GreedyResult(pad_tokens(s.tokens_BL, max_steps, ids.pad), s.log_probs_B, s.step_B)
 
+    step_B: Array  # int32: steps taken (frozen once done)
+    done_B: Array
+    top_ended_B: Array  # the best extension of some step ended (CTranslate2's top_beam_finished)
+    ended_B: Array  # int32: hypotheses that have ended so far (the pool keeps the N best of them)
+    last_BW: Array
+    tokens_BWL: Array  # the live beams; L: the current stage's slots
+    log_probs_BW: Array
+    pool_tokens_BNL: Array  # best first; EOS included when emitted, PAD after
+    pool_log_probs_BN: Array  # -inf: an empty place
+    pool_lengths_BN: Array
+    cache: PyTree
 
-def beam_search(
-    decode_step: DecodeStep,
-    cache: PyTree,
-    max_len_B: Array,
-    *,
-    beam_size: int,
-    alpha: Array | float,
-    max_steps: int,
-    grow: GrowCache | None = None,
-    settle: int = 0,
-    penalty: str = GNMT,
-    prefix_BP: Array | None = None,
-    reorder: Reorder | None = None,
-    ids: SpecialIds,
-) -> BeamResult:
-    """Beam search with the length penalty lp (`length_penalty`'s `penalty`); `cache` has B rows and is tiled to
-    R = B W rows here, once.
+    def sentence_done(self) -> Array:
+        return self.done_B
 
-    Each step, every unfinished beam proposes its V extensions (score log P / lp(t+1)) and every finished beam
-    proposes itself followed by PAD (its score unchanged); the best W of these W V candidates per sentence
-    survive, and the cache rows are reordered to follow them. A sentence is done when all W beams have finished,
-    so beam_size=1 is exactly greedy search, and a beam large enough to keep every candidate is exhaustive search.
-    With `grow` (see Decoder), the cache starts small and grows in stages (module docstring). With prefix_BP, each
-    sentence's beams first follow its target prefix (as greedy_search's), then search freely.
+    def with_room(self, slots: int, ids: SpecialIds) -> SetAsideState:
+        return self._replace(
+            tokens_BWL=pad_tokens(self.tokens_BWL, slots, ids.pad),
+            pool_tokens_BNL=pad_tokens(self.pool_tokens_BNL, slots, ids.pad),
+        )
 
-    settle: a sentence also stops once its `settle` best hypotheses are settled (`settled`), 0: every beam runs to
-    its end. The first `settle` beams are then exactly the full search's; the others are returned as they stood (an
-    unfinished one without EOS, its score log P / lp(its length so far), below the settled ones). Translation needs
-    only the first beam (settle=1) and an n-best list the first N (settle=N <= W); this saves the steps in which the
-    worse beams of a finished sentence wander on to its length limit. reorder: as Decoder's. ids: the model's
-    reserved ids (tokens.SpecialIds).
-    """
-    first = max_steps if grow is None else cache_stages(max_steps)[0]
-    batch = max_len_B.shape[0]
-    init = BeamState.start(tile_beams(cache, beam_size), batch, beam_size, first, ids)
+    def beams(self) -> tuple[Array, Array, Array]:
+        """The pool: (tokens [B, N, L], log_probs [B, N], lengths [B, N])."""
+        return self.pool_tokens_BNL, self.pool_log_probs_BN, self.pool_lengths_BN
 
-    def body(s: BeamState) -> BeamState:
-        return s.advance(decode_step, max_len_B, alpha, settle, penalty, prefix_BP, reorder, ids=ids)
+    def restart(self, rows_K: Array, ids: SpecialIds) -> SetAsideState:
+        """The sentences in rows_K back at the start (nothing emitted); the cache is the caller's to reset."""
+        _, width, slots = self.tokens_BWL.shape
+        fresh = SetAsideState.start(None, rows_K.shape[0], width, self.pool_log_probs_BN.shape[1], slots, ids)
+        return restarted(self, rows_K, fresh)
 
-    s = run_stages(body, init, max_steps, grow, ids)
-    return best_first(pad_tokens(s.tokens_BWL, max_steps, ids.pad), s.log_probs_BW, s.lengths_BW, alpha, penalty)
+    def select(self, keep_K: Array) -> SetAsideState:
+        """The state of the sentences keep_K only, in that order (their W cache rows each)."""
+        return selected(self, keep_K, self.last_BW.shape[1])
+
+    @classmethod
+    def start(cls, cache_R: PyTree, batch: int, width: int, pool: int, slots: int, ids: SpecialIds) -> SetAsideState:
+        live = BeamState.start(None, batch, width, slots, ids)  # one live empty beam per sentence, the others -inf
+        return cls(
+            step_B=live.step_B,
+            done_B=jnp.zeros((batch,), bool),
+            top_ended_B=jnp.zeros((batch,), bool),
+            ended_B=jnp.zeros((batch,), jnp.int32),
+            last_BW=live.last_BW,
+            tokens_BWL=live.tokens_BWL,
+            log_probs_BW=live.log_probs_BW,
+            pool_tokens_BNL=jnp.full((batch, pool, slots), ids.pad, jnp.int32),
+            pool_log_probs_BN=jnp.full((batch, pool), NEG_INF, jnp.float32),
+            pool_lengths_BN=jnp.zeros((batch, pool), jnp.int32),
+            cache=cache_R,
+        )
+
+    def advance(
+        self,
+        decode_step: DecodeStep,
+        max_len_B: Array,
+        alpha: Array | float,
+        penalty: str = GNMT,
+        prefix_BP: Array | None = None,
+        reorder: Reorder | None = None,
+        *,
+        ids: SpecialIds,
+    ) -> SetAsideState:
+        """One step (the class docstring); reorder: as Decoder's."""
+        s = self
+        batch, width = s.last_BW.shape
+        pool = s.pool_log_probs_BN.shape[1]
+        logits_R1V, cache = decode_step(s.last_BW.reshape(-1, 1), s.cache)
+        logits_RV = logits_R1V.reshape(batch * width, -1).astype(jnp.float32)
+        # A sentence's K best of its W V extensions are among its beams' K best tokens each (as in BeamState).
+        per_beam = min(2 * width, logits_RV.shape[-1])
+        max_R1, lse_R1 = max_and_logsumexp(logits_RV)
+        top_RC, token_RC = top_k(choosable(logits_RV, prefix_BP, s.step_B, width, ids.pad), per_beam)
+        cand_BWC = s.log_probs_BW[..., None] + ((top_RC - max_R1) - lse_R1).reshape(batch, width, per_beam)
+        log_probs_BK, flat_BK = jax.lax.top_k(cand_BWC.reshape(batch, -1), min(2 * width, width * per_beam))
+        token_BK = jnp.take_along_axis(token_RC.reshape(batch, -1), flat_BK, axis=1)
+        beam_BK = flat_BK // per_beam
+        tokens_BKL = write_step(
+            jnp.take_along_axis(s.tokens_BWL, beam_BK[..., None], axis=1), s.step_B[:, None], token_BK
+        )
+        at_limit_B = s.step_B + 1 >= max_len_B
+        ends_BK = ~s.done_B[:, None] & (log_probs_BK > NEG_INF) & ((token_BK == ids.eos) | at_limit_B[:, None])
+        # The first W candidates that end join the pool, which keeps the N best by score.
+        joins_BW = ends_BK[:, :width]
+        length_B = s.step_B + 1
+        joining_BW = jnp.where(joins_BW, log_probs_BK[:, :width], NEG_INF)
+        scores_BX = jnp.concatenate(
+            [
+                s.pool_log_probs_BN / length_penalty(s.pool_lengths_BN, alpha, penalty),
+                joining_BW / length_penalty(length_B, alpha, penalty)[:, None],
+            ],
+            axis=1,
+        )
+        at_BN = jax.lax.top_k(scores_BX, pool)[1]  # ties: the pool's own first
+
+        def pooled(kept: Array, joining: Array) -> Array:
+            both = jnp.concatenate([kept, joining], axis=1)
+            return jnp.take_along_axis(both, at_BN.reshape(at_BN.shape + (1,) * (both.ndim - 2)), axis=1)
+
+        # The first W candidates that do not end are the next live beams (a stable sort keeps their order).
+        next_BW = jnp.argsort(ends_BK, axis=1, stable=True)[:, :width]
+
+        def pick(x_BK: Array) -> Array:
+            return jnp.take_along_axis(x_BK, next_BW.reshape(next_BW.shape + (1,) * (x_BK.ndim - 2)), axis=1)
+
+        ended_B = s.ended_B + jnp.sum(joins_BW, axis=1, dtype=jnp.int32)
+        top_ended_B = s.top_ended_B | joins_BW[:, 0]
+        early = (penalty == NONE) | (jnp.asarray(alpha) == 0)  # no length normalisation: CTranslate2's early exit
+        done_B = s.done_B | at_limit_B | jnp.where(early, top_ended_B & (ended_B >= pool), ended_B >= width)
+        rows_R = (jnp.arange(batch)[:, None] * width + pick(beam_BK)).reshape(-1)  # each live beam's parent row
+        return SetAsideState(
+            step_B=jnp.where(s.done_B, s.step_B, length_B),
+            done_B=done_B,
+            top_ended_B=top_ended_B,
+            ended_B=ended_B,
+            last_BW=pick(token_BK),
+            tokens_BWL=pick(tokens_BKL),
+            log_probs_BW=pick(log_probs_BK),
+            pool_tokens_BNL=pooled(s.pool_tokens_BNL, tokens_BKL[:, :width]),
+            pool_log_probs_BN=pooled(s.pool_log_probs_BN, joining_BW),
+            pool_lengths_BN=pooled(s.pool_lengths_BN, jnp.where(joins_BW, length_B[:, None], 0)),
+            cache=(reorder or gather_rows)(cache, rows_R),
+        )

@@ -1,10 +1,16 @@
-"""The jitted calls of a search on a model: the whole search in one call (`search_batch`), and the refilling
-scheduler's calls (`ModelCalls`, refill.Calls).
+"""The model calls: the Transformer behind the decode-step interface (state.Decoder), and the jitted calls of a search
+on a model: the whole search in one call (`search_batch`), and the refilling scheduler's calls (`ModelCalls`).
 
 Axis letters: see transformer_jax/__init__.py (B sentences, W beams per sentence, R = B W cache rows, K sentences
-joining or kept, S source positions).
+joining or kept, S source positions, L output slots).
 
-Every call takes the search spec (searches.py) whole: its `alpha` is traced, its other fields are static, so the
+The model's decoding cache splits in two (`split_cache`): the context, fixed per sentence (the source's segment
+ids and the cross-attention keys/values), one row per sentence and closed over by the decode step (the model's
+cross-attention reads it with the W queries of a sentence's beams together); and what changes per step (the
+per-row write index, the self-attention keys/values and the beam lineage), which the search carries and beam search
+reorders (`model.reorder_cache`: only the index and the lineage move, ops/attention.py lineage_attention).
+
+Every call takes the search spec (specs.py) whole: its `alpha` is traced, its other fields are static, so the
 calls compile once per (model structure, kind of search, shapes). The model's graph is a static argument too
 (`Graph`), and its parameters travel as a list of leaves.
 """
@@ -13,21 +19,93 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from transformer_jax.decoding import refill
-from transformer_jax.decoding.binding import cached_decode_step, context_step, recompute_decode_step, split_cache
-from transformer_jax.decoding.search import BeamResult, beam_rows, gather_rows, steps_until
-from transformer_jax.decoding.searches import RowInputs, Search, run_search
+from transformer_jax.decoding.specs import BeamResult, RowInputs, Search, run_search
+from transformer_jax.decoding.state import (
+    Decoder,
+    DecodeStep,
+    beam_rows,
+    cache_stages,
+    gather_rows,
+    tile_beams,
+)
 from transformer_jax.model.transformer import unpacked_segment_ids
 from transformer_jax.tokens import SpecialIds
 
 Array = jax.Array
 PyTree = Any
+
+
+def split_cache(full: PyTree) -> tuple[PyTree, PyTree]:
+    """The model's decoding cache as (context, cache), both with B rows: what stays fixed per sentence (the source's
+    segment ids and the cross-attention keys/values), and what changes per step (everything else: the write index, the
+    self-attention keys/values, the beam lineage; beam search tiles it to R rows).
+
+    The context is not tiled over the beams: a step's cross-attention reads each sentence's keys and values once
+    for its W beams (model/transformer.py, DecoderLayer), W times less than tiled rows would read (measured in
+    docs/benchmarks.md)."""
+    fixed = ("src_segment_ids", "cross")
+    return {k: full[k] for k in fixed}, {k: x for k, x in full.items() if k not in fixed}
+
+
+def context_step(model: nnx.Module, context: PyTree) -> DecodeStep:
+    """model.decode as a decode step over the per-step cache, the fixed context closed over.
+
+    The context is the same for every beam of a sentence, so closing over it (instead of carrying it through the
+    loop) spares the beam search reordering it every step; it has a row per sentence (`split_cache`)."""
+
+    def decode_step(tokens_R1: Array, cache: PyTree) -> tuple[Array, PyTree]:
+        logits_R1V, new = model.decode(None, tokens_R1, cache={**context, **cache})
+        return logits_R1V, {k: new[k] for k in cache}
+
+    return decode_step
+
+
+def cached_decode_step(
+    model: nnx.Module, memory_BSD: Array, src_segment_ids_BS: Array, *, beam_size: int, max_steps: int
+) -> Decoder:
+    """A Decoder over `model.decode` with a KV cache that grows in stages; for use inside a traced function.
+
+    The cross-attention keys/values are projected once per sentence (`init_cache`), a row per sentence for all its
+    beams (`split_cache`). The returned cache holds what changes per step, with B rows (the search tiles them), and
+    room for the first stage's steps.
+    """
+    del beam_size  # recompute_decode_step's signature: the context has a row per sentence, the search tiles the cache
+    full = model.init_cache(memory_BSD, src_segment_ids_BS, cache_stages(max_steps)[0])
+    context, cache = split_cache(full)
+    return Decoder(context_step(model, context), cache, model.grow_cache, model.reorder_cache)
+
+
+def recompute_decode_step(
+    model: nnx.Module, memory_BSD: Array, src_segment_ids_BS: Array, *, beam_size: int, max_steps: int
+) -> Decoder:
+    """A Decoder without a KV cache: each step runs `model.decode` on the whole target prefix again.
+
+    The cache is only the token buffer [B, max_steps] and its write index; positions after the index are hidden by
+    the causal mask, so the logits at the index are those of the prefix. Used as the reference and the benchmark
+    baseline of the cached step.
+    """
+    memory_RSD, src_seg_RS = tile_beams((memory_BSD, src_segment_ids_BS), beam_size)
+    batch = memory_BSD.shape[0]
+    cache = {"index": jnp.zeros((), jnp.int32), "tokens": jnp.zeros((batch, max_steps), jnp.int32)}
+
+    def decode_step(tokens_R1: Array, cache: PyTree) -> tuple[Array, PyTree]:
+        index = cache["index"]
+        tokens_RL = jax.lax.dynamic_update_slice_in_dim(cache["tokens"], tokens_R1, index, axis=1)
+        # Every slot is a real target position here (even a generated PAD), so the segment ids are all ones.
+        logits_RLV = model.decode(
+            memory_RSD, tokens_RL, src_segment_ids=src_seg_RS, tgt_segment_ids=jnp.ones_like(tokens_RL)
+        )
+        logits_R1V = jax.lax.dynamic_slice_in_dim(logits_RLV, index, 1, axis=1)
+        return logits_R1V, {"index": index + 1, "tokens": tokens_RL}
+
+    return Decoder(decode_step, cache)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_steps", "use_cache"))
@@ -51,7 +129,15 @@ def search_batch(
     return run_search(search, d, max_len_B, max_steps=max_steps, row_inputs=row_inputs)
 
 
-# -- the refilling scheduler's calls on the model (refill.Calls) --------------------------------------------------
+# -- the refilling scheduler's calls on the model (scheduler.py) --------------------------------------------------
+
+
+class Outcome(NamedTuple):
+    """What the host needs after a stage beyond the state's own arrays, computed on the device (`outcome`): the
+    host runs no array operation of its own (each would be a small program per batch size, in every process)."""
+
+    done_B: Any  # bool: the sentence is done (state.sentence_done())
+    scores_BW: Any  # float32: its beams' log_probs / length_penalty(lengths)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -134,17 +220,24 @@ def stage(
     *,
     graph: Graph,
 ):
-    """Steps until at most `stop_live` sentences are live or a live one has filled the cache (`steps_until`)."""
+    """Steps until at most `stop_live` sentences are live or a live one has filled the state's slots: the host acts
+    there (stop_live is traced: one compilation)."""
     model = graph.merge(params)
     step, reorder = context_step(model, context), model.reorder_cache
-    return steps_until(lambda s: search.advance(s, step, max_len_B, row_inputs, reorder), s, stop_live)
+    slots = s.beams()[0].shape[-1]
+
+    def go_on(s: NamedTuple) -> Array:
+        live_B = ~s.sentence_done()
+        return (jnp.sum(live_B) > stop_live) & (jnp.max(jnp.where(live_B, s.step_B, 0)) < slots)
+
+    return jax.lax.while_loop(go_on, lambda s: search.advance(s, step, max_len_B, row_inputs, reorder), s)
 
 
 @jax.jit
-def outcome(s, search: Search) -> refill.Outcome:
-    """What the host reads of a state after `stage` (refill.Outcome); s comes without its cache and with an empty
+def outcome(s, search: Search) -> Outcome:
+    """What the host reads of a state after `stage` (Outcome); s comes without its cache and with an empty
     token buffer, so that this compiles per batch size only."""
-    return refill.Outcome(s.sentence_done(), search.scores(s))
+    return Outcome(s.sentence_done(), search.scores(s))
 
 
 @jax.jit
@@ -155,7 +248,7 @@ def keep(context: PyTree, s, keep_K: Array):
 
 @dataclasses.dataclass(frozen=True)
 class ModelCalls:
-    """refill.Calls on one model: the jitted functions above with its graph and parameters."""
+    """The refilling scheduler's calls on one model: the jitted functions above with its graph and parameters."""
 
     graph: Graph
     params: list[Array]
