@@ -32,7 +32,7 @@ Decoding modes (docs/decoding.md): --length_penalty, --finished (what beam searc
 keeps it among its beams, or sets it aside as CTranslate2 does), --nbest N (OUTPUT_FILE.nbest), --score (forced
 decoding of --source_file/--references_file), --prefix_file P, --sampling [--temperature --top_k --top_p
 --num_samples --seed], --ensemble_workdirs B,C, --mbr N [--mbr_utility]. `python evaluate.py --help` lists every
-flag with its allowed values and default (one table: evaluation.options.FLAGS).
+flag with its allowed values and default (one table: evaluation.command.FLAGS).
 """
 
 from __future__ import annotations
@@ -42,14 +42,13 @@ import os
 from absl import flags
 
 from transformer_jax import cli
-from transformer_jax.evaluation import checkpoint_flags, options
+from transformer_jax.evaluation import command
 from transformer_jax.evaluation.__main__ import main
 
-# The flags (names, help, allowed values, defaults) are the table evaluation.options.FLAGS, with the checkpoint
-# flags shared with the export (evaluation.checkpoint_flags); --help lists them as this program's own.
-options.define(flags.FLAGS)
-flags.adopt_module_key_flags(options)
-flags.adopt_module_key_flags(checkpoint_flags)
+# The flags (names, help, allowed values, defaults) are the table evaluation.command.FLAGS, with the checkpoint
+# flags shared with the export; --help lists them as this program's own.
+command.define(flags.FLAGS)
+flags.adopt_module_key_flags(command)
 
 if __name__ == "__main__":
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

@@ -63,8 +63,8 @@ from transformer_jax.data.sources import local_data_dir
 from transformer_jax.data.tokenizer import train_tokenizer
 from transformer_jax.errors import DataError
 from transformer_jax.evaluation import bleu
-from transformer_jax.evaluation.inputs import split_pairs
 from transformer_jax.evaluation.restore import Restorer, restore_model
+from transformer_jax.evaluation.run import split_pairs
 from transformer_jax.evaluation.translate import DecodeSettings, position_limit, translate
 from transformer_jax.export.ctranslate2 import ctranslate2_translate, to_ctranslate2
 from transformer_jax.model import build_model, model_rngs, unpacked_segment_ids

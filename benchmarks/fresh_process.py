@@ -28,8 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from transformer_jax.evaluation import bleu
-from transformer_jax.evaluation.inputs import read_sources, split_pairs
 from transformer_jax.evaluation.restore import Restorer, restore_model
+from transformer_jax.evaluation.run import read_sources, split_pairs
 from transformer_jax.evaluation.translate import input_limit, output_cap, output_limit, position_limit, source_ids
 from transformer_jax.export.ctranslate2 import to_ctranslate2
 

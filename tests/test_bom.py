@@ -13,7 +13,7 @@ import pytest
 
 from tests.helpers.fakes import WordTokenizer
 from transformer_jax.data import batching, sources
-from transformer_jax.evaluation import bleu, inputs
+from transformer_jax.evaluation import bleu, run
 
 BOM = b"\xef\xbb\xbf"
 SOURCES = "Ein Mann läuft.\r\nZwei Hunde\n"
@@ -24,15 +24,15 @@ def test_a_source_file_with_a_bom_reads_and_encodes_as_without(tmp_path):
     plain, marked = tmp_path / "plain.de", tmp_path / "marked.de"
     plain.write_bytes(SOURCES.encode())
     marked.write_bytes(BOM + SOURCES.encode())
-    assert inputs.read_sources(str(marked)) == inputs.read_sources(str(plain)) == LINES
+    assert run.read_sources(str(marked)) == run.read_sources(str(plain)) == LINES
     tok = WordTokenizer()
-    assert tok.encode_source_batch(inputs.read_sources(str(marked))) == tok.encode_source_batch(LINES)
+    assert tok.encode_source_batch(run.read_sources(str(marked))) == tok.encode_source_batch(LINES)
 
 
 def test_stdin_drops_a_bom_before_its_first_line_only(monkeypatch):
     data = BOM + b"erste\n" + BOM + b"zweite\n"
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data), "utf-8"))
-    assert list(inputs.stdin_lines()) == ["erste", "\ufeffzweite"]  # a mark inside the text is the text's
+    assert list(run.stdin_lines()) == ["erste", "\ufeffzweite"]  # a mark inside the text is the text's
 
 
 def test_a_training_corpus_with_a_bom_gives_the_pairs_and_ids_of_one_without(tmp_path):

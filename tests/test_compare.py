@@ -17,7 +17,7 @@ from tests.helpers import DATA, REPO
 from transformer_jax.errors import EvalError, ScoreError
 from transformer_jax.evaluation import bleu, significance
 from transformer_jax.evaluation.__main__ import evaluate
-from transformer_jax.evaluation.options import parse
+from transformer_jax.evaluation.command import parse
 
 SACREBLEU = str(Path(sys.executable).parent / "sacrebleu")
 MULTI30K_TEST_DE = DATA / "multi30k" / "test.de"

@@ -17,7 +17,7 @@ from tests.helpers import REPO
 from transformer_jax import cli
 from transformer_jax.config import loading
 from transformer_jax.errors import ConfigError
-from transformer_jax.evaluation import checkpoint_flags
+from transformer_jax.evaluation import command
 from transformer_jax.sweep import runner as sweep
 
 BROKEN = {
@@ -63,13 +63,14 @@ def test_a_missing_file_and_a_file_without_get_config(tmp_path):
 
 @pytest.mark.parametrize("define", ["train", "evaluate"])
 def test_every_config_file_flag_uses_the_loader_and_fails_in_one_line(tmp_path, capsys, define):
-    """cli.parse_flags under train.py's --config and under evaluate.py's (checkpoint_flags, shared with export)."""
+    """cli.parse_flags under train.py's --config and under evaluate.py's (command.define_checkpoint_flags, shared
+    with export)."""
     path = _write(tmp_path, "raises")
     fv = flags.FlagValues()
     if define == "train":
         config_flags.DEFINE_config_file("config", None, "a config file", flag_values=fv)
     else:
-        checkpoint_flags.define(fv)
+        command.define_checkpoint_flags(fv)
     with pytest.raises(SystemExit) as exited:
         cli.parse_flags("prog", ["prog", "--config", f"{path}:size=huge"], fv)
     assert exited.value.code == cli.USAGE_STATUS

@@ -21,7 +21,7 @@ from tests.helpers.training import tiny_train_config, write_corpus
 from transformer_jax.data import store
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import DiskFullError
-from transformer_jax.evaluation import outputs
+from transformer_jax.evaluation import command
 from transformer_jax.runtime import files
 from transformer_jax.tokens import SpecialIds
 from transformer_jax.training import metrics
@@ -93,9 +93,9 @@ def test_a_full_disk_while_writing_an_evaluation_output_keeps_the_earlier_file(t
     monkeypatch.setattr(files.os, "replace", full)
     with pytest.raises(DiskFullError, match=rf"disk full while writing {out} \(needs about .* free\); nothing was"):
         if which == "hypotheses":
-            outputs.write_lines(str(out), ["ein hund", "eine katze"])
+            command.write_lines(str(out), ["ein hund", "eine katze"])
         else:
-            outputs.write_json(str(out), {"scores": 1})
+            command.write_json(str(out), {"scores": 1})
     monkeypatch.setattr(files.os, "replace", real_replace)
     assert out.read_text() == "an earlier complete file\n"
     assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]  # the temporary file is gone

@@ -28,7 +28,7 @@ from transformer_jax.data.tokenizer import train_tokenizer
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation import bleu, restore, run
 from transformer_jax.evaluation.__main__ import evaluate
-from transformer_jax.evaluation.options import (
+from transformer_jax.evaluation.command import (
     FLAGS,
     Compare,
     Model,

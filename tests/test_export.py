@@ -29,7 +29,8 @@ from transformer_jax import decoding
 from transformer_jax.data.tokenizer import Tokenizer, train_tokenizer
 from transformer_jax.errors import ConfigError, EvalError
 from transformer_jax.evaluation.__main__ import evaluate
-from transformer_jax.evaluation.options import Decoding, decoding_settings
+from transformer_jax.evaluation.command import Decoding
+from transformer_jax.evaluation.run import decoding_settings
 from transformer_jax.evaluation.translate import DecodeSettings, position_limit, translate
 from transformer_jax.tokens import SpecialIds
 

@@ -11,7 +11,7 @@ from tests.helpers.decoding import OneCheckpoint
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation import mbr
 from transformer_jax.evaluation.__main__ import evaluate
-from transformer_jax.evaluation.nbest import parse_nbest_line
+from transformer_jax.evaluation.run import parse_nbest_line
 
 # The search's best (first) is the outlier; the consensus is the second.
 CANDIDATES = ["dogs bark loudly tonight", "the cat sat on the mat", "the cat sat on a mat", "a cat sat on the mat"]

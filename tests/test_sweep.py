@@ -10,8 +10,8 @@ from matplotlib.figure import Figure
 from tests.helpers.sweeps import fails
 from transformer_jax.errors import ConfigError
 from transformer_jax.evaluation import bleu, run
-from transformer_jax.evaluation.inputs import split_pairs
-from transformer_jax.evaluation.options import Model, Translate
+from transformer_jax.evaluation.command import Model, Translate
+from transformer_jax.evaluation.run import split_pairs
 from transformer_jax.sweep import __main__ as sweep
 from transformer_jax.sweep import results, runner
 from transformer_jax.sweep.splits import TEST, VALID

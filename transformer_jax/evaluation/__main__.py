@@ -1,5 +1,5 @@
 """evaluate.py's command line (also `python -m transformer_jax.evaluation`): the flags become a mode record
-(evaluation.options.parse), the library runs it (evaluation.run), and this module writes the files and prints a few
+(evaluation.command.parse), the library runs it (evaluation.run), and this module writes the files and prints a few
 summary lines; the JSON report goes to its file (--scores_file, default beside the output) and to stdout only with
 --json (the summary lines then go to stderr). See evaluate.py for the modes and their flags.
 
@@ -19,9 +19,7 @@ from typing import Any, TextIO
 
 from transformer_jax.errors import DiskFullError
 from transformer_jax.evaluation import bleu, run, significance
-from transformer_jax.evaluation.inputs import stdin_lines
-from transformer_jax.evaluation.nbest import nbest_lines
-from transformer_jax.evaluation.options import (
+from transformer_jax.evaluation.command import (
     Compare,
     Outputs,
     ScorePairs,
@@ -32,9 +30,11 @@ from transformer_jax.evaluation.options import (
     output_files,
     parse,
     refuse_overwriting_inputs,
+    to_json,
     values_of,
+    write_json,
+    write_lines,
 )
-from transformer_jax.evaluation.outputs import to_json, write_json, write_lines
 from transformer_jax.evaluation.restore import Restorer
 from transformer_jax.evaluation.scoring import score_lines
 from transformer_jax.runtime import files
@@ -93,7 +93,7 @@ def _translate(mode: Translate, outputs: Outputs, loaded: run.Loaded, progress: 
     write_lines(output_file, translation.hypotheses)
     report = {**translation.report, "hypotheses_file": output_file}
     if nbest_file:
-        write_lines(nbest_file, list(nbest_lines(translation.lists)))
+        write_lines(nbest_file, list(run.nbest_lines(translation.lists)))
         report["search"] = {**report["search"], "nbest_file": nbest_file}
     written = f"hypotheses: {output_file}" + (f"; n-best lists: {nbest_file}" if nbest_file else "")
     return _finish(report, scores_file, [*_summary(report), written], outputs.json)
@@ -114,7 +114,7 @@ def _stream(mode: Translate, outputs: Outputs, loaded: run.Loaded) -> dict[str, 
     out = open(partial, "w", encoding="utf-8") if partial else sys.stdout
     results = []
     try:
-        for hypothesis, stats in run.stream(mode, loaded, stdin_lines()):
+        for hypothesis, stats in run.stream(mode, loaded, run.stdin_lines()):
             try:
                 out.write(hypothesis + "\n")
                 out.flush()
@@ -188,7 +188,7 @@ def _finish(
 
 
 def main(argv: list[str]) -> None:
-    """absl's main: evaluate.py's flags, as `options.define` defined them in absl's FLAGS."""
+    """absl's main: evaluate.py's flags, as `command.define` defined them in absl's FLAGS."""
     from absl import flags
 
     del argv  # no positional arguments (transformer_jax.cli.run refuses them)
@@ -200,7 +200,7 @@ if __name__ == "__main__":
     from absl import flags
 
     from transformer_jax import cli
-    from transformer_jax.evaluation.options import define
+    from transformer_jax.evaluation.command import define
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     define(flags.FLAGS)

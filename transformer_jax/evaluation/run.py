@@ -1,4 +1,4 @@
-"""Evaluation as a library: each mode record of evaluation.options runs here and returns data; nothing is printed
+"""Evaluation as a library: each mode record of evaluation.command runs here and returns data; nothing is printed
 and nothing written (evaluate.py, evaluation/__main__.py, writes the files and prints the summary).
 
     scores_only(ScoresOnly) / compare(Compare)             -> the report
@@ -10,30 +10,34 @@ and nothing written (evaluate.py, evaluation/__main__.py, writes the files and p
 `load` reads and checks the inputs (UTF-8, line counts, prefixes) before it restores the model, so that a wrong file
 fails first; `Loaded.inputs` names every file read, for the caller's check that no output overwrites one.
 
-The decoding settings (evaluation.options.decoding_settings of the Translate record's Decoding) are made in
-`settings_of` and passed whole to translate_nbest() in `translate` and to translate() in `stream`.
+The decoding settings (`decoding_settings` of the Translate record's Decoding) are made in `settings_of` and passed
+whole to translate_nbest() in `translate` and to translate() in `stream`. Below the modes: the inputs (`read_sources`,
+`split_pairs`, `stdin_lines`), the ensemble's members, and the n-best lists' format (`nbest_lines`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+import sys
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from transformer_jax import decoding
 from transformer_jax.config import checks
+from transformer_jax.data.sources import open_split, read_all, resolve_path
 from transformer_jax.decoding import Ensemble
 from transformer_jax.errors import EvalError
-from transformer_jax.evaluation import bleu, mbr, modes, significance
-from transformer_jax.evaluation.inputs import read_sources, split_files, split_pairs
-from transformer_jax.evaluation.options import (
+from transformer_jax.evaluation import bleu, mbr, significance
+from transformer_jax.evaluation.command import (
     Compare,
+    Decoding,
     ScorePairs,
     ScoresOnly,
     Translate,
     check_numbers,
-    decoding_settings,
     input_files,
+    sampling_of,
 )
 from transformer_jax.evaluation.restore import Restorer, restore_model
 from transformer_jax.evaluation.scoring import SentenceScore, score_pairs
@@ -96,11 +100,11 @@ def load(mode: Translate | ScorePairs, restorer: Restorer | None = None) -> Load
     prefix_file = getattr(mode, "prefix_file", None)
     prefixes = read_sources(prefix_file) if prefix_file is not None else None
     if prefixes is not None and sources is not None:
-        modes.check_prefix_count(prefixes, sources, prefix_file, mode.source_file)
+        check_prefix_count(prefixes, sources, prefix_file, mode.source_file)
 
     restorer = restorer or Restorer()
     if m.ensemble_workdirs:
-        modes.check_ensemble_members(restorer, m.ensemble_workdirs)
+        check_ensemble_members(restorer, m.ensemble_workdirs)
     config, model, steps = restore_model(
         restorer,
         m.workdir,
@@ -116,13 +120,13 @@ def load(mode: Translate | ScorePairs, restorer: Restorer | None = None) -> Load
             config.data.target_lang = m.target_lang
     tokenizer = restorer.tokenizer(config, m.workdir)
     if m.ensemble_workdirs:
-        model = Ensemble([model, *modes.restore_members(restorer, m.ensemble_workdirs, config, tokenizer)])
+        model = Ensemble([model, *restore_members(restorer, m.ensemble_workdirs, config, tokenizer)])
     inputs = input_files(mode)
     if mode.source_file is None:
         sources, references, split_name = split_pairs(config, mode.split)
         name = f"{mode.split}({split_name})"
         if prefixes is not None:
-            modes.check_prefix_count(prefixes, sources, prefix_file, f"--split {mode.split}")
+            check_prefix_count(prefixes, sources, prefix_file, f"--split {mode.split}")
         inputs.update(split_files(config, split_name))
     else:
         name = "stdin" if mode.source_file == "-" else Path(mode.source_file).name
@@ -145,7 +149,7 @@ def settings_of(mode: Translate, loaded: Loaded) -> tuple[DecodeSettings, dict[s
     settings = decoding_settings(d, loaded.config)
     search: dict[str, Any] = {"length_penalty": d.length_penalty, "nbest": d.candidates}
     if d.sampling:
-        search["sampling"] = {**dataclasses.asdict(modes.sampling_of(d)), "seed": d.seed, "num_samples": d.candidates}
+        search["sampling"] = {**dataclasses.asdict(sampling_of(d)), "seed": d.seed, "num_samples": d.candidates}
     else:
         search["finished"] = d.finished
         if d.candidates > 1:
@@ -153,6 +157,32 @@ def settings_of(mode: Translate, loaded: Loaded) -> tuple[DecodeSettings, dict[s
     if d.mbr is not None:
         search["mbr_utility"] = d.mbr_utility
     return settings, search
+
+
+def decoding_settings(options: Decoding, config) -> DecodeSettings:
+    """translate()'s settings from the flags, else the config (config.eval); a bad config value names its key. The
+    search is the flags' (decoding.search_for): --sampling (sampling_of; beam size 1), else greedy or beam
+    search with --length_penalty and --finished."""
+    keys = ("beam_size", "alpha", "max_extra_len", "max_len", "batch_size")
+    from_config = {key: config.eval[key] for key in keys if getattr(options, key) is None}
+    check_numbers(from_config, "config.eval.")
+    settings = {key: from_config[key] if key in from_config else getattr(options, key) for key in keys}
+    sampling = sampling_of(options)
+    search = decoding.search_for(
+        1 if sampling is not None else settings["beam_size"],
+        settings["alpha"],
+        options.length_penalty or decoding.GNMT,
+        options.finished or decoding.IN_BEAM,
+        sampling,
+        options.seed or 0,
+    )
+    return DecodeSettings(
+        search=search,
+        max_extra_len=settings["max_extra_len"],
+        max_len=settings["max_len"],
+        batch_size=settings["batch_size"],
+        max_input_len=config.data.eval_max_len,
+    )
 
 
 def output_name(mode: Translate, loaded: Loaded) -> str:
@@ -285,3 +315,120 @@ def lines_summary(lines: int, blank: dict[str, int | None]) -> str:
         text + f"; blank reference lines: {blank['references']}; all {lines} lines scored, as the sacrebleu command "
         "scores them (an empty hypothesis matches nothing; its reference still counts in the reference length)"
     )
+
+
+# -- the inputs: a UTF-8 file, a split of the configured data, or stdin line by line --------------------------------
+
+
+def read_sources(path: str) -> list[str]:
+    """Lines of a UTF-8 file split at LF only, each with its line ending removed (nothing else); a leading
+    byte-order mark is dropped (`sources.leading_bom`): it is no part of the first sentence."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise EvalError(f"cannot read {path}: {e.strerror or e}") from e
+    return [line.rstrip("\r") for line in bleu.decode_lines(data, path, EvalError)]
+
+
+def split_pairs(config, split: str) -> tuple[list[str], list[str], str]:
+    """Every line of the split, blank ones included: evaluation gives one hypothesis per source line."""
+    name = config.data.valid_split if split == "valid" else config.data.test_split
+    pairs = read_all(open_split(config.data, name, keep_blank=True))
+    if not pairs:
+        raise EvalError(f"split {name!r} of data.source={config.data.source} has no lines: nothing to translate")
+    return [s for s, _ in pairs], [t for _, t in pairs], name
+
+
+def split_files(config, split_name: str) -> dict[str, str]:
+    """The files a text split is read from (for the output-is-not-an-input check); none for other sources."""
+    if config.data.source != "text":
+        return {}
+    directory = resolve_path(config.data.text_dir)
+    return {
+        f"split file ({lang})": str(directory / f"{split_name}.{lang}")
+        for lang in (config.data.src_lang, config.data.tgt_lang)
+    }
+
+
+def stdin_lines() -> Iterator[str]:
+    """stdin's lines without line endings, decoded as strict UTF-8 (the terminal's own decoding may be lenient)."""
+    binary = getattr(sys.stdin, "buffer", None)
+    for number, raw in enumerate(binary if binary is not None else sys.stdin, start=1):
+        if isinstance(raw, str):  # a text stream without a buffer: undecodable bytes came as surrogates
+            try:
+                raw = raw.encode("utf-8", "surrogateescape")
+            except UnicodeEncodeError:
+                raw = raw.encode("utf-8", "surrogatepass")  # still invalid UTF-8, reported below
+        try:
+            [line] = bleu.decode_lines(raw, "stdin", EvalError, first_line=number)
+        except EvalError as e:
+            raise EvalError(f"{e}; the {number - 1} lines before it were translated") from None
+        yield line.rstrip("\r")
+
+
+def check_prefix_count(prefixes: Sequence[str], sources: Sequence[str], prefix_name: str, source_name: str) -> None:
+    """EvalError unless there is one prefix line per source line."""
+    if len(prefixes) != len(sources):
+        raise EvalError(
+            f"line counts differ: --prefix_file {prefix_name} has {len(prefixes)} lines, {source_name} has "
+            f"{len(sources)}; give one prefix line per source line (an empty line for none)"
+        )
+
+
+# -- ensembles ----------------------------------------------------------------------------------------------------
+
+
+def check_ensemble_members(restorer: Any, workdirs: Sequence[str]) -> None:
+    """EvalError naming the first member without checkpoints (cheap: before any model is restored)."""
+    for workdir in workdirs:
+        if not restorer.list_steps(workdir):
+            raise EvalError(f"--ensemble_workdirs member {workdir} has no checkpoint; train it first or drop it")
+
+
+def tokenizer_fingerprint(config: Any, tokenizer: Any) -> tuple[str, str]:
+    """(what differs, in words) pairs an ensemble's members must share: the vocabulary size and the tokenizer's
+    fingerprint (a tokenizer without one: its class)."""
+    fingerprint = getattr(tokenizer, "fingerprint", None)
+    digest = fingerprint()[:16] if fingerprint else type(tokenizer).__name__
+    return (f"vocabulary size {config.model.vocab_size}", f"tokenizer {digest}")
+
+
+def restore_members(restorer: Any, workdirs: Sequence[str], config: Any, tokenizer: Any) -> list[Any]:
+    """The members' models (each its latest checkpoints, averaged as its own config says). Every member's saved
+    config and tokenizer are checked first: the first difference from the main model's vocabulary or tokenizer is
+    refused before any member's parameters are read."""
+    expected = tokenizer_fingerprint(config, tokenizer)
+    for workdir in workdirs:
+        member_config = restorer.load_config(workdir).copy_and_resolve_references()
+        with member_config.unlocked():
+            member_config.data.target_lang = config.data.target_lang  # the members read the same sources
+        got = tokenizer_fingerprint(member_config, restorer.tokenizer(member_config, workdir))
+        for want, have in zip(expected, got, strict=True):
+            if want != have:
+                raise EvalError(
+                    f"--ensemble_workdirs member {workdir} has {have}, --workdir has {want}: ensemble members must "
+                    "share one tokenizer"
+                )
+    return [restore_model(restorer, workdir)[1] for workdir in workdirs]
+
+
+# -- n-best lists in Marian's text format -------------------------------------------------------------------------
+
+SEPARATOR = " ||| "
+
+
+def nbest_lines(lists: Sequence[Sequence[Hypothesis]]) -> Iterable[str]:
+    """The lines of the n-best file for each input line's hypotheses (best first)."""
+    for i, hypotheses in enumerate(lists):
+        for h in hypotheses:
+            yield SEPARATOR.join((str(i), h.text, f"F0= {h.log_prob:.6f}", f"{h.score:.6f}"))
+
+
+def parse_nbest_line(line: str) -> tuple[int, str, float, float]:
+    """(input line, hypothesis, log_prob, score) of one line of an n-best file."""
+    index, text, features, score = line.rstrip("\n").split(SEPARATOR)
+    name, value = features.split()
+    if name != "F0=":
+        raise ValueError(f"unexpected feature {name!r} in n-best line {line!r}")
+    return int(index), text, float(value), float(score)

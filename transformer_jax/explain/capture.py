@@ -1,6 +1,6 @@
 """Run one sentence through a restored model and keep what its own modules computed on the way.
 
-The translation is evaluate.py's (evaluation.translate.translate with the settings evaluation.options.decoding_settings
+The translation is evaluate.py's (evaluation.translate.translate with the settings evaluation.run.decoding_settings
 makes of a Decoding record); the beam's hypotheses after each step come from decoding's own search, rerun with the
 length limit raised one step at a time; the intermediates come from one teacher-forced pass of model.encode /
 model.decode with the modules' capture points on (model.transformer.capture_intermediates): nothing here
@@ -24,8 +24,9 @@ from flax import nnx
 from transformer_jax import decoding
 from transformer_jax.data.batching import padded_eval_length
 from transformer_jax.errors import VisualizeError
-from transformer_jax.evaluation.options import Decoding, Model, check_model, check_numbers, decoding_settings
+from transformer_jax.evaluation.command import Decoding, Model, check_model, check_numbers
 from transformer_jax.evaluation.restore import Restorer, restore_model
+from transformer_jax.evaluation.run import decoding_settings
 from transformer_jax.evaluation.translate import (
     DecodeSettings,
     input_limit,

@@ -30,12 +30,12 @@ from absl import flags
 
 from transformer_jax import cli
 from transformer_jax.errors import EvalError
-from transformer_jax.evaluation import checkpoint_flags
+from transformer_jax.evaluation import command
 from transformer_jax.export import ctranslate2, marian
 
 PROG = "python -m transformer_jax.export"
 FLAGS = flags.FLAGS
-checkpoint_flags.define()  # evaluate.py's: same names, defaults and meaning
+command.define_checkpoint_flags()  # evaluate.py's: same names, defaults and meaning
 EXPORTERS = {"ctranslate2": ctranslate2.export_workdir, "marian": marian.export_workdir}
 flags.DEFINE_enum("format", "ctranslate2", list(EXPORTERS), "Inference engine or format to export to.")
 flags.DEFINE_string("output", None, "Model directory to write (must not exist, unless --force).")
@@ -52,7 +52,7 @@ flags.mark_flags_as_required(["workdir", "output"])
 def main(argv: list[str]) -> None:
     del argv  # no positional arguments (cli.run refuses them)
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs each checkpoint handler it creates at INFO
-    selected = checkpoint_flags.selection()
+    selected = command.checkpoint_selection()
     options = {"quantization": None if FLAGS.quantization == "none" else FLAGS.quantization}
     if FLAGS.format != "ctranslate2":
         if options.pop("quantization") is not None:

@@ -38,7 +38,7 @@ import numpy as np
 
 from transformer_jax.data.tokenizer import MODEL_FILENAME
 from transformer_jax.errors import ConfigError, EvalError
-from transformer_jax.evaluation.options import Model, check_folder_writable, check_model
+from transformer_jax.evaluation.command import Model, check_folder_writable, check_model
 from transformer_jax.evaluation.restore import Restorer
 from transformer_jax.evaluation.translate import DecodeSettings, input_limit, output_cap, output_limit, source_ids
 from transformer_jax.export import output
@@ -374,7 +374,7 @@ def export_workdir(
 ) -> dict[str, Any]:
     """Exports the checkpoints evaluate.py would use (same flags, same selection and averaging); returns a report.
 
-    Everything cheap is checked before the parameters are read: the flags (evaluation.options.check_model, the same
+    Everything cheap is checked before the parameters are read: the flags (evaluation.command.check_model, the same
     messages as evaluate.py), the output directory, that checkpoints exist, that CTranslate2 is installed and can
     express the architecture of the config.
     """

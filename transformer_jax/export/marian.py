@@ -29,7 +29,7 @@ from flax.traverse_util import flatten_dict
 from transformer_jax.convert import folder, marian
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import EvalError
-from transformer_jax.evaluation.options import Model, check_folder_writable, check_model
+from transformer_jax.evaluation.command import Model, check_folder_writable, check_model
 from transformer_jax.evaluation.restore import Restorer
 from transformer_jax.export import output
 from transformer_jax.model.layers import LayerNorm

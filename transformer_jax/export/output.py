@@ -63,7 +63,7 @@ def write_into_place(output_dir: Path, fill: Callable[[Path], None]) -> Path:
 
 def restore_checked(workdir: str, options: Any, restorer: Any, check_exportable: Callable[[Any], None]) -> tuple:
     """(config, model, steps, tokenizer) of the checkpoints evaluate.py would use (`options`: a checked
-    evaluation.options.Model), after the cheap checks every format makes before reading parameters: the workdir
+    evaluation.command.Model), after the cheap checks every format makes before reading parameters: the workdir
     has checkpoints, and `check_exportable(config)` accepts the config the model would be built from."""
     if not restorer.list_steps(workdir):
         raise EvalError(f"no checkpoint in {Path(workdir) / 'checkpoints'}; train first or fix --workdir")

@@ -20,8 +20,7 @@ import ml_collections
 from transformer_jax.config import checks, loading
 from transformer_jax.errors import ConfigError, VariantInterrupted
 from transformer_jax.evaluation import run
-from transformer_jax.evaluation.options import Model, Translate
-from transformer_jax.evaluation.outputs import write_json, write_lines
+from transformer_jax.evaluation.command import Model, Translate, write_json, write_lines
 from transformer_jax.evaluation.validation import bleu_evaluator
 from transformer_jax.sweep import code
 from transformer_jax.sweep.results import REFERENCE_METRICS, RESULT_FILE, decoded

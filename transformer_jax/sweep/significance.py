@@ -34,7 +34,7 @@ from typing import Any
 
 from transformer_jax.errors import ScoreError
 from transformer_jax.evaluation import bleu
-from transformer_jax.evaluation.inputs import split_pairs
+from transformer_jax.evaluation.run import split_pairs
 from transformer_jax.evaluation.significance import pooled_paired_bootstrap
 from transformer_jax.sweep.splits import Split
 

@@ -10,7 +10,7 @@ tokens is cut, as evaluate.py does; input that is not UTF-8 stops the program in
 has one line per line: `log_prob<TAB>score`, the model's log P(output | source) summed over the output's tokens (EOS
 included) and the search's length-normalised score, log_prob / lp(length) (--length_penalty, --alpha); `nan` for a
 blank source, which is not decoded. The checkpoint, search and sampling flags are evaluate.py's (one table:
-evaluation.options.FLAGS), with the same defaults.
+evaluation.command.FLAGS), with the same defaults.
 
 The work is committed to OUT.parts/ one chunk of --chunk_lines lines at a time; a stopped or killed run, started
 again with the same flags, continues where it stopped, and the finished OUT and OUT.scores equal an uninterrupted
@@ -31,14 +31,14 @@ import os
 from absl import flags
 
 from transformer_jax import cli
-from transformer_jax.evaluation import options
+from transformer_jax.evaluation import command
 from transformer_jax.sharding import initialize_distributed
 from transformer_jax.translate_corpus import run
 
 PROG = "python -m transformer_jax.translate_corpus"
 FLAGS = flags.FLAGS
 
-options.define(FLAGS, run.DECODING_FLAGS)  # evaluate.py's flags: same names, defaults and meaning
+command.define(FLAGS, run.DECODING_FLAGS)  # evaluate.py's flags: same names, defaults and meaning
 flags.DEFINE_string("input", None, "The file to translate, one sentence a line (UTF-8).")
 flags.DEFINE_string("output", None, "The translations, one a line; OUTPUT.scores and OUTPUT.parts/ beside it.")
 flags.DEFINE_integer(

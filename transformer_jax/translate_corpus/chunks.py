@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from transformer_jax.errors import DiskFullError, EvalError
-from transformer_jax.evaluation.outputs import write_lines
+from transformer_jax.evaluation.command import write_lines
 from transformer_jax.runtime import files
 
 FORMAT = 1  # the layout of the files below; a store of another format is refused

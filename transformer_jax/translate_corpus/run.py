@@ -30,14 +30,14 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from transformer_jax.errors import EvalError
-from transformer_jax.evaluation import checkpoint_flags, options
+from transformer_jax.evaluation import command
 from transformer_jax.evaluation import run as evaluation
 from transformer_jax.evaluation.restore import Restorer
 from transformer_jax.evaluation.translate import translate_nbest
 from transformer_jax.runtime.progress import Progress
 from transformer_jax.translate_corpus import chunks
 
-# evaluate.py's flags that translate_corpus reads (one table: evaluation.options.FLAGS); the checkpoint flags too.
+# evaluate.py's flags that translate_corpus reads (one table: evaluation.command.FLAGS); the checkpoint flags too.
 DECODING_FLAGS = (
     "beam_size",
     "alpha",
@@ -54,7 +54,7 @@ DECODING_FLAGS = (
     "target_lang",
     "ensemble_workdirs",
 )
-FLAG_NAMES = (*checkpoint_flags.NAMES, *DECODING_FLAGS)
+FLAG_NAMES = (*command.CHECKPOINT_FLAGS, *DECODING_FLAGS)
 DEFAULT_CHUNK_LINES = 1000
 CPU_STREAMS = 2  # searches at once on a CPU device (streams=0); an accelerator runs one (docs/benchmarks.md)
 STREAMS_ZERO = f"0: {CPU_STREAMS} on a CPU, 1 on an accelerator"  # what streams=0 means (streams_per_device)
@@ -66,7 +66,7 @@ class Job:
     the chunk size, the flags given as the state file records them, and the searches each device runs at once
     (0: CPU_STREAMS on a CPU, else 1; not recorded: it changes no output, only the speed)."""
 
-    mode: options.Translate
+    mode: command.Translate
     output: str
     chunk_lines: int
     options: dict[str, Any]
@@ -91,8 +91,8 @@ def job_of(
     unknown = set(values) - set(FLAG_NAMES)
     if unknown:
         raise TypeError(f"not translate_corpus flags: {sorted(unknown)}")
-    mode, _ = options.parse({**values, "source_file": input_file})
-    assert isinstance(mode, options.Translate) and mode.decoding.candidates == 1
+    mode, _ = command.parse({**values, "source_file": input_file})
+    assert isinstance(mode, command.Translate) and mode.decoding.candidates == 1
     written = {
         "--output": output,
         "--output's scores (OUTPUT.scores)": chunks.scores_file(output),
@@ -100,12 +100,12 @@ def job_of(
     }
     for flag, path in written.items():
         if flag.endswith("(OUTPUT.parts)"):
-            options.check_folder_writable(path, flag)
+            command.check_folder_writable(path, flag)
         else:
-            options.check_writable(path, flag)
+            command.check_writable(path, flag)
     models = {"--workdir": mode.model.workdir}
     models.update({f"--ensemble_workdirs ({w})": w for w in mode.model.ensemble_workdirs or ()})
-    options.refuse_overwriting_inputs(written, {"--input": input_file, **models})
+    command.refuse_overwriting_inputs(written, {"--input": input_file, **models})
     given = {name: _recorded(name, values[name]) for name in FLAG_NAMES if values.get(name) not in (None, False)}
     return Job(mode, output, chunk_lines, given, streams)
 

@@ -1,16 +1,18 @@
-"""evaluate.py's flags (one table: name, type, help, allowed values, which mode reads it), the one small frozen
-record per mode they become, and the checks between them, all made before any file is read.
+"""evaluate.py's command line, up to the library: its flags (one table: name, type, help, allowed values, which
+mode reads it; the checkpoint flags shared with every command that restores a model), the one small frozen record per
+mode they become, the checks between them, all made before any file is read, and the writers of its outputs.
 
 `parse(values)` turns the flag values into a mode record (`ScoresOnly`, `Compare`, `Translate`, `ScorePairs`) and the
 command line's `Outputs`, or raises EvalError naming the flag and what to do. The library (evaluation/run.py) runs a
-record and returns data; evaluate.py (evaluation/__main__.py) writes the files. `check_writable` and
-`check_folder_writable` test output locations without leaving anything behind; the export, the explanation page and
-the sweep share the checkpoint checks (`check_model`) and these.
+record and returns data; evaluation/__main__.py writes the files (`write_lines`, `write_json`: whole or not at all).
+`check_writable` and `check_folder_writable` test output locations without leaving anything behind; the export, the
+explanation page, translate_corpus and the sweep share the checkpoint flags and checks (`check_model`) and these.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import types
 from collections.abc import Mapping, Sequence
@@ -18,14 +20,51 @@ from pathlib import Path
 from typing import Any
 
 from absl import flags
+from ml_collections import config_flags
 
 from transformer_jax import decoding
 from transformer_jax.config import checks
-from transformer_jax.errors import ConfigError, EvalError
-from transformer_jax.evaluation import checkpoint_flags, modes
+from transformer_jax.decoding import PLAIN_SAMPLING
+from transformer_jax.errors import ConfigError, DiskFullError, EvalError
 from transformer_jax.evaluation.mbr import UTILITIES
-from transformer_jax.evaluation.translate import DecodeSettings, check_sampling
+from transformer_jax.evaluation.translate import check_nbest, check_sampling
 from transformer_jax.runtime import files
+
+# -- the checkpoint flags: evaluate.py's, the export's, translate_corpus's (same names, defaults, help), so that
+# an export serves exactly the parameters evaluate.py scored -----------------------------------------------------
+
+CHECKPOINT_FLAGS = ("workdir", "config", "checkpoint", "average_last", "average_steps", "average_best")
+
+
+def define_checkpoint_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """Defines --config, --workdir, --checkpoint, --average_last, --average_steps and --average_best."""
+    fv = {"flag_values": flag_values}
+    config_flags.DEFINE_config_file(
+        "config", None, "Config file; default: the config saved with the checkpoints.", **fv
+    )
+    flags.DEFINE_string("workdir", None, "Training directory with checkpoints/ and the tokenizer.", **fv)
+    flags.DEFINE_string(
+        "checkpoint",
+        "latest",
+        "latest, best (the best by train.select_metric, kept by ckpt.keep_best), or the step of the last checkpoint "
+        "to use.",
+        **fv,
+    )
+    flags.DEFINE_integer(
+        "average_last", None, "Average this many checkpoints ending at --checkpoint (config.eval).", **fv
+    )
+    flags.DEFINE_list(
+        "average_steps", None, "Average exactly these checkpoint steps (instead of --average_last).", **fv
+    )
+    flags.DEFINE_integer(
+        "average_best", None, "Average the K best checkpoints by train.select_metric (instead of --average_last).", **fv
+    )
+
+
+def checkpoint_selection(flag_values: flags.FlagValues = flags.FLAGS) -> dict[str, Any]:
+    """The parsed checkpoint flags, as Model's keyword arguments."""
+    return {name: flag_values[name].value for name in CHECKPOINT_FLAGS}
+
 
 SPLITS = ("valid", "test")
 
@@ -138,7 +177,7 @@ def define(flag_values, names: Sequence[str] | None = None) -> None:
 
     Every default is None (False for a switch): a flag's value there means "given", and its meaning when unset is
     applied by `parse`."""
-    checkpoint_flags.define(flag_values)
+    define_checkpoint_flags(flag_values)
     define_of = {
         str: flags.DEFINE_string,
         int: flags.DEFINE_integer,
@@ -161,7 +200,7 @@ _ABSL_CHECKED = ("split",)
 
 def values_of(flag_values) -> dict[str, Any]:
     """The parsed flag values `parse` takes."""
-    names = (*checkpoint_flags.NAMES, *FLAG)
+    names = (*CHECKPOINT_FLAGS, *FLAG)
     return {name: flag_values[name].value for name in names}
 
 
@@ -202,7 +241,7 @@ class Compare:
 @dataclasses.dataclass(frozen=True)
 class Decoding:
     """How to decode: the search flags (None: config.eval's value, or decoding.PLAIN_SAMPLING's) and how to choose
-    among a line's candidates. `decoding_settings` and `modes.sampling_of` read it."""
+    among a line's candidates. `decoding_settings` and `sampling_of` read it."""
 
     beam_size: int | None = None
     alpha: float | None = None
@@ -274,11 +313,11 @@ _AT_LEAST_ONE = ("beam_size", "batch_size", "max_extra_len", "average_last")
 def parse(values: Mapping[str, Any]) -> tuple[Mode, Outputs]:
     """The mode record and the outputs the flag values ask for (names as the flags; absent or None: unset), or
     EvalError naming the flag and what to do. Reads no file."""
-    unknown = set(values) - {*checkpoint_flags.NAMES, *FLAG}
+    unknown = set(values) - {*CHECKPOINT_FLAGS, *FLAG}
     if unknown:
         raise TypeError(f"not evaluate.py flags: {sorted(unknown)}")
     unset = {name: False if flag.type is bool else None for name, flag in FLAG.items()}
-    o = types.SimpleNamespace(**{**dict.fromkeys(checkpoint_flags.NAMES), "checkpoint": "latest", **unset, **values})
+    o = types.SimpleNamespace(**{**dict.fromkeys(CHECKPOINT_FLAGS), "checkpoint": "latest", **unset, **values})
     if o.checkpoint is None:
         o.checkpoint = "latest"
     if o.compare_file is not None and (o.hypotheses_file is None or not o.references_file):
@@ -311,7 +350,7 @@ def parse(values: Mapping[str, Any]) -> tuple[Mode, Outputs]:
                 f"{', '.join(tuning)} {'goes' if one else 'go'} with --{switch}: add --{switch}, or drop "
                 f"{'it' if one else 'them'}"
             )
-    modes.check_flags(o)
+    check_flags(o)
     stdin = o.source_file == "-"
     if o.json and stdin and o.output_file is None:
         raise EvalError("--json prints the report on stdout, where stdin's translations go: give --output_file")
@@ -337,7 +376,7 @@ def parse(values: Mapping[str, Any]) -> tuple[Mode, Outputs]:
     else:
         mode = Translate(model, prefix_file=o.prefix_file, decoding=_decoding(o), **given)
         if mode.decoding.sampling:
-            check_sampling(modes.sampling_of(mode.decoding), mode.decoding.mbr or mode.decoding.num_samples)
+            check_sampling(sampling_of(mode.decoding), mode.decoding.mbr or mode.decoding.num_samples)
     refuse_overwriting_inputs(written, input_files(mode))
     return mode, outputs
 
@@ -353,7 +392,7 @@ def _no_model(o: Any) -> ScoresOnly | Compare:
                 f"--compare_file {o.compare_file} is --hypotheses_file {o.hypotheses_file}: a system compared "
                 "with itself differs by nothing; give the other system's translations"
             )
-    given = [f"--{name}" for name in checkpoint_flags.NAMES if name != "checkpoint" and getattr(o, name) is not None]
+    given = [f"--{name}" for name in CHECKPOINT_FLAGS if name != "checkpoint" and getattr(o, name) is not None]
     given += ["--checkpoint"] if o.checkpoint != "latest" else []
     given += [f"--{f.name}" for f in FLAGS if NO_MODEL not in f.modes and getattr(o, f.name) not in (None, False)]
     if given:
@@ -437,7 +476,7 @@ def _is_step(value: Any) -> bool:
 
 
 def input_files(mode: Translate | ScorePairs) -> dict[str, str | None]:
-    """The files a model mode reads, by flag (a split's files are known once its config is: inputs.split_files)."""
+    """The files a model mode reads, by flag (a split's files are known once its config is: run.split_files)."""
     return {
         "--source_file": None if mode.source_file == "-" else mode.source_file,
         "--references_file": mode.references_file,
@@ -498,27 +537,95 @@ def check_folder_writable(folder: str | os.PathLike, flag: str) -> None:
         raise EvalError(f"{flag}: cannot write in {folder} ({e.strerror or e}); choose another location") from e
 
 
-def decoding_settings(options: Decoding, config) -> DecodeSettings:
-    """translate()'s settings from the flags, else the config (config.eval); a bad config value names its key. The
-    search is the flags' (decoding.search_for): --sampling (modes.sampling_of; beam size 1), else greedy or beam
-    search with --length_penalty and --finished."""
-    keys = ("beam_size", "alpha", "max_extra_len", "max_len", "batch_size")
-    from_config = {key: config.eval[key] for key in keys if getattr(options, key) is None}
-    check_numbers(from_config, "config.eval.")
-    settings = {key: from_config[key] if key in from_config else getattr(options, key) for key in keys}
-    sampling = modes.sampling_of(options)
-    search = decoding.search_for(
-        1 if sampling is not None else settings["beam_size"],
-        settings["alpha"],
-        options.length_penalty or decoding.GNMT,
-        options.finished or decoding.IN_BEAM,
-        sampling,
-        options.seed or 0,
-    )
-    return DecodeSettings(
-        search=search,
-        max_extra_len=settings["max_extra_len"],
-        max_len=settings["max_len"],
-        batch_size=settings["batch_size"],
-        max_input_len=config.data.eval_max_len,
-    )
+# -- the decoding modes' checks beyond one search (n-best lists, sampling, MBR, prefixes, forced decoding, ensembles)
+
+# The flags of a search, which --score (forced decoding: no search) would ignore.
+SEARCH_FLAGS = ("beam_size", "alpha", "max_extra_len", "max_len", "length_penalty", "finished", "nbest")
+
+
+def check_flags(o: Any) -> None:
+    """EvalError for decoding flags that cannot work together: sampling with searching, --nbest over the beam size
+    (when --beam_size is given; the config's is checked once read), --nbest, --mbr or --sampling with stdin."""
+    _check_mbr(o)
+    if o.sampling:
+        if o.beam_size not in (None, 1):
+            raise EvalError(f"--sampling draws one token per step; --beam_size {o.beam_size} would be ignored")
+        if o.nbest is not None or o.score:
+            raise EvalError("--sampling draws --num_samples translations per line; drop --nbest and --score")
+        if o.finished is not None:
+            raise EvalError("--finished is beam search's rule; --sampling does not search: drop one of them")
+        if o.source_file == "-":
+            raise EvalError("--sampling needs a --source_file or a --split: stdin is translated one line at a time")
+    if o.prefix_file is not None and (o.score or o.source_file == "-"):
+        raise EvalError("--prefix_file goes with translating a --source_file or a --split (not --score, not stdin)")
+    if o.ensemble_workdirs is not None:
+        if not o.ensemble_workdirs or not all(o.ensemble_workdirs):
+            raise EvalError(
+                f"--ensemble_workdirs must be workdirs separated by commas, got {list(o.ensemble_workdirs)}"
+            )
+    if o.score:
+        searching = [f"--{k}" for k in SEARCH_FLAGS if getattr(o, k) is not None]
+        if searching:
+            raise EvalError(
+                f"--score teacher-forces the given targets; {', '.join(searching)} would be ignored: drop "
+                f"{'it' if len(searching) == 1 else 'them'}"
+            )
+        if o.source_file == "-":
+            raise EvalError("--score reads its pairs from --source_file and --references_file, not stdin")
+        if o.source_file is not None and not o.references_file:
+            raise EvalError("--score needs --references_file (the targets to score) with --source_file, or a --split")
+    if o.nbest is not None:
+        if o.source_file == "-":
+            raise EvalError("--nbest needs a --source_file or a --split: stdin is translated one line at a time")
+        # Without --beam_size only nbest >= 1 can be checked here; run.settings_of checks the config's beam size.
+        check_nbest(o.nbest, o.nbest if o.beam_size is None else o.beam_size)
+
+
+def _check_mbr(o: Any) -> None:
+    if o.mbr is None:
+        return
+    if o.mbr < 2:
+        raise EvalError(f"--mbr {o.mbr}: choose among at least 2 candidates")
+    for name in ("nbest", "num_samples"):
+        if getattr(o, name) is not None:
+            raise EvalError(f"--mbr N sets how many candidates there are; --{name} would be ignored: drop it")
+    if o.score or o.source_file == "-":
+        raise EvalError("--mbr translates a --source_file or a --split (not --score, not stdin)")
+
+
+def sampling_of(o: Any):
+    """The decoding.Sampling the flags ask for (unset ones: decoding.PLAIN_SAMPLING's), or None without --sampling."""
+    if not o.sampling:
+        return None
+    given = {k: getattr(o, k) for k in ("temperature", "top_k", "top_p") if getattr(o, k) is not None}
+    return dataclasses.replace(PLAIN_SAMPLING, **given)
+
+
+# -- the outputs, written whole or not at all: a full disk is one line and leaves any earlier file of that name
+# unchanged (for the command lines: evaluate.py, translate_corpus, the sweep) -------------------------------------
+
+
+def write_lines(path: str | os.PathLike, lines: list[str]) -> None:
+    """One line each, each ended by a newline."""
+    _write_whole(str(path), "".join(line + "\n" for line in lines))
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    """The JSON report, indented (values JSON cannot hold, as their str)."""
+    _write_whole(str(path), to_json(obj) + "\n")
+
+
+def to_json(obj: Any) -> str:
+    return json.dumps(obj, indent=1, default=str)
+
+
+def _write_whole(path: str, text: str) -> None:
+    try:
+        files.write_text_atomically(path, text)
+    except OSError as e:
+        if not files.is_disk_full(e):
+            raise
+        raise DiskFullError(
+            f"disk full while writing {path} ({files.space_report(path, len(text.encode()))}); nothing was written "
+            "there (an earlier file of that name is unchanged): free space or choose another location"
+        ) from None
