@@ -37,19 +37,9 @@ flag with its allowed values and default (one table: evaluation.command.FLAGS).
 
 from __future__ import annotations
 
-import os
-
-from absl import flags
-
-from transformer_jax import cli
-from transformer_jax.evaluation import command
-from transformer_jax.evaluation.__main__ import main
-
-# The flags (names, help, allowed values, defaults) are the table evaluation.command.FLAGS, with the checkpoint
-# flags shared with the export; --help lists them as this program's own.
-command.define(flags.FLAGS)
-flags.adopt_module_key_flags(command)
+# The command line is evaluation/__main__.py's, also `python -m transformer_jax.evaluation`: one flag table
+# (evaluation.command.FLAGS, with the checkpoint flags shared with the export), defined by run_command.
+from transformer_jax.evaluation.__main__ import run_command
 
 if __name__ == "__main__":
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    cli.run(main, "evaluate.py")
+    run_command("evaluate.py")

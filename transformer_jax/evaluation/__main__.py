@@ -1,4 +1,5 @@
-"""evaluate.py's command line (also `python -m transformer_jax.evaluation`): the flags become a mode record
+"""evaluate.py's command line, behind both its front doors (evaluate.py and `python -m transformer_jax.evaluation`
+call `run_command`, which defines the flags of the one table, command.FLAGS): the flags become a mode record
 (evaluation.command.parse), the library runs it (evaluation.run), and this module writes the files and prints a few
 summary lines; the JSON report goes to its file (--scores_file, default beside the output) and to stdout only with
 --json (the summary lines then go to stderr). See evaluate.py for the modes and their flags.
@@ -17,8 +18,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
+from absl import flags
+
+from transformer_jax import cli
 from transformer_jax.errors import DiskFullError
-from transformer_jax.evaluation import bleu, run, significance
+from transformer_jax.evaluation import bleu, command, run, significance
 from transformer_jax.evaluation.command import (
     Compare,
     Outputs,
@@ -27,6 +31,7 @@ from transformer_jax.evaluation.command import (
     Translate,
     check_folder_writable,
     check_writable,
+    define,
     output_files,
     parse,
     refuse_overwriting_inputs,
@@ -39,7 +44,6 @@ from transformer_jax.evaluation.restore import Restorer
 from transformer_jax.evaluation.scoring import score_lines
 from transformer_jax.runtime import files
 
-PROG = "evaluate.py"
 DEFAULT_FOLDER = "eval"  # WORKDIR/eval holds the outputs that have no name given
 
 
@@ -188,20 +192,21 @@ def _finish(
 
 
 def main(argv: list[str]) -> None:
-    """absl's main: evaluate.py's flags, as `command.define` defined them in absl's FLAGS."""
-    from absl import flags
-
+    """absl's main: evaluate.py's flags, as `run_command` defined them in absl's FLAGS."""
     del argv  # no positional arguments (transformer_jax.cli.run refuses them)
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs each checkpoint handler it creates at INFO
     evaluate(values_of(flags.FLAGS))
 
 
-if __name__ == "__main__":
-    from absl import flags
-
-    from transformer_jax import cli
-    from transformer_jax.evaluation.command import define
-
+def run_command(prog: str) -> None:
+    """The command line `prog` (evaluate.py, or `python -m transformer_jax.evaluation`): defines the flags in absl's
+    FLAGS, lists them in --help as the running program's own (absl names the main module by sys.argv[0]), runs main."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     define(flags.FLAGS)
-    cli.run(main, "python -m transformer_jax.evaluation")
+    for name in (*command.CHECKPOINT_FLAGS, *command.FLAG):
+        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[name])
+    cli.run(main, prog)
+
+
+if __name__ == "__main__":
+    run_command("python -m transformer_jax.evaluation")
