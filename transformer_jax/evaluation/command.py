@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -241,7 +240,8 @@ class Compare:
 @dataclasses.dataclass(frozen=True)
 class Decoding:
     """How to decode: the search flags (None: config.eval's value, or decoding.PLAIN_SAMPLING's) and how to choose
-    among a line's candidates. `decoding_settings` and `sampling_of` read it."""
+    among a line's candidates. `run.decoding_settings` and `sampling_of` read it; `parse` checks one as given (every
+    unset flag None) before it fills the defaults."""
 
     beam_size: int | None = None
     alpha: float | None = None
@@ -312,114 +312,117 @@ _AT_LEAST_ONE = ("beam_size", "batch_size", "max_extra_len", "average_last")
 
 def parse(values: Mapping[str, Any]) -> tuple[Mode, Outputs]:
     """The mode record and the outputs the flag values ask for (names as the flags; absent or None: unset), or
-    EvalError naming the flag and what to do. Reads no file."""
+    EvalError naming the flag and what to do. Reads no file.
+
+    Every check is made here, once: what the table says of each flag (its allowed values and range, the switch it
+    tunes) by name, then the combinations on the request's records as given (`_check_request`), then the model's
+    checkpoints (`check_model`); the table's constant defaults are filled in last (`_with_defaults`)."""
     unknown = set(values) - {*CHECKPOINT_FLAGS, *FLAG}
     if unknown:
         raise TypeError(f"not evaluate.py flags: {sorted(unknown)}")
     unset = {name: False if flag.type is bool else None for name, flag in FLAG.items()}
-    o = types.SimpleNamespace(**{**dict.fromkeys(CHECKPOINT_FLAGS), "checkpoint": "latest", **unset, **values})
-    if o.checkpoint is None:
-        o.checkpoint = "latest"
-    if o.compare_file is not None and (o.hypotheses_file is None or not o.references_file):
+    v = {**dict.fromkeys(CHECKPOINT_FLAGS), **unset, **values}
+    v["checkpoint"] = "latest" if v["checkpoint"] is None else v["checkpoint"]
+    if v["compare_file"] is not None and (v["hypotheses_file"] is None or not v["references_file"]):
         raise EvalError(
             "--compare_file needs --hypotheses_file and --references_file: it compares two systems' translations "
             "of the same references"
         )
-    outputs = Outputs(o.output_file, o.scores_file, bool(o.json))
-    if o.hypotheses_file is not None:
-        return _no_model(o), outputs
-    if not o.workdir:
+    outputs = Outputs(v["output_file"], v["scores_file"], bool(v["json"]))
+    if v["hypotheses_file"] is not None:
+        return _no_model(v), outputs
+    if not v["workdir"]:
         raise EvalError("give --workdir (translate with a trained model) or --hypotheses_file (score only)")
     for flag in FLAGS:
-        value = getattr(o, flag.name)
+        value = v[flag.name]
         if flag.choices and value is not None and value not in flag.choices:
             raise EvalError(f"--{flag.name} {value!r}: choose one of {', '.join(flag.choices)}")
-    if o.source_file is not None:
-        if not o.source_file:
+    if v["source_file"] is not None:
+        if not v["source_file"]:
             raise EvalError("--source_file is empty: give a file, or - for stdin")
-        if o.split is not None:
+        if v["split"] is not None:
             raise EvalError("give --split or --source_file, not both")
-    elif o.references_file is not None:
+    elif v["references_file"] is not None:
         raise EvalError("--references_file goes with --source_file; a --split brings its own references")
-    check_numbers({name: getattr(o, name) for name in (*_AT_LEAST_ONE, "alpha", "max_len")}, "--")
+    check_numbers({name: v[name] for name in (*_AT_LEAST_ONE, "alpha", "max_len")}, "--")
     for switch in dict.fromkeys(flag.needs for flag in FLAGS if flag.needs):
-        tuning = [f"--{f.name}" for f in FLAGS if f.needs == switch and getattr(o, f.name) is not None]
-        if tuning and not getattr(o, switch):
+        tuning = [f"--{f.name}" for f in FLAGS if f.needs == switch and v[f.name] is not None]
+        if tuning and not v[switch]:
             one = len(tuning) == 1
             raise EvalError(
                 f"{', '.join(tuning)} {'goes' if one else 'go'} with --{switch}: add --{switch}, or drop "
                 f"{'it' if one else 'them'}"
             )
-    check_flags(o)
-    stdin = o.source_file == "-"
-    if o.json and stdin and o.output_file is None:
-        raise EvalError("--json prints the report on stdout, where stdin's translations go: give --output_file")
-    model = check_model(
-        Model(
-            o.workdir,
-            o.config,
-            o.checkpoint,
-            o.average_last,
-            o.average_steps,
-            _tuple(o.ensemble_workdirs),
-            average_best=o.average_best,
-            target_lang=o.target_lang,
-        )
+    model = Model(
+        v["workdir"],
+        v["config"],
+        v["checkpoint"],
+        v["average_last"],
+        v["average_steps"],
+        _tuple(v["ensemble_workdirs"]),
+        average_best=v["average_best"],
+        target_lang=v["target_lang"],
     )
-    written = output_files(o.output_file, o.scores_file, stdin)
-    if o.nbest is not None and o.output_file is not None:
-        written["--nbest (OUTPUT_FILE.nbest)"] = f"{o.output_file}.nbest"
-    split = o.split or (FLAG["split"].default if o.source_file is None else None)
-    given = {"split": split, "source_file": o.source_file, "references_file": o.references_file}
-    if o.score:
-        mode = ScorePairs(model, batch_size=o.batch_size, **given)
+    split = v["split"] or (FLAG["split"].default if v["source_file"] is None else None)
+    given = Decoding(**{f.name: v[f.name] for f in dataclasses.fields(Decoding)})  # as given: None is unset
+    request = Translate(model, split, v["source_file"], v["references_file"], v["prefix_file"], given)
+    _check_request(request, bool(v["score"]))
+    if outputs.json and request.stdin and outputs.output_file is None:
+        raise EvalError("--json prints the report on stdout, where stdin's translations go: give --output_file")
+    model = check_model(model)
+    written = output_files(outputs.output_file, outputs.scores_file, request.stdin)
+    if given.nbest is not None and outputs.output_file is not None:
+        written["--nbest (OUTPUT_FILE.nbest)"] = f"{outputs.output_file}.nbest"
+    if v["score"]:
+        mode = ScorePairs(model, split, request.source_file, request.references_file, given.batch_size)
     else:
-        mode = Translate(model, prefix_file=o.prefix_file, decoding=_decoding(o), **given)
+        mode = dataclasses.replace(request, model=model, decoding=_with_defaults(given))
         if mode.decoding.sampling:
             check_sampling(sampling_of(mode.decoding), mode.decoding.mbr or mode.decoding.num_samples)
     refuse_overwriting_inputs(written, input_files(mode))
     return mode, outputs
 
 
-def _no_model(o: Any) -> ScoresOnly | Compare:
-    if not o.references_file:
+def _no_model(v: Mapping[str, Any]) -> ScoresOnly | Compare:
+    """The scores modes' record; every flag a model would read is refused (the table says which)."""
+    hypotheses, baseline, references = v["hypotheses_file"], v["compare_file"], v["references_file"]
+    if not references:
         raise EvalError("--hypotheses_file needs --references_file")
-    if o.compare_file is not None:
-        if not o.compare_file:
+    if baseline is not None:
+        if not baseline:
             raise EvalError("--compare_file is empty: give the baseline system's translations")
-        if _same_file(o.compare_file, o.hypotheses_file):
+        if _same_file(baseline, hypotheses):
             raise EvalError(
-                f"--compare_file {o.compare_file} is --hypotheses_file {o.hypotheses_file}: a system compared "
+                f"--compare_file {baseline} is --hypotheses_file {hypotheses}: a system compared "
                 "with itself differs by nothing; give the other system's translations"
             )
-    given = [f"--{name}" for name in CHECKPOINT_FLAGS if name != "checkpoint" and getattr(o, name) is not None]
-    given += ["--checkpoint"] if o.checkpoint != "latest" else []
-    given += [f"--{f.name}" for f in FLAGS if NO_MODEL not in f.modes and getattr(o, f.name) not in (None, False)]
+    given = [f"--{name}" for name in CHECKPOINT_FLAGS if name != "checkpoint" and v[name] is not None]
+    given += ["--checkpoint"] if v["checkpoint"] != "latest" else []
+    given += [f"--{f.name}" for f in FLAGS if NO_MODEL not in f.modes and v[f.name] not in (None, False)]
     if given:
         raise EvalError(
             f"--hypotheses_file scores existing translations without a model; {', '.join(given)} "
             "would be ignored: drop them, or drop --hypotheses_file to translate"
         )
-    inputs = {"--hypotheses_file": o.hypotheses_file, "--compare_file": o.compare_file}
-    refuse_overwriting_inputs({"--scores_file": o.scores_file}, {**inputs, "--references_file": o.references_file})
-    if o.compare_file is not None:
-        return Compare(o.hypotheses_file, o.compare_file, o.references_file)
-    return ScoresOnly(o.hypotheses_file, o.references_file)
+    inputs = {"--hypotheses_file": hypotheses, "--compare_file": baseline, "--references_file": references}
+    refuse_overwriting_inputs({"--scores_file": v["scores_file"]}, inputs)
+    return ScoresOnly(hypotheses, references) if baseline is None else Compare(hypotheses, baseline, references)
 
 
-def _decoding(o: Any) -> Decoding:
-    """The Decoding record of checked flag values, the constant defaults (the table's) filled in."""
-    fields = {f.name: getattr(o, f.name) for f in dataclasses.fields(Decoding)}
-    fields.update(
-        sampling=bool(o.sampling),
-        length_penalty=o.length_penalty or FLAG["length_penalty"].default,
-        finished=o.finished or FLAG["finished"].default,
-        seed=FLAG["seed"].default if o.seed is None else o.seed,
-        mbr_utility=(o.mbr_utility or FLAG["mbr_utility"].default) if o.mbr is not None else None,
+def _with_defaults(given: Decoding) -> Decoding:
+    """The Decoding of checked flags as given, the table's constant defaults filled in."""
+    num_samples = given.num_samples
+    if given.sampling and num_samples is None and given.mbr is None:
+        num_samples = FLAG["num_samples"].default
+    return dataclasses.replace(
+        given,
+        sampling=bool(given.sampling),
+        length_penalty=given.length_penalty or FLAG["length_penalty"].default,
+        finished=given.finished or FLAG["finished"].default,
+        seed=FLAG["seed"].default if given.seed is None else given.seed,
+        mbr_utility=(given.mbr_utility or FLAG["mbr_utility"].default) if given.mbr is not None else None,
+        num_samples=num_samples,
     )
-    if o.sampling and o.num_samples is None and o.mbr is None:
-        fields["num_samples"] = FLAG["num_samples"].default
-    return Decoding(**fields)
 
 
 def _tuple(values: Sequence[Any] | None) -> tuple[Any, ...] | None:
@@ -543,61 +546,56 @@ def check_folder_writable(folder: str | os.PathLike, flag: str) -> None:
 SEARCH_FLAGS = ("beam_size", "alpha", "max_extra_len", "max_len", "length_penalty", "finished", "nbest")
 
 
-def check_flags(o: Any) -> None:
-    """EvalError for decoding flags that cannot work together: sampling with searching, --nbest over the beam size
-    (when --beam_size is given; the config's is checked once read), --nbest, --mbr or --sampling with stdin."""
-    _check_mbr(o)
-    if o.sampling:
-        if o.beam_size not in (None, 1):
-            raise EvalError(f"--sampling draws one token per step; --beam_size {o.beam_size} would be ignored")
-        if o.nbest is not None or o.score:
+def _check_request(request: Translate, score: bool) -> None:
+    """EvalError for flags that cannot work together, read from the request's records as given (None: unset; `score`:
+    --score's forced decoding instead): sampling with searching, --nbest over the beam size (when --beam_size is
+    given; the config's is checked once read), --nbest, --mbr or --sampling with stdin."""
+    d, stdin = request.decoding, request.stdin
+    if d.mbr is not None:
+        if d.mbr < 2:
+            raise EvalError(f"--mbr {d.mbr}: choose among at least 2 candidates")
+        for name in ("nbest", "num_samples"):
+            if getattr(d, name) is not None:
+                raise EvalError(f"--mbr N sets how many candidates there are; --{name} would be ignored: drop it")
+        if score or stdin:
+            raise EvalError("--mbr translates a --source_file or a --split (not --score, not stdin)")
+    if d.sampling:
+        if d.beam_size not in (None, 1):
+            raise EvalError(f"--sampling draws one token per step; --beam_size {d.beam_size} would be ignored")
+        if d.nbest is not None or score:
             raise EvalError("--sampling draws --num_samples translations per line; drop --nbest and --score")
-        if o.finished is not None:
+        if d.finished is not None:
             raise EvalError("--finished is beam search's rule; --sampling does not search: drop one of them")
-        if o.source_file == "-":
+        if stdin:
             raise EvalError("--sampling needs a --source_file or a --split: stdin is translated one line at a time")
-    if o.prefix_file is not None and (o.score or o.source_file == "-"):
+    if request.prefix_file is not None and (score or stdin):
         raise EvalError("--prefix_file goes with translating a --source_file or a --split (not --score, not stdin)")
-    if o.ensemble_workdirs is not None:
-        if not o.ensemble_workdirs or not all(o.ensemble_workdirs):
-            raise EvalError(
-                f"--ensemble_workdirs must be workdirs separated by commas, got {list(o.ensemble_workdirs)}"
-            )
-    if o.score:
-        searching = [f"--{k}" for k in SEARCH_FLAGS if getattr(o, k) is not None]
+    members = request.model.ensemble_workdirs
+    if members is not None and (not members or not all(members)):
+        raise EvalError(f"--ensemble_workdirs must be workdirs separated by commas, got {list(members)}")
+    if score:
+        searching = [f"--{k}" for k in SEARCH_FLAGS if getattr(d, k) is not None]
         if searching:
             raise EvalError(
                 f"--score teacher-forces the given targets; {', '.join(searching)} would be ignored: drop "
                 f"{'it' if len(searching) == 1 else 'them'}"
             )
-        if o.source_file == "-":
+        if stdin:
             raise EvalError("--score reads its pairs from --source_file and --references_file, not stdin")
-        if o.source_file is not None and not o.references_file:
+        if request.source_file is not None and not request.references_file:
             raise EvalError("--score needs --references_file (the targets to score) with --source_file, or a --split")
-    if o.nbest is not None:
-        if o.source_file == "-":
+    if d.nbest is not None:
+        if stdin:
             raise EvalError("--nbest needs a --source_file or a --split: stdin is translated one line at a time")
         # Without --beam_size only nbest >= 1 can be checked here; run.settings_of checks the config's beam size.
-        check_nbest(o.nbest, o.nbest if o.beam_size is None else o.beam_size)
+        check_nbest(d.nbest, d.nbest if d.beam_size is None else d.beam_size)
 
 
-def _check_mbr(o: Any) -> None:
-    if o.mbr is None:
-        return
-    if o.mbr < 2:
-        raise EvalError(f"--mbr {o.mbr}: choose among at least 2 candidates")
-    for name in ("nbest", "num_samples"):
-        if getattr(o, name) is not None:
-            raise EvalError(f"--mbr N sets how many candidates there are; --{name} would be ignored: drop it")
-    if o.score or o.source_file == "-":
-        raise EvalError("--mbr translates a --source_file or a --split (not --score, not stdin)")
-
-
-def sampling_of(o: Any):
+def sampling_of(d: Decoding) -> decoding.Sampling | None:
     """The decoding.Sampling the flags ask for (unset ones: decoding.PLAIN_SAMPLING's), or None without --sampling."""
-    if not o.sampling:
+    if not d.sampling:
         return None
-    given = {k: getattr(o, k) for k in ("temperature", "top_k", "top_p") if getattr(o, k) is not None}
+    given = {k: getattr(d, k) for k in ("temperature", "top_k", "top_p") if getattr(d, k) is not None}
     return dataclasses.replace(PLAIN_SAMPLING, **given)
 
 
