@@ -35,7 +35,6 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from transformer_jax import data
-from transformer_jax.config.checks import extra_valid_sets
 from transformer_jax.data.batching import BATCH_KEYS, padded_eval_length
 from transformer_jax.data.pipeline import batch_shapes, place, prefetch
 from transformer_jax.errors import ConfigError, NonFiniteError
@@ -80,7 +79,7 @@ def validation_sets(config: ml_collections.ConfigDict) -> list[tuple[str, list[t
     """(name, pairs) of every validation set: data.valid_split first (name ""), then each eval.extra_valid set
     (text files {split}.{lang} in its directory, the run's languages)."""
     sets = [("", data.load_split(config.data, config.data.valid_split))]
-    for name, directory, split in extra_valid_sets(config.eval.extra_valid):
+    for name, directory, split in config.eval.extra_valid:
         source = ml_collections.ConfigDict(config.data.to_dict())
         source.source, source.text_dir = "text", directory
         sets.append((name, data.load_split(source, split)))

@@ -53,7 +53,7 @@ def make_optimizer(opt: ml_collections.ConfigDict, num_steps: int) -> optax.Grad
         tx = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay)
     if opt.clip_grad_norm > 0:
         tx = optax.chain(optax.clip_by_global_norm(opt.clip_grad_norm), tx)
-    patterns = checks.freeze_patterns(opt.freeze)
+    patterns = list(opt.freeze)
     if not patterns:
         return tx
     return optax.multi_transform(
