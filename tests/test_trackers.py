@@ -295,12 +295,12 @@ def test_an_unknown_tracker_is_one_line_naming_the_key_and_the_known_ones(corpus
 
 def test_a_missing_tracker_package_is_one_line_saying_what_to_install(corpus, monkeypatch):
     """Training needs the package; a config naming the tracker is still valid (evaluate.py --config, a fine-tuning
-    source that logged to MLflow), so only tracker_packages refuses it."""
+    source that logged to MLflow), so only the validation of a config to train (train.py, the sweep) refuses it."""
     monkeypatch.setitem(sys.modules, "mlflow", None)  # what `import mlflow` finds when it is not installed
     config = tiny_train_config(corpus, trackers=("tensorboard", "mlflow"))
     checks.validate(config)
     with pytest.raises(ConfigError) as error:
-        checks.tracker_packages(config.train.trackers)
+        checks.validate(config, training=True)
     message = str(error.value)
     assert "\n" not in message and "config key train.trackers: mlflow needs its package" in message
     assert f"pip install {TRACKERS['mlflow']}" in message

@@ -3,10 +3,14 @@
 Each key's rule (a type, a range or a set of choices, and its unit) is written once, with its default, in
 `schema.KEYS`; `RULES` is that table. `validate(config)` first puts every list-valued key in its tuple form (its
 `Entries` rule splits a comma-joined value; in place, so that what the run saves and reads is the tuple), checks every
-leaf against it, refuses a leaf with no key (a key no code reads, most often a misspelling in a config file), and
-then the rules between keys (`check_model`, `check_opt`). It is called once by train.py, by the sweep for every
-variant and by evaluate.py for a given --config; TransformerSpec and the optimiser call the same checks, so there is
-one source for each rule. A failure is one ConfigError line naming the key, the value and what is allowed.
+leaf against its rule, refuses a leaf with no key (a key no code reads, most often a misspelling in a config file),
+and then the rules between keys (`check_between`). Every command line that receives a config calls it once, before
+any work: train.py and the sweep (for each run) with training=True, which also finds the trackers' packages;
+evaluate.py for a given --config; data preparation and the visualisations; the Marian conversion for the config it
+builds. Two guards stay in the library, where a config reaches it otherwise: TransformerSpec applies the model's rules
+(`check_model`) to every model built (from a checkpoint's saved config, a converted model, code), and a fine-tuning run
+applies the rules between keys to its config merged with its source's architecture. A failure is one ConfigError line
+naming the key, the value and what is allowed.
 """
 
 from __future__ import annotations
@@ -95,32 +99,21 @@ def check_special_ids(m: Mapping[str, Any]) -> None:
             raise ConfigError(f"config key model.{b}: equals model.{a} ({ids[a]}); the reserved ids must differ")
 
 
-def check_opt(opt: Mapping[str, Any]) -> None:
-    """The `opt` group: each key against its rule, then the rules between keys. The optimiser calls this too."""
-    for key, value in opt.items():
-        check_value(f"opt.{key}", value)
-    if opt["optimizer"] == "adam" and opt["weight_decay"]:
-        raise ConfigError(
-            f"config key opt.weight_decay: Adam has no decoupled weight decay (got {opt['weight_decay']}); "
-            "use opt.optimizer=adamw or set it to 0"
-        )
-
-
-def check_init(train: Mapping[str, Any]) -> None:
+def check_init(step: str, init_from: str) -> None:
     """train.init_step: latest, best or a step number, and only with train.init_from."""
-    step = train["init_step"]
     if step not in ("latest", "best") and not step.isdigit():
         raise ConfigError(f"config key train.init_step: must be latest, best or a step number, got {step!r}")
-    if step != "latest" and not train["init_from"]:
+    if step != "latest" and not init_from:
         raise ConfigError(
             f"config key train.init_step: {step!r} names a checkpoint of train.init_from, which is empty; "
             "set train.init_from to the workdir to start from"
         )
 
 
-def validate(config: Mapping[str, Any]) -> None:
+def validate(config: Mapping[str, Any], training: bool = False) -> None:
     """Every list-valued key of a full config split into its tuple (in place), every leaf against RULES, then the
-    rules between keys; ConfigError on the first failure."""
+    rules between keys; with `training`, the trackers' packages too (training needs them; evaluating, or fine-tuning
+    from a run that logged to W&B, does not). ConfigError on the first failure."""
     split_lists(config)
     values = dict(leaves(config))
     for key, value in values.items():
@@ -128,15 +121,9 @@ def validate(config: Mapping[str, Any]) -> None:
     missing = sorted(set(RULES) - set(values))
     if missing:
         raise ConfigError(f"config lacks keys {missing}; start from configs/common.py base_config")
-    check_model({k: v for k, v in values.items() if k.startswith(("model.", "attention."))})
-    check_opt(config["opt"])
-    check_selection(values)
-    check_init(config["train"])
-    if values["model.positional"] == "learned" and values["data.max_len"] > values["model.max_len"]:
-        raise ConfigError(
-            f"config key data.max_len: {values['data.max_len']} tokens per side exceed the {values['model.max_len']} "
-            "positions of the learned positional embedding (model.max_len); lower one or raise the other"
-        )
+    check_between(values)
+    if training:
+        tracker_packages(values["train.trackers"])
 
 
 def split_lists(config: Mapping[str, Any]) -> None:
@@ -150,20 +137,32 @@ def split_lists(config: Mapping[str, Any]) -> None:
                 config[group][leaf] = value
 
 
-def check_selection(values: Mapping[str, Any]) -> None:
-    """Keeping the best checkpoints and stopping early both rank validations: they need train.eval_every > 0."""
+def check_between(values: Mapping[str, Any]) -> None:
+    """The rules between keys of a full config (dotted key -> value) whose leaves were checked: what `validate`
+    applies last, and what a fine-tuning run applies to its config merged with its source's architecture."""
+    check_model({k: v for k, v in values.items() if k.startswith(("model.", "attention."))})
+    if values["opt.optimizer"] == "adam" and values["opt.weight_decay"]:
+        raise ConfigError(
+            f"config key opt.weight_decay: Adam has no decoupled weight decay (got {values['opt.weight_decay']}); "
+            "use opt.optimizer=adamw or set it to 0"
+        )
     for key in ("ckpt.keep_best", "train.early_stop_patience"):
         if values[key] and not values["train.eval_every"]:
             raise ConfigError(
                 f"config key {key}={values[key]} needs a validation to rank checkpoints by, but train.eval_every=0; "
                 f"set train.eval_every > 0 or {key}=0"
             )
+    check_init(values["train.init_step"], values["train.init_from"])
+    if values["model.positional"] == "learned" and values["data.max_len"] > values["model.max_len"]:
+        raise ConfigError(
+            f"config key data.max_len: {values['data.max_len']} tokens per side exceed the {values['model.max_len']} "
+            "positions of the learned positional embedding (model.max_len); lower one or raise the other"
+        )
 
 
 def tracker_packages(names: tuple[str, ...]) -> None:
     """ConfigError naming the key for a tracker of train.trackers whose optional package is not installed (found,
-    never imported here). Only what trains needs them (train.py, the sweep, the metric writer): evaluating or
-    fine-tuning from a run that logged to W&B does not need wandb, so `validate` checks the names alone."""
+    never imported here)."""
     for name in names:
         requirement = TRACKERS[name]
         if requirement and importlib.util.find_spec(requirement.partition("==")[0]) is None:

@@ -11,7 +11,6 @@ import ml_collections
 import optax
 from flax import nnx
 
-from transformer_jax.config import checks
 from transformer_jax.errors import ConfigError
 
 TRAIN, FROZEN = "train", "frozen"  # the labels of optax.multi_transform
@@ -24,8 +23,9 @@ def learning_rate_schedule(opt: ml_collections.ConfigDict, num_steps: int) -> op
     rsqrt:    linear warmup to learning_rate, then learning_rate * sqrt(warmup / step_num)
     cosine:   linear warmup to learning_rate, then cosine decay to 0 at num_steps
     constant: linear warmup to learning_rate, then constant
+
+    The `opt` group is the one the command line validated (config/checks.py).
     """
-    checks.check_opt(opt)  # the rules of checks.RULES, as validate() applies them
     peak, warmup = float(opt.learning_rate), max(int(opt.warmup_steps), 1)
     if opt.schedule == "paper":
         return lambda step: peak * jnp.minimum((step + 1.0) ** -0.5, (step + 1.0) * warmup**-1.5)
@@ -46,7 +46,7 @@ def make_optimizer(opt: ml_collections.ConfigDict, num_steps: int) -> optax.Grad
     moments, and clipping sees only the trained ones' gradients (optax.multi_transform); a pattern that matches no
     parameter is a ConfigError when the optimizer state is initialised.
     """
-    schedule = learning_rate_schedule(opt, num_steps)  # checks the opt group
+    schedule = learning_rate_schedule(opt, num_steps)
     if opt.optimizer == "adam":
         tx = optax.adam(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps)
     else:
