@@ -1,5 +1,5 @@
-"""Learning-rate schedules (equal to their formulas at every step), the optimizer's config checks, and freezing
-parameters by path (opt.freeze)."""
+"""Learning-rate schedules (equal to their formulas at every step, and the one the run applies is the one it logs),
+the optimizer's config checks, and freezing parameters by path (opt.freeze)."""
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +12,7 @@ from tests.helpers.training import one_layer_config
 from transformer_jax.config import checks
 from transformer_jax.errors import ConfigError
 from transformer_jax.training.optim import learning_rate_schedule, make_optimizer
-from transformer_jax.training.state import create_model
+from transformer_jax.training.state import create_model, new_train_state, split_train_state
 
 
 def reference(name: str, peak: float, warmup_steps: int, num_steps: int, step: int) -> float:
@@ -79,13 +79,31 @@ def test_bad_optimizer_settings_name_the_key():
             checks.validate(config)
 
 
+def test_the_logged_learning_rate_is_the_one_the_optimizer_applies():
+    """The schedule is built once, with the train state: its optimizer applies it and Graphs.learning_rate, which
+    the metrics log, is it. Adam's first update by gradients of ones moves every parameter by -rate / (1 + eps)."""
+    config = one_layer_config()
+    config.opt.schedule, config.opt.warmup_steps, config.opt.learning_rate = "rsqrt", 4, 1e-2
+    train_state = new_train_state(config)
+    graphs, _ = split_train_state(train_state)
+    rate = float(graphs.learning_rate(0))
+    np.testing.assert_allclose(rate, float(learning_rate_schedule(config.opt, config.train.num_steps)(0)))
+    before = jax.tree.map(np.array, nnx.to_pure_dict(nnx.state(train_state.model, nnx.Param)))
+    train_state.optimizer.update(
+        train_state.model, jax.tree.map(jnp.ones_like, nnx.state(train_state.model, nnx.Param))
+    )
+    after = nnx.to_pure_dict(nnx.state(train_state.model, nnx.Param))
+    for moved in jax.tree.leaves(jax.tree.map(lambda a, b: np.asarray(a) - b, after, before)):
+        np.testing.assert_allclose(moved, -rate / (1 + config.opt.eps), rtol=1e-4)
+
+
 def _trained_with_freeze(freeze: tuple[str, ...], optimizer: str = "adamw", steps: int = 3):
     """A one-layer model's parameters before and after `steps` updates by gradients of ones, with opt.freeze."""
     config = one_layer_config()
     config.opt.freeze, config.opt.optimizer, config.opt.clip_grad_norm = freeze, optimizer, 1.0
     config.opt.weight_decay = 0.1 if optimizer == "adamw" else 0.0
     model = create_model(config, 0)
-    optimizer_ = nnx.Optimizer(model, make_optimizer(config.opt, 10), wrt=nnx.Param)
+    optimizer_ = nnx.Optimizer(model, make_optimizer(config.opt, learning_rate_schedule(config.opt, 10)), wrt=nnx.Param)
     before = jax.tree.map(np.array, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     grads = jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param))
     for _ in range(steps):

@@ -46,7 +46,6 @@ from transformer_jax.training import bookkeeping, flops, init_from
 from transformer_jax.training.checkpoints import Checkpointer
 from transformer_jax.training.losses import summarize
 from transformer_jax.training.metrics import MetricWriter
-from transformer_jax.training.optim import learning_rate_schedule
 from transformer_jax.training.state import Graphs, abstract_train_state, create_train_state, eval_model
 from transformer_jax.training.step import compile_steps
 
@@ -172,12 +171,19 @@ class MetricLog:
     step it just dispatched), summed on the host, and written as one record every train.log_every steps.
 
     Fetching is also where a run of non-finite updates is noticed: NonFiniteError once there are
-    train.max_nonfinite_steps in a row.
+    train.max_nonfinite_steps in a row. `learning_rate` is the optimizer's schedule (Graphs.learning_rate).
     """
 
-    def __init__(self, config: ml_collections.ConfigDict, writer: MetricWriter, progress: Progress, peak: float):
+    def __init__(
+        self,
+        config: ml_collections.ConfigDict,
+        writer: MetricWriter,
+        progress: Progress,
+        peak: float,
+        learning_rate: Callable[[int], Any],
+    ):
         self.writer, self.progress = writer, progress
-        self.schedule = learning_rate_schedule(config.opt, config.train.num_steps)
+        self.schedule = learning_rate
         self.max_nonfinite = config.train.max_nonfinite_steps
         self.peak_all_devices = peak * jax.device_count()
         self.pending: tuple | None = None  # (metrics on device, real tokens, FLOPs, step) of the last step
@@ -374,7 +380,7 @@ def setup(
         train_step=train_step,
         batches=prefetch(train_iter, sharding),
         checkpointer=checkpointer,
-        metric_log=MetricLog(config, writer, progress, peak),
+        metric_log=MetricLog(config, writer, progress, peak, graphs.learning_rate),
         validation=validation,
         writer=writer,
         progress=progress,

@@ -39,14 +39,14 @@ def learning_rate_schedule(opt: ml_collections.ConfigDict, num_steps: int) -> op
     return optax.join_schedules([ramp, after], boundaries=[warmup - 1])
 
 
-def make_optimizer(opt: ml_collections.ConfigDict, num_steps: int) -> optax.GradientTransformation:
-    """Adam (b1, b2, eps from the config; paper: 0.9, 0.98, 1e-9) or AdamW, with optional global-norm clipping.
+def make_optimizer(opt: ml_collections.ConfigDict, schedule: optax.Schedule) -> optax.GradientTransformation:
+    """Adam (b1, b2, eps from the config; paper: 0.9, 0.98, 1e-9) or AdamW at the rates of `schedule`
+    (learning_rate_schedule), with optional global-norm clipping.
 
     With opt.freeze, the parameters whose path a pattern matches get zero updates (optax.set_to_zero) and no Adam
     moments, and clipping sees only the trained ones' gradients (optax.multi_transform); a pattern that matches no
     parameter is a ConfigError when the optimizer state is initialised.
     """
-    schedule = learning_rate_schedule(opt, num_steps)
     if opt.optimizer == "adam":
         tx = optax.adam(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps)
     else:
