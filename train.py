@@ -58,8 +58,9 @@ def main(argv: list[str]) -> None:
     logging.getLogger().setLevel(logging.INFO)
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file it renames at INFO
     config = _CONFIG.value
-    checks.validate(config)  # before any work: a bad value is one line now, not a traceback minutes later
-    checks.tracker_packages(config.train.trackers)
+    # Before any work: a bad value, or a tracker whose package is missing, is one line now, not a traceback minutes
+    # later; a comma-joined list-valued key becomes its tuple here.
+    checks.validate(config, training=True)
     overrides = tuple(config_flags.get_override_values(flags.FLAGS[_CONFIG.name]))  # --config.KEY=VALUE given
     if _PLAN.value or _DRY_RUN.value:
         config = init_from.planned_config(config, overrides)  # a fine-tuning run's model is its source's

@@ -20,6 +20,7 @@ DEFAULTS = dict(data="", steps="1600", direction="en-de")  # the config-file arg
 
 
 def _files(data: str, src: str, tgt: str, stem_src: str, stem_tgt: str | None = None) -> str:
+    """The `where` of a data.corpora record of kind files: SRC_FILE+TGT_FILE."""
     return f"{data}/{stem_src}.{src}+{data}/{stem_tgt or stem_src}.{tgt}"
 
 
@@ -34,7 +35,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         config.data.src_lang, config.data.tgt_lang = src, tgt
         # 10k real pairs: the run's own tokenizer, smaller than Multi30k's 8,000 (one vocabulary for every arm).
         config.model.vocab_size = 4000
-        config.data.corpora = f"real=files:{_files(args['data'], src, tgt, 'real')}:1"
+        config.data.corpora = (("real", "files", _files(args["data"], src, tgt, "real"), 1, ""),)
     return config.lock()
 
 
@@ -43,12 +44,16 @@ def get_sweep(arg: str | None = None) -> list[dict]:
     if args["direction"] != "en-de":
         raise ValueError("the back-translation arms are en-de (mono.de is their monolingual side); drop direction=")
     data = args["data"]
-    real = f"real=files:{_files(data, 'en', 'de', 'real')}:10000"
-    # Weights are the corpora's sizes: every pair, real or synthetic, is drawn equally often.
-    bt = "bt=files:" + _files(data, "en", "de", "{}", "mono") + f":19000:{TAG}"
+    # data.corpora records (name, kind, where, weight, tag). Weights are the corpora's sizes: every pair, real or
+    # synthetic, is drawn equally often.
+    real = ("real", "files", _files(data, "en", "de", "real"), 10000, "")
+
+    def bt(stem: str) -> tuple:  # the tagged back-translations STEM.en of mono.de
+        return ("bt", "files", _files(data, "en", "de", stem, "mono"), 19000, TAG)
+
     return [
-        {"name": "real10k", "data.corpora": real},
-        {"name": "bt_beam", "data.corpora": f"{real},{bt.format('bt_beam')}"},
-        {"name": "bt_sampled", "data.corpora": f"{real},{bt.format('bt_sampled')}"},
-        {"name": "real29k", "data.corpora": ""},  # data.source: all of Multi30k train
+        {"name": "real10k", "data.corpora": (real,)},
+        {"name": "bt_beam", "data.corpora": (real, bt("bt_beam"))},
+        {"name": "bt_sampled", "data.corpora": (real, bt("bt_sampled"))},
+        {"name": "real29k", "data.corpora": ()},  # data.source: all of Multi30k train
     ]

@@ -30,6 +30,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 def get_sweep(arg: str | None = None) -> list[dict]:
     data = common.parse_arg(arg, **DEFAULTS)["data"]
     return [
-        {"name": "references", "data.corpora": ""},  # data.source: Multi30k train as it is
-        {"name": "teacher", "data.corpora": f"teacher=files:{data}/train.en+{data}/teacher.de:1"},
+        {"name": "references", "data.corpora": ()},  # data.source: Multi30k train as it is
+        # A data.corpora record (name, kind, where, weight, tag): the teacher's translations, untagged.
+        {"name": "teacher", "data.corpora": (("teacher", "files", f"{data}/train.en+{data}/teacher.de", 1, ""),)},
     ]

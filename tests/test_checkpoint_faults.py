@@ -193,7 +193,13 @@ def _poisoned_run(workdir: pathlib.Path, config, checkpointer):
         train_step=poisoned_step,
         batches=_Batches(it_state),
         checkpointer=checkpointer,
-        metric_log=loop.MetricLog(config, writer, Progress(20, "step", "steps", initial=step), 1e11),
+        metric_log=loop.MetricLog(
+            config,
+            writer,
+            Progress(20, "step", "steps", initial=step),
+            1e11,
+            abstract_train_state(config)[0].learning_rate,
+        ),
         validation=SimpleNamespace(run_due=lambda *a: None),
     )
 

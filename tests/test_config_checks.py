@@ -11,7 +11,7 @@ import tempfile
 import pytest
 
 from configs import common
-from transformer_jax.config import checks
+from transformer_jax.config import checks, schema
 from transformer_jax.config.checks import RULES, check_workdir, validate
 from transformer_jax.errors import ConfigError
 from transformer_jax.model import TransformerSpec
@@ -102,18 +102,68 @@ def test_rules_between_keys(overrides, message):
         validate(config)
 
 
-def test_the_model_and_the_optimizer_apply_the_same_rules():
-    """One source: TransformerSpec and make_optimizer call the checks that validate() calls."""
+def test_the_model_applies_the_same_rules():
+    """One source: TransformerSpec calls the checks that validate() calls, for every model whatever its config's
+    origin (a checkpoint's saved config, a converted model, code)."""
     config = common.base_config("tiny")
     config.model.norm_epsilon = -1.0
     with pytest.raises(ConfigError, match="config key model.norm_epsilon: must be positive"):
         TransformerSpec.from_config(config)
-    from transformer_jax.training.optim import make_optimizer
 
-    config = common.base_config("tiny")
-    config.opt.learning_rate = -1.0
-    with pytest.raises(ConfigError, match="config key opt.learning_rate: must be positive"):
-        make_optimizer(config.opt, 10)
+
+LIST_VALUES = {
+    # key: (a tuple, the same as one comma-joined value; for records, in the key's form of before)
+    "data.corpora": (
+        (("real", "text", "/d/m30k", 1.0, ""), ("bt", "files", "mono.bt.en+mono.de", 0.5, "<BT>")),
+        "real=text:/d/m30k:1,bt=files:mono.bt.en+mono.de:0.5:<BT>",
+    ),
+    "eval.extra_valid": (
+        (("tatoeba", "/d/tatoeba", "test"), ("news", "/d/news", "valid")),
+        "tatoeba=/d/tatoeba:test,news=/d/news",
+    ),
+    "opt.freeze": (("encoder_layers/0/.*", "src_embed"), "encoder_layers/0/.*,src_embed"),
+    "train.trackers": (("tensorboard", "wandb"), "tensorboard,wandb"),
+}
+
+
+def test_every_list_valued_key_is_tested_here():
+    assert set(LIST_VALUES) == set(schema.LISTS)
+
+
+@pytest.mark.parametrize("key", sorted(LIST_VALUES))
+def test_a_list_valued_key_takes_a_tuple_or_one_comma_joined_value(key):
+    """The tuple as written; the comma-joined value as ml_collections gives it from --config.KEY=... (a 1-tuple) and
+    as a config saved before the key was a tuple holds it (the string): each becomes the tuple, in place, before the
+    config is checked, so the config a run saves and reads holds the tuple."""
+    records, joined = LIST_VALUES[key]
+    group, _, leaf = key.rpartition(".")
+    for given in (records, (joined,), joined):
+        config = common.base_config("tiny").to_dict()
+        config[group][leaf] = given
+        validate(config)
+        assert config[group][leaf] == records, given
+
+
+def test_a_list_valued_key_on_the_command_line(tmp_path):
+    """Every command line reads --config.KEY=a,b of a list-valued key as one comma-joined value, even where it is
+    no Python literal (ml_collections refuses 'real=text:/d:1,bt=...' for a tuple), or as a Python tuple."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    from transformer_jax import cli
+
+    file = tmp_path / "c.py"
+    file.write_text("from configs import common\n\ndef get_config():\n    return common.base_config('tiny').lock()\n")
+    argv = ["prog", f"--config={file}", *(f"--config.{key}={joined}" for key, (_, joined) in LIST_VALUES.items())]
+    argv[-1] = "--config.train.trackers=('tensorboard', 'wandb')"
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "config", flag_values=fv, sys_argv=argv)
+    cli.parse_flags("prog", argv, fv)
+    config = fv.config
+    validate(config)
+    for key, (records, _) in LIST_VALUES.items():
+        group, _, leaf = key.rpartition(".")
+        assert config[group][leaf] == records, key
 
 
 def test_a_missing_key_fails():

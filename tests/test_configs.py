@@ -133,6 +133,45 @@ def test_a_config_saved_by_an_earlier_version_gets_every_key_of_today():
     assert not spec.final_logits_bias and SpecialIds.of(old) == SpecialIds.DEFAULT
 
 
+def _saved_with_comma_joined_lists() -> dict:
+    """The config.json (and checkpoint config) of a run before the list-valued keys were tuples: each a string."""
+    from configs import common
+
+    saved = json.loads(common.base_config("tiny").to_json())
+    saved["data"]["corpora"] = "real=text:/d/m30k:1,bt=files:/d/bt.en+/d/mono.de:0.5:<BT>"
+    saved["eval"]["extra_valid"] = "tatoeba=/d/tatoeba:test,news=/d/news"
+    saved["opt"]["freeze"] = "encoder_layers,src_embed"
+    saved["train"]["trackers"] = "tensorboard,wandb"
+    return saved
+
+
+def test_configs_saved_with_comma_joined_lists_restore_and_resume_as_the_same_run():
+    """A checkpoint whose config holds the comma-joined strings of before: checkpoints.load_config reads the tuples
+    (bookkeeping.upgrade_config splits them by each key's rule), it passes today's checks, and a restart that gives
+    the same values, as tuples or as the same strings on the command line, is the same run (config_differences)."""
+    from configs import common
+    from transformer_jax.training import checkpoints
+
+    old = bookkeeping.upgrade_config(ml_collections.ConfigDict(_saved_with_comma_joined_lists()))
+    assert old.data.corpora == (
+        ("real", "text", "/d/m30k", 1.0, ""),
+        ("bt", "files", "/d/bt.en+/d/mono.de", 0.5, "<BT>"),
+    )
+    assert old.eval.extra_valid == (("tatoeba", "/d/tatoeba", "test"), ("news", "/d/news", "valid"))
+    assert old.opt.freeze == ("encoder_layers", "src_embed") and old.train.trackers == ("tensorboard", "wandb")
+    checks.validate(old)
+    assert bookkeeping.upgrade_config(old) is old  # today's values: unchanged
+    current = common.base_config("tiny")
+    current.data.corpora = (("real", "text", "/d/m30k", 1, ""), ("bt", "files", "/d/bt.en+/d/mono.de", 0.5, "<BT>"))
+    current.eval.extra_valid = ("tatoeba=/d/tatoeba:test,news=/d/news",)  # as --config.eval.extra_valid=... gives it
+    current.opt.freeze, current.train.trackers = ("encoder_layers", "src_embed"), ("tensorboard,wandb",)
+    checks.validate(current)
+    saved = json.loads(old.to_json())
+    assert checkpoints.config_differences(saved, json.loads(current.to_json())) == []
+    current.opt.freeze = ("encoder_layers",)  # a must-match key that changed is still refused
+    assert checkpoints.config_differences(saved, json.loads(current.to_json()))[0].startswith("opt.freeze:")
+
+
 def test_configs_saved_before_the_special_id_keys_keep_the_constants_of_their_version():
     from configs import common
 
@@ -212,6 +251,6 @@ def test_the_back_translator_config_reverses_the_real_pairs_and_its_arms_refuse_
     config = backtranslation.get_config("data=runs/bt/data,direction=de-en")  # the de-en back-translator's run
     checks.validate(config)
     assert (config.data.src_lang, config.data.tgt_lang) == ("de", "en")
-    assert config.data.corpora == "real=files:runs/bt/data/real.de+runs/bt/data/real.en:1"
+    assert config.data.corpora == (("real", "files", "runs/bt/data/real.de+runs/bt/data/real.en", 1, ""),)
     with pytest.raises(ValueError, match="arms are en-de"):
         backtranslation.get_sweep("data=runs/bt/data,direction=de-en")

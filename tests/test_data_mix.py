@@ -13,7 +13,7 @@ import pytest
 from tests.helpers.data import config_for, synthetic_pairs, write_pairs
 from tests.helpers.fakes import WordTokenizer
 from tests.helpers.training import tiny_train_config, write_corpus
-from transformer_jax.config import checks
+from transformer_jax.config.checks import RULES
 from transformer_jax.data import batching, pipeline, sources, store
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import ConfigError, DataError
@@ -22,13 +22,18 @@ from transformer_jax.tokens import SpecialIds
 Z_999 = 3.29  # two-sided 99.9% normal quantile
 
 
-def three_corpora(tmp_path: Path) -> tuple[str, dict[str, float]]:
-    """Corpora a (text directory), b (a file pair, few pairs: it runs out often) and c (text), tagged <a> <b> <c>."""
+def three_corpora(tmp_path: Path) -> tuple[tuple, dict[str, float]]:
+    """Corpora a (text directory), b (a file pair, few pairs: it runs out often) and c (text), tagged <a> <b> <c>:
+    data.corpora's records (name, kind, where, weight, tag)."""
     write_pairs(tmp_path / "a", synthetic_pairs(300, seed=1))
     write_pairs(tmp_path / "c", synthetic_pairs(200, seed=3))
     b = write_pairs(tmp_path / "b", synthetic_pairs(40, seed=2), split="mono")
     weights = {"a": 0.5, "b": 0.3, "c": 0.2}
-    spec = f"a=text:{tmp_path / 'a'}:5:<a>,b=files:{b / 'mono.en'}+{b / 'mono.de'}:3:<b>,c=text:{tmp_path / 'c'}:2:<c>"
+    spec = (
+        ("a", "text", str(tmp_path / "a"), 5, "<a>"),
+        ("b", "files", f"{b / 'mono.en'}+{b / 'mono.de'}", 3, "<b>"),
+        ("c", "text", str(tmp_path / "c"), 2, "<c>"),
+    )
     return spec, weights
 
 
@@ -140,7 +145,7 @@ def test_metrics_count_tokens_per_corpus(tmp_path):
 
     first, second = write_corpus(tmp_path / "one"), write_corpus(tmp_path / "two", n_train=100)
     config = tiny_train_config(first, num_steps=3, eval_every=0)
-    config.data.corpora = f"one=text:{first}:3,two=text:{second}:1:<BT>"
+    config.data.corpora = (("one", "text", str(first), 3, ""), ("two", "text", str(second), 1, "<BT>"))
     train_and_evaluate(config, tmp_path / "run")
     train = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in train] == [1, 2, 3]
@@ -150,29 +155,42 @@ def test_metrics_count_tokens_per_corpus(tmp_path):
     assert data["data_kept_one"] == 400 and data["data_kept_two"] == 100
 
 
+CORPORA = RULES["data.corpora"]
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
         ("a=text:/x", r"'a=text:/x' is not NAME=KIND:WHERE:WEIGHT\[:TAG\]"),
-        ("a=web:/x:1", r"is not NAME=KIND:WHERE:WEIGHT"),
-        ("a=text:/x:0", r"corpus 'a' has weight 0; a weight must be > 0"),
-        ("a=text:/x:-1:<t>", r"corpus 'a' has weight -1"),
+        ("a=web:/x:1", r"the kind of corpus 'a': unknown value 'web'; choose one of \['text', 'tfds', 'files'\]"),
+        ("a=text:/x:0", r"the weight of corpus 'a': must be positive \(a number > 0\), got 0.0"),
+        ("a=text:/x:-1:<t>", r"the weight of corpus 'a': must be positive"),
         ("a=text:/x:1,a=text:/y:1", r"the name 'a' is given twice"),
-        ("a=files:/x:1", r"files needs SRC_FILE\+TGT_FILE"),
+        ("a=files:/x:1", r"corpus 'a': files needs SRC_FILE\+TGT_FILE"),
+        ("a=text:/x:1:<a b>", r"the tag of corpus 'a': must be a string without spaces"),
+        ((("a-b", "text", "/x", 1.0),), r"the name of corpus 'a-b': must be a name of letters, digits and _"),
+        ((("a", "text", "/x"),), r"corpus \('a', 'text', '/x'\) is not a record"),
+        ((("a", "text", "/x", "1"),), r"the weight of corpus 'a': must be positive .*got '1' \(str\)"),
     ],
 )
 def test_malformed_corpora_are_one_error_naming_the_key(spec, message):
     with pytest.raises(ConfigError, match=r"^config key data\.corpora: .*" + message):
-        checks.corpus_specs(spec)
+        CORPORA.check("data.corpora", CORPORA.split("data.corpora", spec))
 
 
-def test_corpora_parse_with_and_without_tags():
-    assert checks.corpus_specs(" a=text:/d:1 , b=files:/s.en+/t.de:0.5:<BT>,c=tfds:wmt14_translate/de-en:2") == [
+def test_corpora_are_records_and_their_comma_joined_form_of_before_reads_as_them():
+    records = (
         ("a", "text", "/d", 1.0, ""),
         ("b", "files", "/s.en+/t.de", 0.5, "<BT>"),
         ("c", "tfds", "wmt14_translate/de-en", 2.0, ""),
-    ]
-    assert checks.corpus_specs("") == []
+        ("g", "text", "gs://bucket/dir", 1.0, "<G>"),  # WHERE may hold ':'
+    )
+    joined = " a=text:/d:1 , b=files:/s.en+/t.de:0.5:<BT>,c=tfds:wmt14_translate/de-en:2,g=text:gs://bucket/dir:1:<G>"
+    assert CORPORA.split("data.corpora", joined) == records  # a config saved before the key was a tuple
+    assert CORPORA.split("data.corpora", (joined,)) == records  # --config.data.corpora=... (ml_collections' 1-tuple)
+    from_json = [list(records[0][:4]), list(records[1]), list(records[2][:4])]  # lists; a tag may be left out
+    assert CORPORA.split("data.corpora", from_json) == records[:3]
+    assert CORPORA.split("data.corpora", "") == CORPORA.split("data.corpora", ()) == ()
 
 
 def test_missing_empty_and_unequal_corpora_name_the_file(tmp_path):
@@ -181,13 +199,13 @@ def test_missing_empty_and_unequal_corpora_name_the_file(tmp_path):
     (tmp_path / "one.en").write_text("a\nb\n")
     (tmp_path / "one.de").write_text("a\n")
     cases = [
-        (f"x=text:{tmp_path / 'nowhere'}:1", r"corpus 'x': the directory .*nowhere does not exist"),
-        (f"x=files:{tmp_path / 'empty.en'}+{tmp_path / 'one.de'}:1", r"corpus 'x': .*empty\.en is empty"),
-        (f"x=files:{tmp_path / 'one.en'}+{tmp_path / 'gone.de'}:1", r"corpus 'x': no file .*gone\.de"),
-        (f"x=files:{tmp_path / 'one.en'}+{tmp_path / 'one.de'}:1", r"one\.en has 2 lines, .*one\.de has 1"),
+        (("text", str(tmp_path / "nowhere")), r"corpus 'x': the directory .*nowhere does not exist"),
+        (("files", f"{tmp_path / 'empty.en'}+{tmp_path / 'one.de'}"), r"corpus 'x': .*empty\.en is empty"),
+        (("files", f"{tmp_path / 'one.en'}+{tmp_path / 'gone.de'}"), r"corpus 'x': no file .*gone\.de"),
+        (("files", f"{tmp_path / 'one.en'}+{tmp_path / 'one.de'}"), r"one\.en has 2 lines, .*one\.de has 1"),
     ]
-    for spec, message in cases:
-        config.corpora = spec
+    for (kind, where), message in cases:
+        config.corpora = (("x", kind, where, 1, ""),)
         with pytest.raises(DataError, match=message):
             sources.open_corpus(config, sources.corpora(config)[0])
 
@@ -195,6 +213,7 @@ def test_missing_empty_and_unequal_corpora_name_the_file(tmp_path):
 def test_a_corpus_without_a_pair_that_fits_is_named(tmp_path):
     write_pairs(tmp_path / "a", synthetic_pairs(50))
     write_pairs(tmp_path / "long", [(" ".join(["w"] * 60), "x y")] * 5)
-    config = config_for(tmp_path / "a", corpora=f"a=text:{tmp_path / 'a'}:1,long=text:{tmp_path / 'long'}:1")
+    corpora = (("a", "text", str(tmp_path / "a"), 1, ""), ("long", "text", str(tmp_path / "long"), 1, ""))
+    config = config_for(tmp_path / "a", corpora=corpora)
     with pytest.raises(DataError, match=r"data\.corpora: corpus 'long' has no training pair .* data\.max_len=32"):
         pipeline.make_train_iterator(config, WordTokenizer(), process_index=0, process_count=1, num_threads=1)

@@ -38,7 +38,7 @@ def finetune_config(corpus: pathlib.Path, source: pathlib.Path, **train):
     config = tiny_train_config(corpus, eval_every=0, init_from=str(source), num_steps=3, **train)
     config.model.dropout_rate = 0.05  # regularisation is the fine-tuning run's own (the source had 0.1)
     config.opt.schedule, config.opt.warmup_steps, config.opt.learning_rate = "constant", 2, 1e-2
-    config.opt.freeze = "encoder_layers"
+    config.opt.freeze = ("encoder_layers",)
     return config
 
 
@@ -116,7 +116,7 @@ def test_a_restart_resumes_its_own_checkpoint_without_the_source(source, corpus,
     # evaluate.py and the export take a --config that names the source otherwise (or not at all): how training
     # began does not shape the model.
     given = finetune_config(corpus, pathlib.Path("elsewhere"), init_step="3")
-    given.opt.freeze = ""
+    given.opt.freeze = ()
     given.model.d_ff = SOURCE_D_FF
     _, _, steps = restore.restore_model(restore.Restorer(), str(workdir), config=given, average_last=1)
     assert steps == [6]

@@ -1,5 +1,5 @@
-"""Learning-rate schedules (equal to their formulas at every step), the optimizer's config checks, and freezing
-parameters by path (opt.freeze)."""
+"""Learning-rate schedules (equal to their formulas at every step, and the one the run applies is the one it logs),
+the optimizer's config checks, and freezing parameters by path (opt.freeze)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,9 +9,10 @@ from flax import nnx
 
 from configs import common
 from tests.helpers.training import one_layer_config
+from transformer_jax.config import checks
 from transformer_jax.errors import ConfigError
 from transformer_jax.training.optim import learning_rate_schedule, make_optimizer
-from transformer_jax.training.state import create_model
+from transformer_jax.training.state import create_model, new_train_state, split_train_state
 
 
 def reference(name: str, peak: float, warmup_steps: int, num_steps: int, step: int) -> float:
@@ -66,23 +67,43 @@ def test_other_schedules_warm_up_to_the_peak(name):
 
 
 def test_bad_optimizer_settings_name_the_key():
-    opt = common.opt_config(512)
-    opt.schedule = "linear"
-    with pytest.raises(ConfigError, match="opt.schedule"):
-        make_optimizer(opt, 10)
-    opt = common.opt_config(512)
-    opt.weight_decay = 0.1
-    with pytest.raises(ConfigError, match="opt.weight_decay.*adamw"):
-        make_optimizer(opt, 10)
+    """Checked with the whole config, before any work (checks.validate at every command line)."""
+    for key, value, match in (
+        ("opt.schedule", "linear", "opt.schedule"),
+        ("opt.weight_decay", 0.1, "opt.weight_decay.*adamw"),
+        ("opt.freeze", ("encoder([",), r"^config key opt.freeze: must be a regular expression .*got 'encoder\(\['"),
+    ):
+        config = common.base_config("tiny")
+        config.update_from_flattened_dict({key: value})
+        with pytest.raises(ConfigError, match=match):
+            checks.validate(config)
 
 
-def _trained_with_freeze(freeze: str, optimizer: str = "adamw", steps: int = 3):
+def test_the_logged_learning_rate_is_the_one_the_optimizer_applies():
+    """The schedule is built once, with the train state: its optimizer applies it and Graphs.learning_rate, which
+    the metrics log, is it. Adam's first update by gradients of ones moves every parameter by -rate / (1 + eps)."""
+    config = one_layer_config()
+    config.opt.schedule, config.opt.warmup_steps, config.opt.learning_rate = "rsqrt", 4, 1e-2
+    train_state = new_train_state(config)
+    graphs, _ = split_train_state(train_state)
+    rate = float(graphs.learning_rate(0))
+    np.testing.assert_allclose(rate, float(learning_rate_schedule(config.opt, config.train.num_steps)(0)))
+    before = jax.tree.map(np.array, nnx.to_pure_dict(nnx.state(train_state.model, nnx.Param)))
+    train_state.optimizer.update(
+        train_state.model, jax.tree.map(jnp.ones_like, nnx.state(train_state.model, nnx.Param))
+    )
+    after = nnx.to_pure_dict(nnx.state(train_state.model, nnx.Param))
+    for moved in jax.tree.leaves(jax.tree.map(lambda a, b: np.asarray(a) - b, after, before)):
+        np.testing.assert_allclose(moved, -rate / (1 + config.opt.eps), rtol=1e-4)
+
+
+def _trained_with_freeze(freeze: tuple[str, ...], optimizer: str = "adamw", steps: int = 3):
     """A one-layer model's parameters before and after `steps` updates by gradients of ones, with opt.freeze."""
     config = one_layer_config()
     config.opt.freeze, config.opt.optimizer, config.opt.clip_grad_norm = freeze, optimizer, 1.0
     config.opt.weight_decay = 0.1 if optimizer == "adamw" else 0.0
     model = create_model(config, 0)
-    optimizer_ = nnx.Optimizer(model, make_optimizer(config.opt, 10), wrt=nnx.Param)
+    optimizer_ = nnx.Optimizer(model, make_optimizer(config.opt, learning_rate_schedule(config.opt, 10)), wrt=nnx.Param)
     before = jax.tree.map(np.array, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     grads = jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param))
     for _ in range(steps):
@@ -92,13 +113,13 @@ def _trained_with_freeze(freeze: str, optimizer: str = "adamw", steps: int = 3):
 
 @pytest.mark.parametrize("optimizer", ["adam", "adamw"])
 def test_frozen_parameters_stay_bit_identical_and_the_others_train(optimizer):
-    before, after, opt = _trained_with_freeze(r"encoder_layers, src_embed", optimizer)
+    before, after, opt = _trained_with_freeze(("encoder_layers", "src_embed"), optimizer)
     for path in ("encoder_layers", "src_embed"):
         jax.tree.map(np.testing.assert_array_equal, after[path], before[path])
     changed = jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != b)), after, before))
     assert sum(changed) == len(jax.tree.leaves(after["decoder_layers"]))  # every decoder parameter trained
     # Frozen parameters have no Adam moments: the state holds the trained parameters' alone.
-    _, _, plain = _trained_with_freeze("", optimizer, steps=0)
+    _, _, plain = _trained_with_freeze((), optimizer, steps=0)
     sizes = [sum(x.size for x in jax.tree.leaves(nnx.state(o.opt_state))) for o in (opt, plain)]
     encoder_and_embedding = sum(x.size for x in jax.tree.leaves([before["encoder_layers"], before["src_embed"]]))
     assert sizes[1] - sizes[0] == 2 * encoder_and_embedding  # mu and nu
@@ -106,8 +127,4 @@ def test_frozen_parameters_stay_bit_identical_and_the_others_train(optimizer):
 
 def test_a_freeze_pattern_that_matches_nothing_is_refused_naming_it():
     with pytest.raises(ConfigError, match=r"^config key opt.freeze: 'embed\$' matches no parameter path \(of 43: "):
-        _trained_with_freeze("encoder, embed$", steps=0)
-    opt = common.opt_config(512)
-    opt.freeze = "encoder(["
-    with pytest.raises(ConfigError, match=r"^config key opt.freeze: 'encoder\(\[' is not a regular expression"):
-        make_optimizer(opt, 10)
+        _trained_with_freeze(("encoder", "embed$"), steps=0)

@@ -89,19 +89,33 @@ def test_keep_best_and_early_stopping_without_validation_are_refused(corpus):
 
 @pytest.mark.parametrize(
     "spec, message",
-    [("tatoeba", "is not NAME=TEXT_DIR"), ("a=/x,a=/y:dev", "given twice"), ("=/x", "is not NAME")],
+    [
+        ("tatoeba", r"'tatoeba' is not NAME=TEXT_DIR\[:SPLIT\]"),
+        ("a=/x,a=/y:dev", "given twice"),
+        ("=/x", "the name of validation set '': must be a name of letters"),
+        ((("t", ""),), "the text_dir of validation set 't': must be a non-empty string"),
+    ],
 )
 def test_malformed_extra_validation_sets_are_refused(corpus, spec, message):
-    config = tiny_train_config(corpus)
-    config.eval.extra_valid = spec
+    config = tiny_train_config(corpus).to_dict()  # a plain dict takes the string form as a config saved before did
+    config["eval"]["extra_valid"] = spec
     with pytest.raises(ConfigError, match=rf"^config key eval\.extra_valid: .*{message}"):
         checks.validate(config)
-    assert checks.extra_valid_sets("t=/d/tatoeba:dev, m=/d/m") == [("t", "/d/tatoeba", "dev"), ("m", "/d/m", "valid")]
+
+
+def test_extra_validation_sets_are_records_or_their_comma_joined_form_of_before(corpus):
+    config = tiny_train_config(corpus, eval_every=2)
+    config.eval.extra_valid = ("t=/d/tatoeba:dev, m=/d/m",)  # --config.eval.extra_valid=t=/d/tatoeba:dev,m=/d/m
+    checks.validate(config)
+    assert config.eval.extra_valid == (("t", "/d/tatoeba", "dev"), ("m", "/d/m", "valid"))
+    config.eval.extra_valid = (("t", "/d/tatoeba", "dev"), ("m", "/d/m"))  # the split may be left out
+    checks.validate(config)
+    assert config.eval.extra_valid == (("t", "/d/tatoeba", "dev"), ("m", "/d/m", "valid"))
 
 
 def test_extra_validation_sets_are_reported_beside_the_selecting_one(corpus, tmp_path):
     config = tiny_train_config(corpus, num_steps=2, eval_every=2, bleu_every=2, bleu_sentences=3)
-    config.eval.extra_valid = f"other={corpus}:test"
+    config.eval.extra_valid = (("other", str(corpus), "test"),)
     from transformer_jax.evaluation.validation import bleu_evaluator
 
     train_and_evaluate(config, tmp_path / "w", bleu=bleu_evaluator)

@@ -1,12 +1,16 @@
-"""The named train state and its checkpoints: fields by name, and checkpoints of the older positional layout."""
+"""The named train state and its checkpoints: fields by name, and checkpoints of the older positional layout and
+of the configs before list-valued keys were tuples."""
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 from flax import nnx
 
 from configs import common
+from transformer_jax.errors import CheckpointError
 from transformer_jax.model import Transformer
 from transformer_jax.training import checkpoints
 from transformer_jax.training.state import (
@@ -95,3 +99,22 @@ def test_named_checkpoints_round_trip(tmp_path):
     params = checkpoints.load_model_params(tmp_path, 2, abstract)
     for a, b in zip(jax.tree.leaves(nnx.to_pure_dict(model_params(state))), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_checkpoint_saved_with_comma_joined_lists_resumes_with_the_same_values_as_tuples(tmp_path):
+    """Its config (written before the list-valued keys were tuples) holds data.corpora and opt.freeze, which a
+    restart must keep, as strings: the restore compares them in today's form (bookkeeping.upgrade_config)."""
+    config = _config()
+    config.data.corpora, config.opt.freeze = (("a", "text", "/d", 1.0, ""),), ("encoder_layers",)
+    old = config.to_dict()
+    old["data"]["corpora"], old["opt"]["freeze"] = "a=text:/d:1", "encoder_layers"
+    _, state = create_train_state(config)
+    saver = checkpoints.Checkpointer(tmp_path, config.ckpt)
+    saver.save(4, state, {"window": 1}, ml_collections.ConfigDict(old))
+    saver.close()
+    _, abstract = abstract_train_state(config)
+    shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), abstract)
+    assert checkpoints.Checkpointer(tmp_path, config.ckpt).restore_latest(abstract, shardings, config)[0] == 4
+    config.data.corpora = (("a", "text", "/d", 2.0, ""),)
+    with pytest.raises(CheckpointError, match=r"differing keys \(saved -> current\): data.corpora: "):
+        checkpoints.Checkpointer(tmp_path, config.ckpt).restore_latest(abstract, shardings, config)

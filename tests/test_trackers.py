@@ -96,6 +96,11 @@ def wandb_runs(wandb_dir: pathlib.Path, run_id: str) -> list[dict]:
     return sorted(runs, key=lambda run: run["start"])
 
 
+def as_json(params: dict) -> dict:
+    """The config parameters as W&B keeps them: JSON, so a list-valued key's tuple is a list."""
+    return json.loads(json.dumps(params))
+
+
 def _items(items) -> dict:
     out = {item.key or ".".join(item.nested_key): json.loads(item.value_json) for item in items}
     return {key: value for key, value in out.items() if not key.startswith("_")}  # W&B's own (_step, _runtime)
@@ -170,7 +175,7 @@ def test_a_run_logs_config_metrics_and_final_scores_to_offline_wandb_and_mlflow(
     pytest.importorskip("wandb", reason="wandb is optional: pip install -r requirements-dev.txt")
     pytest.importorskip("mlflow", reason="mlflow is optional: pip install -r requirements-dev.txt")
     root, listener = env
-    config = tiny_train_config(corpus, trackers="tensorboard,wandb,mlflow", tracker_group="grp")
+    config = tiny_train_config(corpus, trackers=("tensorboard", "wandb", "mlflow"), tracker_group="grp")
     workdir = tmp_path / "run"
     train_and_evaluate(config, workdir)
     want = jsonl_by_step(workdir / "metrics.jsonl")
@@ -181,7 +186,7 @@ def test_a_run_logs_config_metrics_and_final_scores_to_offline_wandb_and_mlflow(
     assert ids["wandb"]["last_step"] == ids["mlflow"]["last_step"] == 6
 
     (wandb_run,) = wandb_runs(root / "wandb", ids["wandb"]["id"])
-    assert wandb_run["group"] == "grp" and wandb_run["config"] == params
+    assert wandb_run["group"] == "grp" and wandb_run["config"] == as_json(params)
     assert_same_steps(wandb_run["history"], want)
     assert wandb_run["summary"]["final_step"] == 6
     assert all(same(wandb_run["summary"][k], v) for k, v in last.items())
@@ -211,7 +216,7 @@ def test_a_resumed_writer_continues_the_tracker_runs_and_skips_the_steps_they_ha
     pytest.importorskip("wandb", reason="wandb is optional: pip install -r requirements-dev.txt")
     pytest.importorskip("mlflow", reason="mlflow is optional: pip install -r requirements-dev.txt")
     root, _ = env
-    config = tiny_train_config(corpus, trackers="wandb,mlflow", tracker_group="resumed")
+    config = tiny_train_config(corpus, trackers=("wandb", "mlflow"), tracker_group="resumed")
     params = dict(checks.leaves(config))
     writer = MetricWriter(tmp_path, config=config)
     _write(writer, range(0, 6), offset=0.0)
@@ -235,8 +240,8 @@ def test_a_resumed_writer_continues_the_tracker_runs_and_skips_the_steps_they_ha
     jsonl = jsonl_by_step(tmp_path / "metrics.jsonl")
     assert all(jsonl[s] == want[s] for s in (6, 7, 8))
     runs = wandb_runs(root / "wandb", first["wandb"]["id"])
-    assert len(runs) == 2 and runs[0]["config"] == params and runs[0]["group"] == "resumed"
-    assert runs[1]["config"] == {**params, "train.num_steps": 8}
+    assert len(runs) == 2 and runs[0]["config"] == as_json(params) and runs[0]["group"] == "resumed"
+    assert runs[1]["config"] == as_json({**params, "train.num_steps": 8})
     final = {"loss": 8.5, "learning_rate": 0.1, "valid_loss": 6.5, "data_examples": 400, "stopped_early_at": 8}
     assert runs[1]["summary"] == {**final, "final_step": 8}
     assert sorted(runs[0]["history"]) == [0, 1, 2, 3, 4, 5] and sorted(runs[1]["history"]) == [6, 7, 8]
@@ -257,12 +262,12 @@ def test_an_interrupted_training_run_resumes_the_same_tracker_runs(env, corpus, 
     pytest.importorskip("wandb", reason="wandb is optional: pip install -r requirements-dev.txt")
     pytest.importorskip("mlflow", reason="mlflow is optional: pip install -r requirements-dev.txt")
     root, _ = env
-    config = tiny_train_config(corpus, trackers="wandb,mlflow", tracker_group="interrupted")
+    config = tiny_train_config(corpus, trackers=("wandb", "mlflow"), tracker_group="interrupted")
     train_and_evaluate(config, tmp_path)
     first = json.loads((tmp_path / metrics.STATE_FILE).read_text())
     shutil.rmtree(tmp_path / "checkpoints" / "6")
     train_and_evaluate(
-        tiny_train_config(corpus, trackers="wandb,mlflow", tracker_group="interrupted", num_steps=8), tmp_path
+        tiny_train_config(corpus, trackers=("wandb", "mlflow"), tracker_group="interrupted", num_steps=8), tmp_path
     )
     second = json.loads((tmp_path / metrics.STATE_FILE).read_text())
     assert {k: v["id"] for k, v in second.items()} == {k: v["id"] for k, v in first.items()}
@@ -277,23 +282,25 @@ def test_an_interrupted_training_run_resumes_the_same_tracker_runs(env, corpus, 
 
 
 def test_an_unknown_tracker_is_one_line_naming_the_key_and_the_known_ones(corpus):
-    config = tiny_train_config(corpus, trackers="tensorboard, comet")
+    config = tiny_train_config(corpus, trackers=("tensorboard", "comet"))
     with pytest.raises(ConfigError) as error:
         checks.validate(config)
     message = str(error.value)
     assert "\n" not in message and "config key train.trackers" in message and "'comet'" in message
     assert all(name in message for name in TRACKERS)
-    assert checks.tracker_names(" wandb,tensorboard,,wandb ") == ("wandb", "tensorboard")
+    config = tiny_train_config(corpus, trackers=(" wandb,tensorboard,,wandb ",))  # --config.train.trackers=...
+    checks.validate(config)
+    assert config.train.trackers == ("wandb", "tensorboard")  # split by the key's rule: each once, in order
 
 
 def test_a_missing_tracker_package_is_one_line_saying_what_to_install(corpus, monkeypatch):
     """Training needs the package; a config naming the tracker is still valid (evaluate.py --config, a fine-tuning
-    source that logged to MLflow), so only tracker_packages refuses it."""
+    source that logged to MLflow), so only the validation of a config to train (train.py, the sweep) refuses it."""
     monkeypatch.setitem(sys.modules, "mlflow", None)  # what `import mlflow` finds when it is not installed
-    config = tiny_train_config(corpus, trackers="tensorboard,mlflow")
+    config = tiny_train_config(corpus, trackers=("tensorboard", "mlflow"))
     checks.validate(config)
     with pytest.raises(ConfigError) as error:
-        checks.tracker_packages(config.train.trackers)
+        checks.validate(config, training=True)
     message = str(error.value)
     assert "\n" not in message and "config key train.trackers: mlflow needs its package" in message
     assert f"pip install {TRACKERS['mlflow']}" in message
@@ -339,7 +346,7 @@ def test_the_sweep_groups_its_runs_by_its_directory(tmp_path, tiny_corpus_env, c
 def test_only_process_0_logs_to_trackers(env, corpus, tmp_path, monkeypatch):
     """Another host's writer (as its metrics.jsonl) opens no tracker: no W&B or MLflow run, no trackers.json."""
     monkeypatch.setattr(metrics.jax, "process_index", lambda: 1)
-    writer = MetricWriter(tmp_path, config=tiny_train_config(corpus, trackers="tensorboard,wandb,mlflow"))
+    writer = MetricWriter(tmp_path, config=tiny_train_config(corpus, trackers=("tensorboard", "wandb", "mlflow")))
     writer.write(1, {"loss": 1.0})
     writer.finish({})
     writer.close()

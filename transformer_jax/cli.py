@@ -5,7 +5,8 @@ does not parse or whose get_config fails, a --config.KEY override of a key the c
 one line `prog: error: message` on stderr, the format of `errors.exit_on_user_error`, and exit status 2. Without
 this, absl adds a help hint, and ml_collections.config_flags prints the config file's whole traceback or, for a
 missing file, fails with a traceback on first access of the config. Config files are loaded by
-`loading.get_config`, the loader every command shares.
+`loading.get_config`, the loader every command shares. A list-valued key (a tuple) also takes one unquoted
+comma-joined value, which its rule splits (`--config.data.corpora=real=text:DIR:1,bt=files:SRC+TGT:1:<BT>`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from absl import app, flags
+from ml_collections import config_flags
 from ml_collections.config_flags.config_flags import ConfigFileFlagParser, is_config_flag
+from ml_collections.config_flags.tuple_parser import TupleParser
 
 from transformer_jax.config import loading
 from transformer_jax.errors import ConfigError, exit_on_user_error
@@ -68,6 +71,19 @@ def _use_the_config_loader(flag_values: flags.FlagValues) -> None:
             flag.parser = _ConfigFileParser(flag.parser.name, getattr(flag.parser, "_lock_config", True))
 
 
+class _ListParser(TupleParser):
+    """ml_collections' parser of an override of a tuple-valued key (a list-valued key, config/rules.py Entries),
+    which also takes a value that is no Python literal and holds a comma as the 1-tuple of that text, as it takes
+    `--config.train.trackers=tensorboard,wandb`: the key's rule splits it. ml_collections refuses such a value
+    (`--config.data.corpora=real=text:DIR:1,bt=files:SRC+TGT:1:<BT>`, `--config.opt.freeze=encoder/.*,src_embed`)."""
+
+    def parse(self, argument: Any) -> tuple:
+        try:
+            return super().parse(argument)
+        except ValueError:
+            return (argument,)
+
+
 HELP_FLAGS = ("-h", "--help", "-help", "--helpshort", "--helpfull")
 
 
@@ -78,8 +94,9 @@ def parse_flags(
 
     Every command line gets --compilation_cache here and has the persistent compilation cache turned on (or off)
     before it compiles anything, and runs on the CPU where the host has no accelerator and the user chose no
-    platform (platform.use_cpu_without_accelerators: no plugin's failure to find its chip is printed). `usage`: for
-    a FlagValues of one's own, which lacks absl's help flags, --help prints it and the flags, exit 0.
+    platform (platform.use_cpu_without_accelerators: no plugin's failure to find its chip is printed), and its
+    tuple-valued config overrides read by _ListParser (registered with ml_collections, as its API provides).
+    `usage`: for a FlagValues of one's own, which lacks absl's help flags, --help prints it and the flags, exit 0.
     """
     platform.use_cpu_without_accelerators()
     if "compilation_cache" not in flag_values:
@@ -94,6 +111,7 @@ def parse_flags(
         print(f"{usage}\nflags:\n{flag_values.get_help(include_special_flags=False)}")
         sys.exit(0)
     _use_the_config_loader(flag_values)
+    config_flags.register_flag_parser_for_type(tuple, _ListParser())  # before the --config.KEY flags are defined
     try:
         rest = flag_values(list(argv))
     except flags.Error as e:

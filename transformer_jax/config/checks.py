@@ -1,25 +1,28 @@
 """What a run is given, checked before any work: every config value against its key's rule, and the workdir.
 
 Each key's rule (a type, a range or a set of choices, and its unit) is written once, with its default, in
-`schema.KEYS`; `RULES` is that table. `validate(config)` checks every leaf against it, refuses a leaf with no
-key (a key no code reads, most often a misspelling in a config file), and then the rules between keys
-(`check_model`, `check_opt`). It is called once by train.py, by the sweep for every variant and by evaluate.py for
-a given --config; TransformerSpec and the optimiser call the same checks, so there is one source for each rule. A
-failure is one ConfigError line naming the key, the value and what is allowed.
+`schema.KEYS`; `RULES` is that table. `validate(config)` first puts every list-valued key in its tuple form (its
+`Entries` rule splits a comma-joined value; in place, so that what the run saves and reads is the tuple), checks every
+leaf against its rule, refuses a leaf with no key (a key no code reads, most often a misspelling in a config file),
+and then the rules between keys (`check_between`). Every command line that receives a config calls it once, before
+any work: train.py and the sweep (for each run) with training=True, which also finds the trackers' packages;
+evaluate.py for a given --config; data preparation and the visualisations; the Marian conversion for the config it
+builds. Two guards stay in the library, where a config reaches it otherwise: TransformerSpec applies the model's rules
+(`check_model`) to every model built (from a checkpoint's saved config, a converted model, code), and a fine-tuning run
+applies the rules between keys to its config merged with its source's architecture. A failure is one ConfigError line
+naming the key, the value and what is allowed.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib.util
-import math
 import os
 import pathlib
-import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from transformer_jax.config.schema import RULES, TRACKERS
+from transformer_jax.config.schema import LISTS, RULES, TRACKERS
 from transformer_jax.errors import ConfigError
 from transformer_jax.runtime import files
 
@@ -96,53 +99,60 @@ def check_special_ids(m: Mapping[str, Any]) -> None:
             raise ConfigError(f"config key model.{b}: equals model.{a} ({ids[a]}); the reserved ids must differ")
 
 
-def check_opt(opt: Mapping[str, Any]) -> None:
-    """The `opt` group: each key against its rule, then the rules between keys. The optimiser calls this too."""
-    for key, value in opt.items():
-        check_value(f"opt.{key}", value)
-    if opt["optimizer"] == "adam" and opt["weight_decay"]:
-        raise ConfigError(
-            f"config key opt.weight_decay: Adam has no decoupled weight decay (got {opt['weight_decay']}); "
-            "use opt.optimizer=adamw or set it to 0"
-        )
-    for pattern in freeze_patterns(opt["freeze"]):
-        try:
-            re.compile(pattern)
-        except re.error as e:
-            raise ConfigError(f"config key opt.freeze: {pattern!r} is not a regular expression ({e})") from None
-
-
-def freeze_patterns(freeze: str) -> list[str]:
-    """The regexes of opt.freeze (comma-separated; blanks around them ignored)."""
-    return [pattern.strip() for pattern in freeze.split(",") if pattern.strip()]
-
-
-def check_init(train: Mapping[str, Any]) -> None:
+def check_init(step: str, init_from: str) -> None:
     """train.init_step: latest, best or a step number, and only with train.init_from."""
-    step = train["init_step"]
     if step not in ("latest", "best") and not step.isdigit():
         raise ConfigError(f"config key train.init_step: must be latest, best or a step number, got {step!r}")
-    if step != "latest" and not train["init_from"]:
+    if step != "latest" and not init_from:
         raise ConfigError(
             f"config key train.init_step: {step!r} names a checkpoint of train.init_from, which is empty; "
             "set train.init_from to the workdir to start from"
         )
 
 
-def validate(config: Mapping[str, Any]) -> None:
-    """Every leaf of a full config against RULES, then the rules between keys; ConfigError on the first failure."""
+def validate(config: Mapping[str, Any], training: bool = False) -> None:
+    """Every list-valued key of a full config split into its tuple (in place), every leaf against RULES, then the
+    rules between keys; with `training`, the trackers' packages too (training needs them; evaluating, or fine-tuning
+    from a run that logged to W&B, does not). ConfigError on the first failure."""
+    split_lists(config)
     values = dict(leaves(config))
     for key, value in values.items():
         check_value(key, value)
     missing = sorted(set(RULES) - set(values))
     if missing:
         raise ConfigError(f"config lacks keys {missing}; start from configs/common.py base_config")
+    check_between(values)
+    if training:
+        tracker_packages(values["train.trackers"])
+
+
+def split_lists(config: Mapping[str, Any]) -> None:
+    """Puts every list-valued key of `config` (a ConfigDict or dict) in its tuple form, by the key's rule
+    (rules.Entries.split): the form a run saves and every reader takes."""
+    for key in LISTS:
+        group, _, leaf = key.rpartition(".")
+        if group in config and leaf in config[group]:
+            value = RULES[key].split(key, config[group][leaf])
+            if value != config[group][leaf]:
+                config[group][leaf] = value
+
+
+def check_between(values: Mapping[str, Any]) -> None:
+    """The rules between keys of a full config (dotted key -> value) whose leaves were checked: what `validate`
+    applies last, and what a fine-tuning run applies to its config merged with its source's architecture."""
     check_model({k: v for k, v in values.items() if k.startswith(("model.", "attention."))})
-    check_opt(config["opt"])
-    check_selection(values)
-    check_init(config["train"])
-    tracker_names(values["train.trackers"])
-    corpus_specs(values["data.corpora"])
+    if values["opt.optimizer"] == "adam" and values["opt.weight_decay"]:
+        raise ConfigError(
+            f"config key opt.weight_decay: Adam has no decoupled weight decay (got {values['opt.weight_decay']}); "
+            "use opt.optimizer=adamw or set it to 0"
+        )
+    for key in ("ckpt.keep_best", "train.early_stop_patience"):
+        if values[key] and not values["train.eval_every"]:
+            raise ConfigError(
+                f"config key {key}={values[key]} needs a validation to rank checkpoints by, but train.eval_every=0; "
+                f"set train.eval_every > 0 or {key}=0"
+            )
+    check_init(values["train.init_step"], values["train.init_from"])
     if values["model.positional"] == "learned" and values["data.max_len"] > values["model.max_len"]:
         raise ConfigError(
             f"config key data.max_len: {values['data.max_len']} tokens per side exceed the {values['model.max_len']} "
@@ -150,93 +160,9 @@ def validate(config: Mapping[str, Any]) -> None:
         )
 
 
-def check_selection(values: Mapping[str, Any]) -> None:
-    """Keeping the best checkpoints and stopping early both rank validations: they need train.eval_every > 0."""
-    for key in ("ckpt.keep_best", "train.early_stop_patience"):
-        if values[key] and not values["train.eval_every"]:
-            raise ConfigError(
-                f"config key {key}={values[key]} needs a validation to rank checkpoints by, but train.eval_every=0; "
-                f"set train.eval_every > 0 or {key}=0"
-            )
-    extra_valid_sets(values["eval.extra_valid"])
-
-
-CORPUS_KINDS = ("text", "tfds", "files")  # a {split}.{lang} directory, a TFDS builder, a file pair SRC+TGT
-
-
-def corpus_specs(spec: str) -> list[tuple[str, str, str, float, str]]:
-    """(name, kind, where, weight, tag) of every corpus of data.corpora ('NAME=KIND:WHERE:WEIGHT[:TAG],...', KIND
-    text, tfds or files, files' WHERE being SRC_FILE+TGT_FILE); ConfigError naming the key for a malformed entry, a
-    weight that is not > 0 or a repeated name."""
-    corpora: list[tuple[str, str, str, float, str]] = []
-    for entry in filter(None, (part.strip() for part in spec.split(","))):
-        name, equals, rest = entry.partition("=")
-        kind, _, rest = rest.partition(":")
-        where, _, last = rest.rpartition(":")
-        tag = ""
-        if last and not _is_number(last):  # the optional tag comes after the weight
-            tag, (where, _, last) = last, where.rpartition(":")
-        if not equals or not name.isidentifier() or kind not in CORPUS_KINDS or not where or not _is_number(last):
-            raise ConfigError(
-                f"config key data.corpora: {entry!r} is not NAME=KIND:WHERE:WEIGHT[:TAG] (NAME letters, digits and _; "
-                f"KIND one of {list(CORPUS_KINDS)}); e.g. real=text:/data/multi30k:1,bt=files:bt.en+mono.de:0.5:<BT>"
-            )
-        if kind == "files" and len([p for p in where.split("+") if p]) != 2:
-            raise ConfigError(f"config key data.corpora: corpus {name!r}: files needs SRC_FILE+TGT_FILE, got {where!r}")
-        weight = float(last)
-        if not (weight > 0 and math.isfinite(weight)):
-            raise ConfigError(f"config key data.corpora: corpus {name!r} has weight {last}; a weight must be > 0")
-        if tag and (tag.strip() != tag or any(c.isspace() for c in tag)):
-            raise ConfigError(f"config key data.corpora: corpus {name!r}: the tag {tag!r} must hold no spaces")
-        if name in {n for n, *_ in corpora}:
-            raise ConfigError(f"config key data.corpora: the name {name!r} is given twice; name each corpus once")
-        corpora.append((name, kind, where, weight, tag))
-    return corpora
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def extra_valid_sets(spec: str) -> list[tuple[str, str, str]]:
-    """(name, text directory, split) of every set of eval.extra_valid ('NAME=TEXT_DIR[:SPLIT],...'); ConfigError
-    naming the key for a malformed or repeated entry."""
-    sets: list[tuple[str, str, str]] = []
-    for entry in filter(None, (part.strip() for part in spec.split(","))):
-        name, equals, where = entry.partition("=")
-        directory, _, split = where.rpartition(":") if ":" in where else (where, "", "valid")
-        if not equals or not name.isidentifier() or not directory or not split:
-            raise ConfigError(
-                f"config key eval.extra_valid: {entry!r} is not NAME=TEXT_DIR[:SPLIT] (NAME letters, digits and _); "
-                "e.g. tatoeba=/data/tatoeba_deu_eng:dev"
-            )
-        if name in {n for n, _, _ in sets}:
-            raise ConfigError(f"config key eval.extra_valid: the name {name!r} is given twice; name each set once")
-        sets.append((name, directory, split))
-    return sets
-
-
-def tracker_names(spec: str) -> tuple[str, ...]:
-    """The trackers of train.trackers ('NAME,...', blanks ignored, each once, in order); ConfigError naming the key
-    for an unknown name."""
-    names = tuple(dict.fromkeys(name.strip() for name in spec.split(",") if name.strip()))
-    for name in names:
-        if name not in TRACKERS:
-            raise ConfigError(
-                f"config key train.trackers: unknown tracker {name!r}; choose from {list(TRACKERS)} (comma-separated)"
-            )
-    return names
-
-
-def tracker_packages(spec: str) -> tuple[str, ...]:
-    """tracker_names, and ConfigError naming the key for a tracker whose optional package is not installed (found,
-    never imported here). Only what trains needs them (train.py, the sweep, the metric writer): evaluating or
-    fine-tuning from a run that logged to W&B does not need wandb, so `validate` checks the names alone."""
-    names = tracker_names(spec)
+def tracker_packages(names: tuple[str, ...]) -> None:
+    """ConfigError naming the key for a tracker of train.trackers whose optional package is not installed (found,
+    never imported here)."""
     for name in names:
         requirement = TRACKERS[name]
         if requirement and importlib.util.find_spec(requirement.partition("==")[0]) is None:
@@ -244,7 +170,6 @@ def tracker_packages(spec: str) -> tuple[str, ...]:
                 f"config key train.trackers: {name} needs its package, which is not installed: "
                 f"pip install {requirement} (or remove {name} from train.trackers)"
             )
-    return names
 
 
 def check_workdir(path: str | os.PathLike) -> pathlib.Path:

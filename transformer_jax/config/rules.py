@@ -1,13 +1,15 @@
 """What a config key is and what it may hold: `Rule` (a value's type, bounds or choices, and the one-line error
-when a value breaks it) and `Key` (one key's name, default, rule, meaning and resume decisions). config/schema.py
-declares every key with them."""
+when a value breaks it), `Entries` (the one rule of every list-valued key: a tuple of strings or of records) and
+`Key` (one key's name, default, rule, meaning and resume decisions). config/schema.py declares every key with
+them."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 from transformer_jax.errors import ConfigError
 
@@ -25,8 +27,12 @@ class Rule:
     choices: tuple[str, ...] | Callable[[], Iterable[str]] | None = None
     nonempty: bool = False
     unit: str = ""
+    test: Callable[[Any], bool] | None = None  # a further condition on a value of the right kind
+    what: str = ""  # what `test` asks, as the error says it ("a regular expression")
 
     def allowed(self) -> str:
+        if self.what:
+            return self.what
         if self.choices is not None:
             return f"one of {list(self.options())}"
         if self.kind is bool:
@@ -67,6 +73,7 @@ class Rule:
                 and (self.low is None or (value > self.low if self.low_open else value >= self.low))
                 and (self.high is None or (value < self.high if self.high_open else value <= self.high))
             )
+        ok = ok and (self.test is None or self.test(value))
         if not ok:
             wrong_type = isinstance(value, bool) is not (self.kind is bool) or not isinstance(value, (self.kind, int))
             got = f"{value!r} ({type(value).__name__})" if wrong_type else repr(value)
@@ -97,7 +104,117 @@ def choice(options: tuple[str, ...] | Callable[[], Iterable[str]]) -> Rule:
     return Rule(str, choices=options)
 
 
+def _compiles(pattern: str) -> bool:
+    try:
+        re.compile(pattern)
+    except re.error:
+        return False
+    return True
+
+
 FLAG, TEXT, NAME = Rule(bool), Rule(str), Rule(str, nonempty=True)
+IDENTIFIER = Rule(str, test=str.isidentifier, what="a name of letters, digits and _ (not starting with a digit)")
+WORD = Rule(str, test=lambda text: not any(c.isspace() for c in text), what="a string without spaces")
+REGEX = Rule(str, test=_compiles, what="a regular expression (Python re)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One field of a record (an entry of a list-valued key); a trailing field with a `default` may be left out."""
+
+    name: str
+    rule: Rule
+    default: Any = None  # None: required
+
+
+@dataclasses.dataclass(frozen=True)
+class Entries:
+    """The one rule of every list-valued key. Its value is a tuple of entries: strings, each checked by `each`, or
+    (with `fields`) records, each a tuple of those fields in that order, the first its name, each field checked by
+    its own rule, the names distinct.
+
+    What a user may write becomes that tuple in one place, `split`, before the value is checked: every string in
+    it is split at its commas, so that one comma-joined value works wherever a tuple does (`--config.KEY=a,b`,
+    which ml_collections gives as the 1-tuple ('a,b',), and the string a config saved before the key was a tuple
+    holds); a record written as such a string, in the key's form of before (`form`, e.g. NAME=KIND:WHERE:WEIGHT),
+    is read by `text`. An entry therefore never holds a comma.
+    """
+
+    each: Rule | None = None  # the rule of a string entry
+    fields: tuple[Field, ...] = ()  # the fields of a record entry
+    text: Callable[[str], tuple | None] | None = None  # a record from its string `form`; None: not that form
+    together: Callable[[tuple], str] | None = None  # what a record's fields must satisfy together: the problem, or ""
+    noun: str = "entry"  # what an entry is, for the error message
+    unit: str = ""
+    kind: ClassVar[type] = tuple
+    choices: ClassVar[None] = None
+
+    def split(self, key: str, value: Any) -> Any:
+        """The value as the tuple it stands for: every string in it split at its commas, blanks dropped, a record's
+        string read by `text` and a short record completed by its fields' defaults; a string entry given twice is
+        kept once. ConfigError for a record string not of `form`; anything else wrong is left to `check`."""
+        if isinstance(value, str):
+            value = (value,)
+        if not isinstance(value, tuple | list):
+            return value
+        entries: list[Any] = []
+        for entry in value:
+            parts = [part.strip() for part in entry.split(",") if part.strip()] if isinstance(entry, str) else [entry]
+            for part in parts:
+                if self.fields:
+                    entries.append(self._record(key, part))
+                elif part not in entries:
+                    entries.append(part)
+        return tuple(entries)
+
+    def _record(self, key: str, entry: Any) -> Any:
+        if isinstance(entry, str):
+            record = self.text(entry)
+            if record is None:
+                names = ", ".join(f.name for f in self.fields)
+                raise ConfigError(f"config key {key}: {entry!r} is not {self.form} (or give the tuple ({names}))")
+            entry = record
+        if not isinstance(entry, tuple | list):
+            return entry
+        left_out = self.fields[len(entry) :]
+        if any(field.default is None for field in left_out):
+            return entry  # a required field is missing: `check` says so
+        return tuple(entry) + tuple(field.default for field in left_out)
+
+    @property
+    def form(self) -> str:
+        """A record's string form of before: NAME=KIND:WHERE:WEIGHT[:TAG] for (name, kind, where, weight, tag='')."""
+        name, *required = (f.name.upper() for f in self.fields if f.default is None)
+        optional = "".join(f"[:{f.name.upper()}]" for f in self.fields if f.default is not None)
+        return f"{name}={':'.join(required)}{optional}"
+
+    def allowed(self) -> str:
+        if not self.fields:
+            return f"a tuple of strings, each {self.each.allowed()}"
+        return f"a tuple of records ({', '.join(f.name for f in self.fields)}), or one string {self.form},..."
+
+    def check(self, key: str, value: Any, name: str | None = None) -> None:
+        """ConfigError naming the key and the entry unless `value` (split already) is allowed."""
+        name = name or f"config key {key}"
+        if not isinstance(value, tuple | list):
+            raise ConfigError(f"{name}: must be {self.allowed()}, got {value!r} ({type(value).__name__})")
+        names: set[Any] = set()
+        for entry in value:
+            if not self.fields:
+                self.each.check(key, entry, name)
+                continue
+            if not isinstance(entry, tuple | list) or len(entry) != len(self.fields):
+                raise ConfigError(f"{name}: {self.noun} {entry!r} is not a record; must be {self.allowed()}")
+            for field, item in zip(self.fields, entry, strict=True):
+                field.rule.check(key, item, f"{name}: the {field.name} of {self.noun} {entry[0]!r}")
+            problem = self.together(tuple(entry)) if self.together else ""
+            if problem:
+                raise ConfigError(f"{name}: {self.noun} {entry[0]!r}: {problem}")
+            if entry[0] in names:
+                raise ConfigError(f"{name}: the name {entry[0]!r} is given twice; name each {self.noun} once")
+            names.add(entry[0])
+
+
 MATCH, MAY_CHANGE = "must match", "may change"  # on resume: whether a restart must keep the checkpoint's value
 
 
@@ -109,7 +226,7 @@ class Key:
 
     name: str
     default: Any
-    rule: Rule
+    rule: Rule | Entries
     doc: str
     resume: str  # MATCH or MAY_CHANGE
     architecture: bool = False  # shapes the parameters or the computation, or what the token ids mean

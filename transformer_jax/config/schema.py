@@ -13,8 +13,8 @@ token ids mean, so a run started from another's parameters (`train.init_from`) t
 saved config (training/init_from.py). Regularisation, data, batching, optimizer and schedule keys are not
 architecture: they are the fine-tuning run's own, even where a restart must keep them (`resume=MATCH`).
 Adding a key is one `Key(...)` line here (a model key is also a field of TransformerSpec); tests/test_config_keys.py
-fails if a key lacks any of its facts.
-
+fails if a key lacks any of its facts. A list-valued key holds a tuple of strings or of records (one field order
+each) by its `Entries` rule, which also reads one comma-joined value (a record in the key's form of before).
 The choice sets defined by a registry elsewhere (attention implementations, mesh modes) are read from there when a
 config is checked.
 """
@@ -28,10 +28,15 @@ import ml_collections
 
 from transformer_jax.config.rules import (
     FLAG,
+    IDENTIFIER,
     MATCH,
     MAY_CHANGE,
     NAME,
+    REGEX,
     TEXT,
+    WORD,
+    Entries,
+    Field,
     Key,
     Rule,
     at_least_zero,
@@ -84,6 +89,36 @@ SEED_LIMIT = 2**32
 # The experiment trackers of train.trackers (training/metrics.py), each with the pinned requirement of the optional
 # package it needs (None: a runtime dependency). requirements-dev.txt pins the same; tests/test_trackers.py checks it.
 TRACKERS = {"tensorboard": None, "wandb": "wandb==0.31.0", "mlflow": "mlflow==3.17.2"}
+CORPUS_KINDS = ("text", "tfds", "files")  # a {split}.{lang} directory, a TFDS builder, a file pair SRC+TGT
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _corpus_from_text(text: str) -> tuple | None:
+    """A data.corpora record from its form of before, NAME=KIND:WHERE:WEIGHT[:TAG] (WHERE may hold ':'; a last part
+    that is not a number is the TAG); None for another form."""
+    name, equals, rest = text.partition("=")
+    parts = rest.split(":")
+    tag = parts.pop() if len(parts) > 3 and _number(parts[-1]) is None else ""
+    if not equals or len(parts) < 3 or _number(parts[-1]) is None:
+        return None
+    return (name, parts[0], ":".join(parts[1:-1]), _number(parts[-1]), tag)
+
+
+def _valid_set_from_text(text: str) -> tuple | None:
+    """An eval.extra_valid record from its form of before, NAME=TEXT_DIR[:SPLIT]; None for another form."""
+    name, equals, where = text.partition("=")
+    return (name, *(where.rsplit(":", 1) if ":" in where else (where, "valid"))) if equals else None
+
+
+def _files_pair(corpus: tuple) -> str:
+    ok = corpus[1] != "files" or len([path for path in corpus[2].split("+") if path]) == 2
+    return "" if ok else f"files needs SRC_FILE+TGT_FILE, got {corpus[2]!r}"
 
 
 def _attention_impls() -> list[str]:
@@ -311,11 +346,21 @@ KEYS: tuple[Key, ...] = (
     ),
     Key(
         "data.corpora",
-        "",
-        TEXT,
-        "training corpora mixed by weight (the probability of each next pair), NAME=KIND:WHERE:WEIGHT[:TAG],...: KIND"
-        " text (a {split}.{lang} directory), tfds (a builder) or files (SRC+TGT); TAG starts each source; empty ="
-        " the single corpus of data.source",
+        (),
+        Entries(
+            fields=(
+                Field("name", IDENTIFIER),
+                Field("kind", choice(CORPUS_KINDS)),
+                Field("where", NAME),
+                Field("weight", positive()),
+                Field("tag", WORD, default=""),
+            ),
+            text=_corpus_from_text,
+            together=_files_pair,
+            noun="corpus",
+        ),
+        "training corpora mixed by weight (the probability of each next pair); kind text (where: a {split}.{lang}"
+        " directory), tfds (a builder) or files (SRC_FILE+TGT_FILE); the tag starts each source; empty = data.source",
         MATCH,
     ),
     Key("data.store_dir", "", TEXT, "directory of the tokenized store; empty = the tokenizer's directory", MAY_CHANGE),
@@ -375,10 +420,10 @@ KEYS: tuple[Key, ...] = (
     # The optimizer state holds moments of the trained parameters only: another set cannot restore it.
     Key(
         "opt.freeze",
-        "",
-        TEXT,
-        "comma-separated regexes; parameters whose path (e.g. encoder_layers/0/ffn/w1/kernel) one matches stay"
-        " fixed; empty = train all",
+        (),
+        Entries(each=REGEX),
+        "regexes (a tuple, or comma-joined); parameters whose path (e.g. encoder_layers/0/ffn/w1/kernel) one matches"
+        " stay fixed; empty = train all",
         MATCH,
     ),
     Key(
@@ -459,9 +504,9 @@ KEYS: tuple[Key, ...] = (
     Key("train.max_nonfinite_steps", 10, count(1), "consecutive non-finite updates before the run stops", MAY_CHANGE),
     Key(
         "train.trackers",
-        "tensorboard",
-        TEXT,
-        f"comma-separated experiment trackers beside metrics.jsonl (always written), from {list(TRACKERS)}",
+        ("tensorboard",),
+        Entries(each=choice(tuple(TRACKERS))),
+        f"experiment trackers beside metrics.jsonl (always written), a tuple or comma-joined, from {list(TRACKERS)}",
         MAY_CHANGE,
     ),
     Key(
@@ -496,10 +541,13 @@ KEYS: tuple[Key, ...] = (
     Key("eval.batch_size", 64, count(1), "sentences per decoding batch", MAY_CHANGE),
     Key(
         "eval.extra_valid",
-        "",
-        TEXT,
-        "validation sets reported beside data.valid_split, never selecting: NAME=TEXT_DIR[:SPLIT],... of"
-        " {split}.{lang} files (split default valid); empty = none",
+        (),
+        Entries(
+            fields=(Field("name", IDENTIFIER), Field("text_dir", NAME), Field("split", NAME, default="valid")),
+            text=_valid_set_from_text,
+            noun="validation set",
+        ),
+        "validation sets of {split}.{lang} files reported beside data.valid_split, never selecting; empty = none",
         MAY_CHANGE,
     ),
     # ckpt
@@ -516,7 +564,8 @@ KEYS: tuple[Key, ...] = (
 )
 
 BY_NAME: dict[str, Key] = {key.name: key for key in KEYS}
-RULES: dict[str, Rule] = {key.name: key.rule for key in KEYS}
+RULES: dict[str, Rule | Entries] = {key.name: key.rule for key in KEYS}
+LISTS: tuple[str, ...] = tuple(key.name for key in KEYS if isinstance(key.rule, Entries))  # list-valued keys
 MUST_MATCH: tuple[str, ...] = tuple(key.name for key in KEYS if key.resume == MATCH)
 ARCHITECTURE: tuple[str, ...] = tuple(key.name for key in KEYS if key.architecture)
 GROUPS = ("model", "attention", "data", "opt", "train", "eval", "ckpt")

@@ -21,6 +21,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from transformer_jax import cli
+from transformer_jax.config import checks
 from transformer_jax.data import sources, store
 from transformer_jax.data.tokenizer import model_tokenizer
 
@@ -32,6 +33,7 @@ _VERIFY = flags.DEFINE_bool("verify", False, "Reread the whole store and check t
 def main(argv: list[str]) -> None:
     del argv  # no positional arguments (transformer_jax.cli.run refuses them)
     config = _CONFIG.value
+    checks.validate(config)  # before any download, as train.py does
     splits = {}
     for split in (config.data.valid_split, config.data.test_split):  # small: read whole
         splits[split] = len(sources.open_split(config.data, split))

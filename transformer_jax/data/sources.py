@@ -31,7 +31,6 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from transformer_jax.config.checks import corpus_specs
 from transformer_jax.errors import DataError
 from transformer_jax.runtime import compile_cache
 from transformer_jax.runtime.progress import Progress
@@ -559,13 +558,13 @@ def load_split(config: ml_collections.ConfigDict, split: str) -> list[Pair]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The training corpora of data.corpora, `NAME=KIND:WHERE:WEIGHT[:TAG],...` (parsed once, by
-# `config.checks.corpus_specs`): KIND `text` is a directory of {split}.{lang} files read as data.source=text reads
-# them (data.train_split), `tfds` a TFDS builder (with data.tfds_data_dir and data.tfds_download), `files` two plain
-# files `SRC_FILE+TGT_FILE` (translate_corpus's input and output, or the reverse for back-translation). A weight is
-# the probability that the next training pair comes from that corpus (`pipeline` mixes them); a tag (e.g.
-# `<BT>`, Caswell et al. 2019) is written before every non-empty source sentence of its corpus, and the tokenizer
-# holds it as one piece (`tokenizer.check_tags`). Empty data.corpora is the single corpus of data.source.
+# The training corpora of data.corpora, records (name, kind, where, weight, tag) checked by the key's rule
+# (config/schema.py): kind `text` is a directory of {split}.{lang} files read as data.source=text reads them
+# (data.train_split), `tfds` a TFDS builder (with data.tfds_data_dir and data.tfds_download), `files` two plain files
+# `SRC_FILE+TGT_FILE` (translate_corpus's input and output, or the reverse for back-translation). A weight is the
+# probability that the next training pair comes from that corpus (`pipeline` mixes them); a tag (e.g. `<BT>`,
+# Caswell et al. 2019) is written before every non-empty source sentence of its corpus, and the tokenizer holds it
+# as one piece (`tokenizer.check_tags`). Empty data.corpora is the single corpus of data.source.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -581,7 +580,7 @@ class Corpus:
 
 def corpora(config: ml_collections.ConfigDict) -> list[Corpus]:
     """The corpora of data.corpora (`config` is the data group); empty when the single data.source is used."""
-    return [Corpus(*spec) for spec in corpus_specs(config.corpora)]
+    return [Corpus(name, kind, where, float(weight), tag) for name, kind, where, weight, tag in config.corpora]
 
 
 class Tagged:

@@ -85,8 +85,7 @@ def variants(config_arg: str, common: dict[str, Any] | None = None) -> list[Vari
             except TypeError as e:
                 raise ConfigError(f"{path}: sweep variant {name!r}: {key}={value!r} has the wrong type ({e})") from e
         try:
-            checks.validate(config)
-            checks.tracker_packages(config.train.trackers)  # the sweep trains them
+            checks.validate(config, training=True)  # as train.py validates its config: the sweep trains them
         except ConfigError as e:
             raise ConfigError(f"{path}: sweep variant {name!r}: {e}") from e
         out.append(Variant(name, override, config, reference))
@@ -135,7 +134,8 @@ class Run(NamedTuple):
 
 
 def runs(variant: Variant, seeds: int) -> list[Run]:
-    """The variant's runs, each config validated. One seed: the variant's own config, in today's layout."""
+    """The variant's runs. One seed: the variant's own config, in today's layout. Several: copies that differ from
+    the validated variant in the seed keys alone, which are checked here."""
     if seeds == 1:
         return [Run(variant, 0, variant.name, {}, variant.config)]
     out = []
@@ -144,7 +144,8 @@ def runs(variant: Variant, seeds: int) -> list[Run]:
         config = variant.config.copy_and_resolve_references()
         config.update_from_flattened_dict(overrides)
         try:
-            checks.validate(config)
+            for key, value in overrides.items():
+                checks.check_value(key, value)
         except ConfigError as e:
             raise ConfigError(f"sweep variant {variant.name!r}, seed {i} of --seeds {seeds}: {e}") from e
         out.append(Run(variant, i, f"{variant.name}/seed{i}", overrides, config))

@@ -45,6 +45,8 @@ layouts. Each is kept because checkpoints of those versions exist (tests/test_st
   checkpoints.load_config applies it.
 - Config: keys added later (`ADDED_KEYS`) are missing from the configs saved before them; they get the value that
   does what those versions did.
+- Config: the list-valued keys (data.corpora, opt.freeze, train.trackers, eval.extra_valid) were comma-joined
+  strings until they became tuples; `upgrade_config` splits such a string by the key's rule (config/schema.py).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ import numpy as np
 from flax.traverse_util import flatten_dict
 from jax.experimental import multihost_utils
 
+from transformer_jax.config import schema
 from transformer_jax.errors import ConfigError, UserError
 from transformer_jax.tokens import FIELDS, SpecialIds
 
@@ -384,40 +387,35 @@ ADDED_KEYS: dict[str, Any] = {
     "model.source_vocab_size": 0,  # the source vocabulary is the target's
     "data.tokenizer": "spm",  # one joint SentencePiece model, the only tokenizer there was
     "data.target_lang": "",  # no >>xx<< token before the source
-    "data.corpora": "",  # one training corpus
-    "train.trackers": "tensorboard",  # TensorBoard beside metrics.jsonl, as then
+    "data.corpora": (),  # one training corpus
+    "train.trackers": ("tensorboard",),  # TensorBoard beside metrics.jsonl, as then
     "train.tracker_group": "",
 }
 
 
 def upgrade_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """A config saved with a checkpoint, in today's keys (unchanged when it has them already)."""
-    added = {
-        name: value
-        for name, value in ADDED_KEYS.items()
-        if name.partition(".")[0] in config and name.partition(".")[2] not in config[name.partition(".")[0]]
-    }
-    if added:
-        values = config.to_dict()
-        for name, value in added.items():
-            group, _, leaf = name.partition(".")
-            values[group][leaf] = value
-        config = ml_collections.ConfigDict(values)
-    if "model" not in config:
-        return config
-    missing = [f"{field}_id" for field in FIELDS if f"{field}_id" not in config.model]
-    if not missing and "fused_backward" in config.model:
-        return config
-    upgraded = config.to_dict()
-    model = upgraded["model"]
-    if "fused_backward" not in model:
-        pad_id = model.get("pad_id", SpecialIds.DEFAULT.pad)
-        if pad_id != SpecialIds.DEFAULT.pad:
-            raise ConfigError(
-                f"invalid config key model.pad_id: a config saved without model.fused_backward had padding "
-                f"{SpecialIds.DEFAULT.pad} always, got {pad_id}; set it to {SpecialIds.DEFAULT.pad}"
-            )
-        model["fused_backward"] = "on"
-    for key in missing:  # the constants of those versions
-        model[key] = getattr(SpecialIds.DEFAULT, key.removesuffix("_id"))
-    return ml_collections.ConfigDict(upgraded)
+    """A config saved with a checkpoint, in today's keys and values (unchanged when it has them already)."""
+    values = config.to_dict()
+    for name, value in ADDED_KEYS.items():
+        group, _, leaf = name.partition(".")
+        if group in values:
+            values[group].setdefault(leaf, value)
+    # A list-valued key saved before it was a tuple holds its comma-joined string (data.corpora, opt.freeze,
+    # train.trackers, eval.extra_valid), and any read back from JSON a list: the key's rule makes either the tuple.
+    for name in schema.LISTS:
+        group, _, leaf = name.partition(".")
+        if leaf in values.get(group, {}):
+            values[group][leaf] = schema.RULES[name].split(name, values[group][leaf])
+    model = values.get("model")
+    if model is not None:
+        if "fused_backward" not in model:
+            pad_id = model.get("pad_id", SpecialIds.DEFAULT.pad)
+            if pad_id != SpecialIds.DEFAULT.pad:
+                raise ConfigError(
+                    f"invalid config key model.pad_id: a config saved without model.fused_backward had padding "
+                    f"{SpecialIds.DEFAULT.pad} always, got {pad_id}; set it to {SpecialIds.DEFAULT.pad}"
+                )
+            model["fused_backward"] = "on"
+        for field in FIELDS:  # the constants of the versions without the id keys
+            model.setdefault(f"{field}_id", getattr(SpecialIds.DEFAULT, field))
+    return config if values == config.to_dict() else ml_collections.ConfigDict(values)

@@ -481,7 +481,10 @@ class Checkpointer:
             saved_config = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
         except Exception as e:  # any failure to read means this checkpoint is damaged
             raise _Damaged(f"its config cannot be read: {describe_error(e)}") from None
-        diff = config_differences(saved_config.config, current)
+        # In today's keys and values, as load_config reads it: a config saved before a key was added, or before a
+        # list-valued key held a tuple (its comma-joined string), is the same run's.
+        saved = json.loads(bookkeeping.upgrade_config(ml_collections.ConfigDict(saved_config.config)).to_json())
+        diff = config_differences(saved, current)
         if diff:
             raise CheckpointError(
                 f"the checkpoint at step {step} in {checkpoint_dir(self.workdir)} was written with a different "

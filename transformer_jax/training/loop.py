@@ -35,7 +35,6 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from transformer_jax import data
-from transformer_jax.config.checks import extra_valid_sets
 from transformer_jax.data.batching import BATCH_KEYS, padded_eval_length
 from transformer_jax.data.pipeline import batch_shapes, place, prefetch
 from transformer_jax.errors import ConfigError, NonFiniteError
@@ -47,7 +46,6 @@ from transformer_jax.training import bookkeeping, flops, init_from
 from transformer_jax.training.checkpoints import Checkpointer
 from transformer_jax.training.losses import summarize
 from transformer_jax.training.metrics import MetricWriter
-from transformer_jax.training.optim import learning_rate_schedule
 from transformer_jax.training.state import Graphs, abstract_train_state, create_train_state, eval_model
 from transformer_jax.training.step import compile_steps
 
@@ -80,7 +78,7 @@ def validation_sets(config: ml_collections.ConfigDict) -> list[tuple[str, list[t
     """(name, pairs) of every validation set: data.valid_split first (name ""), then each eval.extra_valid set
     (text files {split}.{lang} in its directory, the run's languages)."""
     sets = [("", data.load_split(config.data, config.data.valid_split))]
-    for name, directory, split in extra_valid_sets(config.eval.extra_valid):
+    for name, directory, split in config.eval.extra_valid:
         source = ml_collections.ConfigDict(config.data.to_dict())
         source.source, source.text_dir = "text", directory
         sets.append((name, data.load_split(source, split)))
@@ -173,12 +171,19 @@ class MetricLog:
     step it just dispatched), summed on the host, and written as one record every train.log_every steps.
 
     Fetching is also where a run of non-finite updates is noticed: NonFiniteError once there are
-    train.max_nonfinite_steps in a row.
+    train.max_nonfinite_steps in a row. `learning_rate` is the optimizer's schedule (Graphs.learning_rate).
     """
 
-    def __init__(self, config: ml_collections.ConfigDict, writer: MetricWriter, progress: Progress, peak: float):
+    def __init__(
+        self,
+        config: ml_collections.ConfigDict,
+        writer: MetricWriter,
+        progress: Progress,
+        peak: float,
+        learning_rate: Callable[[int], Any],
+    ):
         self.writer, self.progress = writer, progress
-        self.schedule = learning_rate_schedule(config.opt, config.train.num_steps)
+        self.schedule = learning_rate
         self.max_nonfinite = config.train.max_nonfinite_steps
         self.peak_all_devices = peak * jax.device_count()
         self.pending: tuple | None = None  # (metrics on device, real tokens, FLOPs, step) of the last step
@@ -375,7 +380,7 @@ def setup(
         train_step=train_step,
         batches=prefetch(train_iter, sharding),
         checkpointer=checkpointer,
-        metric_log=MetricLog(config, writer, progress, peak),
+        metric_log=MetricLog(config, writer, progress, peak, graphs.learning_rate),
         validation=validation,
         writer=writer,
         progress=progress,

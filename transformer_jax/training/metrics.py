@@ -8,11 +8,12 @@ MetricWriter hands each record it writes to metrics.jsonl to `Trackers.log` and 
 of every metric (and stopped_early_at, final_step) as W&B's run summary, MLflow's `final/<metric>` metrics and
 TensorBoard's hparams (tensorboard/hparams).
 
-wandb and mlflow are optional packages, imported only here and only when named; config/checks.py's tracker_names
-has refused a missing one before any work. W&B takes its mode, project and directory from the environment as it
-always does (WANDB_MODE, WANDB_PROJECT, WANDB_DIR; without WANDB_DIR its files go in WORKDIR/wandb, and without
-WANDB_PROJECT the project is transformer_jax); MLflow its store from MLFLOW_TRACKING_URI. train.tracker_group is
-the W&B group and the MLflow experiment (DEFAULT_EXPERIMENT when empty).
+wandb and mlflow are optional packages, imported only here and only when named; train.py and the sweep
+(config/checks.py's validate, training=True) have refused a missing one before any work. W&B takes its mode,
+project and directory from the environment as it always does (WANDB_MODE, WANDB_PROJECT, WANDB_DIR; without
+WANDB_DIR its files go in WORKDIR/wandb, and without WANDB_PROJECT the project is transformer_jax); MLflow its store
+from MLFLOW_TRACKING_URI. train.tracker_group is the W&B group and the MLflow experiment (DEFAULT_EXPERIMENT when
+empty).
 
 Resume: a restarted run continues its tracker runs. WORKDIR/trackers.json keeps each tracker's run id and the last
 step it was given; the step is written there before the record is handed over, so a crash can lose a step in a
@@ -74,7 +75,7 @@ class MetricWriter:
                 names, group, params = schema.BY_NAME["train.trackers"].default, "", {}
             else:
                 names, group, params = config.train.trackers, config.train.tracker_group, dict(checks.leaves(config))
-            self._trackers = Trackers(checks.tracker_packages(names), workdir, group, params, resume_step)
+            self._trackers = Trackers(names, workdir, group, params, resume_step)
 
     def write(self, step: int, metrics: dict[str, float], prefix: str = "") -> None:
         if not self.enabled:

@@ -11,7 +11,6 @@ import ml_collections
 import optax
 from flax import nnx
 
-from transformer_jax.config import checks
 from transformer_jax.errors import ConfigError
 
 TRAIN, FROZEN = "train", "frozen"  # the labels of optax.multi_transform
@@ -24,8 +23,9 @@ def learning_rate_schedule(opt: ml_collections.ConfigDict, num_steps: int) -> op
     rsqrt:    linear warmup to learning_rate, then learning_rate * sqrt(warmup / step_num)
     cosine:   linear warmup to learning_rate, then cosine decay to 0 at num_steps
     constant: linear warmup to learning_rate, then constant
+
+    The `opt` group is the one the command line validated (config/checks.py).
     """
-    checks.check_opt(opt)  # the rules of checks.RULES, as validate() applies them
     peak, warmup = float(opt.learning_rate), max(int(opt.warmup_steps), 1)
     if opt.schedule == "paper":
         return lambda step: peak * jnp.minimum((step + 1.0) ** -0.5, (step + 1.0) * warmup**-1.5)
@@ -39,21 +39,21 @@ def learning_rate_schedule(opt: ml_collections.ConfigDict, num_steps: int) -> op
     return optax.join_schedules([ramp, after], boundaries=[warmup - 1])
 
 
-def make_optimizer(opt: ml_collections.ConfigDict, num_steps: int) -> optax.GradientTransformation:
-    """Adam (b1, b2, eps from the config; paper: 0.9, 0.98, 1e-9) or AdamW, with optional global-norm clipping.
+def make_optimizer(opt: ml_collections.ConfigDict, schedule: optax.Schedule) -> optax.GradientTransformation:
+    """Adam (b1, b2, eps from the config; paper: 0.9, 0.98, 1e-9) or AdamW at the rates of `schedule`
+    (learning_rate_schedule), with optional global-norm clipping.
 
     With opt.freeze, the parameters whose path a pattern matches get zero updates (optax.set_to_zero) and no Adam
     moments, and clipping sees only the trained ones' gradients (optax.multi_transform); a pattern that matches no
     parameter is a ConfigError when the optimizer state is initialised.
     """
-    schedule = learning_rate_schedule(opt, num_steps)  # checks the opt group
     if opt.optimizer == "adam":
         tx = optax.adam(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps)
     else:
         tx = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay)
     if opt.clip_grad_norm > 0:
         tx = optax.chain(optax.clip_by_global_norm(opt.clip_grad_norm), tx)
-    patterns = checks.freeze_patterns(opt.freeze)
+    patterns = list(opt.freeze)
     if not patterns:
         return tx
     return optax.multi_transform(

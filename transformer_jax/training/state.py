@@ -10,10 +10,11 @@ import dataclasses
 
 import jax.numpy as jnp
 import ml_collections
+import optax
 from flax import nnx
 
 from transformer_jax.model import Transformer, build_model, model_rngs
-from transformer_jax.training.optim import make_optimizer
+from transformer_jax.training.optim import learning_rate_schedule, make_optimizer
 
 
 class Counters(nnx.Module):
@@ -26,23 +27,26 @@ class Counters(nnx.Module):
 
 class TrainState(nnx.Module):
     """Everything a train step updates: the model (parameters and dropout RNG), its optimizer (step count and
-    moments) and the non-finite counters."""
+    moments) and the non-finite counters; and, static, the learning rate the optimizer applies at each step."""
 
     # Field order: checkpoints written before the fields had names stored them under these positions.
     FIELDS = ("model", "optimizer", "counters")
 
-    def __init__(self, model: Transformer, optimizer: nnx.Optimizer, counters: Counters):
+    def __init__(self, model: Transformer, optimizer: nnx.Optimizer, counters: Counters, learning_rate: optax.Schedule):
         self.model = model
         self.optimizer = optimizer
         self.counters = counters
+        self.learning_rate = learning_rate  # a function, so static: in the graph, not in the state's arrays
 
 
 @dataclasses.dataclass(frozen=True)
 class Graphs:
-    """Static halves of the TrainState: one with dropout on (train), one with it off (eval)."""
+    """Static halves of the TrainState: one with dropout on (train), one with it off (eval); and the learning rate
+    of each step (0-based), as the optimizer applies it, which the metrics log."""
 
     train: nnx.GraphDef
     eval: nnx.GraphDef
+    learning_rate: optax.Schedule
 
 
 def create_model(config: ml_collections.ConfigDict, seed: int) -> Transformer:
@@ -50,10 +54,12 @@ def create_model(config: ml_collections.ConfigDict, seed: int) -> Transformer:
 
 
 def new_train_state(config: ml_collections.ConfigDict) -> TrainState:
-    """Model + optimizer + counters built from the config (arrays allocated and initialised)."""
+    """Model + optimizer + counters built from the config (arrays allocated and initialised). The learning-rate
+    schedule is built here, once: the optimizer applies it and the TrainState keeps it for the metrics."""
     model = create_model(config, config.train.seed)
-    optimizer = nnx.Optimizer(model, make_optimizer(config.opt, config.train.num_steps), wrt=nnx.Param)
-    return TrainState(model, optimizer, Counters())
+    schedule = learning_rate_schedule(config.opt, config.train.num_steps)
+    optimizer = nnx.Optimizer(model, make_optimizer(config.opt, schedule), wrt=nnx.Param)
+    return TrainState(model, optimizer, Counters(), schedule)
 
 
 def split_train_state(train_state: TrainState) -> tuple[Graphs, nnx.State]:
@@ -62,7 +68,7 @@ def split_train_state(train_state: TrainState) -> tuple[Graphs, nnx.State]:
     eval_graph, _ = nnx.split(train_state)
     train_state.model.train()
     train_graph, state = nnx.split(train_state)
-    return Graphs(train=train_graph, eval=eval_graph), state
+    return Graphs(train=train_graph, eval=eval_graph, learning_rate=train_state.learning_rate), state
 
 
 def create_train_state(config: ml_collections.ConfigDict) -> tuple[Graphs, nnx.State]:

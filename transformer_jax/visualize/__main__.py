@@ -22,6 +22,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from transformer_jax.cli import USAGE_STATUS, fail, parse_flags
+from transformer_jax.config import checks
 from transformer_jax.errors import VisualizeError, exit_on_user_error
 from transformer_jax.visualize import attention, curves, positional, schedule
 
@@ -93,7 +94,9 @@ def _parse(argv: Sequence[str]) -> tuple[str, flags.FlagValues, list[str]]:
 
 
 def run(command: str, fv: flags.FlagValues, more_metrics: Sequence[str] = ()) -> list[Path]:
-    """Runs one parsed command; returns the files written."""
+    """Runs one parsed command, its --config validated first; returns the files written."""
+    if fv.config is not None:
+        checks.validate(fv.config)
     if command == "attention":
         result = attention(
             fv.workdir,
