@@ -16,7 +16,7 @@ from transformer_jax.errors import EvalError, UserError
 from transformer_jax.evaluation.__main__ import evaluate
 from transformer_jax.evaluation.scoring import packed_batches, score_pairs
 from transformer_jax.evaluation.translate import DecodeSettings, translate_nbest
-from transformer_jax.training.losses import cross_entropy_sums
+from transformer_jax.training.step import cross_entropy_sums
 
 SOURCES = ["hello world", "a", "", "the cat sat on the mat", "b c d", "x" * 30]
 TARGETS = ["hallo welt", "", "leer", "die katze", "b c", "y" * 25]

@@ -6,7 +6,7 @@ then EOS. Pairs are packed several to a row (first fit, longest first: data.batc
 segment, into rows of one length (the doubling bucket of the longest side, data.batching.padded_eval_length), in
 batches of `batch_size` rows: one compiled shape, and about as many slots as tokens (one pair a row padded to its
 batch's bucket filled half of test2016's slots, docs/decoding.md). The per-token sums are those of the
-training loss's nll (training/losses.py, without label smoothing), so the corpus perplexity exp(-sum log P / tokens)
+training loss's nll (training/step.py, without label smoothing), so the corpus perplexity exp(-sum log P / tokens)
 is exp of the validation nll on the same pairs. An ensemble (decoding/ensemble.py) scores with the distribution its
 search uses, the renormalised mean of its members' log-probabilities at every target position.
 
@@ -49,7 +49,7 @@ def _token_log_probs(graphdef: nnx.GraphDef, state: nnx.State, batch: dict[str, 
     """[B, T] log P(tgt_out | tgt_in, source) of every target slot; 0 on padding."""
     model = nnx.merge(graphdef, state)
     logits_BTV = batch_logits(model, batch).astype(jnp.float32)
-    # log_softmax at the target, as losses.py computes the nll: logit - logsumexp.
+    # log_softmax at the target, as training/step.py computes the nll: logit - logsumexp.
     lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
     target_BT = jnp.take_along_axis(logits_BTV, batch["tgt_out"][..., None], axis=-1)[..., 0]
     return jnp.where(batch["tgt_segment_ids"] > 0, target_BT - lse_BT, 0.0)

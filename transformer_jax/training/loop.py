@@ -44,10 +44,9 @@ from transformer_jax.runtime.progress import Progress
 from transformer_jax.sharding import batch_sharding, make_mesh, state_shardings, tracing_mesh
 from transformer_jax.training import bookkeeping, flops, init_from
 from transformer_jax.training.checkpoints import Checkpointer
-from transformer_jax.training.losses import summarize
 from transformer_jax.training.metrics import MetricWriter
 from transformer_jax.training.state import Graphs, abstract_train_state, create_train_state, eval_model
-from transformer_jax.training.step import compile_steps
+from transformer_jax.training.step import compile_steps, summarize
 
 # (config, tokenizer) -> a function of the model in eval mode that returns {metric name: score}: validation BLEU,
 # chrF, chrF++ and TER of data.valid_split, and `NAME_bleu`... of each eval.extra_valid set.
