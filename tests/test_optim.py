@@ -11,8 +11,13 @@ from configs import common
 from tests.helpers.training import one_layer_config
 from transformer_jax.config import checks
 from transformer_jax.errors import ConfigError
-from transformer_jax.training.optim import learning_rate_schedule, make_optimizer
-from transformer_jax.training.state import create_model, new_train_state, split_train_state
+from transformer_jax.training.state import (
+    create_model,
+    learning_rate_schedule,
+    make_optimizer,
+    new_train_state,
+    split_train_state,
+)
 
 
 def reference(name: str, peak: float, warmup_steps: int, num_steps: int, step: int) -> float:

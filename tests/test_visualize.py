@@ -21,8 +21,7 @@ from transformer_jax import visualize as viz
 from transformer_jax.data.tokenizer import get_tokenizer
 from transformer_jax.tokens import SpecialIds
 from transformer_jax.training.checkpoints import Checkpointer
-from transformer_jax.training.optim import learning_rate_schedule
-from transformer_jax.training.state import create_train_state, eval_model
+from transformer_jax.training.state import create_train_state, eval_model, learning_rate_schedule
 from transformer_jax.visualize import __main__ as visualize
 
 SOURCE, TARGET = "the big dog runs in the park", "der große hund läuft"

@@ -69,7 +69,7 @@ SIZES = {
 }
 
 # Choice sets of string-valued keys whose implementation has no registry of its own; the modules that dispatch on
-# them import these (model/spec.py, training/optim.py).
+# them import these (model/spec.py, training/state.py).
 ACTIVATIONS = ("relu", "gelu", "swiglu", "swish")
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("post", "pre")

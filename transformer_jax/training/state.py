@@ -2,19 +2,26 @@
 
 `nnx.split(TrainState)` gives a pytree of arrays whose top-level keys are the field names (`state["model"]`,
 `state["optimizer"]["step"]`, `state["counters"]`); the step functions merge it back and use the fields by name.
+The optimizer is optax's, with the learning-rate schedule, from the `opt` config group; opt.freeze freezes
+parameters by path.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
 from flax import nnx
 
+from transformer_jax.errors import ConfigError
 from transformer_jax.model import Transformer, build_model, model_rngs
-from transformer_jax.training.optim import learning_rate_schedule, make_optimizer
+
+TRAIN, FROZEN = "train", "frozen"  # the labels of optax.multi_transform
 
 
 class Counters(nnx.Module):
@@ -47,6 +54,85 @@ class Graphs:
     train: nnx.GraphDef
     eval: nnx.GraphDef
     learning_rate: optax.Schedule
+
+
+def learning_rate_schedule(opt: ml_collections.ConfigDict, num_steps: int) -> optax.Schedule:
+    """The learning rate at each optimizer step (0-based; the paper's step_num is step + 1).
+
+    paper:    lrate = learning_rate * min(step_num^-0.5, step_num * warmup^-1.5), learning_rate = d_model^-0.5 (5.3)
+    rsqrt:    linear warmup to learning_rate, then learning_rate * sqrt(warmup / step_num)
+    cosine:   linear warmup to learning_rate, then cosine decay to 0 at num_steps
+    constant: linear warmup to learning_rate, then constant
+
+    The `opt` group is the one the command line validated (config/checks.py).
+    """
+    peak, warmup = float(opt.learning_rate), max(int(opt.warmup_steps), 1)
+    if opt.schedule == "paper":
+        return lambda step: peak * jnp.minimum((step + 1.0) ** -0.5, (step + 1.0) * warmup**-1.5)
+    # Linear warmup: peak * step_num / warmup, reaching peak at step warmup - 1; the decay starts from there.
+    ramp = optax.linear_schedule(peak / warmup, peak, transition_steps=warmup - 1)
+    after = {
+        "rsqrt": lambda count: peak * jnp.sqrt(warmup / (count + warmup)),  # count = step_num - warmup
+        "cosine": optax.cosine_decay_schedule(peak, decay_steps=max(num_steps - warmup, 1)),
+        "constant": optax.constant_schedule(peak),
+    }[opt.schedule]
+    return optax.join_schedules([ramp, after], boundaries=[warmup - 1])
+
+
+def make_optimizer(opt: ml_collections.ConfigDict, schedule: optax.Schedule) -> optax.GradientTransformation:
+    """Adam (b1, b2, eps from the config; paper: 0.9, 0.98, 1e-9) or AdamW at the rates of `schedule`
+    (learning_rate_schedule), with optional global-norm clipping.
+
+    With opt.freeze, the parameters whose path a pattern matches get zero updates (optax.set_to_zero) and no Adam
+    moments, and clipping sees only the trained ones' gradients (optax.multi_transform); a pattern that matches no
+    parameter is a ConfigError when the optimizer state is initialised.
+    """
+    if opt.optimizer == "adam":
+        tx = optax.adam(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps)
+    else:
+        tx = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay)
+    if opt.clip_grad_norm > 0:
+        tx = optax.chain(optax.clip_by_global_norm(opt.clip_grad_norm), tx)
+    patterns = list(opt.freeze)
+    if not patterns:
+        return tx
+    return optax.multi_transform(
+        {TRAIN: tx, FROZEN: optax.set_to_zero()}, lambda params: freeze_labels(params, patterns)
+    )
+
+
+def param_path(path: tuple) -> str:
+    """'encoder_layers/0/ffn/w1/kernel': a parameter's path in the model, as opt.freeze patterns match it."""
+    return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def freeze_labels(params: Any, patterns: list[str]) -> Any:
+    """FROZEN for every parameter whose path one of `patterns` matches (re.search), TRAIN for the others, in the
+    tree of `params` (an nnx.State of Variables or of arrays); ConfigError naming a pattern that matches none."""
+    compiled = [re.compile(pattern) for pattern in patterns]
+    matched: set[str] = set()
+
+    def label(path: tuple, _) -> str:
+        name = param_path(path)
+        hits = {p.pattern for p in compiled if p.search(name)}
+        matched.update(hits)
+        return FROZEN if hits else TRAIN
+
+    labels = jax.tree_util.tree_map_with_path(label, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    unmatched = [pattern for pattern in patterns if pattern not in matched]
+    if unmatched:
+        paths = parameter_paths(params)
+        raise ConfigError(
+            f"config key opt.freeze: {unmatched[0]!r} matches no parameter path (of {len(paths)}: {paths[0]}, ..., "
+            f"{paths[-1]}); fix or remove the pattern"
+        )
+    return labels
+
+
+def parameter_paths(params: Any) -> list[str]:
+    """Every parameter's path (param_path), in tree order."""
+    leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return [param_path(path) for path, _ in leaves]
 
 
 def create_model(config: ml_collections.ConfigDict, seed: int) -> Transformer:

@@ -13,7 +13,7 @@ import numpy as np
 
 from transformer_jax.errors import VisualizeError
 from transformer_jax.training.metrics import read_metrics
-from transformer_jax.training.optim import learning_rate_schedule
+from transformer_jax.training.state import learning_rate_schedule
 from transformer_jax.visualize.figures import new_figure, save
 
 SCHEDULE_FIGSIZE = (8.0, 5.0)  # inches
@@ -30,7 +30,7 @@ class ScheduleResult:
 
 
 def schedule(config: Any, output_dir: str | Path, num_steps: int | None = None) -> ScheduleResult:
-    """The learning rate of every update of a config's training (training.optim.learning_rate_schedule)."""
+    """The learning rate of every update of a config's training (training.state.learning_rate_schedule)."""
     num_steps = config.train.num_steps if num_steps is None else num_steps
     if num_steps < 1:
         raise VisualizeError(f"--num_steps must be >= 1, got {num_steps}")
