@@ -577,6 +577,17 @@ def forward_kernel(*refs, cfg: KernelConfig) -> None:
         _store_count(r)
 
 
+def _probs_and_score_grads(r: _Refs, cfg: KernelConfig, tile_masked: bool) -> tuple[jax.Array, jax.Array]:
+    """The backward's recomputation of one tile, shared by both kernels: P = e^(s - lse) [X, Y] from the forward's
+    saved lse, and dS = P (dO V^T - delta) [X, Y], the gradient of the (scaled) scores."""
+    q_XH, k_YH, v_YE, do_XE = r.q[...], r.k[...], r.v[...], r.do[...]
+    s_XY = _dot(q_XH, k_YH, 1, 1) * cfg.scale
+    if tile_masked:
+        s_XY = jnp.where(r.tile_mask(), s_XY, -jnp.inf)
+    p_XY = jnp.exp(s_XY - r.lse[...])
+    return p_XY, p_XY * (_dot(do_XE, v_YE, 1, 1) - r.delta[...])
+
+
 def dkdv_kernel(*refs, cfg: KernelConfig) -> None:
     """Key block j [Y, H] against query block i of query head (h G + g); at the last (g, i) writes dK and dV."""
     r = _Refs(cfg, refs, ("q", "k", "v", "do", "lse", "delta"), ("dk", "dv"), ("dk_acc", "dv_acc"))
@@ -590,13 +601,9 @@ def dkdv_kernel(*refs, cfg: KernelConfig) -> None:
         _start_count(r)
 
     def compute(tile_masked: bool) -> None:
-        q_XH, k_YH, v_YE, do_XE = r.q[...], r.k[...], r.v[...], r.do[...]
-        s_XY = _dot(q_XH, k_YH, 1, 1) * cfg.scale
-        if tile_masked:
-            s_XY = jnp.where(r.tile_mask(), s_XY, -jnp.inf)
-        p_XY = jnp.exp(s_XY - r.lse[...])
+        p_XY, ds_XY = _probs_and_score_grads(r, cfg, tile_masked)
+        q_XH, do_XE = r.q[...], r.do[...]
         r.dv_acc[...] += _dot(p_XY.T.astype(do_XE.dtype), do_XE, 1, 0)
-        ds_XY = p_XY * (_dot(do_XE, v_YE, 1, 1) - r.delta[...])
         r.dk_acc[...] += _dot(ds_XY.T.astype(q_XH.dtype), q_XH, 1, 0)
 
     _visit(r, b * cfg.num_j + j, i, compute)
@@ -619,12 +626,8 @@ def dq_kernel(*refs, cfg: KernelConfig) -> None:
         _start_count(r)
 
     def compute(tile_masked: bool) -> None:
-        q_XH, k_YH, v_YE, do_XE = r.q[...], r.k[...], r.v[...], r.do[...]
-        s_XY = _dot(q_XH, k_YH, 1, 1) * cfg.scale
-        if tile_masked:
-            s_XY = jnp.where(r.tile_mask(), s_XY, -jnp.inf)
-        p_XY = jnp.exp(s_XY - r.lse[...])
-        ds_XY = p_XY * (_dot(do_XE, v_YE, 1, 1) - r.delta[...])
+        _, ds_XY = _probs_and_score_grads(r, cfg, tile_masked)
+        k_YH = r.k[...]
         r.dq_acc[...] += _dot(ds_XY.astype(k_YH.dtype), k_YH, 1, 0)
 
     _visit(r, b * cfg.num_i + i, j, compute)
