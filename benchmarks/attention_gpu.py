@@ -26,10 +26,9 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.attention_tpu import MODEL_WIDTH
-from transformer_jax import ops
+from transformer_jax import ops, runtime
 from transformer_jax.errors import ConfigError
 from transformer_jax.plan import accelerators
-from transformer_jax.runtime import platform
 
 Array = jax.Array
 IMPLS = ("ours", "jax_pallas", "cudnn", "xla")
@@ -69,7 +68,7 @@ def measure(chip: str, impl: str, length: int, head_dim: int) -> dict:
 
     start = time.perf_counter()
     try:
-        with platform.compiling_for("gpu"):
+        with runtime.compiling_for("gpu"):
             compiled = jax.jit(fwd_bwd).trace(spec, spec, spec, spec).lower().compile()
     except Exception as e:  # an unsupported combination is a result too
         record["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"

@@ -27,11 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax import ops
+from transformer_jax import ops, runtime
 from transformer_jax.ops import pallas_tpu
 from transformer_jax.ops.masks import AttentionMask
 from transformer_jax.plan import accelerators
-from transformer_jax.runtime import platform
 
 Array = jax.Array
 IMPLS = ("ours", "jax_flash", "splash", "xla")
@@ -124,7 +123,7 @@ def measure(topology: str, impl: str, length: int, head_dim: int, mask: str) -> 
 
     start = time.perf_counter()
     try:
-        with platform.compiling_for("tpu"):
+        with runtime.compiling_for("tpu"):
             compiled = jax.jit(fwd_bwd).trace(spec, spec, spec, spec).lower().compile()
     except Exception as e:  # an unsupported combination is a result too
         record["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"

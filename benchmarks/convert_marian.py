@@ -122,9 +122,9 @@ def child(source: str, workdir: str) -> None:
     import jax
     import jax.numpy as jnp
 
-    from transformer_jax.runtime import platform
+    from transformer_jax import runtime
 
-    platform.use_cpu_without_accelerators()
+    runtime.use_cpu_without_accelerators()
 
     from transformer_jax.convert import folder
 

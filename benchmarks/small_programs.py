@@ -2,7 +2,7 @@
 
     python -m benchmarks.small_programs [--shapes 40]
 
-Two fresh processes share an empty cache directory (compile_cache.enable with MIN_COMPILE_SECONDS): each runs
+Two fresh processes share an empty cache directory (runtime.enable_compile_cache with MIN_COMPILE_SECONDS): each runs
 `(x * 2 + 1).sum()` eagerly on `shapes` new shapes, four XLA programs per shape (ones, multiply, add, sum), and
 reports the time of the loop and jax's own compile, lowering and cache-read durations (jax.monitoring). The first
 compiles and writes every program, the second loads them. Prints one JSON line. The processes use the test
@@ -28,8 +28,8 @@ _FAST = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=
 CHILD = """
 import collections, json, sys, time
 import jax, jax.numpy as jnp
-from transformer_jax.runtime import compile_cache
-compile_cache.enable(sys.argv[1])
+from transformer_jax import runtime
+runtime.enable_compile_cache(sys.argv[1])
 seconds = collections.Counter()
 jax.monitoring.register_event_duration_secs_listener(lambda event, s, **_: seconds.update({event: s, event + "#n": 1}))
 jnp.ones(3).block_until_ready()  # the backend's start, not timed

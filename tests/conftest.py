@@ -8,7 +8,7 @@ The tests run on the CPU (JAX_PLATFORMS=cpu unless set): on a CPU host with libt
 for the TPU compile tests) jax would otherwise try the TPU first and print its initialisation errors; several test
 processes may load libtpu at once (ALLOW_MULTIPLE_LIBTPU_LOAD: its lock guards a TPU this host does not have).
 
-jax's persistent compilation cache (transformer_jax/runtime/compile_cache.py) lives in a directory of the test session's
+jax's persistent compilation cache (transformer_jax/runtime.py) lives in a directory of the test session's
 own, shared by the xdist workers and the subprocesses they start (through the environment), and removed at the
 end: tests never read a user's cache, and a program compiled by one test process is loaded by the others.
 """
@@ -44,7 +44,7 @@ import pathlib  # noqa: E402
 import pytest  # noqa: E402
 
 from tests.helpers.training import write_corpus  # noqa: E402
-from transformer_jax.runtime import compile_cache  # noqa: E402
+from transformer_jax import runtime  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +65,11 @@ _OWN_CACHE = None
 
 def pytest_configure(config):
     global _OWN_CACHE
-    if compile_cache.ENV not in os.environ:  # the controller (or a run without xdist) makes it; workers inherit it
+    # the controller (or a run without xdist) makes it; workers inherit it
+    if runtime.COMPILE_CACHE_ENV not in os.environ:
         _OWN_CACHE = tempfile.mkdtemp(prefix="transformer_jax_test_xla_")
-        os.environ[compile_cache.ENV] = _OWN_CACHE
-    compile_cache.enable()
+        os.environ[runtime.COMPILE_CACHE_ENV] = _OWN_CACHE
+    runtime.enable_compile_cache()
 
 
 def pytest_unconfigure(config):

@@ -16,10 +16,10 @@ import pytest
 
 from tests.helpers.aot import assert_linear_in_length, compile_attention
 from tests.helpers.training import one_layer_config
+from transformer_jax import runtime
 from transformer_jax.ops import attention
 from transformer_jax.plan import accelerators
 from transformer_jax.plan import train_step as plan
-from transformer_jax.runtime import platform
 from transformer_jax.sharding import make_mesh
 
 needs_cuda_plugin = pytest.mark.skipif(
@@ -77,6 +77,6 @@ def test_a_dtype_the_triton_kernels_cannot_take_is_one_line_at_trace_time() -> N
     """int8 q, k, v (one dtype, but not a float): refused before Triton sees it. Head dims above 256 and mixed
     dtypes are checked in test_attention_ops.py; the checks do not depend on the GPU target."""
     q = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.int8)
-    with platform.compiling_for("gpu"), pytest.raises(ValueError, match="one dtype among") as error:
+    with runtime.compiling_for("gpu"), pytest.raises(ValueError, match="one dtype among") as error:
         jax.eval_shape(lambda q: attention(q, q, q, impl="pallas", causal=True), q)
     assert "\n" not in str(error.value)

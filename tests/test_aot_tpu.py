@@ -21,9 +21,9 @@ import pytest
 
 from tests.helpers.aot import assert_linear_in_length, compile_attention
 from tests.helpers.attention import TPU_CASES, TPU_SMALL, forward_backward, make_inputs
+from transformer_jax import runtime
 from transformer_jax.ops import attention
 from transformer_jax.plan import accelerators
-from transformer_jax.runtime import platform
 from transformer_jax.sharding import make_mesh
 
 needs_libtpu = pytest.mark.skipif(
@@ -61,7 +61,7 @@ def test_the_interpret_mode_cases_compile_for_tpu(case, dtype) -> None:
     sharding = jax.sharding.SingleDeviceSharding(accelerators.tpu_devices("v5e:2x2")[0])
     specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in (q, k, v, do)]
     fn = functools.partial(forward_backward, "pallas", kw=kw, block_sizes=TPU_SMALL)
-    with platform.compiling_for("tpu"):
+    with runtime.compiling_for("tpu"):
         jax.jit(lambda *a: fn(a)).trace(*specs).lower().compile()
 
 
@@ -70,7 +70,7 @@ def test_a_batch_the_mesh_cannot_split_is_one_clear_line() -> None:
     mesh = make_mesh(list(accelerators.tpu_devices("v5e:2x2")))
     q = jax.ShapeDtypeStruct((3, 128, 2, 64), jnp.bfloat16)
     with (
-        platform.compiling_for("tpu"),
+        runtime.compiling_for("tpu"),
         jax.set_mesh(mesh),
         pytest.raises(ValueError, match="batch 3 is not a multiple"),
     ):

@@ -173,7 +173,7 @@ def _poisoned_run(workdir: pathlib.Path, config, checkpointer):
     from types import SimpleNamespace
 
     from transformer_jax.model.spec import TransformerSpec
-    from transformer_jax.runtime.progress import Progress
+    from transformer_jax.runtime import Progress
 
     step, state, it_state = _restore_latest(workdir, config)
 

@@ -16,17 +16,16 @@ import numpy as np
 import pytest
 from absl import flags
 
-from transformer_jax import cli
-from transformer_jax.runtime import compile_cache
+from transformer_jax import cli, runtime
 
 PROGRAM = textwrap.dedent(
     """
     import json, sys
     import jax, jax.numpy as jnp
-    from transformer_jax.runtime import compile_cache
+    from transformer_jax import runtime
     events = []
     jax.monitoring.register_event_listener(lambda event, **kwargs: events.append(event))
-    compile_cache.enable(sys.argv[1])
+    runtime.enable_compile_cache(sys.argv[1])
     y = jax.jit(lambda x: jnp.tanh(x @ x.T).sum(axis=0))(jnp.arange(64.0).reshape(8, 8) / 64)
     count = lambda name: events.count(f"/jax/compilation_cache/{name}")
     print(json.dumps(dict(y=[float(v) for v in y], hits=count("cache_hits"), writes=count("cache_misses"))))
@@ -62,7 +61,7 @@ def run_program(cache: Path, **env: str) -> tuple[dict, str]:
 def cache(tmp_path):
     """A cache of the test's own, in this process; the session's cache is back afterwards."""
     yield tmp_path / "xla"
-    compile_cache.enable()
+    runtime.enable_compile_cache()
 
 
 def test_processes_sharing_the_cache_load_what_one_compiled_and_a_changed_xla_flag_misses(cache):
@@ -78,7 +77,7 @@ def test_processes_sharing_the_cache_load_what_one_compiled_and_a_changed_xla_fl
 def test_a_truncated_entry_is_a_warning_and_a_compile_never_a_wrong_result(cache):
     """What a writer killed mid-write leaves: jax's zlib framing fails to read it, jax warns and compiles."""
     run_program(cache)
-    entries = list(compile_cache.enable(str(cache)).glob("jit__lambda*-cache"))
+    entries = list(runtime.enable_compile_cache(str(cache)).glob("jit__lambda*-cache"))
     assert entries
     for entry in entries:
         entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])
@@ -88,8 +87,8 @@ def test_a_truncated_entry_is_a_warning_and_a_compile_never_a_wrong_result(cache
 
 @pytest.mark.slow  # trimmed from the default run: the file keeps a fast representative
 def test_a_changed_program_misses_and_the_same_one_hits(cache):
-    directory = compile_cache.enable(str(cache))
-    assert directory == cache / compile_cache.host_kind() and jax.config.jax_compilation_cache_dir == str(directory)
+    directory = runtime.enable_compile_cache(str(cache))
+    assert directory == cache / runtime.host_kind() and jax.config.jax_compilation_cache_dir == str(directory)
 
     def compiled(scale: float):
         return jax.jit(lambda x: jnp.sin(x * scale).sum())(jnp.arange(16.0))
@@ -117,7 +116,7 @@ def test_a_changed_program_misses_and_the_same_one_hits(cache):
 def test_an_unusable_directory_is_one_warning_and_no_cache(tmp_path, cache, capsys):
     blocked = tmp_path / "a_file"
     blocked.write_text("not a directory")
-    assert compile_cache.enable(str(blocked / "xla")) is None and compile_cache.directory() is None
+    assert runtime.enable_compile_cache(str(blocked / "xla")) is None and runtime.compile_cache_directory() is None
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("warning: compilation cache") and str(blocked) in err[0]
     assert float(jax.jit(lambda x: x.sum() * 4)(jnp.arange(4.0))) == 24.0
@@ -126,17 +125,18 @@ def test_an_unusable_directory_is_one_warning_and_no_cache(tmp_path, cache, caps
 def test_every_command_line_takes_compilation_cache(tmp_path, cache):
     flag_values = flags.FlagValues()
     cli.parse_flags("prog", ["prog", f"--compilation_cache={tmp_path / 'mine'}"], flag_values)
-    assert compile_cache.directory() == tmp_path / "mine" / compile_cache.host_kind()
+    assert runtime.compile_cache_directory() == tmp_path / "mine" / runtime.host_kind()
     cli.parse_flags("prog", ["prog", "--compilation_cache=off"], flags.FlagValues())
-    assert compile_cache.directory() is None and jax.config.jax_compilation_cache_dir is None
+    assert runtime.compile_cache_directory() is None and jax.config.jax_compilation_cache_dir is None
 
 
 def test_the_default_directory_and_the_environment(monkeypatch):
-    assert compile_cache.resolve("off") is None
-    assert compile_cache.resolve("~/x") == Path.home() / "x"
-    assert compile_cache.resolve(None) == Path(os.environ[compile_cache.ENV])  # conftest's session directory
-    monkeypatch.delenv(compile_cache.ENV)
-    assert compile_cache.resolve(None) == Path.home() / ".cache" / "transformer_jax" / "xla"
+    assert runtime.resolve_compile_cache("off") is None
+    assert runtime.resolve_compile_cache("~/x") == Path.home() / "x"
+    # conftest's session directory
+    assert runtime.resolve_compile_cache(None) == Path(os.environ[runtime.COMPILE_CACHE_ENV])
+    monkeypatch.delenv(runtime.COMPILE_CACHE_ENV)
+    assert runtime.resolve_compile_cache(None) == Path.home() / ".cache" / "transformer_jax" / "xla"
 
 
 AOT_PROGRAM = textwrap.dedent(

@@ -18,11 +18,11 @@ import pytest
 
 from tests.helpers import REPO
 from tests.helpers.training import tiny_train_config, write_corpus
+from transformer_jax import runtime
 from transformer_jax.data import store
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import DiskFullError
 from transformer_jax.evaluation import command
-from transformer_jax.runtime import files
 from transformer_jax.tokens import SpecialIds
 from transformer_jax.training import metrics
 from transformer_jax.training.metrics import MetricWriter, read_metrics
@@ -34,10 +34,10 @@ def test_a_full_disk_is_recognised_however_it_arrives():
     tensorstore = ValueError("RESOURCE_EXHAUSTED: Failed to write 12947 bytes to file 13: No space left on device")
     wrapped = RuntimeError("save failed")
     wrapped.__cause__ = tensorstore
-    assert files.is_disk_full(ENOSPC) and files.is_disk_full(wrapped)
-    assert files.is_disk_full(ExceptionGroup("writes", [ValueError("x"), OSError(errno.EDQUOT, "quota")]))
-    assert not files.is_disk_full(OSError(errno.EACCES, "Permission denied"))
-    assert not files.is_disk_full(ValueError("RESOURCE_EXHAUSTED: out of memory"))
+    assert runtime.is_disk_full(ENOSPC) and runtime.is_disk_full(wrapped)
+    assert runtime.is_disk_full(ExceptionGroup("writes", [ValueError("x"), OSError(errno.EDQUOT, "quota")]))
+    assert not runtime.is_disk_full(OSError(errno.EACCES, "Permission denied"))
+    assert not runtime.is_disk_full(ValueError("RESOURCE_EXHAUSTED: out of memory"))
 
 
 def test_a_full_disk_while_logging_metrics_leaves_only_whole_records(tmp_path, monkeypatch):
@@ -90,13 +90,13 @@ def test_a_full_disk_while_writing_an_evaluation_output_keeps_the_earlier_file(t
     def full(*args):  # the temporary file is written, the disk fills before it is complete
         raise ENOSPC
 
-    monkeypatch.setattr(files.os, "replace", full)
+    monkeypatch.setattr(runtime.os, "replace", full)
     with pytest.raises(DiskFullError, match=rf"disk full while writing {out} \(needs about .* free\); nothing was"):
         if which == "hypotheses":
             command.write_lines(str(out), ["ein hund", "eine katze"])
         else:
             command.write_json(str(out), {"scores": 1})
-    monkeypatch.setattr(files.os, "replace", real_replace)
+    monkeypatch.setattr(runtime.os, "replace", real_replace)
     assert out.read_text() == "an earlier complete file\n"
     assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]  # the temporary file is gone
 

@@ -21,16 +21,15 @@ from jax.experimental.pallas import tpu as pltpu
 from tests.helpers.attention import TPU_CASES as CASES
 from tests.helpers.attention import TPU_SMALL as SMALL
 from tests.helpers.attention import Case, assert_matches, forward_backward, make_inputs, reference
-from transformer_jax import ops
+from transformer_jax import ops, runtime
 from transformer_jax.ops import pallas_gpu, pallas_tpu
 from transformer_jax.ops.masks import AttentionMask, array_module
-from transformer_jax.runtime import platform
 
 
 @pytest.fixture
 def tpu_interpret():
     """Builds programs for TPU (target_backend() == "tpu") and runs their Pallas kernels in TPU interpret mode."""
-    with platform.compiling_for("tpu"), pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+    with runtime.compiling_for("tpu"), pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
         yield
 
 
@@ -99,7 +98,7 @@ def test_bad_inputs_are_one_clear_line_at_trace_time() -> None:
     q = jax.ShapeDtypeStruct((1, 128, 2, 300), jnp.bfloat16)
     half = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.float16)
     bf16 = half.update(dtype=jnp.bfloat16)
-    with platform.compiling_for("tpu"):
+    with runtime.compiling_for("tpu"):
         with pytest.raises(ValueError, match="head dims up to 256; got q/k 300.*impl='blockwise'"):
             jax.eval_shape(lambda q: ops.attention(q, q, q, impl="pallas"), q)
         with pytest.raises(ValueError, match="all float32 or all bfloat16; got float16.*Cast them"):

@@ -13,38 +13,38 @@ import jax.numpy as jnp
 import pytest
 
 from tests.helpers import REPO
+from transformer_jax import runtime
 from transformer_jax.model.spec import fused_backward_enabled
 from transformer_jax.ops.dispatch import choose_impl
 from transformer_jax.ops.masks import AttentionMask
-from transformer_jax.runtime import platform
 
 
 def test_target_backend_is_the_host_outside_compiling_for():
-    assert platform.target_backend() == jax.default_backend()
+    assert runtime.target_backend() == jax.default_backend()
 
 
 def test_compiling_for_sets_and_restores_the_target():
-    host = platform.target_backend()
-    with platform.compiling_for("cuda") as target:
-        assert target == "gpu" == platform.target_backend()
-        with platform.compiling_for("tpu"):
-            assert platform.target_backend() == "tpu"
-        assert platform.target_backend() == "gpu"
-    assert platform.target_backend() == host
+    host = runtime.target_backend()
+    with runtime.compiling_for("cuda") as target:
+        assert target == "gpu" == runtime.target_backend()
+        with runtime.compiling_for("tpu"):
+            assert runtime.target_backend() == "tpu"
+        assert runtime.target_backend() == "gpu"
+    assert runtime.target_backend() == host
 
 
 def test_accelerator_choices_follow_the_target():
     q = jnp.zeros((1, 16, 2, 64), jnp.bfloat16)
     mask = AttentionMask.create(1, 16, 16, causal=True)
     assert fused_backward_enabled("auto") is (jax.default_backend() == "cpu")
-    with platform.compiling_for("gpu"):
+    with runtime.compiling_for("gpu"):
         assert not fused_backward_enabled("auto")
         assert choose_impl(q, q, q, mask) == "cudnn"
 
 
 def test_an_unknown_platform_is_refused():
     with pytest.raises(ValueError, match="unknown platform 'metal'"):
-        platform.backend_of("metal")
+        runtime.backend_of("metal")
 
 
 IMPORT_CHECK = """
@@ -69,14 +69,14 @@ def test_importing_the_package_changes_no_jax_setting_and_no_environment_variabl
 
 
 def test_accelerator_device_files_are_found_by_their_names(tmp_path):
-    assert platform.accelerator_device_files(tmp_path) == []
+    assert runtime.accelerator_device_files(tmp_path) == []
     (tmp_path / "vfio").mkdir()
     for name in ("vfio/vfio", "nvidia-uvm", "accel", "kvm"):  # present on hosts without any accelerator
         (tmp_path / name).touch()
-    assert platform.accelerator_device_files(tmp_path) == []
+    assert runtime.accelerator_device_files(tmp_path) == []
     for name in ("nvidia0", "vfio/12", "accel1", "kfd"):
         (tmp_path / name).touch()
-    assert platform.accelerator_device_files(tmp_path) == ["accel1", "kfd", "nvidia0", "vfio/12"]
+    assert runtime.accelerator_device_files(tmp_path) == ["accel1", "kfd", "nvidia0", "vfio/12"]
 
 
 @pytest.fixture
@@ -103,7 +103,7 @@ def test_the_cpu_is_chosen_only_without_accelerators_and_without_the_users_choic
     for name in devices:
         (tmp_path / name).touch()
     platforms_setting(user)
-    assert (platform.use_cpu_without_accelerators(tmp_path), jax.config.jax_platforms) == expected
+    assert (runtime.use_cpu_without_accelerators(tmp_path), jax.config.jax_platforms) == expected
 
 
 NOISE = re.compile(r"Traceback|cuInit|TPU_ACCELERATOR_TYPE|TPU_WORKER_HOSTNAMES")
@@ -126,7 +126,7 @@ def _run_quietly(command: list) -> subprocess.CompletedProcess:
 
 
 needs_plugins = pytest.mark.skipif(
-    not PLUGINS or bool(platform.accelerator_device_files()),
+    not PLUGINS or bool(runtime.accelerator_device_files()),
     reason="needs libtpu or the CUDA plugin installed (requirements-aot.txt) on a host without accelerators",
 )
 

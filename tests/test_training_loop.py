@@ -19,11 +19,10 @@ from flax import nnx
 from configs import common
 from tests.helpers import REPO
 from tests.helpers.training import synthetic_batch, tiny_train_config, wait_for_checkpoint
-from transformer_jax import data
+from transformer_jax import data, runtime
 from transformer_jax.data import pipeline
 from transformer_jax.errors import ConfigError, DataError
 from transformer_jax.evaluation.validation import bleu_evaluator
-from transformer_jax.runtime import compile_cache
 from transformer_jax.sharding import batch_sharding, make_mesh
 from transformer_jax.tokens import SpecialIds
 from transformer_jax.training import checkpoints, flops, loop
@@ -174,7 +173,7 @@ def test_setup_builds_the_train_step_program_while_restoring_and_uses_the_kept_m
     """A restart waits for the train step's program while the checkpoint is read, not after it (compile_ahead),
     the first step calls that program, and MFU divides by the peak kept beside the compilation cache."""
     shutil.copytree(uninterrupted, tmp_path / "run")
-    directory = compile_cache.enable(str(tmp_path / "xla"))  # the test's own cache; the session's is back after
+    directory = runtime.enable_compile_cache(str(tmp_path / "xla"))  # the test's own cache; the session's is back after
     (directory / flops.PEAK_FILE).write_text(json.dumps({flops.peak_key(): 3e9}))
     monkeypatch.setattr(flops, "measure_matmul_peak", lambda: pytest.fail("measured the matmul peak again"))
     built = []
@@ -198,7 +197,7 @@ def test_setup_builds_the_train_step_program_while_restoring_and_uses_the_kept_m
     finally:
         jax.monitoring.unregister_event_duration_listener(on_compile)
         run.close()
-        compile_cache.enable()
+        runtime.enable_compile_cache()
 
 
 def test_train_py_starts_without_importing_torch_or_the_decoder(tmp_path):

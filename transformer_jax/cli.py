@@ -22,9 +22,9 @@ from ml_collections import config_flags
 from ml_collections.config_flags.config_flags import ConfigFileFlagParser, is_config_flag
 from ml_collections.config_flags.tuple_parser import TupleParser
 
+from transformer_jax import runtime
 from transformer_jax.config import loading
 from transformer_jax.errors import ConfigError, exit_on_user_error
-from transformer_jax.runtime import compile_cache, platform
 
 USAGE_STATUS = 2  # a command line that cannot work: the usage-error status of Unix tools and argparse
 
@@ -94,17 +94,17 @@ def parse_flags(
 
     Every command line gets --compilation_cache here and has the persistent compilation cache turned on (or off)
     before it compiles anything, and runs on the CPU where the host has no accelerator and the user chose no
-    platform (platform.use_cpu_without_accelerators: no plugin's failure to find its chip is printed), and its
+    platform (runtime.use_cpu_without_accelerators: no plugin's failure to find its chip is printed), and its
     tuple-valued config overrides read by _ListParser (registered with ml_collections, as its API provides).
     `usage`: for a FlagValues of one's own, which lacks absl's help flags, --help prints it and the flags, exit 0.
     """
-    platform.use_cpu_without_accelerators()
+    runtime.use_cpu_without_accelerators()
     if "compilation_cache" not in flag_values:
         flags.DEFINE_string(
             "compilation_cache",
             None,
-            f"Directory of compiled programs kept across runs ('off' disables it; default ${compile_cache.ENV}, "
-            "else ~/.cache/transformer_jax/xla).",
+            "Directory of compiled programs kept across runs ('off' disables it; default "
+            f"${runtime.COMPILE_CACHE_ENV}, else ~/.cache/transformer_jax/xla).",
             flag_values=flag_values,
         )
     if usage is not None and any(arg in HELP_FLAGS for arg in argv[1:]):
@@ -120,7 +120,7 @@ def parse_flags(
         fail(prog, _one_line(e))
     except (AttributeError, KeyError) as e:  # a --config.KEY=VALUE override of a key the config does not have
         fail(prog, f"config: {type(e).__name__} {_one_line(e)}")
-    compile_cache.enable(flag_values.compilation_cache)
+    runtime.enable_compile_cache(flag_values.compilation_cache)
     _hide_compile_only_cache_reads()
     _drop_callbacks_into_closed_event_loops()
     _drop_unretrieved_reads_of_a_failed_restore()

@@ -31,7 +31,7 @@ class CheckpointError(UserError, RuntimeError):
 
 class DiskFullError(UserError, RuntimeError):
     """No space left where a file was being written; the message names the file or step, the space needed and free,
-    and says that nothing partial was left (transformer_jax.runtime.files)."""
+    and says that nothing partial was left (transformer_jax.runtime)."""
 
 
 class NonFiniteError(UserError, RuntimeError):

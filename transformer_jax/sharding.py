@@ -15,8 +15,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from transformer_jax import runtime
 from transformer_jax.errors import ConfigError
-from transformer_jax.runtime import platform
 
 MESH_MODES = ("data", "fsdp")
 
@@ -58,7 +58,7 @@ def tracing_mesh(mesh: Mesh) -> contextlib.AbstractContextManager:
     """The mesh to trace steps under: Mosaic kernels cannot be partitioned by XLA, so on a TPU target our Pallas
     attention (ops/pallas_tpu.py) runs per device in a shard_map over the mesh in context (jax.set_mesh); the
     other backends trace without one."""
-    return jax.set_mesh(mesh) if platform.target_backend() == "tpu" else contextlib.nullcontext()
+    return jax.set_mesh(mesh) if runtime.target_backend() == "tpu" else contextlib.nullcontext()
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from transformer_jax import runtime
 from transformer_jax.ops import attention
-from transformer_jax.runtime import platform
 
 BATCH, HEADS = 1, 8
 
@@ -29,7 +29,7 @@ def compile_attention(device: jax.Device, length: int, head_dim: int, mask: str)
         kw = dict(causal=True) if mask == "causal" else dict(q_segment_ids=seg, kv_segment_ids=seg)
         return jnp.sum(attention(q, k, v, impl="pallas", **kw).astype(jnp.float32))
 
-    with platform.compiling_for(device.platform):
+    with runtime.compiling_for(device.platform):
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(qkv, qkv, qkv, seg).lower().compile()
 
 

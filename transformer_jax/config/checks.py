@@ -22,9 +22,9 @@ import pathlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from transformer_jax import runtime
 from transformer_jax.config.schema import LISTS, RULES, TRACKERS
 from transformer_jax.errors import ConfigError
-from transformer_jax.runtime import files
 
 
 def leaves(config: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -181,7 +181,7 @@ def check_workdir(path: str | os.PathLike) -> pathlib.Path:
     if workdir.exists() and not workdir.is_dir():
         raise ConfigError(f"--workdir {workdir} is a file, not a directory; give a directory (it is made if missing)")
     try:
-        return files.probe_writable(workdir)
+        return runtime.probe_writable(workdir)
     except OSError as e:
         raise ConfigError(
             f"--workdir {workdir}: cannot write there ({e.strerror or e}); give a writable directory"

@@ -31,9 +31,9 @@ import ml_collections
 import numpy as np
 from absl import logging
 
+from transformer_jax import runtime
 from transformer_jax.errors import DataError
-from transformer_jax.runtime import compile_cache
-from transformer_jax.runtime.progress import Progress
+from transformer_jax.runtime import Progress
 
 Pair = tuple[str, str]
 
@@ -68,7 +68,7 @@ def resolve_path(path: str | os.PathLike) -> Path:
 
 
 def cache_dir(config: ml_collections.ConfigDict) -> Path:
-    return resolve_path(config.cache_dir) if config.cache_dir else compile_cache.user_cache_root()
+    return resolve_path(config.cache_dir) if config.cache_dir else runtime.user_cache_root()
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -53,11 +53,11 @@ from typing import Any
 import ml_collections
 import numpy as np
 
+from transformer_jax import runtime
 from transformer_jax.data import batching, sources
 from transformer_jax.data.tokenizer import Tokenizer
 from transformer_jax.errors import DataError, DiskFullError
-from transformer_jax.runtime import files
-from transformer_jax.runtime.progress import Progress
+from transformer_jax.runtime import Progress
 
 log = logging.getLogger(__name__)  # the standard logger, which train.py shows at INFO (it quiets absl's)
 
@@ -242,9 +242,9 @@ def build(
 
 def _unwritable(path: Path, error: OSError) -> DataError | DiskFullError:
     """One line for a failed write; the build's temporary directory is already removed, so no store is left."""
-    if files.is_disk_full(error):
+    if runtime.is_disk_full(error):
         return DiskFullError(
-            f"disk full while building the tokenized training store {path} ({files.space_report(path.parent)}); "
+            f"disk full while building the tokenized training store {path} ({runtime.space_report(path.parent)}); "
             "the unfinished store was removed: free space there, or set data.store_dir to a directory with room "
             "that every host sees"
         )

@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 from absl import flags
 
-from transformer_jax import cli
+from transformer_jax import cli, runtime
 from transformer_jax.errors import DiskFullError
 from transformer_jax.evaluation import bleu, command, run, significance
 from transformer_jax.evaluation.command import (
@@ -42,7 +42,6 @@ from transformer_jax.evaluation.command import (
 )
 from transformer_jax.evaluation.restore import Restorer
 from transformer_jax.evaluation.scoring import score_lines
-from transformer_jax.runtime import files
 
 DEFAULT_FOLDER = "eval"  # WORKDIR/eval holds the outputs that have no name given
 
@@ -123,7 +122,7 @@ def _stream(mode: Translate, outputs: Outputs, loaded: run.Loaded) -> dict[str, 
                 out.write(hypothesis + "\n")
                 out.flush()
             except OSError as e:
-                if out is sys.stdout or not files.is_disk_full(e):
+                if out is sys.stdout or not runtime.is_disk_full(e):
                     raise
                 raise _stream_disk_full(output_file, len(results)) from None
             results.append((hypothesis, stats))
@@ -148,7 +147,7 @@ def _stream_disk_full(output_file: str, written: int) -> DiskFullError:
     """The error of a full disk while streaming: OUTPUT.partial holds the lines before it."""
     partial = f"{output_file}.partial"
     return DiskFullError(
-        f"disk full while writing {output_file} ({files.space_report(output_file)}): the translations of the first "
+        f"disk full while writing {output_file} ({runtime.space_report(output_file)}): the translations of the first "
         f"{written} lines are in {partial}; free space and run again"
     )
 

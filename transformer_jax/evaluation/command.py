@@ -21,13 +21,12 @@ from typing import Any
 from absl import flags
 from ml_collections import config_flags
 
-from transformer_jax import decoding
+from transformer_jax import decoding, runtime
 from transformer_jax.config import checks
 from transformer_jax.decoding import PLAIN_SAMPLING
 from transformer_jax.errors import ConfigError, DiskFullError, EvalError
 from transformer_jax.evaluation.mbr import UTILITIES
 from transformer_jax.evaluation.translate import check_nbest, check_sampling
-from transformer_jax.runtime import files
 
 # -- the checkpoint flags: evaluate.py's, the export's, translate_corpus's (same names, defaults, help), so that
 # an export serves exactly the parameters evaluate.py scored -----------------------------------------------------
@@ -533,7 +532,7 @@ def check_writable(path: str | os.PathLike, flag: str) -> None:
 def check_folder_writable(folder: str | os.PathLike, flag: str) -> None:
     """EvalError unless files can be written in `folder`, which may not exist yet (then: can it be created)."""
     try:
-        files.probe_writable(folder, create=False)
+        runtime.probe_writable(folder, create=False)
     except NotADirectoryError as e:
         raise EvalError(f"{flag}: {e.strerror}, so {folder} cannot be created; choose another location") from e
     except OSError as e:
@@ -619,11 +618,11 @@ def to_json(obj: Any) -> str:
 
 def _write_whole(path: str, text: str) -> None:
     try:
-        files.write_text_atomically(path, text)
+        runtime.write_text_atomically(path, text)
     except OSError as e:
-        if not files.is_disk_full(e):
+        if not runtime.is_disk_full(e):
             raise
         raise DiskFullError(
-            f"disk full while writing {path} ({files.space_report(path, len(text.encode()))}); nothing was written "
+            f"disk full while writing {path} ({runtime.space_report(path, len(text.encode()))}); nothing was written "
             "there (an earlier file of that name is unchanged): free space or choose another location"
         ) from None

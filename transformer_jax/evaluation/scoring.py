@@ -28,7 +28,7 @@ from flax import nnx
 
 from transformer_jax.data import batching
 from transformer_jax.evaluation.translate import Tokenizer, input_limit, position_limit
-from transformer_jax.runtime.progress import Progress
+from transformer_jax.runtime import Progress
 from transformer_jax.training.step import batch_logits
 
 Array = jax.Array

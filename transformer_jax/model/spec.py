@@ -10,9 +10,9 @@ import dataclasses
 import jax.numpy as jnp
 import ml_collections
 
+from transformer_jax import runtime
 from transformer_jax.config import checks, schema
 from transformer_jax.errors import ConfigError
-from transformer_jax.runtime import platform
 
 DTYPES = {name: getattr(jnp, name) for name in schema.DTYPES}  # model.dtype -> computation dtype
 
@@ -22,10 +22,10 @@ def fused_backward_enabled(setting: str, backend: str | None = None) -> bool:
 
     They compute the same gradients as autodiff, arranged so that XLA:CPU makes fewer transposed copies; they
     were measured on CPU only (benchmarks/train_step.py), so 'auto' uses them on the CPU backend and leaves every
-    other backend to autodiff. `backend` defaults to platform.target_backend().
+    other backend to autodiff. `backend` defaults to runtime.target_backend().
     """
     if setting == "auto":
-        return (backend or platform.target_backend()) == "cpu"
+        return (backend or runtime.target_backend()) == "cpu"
     return setting == "on"
 
 

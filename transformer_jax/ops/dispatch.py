@@ -8,10 +8,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from transformer_jax import runtime
 from transformer_jax.ops import pallas_gpu, pallas_tpu
 from transformer_jax.ops.attention import IMPLEMENTATIONS, Array, register
 from transformer_jax.ops.masks import AttentionMask
-from transformer_jax.runtime import platform
 
 # On CPU, blockwise beats the reference from about 1k tokens per side (benchmarks/attention.py measures where;
 # docs/benchmarks.md has the numbers), and past
@@ -25,7 +25,7 @@ TPU_PALLAS_MIN_LEN = 512
 
 def cudnn_unsupported(q: Array, k: Array, v: Array, mask: AttentionMask, *, backend: str | None = None) -> list[str]:
     """Reasons why impl='cudnn' cannot compute this call exactly as ops/masks.py specifies (empty if it can)."""
-    backend = platform.target_backend() if backend is None else backend
+    backend = runtime.target_backend() if backend is None else backend
     reasons = []
     if backend != "gpu":
         reasons.append(f"needs a CUDA GPU with cuDNN (this backend is {backend!r})")
@@ -62,7 +62,7 @@ def choose_impl(q: Array, k: Array, v: Array, mask: AttentionMask, *, backend: s
     """The implementation `auto` runs: cuDNN, else our Pallas kernels on GPU; on TPU our Pallas kernels for long
     sequences (traced on one device or under a mesh, which their shard_map needs); xla or blockwise by size
     elsewhere."""
-    backend = platform.target_backend() if backend is None else backend
+    backend = runtime.target_backend() if backend is None else backend
     batch, q_len, num_heads, head_dim = q.shape
     kv_len = k.shape[1]
     if backend == "tpu" and min(q_len, kv_len) >= TPU_PALLAS_MIN_LEN:

@@ -34,10 +34,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from transformer_jax import runtime
 from transformer_jax.ops.attention import recompute_vjp, register
 from transformer_jax.ops.masks import AttentionMask, pad_tokens
 from transformer_jax.ops.pallas_tpu import TpuBlockSizes, tpu_attention
-from transformer_jax.runtime import platform
 
 Array = jax.Array
 
@@ -117,10 +117,10 @@ def pallas_attention(
     """FlashAttention-2 in Pallas; the whole mask (segments, positions, causal, window) and grouped heads.
 
     Head dims are zero-padded to a power of two (>= 16, <= 256) and lengths to whole tiles, inside. `backend`
-    overrides platform.target_backend() ("gpu" lowers with Triton, "cpu" interprets, "tpu" runs pallas_tpu.py's
+    overrides runtime.target_backend() ("gpu" lowers with Triton, "cpu" interprets, "tpu" runs pallas_tpu.py's
     Mosaic kernels, which take TpuBlockSizes), e.g. to lower for a GPU here.
     """
-    backend = platform.target_backend() if backend is None else backend
+    backend = runtime.target_backend() if backend is None else backend
     if backend not in ("gpu", "cpu", "tpu"):
         raise ValueError(f"attention impl 'pallas': unknown backend {backend!r}; expected 'gpu', 'cpu' or 'tpu'")
     if block_sizes is not None and (backend == "tpu") != isinstance(block_sizes, TpuBlockSizes):

@@ -14,7 +14,7 @@ import time
 import jax
 import ml_collections
 
-from transformer_jax import decoding
+from transformer_jax import decoding, runtime
 from transformer_jax.errors import ConfigError
 from transformer_jax.evaluation.translate import batch_shape, input_limit, output_cap, position_limit
 from transformer_jax.evaluation.validation import decoding_settings
@@ -32,7 +32,6 @@ from transformer_jax.plan.train_step import (
     search_batch,
     search_mesh,
 )
-from transformer_jax.runtime import platform
 from transformer_jax.sharding import array_sharding, make_mesh, replicated, tracing_mesh
 from transformer_jax.training import flops
 from transformer_jax.training.state import abstract_train_state, eval_model
@@ -89,7 +88,7 @@ def plan_decode(config: ml_collections.ConfigDict, topology: Topology, mesh_mode
     rows = decoding.batch_rows(config.train.bleu_sentences, settings.batch_size)
     compile_s: dict[str, float] = {}
     jax.clear_caches()  # a trace made for the host backend must not be reused for the target
-    with platform.compiling_for(chip.platform), tracing_mesh(mesh):
+    with runtime.compiling_for(chip.platform), tracing_mesh(mesh):
         graphs, abstract = abstract_train_state(config)
         place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=array_sharding(x.shape, mesh, mesh_mode))
         model = eval_model(graphs, jax.tree.map(place, abstract))

@@ -3,7 +3,7 @@ what it needs per chip, whether it fits, its collectives and an estimated cost; 
 
 The program compiled is the loop's own: `abstract_train_state` and `compile_steps` (the same jitted function,
 shardings, donation, micro-batching, dtype and attention implementation), for the batch shape of
-`data.batching` with the most FLOPs (`training/flops.py`), inside `platform.compiling_for(target)` so that every
+`data.batching` with the most FLOPs (`training/flops.py`), inside `runtime.compiling_for(target)` so that every
 choice made from the backend follows the target. Nothing runs: the report's times are estimates from a roofline
 (ROOFLINE), never measurements, and XLA's `optimal_seconds` is not used (it came out negative for this program).
 
@@ -23,12 +23,12 @@ import ml_collections
 from flax import nnx
 from jax.sharding import Mesh
 
+from transformer_jax import runtime
 from transformer_jax.data.batching import BATCH_KEYS
 from transformer_jax.data.pipeline import batch_shapes
 from transformer_jax.errors import ConfigError
 from transformer_jax.model import TransformerSpec
 from transformer_jax.plan.accelerators import Topology
-from transformer_jax.runtime import platform
 from transformer_jax.sharding import MESH_MODES, array_sharding, make_mesh, tracing_mesh
 from transformer_jax.training import flops
 from transformer_jax.training.loop import check_batch_shapes
@@ -172,7 +172,7 @@ def compile_train_step(
     """The loop's train step compiled for the slice at one global batch shape; returns (compiled, abstract state)."""
     rows, s_len, t_len = shape
     jax.clear_caches()  # a trace made for the host backend must not be reused for the target
-    with platform.compiling_for(topology.chip.platform), tracing_mesh(mesh):
+    with runtime.compiling_for(topology.chip.platform), tracing_mesh(mesh):
         graphs, abstract = abstract_train_state(config)
         train_step, _, _ = compile_steps(
             graphs,

@@ -27,8 +27,8 @@ from typing import Any
 
 import ml_collections
 
+from transformer_jax import runtime
 from transformer_jax.errors import VariantInterrupted, exit_on_user_error
-from transformer_jax.runtime import compile_cache
 from transformer_jax.sharding import initialize_distributed
 from transformer_jax.sweep.runner import PROG, configure_logging, train_and_decode
 from transformer_jax.sweep.splits import Split
@@ -56,7 +56,7 @@ class RunJob(submitit.helpers.Checkpointable):
 
     def __call__(self) -> str:
         configure_logging()
-        compile_cache.enable(self.compilation_cache)
+        runtime.enable_compile_cache(self.compilation_cache)
         with exit_on_user_error(PROG, 1):
             initialize_distributed()
             self._run()

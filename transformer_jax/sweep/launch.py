@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import ml_collections
 
 from transformer_jax.errors import ConfigError
-from transformer_jax.runtime.files import write_text_atomically
+from transformer_jax.runtime import write_text_atomically
 from transformer_jax.sweep import code
 from transformer_jax.sweep.job import RunJob
 from transformer_jax.sweep.results import RESULT_FILE, decoded

@@ -36,9 +36,9 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from flax.traverse_util import flatten_dict
 
+from transformer_jax import runtime
 from transformer_jax.config import schema
 from transformer_jax.errors import CheckpointError, DiskFullError
-from transformer_jax.runtime import files
 from transformer_jax.training import bookkeeping
 from transformer_jax.training.state import TrainState
 
@@ -193,7 +193,7 @@ def _is_restore_noise(exc: BaseException | None) -> bool:
 def _is_save_noise(exc: BaseException | None) -> bool:
     """What a save that filled the disk leaves behind: each thread's and coroutine's report of the failed writes,
     and the writes TensorStore completes after the save has failed."""
-    return files.is_disk_full(exc) or _is_loop_closed(exc)
+    return runtime.is_disk_full(exc) or _is_loop_closed(exc)
 
 
 class _OrbaxLogFilter(logging.Filter):
@@ -356,7 +356,7 @@ class Checkpointer:
         sums = {"version": bookkeeping.CHECKSUMS_VERSION, "arrays": bookkeeping.checksums(pure)}
         manager = self.manager if rotate else _manager(self.workdir, keep=None)
         needed = self._space_needed(step, sum(x.nbytes for x in jax.tree.leaves(pure)))
-        if files.free_bytes(checkpoint_dir(self.workdir)) < needed:  # Orbax's threads would fail one by one
+        if runtime.free_bytes(checkpoint_dir(self.workdir)) < needed:  # Orbax's threads would fail one by one
             raise self._disk_full(step, needed)
         self._in_flight = (step, needed)
         self._log_filter.attach()  # detached once the save is awaited (wait) or has failed (_failed_save)
@@ -405,7 +405,7 @@ class Checkpointer:
         if jax.process_index() == 0:
             for tmp in checkpoint_dir(self.workdir).glob(f"{step}.orbax-checkpoint-tmp*"):
                 shutil.rmtree(tmp, ignore_errors=True)
-        if files.is_disk_full(error):
+        if runtime.is_disk_full(error):
             raise self._disk_full(step, needed) from None
 
     def _space_needed(self, step: int, array_bytes: int) -> int:
@@ -425,7 +425,7 @@ class Checkpointer:
         again = f"resumes from step {finished[-1]}" if finished else "starts again"
         return DiskFullError(
             f"disk full while saving the checkpoint of step {step} in {directory} "
-            f"({files.space_report(directory, needed)}); the unfinished save was removed and the last finished "
+            f"({runtime.space_report(directory, needed)}); the unfinished save was removed and the last finished "
             f"checkpoint is {last}. Free space there and run the same command again: it {again}"
         )
 

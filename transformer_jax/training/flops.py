@@ -21,8 +21,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from transformer_jax import runtime
 from transformer_jax.model.spec import TransformerSpec
-from transformer_jax.runtime import compile_cache
 
 PEAK_FILE = "matmul_peak.json"  # in the compilation cache's per-host directory: {peak_key(): FLOP/s}
 
@@ -97,7 +97,7 @@ def peak_key() -> str:
     device = jax.devices()[0]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return (
-        f"{device.platform} {device.device_kind} | host {compile_cache.host_kind()} | {cores} cores | "
+        f"{device.platform} {device.device_kind} | host {runtime.host_kind()} | {cores} cores | "
         f"jax {jax.__version__} | XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}"
     )
 

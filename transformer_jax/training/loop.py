@@ -34,13 +34,12 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from transformer_jax import data
+from transformer_jax import data, runtime
 from transformer_jax.data.batching import BATCH_KEYS, padded_eval_length
 from transformer_jax.data.pipeline import batch_shapes, place, prefetch
 from transformer_jax.errors import ConfigError, NonFiniteError
 from transformer_jax.model.spec import TransformerSpec
-from transformer_jax.runtime import compile_cache
-from transformer_jax.runtime.progress import Progress
+from transformer_jax.runtime import Progress
 from transformer_jax.sharding import batch_sharding, make_mesh, state_shardings, tracing_mesh
 from transformer_jax.training import bookkeeping, flops, init_from
 from transformer_jax.training.checkpoints import Checkpointer
@@ -367,7 +366,7 @@ def setup(
     writer = MetricWriter(workdir, resume_step=step, config=config)
     validation = Validation(config, graphs, tokenizer, eval_step, sharding, writer, bleu)
     ahead.join()  # before the matmul peak is timed, and so that the first step finds the program
-    peak = config.train.peak_flops or flops.matmul_peak(compile_cache.directory())
+    peak = config.train.peak_flops or flops.matmul_peak(runtime.compile_cache_directory())
     writer.write(step, {f"data_{k}": v for k, v in data_stats.items() if isinstance(v, int)})
     progress = Progress(config.train.num_steps, "step", "steps", initial=step, enabled=jax.process_index() == 0)
     return TrainingRun(

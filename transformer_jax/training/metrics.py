@@ -1,6 +1,6 @@
 """The metric writer: WORKDIR/metrics.jsonl (one JSON object per logged step), always (the sweep reads it), and the
 experiment trackers of train.trackers: TensorBoard by default, Weights & Biases and MLflow. The progress display is
-transformer_jax.runtime.progress.
+transformer_jax.runtime.Progress.
 
 MetricWriter hands each record it writes to metrics.jsonl to `Trackers.log` and the run's final scores to
 `Trackers.finish`, so the training loop knows no tracker. Each tracker gets the resolved config as parameters
@@ -39,9 +39,9 @@ from typing import Any, Protocol
 import jax
 import ml_collections
 
+from transformer_jax import runtime
 from transformer_jax.config import checks, schema
 from transformer_jax.errors import DiskFullError
-from transformer_jax.runtime import files
 
 
 class MetricWriter:
@@ -107,11 +107,11 @@ class MetricWriter:
 
     def _failed(self, step: int, error: OSError) -> Exception:
         """A full disk as one line; any other failure to write is re-raised as it is."""
-        if not files.is_disk_full(error):
+        if not runtime.is_disk_full(error):
             return error
         return DiskFullError(
             f"disk full while writing the metrics of step {step} to {self.path.parent} "
-            f"({files.space_report(self.path)}); {self.path.name} holds the records before it, whole. Free space "
+            f"({runtime.space_report(self.path)}); {self.path.name} holds the records before it, whole. Free space "
             "there and run the same command again: it resumes from the last checkpoint and logs the steps after it"
         )
 
@@ -135,7 +135,7 @@ def drop_records_after(path: pathlib.Path, step: int) -> int:
     if moved:
         with open(path.with_name("metrics.superseded.jsonl"), "a") as f:
             f.writelines(moved)
-        files.write_text_atomically(path, "".join(kept))  # a crash leaves the old file or the new one
+        runtime.write_text_atomically(path, "".join(kept))  # a crash leaves the old file or the new one
         logging.info("moved %d records of steps after %d from %s to metrics.superseded.jsonl", len(moved), step, path)
     return len(moved)
 
@@ -228,7 +228,7 @@ class Trackers:
 
     def _save(self) -> None:
         if self.state:
-            files.write_text_atomically(self.state_path, json.dumps(self.state, indent=1))
+            runtime.write_text_atomically(self.state_path, json.dumps(self.state, indent=1))
 
 
 class TensorBoard:

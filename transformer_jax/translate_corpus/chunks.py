@@ -4,7 +4,7 @@
                                and once the model is restored its checkpoint steps and resolved decoding settings
     OUT.parts/0000003.json     chunk 3: lines [3 N, 4 N) of the input, translated (hypotheses, scores, counts)
 
-Every file is written whole or not at all (runtime.files.write_text_atomically), and each chunk carries the
+Every file is written whole or not at all (runtime.write_text_atomically), and each chunk carries the
 fingerprint of the state it was made under, its first line and its line count: a chunk that does not parse or does
 not match (a file truncated by a crash of the filesystem, or one left by other work) is redone, never used. A resume
 whose input or options differ from the state's is refused in one line, so a finished OUT is always one run's work.
@@ -20,9 +20,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from transformer_jax import runtime
 from transformer_jax.errors import DiskFullError, EvalError
 from transformer_jax.evaluation.command import write_lines
-from transformer_jax.runtime import files
 
 FORMAT = 1  # the layout of the files below; a store of another format is refused
 STATE = "state.json"
@@ -89,7 +89,7 @@ def read_state(parts: Path) -> dict[str, Any] | None:
 
 
 def write_state(parts: Path, state: dict[str, Any]) -> None:
-    files.write_text_atomically(parts / STATE, json.dumps(state, sort_keys=True, indent=1) + "\n")
+    runtime.write_text_atomically(parts / STATE, json.dumps(state, sort_keys=True, indent=1) + "\n")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,12 +114,12 @@ def write_chunk(parts: Path, index: int, chunk: Chunk, print_: str) -> None:
     record = {"fingerprint": print_, **dataclasses.asdict(chunk)}
     path = chunk_path(parts, index)
     try:
-        files.write_text_atomically(path, json.dumps(record, ensure_ascii=False) + "\n")
+        runtime.write_text_atomically(path, json.dumps(record, ensure_ascii=False) + "\n")
     except OSError as e:
-        if not files.is_disk_full(e):
+        if not runtime.is_disk_full(e):
             raise
         raise DiskFullError(
-            f"disk full while committing {path} ({files.space_report(path)}); the chunks committed before it are "
+            f"disk full while committing {path} ({runtime.space_report(path)}); the chunks committed before it are "
             "kept: free space and run the same command again to resume"
         ) from None
 

@@ -34,7 +34,7 @@ from transformer_jax.evaluation import command
 from transformer_jax.evaluation import run as evaluation
 from transformer_jax.evaluation.restore import Restorer
 from transformer_jax.evaluation.translate import translate_nbest
-from transformer_jax.runtime.progress import Progress
+from transformer_jax.runtime import Progress
 from transformer_jax.translate_corpus import chunks
 
 # evaluate.py's flags that translate_corpus reads (one table: evaluation.command.FLAGS); the checkpoint flags too.
