@@ -19,10 +19,20 @@ from tests.helpers import REPO
 from tests.helpers.training import tiny_train_config, write_corpus
 from transformer_jax import visualize as viz
 from transformer_jax.data.tokenizer import get_tokenizer
+from transformer_jax.errors import VisualizeError
 from transformer_jax.tokens import SpecialIds
 from transformer_jax.training.checkpoints import Checkpointer
 from transformer_jax.training.state import create_train_state, eval_model, learning_rate_schedule
 from transformer_jax.visualize import __main__ as visualize
+from transformer_jax.visualize.attention import (
+    ATTENTION_KINDS,
+    AttentionMaps,
+    attention_figsize,
+    attention_weights,
+    encode_pair,
+    plot_attention,
+)
+from transformer_jax.visualize.figures import DOTS_FIGSIZE, DPI, PE_FIGSIZE, SCHEDULE_FIGSIZE, curves_figsize
 
 SOURCE, TARGET = "the big dog runs in the park", "der große hund läuft"
 
@@ -36,7 +46,7 @@ def png_size(path: pathlib.Path) -> tuple[int, int]:
 
 
 def pixels(figsize: tuple[float, float]) -> tuple[int, int]:
-    return round(figsize[0] * viz.DPI), round(figsize[1] * viz.DPI)
+    return round(figsize[0] * DPI), round(figsize[1] * DPI)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +87,7 @@ def test_attention_weights_are_the_ones_the_model_computes(run, drawn):
     assert "".join(maps.src_pieces[:-1]).replace("▁", " ").strip() == SOURCE
     S, T, N = len(maps.src_pieces), len(maps.tgt_pieces), model.spec.num_heads
     # Encoder layer 0 by hand: softmax(Q K^T / sqrt(d_k)) from the layer's own projections of the embeddings.
-    src_ids, _ = viz.encode_pair(tokenizer_of(run), SOURCE, TARGET)
+    src_ids, _ = encode_pair(tokenizer_of(run), SOURCE, TARGET)
     src = jnp.asarray([src_ids], jnp.int32)
     layer = model.encoder_layers[0].self_attn
     x = model._embed(src, jnp.arange(S)[None], target=False)
@@ -98,10 +108,10 @@ def test_attention_weights_are_the_ones_the_model_computes(run, drawn):
 def test_attention_figures_one_per_kind_and_layer_at_the_stated_size(drawn):
     maps = drawn.maps
     assert len(drawn.paths) == 6  # 3 kinds x 2 layers
-    for kind in viz.ATTENTION_KINDS:
+    for kind in ATTENTION_KINDS:
         for i, w in enumerate(maps.weights[kind]):
             path = next(p for p in drawn.paths if p.name == f"attention_{kind}_layer{i}.png")
-            assert png_size(path) == pixels(viz.attention_figsize(w.shape[0], w.shape[1], w.shape[2]))
+            assert png_size(path) == pixels(attention_figsize(w.shape[0], w.shape[1], w.shape[2]))
 
 
 def test_attention_pixels_show_the_weights_in_place(tmp_path):
@@ -110,12 +120,12 @@ def test_attention_pixels_show_the_weights_in_place(tmp_path):
     T, S = 4, 6
     w_TS = np.eye(T, S, dtype=np.float32)
     w_TS[0, S - 1] = 0.5
-    maps = viz.AttentionMaps([f"s{j}" for j in range(S)], [f"t{i}" for i in range(T)], {})
+    maps = AttentionMaps([f"s{j}" for j in range(S)], [f"t{i}" for i in range(T)], {})
     maps.weights = {"encoder": [w_TS[None]], "decoder": [w_TS[None]], "cross": [w_TS[None]]}
     path = tmp_path / "attention_cross_layer0.png"
-    assert path in viz.plot_attention(maps, tmp_path)
+    assert path in plot_attention(maps, tmp_path)
     rgb = imread(path)[..., :3]
-    assert rgb.shape[1::-1] == pixels(viz.attention_figsize(1, T, S))
+    assert rgb.shape[1::-1] == pixels(attention_figsize(1, T, S))
     # The panel: the widest run of columns holding the colour of weight 0 (the colour bar is a narrow strip).
     lut = colormaps["viridis"](np.linspace(0.0, 1.0, 256))[:, :3]
     dark = np.abs(rgb - lut[0]).max(-1) < 0.02
@@ -141,10 +151,10 @@ def test_one_head_of_one_layer_and_checkpoint_choice(run, tmp_path):
     ]
     cross = result.drawn[result.paths[2]]
     np.testing.assert_array_equal(cross, result.maps.weights["cross"][1][3:4])
-    assert png_size(result.paths[2]) == pixels(viz.attention_figsize(1, *cross.shape[1:]))
+    assert png_size(result.paths[2]) == pixels(attention_figsize(1, *cross.shape[1:]))
     # Step 2's parameters differ from step 1's, and the weights follow them.
-    src_ids, tgt_ids = viz.encode_pair(tokenizer_of(run), SOURCE, TARGET)
-    expected = viz.attention_weights(models[2], src_ids, tgt_ids)["cross"][1]
+    src_ids, tgt_ids = encode_pair(tokenizer_of(run), SOURCE, TARGET)
+    expected = attention_weights(models[2], src_ids, tgt_ids)["cross"][1]
     np.testing.assert_allclose(result.maps.weights["cross"][1], expected, rtol=1e-5, atol=1e-6)
 
 
@@ -158,21 +168,21 @@ def test_one_head_of_one_layer_and_checkpoint_choice(run, tmp_path):
 )
 def test_attention_bad_arguments(run, tmp_path, kwargs, message):
     args = {"source": SOURCE, "target": TARGET, **kwargs}
-    with pytest.raises(viz.VisualizeError, match=message):
+    with pytest.raises(VisualizeError, match=message):
         viz.attention(run[0], args.pop("source"), args.pop("target"), tmp_path, **args)
 
 
 def test_unknown_layer_or_head_names_the_valid_range(drawn, tmp_path):
-    with pytest.raises(viz.VisualizeError, match=r"--layer 7: .* in 0\.\.1"):
-        viz.plot_attention(drawn.maps, tmp_path, layer=7)
-    with pytest.raises(viz.VisualizeError, match=r"--head -1: .* in 0\.\.3"):
-        viz.plot_attention(drawn.maps, tmp_path, head=-1)
+    with pytest.raises(VisualizeError, match=r"--layer 7: .* in 0\.\.1"):
+        plot_attention(drawn.maps, tmp_path, layer=7)
+    with pytest.raises(VisualizeError, match=r"--head -1: .* in 0\.\.3"):
+        plot_attention(drawn.maps, tmp_path, head=-1)
 
 
 def test_attention_needs_a_workdir_with_checkpoints(tmp_path):
-    with pytest.raises(viz.VisualizeError, match="no such directory"):
+    with pytest.raises(VisualizeError, match="no such directory"):
         viz.attention(tmp_path / "missing", SOURCE, TARGET, tmp_path)
-    with pytest.raises(viz.VisualizeError, match=r"no checkpoint in \S*checkpoints"):
+    with pytest.raises(VisualizeError, match=r"no checkpoint in \S*checkpoints"):
         viz.attention(tmp_path, SOURCE, TARGET, tmp_path)
 
 
@@ -186,17 +196,17 @@ def test_positional_dot_products_depend_on_the_offset_only(tmp_path):
     for pos, dots in result.dots.items():
         np.testing.assert_allclose(dots, result.dots[0], atol=1e-3, err_msg=f"pos {pos}")
         np.testing.assert_allclose(dots, closed_form, atol=1e-3, err_msg=f"pos {pos}")
-    assert [png_size(p) for p in result.paths] == [pixels(viz.PE_FIGSIZE), pixels(viz.DOTS_FIGSIZE)]
-    with pytest.raises(viz.VisualizeError, match="--d_model must be even"):
+    assert [png_size(p) for p in result.paths] == [pixels(PE_FIGSIZE), pixels(DOTS_FIGSIZE)]
+    with pytest.raises(VisualizeError, match="--d_model must be even"):
         viz.positional(63, max_len, tmp_path)
-    with pytest.raises(viz.VisualizeError, match=r"--positions must be in 0\.\.78"):
+    with pytest.raises(VisualizeError, match=r"--positions must be in 0\.\.78"):
         viz.positional(d_model, max_len, tmp_path, positions=[79])
 
 
 def test_schedule_is_the_configs_warmup_then_inverse_sqrt(run, tmp_path, monkeypatch):
     config = run[1]
     result = viz.schedule(config, tmp_path, num_steps=40)
-    assert png_size(result.path) == pixels(viz.SCHEDULE_FIGSIZE)
+    assert png_size(result.path) == pixels(SCHEDULE_FIGSIZE)
     expected = learning_rate_schedule(config.opt, 40)(jnp.arange(40))
     np.testing.assert_allclose(result.learning_rates, expected, rtol=1e-6)
     warmup = config.opt.warmup_steps
@@ -226,15 +236,15 @@ def test_curves_one_line_per_run_labelled_by_directory(tmp_path):
         tmp_path / "run_b", [{"step": s, "loss": 6 - s / 10} for s in (1, 2)] + [{"step": 2, "loss": 1.0}]
     )
     result = viz.curves([a, tmp_path / "run_b"], tmp_path / "out", keys=["loss", "valid_loss"])
-    assert png_size(result.path) == pixels(viz.curves_figsize(2))
+    assert png_size(result.path) == pixels(curves_figsize(2))
     assert set(result.data["loss"]) == {"run_a", "run_b"}
     np.testing.assert_array_equal(result.data["loss"]["run_a"][0], [1, 2, 3])
     np.testing.assert_allclose(result.data["loss"]["run_b"][1], [5.9, 1.0])  # a step logged twice: the last wins
     assert set(result.data["valid_loss"]) == {"run_a"}
     assert viz.curves([b], tmp_path / "out2").keys == ["loss"]  # default: the known keys present
-    with pytest.raises(viz.VisualizeError, match=r"--keys: unknown metrics key\(s\) \['bleu'\].*available"):
+    with pytest.raises(VisualizeError, match=r"--keys: unknown metrics key\(s\) \['bleu'\].*available"):
         viz.curves([a], tmp_path, keys=["bleu"])
-    with pytest.raises(viz.VisualizeError, match="--metrics: no such file .*missing"):
+    with pytest.raises(VisualizeError, match="--metrics: no such file .*missing"):
         viz.curves([a, tmp_path / "missing" / "metrics.jsonl"], tmp_path)
 
 
