@@ -21,14 +21,16 @@ from tests.helpers.training import tiny_train_config, write_corpus
 from transformer_jax.data.tokenizer import get_tokenizer
 from transformer_jax.evaluation.__main__ import evaluate
 from transformer_jax.evaluation.translate import source_ids
-from transformer_jax.explain import TEXT, explain, figures, numbers, render, summary
 from transformer_jax.explain import __main__ as explain_cli
-from transformer_jax.explain.page import fmt, header
+from transformer_jax.explain.capture import explain
+from transformer_jax.explain.page import figures, fmt, header, position_check, render, rotation, summary
+from transformer_jax.explain.text import TEXT
 from transformer_jax.model.layers import sinusoidal_encoding
 from transformer_jax.model.transformer import capture_attention_weights
 from transformer_jax.tokens import SpecialIds
 from transformer_jax.training.checkpoints import Checkpointer
 from transformer_jax.training.state import create_train_state, eval_model
+from transformer_jax.visualize.figures import sinusoid_table
 
 SENTENCE = "the big dog runs in the park"
 DEVANAGARI = re.compile("[\u0900-\u097f]")
@@ -140,7 +142,6 @@ def test_every_intermediate_is_the_models_own_tensor(run, beam):
     normed = residual.norm(h0 + out)
     close(x.sown["encoder_layers"][0]["self_attn_residual"]["norm_output"], normed[0])
     close(x.sown["encoder_layers"][0]["ffn"]["hidden"], jax.nn.relu(model.encoder_layers[0].ffn.w1(normed))[0])
-    close(x.memory_SD, model.encode(src)[0])
     close(x.logits_TV, logits[0], atol=1e-4)
     # The capture points are off again, so the next forward pass sows nothing.
     model(src, tgt_in)
@@ -172,13 +173,13 @@ def test_figures_are_measured_and_the_page_shows_them(beam, pages):
 
 
 def test_pe_check_is_computed_and_fails_for_a_wrong_rotation():
-    check = numbers.position_check(12, 32)
+    check = position_check(12, 32)
     assert check.pairs == 66 and check.max_error < 1e-5
-    pe = numbers.positional_table(12, 32)
-    m3 = numbers.rotation(pe[3])
+    pe = sinusoid_table(12, 32).astype(np.float64)
+    m3 = rotation(pe[3])
     np.testing.assert_allclose(m3 @ m3.T, np.eye(32), atol=1e-6)  # a rotation
-    np.testing.assert_allclose(numbers.rotation(pe[1]) @ numbers.rotation(pe[2]), m3, atol=1e-5)  # M_1 M_2 = M_3
-    assert np.abs(pe[5] - numbers.rotation(pe[2]) @ pe[1]).max() > 0.1  # M_2 takes pos 1 to 3, not 5
+    np.testing.assert_allclose(rotation(pe[1]) @ rotation(pe[2]), m3, atol=1e-5)  # M_1 M_2 = M_3
+    assert np.abs(pe[5] - rotation(pe[2]) @ pe[1]).max() > 0.1  # M_2 takes pos 1 to 3, not 5
 
 
 def test_every_string_has_a_hindi_version(beam):

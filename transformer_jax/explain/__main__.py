@@ -20,8 +20,8 @@ from absl import flags
 from transformer_jax.cli import fail, parse_flags
 from transformer_jax.errors import VisualizeError, exit_on_user_error
 from transformer_jax.evaluation.command import check_writable
-from transformer_jax.explain import explain, figures, render, summary
-from transformer_jax.explain.capture import check_sentence
+from transformer_jax.explain.capture import check_sentence, explain
+from transformer_jax.explain.page import figures, render, summary
 from transformer_jax.explain.text import LANGUAGES
 
 PROG = "python -m transformer_jax.explain"

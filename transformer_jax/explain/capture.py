@@ -2,9 +2,9 @@
 
 The translation is evaluate.py's (evaluation.translate.translate with the settings evaluation.run.decoding_settings
 makes of a Decoding record); the beam's hypotheses after each step come from decoding's own search, rerun with the
-length limit raised one step at a time; the intermediates come from one teacher-forced pass of model.encode /
-model.decode with the modules' capture points on (model.transformer.capture_intermediates): nothing here
-re-implements a layer.
+length limit raised one step at a time; the intermediates come from one teacher-forced call of the model with the
+modules' capture points on (model.transformer.capture_intermediates), the pass the attention pictures capture
+(visualize.attention.sown_forward): nothing here re-implements a layer.
 
 Axis letters: see transformer_jax/__init__.py.
 """
@@ -16,10 +16,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from transformer_jax import decoding
 from transformer_jax.data.batching import padded_eval_length
@@ -38,6 +35,7 @@ from transformer_jax.evaluation.translate import (
 )
 from transformer_jax.model.transformer import capture_intermediates
 from transformer_jax.tokens import SpecialIds
+from transformer_jax.visualize.attention import sown_forward
 
 
 @dataclasses.dataclass
@@ -70,21 +68,12 @@ class Explanation:
     head: int
     spec: Any  # model.spec
     sown: dict[str, Any]  # the modules' intermediates, as nnx.Intermediate nests them, batch row 0
-    memory_SD: np.ndarray
     logits_TV: np.ndarray
-    vocab: list[str] = dataclasses.field(repr=False, default_factory=list)  # id -> piece, for the top-5 tables
-
-    def piece(self, i: int) -> str:
-        return piece_of(self.vocab, i)
+    vocab: list[str] = dataclasses.field(repr=False)  # id -> piece, for the top-5 tables
 
     def attention(self, stack: str, module: str, name: str) -> np.ndarray:
         """An intermediate of the chosen layer's attention module ('q', 'k', 'v', 'attention_weights', ...)."""
         return self.sown[stack][self.layer][module][name]
-
-
-def piece_of(vocab: list[str], i: int) -> str:
-    """The piece of id i; a model may have more ids than its tokenizer, never emitted in training."""
-    return vocab[i] if i < len(vocab) else f"<id {i}>"
 
 
 def restore(workdir: str, checkpoint: str, average_last: int | None, options: dict[str, Any]):
@@ -105,7 +94,7 @@ def restore(workdir: str, checkpoint: str, average_last: int | None, options: di
     return config, model, tokenizer, steps, decoding_settings(decoding_record, config)
 
 
-def beam_steps(model: Any, src_ids: list[int], settings: DecodeSettings, piece: Any) -> tuple[list, list[int]]:
+def beam_steps(model: Any, src_ids: list[int], settings: DecodeSettings, vocab: list[str]) -> tuple[list, list[int]]:
     """The live hypotheses after each search step, and the best final hypothesis's ids (EOS included).
 
     decoding's search with a sentence limit of t steps runs exactly the first t steps of the full search (the
@@ -137,7 +126,7 @@ def beam_steps(model: Any, src_ids: list[int], settings: DecodeSettings, piece: 
         steps.append(
             [
                 Hypothesis(
-                    [piece(i) for i in r.tokens[w, : r.lengths[w]]],
+                    [vocab[i] for i in r.tokens[w, : r.lengths[w]]],
                     float(r.log_probs[w]),
                     float(r.scores[w]),
                     bool(r.lengths[w] and r.tokens[w, r.lengths[w] - 1] == ids.eos),
@@ -148,34 +137,6 @@ def beam_steps(model: Any, src_ids: list[int], settings: DecodeSettings, piece: 
         )
     best = final.tokens[0, : final.lengths[0]].tolist()
     return steps, best
-
-
-def _encode_decode(model: Any, src_1S: jax.Array, tgt_in_1T: jax.Array) -> tuple[jax.Array, jax.Array]:
-    memory_1SD = model.encode(src_1S)
-    return memory_1SD, model.decode(memory_1SD, tgt_in_1T, src_tokens=src_1S)
-
-
-@nnx.jit
-def _teacher_forced(model: Any, src_1S: jax.Array, tgt_in_1T: jax.Array) -> tuple[nnx.State, jax.Array, jax.Array]:
-    # Compiled, although for one sentence: op by op, every operation compiles a program of its own, several times
-    # slower than compiling the pass once (docs/compilation.md).
-    (memory_1SD, logits_1TV), sown = nnx.capture(_encode_decode, nnx.Intermediate)(model, src_1S, tgt_in_1T)
-    return sown, memory_1SD, logits_1TV
-
-
-def intermediates(model: Any, src_ids: list[int], tgt_in_ids: list[int]) -> tuple[dict, np.ndarray, np.ndarray]:
-    """(sown intermediates, memory [S, D], logits [T, V]) of one teacher-forced pass with the capture points on."""
-    capture_intermediates(model)
-    try:
-        sown, memory_1SD, logits_1TV = _teacher_forced(
-            model, jnp.asarray([src_ids], jnp.int32), jnp.asarray([tgt_in_ids], jnp.int32)
-        )
-        sown = nnx.to_pure_dict(sown)
-    finally:
-        capture_intermediates(model, False)
-    # Each sown value is a tuple of calls (one per module here), each with the batch axis first.
-    sown = jax.tree.map(lambda calls: np.asarray(calls[0][0], np.float32), sown, is_leaf=lambda x: isinstance(x, tuple))
-    return sown, np.asarray(memory_1SD[0], np.float32), np.asarray(logits_1TV[0], np.float32)
 
 
 def check_selection(spec: Any, layer: int, head: int) -> None:
@@ -221,11 +182,8 @@ def explain(
     [translation], _ = translate(model, tokenizer, [sentence], settings)
 
     vocab = tokenizer.target_pieces(range(tokenizer.vocab_size))
-
-    def piece(i: int) -> str:
-        return piece_of(vocab, int(i))
-
-    steps_beams, best = beam_steps(model, src_ids, settings, piece)
+    vocab += [f"<id {i}>" for i in range(len(vocab), model.spec.vocab_size)]  # ids the tokenizer lacks: never emitted
+    steps_beams, best = beam_steps(model, src_ids, settings, vocab)
     ids = SpecialIds.of(model.spec)
     if target is not None:
         tgt_ids = list(tokenizer.encode_target(target))
@@ -234,14 +192,14 @@ def explain(
     if model.spec.positional == "learned":
         tgt_ids = tgt_ids[: model.spec.max_len - 1]
     tgt_in_ids = [ids.bos, *tgt_ids]
-    sown, memory_SD, logits_TV = intermediates(model, src_ids, tgt_in_ids)
+    logits_TV, sown = sown_forward(model, src_ids, tgt_in_ids, capture_intermediates)
     return Explanation(
         sentence=sentence,
         src_ids=src_ids,
         src_pieces=tokenizer.source_pieces(src_ids),
         tgt_in_ids=tgt_in_ids,
-        tgt_in_pieces=[piece(i) for i in tgt_in_ids],
-        tgt_out_pieces=[piece(i) for i in [*tgt_ids, ids.eos]],
+        tgt_in_pieces=[vocab[i] for i in tgt_in_ids],
+        tgt_out_pieces=[vocab[i] for i in [*tgt_ids, ids.eos]],
         target_given=target is not None,
         truncated=truncated,
         translation=translation,
@@ -252,7 +210,6 @@ def explain(
         head=head,
         spec=model.spec,
         sown=sown,
-        memory_SD=memory_SD,
         logits_TV=logits_TV,
         vocab=vocab,
     )

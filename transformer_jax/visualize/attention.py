@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,45 +50,44 @@ class AttentionResult:
 
 
 @nnx.jit
-def _capturing_forward(model: Any, src_1S: jax.Array, tgt_1T: jax.Array) -> nnx.State:
+def _capturing_forward(model: Any, src_1S: jax.Array, tgt_1T: jax.Array) -> tuple[jax.Array, nnx.State]:
     # Compiled, although for one sentence pair: op by op, every operation compiles a program of its own, several
     # times slower than compiling the pass once (docs/compilation.md).
-    _, sown = nnx.capture(model, nnx.Intermediate)(src_1S, tgt_1T)
-    return sown
+    return nnx.capture(model, nnx.Intermediate)(src_1S, tgt_1T)
 
 
-def attention_weights(model: Any, src_ids: Sequence[int], tgt_in_ids: Sequence[int]) -> dict[str, list[np.ndarray]]:
-    """The attention weights the model computes for one sentence pair (teacher forcing), per kind and layer.
-
-    They are the ones the forward pass uses: MultiHeadAttention sows them (model.capture_attention_weights) and
-    nnx.capture collects them from one call of model(src, tgt_in). The model should be in eval mode (no dropout).
-    """
-    capture_attention_weights(model)
+def sown_forward(
+    model: Any, src_ids: Sequence[int], tgt_in_ids: Sequence[int], capture: Callable[..., None]
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """(logits [T, V], what the model sowed) of one teacher-forced call model(src, tgt_in) with `capture(model)` on
+    (model.capture_attention_weights or capture_intermediates), float32, batch row 0. The model is in eval mode."""
+    capture(model)
     try:
-        sown = _capturing_forward(
+        logits_1TV, sown = _capturing_forward(
             model, jnp.asarray([list(src_ids)], jnp.int32), jnp.asarray([list(tgt_in_ids)], jnp.int32)
         )
     finally:
-        capture_attention_weights(model, False)
-    out = {}
-    for kind, (stack, module, *_) in ATTENTION_KINDS.items():
-        # Each sown value is a tuple of calls; one forward pass makes one call per module.
-        out[kind] = [
-            np.asarray(sown[stack][i][module]["attention_weights"][0][0], np.float32)
-            for i in range(len(getattr(model, stack)))
-        ]
-    return out
+        capture(model, False)
+    # Each sown value is a tuple of calls (one per module here), each with the batch axis first.
+    sown = jax.tree.map(
+        lambda calls: np.asarray(calls[0][0], np.float32),
+        nnx.to_pure_dict(sown),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+    return np.asarray(logits_1TV[0], np.float32), sown
 
 
-def _check_sentences(source: str, target: str) -> None:
-    for name, text in (("--source", source), ("--target", target)):
-        if not text.strip():
-            raise VisualizeError(f"{name} is empty; give a sentence")
+def attention_weights(model: Any, src_ids: Sequence[int], tgt_in_ids: Sequence[int]) -> dict[str, list[np.ndarray]]:
+    """The attention weights the forward pass uses for one sentence pair (teacher forcing), per kind and layer."""
+    _, sown = sown_forward(model, src_ids, tgt_in_ids, capture_attention_weights)
+    return {
+        kind: [sown[stack][i][module]["attention_weights"] for i in range(len(getattr(model, stack)))]
+        for kind, (stack, module, *_) in ATTENTION_KINDS.items()
+    }
 
 
 def encode_pair(tokenizer: Any, source: str, target: str) -> tuple[list[int], list[int]]:
     """(source ids then EOS, BOS then target ids): the model's inputs in training and translation."""
-    _check_sentences(source, target)
     src_ids = tokenizer.encode_source(source) + [tokenizer.ids.eos]
     return src_ids, [tokenizer.ids.bos] + tokenizer.encode_target(target)
 
@@ -189,10 +188,10 @@ def attention(
     head: int | None = None,
 ) -> AttentionResult:
     """Restores a checkpoint, computes the attention weights of (source, target) and draws them."""
-    _check_sentences(source, target)  # before the (slow) restore
-    config, model, tokenizer, step = load_model(workdir, config, checkpoint)
-    spec = model.spec
-    _check_selection(spec.num_encoder_layers, spec.num_decoder_layers, spec.num_heads, layer, head)
+    for name, text in (("--source", source), ("--target", target)):  # before the (slow) restore
+        if not text.strip():
+            raise VisualizeError(f"{name} is empty; give a sentence")
+    _, model, tokenizer, step = load_model(workdir, config, checkpoint)
     src_ids, tgt_in_ids = encode_pair(tokenizer, source, target)
     maps = AttentionMaps(
         tokenizer.source_pieces(src_ids),  # ▁ marks a word start; <0x..> are byte-fallback pieces
