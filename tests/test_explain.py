@@ -166,7 +166,7 @@ def test_figures_are_measured_and_the_page_shows_them(beam, pages):
     # Top-5 per step: the decoder's softmax, most probable first.
     assert len(f.steps) == T and f.steps[-1].expected == "</s>"
     probs = jax.nn.softmax(x.logits_TV[0])
-    assert f.steps[0].top[0][2] == pytest.approx(float(probs.max()), rel=1e-5)
+    assert f.steps[0].top[0][1] == pytest.approx(float(probs.max()), rel=1e-5)
     for shown in (x.translation, fmt(h.var_scores), fmt(h.var_scaled), fmt(f.zeros[0]), "j ≤ i", "</s>"):
         assert shown.replace("<", "&lt;").replace(">", "&gt;") in page
     assert "sentence:" in summary(x, f)

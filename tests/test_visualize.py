@@ -32,7 +32,7 @@ from transformer_jax.visualize.attention import (
     encode_pair,
     plot_attention,
 )
-from transformer_jax.visualize.figures import DOTS_FIGSIZE, DPI, PE_FIGSIZE, SCHEDULE_FIGSIZE, curves_figsize
+from transformer_jax.visualize.figures import DPI, FIGSIZE, curves_figsize
 
 SOURCE, TARGET = "the big dog runs in the park", "der große hund läuft"
 
@@ -196,7 +196,7 @@ def test_positional_dot_products_depend_on_the_offset_only(tmp_path):
     for pos, dots in result.dots.items():
         np.testing.assert_allclose(dots, result.dots[0], atol=1e-3, err_msg=f"pos {pos}")
         np.testing.assert_allclose(dots, closed_form, atol=1e-3, err_msg=f"pos {pos}")
-    assert [png_size(p) for p in result.paths] == [pixels(PE_FIGSIZE), pixels(DOTS_FIGSIZE)]
+    assert [png_size(p) for p in result.paths] == [pixels(FIGSIZE), pixels(FIGSIZE)]
     with pytest.raises(VisualizeError, match="--d_model must be even"):
         viz.positional(63, max_len, tmp_path)
     with pytest.raises(VisualizeError, match=r"--positions must be in 0\.\.78"):
@@ -206,7 +206,7 @@ def test_positional_dot_products_depend_on_the_offset_only(tmp_path):
 def test_schedule_is_the_configs_warmup_then_inverse_sqrt(run, tmp_path, monkeypatch):
     config = run[1]
     result = viz.schedule(config, tmp_path, num_steps=40)
-    assert png_size(result.path) == pixels(SCHEDULE_FIGSIZE)
+    assert png_size(result.path) == pixels(FIGSIZE)
     expected = learning_rate_schedule(config.opt, 40)(jnp.arange(40))
     np.testing.assert_allclose(result.learning_rates, expected, rtol=1e-6)
     warmup = config.opt.warmup_steps

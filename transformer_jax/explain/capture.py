@@ -19,13 +19,13 @@ from typing import Any
 import numpy as np
 
 from transformer_jax import decoding
-from transformer_jax.data.batching import padded_eval_length
 from transformer_jax.errors import VisualizeError
 from transformer_jax.evaluation.command import Decoding, Model, check_model, check_numbers
 from transformer_jax.evaluation.restore import Restorer, restore_model
 from transformer_jax.evaluation.run import decoding_settings
 from transformer_jax.evaluation.translate import (
     DecodeSettings,
+    batch_shape,
     input_limit,
     output_cap,
     output_limit,
@@ -35,7 +35,7 @@ from transformer_jax.evaluation.translate import (
 )
 from transformer_jax.model.transformer import capture_intermediates
 from transformer_jax.tokens import SpecialIds
-from transformer_jax.visualize.attention import sown_forward
+from transformer_jax.visualize.attention import check_selection, sown_forward
 
 
 @dataclasses.dataclass
@@ -57,7 +57,6 @@ class Explanation:
     src_pieces: list[str]
     tgt_in_ids: list[int]  # BOS then the target ids: the decoder's input in the teacher-forced pass
     tgt_in_pieces: list[str]
-    tgt_out_pieces: list[str]  # the next token at each target step: the target pieces then </s>
     target_given: bool  # --target given (else the target is the model's own translation)
     truncated: tuple[int, int] | None  # (source tokens before, after) when the sentence was cut to the limit
     translation: str  # evaluate.py's output for the sentence
@@ -103,9 +102,9 @@ def beam_steps(model: Any, src_ids: list[int], settings: DecodeSettings, vocab: 
     step), so the search compiled for the translation serves every t, and row 0 computes what translate() did.
     """
     positions = position_limit(model.spec)
-    src_len = padded_eval_length(len(src_ids), input_limit(settings.max_input_len, positions))
     cap = output_cap(settings.max_len, positions)
-    max_steps = output_limit(src_len, settings.max_extra_len, cap)
+    limit = input_limit(settings.max_input_len, positions)
+    src_len, max_steps = batch_shape(len(src_ids), limit, settings.max_extra_len, cap)  # translate()'s, for one source
     ids = SpecialIds.of(model.spec)
     src_BS = decoding.source_batch([src_ids], settings.batch_size, src_len, ids)
     sentence_limit = output_limit(len(src_ids), settings.max_extra_len, cap)
@@ -139,18 +138,6 @@ def beam_steps(model: Any, src_ids: list[int], settings: DecodeSettings, vocab: 
     return steps, best
 
 
-def check_selection(spec: Any, layer: int, head: int) -> None:
-    layers = min(spec.num_encoder_layers, spec.num_decoder_layers)
-    if not 0 <= layer < layers:
-        raise VisualizeError(
-            f"--layer {layer}: the model has {spec.num_encoder_layers} encoder and {spec.num_decoder_layers} decoder "
-            f"layers; choose a layer in 0..{layers - 1}"
-        )
-    if not 0 <= head < spec.num_heads:
-        heads = spec.num_heads
-        raise VisualizeError(f"--head {head}: the model has {heads} heads; choose a head in 0..{heads - 1}")
-
-
 def check_sentence(sentence: str) -> None:
     if not sentence.strip():
         raise VisualizeError("the sentence is empty; give the sentence to explain as the argument, in quotes")
@@ -175,22 +162,23 @@ def explain(
     config, model, tokenizer, steps, settings = restore(
         workdir, checkpoint, average_last, {"beam_size": beam_size, "alpha": alpha}
     )
-    check_selection(model.spec, layer, head)
-    limit = input_limit(settings.max_input_len, position_limit(model.spec))
+    spec = model.spec
+    check_selection(spec.num_encoder_layers, spec.num_decoder_layers, spec.num_heads, layer, head, both=True)
+    limit = input_limit(settings.max_input_len, position_limit(spec))
     src_ids, cut = source_ids(tokenizer, sentence, limit)  # translate()'s rule; the sentence is not blank here
     truncated = (len(tokenizer.encode_source(sentence)) + 1, limit) if cut else None  # (tokens before, after)
     [translation], _ = translate(model, tokenizer, [sentence], settings)
 
     vocab = tokenizer.target_pieces(range(tokenizer.vocab_size))
-    vocab += [f"<id {i}>" for i in range(len(vocab), model.spec.vocab_size)]  # ids the tokenizer lacks: never emitted
+    vocab += [f"<id {i}>" for i in range(len(vocab), spec.vocab_size)]  # ids the tokenizer lacks: never emitted
     steps_beams, best = beam_steps(model, src_ids, settings, vocab)
-    ids = SpecialIds.of(model.spec)
+    ids = SpecialIds.of(spec)
     if target is not None:
         tgt_ids = list(tokenizer.encode_target(target))
     else:
         tgt_ids = [t for t in best if t not in (ids.eos, ids.pad)]
-    if model.spec.positional == "learned":
-        tgt_ids = tgt_ids[: model.spec.max_len - 1]
+    if spec.positional == "learned":
+        tgt_ids = tgt_ids[: spec.max_len - 1]
     tgt_in_ids = [ids.bos, *tgt_ids]
     logits_TV, sown = sown_forward(model, src_ids, tgt_in_ids, capture_intermediates)
     return Explanation(
@@ -199,7 +187,6 @@ def explain(
         src_pieces=tokenizer.source_pieces(src_ids),
         tgt_in_ids=tgt_in_ids,
         tgt_in_pieces=[vocab[i] for i in tgt_in_ids],
-        tgt_out_pieces=[vocab[i] for i in [*tgt_ids, ids.eos]],
         target_given=target is not None,
         truncated=truncated,
         translation=translation,
@@ -208,7 +195,7 @@ def explain(
         steps=steps,
         layer=layer,
         head=head,
-        spec=model.spec,
+        spec=spec,
         sown=sown,
         logits_TV=logits_TV,
         vocab=vocab,

@@ -113,22 +113,13 @@ def encoder_head(x: Explanation) -> HeadFigures:
     )  # fmt: skip
 
 
-@dataclasses.dataclass
-class NormFigures:
-    """Mean and variance over the features, averaged over positions, before and after the norm."""
-
-    mean_in: float
-    var_in: float
-    mean_out: float
-    var_out: float
-
-
-def norm_figures(x: Explanation, stack: str, residual: str) -> NormFigures:
+def norm_figures(x: Explanation, stack: str, residual: str) -> dict[str, float]:
+    """Mean and variance over the features, averaged over positions, before (_in) and after (_out) the norm."""
     before, after = (x.sown[stack][x.layer][residual][name] for name in ("norm_input", "norm_output"))
-    return NormFigures(
-        float(before.mean(-1).mean()), float(before.var(-1).mean()), float(after.mean(-1).mean()),
-        float(after.var(-1).mean()),
-    )  # fmt: skip
+    return {
+        "mean_in": float(before.mean(-1).mean()), "var_in": float(before.var(-1).mean()),
+        "mean_out": float(after.mean(-1).mean()), "var_out": float(after.var(-1).mean()),
+    }  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -138,17 +129,16 @@ class StepFigures:
     fed: str
     expected: str
     expected_prob: float
-    top: list[tuple[str, float, float]]  # (piece, logit, probability), most probable first
+    top: list[tuple[str, float]]  # (piece, probability), most probable first
 
 
 def step_figures(x: Explanation) -> list[StepFigures]:
-    logits_TV = x.logits_TV.astype(np.float64)
-    probs_TV = softmax(logits_TV)
+    probs_TV = softmax(x.logits_TV.astype(np.float64))
     out = []
     for t, fed in enumerate(x.tgt_in_pieces):
         expected_id = x.tgt_in_ids[t + 1] if t + 1 < len(x.tgt_in_ids) else x.spec.eos_id  # the last: </s>
-        top = [(x.vocab[i], float(logits_TV[t, i]), float(probs_TV[t, i])) for i in np.argsort(-probs_TV[t])[:TOP_K]]
-        out.append(StepFigures(fed, x.tgt_out_pieces[t], float(probs_TV[t, expected_id]), top))
+        top = [(x.vocab[i], float(probs_TV[t, i])) for i in np.argsort(-probs_TV[t])[:TOP_K]]
+        out.append(StepFigures(fed, x.vocab[expected_id], float(probs_TV[t, expected_id]), top))
     return out
 
 
@@ -160,7 +150,7 @@ class Figures:
     encoder: HeadFigures
     mask_TT: np.ndarray  # the decoder's causal mask (True = may attend)
     above_diagonal: float  # the largest decoder self-attention weight where the mask hides the key
-    norms: dict[str, NormFigures]
+    norms: dict[str, dict[str, float]]  # residual -> norm_figures
     zeros: tuple[float, float] | None  # (encoder, decoder) ReLU zero fractions; None for another activation
     steps: list[StepFigures]
 
@@ -342,10 +332,7 @@ def sections(x: Explanation, f: Figures, t: dict[str, str]) -> list[str]:
         f"<h2>{e(t['h_norm'])}</h2><p>{e(t[norm])}</p>",
         _table(
             ["", ""],
-            [
-                [e(name), e(t["norm_row"].format(**{k: fmt(v) for k, v in dataclasses.asdict(n).items()}))]
-                for name, n in f.norms.items()
-            ],
+            [[e(name), e(t["norm_row"].format(**{k: fmt(v) for k, v in n.items()}))] for name, n in f.norms.items()],
         ),
         _section(t, "ffn"),
         ffn,
@@ -371,7 +358,7 @@ def sections(x: Explanation, f: Figures, t: dict[str, str]) -> list[str]:
                     e(st.fed),
                     e(st.expected),
                     fmt(st.expected_prob),
-                    ", ".join(f"{e(p)} ({fmt(q)})" for p, _, q in st.top),
+                    ", ".join(f"{e(p)} ({fmt(q)})" for p, q in st.top),
                 ]
                 for i, st in enumerate(f.steps)
             ],

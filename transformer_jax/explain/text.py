@@ -88,7 +88,6 @@ TEXT: dict[str, dict[str, str]] = {
         "alt_softmax": "heatmap of the attention weights of one encoder head",
         "alt_causal": "the causal mask and the decoder self-attention weights of one head",
         "alt_cross": "heatmap of cross-attention weights between target and source pieces",
-        "summary_checks": "checks",
     },
     "hi": {
         "title": "“Attention Is All You Need” का गणित, एक वाक्य पर चलाकर",
@@ -169,6 +168,5 @@ TEXT: dict[str, dict[str, str]] = {
         "alt_softmax": "एक एन्कोडर हेड के ध्यान भारों का हीटमैप",
         "alt_causal": "कारणात्मक मास्क और एक हेड के डिकोडर सेल्फ-अटेंशन भार",
         "alt_cross": "लक्ष्य और स्रोत टुकड़ों के बीच क्रॉस-अटेंशन भारों का हीटमैप",
-        "summary_checks": "जाँचें",
     },
 }

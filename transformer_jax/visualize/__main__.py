@@ -98,7 +98,7 @@ def run(command: str, fv: flags.FlagValues, more_metrics: Sequence[str] = ()) ->
     if fv.config is not None:
         checks.validate(fv.config)
     if command == "attention":
-        result = attention(
+        return attention(
             fv.workdir,
             fv.source,
             fv.target,
@@ -107,8 +107,7 @@ def run(command: str, fv: flags.FlagValues, more_metrics: Sequence[str] = ()) ->
             checkpoint=fv.checkpoint,
             layer=fv.layer,
             head=fv.head,
-        )
-        return result.paths
+        ).paths
     if command == "positional":
         try:
             positions = [int(p) for p in fv.positions] if fv.positions else None

@@ -68,12 +68,8 @@ def sown_forward(
         )
     finally:
         capture(model, False)
-    # Each sown value is a tuple of calls (one per module here), each with the batch axis first.
-    sown = jax.tree.map(
-        lambda calls: np.asarray(calls[0][0], np.float32),
-        nnx.to_pure_dict(sown),
-        is_leaf=lambda x: isinstance(x, tuple),
-    )
+    first_row = lambda calls: np.asarray(calls[0][0], np.float32)  # a tuple of calls (one here), batch axis first
+    sown = jax.tree.map(first_row, nnx.to_pure_dict(sown), is_leaf=lambda x: isinstance(x, tuple))
     return np.asarray(logits_1TV[0], np.float32), sown
 
 
@@ -110,8 +106,11 @@ def load_model(workdir: str | Path, config: Any = None, checkpoint: str | int = 
     return config, model, tokenizer, steps[-1]
 
 
-def _check_selection(num_enc: int, num_dec: int, num_heads: int, layer: int | None, head: int | None) -> None:
-    num_layers = max(num_enc, num_dec)
+def check_selection(
+    num_enc: int, num_dec: int, num_heads: int, layer: int | None, head: int | None, both: bool = False
+) -> None:
+    """--layer and --head (None: all) name a layer and a head the model has; both: a layer of encoder and decoder."""
+    num_layers = min(num_enc, num_dec) if both else max(num_enc, num_dec)
     if layer is not None and not 0 <= layer < num_layers:
         raise VisualizeError(
             f"--layer {layer}: the model has {num_enc} encoder and {num_dec} decoder layers; "
@@ -161,7 +160,7 @@ def plot_attention(
 ) -> dict[Path, np.ndarray]:
     """One PNG per (kind, layer): a grid of heads, or only `head`. Returns each file with the arrays drawn."""
     w = maps.weights
-    _check_selection(len(w["encoder"]), len(w["decoder"]), (w["encoder"] or w["decoder"])[0].shape[0], layer, head)
+    check_selection(len(w["encoder"]), len(w["decoder"]), (w["encoder"] or w["decoder"])[0].shape[0], layer, head)
     out = {}
     for kind, (_, _, title, q_name, k_name) in ATTENTION_KINDS.items():
         queries = maps.src_pieces if q_name == "source" else maps.tgt_pieces

@@ -23,9 +23,7 @@ from transformer_jax.training.metrics import read_metrics
 from transformer_jax.training.state import learning_rate_schedule
 
 DPI = 100  # pixels per inch of every PNG
-PE_FIGSIZE = (8.0, 5.0)  # inches: the PE matrix
-DOTS_FIGSIZE = (8.0, 5.0)  # inches: PE(pos) . PE(pos + k) against k
-SCHEDULE_FIGSIZE = (8.0, 5.0)  # inches
+FIGSIZE = (8.0, 5.0)  # inches: every one-panel picture
 CURVE_PANEL = (5.0, 3.8)  # inches per metrics key
 CURVE_COLUMNS = 3  # panels per row
 DEFAULT_CURVE_KEYS = ("loss", "valid_loss", "valid_perplexity", "valid_bleu")
@@ -75,7 +73,7 @@ def positional(
     offsets = np.arange(max_len - max(positions))
     dots = {p: pe_PD[p + offsets] @ pe_PD[p] for p in positions}
 
-    fig = new_figure(PE_FIGSIZE)
+    fig = new_figure(FIGSIZE)
     ax = fig.subplots()
     image = ax.imshow(pe_PD, aspect="auto", cmap="RdBu", vmin=-1.0, vmax=1.0, interpolation="nearest")
     ax.set_xlabel("dimension (even: sin, odd: cos)")
@@ -84,7 +82,7 @@ def positional(
     fig.colorbar(image, ax=ax, label="PE(pos, dim)")
     pe_path = save(fig, Path(output_dir) / "positional_encoding.png")
 
-    fig = new_figure(DOTS_FIGSIZE)
+    fig = new_figure(FIGSIZE)
     ax = fig.subplots()
     inv_freq = 1.0 / 10000.0 ** (np.arange(0, d_model, 2) / d_model)
     ax.plot(offsets, np.cos(np.outer(offsets, inv_freq)).sum(-1), color="0.75", lw=6, label="Σ_i cos(k ω_i)")
@@ -116,7 +114,7 @@ def schedule(config: Any, output_dir: str | Path, num_steps: int | None = None) 
     rates = np.asarray(learning_rate_schedule(config.opt, num_steps)(jnp.asarray(steps - 1)))
     opt = config.opt
 
-    fig = new_figure(SCHEDULE_FIGSIZE)
+    fig = new_figure(FIGSIZE)
     ax = fig.subplots()
     ax.plot(steps, rates, lw=1.5)
     peak = int(np.argmax(rates))
