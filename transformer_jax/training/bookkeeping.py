@@ -33,13 +33,11 @@ A changed element changes its term to an unrelated 64-bit value, so the sum miss
 The hashes are computed from the host copies of the arrays just before the (possibly asynchronous) save starts,
 while the arrays are still valid (the next train step donates them).
 
-Digests, the SHA-256 of every file of a checkpoint's items (DIGESTS, in its directory), written by process 0 once
-Orbax has finished writing them and before it renames the checkpoint into place, and checked before Orbax opens a
-checkpoint: a damaged file is refused in one line before any read starts. The checksums above cannot do that (they
-are computed from the restored arrays), and a restore that Orbax abandons on its first failed read leaves
-TensorStore's other reads in flight, which report into its closed event loop after the error line. Checking costs
-a second read of the files (measured in docs/reliability.md). A checkpoint written before digests existed is
-restored without this check, verified by its checksums alone (or nothing, before those existed).
+Digests: the SHA-256 of every file of a checkpoint's items (DIGESTS in its directory), written by process 0 once
+Orbax has written the files, and checked before Orbax opens the checkpoint. The checksums cannot refuse a damaged
+file that early (they need the restored arrays), and a restore Orbax abandons at a failed read leaves TensorStore's
+other reads in flight, reporting after the error line (docs/reliability.md, with what the second read costs). A
+checkpoint written before digests existed restores without them.
 
 Migrations: what checkpoints written by earlier versions need to restore today, in one place; nothing else reads old
 layouts. Each is kept because checkpoints of those versions exist (tests/test_state.py, tests/test_configs.py):
@@ -358,14 +356,19 @@ def checksums(tree: dict) -> dict[str, dict]:
     }
 
 
-def checksum_mismatches(expected: dict[str, dict], tree: dict) -> list[str]:
-    """Names of the arrays of `tree` whose checksum (or shape or dtype) differs from `expected`, with what differs.
-
-    Only arrays present in `tree` are checked (evaluation restores the model parameters alone).
-    """
-    actual = checksums(tree)
+def checksum_problem(directory: pathlib.Path, tree: dict) -> str | None:
+    """What differs between the arrays of `tree` restored from the checkpoint in `directory` and their saved
+    checksums (only arrays present in `tree`: evaluation restores the model parameters alone), or None, also for a
+    checkpoint written before checksums existed. With several processes every process must call it."""
+    path = directory / "checksums" / "metadata"
+    if not path.exists():
+        return None
+    try:
+        expected = dict(json.loads(path.read_text())["arrays"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"its checksums ({path}) cannot be read: {type(e).__name__}: {e}"
     problems = []
-    for name, record in actual.items():
+    for name, record in checksums(tree).items():
         saved = expected.get(name)
         if saved is None:
             problems.append(f"{name}: no checksum saved for it")
@@ -375,7 +378,10 @@ def checksum_mismatches(expected: dict[str, dict], tree: dict) -> list[str]:
             )
         elif saved["sum"] != record["sum"]:
             problems.append(f"{name}: checksum {record['sum']} != saved {saved['sum']}")
-    return problems
+    if not problems:
+        return None
+    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+    return f"its arrays differ from their saved checksums: {'; '.join(problems[:3])}{more}"
 
 
 # Digests.

@@ -36,6 +36,7 @@ import ml_collections
 import orbax.checkpoint as ocp
 from flax import nnx
 from flax.traverse_util import flatten_dict
+from jax.experimental import multihost_utils
 
 from transformer_jax import runtime
 from transformer_jax.config import schema
@@ -244,38 +245,6 @@ def _damage(workdir: str | pathlib.Path, step: int, items: tuple[str, ...]) -> s
     if "state" in items and not (path / "state" / "_METADATA").is_file():
         return f"its state metadata is missing ({path / 'state' / '_METADATA'})"
     return bookkeeping.digest_problem(path, (*items, "checksums"))
-
-
-def _saved_checksums(workdir: str | pathlib.Path, step: int) -> dict | None:
-    """The checksums saved with the checkpoint of `step`, or None for a checkpoint written before they existed."""
-    path = checkpoint_dir(workdir) / str(step) / "checksums" / "metadata"
-    if not path.exists():
-        return None
-    try:
-        return dict(json.loads(path.read_text())["arrays"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(
-            f"the checkpoint at step {step} in {checkpoint_dir(workdir)} is corrupted: its checksums ({path}) cannot "
-            f"be read: {describe_error(e)}"
-        ) from None
-
-
-def _checksum_problem(workdir: str | pathlib.Path, step: int, tree: dict) -> str | None:
-    """What differs between the arrays of `tree` restored from `step` and their saved checksums, or None (also for
-    a checkpoint written before checksums existed)."""
-    expected = _saved_checksums(workdir, step)
-    problems = [] if expected is None else bookkeeping.checksum_mismatches(expected, tree)
-    if not problems:
-        return None
-    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-    return f"its arrays differ from their saved checksums: {'; '.join(problems[:3])}{more}"
-
-
-def verify(workdir: str | pathlib.Path, step: int, tree: dict) -> None:
-    """CheckpointError naming the step and the arrays whose checksum differs; nothing for an old checkpoint."""
-    problem = _checksum_problem(workdir, step, tree)
-    if problem:
-        raise CheckpointError(f"the checkpoint at step {step} in {checkpoint_dir(workdir)} is corrupted: {problem}")
 
 
 def move_aside(workdir: str | pathlib.Path, step: int) -> pathlib.Path:
@@ -516,10 +485,7 @@ class Checkpointer:
             )
         except Exception as e:
             raise _Damaged(f"its state cannot be read: {describe_error(e)}") from None
-        try:
-            problem = _checksum_problem(self.workdir, step, restored.state)
-        except CheckpointError as e:  # the checksums themselves cannot be read
-            raise _Damaged(str(e)) from None
+        problem = bookkeeping.checksum_problem(checkpoint_dir(self.workdir) / str(step), restored.state)
         if problem:
             raise _Damaged(problem)
         return restored, keys
@@ -534,8 +500,6 @@ class Checkpointer:
                 "checkpoint %d in %s is damaged (%s); moved aside to %s (kept)", step, self.workdir, problem, moved
             )
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices("transformer_jax: checkpoints with damaged scores moved aside")
 
     def _move_aside(self, steps: list[int]) -> None:
@@ -547,8 +511,6 @@ class Checkpointer:
                 moved = move_aside(self.workdir, step)
                 logging.warning("moved the damaged checkpoint of step %d aside to %s (kept, not deleted)", step, moved)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices("transformer_jax: damaged checkpoints moved aside")
         self.manager.reload()
 
@@ -582,7 +544,8 @@ def load_model_params(workdir: str | pathlib.Path, step: int, abstract_state: nn
     """The model parameters of one checkpoint as a pure dict (nnx.to_pure_dict of nnx.state(model, nnx.Param)).
 
     abstract_state is the abstract train state of the config (training.state.abstract_train_state); only the model
-    parameters are read from disk, and verified against the checkpoint's checksums when it has them.
+    parameters are read from disk: their files checked against the checkpoint's digests first, and the arrays
+    against its checksums after, where it has them.
     """
     steps = list_steps(workdir)
     if step not in steps:
@@ -596,7 +559,9 @@ def load_model_params(workdir: str | pathlib.Path, step: int, abstract_state: nn
             restored, key = _restore_model_params(workdir, step, abstract_state)
     except Exception as e:  # any failure to read is a damaged checkpoint
         raise CheckpointError(f"{where} cannot be read: {describe_error(e)}") from None
-    verify(workdir, step, restored.state)
+    problem = bookkeeping.checksum_problem(checkpoint_dir(workdir) / str(step), restored.state)
+    if problem:
+        raise CheckpointError(f"{where} is corrupted: {problem}")
     return restored.state[key]
 
 
