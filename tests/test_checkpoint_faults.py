@@ -143,20 +143,6 @@ def test_a_flipped_bit_in_the_latest_checkpoint_is_detected_and_the_previous_one
     assert checkpoints.list_steps(workdir) == [3]
 
 
-class _OrbaxRestores:
-    """Records the steps Orbax's CheckpointManager.restore is called for, and restores them."""
-
-    def __init__(self, monkeypatch):
-        self.steps = []
-        restore = checkpoints.ocp.CheckpointManager.restore
-
-        def recorded(manager, step, *args, **kwargs):
-            self.steps.append(step)
-            return restore(manager, step, *args, **kwargs)
-
-        monkeypatch.setattr(checkpoints.ocp.CheckpointManager, "restore", recorded)
-
-
 def test_a_damaged_file_is_refused_before_orbax_opens_the_checkpoint(trained, corpus, tmp_path, monkeypatch):
     """Every file of a checkpoint's items has its digest: a flipped bit anywhere is refused in one line naming the
     file, before any Orbax read starts (a restore Orbax abandons leaves TensorStore's reads in flight, which report
@@ -165,14 +151,15 @@ def test_a_damaged_file_is_refused_before_orbax_opens_the_checkpoint(trained, co
     _flip_a_bit(_data_files(workdir, 6)[-1])
     _flip_a_bit(workdir / "checkpoints" / "3" / "config" / "metadata", 0.1)
     _, abstract = abstract_train_state(_config(corpus))
-    orbax = _OrbaxRestores(monkeypatch)
+    orbax_restores = []
+    monkeypatch.setattr(checkpoints.ocp.CheckpointManager, "restore", lambda *args, **kwargs: orbax_restores.append(1))
     with pytest.raises(CheckpointError, match=r"step 6 .* is damaged: its file state/\S+ differs from the digest"):
         checkpoints.load_model_params(workdir, 6, abstract)
     with pytest.raises(CheckpointError, match=r"step 3 .* is damaged: its file config/metadata differs from the"):
         checkpoints.load_config(workdir, 3)
     with pytest.raises(CheckpointError, match=r"\(step 6: its file state/\S+ differs .*; step 3: its file config"):
         _restore_latest(workdir, _config(corpus))
-    assert orbax.steps == []
+    assert orbax_restores == []
 
 
 def test_flipped_bits_never_load_silently_without_digests(trained, corpus, tmp_path):
