@@ -185,13 +185,11 @@ def test_only_one_plan_function_imports_jax_private_modules():
 
 
 PROCESS_HOOKS = {("sys", "excepthook"), ("sys", "unraisablehook"), ("threading", "excepthook")}
-# The command lines' one narrow filter (cli._drop_callbacks_into_closed_event_loops says what it hides and why).
-ENTRY_POINT_HOOKS = ["cli.py:sys.unraisablehook"]
 
 
 def test_no_library_module_replaces_a_process_wide_hook():
     """A library call must not change how the whole process reports errors (a hook kept after a failure would
-    drop later errors of any thread); only the command lines' plumbing installs its one filter."""
+    drop later errors of any thread), nor may the command lines."""
     assigned = []
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -209,22 +207,4 @@ def test_no_library_module_replaces_a_process_wide_hook():
                     if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name):
                         if (t.value.id, t.attr) in PROCESS_HOOKS:
                             assigned.append(f"{path.name}:{t.value.id}.{t.attr}")
-    assert assigned == ENTRY_POINT_HOOKS, assigned
-
-
-def test_the_command_lines_filter_drops_only_callbacks_into_a_closed_event_loop(monkeypatch):
-    import sys
-    import types
-
-    from transformer_jax import cli
-
-    reported = []
-    monkeypatch.setattr(sys, "unraisablehook", reported.append)
-    cli._drop_callbacks_into_closed_event_loops()
-    cli._drop_callbacks_into_closed_event_loops()  # once only: not a hook around a hook
-    closed = types.SimpleNamespace(exc_value=RuntimeError("Event loop is closed"), object=None)
-    other = types.SimpleNamespace(exc_value=RuntimeError("something else"), object=None)
-    owned = types.SimpleNamespace(exc_value=RuntimeError("Event loop is closed"), object="a coroutine")
-    for unraisable in (closed, other, owned):
-        sys.unraisablehook(unraisable)
-    assert reported == [other, owned]
+    assert assigned == [], assigned

@@ -11,7 +11,6 @@ comma-joined value, which its rule splits (`--config.data.corpora=real=text:DIR:
 
 from __future__ import annotations
 
-import logging
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -122,8 +121,6 @@ def parse_flags(
         fail(prog, f"config: {type(e).__name__} {_one_line(e)}")
     runtime.enable_compile_cache(flag_values.compilation_cache)
     _hide_compile_only_cache_reads()
-    _drop_callbacks_into_closed_event_loops()
-    _drop_unretrieved_reads_of_a_failed_restore()
     return rest
 
 
@@ -132,60 +129,14 @@ def _hide_compile_only_cache_reads() -> None:
     accelerators.py): their compile-only client writes its executable to the persistent cache but cannot load one,
     so a second compile of the same program warns "Error reading persistent compilation cache entry ... PjRtCompiler
     must be constructed with a Client to call DeserializeLoadedExecutable" and compiles again, which is the right
-    outcome. Every other cache warning (a damaged entry, an unwritable directory) still shows."""
+    outcome. Every other cache warning (a damaged entry, an unwritable directory) still shows. Kept rather than not
+    caching those programs: the cache is one process-wide jax setting, so plan/ would switch it off and back on
+    (reopening the cache each time) around every compile-only program, which is more code than this filter."""
     warnings.filterwarnings(
         "ignore",
         message=r"Error reading persistent compilation cache entry .*DeserializeLoadedExecutable",
         category=UserWarning,
     )
-
-
-def _is_callback_into_a_closed_event_loop(unraisable: Any) -> bool:
-    error = unraisable.exc_value
-    return unraisable.object is None and isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
-
-
-def _drop_callbacks_into_closed_event_loops() -> None:
-    """The one process-wide filter, installed once by the command lines (never by the library): a checkpoint
-    restore that fails (a damaged checkpoint, reported in one line by checkpoints.py) leaves TensorStore reads in
-    flight after Orbax has closed the event loop it ran them in; as each completes, TensorStore's callback calls
-    `loop.call_soon_threadsafe` on the closed loop and reports the RuntimeError("Event loop is closed") through
-    sys.unraisablehook, with no object: tens to hundreds of tracebacks after the one error line, printed at times
-    nothing can wait for (Orbax keeps no handle on those reads). Only that report is dropped; every other
-    unraisable exception reaches the previous hook."""
-    previous = sys.unraisablehook
-    if getattr(previous, "drops_closed_event_loop_callbacks", False):
-        return
-
-    def hook(unraisable: Any) -> None:
-        if not _is_callback_into_a_closed_event_loop(unraisable):
-            previous(unraisable)
-
-    hook.drops_closed_event_loop_callbacks = True
-    sys.unraisablehook = hook
-
-
-class _UnretrievedTensorStoreRead(logging.Filter):
-    """Drops asyncio's "Future (or Task) exception was never retrieved" record of a TensorStore read (its
-    ValueError names the zarr driver or the OCDBT database); passes every other record."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        return not (
-            str(record.msg).startswith(("Future exception was never retrieved", "Task exception was never retrieved"))
-            and isinstance(error, ValueError)
-            and ('"zarr" driver' in str(error) or "OCDBT database" in str(error))
-        )
-
-
-def _drop_unretrieved_reads_of_a_failed_restore() -> None:
-    """The reads of a failed restore (see _drop_callbacks_into_closed_event_loops) also end as asyncio futures whose
-    exception nobody retrieves: when they are collected, at times nothing can wait for (at exit, after the one
-    error line), asyncio logs each with its read error. Only those records are dropped, by a filter on asyncio's
-    logger installed once by the command lines."""
-    logger = logging.getLogger("asyncio")
-    if not any(isinstance(f, _UnretrievedTensorStoreRead) for f in logger.filters):
-        logger.addFilter(_UnretrievedTensorStoreRead())
 
 
 def run(main: Callable[[list[str]], Any], prog: str, status: int = 1) -> None:

@@ -1,7 +1,7 @@
 """The small records a training run keeps in its workdir beside the checkpoints' arrays, each a JSON object: the lock
-of the run, the selection record of its validations, the checksums of every checkpoint's arrays, and the saved
-configs (with what those written by earlier versions need today). training.checkpoints writes and reads the last
-three with every checkpoint; the training loop holds the lock and keeps the selection record.
+of the run, the selection record of its validations, the checksums of every checkpoint's arrays and the digests of
+its files, and the saved configs (with what those written by earlier versions need today). training.checkpoints
+writes and reads the last four with every checkpoint; the training loop holds the lock and keeps the selection record.
 
 The lock, WORKDIR/train.lock: one training run per workdir. Two runs in one workdir would both write checkpoints and
 metrics, and one would crash mid-save. The lock file is created atomically (O_EXCL) and holds the pid, host and
@@ -33,6 +33,12 @@ A changed element changes its term to an unrelated 64-bit value, so the sum miss
 The hashes are computed from the host copies of the arrays just before the (possibly asynchronous) save starts,
 while the arrays are still valid (the next train step donates them).
 
+Digests: the SHA-256 of every file of a checkpoint's items (DIGESTS in its directory), written by process 0 once
+Orbax has written the files, and checked before Orbax opens the checkpoint. The checksums cannot refuse a damaged
+file that early (they need the restored arrays), and a restore Orbax abandons at a failed read leaves TensorStore's
+other reads in flight, reporting after the error line (docs/reliability.md, with what the second read costs). A
+checkpoint written before digests existed restores without them.
+
 Migrations: what checkpoints written by earlier versions need to restore today, in one place; nothing else reads old
 layouts. Each is kept because checkpoints of those versions exist (tests/test_state.py, tests/test_configs.py):
 
@@ -53,6 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -69,6 +76,7 @@ import numpy as np
 from flax.traverse_util import flatten_dict
 from jax.experimental import multihost_utils
 
+from transformer_jax import runtime
 from transformer_jax.config import schema
 from transformer_jax.errors import ConfigError, UserError
 from transformer_jax.tokens import FIELDS, SpecialIds
@@ -348,14 +356,19 @@ def checksums(tree: dict) -> dict[str, dict]:
     }
 
 
-def checksum_mismatches(expected: dict[str, dict], tree: dict) -> list[str]:
-    """Names of the arrays of `tree` whose checksum (or shape or dtype) differs from `expected`, with what differs.
-
-    Only arrays present in `tree` are checked (evaluation restores the model parameters alone).
-    """
-    actual = checksums(tree)
+def checksum_problem(directory: pathlib.Path, tree: dict) -> str | None:
+    """What differs between the arrays of `tree` restored from the checkpoint in `directory` and their saved
+    checksums (only arrays present in `tree`: evaluation restores the model parameters alone), or None, also for a
+    checkpoint written before checksums existed. With several processes every process must call it."""
+    path = directory / "checksums" / "metadata"
+    if not path.exists():
+        return None
+    try:
+        expected = dict(json.loads(path.read_text())["arrays"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"its checksums ({path}) cannot be read: {type(e).__name__}: {e}"
     problems = []
-    for name, record in actual.items():
+    for name, record in checksums(tree).items():
         saved = expected.get(name)
         if saved is None:
             problems.append(f"{name}: no checksum saved for it")
@@ -365,7 +378,52 @@ def checksum_mismatches(expected: dict[str, dict], tree: dict) -> list[str]:
             )
         elif saved["sum"] != record["sum"]:
             problems.append(f"{name}: checksum {record['sum']} != saved {saved['sum']}")
-    return problems
+    if not problems:
+        return None
+    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+    return f"its arrays differ from their saved checksums: {'; '.join(problems[:3])}{more}"
+
+
+# Digests.
+
+DIGESTS = "digests.json"  # {"version", "files": {path relative to the checkpoint's directory: SHA-256}}
+DIGESTS_VERSION = 1
+
+
+def _sha256(path: pathlib.Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_digests(directory: pathlib.Path, items: Sequence[str]) -> None:
+    """Writes the digests of every file of `items` (subdirectories of a checkpoint's `directory`) into it."""
+    files = {
+        f.relative_to(directory).as_posix(): _sha256(f)
+        for item in items
+        for f in sorted((directory / item).rglob("*"))
+        if f.is_file()
+    }
+    runtime.write_text_atomically(directory / DIGESTS, json.dumps({"version": DIGESTS_VERSION, "files": files}))
+
+
+def digest_problem(directory: pathlib.Path, items: Sequence[str]) -> str | None:
+    """The first file of `items` that is missing or differs from its saved digest, or None (also for a checkpoint
+    written before digests existed)."""
+    path = directory / DIGESTS
+    if not path.exists():
+        return None
+    try:
+        files = dict(json.loads(path.read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"its digests ({path}) cannot be read: {type(e).__name__}: {e}"
+    for name, digest in sorted(files.items()):
+        if pathlib.PurePosixPath(name).parts[0] not in items:
+            continue
+        if not (directory / name).is_file():
+            return f"its file {name} is missing"
+        if _sha256(directory / name) != digest:
+            return f"its file {name} differs from the digest saved with it"
+    return None
 
 
 # Migrations.

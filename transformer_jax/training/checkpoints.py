@@ -3,8 +3,9 @@
 Each checkpoint holds everything needed to continue exactly: model parameters, optimizer state, dropout RNG state,
 step and non-finite counters (item `state`, keyed by the TrainState fields "model", "optimizer", "counters"), the
 data iterator state (item `data`), the config (item `config`) and a checksum of every array of `state` (item
-`checksums`, see training.bookkeeping), verified on every restore. Checkpoints of earlier layouts restore through the
-migrations of training.bookkeeping; checkpoints written before checksums existed restore without verification.
+`checksums`), verified on every restore, and the SHA-256 of every file of these items (`digests.json`), checked
+before Orbax opens the checkpoint (both in training.bookkeeping). Checkpoints of earlier layouts restore through the
+migrations of training.bookkeeping; checkpoints written before digests or checksums existed restore without them.
 With several processes each writes its shards of `state`; the JSON items are written by process 0 alone, which is
 right because every host's iterator state is the same (hosts plan the same global batches; see data.pipeline).
 
@@ -35,6 +36,7 @@ import ml_collections
 import orbax.checkpoint as ocp
 from flax import nnx
 from flax.traverse_util import flatten_dict
+from jax.experimental import multihost_utils
 
 from transformer_jax import runtime
 from transformer_jax.config import schema
@@ -71,9 +73,11 @@ def _manager(
     cleanup_tmp: bool = False,
     select_metric: str | None = None,
     keep_best: int = 0,
+    on_saved: Callable[[], None] | None = None,
 ):
     """Orbax's manager of WORKDIR/checkpoints. With `select_metric`, saves write their scores (`metrics`) and a save
-    removes only what neither the last `keep` nor the `keep_best` best scored checkpoints hold."""
+    removes only what neither the last `keep` nor the `keep_best` best scored checkpoints hold. `on_saved`: called by
+    an asynchronous save on process 0 once its files are written, before the checkpoint is renamed into place."""
     policy = {"max_to_keep": keep}
     if select_metric is not None:
         policy = {
@@ -98,6 +102,7 @@ def _manager(
         # A reader lists the steps without reading every checkpoint's scores: one damaged score file would make
         # Orbax's constructor raise (best_scores reads them one by one and reports a damaged one).
         lightweight_initialize=read_only,
+        async_options=ocp.AsyncOptions(post_finalization_callback=on_saved) if async_save and on_saved else None,
         **policy,
     )
     return ocp.CheckpointManager(checkpoint_dir(workdir), options=options, item_names=ITEMS)
@@ -200,9 +205,9 @@ class _OrbaxLogFilter(logging.Filter):
     """Drops the records of Orbax's loggers ("absl": its threads, "asyncio": its coroutines whose exception nobody
     retrieved) whose exception `drop` selects: Orbax reports one failure from every thread and coroutine it ran,
     and the caller reports it once, in one line. Attached only for the duration of an Orbax call (`during`, or
-    attach/detach around an asynchronous save until it is awaited); everything else is logged as before. The reads
-    a failed restore leaves in flight report later, through sys.unraisablehook: the command lines drop those
-    (cli._drop_callbacks_into_closed_event_loops), the library changes no process-wide hook."""
+    attach/detach around an asynchronous save until it is awaited); everything else is logged as before. A damaged
+    file is refused before a restore starts (its digest), so what a failed restore leaves in flight (reports after
+    the call, which no filter here can hold back) comes only from a checkpoint written before digests existed."""
 
     LOGGERS = ("absl", "asyncio")
 
@@ -230,47 +235,16 @@ class _OrbaxLogFilter(logging.Filter):
             self.detach()
 
 
-def _missing_parts(workdir: str | pathlib.Path, step: int, items: tuple[str, ...]) -> str | None:
-    """What is missing from the checkpoint directory of `step` (an item, or the state's _METADATA), or None."""
+def _damage(workdir: str | pathlib.Path, step: int, items: tuple[str, ...]) -> str | None:
+    """What is missing from the checkpoint directory of `step` (an item, or the state's _METADATA) or differs from
+    its digests (those of `items` and of the checksums read with them), or None. Called before Orbax opens it."""
     path = checkpoint_dir(workdir) / str(step)
     for item in items:
         if not (path / item).is_dir():
             return f"its item {item!r} is missing ({path / item})"
     if "state" in items and not (path / "state" / "_METADATA").is_file():
         return f"its state metadata is missing ({path / 'state' / '_METADATA'})"
-    return None
-
-
-def _saved_checksums(workdir: str | pathlib.Path, step: int) -> dict | None:
-    """The checksums saved with the checkpoint of `step`, or None for a checkpoint written before they existed."""
-    path = checkpoint_dir(workdir) / str(step) / "checksums" / "metadata"
-    if not path.exists():
-        return None
-    try:
-        return dict(json.loads(path.read_text())["arrays"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(
-            f"the checkpoint at step {step} in {checkpoint_dir(workdir)} is corrupted: its checksums ({path}) cannot "
-            f"be read: {describe_error(e)}"
-        ) from None
-
-
-def _checksum_problem(workdir: str | pathlib.Path, step: int, tree: dict) -> str | None:
-    """What differs between the arrays of `tree` restored from `step` and their saved checksums, or None (also for
-    a checkpoint written before checksums existed)."""
-    expected = _saved_checksums(workdir, step)
-    problems = [] if expected is None else bookkeeping.checksum_mismatches(expected, tree)
-    if not problems:
-        return None
-    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-    return f"its arrays differ from their saved checksums: {'; '.join(problems[:3])}{more}"
-
-
-def verify(workdir: str | pathlib.Path, step: int, tree: dict) -> None:
-    """CheckpointError naming the step and the arrays whose checksum differs; nothing for an old checkpoint."""
-    problem = _checksum_problem(workdir, step, tree)
-    if problem:
-        raise CheckpointError(f"the checkpoint at step {step} in {checkpoint_dir(workdir)} is corrupted: {problem}")
+    return bookkeeping.digest_problem(path, (*items, "checksums"))
 
 
 def move_aside(workdir: str | pathlib.Path, step: int) -> pathlib.Path:
@@ -324,6 +298,7 @@ class Checkpointer:
             cleanup_tmp=True,
             select_metric=select_metric,
             keep_best=ckpt.get("keep_best", 0),
+            on_saved=self._write_digests,
         )
         self.selection: dict | None = None  # the selection record of the checkpoint restore_latest restored
         self._async = ckpt.async_save
@@ -374,6 +349,8 @@ class Checkpointer:
             )
             if not rotate:
                 manager.close()  # waits for the save
+            if not (rotate and self._async):  # finished; an asynchronous save calls _write_digests itself
+                self._write_digests()
         except Exception as e:
             self._failed_save(e)
             raise
@@ -383,6 +360,15 @@ class Checkpointer:
             self.manager.reload()
         elif not self._async:
             self.wait()
+
+    def _write_digests(self) -> None:
+        """Writes the digests of the checkpoint being saved (process 0): from Orbax's thread for an asynchronous save,
+        into the unfinished directory, so that a listed checkpoint has them; after a synchronous one, into its own."""
+        if jax.process_index() != 0:
+            return
+        step, directory = self._in_flight[0], checkpoint_dir(self.workdir)
+        unfinished = sorted(directory.glob(f"{step}.orbax-checkpoint-tmp*"))
+        bookkeeping.write_digests(unfinished[-1] if unfinished else directory / str(step), ITEMS)
 
     def wait(self) -> None:
         """Waits for an asynchronous save; DiskFullError (`_disk_full`) if the disk filled up during it."""
@@ -474,9 +460,9 @@ class Checkpointer:
 
     def _restore(self, step: int, target: dict, current: dict):
         """(restored Composite, TrainState field -> saved key) of one checkpoint; _Damaged if it cannot be used."""
-        missing = _missing_parts(self.workdir, step, ("config", "state", "data"))
-        if missing:
-            raise _Damaged(missing)
+        problem = _damage(self.workdir, step, ("config", "state", "data"))
+        if problem:
+            raise _Damaged(problem)
         try:
             saved_config = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
         except Exception as e:  # any failure to read means this checkpoint is damaged
@@ -499,10 +485,7 @@ class Checkpointer:
             )
         except Exception as e:
             raise _Damaged(f"its state cannot be read: {describe_error(e)}") from None
-        try:
-            problem = _checksum_problem(self.workdir, step, restored.state)
-        except CheckpointError as e:  # the checksums themselves cannot be read
-            raise _Damaged(str(e)) from None
+        problem = bookkeeping.checksum_problem(checkpoint_dir(self.workdir) / str(step), restored.state)
         if problem:
             raise _Damaged(problem)
         return restored, keys
@@ -517,8 +500,6 @@ class Checkpointer:
                 "checkpoint %d in %s is damaged (%s); moved aside to %s (kept)", step, self.workdir, problem, moved
             )
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices("transformer_jax: checkpoints with damaged scores moved aside")
 
     def _move_aside(self, steps: list[int]) -> None:
@@ -530,8 +511,6 @@ class Checkpointer:
                 moved = move_aside(self.workdir, step)
                 logging.warning("moved the damaged checkpoint of step %d aside to %s (kept, not deleted)", step, moved)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices("transformer_jax: damaged checkpoints moved aside")
         self.manager.reload()
 
@@ -546,9 +525,9 @@ def load_config(workdir: str | pathlib.Path, step: int | None = None) -> ml_coll
     if not steps:
         raise CheckpointError(f"no checkpoint in {checkpoint_dir(workdir)}; train first or pass the right --workdir")
     step = steps[-1] if step is None else step
-    missing = _missing_parts(workdir, step, ("config",))
-    if missing:
-        raise CheckpointError(f"the checkpoint at step {step} in {checkpoint_dir(workdir)} is damaged: {missing}")
+    problem = _damage(workdir, step, ("config",))
+    if problem:
+        raise CheckpointError(f"the checkpoint at step {step} in {checkpoint_dir(workdir)} is damaged: {problem}")
     try:
         restored = _manager(workdir, read_only=True).restore(
             step, args=ocp.args.Composite(config=ocp.args.JsonRestore())
@@ -565,21 +544,24 @@ def load_model_params(workdir: str | pathlib.Path, step: int, abstract_state: nn
     """The model parameters of one checkpoint as a pure dict (nnx.to_pure_dict of nnx.state(model, nnx.Param)).
 
     abstract_state is the abstract train state of the config (training.state.abstract_train_state); only the model
-    parameters are read from disk, and verified against the checkpoint's checksums when it has them.
+    parameters are read from disk: their files checked against the checkpoint's digests first, and the arrays
+    against its checksums after, where it has them.
     """
     steps = list_steps(workdir)
     if step not in steps:
         raise CheckpointError(f"no checkpoint for step {step} in {checkpoint_dir(workdir)}; available steps: {steps}")
     where = f"the checkpoint at step {step} in {checkpoint_dir(workdir)}"
-    missing = _missing_parts(workdir, step, ("state",))
-    if missing:
-        raise CheckpointError(f"{where} is damaged: {missing}")
+    problem = _damage(workdir, step, ("state",))
+    if problem:
+        raise CheckpointError(f"{where} is damaged: {problem}")
     try:
         with _OrbaxLogFilter(_is_restore_noise).during():
             restored, key = _restore_model_params(workdir, step, abstract_state)
     except Exception as e:  # any failure to read is a damaged checkpoint
         raise CheckpointError(f"{where} cannot be read: {describe_error(e)}") from None
-    verify(workdir, step, restored.state)
+    problem = bookkeeping.checksum_problem(checkpoint_dir(workdir) / str(step), restored.state)
+    if problem:
+        raise CheckpointError(f"{where} is corrupted: {problem}")
     return restored.state[key]
 
 
