@@ -442,7 +442,7 @@ class MixedExamples:
             arrays[f"{side}_starts"] = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
         tokens = self.src_lens[plan.items] + self.tgt_lens[plan.items]
         per_corpus = np.bincount(corpus, weights=tokens, minlength=len(self.parts)).astype(np.int64)
-        return Examples(**arrays), _renumber(plan, renumbered), per_corpus
+        return Examples(**arrays), dataclasses.replace(plan, items=renumbered), per_corpus
 
 
 def _take(flat: np.ndarray, starts: np.ndarray, local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -453,46 +453,49 @@ def _take(flat: np.ndarray, starts: np.ndarray, local: np.ndarray) -> tuple[np.n
     return flat[index], lens
 
 
-def _renumber(plan: Plan, items: np.ndarray) -> Plan:
-    return Plan(items, plan.rows, plan.src_offsets, plan.tgt_offsets, plan.segment_ids, plan.shape)
+class Epochs:
+    """The ids `kept` as an endless stream, in a new order every epoch: the permutation seeded by (*seed, epoch)."""
+
+    def __init__(self, kept: np.ndarray, seed: Sequence[int]):
+        self.kept, self.seed = kept, list(seed)
+        self._orders: dict[int, np.ndarray] = {}
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The kept ids in epoch `epoch`'s order."""
+        if epoch not in self._orders:
+            if len(self._orders) > 2:
+                self._orders.clear()
+            perm = np.random.default_rng([*self.seed, epoch]).permutation(len(self.kept))
+            self._orders[epoch] = self.kept[perm]
+        return self._orders[epoch]
+
+    def take(self, start: int, stop: int) -> np.ndarray:
+        """Stream positions [start, stop): position p is order(p // n)[p % n]."""
+        n = len(self.kept)
+        parts = [np.zeros(0, np.int64)]
+        for epoch in range(start // n, (stop - 1) // n + 1) if stop > start else ():
+            lo, hi = max(start - epoch * n, 0), min(stop - epoch * n, n)
+            parts.append(self.order(epoch)[lo:hi])
+        return np.concatenate(parts)
 
 
 class Mix:
     """The weighted draw of each stream position's corpus, and each corpus's own endless, reshuffled order.
 
     `kept[c]` are corpus c's global ids that passed the length filter; `probabilities[c]` its share of the draws.
+    A corpus's order depends on its name, not on its position in data.corpora.
     """
 
     def __init__(self, kept: Sequence[np.ndarray], probabilities: np.ndarray, names: Sequence[str], seed: int):
-        self.kept, self.probabilities, self.seed = list(kept), probabilities, seed
-        # A corpus's order depends on its name, not on its position in data.corpora.
-        self.keys = [zlib.crc32(name.encode("utf-8")) for name in names]
-        self._orders: dict[tuple[int, int], np.ndarray] = {}
-
-    def order(self, corpus: int, epoch: int) -> np.ndarray:
-        """Corpus `corpus`'s kept ids in epoch `epoch`: a fresh permutation for every (seed, corpus name, epoch)."""
-        key = (corpus, epoch)
-        if key not in self._orders:
-            if len(self._orders) > 2 * len(self.kept):
-                self._orders.clear()
-            perm = np.random.default_rng([self.seed, self.keys[corpus], epoch]).permutation(len(self.kept[corpus]))
-            self._orders[key] = self.kept[corpus][perm]
-        return self._orders[key]
-
-    def _stream(self, corpus: int, start: int, stop: int) -> np.ndarray:
-        n = len(self.kept[corpus])
-        parts = [np.zeros(0, np.int64)]
-        for epoch in range(start // n, (stop - 1) // n + 1) if stop > start else ():
-            lo, hi = max(start - epoch * n, 0), min(stop - epoch * n, n)
-            parts.append(self.order(corpus, epoch)[lo:hi])
-        return np.concatenate(parts)
+        self.probabilities, self.seed = probabilities, seed
+        self.epochs = [Epochs(k, [seed, zlib.crc32(name.encode("utf-8"))]) for k, name in zip(kept, names, strict=True)]
 
     def window(self, window: int, size: int, consumed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(the `size` global ids of window `window`, each corpus's pairs consumed after it), given those before."""
         rng = np.random.default_rng([self.seed, window, MIX_SEED])
-        choice = rng.choice(len(self.kept), size=size, p=self.probabilities)
-        counts = np.bincount(choice, minlength=len(self.kept))
+        choice = rng.choice(len(self.epochs), size=size, p=self.probabilities)
+        counts = np.bincount(choice, minlength=len(self.epochs))
         items = np.empty(size, np.int64)
         for c, count in enumerate(counts.tolist()):
-            items[choice == c] = self._stream(c, int(consumed[c]), int(consumed[c]) + count)
+            items[choice == c] = self.epochs[c].take(int(consumed[c]), int(consumed[c]) + count)
         return items, consumed + counts

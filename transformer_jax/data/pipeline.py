@@ -50,11 +50,6 @@ from transformer_jax.errors import DataError
 from transformer_jax.tokens import SpecialIds
 
 
-def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
-    """The shuffled order of n examples in one epoch: a fresh permutation for every (seed, epoch)."""
-    return np.random.default_rng([seed, epoch]).permutation(n)
-
-
 @dataclasses.dataclass(frozen=True)
 class StreamSpec:
     """What fixes the training batches: the examples, which of them are kept, how a window becomes batches, the
@@ -72,7 +67,7 @@ class StreamSpec:
 class WindowBatchIterator(grain.DatasetIterator):
     """Batches from consecutive windows of the endless, epoch-shuffled stream of kept examples.
 
-    Stream position p is example kept[epoch_order(seed, p // n, n)[p % n]]. Window w covers positions
+    Stream position p is `batching.Epochs(kept, [seed]).take(p, p + 1)`. Window w covers positions
     [w * window, (w + 1) * window) plus the ids the previous window carried over. With several corpora, the
     window's positions are `batching.Mix.window`'s, and `last_corpus_tokens` gives the real tokens of each corpus
     in the global batch last returned (empty with one corpus).
@@ -88,7 +83,7 @@ class WindowBatchIterator(grain.DatasetIterator):
         self._emitted = 0
         self._plans: list[batching.Plan] | None = None  # the current window's batches, computed lazily
         self._next_carry = np.zeros(0, np.int64)
-        self._order_cache: dict[int, np.ndarray] = {}
+        self._epochs = batching.Epochs(spec.kept, [spec.seed])
         self.last_corpus_tokens: dict[str, int] = {}
         self._mix, examples = None, spec.examples
         if isinstance(examples, batching.MixedExamples):
@@ -102,26 +97,10 @@ class WindowBatchIterator(grain.DatasetIterator):
         """The epoch (pass over the kept examples) that the current window starts in."""
         return self._window * self._spec.window // len(self._spec.kept)
 
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch not in self._order_cache:
-            if len(self._order_cache) > 2:
-                self._order_cache.clear()
-            self._order_cache[epoch] = epoch_order(self._spec.seed, epoch, len(self._spec.kept))
-        return self._order_cache[epoch]
-
-    def _stream(self, start: int, stop: int) -> np.ndarray:
-        kept = self._spec.kept
-        n = len(kept)
-        parts = []
-        for epoch in range(start // n, (stop - 1) // n + 1):
-            lo, hi = max(start - epoch * n, 0), min(stop - epoch * n, n)
-            parts.append(kept[self._order(epoch)[lo:hi]])
-        return np.concatenate(parts)
-
     def _plan_window(self) -> None:
         if self._mix is None:
             start = self._window * self._spec.window
-            stream = self._stream(start, start + self._spec.window)
+            stream = self._epochs.take(start, start + self._spec.window)
         else:
             stream, self._next_consumed = self._mix.window(self._window, self._spec.window, self._consumed)
         items = np.concatenate([self._carry, stream])
@@ -166,17 +145,6 @@ class WindowBatchIterator(grain.DatasetIterator):
                 )
             self._consumed = np.asarray(state["consumed"], np.int64)
         self._plans = None
-
-
-class WindowBatchDataset(grain.IterDataset):
-    """grain view of the training batches: iter() starts a fresh `WindowBatchIterator` (grain can prefetch it)."""
-
-    def __init__(self, spec: StreamSpec):
-        super().__init__()
-        self._spec = spec
-
-    def __iter__(self) -> WindowBatchIterator:
-        return WindowBatchIterator(self._spec)
 
 
 def batch_shapes(
@@ -258,9 +226,7 @@ def make_train_iterator(
                 )
             stats[f"kept_{name}"] = count
     planner, shapes = make_planner(config, examples, process_count, row_multiple)
-    dataset = WindowBatchDataset(
-        StreamSpec(examples, kept, planner, config.batch_window, seed, tokenizer.ids, (process_index, process_count))
-    )
+    spec = StreamSpec(examples, kept, planner, config.batch_window, seed, tokenizer.ids, (process_index, process_count))
     stats.update(
         src_tokens=int(examples.src_lens[kept].sum()),
         tgt_tokens=int(examples.tgt_lens[kept].sum()),
@@ -278,7 +244,7 @@ def make_train_iterator(
         config.max_len,
         shapes,
     )
-    return iter(dataset), stats
+    return WindowBatchIterator(spec), stats
 
 
 def tokenize_in_memory(
