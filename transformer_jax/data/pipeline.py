@@ -258,7 +258,8 @@ def tokenize_in_memory(
         return batching.tokenize_pairs(pairs, tokenizer, num_threads=num_threads)
     parts = []
     for corpus in mix:
-        pairs = [pair for _, chunk in sources.open_corpus(config, corpus).chunks(1 << 16) for pair in chunk]
+        chunks = sources.open_corpus(config, corpus).chunks(1 << 16)
+        pairs = [pair for _, chunk in chunks for pair in sources.tagged(chunk, corpus.tag)]
         parts.append(batching.tokenize_pairs(pairs, tokenizer, num_threads=num_threads))
     return batching.MixedExamples(parts, [c.name for c in mix], [c.weight for c in mix])
 

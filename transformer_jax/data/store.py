@@ -77,26 +77,21 @@ def store_path(config: ml_collections.ConfigDict, tokenizer: Tokenizer, corpus: 
     return directory / f"{name}{config.train_split}.{config.src_lang}-{config.tgt_lang}.store"
 
 
-Stream = sources.TextPairs | sources.TfdsPairs | sources.Tagged
-
-
 def open_input(
     config: ml_collections.ConfigDict, tokenizer: Tokenizer, corpus: sources.Corpus | None = None
-) -> tuple[Stream, dict[str, Any]]:
-    """The training split (of `corpus`) opened for streaming, and the identity a store of it must record."""
+) -> tuple[sources.TextPairs | sources.TfdsPairs, dict[str, Any]]:
+    """The training split (of `corpus`) opened for streaming, and what a store of it depends on (its identity: a
+    store whose manifest records another is stale)."""
     if corpus is None:
         stream = sources.open_stream(config, config.train_split)
-        return stream, identity(config, tokenizer, stream)
-    stream = sources.open_corpus(config, corpus)
-    return stream, identity(config, tokenizer, stream, source=f"corpus:{corpus.kind}")
-
-
-def identity(config: ml_collections.ConfigDict, tokenizer: Tokenizer, stream: Stream, source: str | None = None):
-    """What the store's contents depend on; a store whose manifest records another identity is stale."""
-    return {
+        source, read = config.source, stream.identity()
+    else:
+        stream = sources.open_corpus(config, corpus)
+        source, read = f"corpus:{corpus.kind}", {**stream.identity(), "tag": corpus.tag}
+    return stream, {
         "format": FORMAT,
-        "source": source or config.source,
-        "input": stream.identity(),
+        "source": source,
+        "input": read,
         "split": config.train_split,
         "src_lang": config.src_lang,
         "tgt_lang": config.tgt_lang,
@@ -197,6 +192,7 @@ def build(
         log.info("tokenizing %d lines of split %r into %s", total, config.train_split, path)
         with Progress(total, f"tokenizing {config.train_split}", "lines") as bar:
             for lines, pairs in stream.chunks(chunk_pairs):
+                pairs = sources.tagged(pairs, corpus.tag if corpus else "")
                 if pairs:
                     src_text, tgt_text = zip(*pairs, strict=True)
                     part = batching.from_ids(

@@ -329,9 +329,7 @@ def training_sample(config: ml_collections.ConfigDict) -> list[str]:
     out = []
     for corpus in mix:
         share = max(2, round(config.tokenizer_sample_sentences * corpus.weight / total))
-        out.extend(
-            sample_sentences(sources.open_corpus(config, corpus).stream, share, seed=zlib.crc32(corpus.name.encode()))
-        )
+        out.extend(sample_sentences(sources.open_corpus(config, corpus), share, seed=zlib.crc32(corpus.name.encode())))
     return out
 
 
