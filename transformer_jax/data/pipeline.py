@@ -2,32 +2,27 @@
 devices.
 
 Training: the training split is tokenized once (into the memory-mapped store of `store`, or in memory),
-length-filtered (counts reported), and streamed forever, in a new order every epoch drawn from (seed, epoch).
-Batches are planned from the lengths (np.diff of the offsets) and assembled from the token arrays, which may be
-memory-mapped: nothing here holds the corpus in Python objects. A window of `batch_window` shuffled example ids
-at a time is packed, bucketed or padded into fixed-shape global batches. The iterator is a grain `DatasetIterator`
-whose state is (window, carried-over ids, batches already emitted from the window): restoring it recomputes that
-window and continues with exactly the next batch.
+length-filtered (counts reported), and streamed forever, in a new order every epoch (`batching.Epochs`). Batches
+are planned from the lengths and assembled from the token arrays, which may be memory-mapped: nothing here holds
+the corpus in Python objects. A window of `batch_window` shuffled example ids at a time is packed, bucketed or
+padded into fixed-shape global batches. The iterator is a grain `DatasetIterator` whose state is (window,
+carried-over ids, batches already emitted from the window): restoring it recomputes that window and continues with
+exactly the next batch. The epoch order is one numpy permutation rather than grain's `MapDataset.shuffle`, whose
+per-index Feistel shuffle costs microseconds per element, enough alone to cap the pipeline's throughput
+(docs/benchmarks.md).
 
 Several hosts: every host opens the same store (or tokenizes the whole split) and plans the same global batches
 (same seed), then assembles only its block of rows (`batching.host_rows`). So the hosts always agree on each
-batch's shape (bucketed batches vary), their iterator states are identical (a checkpoint stores one, written by
-host 0), and N hosts train on exactly the batches one host would.
-
-The epoch order is one numpy permutation per epoch rather than grain's `MapDataset.shuffle`: grain's per-index
-Feistel shuffle costs microseconds per element, enough alone to cap the pipeline's throughput (docs/benchmarks.md);
-a permutation costs nanoseconds per element and is just as deterministic.
+batch's shape, their iterator states are identical (a checkpoint stores host 0's), and N hosts train on exactly
+the batches one host would.
 
 Several corpora (data.corpora): their examples share one id space (`batching.MixedExamples`), and each window's
-positions are drawn from the corpora by weight, each corpus going through its own endless reshuffled order
-(`batching.Mix`); the iterator state then also holds how many pairs each corpus gave before the window. Batches are
-planned from the mixed window exactly as from one corpus's.
+positions are drawn from the corpora by weight (`batching.Mix`); the iterator state then also holds how many pairs
+each corpus gave before the window.
 
-Placement is the training pipeline's last stage: `prefetch` assembles batches and places this host's rows on its
-devices a few batches ahead, on grain's prefetch thread, so the training loop never waits for its next batch.
-
-Evaluation keeps every input in order: one sentence per row, long inputs truncated (counted), and
-`example_index` -1 on rows that only fill up the last batch.
+`prefetch` assembles batches and places this host's rows on its devices a few batches ahead, on grain's prefetch
+thread, so the training loop never waits for its next batch. Evaluation keeps every input in order: one sentence
+per row, long inputs truncated (counted), and `example_index` -1 on rows that only fill up the last batch.
 """
 
 from __future__ import annotations

@@ -1,41 +1,31 @@
 """The training split tokenized once into memory-mapped files: every later start, on every host, opens it in
 about a second, reads no text and tokenizes nothing.
 
-Axis letters: see transformer_jax/__init__.py (the arrays here are flat token streams and their offsets).
-
 What is stored: the four arrays of `batching.Examples` for every pair of the split, exactly what the in-memory path
-(`pipeline.make_train_iterator` without `examples`) tokenizes, as .npy files opened with
-`np.load(mmap_mode="r")`. Everything after tokenization (length filter, planners, assembly) is the same code on
-the same values, so the batches are the in-memory path's by construction. The length filter (data.max_len) runs
-when a run starts, one vectorised pass over the lengths, rather than at build time, for two reasons: example ids,
-which a checkpoint's iterator state holds, stay the in-memory path's (a run resumes exactly across the switch),
-and runs that differ only in max_len share one store. So the manifest holds no filter settings.
+(`pipeline.make_train_iterator` without `examples`) tokenizes, as .npy files opened with `np.load(mmap_mode="r")`;
+everything after tokenization is the same code on the same values, so the batches are the in-memory path's. The
+length filter (data.max_len) runs when a run starts, not at build time: example ids, which a checkpoint's iterator
+state holds, stay the in-memory path's (a run resumes exactly across the switch), and runs that differ only in
+max_len share one store.
 
-Why memory-mapped .npy files: a memory map costs no load time and no private memory; the OS pages in the offsets
-(read whole, to plan batches from the lengths) and the token pages of the batches being assembled, and shares
-them between the processes of a host. Random access to an example is an offset lookup. .npy rather than raw
-files, because each file describes its own dtype and length; rather than array_record, because the planner needs
-every length at once, which the offsets give with one np.diff, where records would each need parsing. Tokens are
-uint16 on disk when the vocabulary fits (half the disk and page cache of int32); assembly copies them into the
-int32 batch arrays, so batches do not change.
+Why memory-mapped .npy: no load time and no private memory; the OS pages in the offsets (read whole, to plan
+batches from the lengths) and the token pages of the batches being assembled, shared between a host's processes.
+Each .npy describes its own dtype and length; array_record would need every record parsed for the lengths that
+the offsets give with one np.diff. Tokens are uint16 on disk when the vocabulary fits (half of int32); assembly
+copies them into the int32 batch arrays, so batches do not change.
 
-Checksums: the SHA-256 of each file's data is computed while it is written and kept in the manifest; `verify`
-rereads every byte (`prepare --verify`; minutes for tens of GB). A start checks what is cheap instead: sizes,
-dtypes and lengths against the manifest, the SHA-256 of 64 blocks of 4 KiB spread over each file, and that the
-offsets start at 0, increase and end at the token count (they are read whole anyway). That finds a truncated,
-replaced or partly overwritten file and damaged offsets, which would otherwise assemble wrong batches silently,
-in well under a second at any size; a flipped bit inside a token array between the sampled blocks is left to
-`verify`.
+Checksums: the SHA-256 of each file's data is kept in the manifest, and `verify` rereads every byte (`prepare
+--verify`; minutes for tens of GB). A start checks what is cheap: sizes, dtypes and lengths against the manifest,
+the SHA-256 of 64 blocks of 4 KiB spread over each file, and that the offsets increase from 0 to the token count.
+That finds a truncated, replaced or partly overwritten file and damaged offsets in well under a second at any size;
+a flipped bit inside a token array between the sampled blocks is left to `verify`.
 
 Where: next to the tokenizer (or in data.store_dir), named after the tokenizer, split and direction, e.g.
-`spm.train.en-de.store/`, on the filesystem every host sees. A missing store, or one built from another source,
-split or tokenizer (the manifest's `identity`), is built by a single-host run and refused, with the prepare
-command, by a multi-host one, like the tokenizer. A build writes into a temporary directory beside the store and
-renames it into place, so a failure (invalid UTF-8 on line 3,000,001) leaves no store behind, only one line
-naming the file and line.
-
-Several corpora (data.corpora): one store per corpus, `spm.corpus-NAME.train.en-de.store`, keyed the same way
-(its identity adds the corpus's kind and tag); `open_train_examples` opens them all as one `MixedExamples`.
+`spm.train.en-de.store/`, on a filesystem every host sees. A missing store, or one built from other input (the
+manifest's `identity`), is built by a single-host run and refused, with the prepare command, by a multi-host one.
+A build writes into a temporary directory renamed into place when complete, so a failure leaves no store behind.
+With data.corpora, one store per corpus, `spm.corpus-NAME.train.en-de.store` (its identity adds the corpus's kind
+and tag); `open_train_examples` opens them all as one `MixedExamples`.
 """
 
 from __future__ import annotations
