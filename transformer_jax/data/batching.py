@@ -108,21 +108,20 @@ def _join(flats: list[np.ndarray], starts: list[np.ndarray]) -> tuple[np.ndarray
     return np.concatenate(flats), np.concatenate([*shifted, offsets[-1:]])
 
 
+def encode(pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer, num_threads: int) -> Examples:
+    """Examples of (non-empty) `pairs`, by the tokenizer's batch encoders on `num_threads` SentencePiece threads."""
+    src_text, tgt_text = zip(*pairs, strict=True)
+    src_ids = tokenizer.encode_source_batch(src_text, num_threads)
+    return from_ids(src_ids, tokenizer.encode_target_batch(tgt_text, num_threads), eos=tokenizer.ids.eos)
+
+
 def tokenize_pairs(
     pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer, *, num_threads: int = 1, chunk: int = 100_000
 ) -> Examples:
-    """Tokenizes pairs with SentencePiece's batch encoder, `chunk` pairs at a time to bound the Python lists."""
-    eos = tokenizer.ids.eos
-    parts = [from_ids([], [], eos=eos)]
+    """Tokenizes pairs `chunk` at a time (`encode`), to bound the Python lists."""
+    parts = [from_ids([], [], eos=tokenizer.ids.eos)]
     for start in range(0, len(pairs), chunk):
-        src_text, tgt_text = zip(*pairs[start : start + chunk], strict=True)
-        parts.append(
-            from_ids(
-                tokenizer.encode_source_batch(src_text, num_threads),
-                tokenizer.encode_target_batch(tgt_text, num_threads),
-                eos=eos,
-            )
-        )
+        parts.append(encode(pairs[start : start + chunk], tokenizer, num_threads))
     if len(parts) == 2:
         return parts[1]
     src = _join([p.src for p in parts], [p.src_starts for p in parts])
@@ -226,22 +225,13 @@ def padded_eval_length(length: int, max_len: int) -> int:
     """The padded length of an evaluation batch whose longest row has `length` tokens: 16 * 2^k, capped at max_len.
 
     Evaluation (translation, validation loss) sees each input once, so it pads each batch to a few lengths that
-    double, to bound jit compilations; training batches use the finer `bucket_lengths` instead, which waste less
-    padding on the many batches of every epoch.
+    double, a handful of compilations per decoding setting; training batches use the finer `bucket_lengths`, which
+    waste less padding on the many batches of every epoch.
     """
     padded = MIN_EVAL_LENGTH
     while padded < length:
         padded *= 2
     return min(padded, max_len)
-
-
-def padded_eval_lengths(max_len: int) -> list[int]:
-    """Every length `padded_eval_length` can return (so at most this many compilations per decoding setting)."""
-    out, padded = [], MIN_EVAL_LENGTH
-    while padded < max_len:
-        out.append(padded)
-        padded *= 2
-    return out + [max_len]
 
 
 def bucket_shapes(tokens_per_batch: int, max_len: int, row_multiple: int = ROW_MULTIPLE) -> list[tuple[int, int]]:

@@ -184,12 +184,7 @@ def build(
             for lines, pairs in stream.chunks(chunk_pairs):
                 pairs = sources.tagged(pairs, corpus.tag if corpus else "")
                 if pairs:
-                    src_text, tgt_text = zip(*pairs, strict=True)
-                    part = batching.from_ids(
-                        tokenizer.encode_source_batch(src_text, num_threads),
-                        tokenizer.encode_target_batch(tgt_text, num_threads),
-                        eos=tokenizer.ids.eos,
-                    )
+                    part = batching.encode(pairs, tokenizer, num_threads)
                     for side, flat, starts in (("src", part.src, part.src_starts), ("tgt", part.tgt, part.tgt_starts)):
                         writers[f"{side}_starts"].append(starts[1:] + writers[side].length)
                         writers[side].append(flat)
