@@ -439,12 +439,14 @@ def _prepare_command(name: str, data_dir: str | None) -> str:
     )
 
 
-def open_tfds_split(name: str, data_dir: str, split: str, src_lang: str, tgt_lang: str, *, download: bool) -> TfdsPairs:
-    """Opens a TFDS translation split; prepares it first if `download` and it is missing."""
+def open_tfds_split(config: ml_collections.ConfigDict, name: str, split: str) -> TfdsPairs:
+    """Opens split `split` of the TFDS translation builder `name` in the direction of `config` (the data group);
+    prepares it first if data.tfds_download and it is missing."""
     import tensorflow_datasets as tfds  # only data.source=tfds needs it, and importing it takes seconds
     import tensorflow_datasets.translate  # registers wmt*_translate, which TFDS otherwise imports lazily
 
-    data_dir = str(resolve_path(data_dir)) if data_dir else None
+    src_lang, tgt_lang, download = config.src_lang, config.tgt_lang, config.tfds_download
+    data_dir = str(resolve_path(config.tfds_data_dir)) if config.tfds_data_dir else None
     try:
         builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
     except (tfds.core.registered.DatasetNotFoundError, ValueError) as e:
@@ -513,14 +515,7 @@ def open_stream(config: ml_collections.ConfigDict, split: str) -> TextPairs | Tf
     if config.source in ("text", "multi30k"):
         return text_split(_text_directory(config), split, config.src_lang, config.tgt_lang)
     if config.source == "tfds":
-        return open_tfds_split(
-            config.tfds_name,
-            config.tfds_data_dir,
-            split,
-            config.src_lang,
-            config.tgt_lang,
-            download=config.tfds_download,
-        )
+        return open_tfds_split(config, config.tfds_name, split)
     raise DataError(f"unknown data.source {config.source!r}; choose text, multi30k or tfds")
 
 
@@ -580,14 +575,7 @@ def open_corpus(config: ml_collections.ConfigDict, corpus: Corpus) -> TextPairs 
     elif corpus.kind == "files":
         stream = TextPairs(*corpus.where.split("+"), about)
     else:
-        stream = open_tfds_split(
-            corpus.where,
-            config.tfds_data_dir,
-            config.train_split,
-            config.src_lang,
-            config.tgt_lang,
-            download=config.tfds_download,
-        )
+        stream = open_tfds_split(config, corpus.where, config.train_split)
     if not len(stream):  # text: both sides' lines counted here, so unequal sides fail before anything is decoded
         raise DataError(f"{about} ({corpus.where}) has no pairs")
     return stream
