@@ -145,12 +145,9 @@ class WindowBatchIterator(grain.DatasetIterator):
 def batch_shapes(
     config: ml_collections.ConfigDict, process_count: int, row_multiple: int = batching.ROW_MULTIPLE
 ) -> list[tuple[int, int, int]]:
-    """The global shapes (rows, S, T) of every batch that `config.batching` can produce; no data needed.
-
-    The one source of training batch shapes: `make_planner` returns these with its planner, and
-    `train.py --dry_run` reports them. Rows and tokens per batch are summed over all hosts; every batch must split
-    into equal blocks of rows per host.
-    """
+    """The global shapes (rows, S, T) of every batch that `config.batching` can produce, no data needed: the
+    planners' and those `train.py --dry_run` reports. Rows and tokens per batch are summed over all hosts; every
+    batch must split into equal blocks of rows per host."""
     if config.batching in ("pack", "pad"):
         rows = config.batch_size
         if rows % process_count:
@@ -162,19 +159,6 @@ def batch_shapes(
         row_multiple = math.lcm(row_multiple, process_count)  # every host gets the same number of rows
         return [(r, n, n) for r, n in batching.bucket_shapes(config.tokens_per_batch, config.max_len, row_multiple)]
     raise DataError(f"unknown data.batching {config.batching!r}; choose pack, bucket or pad")
-
-
-def make_planner(
-    config: ml_collections.ConfigDict, examples: batching.Examples, process_count: int, row_multiple: int
-) -> tuple[batching.Planner, list[tuple[int, int, int]]]:
-    """The planner of `config.batching` and the global batch shapes (rows, S, T) it can produce (`batch_shapes`)."""
-    shapes = batch_shapes(config, process_count, row_multiple)
-    lens = (examples.src_lens, examples.tgt_lens)
-    if config.batching == "pad":
-        return batching.pad_planner(config.batch_size, config.max_len), shapes
-    if config.batching == "pack":
-        return batching.pack_planner(*lens, config.batch_size, config.max_len), shapes
-    return batching.bucket_planner(*lens, [(rows, length) for rows, length, _ in shapes]), shapes
 
 
 def make_train_iterator(
@@ -220,25 +204,20 @@ def make_train_iterator(
                     f"data.max_len={config.max_len} tokens per side"
                 )
             stats[f"kept_{name}"] = count
-    planner, shapes = make_planner(config, examples, process_count, row_multiple)
+    shapes, lens = batch_shapes(config, process_count, row_multiple), (examples.src_lens, examples.tgt_lens)
+    if config.batching == "pad":
+        planner = batching.pad_planner(config.batch_size, config.max_len)
+    elif config.batching == "pack":
+        planner = batching.pack_planner(*lens, config.batch_size, config.max_len)
+    else:
+        planner = batching.bucket_planner(*lens, [(rows, length) for rows, length, _ in shapes])
     spec = StreamSpec(examples, kept, planner, config.batch_window, seed, tokenizer.ids, (process_index, process_count))
     stats.update(
         src_tokens=int(examples.src_lens[kept].sum()),
         tgt_tokens=int(examples.tgt_lens[kept].sum()),
         batch_shapes=shapes,
     )
-    logging.info(
-        "train split %r, host %d of %d: %d pairs, kept %d, dropped %d empty and %d longer than %d tokens; shapes %s",
-        config.train_split,
-        process_index,
-        process_count,
-        stats["examples"],
-        stats["kept"],
-        stats["dropped_empty"],
-        stats["dropped_too_long"],
-        config.max_len,
-        shapes,
-    )
+    logging.info("train split %r, host %d of %d: %s", config.train_split, process_index, process_count, stats)
     return WindowBatchIterator(spec), stats
 
 

@@ -94,13 +94,6 @@ def _token_dtype(tokenizer: Tokenizer) -> np.dtype:
     return np.dtype("<u2") if tokenizer.vocab_size <= 1 << 16 else np.dtype("<i4")
 
 
-def _prepare_hint(path: Path) -> str:
-    return (
-        f"`python -m transformer_jax.data.prepare --config <the same config> --workdir <the same workdir>` builds "
-        f"{path} once; run it on a filesystem every host sees"
-    )
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Building.
 
@@ -324,25 +317,20 @@ def verify(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def _differences(found: dict[str, Any], expected: dict[str, Any]) -> list[str]:
-    return sorted(k for k in expected.keys() | found.keys() if found.get(k) != expected.get(k))
-
-
 def open_train_examples(
     config: ml_collections.ConfigDict, tokenizer: Tokenizer, *, build_if_missing: bool, num_threads: int | None = None
 ) -> tuple[batching.Examples | batching.MixedExamples, list[Path]]:
     """The training examples from their stores (`open_train_store`), and the stores' paths: the split of
     data.source, or every corpus of data.corpora as one `MixedExamples`."""
     mix = sources.corpora(config)
-    if not mix:
-        examples, path = open_train_store(config, tokenizer, build_if_missing=build_if_missing, num_threads=num_threads)
-        return examples, [path]
     opened = [
         open_train_store(config, tokenizer, build_if_missing=build_if_missing, num_threads=num_threads, corpus=c)
-        for c in mix
+        for c in mix or [None]
     ]
-    examples = batching.MixedExamples([e for e, _ in opened], [c.name for c in mix], [c.weight for c in mix])
-    return examples, [path for _, path in opened]
+    paths = [path for _, path in opened]
+    if not mix:
+        return opened[0][0], paths
+    return batching.MixedExamples([e for e, _ in opened], [c.name for c in mix], [c.weight for c in mix]), paths
 
 
 def open_train_store(
@@ -365,14 +353,16 @@ def open_train_store(
         examples = open_examples(path, manifest)
         log.info("training examples from %s: %d pairs (memory-mapped)", path, len(examples))
         return examples, path
-    if manifest is None:
-        why = "does not exist"
-    else:
-        why = f"was built from other input (differs in {', '.join(_differences(manifest['identity'], expected))})"
+    why = "does not exist"
+    if manifest is not None:
+        found = manifest["identity"]
+        differ = sorted(k for k in expected.keys() | found.keys() if found.get(k) != expected.get(k))
+        why = f"was built from other input (differs in {', '.join(differ)})"
     if not build_if_missing:
         raise DataError(
             f"the tokenized training store {path} {why}, and this run may not build it (several hosts would each "
-            f"build their own): {_prepare_hint(path)}"
+            "build their own): `python -m transformer_jax.data.prepare --config <the same config> --workdir <the same "
+            f"workdir>` builds {path} once; run it on a filesystem every host sees"
         )
     log.info("the tokenized training store %s %s: building it", path, why)
     manifest = build(config, tokenizer, path, num_threads=num_threads or os.cpu_count() or 1, corpus=corpus)
