@@ -181,14 +181,8 @@ def host_rows(plan: Plan, index: int, count: int) -> Plan:
     per_host = rows // count
     first = index * per_host
     mine = (plan.rows >= first) & (plan.rows < first + per_host)
-    return Plan(
-        plan.items[mine],
-        plan.rows[mine] - first,
-        plan.src_offsets[mine],
-        plan.tgt_offsets[mine],
-        plan.segment_ids[mine],
-        (per_host, src_len, tgt_len),
-    )
+    fields = (plan.items, plan.rows - first, plan.src_offsets, plan.tgt_offsets, plan.segment_ids)
+    return Plan(*(field[mine] for field in fields), (per_host, src_len, tgt_len))
 
 
 def real_tokens(examples: Examples, plan: Plan) -> int:
