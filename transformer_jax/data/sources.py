@@ -490,21 +490,10 @@ def open_split(config: ml_collections.ConfigDict, split: str, *, keep_blank: boo
     Text sources come back without empty pairs (skipped and logged) unless `keep_blank` (evaluation keeps every
     line); TFDS splits are read lazily as stored, so the pipeline drops and counts their empty pairs.
     """
-    if config.source in ("text", "multi30k"):
-        directory = _text_directory(config)
-        return read_text_split(directory, split, config.src_lang, config.tgt_lang, keep_blank=keep_blank)[0]
-    return open_stream(config, split)  # TFDS records are read lazily either way
-
-
-def _text_directory(config: ml_collections.ConfigDict) -> str | os.PathLike:
-    """The directory of {split}.{lang} files of a text or multi30k source (multi30k: fetched if needed)."""
-    if config.source == "multi30k":
-        return multi30k_dir(config)
-    if not config.text_dir:
-        raise DataError(
-            "data.source=text needs data.text_dir: a directory of {split}.{lang} files (or use data.source=multi30k)"
-        )
-    return config.text_dir
+    stream = open_stream(config, split)
+    if isinstance(stream, TfdsPairs):
+        return stream  # read lazily
+    return [pair for _, chunk in stream.chunks(1 << 16, keep_blank=keep_blank) for pair in chunk]
 
 
 def open_stream(config: ml_collections.ConfigDict, split: str) -> TextPairs | TfdsPairs:
@@ -512,8 +501,14 @@ def open_stream(config: ml_collections.ConfigDict, split: str) -> TextPairs | Tf
     pairs in stored order, `pick(sorted indices)`, `identity()` (what is read). Nothing is read yet; text files'
     lines are counted on the first `len()`, so mismatched sides fail before any sentence is decoded.
     """
-    if config.source in ("text", "multi30k"):
-        return text_split(_text_directory(config), split, config.src_lang, config.tgt_lang)
+    if config.source == "multi30k":  # fetched if needed
+        return text_split(multi30k_dir(config), split, config.src_lang, config.tgt_lang)
+    if config.source == "text" and not config.text_dir:
+        raise DataError(
+            "data.source=text needs data.text_dir: a directory of {split}.{lang} files (or use data.source=multi30k)"
+        )
+    if config.source == "text":
+        return text_split(config.text_dir, split, config.src_lang, config.tgt_lang)
     if config.source == "tfds":
         return open_tfds_split(config, config.tfds_name, split)
     raise DataError(f"unknown data.source {config.source!r}; choose text, multi30k or tfds")
