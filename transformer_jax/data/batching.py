@@ -72,6 +72,10 @@ class Examples:
         """Tokens per target row segment (len(y) + 1: tgt_in has BOS, tgt_out has EOS)."""
         return np.diff(self.tgt_starts)
 
+    def take(self, ids: np.ndarray) -> Examples:
+        """Examples `ids`, copied into compact arrays in that order."""
+        return Examples(*_take(self.src, self.src_starts, ids), *_take(self.tgt, self.tgt_starts, ids))
+
     def pair(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """(source ids with EOS, target ids without EOS) of example i."""
         src = self.src[self.src_starts[i] : self.src_starts[i + 1]]
@@ -108,6 +112,12 @@ def _join(flats: list[np.ndarray], starts: list[np.ndarray]) -> tuple[np.ndarray
     return np.concatenate(flats), np.concatenate([*shifted, offsets[-1:]])
 
 
+def concat(parts: Sequence[Examples]) -> Examples:
+    """The examples of `parts`, one part after another."""
+    src = _join([p.src for p in parts], [p.src_starts for p in parts])
+    return Examples(*src, *_join([p.tgt for p in parts], [p.tgt_starts for p in parts]))
+
+
 def encode(pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer, num_threads: int) -> Examples:
     """Examples of (non-empty) `pairs`, by the tokenizer's batch encoders on `num_threads` SentencePiece threads."""
     src_text, tgt_text = zip(*pairs, strict=True)
@@ -122,11 +132,7 @@ def tokenize_pairs(
     parts = [from_ids([], [], eos=tokenizer.ids.eos)]
     for start in range(0, len(pairs), chunk):
         parts.append(encode(pairs[start : start + chunk], tokenizer, num_threads))
-    if len(parts) == 2:
-        return parts[1]
-    src = _join([p.src for p in parts], [p.src_starts for p in parts])
-    tgt = _join([p.tgt for p in parts], [p.tgt_starts for p in parts])
-    return Examples(*src, *tgt)
+    return parts[1] if len(parts) == 2 else concat(parts)
 
 
 def length_filter(examples: Examples, max_len: int) -> tuple[np.ndarray, dict[str, int]]:
@@ -408,33 +414,22 @@ class MixedExamples:
     def gather(self, plan: Plan) -> tuple[Examples, Plan, np.ndarray]:
         """(the plan's examples copied into compact Examples, the plan renumbered to them, real tokens per corpus)."""
         corpus = self.corpus_of(plan.items)
-        order = np.argsort(corpus, kind="stable")
-        sides: dict[str, list[np.ndarray]] = {"src": [], "src_lens": [], "tgt": [], "tgt_lens": []}
-        for c in np.unique(corpus).tolist():
-            local = plan.items[order][corpus[order] == c] - self.first[c]
-            part = self.parts[c]
-            for side, flat, starts in (("src", part.src, part.src_starts), ("tgt", part.tgt, part.tgt_starts)):
-                tokens, lens = _take(flat, starts, local)
-                sides[side].append(tokens)
-                sides[f"{side}_lens"].append(lens)
+        order = np.argsort(corpus, kind="stable")  # the plan's examples grouped by corpus
+        ids = plan.items[order]
+        examples = concat([self.parts[c].take(ids[corpus[order] == c] - self.first[c]) for c in np.unique(corpus)])
         renumbered = np.empty(len(order), np.int64)
         renumbered[order] = np.arange(len(order))
-        arrays = {}
-        for side in ("src", "tgt"):
-            lens = np.concatenate(sides[f"{side}_lens"]) if sides[side] else np.zeros(0, np.int64)
-            arrays[side] = np.concatenate(sides[side]) if sides[side] else np.zeros(0, np.int32)
-            arrays[f"{side}_starts"] = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
         tokens = self.src_lens[plan.items] + self.tgt_lens[plan.items]
         per_corpus = np.bincount(corpus, weights=tokens, minlength=len(self.parts)).astype(np.int64)
-        return Examples(**arrays), dataclasses.replace(plan, items=renumbered), per_corpus
+        return examples, dataclasses.replace(plan, items=renumbered), per_corpus
 
 
-def _take(flat: np.ndarray, starts: np.ndarray, local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The tokens of examples `local` of one ragged array, back to back, and their lengths."""
-    lens = starts[local + 1] - starts[local]
-    out_starts = np.cumsum(lens) - lens
-    index = np.repeat(starts[local] - out_starts, lens) + np.arange(int(lens.sum()))
-    return flat[index], lens
+def _take(flat: np.ndarray, starts: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens of examples `ids` of one ragged array, back to back, and their starts there."""
+    lens = starts[ids + 1] - starts[ids]
+    out_starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    index = np.repeat(starts[ids] - out_starts[:-1], lens) + np.arange(int(lens.sum()))
+    return flat[index], out_starts
 
 
 class Epochs:

@@ -19,6 +19,7 @@ piece never split; any tokenizer that would split a tag or map it to <unk> is re
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -217,14 +218,7 @@ def one_line(text: str) -> str:
 
 def _content(ids: Iterable[int], reserved: SpecialIds, *, drop: tuple[int, ...]) -> list[int]:
     """ids up to the first EOS, those in `drop` left out."""
-    out = []
-    for i in ids:
-        i = int(i)
-        if i == reserved.eos:
-            break
-        if i not in drop:
-            out.append(i)
-    return out
+    return [i for i in itertools.takewhile(lambda i: i != reserved.eos, map(int, ids)) if i not in drop]
 
 
 def _load_vocab(path: Path, ids: SpecialIds) -> dict[str, int]:
@@ -306,11 +300,8 @@ def train_tokenizer(
 
 
 def sample_sentences(pairs: sources.TextPairs | sources.TfdsPairs, num_sentences: int, *, seed: int = 0) -> list[str]:
-    """About `num_sentences` sentences, both sides of a seeded uniform sample of pairs, empty sides left out.
-
-    The sample is drawn by index from the known number of lines (or records) and read in one streaming pass, so
-    a corpus of any size is never held whole; only the sample is.
-    """
+    """About `num_sentences` sentences, both sides of a seeded uniform sample of pairs, empty sides left out; drawn
+    by index and read in one streaming pass, so a corpus of any size is never held whole."""
     num_pairs = min(len(pairs), max(1, num_sentences // 2))
     indices = sorted(random.Random(seed).sample(range(len(pairs)), num_pairs))
     return [s for pair in pairs.pick(indices) for s in pair if s.strip()]
