@@ -301,12 +301,8 @@ def eval_batches(
         "batches": -(-len(src_ids) // batch_size),
     }
     if stats["truncated"] or stats["truncated_targets"]:
-        logging.warning(
-            "eval: truncated %d sources and %d targets to %d tokens",
-            stats["truncated"],
-            stats["truncated_targets"],
-            max_len,
-        )
+        truncated = stats["truncated"], stats["truncated_targets"]
+        logging.warning("eval: truncated %d sources and %d targets to %d tokens", *truncated, max_len)
     examples = batching.from_ids(src_ids, tgt_ids, max_len, eos=tokenizer.ids.eos)
 
     def generate() -> Iterator[dict[str, np.ndarray]]:

@@ -203,14 +203,7 @@ def build(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info(
-        "built %s: %d pairs, %d + %d tokens, in %.0f s",
-        path,
-        manifest["counts"]["pairs"],
-        manifest["counts"]["src_tokens"],
-        manifest["counts"]["tgt_tokens"],
-        manifest["build_seconds"],
-    )
+    log.info("built %s in %.0f s: %s", path, manifest["build_seconds"], manifest["counts"])
     return manifest
 
 
