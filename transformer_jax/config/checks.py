@@ -179,10 +179,8 @@ def tracker_packages(names: tuple[str, ...]) -> None:
 
 
 def check_workdir(path: str | os.PathLike) -> Path:
-    """Makes the workdir if needed and checks that files can be written there; ConfigError (one line) otherwise.
-
-    Run before any work, so that a run does not fail after minutes of setup at its first checkpoint.
-    """
+    """Makes the workdir if needed and checks that files can be written there, so that a run does not fail at its
+    first checkpoint after minutes of setup; ConfigError (one line) otherwise."""
     workdir = Path(path)
     if workdir.exists() and not workdir.is_dir():
         raise ConfigError(f"--workdir {workdir} is a file, not a directory; give a directory (it is made if missing)")

@@ -49,10 +49,8 @@ BATCH_KEYS = (
 
 @dataclasses.dataclass(frozen=True)
 class Examples:
-    """Tokenized pairs as ragged arrays: example i's source is src[src_starts[i]:src_starts[i+1]].
-
-    Each source is stored with its EOS, each target as ids then EOS (= tgt_out); tgt_in is derived when batching.
-    """
+    """Tokenized pairs as ragged arrays: example i's source is src[src_starts[i]:src_starts[i+1]], with its EOS;
+    its target is the ids then EOS (= tgt_out; tgt_in is derived when batching)."""
 
     src: np.ndarray  # int32 [total source tokens] (uint16 memory-mapped from a store; batches are int32 either way)
     src_starts: np.ndarray  # int64 [N + 1]
@@ -176,11 +174,8 @@ def one_per_row(items: np.ndarray, shape: tuple[int, int, int]) -> Plan:
 
 
 def host_rows(plan: Plan, index: int, count: int) -> Plan:
-    """Host `index` of `count`'s share of a global batch: its block of rows, renumbered from 0.
-
-    Every host plans the same global batches and assembles only its block, so the hosts' batch shapes always
-    agree and their blocks together are exactly the batch a single host would train on.
-    """
+    """Host `index` of `count`'s share of a global batch: its block of rows, renumbered from 0. Every host plans
+    the same global batches, so the hosts' shapes agree and their blocks together are the one-host batch."""
     rows, src_len, tgt_len = plan.shape
     if rows % count:
         raise DataError(f"a batch of {rows} rows does not split over {count} hosts; this is a bug")
@@ -263,11 +258,8 @@ def bucket_planner(src_lens: np.ndarray, tgt_lens: np.ndarray, shapes: Sequence[
 
 
 def first_fit(src_lens: np.ndarray, tgt_lens: np.ndarray, row_len: int) -> tuple[np.ndarray, ...]:
-    """First-fit packing of examples, in the given order, into rows of row_len slots per side.
-
-    Returns (row, src_offset, tgt_offset, segment_id) per example; an example goes into the first row where both
-    of its sides fit.
-    """
+    """First-fit packing, in the given order, into rows of row_len slots per side: each example goes into the first
+    row where both its sides fit. Returns (row, src_offset, tgt_offset, segment_id) per example."""
     n = len(src_lens)
     src_used = np.zeros(n + 1, np.int64)
     tgt_used = np.zeros(n + 1, np.int64)
@@ -459,14 +451,12 @@ class Epochs:
 
 
 class Mix:
-    """The weighted draw of each stream position's corpus, and each corpus's own endless, reshuffled order.
-
-    `kept[c]` are corpus c's global ids that passed the length filter; `probabilities[c]` its share of the draws.
-    A corpus's order depends on its name, not on its position in data.corpora.
-    """
+    """The weighted draw of each stream position's corpus, and each corpus's own endless, reshuffled order:
+    `kept[c]` are corpus c's global ids that passed the length filter, `probabilities[c]` its share of the draws."""
 
     def __init__(self, kept: Sequence[np.ndarray], probabilities: np.ndarray, names: Sequence[str], seed: int):
         self.probabilities, self.seed = probabilities, seed
+        # A corpus's order depends on its name, not on its position in data.corpora.
         self.epochs = [Epochs(k, [seed, zlib.crc32(name.encode("utf-8"))]) for k, name in zip(kept, names, strict=True)]
 
     def window(self, window: int, size: int, consumed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -60,13 +60,10 @@ class StreamSpec:
 
 
 class WindowBatchIterator(grain.DatasetIterator):
-    """Batches from consecutive windows of the endless, epoch-shuffled stream of kept examples.
-
-    Stream position p is `batching.Epochs(kept, [seed]).take(p, p + 1)`. Window w covers positions
-    [w * window, (w + 1) * window) plus the ids the previous window carried over. With several corpora, the
-    window's positions are `batching.Mix.window`'s, and `last_corpus_tokens` gives the real tokens of each corpus
-    in the global batch last returned (empty with one corpus).
-    """
+    """Batches from consecutive windows of the endless, epoch-shuffled stream of kept examples: window w is
+    positions [w * window, (w + 1) * window) of `batching.Epochs` (with several corpora, `batching.Mix.window`'s)
+    after the ids the previous window carried over. `last_corpus_tokens`: the real tokens of each corpus in the
+    global batch last returned (empty with one corpus)."""
 
     def __init__(self, spec: StreamSpec):
         super().__init__()
@@ -240,10 +237,7 @@ def tokenize_in_memory(
 
 class PlacedBatches(grain.DatasetIterator):
     """The training batches placed on the devices, each with the real tokens and the shape (rows, S, T) of its
-    global batch (all hosts), for throughput and FLOPs.
-
-    Its state is the data iterator's; `prefetch` runs it a few batches ahead on grain's prefetch thread.
-    """
+    global batch (all hosts), for throughput and FLOPs; its state is the data iterator's."""
 
     def __init__(self, parent: WindowBatchIterator, sharding):
         super().__init__(parent)
@@ -263,11 +257,8 @@ class PlacedBatches(grain.DatasetIterator):
 
 
 def prefetch(iterator: WindowBatchIterator, sharding, depth: int = 2) -> grain.DatasetIterator:
-    """Placed batches prepared `depth` ahead on a thread (grain's ThreadPrefetchDatasetIterator).
-
-    Its get_state() after each batch is the data iterator's state right after that batch (what a checkpoint must
-    hold to continue with the next one), and an exception in the data iterator is raised by next() as itself.
-    """
+    """Placed batches prepared `depth` ahead on grain's prefetch thread. Its get_state() after each batch is the
+    data iterator's right after that batch; an exception in the data iterator is raised by next() as itself."""
     return grain.experimental.ThreadPrefetchDatasetIterator(PlacedBatches(iterator, sharding), depth)
 
 
@@ -284,12 +275,9 @@ def eval_batches(
     *,
     targets: Sequence[str] | None = None,
 ) -> tuple[Iterator[dict[str, np.ndarray]], dict[str, int]]:
-    """Batches that keep every sentence, in order: [batch_size, max_len] per side, one sentence per row.
-
-    Sentences longer than max_len tokens (EOS counted) are cut to max_len - 1 ids plus EOS and counted. Each batch
-    has `example_index` [B] (-1 on rows that only pad the last batch). With `targets` (e.g. for validation loss)
-    the target keys of the contract are there too, truncated the same way; without, only the source keys.
-    """
+    """Batches that keep every sentence, in order: [batch_size, max_len] per side, one sentence per row, and
+    `example_index` [B] (-1 on rows that only pad the last batch). Longer sentences are cut to max_len - 1 ids plus
+    EOS and counted. With `targets` (validation loss), the contract's target keys too."""
     src_ids = tokenizer.encode_source_batch(sentences)
     tgt_ids = tokenizer.encode_target_batch(targets) if targets is not None else [[] for _ in sentences]
     if len(tgt_ids) != len(src_ids):

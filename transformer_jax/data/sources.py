@@ -110,12 +110,8 @@ def count_lines(path: Path) -> int:
 
 
 def iter_lines(path: Path) -> Iterator[list[str]]:
-    """The lines of a UTF-8 file, a block at a time, split on LF only (sentences may hold U+2028 or U+0085,
-    which are not breaks), a final CR dropped; the final LF ends the last line rather than starting an empty one.
-
-    Invalid UTF-8 raises `DataError` naming the file and the line, wherever in the file it is. A leading
-    byte-order mark is dropped (`leading_bom`).
-    """
+    """The lines of a UTF-8 file, a block at a time, split on LF only (sentences may hold U+2028 or U+0085), a
+    final CR dropped, a leading byte-order mark too (`leading_bom`); invalid UTF-8 is a DataError naming the line."""
     consumed = line_number = 0  # bytes and lines already yielded
     rest, first = b"", True
     try:
@@ -205,12 +201,8 @@ class TextPairs:
             yield src_lines, tgt_lines
 
     def chunks(self, size: int, *, keep_blank: bool = False) -> Iterator[tuple[int, list[Pair]]]:
-        """(lines read, pairs) for every `size` lines, in file order.
-
-        For training, a pair whose either side is empty or only whitespace is skipped, counted and logged;
-        `keep_blank` (evaluation: one hypothesis per source line) keeps every line. A split without a single pair
-        is an error.
-        """
+        """(lines read, pairs) for every `size` lines, in file order; a pair with an empty side is skipped, counted
+        and logged unless `keep_blank`. A split without a single pair is an error."""
         kept, lines = 0, len(self)  # counts both sides first: a mismatch fails before any decoding
         for src_lines, tgt_lines in self._line_chunks(size):
             pairs = list(zip(src_lines, tgt_lines, strict=True))
@@ -265,11 +257,8 @@ def text_split(directory: str | os.PathLike, split: str, src_lang: str, tgt_lang
 def read_text_split(
     directory: str | os.PathLike, split: str, src_lang: str, tgt_lang: str, *, keep_blank: bool = False
 ) -> tuple[list[Pair], int]:
-    """Reads `{split}.{src_lang}` and `{split}.{tgt_lang}` as aligned pairs (for splits small enough to hold).
-
-    Returns (pairs, skipped): for training, a pair whose either side is empty or only whitespace is skipped and
-    counted; `keep_blank` (evaluation: one hypothesis per source line) keeps every line and skips nothing.
-    """
+    """`{split}.{src_lang}` and `{split}.{tgt_lang}` read whole as aligned pairs, and how many were skipped:
+    pairs with an empty side, unless `keep_blank` (evaluation: one hypothesis per source line)."""
     files = text_split(directory, split, src_lang, tgt_lang)
     pairs = [pair for _, chunk in files.chunks(1 << 16, keep_blank=keep_blank) for pair in chunk]
     return pairs, len(files) - len(pairs)
@@ -348,10 +337,8 @@ def gunzip(src: Path, dest: Path) -> Path:
 
 
 def fetch_multi30k(cache: str | os.PathLike, *, base_url: str = MULTI30K_URL, timeout: float = 60.0) -> Path:
-    """Downloads, verifies and decompresses the Multi30k Task 1 files into `cache`/multi30k; returns that folder.
-
-    Files already there are reused without any request; the folder then holds `{train,valid,test}.{en,de}`.
-    """
+    """Downloads, verifies and decompresses the Multi30k Task 1 files into `cache`/multi30k (files already
+    there are reused without any request); returns that folder of `{train,valid,test}.{en,de}`."""
     target = Path(cache) / "multi30k"
     for split, stem in MULTI30K_SPLITS.items():
         for lang in ("en", "de"):
@@ -485,11 +472,8 @@ def open_tfds_split(config: ml_collections.ConfigDict, name: str, split: str) ->
 
 
 def open_split(config: ml_collections.ConfigDict, split: str, *, keep_blank: bool = False) -> Sequence[Pair]:
-    """A random-access sequence of (source, target) strings for `split` of the configured source.
-
-    Text sources come back without empty pairs (skipped and logged) unless `keep_blank` (evaluation keeps every
-    line); TFDS splits are read lazily as stored, so the pipeline drops and counts their empty pairs.
-    """
+    """`split` of the configured source as a sequence of (source, target) strings: text read whole, without empty
+    pairs (skipped and logged) unless `keep_blank`; TFDS read lazily as stored (the pipeline drops empty pairs)."""
     stream = open_stream(config, split)
     if isinstance(stream, TfdsPairs):
         return stream  # read lazily

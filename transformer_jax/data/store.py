@@ -151,11 +151,8 @@ def build(
 ) -> dict[str, Any]:
     """Streams, tokenizes and writes the training split into a new store at `path`; returns its manifest.
 
-    The split is read `chunk_pairs` pairs at a time (text: a block of lines; TFDS: a batch of records), encoded by
-    SentencePiece's batch encoder on `num_threads` threads and appended to the growing files, so memory does not
-    grow with the corpus. Line counts are compared before anything is decoded. Written into a temporary directory
-    beside `path` and renamed into place when complete; any failure removes it.
-    """
+    The split is read and encoded `chunk_pairs` pairs at a time and appended to the growing files, so memory does
+    not grow with the corpus. Written into a temporary directory renamed onto `path` when complete."""
     start = time.perf_counter()
     stream, expected = open_input(config, tokenizer, corpus)
     total = len(stream)  # text: counts both files' lines, so a mismatch fails before any tokenizing
@@ -222,10 +219,8 @@ def _unwritable(path: Path, error: OSError) -> DataError | DiskFullError:
 
 
 def _install(tmp: Path, path: Path) -> None:
-    """Renames the finished `tmp` onto `path`; a stale store there is moved aside first, then removed.
-
-    A process that still has the old files memory-mapped keeps reading them (the inodes live until unmapped).
-    """
+    """Renames the finished `tmp` onto `path`, a stale store there moved aside first (a process that has its files
+    memory-mapped keeps reading them), then removed."""
     try:
         os.rename(tmp, path)
         return
@@ -334,11 +329,8 @@ def open_train_store(
     num_threads: int | None = None,
     corpus: sources.Corpus | None = None,
 ) -> tuple[batching.Examples, Path]:
-    """The training split's (`corpus`'s) examples from its store, built first if missing or stale; the store's path.
-
-    `config` is the data group. `build_if_missing=False` (multi-host runs: every host must read one store) fails
-    with the prepare command instead of building. num_threads (SentencePiece) defaults to every core.
-    """
+    """The training split's (`corpus`'s) examples from its store, built first if missing or stale, and its path.
+    `build_if_missing=False` (multi-host runs: every host must read one store) fails with the prepare command."""
     path = store_path(config, tokenizer, corpus)
     expected = open_input(config, tokenizer, corpus)[1]
     manifest = read_manifest(path)
