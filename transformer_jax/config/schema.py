@@ -65,8 +65,8 @@ SIZES = {
     "big": Size(1024, 16, 4096, 6, 6, 0.3),  # paper Table 3, big
 }
 
-# Choice sets of string-valued keys whose implementation has no registry of its own; the modules that dispatch on
-# them import these (model/spec.py, training/state.py).
+# Choice sets of string-valued keys whose implementation has no registry of its own (model/spec.py maps DTYPES to
+# jax dtypes).
 ACTIVATIONS = ("relu", "gelu", "swiglu", "swish")
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("post", "pre")
