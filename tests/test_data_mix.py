@@ -81,7 +81,7 @@ def test_each_corpus_is_reshuffled_every_time_it_runs_out():
     epochs = [small[k : k + 3] for k in range(0, len(small) - 2, 3)]
     assert all(sorted(e) == [10, 11, 12] for e in epochs)
     assert len({tuple(e) for e in epochs}) > 1  # not the same order every epoch
-    one = lambda name: batching.Mix([np.arange(100)], np.ones(1), [name], seed=4).order(0, 0)
+    one = lambda name: batching.Mix([np.arange(100)], np.ones(1), [name], seed=4).epochs[0].order(0)
     assert np.array_equal(one("x"), one("x")) and not np.array_equal(one("x"), one("z"))
 
 

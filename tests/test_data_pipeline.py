@@ -127,9 +127,8 @@ def test_tokenizing_in_chunks_gives_the_same_examples():
 
 
 def test_padded_eval_lengths_are_a_small_fixed_set():
-    assert batching.padded_eval_lengths(256) == [16, 32, 64, 128, 256]
-    assert batching.padded_eval_lengths(100) == [16, 32, 64, 100]
-    assert {batching.padded_eval_length(n, 100) for n in range(1, 101)} == set(batching.padded_eval_lengths(100))
+    assert {batching.padded_eval_length(n, 256) for n in range(1, 257)} == {16, 32, 64, 128, 256}
+    assert {batching.padded_eval_length(n, 100) for n in range(1, 101)} == {16, 32, 64, 100}
 
 
 def test_bucket_plan_puts_each_example_in_the_smallest_fitting_bucket():

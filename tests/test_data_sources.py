@@ -189,7 +189,8 @@ def test_tfds_not_prepared_says_how_to_prepare(tmp_path):
 
 def test_wmt14_builder_resolves_without_tensorflow(tmp_path):
     """The real WMT14 builder is found (TFDS registers it lazily) and reports its language pair before preparing."""
+    config = tfds_config(tmp_path, download=False)
     with pytest.raises(DataError, match="wmt14_translate/de-en.*not prepared"):
-        sources.open_tfds_split("wmt14_translate/de-en", str(tmp_path), "train", "en", "de", download=False)
+        sources.open_tfds_split(config, "wmt14_translate/de-en", "train")
     with pytest.raises(DataError, match=r"languages \['en', 'fr'\]"):
-        sources.open_tfds_split("wmt14_translate/fr-en", str(tmp_path), "train", "en", "de", download=False)
+        sources.open_tfds_split(config, "wmt14_translate/fr-en", "train")

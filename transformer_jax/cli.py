@@ -5,7 +5,7 @@ does not parse or whose get_config fails, a --config.KEY override of a key the c
 one line `prog: error: message` on stderr, the format of `errors.exit_on_user_error`, and exit status 2. Without
 this, absl adds a help hint, and ml_collections.config_flags prints the config file's whole traceback or, for a
 missing file, fails with a traceback on first access of the config. Config files are loaded by
-`loading.get_config`, the loader every command shares. A list-valued key (a tuple) also takes one unquoted
+`checks.get_config`, the loader every command shares. A list-valued key (a tuple) also takes one unquoted
 comma-joined value, which its rule splits (`--config.data.corpora=real=text:DIR:1,bt=files:SRC+TGT:1:<BT>`).
 """
 
@@ -22,7 +22,7 @@ from ml_collections.config_flags.config_flags import ConfigFileFlagParser, is_co
 from ml_collections.config_flags.tuple_parser import TupleParser
 
 from transformer_jax import runtime
-from transformer_jax.config import loading
+from transformer_jax.config import checks
 from transformer_jax.errors import ConfigError, exit_on_user_error
 
 USAGE_STATUS = 2  # a command line that cannot work: the usage-error status of Unix tools and argparse
@@ -46,16 +46,16 @@ def _one_line(error: BaseException) -> str:
 
 
 class _ConfigFileParser(ConfigFileFlagParser):
-    """config_flags' parser of a config-file flag with the one loader (loading.get_config) underneath: a file
+    """config_flags' parser of a config-file flag with the one loader (checks.get_config) underneath: a file
     that is missing, does not parse or whose get_config raises is a ConfigError line naming the flag, the file and
     the line, raised while the flags are parsed (config_flags would keep a missing file's error until the config is
     first read, and print the traceback of any other)."""
 
     def parse(self, path):
         try:
-            config = loading.get_config(path)
+            config = checks.get_config(path)
         except ConfigError as e:  # named by its file and line already, or (a missing file) by the flag's value
-            where = "" if str(e).startswith(loading.split_spec(path)[0]) else f" {path}"
+            where = "" if str(e).startswith(checks.split_spec(path)[0]) else f" {path}"
             raise ConfigError(f"--{self.name}{where}: {e}") from None
         if self._lock_config and callable(getattr(config, "lock", None)):
             config.lock()

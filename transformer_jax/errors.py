@@ -2,8 +2,8 @@
 
 Entry points catch `UserError` alone and print its message as one line, without a traceback, exiting non-zero
 (`exit_on_user_error`); any other exception is a bug in this code and keeps its traceback. Each message names the
-key, file, line, flag or checkpoint step and says what to do. The classes below only say which part of the input
-was wrong; the ValueError / RuntimeError mixins keep `except ValueError` in callers working.
+key, file, line, flag or checkpoint step and says what to do; the classes only say which part of the input was
+wrong (the ValueError / RuntimeError mixins keep `except ValueError` in callers working).
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ class CheckpointError(UserError, RuntimeError):
 
 
 class DiskFullError(UserError, RuntimeError):
-    """No space left where a file was being written; the message names the file or step, the space needed and free,
-    and says that nothing partial was left (transformer_jax.runtime)."""
+    """No space left where a file was being written; nothing partial was left (transformer_jax.runtime)."""
 
 
 class NonFiniteError(UserError, RuntimeError):

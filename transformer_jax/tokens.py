@@ -1,11 +1,9 @@
 """The reserved token ids, a property of the vocabulary: one frozen record read from the `model.*_id` config keys.
 
-A SentencePiece model trained here reserves `DEFAULT` (pad 0, eos 1, bos 2, unk 3; data/tokenizer.py refuses one
-that disagrees with the config); a converted Marian model keeps its own (eos 0, unk 1, pad = bos = vocab_size - 1:
-its decoder starts from pad). Batches pad with `pad`, every source and target ends with `eos`, decoding starts from
-`bos` and stops at `eos`. Since bos may equal pad, whether a target position is real comes from the batch's segment
-ids or lengths, never from `tokens != pad`. This module sits below data/, model/ and decoding/ so that each imports
-it without importing the others.
+A SentencePiece model trained here reserves `DEFAULT` (pad 0, eos 1, bos 2, unk 3); a converted Marian model keeps
+its own (eos 0, unk 1, pad = bos = vocab_size - 1: its decoder starts from pad). Since bos may equal pad, whether a
+target position is real comes from the batch's segment ids or lengths, never from `tokens != pad`. This module sits
+below data/, model/ and decoding/ so that each imports it without importing the others.
 """
 
 from __future__ import annotations

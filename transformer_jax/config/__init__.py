@@ -1,2 +1,2 @@
-"""Configs: every key's default, unit, allowed values and resume rule (schema.py), the checks derived from them
-(checks.py), and the one loader of config files that every command line uses (loading.py)."""
+"""Configs: every key's default, unit, allowed values and resume rule (schema.py, with rules.py's vocabulary),
+and the loader of config files with the checks derived from the keys (checks.py)."""

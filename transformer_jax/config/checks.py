@@ -1,16 +1,20 @@
-"""What a run is given, checked before any work: every config value against its key's rule, and the workdir.
+"""What a run is given: the config file loaded (`get_config`), then checked before any work, every config value
+against its key's rule, and the workdir.
 
-Each key's rule (a type, a range or a set of choices, and its unit) is written once, with its default, in
-`schema.KEYS`; `RULES` is that table. `validate(config)` first puts every list-valued key in its tuple form (its
-`Entries` rule splits a comma-joined value; in place, so that what the run saves and reads is the tuple), checks every
-leaf against its rule, refuses a leaf with no key (a key no code reads, most often a misspelling in a config file),
-and then the rules between keys (`check_between`). Every command line that receives a config calls it once, before
-any work: train.py and the sweep (for each run) with training=True, which also finds the trackers' packages;
-evaluate.py for a given --config; data preparation and the visualisations; the Marian conversion for the config it
-builds. Two guards stay in the library, where a config reaches it otherwise: TransformerSpec applies the model's rules
-(`check_model`) to every model built (from a checkpoint's saved config, a converted model, code), and a fine-tuning run
-applies the rules between keys to its config merged with its source's architecture. A failure is one ConfigError line
-naming the key, the value and what is allowed.
+`get_config('configs/<file>.py[:arg]')` is the one loader of train.py, evaluate.py --config, the sweep and every
+other command line (cli.parse_flags puts it under each config-file flag). A config file that does not parse, fails
+while it is imported, or whose get_config(arg) raises is one ConfigError line: the file and line, the exception's
+type and its own message; for an error raised deeper (a helper in configs/common.py), the line of the config file
+that called it and where it was raised. No traceback, because the fault is the user's file, not this code.
+
+Each key's rule is written once, with its default, in `schema.KEYS`; `RULES` is that table. `validate(config)`
+puts every list-valued key in its tuple form (in place: what the run saves and reads is the tuple), checks every leaf
+against its rule, refuses a leaf with no key (a key no code reads, most often a misspelling), then applies the rules
+between keys (`check_between`). Every command line that receives a config calls it once, before any work (train.py
+and the sweep with training=True, which also finds the trackers' packages). Where a config reaches the library
+otherwise, TransformerSpec applies the model's rules (`check_model`) to every model built, and a fine-tuning run the
+rules between keys to its config merged with its source's architecture. A failure is one ConfigError line naming
+the key, the value and what is allowed.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import os
-import pathlib
+import traceback
+import types
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from transformer_jax import runtime
@@ -172,12 +178,10 @@ def tracker_packages(names: tuple[str, ...]) -> None:
             )
 
 
-def check_workdir(path: str | os.PathLike) -> pathlib.Path:
-    """Makes the workdir if needed and checks that files can be written there; ConfigError (one line) otherwise.
-
-    Run before any work, so that a run does not fail after minutes of setup at its first checkpoint.
-    """
-    workdir = pathlib.Path(path)
+def check_workdir(path: str | os.PathLike) -> Path:
+    """Makes the workdir if needed and checks that files can be written there, so that a run does not fail at its
+    first checkpoint after minutes of setup; ConfigError (one line) otherwise."""
+    workdir = Path(path)
     if workdir.exists() and not workdir.is_dir():
         raise ConfigError(f"--workdir {workdir} is a file, not a directory; give a directory (it is made if missing)")
     try:
@@ -186,3 +190,88 @@ def check_workdir(path: str | os.PathLike) -> pathlib.Path:
         raise ConfigError(
             f"--workdir {workdir}: cannot write there ({e.strerror or e}); give a writable directory"
         ) from e
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading a config file.
+
+
+def split_spec(spec: str) -> tuple[str, str | None]:
+    """'configs/x.py:size=tiny' -> ('configs/x.py', 'size=tiny'); no ':' -> (spec, None)."""
+    path, sep, arg = spec.partition(":")
+    return path, arg if sep else None
+
+
+def load_module(path: str, name: str | None = None) -> types.ModuleType:
+    """Imports the config file at `path` as a module of its own (not registered in sys.modules)."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"no such file {path}")
+    spec = importlib.util.spec_from_file_location(name or f"config_file_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:  # the file itself: its own line and column
+        where = f"{e.filename or path}:{e.lineno}" if e.lineno else str(e.filename or path)
+        raise ConfigError(f"{where}: {type(e).__name__}: {e.msg}; fix the config file") from None
+    except Exception as e:  # whatever the file raised while it was imported
+        raise ConfigError(f"{_where(e, file)}: while importing it: {_what(e)}") from None
+    return module
+
+
+def call(module: types.ModuleType, path: str, function: str, *args: Any) -> Any:
+    """module.<function>(*args), for get_config and the sweep's get_sweep; what it raises becomes one ConfigError
+    line."""
+    fn = getattr(module, function, None)
+    if not callable(fn):
+        raise ConfigError(f"{path}: defines no {function}(arg)")
+    try:
+        return fn(*args)
+    except Exception as e:  # whatever the user's function raised
+        called = f"{function}({', '.join(map(repr, args))})"
+        raise ConfigError(f"{_where(e, Path(path))}: {called} raised {_what(e)}") from None
+
+
+def get_config(spec: str) -> Any:
+    """The config of 'path[:arg]': the file loaded, then its get_config(arg) (get_config() without ':', as
+    config_flags calls it)."""
+    path, arg = split_spec(spec)
+    return call(load_module(path), path, "get_config", *([] if arg is None else [arg]))
+
+
+def _what(e: BaseException) -> str:
+    """'Type: message', the message whole on one line (a KeyError's without its quotes)."""
+    message = e.args[0] if isinstance(e, KeyError) and e.args else e
+    text = " ".join(str(message).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _where(e: BaseException, file: Path) -> str:
+    """'FILE:LINE' of the config file's innermost frame in e's traceback, plus ' (raised at OTHER:LINE)' when the
+    exception was raised in another file."""
+    frames = traceback.extract_tb(e.__traceback__)
+    target = file.resolve()
+    own = [f for f in frames if _same(f.filename, target)]
+    if not own:
+        return str(file)
+    where = f"{file}:{own[-1].lineno}"
+    last = frames[-1]
+    if not _same(last.filename, target):
+        where += f" (raised at {_short(last.filename)}:{last.lineno})"
+    return where
+
+
+def _same(filename: str, target: Path) -> bool:
+    try:
+        return Path(filename).resolve() == target
+    except OSError:
+        return False
+
+
+def _short(filename: str) -> str:
+    """A file name relative to the working directory where it is inside it, else the path as it is."""
+    path = Path(filename)
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)

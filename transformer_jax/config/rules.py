@@ -1,7 +1,6 @@
 """What a config key is and what it may hold: `Rule` (a value's type, bounds or choices, and the one-line error
-when a value breaks it), `Entries` (the one rule of every list-valued key: a tuple of strings or of records) and
-`Key` (one key's name, default, rule, meaning and resume decisions). config/schema.py declares every key with
-them."""
+when a value breaks it), `Entries` (the rule of every list-valued key) and `Key`; config/schema.py declares every
+key with them."""
 
 from __future__ import annotations
 
@@ -129,15 +128,13 @@ class Field:
 
 @dataclasses.dataclass(frozen=True)
 class Entries:
-    """The one rule of every list-valued key. Its value is a tuple of entries: strings, each checked by `each`, or
-    (with `fields`) records, each a tuple of those fields in that order, the first its name, each field checked by
-    its own rule, the names distinct.
+    """The one rule of every list-valued key: a tuple of strings, each checked by `each`, or (with `fields`) of
+    records, each a tuple of those fields in that order, the first its distinct name.
 
-    What a user may write becomes that tuple in one place, `split`, before the value is checked: every string in
-    it is split at its commas, so that one comma-joined value works wherever a tuple does (`--config.KEY=a,b`,
-    which ml_collections gives as the 1-tuple ('a,b',), and the string a config saved before the key was a tuple
-    holds); a record written as such a string, in the key's form of before (`form`, e.g. NAME=KIND:WHERE:WEIGHT),
-    is read by `text`. An entry therefore never holds a comma.
+    `split` turns what a user may write into that tuple before it is checked: every string is split at its commas,
+    so one comma-joined value works wherever a tuple does (`--config.KEY=a,b`, which ml_collections gives as
+    ('a,b',), and the string an older saved config holds); a record string in the key's form of before (`form`,
+    e.g. NAME=KIND:WHERE:WEIGHT) is read by `text`. An entry therefore never holds a comma.
     """
 
     each: Rule | None = None  # the rule of a string entry
@@ -150,9 +147,9 @@ class Entries:
     choices: ClassVar[None] = None
 
     def split(self, key: str, value: Any) -> Any:
-        """The value as the tuple it stands for: every string in it split at its commas, blanks dropped, a record's
-        string read by `text` and a short record completed by its fields' defaults; a string entry given twice is
-        kept once. ConfigError for a record string not of `form`; anything else wrong is left to `check`."""
+        """The value as the tuple it stands for (blanks dropped, a short record completed by its fields' defaults,
+        a string entry given twice kept once). ConfigError for a record string not of `form`; anything else wrong
+        is left to `check`."""
         if isinstance(value, str):
             value = (value,)
         if not isinstance(value, tuple | list):

@@ -1,22 +1,19 @@
 """Every config key, written once: its default, its unit and meaning, what it may hold, and whether it must match
 on resume. Everything else derives from `KEYS`: the config groups of configs/common.py (`group`), the rules
-config/checks.py applies (`RULES`), the keys a checkpoint's config must share with a restart (`MUST_MATCH`), the
+config/checks.py applies (`RULES`), the keys a restart must share with its checkpoint's config (`MUST_MATCH`), the
 keys a fine-tuning run takes from its source (`ARCHITECTURE`) and the model's hyperparameters (model/spec.py's
 TransformerSpec has one field per `model.*`/`attention.*` key).
 
-A key's default is a value, or a function of the model size's row of `SIZES` (the size-dependent ones). Its
-`doc` says what the number counts; checks.py's one-line errors quote it. `resume=MATCH` marks a key whose
-change makes a checkpoint unusable: the parameter or optimizer structure, what the tokens mean, or which
-batches the saved data-iterator position stands for (docs/reliability.md lists what may change between restarts).
-`architecture=True` is a second, separate rule: the key shapes the parameters or the computation, or says what the
-token ids mean, so a run started from another's parameters (`train.init_from`) takes its value from the source's
-saved config (training/init_from.py). Regularisation, data, batching, optimizer and schedule keys are not
-architecture: they are the fine-tuning run's own, even where a restart must keep them (`resume=MATCH`).
-Adding a key is one `Key(...)` line here (a model key is also a field of TransformerSpec); tests/test_config_keys.py
-fails if a key lacks any of its facts. A list-valued key holds a tuple of strings or of records (one field order
-each) by its `Entries` rule, which also reads one comma-joined value (a record in the key's form of before).
-The choice sets defined by a registry elsewhere (attention implementations, mesh modes) are read from there when a
-config is checked.
+A default is a value, or a function of the model size's row of `SIZES`. Its `doc` says what the number counts;
+checks.py's one-line errors quote it. `resume=MATCH` marks a key whose change makes a checkpoint unusable: the
+parameter or optimizer structure, what the tokens mean, or which batches the saved data-iterator position stands for
+(docs/reliability.md). `architecture=True` is a separate rule: the key shapes the parameters or the computation, or
+says what the token ids mean, so a run started from another's parameters (`train.init_from`) takes its value from the
+source's saved config (training/init_from.py); regularisation, data, batching and optimizer keys are the fine-tuning
+run's own, even where a restart must keep them. Adding a key is one `Key(...)` here (a model key is also a field of
+TransformerSpec); tests/test_config_keys.py fails if a key lacks any of its facts. A list-valued key holds a tuple of
+strings or of records by its `Entries` rule, which also reads one comma-joined value (a record in its form of before).
+Choice sets defined by a registry elsewhere (attention implementations, mesh modes) are read when a config is checked.
 """
 
 from __future__ import annotations
@@ -68,8 +65,8 @@ SIZES = {
     "big": Size(1024, 16, 4096, 6, 6, 0.3),  # paper Table 3, big
 }
 
-# Choice sets of string-valued keys whose implementation has no registry of its own; the modules that dispatch on
-# them import these (model/spec.py, training/state.py).
+# Choice sets of string-valued keys whose implementation has no registry of its own (model/spec.py maps DTYPES to
+# jax dtypes).
 ACTIVATIONS = ("relu", "gelu", "swiglu", "swish")
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("post", "pre")
@@ -138,9 +135,8 @@ def _by_size(field: str) -> Callable[[Size], Any]:
 
 
 KEYS: tuple[Key, ...] = (
-    Key(
-        "size", None, NAME, "label of the model size the config started from (SIZES)", MAY_CHANGE, architecture=True
-    ),  # set by base_config
+    # set by base_config
+    Key("size", None, NAME, "label of the model size the config started from (SIZES)", MAY_CHANGE, architecture=True),
     # model: what the modules are built from (TransformerSpec)
     Key("model.vocab_size", 32000, count(1), "tokens in the joint source-target vocabulary", MATCH, architecture=True),
     # The vocabulary's reserved ids (tokens.SpecialIds): what the token ids mean, so a fine-tuning run takes them.
@@ -444,13 +440,7 @@ KEYS: tuple[Key, ...] = (
         "a workdir whose checkpoint's model parameters start this run (fine-tuning); empty = random parameters",
         MATCH,
     ),
-    Key(
-        "train.init_step",
-        "latest",
-        NAME,
-        "checkpoint of train.init_from: latest, best, or a step number",
-        MATCH,
-    ),
+    Key("train.init_step", "latest", NAME, "checkpoint of train.init_from: latest, best, or a step number", MATCH),
     Key("train.grad_accum_steps", 1, count(1), "micro-batches per optimizer step (the same global batch)", MAY_CHANGE),
     Key("train.label_smoothing", 0.1, fraction(), "epsilon_ls (paper)", MAY_CHANGE),
     Key("train.log_every", 100, count(1), "steps between metric logs", MAY_CHANGE),

@@ -49,10 +49,8 @@ BATCH_KEYS = (
 
 @dataclasses.dataclass(frozen=True)
 class Examples:
-    """Tokenized pairs as ragged arrays: example i's source is src[src_starts[i]:src_starts[i+1]].
-
-    Each source is stored with its EOS, each target as ids then EOS (= tgt_out); tgt_in is derived when batching.
-    """
+    """Tokenized pairs as ragged arrays: example i's source is src[src_starts[i]:src_starts[i+1]], with its EOS;
+    its target is the ids then EOS (= tgt_out; tgt_in is derived when batching)."""
 
     src: np.ndarray  # int32 [total source tokens] (uint16 memory-mapped from a store; batches are int32 either way)
     src_starts: np.ndarray  # int64 [N + 1]
@@ -71,6 +69,10 @@ class Examples:
     def tgt_lens(self) -> np.ndarray:
         """Tokens per target row segment (len(y) + 1: tgt_in has BOS, tgt_out has EOS)."""
         return np.diff(self.tgt_starts)
+
+    def take(self, ids: np.ndarray) -> Examples:
+        """Examples `ids`, copied into compact arrays in that order."""
+        return Examples(*_take(self.src, self.src_starts, ids), *_take(self.tgt, self.tgt_starts, ids))
 
     def pair(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """(source ids with EOS, target ids without EOS) of example i."""
@@ -108,26 +110,27 @@ def _join(flats: list[np.ndarray], starts: list[np.ndarray]) -> tuple[np.ndarray
     return np.concatenate(flats), np.concatenate([*shifted, offsets[-1:]])
 
 
+def concat(parts: Sequence[Examples]) -> Examples:
+    """The examples of `parts`, one part after another."""
+    src = _join([p.src for p in parts], [p.src_starts for p in parts])
+    return Examples(*src, *_join([p.tgt for p in parts], [p.tgt_starts for p in parts]))
+
+
+def encode(pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer, num_threads: int) -> Examples:
+    """Examples of (non-empty) `pairs`, by the tokenizer's batch encoders on `num_threads` SentencePiece threads."""
+    src_text, tgt_text = zip(*pairs, strict=True)
+    src_ids = tokenizer.encode_source_batch(src_text, num_threads)
+    return from_ids(src_ids, tokenizer.encode_target_batch(tgt_text, num_threads), eos=tokenizer.ids.eos)
+
+
 def tokenize_pairs(
     pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer, *, num_threads: int = 1, chunk: int = 100_000
 ) -> Examples:
-    """Tokenizes pairs with SentencePiece's batch encoder, `chunk` pairs at a time to bound the Python lists."""
-    eos = tokenizer.ids.eos
-    parts = [from_ids([], [], eos=eos)]
+    """Tokenizes pairs `chunk` at a time (`encode`), to bound the Python lists."""
+    parts = [from_ids([], [], eos=tokenizer.ids.eos)]
     for start in range(0, len(pairs), chunk):
-        src_text, tgt_text = zip(*pairs[start : start + chunk], strict=True)
-        parts.append(
-            from_ids(
-                tokenizer.encode_source_batch(src_text, num_threads),
-                tokenizer.encode_target_batch(tgt_text, num_threads),
-                eos=eos,
-            )
-        )
-    if len(parts) == 2:
-        return parts[1]
-    src = _join([p.src for p in parts], [p.src_starts for p in parts])
-    tgt = _join([p.tgt for p in parts], [p.tgt_starts for p in parts])
-    return Examples(*src, *tgt)
+        parts.append(encode(pairs[start : start + chunk], tokenizer, num_threads))
+    return parts[1] if len(parts) == 2 else concat(parts)
 
 
 def length_filter(examples: Examples, max_len: int) -> tuple[np.ndarray, dict[str, int]]:
@@ -171,25 +174,16 @@ def one_per_row(items: np.ndarray, shape: tuple[int, int, int]) -> Plan:
 
 
 def host_rows(plan: Plan, index: int, count: int) -> Plan:
-    """Host `index` of `count`'s share of a global batch: its block of rows, renumbered from 0.
-
-    Every host plans the same global batches and assembles only its block, so the hosts' batch shapes always
-    agree and their blocks together are exactly the batch a single host would train on.
-    """
+    """Host `index` of `count`'s share of a global batch: its block of rows, renumbered from 0. Every host plans
+    the same global batches, so the hosts' shapes agree and their blocks together are the one-host batch."""
     rows, src_len, tgt_len = plan.shape
     if rows % count:
         raise DataError(f"a batch of {rows} rows does not split over {count} hosts; this is a bug")
     per_host = rows // count
     first = index * per_host
     mine = (plan.rows >= first) & (plan.rows < first + per_host)
-    return Plan(
-        plan.items[mine],
-        plan.rows[mine] - first,
-        plan.src_offsets[mine],
-        plan.tgt_offsets[mine],
-        plan.segment_ids[mine],
-        (per_host, src_len, tgt_len),
-    )
+    fields = (plan.items, plan.rows - first, plan.src_offsets, plan.tgt_offsets, plan.segment_ids)
+    return Plan(*(field[mine] for field in fields), (per_host, src_len, tgt_len))
 
 
 def real_tokens(examples: Examples, plan: Plan) -> int:
@@ -226,22 +220,13 @@ def padded_eval_length(length: int, max_len: int) -> int:
     """The padded length of an evaluation batch whose longest row has `length` tokens: 16 * 2^k, capped at max_len.
 
     Evaluation (translation, validation loss) sees each input once, so it pads each batch to a few lengths that
-    double, to bound jit compilations; training batches use the finer `bucket_lengths` instead, which waste less
-    padding on the many batches of every epoch.
+    double, a handful of compilations per decoding setting; training batches use the finer `bucket_lengths`, which
+    waste less padding on the many batches of every epoch.
     """
     padded = MIN_EVAL_LENGTH
     while padded < length:
         padded *= 2
     return min(padded, max_len)
-
-
-def padded_eval_lengths(max_len: int) -> list[int]:
-    """Every length `padded_eval_length` can return (so at most this many compilations per decoding setting)."""
-    out, padded = [], MIN_EVAL_LENGTH
-    while padded < max_len:
-        out.append(padded)
-        padded *= 2
-    return out + [max_len]
 
 
 def bucket_shapes(tokens_per_batch: int, max_len: int, row_multiple: int = ROW_MULTIPLE) -> list[tuple[int, int]]:
@@ -273,11 +258,8 @@ def bucket_planner(src_lens: np.ndarray, tgt_lens: np.ndarray, shapes: Sequence[
 
 
 def first_fit(src_lens: np.ndarray, tgt_lens: np.ndarray, row_len: int) -> tuple[np.ndarray, ...]:
-    """First-fit packing of examples, in the given order, into rows of row_len slots per side.
-
-    Returns (row, src_offset, tgt_offset, segment_id) per example; an example goes into the first row where both
-    of its sides fit.
-    """
+    """First-fit packing, in the given order, into rows of row_len slots per side: each example goes into the first
+    row where both its sides fit. Returns (row, src_offset, tgt_offset, segment_id) per example."""
     n = len(src_lens)
     src_used = np.zeros(n + 1, np.int64)
     tgt_used = np.zeros(n + 1, np.int64)
@@ -424,75 +406,65 @@ class MixedExamples:
     def gather(self, plan: Plan) -> tuple[Examples, Plan, np.ndarray]:
         """(the plan's examples copied into compact Examples, the plan renumbered to them, real tokens per corpus)."""
         corpus = self.corpus_of(plan.items)
-        order = np.argsort(corpus, kind="stable")
-        sides: dict[str, list[np.ndarray]] = {"src": [], "src_lens": [], "tgt": [], "tgt_lens": []}
-        for c in np.unique(corpus).tolist():
-            local = plan.items[order][corpus[order] == c] - self.first[c]
-            part = self.parts[c]
-            for side, flat, starts in (("src", part.src, part.src_starts), ("tgt", part.tgt, part.tgt_starts)):
-                tokens, lens = _take(flat, starts, local)
-                sides[side].append(tokens)
-                sides[f"{side}_lens"].append(lens)
+        order = np.argsort(corpus, kind="stable")  # the plan's examples grouped by corpus
+        ids = plan.items[order]
+        examples = concat([self.parts[c].take(ids[corpus[order] == c] - self.first[c]) for c in np.unique(corpus)])
         renumbered = np.empty(len(order), np.int64)
         renumbered[order] = np.arange(len(order))
-        arrays = {}
-        for side in ("src", "tgt"):
-            lens = np.concatenate(sides[f"{side}_lens"]) if sides[side] else np.zeros(0, np.int64)
-            arrays[side] = np.concatenate(sides[side]) if sides[side] else np.zeros(0, np.int32)
-            arrays[f"{side}_starts"] = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
         tokens = self.src_lens[plan.items] + self.tgt_lens[plan.items]
         per_corpus = np.bincount(corpus, weights=tokens, minlength=len(self.parts)).astype(np.int64)
-        return Examples(**arrays), _renumber(plan, renumbered), per_corpus
+        return examples, dataclasses.replace(plan, items=renumbered), per_corpus
 
 
-def _take(flat: np.ndarray, starts: np.ndarray, local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The tokens of examples `local` of one ragged array, back to back, and their lengths."""
-    lens = starts[local + 1] - starts[local]
-    out_starts = np.cumsum(lens) - lens
-    index = np.repeat(starts[local] - out_starts, lens) + np.arange(int(lens.sum()))
-    return flat[index], lens
+def _take(flat: np.ndarray, starts: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens of examples `ids` of one ragged array, back to back, and their starts there."""
+    lens = starts[ids + 1] - starts[ids]
+    out_starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    index = np.repeat(starts[ids] - out_starts[:-1], lens) + np.arange(int(lens.sum()))
+    return flat[index], out_starts
 
 
-def _renumber(plan: Plan, items: np.ndarray) -> Plan:
-    return Plan(items, plan.rows, plan.src_offsets, plan.tgt_offsets, plan.segment_ids, plan.shape)
+class Epochs:
+    """The ids `kept` as an endless stream, in a new order every epoch: the permutation seeded by (*seed, epoch)."""
 
+    def __init__(self, kept: np.ndarray, seed: Sequence[int]):
+        self.kept, self.seed = kept, list(seed)
+        self._orders: dict[int, np.ndarray] = {}
 
-class Mix:
-    """The weighted draw of each stream position's corpus, and each corpus's own endless, reshuffled order.
-
-    `kept[c]` are corpus c's global ids that passed the length filter; `probabilities[c]` its share of the draws.
-    """
-
-    def __init__(self, kept: Sequence[np.ndarray], probabilities: np.ndarray, names: Sequence[str], seed: int):
-        self.kept, self.probabilities, self.seed = list(kept), probabilities, seed
-        # A corpus's order depends on its name, not on its position in data.corpora.
-        self.keys = [zlib.crc32(name.encode("utf-8")) for name in names]
-        self._orders: dict[tuple[int, int], np.ndarray] = {}
-
-    def order(self, corpus: int, epoch: int) -> np.ndarray:
-        """Corpus `corpus`'s kept ids in epoch `epoch`: a fresh permutation for every (seed, corpus name, epoch)."""
-        key = (corpus, epoch)
-        if key not in self._orders:
-            if len(self._orders) > 2 * len(self.kept):
+    def order(self, epoch: int) -> np.ndarray:
+        """The kept ids in epoch `epoch`'s order."""
+        if epoch not in self._orders:
+            if len(self._orders) > 2:
                 self._orders.clear()
-            perm = np.random.default_rng([self.seed, self.keys[corpus], epoch]).permutation(len(self.kept[corpus]))
-            self._orders[key] = self.kept[corpus][perm]
-        return self._orders[key]
+            perm = np.random.default_rng([*self.seed, epoch]).permutation(len(self.kept))
+            self._orders[epoch] = self.kept[perm]
+        return self._orders[epoch]
 
-    def _stream(self, corpus: int, start: int, stop: int) -> np.ndarray:
-        n = len(self.kept[corpus])
+    def take(self, start: int, stop: int) -> np.ndarray:
+        """Stream positions [start, stop): position p is order(p // n)[p % n]."""
+        n = len(self.kept)
         parts = [np.zeros(0, np.int64)]
         for epoch in range(start // n, (stop - 1) // n + 1) if stop > start else ():
             lo, hi = max(start - epoch * n, 0), min(stop - epoch * n, n)
-            parts.append(self.order(corpus, epoch)[lo:hi])
+            parts.append(self.order(epoch)[lo:hi])
         return np.concatenate(parts)
+
+
+class Mix:
+    """The weighted draw of each stream position's corpus, and each corpus's own endless, reshuffled order:
+    `kept[c]` are corpus c's global ids that passed the length filter, `probabilities[c]` its share of the draws."""
+
+    def __init__(self, kept: Sequence[np.ndarray], probabilities: np.ndarray, names: Sequence[str], seed: int):
+        self.probabilities, self.seed = probabilities, seed
+        # A corpus's order depends on its name, not on its position in data.corpora.
+        self.epochs = [Epochs(k, [seed, zlib.crc32(name.encode("utf-8"))]) for k, name in zip(kept, names, strict=True)]
 
     def window(self, window: int, size: int, consumed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(the `size` global ids of window `window`, each corpus's pairs consumed after it), given those before."""
         rng = np.random.default_rng([self.seed, window, MIX_SEED])
-        choice = rng.choice(len(self.kept), size=size, p=self.probabilities)
-        counts = np.bincount(choice, minlength=len(self.kept))
+        choice = rng.choice(len(self.epochs), size=size, p=self.probabilities)
+        counts = np.bincount(choice, minlength=len(self.epochs))
         items = np.empty(size, np.int64)
         for c, count in enumerate(counts.tolist()):
-            items[choice == c] = self._stream(c, int(consumed[c]), int(consumed[c]) + count)
+            items[choice == c] = self.epochs[c].take(int(consumed[c]), int(consumed[c]) + count)
         return items, consumed + counts

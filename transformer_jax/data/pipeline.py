@@ -2,32 +2,27 @@
 devices.
 
 Training: the training split is tokenized once (into the memory-mapped store of `store`, or in memory),
-length-filtered (counts reported), and streamed forever, in a new order every epoch drawn from (seed, epoch).
-Batches are planned from the lengths (np.diff of the offsets) and assembled from the token arrays, which may be
-memory-mapped: nothing here holds the corpus in Python objects. A window of `batch_window` shuffled example ids
-at a time is packed, bucketed or padded into fixed-shape global batches. The iterator is a grain `DatasetIterator`
-whose state is (window, carried-over ids, batches already emitted from the window): restoring it recomputes that
-window and continues with exactly the next batch.
+length-filtered (counts reported), and streamed forever, in a new order every epoch (`batching.Epochs`). Batches
+are planned from the lengths and assembled from the token arrays, which may be memory-mapped: nothing here holds
+the corpus in Python objects. A window of `batch_window` shuffled example ids at a time is packed, bucketed or
+padded into fixed-shape global batches. The iterator is a grain `DatasetIterator` whose state is (window,
+carried-over ids, batches already emitted from the window): restoring it recomputes that window and continues with
+exactly the next batch. The epoch order is one numpy permutation rather than grain's `MapDataset.shuffle`, whose
+per-index Feistel shuffle costs microseconds per element, enough alone to cap the pipeline's throughput
+(docs/benchmarks.md).
 
 Several hosts: every host opens the same store (or tokenizes the whole split) and plans the same global batches
 (same seed), then assembles only its block of rows (`batching.host_rows`). So the hosts always agree on each
-batch's shape (bucketed batches vary), their iterator states are identical (a checkpoint stores one, written by
-host 0), and N hosts train on exactly the batches one host would.
-
-The epoch order is one numpy permutation per epoch rather than grain's `MapDataset.shuffle`: grain's per-index
-Feistel shuffle costs microseconds per element, enough alone to cap the pipeline's throughput (docs/benchmarks.md);
-a permutation costs nanoseconds per element and is just as deterministic.
+batch's shape, their iterator states are identical (a checkpoint stores host 0's), and N hosts train on exactly
+the batches one host would.
 
 Several corpora (data.corpora): their examples share one id space (`batching.MixedExamples`), and each window's
-positions are drawn from the corpora by weight, each corpus going through its own endless reshuffled order
-(`batching.Mix`); the iterator state then also holds how many pairs each corpus gave before the window. Batches are
-planned from the mixed window exactly as from one corpus's.
+positions are drawn from the corpora by weight (`batching.Mix`); the iterator state then also holds how many pairs
+each corpus gave before the window.
 
-Placement is the training pipeline's last stage: `prefetch` assembles batches and places this host's rows on its
-devices a few batches ahead, on grain's prefetch thread, so the training loop never waits for its next batch.
-
-Evaluation keeps every input in order: one sentence per row, long inputs truncated (counted), and
-`example_index` -1 on rows that only fill up the last batch.
+`prefetch` assembles batches and places this host's rows on its devices a few batches ahead, on grain's prefetch
+thread, so the training loop never waits for its next batch. Evaluation keeps every input in order: one sentence
+per row, long inputs truncated (counted), and `example_index` -1 on rows that only fill up the last batch.
 """
 
 from __future__ import annotations
@@ -50,11 +45,6 @@ from transformer_jax.errors import DataError
 from transformer_jax.tokens import SpecialIds
 
 
-def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
-    """The shuffled order of n examples in one epoch: a fresh permutation for every (seed, epoch)."""
-    return np.random.default_rng([seed, epoch]).permutation(n)
-
-
 @dataclasses.dataclass(frozen=True)
 class StreamSpec:
     """What fixes the training batches: the examples, which of them are kept, how a window becomes batches, the
@@ -70,13 +60,10 @@ class StreamSpec:
 
 
 class WindowBatchIterator(grain.DatasetIterator):
-    """Batches from consecutive windows of the endless, epoch-shuffled stream of kept examples.
-
-    Stream position p is example kept[epoch_order(seed, p // n, n)[p % n]]. Window w covers positions
-    [w * window, (w + 1) * window) plus the ids the previous window carried over. With several corpora, the
-    window's positions are `batching.Mix.window`'s, and `last_corpus_tokens` gives the real tokens of each corpus
-    in the global batch last returned (empty with one corpus).
-    """
+    """Batches from consecutive windows of the endless, epoch-shuffled stream of kept examples: window w is
+    positions [w * window, (w + 1) * window) of `batching.Epochs` (with several corpora, `batching.Mix.window`'s)
+    after the ids the previous window carried over. `last_corpus_tokens`: the real tokens of each corpus in the
+    global batch last returned (empty with one corpus)."""
 
     def __init__(self, spec: StreamSpec):
         super().__init__()
@@ -88,7 +75,7 @@ class WindowBatchIterator(grain.DatasetIterator):
         self._emitted = 0
         self._plans: list[batching.Plan] | None = None  # the current window's batches, computed lazily
         self._next_carry = np.zeros(0, np.int64)
-        self._order_cache: dict[int, np.ndarray] = {}
+        self._epochs = batching.Epochs(spec.kept, [spec.seed])
         self.last_corpus_tokens: dict[str, int] = {}
         self._mix, examples = None, spec.examples
         if isinstance(examples, batching.MixedExamples):
@@ -102,26 +89,10 @@ class WindowBatchIterator(grain.DatasetIterator):
         """The epoch (pass over the kept examples) that the current window starts in."""
         return self._window * self._spec.window // len(self._spec.kept)
 
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch not in self._order_cache:
-            if len(self._order_cache) > 2:
-                self._order_cache.clear()
-            self._order_cache[epoch] = epoch_order(self._spec.seed, epoch, len(self._spec.kept))
-        return self._order_cache[epoch]
-
-    def _stream(self, start: int, stop: int) -> np.ndarray:
-        kept = self._spec.kept
-        n = len(kept)
-        parts = []
-        for epoch in range(start // n, (stop - 1) // n + 1):
-            lo, hi = max(start - epoch * n, 0), min(stop - epoch * n, n)
-            parts.append(kept[self._order(epoch)[lo:hi]])
-        return np.concatenate(parts)
-
     def _plan_window(self) -> None:
         if self._mix is None:
             start = self._window * self._spec.window
-            stream = self._stream(start, start + self._spec.window)
+            stream = self._epochs.take(start, start + self._spec.window)
         else:
             stream, self._next_consumed = self._mix.window(self._window, self._spec.window, self._consumed)
         items = np.concatenate([self._carry, stream])
@@ -168,26 +139,12 @@ class WindowBatchIterator(grain.DatasetIterator):
         self._plans = None
 
 
-class WindowBatchDataset(grain.IterDataset):
-    """grain view of the training batches: iter() starts a fresh `WindowBatchIterator` (grain can prefetch it)."""
-
-    def __init__(self, spec: StreamSpec):
-        super().__init__()
-        self._spec = spec
-
-    def __iter__(self) -> WindowBatchIterator:
-        return WindowBatchIterator(self._spec)
-
-
 def batch_shapes(
     config: ml_collections.ConfigDict, process_count: int, row_multiple: int = batching.ROW_MULTIPLE
 ) -> list[tuple[int, int, int]]:
-    """The global shapes (rows, S, T) of every batch that `config.batching` can produce; no data needed.
-
-    The one source of training batch shapes: `make_planner` returns these with its planner, and
-    `train.py --dry_run` reports them. Rows and tokens per batch are summed over all hosts; every batch must split
-    into equal blocks of rows per host.
-    """
+    """The global shapes (rows, S, T) of every batch that `config.batching` can produce, no data needed: the
+    planners' and those `train.py --dry_run` reports. Rows and tokens per batch are summed over all hosts; every
+    batch must split into equal blocks of rows per host."""
     if config.batching in ("pack", "pad"):
         rows = config.batch_size
         if rows % process_count:
@@ -199,19 +156,6 @@ def batch_shapes(
         row_multiple = math.lcm(row_multiple, process_count)  # every host gets the same number of rows
         return [(r, n, n) for r, n in batching.bucket_shapes(config.tokens_per_batch, config.max_len, row_multiple)]
     raise DataError(f"unknown data.batching {config.batching!r}; choose pack, bucket or pad")
-
-
-def make_planner(
-    config: ml_collections.ConfigDict, examples: batching.Examples, process_count: int, row_multiple: int
-) -> tuple[batching.Planner, list[tuple[int, int, int]]]:
-    """The planner of `config.batching` and the global batch shapes (rows, S, T) it can produce (`batch_shapes`)."""
-    shapes = batch_shapes(config, process_count, row_multiple)
-    lens = (examples.src_lens, examples.tgt_lens)
-    if config.batching == "pad":
-        return batching.pad_planner(config.batch_size, config.max_len), shapes
-    if config.batching == "pack":
-        return batching.pack_planner(*lens, config.batch_size, config.max_len), shapes
-    return batching.bucket_planner(*lens, [(rows, length) for rows, length, _ in shapes]), shapes
 
 
 def make_train_iterator(
@@ -257,28 +201,21 @@ def make_train_iterator(
                     f"data.max_len={config.max_len} tokens per side"
                 )
             stats[f"kept_{name}"] = count
-    planner, shapes = make_planner(config, examples, process_count, row_multiple)
-    dataset = WindowBatchDataset(
-        StreamSpec(examples, kept, planner, config.batch_window, seed, tokenizer.ids, (process_index, process_count))
-    )
+    shapes, lens = batch_shapes(config, process_count, row_multiple), (examples.src_lens, examples.tgt_lens)
+    if config.batching == "pad":
+        planner = batching.pad_planner(config.batch_size, config.max_len)
+    elif config.batching == "pack":
+        planner = batching.pack_planner(*lens, config.batch_size, config.max_len)
+    else:
+        planner = batching.bucket_planner(*lens, [(rows, length) for rows, length, _ in shapes])
+    spec = StreamSpec(examples, kept, planner, config.batch_window, seed, tokenizer.ids, (process_index, process_count))
     stats.update(
         src_tokens=int(examples.src_lens[kept].sum()),
         tgt_tokens=int(examples.tgt_lens[kept].sum()),
         batch_shapes=shapes,
     )
-    logging.info(
-        "train split %r, host %d of %d: %d pairs, kept %d, dropped %d empty and %d longer than %d tokens; shapes %s",
-        config.train_split,
-        process_index,
-        process_count,
-        stats["examples"],
-        stats["kept"],
-        stats["dropped_empty"],
-        stats["dropped_too_long"],
-        config.max_len,
-        shapes,
-    )
-    return iter(dataset), stats
+    logging.info("train split %r, host %d of %d: %s", config.train_split, process_index, process_count, stats)
+    return WindowBatchIterator(spec), stats
 
 
 def tokenize_in_memory(
@@ -292,17 +229,15 @@ def tokenize_in_memory(
         return batching.tokenize_pairs(pairs, tokenizer, num_threads=num_threads)
     parts = []
     for corpus in mix:
-        pairs = [pair for _, chunk in sources.open_corpus(config, corpus).chunks(1 << 16) for pair in chunk]
+        chunks = sources.open_corpus(config, corpus).chunks(1 << 16)
+        pairs = [pair for _, chunk in chunks for pair in sources.tagged(chunk, corpus.tag)]
         parts.append(batching.tokenize_pairs(pairs, tokenizer, num_threads=num_threads))
     return batching.MixedExamples(parts, [c.name for c in mix], [c.weight for c in mix])
 
 
 class PlacedBatches(grain.DatasetIterator):
     """The training batches placed on the devices, each with the real tokens and the shape (rows, S, T) of its
-    global batch (all hosts), for throughput and FLOPs.
-
-    Its state is the data iterator's; `prefetch` runs it a few batches ahead on grain's prefetch thread.
-    """
+    global batch (all hosts), for throughput and FLOPs; its state is the data iterator's."""
 
     def __init__(self, parent: WindowBatchIterator, sharding):
         super().__init__(parent)
@@ -322,11 +257,8 @@ class PlacedBatches(grain.DatasetIterator):
 
 
 def prefetch(iterator: WindowBatchIterator, sharding, depth: int = 2) -> grain.DatasetIterator:
-    """Placed batches prepared `depth` ahead on a thread (grain's ThreadPrefetchDatasetIterator).
-
-    Its get_state() after each batch is the data iterator's state right after that batch (what a checkpoint must
-    hold to continue with the next one), and an exception in the data iterator is raised by next() as itself.
-    """
+    """Placed batches prepared `depth` ahead on grain's prefetch thread. Its get_state() after each batch is the
+    data iterator's right after that batch; an exception in the data iterator is raised by next() as itself."""
     return grain.experimental.ThreadPrefetchDatasetIterator(PlacedBatches(iterator, sharding), depth)
 
 
@@ -343,12 +275,9 @@ def eval_batches(
     *,
     targets: Sequence[str] | None = None,
 ) -> tuple[Iterator[dict[str, np.ndarray]], dict[str, int]]:
-    """Batches that keep every sentence, in order: [batch_size, max_len] per side, one sentence per row.
-
-    Sentences longer than max_len tokens (EOS counted) are cut to max_len - 1 ids plus EOS and counted. Each batch
-    has `example_index` [B] (-1 on rows that only pad the last batch). With `targets` (e.g. for validation loss)
-    the target keys of the contract are there too, truncated the same way; without, only the source keys.
-    """
+    """Batches that keep every sentence, in order: [batch_size, max_len] per side, one sentence per row, and
+    `example_index` [B] (-1 on rows that only pad the last batch). Longer sentences are cut to max_len - 1 ids plus
+    EOS and counted. With `targets` (validation loss), the contract's target keys too."""
     src_ids = tokenizer.encode_source_batch(sentences)
     tgt_ids = tokenizer.encode_target_batch(targets) if targets is not None else [[] for _ in sentences]
     if len(tgt_ids) != len(src_ids):
@@ -360,12 +289,8 @@ def eval_batches(
         "batches": -(-len(src_ids) // batch_size),
     }
     if stats["truncated"] or stats["truncated_targets"]:
-        logging.warning(
-            "eval: truncated %d sources and %d targets to %d tokens",
-            stats["truncated"],
-            stats["truncated_targets"],
-            max_len,
-        )
+        truncated = stats["truncated"], stats["truncated_targets"]
+        logging.warning("eval: truncated %d sources and %d targets to %d tokens", *truncated, max_len)
     examples = batching.from_ids(src_ids, tgt_ids, max_len, eos=tokenizer.ids.eos)
 
     def generate() -> Iterator[dict[str, np.ndarray]]:

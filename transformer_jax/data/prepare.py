@@ -3,13 +3,11 @@
 python -m transformer_jax.data.prepare --config configs/wmt14_ende.py:size=base --workdir runs/base [--verify]
 
 Downloads (or prepares, for TFDS) the train, validation and test splits, writes WORKDIR/spm.model (or uses
-data.tokenizer_model) and builds the memory-mapped store of the tokenized training split next to it
-(`transformer_jax.data.store`; skipped with data.store=False); with data.corpora, one store per corpus, the
-tokenizer trained on their mix. Use it on a machine with internet before training on
-one without, and before every multi-host run: hosts must share one tokenizer and one store, and train.py refuses
-to build a separate one on each host. An existing store that matches is reused; `--verify` rereads all of it and
-checks every file's SHA-256 (a start only checks sizes and sampled blocks). Prints one JSON line: sentences per
-split, the tokenizer's path and size, and the store's path and counts.
+data.tokenizer_model) and builds the store of the tokenized training split next to it (`store`; none with
+data.store=False; with data.corpora, one per corpus). Use it on a machine with internet before training on one
+without, and before every multi-host run: train.py refuses to build a tokenizer or store on each host. A matching
+store is reused; `--verify` rereads it and checks every file's SHA-256. Prints one JSON line: sentences per split,
+the tokenizer's path and size, and the store's path and counts.
 """
 
 from __future__ import annotations
@@ -32,23 +30,18 @@ _VERIFY = flags.DEFINE_bool("verify", False, "Reread the whole store and check t
 
 def main(argv: list[str]) -> None:
     del argv  # no positional arguments (transformer_jax.cli.run refuses them)
-    config = _CONFIG.value
+    config, data = _CONFIG.value, _CONFIG.value.data
     checks.validate(config)  # before any download, as train.py does
-    splits = {}
-    for split in (config.data.valid_split, config.data.test_split):  # small: read whole
-        splits[split] = len(sources.open_split(config.data, split))
-    mix = sources.corpora(config.data)
-    # Text: both sides' lines are counted when opened, so mismatched files fail before the tokenizer is trained.
-    trains = [sources.open_corpus(config.data, c) for c in mix] or [
-        sources.open_stream(config.data, config.data.train_split)
-    ]
+    splits = {split: len(sources.open_split(data, split)) for split in (data.valid_split, data.test_split)}
+    mix = sources.corpora(data)
+    trains = [sources.open_corpus(data, c) for c in mix] or [sources.open_stream(data, data.train_split)]
     for train in trains:
-        len(train)
+        len(train)  # text: both sides' lines counted, so mismatched files fail before the tokenizer is trained
     tokenizer = model_tokenizer(config, _WORKDIR.value)
     report = {"sentences": splits, "tokenizer": str(tokenizer.path), "pieces": tokenizer.vocab_size}
-    names = [f"{config.data.train_split}:{c.name}" for c in mix] or [config.data.train_split]
-    if config.data.store:
-        _, paths = store.open_train_examples(config.data, tokenizer, build_if_missing=True, num_threads=os.cpu_count())
+    names = [f"{data.train_split}:{c.name}" for c in mix] or [data.train_split]
+    if data.store:
+        _, paths = store.open_train_examples(data, tokenizer, build_if_missing=True, num_threads=os.cpu_count())
         manifests = [store.verify(path) if _VERIFY.value else store.read_manifest(path) for path in paths]
         splits.update({name: m["counts"]["pairs"] for name, m in zip(names, manifests, strict=True)})
         if mix:  # one store per corpus

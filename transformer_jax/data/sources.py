@@ -67,10 +67,6 @@ def resolve_path(path: str | os.PathLike) -> Path:
     return Path(path).expanduser()
 
 
-def cache_dir(config: ml_collections.ConfigDict) -> Path:
-    return resolve_path(config.cache_dir) if config.cache_dir else runtime.user_cache_root()
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Local text files: {split}.{lang}, one sentence per line.
 
@@ -100,11 +96,8 @@ def leading_bom(data: bytes, name: str, *, scored: bool = False) -> bytes:
 
 
 def count_lines(path: Path) -> int:
-    """Lines of a file without decoding it: LF count, plus one for a last line without a final LF.
-
-    Cheap (one pass of `bytes.count` over fixed-size blocks), so both sides of a split are counted, and a mismatch
-    reported, before any sentence is decoded or tokenized.
-    """
+    """Lines of a file without decoding it (one pass of `bytes.count`): LF count, plus one for a last line without
+    a final LF."""
     lines, last = 0, b"\n"
     try:
         with open(path, "rb") as f:
@@ -117,12 +110,8 @@ def count_lines(path: Path) -> int:
 
 
 def iter_lines(path: Path) -> Iterator[list[str]]:
-    """The lines of a UTF-8 file, a block at a time, split on LF only (sentences may hold U+2028 or U+0085,
-    which are not breaks), a final CR dropped; the final LF ends the last line rather than starting an empty one.
-
-    Invalid UTF-8 raises `DataError` naming the file and the line, wherever in the file it is. A leading
-    byte-order mark is dropped (`leading_bom`).
-    """
+    """The lines of a UTF-8 file, a block at a time, split on LF only (sentences may hold U+2028 or U+0085), a
+    final CR dropped, a leading byte-order mark too (`leading_bom`); invalid UTF-8 is a DataError naming the line."""
     consumed = line_number = 0  # bytes and lines already yielded
     rest, first = b"", True
     try:
@@ -165,45 +154,18 @@ def _available(directory: Path) -> dict[str, list[str]]:
 
 
 class TextPairs:
-    """A text split opened for streaming: `{split}.{src_lang}` and `{split}.{tgt_lang}`, line i of one the
-    translation of line i of the other. Opening checks that both files exist and are non-empty; their line counts
-    are compared (counted, not decoded) before the first pair is read. Nothing is held but the paths and the count.
-    """
+    """Two non-empty text files opened for streaming, line i of one the translation of line i of the other; their
+    line counts are compared (counted, not decoded) before the first pair is read. `about` prefixes the errors
+    about a missing file (the config key that named it)."""
 
-    def __init__(self, directory: str | os.PathLike, split: str, src_lang: str, tgt_lang: str):
-        directory = resolve_path(directory)
-        if not directory.is_dir():
-            raise DataError(f"text data directory {directory} does not exist (data.text_dir)")
-        available = _available(directory)
-        for lang in (src_lang, tgt_lang):
-            if lang not in available:
-                raise DataError(
-                    f"no files for language {lang!r} in {directory} (language pair {src_lang}-{tgt_lang}); "
-                    f"available languages: {sorted(available)}"
-                )
-        self.src_path, self.tgt_path = directory / f"{split}.{src_lang}", directory / f"{split}.{tgt_lang}"
-        for path, lang in ((self.src_path, src_lang), (self.tgt_path, tgt_lang)):
+    def __init__(self, src_path: str | os.PathLike, tgt_path: str | os.PathLike, about: str = ""):
+        self.src_path, self.tgt_path = resolve_path(src_path), resolve_path(tgt_path)
+        for path in (self.src_path, self.tgt_path):
             if not path.is_file():
-                raise DataError(
-                    f"missing split {split!r}: no file {path}; available splits for {lang}: {available[lang]}"
-                )
+                raise DataError(f"{about}: no file {path}")
             if not path.stat().st_size:
-                raise DataError(f"{path} is empty")
+                raise DataError(f"{about}: {path} is empty" if about else f"{path} is empty")
         self._lines: int | None = None
-
-    @classmethod
-    def of_files(cls, src_path: str | os.PathLike, tgt_path: str | os.PathLike, key: str) -> TextPairs:
-        """Two plain files, line i of one the translation of line i of the other (e.g. translate_corpus's input
-        and output); `key` is the config key that named them, for the error messages."""
-        pairs = cls.__new__(cls)
-        pairs.src_path, pairs.tgt_path = resolve_path(src_path), resolve_path(tgt_path)
-        for path in (pairs.src_path, pairs.tgt_path):
-            if not path.is_file():
-                raise DataError(f"{key}: no file {path}")
-            if not path.stat().st_size:
-                raise DataError(f"{key}: {path} is empty")
-        pairs._lines = None
-        return pairs
 
     def __len__(self) -> int:
         """Lines per side, blank ones included. Counted on first use (a pass over both files, nothing decoded);
@@ -239,12 +201,8 @@ class TextPairs:
             yield src_lines, tgt_lines
 
     def chunks(self, size: int, *, keep_blank: bool = False) -> Iterator[tuple[int, list[Pair]]]:
-        """(lines read, pairs) for every `size` lines, in file order.
-
-        For training, a pair whose either side is empty or only whitespace is skipped, counted and logged;
-        `keep_blank` (evaluation: one hypothesis per source line) keeps every line. A split without a single pair
-        is an error.
-        """
+        """(lines read, pairs) for every `size` lines, in file order; a pair with an empty side is skipped, counted
+        and logged unless `keep_blank`. A split without a single pair is an error."""
         kept, lines = 0, len(self)  # counts both sides first: a mismatch fails before any decoding
         for src_lines, tgt_lines in self._line_chunks(size):
             pairs = list(zip(src_lines, tgt_lines, strict=True))
@@ -277,24 +235,38 @@ class TextPairs:
         return out
 
 
+def text_split(directory: str | os.PathLike, split: str, src_lang: str, tgt_lang: str) -> TextPairs:
+    """`{split}.{src_lang}` and `{split}.{tgt_lang}` of a directory, opened for streaming (`TextPairs`)."""
+    directory = resolve_path(directory)
+    if not directory.is_dir():
+        raise DataError(f"text data directory {directory} does not exist (data.text_dir)")
+    available = _available(directory)
+    for lang in (src_lang, tgt_lang):
+        if lang not in available:
+            raise DataError(
+                f"no files for language {lang!r} in {directory} (language pair {src_lang}-{tgt_lang}); "
+                f"available languages: {sorted(available)}"
+            )
+    paths = [directory / f"{split}.{lang}" for lang in (src_lang, tgt_lang)]
+    for path, lang in zip(paths, (src_lang, tgt_lang), strict=True):
+        if not path.is_file():
+            raise DataError(f"missing split {split!r}: no file {path}; available splits for {lang}: {available[lang]}")
+    return TextPairs(*paths)
+
+
 def read_text_split(
     directory: str | os.PathLike, split: str, src_lang: str, tgt_lang: str, *, keep_blank: bool = False
 ) -> tuple[list[Pair], int]:
-    """Reads `{split}.{src_lang}` and `{split}.{tgt_lang}` as aligned pairs (for splits small enough to hold).
-
-    Returns (pairs, skipped): for training, a pair whose either side is empty or only whitespace is skipped and
-    counted; `keep_blank` (evaluation: one hypothesis per source line) keeps every line and skips nothing.
-    """
-    files = TextPairs(directory, split, src_lang, tgt_lang)
+    """`{split}.{src_lang}` and `{split}.{tgt_lang}` read whole as aligned pairs, and how many were skipped:
+    pairs with an empty side, unless `keep_blank` (evaluation: one hypothesis per source line)."""
+    files = text_split(directory, split, src_lang, tgt_lang)
     pairs = [pair for _, chunk in files.chunks(1 << 16, keep_blank=keep_blank) for pair in chunk]
     return pairs, len(files) - len(pairs)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Checksummed downloads into a cache directory: nothing unverified or partial is ever left under the final name.
-# A download streams into a temporary file next to its destination while hashing, checks the SHA-256 digest, and
-# only then renames the file into place (an atomic rename on one file system). Any failure removes the temporary
-# file, so a later run either finds a complete, verified file or downloads again.
+# Checksummed downloads into a cache directory: a file appears under its final name only complete and verified
+# (hashed while streamed into a temporary file beside it, then renamed), so a later run finds it or downloads again.
 
 CHUNK_BYTES = 1 << 16
 
@@ -365,10 +337,8 @@ def gunzip(src: Path, dest: Path) -> Path:
 
 
 def fetch_multi30k(cache: str | os.PathLike, *, base_url: str = MULTI30K_URL, timeout: float = 60.0) -> Path:
-    """Downloads, verifies and decompresses the Multi30k Task 1 files into `cache`/multi30k; returns that folder.
-
-    Files already there are reused without any request; the folder then holds `{train,valid,test}.{en,de}`.
-    """
+    """Downloads, verifies and decompresses the Multi30k Task 1 files into `cache`/multi30k (files already
+    there are reused without any request); returns that folder of `{train,valid,test}.{en,de}`."""
     target = Path(cache) / "multi30k"
     for split, stem in MULTI30K_SPLITS.items():
         for lang in ("en", "de"):
@@ -389,7 +359,7 @@ def multi30k_dir(config: ml_collections.ConfigDict) -> Path:
         copy = local / "multi30k"
         if all((copy / f"{split}.{lang}").is_file() for split in MULTI30K_SPLITS for lang in ("en", "de")):
             return copy
-    return fetch_multi30k(cache_dir(config))
+    return fetch_multi30k(resolve_path(config.cache_dir) if config.cache_dir else runtime.user_cache_root())
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -456,12 +426,14 @@ def _prepare_command(name: str, data_dir: str | None) -> str:
     )
 
 
-def open_tfds_split(name: str, data_dir: str, split: str, src_lang: str, tgt_lang: str, *, download: bool) -> TfdsPairs:
-    """Opens a TFDS translation split; prepares it first if `download` and it is missing."""
+def open_tfds_split(config: ml_collections.ConfigDict, name: str, split: str) -> TfdsPairs:
+    """Opens split `split` of the TFDS translation builder `name` in the direction of `config` (the data group);
+    prepares it first if data.tfds_download and it is missing."""
     import tensorflow_datasets as tfds  # only data.source=tfds needs it, and importing it takes seconds
     import tensorflow_datasets.translate  # registers wmt*_translate, which TFDS otherwise imports lazily
 
-    data_dir = str(resolve_path(data_dir)) if data_dir else None
+    src_lang, tgt_lang, download = config.src_lang, config.tgt_lang, config.tfds_download
+    data_dir = str(resolve_path(config.tfds_data_dir)) if config.tfds_data_dir else None
     try:
         builder = tfds.builder(name, data_dir=data_dir, file_format="array_record")
     except (tfds.core.registered.DatasetNotFoundError, ValueError) as e:
@@ -500,26 +472,12 @@ def open_tfds_split(name: str, data_dir: str, split: str, src_lang: str, tgt_lan
 
 
 def open_split(config: ml_collections.ConfigDict, split: str, *, keep_blank: bool = False) -> Sequence[Pair]:
-    """A random-access sequence of (source, target) strings for `split` of the configured source.
-
-    Text sources come back without empty pairs (skipped and logged) unless `keep_blank` (evaluation keeps every
-    line); TFDS splits are read lazily as stored, so the pipeline drops and counts their empty pairs.
-    """
-    if config.source in ("text", "multi30k"):
-        directory = _text_directory(config)
-        return read_text_split(directory, split, config.src_lang, config.tgt_lang, keep_blank=keep_blank)[0]
-    return open_stream(config, split)  # TFDS records are read lazily either way
-
-
-def _text_directory(config: ml_collections.ConfigDict) -> str | os.PathLike:
-    """The directory of {split}.{lang} files of a text or multi30k source (multi30k: fetched if needed)."""
-    if config.source == "multi30k":
-        return multi30k_dir(config)
-    if not config.text_dir:
-        raise DataError(
-            "data.source=text needs data.text_dir: a directory of {split}.{lang} files (or use data.source=multi30k)"
-        )
-    return config.text_dir
+    """`split` of the configured source as a sequence of (source, target) strings: text read whole, without empty
+    pairs (skipped and logged) unless `keep_blank`; TFDS read lazily as stored (the pipeline drops empty pairs)."""
+    stream = open_stream(config, split)
+    if isinstance(stream, TfdsPairs):
+        return stream  # read lazily
+    return [pair for _, chunk in stream.chunks(1 << 16, keep_blank=keep_blank) for pair in chunk]
 
 
 def open_stream(config: ml_collections.ConfigDict, split: str) -> TextPairs | TfdsPairs:
@@ -527,17 +485,16 @@ def open_stream(config: ml_collections.ConfigDict, split: str) -> TextPairs | Tf
     pairs in stored order, `pick(sorted indices)`, `identity()` (what is read). Nothing is read yet; text files'
     lines are counted on the first `len()`, so mismatched sides fail before any sentence is decoded.
     """
-    if config.source in ("text", "multi30k"):
-        return TextPairs(_text_directory(config), split, config.src_lang, config.tgt_lang)
-    if config.source == "tfds":
-        return open_tfds_split(
-            config.tfds_name,
-            config.tfds_data_dir,
-            split,
-            config.src_lang,
-            config.tgt_lang,
-            download=config.tfds_download,
+    if config.source == "multi30k":  # fetched if needed
+        return text_split(multi30k_dir(config), split, config.src_lang, config.tgt_lang)
+    if config.source == "text" and not config.text_dir:
+        raise DataError(
+            "data.source=text needs data.text_dir: a directory of {split}.{lang} files (or use data.source=multi30k)"
         )
+    if config.source == "text":
+        return text_split(config.text_dir, split, config.src_lang, config.tgt_lang)
+    if config.source == "tfds":
+        return open_tfds_split(config, config.tfds_name, split)
     raise DataError(f"unknown data.source {config.source!r}; choose text, multi30k or tfds")
 
 
@@ -558,24 +515,20 @@ def load_split(config: ml_collections.ConfigDict, split: str) -> list[Pair]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The training corpora of data.corpora, records (name, kind, where, weight, tag) checked by the key's rule
-# (config/schema.py): kind `text` is a directory of {split}.{lang} files read as data.source=text reads them
-# (data.train_split), `tfds` a TFDS builder (with data.tfds_data_dir and data.tfds_download), `files` two plain files
-# `SRC_FILE+TGT_FILE` (translate_corpus's input and output, or the reverse for back-translation). A weight is the
-# probability that the next training pair comes from that corpus (`pipeline` mixes them); a tag (e.g. `<BT>`,
-# Caswell et al. 2019) is written before every non-empty source sentence of its corpus, and the tokenizer holds it
-# as one piece (`tokenizer.check_tags`). Empty data.corpora is the single corpus of data.source.
+# The training corpora of data.corpora (empty: the single corpus of data.source). A `files` corpus is
+# translate_corpus's input and output (or the reverse, for back-translation); a tag (e.g. `<BT>`, Caswell et al.
+# 2019) is one piece of the tokenizer (`tokenizer.check_tags`).
 
 
 @dataclasses.dataclass(frozen=True)
 class Corpus:
-    """One entry of data.corpora."""
+    """One entry of data.corpora, checked by the key's rule (config/schema.py)."""
 
     name: str
-    kind: str  # text, tfds or files
-    where: str  # the directory, the TFDS builder, or SRC_FILE+TGT_FILE
-    weight: float  # > 0; the mix uses weight / sum of weights
-    tag: str  # written before every non-empty source sentence; empty = none
+    kind: str  # text (read as data.source=text reads data.train_split), tfds (with data.tfds_*) or files
+    where: str  # the {split}.{lang} directory, the TFDS builder, or SRC_FILE+TGT_FILE
+    weight: float  # > 0: the probability of the next training pair is weight / sum of weights (`batching.Mix`)
+    tag: str  # written before every non-empty source sentence (`tagged`); empty = none
 
 
 def corpora(config: ml_collections.ConfigDict) -> list[Corpus]:
@@ -583,55 +536,25 @@ def corpora(config: ml_collections.ConfigDict) -> list[Corpus]:
     return [Corpus(name, kind, where, float(weight), tag) for name, kind, where, weight, tag in config.corpora]
 
 
-class Tagged:
-    """A training stream (`TextPairs` or `TfdsPairs`) whose non-empty sources start with `tag` and a space.
-
-    Empty sources stay empty, so the pipeline's length filter still drops them. Streams like its input: `len()`,
-    `chunks(size)`, `pick(indices)`, `identity()` (which records the tag: a store of other tags is stale).
-    """
-
-    def __init__(self, stream: TextPairs | TfdsPairs, tag: str):
-        self.stream, self.tag = stream, tag
-
-    def __len__(self) -> int:
-        return len(self.stream)
-
-    def _tagged(self, pairs: Sequence[Pair]) -> list[Pair]:
-        if not self.tag:
-            return list(pairs)
-        return [(f"{self.tag} {s}" if s.strip() else s, t) for s, t in pairs]
-
-    def chunks(self, size: int) -> Iterator[tuple[int, list[Pair]]]:
-        for lines, pairs in self.stream.chunks(size):
-            yield lines, self._tagged(pairs)
-
-    def pick(self, indices: Sequence[int]) -> list[Pair]:
-        return self._tagged(self.stream.pick(indices))
-
-    def identity(self) -> dict[str, Any]:
-        return {**self.stream.identity(), "tag": self.tag}
+def tagged(pairs: Sequence[Pair], tag: str) -> list[Pair]:
+    """`pairs` with `tag` and a space before every non-empty source; empty sources stay empty, so the pipeline's
+    length filter still drops them."""
+    return [(f"{tag} {s}" if tag and s.strip() else s, t) for s, t in pairs]
 
 
-def open_corpus(config: ml_collections.ConfigDict, corpus: Corpus) -> Tagged:
-    """`corpus` opened for streaming, its tag applied; a missing or empty corpus is one DataError naming it."""
+def open_corpus(config: ml_collections.ConfigDict, corpus: Corpus) -> TextPairs | TfdsPairs:
+    """`corpus` opened for streaming (its tag not applied: `tagged`); a missing or empty corpus is one DataError
+    naming it."""
     about = f"data.corpora: corpus {corpus.name!r}"
     if corpus.kind == "text":
         directory = resolve_path(corpus.where)
         if not directory.is_dir():
             raise DataError(f"{about}: the directory {directory} does not exist")
-        stream = TextPairs(directory, config.train_split, config.src_lang, config.tgt_lang)
+        stream = text_split(directory, config.train_split, config.src_lang, config.tgt_lang)
     elif corpus.kind == "files":
-        src, tgt = corpus.where.split("+")
-        stream = TextPairs.of_files(src, tgt, about)
+        stream = TextPairs(*corpus.where.split("+"), about)
     else:
-        stream = open_tfds_split(
-            corpus.where,
-            config.tfds_data_dir,
-            config.train_split,
-            config.src_lang,
-            config.tgt_lang,
-            download=config.tfds_download,
-        )
+        stream = open_tfds_split(config, corpus.where, config.train_split)
     if not len(stream):  # text: both sides' lines counted here, so unequal sides fail before anything is decoded
         raise DataError(f"{about} ({corpus.where}) has no pairs")
-    return Tagged(stream, corpus.tag)
+    return stream

@@ -1,41 +1,31 @@
 """The training split tokenized once into memory-mapped files: every later start, on every host, opens it in
 about a second, reads no text and tokenizes nothing.
 
-Axis letters: see transformer_jax/__init__.py (the arrays here are flat token streams and their offsets).
-
 What is stored: the four arrays of `batching.Examples` for every pair of the split, exactly what the in-memory path
-(`pipeline.make_train_iterator` without `examples`) tokenizes, as .npy files opened with
-`np.load(mmap_mode="r")`. Everything after tokenization (length filter, planners, assembly) is the same code on
-the same values, so the batches are the in-memory path's by construction. The length filter (data.max_len) runs
-when a run starts, one vectorised pass over the lengths, rather than at build time, for two reasons: example ids,
-which a checkpoint's iterator state holds, stay the in-memory path's (a run resumes exactly across the switch),
-and runs that differ only in max_len share one store. So the manifest holds no filter settings.
+(`pipeline.make_train_iterator` without `examples`) tokenizes, as .npy files opened with `np.load(mmap_mode="r")`;
+everything after tokenization is the same code on the same values, so the batches are the in-memory path's. The
+length filter (data.max_len) runs when a run starts, not at build time: example ids, which a checkpoint's iterator
+state holds, stay the in-memory path's (a run resumes exactly across the switch), and runs that differ only in
+max_len share one store.
 
-Why memory-mapped .npy files: a memory map costs no load time and no private memory; the OS pages in the offsets
-(read whole, to plan batches from the lengths) and the token pages of the batches being assembled, and shares
-them between the processes of a host. Random access to an example is an offset lookup. .npy rather than raw
-files, because each file describes its own dtype and length; rather than array_record, because the planner needs
-every length at once, which the offsets give with one np.diff, where records would each need parsing. Tokens are
-uint16 on disk when the vocabulary fits (half the disk and page cache of int32); assembly copies them into the
-int32 batch arrays, so batches do not change.
+Why memory-mapped .npy: no load time and no private memory; the OS pages in the offsets (read whole, to plan
+batches from the lengths) and the token pages of the batches being assembled, shared between a host's processes.
+Each .npy describes its own dtype and length; array_record would need every record parsed for the lengths that
+the offsets give with one np.diff. Tokens are uint16 on disk when the vocabulary fits (half of int32); assembly
+copies them into the int32 batch arrays, so batches do not change.
 
-Checksums: the SHA-256 of each file's data is computed while it is written and kept in the manifest; `verify`
-rereads every byte (`prepare --verify`; minutes for tens of GB). A start checks what is cheap instead: sizes,
-dtypes and lengths against the manifest, the SHA-256 of 64 blocks of 4 KiB spread over each file, and that the
-offsets start at 0, increase and end at the token count (they are read whole anyway). That finds a truncated,
-replaced or partly overwritten file and damaged offsets, which would otherwise assemble wrong batches silently,
-in well under a second at any size; a flipped bit inside a token array between the sampled blocks is left to
-`verify`.
+Checksums: the SHA-256 of each file's data is kept in the manifest, and `verify` rereads every byte (`prepare
+--verify`; minutes for tens of GB). A start checks what is cheap: sizes, dtypes and lengths against the manifest,
+the SHA-256 of 64 blocks of 4 KiB spread over each file, and that the offsets increase from 0 to the token count.
+That finds a truncated, replaced or partly overwritten file and damaged offsets in well under a second at any size;
+a flipped bit inside a token array between the sampled blocks is left to `verify`.
 
 Where: next to the tokenizer (or in data.store_dir), named after the tokenizer, split and direction, e.g.
-`spm.train.en-de.store/`, on the filesystem every host sees. A missing store, or one built from another source,
-split or tokenizer (the manifest's `identity`), is built by a single-host run and refused, with the prepare
-command, by a multi-host one, like the tokenizer. A build writes into a temporary directory beside the store and
-renames it into place, so a failure (invalid UTF-8 on line 3,000,001) leaves no store behind, only one line
-naming the file and line.
-
-Several corpora (data.corpora): one store per corpus, `spm.corpus-NAME.train.en-de.store`, keyed the same way
-(its identity adds the corpus's kind and tag); `open_train_examples` opens them all as one `MixedExamples`.
+`spm.train.en-de.store/`, on a filesystem every host sees. A missing store, or one built from other input (the
+manifest's `identity`), is built by a single-host run and refused, with the prepare command, by a multi-host one.
+A build writes into a temporary directory renamed into place when complete, so a failure leaves no store behind.
+With data.corpora, one store per corpus, `spm.corpus-NAME.train.en-de.store` (its identity adds the corpus's kind
+and tag); `open_train_examples` opens them all as one `MixedExamples`.
 """
 
 from __future__ import annotations
@@ -77,26 +67,21 @@ def store_path(config: ml_collections.ConfigDict, tokenizer: Tokenizer, corpus: 
     return directory / f"{name}{config.train_split}.{config.src_lang}-{config.tgt_lang}.store"
 
 
-Stream = sources.TextPairs | sources.TfdsPairs | sources.Tagged
-
-
 def open_input(
     config: ml_collections.ConfigDict, tokenizer: Tokenizer, corpus: sources.Corpus | None = None
-) -> tuple[Stream, dict[str, Any]]:
-    """The training split (of `corpus`) opened for streaming, and the identity a store of it must record."""
+) -> tuple[sources.TextPairs | sources.TfdsPairs, dict[str, Any]]:
+    """The training split (of `corpus`) opened for streaming, and what a store of it depends on (its identity: a
+    store whose manifest records another is stale)."""
     if corpus is None:
         stream = sources.open_stream(config, config.train_split)
-        return stream, identity(config, tokenizer, stream)
-    stream = sources.open_corpus(config, corpus)
-    return stream, identity(config, tokenizer, stream, source=f"corpus:{corpus.kind}")
-
-
-def identity(config: ml_collections.ConfigDict, tokenizer: Tokenizer, stream: Stream, source: str | None = None):
-    """What the store's contents depend on; a store whose manifest records another identity is stale."""
-    return {
+        source, read = config.source, stream.identity()
+    else:
+        stream = sources.open_corpus(config, corpus)
+        source, read = f"corpus:{corpus.kind}", {**stream.identity(), "tag": corpus.tag}
+    return stream, {
         "format": FORMAT,
-        "source": source or config.source,
-        "input": stream.identity(),
+        "source": source,
+        "input": read,
         "split": config.train_split,
         "src_lang": config.src_lang,
         "tgt_lang": config.tgt_lang,
@@ -107,13 +92,6 @@ def identity(config: ml_collections.ConfigDict, tokenizer: Tokenizer, stream: St
 
 def _token_dtype(tokenizer: Tokenizer) -> np.dtype:
     return np.dtype("<u2") if tokenizer.vocab_size <= 1 << 16 else np.dtype("<i4")
-
-
-def _prepare_hint(path: Path) -> str:
-    return (
-        f"`python -m transformer_jax.data.prepare --config <the same config> --workdir <the same workdir>` builds "
-        f"{path} once; run it on a filesystem every host sees"
-    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -173,11 +151,8 @@ def build(
 ) -> dict[str, Any]:
     """Streams, tokenizes and writes the training split into a new store at `path`; returns its manifest.
 
-    The split is read `chunk_pairs` pairs at a time (text: a block of lines; TFDS: a batch of records), encoded by
-    SentencePiece's batch encoder on `num_threads` threads and appended to the growing files, so memory does not
-    grow with the corpus. Line counts are compared before anything is decoded. Written into a temporary directory
-    beside `path` and renamed into place when complete; any failure removes it.
-    """
+    The split is read and encoded `chunk_pairs` pairs at a time and appended to the growing files, so memory does
+    not grow with the corpus. Written into a temporary directory renamed onto `path` when complete."""
     start = time.perf_counter()
     stream, expected = open_input(config, tokenizer, corpus)
     total = len(stream)  # text: counts both files' lines, so a mismatch fails before any tokenizing
@@ -197,13 +172,9 @@ def build(
         log.info("tokenizing %d lines of split %r into %s", total, config.train_split, path)
         with Progress(total, f"tokenizing {config.train_split}", "lines") as bar:
             for lines, pairs in stream.chunks(chunk_pairs):
+                pairs = sources.tagged(pairs, corpus.tag if corpus else "")
                 if pairs:
-                    src_text, tgt_text = zip(*pairs, strict=True)
-                    part = batching.from_ids(
-                        tokenizer.encode_source_batch(src_text, num_threads),
-                        tokenizer.encode_target_batch(tgt_text, num_threads),
-                        eos=tokenizer.ids.eos,
-                    )
+                    part = batching.encode(pairs, tokenizer, num_threads)
                     for side, flat, starts in (("src", part.src, part.src_starts), ("tgt", part.tgt, part.tgt_starts)):
                         writers[f"{side}_starts"].append(starts[1:] + writers[side].length)
                         writers[side].append(flat)
@@ -229,14 +200,7 @@ def build(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info(
-        "built %s: %d pairs, %d + %d tokens, in %.0f s",
-        path,
-        manifest["counts"]["pairs"],
-        manifest["counts"]["src_tokens"],
-        manifest["counts"]["tgt_tokens"],
-        manifest["build_seconds"],
-    )
+    log.info("built %s in %.0f s: %s", path, manifest["build_seconds"], manifest["counts"])
     return manifest
 
 
@@ -255,10 +219,8 @@ def _unwritable(path: Path, error: OSError) -> DataError | DiskFullError:
 
 
 def _install(tmp: Path, path: Path) -> None:
-    """Renames the finished `tmp` onto `path`; a stale store there is moved aside first, then removed.
-
-    A process that still has the old files memory-mapped keeps reading them (the inodes live until unmapped).
-    """
+    """Renames the finished `tmp` onto `path`, a stale store there moved aside first (a process that has its files
+    memory-mapped keeps reading them), then removed."""
     try:
         os.rename(tmp, path)
         return
@@ -343,25 +305,20 @@ def verify(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def _differences(found: dict[str, Any], expected: dict[str, Any]) -> list[str]:
-    return sorted(k for k in expected.keys() | found.keys() if found.get(k) != expected.get(k))
-
-
 def open_train_examples(
     config: ml_collections.ConfigDict, tokenizer: Tokenizer, *, build_if_missing: bool, num_threads: int | None = None
 ) -> tuple[batching.Examples | batching.MixedExamples, list[Path]]:
     """The training examples from their stores (`open_train_store`), and the stores' paths: the split of
     data.source, or every corpus of data.corpora as one `MixedExamples`."""
     mix = sources.corpora(config)
-    if not mix:
-        examples, path = open_train_store(config, tokenizer, build_if_missing=build_if_missing, num_threads=num_threads)
-        return examples, [path]
     opened = [
         open_train_store(config, tokenizer, build_if_missing=build_if_missing, num_threads=num_threads, corpus=c)
-        for c in mix
+        for c in mix or [None]
     ]
-    examples = batching.MixedExamples([e for e, _ in opened], [c.name for c in mix], [c.weight for c in mix])
-    return examples, [path for _, path in opened]
+    paths = [path for _, path in opened]
+    if not mix:
+        return opened[0][0], paths
+    return batching.MixedExamples([e for e, _ in opened], [c.name for c in mix], [c.weight for c in mix]), paths
 
 
 def open_train_store(
@@ -372,11 +329,8 @@ def open_train_store(
     num_threads: int | None = None,
     corpus: sources.Corpus | None = None,
 ) -> tuple[batching.Examples, Path]:
-    """The training split's (`corpus`'s) examples from its store, built first if missing or stale; the store's path.
-
-    `config` is the data group. `build_if_missing=False` (multi-host runs: every host must read one store) fails
-    with the prepare command instead of building. num_threads (SentencePiece) defaults to every core.
-    """
+    """The training split's (`corpus`'s) examples from its store, built first if missing or stale, and its path.
+    `build_if_missing=False` (multi-host runs: every host must read one store) fails with the prepare command."""
     path = store_path(config, tokenizer, corpus)
     expected = open_input(config, tokenizer, corpus)[1]
     manifest = read_manifest(path)
@@ -384,14 +338,16 @@ def open_train_store(
         examples = open_examples(path, manifest)
         log.info("training examples from %s: %d pairs (memory-mapped)", path, len(examples))
         return examples, path
-    if manifest is None:
-        why = "does not exist"
-    else:
-        why = f"was built from other input (differs in {', '.join(_differences(manifest['identity'], expected))})"
+    why = "does not exist"
+    if manifest is not None:
+        found = manifest["identity"]
+        differ = sorted(k for k in expected.keys() | found.keys() if found.get(k) != expected.get(k))
+        why = f"was built from other input (differs in {', '.join(differ)})"
     if not build_if_missing:
         raise DataError(
             f"the tokenized training store {path} {why}, and this run may not build it (several hosts would each "
-            f"build their own): {_prepare_hint(path)}"
+            "build their own): `python -m transformer_jax.data.prepare --config <the same config> --workdir <the same "
+            f"workdir>` builds {path} once; run it on a filesystem every host sees"
         )
     log.info("the tokenized training store %s %s: building it", path, why)
     manifest = build(config, tokenizer, path, num_threads=num_threads or os.cpu_count() or 1, corpus=corpus)

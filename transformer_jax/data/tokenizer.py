@@ -1,27 +1,25 @@
 """The tokenizers: one joint SentencePiece vocabulary trained here (`data.tokenizer="spm"`, the default), or a converted
-Marian model's (`"marian"`: separate source and target SentencePiece models whose pieces map to ids through
-vocab.json, and target_vocab.json when the vocabularies are separate).
+Marian model's (`"marian"`: source and target SentencePiece models whose pieces map to ids through vocab.json, and
+target_vocab.json when the vocabularies are separate).
 
-Both have one interface, which every user of a tokenizer goes through (data pipeline and store, evaluation, validation,
-export, explain): `encode_source(text)` / `encode_target(text)` -> ids without EOS (the pipeline appends it),
-their `_batch` forms, `decode_target(ids)` -> text (reserved ids dropped, up to the first EOS), the pieces of ids on
-either side, `ids` (tokens.SpecialIds), `vocab_size` (the target's: the output softmax), `source_vocab_size`, and
-`fingerprint()`, what the tokenized store is keyed on. With `target_lang` (data.target_lang), every source starts with
-the one id of its `>>lang<<` token (multilingual Marian models choose the target language so).
+Both have one interface, which every user of a tokenizer goes through: `encode_source(text)` / `encode_target(text)`
+-> ids without EOS (the pipeline appends it), their `_batch` forms, `decode_target(ids)` -> text (reserved ids
+dropped, up to the first EOS), the pieces of ids on either side, `ids` (tokens.SpecialIds), `vocab_size` (the
+target's: the output softmax), `source_vocab_size`, and `fingerprint()`, what the tokenized store is keyed on. With
+`target_lang` (data.target_lang), every source starts with the one id of its `>>lang<<` token.
 
-The reserved ids pad, eos, bos, unk are the config's (`model.*_id`): a SentencePiece model trained here reserves
-them, and a reused one must reserve the same. It is trained with identity normalization, no whitespace folding and
-byte fallback, so `decode(encode(s)) == s` for any string: BLEU is computed on exactly the text the tokenizer was
-given, and no character is ever mapped to <unk>. A Marian tokenizer gives the ids transformers' MarianTokenizer gives.
-
-With several corpora (data.corpora), the model trained here learns from a sample of the mix (each corpus's share
-of the sentences is its weight's) and holds each corpus tag as a user-defined symbol, one piece that is never
-split; any tokenizer that would split a tag or map it to <unk> is refused (`check_tags`).
+A SentencePiece model trained here reserves the config's ids (`model.*_id`), and a reused one must reserve the same.
+It is trained with identity normalization, no whitespace folding and byte fallback, so `decode(encode(s)) == s` for
+any string: BLEU is computed on exactly the text the tokenizer was given, and no character becomes <unk>. A Marian
+tokenizer gives the ids transformers' MarianTokenizer gives. With data.corpora, the model trained here learns from
+a sample of the mix (each corpus's share by its weight) and holds each corpus tag as a user-defined symbol, one
+piece never split; any tokenizer that would split a tag or map it to <unk> is refused (`check_tags`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -43,6 +41,7 @@ MARIAN_SOURCE_SPM = "source.spm"
 MARIAN_TARGET_SPM = "target.spm"
 MARIAN_VOCAB = "vocab.json"  # piece -> id, the source's, and the target's unless MARIAN_TARGET_VOCAB exists
 MARIAN_TARGET_VOCAB = "target_vocab.json"
+MARIAN_REQUIRED = (MARIAN_SOURCE_SPM, MARIAN_TARGET_SPM, MARIAN_VOCAB)
 MARIAN_SPECIAL_PIECES = {"eos": "</s>", "unk": "<unk>", "pad": "<pad>"}  # the pieces of the reserved ids
 SPIECE_UNDERLINE = "\u2581"
 
@@ -73,7 +72,27 @@ def _load_spm(path: Path) -> spm.SentencePieceProcessor:
     return sp
 
 
-class Tokenizer:
+def marian_files(directory: Path) -> list[Path]:
+    """The files of a converted Marian model's tokenizer in `directory`: MARIAN_REQUIRED, and the target
+    vocabulary where it has its own."""
+    names = MARIAN_REQUIRED + ((MARIAN_TARGET_VOCAB,) if (directory / MARIAN_TARGET_VOCAB).exists() else ())
+    return [directory / name for name in names]
+
+
+class _Encoder:
+    """What both tokenizers derive from their batch forms."""
+
+    def encode_source(self, text: str) -> list[int]:
+        return self.encode_source_batch([text])[0]
+
+    def encode_target(self, text: str) -> list[int]:
+        return self.encode_target_batch([text])[0]
+
+    def decode_target_batch(self, batch: Iterable[Iterable[int]]) -> list[str]:
+        return [self.decode_target(ids) for ids in batch]
+
+
+class Tokenizer(_Encoder):
     """A joint SentencePiece model that reserves `ids` (the config's); ids are SentencePiece's own."""
 
     name = "spm"
@@ -104,12 +123,6 @@ class Tokenizer:
         digest = hashlib.sha256(self.path.read_bytes()).hexdigest()
         return digest if not self.target_lang else f"{digest}+{language_token(self.target_lang)}"
 
-    def encode_source(self, text: str) -> list[int]:
-        return self._prefix + self._sp.encode(text)
-
-    def encode_target(self, text: str) -> list[int]:
-        return self._sp.encode(text)
-
     def encode_source_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
         """Encodes many strings in one call; `num_threads` threads inside SentencePiece (1 = this core only)."""
         return [self._prefix + x for x in self._sp.encode(list(texts), num_threads=num_threads)]
@@ -122,16 +135,13 @@ class Tokenizer:
         can be passed as is)."""
         return one_line(self._sp.decode(_content(ids, self.ids, drop=(self.ids.pad, self.ids.bos))))
 
-    def decode_target_batch(self, batch: Iterable[Iterable[int]]) -> list[str]:
-        return [self.decode_target(ids) for ids in batch]
-
     def source_pieces(self, ids: Iterable[int]) -> list[str]:
         return [self._sp.id_to_piece(int(i)) for i in ids]
 
     target_pieces = source_pieces
 
 
-class MarianTokenizer:
+class MarianTokenizer(_Encoder):
     """A converted Marian model's tokenizer in `directory` (MARIAN_* files): source text through source.spm, target
     text through target.spm, pieces to ids through vocab.json (target_vocab.json for the target when it exists); a
     piece missing from the map is unk. Gives the ids transformers' MarianTokenizer gives for the same text."""
@@ -143,10 +153,7 @@ class MarianTokenizer:
         self.path = self.directory / MARIAN_VOCAB
         self.ids = ids
         target_vocab = self.directory / MARIAN_TARGET_VOCAB
-        names = (MARIAN_SOURCE_SPM, MARIAN_TARGET_SPM, MARIAN_VOCAB) + (
-            (MARIAN_TARGET_VOCAB,) if target_vocab.exists() else ()
-        )
-        self.files = tuple(self.directory / name for name in names)
+        self.files = tuple(marian_files(self.directory))
         self._source_sp = _load_spm(self.directory / MARIAN_SOURCE_SPM)
         self._target_sp = _load_spm(self.directory / MARIAN_TARGET_SPM)
         self._source_map = _load_vocab(self.path, ids)
@@ -178,12 +185,6 @@ class MarianTokenizer:
         unk = self.ids.unk
         return [[vocab.get(p, unk) for p in (*c, *ps)] for c, ps in zip(codes, pieces, strict=True)]
 
-    def encode_source(self, text: str) -> list[int]:
-        return self.encode_source_batch([text])[0]
-
-    def encode_target(self, text: str) -> list[int]:
-        return self.encode_target_batch([text])[0]
-
     def encode_source_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
         return [self._prefix + x for x in self._encode(self._source_sp, self._source_map, texts, num_threads)]
 
@@ -196,9 +197,6 @@ class MarianTokenizer:
         drop = (self.ids.pad, self.ids.bos, self.ids.unk)
         pieces = [self._target_pieces[i] for i in _content(ids, self.ids, drop=drop)]
         return one_line(self._target_sp.decode_pieces(pieces).replace(SPIECE_UNDERLINE, " ").strip())
-
-    def decode_target_batch(self, batch: Iterable[Iterable[int]]) -> list[str]:
-        return [self.decode_target(ids) for ids in batch]
 
     def source_pieces(self, ids: Iterable[int]) -> list[str]:
         return [self._source_pieces[int(i)] for i in ids]
@@ -220,14 +218,7 @@ def one_line(text: str) -> str:
 
 def _content(ids: Iterable[int], reserved: SpecialIds, *, drop: tuple[int, ...]) -> list[int]:
     """ids up to the first EOS, those in `drop` left out."""
-    out = []
-    for i in ids:
-        i = int(i)
-        if i == reserved.eos:
-            break
-        if i not in drop:
-            out.append(i)
-    return out
+    return [i for i in itertools.takewhile(lambda i: i != reserved.eos, map(int, ids)) if i not in drop]
 
 
 def _load_vocab(path: Path, ids: SpecialIds) -> dict[str, int]:
@@ -309,11 +300,8 @@ def train_tokenizer(
 
 
 def sample_sentences(pairs: sources.TextPairs | sources.TfdsPairs, num_sentences: int, *, seed: int = 0) -> list[str]:
-    """About `num_sentences` sentences, both sides of a seeded uniform sample of pairs, empty sides left out.
-
-    The sample is drawn by index from the known number of lines (or records) and read in one streaming pass, so
-    a corpus of any size is never held whole; only the sample is.
-    """
+    """About `num_sentences` sentences, both sides of a seeded uniform sample of pairs, empty sides left out; drawn
+    by index and read in one streaming pass, so a corpus of any size is never held whole."""
     num_pairs = min(len(pairs), max(1, num_sentences // 2))
     indices = sorted(random.Random(seed).sample(range(len(pairs)), num_pairs))
     return [s for pair in pairs.pick(indices) for s in pair if s.strip()]
@@ -329,9 +317,7 @@ def training_sample(config: ml_collections.ConfigDict) -> list[str]:
     out = []
     for corpus in mix:
         share = max(2, round(config.tokenizer_sample_sentences * corpus.weight / total))
-        out.extend(
-            sample_sentences(sources.open_corpus(config, corpus).stream, share, seed=zlib.crc32(corpus.name.encode()))
-        )
+        out.extend(sample_sentences(sources.open_corpus(config, corpus), share, seed=zlib.crc32(corpus.name.encode())))
     return out
 
 
@@ -370,33 +356,19 @@ def get_tokenizer(
     `train_if_missing=False` (multi-host runs: every host must use the same file) fails instead of training.
     Every tag of data.corpora must be one piece of it (`check_tags`).
     """
-    tokenizer, key = _get_tokenizer(config, workdir, vocab_size, ids, source_vocab_size, train_if_missing)
-    check_tags(tokenizer, config, key)
-    return tokenizer
-
-
-def _get_tokenizer(
-    config: ml_collections.ConfigDict,
-    workdir: str | os.PathLike,
-    vocab_size: int,
-    ids: SpecialIds,
-    source_vocab_size: int,
-    train_if_missing: bool,
-) -> tuple[Tokenizer | MarianTokenizer, str]:
-    """The tokenizer of `get_tokenizer` and the setting that chose it (for error messages)."""
+    path = Path(workdir) / MODEL_FILENAME
     if config.tokenizer == "marian":
         tokenizer = _marian_tokenizer(config, Path(workdir), ids, vocab_size, source_vocab_size or vocab_size)
-        return tokenizer, "data.tokenizer=marian"
-    if config.tokenizer_model:
+        key = "data.tokenizer=marian"  # the setting that chose the tokenizer, for check_tags's message
+    elif config.tokenizer_model:
         tokenizer = Tokenizer(sources.resolve_path(config.tokenizer_model), ids, config.target_lang)
+        key = "data.tokenizer_model"
         if tokenizer.vocab_size > vocab_size:
             raise DataError(
                 f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but model.vocab_size is {vocab_size}; "
                 "ids would fall outside the embedding table"
             )
-        return tokenizer, "data.tokenizer_model"
-    path = Path(workdir) / MODEL_FILENAME
-    if path.exists():
+    elif path.exists():
         tokenizer = Tokenizer(path, ids, config.target_lang)
         if tokenizer.vocab_size != vocab_size:
             raise DataError(
@@ -404,20 +376,23 @@ def _get_tokenizer(
                 "delete it to train a new one, or use the matching config"
             )
         logging.info("reusing tokenizer %s (%d pieces)", path, vocab_size)
-        return tokenizer, f"the workdir's {MODEL_FILENAME}, trained before: delete it to train one with the tags"
-    if not train_if_missing:
+        key = f"the workdir's {MODEL_FILENAME}, trained before: delete it to train one with the tags"
+    elif not train_if_missing:
         raise DataError(
             f"{path} does not exist and this run may not train it (several hosts would each train their own): "
             "create it once with `python -m transformer_jax.data.prepare --config <the same config> --workdir "
             f"{workdir}` on a filesystem every host sees, or set data.tokenizer_model to an existing .model file"
         )
-    sentences = training_sample(config)
-    logging.info(
-        "training a %s tokenizer with %d pieces on %d sentences", config.tokenizer_type, vocab_size, len(sentences)
-    )
-    tags = sorted({c.tag for c in sources.corpora(config) if c.tag})
-    train_tokenizer(sentences, path, vocab_size=vocab_size, model_type=config.tokenizer_type, ids=ids, symbols=tags)
-    return Tokenizer(path, ids, config.target_lang), "data.tokenizer=spm"
+    else:
+        sentences = training_sample(config)
+        logging.info(
+            "training a %s tokenizer with %d pieces on %d sentences", config.tokenizer_type, vocab_size, len(sentences)
+        )
+        tags = sorted({c.tag for c in sources.corpora(config) if c.tag})
+        train_tokenizer(sentences, path, vocab_size=vocab_size, model_type=config.tokenizer_type, ids=ids, symbols=tags)
+        tokenizer, key = Tokenizer(path, ids, config.target_lang), "data.tokenizer=spm"
+    check_tags(tokenizer, config, key)
+    return tokenizer
 
 
 def model_tokenizer(
@@ -438,10 +413,7 @@ def tokenizer_files(config: ml_collections.ConfigDict, directory: str | os.PathL
     """The files of the tokenizer a workdir holds under `config` (the data group): what a fine-tuning run copies."""
     directory = Path(directory)
     if config.tokenizer == "marian":
-        names = [MARIAN_SOURCE_SPM, MARIAN_TARGET_SPM, MARIAN_VOCAB]
-        if (directory / MARIAN_TARGET_VOCAB).exists():
-            names.append(MARIAN_TARGET_VOCAB)
-        return [directory / name for name in names]
+        return marian_files(directory)
     return [Path(config.tokenizer_model).expanduser() if config.tokenizer_model else directory / MODEL_FILENAME]
 
 
@@ -454,7 +426,7 @@ def _marian_tokenizer(
             f"'marian', whose files are the workdir's ({MARIAN_SOURCE_SPM}, {MARIAN_TARGET_SPM}, {MARIAN_VOCAB}); "
             "leave data.tokenizer_model empty"
         )
-    missing = [name for name in (MARIAN_SOURCE_SPM, MARIAN_TARGET_SPM, MARIAN_VOCAB) if not (workdir / name).is_file()]
+    missing = [name for name in MARIAN_REQUIRED if not (workdir / name).is_file()]
     if missing:
         raise DataError(
             f"data.tokenizer='marian' needs {', '.join(missing)} in {workdir}: convert the model into this workdir "

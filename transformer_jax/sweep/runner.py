@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import jax
 import ml_collections
 
-from transformer_jax.config import checks, loading
+from transformer_jax.config import checks
 from transformer_jax.errors import ConfigError, VariantInterrupted
 from transformer_jax.evaluation import run
 from transformer_jax.evaluation.command import Model, Translate, write_json, write_lines
@@ -47,7 +47,7 @@ def load_config_module(path: str):
     The --config flag hands back only get_config()'s result; the sweep also needs the module's get_sweep(arg) and
     REFERENCE, and a fresh get_config(arg) for each variant.
     """
-    return loading.load_module(path, f"sweep_config_{pathlib.Path(path).stem}")
+    return checks.load_module(path, f"sweep_config_{pathlib.Path(path).stem}")
 
 
 def variants(config_arg: str, common: dict[str, Any] | None = None) -> list[Variant]:
@@ -60,7 +60,7 @@ def variants(config_arg: str, common: dict[str, Any] | None = None) -> list[Vari
     if not hasattr(module, "get_sweep"):
         raise ConfigError(f"config file {path} defines no get_sweep(arg); add one returning a list of override dicts")
     out, seen = [], set()
-    for i, override in enumerate(loading.call(module, path, "get_sweep", arg or None)):
+    for i, override in enumerate(checks.call(module, path, "get_sweep", arg or None)):
         override = dict(override)
         name = override.pop("name", None)
         if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
@@ -75,7 +75,7 @@ def variants(config_arg: str, common: dict[str, Any] | None = None) -> list[Vari
         unknown = sorted(set(reference) - set(REFERENCE_METRICS))
         if unknown:
             raise ConfigError(f"{path}: sweep variant {name!r}: reference keys {unknown}; known: {REFERENCE_METRICS}")
-        config = loading.call(module, path, "get_config", arg or None)
+        config = checks.call(module, path, "get_config", arg or None)
         config.update_from_flattened_dict(common or {})
         for key, value in override.items():
             try:
