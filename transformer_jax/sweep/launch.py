@@ -1,18 +1,17 @@
-"""Where a sweep's runs train: in the sweep's own process one after another (`sequential`, the default), or as
-submitit jobs, one per run (variant x seed), on this machine (`local`) or on a SLURM cluster (`slurm`).
+"""Where a sweep's runs train (docs/cluster.md): in the sweep's own process one after another (`sequential`, the
+default), or as submitit jobs, one per run (variant x seed), on this machine (`local`) or on a SLURM cluster (`slurm`).
 
 - local: separate processes on this machine, at most `parallel` at once (submitit's local executor starts every
   job it is given at once, so the sweep command submits the next run as one ends, and waits for the last).
 - slurm: one job array of the runs to start, at most `parallel` running at once (`--array=0-N%K`); the command
   returns once they are queued. Each job asks for `nodes` nodes with one task per node; a multi-node job runs the
-  run on every node with jax.distributed initialised from SLURM's environment.
+  run on every node with jax.distributed initialised from SLURM's environment (TRANSFORMER_JAX_DISTRIBUTED=1).
 
-Jobs import a snapshot of the package taken at submission (sweep/code.py), and record the version they ran in
-their run directory. DIR/jobs.json keeps each run's last job (launcher, id, submitit folder, host, the split it
-reports), so that a command run again, or --status, asks submitit and the cluster for its state and never submits a
-second job for a run that is pending or running; a run whose job ended without finishing it (killed, failed) is
-submitted again, and so is a run finished for `--split valid` when the command reports `--split test` (its job
-then only decodes the test split).
+Jobs import a snapshot of the package taken at submission (runner.snapshot_code). DIR/jobs.json keeps each run's
+last job (launcher, id, submitit folder, host, the split it reports), so that a command run again, or --status, asks
+submitit and the cluster for its state and never submits a second job for a run that is pending or running; a run
+whose job ended without finishing it (killed, failed) is submitted again, and so is a run finished for
+`--split valid` when the command reports `--split test` (its job then only decodes the test split).
 DIR/sweep.lock makes one sweep command at a time own DIR. submitit's files (job scripts, pickles, logs) go in
 DIR/jobs/, snapshots in DIR/code/.
 """
@@ -22,9 +21,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import pathlib
 import shlex
+import signal
 import socket
 import sys
 import time
@@ -33,15 +34,27 @@ from typing import Any, NamedTuple
 
 import ml_collections
 
-from transformer_jax.errors import ConfigError
-from transformer_jax.runtime import write_text_atomically
-from transformer_jax.sweep import code
-from transformer_jax.sweep.job import RunJob
+from transformer_jax import runtime
+from transformer_jax.errors import ConfigError, VariantInterrupted, exit_on_user_error
+from transformer_jax.sharding import initialize_distributed
 from transformer_jax.sweep.results import RESULT_FILE, decoded
+from transformer_jax.sweep.runner import PROG, configure_logging, snapshot_code, train_and_decode
 from transformer_jax.sweep.splits import SPLITS, VALID, Split
-from transformer_jax.sweep.submitit_module import FailedJobError, JobPaths, submitit
 from transformer_jax.training import bookkeeping
 from transformer_jax.training.checkpoints import list_steps
+
+# Importing submitit runs logging.config.dictConfig unless SUBMITIT_LOG_LEVEL is NOCONFIG, and dictConfig closes
+# every logging handler the process already has (absl's, a log file, pytest's capture): importing the sweep must
+# change no setting of the process. A SUBMITIT_LOG_LEVEL the user set is respected; jobs, in processes of their own,
+# get submitit's usual configuration. Import submitit from here, never directly.
+_given = os.environ.get("SUBMITIT_LOG_LEVEL")
+os.environ.setdefault("SUBMITIT_LOG_LEVEL", "NOCONFIG")
+try:
+    import submitit
+    from submitit.core.utils import FailedJobError, JobPaths
+finally:
+    if _given is None:
+        del os.environ["SUBMITIT_LOG_LEVEL"]
 
 LAUNCHERS = ("sequential", "local", "slurm")
 JOBS_FILE = "jobs.json"
@@ -86,6 +99,74 @@ class Task(NamedTuple):
     split: Split  # the command's --split: finished once decoded on split.decodes
 
 
+def preemption_signal() -> signal.Signals:
+    """The signal submitit sends before a time limit (USR2 unless $SUBMITIT_PREEMPT_SIGNAL names another)."""
+    return signal.Signals["SIG" + submitit.JobEnvironment.USR_SIG]
+
+
+class _Preempted(VariantInterrupted):
+    """The preemption signal arrived outside training and decoding (nothing to save)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunJob(submitit.helpers.Checkpointable):
+    """One (variant, seed) run as a submitit job: trains and decodes it in run_dir as the sequential sweep does, with
+    the command's compilation cache and logging; a user error is one line `PROG: error: ...` (the last line of the
+    job's log, which --status shows) and exit status 1. Returns its label.
+
+    Preemption and time limits follow submitit's protocol: before a time limit (and on preemption) submitit sends
+    USR2, whose handler calls `checkpoint()` and requeues the returned submission. Called straight from the signal,
+    that handler would stop training between two arbitrary bytecodes, so the job first does what SIGTERM does at
+    that moment (the training loop saves a checkpoint at the next step boundary and returns; a decode in progress is
+    abandoned) and then hands the signal on: the requeued job resumes from that checkpoint exactly. A plain SIGTERM
+    (scancel) saves and ends the job; the next sweep command resubmits the run.
+    """
+
+    label: str
+    config: ml_collections.ConfigDict
+    run_dir: str
+    split: Split  # the command's --split: the run is decoded on split.decodes
+    compilation_cache: str | None  # the sweep command's --compilation_cache (None: its default)
+
+    def __call__(self) -> str:
+        configure_logging()
+        runtime.enable_compile_cache(self.compilation_cache)
+        with exit_on_user_error(PROG, 1):
+            initialize_distributed()
+            self._run()
+        return self.label
+
+    def _run(self) -> None:
+        usr = preemption_signal()
+        requeue = signal.getsignal(usr)  # submitit's: calls checkpoint(), requeues, exits
+        idle = signal.getsignal(signal.SIGTERM)  # what SIGTERM does outside training and decoding
+        received: list[tuple[int, Any]] = []
+
+        def stop(signum: int, frame: Any) -> None:
+            received.append((signum, frame))
+            current = signal.getsignal(signal.SIGTERM)
+            if current is idle or not callable(current):
+                raise _Preempted(f"run {self.label} preempted before training or between training and decoding")
+            current(signal.SIGTERM, frame)  # the loop's StopRequest (saves, then returns) or the decoder's
+
+        signal.signal(usr, stop)
+        try:
+            train_and_decode(self.label, self.config, pathlib.Path(self.run_dir), self.split)
+        except VariantInterrupted:
+            if not received or not callable(requeue):
+                raise  # a plain SIGTERM: the job ends; the next sweep command resubmits the run
+            logging.warning("sweep: %s: %s received; its checkpoint is saved, requeueing", self.label, usr.name)
+            requeue(*received[0])  # exits (SystemExit) in the first process; the others return here
+            raise
+        finally:
+            signal.signal(usr, requeue)
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
+        """submitit's protocol, called once the training loop has saved its checkpoint: the same run again, which
+        resumes from that checkpoint."""
+        return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
+
+
 @contextlib.contextmanager
 def owned(sweep_dir: pathlib.Path) -> Iterator[None]:
     """DIR/sweep.lock for this command; WorkdirLocked (a UserError: one line) while another command owns DIR."""
@@ -102,7 +183,7 @@ def load_jobs(sweep_dir: pathlib.Path) -> dict[str, dict[str, Any]]:
 
 
 def _save_jobs(sweep_dir: pathlib.Path, jobs: dict[str, dict[str, Any]]) -> None:
-    write_text_atomically(sweep_dir / JOBS_FILE, json.dumps(jobs, indent=1) + "\n")
+    runtime.write_text_atomically(sweep_dir / JOBS_FILE, json.dumps(jobs, indent=1) + "\n")
 
 
 def _python(launcher: Launcher, snapshot: pathlib.Path) -> str:
@@ -230,7 +311,7 @@ def launch(launcher: Launcher, tasks: Sequence[Task], sweep_dir: pathlib.Path) -
     todo = [t for t in tasks if states[t.label] not in ("finished", "pending", "running")]
     folder = sweep_dir / "jobs"
     if todo:
-        snapshot = code.snapshot(sweep_dir / "code")
+        snapshot = snapshot_code(sweep_dir / "code")
         ex = executor(launcher, folder, snapshot, len(todo))
         if launcher.name == "slurm":
             try:
