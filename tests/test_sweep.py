@@ -14,7 +14,7 @@ from transformer_jax.evaluation.command import Model, Translate
 from transformer_jax.evaluation.run import split_pairs
 from transformer_jax.sweep import __main__ as sweep
 from transformer_jax.sweep import results, runner
-from transformer_jax.sweep.splits import TEST, VALID
+from transformer_jax.sweep.results import TEST, VALID
 from transformer_jax.training import loop
 
 CONFIG = str(pathlib.Path(__file__).resolve().parent / "tiny_sweep_config.py")

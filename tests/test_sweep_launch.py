@@ -21,7 +21,7 @@ from transformer_jax.errors import VariantInterrupted
 from transformer_jax.sweep import __main__ as sweep
 from transformer_jax.sweep import launch, results, runner
 from transformer_jax.sweep.launch import submitit
-from transformer_jax.sweep.splits import TEST, VALID
+from transformer_jax.sweep.results import TEST, VALID
 from transformer_jax.training import loop
 from transformer_jax.training.metrics import read_metrics
 

@@ -14,7 +14,7 @@ import pytest
 
 from transformer_jax.sweep import __main__ as sweep
 from transformer_jax.sweep import launch, runner
-from transformer_jax.sweep.splits import TEST, VALID
+from transformer_jax.sweep.results import TEST, VALID
 from transformer_jax.training.metrics import read_metrics
 
 CONFIG = str(pathlib.Path(__file__).resolve().parent / "tiny_sweep_config.py")

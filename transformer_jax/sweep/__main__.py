@@ -24,7 +24,7 @@ checkpoint, no averaging (as the paper's Table 3), and the config's beam search 
 max_extra_len, batch_size), through the library evaluate.py runs (`evaluation.run.load` and `.translate`). The
 hypotheses and the report go in the run directory (valid.hyp, valid_scores.json); a run is finished once both exist,
 and a trained run without them gets them on the next invocation. BLEU and chrF in the results come from them, and so
-does the paired bootstrap of each variant against the first (sweep/significance.py), which
+does the paired bootstrap of each variant against the first (sweep/results.py), which
 --aggregate_only recomputes without decoding. SIGTERM while decoding stops the sweep like SIGTERM while training;
 the decoding starts anew next time.
 
@@ -60,10 +60,14 @@ from ml_collections import config_flags
 from transformer_jax.cli import USAGE_STATUS, fail, parse_flags
 from transformer_jax.config import checks
 from transformer_jax.errors import ConfigError, VariantInterrupted, exit_on_user_error
+from transformer_jax.evaluation.run import split_pairs
 from transformer_jax.model import parameter_count
-from transformer_jax.sweep import launch, significance
+from transformer_jax.sweep import launch
 from transformer_jax.sweep.results import (
     REFERENCE_METRICS,
+    SPLITS,
+    Split,
+    add_significance,
     aggregate_seeds,
     decoded,
     run_metrics,
@@ -84,7 +88,6 @@ from transformer_jax.sweep.runner import (
     variant_dir,
     variants,
 )
-from transformer_jax.sweep.splits import SPLITS, Split
 
 
 def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
@@ -261,7 +264,7 @@ def _aggregate(
         [d if decoded(d, split) else None for d in (run_dir(workdir, r, seeds) for r in all_runs[v.name])]
         for v in all_variants
     ]
-    rows = significance.add_significance(rows, finished, _references(all_variants, finished, split), split)
+    rows = add_significance(rows, finished, _references(all_variants, finished, split), split)
     label = getattr(load_config_module(config_arg.partition(":")[0]), "REFERENCE", "reference")
     write_results(rows, workdir, split, reference_label=label)
     print((workdir / f"{split.results_name}.md").read_text())
@@ -280,7 +283,7 @@ def _references(
             continue
         key = json.dumps(variant.config.data.to_dict(), sort_keys=True, default=str)
         if key not in cache:
-            cache[key] = significance.references_of(variant.config, split)
+            cache[key] = split_pairs(variant.config, split.name)[1]
         out.append(cache[key])
     return out
 

@@ -37,9 +37,8 @@ import ml_collections
 from transformer_jax import runtime
 from transformer_jax.errors import ConfigError, VariantInterrupted, exit_on_user_error
 from transformer_jax.sharding import initialize_distributed
-from transformer_jax.sweep.results import RESULT_FILE, decoded
+from transformer_jax.sweep.results import RESULT_FILE, SPLITS, VALID, Split, decoded
 from transformer_jax.sweep.runner import PROG, configure_logging, snapshot_code, train_and_decode
-from transformer_jax.sweep.splits import SPLITS, VALID, Split
 from transformer_jax.training import bookkeeping
 from transformer_jax.training.checkpoints import list_steps
 
