@@ -3,6 +3,7 @@ submitit's real code with stand-in sbatch/srun/sacct, and the launchers' bad inp
 runs are in tests/test_sweep_launch_local.py (slow)."""
 
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -86,7 +87,7 @@ def test_the_preemption_signal_stops_the_phase_then_submitit_requeues(tmp_path, 
         seen.append("not reached")
 
     monkeypatch.setattr(launch, "train_and_decode", run)
-    the_job = launch.RunJob("base", None, str(tmp_path / "base"), VALID, None)
+    the_job = launch.RunJob("base", None, tmp_path / "base", VALID, None)
     with _as_submitit_job(the_job, tmp_path / "jobs", monkeypatch) as paths:
         with pytest.raises(SystemExit) as exit_info:
             utils.DelayedSubmission.load(paths.submitted_pickle).result()
@@ -101,7 +102,7 @@ def test_a_preempted_job_saves_requeues_through_submitit_and_resumes_exactly(cor
     that submission resumes, and the run equals an uninterrupted one."""
     config = _base_config()
     whole = tmp_path / "whole"
-    assert launch.RunJob("whole", config, str(whole), VALID, None)() == "whole"
+    assert launch.RunJob("whole", config, whole, VALID, None)() == "whole"
     run_dir = tmp_path / "preempted"
     due = loop.StopRequest.due
     sent = []
@@ -113,7 +114,7 @@ def test_a_preempted_job_saves_requeues_through_submitit_and_resumes_exactly(cor
         return due(self, step)
 
     monkeypatch.setattr(loop.StopRequest, "due", signal_at_step_1)
-    the_job = launch.RunJob("preempted", config, str(run_dir), VALID, None)
+    the_job = launch.RunJob("preempted", config, run_dir, VALID, None)
     with _as_submitit_job(the_job, tmp_path / "jobs", monkeypatch) as paths:
         with pytest.raises(SystemExit) as exit_info:
             utils.DelayedSubmission.load(paths.submitted_pickle).result()
@@ -139,7 +140,7 @@ def test_a_plain_sigterm_ends_the_job_with_one_line(tmp_path, monkeypatch, capsy
 
     monkeypatch.setattr(launch, "train_and_decode", run)
     with pytest.raises(SystemExit) as exit_info:
-        launch.RunJob("base", None, str(tmp_path / "base"), VALID, None)()
+        launch.RunJob("base", None, tmp_path / "base", VALID, None)()
     assert exit_info.value.code == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"{runner.PROG}: error: variant base stopped at step 1 of 2"
@@ -179,7 +180,7 @@ def test_a_job_for_split_test_decodes_the_validation_then_the_test_split(tmp_pat
     monkeypatch.setattr(runner, "run_variant", lambda label, config, run_dir: calls.append(("train", label)))
     monkeypatch.setattr(runner, "decode_run", lambda label, run_dir, split: calls.append(("decode", split.name)))
     monkeypatch.setattr(runner, "record_code_version", lambda run_dir: None)
-    the_job = pickle.loads(pickle.dumps(launch.RunJob("base", None, str(tmp_path / "base"), TEST, None)))
+    the_job = pickle.loads(pickle.dumps(launch.RunJob("base", None, tmp_path / "base", TEST, None)))
     assert the_job() == "base"
     assert calls == [("train", "base"), ("decode", "valid"), ("decode", "test")]
 
@@ -290,7 +291,7 @@ def test_slurm_submits_one_array_with_the_flags_sbatch_lines_and_never_a_second_
     assert {label: r["job_id"] for label, r in jobs.items()} == {"base": "1234_0", "pre_ln": "1234_1"}
     pickled = utils.DelayedSubmission.load(folder / "1234_1_submitted.pkl").function
     assert isinstance(pickled, launch.RunJob) and pickled.label == "pre_ln"
-    assert pickled.run_dir == str(workdir / "pre_ln")
+    assert pickled.run_dir == workdir / "pre_ln"
 
     # Pending and running runs are not submitted again; a run whose job ended without finishing it is.
     states.write_text("1234_0|RUNNING|node1\n1234_1|PENDING|\n")
@@ -362,9 +363,11 @@ def test_the_local_launcher_never_runs_more_than_parallel_jobs_at_once(tmp_path,
     alive = iter([True, True, True, False])
     monkeypatch.setattr(launch, "_local_alive", lambda record: next(alive, False))
     monkeypatch.setattr(launch, "POLL_S", 0.0)
-    tasks = [launch.Task(f"r{i}", None, tmp_path / f"r{i}", VALID) for i in range(5)]
+    tasks = [launch.RunJob(f"r{i}", None, tmp_path / f"r{i}", VALID, None) for i in range(5)]
     launcher = launch.Launcher(name="local", parallel=2)
-    launch._run_local(launcher, Executor(), tasks, [tasks[0]._replace(label="old")], tmp_path, {"old": earlier})
+    launch._run_local(
+        launcher, Executor(), tasks, [dataclasses.replace(tasks[0], label="old")], tmp_path, {"old": earlier}
+    )
     assert running == [] and len(most) == 5
     assert most[:2] == [1, 1]  # r1 waited for "old" (still running from an earlier command) to end
     assert max(most) == 2

@@ -52,7 +52,6 @@ import logging
 import pathlib
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from absl import flags
 from ml_collections import config_flags
@@ -61,15 +60,15 @@ from transformer_jax.cli import USAGE_STATUS, fail, parse_flags
 from transformer_jax.config import checks
 from transformer_jax.errors import ConfigError, VariantInterrupted, exit_on_user_error
 from transformer_jax.evaluation.run import split_pairs
-from transformer_jax.model import parameter_count
 from transformer_jax.sweep import launch
 from transformer_jax.sweep.results import (
-    REFERENCE_METRICS,
     SPLITS,
     Split,
     add_significance,
     aggregate_seeds,
     decoded,
+    describe,
+    published,
     run_metrics,
     summarize_variant,
     write_results,
@@ -85,7 +84,6 @@ from transformer_jax.sweep.runner import (
     runs,
     train_and_decode,
     train_command,
-    variant_dir,
     variants,
 )
 
@@ -172,7 +170,6 @@ def _launcher(fv: flags.FlagValues) -> launch.Launcher:
         parallel=fv.parallel,
         time_min=fv.time_min,
         gpus_per_node=fv.gpus_per_node,
-        compilation_cache=fv.compilation_cache,
         slurm=slurm,
     )
 
@@ -212,7 +209,8 @@ def _run(fv: flags.FlagValues) -> int:
             )
         return 0
     split = SPLITS[fv.split]
-    tasks = [launch.Task(r.label, r.config, run_dir(workdir, r, seeds), split) for r in chosen]
+    cache = fv.compilation_cache  # for jobs
+    tasks = [launch.RunJob(r.label, r.config, run_dir(workdir, r, seeds), split, cache) for r in chosen]
     if fv.status:
         for label, state, detail in launch.status(workdir, tasks):
             print(f"{label}\t{state}" + (f"\t{detail}" if detail else ""))
@@ -228,7 +226,7 @@ def _run(fv: flags.FlagValues) -> int:
     return 0
 
 
-def _train(launcher: launch.Launcher, tasks: list[launch.Task], workdir: pathlib.Path) -> str | None:
+def _train(launcher: launch.Launcher, tasks: list[launch.RunJob], workdir: pathlib.Path) -> str | None:
     """Trains and decodes the chosen runs with the launcher; what stopped or failed, if anything did."""
     if launcher.name == "sequential":
         for t in tasks:
@@ -255,15 +253,16 @@ def _aggregate(
     split: Split,
 ) -> None:
     """The split's results files (results.csv/md/png, or results_test.*) of what has finished, the .md printed."""
+    dirs = [[run_dir(workdir, r, seeds) for r in all_runs[v.name]] for v in all_variants]
     if seeds == 1:
-        rows = [summarize_variant(v, variant_dir(workdir, v.name), split) for v in all_variants]
+        rows = [summarize_variant(v, d, split) for v, (d,) in zip(all_variants, dirs, strict=True)]
     else:
-        entries = [_seed_runs(v, all_runs[v.name], workdir, seeds, split) for v in all_variants]
+        entries = [
+            {**describe(v), **published(v), "runs": [run_metrics(d, split) for d in variant_dirs]}
+            for v, variant_dirs in zip(all_variants, dirs, strict=True)
+        ]
         rows = aggregate_seeds(entries, seeds, split)
-    finished = [
-        [d if decoded(d, split) else None for d in (run_dir(workdir, r, seeds) for r in all_runs[v.name])]
-        for v in all_variants
-    ]
+    finished = [[d if decoded(d, split) else None for d in variant_dirs] for variant_dirs in dirs]
     rows = add_significance(rows, finished, _references(all_variants, finished, split), split)
     label = getattr(load_config_module(config_arg.partition(":")[0]), "REFERENCE", "reference")
     write_results(rows, workdir, split, reference_label=label)
@@ -278,28 +277,11 @@ def _references(
     cache: dict[str, list[str]] = {}
     out = []
     for variant, runs_done in zip(all_variants, finished, strict=True):
-        if not any(runs_done):
-            out.append(None)
-            continue
         key = json.dumps(variant.config.data.to_dict(), sort_keys=True, default=str)
-        if key not in cache:
+        if any(runs_done) and key not in cache:
             cache[key] = split_pairs(variant.config, split.name)[1]
-        out.append(cache[key])
+        out.append(cache[key] if any(runs_done) else None)
     return out
-
-
-def _seed_runs(
-    variant: Variant, variant_runs: list[Run], workdir: pathlib.Path, seeds: int, split: Split
-) -> dict[str, Any]:
-    """aggregate_seeds' input for one variant: its description and each seed's metrics."""
-    entry: dict[str, Any] = {
-        "variant": variant.name,
-        "overrides": " ".join(f"{k}={v}" for k, v in variant.overrides.items()) or "(none)",
-        "parameters": parameter_count(variant.config),
-        "runs": [run_metrics(run_dir(workdir, r, seeds), split) for r in variant_runs],
-    }
-    entry.update({"ref_" + key: variant.reference.get(key, "") for key in REFERENCE_METRICS})
-    return entry
 
 
 if __name__ == "__main__":

@@ -1,19 +1,12 @@
-"""Where a sweep's runs train (docs/cluster.md): in the sweep's own process one after another (`sequential`, the
-default), or as submitit jobs, one per run (variant x seed), on this machine (`local`) or on a SLURM cluster (`slurm`).
+"""Where a sweep's runs train (docs/cluster.md): in the sweep's own process one after another (`sequential`), or as
+submitit jobs, one per run, on this machine (`local`: at most `parallel` processes at once, the command submitting
+the next as one ends and waiting for the last) or on a SLURM cluster (`slurm`: one job array, `--array=0-N%K`; the
+command returns once it is queued). Jobs import a snapshot of the package taken at submission (DIR/code/).
 
-- local: separate processes on this machine, at most `parallel` at once (submitit's local executor starts every
-  job it is given at once, so the sweep command submits the next run as one ends, and waits for the last).
-- slurm: one job array of the runs to start, at most `parallel` running at once (`--array=0-N%K`); the command
-  returns once they are queued. Each job asks for `nodes` nodes with one task per node; a multi-node job runs the
-  run on every node with jax.distributed initialised from SLURM's environment (TRANSFORMER_JAX_DISTRIBUTED=1).
-
-Jobs import a snapshot of the package taken at submission (runner.snapshot_code). DIR/jobs.json keeps each run's
-last job (launcher, id, submitit folder, host, the split it reports), so that a command run again, or --status, asks
-submitit and the cluster for its state and never submits a second job for a run that is pending or running; a run
-whose job ended without finishing it (killed, failed) is submitted again, and so is a run finished for
-`--split valid` when the command reports `--split test` (its job then only decodes the test split).
-DIR/sweep.lock makes one sweep command at a time own DIR. submitit's files (job scripts, pickles, logs) go in
-DIR/jobs/, snapshots in DIR/code/.
+DIR/jobs.json keeps each run's last job (launcher, id, submitit folder, host, split), so that a command run again,
+or --status, asks for its state and never submits a second job for a run that is pending or running; a run whose
+job ended unfinished is submitted again. DIR/sweep.lock makes one command at a time own DIR; submitit's job
+scripts, pickles and logs go in DIR/jobs/.
 """
 
 from __future__ import annotations
@@ -30,7 +23,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import ml_collections
 
@@ -85,17 +78,7 @@ class Launcher:
     parallel: int | None = None  # most runs at once; None: 1 for local, every run for slurm
     time_min: float = 24 * 60  # a job's time limit, minutes; submitit's signal comes before it
     gpus_per_node: int = 0  # local: the GPUs each job sees (CUDA_VISIBLE_DEVICES=0..N-1); slurm: per node
-    compilation_cache: str | None = None  # the command's --compilation_cache, for its jobs
     slurm: Slurm = Slurm()
-
-
-class Task(NamedTuple):
-    """One run to launch."""
-
-    label: str
-    config: ml_collections.ConfigDict
-    run_dir: pathlib.Path
-    split: Split  # the command's --split: finished once decoded on split.decodes
 
 
 def preemption_signal() -> signal.Signals:
@@ -109,22 +92,19 @@ class _Preempted(VariantInterrupted):
 
 @dataclasses.dataclass(frozen=True)
 class RunJob(submitit.helpers.Checkpointable):
-    """One (variant, seed) run as a submitit job: trains and decodes it in run_dir as the sequential sweep does, with
-    the command's compilation cache and logging; a user error is one line `PROG: error: ...` (the last line of the
-    job's log, which --status shows) and exit status 1. Returns its label.
+    """One (variant, seed) run, as every launcher runs it; called, as a submitit job: trains and decodes it as the
+    sequential sweep does; a user error is one line `PROG: error: ...` (the last line of its log, which --status
+    shows). Returns its label.
 
-    Preemption and time limits follow submitit's protocol: before a time limit (and on preemption) submitit sends
-    USR2, whose handler calls `checkpoint()` and requeues the returned submission. Called straight from the signal,
-    that handler would stop training between two arbitrary bytecodes, so the job first does what SIGTERM does at
-    that moment (the training loop saves a checkpoint at the next step boundary and returns; a decode in progress is
-    abandoned) and then hands the signal on: the requeued job resumes from that checkpoint exactly. A plain SIGTERM
-    (scancel) saves and ends the job; the next sweep command resubmits the run.
+    On submitit's preemption signal (USR2, before a time limit) the job first does what SIGTERM does (the training
+    loop saves at the next step boundary; a decode is abandoned), then hands the signal to submitit's handler, which
+    requeues `checkpoint()`'s submission: called straight from the signal, it would stop training mid-step.
     """
 
     label: str
     config: ml_collections.ConfigDict
-    run_dir: str
-    split: Split  # the command's --split: the run is decoded on split.decodes
+    run_dir: pathlib.Path
+    split: Split  # the command's --split: the run is finished once decoded on split.decodes
     compilation_cache: str | None  # the sweep command's --compilation_cache (None: its default)
 
     def __call__(self) -> str:
@@ -150,7 +130,7 @@ class RunJob(submitit.helpers.Checkpointable):
 
         signal.signal(usr, stop)
         try:
-            train_and_decode(self.label, self.config, pathlib.Path(self.run_dir), self.split)
+            train_and_decode(self.label, self.config, self.run_dir, self.split)
         except VariantInterrupted:
             if not received or not callable(requeue):
                 raise  # a plain SIGTERM: the job ends; the next sweep command resubmits the run
@@ -284,7 +264,7 @@ def run_state(run_dir: pathlib.Path, record: dict[str, Any] | None, split: Split
     return "not started", ""
 
 
-def status(sweep_dir: pathlib.Path, tasks: Sequence[Task]) -> list[tuple[str, str, str]]:
+def status(sweep_dir: pathlib.Path, tasks: Sequence[RunJob]) -> list[tuple[str, str, str]]:
     """(label, state, detail) of every run (run_state)."""
     jobs = load_jobs(sweep_dir)
     return [(t.label, *run_state(t.run_dir, jobs.get(t.label), t.split)) for t in tasks]
@@ -301,7 +281,7 @@ def _record(launcher: Launcher, job: submitit.Job, folder: pathlib.Path, split: 
     }
 
 
-def launch(launcher: Launcher, tasks: Sequence[Task], sweep_dir: pathlib.Path) -> dict[str, str]:
+def launch(launcher: Launcher, tasks: Sequence[RunJob], sweep_dir: pathlib.Path) -> dict[str, str]:
     """Submits every task that is neither finished nor pending or running; local: waits until all have ended.
 
     Returns each task's state afterwards (run_state's first part)."""
@@ -309,34 +289,28 @@ def launch(launcher: Launcher, tasks: Sequence[Task], sweep_dir: pathlib.Path) -
     states = {t.label: run_state(t.run_dir, jobs.get(t.label), t.split)[0] for t in tasks}
     todo = [t for t in tasks if states[t.label] not in ("finished", "pending", "running")]
     folder = sweep_dir / "jobs"
-    if todo:
-        snapshot = snapshot_code(sweep_dir / "code")
-        ex = executor(launcher, folder, snapshot, len(todo))
-        if launcher.name == "slurm":
-            try:
-                with ex.batch():  # one job array, at most `parallel` running at once
-                    submitted = [
-                        ex.submit(RunJob(t.label, t.config, str(t.run_dir), t.split, launcher.compilation_cache))
-                        for t in todo
-                    ]
-            except FailedJobError as e:  # sbatch refused (an unknown partition, an account without access, ...)
-                last = ([line for line in str(e).splitlines() if line.strip()] or ["no message"])[-1]
-                raise ConfigError(f"sbatch refused the sweep's jobs ({last}); check the --slurm_* flags") from None
-            for t, job in zip(todo, submitted, strict=True):
-                jobs[t.label] = _record(launcher, job, folder, t.split)
-            _save_jobs(sweep_dir, jobs)
-        else:
-            _run_local(launcher, ex, todo, [t for t in tasks if states[t.label] == "running"], sweep_dir, jobs)
-    elif launcher.name == "local":
-        _run_local(launcher, None, [], [t for t in tasks if states[t.label] == "running"], sweep_dir, jobs)
+    ex = executor(launcher, folder, snapshot_code(sweep_dir / "code"), len(todo)) if todo else None
+    if launcher.name == "local":
+        _run_local(launcher, ex, todo, [t for t in tasks if states[t.label] == "running"], sweep_dir, jobs)
+    elif todo:
+        assert ex is not None
+        try:
+            with ex.batch():  # one job array, at most `parallel` running at once
+                submitted = [ex.submit(t) for t in todo]
+        except FailedJobError as e:  # sbatch refused (an unknown partition, an account without access, ...)
+            last = ([line for line in str(e).splitlines() if line.strip()] or ["no message"])[-1]
+            raise ConfigError(f"sbatch refused the sweep's jobs ({last}); check the --slurm_* flags") from None
+        for t, job in zip(todo, submitted, strict=True):
+            jobs[t.label] = _record(launcher, job, folder, t.split)
+        _save_jobs(sweep_dir, jobs)
     return {t.label: run_state(t.run_dir, load_jobs(sweep_dir).get(t.label), t.split)[0] for t in tasks}
 
 
 def _run_local(
     launcher: Launcher,
     ex: submitit.AutoExecutor | None,
-    todo: list[Task],
-    running: list[Task],
+    todo: list[RunJob],
+    running: list[RunJob],
     sweep_dir: pathlib.Path,
     jobs: dict[str, dict[str, Any]],
 ) -> None:
@@ -352,8 +326,7 @@ def _run_local(
         while queue and len(live) + len(earlier) < limit:
             t = queue.pop(0)
             assert ex is not None
-            run_job = RunJob(t.label, t.config, str(t.run_dir), t.split, launcher.compilation_cache)
-            live[t.label] = job = ex.submit(run_job)
+            live[t.label] = job = ex.submit(t)
             jobs[t.label] = _record(launcher, job, sweep_dir / "jobs", t.split)
             _save_jobs(sweep_dir, jobs)
         if queue or live or earlier:

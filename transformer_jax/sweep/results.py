@@ -1,33 +1,20 @@
-"""A sweep's results: one row per variant in DIR/results.csv, .md and .png (results_test.* for --split test), the
-split they report, and the paired significance of each variant against the first.
+"""A sweep's results (docs/usage.md, "Sweeps and ablations"): one row per variant in DIR/results.csv, .md and .png
+(results_test.* for --split test), the split they report, and each variant's significance against the first.
 
-Every finished run is decoded on the whole validation split with its last checkpoint (sweep/runner.py); its
-hypotheses and scores stay in the run directory (valid.hyp, valid_scores.json), so the results are rebuilt without
-decoding again. BLEU and chrF come from those scores (sacreBLEU, every sentence), perplexity from the last
-validation of training. With `--split test` every finished run is also decoded on the test split (test.hyp,
-test_scores.json) and the results go to DIR/results_test.*: the test scores, with the Δ intervals and the paired
-bootstrap over the test sentences; the perplexity stays the validation one (the test split has none), and the
-published references (validation numbers) and the paper's direction are left out.
+Scores come from each finished run's stored translation of the whole split (valid.hyp and valid_scores.json, or
+test.*), so the results are rebuilt without decoding; perplexity is training's last validation perplexity, whichever
+split is reported. With several seeds only finished runs (trained and decoded) count: a row holds each metric's
+mean, sample standard deviation (ddof=1) and number of seeds, and for perplexity, BLEU and chrF the change Δ from
+the first variant with Welch's t 95% interval (unequal variances and seed counts; it ignores that seed i of two
+variants shares init and data order, so it is conservative).
 
-One seed per variant: each row holds the variant's last validation perplexity, BLEU and chrF, its mean training
-throughput and wall time (a variant still running shows its perplexity so far).
-
-Several seeds (`--seeds N`): only finished runs (trained and decoded) count. For every metric a row holds the mean
-over seeds (`<metric>`), the sample standard deviation (`<metric>_std`, ddof=1) and the number of finished seeds
-(`n_seeds` of `seeds`); results.md marks a row with a seed missing ("2 of 3 *") and names the runs missing. For
-perplexity, BLEU and chrF a row also holds Δ = its mean minus the first variant's (`delta_<metric>`) with Welch's
-t 95% interval (`delta_<metric>_ci95_low/high`), which allows unequal variances and numbers of seeds and needs two
-finished seeds on both sides (it ignores that seed i of two variants shares init and data order: conservative).
-
-Significance (columns bleu_p, chrf_p, paired_seeds): BLEU and chrF of each variant against the first, by sacreBLEU's
-paired bootstrap over the split's sentences on the stored hypotheses (`evaluation.significance.
-pooled_paired_bootstrap`: seed i paired with the base's seed i, each sentence resampled with all its seeds'
-translations; a seed-averaged system does not exist as a translation). The spread between seeds is what the Welch
-interval reports. When the config gives the paper's numbers, paper_direction ("yes" / "no" / "not significant" /
-"untested") and paper_direction_by say whether a significant change goes the paper's way: by BLEU where the paper
-gives BLEU (p < 0.05 and, with two seeds on both sides, the Welch interval of Δ BLEU excludes 0: on the Multi30k
-Table 3 sweep the bootstrap alone gave p = 0.001 to BLEU changes of 0.4-1 whose seed intervals straddle 0), else by
-perplexity (its Welch interval excludes 0). A significant change against a paper change of exactly 0 is "no".
+Significance (bleu_p, chrf_p, paired_seeds): sacreBLEU's paired bootstrap over the split's sentences on the stored
+hypotheses, seed i paired with the base's seed i and each sentence resampled with all its seeds' translations
+(`evaluation.significance.pooled_paired_bootstrap`; a seed-averaged system does not exist as a translation). It
+resamples sentences, not training runs, so paper_direction (whether a significant change has the paper's sign) by
+BLEU also needs the Welch interval of Δ BLEU to exclude 0 where both sides have two seeds: on the Multi30k Table 3
+sweep the bootstrap alone gave p = 0.001 to BLEU changes of 0.4-1 whose seed intervals straddle 0. A row with only a
+paper perplexity is judged by the Welch interval of Δ perplexity. The paper's numbers are validation numbers.
 """
 
 from __future__ import annotations
@@ -141,20 +128,22 @@ def run_metrics(run_dir: pathlib.Path, split: Split) -> dict[str, Any]:
     return row
 
 
-def summarize_variant(variant, run_dir: pathlib.Path, split: Split) -> dict:
+def describe(variant: Any) -> dict[str, Any]:
+    """The columns that name a variant (runner.Variant): variant, overrides, parameters."""
+    overrides = " ".join(f"{k}={v}" for k, v in variant.overrides.items()) or "(none)"
+    return {"variant": variant.name, "overrides": overrides, "parameters": parameter_count(variant.config)}
+
+
+def published(variant: Any) -> dict[str, Any]:
+    """The ref_* columns: the variant's published numbers ("" where the config gives none)."""
+    return {"ref_" + key: variant.reference.get(key, "") for key in REFERENCE_METRICS}
+
+
+def summarize_variant(variant: Any, run_dir: pathlib.Path, split: Split) -> dict[str, Any]:
     """One results row from a variant's directory (empty fields where it has not run): the one-seed layout."""
-    name, overrides, config, reference = variant
-    row: dict[str, Any] = {
-        "variant": name,
-        "overrides": " ".join(f"{k}={v}" for k, v in overrides.items()) or "(none)",
-        "parameters": parameter_count(config),
-    }
     metrics = run_metrics(run_dir, split)
     del metrics["finished"]
-    row.update(metrics)
-    for key in REFERENCE_METRICS:
-        row["ref_" + key] = reference.get(key, "")
-    return row
+    return {**describe(variant), **metrics, **published(variant)}
 
 
 def welch_interval(a: Sequence[float], b: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float]:
@@ -263,8 +252,7 @@ def paper_direction(row: dict[str, Any], base: dict[str, Any], bleu_difference: 
     """(verdict, metric) of the paper_direction columns for a variant's row; ('', '') with no paper numbers."""
     paper_bleu = (row.get("ref_valid_bleu", ""), base.get("ref_valid_bleu", ""))
     if "" not in paper_bleu and row.get("bleu_p", "") != "":
-        # The bootstrap resamples sentences, not training runs: with 3 seeds x 1,014 sentences it calls a 0.4 BLEU
-        # change significant that the seeds' own spread does not support. Both must hold where seeds allow it.
+        # The bootstrap resamples sentences, not training runs: both must hold where seeds allow it.
         low, high = row.get("delta_valid_bleu_ci95_low", ""), row.get("delta_valid_bleu_ci95_high", "")
         seeds_agree = low == "" or not low <= 0 <= high
         significant = row["bleu_p"] < ALPHA and seeds_agree
