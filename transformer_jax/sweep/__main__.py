@@ -1,48 +1,30 @@
 """Run a config's sweep: python -m transformer_jax.sweep --config configs/<file>.py[:arg] --workdir DIR
+(docs/usage.md, "Sweeps and ablations"; launchers: docs/cluster.md)
 
 A config file's `get_sweep(arg)` returns a list of dicts: {"name": readable-name, "<dotted.key>": value, ...}.
 An entry may also hold "reference": {"valid_perplexity": x, "valid_bleu": y}, a published result to compare with
 (the file's REFERENCE string names its source); the results then gain ref_* columns and the chart shows each
-variant's change from the first one, ours beside the reference.
+variant's change from the first one, ours beside the reference. --config.KEY=VALUE sets a config value in every
+variant (a shared tokenizer, a data directory), as for train.py.
+
 Each variant trains in DIR/<name> with its resolved config saved there; a finished variant is skipped and an
-interrupted one resumes from its checkpoints. --dry_run lists the variants, --print_commands prints one train.py
-command per variant, --only NAME runs one, --config.KEY=VALUE sets a config value in every
-variant (a shared tokenizer, a data directory), as for train.py. Results are aggregated into DIR/results.csv,
-DIR/results.md and DIR/results.png from the runs' metrics.jsonl and stored validation translations. SIGTERM saves
-the running variant's checkpoint and stops the sweep (exit status 1, results so far aggregated); the same command
-resumes it.
+interrupted one resumes from its checkpoints. SIGTERM saves the running variant's checkpoint and stops the sweep
+(exit status 1, results so far aggregated); the same command resumes it. --seeds N (or a top-level `SEEDS = N` in
+the config file) runs every variant N times: seed i adds i to train.seed and data.shuffle_seed (parameter init,
+dropout, data order, shared by seed i of every variant) and trains in DIR/NAME/seed<i>; the results then give
+mean ± standard deviation over the finished seeds and Δ against the first variant with its 95% interval.
 
-Seeds: --seeds N (or a top-level `SEEDS = N` in the config file; the flag wins) runs every variant N times. Seed i
-(0 .. N-1) sets train.seed and data.shuffle_seed to the config's values plus i, so it changes the parameter init,
-the dropout masks and the data order, and seed i of every variant shares them. With N > 1 run i of NAME trains in
-DIR/NAME/seed<i> (with N = 1 in DIR/NAME); each run is skipped or resumed on its own, and
---only NAME runs all seeds of NAME. The results then give mean ± standard deviation over the finished seeds with
-Δ and its confidence interval against the first variant (sweep/results.py says how).
+A trained run translates the whole validation split with its last checkpoint, no averaging (as the paper's Table 3),
+and the config's beam search (config.eval), through evaluate.py's library, into valid.hyp and valid_scores.json in
+its directory; BLEU, chrF and the paired bootstrap of each variant against the first come from these, so
+--aggregate_only recomputes the results without decoding. Results: DIR/results.csv, .md and .png. --split test also
+translates the test split (test.hyp, test_scores.json) and reports it in DIR/results_test.*.
 
-Decoding: after a run's training finishes, the sweep translates the whole validation split with the run's last
-checkpoint, no averaging (as the paper's Table 3), and the config's beam search (config.eval: beam_size, alpha,
-max_extra_len, batch_size), through the library evaluate.py runs (`evaluation.run.load` and `.translate`). The
-hypotheses and the report go in the run directory (valid.hyp, valid_scores.json); a run is finished once both exist,
-and a trained run without them gets them on the next invocation. BLEU and chrF in the results come from them, and so
-does the paired bootstrap of each variant against the first (sweep/results.py), which
---aggregate_only recomputes without decoding. SIGTERM while decoding stops the sweep like SIGTERM while training;
-the decoding starts anew next time.
-
-Test split: with --split test every finished run is also translated on its config's test split (same checkpoint,
-same search) into test.hyp and test_scores.json, and the results go to DIR/results_test.csv/md/png (the validation
-results files are left as they are): test_bleu, test_chrf, test_chrfpp, test_ter, with the seeds' intervals and
-the paired bootstrap over the test sentences; the perplexity is still the last validation perplexity of training,
-and the published (validation) references are not compared. A run already trained and decoded is only decoded on
-the test split; --aggregate_only --split test rebuilds results_test.* from the stored files.
-
-Launchers (sweep/launch.py, docs/cluster.md): --launcher sequential (default) trains the runs one after another in
-this process. --launcher local|slurm makes each run (variant x seed) a submitit job, at most --parallel at once,
-on this machine (the command waits for them) or on a SLURM cluster (the command queues one job array and returns;
---slurm_* flags, --gpus_per_node and --time_min say what each job asks for). A job trains and decodes its run as
-above, importing a snapshot of the package taken at submission; every run records its code version
-(code_version.json). Run the same command again to resubmit runs whose job ended unfinished (never a second copy of
-one pending or running) and aggregate what has finished; --status lists each run's state. One sweep command at a
-time owns DIR (DIR/sweep.lock).
+--launcher sequential (default) trains the runs one after another in this process; local|slurm makes each run a
+submitit job, at most --parallel at once, on this machine (the command waits) or on a SLURM cluster (the command
+queues one job array and returns). Run the same command again to resubmit runs whose job ended unfinished and
+aggregate what has finished; --status lists each run's state. Every run records its code version
+(code_version.json); one sweep command at a time owns DIR (DIR/sweep.lock).
 """
 
 from __future__ import annotations
@@ -204,9 +186,8 @@ def _run(fv: flags.FlagValues) -> int:
         return 0
     if fv.print_commands:
         for r in chosen:
-            print(
-                train_command(config_arg, run_dir(workdir, r, seeds), {**common, **r.variant.overrides, **r.overrides})
-            )
+            overrides = {**common, **r.variant.overrides, **r.overrides}
+            print(train_command(config_arg, run_dir(workdir, r, seeds), overrides))
         return 0
     split = SPLITS[fv.split]
     cache = fv.compilation_cache  # for jobs

@@ -298,11 +298,8 @@ def add_significance(
 
 
 def _markdown(rows: list[dict], columns: list[str], split: Split) -> list[str]:
-    """The results table; several seeds: "mean ± std" cells, "2 of 3 *" for a row with seeds missing, Δ [CI].
-
-    The test columns (bleu_p, chrf_p: p-values marked below 0.05; the paper_direction verdict with its metric) are
-    formatted the same way in both layouts.
-    """
+    """The results table; several seeds: "mean ± std" cells, "2 of 3 *" for a row with seeds missing, Δ [CI]. The
+    test columns (p-values marked below ALPHA; the paper_direction verdict with its metric) read the same in both."""
     tests = "bleu_p" in columns
     direction = "paper_direction" in columns
     hidden = {"bleu_p", "chrf_p", "paired_seeds", "paper_direction", "paper_direction_by"}
@@ -332,15 +329,11 @@ def _markdown(rows: list[dict], columns: list[str], split: Split) -> list[str]:
         if r["missing_seeds"]:
             seeds += " *"
             missing = ", ".join(f"seed{i}" for i in r["missing_seeds"].split())
-            notes.append(
-                f"* {r['variant']}: {missing} not finished (trained and decoded); its means are over "
-                f"{r['n_seeds']} seeds"
-                + (
-                    f", its p-values over the {r['paired_seeds'] or 0} seeds it shares with the base"
-                    if tests and r["n_seeds"]
-                    else ""
-                )
-            )
+            note = f"* {r['variant']}: {missing} not finished (trained and decoded); "
+            note += f"its means are over {r['n_seeds']} seeds"
+            if tests and r["n_seeds"]:
+                note += f", its p-values over the {r['paired_seeds'] or 0} seeds it shares with the base"
+            notes.append(note)
         cells = [r["variant"], r["overrides"], str(r["parameters"]), seeds]
         for m in split.metrics:
             mean, std = r[m], r[m + "_std"]

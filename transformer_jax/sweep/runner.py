@@ -44,11 +44,8 @@ class Variant(NamedTuple):
 
 @functools.cache
 def load_config_module(path: str):
-    """Imports a config file by path (the part before ':'), once per path, with the loader of every command.
-
-    The --config flag hands back only get_config()'s result; the sweep also needs the module's get_sweep(arg) and
-    REFERENCE, and a fresh get_config(arg) for each variant.
-    """
+    """Imports a config file by path (the part before ':') once: the sweep needs its get_sweep(arg), SEEDS and
+    REFERENCE, and a fresh get_config(arg) for each variant, where --config hands back one get_config() result."""
     return loading.load_module(path, f"sweep_config_{pathlib.Path(path).stem}")
 
 
@@ -111,12 +108,6 @@ def num_seeds(config_arg: str, flag: int | None) -> int:
     return seeds
 
 
-def seed_overrides(config: ml_collections.ConfigDict, index: int) -> dict[str, int]:
-    """Seed `index` of a variant: train.seed (parameter init and dropout) and data.shuffle_seed (data order) of its
-    config, each plus `index`. Seed 0 is the config itself, so seed i of every variant shares init and data order."""
-    return {"train.seed": config.train.seed + index, "data.shuffle_seed": config.data.shuffle_seed + index}
-
-
 class Run(NamedTuple):
     """One (variant, seed) training run."""
 
@@ -128,13 +119,17 @@ class Run(NamedTuple):
 
 
 def runs(variant: Variant, seeds: int) -> list[Run]:
-    """The variant's runs. One seed: the variant's own config, in today's layout. Several: copies that differ from
-    the validated variant in the seed keys alone, which are checked here."""
+    """The variant's runs. One seed: the variant's own config. Several: seed i adds i to train.seed (parameter init
+    and dropout) and data.shuffle_seed (data order), so seed 0 is the config itself and seed i of every variant
+    shares init and data order; only these keys differ from the validated variant, and are checked here."""
     if seeds == 1:
         return [Run(variant, 0, variant.name, {}, variant.config)]
     out = []
     for i in range(seeds):
-        overrides = seed_overrides(variant.config, i)
+        overrides = {
+            "train.seed": variant.config.train.seed + i,
+            "data.shuffle_seed": variant.config.data.shuffle_seed + i,
+        }
         config = variant.config.copy_and_resolve_references()
         config.update_from_flattened_dict(overrides)
         try:
@@ -192,6 +187,7 @@ def decode_run(name: str, run_dir: pathlib.Path, split: Split) -> None:
     # The last checkpoint: the paper's Table 3 averages none.
     mode = Translate(Model(str(run_dir), average_last=1), split=split.name)
     (run_dir / split.scores_file).unlink(missing_ok=True)  # a stale report must not pass for the new hypotheses
+
     # Unlike training, a decode cannot save its progress; SIGTERM abandons it (hypotheses are written only at its end).
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
@@ -213,9 +209,8 @@ def configure_logging() -> None:
 
 
 def train_and_decode(label: str, config: ml_collections.ConfigDict, run_dir: pathlib.Path, split: Split) -> None:
-    """One run as every launcher runs it (in the sweep's process, or as a job): records the code version, trains
-    (resuming; a finished run is skipped) and decodes the splits the reported split needs (split.decodes: the
-    validation split, then the test split for --split test; each one skipped if already decoded). SIGTERM raises
+    """One run as every launcher runs it: records the code version, trains (resuming; skipped when finished) and
+    decodes split.decodes (validation, then test for --split test; each skipped if decoded). SIGTERM raises
     VariantInterrupted."""
     if jax.process_index() == 0:  # the hosts of a multi-host run share its directory
         record_code_version(run_dir)
