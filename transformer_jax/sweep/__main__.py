@@ -29,6 +29,7 @@ aggregate what has finished; --status lists each run's state. Every run records 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import pathlib
@@ -138,22 +139,8 @@ def _launcher(fv: flags.FlagValues) -> launch.Launcher:
     job_flags = [name for name in ("parallel", "time_min", "gpus_per_node") if fv[name].present]
     if job_flags and fv.launcher == "sequential":
         raise ConfigError(f"--{job_flags[0]} is for --launcher local or slurm (the sequential launcher runs no jobs)")
-    slurm = launch.Slurm(
-        partition=fv.slurm_partition,
-        nodes=fv.slurm_nodes,
-        cpus_per_task=fv.slurm_cpus_per_task,
-        mem=fv.slurm_mem,
-        account=fv.slurm_account,
-        qos=fv.slurm_qos,
-        extra=tuple(fv.slurm_extra),
-    )
-    return launch.Launcher(
-        name=fv.launcher,
-        parallel=fv.parallel,
-        time_min=fv.time_min,
-        gpus_per_node=fv.gpus_per_node,
-        slurm=slurm,
-    )
+    settings = {f.name: fv[f.name].value for f in dataclasses.fields(launch.Launcher) if f.name != "name"}
+    return launch.Launcher(name=fv.launcher, **{**settings, "slurm_extra": tuple(fv.slurm_extra)})
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -58,27 +58,21 @@ SLURM_RUNNING = ("RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING")
 
 
 @dataclasses.dataclass(frozen=True)
-class Slurm:
-    """The --slurm_* flags: what each job asks SLURM for (None: the cluster's default)."""
-
-    partition: str | None = None
-    nodes: int = 1
-    cpus_per_task: int | None = None
-    mem: str | None = None  # e.g. "64G": memory per node
-    account: str | None = None
-    qos: str | None = None
-    extra: tuple[str, ...] = ()  # "key=value": #SBATCH --key=value; "key": #SBATCH --key
-
-
-@dataclasses.dataclass(frozen=True)
 class Launcher:
-    """How a sweep runs its runs: the --launcher flag and its settings."""
+    """How a sweep runs its runs: the --launcher flag (name) and the flags named as the other fields."""
 
     name: str = "sequential"
     parallel: int | None = None  # most runs at once; None: 1 for local, every run for slurm
     time_min: float = 24 * 60  # a job's time limit, minutes; submitit's signal comes before it
     gpus_per_node: int = 0  # local: the GPUs each job sees (CUDA_VISIBLE_DEVICES=0..N-1); slurm: per node
-    slurm: Slurm = Slurm()
+    # What each SLURM job asks for (None: the cluster's default).
+    slurm_partition: str | None = None
+    slurm_nodes: int = 1
+    slurm_cpus_per_task: int | None = None
+    slurm_mem: str | None = None  # e.g. "64G": memory per node
+    slurm_account: str | None = None
+    slurm_qos: str | None = None
+    slurm_extra: tuple[str, ...] = ()  # "key=value": #SBATCH --key=value; "key": #SBATCH --key
 
 
 def preemption_signal() -> signal.Signals:
@@ -170,7 +164,7 @@ def _python(launcher: Launcher, snapshot: pathlib.Path) -> str:
     (a checkout, perhaps) is not put before it; a multi-node job joins jax.distributed."""
     path = os.pathsep.join(p for p in (str(snapshot), os.environ.get("PYTHONPATH", "")) if p)
     env = [f"PYTHONPATH={path}"]
-    if launcher.name == "slurm" and launcher.slurm.nodes > 1:
+    if launcher.name == "slurm" and launcher.slurm_nodes > 1:
         env.append("TRANSFORMER_JAX_DISTRIBUTED=1")
     return shlex.join(["env", *env, sys.executable, "-P"])
 
@@ -185,18 +179,17 @@ def executor(launcher: Launcher, folder: pathlib.Path, snapshot: pathlib.Path, c
         # timeout_min only whole ones.
         ex.update_parameters(**common, local_timeout_min=launcher.time_min, gpus_per_node=launcher.gpus_per_node)
         return ex
-    s = launcher.slurm
-    extra = {key: value if sep else True for key, sep, value in (item.partition("=") for item in s.extra)}
+    extra = {key: value if sep else True for key, sep, value in (item.partition("=") for item in launcher.slurm_extra)}
     ex.update_parameters(
         **common,
         timeout_min=max(1, round(launcher.time_min)),
-        nodes=s.nodes,
+        nodes=launcher.slurm_nodes,
         gpus_per_node=launcher.gpus_per_node or None,
-        cpus_per_task=s.cpus_per_task,
-        slurm_partition=s.partition,
-        slurm_mem=s.mem,
-        slurm_account=s.account,
-        slurm_qos=s.qos,
+        cpus_per_task=launcher.slurm_cpus_per_task,
+        slurm_partition=launcher.slurm_partition,
+        slurm_mem=launcher.slurm_mem,
+        slurm_account=launcher.slurm_account,
+        slurm_qos=launcher.slurm_qos,
         slurm_additional_parameters=extra or None,
         slurm_array_parallelism=launcher.parallel or count,
     )
