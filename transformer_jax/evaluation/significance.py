@@ -45,13 +45,9 @@ def paired_bootstrap(
     identical = baseline_hyps == system_hyps  # sacreBLEU's p is then its smallest, which means nothing here
     out: dict[str, Any] = {"test": TEST_NAME, "n_samples": n_samples, "seed": _seed(), "identical_outputs": identical}
     out.update(_run({"bleu": BLEU(), "chrf": CHRF()}, baseline_hyps, system_hyps, refs, n_samples))
-    tokenized = _run(
-        {"tokenized_bleu": BLEU(tokenize="none", force=True)},
-        bleu.tokenize_for_bleu(baseline_hyps),
-        bleu.tokenize_for_bleu(system_hyps),
-        bleu.tokenize_for_bleu(refs),
-        n_samples,
-    )
+    tokenized_bleu = {"tokenized_bleu": BLEU(tokenize="none", force=True)}
+    tok = bleu.tokenize_for_bleu
+    tokenized = _run(tokenized_bleu, tok(baseline_hyps), tok(system_hyps), tok(refs), n_samples)
     tokenized["tokenized_bleu"]["name"] = bleu.TOKENIZED_BLEU_LABEL
     return {**out, **tokenized}
 

@@ -63,7 +63,6 @@ from transformer_jax.sweep.runner import (
     configure_logging,
     load_config_module,
     num_seeds,
-    run_dir,
     runs,
     train_and_decode,
     train_command,
@@ -174,11 +173,11 @@ def _run(fv: flags.FlagValues) -> int:
     if fv.print_commands:
         for r in chosen:
             overrides = {**common, **r.variant.overrides, **r.overrides}
-            print(train_command(config_arg, run_dir(workdir, r, seeds), overrides))
+            print(train_command(config_arg, workdir / r.label, overrides))
         return 0
     split = SPLITS[fv.split]
     cache = fv.compilation_cache  # for jobs
-    tasks = [launch.RunJob(r.label, r.config, run_dir(workdir, r, seeds), split, cache) for r in chosen]
+    tasks = [launch.RunJob(r.label, r.config, workdir / r.label, split, cache) for r in chosen]
     if fv.status:
         for label, state, detail in launch.status(workdir, tasks):
             print(f"{label}\t{state}" + (f"\t{detail}" if detail else ""))
@@ -221,7 +220,7 @@ def _aggregate(
     split: Split,
 ) -> None:
     """The split's results files (results.csv/md/png, or results_test.*) of what has finished, the .md printed."""
-    dirs = [[run_dir(workdir, r, seeds) for r in all_runs[v.name]] for v in all_variants]
+    dirs = [[workdir / r.label for r in all_runs[v.name]] for v in all_variants]
     if seeds == 1:
         rows = [summarize_variant(v, d, split) for v, (d,) in zip(all_variants, dirs, strict=True)]
     else:

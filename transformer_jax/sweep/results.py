@@ -437,15 +437,8 @@ def _chart(rows: list[dict], columns: list[str], workdir: pathlib.Path, split: S
                         (_number(r[f"delta_{key}_ci95_high"]) - _number(r[f"delta_{key}_ci95_low"])) / 2 for r in rows
                     ]
                     errors = [change(x0 + h, x0) for h in halves]
-                ax.barh(
-                    [p + offset for p in positions],
-                    values,
-                    height=0.4,
-                    xerr=errors,
-                    capsize=3,
-                    color=color,
-                    label=who or reference_label,
-                )
+                bars = [p + offset for p in positions]
+                ax.barh(bars, values, height=0.4, xerr=errors, capsize=3, color=color, label=who or reference_label)
                 largest = max([largest, *map(abs, values)])
             ax.axvline(0.0, color="black", linewidth=0.8)
             ax.set_yticks(list(positions), names)

@@ -112,8 +112,7 @@ class Run(NamedTuple):
     """One (variant, seed) training run."""
 
     variant: Variant
-    seed: int  # index: 0 .. seeds-1
-    label: str  # "NAME" with one seed, else "NAME/seedI"
+    label: str  # "NAME" with one seed, else "NAME/seedI": also its directory inside the sweep's DIR
     overrides: dict[str, Any]  # the seed's config values on top of the variant's overrides ({} with one seed)
     config: ml_collections.ConfigDict
 
@@ -123,7 +122,7 @@ def runs(variant: Variant, seeds: int) -> list[Run]:
     and dropout) and data.shuffle_seed (data order), so seed 0 is the config itself and seed i of every variant
     shares init and data order; only these keys differ from the validated variant, and are checked here."""
     if seeds == 1:
-        return [Run(variant, 0, variant.name, {}, variant.config)]
+        return [Run(variant, variant.name, {}, variant.config)]
     out = []
     for i in range(seeds):
         overrides = {
@@ -137,14 +136,8 @@ def runs(variant: Variant, seeds: int) -> list[Run]:
                 checks.check_value(key, value)
         except ConfigError as e:
             raise ConfigError(f"sweep variant {variant.name!r}, seed {i} of --seeds {seeds}: {e}") from e
-        out.append(Run(variant, i, f"{variant.name}/seed{i}", overrides, config))
+        out.append(Run(variant, f"{variant.name}/seed{i}", overrides, config))
     return out
-
-
-def run_dir(workdir: pathlib.Path, run: Run, seeds: int) -> pathlib.Path:
-    """DIR/NAME with one seed (so sweeps from before seeds resume), DIR/NAME/seedI with several."""
-    directory = workdir / run.variant.name  # NAME_PATTERN: a directory directly inside DIR
-    return directory if seeds == 1 else directory / f"seed{run.seed}"
 
 
 def run_variant(name: str, config: ml_collections.ConfigDict, workdir: pathlib.Path) -> dict[str, Any]:
@@ -258,11 +251,10 @@ def code_version() -> tuple[dict[str, Any], str]:
     if commit is None:
         return {"commit": None, "dirty": None, "untracked": [], "source": str(root)}, ""
     diff = _git(root, "diff", "HEAD", "--binary") or ""
-    package = package_root().relative_to(root) if package_root().is_relative_to(root) else package_root()
     untracked = sorted(
         name
         for name in (_git(root, "ls-files", "--others", "--exclude-standard") or "").splitlines()
-        if name.startswith(f"{package}/") and "__pycache__" not in name
+        if name.startswith(f"{package_root().name}/") and "__pycache__" not in name
     )
     for name in untracked:  # `git diff` leaves out files it does not track; a new module is code that ran
         diff += _git(root, "diff", "--no-index", "--binary", "--", "/dev/null", name, ok=(0, 1)) or ""
