@@ -124,7 +124,6 @@ def _seed() -> str:
 
 
 def _run(metrics: dict[str, Any], baseline: list, system: list, refs: list[str], n: int) -> dict[str, Any]:
-    keys = list(metrics)
     logger = logging.getLogger("sacrebleu")  # it logs each step at INFO, which absl's handler would print
     level = logger.level
     logger.setLevel(logging.WARNING)
@@ -136,7 +135,7 @@ def _run(metrics: dict[str, Any], baseline: list, system: list, refs: list[str],
     finally:
         logger.setLevel(level)
     out = {}
-    for key, (name, (base, other)) in zip(keys, [(k, v) for k, v in results.items() if k != "System"], strict=True):
+    for key, (name, (base, other)) in zip(metrics, [(k, v) for k, v in results.items() if k != "System"], strict=True):
         out[key] = {
             "name": name,
             "signature": str(signatures[name]),

@@ -1,30 +1,19 @@
 """Run a config's sweep: python -m transformer_jax.sweep --config configs/<file>.py[:arg] --workdir DIR
 (docs/usage.md, "Sweeps and ablations"; launchers: docs/cluster.md)
 
-A config file's `get_sweep(arg)` returns a list of dicts: {"name": readable-name, "<dotted.key>": value, ...}.
-An entry may also hold "reference": {"valid_perplexity": x, "valid_bleu": y}, a published result to compare with
-(the file's REFERENCE string names its source); the results then gain ref_* columns and the chart shows each
-variant's change from the first one, ours beside the reference. --config.KEY=VALUE sets a config value in every
-variant (a shared tokenizer, a data directory), as for train.py.
+A config file's `get_sweep(arg)` returns a list of dicts: {"name": readable-name, "<dotted.key>": value, ...}, each
+optionally with "reference": {"valid_perplexity": x, "valid_bleu": y}, a published result to compare with (the
+file's REFERENCE string names its source). --config.KEY=VALUE sets a config value in every variant, as for train.py.
 
-Each variant trains in DIR/<name> with its resolved config saved there; a finished variant is skipped and an
-interrupted one resumes from its checkpoints. SIGTERM saves the running variant's checkpoint and stops the sweep
-(exit status 1, results so far aggregated); the same command resumes it. --seeds N (or a top-level `SEEDS = N` in
-the config file) runs every variant N times: seed i adds i to train.seed and data.shuffle_seed (parameter init,
-dropout, data order, shared by seed i of every variant) and trains in DIR/NAME/seed<i>; the results then give
-mean ± standard deviation over the finished seeds and Δ against the first variant with its 95% interval.
-
-A trained run translates the whole validation split with its last checkpoint, no averaging (as the paper's Table 3),
-and the config's beam search (config.eval), through evaluate.py's library, into valid.hyp and valid_scores.json in
-its directory; BLEU, chrF and the paired bootstrap of each variant against the first come from these, so
---aggregate_only recomputes the results without decoding. Results: DIR/results.csv, .md and .png. --split test also
-translates the test split (test.hyp, test_scores.json) and reports it in DIR/results_test.*.
-
---launcher sequential (default) trains the runs one after another in this process; local|slurm makes each run a
-submitit job, at most --parallel at once, on this machine (the command waits) or on a SLURM cluster (the command
-queues one job array and returns). Run the same command again to resubmit runs whose job ended unfinished and
-aggregate what has finished; --status lists each run's state. Every run records its code version
-(code_version.json); one sweep command at a time owns DIR (DIR/sweep.lock).
+Each run (variant x seed) trains in DIR/NAME (DIR/NAME/seed<i> with --seeds N > 1, or the config file's SEEDS = N:
+seed i adds i to train.seed and data.shuffle_seed), is skipped when finished and resumed when interrupted, and then
+translates the whole validation split (and the test split with --split test) with its last checkpoint, no
+averaging, and the config's beam search. The results, DIR/results.csv/md/png (results_test.*), give each variant's
+scores (with seeds: mean ± standard deviation and Δ against the first variant with its 95% interval) and sacreBLEU's
+paired bootstrap against the first variant, from the stored translations (--aggregate_only rebuilds them). SIGTERM
+saves the running run's checkpoint and stops the sweep (exit status 1); the same command resumes it, and resubmits
+local or SLURM jobs that ended unfinished. Every run records its code version (code_version.json); one sweep
+command at a time owns DIR (DIR/sweep.lock).
 """
 
 from __future__ import annotations
@@ -179,8 +168,10 @@ def _run(fv: flags.FlagValues) -> int:
     cache = fv.compilation_cache  # for jobs
     tasks = [launch.RunJob(r.label, r.config, workdir / r.label, split, cache) for r in chosen]
     if fv.status:
-        for label, state, detail in launch.status(workdir, tasks):
-            print(f"{label}\t{state}" + (f"\t{detail}" if detail else ""))
+        jobs = launch.load_jobs(workdir)
+        for t in tasks:
+            state, detail = launch.run_state(t.run_dir, jobs.get(t.label), t.split)
+            print(f"{t.label}\t{state}" + (f"\t{detail}" if detail else ""))
         return 0
     launcher = _launcher(fv)
     checks.check_workdir(workdir)

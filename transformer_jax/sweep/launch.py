@@ -257,12 +257,6 @@ def run_state(run_dir: pathlib.Path, record: dict[str, Any] | None, split: Split
     return "not started", ""
 
 
-def status(sweep_dir: pathlib.Path, tasks: Sequence[RunJob]) -> list[tuple[str, str, str]]:
-    """(label, state, detail) of every run (run_state)."""
-    jobs = load_jobs(sweep_dir)
-    return [(t.label, *run_state(t.run_dir, jobs.get(t.label), t.split)) for t in tasks]
-
-
 def _record(launcher: Launcher, job: submitit.Job, folder: pathlib.Path, split: Split) -> dict[str, Any]:
     return {
         "launcher": launcher.name,

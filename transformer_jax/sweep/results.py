@@ -89,7 +89,6 @@ RESULT_FILE = "sweep_result.json"  # written when a run's training finished
 REFERENCE_METRICS = (PERPLEXITY, f"{VALID.name}_bleu")  # published numbers are validation numbers
 CONFIDENCE = 0.95
 ALPHA = 0.05  # a p-value below this marks a row
-TESTED = ("bleu", "chrf")
 MARK = "†"  # results.md's mark of p < ALPHA
 
 
@@ -106,8 +105,7 @@ def decoded(run_dir: pathlib.Path, split: Split) -> bool:
 def run_metrics(run_dir: pathlib.Path, split: Split) -> dict[str, Any]:
     """steps, valid_perplexity, the split's sacreBLEU scores (split.scores), tokens_per_s, wall_s of one run
     directory ("" where absent) and finished (trained and decoded on the split)."""
-    row: dict[str, Any] = {key: "" for key in ("steps", PERPLEXITY, *split.scores)}
-    row.update(tokens_per_s="", wall_s="")
+    row: dict[str, Any] = {key: "" for key in ("steps", PERPLEXITY, *split.scores, *TIMING)}
     metrics_file = run_dir / "metrics.jsonl"
     if metrics_file.exists():
         records = read_metrics(metrics_file)
@@ -241,7 +239,7 @@ def compare_runs(
             )
     result = pooled_paired_bootstrap([lines[b] for b, _ in pairs], [lines[v] for _, v in pairs], references)
     row: dict[str, Any] = {"paired_seeds": len(pairs)}
-    for key in TESTED:
+    for key in ("bleu", "chrf"):
         # sacreBLEU gives identical outputs its smallest p; identical outputs differ by nothing, so p is 1.
         row[key + "_p"] = 1.0 if result["identical_outputs"] else round(result[key]["p_value"], 4)
     row["bleu_difference"] = result["bleu"]["system"]["score"] - result["bleu"]["baseline"]["score"]

@@ -58,7 +58,7 @@ def variants(config_arg: str, common: dict[str, Any] | None = None) -> list[Vari
     module = load_config_module(path)
     if not hasattr(module, "get_sweep"):
         raise ConfigError(f"config file {path} defines no get_sweep(arg); add one returning a list of override dicts")
-    out, seen = [], set()
+    out: list[Variant] = []
     for i, override in enumerate(loading.call(module, path, "get_sweep", arg or None)):
         override = dict(override)
         name = override.pop("name", None)
@@ -67,9 +67,8 @@ def variants(config_arg: str, common: dict[str, Any] | None = None) -> list[Vari
                 f"{path}: sweep entry {i} needs a 'name' of letters, digits, '_.=-' other than '.' and '..' "
                 f"(it names a directory inside the sweep's workdir); got {name!r}"
             )
-        if name in seen:
+        if any(v.name == name for v in out):
             raise ConfigError(f"{path}: sweep variant name {name!r} is used twice")
-        seen.add(name)
         reference = dict(override.pop("reference", {}))
         unknown = sorted(set(reference) - set(REFERENCE_METRICS))
         if unknown:
