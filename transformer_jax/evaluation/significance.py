@@ -55,10 +55,8 @@ def paired_bootstrap(
 class _PooledSeeds:
     """A sacreBLEU metric whose hypotheses are one tuple per sentence (its translation by each seed) and whose
     statistics for a sentence are the sum of the seeds' (`_extract_corpus_statistics` is what PairedTest calls).
-
     BLEU's and chrF's corpus statistics are sums over sentences, so this scores all seeds' outputs concatenated while
-    PairedTest resamples sentences with all their seeds; with one seed the statistics are BLEU's or chrF's own.
-    """
+    PairedTest resamples sentences with all their seeds; with one seed the statistics are BLEU's or chrF's own."""
 
     def _extract_corpus_statistics(self, hypotheses, references):
         extract = super()._extract_corpus_statistics  # bound here: super() does not work inside the comprehension

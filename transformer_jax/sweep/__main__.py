@@ -230,8 +230,7 @@ def _aggregate(
 def _references(
     all_variants: list[Variant], finished: list[list[pathlib.Path | None]], split: Split
 ) -> list[list[str] | None]:
-    """Each variant's references of the split (None for a variant with no finished run), read once per data
-    config."""
+    """Each variant's references of the split (None: no finished run), read once per data config."""
     cache: dict[str, list[str]] = {}
     out = []
     for variant, runs_done in zip(all_variants, finished, strict=True):

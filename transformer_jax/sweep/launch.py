@@ -135,8 +135,7 @@ class RunJob(submitit.helpers.Checkpointable):
             signal.signal(usr, requeue)
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
-        """submitit's protocol, called once the training loop has saved its checkpoint: the same run again, which
-        resumes from that checkpoint."""
+        """submitit's protocol, called once the loop has saved a checkpoint: the same run, which resumes from it."""
         return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
 
 

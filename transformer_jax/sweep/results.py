@@ -161,11 +161,9 @@ def welch_interval(a: Sequence[float], b: Sequence[float], confidence: float = C
 
 
 def aggregate_seeds(variants: Sequence[dict[str, Any]], num_seeds: int, split: Split) -> list[dict[str, Any]]:
-    """Rows of mean, standard deviation and number of seeds per metric, and Δ against the first variant.
-
-    Each entry of `variants`: variant, overrides, parameters, ref_* keys, and "runs": one run_metrics() dict per
-    seed (a run that did not finish counts as missing, whatever its metrics file holds so far).
-    """
+    """Rows of mean, standard deviation and number of seeds per metric, and Δ against the first variant. Each entry
+    of `variants`: describe()'s and published()'s keys, and "runs": one run_metrics() dict per seed (a run that did
+    not finish counts as missing, whatever its metrics file holds so far)."""
     samples = []
     for v in variants:
         finished = [r for r in v["runs"] if r["finished"]]
@@ -220,11 +218,8 @@ def compare_runs(
     references: list[str],
     split: Split,
 ) -> dict[str, Any]:
-    """bleu_p, chrf_p, paired_seeds and bleu_difference (pooled score minus the base's) of one variant on the split.
-
-    `*_runs[i]` is seed i's run directory, or None where that seed has not finished (trained and decoded on the
-    split). Nothing to pair: empty values.
-    """
+    """bleu_p, chrf_p, paired_seeds and bleu_difference (pooled score minus the base's) of one variant on the split;
+    `*_runs[i]` is seed i's run directory, or None where that seed has not finished. Nothing to pair: empty values."""
     pairs = [(b, v) for b, v in zip(base_runs, variant_runs, strict=True) if b is not None and v is not None]
     if not pairs:
         return {"bleu_p": "", "chrf_p": "", "paired_seeds": 0, "bleu_difference": ""}

@@ -50,10 +50,8 @@ def load_config_module(path: str):
 
 
 def variants(config_arg: str, common: dict[str, Any] | None = None) -> list[Variant]:
-    """Every variant with its resolved config, each override and reference validated.
-
-    `common` (--config.KEY=VALUE on the command line) applies to every variant before its own overrides.
-    """
+    """Every variant with its resolved config, each override and reference validated; `common` (--config.KEY=VALUE
+    on the command line) applies to every variant before its own overrides."""
     path, _, arg = config_arg.partition(":")
     module = load_config_module(path)
     if not hasattr(module, "get_sweep"):
@@ -194,8 +192,7 @@ def decode_run(name: str, run_dir: pathlib.Path, split: Split) -> None:
 
 
 def configure_logging() -> None:
-    """The sweep's logging, in its command line and in its jobs: INFO, absl's only from WARNING (orbax logs every
-    file it renames at INFO)."""
+    """The sweep's logging (command line and jobs): INFO; absl's from WARNING (orbax logs every rename at INFO)."""
     logging.getLogger().setLevel(logging.INFO)
     logging.getLogger("absl").setLevel(logging.WARNING)
 
