@@ -40,7 +40,7 @@ from transformer_jax.sweep.results import (
     aggregate_seeds,
     decoded,
     describe,
-    published,
+    reference_columns,
     run_metrics,
     summarize_variant,
     write_results,
@@ -216,7 +216,7 @@ def _aggregate(
         rows = [summarize_variant(v, d, split) for v, (d,) in zip(all_variants, dirs, strict=True)]
     else:
         entries = [
-            {**describe(v), **published(v), "runs": [run_metrics(d, split) for d in variant_dirs]}
+            {**describe(v), **reference_columns(v), "runs": [run_metrics(d, split) for d in variant_dirs]}
             for v, variant_dirs in zip(all_variants, dirs, strict=True)
         ]
         rows = aggregate_seeds(entries, seeds, split)

@@ -86,9 +86,9 @@ class _Preempted(VariantInterrupted):
 
 @dataclasses.dataclass(frozen=True)
 class RunJob(submitit.helpers.Checkpointable):
-    """One (variant, seed) run, as every launcher runs it; called, as a submitit job: trains and decodes it as the
-    sequential sweep does; a user error is one line `PROG: error: ...` (the last line of its log, which --status
-    shows). Returns its label.
+    """One (variant, seed) run, what every launcher runs. Called (as a submitit job), it trains and decodes the run
+    as the sequential launcher does; a user error is one line `PROG: error: ...` (the last line of its log, which
+    --status shows). Returns its label.
 
     On submitit's preemption signal (USR2, before a time limit) the job first does what SIGTERM does (the training
     loop saves at the next step boundary; a decode is abandoned), then hands the signal to submitit's handler, which

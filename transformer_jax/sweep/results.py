@@ -132,7 +132,7 @@ def describe(variant: Any) -> dict[str, Any]:
     return {"variant": variant.name, "overrides": overrides, "parameters": parameter_count(variant.config)}
 
 
-def published(variant: Any) -> dict[str, Any]:
+def reference_columns(variant: Any) -> dict[str, Any]:
     """The ref_* columns: the variant's published numbers ("" where the config gives none)."""
     return {"ref_" + key: variant.reference.get(key, "") for key in REFERENCE_METRICS}
 
@@ -141,7 +141,7 @@ def summarize_variant(variant: Any, run_dir: pathlib.Path, split: Split) -> dict
     """One results row from a variant's directory (empty fields where it has not run): the one-seed layout."""
     metrics = run_metrics(run_dir, split)
     del metrics["finished"]
-    return {**describe(variant), **metrics, **published(variant)}
+    return {**describe(variant), **metrics, **reference_columns(variant)}
 
 
 def welch_interval(a: Sequence[float], b: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float]:
@@ -162,8 +162,8 @@ def welch_interval(a: Sequence[float], b: Sequence[float], confidence: float = C
 
 def aggregate_seeds(variants: Sequence[dict[str, Any]], num_seeds: int, split: Split) -> list[dict[str, Any]]:
     """Rows of mean, standard deviation and number of seeds per metric, and Δ against the first variant. Each entry
-    of `variants`: describe()'s and published()'s keys, and "runs": one run_metrics() dict per seed (a run that did
-    not finish counts as missing, whatever its metrics file holds so far)."""
+    of `variants`: describe()'s and reference_columns()'s keys, and "runs": one run_metrics() dict per seed (a run
+    that did not finish counts as missing, whatever its metrics file holds so far)."""
     samples = []
     for v in variants:
         finished = [r for r in v["runs"] if r["finished"]]
@@ -294,24 +294,24 @@ def _markdown(rows: list[dict], columns: list[str], split: Split) -> list[str]:
     """The results table; several seeds: "mean ± std" cells, "2 of 3 *" for a row with seeds missing, Δ [CI]. The
     test columns (p-values marked below ALPHA; the paper_direction verdict with its metric) read the same in both."""
     tests = "bleu_p" in columns
-    direction = "paper_direction" in columns
+    verdicts = "paper_direction" in columns
     hidden = {"bleu_p", "chrf_p", "paired_seeds", "paper_direction", "paper_direction_by"}
 
     def test_cells(r: dict) -> list[str]:
         cells = [format_p(r["bleu_p"]), format_p(r["chrf_p"])] if tests else []
-        if direction:
+        if verdicts:
             by = {"bleu": "BLEU", "perplexity": "perplexity"}.get(r["paper_direction_by"], "")
             cells.append(f"{r['paper_direction']} ({by})" if by else r["paper_direction"])
         return cells
 
     test_header = ["BLEU p", "chrF p"] if tests else []
-    direction_header = ["same direction as the paper?"] if direction else []
+    direction_header = ["same direction as the paper?"] if verdicts else []
     if "n_seeds" not in columns:
         shown = [c for c in columns if c not in hidden]
         header = shown + test_header + direction_header
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join([*(str(r[c]) for c in shown), *test_cells(r)]) + " |" for r in rows]
-        return lines + _legend(rows, tests, direction, split)
+        return lines + _legend(rows, tests, verdicts, split)
     refs = [c for c in columns if c.startswith("ref_")]
     header = ["variant", "overrides", "parameters", "seeds", *split.metrics]
     header += [f"Δ {m} [95% CI]" for m in split.delta_metrics] + test_header + refs + direction_header
@@ -343,7 +343,7 @@ def _markdown(rows: list[dict], columns: list[str], split: Split) -> list[str]:
                 cells.append(f"{delta:+.2f} [{low:+.2f}, {high:+.2f}]")
         cells += test_cells(r)[:2] if tests else []
         cells += [str(r[c]) for c in refs]
-        cells += test_cells(r)[-1:] if direction else []
+        cells += test_cells(r)[-1:] if verdicts else []
         lines.append("| " + " | ".join(cells) + " |")
     if notes:
         lines += ["", *notes]
@@ -351,10 +351,10 @@ def _markdown(rows: list[dict], columns: list[str], split: Split) -> list[str]:
         "",
         f"mean ± sample standard deviation over seeds; Δ: change from {rows[0]['variant']} with Welch's t 95% CI",
     ]
-    return lines + _legend(rows, tests, direction, split)
+    return lines + _legend(rows, tests, verdicts, split)
 
 
-def _legend(rows: list[dict], tests: bool, direction: bool, split: Split) -> list[str]:
+def _legend(rows: list[dict], tests: bool, verdicts: bool, split: Split) -> list[str]:
     lines = []
     if not split.published:
         lines.append(
@@ -370,7 +370,7 @@ def _legend(rows: list[dict], tests: bool, direction: bool, split: Split) -> lis
             f"{ALPHA}. With several seeds, seed i is paired with the base's seed i and each "
             "sentence is resampled with all its seeds' translations (transformer_jax/evaluation/significance.py)."
         )
-    if direction:
+    if verdicts:
         lines.append(
             "same direction as the paper?: by BLEU where the paper gives BLEU (significant: p < "
             f"{ALPHA} and, with 2 seeds or more on both sides, the 95% CI of Δ BLEU excludes 0); "
