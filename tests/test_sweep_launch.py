@@ -3,6 +3,7 @@ submitit's real code with stand-in sbatch/srun/sacct, and the launchers' bad inp
 runs are in tests/test_sweep_launch_local.py (slow)."""
 
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -19,13 +20,13 @@ import pytest
 from tests.helpers.sweeps import fails, write_run
 from transformer_jax.errors import VariantInterrupted
 from transformer_jax.sweep import __main__ as sweep
-from transformer_jax.sweep import code, job, launch, results, runner
-from transformer_jax.sweep.splits import TEST, VALID
-from transformer_jax.sweep.submitit_module import submitit
+from transformer_jax.sweep import launch, results, runner
+from transformer_jax.sweep.launch import submitit
+from transformer_jax.sweep.results import TEST, VALID
 from transformer_jax.training import loop
 from transformer_jax.training.metrics import read_metrics
 
-# Through submitit_module: importing submitit directly would reconfigure this process's logging (its docstring).
+# Through sweep.launch: importing submitit directly would reconfigure this process's logging (launch.py says why).
 job_environment, utils = submitit.core.job_environment, submitit.core.utils
 
 CONFIG = str(pathlib.Path(__file__).resolve().parent / "tiny_sweep_config.py")
@@ -45,7 +46,7 @@ def _train_records(run_dir: pathlib.Path) -> list[dict]:
 
 
 @contextlib.contextmanager
-def _as_submitit_job(job_object: job.RunJob, folder: pathlib.Path, monkeypatch) -> Iterator[utils.JobPaths]:
+def _as_submitit_job(job_object: launch.RunJob, folder: pathlib.Path, monkeypatch) -> Iterator[utils.JobPaths]:
     """In this process, the signal handlers submitit's local job process installs around `job_object` (its real
     SignalHandler: checkpoint(), dump the submission, requeue with exit status 144). Yields the job's paths; the
     submission to run is utils.DelayedSubmission.load(paths.submitted_pickle)."""
@@ -61,7 +62,7 @@ def _as_submitit_job(job_object: job.RunJob, folder: pathlib.Path, monkeypatch) 
     delayed.set_timeout(60, 3)
     delayed.dump(paths.submitted_pickle)
     handler = job_environment.SignalHandler(job_environment.JobEnvironment(), paths, delayed)
-    usr = job.preemption_signal()
+    usr = launch.preemption_signal()
     previous = signal.signal(usr, handler.checkpoint_and_try_requeue), signal.signal(signal.SIGTERM, handler.bypass)
     try:
         yield paths
@@ -79,14 +80,14 @@ def test_the_preemption_signal_stops_the_phase_then_submitit_requeues(tmp_path, 
     def run(label, config, run_dir, split):
         if where == "training":
             with loop.StopRequest() as stop:
-                os.kill(os.getpid(), job.preemption_signal())
+                os.kill(os.getpid(), launch.preemption_signal())
                 seen.append(stop.requested.is_set())  # the loop would now save its checkpoint and return
             raise VariantInterrupted(f"variant {label} stopped at step 1 of 2")
-        os.kill(os.getpid(), job.preemption_signal())
+        os.kill(os.getpid(), launch.preemption_signal())
         seen.append("not reached")
 
-    monkeypatch.setattr(job, "train_and_decode", run)
-    the_job = job.RunJob("base", None, str(tmp_path / "base"), VALID, None)
+    monkeypatch.setattr(launch, "train_and_decode", run)
+    the_job = launch.RunJob("base", None, tmp_path / "base", VALID, None)
     with _as_submitit_job(the_job, tmp_path / "jobs", monkeypatch) as paths:
         with pytest.raises(SystemExit) as exit_info:
             utils.DelayedSubmission.load(paths.submitted_pickle).result()
@@ -101,7 +102,7 @@ def test_a_preempted_job_saves_requeues_through_submitit_and_resumes_exactly(cor
     that submission resumes, and the run equals an uninterrupted one."""
     config = _base_config()
     whole = tmp_path / "whole"
-    assert job.RunJob("whole", config, str(whole), VALID, None)() == "whole"
+    assert launch.RunJob("whole", config, whole, VALID, None)() == "whole"
     run_dir = tmp_path / "preempted"
     due = loop.StopRequest.due
     sent = []
@@ -109,11 +110,11 @@ def test_a_preempted_job_saves_requeues_through_submitit_and_resumes_exactly(cor
     def signal_at_step_1(self, step):
         if step == 1 and not sent:
             sent.append(step)
-            os.kill(os.getpid(), job.preemption_signal())
+            os.kill(os.getpid(), launch.preemption_signal())
         return due(self, step)
 
     monkeypatch.setattr(loop.StopRequest, "due", signal_at_step_1)
-    the_job = job.RunJob("preempted", config, str(run_dir), VALID, None)
+    the_job = launch.RunJob("preempted", config, run_dir, VALID, None)
     with _as_submitit_job(the_job, tmp_path / "jobs", monkeypatch) as paths:
         with pytest.raises(SystemExit) as exit_info:
             utils.DelayedSubmission.load(paths.submitted_pickle).result()
@@ -124,8 +125,8 @@ def test_a_preempted_job_saves_requeues_through_submitit_and_resumes_exactly(cor
     assert results.decoded(run_dir, VALID)
     assert _train_records(run_dir)[-1] == _train_records(whole)[-1]
     assert (run_dir / VALID.hypotheses_file).read_text() == (whole / VALID.hypotheses_file).read_text()
-    version = json.loads((run_dir / code.VERSION_FILE).read_text())
-    assert len(version) == 1 and version[0]["source"] == str(code.package_root().parent)
+    version = json.loads((run_dir / runner.VERSION_FILE).read_text())
+    assert len(version) == 1 and version[0]["source"] == str(runner.package_root().parent)
 
 
 def test_a_plain_sigterm_ends_the_job_with_one_line(tmp_path, monkeypatch, capsys):
@@ -137,9 +138,9 @@ def test_a_plain_sigterm_ends_the_job_with_one_line(tmp_path, monkeypatch, capsy
             os.kill(os.getpid(), signal.SIGTERM)
         raise VariantInterrupted(f"variant {label} stopped at step 1 of 2")  # what run_variant raises then
 
-    monkeypatch.setattr(job, "train_and_decode", run)
+    monkeypatch.setattr(launch, "train_and_decode", run)
     with pytest.raises(SystemExit) as exit_info:
-        job.RunJob("base", None, str(tmp_path / "base"), VALID, None)()
+        launch.RunJob("base", None, tmp_path / "base", VALID, None)()
     assert exit_info.value.code == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"{runner.PROG}: error: variant base stopped at step 1 of 2"
@@ -178,8 +179,8 @@ def test_a_job_for_split_test_decodes_the_validation_then_the_test_split(tmp_pat
     calls = []
     monkeypatch.setattr(runner, "run_variant", lambda label, config, run_dir: calls.append(("train", label)))
     monkeypatch.setattr(runner, "decode_run", lambda label, run_dir, split: calls.append(("decode", split.name)))
-    monkeypatch.setattr(runner.code, "record", lambda run_dir: None)
-    the_job = pickle.loads(pickle.dumps(job.RunJob("base", None, str(tmp_path / "base"), TEST, None)))
+    monkeypatch.setattr(runner, "record_code_version", lambda run_dir: None)
+    the_job = pickle.loads(pickle.dumps(launch.RunJob("base", None, tmp_path / "base", TEST, None)))
     assert the_job() == "base"
     assert calls == [("train", "base"), ("decode", "valid"), ("decode", "test")]
 
@@ -284,11 +285,13 @@ def test_slurm_submits_one_array_with_the_flags_sbatch_lines_and_never_a_second_
     assert command.startswith("srun --unbuffered --output ")
     env = f"PYTHONPATH={snapshot}" + (" TRANSFORMER_JAX_DISTRIBUTED=1" if nodes > 1 else "")
     assert f"env {env}" in command and f" -P -u -m submitit.core._submit {folder}" in command
-    assert (snapshot / "transformer_jax" / "sweep" / "job.py").read_text() == pathlib.Path(job.__file__).read_text()
+    snapshot_launch = snapshot / "transformer_jax" / "sweep" / "launch.py"
+    assert snapshot_launch.read_text() == pathlib.Path(launch.__file__).read_text()
     jobs = launch.load_jobs(workdir)
     assert {label: r["job_id"] for label, r in jobs.items()} == {"base": "1234_0", "pre_ln": "1234_1"}
     pickled = utils.DelayedSubmission.load(folder / "1234_1_submitted.pkl").function
-    assert isinstance(pickled, job.RunJob) and pickled.label == "pre_ln" and pickled.run_dir == str(workdir / "pre_ln")
+    assert isinstance(pickled, launch.RunJob) and pickled.label == "pre_ln"
+    assert pickled.run_dir == workdir / "pre_ln"
 
     # Pending and running runs are not submitted again; a run whose job ended without finishing it is.
     states.write_text("1234_0|RUNNING|node1\n1234_1|PENDING|\n")
@@ -360,9 +363,11 @@ def test_the_local_launcher_never_runs_more_than_parallel_jobs_at_once(tmp_path,
     alive = iter([True, True, True, False])
     monkeypatch.setattr(launch, "_local_alive", lambda record: next(alive, False))
     monkeypatch.setattr(launch, "POLL_S", 0.0)
-    tasks = [launch.Task(f"r{i}", None, tmp_path / f"r{i}", VALID) for i in range(5)]
+    tasks = [launch.RunJob(f"r{i}", None, tmp_path / f"r{i}", VALID, None) for i in range(5)]
     launcher = launch.Launcher(name="local", parallel=2)
-    launch._run_local(launcher, Executor(), tasks, [tasks[0]._replace(label="old")], tmp_path, {"old": earlier})
+    launch._run_local(
+        launcher, Executor(), tasks, [dataclasses.replace(tasks[0], label="old")], tmp_path, {"old": earlier}
+    )
     assert running == [] and len(most) == 5
     assert most[:2] == [1, 1]  # r1 waited for "old" (still running from an earlier command) to end
     assert max(most) == 2
@@ -400,7 +405,7 @@ def test_a_local_job_gets_the_time_limit_and_gpus(tmp_path):
 
 def test_importing_the_sweep_keeps_the_processs_logging_handlers(tmp_path):
     """submitit configures logging when first imported, closing every handler the process has (pytest's capture,
-    absl's, a log file); through sweep/submitit_module it does not, and SUBMITIT_LOG_LEVEL is left as it was."""
+    absl's, a log file); through sweep/launch.py it does not, and SUBMITIT_LOG_LEVEL is left as it was."""
     script = (
         "import logging, os, sys\n"
         f"handler = logging.FileHandler({str(tmp_path / 'log.txt')!r})\n"

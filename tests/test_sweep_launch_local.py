@@ -13,8 +13,8 @@ import time
 import pytest
 
 from transformer_jax.sweep import __main__ as sweep
-from transformer_jax.sweep import code, launch
-from transformer_jax.sweep.splits import TEST, VALID
+from transformer_jax.sweep import launch, runner
+from transformer_jax.sweep.results import TEST, VALID
 from transformer_jax.training.metrics import read_metrics
 
 CONFIG = str(pathlib.Path(__file__).resolve().parent / "tiny_sweep_config.py")
@@ -41,7 +41,7 @@ def test_two_variants_with_parallel_2_give_the_sequential_results(corpus, tmp_pa
     for name in ("base", "pre_ln"):
         assert _metrics(local / name) == _metrics(sequential / name)
         assert (local / name / "valid.hyp").read_text() == (sequential / name / "valid.hyp").read_text()
-        [version] = json.loads((local / name / code.VERSION_FILE).read_text())
+        [version] = json.loads((local / name / runner.VERSION_FILE).read_text())
         assert version["snapshot"].startswith(str(local / "code"))  # the job imported the snapshot
     jobs = launch.load_jobs(local)
     assert sorted(jobs) == ["base", "pre_ln"]

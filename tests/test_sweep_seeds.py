@@ -19,7 +19,7 @@ from transformer_jax.data import pipeline
 from transformer_jax.errors import ConfigError
 from transformer_jax.sweep import __main__ as sweep
 from transformer_jax.sweep import results, runner
-from transformer_jax.sweep.splits import VALID
+from transformer_jax.sweep.results import VALID
 from transformer_jax.training import loop
 from transformer_jax.training.state import model_params, new_train_state, split_train_state
 

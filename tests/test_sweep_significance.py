@@ -22,10 +22,8 @@ from transformer_jax.errors import ScoreError
 from transformer_jax.evaluation import significance
 from transformer_jax.evaluation.run import Translation
 from transformer_jax.sweep import __main__ as sweep
-from transformer_jax.sweep import runner
-from transformer_jax.sweep import significance as sweep_significance
-from transformer_jax.sweep.results import RESULT_FILE, aggregate_seeds, run_metrics
-from transformer_jax.sweep.splits import TEST, VALID
+from transformer_jax.sweep import results, runner
+from transformer_jax.sweep.results import RESULT_FILE, TEST, VALID, aggregate_seeds, run_metrics
 from transformer_jax.training import loop
 
 CONFIG = str(pathlib.Path(__file__).resolve().parent / "tiny_sweep_config.py")
@@ -93,7 +91,7 @@ def test_a_sentences_seeds_are_resampled_together():
     [(1.0, 0.5, True, "yes"), (-1.0, 0.5, True, "no"), (1.0, 0.0, True, "no"), (-1.0, 0.5, False, "not significant")],
 )
 def test_direction(ours, paper, significant, verdict):
-    assert sweep_significance.direction(ours, paper, significant) == verdict
+    assert results.direction(ours, paper, significant) == verdict
 
 
 def _rows(tmp_path: pathlib.Path, systems: dict[str, list[list[str] | None]], refs: list[str]):
@@ -123,7 +121,7 @@ def test_p_values_on_systems_with_known_answers(tmp_path):
         },
         REFS,
     )
-    rows = sweep_significance.add_significance(rows, finished, [REFS] * 4, VALID)
+    rows = results.add_significance(rows, finished, [REFS] * 4, VALID)
     by_name = {r["variant"]: r for r in rows}
     assert by_name["base"]["bleu_p"] == "" and by_name["base"]["paired_seeds"] == ""
     assert (by_name["same"]["bleu_p"], by_name["same"]["chrf_p"], by_name["same"]["paired_seeds"]) == (1.0, 1.0, 3)
@@ -131,8 +129,8 @@ def test_p_values_on_systems_with_known_answers(tmp_path):
     perfect = by_name["perfect"]
     assert perfect["bleu_p"] < 0.05 and perfect["chrf_p"] < 0.05 and perfect["paired_seeds"] == 2
     assert perfect["n_seeds"] == 2 and perfect["missing_seeds"] == "2"
-    assert sweep_significance.format_p(perfect["bleu_p"]).endswith(" †")
-    assert sweep_significance.format_p(0.5) == "0.500" and sweep_significance.format_p("") == ""
+    assert results.format_p(perfect["bleu_p"]).endswith(" †")
+    assert results.format_p(0.5) == "0.500" and results.format_p("") == ""
     # No paper numbers: no verdict.
     assert all(r["paper_direction"] == "" for r in rows)
 
@@ -167,7 +165,7 @@ def test_paper_direction_by_bleu_and_by_perplexity(tmp_path):
     seeds_disagree["delta_valid_bleu_ci95_low"], seeds_disagree["delta_valid_bleu_ci95_high"] = -1.0, 4.0
     rows.insert(2, seeds_disagree)
     finished.insert(2, finished[1])
-    rows = sweep_significance.add_significance(rows, finished, [REFS] * 6 + [None], VALID)
+    rows = results.add_significance(rows, finished, [REFS] * 6 + [None], VALID)
     verdicts = {r["variant"]: (r["paper_direction"], r["paper_direction_by"]) for r in rows}
     assert rows[2]["bleu_p"] < 0.05
     assert verdicts == {
@@ -185,7 +183,7 @@ def test_a_hypothesis_file_of_the_wrong_length_is_one_clear_error(tmp_path):
     rows, finished = _rows(tmp_path, {"base": [REFS], "v": [REFS]}, REFS)
     (tmp_path / "v" / "seed0" / VALID.hypotheses_file).write_text("one line\n")
     with pytest.raises(ScoreError, match=r"v/seed0/valid.hyp has 1 lines, the validation split 60; delete .*valid_sco"):
-        sweep_significance.add_significance(rows, finished, [REFS, REFS], VALID)
+        results.add_significance(rows, finished, [REFS, REFS], VALID)
 
 
 def _tiny_refs(corpus: pathlib.Path) -> list[str]:

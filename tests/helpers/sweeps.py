@@ -9,8 +9,7 @@ import pytest
 
 from transformer_jax.evaluation import bleu
 from transformer_jax.sweep import __main__ as sweep
-from transformer_jax.sweep.results import RESULT_FILE
-from transformer_jax.sweep.splits import VALID, Split
+from transformer_jax.sweep.results import RESULT_FILE, VALID, Split
 
 
 def fails(argv: list[str], capsys) -> str:

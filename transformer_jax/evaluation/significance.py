@@ -1,15 +1,9 @@
-"""Is system A better than baseline B, or is the difference chance? sacreBLEU's paired bootstrap resampling test.
+"""Is system A better than baseline B, or is the difference chance? sacreBLEU's paired bootstrap resampling test
+(`PairedTest`, Koehn 2004), for evaluate.py --compare_file and, pooled over seeds, for the sweep's results.
 
-`paired_bootstrap` runs sacreBLEU's own `PairedTest` (Koehn, 2004: the same resampled sentence sets for both systems)
-for BLEU, chrF and the paper-comparable tokenized BLEU (`bleu.tokenized_bleu`). BLEU and chrF equal what
-`sacrebleu REF -i BASELINE SYSTEM -m bleu chrf --paired-bs` prints (the command's first system is the baseline);
-the tokenized BLEU is the same test with BLEU(tokenize="none") on the tokenized, compound-split lines, i.e. what
-the command prints for those lines with `--tokenize none --force`. The seed is sacreBLEU's: the SACREBLEU_SEED
-environment variable, default 12345, as the command uses it.
-
-`pooled_paired_bootstrap` is the same test for systems trained with several seeds (the sweep's rows): each
-resampled item is one test sentence with every seed's translation of it, its statistics the sum of theirs, so a
-score is the corpus score of all seeds' outputs together and resampling keeps a sentence's seeds together.
+BLEU and chrF equal what `sacrebleu REF -i BASELINE SYSTEM -m bleu chrf --paired-bs` prints (its first system is the
+baseline); the tokenized BLEU is that test on the tokenized, compound-split lines with `--tokenize none --force`.
+The seed is sacreBLEU's: the SACREBLEU_SEED environment variable, default 12345.
 """
 
 from __future__ import annotations
@@ -33,15 +27,12 @@ TEST_NAME = "paired bootstrap resampling (sacreBLEU PairedTest, Koehn 2004)"
 def paired_bootstrap(
     baseline_hyps: Sequence[str], system_hyps: Sequence[str], refs: Sequence[str], *, n_samples: int = N_SAMPLES
 ) -> dict[str, Any]:
-    """The paired bootstrap test of `system_hyps` against `baseline_hyps`, one reference per line.
+    """The paired bootstrap test of `system_hyps` against `baseline_hyps`, one reference per line, scored as given.
 
-    Returns {'test', 'n_samples', 'seed', 'bleu', 'chrf', 'tokenized_bleu'}; each metric is
-    {'name', 'signature', 'baseline': {...}, 'system': {...}, 'p_value'} where a system's entry is
-    {'score': corpus score, 'mean': bootstrap mean, 'ci': half-width of the 95% interval (mean ± ci)}.
-    p_value is sacreBLEU's: the chance of an absolute difference at least as large as the real one if both came
-    from the same process (the smallest possible value is 1/(n_samples + 1)). 'identical_outputs': both systems
-    wrote the same lines; sacreBLEU then still reports p = 1/(n_samples + 1), which does not mean a difference.
-    Lines are scored as given.
+    Returns {'test', 'n_samples', 'seed', 'identical_outputs', 'bleu', 'chrf', 'tokenized_bleu'}; each metric is
+    {'name', 'signature', 'baseline', 'system', 'p_value'}, a system's entry {'score': corpus score, 'mean': bootstrap
+    mean, 'ci': half-width of the 95% interval}. p_value is sacreBLEU's: the chance of an absolute difference at least
+    as large if both came from the same process, at least 1/(n_samples + 1), which it also gives identical outputs.
     """
     baseline_hyps, system_hyps, refs = list(baseline_hyps), list(system_hyps), list(refs)
     if not refs:
@@ -51,31 +42,21 @@ def paired_bootstrap(
             f"line counts differ: baseline {len(baseline_hyps)}, system {len(system_hyps)}, references {len(refs)}; "
             "each system needs one line per reference line"
         )
-    # sacreBLEU gives identical outputs its smallest p-value, 1/(n_samples + 1), not 1: no resample differs, and it
-    # counts only larger differences. The number is kept (it is the command's); the flag says it means nothing.
-    identical = baseline_hyps == system_hyps
+    identical = baseline_hyps == system_hyps  # sacreBLEU's p is then its smallest, which means nothing here
     out: dict[str, Any] = {"test": TEST_NAME, "n_samples": n_samples, "seed": _seed(), "identical_outputs": identical}
     out.update(_run({"bleu": BLEU(), "chrf": CHRF()}, baseline_hyps, system_hyps, refs, n_samples))
-    tokenized = _run(
-        {"tokenized_bleu": BLEU(tokenize="none", force=True)},
-        bleu.tokenize_for_bleu(baseline_hyps),
-        bleu.tokenize_for_bleu(system_hyps),
-        bleu.tokenize_for_bleu(refs),
-        n_samples,
-    )
+    tokenized_bleu = {"tokenized_bleu": BLEU(tokenize="none", force=True)}
+    tok = bleu.tokenize_for_bleu
+    tokenized = _run(tokenized_bleu, tok(baseline_hyps), tok(system_hyps), tok(refs), n_samples)
     tokenized["tokenized_bleu"]["name"] = bleu.TOKENIZED_BLEU_LABEL
     return {**out, **tokenized}
 
 
 class _PooledSeeds:
-    """A sacreBLEU metric whose hypotheses are one tuple per sentence (that sentence's translation by each seed) and
-    whose statistics for a sentence are the sum of the seeds' statistics.
-
-    BLEU's and chrF's corpus statistics are sums over sentences, so summing a sentence's seeds first gives the
-    corpus score of all seeds' outputs concatenated, and PairedTest's resampling of items resamples sentences with
-    all their seeds. It overrides sacreBLEU's `_extract_corpus_statistics` (the method PairedTest calls for every
-    system); with one seed the statistics are exactly BLEU's or chrF's own.
-    """
+    """A sacreBLEU metric whose hypotheses are one tuple per sentence (its translation by each seed) and whose
+    statistics for a sentence are the sum of the seeds' (`_extract_corpus_statistics` is what PairedTest calls).
+    BLEU's and chrF's corpus statistics are sums over sentences, so this scores all seeds' outputs concatenated while
+    PairedTest resamples sentences with all their seeds; with one seed the statistics are BLEU's or chrF's own."""
 
     def _extract_corpus_statistics(self, hypotheses, references):
         extract = super()._extract_corpus_statistics  # bound here: super() does not work inside the comprehension
@@ -100,16 +81,13 @@ def pooled_paired_bootstrap(
 ) -> dict[str, Any]:
     """sacreBLEU's paired bootstrap of BLEU and chrF over sentences, for systems trained with several seeds.
 
-    `baseline_runs[i]` and `system_runs[i]` are seed i's hypotheses (one line per reference line): seed i of the
-    system is paired with seed i of the baseline, which shared its initialisation seed and data order. A resampled
-    item is a sentence with all its seeds' translations (see `_PooledSeeds`), so the p-value says how often a
-    difference as large as the seed-pooled one would arise from the choice of test sentences. Resampling
-    (sentence, seed) items independently instead would count a sentence's seeds as independent draws and make
-    p-values too small. The differences between seeds themselves are not resampled: the sweep's Welch interval over
-    seeds covers those. With one seed this is `paired_bootstrap`'s BLEU and chrF (the sacrebleu command's numbers).
-
-    Returns {'test', 'n_samples', 'seed', 'seeds', 'identical_outputs', 'bleu', 'chrf'}, each metric as in
-    `paired_bootstrap`; 'score' is the corpus score of all seeds' lines together.
+    `baseline_runs[i]` and `system_runs[i]` are seed i's hypotheses (one line per reference line), seed i of both
+    sharing its initialisation and data order. A resampled item is a sentence with all its seeds' translations, so
+    the p-value says how often the choice of test sentences alone gives a seed-pooled difference as large; resampling
+    (sentence, seed) items independently would count a sentence's seeds as independent draws and make p-values too
+    small. The spread between seeds is not resampled (the sweep's Welch interval covers it). With one seed this is
+    `paired_bootstrap`'s BLEU and chrF. Returns {'test', 'n_samples', 'seed', 'seeds', 'identical_outputs', 'bleu',
+    'chrf'}, each metric as in `paired_bootstrap`, 'score' the corpus score of all seeds' lines together.
     """
     if not baseline_runs or len(baseline_runs) != len(system_runs):
         raise ScoreError(
@@ -144,7 +122,6 @@ def _seed() -> str:
 
 
 def _run(metrics: dict[str, Any], baseline: list, system: list, refs: list[str], n: int) -> dict[str, Any]:
-    keys = list(metrics)
     logger = logging.getLogger("sacrebleu")  # it logs each step at INFO, which absl's handler would print
     level = logger.level
     logger.setLevel(logging.WARNING)
@@ -156,7 +133,7 @@ def _run(metrics: dict[str, Any], baseline: list, system: list, refs: list[str],
     finally:
         logger.setLevel(level)
     out = {}
-    for key, (name, (base, other)) in zip(keys, [(k, v) for k, v in results.items() if k != "System"], strict=True):
+    for key, (name, (base, other)) in zip(metrics, [(k, v) for k, v in results.items() if k != "System"], strict=True):
         out[key] = {
             "name": name,
             "signature": str(signatures[name]),

@@ -1,8 +1,5 @@
-"""Sweeps: a config file's get_sweep(arg) as trained, decoded and compared runs; the command line is
-`python -m transformer_jax.sweep` (its --help says what a sweep does).
+"""Sweeps: a config file's get_sweep(arg) as trained, decoded and compared runs (`python -m transformer_jax.sweep`).
 
-runner.py: the variants and seeds of a sweep, their directories, training and decoding one run; results.py: the
-runs' metrics aggregated over seeds into results.csv/md/png; significance.py: the paired bootstrap of each variant
-against the first; splits.py: the split the results report (--split valid|test) and the file and column names it
-gives.
+runner.py: the variants, seeds and runs, training and decoding one run, its code version; launch.py: where runs
+train (this process, or submitit jobs on this machine or SLURM); results.py: the results files and statistics.
 """

@@ -1,58 +1,29 @@
 """Run a config's sweep: python -m transformer_jax.sweep --config configs/<file>.py[:arg] --workdir DIR
+(docs/usage.md, "Sweeps and ablations"; launchers: docs/cluster.md)
 
-A config file's `get_sweep(arg)` returns a list of dicts: {"name": readable-name, "<dotted.key>": value, ...}.
-An entry may also hold "reference": {"valid_perplexity": x, "valid_bleu": y}, a published result to compare with
-(the file's REFERENCE string names its source); the results then gain ref_* columns and the chart shows each
-variant's change from the first one, ours beside the reference.
-Each variant trains in DIR/<name> with its resolved config saved there; a finished variant is skipped and an
-interrupted one resumes from its checkpoints. --dry_run lists the variants, --print_commands prints one train.py
-command per variant, --only NAME runs one, --config.KEY=VALUE sets a config value in every
-variant (a shared tokenizer, a data directory), as for train.py. Results are aggregated into DIR/results.csv,
-DIR/results.md and DIR/results.png from the runs' metrics.jsonl and stored validation translations. SIGTERM saves
-the running variant's checkpoint and stops the sweep (exit status 1, results so far aggregated); the same command
-resumes it.
+A config file's `get_sweep(arg)` returns a list of dicts: {"name": readable-name, "<dotted.key>": value, ...}, each
+optionally with "reference": {"valid_perplexity": x, "valid_bleu": y}, a published result to compare with (the
+file's REFERENCE string names its source). --config.KEY=VALUE sets a config value in every variant, as for train.py.
 
-Seeds: --seeds N (or a top-level `SEEDS = N` in the config file; the flag wins) runs every variant N times. Seed i
-(0 .. N-1) sets train.seed and data.shuffle_seed to the config's values plus i, so it changes the parameter init,
-the dropout masks and the data order, and seed i of every variant shares them. With N > 1 run i of NAME trains in
-DIR/NAME/seed<i> (with N = 1 in DIR/NAME); each run is skipped or resumed on its own, and
---only NAME runs all seeds of NAME. The results then give mean ± standard deviation over the finished seeds with
-Δ and its confidence interval against the first variant (sweep/results.py says how).
-
-Decoding: after a run's training finishes, the sweep translates the whole validation split with the run's last
-checkpoint, no averaging (as the paper's Table 3), and the config's beam search (config.eval: beam_size, alpha,
-max_extra_len, batch_size), through the library evaluate.py runs (`evaluation.run.load` and `.translate`). The
-hypotheses and the report go in the run directory (valid.hyp, valid_scores.json); a run is finished once both exist,
-and a trained run without them gets them on the next invocation. BLEU and chrF in the results come from them, and so
-does the paired bootstrap of each variant against the first (sweep/significance.py), which
---aggregate_only recomputes without decoding. SIGTERM while decoding stops the sweep like SIGTERM while training;
-the decoding starts anew next time.
-
-Test split: with --split test every finished run is also translated on its config's test split (same checkpoint,
-same search) into test.hyp and test_scores.json, and the results go to DIR/results_test.csv/md/png (the validation
-results files are left as they are): test_bleu, test_chrf, test_chrfpp, test_ter, with the seeds' intervals and
-the paired bootstrap over the test sentences; the perplexity is still the last validation perplexity of training,
-and the published (validation) references are not compared. A run already trained and decoded is only decoded on
-the test split; --aggregate_only --split test rebuilds results_test.* from the stored files.
-
-Launchers (sweep/launch.py, docs/cluster.md): --launcher sequential (default) trains the runs one after another in
-this process. --launcher local|slurm makes each run (variant x seed) a submitit job, at most --parallel at once,
-on this machine (the command waits for them) or on a SLURM cluster (the command queues one job array and returns;
---slurm_* flags, --gpus_per_node and --time_min say what each job asks for). A job trains and decodes its run as
-above, importing a snapshot of the package taken at submission; every run records its code version
-(code_version.json). Run the same command again to resubmit runs whose job ended unfinished (never a second copy of
-one pending or running) and aggregate what has finished; --status lists each run's state. One sweep command at a
-time owns DIR (DIR/sweep.lock).
+Each run (variant x seed) trains in DIR/NAME (DIR/NAME/seed<i> with --seeds N > 1, or the config file's SEEDS = N:
+seed i adds i to train.seed and data.shuffle_seed), is skipped when finished and resumed when interrupted, and then
+translates the whole validation split (and the test split with --split test) with its last checkpoint, no
+averaging, and the config's beam search. The results, DIR/results.csv/md/png (results_test.*), give each variant's
+scores (with seeds: mean ± standard deviation and Δ against the first variant with its 95% interval) and sacreBLEU's
+paired bootstrap against the first variant, from the stored translations (--aggregate_only rebuilds them). SIGTERM
+saves the running run's checkpoint and stops the sweep (exit status 1); the same command resumes it, and resubmits
+local or SLURM jobs that ended unfinished. Every run records its code version (code_version.json); one sweep
+command at a time owns DIR (DIR/sweep.lock).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import pathlib
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from absl import flags
 from ml_collections import config_flags
@@ -60,12 +31,16 @@ from ml_collections import config_flags
 from transformer_jax.cli import USAGE_STATUS, fail, parse_flags
 from transformer_jax.config import checks
 from transformer_jax.errors import ConfigError, VariantInterrupted, exit_on_user_error
-from transformer_jax.model import parameter_count
-from transformer_jax.sweep import launch, significance
+from transformer_jax.evaluation.run import split_pairs
+from transformer_jax.sweep import launch
 from transformer_jax.sweep.results import (
-    REFERENCE_METRICS,
+    SPLITS,
+    Split,
+    add_significance,
     aggregate_seeds,
     decoded,
+    describe,
+    reference_columns,
     run_metrics,
     summarize_variant,
     write_results,
@@ -77,14 +52,11 @@ from transformer_jax.sweep.runner import (
     configure_logging,
     load_config_module,
     num_seeds,
-    run_dir,
     runs,
     train_and_decode,
     train_command,
-    variant_dir,
     variants,
 )
-from transformer_jax.sweep.splits import SPLITS, Split
 
 
 def _flag_values(argv: Sequence[str]) -> flags.FlagValues:
@@ -155,23 +127,8 @@ def _launcher(fv: flags.FlagValues) -> launch.Launcher:
     job_flags = [name for name in ("parallel", "time_min", "gpus_per_node") if fv[name].present]
     if job_flags and fv.launcher == "sequential":
         raise ConfigError(f"--{job_flags[0]} is for --launcher local or slurm (the sequential launcher runs no jobs)")
-    slurm = launch.Slurm(
-        partition=fv.slurm_partition,
-        nodes=fv.slurm_nodes,
-        cpus_per_task=fv.slurm_cpus_per_task,
-        mem=fv.slurm_mem,
-        account=fv.slurm_account,
-        qos=fv.slurm_qos,
-        extra=tuple(fv.slurm_extra),
-    )
-    return launch.Launcher(
-        name=fv.launcher,
-        parallel=fv.parallel,
-        time_min=fv.time_min,
-        gpus_per_node=fv.gpus_per_node,
-        compilation_cache=fv.compilation_cache,
-        slurm=slurm,
-    )
+    settings = {f.name: fv[f.name].value for f in dataclasses.fields(launch.Launcher) if f.name != "name"}
+    return launch.Launcher(name=fv.launcher, **{**settings, "slurm_extra": tuple(fv.slurm_extra)})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -204,15 +161,17 @@ def _run(fv: flags.FlagValues) -> int:
         return 0
     if fv.print_commands:
         for r in chosen:
-            print(
-                train_command(config_arg, run_dir(workdir, r, seeds), {**common, **r.variant.overrides, **r.overrides})
-            )
+            overrides = {**common, **r.variant.overrides, **r.overrides}
+            print(train_command(config_arg, workdir / r.label, overrides))
         return 0
     split = SPLITS[fv.split]
-    tasks = [launch.Task(r.label, r.config, run_dir(workdir, r, seeds), split) for r in chosen]
+    cache = fv.compilation_cache  # for jobs
+    tasks = [launch.RunJob(r.label, r.config, workdir / r.label, split, cache) for r in chosen]
     if fv.status:
-        for label, state, detail in launch.status(workdir, tasks):
-            print(f"{label}\t{state}" + (f"\t{detail}" if detail else ""))
+        jobs = launch.load_jobs(workdir)
+        for t in tasks:
+            state, detail = launch.run_state(t.run_dir, jobs.get(t.label), t.split)
+            print(f"{t.label}\t{state}" + (f"\t{detail}" if detail else ""))
         return 0
     launcher = _launcher(fv)
     checks.check_workdir(workdir)
@@ -225,7 +184,7 @@ def _run(fv: flags.FlagValues) -> int:
     return 0
 
 
-def _train(launcher: launch.Launcher, tasks: list[launch.Task], workdir: pathlib.Path) -> str | None:
+def _train(launcher: launch.Launcher, tasks: list[launch.RunJob], workdir: pathlib.Path) -> str | None:
     """Trains and decodes the chosen runs with the launcher; what stopped or failed, if anything did."""
     if launcher.name == "sequential":
         for t in tasks:
@@ -252,16 +211,17 @@ def _aggregate(
     split: Split,
 ) -> None:
     """The split's results files (results.csv/md/png, or results_test.*) of what has finished, the .md printed."""
+    dirs = [[workdir / r.label for r in all_runs[v.name]] for v in all_variants]
     if seeds == 1:
-        rows = [summarize_variant(v, variant_dir(workdir, v.name), split) for v in all_variants]
+        rows = [summarize_variant(v, d, split) for v, (d,) in zip(all_variants, dirs, strict=True)]
     else:
-        entries = [_seed_runs(v, all_runs[v.name], workdir, seeds, split) for v in all_variants]
+        entries = [
+            {**describe(v), **reference_columns(v), "runs": [run_metrics(d, split) for d in variant_dirs]}
+            for v, variant_dirs in zip(all_variants, dirs, strict=True)
+        ]
         rows = aggregate_seeds(entries, seeds, split)
-    finished = [
-        [d if decoded(d, split) else None for d in (run_dir(workdir, r, seeds) for r in all_runs[v.name])]
-        for v in all_variants
-    ]
-    rows = significance.add_significance(rows, finished, _references(all_variants, finished, split), split)
+    finished = [[d if decoded(d, split) else None for d in variant_dirs] for variant_dirs in dirs]
+    rows = add_significance(rows, finished, _references(all_variants, finished, split), split)
     label = getattr(load_config_module(config_arg.partition(":")[0]), "REFERENCE", "reference")
     write_results(rows, workdir, split, reference_label=label)
     print((workdir / f"{split.results_name}.md").read_text())
@@ -270,33 +230,15 @@ def _aggregate(
 def _references(
     all_variants: list[Variant], finished: list[list[pathlib.Path | None]], split: Split
 ) -> list[list[str] | None]:
-    """Each variant's references of the split (None for a variant with no finished run), read once per data
-    config."""
+    """Each variant's references of the split (None: no finished run), read once per data config."""
     cache: dict[str, list[str]] = {}
     out = []
     for variant, runs_done in zip(all_variants, finished, strict=True):
-        if not any(runs_done):
-            out.append(None)
-            continue
         key = json.dumps(variant.config.data.to_dict(), sort_keys=True, default=str)
-        if key not in cache:
-            cache[key] = significance.references_of(variant.config, split)
-        out.append(cache[key])
+        if any(runs_done) and key not in cache:
+            cache[key] = split_pairs(variant.config, split.name)[1]
+        out.append(cache[key] if any(runs_done) else None)
     return out
-
-
-def _seed_runs(
-    variant: Variant, variant_runs: list[Run], workdir: pathlib.Path, seeds: int, split: Split
-) -> dict[str, Any]:
-    """aggregate_seeds' input for one variant: its description and each seed's metrics."""
-    entry: dict[str, Any] = {
-        "variant": variant.name,
-        "overrides": " ".join(f"{k}={v}" for k, v in variant.overrides.items()) or "(none)",
-        "parameters": parameter_count(variant.config),
-        "runs": [run_metrics(run_dir(workdir, r, seeds), split) for r in variant_runs],
-    }
-    entry.update({"ref_" + key: variant.reference.get(key, "") for key in REFERENCE_METRICS})
-    return entry
 
 
 if __name__ == "__main__":

@@ -1,20 +1,12 @@
-"""Where a sweep's runs train: in the sweep's own process one after another (`sequential`, the default), or as
-submitit jobs, one per run (variant x seed), on this machine (`local`) or on a SLURM cluster (`slurm`).
+"""Where a sweep's runs train (docs/cluster.md): in the sweep's own process one after another (`sequential`), or as
+submitit jobs, one per run, on this machine (`local`: at most `parallel` processes at once, the command submitting
+the next as one ends and waiting for the last) or on a SLURM cluster (`slurm`: one job array, `--array=0-N%K`; the
+command returns once it is queued). Jobs import a snapshot of the package taken at submission (DIR/code/).
 
-- local: separate processes on this machine, at most `parallel` at once (submitit's local executor starts every
-  job it is given at once, so the sweep command submits the next run as one ends, and waits for the last).
-- slurm: one job array of the runs to start, at most `parallel` running at once (`--array=0-N%K`); the command
-  returns once they are queued. Each job asks for `nodes` nodes with one task per node; a multi-node job runs the
-  run on every node with jax.distributed initialised from SLURM's environment.
-
-Jobs import a snapshot of the package taken at submission (sweep/code.py), and record the version they ran in
-their run directory. DIR/jobs.json keeps each run's last job (launcher, id, submitit folder, host, the split it
-reports), so that a command run again, or --status, asks submitit and the cluster for its state and never submits a
-second job for a run that is pending or running; a run whose job ended without finishing it (killed, failed) is
-submitted again, and so is a run finished for `--split valid` when the command reports `--split test` (its job
-then only decodes the test split).
-DIR/sweep.lock makes one sweep command at a time own DIR. submitit's files (job scripts, pickles, logs) go in
-DIR/jobs/, snapshots in DIR/code/.
+DIR/jobs.json keeps each run's last job (launcher, id, submitit folder, host, split), so that a command run again,
+or --status, asks for its state and never submits a second job for a run that is pending or running; a run whose
+job ended unfinished is submitted again. DIR/sweep.lock makes one command at a time own DIR; submitit's job
+scripts, pickles and logs go in DIR/jobs/.
 """
 
 from __future__ import annotations
@@ -22,26 +14,39 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import pathlib
 import shlex
+import signal
 import socket
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import ml_collections
 
-from transformer_jax.errors import ConfigError
-from transformer_jax.runtime import write_text_atomically
-from transformer_jax.sweep import code
-from transformer_jax.sweep.job import RunJob
-from transformer_jax.sweep.results import RESULT_FILE, decoded
-from transformer_jax.sweep.splits import SPLITS, VALID, Split
-from transformer_jax.sweep.submitit_module import FailedJobError, JobPaths, submitit
+from transformer_jax import runtime
+from transformer_jax.errors import ConfigError, VariantInterrupted, exit_on_user_error
+from transformer_jax.sharding import initialize_distributed
+from transformer_jax.sweep.results import RESULT_FILE, SPLITS, VALID, Split, decoded
+from transformer_jax.sweep.runner import PROG, configure_logging, snapshot_code, train_and_decode
 from transformer_jax.training import bookkeeping
 from transformer_jax.training.checkpoints import list_steps
+
+# Importing submitit runs logging.config.dictConfig unless SUBMITIT_LOG_LEVEL is NOCONFIG, and dictConfig closes
+# every logging handler the process already has (absl's, a log file, pytest's capture): importing the sweep must
+# change no setting of the process. A SUBMITIT_LOG_LEVEL the user set is respected; jobs, in processes of their own,
+# get submitit's usual configuration. Import submitit from here, never directly.
+_given = os.environ.get("SUBMITIT_LOG_LEVEL")
+os.environ.setdefault("SUBMITIT_LOG_LEVEL", "NOCONFIG")
+try:
+    import submitit
+    from submitit.core.utils import FailedJobError, JobPaths
+finally:
+    if _given is None:
+        del os.environ["SUBMITIT_LOG_LEVEL"]
 
 LAUNCHERS = ("sequential", "local", "slurm")
 JOBS_FILE = "jobs.json"
@@ -53,37 +58,85 @@ SLURM_RUNNING = ("RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING")
 
 
 @dataclasses.dataclass(frozen=True)
-class Slurm:
-    """The --slurm_* flags: what each job asks SLURM for (None: the cluster's default)."""
-
-    partition: str | None = None
-    nodes: int = 1
-    cpus_per_task: int | None = None
-    mem: str | None = None  # e.g. "64G": memory per node
-    account: str | None = None
-    qos: str | None = None
-    extra: tuple[str, ...] = ()  # "key=value": #SBATCH --key=value; "key": #SBATCH --key
-
-
-@dataclasses.dataclass(frozen=True)
 class Launcher:
-    """How a sweep runs its runs: the --launcher flag and its settings."""
+    """How a sweep runs its runs: the --launcher flag (name) and the flags named as the other fields."""
 
     name: str = "sequential"
     parallel: int | None = None  # most runs at once; None: 1 for local, every run for slurm
     time_min: float = 24 * 60  # a job's time limit, minutes; submitit's signal comes before it
     gpus_per_node: int = 0  # local: the GPUs each job sees (CUDA_VISIBLE_DEVICES=0..N-1); slurm: per node
-    compilation_cache: str | None = None  # the command's --compilation_cache, for its jobs
-    slurm: Slurm = Slurm()
+    # What each SLURM job asks for (None: the cluster's default).
+    slurm_partition: str | None = None
+    slurm_nodes: int = 1
+    slurm_cpus_per_task: int | None = None
+    slurm_mem: str | None = None  # e.g. "64G": memory per node
+    slurm_account: str | None = None
+    slurm_qos: str | None = None
+    slurm_extra: tuple[str, ...] = ()  # "key=value": #SBATCH --key=value; "key": #SBATCH --key
 
 
-class Task(NamedTuple):
-    """One run to launch."""
+def preemption_signal() -> signal.Signals:
+    """The signal submitit sends before a time limit (USR2 unless $SUBMITIT_PREEMPT_SIGNAL names another)."""
+    return signal.Signals["SIG" + submitit.JobEnvironment.USR_SIG]
+
+
+class _Preempted(VariantInterrupted):
+    """The preemption signal arrived outside training and decoding (nothing to save)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunJob(submitit.helpers.Checkpointable):
+    """One (variant, seed) run, what every launcher runs. Called (as a submitit job), it trains and decodes the run
+    as the sequential launcher does; a user error is one line `PROG: error: ...` (the last line of its log, which
+    --status shows). Returns its label.
+
+    On submitit's preemption signal (USR2, before a time limit) the job first does what SIGTERM does (the training
+    loop saves at the next step boundary; a decode is abandoned), then hands the signal to submitit's handler, which
+    requeues `checkpoint()`'s submission: called straight from the signal, it would stop training mid-step.
+    """
 
     label: str
     config: ml_collections.ConfigDict
     run_dir: pathlib.Path
-    split: Split  # the command's --split: finished once decoded on split.decodes
+    split: Split  # the command's --split: the run is finished once decoded on split.decodes
+    compilation_cache: str | None  # the sweep command's --compilation_cache (None: its default)
+
+    def __call__(self) -> str:
+        configure_logging()
+        runtime.enable_compile_cache(self.compilation_cache)
+        with exit_on_user_error(PROG, 1):
+            initialize_distributed()
+            self._run()
+        return self.label
+
+    def _run(self) -> None:
+        usr = preemption_signal()
+        requeue = signal.getsignal(usr)  # submitit's: calls checkpoint(), requeues, exits
+        idle = signal.getsignal(signal.SIGTERM)  # what SIGTERM does outside training and decoding
+        received: list[tuple[int, Any]] = []
+
+        def stop(signum: int, frame: Any) -> None:
+            received.append((signum, frame))
+            current = signal.getsignal(signal.SIGTERM)
+            if current is idle or not callable(current):
+                raise _Preempted(f"run {self.label} preempted before training or between training and decoding")
+            current(signal.SIGTERM, frame)  # the loop's StopRequest (saves, then returns) or the decoder's
+
+        signal.signal(usr, stop)
+        try:
+            train_and_decode(self.label, self.config, self.run_dir, self.split)
+        except VariantInterrupted:
+            if not received or not callable(requeue):
+                raise  # a plain SIGTERM: the job ends; the next sweep command resubmits the run
+            logging.warning("sweep: %s: %s received; its checkpoint is saved, requeueing", self.label, usr.name)
+            requeue(*received[0])  # exits (SystemExit) in the first process; the others return here
+            raise
+        finally:
+            signal.signal(usr, requeue)
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
+        """submitit's protocol, called once the loop has saved a checkpoint: the same run, which resumes from it."""
+        return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -102,7 +155,7 @@ def load_jobs(sweep_dir: pathlib.Path) -> dict[str, dict[str, Any]]:
 
 
 def _save_jobs(sweep_dir: pathlib.Path, jobs: dict[str, dict[str, Any]]) -> None:
-    write_text_atomically(sweep_dir / JOBS_FILE, json.dumps(jobs, indent=1) + "\n")
+    runtime.write_text_atomically(sweep_dir / JOBS_FILE, json.dumps(jobs, indent=1) + "\n")
 
 
 def _python(launcher: Launcher, snapshot: pathlib.Path) -> str:
@@ -110,7 +163,7 @@ def _python(launcher: Launcher, snapshot: pathlib.Path) -> str:
     (a checkout, perhaps) is not put before it; a multi-node job joins jax.distributed."""
     path = os.pathsep.join(p for p in (str(snapshot), os.environ.get("PYTHONPATH", "")) if p)
     env = [f"PYTHONPATH={path}"]
-    if launcher.name == "slurm" and launcher.slurm.nodes > 1:
+    if launcher.name == "slurm" and launcher.slurm_nodes > 1:
         env.append("TRANSFORMER_JAX_DISTRIBUTED=1")
     return shlex.join(["env", *env, sys.executable, "-P"])
 
@@ -125,18 +178,17 @@ def executor(launcher: Launcher, folder: pathlib.Path, snapshot: pathlib.Path, c
         # timeout_min only whole ones.
         ex.update_parameters(**common, local_timeout_min=launcher.time_min, gpus_per_node=launcher.gpus_per_node)
         return ex
-    s = launcher.slurm
-    extra = {key: value if sep else True for key, sep, value in (item.partition("=") for item in s.extra)}
+    extra = {key: value if sep else True for key, sep, value in (item.partition("=") for item in launcher.slurm_extra)}
     ex.update_parameters(
         **common,
         timeout_min=max(1, round(launcher.time_min)),
-        nodes=s.nodes,
+        nodes=launcher.slurm_nodes,
         gpus_per_node=launcher.gpus_per_node or None,
-        cpus_per_task=s.cpus_per_task,
-        slurm_partition=s.partition,
-        slurm_mem=s.mem,
-        slurm_account=s.account,
-        slurm_qos=s.qos,
+        cpus_per_task=launcher.slurm_cpus_per_task,
+        slurm_partition=launcher.slurm_partition,
+        slurm_mem=launcher.slurm_mem,
+        slurm_account=launcher.slurm_account,
+        slurm_qos=launcher.slurm_qos,
         slurm_additional_parameters=extra or None,
         slurm_array_parallelism=launcher.parallel or count,
     )
@@ -204,12 +256,6 @@ def run_state(run_dir: pathlib.Path, record: dict[str, Any] | None, split: Split
     return "not started", ""
 
 
-def status(sweep_dir: pathlib.Path, tasks: Sequence[Task]) -> list[tuple[str, str, str]]:
-    """(label, state, detail) of every run (run_state)."""
-    jobs = load_jobs(sweep_dir)
-    return [(t.label, *run_state(t.run_dir, jobs.get(t.label), t.split)) for t in tasks]
-
-
 def _record(launcher: Launcher, job: submitit.Job, folder: pathlib.Path, split: Split) -> dict[str, Any]:
     return {
         "launcher": launcher.name,
@@ -221,7 +267,7 @@ def _record(launcher: Launcher, job: submitit.Job, folder: pathlib.Path, split: 
     }
 
 
-def launch(launcher: Launcher, tasks: Sequence[Task], sweep_dir: pathlib.Path) -> dict[str, str]:
+def launch(launcher: Launcher, tasks: Sequence[RunJob], sweep_dir: pathlib.Path) -> dict[str, str]:
     """Submits every task that is neither finished nor pending or running; local: waits until all have ended.
 
     Returns each task's state afterwards (run_state's first part)."""
@@ -229,34 +275,28 @@ def launch(launcher: Launcher, tasks: Sequence[Task], sweep_dir: pathlib.Path) -
     states = {t.label: run_state(t.run_dir, jobs.get(t.label), t.split)[0] for t in tasks}
     todo = [t for t in tasks if states[t.label] not in ("finished", "pending", "running")]
     folder = sweep_dir / "jobs"
-    if todo:
-        snapshot = code.snapshot(sweep_dir / "code")
-        ex = executor(launcher, folder, snapshot, len(todo))
-        if launcher.name == "slurm":
-            try:
-                with ex.batch():  # one job array, at most `parallel` running at once
-                    submitted = [
-                        ex.submit(RunJob(t.label, t.config, str(t.run_dir), t.split, launcher.compilation_cache))
-                        for t in todo
-                    ]
-            except FailedJobError as e:  # sbatch refused (an unknown partition, an account without access, ...)
-                last = ([line for line in str(e).splitlines() if line.strip()] or ["no message"])[-1]
-                raise ConfigError(f"sbatch refused the sweep's jobs ({last}); check the --slurm_* flags") from None
-            for t, job in zip(todo, submitted, strict=True):
-                jobs[t.label] = _record(launcher, job, folder, t.split)
-            _save_jobs(sweep_dir, jobs)
-        else:
-            _run_local(launcher, ex, todo, [t for t in tasks if states[t.label] == "running"], sweep_dir, jobs)
-    elif launcher.name == "local":
-        _run_local(launcher, None, [], [t for t in tasks if states[t.label] == "running"], sweep_dir, jobs)
+    ex = executor(launcher, folder, snapshot_code(sweep_dir / "code"), len(todo)) if todo else None
+    if launcher.name == "local":
+        _run_local(launcher, ex, todo, [t for t in tasks if states[t.label] == "running"], sweep_dir, jobs)
+    elif todo:
+        assert ex is not None
+        try:
+            with ex.batch():  # one job array, at most `parallel` running at once
+                submitted = [ex.submit(t) for t in todo]
+        except FailedJobError as e:  # sbatch refused (an unknown partition, an account without access, ...)
+            last = ([line for line in str(e).splitlines() if line.strip()] or ["no message"])[-1]
+            raise ConfigError(f"sbatch refused the sweep's jobs ({last}); check the --slurm_* flags") from None
+        for t, job in zip(todo, submitted, strict=True):
+            jobs[t.label] = _record(launcher, job, folder, t.split)
+        _save_jobs(sweep_dir, jobs)
     return {t.label: run_state(t.run_dir, load_jobs(sweep_dir).get(t.label), t.split)[0] for t in tasks}
 
 
 def _run_local(
     launcher: Launcher,
     ex: submitit.AutoExecutor | None,
-    todo: list[Task],
-    running: list[Task],
+    todo: list[RunJob],
+    running: list[RunJob],
     sweep_dir: pathlib.Path,
     jobs: dict[str, dict[str, Any]],
 ) -> None:
@@ -272,8 +312,7 @@ def _run_local(
         while queue and len(live) + len(earlier) < limit:
             t = queue.pop(0)
             assert ex is not None
-            run_job = RunJob(t.label, t.config, str(t.run_dir), t.split, launcher.compilation_cache)
-            live[t.label] = job = ex.submit(run_job)
+            live[t.label] = job = ex.submit(t)
             jobs[t.label] = _record(launcher, job, sweep_dir / "jobs", t.split)
             _save_jobs(sweep_dir, jobs)
         if queue or live or earlier:

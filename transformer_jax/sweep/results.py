@@ -1,36 +1,26 @@
-"""A sweep's results: one row per variant in DIR/results.csv, DIR/results.md and DIR/results.png.
+"""A sweep's results (docs/usage.md, "Sweeps and ablations"): one row per variant in DIR/results.csv, .md and .png
+(results_test.* for --split test), the split they report, and each variant's significance against the first.
 
-Every finished run is decoded on the whole validation split (the sweep does it, with the run's last checkpoint:
-see sweep/runner.py); its hypotheses and scores stay in the run directory (valid.hyp, valid_scores.json),
-so the results can be rebuilt without decoding again. BLEU and chrF come from those scores (sacreBLEU, every
-validation sentence), perplexity from the last validation of training (also every sentence).
+Scores come from each finished run's stored translation of the whole split (valid.hyp and valid_scores.json, or
+test.*), so the results are rebuilt without decoding; perplexity is training's last validation perplexity, whichever
+split is reported. With several seeds only finished runs (trained and decoded) count: a row holds each metric's
+mean, sample standard deviation (ddof=1) and number of seeds, and for perplexity, BLEU and chrF the change Δ from
+the first variant with Welch's t 95% interval (unequal variances and seed counts; it ignores that seed i of two
+variants shares init and data order, so it is conservative).
 
-With `--split test` every finished run is also decoded on the test split (test.hyp, test_scores.json) and the
-results go to DIR/results_test.csv/md/png: the same rows with the test scores (test_bleu, test_chrf, ...), the Δ
-intervals and the paired bootstrap over the test sentences; the perplexity stays the validation one, and the
-published (validation) references and the paper's direction are left out. sweep/splits.py names both layouts.
-
-One seed per variant: each row holds the variant's last validation perplexity, BLEU and chrF, its mean training
-throughput and wall time (a variant still running shows its perplexity so far).
-
-Several seeds per variant (`--seeds N`): only finished runs (trained and decoded) count. For every metric a row
-holds the mean over seeds (column `<metric>`), the sample standard deviation (`<metric>_std`, ddof=1; empty with
-one seed) and the number of finished seeds (`n_seeds` of `seeds`). A row with a seed missing is marked in
-results.md ("2 of 3 *") and a note below the table names the runs missing; its mean is over the finished seeds
-only. For validation perplexity, BLEU and chrF a row also holds Δ = its mean minus the first variant's mean
-(`delta_<metric>`) with a 95% confidence interval (`delta_<metric>_ci95_low/high`): Welch's t interval on the
-difference of two means, which allows unequal variances and unequal numbers of finished seeds (it ignores that
-seed i of two variants shares its init and data order, so it is conservative where that pairing matters). It
-needs two finished seeds on both sides; otherwise the interval is empty. Whether BLEU and chrF differ from the
-first variant's beyond chance, and whether a change goes the paper's way, is sweep/significance.py's
-part (columns bleu_p, chrf_p, paired_seeds, paper_direction, paper_direction_by). The chart shows mean ± standard
-deviation as error bars, or, when the config file gives published references, the change from the first variant
-with the Δ interval as error bars.
+Significance (bleu_p, chrf_p, paired_seeds): sacreBLEU's paired bootstrap over the split's sentences on the stored
+hypotheses, seed i paired with the base's seed i and each sentence resampled with all its seeds' translations
+(`evaluation.significance.pooled_paired_bootstrap`; a seed-averaged system does not exist as a translation). It
+resamples sentences, not training runs, so paper_direction (whether a significant change has the paper's sign) by
+BLEU also needs the Welch interval of Δ BLEU to exclude 0 where both sides have two seeds: on the Multi30k Table 3
+sweep the bootstrap alone gave p = 0.001 to BLEU changes of 0.4-1 whose seed intervals straddle 0. A row with only a
+paper perplexity is judged by the Welch interval of Δ perplexity. The paper's numbers are validation numbers.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import pathlib
@@ -38,14 +28,68 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from transformer_jax.errors import ScoreError
+from transformer_jax.evaluation import bleu
+from transformer_jax.evaluation.significance import pooled_paired_bootstrap
 from transformer_jax.model import parameter_count
-from transformer_jax.sweep import significance
-from transformer_jax.sweep.splits import PERPLEXITY, VALID, Split
 from transformer_jax.training.metrics import read_metrics
+
+PERPLEXITY = "valid_perplexity"  # from training's last validation: the same column whichever split is reported
+SCORE_KEYS = ("bleu", "chrf", "chrfpp", "ter")  # keys of evaluate.py's report; ter is lower-better, the rest higher
+TIMING = ("tokens_per_s", "wall_s")
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """A split of the config's data (evaluate.py's --split) as a sweep decodes and reports it (--split), and every
+    file and column name that follows from it."""
+
+    name: str  # "valid" or "test"
+    description: str  # in messages and results.md: "the validation split"
+
+    @property
+    def hypotheses_file(self) -> str:  # a finished run's translation of the whole split, in its run directory
+        return f"{self.name}.hyp"
+
+    @property
+    def scores_file(self) -> str:  # evaluate.py's report on the hypotheses; written last, so it means decoded
+        return f"{self.name}_scores.json"
+
+    @property
+    def results_name(self) -> str:  # DIR/<results_name>.csv, .md and .png
+        return "results" if self.name == "valid" else f"results_{self.name}"
+
+    @property
+    def scores(self) -> dict[str, str]:  # results column -> key of the scores report
+        return {f"{self.name}_{key}": key for key in SCORE_KEYS}
+
+    @property
+    def metrics(self) -> tuple[str, ...]:  # the columns averaged over seeds
+        return (PERPLEXITY, *self.scores, *TIMING)
+
+    @property
+    def delta_metrics(self) -> tuple[str, ...]:  # the columns compared with the first variant over seeds
+        return (PERPLEXITY, f"{self.name}_bleu", f"{self.name}_chrf")
+
+    @property
+    def published(self) -> bool:  # the config's published numbers are validation numbers
+        return self.name == "valid"
+
+    @property
+    def decodes(self) -> tuple[Split, ...]:
+        """The splits a run is decoded on for these results: always validation, then this one."""
+        return (VALID,) if self == VALID else (VALID, self)  # ==: a job gets an unpickled copy
+
+
+VALID = Split("valid", "validation")
+TEST = Split("test", "test")
+SPLITS = {s.name: s for s in (VALID, TEST)}
 
 RESULT_FILE = "sweep_result.json"  # written when a run's training finished
 REFERENCE_METRICS = (PERPLEXITY, f"{VALID.name}_bleu")  # published numbers are validation numbers
 CONFIDENCE = 0.95
+ALPHA = 0.05  # a p-value below this marks a row
+MARK = "†"  # results.md's mark of p < ALPHA
 
 
 def decoded(run_dir: pathlib.Path, split: Split) -> bool:
@@ -61,8 +105,7 @@ def decoded(run_dir: pathlib.Path, split: Split) -> bool:
 def run_metrics(run_dir: pathlib.Path, split: Split) -> dict[str, Any]:
     """steps, valid_perplexity, the split's sacreBLEU scores (split.scores), tokens_per_s, wall_s of one run
     directory ("" where absent) and finished (trained and decoded on the split)."""
-    row: dict[str, Any] = {key: "" for key in ("steps", PERPLEXITY, *split.scores)}
-    row.update(tokens_per_s="", wall_s="")
+    row: dict[str, Any] = {key: "" for key in ("steps", PERPLEXITY, *split.scores, *TIMING)}
     metrics_file = run_dir / "metrics.jsonl"
     if metrics_file.exists():
         records = read_metrics(metrics_file)
@@ -83,20 +126,22 @@ def run_metrics(run_dir: pathlib.Path, split: Split) -> dict[str, Any]:
     return row
 
 
-def summarize_variant(variant, run_dir: pathlib.Path, split: Split) -> dict:
+def describe(variant: Any) -> dict[str, Any]:
+    """The columns that name a variant (runner.Variant): variant, overrides, parameters."""
+    overrides = " ".join(f"{k}={v}" for k, v in variant.overrides.items()) or "(none)"
+    return {"variant": variant.name, "overrides": overrides, "parameters": parameter_count(variant.config)}
+
+
+def reference_columns(variant: Any) -> dict[str, Any]:
+    """The ref_* columns: the variant's published numbers ("" where the config gives none)."""
+    return {"ref_" + key: variant.reference.get(key, "") for key in REFERENCE_METRICS}
+
+
+def summarize_variant(variant: Any, run_dir: pathlib.Path, split: Split) -> dict[str, Any]:
     """One results row from a variant's directory (empty fields where it has not run): the one-seed layout."""
-    name, overrides, config, reference = variant
-    row: dict[str, Any] = {
-        "variant": name,
-        "overrides": " ".join(f"{k}={v}" for k, v in overrides.items()) or "(none)",
-        "parameters": parameter_count(config),
-    }
     metrics = run_metrics(run_dir, split)
     del metrics["finished"]
-    row.update(metrics)
-    for key in REFERENCE_METRICS:
-        row["ref_" + key] = reference.get(key, "")
-    return row
+    return {**describe(variant), **metrics, **reference_columns(variant)}
 
 
 def welch_interval(a: Sequence[float], b: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float]:
@@ -116,11 +161,9 @@ def welch_interval(a: Sequence[float], b: Sequence[float], confidence: float = C
 
 
 def aggregate_seeds(variants: Sequence[dict[str, Any]], num_seeds: int, split: Split) -> list[dict[str, Any]]:
-    """Rows of mean, standard deviation and number of seeds per metric, and Δ against the first variant.
-
-    Each entry of `variants`: variant, overrides, parameters, ref_* keys, and "runs": one run_metrics() dict per
-    seed (a run that did not finish counts as missing, whatever its metrics file holds so far).
-    """
+    """Rows of mean, standard deviation and number of seeds per metric, and Δ against the first variant. Each entry
+    of `variants`: describe()'s and reference_columns()'s keys, and "runs": one run_metrics() dict per seed (a run
+    that did not finish counts as missing, whatever its metrics file holds so far)."""
     samples = []
     for v in variants:
         finished = [r for r in v["runs"] if r["finished"]]
@@ -155,31 +198,120 @@ def aggregate_seeds(variants: Sequence[dict[str, Any]], num_seeds: int, split: S
     return rows
 
 
-def _markdown(rows: list[dict], columns: list[str], split: Split) -> list[str]:
-    """The results table; several seeds: "mean ± std" cells, "2 of 3 *" for a row with seeds missing, Δ [CI].
+def direction(ours: float, paper: float, significant: bool) -> str:
+    """'not significant', or whether our significant change has the sign of the paper's ('no' if the paper's is 0)."""
+    if not significant:
+        return "not significant"
+    return "yes" if ours * paper > 0 else "no"
 
-    The test columns (bleu_p, chrf_p: p-values marked below 0.05; the paper_direction verdict with its metric) are
-    formatted the same way in both layouts.
+
+def format_p(p: Any) -> str:
+    """A results.md cell: the p-value, marked when below ALPHA; empty when there was no test."""
+    if p == "":
+        return ""
+    return f"{p:.3f} {MARK}" if p < ALPHA else f"{p:.3f}"
+
+
+def compare_runs(
+    base_runs: Sequence[pathlib.Path | None],
+    variant_runs: Sequence[pathlib.Path | None],
+    references: list[str],
+    split: Split,
+) -> dict[str, Any]:
+    """bleu_p, chrf_p, paired_seeds and bleu_difference (pooled score minus the base's) of one variant on the split;
+    `*_runs[i]` is seed i's run directory, or None where that seed has not finished. Nothing to pair: empty values."""
+    pairs = [(b, v) for b, v in zip(base_runs, variant_runs, strict=True) if b is not None and v is not None]
+    if not pairs:
+        return {"bleu_p": "", "chrf_p": "", "paired_seeds": 0, "bleu_difference": ""}
+    lines: dict[pathlib.Path, list[str]] = {}
+    for directory in {d for pair in pairs for d in pair}:
+        path = directory / split.hypotheses_file
+        lines[directory] = bleu.read_lines(path)
+        if len(lines[directory]) != len(references):
+            raise ScoreError(
+                f"{path} has {len(lines[directory])} lines, the {split.description} split {len(references)}; delete "
+                f"{directory / split.scores_file} and run the sweep again to decode it anew"
+            )
+    result = pooled_paired_bootstrap([lines[b] for b, _ in pairs], [lines[v] for _, v in pairs], references)
+    row: dict[str, Any] = {"paired_seeds": len(pairs)}
+    for key in ("bleu", "chrf"):
+        # sacreBLEU gives identical outputs its smallest p; identical outputs differ by nothing, so p is 1.
+        row[key + "_p"] = 1.0 if result["identical_outputs"] else round(result[key]["p_value"], 4)
+    row["bleu_difference"] = result["bleu"]["system"]["score"] - result["bleu"]["baseline"]["score"]
+    return row
+
+
+def paper_direction(row: dict[str, Any], base: dict[str, Any], bleu_difference: Any) -> tuple[str, str]:
+    """(verdict, metric) of the paper_direction columns for a variant's row; ('', '') with no paper numbers."""
+    paper_bleu = (row.get("ref_valid_bleu", ""), base.get("ref_valid_bleu", ""))
+    if "" not in paper_bleu and row.get("bleu_p", "") != "":
+        # The bootstrap resamples sentences, not training runs: both must hold where seeds allow it.
+        low, high = row.get("delta_valid_bleu_ci95_low", ""), row.get("delta_valid_bleu_ci95_high", "")
+        seeds_agree = low == "" or not low <= 0 <= high
+        significant = row["bleu_p"] < ALPHA and seeds_agree
+        return direction(bleu_difference, paper_bleu[0] - paper_bleu[1], significant), "bleu"
+    paper_ppl = (row.get("ref_valid_perplexity", ""), base.get("ref_valid_perplexity", ""))
+    if "" in paper_ppl:
+        return "", ""
+    low, high = row.get("delta_valid_perplexity_ci95_low", ""), row.get("delta_valid_perplexity_ci95_high", "")
+    ours = row.get("delta_valid_perplexity", "")
+    if low == "" or ours == "":
+        return "untested", "perplexity"
+    return direction(ours, paper_ppl[0] - paper_ppl[1], not low <= 0 <= high), "perplexity"
+
+
+def add_significance(
+    rows: list[dict[str, Any]],
+    finished: Sequence[Sequence[pathlib.Path | None]],
+    references: Sequence[list[str] | None],
+    split: Split,
+) -> list[dict[str, Any]]:
+    """The rows with the test and direction columns; rows[0] is the base.
+
+    `finished[v][i]`: the directory of variant v's seed i if it finished (trained and decoded on the split), else
+    None. `references[v]`: variant v's references of the split (None: not read, as no run of it finished). A
+    variant scored on other sentences than the base gets no test.
     """
+    out = []
+    for i, (row, runs, refs) in enumerate(zip(rows, finished, references, strict=True)):
+        row = dict(row)
+        test = {"bleu_p": "", "chrf_p": "", "paired_seeds": "", "bleu_difference": ""}
+        if i > 0 and refs is not None and refs == references[0]:
+            test = compare_runs(finished[0], runs, refs, split)
+        difference = test.pop("bleu_difference")
+        row.update(test)
+        # Nothing to judge for the base itself, before both sides have a finished run, or on another split than the
+        # paper's numbers.
+        judged = split.published and i > 0 and any(runs) and any(finished[0])
+        row["paper_direction"], row["paper_direction_by"] = (
+            paper_direction(row, rows[0], difference) if judged else ("", "")
+        )
+        out.append(row)
+    return out
+
+
+def _markdown(rows: list[dict], columns: list[str], split: Split) -> list[str]:
+    """The results table; several seeds: "mean ± std" cells, "2 of 3 *" for a row with seeds missing, Δ [CI]. The
+    test columns (p-values marked below ALPHA; the paper_direction verdict with its metric) read the same in both."""
     tests = "bleu_p" in columns
-    direction = "paper_direction" in columns
+    verdicts = "paper_direction" in columns
     hidden = {"bleu_p", "chrf_p", "paired_seeds", "paper_direction", "paper_direction_by"}
 
     def test_cells(r: dict) -> list[str]:
-        cells = [significance.format_p(r["bleu_p"]), significance.format_p(r["chrf_p"])] if tests else []
-        if direction:
+        cells = [format_p(r["bleu_p"]), format_p(r["chrf_p"])] if tests else []
+        if verdicts:
             by = {"bleu": "BLEU", "perplexity": "perplexity"}.get(r["paper_direction_by"], "")
             cells.append(f"{r['paper_direction']} ({by})" if by else r["paper_direction"])
         return cells
 
     test_header = ["BLEU p", "chrF p"] if tests else []
-    direction_header = ["same direction as the paper?"] if direction else []
+    direction_header = ["same direction as the paper?"] if verdicts else []
     if "n_seeds" not in columns:
         shown = [c for c in columns if c not in hidden]
         header = shown + test_header + direction_header
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join([*(str(r[c]) for c in shown), *test_cells(r)]) + " |" for r in rows]
-        return lines + _legend(rows, tests, direction, split)
+        return lines + _legend(rows, tests, verdicts, split)
     refs = [c for c in columns if c.startswith("ref_")]
     header = ["variant", "overrides", "parameters", "seeds", *split.metrics]
     header += [f"Δ {m} [95% CI]" for m in split.delta_metrics] + test_header + refs + direction_header
@@ -190,15 +322,11 @@ def _markdown(rows: list[dict], columns: list[str], split: Split) -> list[str]:
         if r["missing_seeds"]:
             seeds += " *"
             missing = ", ".join(f"seed{i}" for i in r["missing_seeds"].split())
-            notes.append(
-                f"* {r['variant']}: {missing} not finished (trained and decoded); its means are over "
-                f"{r['n_seeds']} seeds"
-                + (
-                    f", its p-values over the {r['paired_seeds'] or 0} seeds it shares with the base"
-                    if tests and r["n_seeds"]
-                    else ""
-                )
-            )
+            note = f"* {r['variant']}: {missing} not finished (trained and decoded); "
+            note += f"its means are over {r['n_seeds']} seeds"
+            if tests and r["n_seeds"]:
+                note += f", its p-values over the {r['paired_seeds'] or 0} seeds it shares with the base"
+            notes.append(note)
         cells = [r["variant"], r["overrides"], str(r["parameters"]), seeds]
         for m in split.metrics:
             mean, std = r[m], r[m + "_std"]
@@ -215,7 +343,7 @@ def _markdown(rows: list[dict], columns: list[str], split: Split) -> list[str]:
                 cells.append(f"{delta:+.2f} [{low:+.2f}, {high:+.2f}]")
         cells += test_cells(r)[:2] if tests else []
         cells += [str(r[c]) for c in refs]
-        cells += test_cells(r)[-1:] if direction else []
+        cells += test_cells(r)[-1:] if verdicts else []
         lines.append("| " + " | ".join(cells) + " |")
     if notes:
         lines += ["", *notes]
@@ -223,10 +351,10 @@ def _markdown(rows: list[dict], columns: list[str], split: Split) -> list[str]:
         "",
         f"mean ± sample standard deviation over seeds; Δ: change from {rows[0]['variant']} with Welch's t 95% CI",
     ]
-    return lines + _legend(rows, tests, direction, split)
+    return lines + _legend(rows, tests, verdicts, split)
 
 
-def _legend(rows: list[dict], tests: bool, direction: bool, split: Split) -> list[str]:
+def _legend(rows: list[dict], tests: bool, verdicts: bool, split: Split) -> list[str]:
     lines = []
     if not split.published:
         lines.append(
@@ -238,14 +366,14 @@ def _legend(rows: list[dict], tests: bool, direction: bool, split: Split) -> lis
     if tests:
         lines.append(
             f"BLEU p, chrF p: sacreBLEU's paired bootstrap (1000 resamples) of each variant against "
-            f"{rows[0]['variant']} over all {split.description} sentences; {significance.MARK}: p < "
-            f"{significance.ALPHA}. With several seeds, seed i is paired with the base's seed i and each "
-            "sentence is resampled with all its seeds' translations (transformer_jax/sweep/significance.py)."
+            f"{rows[0]['variant']} over all {split.description} sentences; {MARK}: p < "
+            f"{ALPHA}. With several seeds, seed i is paired with the base's seed i and each "
+            "sentence is resampled with all its seeds' translations (transformer_jax/evaluation/significance.py)."
         )
-    if direction:
+    if verdicts:
         lines.append(
             "same direction as the paper?: by BLEU where the paper gives BLEU (significant: p < "
-            f"{significance.ALPHA} and, with 2 seeds or more on both sides, the 95% CI of Δ BLEU excludes 0); "
+            f"{ALPHA} and, with 2 seeds or more on both sides, the 95% CI of Δ BLEU excludes 0); "
             "by perplexity where it gives only perplexity (significant: the 95% CI of Δ perplexity excludes 0; "
             "untested with fewer than 2 seeds on either side)."
         )
@@ -302,15 +430,8 @@ def _chart(rows: list[dict], columns: list[str], workdir: pathlib.Path, split: S
                         (_number(r[f"delta_{key}_ci95_high"]) - _number(r[f"delta_{key}_ci95_low"])) / 2 for r in rows
                     ]
                     errors = [change(x0 + h, x0) for h in halves]
-                ax.barh(
-                    [p + offset for p in positions],
-                    values,
-                    height=0.4,
-                    xerr=errors,
-                    capsize=3,
-                    color=color,
-                    label=who or reference_label,
-                )
+                bars = [p + offset for p in positions]
+                ax.barh(bars, values, height=0.4, xerr=errors, capsize=3, color=color, label=who or reference_label)
                 largest = max([largest, *map(abs, values)])
             ax.axvline(0.0, color="black", linewidth=0.8)
             ax.set_yticks(list(positions), names)
