@@ -68,7 +68,7 @@ from transformer_jax.evaluation.run import split_pairs
 from transformer_jax.evaluation.translate import DecodeSettings, position_limit, translate
 from transformer_jax.export.ctranslate2 import ctranslate2_translate, to_ctranslate2
 from transformer_jax.model import build_model, model_rngs, unpacked_segment_ids
-from transformer_jax.tokens import SpecialIds
+from transformer_jax.model.spec import SpecialIds
 
 DATA = (local_data_dir() or Path("$TRANSFORMER_JAX_DATA")) / "wmt14_ende" / "test.en"
 NUM_LINES = 500

@@ -12,7 +12,7 @@ from tests.helpers.reference import hand_count
 from transformer_jax.config import checks
 from transformer_jax.errors import ConfigError
 from transformer_jax.model import TransformerSpec, parameter_count
-from transformer_jax.tokens import SpecialIds
+from transformer_jax.model.spec import SpecialIds
 from transformer_jax.training import bookkeeping
 
 CONFIG_DIR = REPO / "configs"

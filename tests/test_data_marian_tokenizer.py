@@ -18,7 +18,7 @@ from transformer_jax.data import batching, store
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import ConfigError, DataError
 from transformer_jax.model import TransformerSpec
-from transformer_jax.tokens import SpecialIds
+from transformer_jax.model.spec import SpecialIds
 
 transformers = pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
 

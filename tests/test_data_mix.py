@@ -17,7 +17,7 @@ from transformer_jax.config.checks import RULES
 from transformer_jax.data import batching, pipeline, sources, store
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import ConfigError, DataError
-from transformer_jax.tokens import SpecialIds
+from transformer_jax.model.spec import SpecialIds
 
 Z_999 = 3.29  # two-sided 99.9% normal quantile
 

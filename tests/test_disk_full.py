@@ -23,7 +23,7 @@ from transformer_jax.data import store
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import DiskFullError
 from transformer_jax.evaluation import command
-from transformer_jax.tokens import SpecialIds
+from transformer_jax.model.spec import SpecialIds
 from transformer_jax.training import metrics
 from transformer_jax.training.metrics import MetricWriter, read_metrics
 

@@ -39,7 +39,7 @@ from transformer_jax.evaluation.command import (
     parse,
     values_of,
 )
-from transformer_jax.tokens import SpecialIds
+from transformer_jax.model.spec import SpecialIds
 
 PYTHON = sys.executable
 SACREBLEU = str(Path(sys.executable).parent / "sacrebleu")

@@ -26,8 +26,8 @@ from transformer_jax.explain.capture import explain
 from transformer_jax.explain.page import figures, fmt, header, position_check, render, rotation, summary
 from transformer_jax.explain.text import TEXT
 from transformer_jax.model.layers import sinusoidal_encoding
+from transformer_jax.model.spec import SpecialIds
 from transformer_jax.model.transformer import capture_attention_weights
-from transformer_jax.tokens import SpecialIds
 from transformer_jax.training.checkpoints import Checkpointer
 from transformer_jax.training.state import create_train_state, eval_model
 from transformer_jax.visualize.figures import sinusoid_table

@@ -32,7 +32,7 @@ from transformer_jax.evaluation.__main__ import evaluate
 from transformer_jax.evaluation.command import Decoding
 from transformer_jax.evaluation.run import decoding_settings
 from transformer_jax.evaluation.translate import DecodeSettings, position_limit, translate
-from transformer_jax.tokens import SpecialIds
+from transformer_jax.model.spec import SpecialIds
 
 ctranslate2 = pytest.importorskip(
     "ctranslate2", reason="ctranslate2 is not installed (pip install ctranslate2==4.8.5): export tests need the engine"

@@ -20,7 +20,7 @@ from transformer_jax.data.tokenizer import train_tokenizer
 from transformer_jax.errors import ConfigError, EvalError
 from transformer_jax.evaluation.restore import Restorer, restore_model
 from transformer_jax.export import marian as export_marian
-from transformer_jax.tokens import SpecialIds
+from transformer_jax.model.spec import SpecialIds
 from transformer_jax.training import checkpoints
 from transformer_jax.training.state import new_train_state, split_train_state
 

@@ -15,7 +15,7 @@ SCRIPTS = {"train", "evaluate", "benchmarks", "tests", "configs"}
 # never those of its own layer or a later one. training receives validation BLEU as a function
 # (evaluation.validation.bleu_evaluator), so it imports neither decoding nor evaluation; explain draws with visualize.
 LAYERS = [
-    {"errors", "tokens"},
+    {"errors"},
     {"runtime"},
     {"sharding"},
     {"ops"},

@@ -12,8 +12,8 @@ from tests.helpers import REPO
 from tests.helpers.training import tiny_train_config
 from transformer_jax import data
 from transformer_jax.model import TransformerSpec
+from transformer_jax.model.spec import SpecialIds
 from transformer_jax.sharding import make_mesh
-from transformer_jax.tokens import SpecialIds
 from transformer_jax.training import flops
 from transformer_jax.training.loop import check_batch_shapes
 from transformer_jax.training.summary import dry_run_summary

@@ -9,7 +9,7 @@ from flax import nnx
 
 from configs import common
 from transformer_jax.model import build_model
-from transformer_jax.tokens import SpecialIds
+from transformer_jax.model.spec import SpecialIds
 
 
 def tiny_config(**model_overrides):

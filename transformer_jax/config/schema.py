@@ -43,7 +43,6 @@ from transformer_jax.config.rules import (
     positive,
 )
 from transformer_jax.errors import ConfigError
-from transformer_jax.tokens import SpecialIds
 
 
 class Size(NamedTuple):
@@ -134,14 +133,17 @@ def _by_size(field: str) -> Callable[[Size], Any]:
     return lambda size: getattr(size, field)
 
 
+# The reserved ids of a SentencePiece model trained here (data/tokenizer.py refuses one that disagrees).
+SPECIAL_IDS = {"pad": 0, "eos": 1, "bos": 2, "unk": 3}
+
 KEYS: tuple[Key, ...] = (
     # set by base_config
     Key("size", None, NAME, "label of the model size the config started from (SIZES)", MAY_CHANGE, architecture=True),
     # model: what the modules are built from (TransformerSpec)
     Key("model.vocab_size", 32000, count(1), "tokens in the joint source-target vocabulary", MATCH, architecture=True),
-    # The vocabulary's reserved ids (tokens.SpecialIds): what the token ids mean, so a fine-tuning run takes them.
+    # The vocabulary's reserved ids (model.spec.SpecialIds): what the token ids mean, so a fine-tuning run takes them.
     *(
-        Key(f"model.{f}_id", getattr(SpecialIds.DEFAULT, f), count(0), doc, MATCH, architecture=True)
+        Key(f"model.{f}_id", SPECIAL_IDS[f], count(0), doc, MATCH, architecture=True)
         for f, doc in (
             ("pad", "token id of padding, never emitted"),
             ("eos", "token id ending every sentence"),

@@ -35,8 +35,8 @@ from transformer_jax.decoding.state import (
     gather_rows,
     tile_beams,
 )
+from transformer_jax.model.spec import SpecialIds
 from transformer_jax.model.transformer import unpacked_segment_ids
-from transformer_jax.tokens import SpecialIds
 
 Array = jax.Array
 PyTree = Any

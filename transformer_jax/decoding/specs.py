@@ -13,7 +13,7 @@ search runs. A new search is a new subclass (tests/test_decoding_protocol.py add
 specs start and advance are state.py's.
 
 Specs are jax pytrees: `alpha` (and a sampling seed) are leaves, so a new alpha does not recompile; every other field
-is static (hashed into the jitted programs' keys). A spec's `ids` are the model's reserved ids (tokens.SpecialIds):
+is static (hashed into the jitted programs' keys). A spec's `ids` are the model's reserved ids (model.spec.SpecialIds):
 the Searcher sets them from the model it runs (`with_ids`), so settings never carry a second copy of them.
 `search_for` maps evaluate.py's settings to a spec: the one place that chooses the kind of search. `run_search` runs
 a spec in one loop inside a traced function; `greedy_search`, `beam_search` and `set_aside_search` are that run over
@@ -57,7 +57,7 @@ from transformer_jax.decoding.state import (
     tile_beams,
     top_k,
 )
-from transformer_jax.tokens import SpecialIds
+from transformer_jax.model.spec import SpecialIds
 
 Array = jax.Array
 PyTree = Any
@@ -488,7 +488,7 @@ def greedy_search(
 
     With `grow` (see state.Decoder), the cache starts small and grows in stages (state.py). With prefix_BP (target
     prefixes, PAD-padded), each sentence first emits its prefix (state.forced_tokens), its log-probabilities counted,
-    then continues; the length limit still holds. ids: the model's reserved ids (tokens.SpecialIds).
+    then continues; the length limit still holds. ids: the model's reserved ids (model.spec.SpecialIds).
     """
     first = max_steps if grow is None else cache_stages(max_steps)[0]
     init = GreedyState.start(cache, max_len_B.shape[0], first, ids)

@@ -11,7 +11,7 @@ makes the cache follow its surviving beams with the Decoder's `reorder(cache, ro
 transformer.py reorder_cache). The states only need this interface, so tests drive them with stubs whose
 distributions they control.
 
-Search (every state; the reserved ids are the model's, a tokens.SpecialIds `ids`): the decoder input starts with
+Search (every state; the reserved ids are the model's, a model.spec.SpecialIds `ids`): the decoder input starts with
 BOS; PAD is never emitted (its logit is masked, as Marian's bad_words_ids do; log-probabilities keep their
 normalisation over the whole vocabulary); a hypothesis finishes when it emits EOS or reaches its sentence's maximum
 length `max_len_B` (then it is kept as it is, without EOS); after that only PAD follows and its score never changes.
@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from transformer_jax.tokens import SpecialIds
+from transformer_jax.model.spec import SpecialIds
 
 Array = jax.Array
 PyTree = Any

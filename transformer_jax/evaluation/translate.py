@@ -22,8 +22,8 @@ from flax import nnx
 from transformer_jax import decoding
 from transformer_jax.data.batching import padded_eval_length
 from transformer_jax.errors import EvalError
+from transformer_jax.model.spec import SpecialIds
 from transformer_jax.runtime import Progress
-from transformer_jax.tokens import SpecialIds
 
 
 class Tokenizer(Protocol):

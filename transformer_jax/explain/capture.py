@@ -33,8 +33,8 @@ from transformer_jax.evaluation.translate import (
     source_ids,
     translate,
 )
+from transformer_jax.model.spec import SpecialIds
 from transformer_jax.model.transformer import capture_intermediates
-from transformer_jax.tokens import SpecialIds
 from transformer_jax.visualize.attention import check_selection, sown_forward
 
 

@@ -8,7 +8,7 @@ import jax
 import ml_collections
 from flax import nnx
 
-from transformer_jax.model.spec import TransformerSpec
+from transformer_jax.model.spec import SpecialIds, TransformerSpec
 from transformer_jax.model.transformer import Transformer, capture_attention_weights, unpacked_segment_ids
 
 
@@ -43,6 +43,7 @@ def _parameter_count(spec: TransformerSpec) -> int:
 
 
 __all__ = [
+    "SpecialIds",
     "Transformer",
     "TransformerSpec",
     "build_model",

@@ -1,4 +1,5 @@
-"""The model's hyperparameters as one validated, immutable record built from the `model` and `attention` groups.
+"""The model's hyperparameters as one validated, immutable record built from the `model` and `attention` groups, and
+the vocabulary's reserved ids (`SpecialIds`).
 
 A new model key is a `Key` in schema.KEYS and a field here; tests/test_config_keys.py fails until both exist.
 """
@@ -6,6 +7,7 @@ A new model key is a `Key` in schema.KEYS and a field here; tests/test_config_ke
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, ClassVar
 
 import jax.numpy as jnp
 import ml_collections
@@ -13,6 +15,34 @@ import ml_collections
 from transformer_jax import runtime
 from transformer_jax.config import checks, schema
 from transformer_jax.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecialIds:
+    """The reserved ids of one vocabulary, read from the `model.*_id` keys (hashable: a static argument of jitted
+    functions).
+
+    A SentencePiece model trained here reserves `DEFAULT` (schema.SPECIAL_IDS); a converted Marian model keeps its
+    own (eos 0, unk 1, pad = bos = vocab_size - 1: its decoder starts from pad). Batches pad with `pad`, every
+    source and target ends with `eos`, decoding starts from `bos` and stops at `eos`. Since bos may equal pad,
+    whether a target position is real comes from the batch's segment ids or lengths, never from `tokens != pad`.
+    """
+
+    pad: int  # padding: never a real token, never emitted by the search
+    eos: int  # end of sentence: ends every source and target, and stops the search
+    bos: int  # the first decoder input (may equal pad, as Marian's decoder_start_token_id does)
+    unk: int  # unknown piece
+
+    DEFAULT: ClassVar[SpecialIds]
+
+    @classmethod
+    def of(cls, config: Any) -> SpecialIds:
+        """The ids of a full config (its `model` group), of the `model` group itself, or of a TransformerSpec."""
+        model = config.model if isinstance(config, ml_collections.ConfigDict) and "model" in config else config
+        return cls(**{field: int(getattr(model, f"{field}_id")) for field in schema.SPECIAL_IDS})
+
+
+SpecialIds.DEFAULT = SpecialIds(**schema.SPECIAL_IDS)
 
 DTYPES = {name: getattr(jnp, name) for name in schema.DTYPES}  # model.dtype -> computation dtype
 

@@ -44,7 +44,7 @@ layouts. Each is kept because checkpoints of those versions exist (tests/test_st
 
 - State layout: before the TrainState fields had names, a checkpoint's `state` item stored them under the
   positions 0, 1, 2 (the same order). `state_keys` maps each field to the key it is saved under.
-- Config: the reserved ids were fixed constants (pad 0, eos 1, bos 2, unk 3: tokens.SpecialIds.DEFAULT) until the
+- Config: the reserved ids were fixed constants (pad 0, eos 1, bos 2, unk 3: model.spec.SpecialIds.DEFAULT) until the
   `model.pad_id/eos_id/bos_id/unk_id` keys came; a config saved in between has none of them, and one saved before
   that held `model.pad_id` alone (it could only be 0) and had no `model.fused_backward` (those versions ran the
   hand-written backward passes everywhere: 'on'). `upgrade_config` rewrites such a saved config in today's keys;
@@ -79,7 +79,7 @@ from jax.experimental import multihost_utils
 from transformer_jax import runtime
 from transformer_jax.config import schema
 from transformer_jax.errors import ConfigError, UserError
-from transformer_jax.tokens import FIELDS, SpecialIds
+from transformer_jax.model.spec import SpecialIds
 
 # The lock.
 
@@ -474,6 +474,6 @@ def upgrade_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
                     f"{SpecialIds.DEFAULT.pad} always, got {pad_id}; set it to {SpecialIds.DEFAULT.pad}"
                 )
             model["fused_backward"] = "on"
-        for field in FIELDS:  # the constants of the versions without the id keys
+        for field in schema.SPECIAL_IDS:  # the constants of the versions without the id keys
             model.setdefault(f"{field}_id", getattr(SpecialIds.DEFAULT, field))
     return config if values == config.to_dict() else ml_collections.ConfigDict(values)
