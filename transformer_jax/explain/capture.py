@@ -12,7 +12,6 @@ Axis letters: see transformer_jax/__init__.py.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +23,8 @@ from flax import nnx
 from transformer_jax import decoding
 from transformer_jax.data.batching import padded_eval_length
 from transformer_jax.errors import VisualizeError
-from transformer_jax.evaluation.command import Decoding, Model, check_model, check_numbers
-from transformer_jax.evaluation.restore import Restorer, restore_model
+from transformer_jax.evaluation.command import Decoding, check_numbers
+from transformer_jax.evaluation.restore import CheckpointChoice, check_choice, restore_model, workdir_tokenizer
 from transformer_jax.evaluation.run import decoding_settings
 from transformer_jax.evaluation.translate import (
     DecodeSettings,
@@ -91,17 +90,11 @@ def restore(workdir: str, checkpoint: str, average_last: int | None, options: di
     """(config, model, tokenizer, steps, decoding settings), restored as evaluate.py restores them."""
     if not Path(workdir).is_dir():
         raise VisualizeError(f"--workdir {workdir}: no such directory")
-    model_record = check_model(Model(workdir, checkpoint=checkpoint, average_last=average_last))
+    choice = check_choice(CheckpointChoice(checkpoint, average_last))
     check_numbers(options, "--")
     decoding_record = Decoding(**options)
-    restorer = Restorer()
-    with warnings.catch_warnings():
-        # Orbax warns that it reads the shardings from the checkpoint: expected, restoring on one device.
-        warnings.filterwarnings("ignore", "Sharding info not provided", UserWarning)
-        config, model, steps = restore_model(
-            restorer, workdir, checkpoint=model_record.checkpoint, average_last=model_record.average_last
-        )
-    tokenizer = restorer.tokenizer(config, workdir)
+    config, model, steps = restore_model(workdir, choice)
+    tokenizer = workdir_tokenizer(config, workdir)
     return config, model, tokenizer, steps, decoding_settings(decoding_record, config)
 
 

@@ -21,6 +21,7 @@ from transformer_jax.config import checks, loading
 from transformer_jax.errors import ConfigError, VariantInterrupted
 from transformer_jax.evaluation import run
 from transformer_jax.evaluation.command import Model, Translate, write_json, write_lines
+from transformer_jax.evaluation.restore import CheckpointChoice
 from transformer_jax.evaluation.validation import bleu_evaluator
 from transformer_jax.sweep import code
 from transformer_jax.sweep.results import REFERENCE_METRICS, RESULT_FILE, decoded
@@ -196,7 +197,7 @@ def decode_run(name: str, run_dir: pathlib.Path, split: Split) -> None:
         return
     logging.info("sweep: %s: decoding the %s split", name, split.description)
     # The last checkpoint: the paper's Table 3 averages none.
-    mode = Translate(Model(str(run_dir), average_last=1), split=split.name)
+    mode = Translate(Model(str(run_dir), choice=CheckpointChoice(average_last=1)), split=split.name)
     (run_dir / split.scores_file).unlink(missing_ok=True)  # a stale report must not pass for the new hypotheses
     # Unlike training, a decode cannot save its progress; SIGTERM abandons it (hypotheses are written only at its end).
     previous = signal.signal(signal.SIGTERM, _raise_terminated)

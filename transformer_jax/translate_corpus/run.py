@@ -32,7 +32,6 @@ from jax.experimental import multihost_utils
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation import command
 from transformer_jax.evaluation import run as evaluation
-from transformer_jax.evaluation.restore import Restorer
 from transformer_jax.evaluation.translate import translate_nbest
 from transformer_jax.runtime import Progress
 from transformer_jax.translate_corpus import chunks
@@ -120,7 +119,7 @@ def _recorded(name: str, value: Any) -> Any:
     return list(value) if isinstance(value, tuple | list) else value
 
 
-def translate_corpus(job: Job, restorer: Restorer | None = None, *, progress: bool = False) -> dict[str, Any]:
+def translate_corpus(job: Job, *, progress: bool = False) -> dict[str, Any]:
     """Translates job's input chunk by chunk, resuming from the chunks committed before, and on process 0 writes
     OUTPUT and OUTPUT.scores once every chunk is there; returns the report. EvalError before any work when the
     input or the flags differ from those of the chunks found."""
@@ -142,7 +141,7 @@ def translate_corpus(job: Job, restorer: Restorer | None = None, *, progress: bo
         "chunk_lines": job.chunk_lines,
     }
     chunks.check_resume(parts, work, flag_of)  # before the model is restored: a wrong resume fails at once
-    loaded = evaluation.load(job.mode, restorer)  # reads the lines as evaluate.py does (UTF-8, blank lines kept)
+    loaded = evaluation.load(job.mode)  # reads the lines as evaluate.py does (UTF-8, blank lines kept)
     settings, search = evaluation.settings_of(job.mode, loaded)
     work["model"] = {"checkpoint_steps": loaded.steps, "decoding": settings.report(), "search": search}
     flag_of["checkpoint_steps"] = "checkpoint steps (--checkpoint latest moves as training goes on)"
