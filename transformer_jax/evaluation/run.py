@@ -223,12 +223,7 @@ def stream(mode: Translate, loaded: Loaded, lines: Iterable[str]) -> Iterator[tu
     settings, _ = settings_of(mode, loaded)
     settings = dataclasses.replace(settings, batch_size=1)
     for line in lines:
-        [hypothesis], stats = translate_sentences(
-            loaded.model,
-            loaded.tokenizer,
-            [line],
-            settings,
-        )
+        [hypothesis], stats = translate_sentences(loaded.model, loaded.tokenizer, [line], settings)
         yield hypothesis, stats
 
 
