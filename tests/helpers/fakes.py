@@ -50,18 +50,6 @@ class JointTokenizer:
         return self.decode(ids)
 
 
-class CharTokenizer(JointTokenizer):
-    """Characters <-> ids 4..49 (vocab 50 of the tiny model), enough to drive translate()."""
-
-    ids = SpecialIds.DEFAULT  # the tiny configs' reserved ids
-
-    def encode(self, text: str) -> list[int]:
-        return [4 + ord(c) % 46 for c in text]
-
-    def decode(self, ids) -> str:
-        return "".join(chr(ord("a") + (int(i) - 4) % 26) for i in ids)
-
-
 # The characters a workdir's tokenizer (write_workdir) gives ids 4..49, in this order, as decoding.CharTokenizer does.
 ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 .,;:!?'-("
 

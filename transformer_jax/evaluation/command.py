@@ -302,7 +302,7 @@ class Outputs:
 
 # -- the checks -----------------------------------------------------------------------------------------------------
 
-_AT_LEAST_ONE = ("beam_size", "batch_size", "max_extra_len", "average_last")
+_AT_LEAST_ONE = ("beam_size", "batch_size", "max_extra_len")  # --average_last: restore.check_choice
 
 
 def parse(values: Mapping[str, Any]) -> tuple[Mode, Outputs]:

@@ -1,4 +1,4 @@
-"""A model from a workdir's checkpoints: choose the steps, average their parameters, check they fit the config.
+"""A model from a workdir's checkpoints: choose the steps, average their parameters, into the saved config's model.
 
 Every command that restores a model (evaluate.py, translate_corpus, the export, the explanation page, the attention
 pictures, the sweep) makes one CheckpointChoice of its flags and calls `restore_model`, which reads the checkpoints

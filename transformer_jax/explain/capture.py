@@ -24,7 +24,7 @@ from transformer_jax import decoding
 from transformer_jax.data.batching import padded_eval_length
 from transformer_jax.errors import VisualizeError
 from transformer_jax.evaluation.command import Decoding, check_numbers
-from transformer_jax.evaluation.restore import CheckpointChoice, check_choice, restore_model, workdir_tokenizer
+from transformer_jax.evaluation.restore import LATEST, CheckpointChoice, check_choice, restore_model, workdir_tokenizer
 from transformer_jax.evaluation.run import decoding_settings
 from transformer_jax.evaluation.translate import (
     DecodeSettings,
@@ -86,11 +86,11 @@ def piece_of(vocab: list[str], i: int) -> str:
     return vocab[i] if i < len(vocab) else f"<id {i}>"
 
 
-def restore(workdir: str, checkpoint: str, average_last: int | None, options: dict[str, Any]):
+def restore(workdir: str, choice: CheckpointChoice, options: dict[str, Any]):
     """(config, model, tokenizer, steps, decoding settings), restored as evaluate.py restores them."""
     if not Path(workdir).is_dir():
         raise VisualizeError(f"--workdir {workdir}: no such directory")
-    choice = check_choice(CheckpointChoice(checkpoint, average_last))
+    choice = check_choice(choice)
     check_numbers(options, "--")
     decoding_record = Decoding(**options)
     config, model, steps = restore_model(workdir, choice)
@@ -195,8 +195,7 @@ def explain(
     target: str | None = None,
     layer: int = 0,
     head: int = 0,
-    checkpoint: str = "latest",
-    average_last: int | None = None,
+    choice: CheckpointChoice = LATEST,
     beam_size: int | None = None,
     alpha: float | None = None,
 ) -> Explanation:
@@ -204,9 +203,7 @@ def explain(
     check_sentence(sentence)  # before the (slow) restore
     if target is not None and not target.strip():
         raise VisualizeError("--target is empty; give the target sentence, or leave out --target for the translation")
-    config, model, tokenizer, steps, settings = restore(
-        workdir, checkpoint, average_last, {"beam_size": beam_size, "alpha": alpha}
-    )
+    config, model, tokenizer, steps, settings = restore(workdir, choice, {"beam_size": beam_size, "alpha": alpha})
     check_selection(model.spec, layer, head)
     limit = input_limit(settings.max_input_len, position_limit(model.spec))
     src_ids, cut = source_ids(tokenizer, sentence, limit)  # translate()'s rule; the sentence is not blank here
