@@ -3,6 +3,7 @@ control."""
 
 from __future__ import annotations
 
+import atexit
 import io
 import pathlib
 import shutil
@@ -94,7 +95,9 @@ _BUILT: dict[str, pathlib.Path] = {}
 def cached_workdir(workdir, key: str, build) -> pathlib.Path:
     """A copy at `workdir` of the workdir that build(folder) makes, built once per test session for `key`."""
     if key not in _BUILT:
-        _BUILT[key] = build(pathlib.Path(tempfile.mkdtemp(prefix="workdir-")))
+        folder = pathlib.Path(tempfile.mkdtemp(prefix="workdir-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        _BUILT[key] = build(folder)
     return pathlib.Path(shutil.copytree(_BUILT[key], workdir, dirs_exist_ok=True))
 
 
