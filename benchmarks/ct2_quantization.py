@@ -26,7 +26,7 @@ from transformer_jax import cli, decoding
 from transformer_jax.data.sources import local_data_dir
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation import bleu
-from transformer_jax.evaluation.restore import Restorer, restore_model
+from transformer_jax.evaluation.restore import CheckpointChoice, restore_model, workdir_tokenizer
 from transformer_jax.evaluation.translate import DecodeSettings, position_limit
 from transformer_jax.export.ctranslate2 import QUANTIZATIONS, ctranslate2_translate, to_ctranslate2
 
@@ -70,10 +70,9 @@ def main(argv: list[str]) -> None:
     sources = (folder / "test.en").read_text(encoding="utf-8").splitlines()[:limit]
     references = (folder / "test.de").read_text(encoding="utf-8").splitlines()[:limit]
 
-    restorer = Restorer()
     workdir = _WORKDIR.value
-    config, model, steps = restore_model(restorer, workdir, average_last=_AVERAGE_LAST.value)
-    tokenizer = restorer.tokenizer(config, workdir)
+    config, model, steps = restore_model(workdir, CheckpointChoice(average_last=_AVERAGE_LAST.value))
+    tokenizer = workdir_tokenizer(config, workdir)
     settings = DecodeSettings(
         decoding.search_for(1, config.eval.alpha),
         max_extra_len=config.eval.max_extra_len,

@@ -63,7 +63,7 @@ from transformer_jax.data.sources import local_data_dir
 from transformer_jax.data.tokenizer import train_tokenizer
 from transformer_jax.errors import DataError
 from transformer_jax.evaluation import bleu
-from transformer_jax.evaluation.restore import Restorer, restore_model
+from transformer_jax.evaluation.restore import CheckpointChoice, restore_model, workdir_tokenizer
 from transformer_jax.evaluation.run import split_pairs
 from transformer_jax.evaluation.translate import DecodeSettings, position_limit, translate
 from transformer_jax.export.ctranslate2 import ctranslate2_translate, to_ctranslate2
@@ -124,9 +124,8 @@ def side_by_side(workdir: str) -> None:
     """One JSON line per beam size: our translate() against CTranslate2 with the same weights (module docstring)."""
     import ctranslate2  # optional (pip install -e .[ctranslate2]): only this comparison needs it
 
-    restorer = Restorer()
-    config, model, steps = restore_model(restorer, workdir, average_last=_AVERAGE_LAST.value)
-    tokenizer = restorer.tokenizer(config, workdir)
+    config, model, steps = restore_model(workdir, CheckpointChoice(average_last=_AVERAGE_LAST.value))
+    tokenizer = workdir_tokenizer(config, workdir)
     sources, references, split = split_pairs(config, _SPLIT.value)
     with tempfile.TemporaryDirectory() as tmp:
         export_dir = to_ctranslate2(model, tokenizer, Path(tmp) / "ct2")
@@ -179,7 +178,7 @@ def modes_side_by_side(workdir: str, modes: list[str]) -> None:
     score_batch, sampling (temperature 1, no cut, seed 0) against our own greedy search."""
     import ctranslate2
 
-    from transformer_jax.evaluation.restore import Restorer, restore_model
+    from transformer_jax.evaluation.restore import CheckpointChoice, restore_model, workdir_tokenizer
     from transformer_jax.evaluation.run import split_pairs
     from transformer_jax.evaluation.scoring import score_pairs
     from transformer_jax.evaluation.translate import (
@@ -192,9 +191,8 @@ def modes_side_by_side(workdir: str, modes: list[str]) -> None:
     )
     from transformer_jax.export.ctranslate2 import to_ctranslate2, vocabulary
 
-    restorer = Restorer()
-    config, model, steps = restore_model(restorer, workdir, average_last=_AVERAGE_LAST.value)
-    tokenizer = restorer.tokenizer(config, workdir)
+    config, model, steps = restore_model(workdir, CheckpointChoice(average_last=_AVERAGE_LAST.value))
+    tokenizer = workdir_tokenizer(config, workdir)
     sources, references, split = split_pairs(config, _SPLIT.value)
     pieces = vocabulary(tokenizer)
     limit = position_limit(model.spec)

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from transformer_jax.evaluation import bleu
-from transformer_jax.evaluation.restore import Restorer, restore_model
+from transformer_jax.evaluation.restore import CheckpointChoice, restore_model, workdir_tokenizer
 from transformer_jax.evaluation.run import read_sources, split_pairs
 from transformer_jax.evaluation.translate import input_limit, output_cap, output_limit, position_limit, source_ids
 from transformer_jax.export.ctranslate2 import to_ctranslate2
@@ -137,8 +137,7 @@ def evaluate_vs_ctranslate2(
     repeats: int,
 ) -> list[dict]:
     """One report per beam size (module docstring): evaluate.py on the split against CTranslate2."""
-    restorer = Restorer()
-    config, model, steps = restore_model(restorer, workdir, average_last=average_last)
+    config, model, steps = restore_model(workdir, CheckpointChoice(average_last=average_last))
     sources, references, name = split_pairs(config, split)
 
     def ours(source_file: Path, output: Path) -> list[str]:
@@ -146,7 +145,7 @@ def evaluate_vs_ctranslate2(
 
     return _versus_ctranslate2(
         workdir,
-        (restorer, config, model, steps),
+        (config, model, steps),
         sources,
         references,
         ours,
@@ -174,8 +173,7 @@ def corpus_vs_ctranslate2(
 ) -> list[dict]:
     """One report per beam size: the whole `python -m transformer_jax.translate_corpus` process on the first
     `lines` lines of `corpus` (0: all) against CTranslate2's whole process on the same lines."""
-    restorer = Restorer()
-    config, model, steps = restore_model(restorer, workdir, average_last=average_last)
+    config, model, steps = restore_model(workdir, CheckpointChoice(average_last=average_last))
     sources = read_sources(corpus)
     sources = sources[:lines] if lines else sources
 
@@ -184,7 +182,7 @@ def corpus_vs_ctranslate2(
 
     return _versus_ctranslate2(
         workdir,
-        (restorer, config, model, steps),
+        (config, model, steps),
         sources,
         None,
         ours,
@@ -215,8 +213,8 @@ def _versus_ctranslate2(
 ) -> list[dict]:
     """For each beam size, our process (ours_command(source file, output file), with the workdir, search and cache
     flags added) cold and warm against CTranslate2's processes with the same weights on the same lines."""
-    restorer, config, model, steps = restored
-    tokenizer = restorer.tokenizer(config, workdir)
+    config, model, steps = restored
+    tokenizer = workdir_tokenizer(config, workdir)
     limits, max_input = _limits(config, model, tokenizer, sources)
     reports = []
     with tempfile.TemporaryDirectory() as tmp_dir:

@@ -1,4 +1,4 @@
-"""Checkpoint averaging: the mean against hand-computed values, accuracy, and the step selection's errors."""
+"""Checkpoint averaging (evaluation.restore): the mean against hand-computed values, accuracy, the step choice."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax.evaluation.averaging import AveragingError, average_params, select_steps
+from transformer_jax.errors import AveragingError, EvalError
+from transformer_jax.evaluation.restore import CheckpointChoice, average_params, choose_steps
 
 
 def test_average_matches_hand_computed_mean():
@@ -45,21 +46,20 @@ def test_average_rejects_mismatched_trees():
         average_params([])
 
 
-def test_select_steps():
-    available = [3000, 1000, 2000, 5000, 4000]
-    assert select_steps(available, 2, None) == [4000, 5000]
-    assert select_steps(available, 5, None) == [1000, 2000, 3000, 4000, 5000]
-    assert select_steps(available, None, [5000, 1000]) == [1000, 5000]
-    assert select_steps(available, None, None) == [5000]  # latest only
-    with pytest.raises(AveragingError, match=r"last 6 checkpoints but only 5 exist: \[1000, 2000, 3000, 4000, 5000\]"):
-        select_steps(available, 6, None)
-    with pytest.raises(AveragingError, match=r"step\(s\) \[2500\]; available steps: \[1000, 2000, 3000, 4000, 5000\]"):
-        select_steps(available, None, [2000, 2500])
-    with pytest.raises(AveragingError, match="not both"):
-        select_steps(available, 2, [1000])
-    with pytest.raises(AveragingError, match=">= 1"):
-        select_steps(available, 0, None)
-    with pytest.raises(AveragingError, match="more than once"):
-        select_steps(available, None, [1000, 1000])
-    with pytest.raises(AveragingError, match="no checkpoints"):
-        select_steps([], 1, None)
+def test_choose_steps():
+    available = [1000, 2000, 3000, 4000, 5000]
+
+    def choose(last: int = 1, checkpoint: str = "latest", steps=None) -> list[int]:
+        return choose_steps(available, "w", CheckpointChoice(checkpoint, average_steps=steps), last)
+
+    assert choose(2) == [4000, 5000]
+    assert choose(5) == available
+    assert choose(2, "3000") == [2000, 3000]
+    assert choose(steps=(5000, 1000)) == [1000, 5000]
+    assert choose() == [5000]  # latest only
+    with pytest.raises(EvalError, match=r"last 6 checkpoints up to step 5000, but only 5 exist: \[1000, 2000"):
+        choose(6)
+    with pytest.raises(EvalError, match=r"step\(s\) \[2500\]; available steps: \[1000, 2000, 3000, 4000, 5000\]"):
+        choose(steps=(2000, 2500))
+    with pytest.raises(EvalError, match=r"no checkpoint for step 2500 in w; available steps: \[1000, 2000"):
+        choose(1, "2500")

@@ -22,7 +22,7 @@ from tests.helpers import DATA
 from tests.helpers.marian_reference import ROOT, run
 from transformer_jax.convert import folder, marian
 from transformer_jax.errors import ConfigError, DataError
-from transformer_jax.evaluation.restore import Restorer, restore_model
+from transformer_jax.evaluation.restore import restore_model, workdir_tokenizer
 from transformer_jax.training import checkpoints
 from transformer_jax.training.state import new_train_state, split_train_state
 
@@ -46,7 +46,7 @@ def convert(source: Path, workdir: Path) -> dict:
 
 
 def restored(workdir: Path):
-    config, model, _ = restore_model(Restorer(), str(workdir))
+    config, model, _ = restore_model(str(workdir))
     return config, model
 
 
@@ -170,8 +170,8 @@ def test_import_export_import_is_bit_identical(marian_dir, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "warning" not in done.stderr
     convert(tmp_path / "exported", tmp_path / "b")
-    restorer, step = Restorer(), 0
-    a_config, b_config = restorer.load_config(str(tmp_path / "a")), restorer.load_config(str(tmp_path / "b"))
+    step = 0
+    a_config, b_config = checkpoints.load_config(tmp_path / "a"), checkpoints.load_config(tmp_path / "b")
     assert a_config.model.to_dict() == b_config.model.to_dict()
     assert a_config.eval.to_dict() == b_config.eval.to_dict()
     _, state = split_train_state(new_train_state(a_config))
@@ -355,7 +355,7 @@ def test_a_multilingual_model_converts_and_its_language_token_leads_the_source(t
     convert(source, tmp_path / "w")
     config = checkpoints.load_config(tmp_path / "w")
     config.data.target_lang = "fr"
-    tokenizer = Restorer().tokenizer(config, str(tmp_path / "w"))
+    tokenizer = workdir_tokenizer(config, str(tmp_path / "w"))
     sentences = ["A man is riding a bicycle.", "Two dogs play in the snow."]
     (tmp_path / "s.json").write_text(json.dumps([f">>fr<< {s}" for s in sentences]))
     run("tokenize", str(source), str(tmp_path / "s.json"), str(tmp_path / "ids.json"))

@@ -196,25 +196,27 @@ def test_a_separate_source_vocabulary_has_its_own_encoder_rows():
         TransformerSpec.from_config(config)
 
 
-def test_evaluate_target_lang_overrides_the_configs_for_the_tokenizer(tmp_path):
+def test_evaluate_target_lang_overrides_the_configs_for_the_tokenizer(tmp_path, monkeypatch):
     """--target_lang reaches the tokenizer as data.target_lang (the saved config keeps its own)."""
-    from tests.helpers.decoding import OneCheckpoint
+    from tests.helpers.decoding import CharTokenizer, one_checkpoint
+    from transformer_jax.evaluation import run
     from transformer_jax.evaluation.__main__ import evaluate
+    from transformer_jax.training import checkpoints
 
     seen = []
 
-    class Restorer(OneCheckpoint):
-        def tokenizer(self, config, workdir):
-            seen.append(config.data.target_lang)
-            return super().tokenizer(config, workdir)
+    def tokenizer(config, workdir):
+        seen.append(config.data.target_lang)
+        return CharTokenizer()  # the workdir's has no >>fra<< piece
 
-    restorer = Restorer()
+    monkeypatch.setattr(run, "workdir_tokenizer", tokenizer)
+    workdir = one_checkpoint(tmp_path / "w")
     src = tmp_path / "src.txt"
     src.write_text("a b\n", encoding="utf-8")
-    options = dict(workdir=str(tmp_path), source_file=str(src), output_file=str(tmp_path / "hyp.txt"))
-    evaluate(dict(options, target_lang="fra"), restorer)
-    evaluate(options, restorer)
-    assert seen == ["fra", ""] and restorer.config.data.target_lang == ""
+    options = dict(workdir=str(workdir), source_file=str(src), output_file=str(tmp_path / "hyp.txt"))
+    evaluate(dict(options, target_lang="fra"))
+    evaluate(options)
+    assert seen == ["fra", ""] and checkpoints.load_config(workdir).data.target_lang == ""
 
 
 def test_a_fine_tuning_run_copies_a_marian_sources_tokenizer_files(tmp_path, models):

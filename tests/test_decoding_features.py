@@ -19,21 +19,24 @@ from tests.helpers.decoding import (
     IDS,
     PAD,
     CharTokenizer,
-    OneCheckpoint,
     brute_force,
     hash_stub,
     hash_table,
     log_softmax,
     next_hash,
+    one_checkpoint,
     reference_lp,
     set_aside_reference,
     shared_model,
+    tiny_eval_config,
 )
+from tests.helpers.fakes import reads
 from transformer_jax import decoding
 from transformer_jax.decoding.specs import best_first, greedy_search, set_aside_search
 from transformer_jax.decoding.state import BeamState, SetAsideState, length_penalty
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation.__main__ import evaluate
+from transformer_jax.evaluation.restore import workdir_tokenizer
 from transformer_jax.evaluation.run import parse_nbest_line
 from transformer_jax.evaluation.translate import EMPTY, DecodeSettings, translate, translate_nbest
 
@@ -282,12 +285,13 @@ def test_translate_nbest_gives_n_entries_per_line_best_first_and_refuses_n_over_
 # -- evaluate.py's flags ------------------------------------------------------------------------------------------
 
 
-def _evaluate(tmp_path, lines, restorer=None, **flags):
+def _evaluate(tmp_path, lines, **flags):
     tmp_path.mkdir(exist_ok=True)
     src = tmp_path / "src.txt"
     src.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     options = dict(workdir=str(tmp_path), source_file=str(src), output_file=str(tmp_path / "out" / "hyp.txt"))
-    return evaluate(dict(options, **flags), restorer or OneCheckpoint())
+    one_checkpoint(tmp_path)
+    return evaluate(dict(options, **flags))
 
 
 def test_nbest_file_has_n_lines_per_input_line_and_the_1best_stays_in_the_output(tmp_path):
@@ -326,15 +330,15 @@ def test_finished_set_aside_writes_that_searchs_nbest_lists(tmp_path):
     assert report["search"]["finished"] == "set_aside"
     out = Path(tmp_path / "out" / "hyp.txt.nbest").read_text(encoding="utf-8").splitlines()
     written = [(i, text) for i, text, *_ in map(parse_nbest_line, out)]
-    checkpoint = OneCheckpoint()
-    model = build_model(checkpoint.config, rngs=nnx.Rngs(1))  # OneCheckpoint's parameters
+    config = tiny_eval_config()
+    model = build_model(config, rngs=nnx.Rngs(1))  # one_checkpoint's parameters
     searched = {}
     for finished in decoding.FINISHED_RULES:
         search = decoding.search_for(2, 1.0, "average", finished)
         settings = DecodeSettings(
-            search, max_extra_len=5, max_len=0, batch_size=4, max_input_len=checkpoint.config.data.eval_max_len
+            search, max_extra_len=5, max_len=0, batch_size=4, max_input_len=config.data.eval_max_len
         )
-        lists, _ = translate_nbest(model, CharTokenizer(), lines, settings, nbest=2)
+        lists, _ = translate_nbest(model, workdir_tokenizer(config, str(tmp_path)), lines, settings, nbest=2)
         searched[finished] = [(i, h.text) for i, x in enumerate(lists) for h in x]
     assert written == searched["set_aside"] != searched["in_beam"]
 
@@ -465,24 +469,24 @@ def test_prefixes_through_the_scheduler_equal_the_one_jit_search(beam_size):
         assert list(o.tokens[0, :kept]) == prefix[:kept]
 
 
-def test_prefix_file_starts_each_translation_and_a_line_count_mismatch_names_both_counts(tmp_path):
+def test_prefix_file_starts_each_translation_and_a_line_count_mismatch_names_both_counts(tmp_path, monkeypatch):
     lines = ["hello world", "a b", "the cat"]
     (tmp_path / "prefix.txt").write_text("zz\n\nq\n", encoding="utf-8")
     _evaluate(tmp_path, lines, prefix_file=str(tmp_path / "prefix.txt"), beam_size=1)
     hypotheses = (tmp_path / "out" / "hyp.txt").read_text(encoding="utf-8").splitlines()
     assert hypotheses[0].startswith("zz") and hypotheses[2].startswith("q")
-    restorer = OneCheckpoint()
     (tmp_path / "short.txt").write_text("zz\n", encoding="utf-8")
+    read = reads(monkeypatch)
     with pytest.raises(EvalError, match=r"--prefix_file .*short.txt has 1 lines, .*src.txt has 3"):
-        _evaluate(tmp_path / "x", lines, restorer, prefix_file=str(tmp_path / "short.txt"))
-    assert restorer.loaded == 0 and not (tmp_path / "x" / "out").exists()
+        _evaluate(tmp_path / "x", lines, prefix_file=str(tmp_path / "short.txt"))
+    assert read == [] and not (tmp_path / "x" / "out").exists()
 
 
 def test_max_len_flag_caps_the_outputs_over_the_configs(tmp_path):
     """--max_len (an absolute cap, EOS included) overrides config.eval.max_len, which caps when the flag is unset."""
     from transformer_jax.evaluation import command, run
 
-    config = OneCheckpoint().config
+    config = tiny_eval_config()
     assert run.decoding_settings(command.Decoding(), config).max_len == config.eval.max_len == 0
     assert run.decoding_settings(command.Decoding(max_len=3), config).max_len == 3
     lines = ["hello world", "the cat sat on the mat"]

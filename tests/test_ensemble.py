@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers.decoding import BOS, EOS, PAD, CharTokenizer, OneCheckpoint, shared_model
+from tests.helpers.decoding import BOS, EOS, PAD, CharTokenizer, one_checkpoint, shared_model, tiny_eval_config
 from tests.helpers.model import forward, tiny_model
 from transformer_jax import decoding
 from transformer_jax.decoding.ensemble import Ensemble
@@ -92,30 +92,24 @@ def test_members_with_another_vocabulary_are_refused():
         Ensemble([tiny_model(0), tiny_model(0, vocab_size=60)])
 
 
-class _Restorers(OneCheckpoint):
-    """OneCheckpoint for every workdir, except `empty` (no checkpoint) and `other` (another vocabulary size)."""
-
-    def list_steps(self, workdir):
-        return [] if workdir.endswith("empty") else [100]
-
-    def load_config(self, workdir):
-        if workdir.endswith("other"):
-            config = self.config.copy_and_resolve_references()
-            config.model.vocab_size = 60
-            return config
-        return self.config
-
-
-def _evaluate(tmp_path, restorer, **flags):
+def _evaluate(tmp_path, **flags):
+    """evaluate.py with one_checkpoint in tmp_path and in its members b (the same model), empty (no checkpoint) and
+    other (another vocabulary size)."""
+    for name in ("", "b"):
+        one_checkpoint(tmp_path / name)
+    (tmp_path / "empty").mkdir(exist_ok=True)
+    other = tiny_eval_config()
+    other.model.vocab_size = 60
+    one_checkpoint(tmp_path / "other", config=other)
     src = tmp_path / "src.txt"
     src.write_text("hello world\nthe cat\n", encoding="utf-8")
     options = dict(workdir=str(tmp_path), source_file=str(src), output_file=str(tmp_path / "o" / "h"))
-    return evaluate(dict(options, **flags), restorer)
+    return evaluate(dict(options, **flags))
 
 
 @pytest.mark.slow
 def test_ensemble_flag_decodes_with_every_member(tmp_path):
-    _evaluate(tmp_path, _Restorers(), ensemble_workdirs=[str(tmp_path / "b")])
+    _evaluate(tmp_path, ensemble_workdirs=[str(tmp_path / "b")])
     assert len((tmp_path / "o" / "h").read_text(encoding="utf-8").splitlines()) == 2
 
 
@@ -125,7 +119,7 @@ def test_score_flag_scores_with_the_ensemble(tmp_path):
     scored = {}
     for name, members in (("alone", None), ("twice", [str(tmp_path / "b")])):
         flags = dict(score=True, references_file=str(tmp_path / "ref.txt"), ensemble_workdirs=members)
-        _evaluate(tmp_path, _Restorers(), **flags, output_file=str(tmp_path / name))
+        _evaluate(tmp_path, **flags, output_file=str(tmp_path / name))
         scored[name] = [[float(x) for x in line.split("\t")] for line in (tmp_path / name).read_text().splitlines()]
     assert len(scored["twice"]) == 2
     np.testing.assert_allclose(scored["twice"], scored["alone"], rtol=1e-5)
@@ -140,5 +134,5 @@ def test_score_flag_scores_with_the_ensemble(tmp_path):
 )
 def test_bad_members_are_refused_in_one_line_and_nothing_is_written(tmp_path, member, message):
     with pytest.raises(EvalError, match=message):
-        _evaluate(tmp_path, _Restorers(), ensemble_workdirs=[str(tmp_path / member)])
+        _evaluate(tmp_path, ensemble_workdirs=[str(tmp_path / member)])
     assert not (tmp_path / "o").exists()

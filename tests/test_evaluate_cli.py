@@ -1,10 +1,8 @@
 """evaluate.py (transformer_jax.evaluation.__main__) and the library under it (transformer_jax.evaluation.run and
-.restore): scores-only mode against the sacrebleu command on real data, and the model mode with a fake restorer.
-
-The model-mode tests substitute the checkpoint reader (restore.Restorer) with a fake that serves parameters of a
-known mean, so they check the evaluation logic: step selection, averaging, the config check, one output line per
-input line, the report and where it goes, that bad inputs fail early with clear messages, and that the library
-prints nothing (only the command line does).
+.restore): scores-only mode against the sacrebleu command on real data, and the model mode on a workdir of real
+checkpoints whose parameters have a known mean (fakes.three_checkpoints): step selection, averaging, the config
+check, one output line per input line, the report and where it goes, that bad inputs fail early with clear messages,
+and that the library prints nothing (only the command line does).
 """
 
 from __future__ import annotations
@@ -23,9 +21,9 @@ from absl import flags
 from flax import nnx
 
 from tests.helpers import DATA, REPO
-from tests.helpers.fakes import FakeRestorer, tiny_config
+from tests.helpers.fakes import base_params, reads, three_checkpoints, tiny_config, write_workdir
 from transformer_jax.data.tokenizer import train_tokenizer
-from transformer_jax.errors import EvalError
+from transformer_jax.errors import CheckpointError, EvalError
 from transformer_jax.evaluation import bleu, restore, run
 from transformer_jax.evaluation.__main__ import evaluate
 from transformer_jax.evaluation.command import (
@@ -124,15 +122,15 @@ def test_scores_only_mode_line_count_mismatch_names_both_files(tmp_path):
     assert "Traceback" not in out.stderr
 
 
-# -- model mode with a fake checkpoint reader -------------------------------------------------------------------
+# -- model mode on checkpoints of known parameters ---------------------------------------------------------------
 
 
-def test_restore_averages_the_last_checkpoints_up_to_the_chosen_step(tmp_path):
-    fake = FakeRestorer()
-    _, model, steps = restore.restore_model(fake, str(tmp_path), checkpoint="200", average_last=2)
-    assert steps == [100, 200] and fake.loaded == [100, 200]
+def test_restore_averages_the_last_checkpoints_up_to_the_chosen_step(tmp_path, monkeypatch):
+    workdir, read = three_checkpoints(tmp_path), reads(monkeypatch)
+    _, model, steps = restore.restore_model(str(workdir), restore.CheckpointChoice("200", average_last=2))
+    assert steps == [100, 200] and read == [100, 200]
     got = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    expected = jax.tree.map(lambda x: x + np.float32(0.15), fake.base)
+    expected = jax.tree.map(lambda x: x + np.float32(0.15), base_params(tiny_config()))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), got, expected)
 
 
@@ -142,39 +140,40 @@ def test_restore_averages_the_last_checkpoints_up_to_the_chosen_step(tmp_path):
         (dict(checkpoint="250"), r"no checkpoint for step 250 .*available steps: \[100, 200, 300\]"),
         (dict(average_last=4), r"last 4 checkpoints up to step 300, but only 3 exist: \[100, 200, 300\]"),
         (dict(average_steps=[100, 150]), r"step\(s\) \[150\]; available steps: \[100, 200, 300\]"),
-        (dict(config=tiny_config(d_model=64, d_ff=96)), r"model.d_ff: 64 -> 96; model.d_model: 32 -> 64"),
+        (dict(config=tiny_config(d_model=64, d_ff=96)), r"model.d_model: 32 -> 64; model.d_ff: 64 -> 96"),
     ],
 )
-def test_restore_errors_are_clear(tmp_path, options, message):
-    fake = FakeRestorer()
-    with pytest.raises((EvalError, ValueError), match=message):
-        restore.restore_model(fake, str(tmp_path), **options)
-    assert fake.loaded == []  # nothing was read
-
-
-def test_parameters_that_do_not_fit_the_config_name_each_array(tmp_path):
-    """A config that passes the key check (here: a fake that reports no differences) but builds other shapes."""
-    fake = FakeRestorer()
-    fake.config_differences = lambda saved, current: []
-    message = r"do not fit .*encoder_layers\.0\.ffn\.\w+\.kernel: checkpoint \(32, 64\) vs config \(32, 96\)"
+def test_restore_errors_are_clear(tmp_path, monkeypatch, options, message):
+    workdir, read = three_checkpoints(tmp_path), reads(monkeypatch)
+    config = options.pop("config", None)
     with pytest.raises(EvalError, match=message):
-        restore.restore_model(fake, str(tmp_path), config=tiny_config(d_ff=96))
+        restore.restore_model(str(workdir), restore.CheckpointChoice(**options), config=config)
+    assert read == []  # nothing was read
+
+
+def test_parameters_that_do_not_fit_the_config_name_the_array(tmp_path):
+    """Checkpoints whose arrays have other shapes than their own saved config builds: Orbax refuses to read them."""
+    workdir = write_workdir(tmp_path, tiny_config(d_ff=96), {100: base_params(tiny_config())})
+    # d_ff's arrays, whichever Orbax reads first: the kernels (32, 96) and (96, 32), or the bias (96,).
+    message = r"step 100 .* cannot be read: .*shape: \((32, )?96(, 32)?,?\) is not compatible with the stored shape: "
+    with pytest.raises(CheckpointError, match=message):
+        restore.restore_model(str(workdir), restore.CheckpointChoice(average_last=1))
 
 
 def test_no_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(EvalError, match="no checkpoint in .*checkpoints"):
-        restore.restore_model(FakeRestorer(steps=()), str(tmp_path))
+        restore.restore_model(str(tmp_path))
 
 
-def test_references_with_another_line_count_fail_before_the_model_is_restored(tmp_path):
+def test_references_with_another_line_count_fail_before_the_model_is_restored(tmp_path, monkeypatch):
     src, ref = tmp_path / "src.en", tmp_path / "ref.de"
     src.write_text("a\nb\nc\n", encoding="utf-8")
     ref.write_text("a\nb\n", encoding="utf-8")
-    fake = FakeRestorer()
-    options = dict(workdir=str(tmp_path), source_file=str(src), references_file=str(ref))
+    read = reads(monkeypatch)
+    options = dict(workdir=str(three_checkpoints(tmp_path / "w")), source_file=str(src), references_file=str(ref))
     with pytest.raises(bleu.ScoreError, match=r"src\.en has 3 lines, .*ref\.de has 2"):
-        evaluate(options, fake)
-    assert fake.loaded == []
+        evaluate(options)
+    assert read == []
 
 
 def test_translate_a_file_one_output_per_input_line_and_report(tmp_path, capsys):
@@ -183,10 +182,11 @@ def test_translate_a_file_one_output_per_input_line_and_report(tmp_path, capsys)
     src.write_text("\n".join(sources) + "\n", encoding="utf-8")
     ref.write_text("hallo welt\n\neine viel längere zeile\nkurz\n", encoding="utf-8")
     out = tmp_path / "out" / "hyp.de"
+    workdir = three_checkpoints(tmp_path / "w")
     options = dict(
-        workdir=str(tmp_path), source_file=str(src), references_file=str(ref), output_file=str(out), alpha=0.0
+        workdir=str(workdir), source_file=str(src), references_file=str(ref), output_file=str(out), alpha=0.0
     )
-    report = evaluate(options, FakeRestorer())
+    report = evaluate(options)
     hypotheses = bleu.read_lines(out)
     assert len(hypotheses) == len(sources) and hypotheses[1] == ""
     assert report["checkpoint_steps"] == [200, 300]
@@ -214,13 +214,13 @@ def test_translate_a_file_one_output_per_input_line_and_report(tmp_path, capsys)
     stdin = io.StringIO("\n".join(sources) + "\n")
     old_stdin, sys.stdin = sys.stdin, stdin
     try:
-        streamed = evaluate(dict(workdir=str(tmp_path), source_file="-", alpha=0.0), FakeRestorer())
+        streamed = evaluate(dict(workdir=str(workdir), source_file="-", alpha=0.0))
     finally:
         sys.stdin = old_stdin
     printed = capsys.readouterr()
     assert printed.out.splitlines() == hypotheses and printed.err.startswith("4 lines translated")
     assert streamed["stats"]["sentences"] == 4 and streamed["stats"]["empty"] == 1
-    report_file = tmp_path / "eval" / "stdin.step300-avg2.json"
+    report_file = workdir / "eval" / "stdin.step300-avg2.json"
     assert json.loads(report_file.read_text()) == json.loads(json.dumps(streamed))
     assert f"report: {report_file}" in printed.err
 
@@ -229,9 +229,8 @@ def test_json_prints_the_report_on_stdout_and_the_summary_on_stderr(tmp_path, ca
     src = tmp_path / "src.en"
     src.write_text("hello world\nshort\n", encoding="utf-8")
     out = tmp_path / "hyp.de"
-    report = evaluate(
-        dict(workdir=str(tmp_path), source_file=str(src), output_file=str(out), json=True), FakeRestorer()
-    )
+    workdir = three_checkpoints(tmp_path / "w")
+    report = evaluate(dict(workdir=str(workdir), source_file=str(src), output_file=str(out), json=True))
     printed = capsys.readouterr()
     assert json.loads(printed.out) == json.loads(json.dumps(report)) == json.loads(Path(f"{out}.json").read_text())
     assert printed.err.splitlines()[0].startswith("2 lines translated") and f"report: {out}.json" in printed.err
@@ -245,12 +244,13 @@ def test_json_with_the_translations_of_stdin_on_stdout_is_refused(tmp_path):
 
 def test_a_default_report_that_is_an_input_is_refused_before_translating(tmp_path, capsys, monkeypatch):
     """stdin's translations on stdout: the report's default is WORKDIR/eval/stdin.<steps>.json, never an input."""
+    workdir = three_checkpoints(tmp_path)
     ref = tmp_path / "eval" / "stdin.step300-avg2.json"
     ref.parent.mkdir()
     ref.write_text("hallo\nwelt\n", encoding="utf-8")
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nworld\n"))
     with pytest.raises(EvalError, match=r"--scores_file \S*stdin\.step300-avg2\.json is the input --references_file"):
-        evaluate(dict(workdir=str(tmp_path), source_file="-", references_file=str(ref)), FakeRestorer())
+        evaluate(dict(workdir=str(workdir), source_file="-", references_file=str(ref)))
     assert ref.read_text(encoding="utf-8") == "hallo\nwelt\n" and capsys.readouterr().out == ""
 
 
@@ -280,22 +280,21 @@ def test_the_library_prints_nothing(tmp_path, capfd, monkeypatch):
     capfd.readouterr()
     assert run.scores_only(ScoresOnly(str(ref), str(ref)))["chrf"]["score"] == 100
     assert run.compare(Compare(str(ref), str(other), str(ref)))["comparison"]["bleu"]["p_value"] < 1
-    model = Model(str(tmp_path))
+    workdir = three_checkpoints(tmp_path / "w")
+    capfd.readouterr()
+    model = Model(str(workdir))
     translate = Translate(model, source_file=str(src), references_file=str(ref))
-    loaded = run.load(translate, FakeRestorer())
+    loaded = run.load(translate)
     translation = run.translate(translate, loaded)
     assert len(translation.hypotheses) == 3 and translation.report["scores"] is not None
     stdin = Translate(model, source_file="-")
     streamed = run.stream_result(stdin, loaded, list(run.stream(stdin, loaded, ["hello world", "", "short"])))
     assert streamed.hypotheses == translation.hypotheses
     pairs = ScorePairs(model, source_file=str(src), references_file=str(ref))
-    assert len(run.score(pairs, run.load(pairs, FakeRestorer())).scores) == 3
+    assert len(run.score(pairs, run.load(pairs)).scores) == 3
     assert capfd.readouterr() == ("", "")
-    assert not (tmp_path / "eval").exists() and sorted(p.name for p in tmp_path.iterdir()) == [
-        "other.de",
-        "ref.de",
-        "src.en",
-    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.de", "ref.de", "src.en", "w"]
+    assert not (workdir / "eval").exists()
 
 
 def test_each_flag_with_choices_refuses_any_other_value_a_tuning_flag_needs_its_switch_unset_is_the_default(tmp_path):

@@ -1,13 +1,12 @@
 """evaluate.py with inputs that must not break it: an output that would overwrite an input, blank lines in a test
 split, invalid UTF-8, an unwritable output location, empty files, and bad flag values.
 
-Each mistake fails before the model is restored (the fake restorer of test_evaluate_cli records what it loaded),
-with one EvalError/ScoreError line; a few run the command line to check the one-line, no-traceback exit.
+Each mistake fails before the model is restored (in a workdir without checkpoints, where restoring would fail
+otherwise), with one EvalError/ScoreError line; a few run the command line to check the one-line, no-traceback exit.
 """
 
 from __future__ import annotations
 
-import copy
 import io
 import json
 import math
@@ -19,11 +18,12 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO
-from tests.helpers.fakes import FakeRestorer, tiny_config
+from tests.helpers.fakes import three_checkpoints, tiny_config
 from transformer_jax.data import sources as sources_lib
 from transformer_jax.errors import EvalError, ScoreError
 from transformer_jax.evaluation import bleu
 from transformer_jax.evaluation.__main__ import evaluate
+from transformer_jax.training import checkpoints
 
 
 def run_evaluate(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
@@ -40,21 +40,10 @@ def assert_one_error_line(result: subprocess.CompletedProcess, words: str) -> No
     assert words in lines[0], lines[0]
 
 
-@pytest.fixture(scope="module")
-def _fake_template():
-    return FakeRestorer()  # building the parameters takes a while: once for the module
-
-
-def new_fake(template: FakeRestorer) -> FakeRestorer:
-    fake = copy.copy(template)
-    fake.config, fake.loaded = tiny_config(), []
-    return fake
-
-
 @pytest.fixture
-def fake(_fake_template):
-    """A fresh FakeRestorer (own config and record of loaded steps) sharing the template's parameters."""
-    return new_fake(_fake_template)
+def workdir(tmp_path):
+    """tmp_path with checkpoints (fakes.three_checkpoints): where a test needs the model restored."""
+    return three_checkpoints(tmp_path)
 
 
 @pytest.fixture
@@ -81,9 +70,7 @@ def files(tmp_path):
         ("output_json", "ref.de", "same"),  # --output_file X with references X.json: the default scores file
     ],
 )
-def test_an_output_that_is_an_input_is_refused_before_restoring(
-    tmp_path, files, monkeypatch, flag, target, spelling, fake
-):
+def test_an_output_that_is_an_input_is_refused_before_restoring(tmp_path, files, monkeypatch, flag, target, spelling):
     src, ref = files
     monkeypatch.chdir(tmp_path)
     path = tmp_path / target
@@ -107,8 +94,8 @@ def test_an_output_that_is_an_input_is_refused_before_restoring(
     (tmp_path / "sub").mkdir()
     options = dict(workdir=str(tmp_path), source_file=str(src), references_file=str(ref), **{flag: spelled})
     with pytest.raises(EvalError, match="would destroy the input"):
-        evaluate(options, fake)
-    assert fake.loaded == [] and path.read_bytes() == before
+        evaluate(options)
+    assert path.read_bytes() == before
 
 
 def test_scores_only_refuses_a_scores_file_that_is_an_input_and_output_equal_to_scores(tmp_path, files, capsys):
@@ -118,7 +105,7 @@ def test_scores_only_refuses_a_scores_file_that_is_an_input_and_output_equal_to_
     assert ref.read_text(encoding="utf-8") == "hallo welt\nkurz\n" and capsys.readouterr().out == ""
     same = dict(workdir=str(tmp_path), source_file=str(src), output_file="o.txt", scores_file="./o.txt")
     with pytest.raises(EvalError, match="are the same file"):
-        evaluate(same, fake)
+        evaluate(same)
 
 
 def test_command_line_output_over_source_is_one_line(tmp_path, files):
@@ -130,30 +117,34 @@ def test_command_line_output_over_source_is_one_line(tmp_path, files):
     assert src.read_text(encoding="utf-8") == "hello world\nshort\n"
 
 
-def test_an_output_over_a_text_split_file_is_refused_before_translating(tmp_path, fake):
+def test_an_output_over_a_text_split_file_is_refused_before_translating(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     (data / "test.en").write_text("a\n", encoding="utf-8")
     (data / "test.de").write_text("b\n", encoding="utf-8")
-    fake.config.data.update(source="text", text_dir=str(data))
+    config = tiny_config()
+    config.data.update(source="text", text_dir=str(data))
+    three_checkpoints(tmp_path, config)
     with pytest.raises(EvalError, match=r"test\.de is the input split file \(de\)"):
-        evaluate(dict(workdir=str(tmp_path), output_file=str(data / "test.de")), fake)
+        evaluate(dict(workdir=str(tmp_path), output_file=str(data / "test.de")))
     assert (data / "test.de").read_text(encoding="utf-8") == "b\n"
 
 
 # -- 8: a test split with blank lines keeps every line ----------------------------------------------------------
 
 
-def test_split_with_blank_lines_gives_one_hypothesis_per_line_and_scores_them_all(tmp_path, capsys, fake):
+def test_split_with_blank_lines_gives_one_hypothesis_per_line_and_scores_them_all(tmp_path, capsys):
     en = ["hello world", "", "short", "a longer one", "", "x y", "one more", "two", "three", "four"]
     de = ["hallo welt", "", "kurz", "", "leer", "x y", "noch eins", "zwei", "drei", "vier"]
     data = tmp_path / "data"
     data.mkdir()
     (data / "test.en").write_text("\n".join(en) + "\n", encoding="utf-8")
     (data / "test.de").write_text("\n".join(de) + "\n", encoding="utf-8")
-    fake.config.data.update(source="text", text_dir=str(data))
+    config = tiny_config()
+    config.data.update(source="text", text_dir=str(data))
+    three_checkpoints(tmp_path, config)
     out = tmp_path / "hyp.txt"
-    report = evaluate(dict(workdir=str(tmp_path), output_file=str(out), alpha=0.0), fake)
+    report = evaluate(dict(workdir=str(tmp_path), output_file=str(out), alpha=0.0))
     hypotheses = bleu.read_lines(out)
     assert len(hypotheses) == len(en)  # before: 7, the pairs with an empty side were dropped
     assert report["lines"] == len(en)
@@ -163,33 +154,32 @@ def test_split_with_blank_lines_gives_one_hypothesis_per_line_and_scores_them_al
     assert "10 lines translated" in capsys.readouterr().out
     assert json.loads(Path(f"{out}.json").read_text())["blank_lines"] == {"sources": 2, "references": 2}
     # Training still skips pairs with an empty side (3 of the 10).
-    assert len(sources_lib.load_split(fake.config.data, "test")) == 7
+    assert len(sources_lib.load_split(config.data, "test")) == 7
 
 
 # -- 9: invalid UTF-8 -------------------------------------------------------------------------------------------
 
 
-def test_invalid_utf8_in_a_source_or_reference_file_names_the_line_before_restoring(tmp_path, files, fake):
+def test_invalid_utf8_in_a_source_or_reference_file_names_the_line_before_restoring(tmp_path, files):
     src, ref = files
     bad = tmp_path / "bad.en"
     bad.write_bytes(b"fine\nstill fine\nna\xefve\n")
     with pytest.raises(EvalError, match=r"bad\.en, line 3: invalid UTF-8 .*byte 3 of the line"):
-        evaluate(dict(workdir=str(tmp_path), source_file=str(bad)), fake)
+        evaluate(dict(workdir=str(tmp_path), source_file=str(bad)))
     with pytest.raises(ScoreError, match=r"bad\.en, line 3: invalid UTF-8"):
-        evaluate(dict(workdir=str(tmp_path), source_file=str(src), references_file=str(bad)), fake)
-    assert fake.loaded == []
+        evaluate(dict(workdir=str(tmp_path), source_file=str(src), references_file=str(bad)))
 
 
-def test_invalid_utf8_on_stdin_stops_at_its_line_after_writing_the_lines_before(tmp_path, capsys, monkeypatch, fake):
+def test_invalid_utf8_on_stdin_stops_at_its_line_after_writing_the_lines_before(workdir, capsys, monkeypatch):
     # As the interpreter opens stdin in a UTF-8 locale: lenient decoding (surrogateescape) over a binary buffer.
     stdin = io.TextIOWrapper(io.BytesIO(b"\n \n\xff\xfe oops\nnever read\n"), "utf-8", "surrogateescape")
     monkeypatch.setattr(sys, "stdin", stdin)
     with pytest.raises(EvalError, match=r"stdin, line 3: invalid UTF-8 .*byte 1 of the line.*2 lines before"):
-        evaluate(dict(workdir=str(tmp_path), source_file="-", alpha=0.0), fake)
+        evaluate(dict(workdir=str(workdir), source_file="-", alpha=0.0))
     assert capsys.readouterr().out == "\n\n"  # the two lines before it, written and flushed
 
 
-def test_a_stream_that_fails_leaves_an_earlier_output_file_as_it_was(tmp_path, monkeypatch, fake):
+def test_a_stream_that_fails_leaves_an_earlier_output_file_as_it_was(workdir, tmp_path, monkeypatch):
     """stdin into --output_file: the lines go to OUTPUT.partial until stdin ends, so a stream that fails (or
     has no lines) never truncates an earlier OUTPUT; the lines translated before a failure stay in OUTPUT.partial."""
     out = tmp_path / "out.txt"
@@ -197,17 +187,17 @@ def test_a_stream_that_fails_leaves_an_earlier_output_file_as_it_was(tmp_path, m
     stdin = io.TextIOWrapper(io.BytesIO(b"\n \n\xff\xfe oops\n"), "utf-8", "surrogateescape")
     monkeypatch.setattr(sys, "stdin", stdin)
     with pytest.raises(EvalError, match=r"stdin, line 3: invalid UTF-8"):
-        evaluate(dict(workdir=str(tmp_path), source_file="-", output_file=str(out), alpha=0.0), fake)
+        evaluate(dict(workdir=str(tmp_path), source_file="-", output_file=str(out), alpha=0.0))
     assert out.read_text(encoding="utf-8") == "an earlier translation\n"
     assert (tmp_path / "out.txt.partial").read_text(encoding="utf-8") == "\n\n"
     (tmp_path / "out.txt.partial").unlink()
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))
     with pytest.raises(EvalError, match="stdin had no lines"):
-        evaluate(dict(workdir=str(tmp_path), source_file="-", output_file=str(out)), fake)
+        evaluate(dict(workdir=str(tmp_path), source_file="-", output_file=str(out)))
     assert out.read_text(encoding="utf-8") == "an earlier translation\n"
     assert not (tmp_path / "out.txt.partial").exists()
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
-    evaluate(dict(workdir=str(tmp_path), source_file="-", output_file=str(out), alpha=0.0), fake)
+    evaluate(dict(workdir=str(tmp_path), source_file="-", output_file=str(out), alpha=0.0))
     assert len(out.read_text(encoding="utf-8").splitlines()) == 1 and not (tmp_path / "out.txt.partial").exists()
 
 
@@ -215,7 +205,7 @@ def test_a_stream_that_fails_leaves_an_earlier_output_file_as_it_was(tmp_path, m
 
 
 @pytest.mark.parametrize("flag", ["output_file", "scores_file", "default", "directory"])
-def test_an_unwritable_output_location_fails_before_restoring(tmp_path, files, flag, fake):
+def test_an_unwritable_output_location_fails_before_restoring(tmp_path, files, flag):
     src, _ = files
     blocker = tmp_path / "a_file"
     blocker.write_text("x", encoding="utf-8")
@@ -228,8 +218,7 @@ def test_an_unwritable_output_location_fails_before_restoring(tmp_path, files, f
     else:
         kwargs[flag] = str(blocker / "deeper" / "x.txt")
     with pytest.raises(EvalError, match="is a directory|is not a directory"):
-        evaluate(dict(workdir=str(workdir), source_file=str(src), **kwargs), fake)
-    assert fake.loaded == []
+        evaluate(dict(workdir=str(workdir), source_file=str(src), **kwargs))
 
 
 def test_an_unwritable_scores_file_fails_before_scoring(tmp_path, files, capsys):
@@ -244,17 +233,16 @@ def test_an_unwritable_scores_file_fails_before_scoring(tmp_path, files, capsys)
 # -- 11: empty inputs -------------------------------------------------------------------------------------------
 
 
-def test_empty_source_file_and_empty_stdin_are_clear_errors(tmp_path, capsys, monkeypatch, fake):
+def test_empty_source_file_and_empty_stdin_are_clear_errors(tmp_path, capsys, monkeypatch):
     empty = tmp_path / "empty.en"
     empty.write_bytes(b"")
     with pytest.raises(EvalError, match=r"--source_file \S*empty\.en"):
-        evaluate(dict(workdir=str(tmp_path), source_file=str(empty)), fake)
+        evaluate(dict(workdir=str(tmp_path), source_file=str(empty)))
     with pytest.raises(ScoreError, match="have no lines: nothing to score"):
-        evaluate(dict(workdir=str(tmp_path), source_file=str(empty), references_file=str(empty)), fake)
-    assert fake.loaded == []
+        evaluate(dict(workdir=str(tmp_path), source_file=str(empty), references_file=str(empty)))
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))
     with pytest.raises(EvalError, match="stdin had no lines"):
-        evaluate(dict(workdir=str(tmp_path), source_file="-"), fake)
+        evaluate(dict(workdir=str(three_checkpoints(tmp_path)), source_file="-"))
 
 
 def test_scoring_two_empty_files_is_one_line(tmp_path):
@@ -297,18 +285,20 @@ BAD_OPTIONS = [
 
 
 @pytest.mark.parametrize("options, message", BAD_OPTIONS, ids=[next(iter(o)) for o, _ in BAD_OPTIONS])
-def test_bad_flag_values_fail_before_restoring(tmp_path, options, message, fake):
-    fake.list_steps = lambda workdir: pytest.fail("a checkpoint was looked at")
+def test_bad_flag_values_fail_before_restoring(tmp_path, monkeypatch, options, message):
+    monkeypatch.setattr(checkpoints, "list_steps", lambda workdir: pytest.fail("a checkpoint was looked at"))
     options = {"workdir": str(tmp_path), **options}
     with pytest.raises(EvalError, match=message):
-        evaluate(dict(**options), fake)
+        evaluate(dict(**options))
 
 
-def test_a_bad_config_eval_value_names_the_config_key(tmp_path, files, fake):
+def test_a_bad_config_eval_value_names_the_config_key(tmp_path, files):
     src, _ = files
-    fake.config.eval.beam_size = 0
+    config = tiny_config()
+    config.eval.beam_size = 0
+    three_checkpoints(tmp_path, config)
     with pytest.raises(EvalError, match=r"config\.eval\.beam_size\b.* got 0"):
-        evaluate(dict(workdir=str(tmp_path), source_file=str(src), output_file=str(tmp_path / "o")), fake)
+        evaluate(dict(workdir=str(tmp_path), source_file=str(src), output_file=str(tmp_path / "o")))
 
 
 SLOW = pytest.mark.slow

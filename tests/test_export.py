@@ -22,7 +22,7 @@ import pytest
 import sentencepiece as spm
 
 from tests.helpers import REPO
-from tests.helpers.fakes import FakeRestorer
+from tests.helpers.fakes import three_checkpoints, tiny_config
 from tests.helpers.model import forward, tiny_model, tiny_spec
 from tests.helpers.training import tiny_train_config, untrained_workdir, write_corpus
 from transformer_jax import decoding
@@ -30,9 +30,11 @@ from transformer_jax.data.tokenizer import Tokenizer, train_tokenizer
 from transformer_jax.errors import ConfigError, EvalError
 from transformer_jax.evaluation.__main__ import evaluate
 from transformer_jax.evaluation.command import Decoding
+from transformer_jax.evaluation.restore import CheckpointChoice
 from transformer_jax.evaluation.run import decoding_settings
 from transformer_jax.evaluation.translate import DecodeSettings, position_limit, translate
 from transformer_jax.model.spec import SpecialIds
+from transformer_jax.training import checkpoints
 
 ctranslate2 = pytest.importorskip(
     "ctranslate2", reason="ctranslate2 is not installed (pip install ctranslate2==4.8.5): export tests need the engine"
@@ -367,18 +369,22 @@ def test_a_failed_export_leaves_the_old_one_and_nothing_else(corpus, exported, t
     assert (out / "model.bin").read_bytes() == before
 
 
-def test_a_workdir_without_checkpoints_or_with_an_unsupported_config_fails_before_reading_parameters(tmp_path):
-    restorer = FakeRestorer()
-    restorer.load_params = lambda *args: pytest.fail("parameters read before the checks")
-    restorer.steps = []
+def test_a_workdir_without_checkpoints_or_with_an_unsupported_config_fails_before_reading_parameters(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(
+        checkpoints, "load_model_params", lambda *args: pytest.fail("parameters read before the checks")
+    )
     with pytest.raises(EvalError, match=r"no checkpoint in \S*checkpoints.*--workdir"):
-        export_lib.export_workdir(str(tmp_path), tmp_path / "out", restorer=restorer)
-    restorer.steps = [100, 200]
-    restorer.config.attention.window = 4
+        export_lib.export_workdir(str(tmp_path), tmp_path / "out")
+    config = tiny_config()
+    config.attention.window = 4
+    workdir = three_checkpoints(tmp_path / "w", config, steps=(100, 200))
     with pytest.raises(ConfigError, match="attention.window=4"):
-        export_lib.export_workdir(str(tmp_path), tmp_path / "out", restorer=restorer)
+        export_lib.export_workdir(str(workdir), tmp_path / "out")
     with pytest.raises(EvalError, match="give --average_last or --average_steps, not both"):
-        export_lib.export_workdir(str(tmp_path), tmp_path / "out", average_last=2, average_steps=["100"])
+        choice = CheckpointChoice(average_last=2, average_steps=["100"])
+        export_lib.export_workdir(str(workdir), tmp_path / "out", choice=choice)
     assert not (tmp_path / "out").exists()
 
 

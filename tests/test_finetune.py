@@ -118,7 +118,7 @@ def test_a_restart_resumes_its_own_checkpoint_without_the_source(source, corpus,
     given = finetune_config(corpus, pathlib.Path("elsewhere"), init_step="3")
     given.opt.freeze = ()
     given.model.d_ff = SOURCE_D_FF
-    _, _, steps = restore.restore_model(restore.Restorer(), str(workdir), config=given, average_last=1)
+    _, _, steps = restore.restore_model(str(workdir), restore.CheckpointChoice(average_last=1), config=given)
     assert steps == [6]
 
 

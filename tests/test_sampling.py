@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers.decoding import EOS, IDS, OneCheckpoint, shared_model
+from tests.helpers.decoding import EOS, IDS, one_checkpoint, shared_model
 from transformer_jax import decoding
 from transformer_jax.decoding.specs import greedy_search, inverse_cdf, nucleus_threshold
 from transformer_jax.errors import EvalError
@@ -204,10 +204,9 @@ def test_bad_sampling_flags_are_refused_in_one_line_before_the_model_and_nothing
     src = tmp_path / "src.txt"
     src.write_text("a b\n", encoding="utf-8")
     options = dict(workdir=str(tmp_path), source_file=str(src), output_file=str(tmp_path / "o" / "h"), sampling=True)
-    restorer = OneCheckpoint()
-    with pytest.raises(EvalError, match=message):
-        evaluate(dict(options, **flags), restorer)
-    assert restorer.loaded == 0 and not (tmp_path / "o").exists()
+    with pytest.raises(EvalError, match=message):  # before the model: tmp_path has no checkpoint
+        evaluate(dict(options, **flags))
+    assert not (tmp_path / "o").exists()
 
 
 def test_sampling_flags_write_the_samples(tmp_path):
@@ -215,7 +214,7 @@ def test_sampling_flags_write_the_samples(tmp_path):
     src.write_text("a b\nhello\n", encoding="utf-8")
     out = tmp_path / "o" / "h"
     options = dict(workdir=str(tmp_path), source_file=str(src), output_file=str(out), sampling=True)
-    report = evaluate(dict(options, num_samples=2, seed=3, top_k=5), OneCheckpoint())
+    report = evaluate(dict(options, workdir=str(one_checkpoint(tmp_path / "w")), num_samples=2, seed=3, top_k=5))
     assert len(out.read_text(encoding="utf-8").splitlines()) == 2
     assert len(out.with_name("h.nbest").read_text(encoding="utf-8").splitlines()) == 4
     assert report["search"]["sampling"] == {"temperature": 1.0, "top_k": 5, "top_p": 1.0, "seed": 3, "num_samples": 2}
@@ -225,8 +224,8 @@ def test_sampling_flags_write_the_samples(tmp_path):
 def test_sampling_and_greedy_search_write_default_outputs_of_their_own(tmp_path):
     src = tmp_path / "src.txt"
     src.write_text("a b\nhello\n", encoding="utf-8")
-    options = dict(workdir=str(tmp_path), source_file=str(src))
-    greedy = evaluate(dict(options, beam_size=1), OneCheckpoint())["hypotheses_file"]
-    sampled = evaluate(dict(options, sampling=True, num_samples=1), OneCheckpoint())["hypotheses_file"]
+    options = dict(workdir=str(one_checkpoint(tmp_path)), source_file=str(src))
+    greedy = evaluate(dict(options, beam_size=1))["hypotheses_file"]
+    sampled = evaluate(dict(options, sampling=True, num_samples=1))["hypotheses_file"]
     assert greedy.endswith(".beam1.txt") and sampled.endswith(".sample1-seed0.txt")
     assert sorted(p.name for p in (tmp_path / "eval").glob("*.txt")) == sorted([Path(greedy).name, Path(sampled).name])

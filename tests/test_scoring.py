@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers.decoding import CharTokenizer, OneCheckpoint, shared_model
+from tests.helpers.decoding import CharTokenizer, one_checkpoint, shared_model
 from tests.helpers.model import forward
 from transformer_jax import decoding
 from transformer_jax.data import batching
@@ -90,17 +90,18 @@ def test_the_score_of_a_searched_output_is_the_searchs_log_probability():
         np.testing.assert_allclose(s.log_prob, h.log_prob, rtol=1e-4, atol=1e-5)
 
 
-def _evaluate(tmp_path, sources, targets, restorer=None, **flags):
+def _evaluate(tmp_path, sources, targets, **flags):
     src, ref = tmp_path / "src.txt", tmp_path / "ref.txt"
     src.write_text("".join(x + "\n" for x in sources), encoding="utf-8")
     ref.write_text("".join(x + "\n" for x in targets), encoding="utf-8")
     options = dict(
         workdir=str(tmp_path), source_file=str(src), references_file=str(ref), output_file=str(tmp_path / "o" / "s")
     )
-    return evaluate(dict(options, **flags), restorer or OneCheckpoint())
+    return evaluate(dict(options, **flags))
 
 
 def test_score_flag_writes_one_line_per_pair_and_the_corpus_perplexity(tmp_path):
+    one_checkpoint(tmp_path)
     report = _evaluate(tmp_path, SOURCES, TARGETS, score=True)
     lines = (tmp_path / "o" / "s").read_text(encoding="utf-8").splitlines()
     assert len(lines) == len(SOURCES)
@@ -122,14 +123,13 @@ def test_score_flag_writes_one_line_per_pair_and_the_corpus_perplexity(tmp_path)
     ],
 )
 def test_bad_score_inputs_are_refused_before_the_model_and_nothing_is_written(tmp_path, targets, flags, message):
-    restorer = OneCheckpoint()
-    with pytest.raises(UserError, match=message):
-        _evaluate(tmp_path, SOURCES, targets, restorer, score=True, **flags)
-    assert not (tmp_path / "o").exists() and restorer.loaded == 0
+    with pytest.raises(UserError, match=message):  # before the model: tmp_path has no checkpoint
+        _evaluate(tmp_path, SOURCES, targets, score=True, **flags)
+    assert not (tmp_path / "o").exists()
 
 
 def test_score_needs_references(tmp_path):
     src = tmp_path / "src.txt"
     src.write_text("a\n", encoding="utf-8")
     with pytest.raises(EvalError, match="--score needs --references_file"):
-        evaluate(dict(workdir=str(tmp_path), source_file=str(src), score=True), OneCheckpoint())
+        evaluate(dict(workdir=str(tmp_path), source_file=str(src), score=True))

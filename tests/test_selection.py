@@ -132,18 +132,17 @@ def _params(workdir: pathlib.Path, config, step: int) -> list[np.ndarray]:
 
 def test_checkpoint_best_and_average_best_restore_the_best_steps(selected):
     config = checkpoints.load_config(selected)
-    restorer = restore.Restorer()
-    _, model, steps = restore.restore_model(restorer, str(selected), checkpoint="best")
+    _, model, steps = restore.restore_model(str(selected), restore.CheckpointChoice("best"))
     assert steps == [4]
-    _, _, steps = restore.restore_model(restorer, str(selected), average_best=2)
+    _, _, steps = restore.restore_model(str(selected), restore.CheckpointChoice(average_best=2))
     assert steps == [4, 6]
     from flax import nnx
 
-    from transformer_jax.evaluation.averaging import average_params
+    from transformer_jax.evaluation.restore import average_params
 
     restored = [np.asarray(x) for x in jax.tree.leaves(nnx.to_pure_dict(nnx.state(model, nnx.Param)))]
     assert all(np.array_equal(a, b) for a, b in zip(restored, _params(selected, config, 4), strict=True))
-    _, averaged, _ = restore.restore_model(restorer, str(selected), average_best=2)
+    _, averaged, _ = restore.restore_model(str(selected), restore.CheckpointChoice(average_best=2))
     _, abstract = abstract_train_state(config)
     expected = average_params(checkpoints.load_model_params(selected, s, abstract) for s in (4, 6))
     got = nnx.to_pure_dict(nnx.state(averaged, nnx.Param))
@@ -153,10 +152,9 @@ def test_checkpoint_best_and_average_best_restore_the_best_steps(selected):
 def test_average_last_takes_the_rotations_checkpoints_never_the_best_kept_apart(selected):
     """Steps 4, 6, 12 with ckpt.keep=1: 4 and 6 are kept for their scores alone, so the last one is 12 and the last
     two do not exist (averaging 6 with 12 would mix a best checkpoint into "the last")."""
-    restorer = restore.Restorer()
-    assert restore.restore_model(restorer, str(selected), average_last=1)[2] == [12]
+    assert restore.restore_model(str(selected), restore.CheckpointChoice(average_last=1))[2] == [12]
     with pytest.raises(EvalError, match=r"the last 2 checkpoints up to step 12, but only 1 exist"):
-        restore.restore_model(restorer, str(selected), average_last=2)
+        restore.restore_model(str(selected), restore.CheckpointChoice(average_last=2))
 
 
 def test_a_damaged_best_checkpoint_falls_back_to_the_next_best(selected, tmp_path, caplog):
@@ -165,7 +163,7 @@ def test_a_damaged_best_checkpoint_falls_back_to_the_next_best(selected, tmp_pat
     for array in (checkpoints.checkpoint_dir(workdir) / "4" / "state").rglob("*"):
         if array.is_file() and array.parent.name == "d":
             array.write_bytes(b"\0" * array.stat().st_size)  # the arrays' data, zeroed: checksums differ
-    _, _, steps = restore.restore_model(restore.Restorer(), str(workdir), checkpoint="best")
+    _, _, steps = restore.restore_model(str(workdir), restore.CheckpointChoice("best"))
     assert steps == [6]
     assert "step 4" in caplog.text
 
@@ -185,11 +183,11 @@ def test_more_best_checkpoints_than_scored_is_one_line(selected):
     with pytest.raises(
         EvalError, match=r"^--average_best 4: only 3 scored checkpoint\(s\) .*\[4, 6, 12\]; pass --average_best 3"
     ):
-        restore.restore_model(restore.Restorer(), str(selected), average_best=4)
+        restore.restore_model(str(selected), restore.CheckpointChoice(average_best=4))
 
 
 def test_checkpoint_best_without_a_best_record_is_one_line(corpus, tmp_path):
     workdir = tmp_path / "plain"
     train_and_evaluate(tiny_train_config(corpus, num_steps=3), workdir)
     with pytest.raises(EvalError, match=r"^--checkpoint best: no checkpoint in .*plain.* has a score of "):
-        restore.restore_model(restore.Restorer(), str(workdir), checkpoint="best")
+        restore.restore_model(str(workdir), restore.CheckpointChoice("best"))

@@ -10,6 +10,7 @@ from matplotlib.figure import Figure
 from tests.helpers.sweeps import fails
 from transformer_jax.evaluation import bleu, run
 from transformer_jax.evaluation.command import Model, Translate
+from transformer_jax.evaluation.restore import CheckpointChoice
 from transformer_jax.evaluation.run import split_pairs
 from transformer_jax.sweep import __main__ as sweep
 from transformer_jax.sweep import results, runner
@@ -144,7 +145,7 @@ def test_split_test_decodes_a_trained_sweep_on_the_test_split_only(trained_sweep
     # Metrics, checkpoints, valid.hyp, valid_scores.json and results.* as they were (bytes and times).
     assert {p: after[p] for p in before} == before
     base = workdir / "base"
-    mode = Translate(Model(str(base), average_last=1), split="test")
+    mode = Translate(Model(str(base), choice=CheckpointChoice(average_last=1)), split="test")
     expected = run.translate(mode, run.load(mode))  # what evaluate.py --split test writes
     assert (base / TEST.hypotheses_file).read_text(encoding="utf-8").splitlines() == expected.hypotheses
     config = runner.variants(CONFIG)[0].config

@@ -234,7 +234,7 @@ def test_finished_runs_without_hypotheses_are_decoded_and_not_retrained(corpus, 
     monkeypatch.setattr(runner, "translate", fake_translate)
     assert sweep.main(["--config", CONFIG, "--workdir", str(workdir)]) == 0
     [mode] = decodes
-    assert (mode.model.workdir, mode.split, mode.model.average_last) == (str(old), "valid", 1)
+    assert (mode.model.workdir, mode.split, mode.model.choice.average_last) == (str(old), "valid", 1)
     # The sweep writes what the library returned: the hypotheses, and the report with their file.
     decoded = tmp_path / "decoded"
     assert (old / VALID.hypotheses_file).read_bytes() == (decoded / VALID.hypotheses_file).read_bytes()

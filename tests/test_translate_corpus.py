@@ -22,7 +22,7 @@ import pytest
 from tests.helpers import REPO
 from tests.helpers.training import untrained_workdir, write_corpus
 from transformer_jax.errors import EvalError
-from transformer_jax.translate_corpus import chunks, run
+from transformer_jax.translate_corpus import run
 from transformer_jax.translate_corpus.run import job_of, translate_corpus
 
 GREEDY = {"beam_size": 1, "max_extra_len": 4, "batch_size": 8, "average_last": 1}
@@ -53,7 +53,7 @@ def reference(workdir, tmp_path_factory) -> tuple[Path, bytes, bytes, dict]:
     source = write_input(root / "in.en")
     out = root / "out.de"
     report = translate_corpus(job_of({"workdir": str(workdir), **GREEDY}, str(source), str(out), CHUNK))
-    return source, out.read_bytes(), Path(chunks.scores_file(str(out))).read_bytes(), report
+    return source, out.read_bytes(), Path(run.scores_file(str(out))).read_bytes(), report
 
 
 class Stop(Exception):
@@ -62,7 +62,7 @@ class Stop(Exception):
 
 def stopped_after(monkeypatch, commits: int) -> None:
     """Chunk commits after the first `commits` raise Stop."""
-    write = chunks.write_chunk
+    write = run.write_chunk
     count = [0]
 
     def limited(*args, **kwargs):
@@ -71,7 +71,7 @@ def stopped_after(monkeypatch, commits: int) -> None:
         count[0] += 1
         write(*args, **kwargs)
 
-    monkeypatch.setattr(chunks, "write_chunk", limited)
+    monkeypatch.setattr(run, "write_chunk", limited)
 
 
 def test_bad_lines_are_kept_in_place_with_nan_scores(reference):
@@ -100,16 +100,16 @@ def test_a_stopped_run_resumes_to_the_same_bytes_and_a_damaged_chunk_is_redone(
     with pytest.raises(Stop):
         translate_corpus(job)
     monkeypatch.undo()
-    parts = chunks.parts_dir(str(target))
+    parts = run.parts_dir(str(target))
     assert sorted(p.name for p in parts.iterdir()) == ["0000000.json", "0000001.json", "state.json"]
     assert not target.exists()
     # A chunk cut short (as a non-atomic write killed half way would leave it) is detected and redone.
-    damaged = chunks.chunk_path(parts, 1)
+    damaged = run.chunk_path(parts, 1)
     damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
     respelled = job_of({"workdir": f"{workdir}/./", **GREEDY}, str(source), str(target), CHUNK)  # the same workdir
     report = translate_corpus(respelled)
     assert report["chunks_resumed"] == 1 and report["chunks_redone"] == [1]
-    assert target.read_bytes() == out and Path(chunks.scores_file(str(target))).read_bytes() == scores
+    assert target.read_bytes() == out and Path(run.scores_file(str(target))).read_bytes() == scores
     assert not parts.exists()
 
 
@@ -133,7 +133,7 @@ def test_a_resume_with_another_input_or_other_options_is_refused(workdir, tmp_pa
     latin1.write_bytes("a dog\nthe café\n".encode("latin-1"))
     with pytest.raises(EvalError, match=r"latin1.en, line 2: invalid UTF-8"):  # as evaluate.py: one line, no output
         translate_corpus(job_of({"workdir": str(workdir), **GREEDY}, str(latin1), str(tmp_path / "l.de"), CHUNK))
-    assert not chunks.parts_dir(str(tmp_path / "l.de")).exists()
+    assert not run.parts_dir(str(tmp_path / "l.de")).exists()
     source.write_text("another corpus\n", encoding="utf-8")
     with pytest.raises(EvalError, match=r"--input \S+in.en differs from the file \S+ was started on"):
         translate_corpus(job_of({"workdir": str(workdir), **GREEDY}, str(source), target, CHUNK))
@@ -164,7 +164,7 @@ def test_sampling_resumed_equals_uninterrupted_and_draws_by_line_number(workdir,
     monkeypatch.undo()
     assert translate_corpus(job_of(sampling, str(source), str(resumed), CHUNK))["chunks_resumed"] == 1
     assert whole.read_bytes() == resumed.read_bytes() != greedy
-    assert Path(chunks.scores_file(str(whole))).read_bytes() == Path(chunks.scores_file(str(resumed))).read_bytes()
+    assert Path(run.scores_file(str(whole))).read_bytes() == Path(run.scores_file(str(resumed))).read_bytes()
     # A line's draw depends on the seed and its number in the input, not on the chunk it falls in.
     one_chunk = tmp_path / "one_chunk.de"
     translate_corpus(job_of(sampling, str(source), str(one_chunk), 16))
@@ -191,7 +191,7 @@ def test_streams_decode_chunks_at_once_to_the_same_bytes(workdir, reference, tmp
     target = tmp_path / "out.de"
     report = translate_corpus(job_of({"workdir": str(workdir), **GREEDY}, str(source), str(target), CHUNK, 3))
     assert report["streams"] == 3 and len(calls) == report["chunks"] and len(set(calls[:2])) == 2
-    assert target.read_bytes() == out and Path(chunks.scores_file(str(target))).read_bytes() == scores
+    assert target.read_bytes() == out and Path(run.scores_file(str(target))).read_bytes() == scores
 
 
 def run_command(workdir: Path, source: Path, output: Path, devices: int) -> subprocess.Popen:
@@ -209,10 +209,10 @@ def test_a_killed_command_resumes_on_two_devices_to_an_uninterrupted_runs_bytes(
     big = tmp_path / "in.en"  # 20 chunks: the kill lands long before the last one
     big.write_text(source.read_text(encoding="utf-8") * 5 + "the dog\n" * 15, encoding="utf-8")
     target = tmp_path / "out.de"
-    parts = chunks.parts_dir(str(target))
+    parts = run.parts_dir(str(target))
     first = run_command(workdir, big, target, devices=1)
     deadline = time.time() + 240
-    while not chunks.chunk_path(parts, 0).exists():
+    while not run.chunk_path(parts, 0).exists():
         assert first.poll() is None, first.communicate()[1][-3000:]
         assert time.time() < deadline, "no chunk committed in 240 s"
         time.sleep(0.05)
@@ -230,5 +230,5 @@ def test_a_killed_command_resumes_on_two_devices_to_an_uninterrupted_runs_bytes(
     whole = tmp_path / "whole.de"
     translate_corpus(job_of({"workdir": str(workdir), **GREEDY}, str(big), str(whole), CHUNK))
     assert target.read_bytes() == whole.read_bytes()
-    assert Path(chunks.scores_file(str(target))).read_bytes() == Path(chunks.scores_file(str(whole))).read_bytes()
-    assert scores.split(b"\n")[:13] == Path(chunks.scores_file(str(target))).read_bytes().split(b"\n")[:13]
+    assert Path(run.scores_file(str(target))).read_bytes() == Path(run.scores_file(str(whole))).read_bytes()
+    assert scores.split(b"\n")[:13] == Path(run.scores_file(str(target))).read_bytes().split(b"\n")[:13]

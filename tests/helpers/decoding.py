@@ -12,7 +12,7 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from tests.helpers.fakes import JointTokenizer
+from tests.helpers.fakes import ALPHABET, JointTokenizer, cached_workdir, write_workdir
 from tests.helpers.model import random_tokens, tiny_model
 from transformer_jax.model.spec import SpecialIds
 
@@ -146,9 +146,6 @@ def sources_BS(batch: int = 2, length: int = 7):
     return jnp.asarray(src)
 
 
-ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 .,;:!?'-("  # ids 4..49, the tiny model's vocabulary of 50
-
-
 class CharTokenizer(JointTokenizer):
     """One id per character, invertible on ALPHABET (ids 4..49); other characters map to ids by their code, and
     the reserved ids 0..3 decode to nothing."""
@@ -173,32 +170,17 @@ def tiny_eval_config():
     return config
 
 
-class OneCheckpoint:
-    """An evaluation Restorer (evaluation/restore.py) with one checkpoint: a freshly initialised tiny model."""
+def one_checkpoint(workdir, seed: int = 1, config=None):
+    """A workdir of tiny_eval_config (or `config`) with one checkpoint, at step 100: a freshly initialised model
+    (nnx.Rngs(seed)); its tokenizer encodes as CharTokenizer."""
+    from flax import nnx
 
-    def __init__(self, seed: int = 1):
-        from flax import nnx
+    from transformer_jax.model import build_model
 
-        from transformer_jax.model import build_model
+    def build(folder):
+        cfg = config or tiny_eval_config()
+        params = nnx.to_pure_dict(nnx.state(build_model(cfg, rngs=nnx.Rngs(seed)), nnx.Param))
+        return write_workdir(folder, cfg, {100: params})
 
-        self.config = tiny_eval_config()
-        model = build_model(self.config, rngs=nnx.Rngs(seed))
-        self.params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        self.loaded = 0  # how many times the parameters were read
-
-    def list_steps(self, workdir):
-        return [100]
-
-    def load_config(self, workdir):
-        return self.config
-
-    def config_differences(self, saved, current):
-        return []
-
-    def load_params(self, workdir, steps, abstract_params):
-        for _ in steps:
-            self.loaded += 1
-            yield self.params
-
-    def tokenizer(self, config, workdir):
-        return CharTokenizer()
+    key = f"one{seed}" if config is None else f"one{seed}-{config.to_json_best_effort(sort_keys=True)}"
+    return cached_workdir(workdir, key, build)

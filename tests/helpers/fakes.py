@@ -1,19 +1,28 @@
-"""Stand-ins for the slow or real parts: a checkpoint reader serving known parameters, and tokenizers whose ids the
-tests control."""
+"""Workdirs with known parameters (real checkpoints and a character tokenizer), and tokenizers whose ids the tests
+control."""
 
 from __future__ import annotations
 
+import atexit
+import io
+import pathlib
+import shutil
+import tempfile
+
 import jax
 import numpy as np
+import sentencepiece as spm
 from flax import nnx
 
 from configs import common
 from transformer_jax.model import build_model
 from transformer_jax.model.spec import SpecialIds
+from transformer_jax.training import checkpoints
+from transformer_jax.training.checkpoints import Checkpointer
 
 
 def tiny_config(**model_overrides):
-    """The tiny model (vocab 50) with the decoding settings FakeRestorer's tests use."""
+    """The tiny model (vocab 50) with the decoding settings of three_checkpoints."""
     config = common.base_config("tiny")
     config.model.vocab_size = 50
     config.model.update(model_overrides)
@@ -42,46 +51,86 @@ class JointTokenizer:
         return self.decode(ids)
 
 
-class CharTokenizer(JointTokenizer):
-    """Characters <-> ids 4..49 (vocab 50 of the tiny model), enough to drive translate()."""
-
-    ids = SpecialIds.DEFAULT  # the tiny configs' reserved ids
-
-    def encode(self, text: str) -> list[int]:
-        return [4 + ord(c) % 46 for c in text]
-
-    def decode(self, ids) -> str:
-        return "".join(chr(ord("a") + (int(i) - 4) % 26) for i in ids)
+# The characters a workdir's tokenizer (write_workdir) gives ids 4..49, in this order, as decoding.CharTokenizer does.
+ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 .,;:!?'-("
 
 
-class FakeRestorer:
-    """Checkpoints at `steps`; step s holds base + s / 1000 in every parameter (evaluation.restore.Restorer's
-    methods, without reading a checkpoint)."""
+def write_workdir(workdir, config, params_of_step: dict) -> pathlib.Path:
+    """A real workdir of `config` (vocabulary >= 50): a checkpoint at each step of `params_of_step` holding those model
+    parameters (pure dicts), and an spm.model that encodes ALPHABET's characters to ids 4..49 (others: unk)."""
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    # All but the last character are user-defined pieces (ids in the order given); the last is learned from the
+    # corpus, which SentencePiece needs; a space is the model's meta symbol U+2581.
+    symbols = [c.replace(" ", "\u2581") for c in ALPHABET[:-1]]
+    symbols += [f"<extra{i}>" for i in range(config.model.vocab_size - 50)]  # a larger vocabulary's other pieces
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter([ALPHABET[-1] * 2]),
+        model_writer=model,
+        vocab_size=config.model.vocab_size,
+        model_type="char",
+        user_defined_symbols=symbols,
+        pad_id=SpecialIds.DEFAULT.pad,
+        eos_id=SpecialIds.DEFAULT.eos,
+        bos_id=SpecialIds.DEFAULT.bos,
+        unk_id=SpecialIds.DEFAULT.unk,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=False,
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
+    (workdir / "spm.model").write_bytes(model.getvalue())
+    saver = Checkpointer(workdir, config.ckpt)
+    for step, params in params_of_step.items():
+        saver.save(step, nnx.State({"model": params}), {}, config)
+    saver.close()
+    return workdir
 
-    def __init__(self, steps=(100, 200, 300)):
-        self.steps, self.config, self.loaded = list(steps), tiny_config(), []
-        abstract = nnx.eval_shape(lambda: build_model(self.config, rngs=nnx.Rngs(0)))
-        shapes = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
-        rng = np.random.default_rng(0)
-        self.base = jax.tree.map(lambda s: (0.1 * rng.normal(size=s.shape)).astype(np.float32), shapes)
 
-    def list_steps(self, workdir):
-        return self.steps
+_BUILT: dict[str, pathlib.Path] = {}
 
-    def load_config(self, workdir):
-        return self.config
 
-    def config_differences(self, saved, current):
-        a, b = saved.model.to_dict(), current.model.to_dict()
-        return [f"model.{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(a) if a.get(k) != b.get(k)]
+def cached_workdir(workdir, key: str, build) -> pathlib.Path:
+    """A copy at `workdir` of the workdir that build(folder) makes, built once per test session for `key`."""
+    if key not in _BUILT:
+        folder = pathlib.Path(tempfile.mkdtemp(prefix="workdir-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        _BUILT[key] = build(folder)
+    return pathlib.Path(shutil.copytree(_BUILT[key], workdir, dirs_exist_ok=True))
 
-    def load_params(self, workdir, steps, abstract_params):
-        for step in steps:
-            self.loaded.append(step)
-            yield jax.tree.map(lambda x, step=step: x + np.float32(step / 1000), self.base)
 
-    def tokenizer(self, config, workdir):
-        return CharTokenizer()
+def base_params(config) -> dict:
+    """Seeded random parameters (pure dict) of the config's model."""
+    abstract = nnx.eval_shape(lambda: build_model(config, rngs=nnx.Rngs(0)))
+    shapes = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+    rng = np.random.default_rng(0)
+    return jax.tree.map(lambda s: (0.1 * rng.normal(size=s.shape)).astype(np.float32), shapes)
+
+
+def three_checkpoints(workdir, config=None, steps=(100, 200, 300)) -> pathlib.Path:
+    """A workdir of `config` (default tiny_config) with checkpoints at `steps`; step s holds base_params + s / 1000
+    in every parameter."""
+
+    def build(folder):
+        base = base_params(tiny_config())
+        params = {s: jax.tree.map(lambda x, s=s: x + np.float32(s / 1000), base) for s in steps}
+        return write_workdir(folder, config or tiny_config(), params)
+
+    return build(workdir) if config is not None else cached_workdir(workdir, f"three{steps}", build)
+
+
+def reads(monkeypatch) -> list[int]:
+    """The steps whose parameters are read from now on (training.checkpoints.load_model_params), in order."""
+    read, steps = checkpoints.load_model_params, []
+
+    def recording(workdir, step, abstract_state):
+        steps.append(step)
+        return read(workdir, step, abstract_state)
+
+    monkeypatch.setattr(checkpoints, "load_model_params", recording)
+    return steps
 
 
 class WordTokenizer(JointTokenizer):

@@ -1,4 +1,3 @@
-"""Evaluation: BLEU and chrF (`bleu`), paired bootstrap tests (`significance`), checkpoint averaging (`averaging`),
-a model restored from checkpoints (`restore`), translating sentence lists (`translate`), evaluate.py's flags, the mode
-records they become and their checks (`command`), whole evaluation runs behind evaluate.py (`run`), and validation BLEU
-for the trainer (`validation`)."""
+"""Evaluation: scores (`bleu`, `significance`), a model from its averaged checkpoints (`restore`), translating
+sentences (`translate`), forced decoding (`scoring`), evaluate.py's flags and records (`command`) and runs (`run`), and
+validation BLEU for the trainer (`validation`)."""

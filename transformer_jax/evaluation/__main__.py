@@ -40,15 +40,14 @@ from transformer_jax.evaluation.command import (
     write_json,
     write_lines,
 )
-from transformer_jax.evaluation.restore import Restorer
 from transformer_jax.evaluation.scoring import score_lines
 
 DEFAULT_FOLDER = "eval"  # WORKDIR/eval holds the outputs that have no name given
 
 
-def evaluate(values: Mapping[str, Any], restorer: Restorer | None = None, *, progress: bool = True) -> dict[str, Any]:
+def evaluate(values: Mapping[str, Any], *, progress: bool = True) -> dict[str, Any]:
     """What evaluate.py does with these flag values (by name; absent: unset): writes the outputs, prints the
-    summary, returns the report. `restorer`: the checkpoint reader (tests give a fake)."""
+    summary, returns the report."""
     mode, outputs = parse(values)
     if isinstance(mode, ScoresOnly | Compare):
         return _no_model(mode, outputs)
@@ -59,7 +58,7 @@ def evaluate(values: Mapping[str, Any], restorer: Restorer | None = None, *, pro
     if outputs.output_file is None and (not stdin or outputs.scores_file is None):
         folder = "output" if not stdin else "report"
         check_folder_writable(_folder(mode), f"--workdir (the default {folder} folder WORKDIR/{DEFAULT_FOLDER})")
-    loaded = run.load(mode, restorer)
+    loaded = run.load(mode)
     if isinstance(mode, ScorePairs):
         return _score(mode, outputs, loaded, progress)
     if stdin:

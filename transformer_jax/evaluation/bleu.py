@@ -106,16 +106,12 @@ def _verbose(score: Any) -> str:
     return score.format(width=2).split(" ", 3)[-1]
 
 
-def sacrebleu_metrics() -> dict[str, Any]:
-    """key -> sacreBLEU metric with the `sacrebleu` command's settings: bleu, chrf, chrfpp (`-m chrf
-    --chrf-word-order 2`) and ter."""
-    return {"bleu": BLEU(), "chrf": CHRF(), "chrfpp": CHRF(word_order=2), "ter": TER()}
-
-
 def sacrebleu_scores(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """sacreBLEU corpus BLEU, chrF, chrF++ and TER with the `sacrebleu` command's settings."""
+    """sacreBLEU corpus BLEU, chrF, chrF++ (`-m chrf --chrf-word-order 2`) and TER with the `sacrebleu` command's
+    settings."""
     out = {}
-    for key, metric in sacrebleu_metrics().items():
+    metrics = {"bleu": BLEU(), "chrf": CHRF(), "chrfpp": CHRF(word_order=2), "ter": TER()}
+    for key, metric in metrics.items():
         score = metric.corpus_score(list(hypotheses), [list(references)])
         out[key] = {
             "name": score.name,

@@ -1,12 +1,9 @@
-"""evaluate.py's command line, up to the library: its flags (one table: name, type, help, allowed values, which
-mode reads it; the checkpoint flags shared with every command that restores a model), the one small frozen record per
-mode they become, the checks between them, all made before any file is read, and the writers of its outputs.
+"""evaluate.py's command line, up to the library: its flags (one table, `FLAGS`; the checkpoint flags shared with
+every command that restores a model), the one small frozen record per mode they become, the checks between them, all
+made before any file is read, and the writers of its outputs (whole or not at all).
 
 `parse(values)` turns the flag values into a mode record (`ScoresOnly`, `Compare`, `Translate`, `ScorePairs`) and the
-command line's `Outputs`, or raises EvalError naming the flag and what to do. The library (evaluation/run.py) runs a
-record and returns data; evaluation/__main__.py writes the files (`write_lines`, `write_json`: whole or not at all).
-`check_writable` and `check_folder_writable` test output locations without leaving anything behind; the export, the
-explanation page, translate_corpus and the sweep share the checkpoint flags and checks (`check_model`) and these.
+command line's `Outputs`, or raises EvalError naming the flag and what to do; evaluation/run.py runs the record.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ from transformer_jax import decoding, runtime
 from transformer_jax.config import checks
 from transformer_jax.decoding import PLAIN_SAMPLING
 from transformer_jax.errors import ConfigError, DiskFullError, EvalError
-from transformer_jax.evaluation.mbr import UTILITIES
+from transformer_jax.evaluation.restore import LATEST, CheckpointChoice, check_choice
 from transformer_jax.evaluation.translate import check_nbest, check_sampling
 
 # -- the checkpoint flags: evaluate.py's, the export's, translate_corpus's (same names, defaults, help), so that
@@ -59,12 +56,14 @@ def define_checkpoint_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None
     )
 
 
-def checkpoint_selection(flag_values: flags.FlagValues = flags.FLAGS) -> dict[str, Any]:
-    """The parsed checkpoint flags, as Model's keyword arguments."""
-    return {name: flag_values[name].value for name in CHECKPOINT_FLAGS}
+def choice_of(values: Mapping[str, Any]) -> CheckpointChoice:
+    """The CheckpointChoice of the checkpoint flags' values (by name; absent: unset), as given."""
+    given = {f.name: values[f.name] for f in dataclasses.fields(CheckpointChoice) if values.get(f.name) is not None}
+    return CheckpointChoice(**given)
 
 
 SPLITS = ("valid", "test")
+UTILITIES = ("bleu", "chrf")  # MBR's utilities (run.utility)
 
 # The modes a flag can be read by: scores only and compare (no model), and the model's modes (translate, --score).
 NO_MODEL, MODEL = "no_model", "model"
@@ -211,11 +210,8 @@ class Model:
 
     workdir: str
     config: Any = None  # ml_collections.ConfigDict, or None: the one saved with the checkpoints
-    checkpoint: str = "latest"  # "best" (by train.select_metric), or a step: the last checkpoint to use
-    average_last: int | None = None  # None: config.eval.average_last
-    average_steps: tuple[int, ...] | None = None  # exactly these steps (instead of average_last)
+    choice: CheckpointChoice = LATEST
     ensemble_workdirs: tuple[str, ...] | None = None  # more models decoding with workdir's (decoding/ensemble.py)
-    average_best: int | None = None  # the mean of this many best checkpoints (instead of average_last)
     target_lang: str | None = None  # None: config.data.target_lang (the >>lang<< token every source starts with)
 
 
@@ -256,7 +252,7 @@ class Decoding:
     top_p: float | None = None
     num_samples: int | None = None  # samples per line (with sampling)
     seed: int = FLAG["seed"].default
-    mbr: int | None = None  # choose among this many candidates by expected utility (evaluation/mbr.py)
+    mbr: int | None = None  # choose among this many candidates by expected utility (run.mbr_choice)
     mbr_utility: str | None = None  # with mbr
 
     @property
@@ -306,7 +302,7 @@ class Outputs:
 
 # -- the checks -----------------------------------------------------------------------------------------------------
 
-_AT_LEAST_ONE = ("beam_size", "batch_size", "max_extra_len", "average_last")
+_AT_LEAST_ONE = ("beam_size", "batch_size", "max_extra_len")  # --average_last: restore.check_choice
 
 
 def parse(values: Mapping[str, Any]) -> tuple[Mode, Outputs]:
@@ -315,7 +311,7 @@ def parse(values: Mapping[str, Any]) -> tuple[Mode, Outputs]:
 
     Every check is made here, once: what the table says of each flag (its allowed values and range, the switch it
     tunes) by name, then the combinations on the request's records as given (`_check_request`), then the model's
-    checkpoints (`check_model`); the table's constant defaults are filled in last (`_with_defaults`)."""
+    checkpoints (restore.check_choice); the table's constant defaults are filled in last (`_with_defaults`)."""
     unknown = set(values) - {*CHECKPOINT_FLAGS, *FLAG}
     if unknown:
         raise TypeError(f"not evaluate.py flags: {sorted(unknown)}")
@@ -352,23 +348,14 @@ def parse(values: Mapping[str, Any]) -> tuple[Mode, Outputs]:
                 f"{', '.join(tuning)} {'goes' if one else 'go'} with --{switch}: add --{switch}, or drop "
                 f"{'it' if one else 'them'}"
             )
-    model = Model(
-        v["workdir"],
-        v["config"],
-        v["checkpoint"],
-        v["average_last"],
-        v["average_steps"],
-        _tuple(v["ensemble_workdirs"]),
-        average_best=v["average_best"],
-        target_lang=v["target_lang"],
-    )
+    model = Model(v["workdir"], v["config"], choice_of(v), _tuple(v["ensemble_workdirs"]), v["target_lang"])
     split = v["split"] or (FLAG["split"].default if v["source_file"] is None else None)
     given = Decoding(**{f.name: v[f.name] for f in dataclasses.fields(Decoding)})  # as given: None is unset
     request = Translate(model, split, v["source_file"], v["references_file"], v["prefix_file"], given)
     _check_request(request, bool(v["score"]))
     if outputs.json and request.stdin and outputs.output_file is None:
         raise EvalError("--json prints the report on stdout, where stdin's translations go: give --output_file")
-    model = check_model(model)
+    model = dataclasses.replace(model, choice=check_choice(model.choice))
     written = output_files(outputs.output_file, outputs.scores_file, request.stdin)
     if given.nbest is not None and outputs.output_file is not None:
         written["--nbest (OUTPUT_FILE.nbest)"] = f"{outputs.output_file}.nbest"
@@ -428,38 +415,6 @@ def _tuple(values: Sequence[Any] | None) -> tuple[Any, ...] | None:
     return None if values is None else tuple(values)
 
 
-def check_model(model: Model) -> Model:
-    """The record with its checkpoint and --average_steps as the restore takes them (a str, ints), or EvalError
-    naming the flag. Shared by every command that restores a model (the export, the explanation page)."""
-    check_numbers({"average_last": model.average_last}, "--")
-    if str(model.checkpoint) not in ("latest", "best") and not _is_step(model.checkpoint):
-        raise EvalError(f"--checkpoint must be 'latest', 'best' or a step number, got {model.checkpoint!r}")
-    if model.average_best is not None:
-        if model.average_best < 1:
-            raise EvalError(f"--average_best must be >= 1 (checkpoints averaged), got {model.average_best}")
-        if model.average_last is not None or model.average_steps is not None:
-            raise EvalError("give one of --average_best, --average_last and --average_steps")
-        if str(model.checkpoint) not in ("latest", "best"):
-            raise EvalError("--average_best takes the best checkpoints; --checkpoint STEP would be ignored: drop one")
-    if str(model.checkpoint) == "best" and model.average_last is not None:
-        raise EvalError("--checkpoint best with --average_last: average the best ones with --average_best instead")
-    average_steps = None
-    if model.average_steps is not None:
-        if model.average_last is not None:
-            raise EvalError("give --average_last or --average_steps, not both")
-        if str(model.checkpoint) != "latest":
-            raise EvalError("--average_steps names its steps; --checkpoint would be ignored: drop one of them")
-        if not model.average_steps or not all(_is_step(s) for s in model.average_steps):
-            raise EvalError(
-                f"--average_steps must be step numbers separated by commas, got {list(model.average_steps)}"
-            )
-        average_steps = tuple(int(s) for s in model.average_steps)
-        duplicates = sorted({s for s in average_steps if average_steps.count(s) > 1})
-        if duplicates:
-            raise EvalError(f"--average_steps lists step(s) {duplicates} more than once")
-    return dataclasses.replace(model, average_steps=average_steps, checkpoint=str(model.checkpoint))
-
-
 def check_numbers(values: dict[str, Any], prefix: str) -> None:
     """EvalError for a decoding value that cannot work, by the rule of its config key (checks.RULES, the
     one source of allowed ranges); `prefix` + key is the name a user set it by (--beam_size, config.eval.alpha)."""
@@ -470,11 +425,6 @@ def check_numbers(values: dict[str, Any], prefix: str) -> None:
             checks.RULES[f"eval.{key}"].check(f"eval.{key}", value, name=f"{prefix}{key}")
         except ConfigError as e:
             raise EvalError(str(e)) from e
-
-
-def _is_step(value: Any) -> bool:
-    text = str(value).strip()
-    return text.isascii() and text.isdigit()
 
 
 def input_files(mode: Translate | ScorePairs) -> dict[str, str | None]:

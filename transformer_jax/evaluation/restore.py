@@ -1,24 +1,31 @@
-"""A model from a workdir's checkpoints: choose the steps, average their parameters, check they fit the config.
+"""A model from a workdir's checkpoints: choose the steps, average their parameters, into the saved config's model.
 
-evaluate.py and the attention pictures (transformer_jax.visualize) restore through `restore_model`. The
-checkpoint reading itself sits behind `Restorer`, the seam tests replace with a fake that serves known parameters.
+Every command that restores a model (evaluate.py, translate_corpus, the export, the explanation page, the attention
+pictures, the sweep) makes one CheckpointChoice of its flags and calls `restore_model`, which reads the checkpoints
+through training.checkpoints.
+
+Averaging (paper 6.1: the last 5 checkpoints for base models, the last 20 for big ones) takes the element-wise mean
+of the parameter pytrees, accumulated in float64 on the host one checkpoint at a time and cast back to each leaf's
+dtype once at the end: the correctly rounded mean whatever the number of checkpoints.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
-from flax.traverse_util import flatten_dict
 
+from transformer_jax.config import checks
 from transformer_jax.data import tokenizer as tokenizer_lib
-from transformer_jax.errors import CheckpointError, EvalError
-from transformer_jax.evaluation.averaging import average_params, select_steps
+from transformer_jax.errors import AveragingError, CheckpointError, ConfigError, EvalError
 from transformer_jax.model import Transformer, TransformerSpec, build_model, model_rngs
 from transformer_jax.training import checkpoints
 
@@ -27,81 +34,94 @@ from transformer_jax.training import checkpoints
 EVALUATION_MAY_DIFFER = frozenset({"train.init_from", "train.init_step", "opt.freeze"})
 
 
-class Restorer:
-    """Reads checkpoints and the tokenizer of a workdir; tests substitute a fake with the same methods."""
+@dataclasses.dataclass(frozen=True)
+class CheckpointChoice:
+    """Which checkpoints make the model: the flags --checkpoint, --average_last, --average_steps, --average_best
+    (as given: `check_choice` checks them)."""
 
-    def __init__(self):
-        self._ckpt = checkpoints
+    checkpoint: str = "latest"  # "latest", "best" (by train.select_metric), or the step of the last checkpoint
+    average_last: int | None = None  # the mean of this many ending at `checkpoint`; None: config.eval.average_last
+    average_steps: tuple[int, ...] | None = None  # the mean of exactly these steps
+    average_best: int | None = None  # the mean of this many best by train.select_metric
 
-    def list_steps(self, workdir: str) -> list[int]:
-        return self._ckpt.list_steps(workdir)
-
-    def load_config(self, workdir: str):
-        return self._ckpt.load_config(workdir)
-
-    def best_steps(self, workdir: str) -> list[int]:
-        """The steps of the checkpoints scored by train.select_metric, best first."""
-        return self._ckpt.best_steps(workdir)
-
-    def config_differences(self, saved, current) -> list[str]:
-        """The keys a given config must share with the saved one to restore its model: those a restart must keep,
-        but for how the training began (EVALUATION_MAY_DIFFER)."""
-        keys = tuple(k for k in self._ckpt.STRUCTURAL_KEYS if k not in EVALUATION_MAY_DIFFER)
-        return self._ckpt.config_differences(saved.to_dict(), current.to_dict(), keys)
-
-    def load_params(self, workdir: str, steps: list[int], abstract_params: nnx.State) -> Iterator[dict]:
-        """The parameter pure dicts of `steps`, read one at a time into the tree of `abstract_params` (the model's
-        nnx.Param state, abstract: the optimizer's state is not read, so its abstract tree is not built)."""
-        return (self._ckpt.load_model_params(workdir, step, {"model": abstract_params}) for step in steps)
-
-    def tokenizer(self, config, workdir: str):
-        if config.data.tokenizer == "spm" and not config.data.tokenizer_model:
-            if not (Path(workdir) / tokenizer_lib.MODEL_FILENAME).exists():
-                raise EvalError(
-                    f"no tokenizer in {workdir} ({tokenizer_lib.MODEL_FILENAME}) and config.data.tokenizer_model is "
-                    "empty; evaluate with the workdir the model was trained in"
-                )
-        return tokenizer_lib.model_tokenizer(config, workdir)
+    @property
+    def by_score(self) -> bool:
+        """Whether the checkpoints are the best by train.select_metric."""
+        return self.checkpoint == "best" or self.average_best is not None
 
 
-def choose_steps(
-    available: list[int],
-    workdir: str,
-    *,
-    checkpoint: str = "latest",
-    average_last: int | None,
-    average_steps: Sequence[int] | None = None,
-) -> list[int]:
-    """The checkpoint steps to average: exactly `average_steps`, or the last `average_last` up to `checkpoint`."""
-    if not available:
-        raise EvalError(f"no checkpoint in {Path(workdir) / 'checkpoints'}; train first or fix --workdir")
-    if average_steps:
-        return select_steps(available, None, average_steps)
-    if checkpoint == "latest":
-        last = available[-1]
-    else:
+LATEST = CheckpointChoice()  # the last config.eval.average_last checkpoints
+
+
+def check_choice(choice: CheckpointChoice) -> CheckpointChoice:
+    """The choice with its checkpoint and average_steps as restore_model takes them (a str, ints), or EvalError
+    naming the flag. Every command that restores a model checks its flags here before it reads any file."""
+    if choice.average_last is not None:
         try:
-            last = int(checkpoint)
-        except ValueError as e:
-            raise EvalError(f"--checkpoint must be 'latest' or a step number, got {checkpoint!r}") from e
-        if last not in available:
-            raise EvalError(f"no checkpoint for step {last} in {workdir}; available steps: {available}")
+            checks.RULES["eval.average_last"].check("eval.average_last", choice.average_last, name="--average_last")
+        except ConfigError as e:
+            raise EvalError(str(e)) from e
+    checkpoint = str(choice.checkpoint)
+    if checkpoint not in ("latest", "best") and not _is_step(checkpoint):
+        raise EvalError(f"--checkpoint must be 'latest', 'best' or a step number, got {choice.checkpoint!r}")
+    if choice.average_best is not None:
+        if choice.average_best < 1:
+            raise EvalError(f"--average_best must be >= 1 (checkpoints averaged), got {choice.average_best}")
+        if choice.average_last is not None or choice.average_steps is not None:
+            raise EvalError("give one of --average_best, --average_last and --average_steps")
+        if checkpoint not in ("latest", "best"):
+            raise EvalError("--average_best takes the best checkpoints; --checkpoint STEP would be ignored: drop one")
+    if checkpoint == "best" and choice.average_last is not None:
+        raise EvalError("--checkpoint best with --average_last: average the best ones with --average_best instead")
+    average_steps = None
+    if choice.average_steps is not None:
+        if choice.average_last is not None:
+            raise EvalError("give --average_last or --average_steps, not both")
+        if checkpoint != "latest":
+            raise EvalError("--average_steps names its steps; --checkpoint would be ignored: drop one of them")
+        if not choice.average_steps or not all(_is_step(s) for s in choice.average_steps):
+            raise EvalError(
+                f"--average_steps must be step numbers separated by commas, got {list(choice.average_steps)}"
+            )
+        average_steps = tuple(int(s) for s in choice.average_steps)
+        duplicates = sorted({s for s in average_steps if average_steps.count(s) > 1})
+        if duplicates:
+            raise EvalError(f"--average_steps lists step(s) {duplicates} more than once")
+    return dataclasses.replace(choice, checkpoint=checkpoint, average_steps=average_steps)
+
+
+def _is_step(value: Any) -> bool:
+    text = str(value).strip()
+    return text.isascii() and text.isdigit()
+
+
+def choose_steps(available: list[int], workdir: str, choice: CheckpointChoice, average_last: int) -> list[int]:
+    """The checkpoint steps to average, ascending: exactly `choice.average_steps`, or the last `average_last` up to
+    `choice.checkpoint`."""
+    if choice.average_steps:
+        missing = sorted(set(choice.average_steps) - set(available))
+        if missing:
+            raise EvalError(f"no checkpoint for step(s) {missing}; available steps: {available}")
+        return sorted(choice.average_steps)
+    last = available[-1] if choice.checkpoint == "latest" else int(choice.checkpoint)
+    if last not in available:
+        raise EvalError(f"no checkpoint for step {last} in {workdir}; available steps: {available}")
     candidates = [s for s in available if s <= last]
     if average_last > len(candidates):
         raise EvalError(
             f"asked to average the last {average_last} checkpoints up to step {last}, but only {len(candidates)} "
             f"exist: {candidates}; pass --average_last {len(candidates)} (or 1 for no averaging)"
         )
-    return select_steps(candidates, average_last, None)
+    return candidates[-average_last:]
 
 
-def best_params(restorer: Restorer, workdir: str, count: int, target: nnx.State, used: list[int]) -> Iterator[dict]:
+def best_params(workdir: str, count: int, target: nnx.State, used: list[int]) -> Iterator[dict]:
     """The parameters of the `count` best checkpoints that can be read, best first, appending each step to `used`.
 
     A damaged best checkpoint is reported in one line and the next best takes its place (as a restart falls back
     from a damaged latest checkpoint); EvalError when there is no scored checkpoint or too few readable ones.
     """
-    ranked = restorer.best_steps(workdir)
+    ranked = checkpoints.best_steps(workdir)
     if not ranked:
         raise EvalError(
             f"--checkpoint best: no checkpoint in {Path(workdir) / 'checkpoints'} has a score of its select metric "
@@ -118,7 +138,7 @@ def best_params(restorer: Restorer, workdir: str, count: int, target: nnx.State,
         if len(used) == count:
             return
         try:
-            params = next(iter(restorer.load_params(workdir, [step], target)))
+            params = checkpoints.load_model_params(workdir, step, {"model": target})
         except CheckpointError as e:
             logging.warning("best checkpoint at step %d is damaged (%s); using the next best", step, e)
             damaged.append(step)
@@ -130,6 +150,46 @@ def best_params(restorer: Restorer, workdir: str, count: int, target: nnx.State,
             f"--average_best {count}: only {len(used)} of the scored checkpoints in {workdir} can be read "
             f"(damaged: {damaged}); pass a smaller --average_best"
         )
+
+
+def average_params(trees: Iterable[Any]) -> Any:
+    """The element-wise mean of parameter pytrees of identical structure, shapes and dtypes.
+
+    `trees` may be a generator, so checkpoints can be loaded one at a time: memory holds the float64 sum and one
+    checkpoint. Floating leaves are averaged; non-floating leaves (e.g. integer counters) must be equal in all
+    trees and are kept.
+    """
+    total, treedef, first, count = None, None, None, 0
+    for tree in trees:
+        leaves_with_path, this_def = jax.tree_util.tree_flatten_with_path(tree)
+        leaves = [np.asarray(leaf) for _, leaf in leaves_with_path]
+        if total is None:
+            treedef, first = this_def, leaves
+            names = [jax.tree_util.keystr(path) for path, _ in leaves_with_path]
+            total = [leaf.astype(np.float64) if _is_float(leaf) else leaf for leaf in leaves]
+        else:
+            if this_def != treedef:
+                raise AveragingError(f"tree {count} has a different structure from tree 0:\n{this_def}\nvs\n{treedef}")
+            for i, (leaf, ref) in enumerate(zip(leaves, first, strict=True)):
+                if leaf.shape != ref.shape or leaf.dtype != ref.dtype:
+                    raise AveragingError(
+                        f"{names[i]}: tree {count} has {leaf.dtype}{list(leaf.shape)}, "
+                        f"tree 0 has {ref.dtype}{list(ref.shape)}"
+                    )
+                if _is_float(leaf):
+                    total[i] += leaf
+                elif not np.array_equal(leaf, ref):
+                    raise AveragingError(f"{names[i]}: non-floating leaf differs between tree 0 and tree {count}")
+        count += 1
+    if total is None:
+        raise AveragingError("nothing to average: no pytrees were given")
+    mean = [(t / count).astype(ref.dtype) if _is_float(ref) else t for t, ref in zip(total, first, strict=True)]
+    return jax.tree_util.tree_unflatten(treedef, mean)
+
+
+def _is_float(x: np.ndarray) -> bool:
+    # bfloat16 (ml_dtypes) is not an np.floating subclass; its dtype kind is 'V', so test via jax's dtype helper.
+    return bool(jax.numpy.issubdtype(x.dtype, jax.numpy.floating))
 
 
 def abstract_model(config: Any) -> Any:
@@ -149,62 +209,62 @@ def _other_state(*, spec: TransformerSpec) -> nnx.State:
     return nnx.state(Transformer(spec, rngs=model_rngs(0)), nnx.Not(nnx.Param))
 
 
-def restore_model(
-    restorer: Restorer,
-    workdir: str,
-    *,
-    config: Any = None,
-    checkpoint: str = "latest",
-    average_last: int | None = None,
-    average_steps: Sequence[int] | None = None,
-    average_best: int | None = None,
-) -> tuple[Any, Any, list[int]]:
-    """(config, model in eval mode with the averaged parameters, steps used).
-
-    `config` None means the one saved with the checkpoints; a given one must agree with it on every key that
-    shapes the model. `average_last` None means config.eval.average_last. checkpoint="best" or `average_best`
-    (K): the best (the mean of the K best) checkpoints by train.select_metric, best first in the steps used.
-    """
-    available = restorer.list_steps(workdir)
-    if not available:
+def saved_config(workdir: str, config: Any = None) -> Any:
+    """The config saved with the checkpoints, or `config` when it agrees with that one on every key that shapes the
+    model (those a restart must keep, but for EVALUATION_MAY_DIFFER); EvalError without checkpoints."""
+    if not checkpoints.list_steps(workdir):
         raise EvalError(f"no checkpoint in {Path(workdir) / 'checkpoints'}; train first or fix --workdir")
-    saved = restorer.load_config(workdir)
+    saved = checkpoints.load_config(workdir)
     if config is None:
-        config = saved
-    else:
-        diff = restorer.config_differences(saved, config)
-        if diff:
-            raise EvalError(
-                "--config does not match the config saved with the checkpoints; differing keys (saved -> given): "
-                + "; ".join(diff)
-            )
+        return saved
+    keys = tuple(k for k in checkpoints.STRUCTURAL_KEYS if k not in EVALUATION_MAY_DIFFER)
+    diff = checkpoints.config_differences(saved.to_dict(), config.to_dict(), keys)
+    if diff:
+        raise EvalError(
+            "--config does not match the config saved with the checkpoints; differing keys (saved -> given): "
+            + "; ".join(diff)
+        )
+    return config
+
+
+def restore_model(workdir: str, choice: CheckpointChoice = LATEST, *, config: Any = None) -> tuple[Any, Any, list[int]]:
+    """(config, model in eval mode with the averaged parameters, steps used) of the checkpoints `choice` names.
+
+    `config` None means the one saved with the checkpoints (`saved_config`). The best checkpoints
+    (`choice.by_score`) are read best first; the steps are listed ascending whatever the choice.
+    """
+    choice = check_choice(choice)
+    config = saved_config(workdir, config)
     model = abstract_model(config)
     target = nnx.state(model, nnx.Param)
-    if checkpoint == "best" or average_best:
-        steps: list[int] = []
-        params = average_params(best_params(restorer, workdir, average_best or 1, target, steps))
-        steps.sort()  # ascending, as every other selection lists them
-    else:
-        if average_last is None:
-            average_last = config.eval.average_last
-        # With ckpt.keep_best, checkpoints older than the last ckpt.keep are there for their scores alone: "the last
-        # N" are the rotation's, never those (--average_best averages the best).
-        latest = available[-config.ckpt.keep :] if config.ckpt.keep_best and checkpoint == "latest" else available
-        steps = choose_steps(
-            latest, workdir, checkpoint=checkpoint, average_last=average_last, average_steps=average_steps
-        )
-        params = average_params(restorer.load_params(workdir, steps, target))
-
-    def shapes(tree: dict) -> dict[str, tuple[int, ...]]:
-        # Layer lists have integer keys, hence the str() before joining.
-        return {".".join(map(str, path)): value.shape for path, value in flatten_dict(tree).items()}
-
-    expected, got = shapes(nnx.to_pure_dict(target)), shapes(params)
-    if expected != got:
-        keys = sorted(k for k in expected.keys() | got.keys() if expected.get(k) != got.get(k))
-        details = "; ".join(f"{k}: checkpoint {got.get(k)} vs config {expected.get(k)}" for k in keys[:20])
-        raise EvalError(f"the checkpoint's parameters do not fit the config's model: {details}")
+    with warnings.catch_warnings():
+        # Orbax warns that it reads the shardings from the checkpoint: expected, restoring on one device.
+        warnings.filterwarnings("ignore", "Sharding info not provided", UserWarning)
+        if choice.by_score:
+            steps: list[int] = []
+            params = average_params(best_params(workdir, choice.average_best or 1, target, steps))
+            steps.sort()
+        else:
+            available = checkpoints.list_steps(workdir)
+            # With ckpt.keep_best, checkpoints older than the last ckpt.keep are there for their scores alone: "the
+            # last N" are the rotation's, never those (--average_best averages the best).
+            if config.ckpt.keep_best and choice.checkpoint == "latest":
+                available = available[-config.ckpt.keep :]
+            average_last = config.eval.average_last if choice.average_last is None else choice.average_last
+            steps = choose_steps(available, workdir, choice, average_last)
+            params = average_params(checkpoints.load_model_params(workdir, s, {"model": target}) for s in steps)
     nnx.replace_by_pure_dict(target, params)
     nnx.update(model, target)
     model.eval()
     return config, model, steps
+
+
+def workdir_tokenizer(config: Any, workdir: str) -> Any:
+    """The tokenizer the model of `workdir` was trained with (never trains one: EvalError when it is missing)."""
+    if config.data.tokenizer == "spm" and not config.data.tokenizer_model:
+        if not (Path(workdir) / tokenizer_lib.MODEL_FILENAME).exists():
+            raise EvalError(
+                f"no tokenizer in {workdir} ({tokenizer_lib.MODEL_FILENAME}) and config.data.tokenizer_model is "
+                "empty; evaluate with the workdir the model was trained in"
+            )
+    return tokenizer_lib.model_tokenizer(config, workdir)

@@ -1,35 +1,34 @@
 """Evaluation as a library: each mode record of evaluation.command runs here and returns data; nothing is printed
-and nothing written (evaluate.py, evaluation/__main__.py, writes the files and prints the summary).
+and nothing written (evaluation/__main__.py writes the files and prints the summary).
 
     scores_only(ScoresOnly) / compare(Compare)             -> the report
-    load(Translate | ScorePairs, restorer)                 -> Loaded: the inputs read, the model restored
+    load(Translate | ScorePairs)                           -> Loaded: the inputs read, the model restored
     translate(Translate, Loaded)                           -> Translation: hypotheses, n-best lists, report
     stream(Translate, Loaded, lines) then stream_result    -> stdin's translations one at a time, then the Translation
     score(ScorePairs, Loaded)                              -> Scored: each pair's log-probability, report
 
-`load` reads and checks the inputs (UTF-8, line counts, prefixes) before it restores the model, so that a wrong file
-fails first; `Loaded.inputs` names every file read, for the caller's check that no output overwrites one.
-
-The decoding settings (`decoding_settings` of the Translate record's Decoding) are made in `settings_of` and passed
-whole to translate_nbest() in `translate` and to translate() in `stream`. Below the modes: the inputs (`read_sources`,
-`split_pairs`, `stdin_lines`), the ensemble's members, and the n-best lists' format (`nbest_lines`).
+`load` reads and checks the inputs before it restores the model, so that a wrong file fails first. Below the modes:
+the inputs, the ensemble's members, MBR's choice and the n-best lists' format.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from sacrebleu.metrics import BLEU, CHRF
 
 from transformer_jax import decoding
 from transformer_jax.config import checks
 from transformer_jax.data.sources import open_split, read_all, resolve_path
 from transformer_jax.decoding import Ensemble
 from transformer_jax.errors import EvalError
-from transformer_jax.evaluation import bleu, mbr, significance
+from transformer_jax.evaluation import bleu, significance
 from transformer_jax.evaluation.command import (
+    UTILITIES,
     Compare,
     Decoding,
     ScorePairs,
@@ -39,10 +38,11 @@ from transformer_jax.evaluation.command import (
     input_files,
     sampling_of,
 )
-from transformer_jax.evaluation.restore import Restorer, restore_model
+from transformer_jax.evaluation.restore import restore_model, workdir_tokenizer
 from transformer_jax.evaluation.scoring import SentenceScore, score_pairs
 from transformer_jax.evaluation.translate import DecodeSettings, Hypothesis, check_nbest, translate_nbest
 from transformer_jax.evaluation.translate import translate as translate_sentences
+from transformer_jax.training import checkpoints
 
 STREAM_STATS = ("sentences", "empty", "truncated", "hit_max_len", "src_tokens", "tgt_tokens", "seconds")
 
@@ -84,7 +84,7 @@ class Loaded:
         return f"step{self.steps[-1]}" + (f"-avg{len(self.steps)}" if len(self.steps) > 1 else "")
 
 
-def load(mode: Translate | ScorePairs, restorer: Restorer | None = None) -> Loaded:
+def load(mode: Translate | ScorePairs) -> Loaded:
     """Reads and checks the inputs, then restores the model (and the ensemble's members)."""
     m = mode.model
     if m.config is not None:  # a --config the user gave; the one saved with the checkpoints was checked
@@ -102,25 +102,17 @@ def load(mode: Translate | ScorePairs, restorer: Restorer | None = None) -> Load
     if prefixes is not None and sources is not None:
         check_prefix_count(prefixes, sources, prefix_file, mode.source_file)
 
-    restorer = restorer or Restorer()
-    if m.ensemble_workdirs:
-        check_ensemble_members(restorer, m.ensemble_workdirs)
-    config, model, steps = restore_model(
-        restorer,
-        m.workdir,
-        config=m.config,
-        checkpoint=m.checkpoint,
-        average_last=m.average_last,
-        average_steps=m.average_steps,
-        average_best=m.average_best,
-    )
+    for workdir in m.ensemble_workdirs or ():  # cheap, before any model is restored
+        if not checkpoints.list_steps(workdir):
+            raise EvalError(f"--ensemble_workdirs member {workdir} has no checkpoint; train it first or drop it")
+    config, model, steps = restore_model(m.workdir, m.choice, config=m.config)
     if m.target_lang is not None:  # --target_lang: the sources' >>lang<< token instead of data.target_lang's
         config = config.copy_and_resolve_references()
         with config.unlocked():
             config.data.target_lang = m.target_lang
-    tokenizer = restorer.tokenizer(config, m.workdir)
+    tokenizer = workdir_tokenizer(config, m.workdir)
     if m.ensemble_workdirs:
-        model = Ensemble([model, *restore_members(restorer, m.ensemble_workdirs, config, tokenizer)])
+        model = Ensemble([model, *restore_members(m.ensemble_workdirs, config, tokenizer)])
     inputs = input_files(mode)
     if mode.source_file is None:
         sources, references, split_name = split_pairs(config, mode.split)
@@ -191,7 +183,7 @@ def output_name(mode: Translate, loaded: Loaded) -> str:
     evaluations that differ in these never write over each other's outputs."""
     settings, _ = settings_of(mode, loaded)
     d, m = mode.decoding, mode.model
-    chosen = "-best" if m.average_best is not None or m.checkpoint == "best" else ""
+    chosen = "-best" if m.choice.by_score else ""
     search = f"sample{d.candidates}-seed{d.seed}" if d.sampling else f"beam{settings.search.beam_size}"
     if d.mbr is not None:
         search += f"-mbr{d.mbr}"
@@ -217,8 +209,8 @@ def translate(mode: Translate, loaded: Loaded, *, progress: bool = False) -> Tra
     )
     hypotheses = [x[0].text for x in lists]
     if d.mbr is not None:
-        u = mbr.utility(d.mbr_utility)
-        hypotheses = [x[mbr.mbr_choice([h.text for h in x], u)].text for x in lists]
+        u = utility(d.mbr_utility)
+        hypotheses = [x[mbr_choice([h.text for h in x], u)].text for x in lists]
     has_lists = d.nbest is not None or d.candidates > 1
     return Translation(
         hypotheses, lists if has_lists else None, _report(mode, loaded, settings, search, hypotheses, stats)
@@ -231,12 +223,7 @@ def stream(mode: Translate, loaded: Loaded, lines: Iterable[str]) -> Iterator[tu
     settings, _ = settings_of(mode, loaded)
     settings = dataclasses.replace(settings, batch_size=1)
     for line in lines:
-        [hypothesis], stats = translate_sentences(
-            loaded.model,
-            loaded.tokenizer,
-            [line],
-            settings,
-        )
+        [hypothesis], stats = translate_sentences(loaded.model, loaded.tokenizer, [line], settings)
         yield hypothesis, stats
 
 
@@ -379,13 +366,6 @@ def check_prefix_count(prefixes: Sequence[str], sources: Sequence[str], prefix_n
 # -- ensembles ----------------------------------------------------------------------------------------------------
 
 
-def check_ensemble_members(restorer: Any, workdirs: Sequence[str]) -> None:
-    """EvalError naming the first member without checkpoints (cheap: before any model is restored)."""
-    for workdir in workdirs:
-        if not restorer.list_steps(workdir):
-            raise EvalError(f"--ensemble_workdirs member {workdir} has no checkpoint; train it first or drop it")
-
-
 def tokenizer_fingerprint(config: Any, tokenizer: Any) -> tuple[str, str]:
     """(what differs, in words) pairs an ensemble's members must share: the vocabulary size and the tokenizer's
     fingerprint (a tokenizer without one: its class)."""
@@ -394,23 +374,55 @@ def tokenizer_fingerprint(config: Any, tokenizer: Any) -> tuple[str, str]:
     return (f"vocabulary size {config.model.vocab_size}", f"tokenizer {digest}")
 
 
-def restore_members(restorer: Any, workdirs: Sequence[str], config: Any, tokenizer: Any) -> list[Any]:
+def restore_members(workdirs: Sequence[str], config: Any, tokenizer: Any) -> list[Any]:
     """The members' models (each its latest checkpoints, averaged as its own config says). Every member's saved
     config and tokenizer are checked first: the first difference from the main model's vocabulary or tokenizer is
     refused before any member's parameters are read."""
     expected = tokenizer_fingerprint(config, tokenizer)
     for workdir in workdirs:
-        member_config = restorer.load_config(workdir).copy_and_resolve_references()
+        member_config = checkpoints.load_config(workdir).copy_and_resolve_references()
         with member_config.unlocked():
             member_config.data.target_lang = config.data.target_lang  # the members read the same sources
-        got = tokenizer_fingerprint(member_config, restorer.tokenizer(member_config, workdir))
+        got = tokenizer_fingerprint(member_config, workdir_tokenizer(member_config, workdir))
         for want, have in zip(expected, got, strict=True):
             if want != have:
                 raise EvalError(
                     f"--ensemble_workdirs member {workdir} has {have}, --workdir has {want}: ensemble members must "
                     "share one tokenizer"
                 )
-    return [restore_model(restorer, workdir)[1] for workdir in workdirs]
+    return [restore_model(workdir)[1] for workdir in workdirs]
+
+
+# -- minimum Bayes risk decoding (Freitag et al., 2022): among a line's N candidates (an n-best list or samples),
+# the one with the highest expected utility, the other candidates standing in for references drawn from the model:
+#     argmax_i  1/(N-1) sum_{j != i} u(h_i, h_j)
+# with u sacrebleu's sentence BLEU or chrF. A candidate scored against itself would add the same maximum to every
+# candidate, so it is left out. Ties go to the earlier candidate (the better-ranked one).
+
+
+def utility(name: str) -> Callable[[str, str], float]:
+    """u(hypothesis, reference) by name: sentence BLEU (effective order, so short sentences are not all 0) or chrF."""
+    if name == "bleu":
+        metric = BLEU(effective_order=True)
+    elif name == "chrf":
+        metric = CHRF()
+    else:
+        raise ValueError(f"unknown MBR utility {name!r}; expected one of {', '.join(UTILITIES)}")
+    return lambda hypothesis, reference: metric.sentence_score(hypothesis, [reference]).score
+
+
+def expected_utilities(candidates: Sequence[str], u: Callable[[str, str], float]) -> list[float]:
+    """Each candidate's mean utility against the others (a single candidate: 0)."""
+    n = len(candidates)
+    if n < 2:
+        return [0.0] * n
+    return [sum(u(h, r) for j, r in enumerate(candidates) if j != i) / (n - 1) for i, h in enumerate(candidates)]
+
+
+def mbr_choice(candidates: Sequence[str], u: Callable[[str, str], float]) -> int:
+    """The index of the candidate with the highest expected utility (the first of equals)."""
+    scores = expected_utilities(candidates, u)
+    return max(range(len(candidates)), key=lambda i: (scores[i], -i))
 
 
 # -- n-best lists in Marian's text format -------------------------------------------------------------------------

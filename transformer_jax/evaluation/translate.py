@@ -162,20 +162,14 @@ def translate_nbest(
 ) -> tuple[list[list[Hypothesis]], dict[str, Any]]:
     """The `nbest` best hypotheses of each input sentence, best first, in input order, and statistics of the 1-best.
 
-    Sources are the tokenizer's ids then EOS (as in training); a source with more than max_input_len tokens is cut
-    to max_input_len - 1 ids + EOS and counted. An empty (or blank) line gives empty outputs (EMPTY) without
-    decoding. Each output has at most (source tokens + max_extra_len) tokens, EOS included, and at most max_len
-    (output_cap). Hypotheses are ranked by log P / lp (decoding/state.py length_penalty with the search's penalty
-    and alpha). The list is what the search gives for nbest (decoding.Search.nbest: a beam search's nbest <=
-    beam_size best, the full search's first nbest for decoding.Beam, CTranslate2's for decoding.SetAside; greedy
-    search: nbest 1), or nbest decodes of the line when the search asks for that (decoding.Search.copies:
-    decoding.Sampled draws nbest samples, reproducible for its seed, best score first; their log_prob is the model's
-    own log P of the sample).
+    Sources are cut as `source_ids` cuts them (counted); a blank line gives EMPTY outputs without decoding. Each
+    output has at most output_limit tokens. Hypotheses are ranked by log P / lp (decoding/state.py length_penalty).
+    The list is what the search gives for nbest (decoding.Search.nbest), or nbest decodes of the line when the
+    search asks for that (decoding.Search.copies: decoding.Sampled draws nbest samples, reproducible for its seed,
+    best score first; their log_prob is the model's own log P of the sample).
     prefixes: line i's output starts with prefixes[i], tokenized as a target (a blank prefix: none); the hypotheses'
     text and log-probabilities include it. first_line: the number of sentences[0] in a longer input (its chunk's
-    start, translate_corpus): sampling keys are drawn from the line's number in the whole input. The settings are
-    checked where they come in, by the rules of their config keys (checks.RULES: eval.*, data.eval_max_len), which
-    validate() applies to every config and evaluate.py to its flags.
+    start, translate_corpus): sampling keys are drawn from the line's number in the whole input.
     """
     copies = settings.search.copies(nbest)
     check_nbest(nbest, settings.search.beam_size if copies == 1 else nbest)  # n decodes: any n >= 1

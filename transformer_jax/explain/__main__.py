@@ -20,6 +20,7 @@ from absl import flags
 from transformer_jax.cli import fail, parse_flags
 from transformer_jax.errors import VisualizeError, exit_on_user_error
 from transformer_jax.evaluation.command import check_writable
+from transformer_jax.evaluation.restore import CheckpointChoice
 from transformer_jax.explain.capture import check_sentence, explain
 from transformer_jax.explain.page import figures, render, summary
 from transformer_jax.explain.text import LANGUAGES
@@ -61,8 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise VisualizeError(f"--output {output}: the page is HTML; give a file name ending in .html")
         check_writable(output, "--output")
         x = explain(
-            fv.workdir, rest[0], target=fv.target, layer=fv.layer, head=fv.head, checkpoint=fv.checkpoint,
-            average_last=fv.average_last, beam_size=fv.beam_size, alpha=fv.alpha,
+            fv.workdir, rest[0], target=fv.target, layer=fv.layer, head=fv.head,
+            choice=CheckpointChoice(fv.checkpoint, fv.average_last), beam_size=fv.beam_size, alpha=fv.alpha,
         )  # fmt: skip
         f = figures(x)
         output.parent.mkdir(parents=True, exist_ok=True)

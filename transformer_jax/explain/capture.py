@@ -12,7 +12,6 @@ Axis letters: see transformer_jax/__init__.py.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +19,8 @@ import numpy as np
 
 from transformer_jax import decoding
 from transformer_jax.errors import VisualizeError
-from transformer_jax.evaluation.command import Decoding, Model, check_model, check_numbers
-from transformer_jax.evaluation.restore import Restorer, restore_model
+from transformer_jax.evaluation.command import Decoding, check_numbers
+from transformer_jax.evaluation.restore import LATEST, CheckpointChoice, check_choice, restore_model, workdir_tokenizer
 from transformer_jax.evaluation.run import decoding_settings
 from transformer_jax.evaluation.translate import (
     DecodeSettings,
@@ -75,21 +74,15 @@ class Explanation:
         return self.sown[stack][self.layer][module][name]
 
 
-def restore(workdir: str, checkpoint: str, average_last: int | None, options: dict[str, Any]):
+def restore(workdir: str, choice: CheckpointChoice, options: dict[str, Any]):
     """(config, model, tokenizer, steps, decoding settings), restored as evaluate.py restores them."""
     if not Path(workdir).is_dir():
         raise VisualizeError(f"--workdir {workdir}: no such directory")
-    model_record = check_model(Model(workdir, checkpoint=checkpoint, average_last=average_last))
+    choice = check_choice(choice)
     check_numbers(options, "--")
     decoding_record = Decoding(**options)
-    restorer = Restorer()
-    with warnings.catch_warnings():
-        # Orbax warns that it reads the shardings from the checkpoint: expected, restoring on one device.
-        warnings.filterwarnings("ignore", "Sharding info not provided", UserWarning)
-        config, model, steps = restore_model(
-            restorer, workdir, checkpoint=model_record.checkpoint, average_last=model_record.average_last
-        )
-    tokenizer = restorer.tokenizer(config, workdir)
+    config, model, steps = restore_model(workdir, choice)
+    tokenizer = workdir_tokenizer(config, workdir)
     return config, model, tokenizer, steps, decoding_settings(decoding_record, config)
 
 
@@ -150,8 +143,7 @@ def explain(
     target: str | None = None,
     layer: int = 0,
     head: int = 0,
-    checkpoint: str = "latest",
-    average_last: int | None = None,
+    choice: CheckpointChoice = LATEST,
     beam_size: int | None = None,
     alpha: float | None = None,
 ) -> Explanation:
@@ -159,9 +151,7 @@ def explain(
     check_sentence(sentence)  # before the (slow) restore
     if target is not None and not target.strip():
         raise VisualizeError("--target is empty; give the target sentence, or leave out --target for the translation")
-    config, model, tokenizer, steps, settings = restore(
-        workdir, checkpoint, average_last, {"beam_size": beam_size, "alpha": alpha}
-    )
+    config, model, tokenizer, steps, settings = restore(workdir, choice, {"beam_size": beam_size, "alpha": alpha})
     spec = model.spec
     check_selection(spec.num_encoder_layers, spec.num_decoder_layers, spec.num_heads, layer, head, both=True)
     limit = input_limit(settings.max_input_len, position_limit(spec))

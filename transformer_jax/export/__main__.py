@@ -52,12 +52,14 @@ flags.mark_flags_as_required(["workdir", "output"])
 def main(argv: list[str]) -> None:
     del argv  # no positional arguments (cli.run refuses them)
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs each checkpoint handler it creates at INFO
-    selected = command.checkpoint_selection()
     options = {"quantization": None if FLAGS.quantization == "none" else FLAGS.quantization}
     if FLAGS.format != "ctranslate2":
         if options.pop("quantization") is not None:
             raise EvalError("--quantization is CTranslate2's: --format marian writes float32 weights")
-    report = EXPORTERS[FLAGS.format](selected.pop("workdir"), FLAGS.output, force=FLAGS.force, **options, **selected)
+    choice = command.choice_of(FLAGS.flag_values_dict())
+    report = EXPORTERS[FLAGS.format](
+        FLAGS.workdir, FLAGS.output, config=FLAGS.config, choice=choice, force=FLAGS.force, **options
+    )
     if "epsilon_logit_difference" in report:
         print(
             f"{PROG}: warning: model.norm_epsilon={report['norm_epsilon']} but transformers' Marian uses 1e-5; "

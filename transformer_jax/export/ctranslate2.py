@@ -38,8 +38,8 @@ import numpy as np
 
 from transformer_jax.data.tokenizer import MODEL_FILENAME
 from transformer_jax.errors import ConfigError, EvalError
-from transformer_jax.evaluation.command import Model, check_folder_writable, check_model
-from transformer_jax.evaluation.restore import Restorer
+from transformer_jax.evaluation.command import check_folder_writable
+from transformer_jax.evaluation.restore import LATEST, CheckpointChoice, check_choice
 from transformer_jax.evaluation.translate import DecodeSettings, input_limit, output_cap, output_limit, source_ids
 from transformer_jax.export import output
 from transformer_jax.model.layers import sinusoidal_encoding
@@ -364,21 +364,17 @@ def export_workdir(
     output_dir: str | os.PathLike,
     *,
     config: Any = None,
-    checkpoint: str = "latest",
-    average_last: int | None = None,
-    average_steps: Sequence[int | str] | None = None,
-    average_best: int | None = None,
+    choice: CheckpointChoice = LATEST,
     quantization: str | None = None,
     force: bool = False,
-    restorer: Any = None,
 ) -> dict[str, Any]:
     """Exports the checkpoints evaluate.py would use (same flags, same selection and averaging); returns a report.
 
-    Everything cheap is checked before the parameters are read: the flags (evaluation.command.check_model, the same
+    Everything cheap is checked before the parameters are read: the flags (evaluation.restore.check_choice, the same
     messages as evaluate.py), the output directory, that checkpoints exist, that CTranslate2 is installed and can
     express the architecture of the config.
     """
-    options = check_model(Model(workdir, config, checkpoint, average_last, average_steps, average_best=average_best))
+    choice = check_choice(choice)
     check_quantization(quantization)
     output_dir = Path(output_dir)
     check_output(output_dir, force)
@@ -388,7 +384,7 @@ def export_workdir(
     except ImportError as e:
         raise EvalError(f"ctranslate2 is not installed ({e}); pip install ctranslate2==4.8.5") from e
     config, model, steps, tokenizer = output.restore_checked(
-        workdir, options, restorer or Restorer(), lambda c: check_exportable(TransformerSpec.from_config(c))
+        workdir, config, choice, lambda c: check_exportable(TransformerSpec.from_config(c))
     )
     # Room for evaluate.py's longest decode (eval_max_len source tokens + max_extra_len) and the engine's defaults.
     max_positions = max(ENGINE_DEFAULT_POSITIONS, config.data.eval_max_len + config.eval.max_extra_len)

@@ -29,8 +29,8 @@ from flax.traverse_util import flatten_dict
 from transformer_jax.convert import folder, marian
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import EvalError
-from transformer_jax.evaluation.command import Model, check_folder_writable, check_model
-from transformer_jax.evaluation.restore import Restorer
+from transformer_jax.evaluation.command import check_folder_writable
+from transformer_jax.evaluation.restore import LATEST, CheckpointChoice, check_choice
 from transformer_jax.export import output
 from transformer_jax.model.layers import LayerNorm
 
@@ -141,12 +141,8 @@ def export_workdir(
     output_dir: str | os.PathLike,
     *,
     config: Any = None,
-    checkpoint: str = "latest",
-    average_last: int | None = None,
-    average_steps: Sequence[int | str] | None = None,
-    average_best: int | None = None,
+    choice: CheckpointChoice = LATEST,
     force: bool = False,
-    restorer: Any = None,
 ) -> dict[str, Any]:
     """Exports the checkpoints evaluate.py would use (same flags, selection and averaging); returns a report,
     with `epsilon_logit_difference` when model.norm_epsilon is not Marian's 1e-5 (the caller warns).
@@ -154,13 +150,11 @@ def export_workdir(
     The flags, the output directory and whether Marian can represent the config are checked before any
     parameter is read.
     """
-    options = check_model(Model(workdir, config, checkpoint, average_last, average_steps, average_best=average_best))
+    choice = check_choice(choice)
     output_dir = Path(output_dir)
     output.check_output(output_dir, force, MARKER, "a Marian export")
     check_folder_writable(output_dir.parent, "--output")
-    config, model, steps, tokenizer = output.restore_checked(
-        workdir, options, restorer or Restorer(), marian.check_exportable
-    )
+    config, model, steps, tokenizer = output.restore_checked(workdir, config, choice, marian.check_exportable)
     files = tokenizer_files(config, Path(workdir), tokenizer)
     report: dict[str, Any] = {
         "output": str(output_dir),

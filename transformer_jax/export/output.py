@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from transformer_jax.errors import EvalError
-from transformer_jax.evaluation.restore import restore_model
+from transformer_jax.evaluation.restore import CheckpointChoice, restore_model, saved_config, workdir_tokenizer
 
 
 def check_output(output_dir: Path, force: bool, marker: str, what: str) -> None:
@@ -61,20 +61,12 @@ def write_into_place(output_dir: Path, fill: Callable[[Path], None]) -> Path:
     return output_dir
 
 
-def restore_checked(workdir: str, options: Any, restorer: Any, check_exportable: Callable[[Any], None]) -> tuple:
-    """(config, model, steps, tokenizer) of the checkpoints evaluate.py would use (`options`: a checked
-    evaluation.command.Model), after the cheap checks every format makes before reading parameters: the workdir
-    has checkpoints, and `check_exportable(config)` accepts the config the model would be built from."""
-    if not restorer.list_steps(workdir):
-        raise EvalError(f"no checkpoint in {Path(workdir) / 'checkpoints'}; train first or fix --workdir")
-    check_exportable(options.config or restorer.load_config(workdir))
-    config, model, steps = restore_model(
-        restorer,
-        workdir,
-        config=options.config,
-        checkpoint=options.checkpoint,
-        average_last=options.average_last,
-        average_steps=options.average_steps,
-        average_best=options.average_best,
-    )
-    return config, model, steps, restorer.tokenizer(config, workdir)
+def restore_checked(
+    workdir: str, config: Any, choice: CheckpointChoice, check_exportable: Callable[[Any], None]
+) -> tuple:
+    """(config, model, steps, tokenizer) of the checkpoints evaluate.py would use, after the cheap checks every
+    format makes before reading parameters: the workdir has checkpoints, and `check_exportable(config)` accepts the
+    config the model would be built from."""
+    check_exportable(saved_config(workdir, config))
+    config, model, steps = restore_model(workdir, choice, config=config)
+    return config, model, steps, workdir_tokenizer(config, workdir)

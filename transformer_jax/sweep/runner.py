@@ -25,6 +25,7 @@ from transformer_jax.config import checks
 from transformer_jax.errors import ConfigError, VariantInterrupted
 from transformer_jax.evaluation import run
 from transformer_jax.evaluation.command import Model, Translate, write_json, write_lines
+from transformer_jax.evaluation.restore import CheckpointChoice
 from transformer_jax.evaluation.validation import bleu_evaluator
 from transformer_jax.sweep.results import REFERENCE_METRICS, RESULT_FILE, Split, decoded
 from transformer_jax.training import loop
@@ -175,7 +176,7 @@ def decode_run(name: str, run_dir: pathlib.Path, split: Split) -> None:
         return
     logging.info("sweep: %s: decoding the %s split", name, split.description)
     # The last checkpoint: the paper's Table 3 averages none.
-    mode = Translate(Model(str(run_dir), average_last=1), split=split.name)
+    mode = Translate(Model(str(run_dir), choice=CheckpointChoice(average_last=1)), split=split.name)
     (run_dir / split.scores_file).unlink(missing_ok=True)  # a stale report must not pass for the new hypotheses
 
     # Unlike training, a decode cannot save its progress; SIGTERM abandons it (hypotheses are written only at its end).

@@ -1,5 +1,5 @@
 """Translating a corpus as a library: `job_of(values, ...)` checks the flags into a Job, `translate_corpus(job)`
-does the work in chunks (chunks.py) and returns the report.
+does the work in chunks and returns the report.
 
 Unlike evaluation.run, this library writes files: the committed chunks are what makes the work resumable, as a
 training loop's checkpoints are. It prints nothing (the progress bar, when asked, goes to stderr).
@@ -12,13 +12,27 @@ idle (its attention products and small projections run on one core, and the devi
 between calls), which another search's step then uses (docs/benchmarks.md). A chunk's translation depends on its
 lines only (its batches are made from its own lines; sampling keys come from the seed and each line's number in
 the whole input), so which device, stream or host made it, and in which order, changes nothing.
+
+The chunk store: OUT.parts/ holds a state file and one file per committed chunk.
+
+    OUT.parts/state.json       what the work is: the input (path, size, SHA-256), the flags given, the chunk size,
+                               and once the model is restored its checkpoint steps and resolved decoding settings
+    OUT.parts/0000003.json     chunk 3: lines [3 N, 4 N) of the input, translated (hypotheses, scores, counts)
+
+Every file is written whole or not at all (runtime.write_text_atomically), and each chunk carries the
+fingerprint of the state it was made under, its first line and its line count: a chunk that does not parse or does
+not match (a file truncated by a crash of the filesystem, or one left by other work) is redone, never used. A resume
+whose input or options differ from the state's is refused in one line, so a finished OUT is always one run's work.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
+import json
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -29,13 +43,12 @@ import jax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from transformer_jax.errors import EvalError
+from transformer_jax import runtime
+from transformer_jax.errors import DiskFullError, EvalError
 from transformer_jax.evaluation import command
 from transformer_jax.evaluation import run as evaluation
-from transformer_jax.evaluation.restore import Restorer
 from transformer_jax.evaluation.translate import translate_nbest
 from transformer_jax.runtime import Progress
-from transformer_jax.translate_corpus import chunks
 
 # evaluate.py's flags that translate_corpus reads (one table: evaluation.command.FLAGS); the checkpoint flags too.
 DECODING_FLAGS = (
@@ -95,8 +108,8 @@ def job_of(
     assert isinstance(mode, command.Translate) and mode.decoding.candidates == 1
     written = {
         "--output": output,
-        "--output's scores (OUTPUT.scores)": chunks.scores_file(output),
-        "--output's chunks (OUTPUT.parts)": str(chunks.parts_dir(output)),
+        "--output's scores (OUTPUT.scores)": scores_file(output),
+        "--output's chunks (OUTPUT.parts)": str(parts_dir(output)),
     }
     for flag, path in written.items():
         if flag.endswith("(OUTPUT.parts)"):
@@ -114,13 +127,13 @@ def _recorded(name: str, value: Any) -> Any:
     """A flag value as the state file records it: a config by the digest of its JSON, a workdir by its real path
     (a resume may spell it otherwise)."""
     if hasattr(value, "to_json_best_effort"):
-        return chunks.fingerprint({"config": value.to_json_best_effort(sort_keys=True)})
+        return fingerprint({"config": value.to_json_best_effort(sort_keys=True)})
     if name in ("workdir", "ensemble_workdirs"):
         return os.path.realpath(value) if name == "workdir" else [os.path.realpath(w) for w in value]
     return list(value) if isinstance(value, tuple | list) else value
 
 
-def translate_corpus(job: Job, restorer: Restorer | None = None, *, progress: bool = False) -> dict[str, Any]:
+def translate_corpus(job: Job, *, progress: bool = False) -> dict[str, Any]:
     """Translates job's input chunk by chunk, resuming from the chunks committed before, and on process 0 writes
     OUTPUT and OUTPUT.scores once every chunk is there; returns the report. EvalError before any work when the
     input or the flags differ from those of the chunks found."""
@@ -133,23 +146,23 @@ def translate_corpus(job: Job, restorer: Restorer | None = None, *, progress: bo
         raise EvalError(f"cannot read --input {source}: {e.strerror or e}") from e
     if not data:
         raise EvalError(f"--input {source} is empty: nothing to translate")
-    parts = chunks.parts_dir(job.output)
+    parts = parts_dir(job.output)
     flag_of = {name: f"--{name}" for name in FLAG_NAMES} | {"chunk_lines": "--chunk_lines"}
     work = {
-        "format": chunks.FORMAT,
-        "input": chunks.input_identity(source, data),
+        "format": FORMAT,
+        "input": input_identity(source, data),
         "options": job.options,
         "chunk_lines": job.chunk_lines,
     }
-    chunks.check_resume(parts, work, flag_of)  # before the model is restored: a wrong resume fails at once
-    loaded = evaluation.load(job.mode, restorer)  # reads the lines as evaluate.py does (UTF-8, blank lines kept)
+    check_resume(parts, work, flag_of)  # before the model is restored: a wrong resume fails at once
+    loaded = evaluation.load(job.mode)  # reads the lines as evaluate.py does (UTF-8, blank lines kept)
     settings, search = evaluation.settings_of(job.mode, loaded)
     work["model"] = {"checkpoint_steps": loaded.steps, "decoding": settings.report(), "search": search}
     flag_of["checkpoint_steps"] = "checkpoint steps (--checkpoint latest moves as training goes on)"
-    chunks.check_resume(parts, work, flag_of)
-    print_ = chunks.fingerprint(work)
-    if jax.process_index() == 0 and chunks.read_state(parts) is None:
-        chunks.write_state(parts, work)
+    check_resume(parts, work, flag_of)
+    print_ = fingerprint(work)
+    if jax.process_index() == 0 and read_state(parts) is None:
+        write_state(parts, work)
     _sync("translate_corpus state")
 
     sources = loaded.sources
@@ -168,23 +181,23 @@ def translate_corpus(job: Job, restorer: Restorer | None = None, *, progress: bo
     )
     resumed = len(done)
 
-    def translate_chunk(model: nnx.Module, c: int) -> chunks.Chunk:
+    def translate_chunk(model: nnx.Module, c: int) -> Chunk:
         first, end = bounds[c]
         lists, stats = translate_nbest(
             model, loaded.tokenizer, sources[first:end], settings, nbest=1, prefixes=None, first_line=first
         )
         blank = [not line.strip() for line in sources[first:end]]
         best = [x[0] for x in lists]
-        return chunks.Chunk(
+        return Chunk(
             first=first,
             hypotheses=[h.text for h in best],
             log_probs=[None if b else h.log_prob for h, b in zip(best, blank, strict=True)],
             scores=[None if b else h.score for h, b in zip(best, blank, strict=True)],
-            counts={key: int(stats[key]) for key in chunks.COUNTS},
+            counts={key: int(stats[key]) for key in COUNTS},
         )
 
-    def commit(c: int, chunk: chunks.Chunk) -> None:
-        chunks.write_chunk(parts, c, chunk, print_)
+    def commit(c: int, chunk: Chunk) -> None:
+        write_chunk(parts, c, chunk, print_)
         done[c] = chunk
         lines = bar.done + len(chunk.hypotheses) - bar.first  # translated by this process so far
         bar.update(len(chunk.hypotheses), **{"lines/s": lines / (time.perf_counter() - bar.start)})
@@ -202,14 +215,14 @@ def translate_corpus(job: Job, restorer: Restorer | None = None, *, progress: bo
             raise EvalError(f"chunks {missing} of {parts} are missing or damaged ({damaged}): run again to redo them")
         done.update(found)
         every = [done[c] for c in range(len(bounds))]
-        chunks.assemble(job.output, every)
+        assemble(job.output, every)
     else:
         every = [done[c] for c in mine]
     seconds = time.perf_counter() - start
     return {
         "input": source,
         "output": job.output,
-        "scores_file": chunks.scores_file(job.output),
+        "scores_file": scores_file(job.output),
         "scores_columns": ["log_prob", "score"],
         "lines": n,
         "chunks": len(bounds),
@@ -221,20 +234,18 @@ def translate_corpus(job: Job, restorer: Restorer | None = None, *, progress: bo
         "checkpoint_steps": loaded.steps,
         "decoding": settings.report(),
         "search": search,
-        "counts": {key: sum(c.counts[key] for c in every) for key in chunks.COUNTS},
+        "counts": {key: sum(c.counts[key] for c in every) for key in COUNTS},
         "seconds": round(seconds, 3),
     }
 
 
-def _committed(
-    parts: Path, print_: str, bounds: dict[int, tuple[int, int]]
-) -> tuple[dict[int, chunks.Chunk], list[int]]:
+def _committed(parts: Path, print_: str, bounds: dict[int, tuple[int, int]]) -> tuple[dict[int, Chunk], list[int]]:
     """The chunks of `bounds` (index: first line, end) committed whole under this work, and those found damaged or
     of other work (to be redone)."""
     done, damaged = {}, []
     for c, (first, end) in bounds.items():
         try:
-            done[c] = chunks.read_chunk(parts, c, print_, first, end - first)
+            done[c] = read_chunk(parts, c, print_, first, end - first)
         except FileNotFoundError:
             pass
         except ValueError:
@@ -266,8 +277,8 @@ def device_models(model: nnx.Module, streams: int = 1) -> list[nnx.Module]:
 def _on_devices(
     models: Sequence[nnx.Module],
     todo: Sequence[int],
-    translate_chunk: Callable[[nnx.Module, int], chunks.Chunk],
-    commit: Callable[[int, chunks.Chunk], None],
+    translate_chunk: Callable[[nnx.Module, int], Chunk],
+    commit: Callable[[int, Chunk], None],
 ) -> None:
     """Translates the chunks `todo`, each model (one a device) taking the next one when it is free; commits each
     as it is done (one at a time). The first error stops the others after their current chunk and is raised."""
@@ -297,3 +308,137 @@ def _on_devices(
         futures = [pool.submit(work, model) for model in models]
         for future in futures:
             future.result()
+
+
+# -- the chunk store (module docstring) ------------------------------------------------------------------------
+
+
+FORMAT = 1  # the layout of the files below; a store of another format is refused
+STATE = "state.json"
+COUNTS = ("empty", "truncated", "hit_max_len")  # per-chunk counts of translate_nbest's statistics
+
+
+def parts_dir(output: str) -> Path:
+    """Where the chunks of `output` are committed until it is assembled."""
+    return Path(f"{output}.parts")
+
+
+def scores_file(output: str) -> str:
+    """The scores beside `output`: one line per line, 'log_prob<TAB>score' (nan for a blank source)."""
+    return f"{output}.scores"
+
+
+def input_identity(path: str, data: bytes) -> dict[str, Any]:
+    """What names the input's content: its real path, size and SHA-256."""
+    return {"path": os.path.realpath(path), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def fingerprint(state: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_resume(parts: Path, work: dict[str, Any], flag_of: dict[str, str]) -> None:
+    """EvalError when `parts` holds a state whose input or options differ from `work`'s (any key of `work`):
+    resuming would mix two runs' translations. `flag_of`: the flag each option came from, for the message."""
+    state = read_state(parts)
+    if state is None:
+        return
+    if state.get("format") != FORMAT:
+        raise EvalError(f"{parts / STATE} is of another format: delete {parts} to start over")
+    if state.get("input") != work["input"]:
+        raise EvalError(
+            f"--input {work['input']['path']} differs from the file {parts} was started on ({state['input']}): "
+            f"translate it to another --output, or delete {parts} to start over"
+        )
+    for section in ("options", "chunk_lines", "model"):
+        if section not in work:
+            continue
+        was, now = state.get(section), work[section]
+        if was == now:
+            continue
+        if isinstance(now, dict) and isinstance(was, dict):
+            keys = sorted(k for k in {*was, *now} if was.get(k) != now.get(k))
+            named = ", ".join(f"{flag_of.get(k, k)} {was.get(k)!r} -> {now.get(k)!r}" for k in keys)
+        else:
+            named = f"{flag_of.get(section, section)} {was!r} -> {now!r}"
+        raise EvalError(
+            f"{parts} was started with other settings ({named}): resume with the same ones, or delete {parts} to "
+            "start over"
+        )
+
+
+def read_state(parts: Path) -> dict[str, Any] | None:
+    path = parts / STATE
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise EvalError(f"cannot read {path} ({e}): delete {parts} to start over") from None
+
+
+def write_state(parts: Path, state: dict[str, Any]) -> None:
+    runtime.write_text_atomically(parts / STATE, json.dumps(state, sort_keys=True, indent=1) + "\n")
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One chunk's translations: the lines from `first`, each line's hypothesis and scores (None: a blank source,
+    not decoded), and the counts of COUNTS."""
+
+    first: int
+    hypotheses: list[str]
+    log_probs: list[float | None]
+    scores: list[float | None]
+    counts: dict[str, int]
+
+
+def chunk_path(parts: Path, index: int) -> Path:
+    return parts / f"{index:07d}.json"
+
+
+def write_chunk(parts: Path, index: int, chunk: Chunk, print_: str) -> None:
+    """Commits chunk `index` (made under the state of fingerprint `print_`) whole or not at all; a full disk is
+    DiskFullError (the chunks committed before are kept for the resume)."""
+    record = {"fingerprint": print_, **dataclasses.asdict(chunk)}
+    path = chunk_path(parts, index)
+    try:
+        runtime.write_text_atomically(path, json.dumps(record, ensure_ascii=False) + "\n")
+    except OSError as e:
+        if not runtime.is_disk_full(e):
+            raise
+        raise DiskFullError(
+            f"disk full while committing {path} ({runtime.space_report(path)}); the chunks committed before it are "
+            "kept: free space and run the same command again to resume"
+        ) from None
+
+
+def read_chunk(parts: Path, index: int, print_: str, first: int, lines: int) -> Chunk | None:
+    """Chunk `index` if it is committed, whole and of this work (fingerprint, first line, line count); else None.
+    Raises FileNotFoundError when it was never committed, ValueError when it is there but unusable."""
+    text = chunk_path(parts, index).read_text(encoding="utf-8")
+    record = json.loads(text)  # ValueError for a truncated or damaged file
+    if not isinstance(record, dict) or record.pop("fingerprint", None) != print_:
+        raise ValueError("made under other settings")
+    try:
+        chunk = Chunk(**record)
+    except TypeError as e:  # other fields: another format's file
+        raise ValueError(str(e)) from None
+    if chunk.first != first or not len(chunk.hypotheses) == len(chunk.log_probs) == len(chunk.scores) == lines:
+        raise ValueError(f"holds other lines than [{first}, {first + lines})")
+    return chunk
+
+
+def assemble(output: str, chunks: list[Chunk]) -> None:
+    """Writes OUT (one hypothesis a line) and OUT.scores from the chunks in order, each whole or not at all (a full
+    disk: DiskFullError, OUT.parts kept), then removes OUT.parts: the work is done."""
+    hypotheses = [h for c in chunks for h in c.hypotheses]
+    # None: a blank source line, which was not decoded and has no score.
+    rows = [(lp, s) for c in chunks for lp, s in zip(c.log_probs, c.scores, strict=True)]
+    command.write_lines(scores_file(output), [f"{_number(lp)}\t{_number(s)}" for lp, s in rows])
+    command.write_lines(output, hypotheses)
+    shutil.rmtree(parts_dir(output))
+
+
+def _number(x: float | None) -> str:
+    return "nan" if x is None else repr(float(x))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from transformer_jax.errors import CheckpointError, EvalError, VisualizeError
-from transformer_jax.evaluation.restore import Restorer, restore_model
+from transformer_jax.evaluation.restore import CheckpointChoice, restore_model, workdir_tokenizer
 from transformer_jax.model import capture_attention_weights
 from transformer_jax.visualize.figures import new_figure, save
 
@@ -92,15 +91,11 @@ def load_model(workdir: str | Path, config: Any = None, checkpoint: str | int = 
     """(config, model in eval mode, tokenizer, step) of one checkpoint; config None means the saved one."""
     if not Path(workdir).is_dir():
         raise VisualizeError(f"--workdir {workdir}: no such directory")
-    restorer = Restorer()
     try:
-        with warnings.catch_warnings():
-            # Orbax warns that it reads the shardings from the checkpoint: expected, restoring on one device.
-            warnings.filterwarnings("ignore", "Sharding info not provided", UserWarning)
-            config, model, steps = restore_model(
-                restorer, str(workdir), config=config, checkpoint=str(checkpoint), average_last=1
-            )
-        tokenizer = restorer.tokenizer(config, str(workdir))
+        config, model, steps = restore_model(
+            str(workdir), CheckpointChoice(str(checkpoint), None if checkpoint == "best" else 1), config=config
+        )
+        tokenizer = workdir_tokenizer(config, str(workdir))
     except (EvalError, CheckpointError) as e:
         raise VisualizeError(str(e)) from e  # this function's callers expect a VisualizeError
     return config, model, tokenizer, steps[-1]
