@@ -4,11 +4,9 @@ on a model: the whole search in one call (`search_batch`), and the refilling sch
 Axis letters: see transformer_jax/__init__.py (B sentences, W beams per sentence, R = B W cache rows, K sentences
 joining or kept, S source positions, L output slots).
 
-The model's decoding cache splits in two (`split_cache`): the context, fixed per sentence (the source's segment
-ids and the cross-attention keys/values), one row per sentence and closed over by the decode step (the model's
-cross-attention reads it with the W queries of a sentence's beams together); and what changes per step (the
-per-row write index, the self-attention keys/values and the beam lineage), which the search carries and beam search
-reorders (`model.reorder_cache`: only the index and the lineage move, ops/attention.py lineage_attention).
+The model's decoding cache splits in two (`split_cache`): the context, fixed per sentence and closed over by the
+decode step, and what changes per step, which the search carries and beam search reorders (`model.reorder_cache`:
+only the index and the lineage move, ops/attention.py lineage_attention).
 
 Every call takes the search spec (specs.py) whole: its `alpha` is traced, its other fields are static, so the
 calls compile once per (model structure, kind of search, shapes). The model's graph is a static argument too
@@ -27,14 +25,7 @@ import numpy as np
 from flax import nnx
 
 from transformer_jax.decoding.specs import BeamResult, RowInputs, Search, run_search
-from transformer_jax.decoding.state import (
-    Decoder,
-    DecodeStep,
-    beam_rows,
-    cache_stages,
-    gather_rows,
-    tile_beams,
-)
+from transformer_jax.decoding.state import Decoder, DecodeStep, beam_rows, cache_stages, gather_rows, tile_beams
 from transformer_jax.model.transformer import unpacked_segment_ids
 from transformer_jax.tokens import SpecialIds
 
@@ -44,21 +35,18 @@ PyTree = Any
 
 def split_cache(full: PyTree) -> tuple[PyTree, PyTree]:
     """The model's decoding cache as (context, cache), both with B rows: what stays fixed per sentence (the source's
-    segment ids and the cross-attention keys/values), and what changes per step (everything else: the write index, the
-    self-attention keys/values, the beam lineage; beam search tiles it to R rows).
+    segment ids and the cross-attention keys/values), and what changes per step (the write index, the self-attention
+    keys/values, the beam lineage; beam search tiles it to R rows).
 
     The context is not tiled over the beams: a step's cross-attention reads each sentence's keys and values once
-    for its W beams (model/transformer.py, DecoderLayer), W times less than tiled rows would read (measured in
-    docs/benchmarks.md)."""
+    for its W beams (model/transformer.py, DecoderLayer), W times less than tiled rows would (docs/benchmarks.md)."""
     fixed = ("src_segment_ids", "cross")
     return {k: full[k] for k in fixed}, {k: x for k, x in full.items() if k not in fixed}
 
 
 def context_step(model: nnx.Module, context: PyTree) -> DecodeStep:
-    """model.decode as a decode step over the per-step cache, the fixed context closed over.
-
-    The context is the same for every beam of a sentence, so closing over it (instead of carrying it through the
-    loop) spares the beam search reordering it every step; it has a row per sentence (`split_cache`)."""
+    """model.decode as a decode step over the per-step cache, the fixed context (a row per sentence) closed over:
+    not carried through the loop, beam search need not reorder it every step."""
 
     def decode_step(tokens_R1: Array, cache: PyTree) -> tuple[Array, PyTree]:
         logits_R1V, new = model.decode(None, tokens_R1, cache={**context, **cache})
@@ -70,12 +58,9 @@ def context_step(model: nnx.Module, context: PyTree) -> DecodeStep:
 def cached_decode_step(
     model: nnx.Module, memory_BSD: Array, src_segment_ids_BS: Array, *, beam_size: int, max_steps: int
 ) -> Decoder:
-    """A Decoder over `model.decode` with a KV cache that grows in stages; for use inside a traced function.
-
-    The cross-attention keys/values are projected once per sentence (`init_cache`), a row per sentence for all its
-    beams (`split_cache`). The returned cache holds what changes per step, with B rows (the search tiles them), and
-    room for the first stage's steps.
-    """
+    """A Decoder over `model.decode` with a KV cache that grows in stages; for use inside a traced function. The
+    cross-attention keys/values are projected once, a row per sentence (`split_cache`); the returned cache holds what
+    changes per step, with B rows (the search tiles them), and room for the first stage's steps."""
     del beam_size  # recompute_decode_step's signature: the context has a row per sentence, the search tiles the cache
     full = model.init_cache(memory_BSD, src_segment_ids_BS, cache_stages(max_steps)[0])
     context, cache = split_cache(full)
@@ -85,12 +70,9 @@ def cached_decode_step(
 def recompute_decode_step(
     model: nnx.Module, memory_BSD: Array, src_segment_ids_BS: Array, *, beam_size: int, max_steps: int
 ) -> Decoder:
-    """A Decoder without a KV cache: each step runs `model.decode` on the whole target prefix again.
-
-    The cache is only the token buffer [B, max_steps] and its write index; positions after the index are hidden by
-    the causal mask, so the logits at the index are those of the prefix. Used as the reference and the benchmark
-    baseline of the cached step.
-    """
+    """A Decoder without a KV cache, the reference and benchmark baseline of the cached one: each step runs
+    `model.decode` on the whole target prefix again. The cache is the token buffer [B, max_steps] and its write
+    index; the causal mask hides the positions after the index."""
     memory_RSD, src_seg_RS = tile_beams((memory_BSD, src_segment_ids_BS), beam_size)
     batch = memory_BSD.shape[0]
     cache = {"index": jnp.zeros((), jnp.int32), "tokens": jnp.zeros((batch, max_steps), jnp.int32)}
@@ -144,10 +126,9 @@ class Outcome(NamedTuple):
 class Graph:
     """A model's graph and its parameters' tree structure: the static argument of the jitted calls below.
 
-    jit hashes and compares its static arguments on every call, and a GraphDef is slow to hash, while the
-    scheduler makes a few hundred calls per translation. A Graph hashes by identity, and `graph()` gives one per
-    (graphdef, treedef), so the calls compile once per model structure. The parameters travel as a list of leaves,
-    which jit flattens faster than an nnx.State.
+    jit hashes its static arguments on every call, a GraphDef is slow to hash, and the scheduler makes a few hundred
+    calls per translation: a Graph hashes by identity, and `graph()` gives one per (graphdef, treedef). The
+    parameters travel as a list of leaves, which jit flattens faster than an nnx.State.
     """
 
     graphdef: nnx.GraphDef

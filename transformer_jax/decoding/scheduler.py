@@ -111,14 +111,7 @@ class Searcher:
         search = jax.tree.map(leaf, search.with_ids(self.ids))
         if not self.refills(rows):
             traced = model_calls.search_batch.trace(
-                self.graphdef,
-                self.params,
-                src_BS,
-                max_len_B,
-                {},
-                search,
-                max_steps=max_steps,
-                use_cache=self.use_cache,
+                self.graphdef, self.params, src_BS, max_len_B, {}, search, max_steps=max_steps, use_cache=self.use_cache
             )
             return {"search": compile_one("search", traced)}
 
@@ -472,12 +465,7 @@ class _Refill:
         half = -(-self.rows() // 2)
         stop_live = self.rows() - MIN_ROWS if self.waiting() else (half if half >= MIN_ROWS else 0)
         self.state = self.calls.stage(
-            self.context,
-            self.state,
-            self.max_len_R,
-            np.int32(stop_live),
-            self.row_inputs_R,
-            self.search,
+            self.context, self.state, self.max_len_R, np.int32(stop_live), self.row_inputs_R, self.search
         )
         outcome = self.calls.outcome(self.state, self.search)
         done, self.step_R = (np.array(x) for x in jax.device_get((outcome.done_B, self.state.step_B)))
