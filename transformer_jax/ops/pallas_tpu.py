@@ -68,7 +68,7 @@ class TpuBlockSizes:
 
     def fit(self, q_len: int, kv_len: int) -> TpuBlockSizes:
         """Shrinks tiles to short sequences, so that they are not padded to a whole 512-tile."""
-        tq, tk = _round_up(q_len, SUBLANES), _round_up(kv_len, LANES)
+        tq, tk = round_up(q_len, SUBLANES), round_up(kv_len, LANES)
         return TpuBlockSizes(min(self.fwd_q, tq), min(self.fwd_k, tk), min(self.bwd_q, tq), min(self.bwd_k, tk))
 
 
@@ -195,12 +195,12 @@ def prepared_sizes(q_len: int, kv_len: int, head_dim: int, block_sizes: TpuBlock
     sizes = block_sizes_for(head_dim) if block_sizes is None else block_sizes
     sizes.check()
     sizes = sizes.fit(q_len, kv_len)
-    q_pad = _round_up(q_len, math.lcm(sizes.fwd_q, sizes.bwd_q))
-    kv_pad = _round_up(kv_len, math.lcm(sizes.fwd_k, sizes.bwd_k))
+    q_pad = round_up(q_len, math.lcm(sizes.fwd_q, sizes.bwd_q))
+    kv_pad = round_up(kv_len, math.lcm(sizes.fwd_k, sizes.bwd_k))
     return sizes, q_pad, kv_pad
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
@@ -427,8 +427,8 @@ _attend = recompute_vjp(
 # The kernels (the recurrences of the module docstring), one tile per grid step.
 
 
-def _dot(a: Array, b: Array, contract_a: int, contract_b: int) -> Array:
-    """2-D matmul contracting axis contract_a of a with contract_b of b, accumulating in float32."""
+def dot(a: Array, b: Array, contract_a: int, contract_b: int) -> Array:
+    """2-D matmul contracting axis contract_a of a with contract_b of b, accumulating in float32 (both kernels')."""
     return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32)
 
 
@@ -468,7 +468,7 @@ def streamed_block(bounds_ref, row: Array, step: Array) -> Array:
 
 def _scores(r: _Refs, cfg: KernelConfig, tile_masked: bool) -> Array:
     """s = Q K^T * scale [X, Y] of the tile, -inf where masked."""
-    s_XY = _dot(r.q[...], r.k[...], 1, 1) * cfg.scale
+    s_XY = dot(r.q[...], r.k[...], 1, 1) * cfg.scale
     return jnp.where(r.tile_mask(), s_XY, -jnp.inf) if tile_masked else s_XY
 
 
@@ -523,7 +523,7 @@ def forward_kernel(*refs, cfg: KernelConfig) -> None:
         p_XY = jnp.exp(s_XY - m_safe_X1)
         v_YE = r.v[...]
         r.l[...] = alpha_X1 * r.l[...] + jnp.sum(p_XY, axis=1, keepdims=True)
-        r.acc[...] = alpha_X1 * r.acc[...] + _dot(p_XY.astype(v_YE.dtype), v_YE, 1, 0)
+        r.acc[...] = alpha_X1 * r.acc[...] + dot(p_XY.astype(v_YE.dtype), v_YE, 1, 0)
         r.m[...] = m_new_X1
 
     _visit(r, b * cfg.num_i + i, j, compute)
@@ -543,7 +543,7 @@ def _probs_and_score_grads(r: _Refs, cfg: KernelConfig, tile_masked: bool) -> tu
     """The backward's recomputation of one tile, shared by both kernels: P = e^(s - lse) [X, Y] from the forward's
     saved lse, and dS = P (dO V^T - delta) [X, Y], the gradient of the (scaled) scores."""
     p_XY = jnp.exp(_scores(r, cfg, tile_masked) - r.lse[...])
-    return p_XY, p_XY * (_dot(r.do[...], r.v[...], 1, 1) - r.delta[...])
+    return p_XY, p_XY * (dot(r.do[...], r.v[...], 1, 1) - r.delta[...])
 
 
 def dkdv_kernel(*refs, cfg: KernelConfig) -> None:
@@ -561,8 +561,8 @@ def dkdv_kernel(*refs, cfg: KernelConfig) -> None:
     def compute(tile_masked: bool) -> None:
         p_XY, ds_XY = _probs_and_score_grads(r, cfg, tile_masked)
         q_XH, do_XE = r.q[...], r.do[...]
-        r.dv_acc[...] += _dot(p_XY.T.astype(do_XE.dtype), do_XE, 1, 0)
-        r.dk_acc[...] += _dot(ds_XY.T.astype(q_XH.dtype), q_XH, 1, 0)
+        r.dv_acc[...] += dot(p_XY.T.astype(do_XE.dtype), do_XE, 1, 0)
+        r.dk_acc[...] += dot(ds_XY.T.astype(q_XH.dtype), q_XH, 1, 0)
 
     _visit(r, b * cfg.num_j + j, i, compute)
 
@@ -586,7 +586,7 @@ def dq_kernel(*refs, cfg: KernelConfig) -> None:
     def compute(tile_masked: bool) -> None:
         _, ds_XY = _probs_and_score_grads(r, cfg, tile_masked)
         k_YH = r.k[...]
-        r.dq_acc[...] += _dot(ds_XY.astype(k_YH.dtype), k_YH, 1, 0)
+        r.dq_acc[...] += dot(ds_XY.astype(k_YH.dtype), k_YH, 1, 0)
 
     _visit(r, b * cfg.num_i + i, j, compute)
 
