@@ -1,5 +1,5 @@
 """The model calls: the Transformer behind the decode-step interface (state.Decoder), and the jitted calls of a search
-on a model: the whole search in one call (`search_batch`), and the refilling scheduler's calls (`ModelCalls`).
+on a model: the whole search in one call (`search_batch`), and the refilling scheduler's calls (on a `ModelCalls`).
 
 Axis letters: see transformer_jax/__init__.py (B sentences, W beams per sentence, R = B W cache rows, K sentences
 joining or kept, S source positions, L output slots).
@@ -144,19 +144,32 @@ def graph(graphdef: nnx.GraphDef, treedef: jax.tree_util.PyTreeDef) -> Graph:
     return Graph(graphdef, treedef)
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "slots"))
-def start(params: list[Array], src_BS: Array, search: Search, *, graph: Graph, slots: int):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ModelCalls:
+    """One model as the refilling scheduler's jitted calls below take it: a pytree of its parameters (the leaves) and
+    its Graph (static)."""
+
+    graph: Graph = dataclasses.field(metadata=dict(static=True))
+    params: list[Array]
+
+    def merge(self) -> nnx.Module:
+        return self.graph.merge(self.params)
+
+
+@functools.partial(jax.jit, static_argnames="slots")
+def start(calls: ModelCalls, src_BS: Array, search: Search, *, slots: int):
     """Encodes the batch; the fixed context (B rows) and the search's first state, with `slots` slots."""
-    model = graph.merge(params)
+    model = calls.merge()
     seg_BS = unpacked_segment_ids(src_BS, model.spec.pad_id)
     context, cache = split_cache(model.init_cache(model.encode(src_BS, seg_BS), seg_BS, slots))
     return context, search.start(cache, src_BS.shape[0], slots)
 
 
-@functools.partial(jax.jit, static_argnames=("graph",))
-def encode(params: list[Array], src_BS: Array, *, graph: Graph) -> PyTree:
+@jax.jit
+def encode(calls: ModelCalls, src_BS: Array) -> PyTree:
     """The fixed context of the sentences src_BS (cross-attention keys/values, source segment ids), B rows."""
-    model = graph.merge(params)
+    model = calls.merge()
     seg_BS = unpacked_segment_ids(src_BS, model.spec.pad_id)
     return split_cache(model.init_cache(model.encode(src_BS, seg_BS), seg_BS, 0))[0]
 
@@ -176,34 +189,26 @@ def insert(context: PyTree, s, block: PyTree, first: Array, rows_K: Array, *, be
     return context, s._replace(cache={**s.cache, "index": s.cache["index"].at[rows_R].set(0, mode="drop")})
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "slots", "ids"))
-def grow(params: list[Array], s, *, graph: Graph, slots: int, ids: SpecialIds):
+@functools.partial(jax.jit, static_argnames=("slots", "ids"))
+def grow(calls: ModelCalls, s, *, slots: int, ids: SpecialIds):
     """The state with its cache and output buffer grown to `slots` (a call of its own, so that `stage` compiles
     for one input shape per cache size)."""
-    return s.with_room(slots, ids)._replace(cache=graph.merge(params).grow_cache(s.cache, slots))
+    return s.with_room(slots, ids)._replace(cache=calls.merge().grow_cache(s.cache, slots))
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "src_len"))
-def widen(params: list[Array], context: PyTree, *, graph: Graph, src_len: int) -> PyTree:
+@functools.partial(jax.jit, static_argnames="src_len")
+def widen(calls: ModelCalls, context: PyTree, *, src_len: int) -> PyTree:
     """The context with its sources padded to src_len positions (for longer sentences to join)."""
-    return graph.merge(params).grow_source(context, src_len)
+    return calls.merge().grow_source(context, src_len)
 
 
-@functools.partial(jax.jit, static_argnames=("graph",), donate_argnames=("s",))
+@functools.partial(jax.jit, donate_argnames="s")
 def stage(
-    params: list[Array],
-    context: PyTree,
-    s,
-    max_len_B: Array,
-    stop_live: Array,
-    row_inputs: RowInputs,
-    search: Search,
-    *,
-    graph: Graph,
+    calls: ModelCalls, context: PyTree, s, max_len_B: Array, stop_live: Array, row_inputs: RowInputs, search: Search
 ):
     """Steps until at most `stop_live` sentences are live or a live one has filled the state's slots: the host acts
     there (stop_live is traced: one compilation)."""
-    model = graph.merge(params)
+    model = calls.merge()
     step, reorder = context_step(model, context), model.reorder_cache
     slots = s.beams()[0].shape[-1]
 
@@ -214,10 +219,16 @@ def stage(
     return jax.lax.while_loop(go_on, lambda s: search.advance(s, step, max_len_B, row_inputs, reorder), s)
 
 
+def read_outcome(s, search: Search) -> Outcome:
+    """What the host reads of a state after `stage` (Outcome), computed by `outcome` without the state's cache and
+    with its token buffers ([B, L], [B, W, L], a set-aside search's pool [B, N, L]) empty, built on the host: the
+    program compiles per batch size only."""
+    empty = {f: np.zeros(getattr(s, f).shape[:-1] + (0,), np.int32) for f in s._fields if "tokens_" in f}
+    return outcome(s._replace(cache=None, **empty), search)
+
+
 @jax.jit
 def outcome(s, search: Search) -> Outcome:
-    """What the host reads of a state after `stage` (Outcome); s comes without its cache and with an empty
-    token buffer, so that this compiles per batch size only."""
     return Outcome(s.sentence_done(), search.scores(s))
 
 
@@ -225,38 +236,3 @@ def outcome(s, search: Search) -> Outcome:
 def keep(context: PyTree, s, keep_K: Array):
     """The context and state of the sentences keep_K only."""
     return gather_rows(context, keep_K), s.select(keep_K)
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelCalls:
-    """The refilling scheduler's calls on one model: the jitted functions above with its graph and parameters."""
-
-    graph: Graph
-    params: list[Array]
-
-    def start(self, src_BS, search: Search, *, slots: int):
-        return start(self.params, src_BS, search, graph=self.graph, slots=slots)
-
-    def encode(self, src_BS):
-        return encode(self.params, src_BS, graph=self.graph)
-
-    def insert(self, context, s, block, first, rows_K, *, beam_size: int, ids: SpecialIds):
-        return insert(context, s, block, first, rows_K, beam_size=beam_size, ids=ids)
-
-    def grow(self, s, *, slots: int, ids: SpecialIds):
-        return grow(self.params, s, graph=self.graph, slots=slots, ids=ids)
-
-    def widen(self, context, *, src_len: int):
-        return widen(self.params, context, graph=self.graph, src_len=src_len)
-
-    def stage(self, context, s, max_len_B, stop_live, row_inputs, search: Search):
-        return stage(self.params, context, s, max_len_B, stop_live, row_inputs, search, graph=self.graph)
-
-    def keep(self, context, s, keep_K):
-        return keep(context, s, keep_K)
-
-    def outcome(self, s, search: Search):
-        # The token buffers ([B, L], [B, W, L], a set-aside search's pool [B, N, L]) empty, built on the host: no
-        # program.
-        empty = {f: np.zeros(getattr(s, f).shape[:-1] + (0,), np.int32) for f in s._fields if "tokens_" in f}
-        return outcome(s._replace(cache=None, **empty), search)
