@@ -5,11 +5,10 @@ v is [B, S, K, E], N a multiple of K (grouped-query heads), and `mask` the masks
 builds once from its arguments. Which keys a query sees is written only there (ops/masks.py).
 
 Keys and values may also come heads-first, k [B, K, S, H] and v [B, K, S, E] (`kv_heads_first=True`): the layout
-of the decoding cache. A decode step has one query per row against up to hundreds of cached keys, a
-matrix-vector product bound by reading the cache; with the keys sequence-first, XLA copies every cached key and
-value into heads-first order at every step before its batched dot, a second read and a write of the whole cache
-(benchmarks/decode.py measures both layouts). Softmax kernels then run the reference below, which reads the
-heads-first cache in place; one query per row leaves no query blocks for a tiled kernel to gain on.
+of the decoding cache. A decode step is bound by reading the cache, and with sequence-first keys XLA copies every
+cached key and value into heads-first order at every step, a second read and a write of the whole cache
+(benchmarks/decode.py measures both). Softmax kernels then run the reference below, which reads the heads-first
+cache in place; one query per row leaves no query blocks for a tiled kernel to gain on.
 
 Axis letters: see transformer_jax/__init__.py.
 """
@@ -31,11 +30,8 @@ SOFTMAX_IMPLEMENTATIONS: set[str] = set()  # those computing softmax(QK^T / sqrt
 
 
 def register(name: str, *, softmax: bool = True) -> Callable[[Callable[..., Array]], Callable[..., Array]]:
-    """Registers `fn(q, k, v, mask, **options)` under `name` for `attention(..., impl=name)`.
-
-    softmax=False marks an implementation of another function (linear attention), which heads-first keys must
-    reach as it is rather than through the softmax reference.
-    """
+    """Registers `fn(q, k, v, mask, **options)` under `name` for `attention(..., impl=name)`. softmax=False marks
+    another function than softmax attention (linear), which heads-first keys must reach instead of the reference."""
 
     def wrap(fn: Callable[..., Array]) -> Callable[..., Array]:
         IMPLEMENTATIONS[name] = fn
