@@ -156,9 +156,7 @@ class Searcher:
         hypotheses best first, scored log P / lp (state.length_penalty).
         prefix_BP: target prefixes [B, P], PAD-padded (state.forced_tokens): each output starts with its prefix.
         row_inputs: the per-row inputs the search needs (`Search.needs`, e.g. sampling keys: Search.row_inputs).
-
-        Batches of at least 2 MIN_ROWS sentences run the refilling search (nothing waits, so finished sentences
-        only leave); smaller ones, or without compaction, the whole search is one jitted call.
+        Runs through the refilling scheduler where `refills`, else as one jitted call.
         """
         search = search.with_ids(self.ids)
         row_inputs = _row_inputs(search, prefix_BP, row_inputs)
@@ -196,10 +194,8 @@ class Searcher:
         called as n more sentences are done. prefixes: each sentence's target prefix (ids, no EOS; empty: none), or
         None; row_inputs_N: as __call__'s row_inputs, per sentence.
 
-        With compaction and at least 2 MIN_ROWS rows, they run through the refilling scheduler (`refilling_search`):
-        in one refilled batch, or batch by batch where the search says so (`Search.refills_one_batch`); otherwise in
-        consecutive one-jit batches. Shortest sources go first. The batch has batch_size rows, or as many as the
-        sentences rounded up to a multiple of MIN_ROWS when fewer (`batch_rows`).
+        Shortest sources first, in batches of `batch_rows` rows: through the refilling scheduler where `refills`
+        (in one refilled batch, or batch by batch: `Search.refills_one_batch`), else in one-jit batches.
         """
         search = search.with_ids(self.ids)
         rows = batch_rows(len(sources), batch_size)
