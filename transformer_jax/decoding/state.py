@@ -316,11 +316,9 @@ class BeamState(NamedTuple):
     enough to keep every candidate is exhaustive search. With target prefixes, each sentence's beams first follow its
     prefix (as greedy search's), then search freely.
 
-    settle: a sentence also stops once its `settle` best hypotheses are settled (`settled`), 0: every beam runs to
-    its end. The first `settle` beams are then exactly the full search's; the others are returned as they stood (an
-    unfinished one without EOS, its score log P / lp(its length so far), below the settled ones). Translation needs
-    only the first beam (settle=1) and an n-best list the first N (settle=N <= W); this saves the steps in which the
-    worse beams of a finished sentence wander on to its length limit.
+    settle: a sentence also stops once its `settle` best hypotheses (exactly the full search's) are settled
+    (`settled`; 0: every beam runs to its end); the others are returned as they stood (an unfinished one without EOS,
+    scored by its length so far). This saves the steps in which a finished sentence's worse beams wander on.
     """
 
     step_B: Array  # int32: steps taken by each sentence (frozen once done)
