@@ -319,9 +319,11 @@ _attend = recompute_vjp(_forward, _backward)
 # The kernels (the recurrences of the module docstring); lengths and head dims arrive padded.
 
 
-def _tile_mask(cfg: KernelConfig, q_vecs: tuple, kv_vecs: tuple) -> Array:
-    """[X, Y] mask of a tile from [X] query vectors and [Y] key vectors (segment ids, positions)."""
-    return cfg.mask.tile(*q_vecs, *kv_vecs)
+def _scores(cfg: KernelConfig, q_XH: Array, k_YH: Array, vecs: tuple | None) -> Array:
+    """s = Q K^T * scale * log2(e) [X, Y]; vecs: None for an unmasked tile, else ((segment ids, positions) of the
+    queries [X], those of the keys [Y]), and s is -inf where the mask hides a pair."""
+    s_XY = dot(q_XH, k_YH, 1, 1) * (cfg.scale * LOG2E)
+    return s_XY if vecs is None else jnp.where(cfg.mask.tile(*vecs[0], *vecs[1]), s_XY, -jnp.inf)
 
 
 def _load_vecs(cfg: KernelConfig, seg_ref, pos_ref, index) -> tuple:
@@ -357,15 +359,12 @@ def forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, block_k: int, 
     q_XH = q_ref[...]
     block_q, num_tiles = q_XH.shape[0], k_ref.shape[0] // block_k
     q_vecs = _load_vecs(cfg, q_seg_ref, q_pos_ref, slice(None)) if masked else None
-    scale2 = cfg.scale * LOG2E
 
     def body(j, carry: tuple, tile_masked: bool) -> tuple:
         m_X, l_X, acc_XE = carry
         kv_slice = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
-        s_XY = dot(q_XH, k_ref[kv_slice, :], 1, 1) * scale2
-        if tile_masked:
-            mask_XY = _tile_mask(cfg, q_vecs, _load_vecs(cfg, kv_seg_ref, kv_pos_ref, kv_slice))
-            s_XY = jnp.where(mask_XY, s_XY, -jnp.inf)
+        vecs = (q_vecs, _load_vecs(cfg, kv_seg_ref, kv_pos_ref, kv_slice)) if tile_masked else None
+        s_XY = _scores(cfg, q_XH, k_ref[kv_slice, :], vecs)
         m_new = jnp.maximum(m_X, jnp.max(s_XY, axis=1))
         if tile_masked:
             # A row that has seen no key keeps m = -inf; shift by 0 so that 2^(s - m) is 0, not NaN.
@@ -402,18 +401,14 @@ def dkdv_kernel(
     k_YH, v_YE = k_ref[...], v_ref[...]
     num_tiles = q_ref.shape[0] // block_q
     kv_vecs = _load_vecs(cfg, kv_seg_ref, kv_pos_ref, slice(None)) if masked else None
-    scale2 = cfg.scale * LOG2E
 
     def head(g, carry: tuple) -> tuple:
         def body(i, carry: tuple, tile_masked: bool) -> tuple:
             dk_YH, dv_YE = carry
             q_slice = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
             q_XH, do_XE = q_ref[q_slice, g, :], do_ref[q_slice, g, :]
-            s_XY = dot(q_XH, k_YH, 1, 1) * scale2
-            if tile_masked:
-                mask_XY = _tile_mask(cfg, _load_vecs(cfg, q_seg_ref, q_pos_ref, q_slice), kv_vecs)
-                s_XY = jnp.where(mask_XY, s_XY, -jnp.inf)
-            p_XY = jnp.exp2(s_XY - lse_ref[g, q_slice][:, None])
+            vecs = (_load_vecs(cfg, q_seg_ref, q_pos_ref, q_slice), kv_vecs) if tile_masked else None
+            p_XY = jnp.exp2(_scores(cfg, q_XH, k_YH, vecs) - lse_ref[g, q_slice][:, None])
             dv_YE = dv_YE + dot(p_XY.astype(do_XE.dtype), do_XE, 0, 0)
             dp_XY = dot(do_XE, v_YE, 1, 1)
             ds_XY = p_XY * (dp_XY - delta_ref[g, q_slice][:, None])
@@ -437,16 +432,12 @@ def dq_kernel(
     lse_X, delta_X = lse_ref[...], delta_ref[...]
     num_tiles = k_ref.shape[0] // block_k
     q_vecs = _load_vecs(cfg, q_seg_ref, q_pos_ref, slice(None)) if masked else None
-    scale2 = cfg.scale * LOG2E
 
     def body(j, dq_XH: Array, tile_masked: bool) -> Array:
         kv_slice = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
         k_YH, v_YE = k_ref[kv_slice, :], v_ref[kv_slice, :]
-        s_XY = dot(q_XH, k_YH, 1, 1) * scale2
-        if tile_masked:
-            mask_XY = _tile_mask(cfg, q_vecs, _load_vecs(cfg, kv_seg_ref, kv_pos_ref, kv_slice))
-            s_XY = jnp.where(mask_XY, s_XY, -jnp.inf)
-        p_XY = jnp.exp2(s_XY - lse_X[:, None])
+        vecs = (q_vecs, _load_vecs(cfg, kv_seg_ref, kv_pos_ref, kv_slice)) if tile_masked else None
+        p_XY = jnp.exp2(_scores(cfg, q_XH, k_YH, vecs) - lse_X[:, None])
         ds_XY = p_XY * (dot(do_XE, v_YE, 1, 1) - delta_X[:, None])
         return dq_XH + dot(ds_XY.astype(k_YH.dtype), k_YH, 1, 0)
 
