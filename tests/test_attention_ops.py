@@ -25,7 +25,6 @@ from tests.helpers.attention import (
     reference,
 )
 from transformer_jax import ops
-from transformer_jax.ops import dispatch
 from transformer_jax.ops.masks import AttentionMask
 
 BLOCKWISE_CASES = [
@@ -167,7 +166,7 @@ def test_cudnn_refuses_what_it_cannot_compute() -> None:
 
     def unsupported(q: jax.Array, kv: jax.Array, v: jax.Array, **kw) -> list[str]:
         mask = AttentionMask.create(q.shape[0], q.shape[1], kv.shape[1], **kw)
-        return dispatch.cudnn_unsupported(q, kv, v, mask, backend="gpu")
+        return ops.cudnn_unsupported(q, kv, v, mask, backend="gpu")
 
     assert unsupported(q, kv, kv) == []
     cases = {
@@ -189,7 +188,7 @@ def test_auto_choice() -> None:
     seg = jnp.ones((2, 64), jnp.int32)
 
     def choose(x: jax.Array, backend: str, **kw) -> str:
-        return dispatch.choose_impl(x, x, x, AttentionMask.create(*x.shape[:2], x.shape[1], **kw), backend=backend)
+        return ops.choose_impl(x, x, x, AttentionMask.create(*x.shape[:2], x.shape[1], **kw), backend=backend)
 
     assert choose(small, "cpu") == "xla"
     assert choose(long, "cpu") == "blockwise"

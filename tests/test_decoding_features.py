@@ -197,7 +197,7 @@ def test_set_aside_search_stops_sooner_than_the_full_search_and_differs_from_it(
 def test_settle_above_the_beam_size_is_refused():
     with pytest.raises(ValueError, match="settle must be in"):
         decoding.Beam(alpha=0.6, beam_size=2, settle=3)
-    with pytest.raises(ValueError, match="settle must be in"):
+    with pytest.raises(ValueError, match="hypotheses must be in"):
         decoding.SetAside(alpha=0.6, beam_size=2, hypotheses=3)
     with pytest.raises(ValueError, match="1 to 2"):
         decoding.Beam(alpha=0.6, beam_size=2).nbest(3)

@@ -84,10 +84,9 @@ def test_tiles_of_blockwise_and_pallas_assemble_to_the_dense_mask(seed: int) -> 
             if tile is not None:
                 got_BTS[:, i * x : (i + 1) * x, j * y : (j + 1) * y] = np.asarray(tile[:, 0, 0])
             for b in range(batch):
-                kernel_tile = pallas_gpu._tile_mask(
-                    cfg,
-                    tuple(None if v is None else v[b] for v in q_vec),  # [X]
-                    tuple(None if v is None else v[b] for v in kv_vec),  # [Y]
+                kernel_tile = cfg.mask.tile(  # as the GPU kernels build it (pallas_gpu._scores)
+                    *(None if v is None else v[b] for v in q_vec),  # [X]
+                    *(None if v is None else v[b] for v in kv_vec),  # [Y]
                 )
                 if kernel_tile is not None:
                     kernel_BTS[b, i * x : (i + 1) * x, j * y : (j + 1) * y] = np.asarray(kernel_tile)

@@ -15,7 +15,7 @@ import pytest
 from tests.helpers import REPO
 from transformer_jax import runtime
 from transformer_jax.model.spec import fused_backward_enabled
-from transformer_jax.ops.dispatch import choose_impl
+from transformer_jax.ops import choose_impl
 from transformer_jax.ops.masks import AttentionMask
 
 

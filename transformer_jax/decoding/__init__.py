@@ -1,17 +1,10 @@
 """Decoding: search over a decode step, its binding to the Transformer, and the host-side scheduler.
 
-Four modules and an ensemble, read in this order from a translation:
-
-- scheduler.py: `Searcher`, a search spec run over a model's parameters (one batch, or a list of sentences through
-  the refilling scheduler: finished sentences leave the running batch and waiting ones take their rows);
-- model_calls.py: the model calls, the Transformer as a decode step (`cached_decode_step`) and the jitted calls the
-  Searcher makes;
-- specs.py: the search specs, one small frozen record per search (`Greedy`, `Beam`, `SetAside`, `Sampled`;
-  `search_for` maps evaluate.py's settings to one), sampling's token choice, and the searches over a bare decode step
-  (`beam_search` and friends);
-- state.py: the search state, the loop states of greedy, beam and set-aside beam search that a spec starts and
-  advances, cache stages and length penalties;
-- ensemble.py: several models behind one model's decoding interface.
+Read from a translation: scheduler.py (`Searcher`, a search spec run over a model's parameters: one batch, or a list
+of sentences through the refilling scheduler, where finished sentences leave the running batch and waiting ones take
+their rows); model_calls.py (the Transformer as a decode step, and the jitted calls the Searcher makes); specs.py (one
+small frozen spec per search, `search_for` mapping evaluate.py's settings to one, and sampling's token choice);
+state.py (the loop states a spec starts and advances); ensemble.py (several models behind one model's interface).
 
 `__all__` is what the rest of the package, the command lines and the benchmarks use, and the spec classes that
 docs/decoding.md shows Python users; the tests reach the rest through the modules.

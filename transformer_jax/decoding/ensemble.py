@@ -55,14 +55,11 @@ class Ensemble(nnx.Module):
         learned = [m.spec for m in self.members if m.spec.positional == "learned"]
         return min(learned, key=lambda s: s.max_len) if learned else self.members[0].spec
 
-    def _layers(self) -> list[int]:
-        return [len(m.decoder_layers) for m in self.members]
-
     def _parts(self, cache: Cache) -> list[Cache]:
         """Each member's own cache (its layers of whichever per-layer lists the cache has: the search binding splits
         the cache into a fixed context and a per-step part), sharing the index and the source's segment ids."""
         parts, start = [], 0
-        for n in self._layers():
+        for n in (len(m.decoder_layers) for m in self.members):
             parts.append({**cache, **{k: cache[k][start : start + n] for k in LAYER_KEYS if k in cache}})
             start += n
         return parts

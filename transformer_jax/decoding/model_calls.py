@@ -1,14 +1,12 @@
 """The model calls: the Transformer behind the decode-step interface (state.Decoder), and the jitted calls of a search
-on a model: the whole search in one call (`search_batch`), and the refilling scheduler's calls (`ModelCalls`).
+on a model: the whole search in one call (`search_batch`), and the refilling scheduler's calls (on a `ModelCalls`).
 
 Axis letters: see transformer_jax/__init__.py (B sentences, W beams per sentence, R = B W cache rows, K sentences
 joining or kept, S source positions, L output slots).
 
-The model's decoding cache splits in two (`split_cache`): the context, fixed per sentence (the source's segment
-ids and the cross-attention keys/values), one row per sentence and closed over by the decode step (the model's
-cross-attention reads it with the W queries of a sentence's beams together); and what changes per step (the
-per-row write index, the self-attention keys/values and the beam lineage), which the search carries and beam search
-reorders (`model.reorder_cache`: only the index and the lineage move, ops/attention.py lineage_attention).
+The model's decoding cache splits in two (`split_cache`): the context, fixed per sentence and closed over by the
+decode step, and what changes per step, which the search carries and beam search reorders (`model.reorder_cache`:
+only the index and the lineage move, ops/attention.py lineage_attention).
 
 Every call takes the search spec (specs.py) whole: its `alpha` is traced, its other fields are static, so the
 calls compile once per (model structure, kind of search, shapes). The model's graph is a static argument too
@@ -27,14 +25,7 @@ import numpy as np
 from flax import nnx
 
 from transformer_jax.decoding.specs import BeamResult, RowInputs, Search, run_search
-from transformer_jax.decoding.state import (
-    Decoder,
-    DecodeStep,
-    beam_rows,
-    cache_stages,
-    gather_rows,
-    tile_beams,
-)
+from transformer_jax.decoding.state import Decoder, DecodeStep, beam_rows, cache_stages, gather_rows, tile_beams
 from transformer_jax.model.spec import SpecialIds
 from transformer_jax.model.transformer import unpacked_segment_ids
 
@@ -44,21 +35,18 @@ PyTree = Any
 
 def split_cache(full: PyTree) -> tuple[PyTree, PyTree]:
     """The model's decoding cache as (context, cache), both with B rows: what stays fixed per sentence (the source's
-    segment ids and the cross-attention keys/values), and what changes per step (everything else: the write index, the
-    self-attention keys/values, the beam lineage; beam search tiles it to R rows).
+    segment ids and the cross-attention keys/values), and what changes per step (the write index, the self-attention
+    keys/values, the beam lineage; beam search tiles it to R rows).
 
     The context is not tiled over the beams: a step's cross-attention reads each sentence's keys and values once
-    for its W beams (model/transformer.py, DecoderLayer), W times less than tiled rows would read (measured in
-    docs/benchmarks.md)."""
+    for its W beams (model/transformer.py, DecoderLayer), W times less than tiled rows would (docs/benchmarks.md)."""
     fixed = ("src_segment_ids", "cross")
     return {k: full[k] for k in fixed}, {k: x for k, x in full.items() if k not in fixed}
 
 
 def context_step(model: nnx.Module, context: PyTree) -> DecodeStep:
-    """model.decode as a decode step over the per-step cache, the fixed context closed over.
-
-    The context is the same for every beam of a sentence, so closing over it (instead of carrying it through the
-    loop) spares the beam search reordering it every step; it has a row per sentence (`split_cache`)."""
+    """model.decode as a decode step over the per-step cache, the fixed context (a row per sentence) closed over:
+    not carried through the loop, beam search need not reorder it every step."""
 
     def decode_step(tokens_R1: Array, cache: PyTree) -> tuple[Array, PyTree]:
         logits_R1V, new = model.decode(None, tokens_R1, cache={**context, **cache})
@@ -70,12 +58,9 @@ def context_step(model: nnx.Module, context: PyTree) -> DecodeStep:
 def cached_decode_step(
     model: nnx.Module, memory_BSD: Array, src_segment_ids_BS: Array, *, beam_size: int, max_steps: int
 ) -> Decoder:
-    """A Decoder over `model.decode` with a KV cache that grows in stages; for use inside a traced function.
-
-    The cross-attention keys/values are projected once per sentence (`init_cache`), a row per sentence for all its
-    beams (`split_cache`). The returned cache holds what changes per step, with B rows (the search tiles them), and
-    room for the first stage's steps.
-    """
+    """A Decoder over `model.decode` with a KV cache that grows in stages; for use inside a traced function. The
+    cross-attention keys/values are projected once, a row per sentence (`split_cache`); the returned cache holds what
+    changes per step, with B rows (the search tiles them), and room for the first stage's steps."""
     del beam_size  # recompute_decode_step's signature: the context has a row per sentence, the search tiles the cache
     full = model.init_cache(memory_BSD, src_segment_ids_BS, cache_stages(max_steps)[0])
     context, cache = split_cache(full)
@@ -85,12 +70,9 @@ def cached_decode_step(
 def recompute_decode_step(
     model: nnx.Module, memory_BSD: Array, src_segment_ids_BS: Array, *, beam_size: int, max_steps: int
 ) -> Decoder:
-    """A Decoder without a KV cache: each step runs `model.decode` on the whole target prefix again.
-
-    The cache is only the token buffer [B, max_steps] and its write index; positions after the index are hidden by
-    the causal mask, so the logits at the index are those of the prefix. Used as the reference and the benchmark
-    baseline of the cached step.
-    """
+    """A Decoder without a KV cache, the reference and benchmark baseline of the cached one: each step runs
+    `model.decode` on the whole target prefix again. The cache is the token buffer [B, max_steps] and its write
+    index; the causal mask hides the positions after the index."""
     memory_RSD, src_seg_RS = tile_beams((memory_BSD, src_segment_ids_BS), beam_size)
     batch = memory_BSD.shape[0]
     cache = {"index": jnp.zeros((), jnp.int32), "tokens": jnp.zeros((batch, max_steps), jnp.int32)}
@@ -144,10 +126,9 @@ class Outcome(NamedTuple):
 class Graph:
     """A model's graph and its parameters' tree structure: the static argument of the jitted calls below.
 
-    jit hashes and compares its static arguments on every call, and a GraphDef is slow to hash, while the
-    scheduler makes a few hundred calls per translation. A Graph hashes by identity, and `graph()` gives one per
-    (graphdef, treedef), so the calls compile once per model structure. The parameters travel as a list of leaves,
-    which jit flattens faster than an nnx.State.
+    jit hashes its static arguments on every call, a GraphDef is slow to hash, and the scheduler makes a few hundred
+    calls per translation: a Graph hashes by identity, and `graph()` gives one per (graphdef, treedef). The
+    parameters travel as a list of leaves, which jit flattens faster than an nnx.State.
     """
 
     graphdef: nnx.GraphDef
@@ -163,19 +144,32 @@ def graph(graphdef: nnx.GraphDef, treedef: jax.tree_util.PyTreeDef) -> Graph:
     return Graph(graphdef, treedef)
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "slots"))
-def start(params: list[Array], src_BS: Array, search: Search, *, graph: Graph, slots: int):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ModelCalls:
+    """One model as the refilling scheduler's jitted calls below take it: a pytree of its parameters (the leaves) and
+    its Graph (static)."""
+
+    graph: Graph = dataclasses.field(metadata=dict(static=True))
+    params: list[Array]
+
+    def merge(self) -> nnx.Module:
+        return self.graph.merge(self.params)
+
+
+@functools.partial(jax.jit, static_argnames="slots")
+def start(calls: ModelCalls, src_BS: Array, search: Search, *, slots: int):
     """Encodes the batch; the fixed context (B rows) and the search's first state, with `slots` slots."""
-    model = graph.merge(params)
+    model = calls.merge()
     seg_BS = unpacked_segment_ids(src_BS, model.spec.pad_id)
     context, cache = split_cache(model.init_cache(model.encode(src_BS, seg_BS), seg_BS, slots))
     return context, search.start(cache, src_BS.shape[0], slots)
 
 
-@functools.partial(jax.jit, static_argnames=("graph",))
-def encode(params: list[Array], src_BS: Array, *, graph: Graph) -> PyTree:
+@jax.jit
+def encode(calls: ModelCalls, src_BS: Array) -> PyTree:
     """The fixed context of the sentences src_BS (cross-attention keys/values, source segment ids), B rows."""
-    model = graph.merge(params)
+    model = calls.merge()
     seg_BS = unpacked_segment_ids(src_BS, model.spec.pad_id)
     return split_cache(model.init_cache(model.encode(src_BS, seg_BS), seg_BS, 0))[0]
 
@@ -195,34 +189,26 @@ def insert(context: PyTree, s, block: PyTree, first: Array, rows_K: Array, *, be
     return context, s._replace(cache={**s.cache, "index": s.cache["index"].at[rows_R].set(0, mode="drop")})
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "slots", "ids"))
-def grow(params: list[Array], s, *, graph: Graph, slots: int, ids: SpecialIds):
+@functools.partial(jax.jit, static_argnames=("slots", "ids"))
+def grow(calls: ModelCalls, s, *, slots: int, ids: SpecialIds):
     """The state with its cache and output buffer grown to `slots` (a call of its own, so that `stage` compiles
     for one input shape per cache size)."""
-    return s.with_room(slots, ids)._replace(cache=graph.merge(params).grow_cache(s.cache, slots))
+    return s.with_room(slots, ids)._replace(cache=calls.merge().grow_cache(s.cache, slots))
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "src_len"))
-def widen(params: list[Array], context: PyTree, *, graph: Graph, src_len: int) -> PyTree:
+@functools.partial(jax.jit, static_argnames="src_len")
+def widen(calls: ModelCalls, context: PyTree, *, src_len: int) -> PyTree:
     """The context with its sources padded to src_len positions (for longer sentences to join)."""
-    return graph.merge(params).grow_source(context, src_len)
+    return calls.merge().grow_source(context, src_len)
 
 
-@functools.partial(jax.jit, static_argnames=("graph",), donate_argnames=("s",))
+@functools.partial(jax.jit, donate_argnames="s")
 def stage(
-    params: list[Array],
-    context: PyTree,
-    s,
-    max_len_B: Array,
-    stop_live: Array,
-    row_inputs: RowInputs,
-    search: Search,
-    *,
-    graph: Graph,
+    calls: ModelCalls, context: PyTree, s, max_len_B: Array, stop_live: Array, row_inputs: RowInputs, search: Search
 ):
     """Steps until at most `stop_live` sentences are live or a live one has filled the state's slots: the host acts
     there (stop_live is traced: one compilation)."""
-    model = graph.merge(params)
+    model = calls.merge()
     step, reorder = context_step(model, context), model.reorder_cache
     slots = s.beams()[0].shape[-1]
 
@@ -233,10 +219,16 @@ def stage(
     return jax.lax.while_loop(go_on, lambda s: search.advance(s, step, max_len_B, row_inputs, reorder), s)
 
 
+def read_outcome(s, search: Search) -> Outcome:
+    """What the host reads of a state after `stage` (Outcome), computed by `outcome` without the state's cache and
+    with its token buffers ([B, L], [B, W, L], a set-aside search's pool [B, N, L]) empty, built on the host: the
+    program compiles per batch size only."""
+    empty = {f: np.zeros(getattr(s, f).shape[:-1] + (0,), np.int32) for f in s._fields if "tokens_" in f}
+    return outcome(s._replace(cache=None, **empty), search)
+
+
 @jax.jit
 def outcome(s, search: Search) -> Outcome:
-    """What the host reads of a state after `stage` (Outcome); s comes without its cache and with an empty
-    token buffer, so that this compiles per batch size only."""
     return Outcome(s.sentence_done(), search.scores(s))
 
 
@@ -244,38 +236,3 @@ def outcome(s, search: Search) -> Outcome:
 def keep(context: PyTree, s, keep_K: Array):
     """The context and state of the sentences keep_K only."""
     return gather_rows(context, keep_K), s.select(keep_K)
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelCalls:
-    """The refilling scheduler's calls on one model: the jitted functions above with its graph and parameters."""
-
-    graph: Graph
-    params: list[Array]
-
-    def start(self, src_BS, search: Search, *, slots: int):
-        return start(self.params, src_BS, search, graph=self.graph, slots=slots)
-
-    def encode(self, src_BS):
-        return encode(self.params, src_BS, graph=self.graph)
-
-    def insert(self, context, s, block, first, rows_K, *, beam_size: int, ids: SpecialIds):
-        return insert(context, s, block, first, rows_K, beam_size=beam_size, ids=ids)
-
-    def grow(self, s, *, slots: int, ids: SpecialIds):
-        return grow(self.params, s, graph=self.graph, slots=slots, ids=ids)
-
-    def widen(self, context, *, src_len: int):
-        return widen(self.params, context, graph=self.graph, src_len=src_len)
-
-    def stage(self, context, s, max_len_B, stop_live, row_inputs, search: Search):
-        return stage(self.params, context, s, max_len_B, stop_live, row_inputs, search, graph=self.graph)
-
-    def keep(self, context, s, keep_K):
-        return keep(context, s, keep_K)
-
-    def outcome(self, s, search: Search):
-        # The token buffers ([B, L], [B, W, L], a set-aside search's pool [B, N, L]) empty, built on the host: no
-        # program.
-        empty = {f: np.zeros(getattr(s, f).shape[:-1] + (0,), np.int32) for f in s._fields if "tokens_" in f}
-        return outcome(s._replace(cache=None, **empty), search)

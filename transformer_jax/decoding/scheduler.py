@@ -6,22 +6,17 @@ Axis letters: see transformer_jax/__init__.py (B sentences of a batch, N sentenc
 batch, one sentence each, here; K sentences joining or kept; S source positions; P prefix positions).
 
 A batch runs either as one jitted call (model_calls.search_batch) or through the refilling scheduler
-(`refilling_search`), whose calls are model_calls.ModelCalls.
+(`refilling_search`), whose calls on the model are model_calls' (on a ModelCalls); it reads only the spec's `beam_size`.
 
 A step costs the same for a finished sentence's rows as for a live one's, and outputs differ in length (on
 Multi30k test2016, greedy in batches of 64, more than half of the row-steps went to finished sentences). So the
-search runs in jitted calls (`ModelCalls.stage`) that step until the host has something to do: MIN_ROWS rows are free
+search runs in jitted calls (`model_calls.stage`) that step until the host has something to do: MIN_ROWS rows are free
 while sentences wait, or (nothing waiting) the live sentences fit in a batch half the size, or a live one has filled
-the cache. Between calls the host records the finished sentences and gives their rows to waiting ones (shortest
-sources first; encoded in blocks of about `rows`, a multiple of MIN_ROWS; joining `refill_size` at a time), or moves
-the live sentences into the smaller batch (`compacted_size`), or grows the cache to its next stage. Each sentence
-decodes at its own position (the search's step_B, the cache's per-row index), so rows that joined at different times
-share the batch. The stop condition is traced, so the calls compile per (rows, source length, cache stage) only; a
-batch of at most FULL_CACHE_SENTENCES sentences with nothing waiting skips to the last stage. Results equal the one-jit
+the cache. Between calls the host gives finished sentences' rows to waiting ones (shortest sources first, joining
+`refill_size` at a time), or moves the live sentences into a smaller batch (`compacted_size`), or grows the cache to
+its next stage. Each sentence decodes at its own position (the search's step_B, the cache's per-row index), and the
+stop condition is traced, so the calls compile per (rows, source length, cache stage) only. Results equal the one-jit
 search's: a sentence's rows never interact with another's.
-
-The refilling scheduler knows nothing of the model nor of the kind of search: the model's part is
-model_calls.ModelCalls, the search's the spec it passes to them whole, of which it reads `beam_size` only.
 """
 
 from __future__ import annotations
@@ -111,14 +106,7 @@ class Searcher:
         search = jax.tree.map(leaf, search.with_ids(self.ids))
         if not self.refills(rows):
             traced = model_calls.search_batch.trace(
-                self.graphdef,
-                self.params,
-                src_BS,
-                max_len_B,
-                {},
-                search,
-                max_steps=max_steps,
-                use_cache=self.use_cache,
+                self.graphdef, self.params, src_BS, max_len_B, {}, search, max_steps=max_steps, use_cache=self.use_cache
             )
             return {"search": compile_one("search", traced)}
 
@@ -127,18 +115,18 @@ class Searcher:
             put = lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
             return jax.tree.map(put, traced.out_info, compiled.output_shardings)
 
-        graph, params, stages = self.calls.graph, self.calls.params, cache_stages(max_steps)
-        traced = model_calls.start.trace(params, src_BS, search, graph=graph, slots=stages[0])
+        calls, stages = self.calls, cache_stages(max_steps)
+        traced = model_calls.start.trace(calls, src_BS, search, slots=stages[0])
         programs = {"start": compile_one("start", traced)}
         context, s = outputs(traced, programs["start"])
         if len(stages) > 1:
-            before = model_calls.start.trace(params, src_BS, search, graph=graph, slots=stages[-2]).out_info[1]
+            before = model_calls.start.trace(calls, src_BS, search, slots=stages[-2]).out_info[1]
             s = jax.tree.map(lambda x, like: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=like.sharding), before, s)
-            traced = model_calls.grow.trace(params, s, graph=graph, slots=stages[-1], ids=self.ids)
+            traced = model_calls.grow.trace(calls, s, slots=stages[-1], ids=self.ids)
             programs["grow"] = compile_one("grow", traced)
             s = outputs(traced, programs["grow"])
         stop_live = jax.ShapeDtypeStruct((), jnp.int32, sharding=host)
-        traced = model_calls.stage.trace(params, context, s, max_len_B, stop_live, {}, search, graph=graph)
+        traced = model_calls.stage.trace(calls, context, s, max_len_B, stop_live, {}, search)
         programs["stage"] = compile_one("stage", traced)
         return programs
 
@@ -168,9 +156,7 @@ class Searcher:
         hypotheses best first, scored log P / lp (state.length_penalty).
         prefix_BP: target prefixes [B, P], PAD-padded (state.forced_tokens): each output starts with its prefix.
         row_inputs: the per-row inputs the search needs (`Search.needs`, e.g. sampling keys: Search.row_inputs).
-
-        Batches of at least 2 MIN_ROWS sentences run the refilling search (nothing waits, so finished sentences
-        only leave); smaller ones, or without compaction, the whole search is one jitted call.
+        Runs through the refilling scheduler where `refills`, else as one jitted call.
         """
         search = search.with_ids(self.ids)
         row_inputs = _row_inputs(search, prefix_BP, row_inputs)
@@ -208,10 +194,8 @@ class Searcher:
         called as n more sentences are done. prefixes: each sentence's target prefix (ids, no EOS; empty: none), or
         None; row_inputs_N: as __call__'s row_inputs, per sentence.
 
-        With compaction and at least 2 MIN_ROWS rows, they run through the refilling scheduler (`refilling_search`):
-        in one refilled batch, or batch by batch where the search says so (`Search.refills_one_batch`); otherwise in
-        consecutive one-jit batches. Shortest sources go first. The batch has batch_size rows, or as many as the
-        sentences rounded up to a multiple of MIN_ROWS when fewer (`batch_rows`).
+        Shortest sources first, in batches of `batch_rows` rows: through the refilling scheduler where `refills`
+        (in one refilled batch, or batch by batch: `Search.refills_one_batch`), else in one-jit batches.
         """
         search = search.with_ids(self.ids)
         rows = batch_rows(len(sources), batch_size)
@@ -374,7 +358,7 @@ class _Refill:
         for k, x in row_inputs_N.items():
             self.row_inputs_R[k][: len(ids)] = x[ids]
         self.slots = cache_stages(self.max_steps)[0]
-        self.context, self.state = calls.start(src_KS, search, slots=self.slots)
+        self.context, self.state = model_calls.start(calls, src_KS, search, slots=self.slots)
         self.context_len = self.src_len  # source positions of the running batch's context
 
     def rows(self) -> int:
@@ -412,11 +396,12 @@ class _Refill:
     def _next_block(self) -> None:
         """Encodes the next block_rows waiting sentences together; widens block and batch to one source length."""
         self.block_ids, src_KS = self._take(self.block_rows)
-        self.block, self.joined = self.calls.encode(src_KS), 0
+        self.block, self.joined = model_calls.encode(self.calls, src_KS), 0
         if src_KS.shape[1] < self.src_len:
-            self.block = self.calls.widen(self.block, src_len=self.src_len)
+            self.block = model_calls.widen(self.calls, self.block, src_len=self.src_len)
         if self.src_len > self.context_len:
-            self.context, self.context_len = self.calls.widen(self.context, src_len=self.src_len), self.src_len
+            self.context = model_calls.widen(self.calls, self.context, src_len=self.src_len)
+            self.context_len = self.src_len
 
     def _fill(self) -> None:
         """Waiting sentences take the free rows, refill_size at a time, while at least MIN_ROWS rows are free."""
@@ -428,7 +413,7 @@ class _Refill:
             ids = self.block_ids[self.joined : self.joined + k]
             into = np.full(k, self.rows(), np.int32)  # the block's dummy rows go past the batch's end: dropped
             into[: len(ids)] = free[: len(ids)]
-            self.context, self.state = self.calls.insert(
+            self.context, self.state = model_calls.insert(
                 self.context,
                 self.state,
                 self.block,
@@ -448,7 +433,7 @@ class _Refill:
         live, size = self.live(), compacted_size(len(self.live()), self.rows())
         if size < self.rows():
             keep = np.concatenate([live, self.free()[: size - len(live)]])
-            self.context, self.state = self.calls.keep(self.context, self.state, keep.astype(np.int32))
+            self.context, self.state = model_calls.keep(self.context, self.state, keep.astype(np.int32))
             self.sentence_R, self.max_len_R, self.step_R = (
                 self.sentence_R[keep],
                 self.max_len_R[keep],
@@ -464,22 +449,18 @@ class _Refill:
         else:
             slots = next(n for n in cache_stages(self.max_steps) if n > np.max(self.step_R[self.live()]))
         if slots > self.slots:
-            self.state, self.slots = self.calls.grow(self.state, slots=slots, ids=self.search.reserved), slots
+            self.state = model_calls.grow(self.calls, self.state, slots=slots, ids=self.search.reserved)
+            self.slots = slots
 
     def _stage(self) -> None:
         """Runs until the host can act (MIN_ROWS rows free for waiting sentences, or, nothing waiting, the live ones
         fit in a batch half the size, or a live sentence fills the cache), then records the finished sentences."""
         half = -(-self.rows() // 2)
         stop_live = self.rows() - MIN_ROWS if self.waiting() else (half if half >= MIN_ROWS else 0)
-        self.state = self.calls.stage(
-            self.context,
-            self.state,
-            self.max_len_R,
-            np.int32(stop_live),
-            self.row_inputs_R,
-            self.search,
+        self.state = model_calls.stage(
+            self.calls, self.context, self.state, self.max_len_R, np.int32(stop_live), self.row_inputs_R, self.search
         )
-        outcome = self.calls.outcome(self.state, self.search)
+        outcome = model_calls.read_outcome(self.state, self.search)
         done, self.step_R = (np.array(x) for x in jax.device_get((outcome.done_B, self.state.step_B)))
         finished = np.flatnonzero((self.sentence_R >= 0) & done)
         if not len(finished):

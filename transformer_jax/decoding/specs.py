@@ -4,29 +4,25 @@ decode step, and the token choice of sampling.
 Axis letters: see transformer_jax/__init__.py (B sentences, W beams per sentence, R = B W cache rows, L output
 slots, V vocabulary).
 
-A spec owns its settings, its first state (`start`), its step (`advance`), its scores and its result, and what the
-scheduler needs to know of it: the rows each sentence takes (`beam_size`), whether its sentences refill one running
-batch or run batch by batch (`refills_one_batch`), the per-row inputs it needs (`needs`, built on the host by
-`row_inputs`) and how many decodes of a line make its n-best list (`copies`). The Searcher and the refilling
-scheduler (scheduler.py) and the jitted calls (model_calls.py) take one spec and ask it; none of them knows which
-search runs. A new search is a new subclass (tests/test_decoding_protocol.py adds one there). The loop states the
-specs start and advance are state.py's.
+A spec owns its settings, its first state (`start`, a state.py loop state), its step (`advance`), its scores and its
+result, and what the scheduler asks of it: rows per sentence (`beam_size`), whether its sentences refill one running
+batch (`refills_one_batch`), the per-row inputs it needs (`needs`, built on the host by `row_inputs`) and how many
+decodes of a line make its n-best list (`copies`). The Searcher, the scheduler and the jitted calls take one spec and
+ask it; none of them knows which search runs. A new search is a new subclass (tests/test_decoding_protocol.py).
 
 Specs are jax pytrees: `alpha` (and a sampling seed) are leaves, so a new alpha does not recompile; every other field
-is static (hashed into the jitted programs' keys). A spec's `ids` are the model's reserved ids (model.spec.SpecialIds):
-the Searcher sets them from the model it runs (`with_ids`), so settings never carry a second copy of them.
-`search_for` maps evaluate.py's settings to a spec: the one place that chooses the kind of search. `run_search` runs
-a spec in one loop inside a traced function; `greedy_search`, `beam_search` and `set_aside_search` are that run over
-a bare decode step (tests drive them with stubs).
+is static. A spec's `ids` are the model's reserved ids (model.spec.SpecialIds), set by the Searcher (`with_ids`), so
+settings never carry a second copy of them. `search_for` maps evaluate.py's settings to a spec; `run_search` runs a
+spec in one loop inside a traced function, and `greedy_search`, `beam_search` and `set_aside_search` over a bare
+decode step (tests drive them with stubs).
 
-Sampling instead of search (`Sampled`, `Sampling`): each step draws the next token from the model's distribution,
-reshaped by a temperature, a top-k cut and a nucleus (top-p) cut (Holtzman et al., 2020). Sampled back-translation
-beats beam back-translation (Edunov et al., 2018). Every (sentence, sample) has its own key (`sample_keys`: the seed
-folded with the sentence's input line and the sample's number), and step t draws with that key folded with t: one
-uniform number per row and step, turned into a token by inverting the distribution's CDF (`inverse_cdf`;
-jax.random.categorical would draw V Gumbel numbers per row and step, most of a sampling step's cost on CPU at
-V = 8000: docs/decoding.md). So a sample depends on its seed, its line and its number only, not on the batch it ran
-in, the rows beside it, or when the scheduler let it join.
+Sampling (`Sampled`, `Sampling`): each step draws the next token from the model's distribution, reshaped by a
+temperature, a top-k cut and a nucleus (top-p) cut (Holtzman et al., 2020); sampled back-translation beats beam
+back-translation (Edunov et al., 2018). Every (sentence, sample) has its own key (`sample_keys`: the seed folded with
+the sentence's input line and the sample's number), folded with t at step t: one uniform number per row and step,
+turned into a token by inverting the distribution's CDF (`inverse_cdf`; jax.random.categorical would draw V Gumbel
+numbers per row and step, most of a sampling step's cost on CPU: docs/decoding.md). So a sample depends on its seed,
+its line and its number only, not on the batch it ran in or when the scheduler let it join.
 """
 
 from __future__ import annotations
@@ -203,6 +199,14 @@ class Greedy(Search):
     """The most probable token at each step (state.GreedyState): Search's own rules."""
 
 
+def _check_beams(spec: Search, fewest: int, hypotheses: str) -> None:
+    """ValueError unless spec.beam_size >= fewest and 0 <= the field `hypotheses` (those returned) <= beam_size."""
+    if spec.beam_size < fewest:
+        raise ValueError(f"{type(spec).__name__} search needs beam_size >= {fewest}, got {spec.beam_size}")
+    if not 0 <= getattr(spec, hypotheses) <= spec.beam_size:
+        raise ValueError(f"{hypotheses} must be in [0, beam_size={spec.beam_size}], got {getattr(spec, hypotheses)}")
+
+
 @search_spec("alpha")
 class Beam(Search):
     """Beam search keeping finished hypotheses among its W beams (state.BeamState); a sentence stops once its
@@ -215,12 +219,7 @@ class Beam(Search):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.beam_size < 1:
-            raise ValueError(f"beam_size must be >= 1, got {self.beam_size}")
-        if not 0 <= self.settle <= self.beam_size:
-            raise ValueError(
-                f"settle must be in [0, beam_size={self.beam_size}] (hypotheses settled), got {self.settle}"
-            )
+        _check_beams(self, 1, "settle")
 
     def _with_nbest(self, n: int) -> Beam:
         return dataclasses.replace(self, settle=n)
@@ -245,12 +244,7 @@ class SetAside(Search):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.beam_size < 2:
-            raise ValueError(f"a set-aside beam search needs beam_size >= 2, got {self.beam_size}")
-        if not 0 <= self.hypotheses <= self.beam_size:
-            raise ValueError(
-                f"settle must be in [0, beam_size={self.beam_size}] (hypotheses kept), got {self.hypotheses}"
-            )
+        _check_beams(self, 2, "hypotheses")
 
     def _with_nbest(self, n: int) -> SetAside:
         return dataclasses.replace(self, hypotheses=n)

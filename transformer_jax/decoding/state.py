@@ -3,13 +3,10 @@
 Axis letters: see transformer_jax/__init__.py (here B sentences, W beams per sentence, R = B W rows with row b W + w
 beam w of sentence b, L output slots = max_steps).
 
-A decode step is `decode_step(tokens_R1, cache) -> (logits_R1V, cache)`: it reads the next input token of every
-row and returns the next-token logits. The cache is any pytree whose non-scalar leaves have the rows on axis 0
-(scalar leaves, such as a stub's step counter, are shared by all rows and never tiled or reordered). Beam search
-makes the cache follow its surviving beams with the Decoder's `reorder(cache, rows_R)`, by default `gather_rows`
-(every row moves); the Transformer's keeps its cached keys and values in place and moves only a beam lineage (model/
-transformer.py reorder_cache). The states only need this interface, so tests drive them with stubs whose
-distributions they control.
+A decode step is `decode_step(tokens_R1, cache) -> (logits_R1V, cache)`: the next-token logits of every row. The
+cache is any pytree whose non-scalar leaves have the rows on axis 0 (scalar leaves, such as a stub's step counter,
+are shared by all rows). The states need only this interface (and `Decoder`'s grow and reorder), so tests drive them
+with stubs whose distributions they control.
 
 Search (every state; the reserved ids are the model's, a model.spec.SpecialIds `ids`): the decoder input starts with
 BOS; PAD is never emitted (its logit is masked, as Marian's bad_words_ids do; log-probabilities keep their
@@ -19,15 +16,13 @@ Lengths |Y| count the emitted tokens, EOS included. `jax.lax.while_loop` runs th
 hypothesis of every sentence has finished.
 
 Cache stages: a step reads every slot of the self-attention cache, so its cost grows with the cache's size, not
-with the tokens decoded so far. Outputs are mostly much shorter than their limit (source + max_extra_len), so a
-search with a `grow` function runs in stages of growing cache size (16, 32, 64, ..., max_steps; `cache_stages`), one
-while_loop each: a stage ends when its slots are full or every hypothesis has finished, and the next one starts
-from a cache grown by zero slots. Each stage is compiled once;
-the results equal a single loop over max_steps slots (empty slots are never attended).
+with the tokens decoded so far, and outputs are mostly much shorter than their limit. So a search with a `grow`
+function runs one while_loop per stage of growing cache size (`cache_stages`), each compiled once, until its slots
+are full or every hypothesis has finished; the results equal one loop over max_steps slots (empty slots are never
+attended).
 
-The states (GreedyState, BeamState, SetAsideState) are the loop carries: a search spec (specs.py) starts one and
-advances it; the host-side scheduler (scheduler.py) also runs them a few steps at a time and moves sentences between
-batches, through `restart` and `select`.
+The states (GreedyState, BeamState, SetAsideState) are the loop carries that a search spec (specs.py) starts and
+advances; the scheduler (scheduler.py) also moves sentences between batches through `restart` and `select`.
 """
 
 from __future__ import annotations
@@ -197,6 +192,26 @@ def pad_tokens(tokens: Array, slots: int, pad: int) -> Array:
     return tokens if extra == 0 else jnp.pad(tokens, [(0, 0)] * (tokens.ndim - 1) + [(0, extra)], constant_values=pad)
 
 
+def beam_candidates(
+    s: NamedTuple, decode_step: DecodeStep, per_beam: int, prefix_BP: Array | None, ids: SpecialIds
+) -> tuple[Array, Array, PyTree]:
+    """One decode step of the beams s.last_BW: each beam's C = min(per_beam, V) best tokens it may emit, as
+    (log-probabilities [B, W, C], tokens [R, C], the step's cache).
+
+    A beam's candidates rank as its tokens' logits do (log P + log_softmax, then / lp, are monotone in the logit), so
+    the [R, V] work is the logits' max, their log-sum-exp and a top-k per row. The log-probabilities are
+    log_softmax's, computed with its operations (equal bits); only candidates of equal score but different logits may
+    be taken in another order than a top-k over all W V would take them.
+    """
+    batch, width = s.last_BW.shape
+    logits_R1V, cache = decode_step(s.last_BW.reshape(-1, 1), s.cache)
+    logits_RV = logits_R1V.reshape(batch * width, -1).astype(jnp.float32)
+    per_beam = min(per_beam, logits_RV.shape[-1])
+    max_R1, lse_R1 = max_and_logsumexp(logits_RV)
+    top_RC, token_RC = top_k(choosable(logits_RV, prefix_BP, s.step_B, width, ids.pad), per_beam)
+    return ((top_RC - max_R1) - lse_R1).reshape(batch, width, per_beam), token_RC, cache
+
+
 def beam_rows(rows_K: Array, width: int) -> Array:
     """The cache rows [K W] of the sentences rows_K: sentence k's beams are rows k W ... k W + W - 1."""
     return (rows_K[:, None] * width + jnp.arange(width)).reshape(-1)
@@ -242,7 +257,7 @@ class GreedyState(NamedTuple):
         return restarted(self, rows_K, GreedyState.start(None, rows_K.shape[0], self.tokens_BL.shape[-1], ids))
 
     def select(self, keep_K: Array) -> GreedyState:
-        """The state of the sentences keep_K only, in that order."""
+        """The state of the sentences keep_K only, in that order (their W cache rows each; W = 1 here)."""
         return selected(self, keep_K, 1)
 
     @classmethod
@@ -301,11 +316,9 @@ class BeamState(NamedTuple):
     enough to keep every candidate is exhaustive search. With target prefixes, each sentence's beams first follow its
     prefix (as greedy search's), then search freely.
 
-    settle: a sentence also stops once its `settle` best hypotheses are settled (`settled`), 0: every beam runs to
-    its end. The first `settle` beams are then exactly the full search's; the others are returned as they stood (an
-    unfinished one without EOS, its score log P / lp(its length so far), below the settled ones). Translation needs
-    only the first beam (settle=1) and an n-best list the first N (settle=N <= W); this saves the steps in which the
-    worse beams of a finished sentence wander on to its length limit.
+    settle: a sentence also stops once its `settle` best hypotheses (exactly the full search's) are settled
+    (`settled`; 0: every beam runs to its end); the others are returned as they stood (an unfinished one without EOS,
+    scored by its length so far). This saves the steps in which a finished sentence's worse beams wander on.
     """
 
     step_B: Array  # int32: steps taken by each sentence (frozen once done)
@@ -327,12 +340,10 @@ class BeamState(NamedTuple):
         return self.tokens_BWL, self.log_probs_BW, self.lengths_BW
 
     def restart(self, rows_K: Array, ids: SpecialIds) -> BeamState:
-        """The sentences in rows_K back at the start (nothing emitted); the cache is the caller's to reset."""
         _, width, slots = self.tokens_BWL.shape
         return restarted(self, rows_K, BeamState.start(None, rows_K.shape[0], width, slots, ids))
 
     def select(self, keep_K: Array) -> BeamState:
-        """The state of the sentences keep_K only, in that order (their W cache rows each)."""
         return selected(self, keep_K, self.finished_BW.shape[1])
 
     @classmethod
@@ -363,18 +374,9 @@ class BeamState(NamedTuple):
         """One step of beam search (the class docstring); reorder: as Decoder's."""
         s = self
         batch, width = s.finished_BW.shape
-        logits_R1V, cache = decode_step(s.last_BW.reshape(-1, 1), s.cache)
-        logits_RV = logits_R1V.reshape(batch * width, -1).astype(jnp.float32)
-        vocab = logits_RV.shape[-1]
-        per_beam = min(width, vocab)  # C: the candidates each beam proposes
-        # A beam's candidates rank as its tokens' logits do (log P + log_softmax, then / lp, are monotone in the
-        # logit), so a sentence's best W of its W V candidates are among its beams' W best tokens each: the [R, V]
-        # work is the logits' max, their log-sum-exp and a top-k per row, and the candidates are [B, W, C]. Their
-        # log-probabilities are log_softmax's, computed with its operations (equal bits); only candidates of equal
-        # score but different logits may be taken in another order than a top-k over all W V would take them.
-        max_R1, lse_R1 = max_and_logsumexp(logits_RV)
-        top_RC, top_token_RC = top_k(choosable(logits_RV, prefix_BP, s.step_B, width, ids.pad), per_beam)
-        log_probs_BWC = ((top_RC - max_R1) - lse_R1).reshape(batch, width, per_beam)
+        # A sentence's best W of its W V candidates are among its beams' W best tokens each.
+        log_probs_BWC, top_token_RC, cache = beam_candidates(s, decode_step, width, prefix_BP, ids)
+        per_beam = log_probs_BWC.shape[-1]
         # Candidate log-probabilities: extensions of unfinished beams; a finished beam only continues with PAD.
         first_C = jnp.arange(per_beam) == 0
         fin_BW1 = s.finished_BW[..., None]
@@ -446,11 +448,9 @@ class SetAsideState(NamedTuple):
     beams per sentence ([B, W]), the pool of its N best ended hypotheses ([B, N]), and the cache with R = B W rows
     (K = 2 W candidates per sentence).
 
-    BeamState keeps a finished hypothesis among its W beams, where it competes with the live beams' extensions for a
-    place: its first N beams are exactly the full search's, and a sentence waits until its N best hypotheses are
-    settled (`settled`), with N = W until every beam has ended. Here, as in CTranslate2 (decoding.cc, BeamSearch,
-    patience 1) and fairseq (SequenceGenerator), W beams stay live at every step and a hypothesis that ends moves to
-    a pool (flax's wmt example and tensor2tensor also keep such a pool, but stop on a length-penalty bound):
+    In BeamState a finished hypothesis competes with the live beams' extensions for one of the W places. Here, as in
+    CTranslate2 (decoding.cc, BeamSearch, patience 1) and fairseq (SequenceGenerator), W beams stay live at every step
+    and a hypothesis that ends moves to a pool (flax's wmt example and tensor2tensor stop on a length-penalty bound):
 
     - each step ranks the K = 2 W best extensions of a sentence's live beams by log P (no length penalty inside);
     - of the first W, each that ends (EOS, or the sentence's length limit) joins the pool, scored log P / lp(|Y|);
@@ -495,13 +495,11 @@ class SetAsideState(NamedTuple):
         return self.pool_tokens_BNL, self.pool_log_probs_BN, self.pool_lengths_BN
 
     def restart(self, rows_K: Array, ids: SpecialIds) -> SetAsideState:
-        """The sentences in rows_K back at the start (nothing emitted); the cache is the caller's to reset."""
         _, width, slots = self.tokens_BWL.shape
         fresh = SetAsideState.start(None, rows_K.shape[0], width, self.pool_log_probs_BN.shape[1], slots, ids)
         return restarted(self, rows_K, fresh)
 
     def select(self, keep_K: Array) -> SetAsideState:
-        """The state of the sentences keep_K only, in that order (their W cache rows each)."""
         return selected(self, keep_K, self.last_BW.shape[1])
 
     @classmethod
@@ -536,13 +534,10 @@ class SetAsideState(NamedTuple):
         s = self
         batch, width = s.last_BW.shape
         pool = s.pool_log_probs_BN.shape[1]
-        logits_R1V, cache = decode_step(s.last_BW.reshape(-1, 1), s.cache)
-        logits_RV = logits_R1V.reshape(batch * width, -1).astype(jnp.float32)
-        # A sentence's K best of its W V extensions are among its beams' K best tokens each (as in BeamState).
-        per_beam = min(2 * width, logits_RV.shape[-1])
-        max_R1, lse_R1 = max_and_logsumexp(logits_RV)
-        top_RC, token_RC = top_k(choosable(logits_RV, prefix_BP, s.step_B, width, ids.pad), per_beam)
-        cand_BWC = s.log_probs_BW[..., None] + ((top_RC - max_R1) - lse_R1).reshape(batch, width, per_beam)
+        # A sentence's K best of its W V extensions are among its beams' K best tokens each.
+        log_probs_BWC, token_RC, cache = beam_candidates(s, decode_step, 2 * width, prefix_BP, ids)
+        per_beam = log_probs_BWC.shape[-1]
+        cand_BWC = s.log_probs_BW[..., None] + log_probs_BWC
         log_probs_BK, flat_BK = jax.lax.top_k(cand_BWC.reshape(batch, -1), min(2 * width, width * per_beam))
         token_BK = jnp.take_along_axis(token_RC.reshape(batch, -1), flat_BK, axis=1)
         beam_BK = flat_BK // per_beam

@@ -22,11 +22,9 @@ class MultiHeadAttention(nnx.Module):
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O, head_i = Attention(Q W^Q_i, K W^K_i, V W^V_i) (3.2.2).
 
     The module never knows which kernel runs: it calls `ops.attention(..., impl=spec.attention_impl)`.
-    Set `capture_weights = True` to sow the attention weights [B, N, T, S] as `nnx.Intermediate`
-    (computed with the materialising `xla` reference, whatever the configured kernel), and
-    `capture_intermediates = True` to sow Q, K, V, the heads' outputs and the projected output (for
-    transformer_jax.explain); the caller collects them with `nnx.capture(fn, nnx.Intermediate)`. Both are off by
-    default, so training and decoding trace exactly as without them.
+    For transformer_jax.explain, `capture_weights = True` sows the attention weights [B, N, T, S] (computed by the
+    `xla` reference whatever the kernel) and `capture_intermediates = True` sows Q, K, V, the heads' outputs and the
+    output, as `nnx.Intermediate`; both are off by default, so training and decoding trace exactly as without them.
     """
 
     def __init__(self, spec: TransformerSpec, *, rngs: nnx.Rngs):

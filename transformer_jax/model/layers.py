@@ -6,6 +6,8 @@ passes, autodiff's and a hand-written one for XLA:CPU; model.fused_backward choo
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -100,9 +102,7 @@ def _mix32(x: Array) -> Array:
 
 def hash_bits(key: Array, shape: tuple[int, ...]) -> Array:
     """uint32 bits for every element of `shape`, a pure function of (key, flat index)."""
-    size = 1
-    for n in shape:
-        size *= n
+    size = math.prod(shape)
     if size >= 2**32:
         raise ValueError(f"hash_bits: {size} elements exceed the 2^32 flat-index counter; split the tensor")
     seed = jax.random.bits(key, (2,), jnp.uint32)

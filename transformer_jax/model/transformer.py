@@ -345,20 +345,16 @@ class Transformer(nnx.Module):
         hypothesis of row rows_R[r], a row of the same sentence (decoding/state.py's Decoder.reorder).
 
         With a beam lineage (ops/masks.py) the cached keys and values stay where they were written and only the
-        lineage and the write index follow the beams (`decode` then reads each slot from the row the lineage names);
-        without one, every row moves. Only for beam rows whose context has a row per sentence (more than one beam):
-        with a context tiled to every row, `decode` reads each row's own slots.
+        lineage and the write index follow the beams; without one, every row moves. Only for a context with a row
+        per sentence of several beams: with a context tiled to every row, `decode` reads each row's own slots.
         """
         if "lineage" not in cache:
             return jax.tree.map(lambda x: jnp.take(x, rows_R, axis=0), cache)
         return {**cache, "index": cache["index"][rows_R], "lineage": cache["lineage"][rows_R]}
 
     def grow_cache(self, cache: Cache, max_len: int) -> Cache:
-        """`cache` with room for max_len target tokens (at least its own), the tokens decoded so far kept.
-
-        Decoding can start with a short cache and grow it as the outputs get longer, so that each step reads and
-        reorders only as many slots as the longest output may have reached (decoding/scheduler.py's stages).
-        """
+        """`cache` with room for max_len target tokens (at least its own), the tokens decoded so far kept: a step
+        reads only as many slots as the longest output may have reached (decoding/state.py's cache stages)."""
         if self.spec.positional == "learned" and max_len > self.spec.max_len:
             raise ValueError(f"decoding {max_len} tokens exceeds model.max_len={self.spec.max_len}")
         grown = {**cache, "self": [grow_self_cache(c, max_len) for c in cache["self"]]}

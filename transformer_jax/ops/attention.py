@@ -1,15 +1,14 @@
-"""The one attention entry point and the XLA reference implementation.
+"""The one attention entry point, the XLA reference implementation and linear attention.
 
 Every implementation has the signature `fn(q, k, v, mask, **options)`: q is [B, T, N, H], k is [B, S, K, H],
 v is [B, S, K, E], N a multiple of K (grouped-query heads), and `mask` the masks.AttentionMask that `attention`
 builds once from its arguments. Which keys a query sees is written only there (ops/masks.py).
 
 Keys and values may also come heads-first, k [B, K, S, H] and v [B, K, S, E] (`kv_heads_first=True`): the layout
-of the decoding cache. A decode step has one query per row against up to hundreds of cached keys, a
-matrix-vector product bound by reading the cache; with the keys sequence-first, XLA copies every cached key and
-value into heads-first order at every step before its batched dot, a second read and a write of the whole cache
-(benchmarks/decode.py measures both layouts). Softmax kernels then run the reference below, which reads the
-heads-first cache in place; one query per row leaves no query blocks for a tiled kernel to gain on.
+of the decoding cache. A decode step is bound by reading the cache, and with sequence-first keys XLA copies every
+cached key and value into heads-first order at every step, a second read and a write of the whole cache
+(benchmarks/decode.py measures both). Softmax kernels then run the reference below, which reads the heads-first
+cache in place; one query per row leaves no query blocks for a tiled kernel to gain on.
 
 Axis letters: see transformer_jax/__init__.py.
 """
@@ -22,7 +21,7 @@ from collections.abc import Callable, Hashable
 import jax
 import jax.numpy as jnp
 
-from transformer_jax.ops.masks import AttentionMask, lineage_mask
+from transformer_jax.ops.masks import AttentionMask, is_real, lineage_mask
 
 Array = jax.Array
 
@@ -31,11 +30,8 @@ SOFTMAX_IMPLEMENTATIONS: set[str] = set()  # those computing softmax(QK^T / sqrt
 
 
 def register(name: str, *, softmax: bool = True) -> Callable[[Callable[..., Array]], Callable[..., Array]]:
-    """Registers `fn(q, k, v, mask, **options)` under `name` for `attention(..., impl=name)`.
-
-    softmax=False marks an implementation of another function (linear attention), which heads-first keys must
-    reach as it is rather than through the softmax reference.
-    """
+    """Registers `fn(q, k, v, mask, **options)` under `name` for `attention(..., impl=name)`. softmax=False marks
+    another function than softmax attention (linear), which heads-first keys must reach instead of the reference."""
 
     def wrap(fn: Callable[..., Array]) -> Callable[..., Array]:
         IMPLEMENTATIONS[name] = fn
@@ -131,6 +127,58 @@ def xla_attention(
     if return_weights:
         return out_BTNE, weights_BNTS
     return out_BTNE
+
+
+def feature_map(x: Array) -> Array:
+    """phi(x) = elu(x) + 1 > 0, the feature map of Katharopoulos et al."""
+    return jax.nn.elu(x) + 1.0
+
+
+def _run_sums(prefix_BS: Array, first_BT: Array, end_BT: Array) -> Array:
+    """sum over s in [first, end) from the prefix sums [B, S + 1, ...] (prefix[s] = sum of rows before s)."""
+
+    def at(index_BT: Array) -> Array:
+        index = index_BT.reshape(*index_BT.shape, *([1] * (prefix_BS.ndim - 2)))
+        return jnp.take_along_axis(prefix_BS, index, axis=1)
+
+    return at(end_BT) - at(first_BT)
+
+
+@register("linear", softmax=False)
+def linear_attention(q: Array, k: Array, v: Array, mask: AttentionMask) -> Array:
+    """Kernelised linear attention (Katharopoulos et al., 2020), softmax(q.k) replaced by phi(q).phi(k):
+
+        out_t = phi(q_t)^T sum_s phi(k_s) v_s^T / phi(q_t)^T sum_s phi(k_s),   phi(x) = elu(x) + 1
+
+    The sums run over each query's keys as AttentionMask.key_ranges gives them, a run [first, end) of key indices,
+    so each is a difference of two prefix sums: O(S H E) memory instead of the O(T S) scores, for packed rows,
+    padding, causal self-attention and a decoding cache alike (their keys are in the (segment id, position) order
+    key_ranges needs). Sliding windows are refused; a query that sees no key returns zeros.
+    """
+    if mask.window is not None:
+        raise ValueError("attention impl 'linear' does not support a sliding window; set attention.window=0")
+    batch, q_len, num_heads, head_dim = q.shape
+    kv_len, num_kv_heads = k.shape[1], k.shape[2]
+    groups = num_heads // num_kv_heads
+    q, k, v = mask.zero_padding_tokens(q, k, v)
+    phi_q_BTKGH = feature_map(q.astype(jnp.float32)).reshape(batch, q_len, num_kv_heads, groups, head_dim)
+    phi_k_BSKH = feature_map(k.astype(jnp.float32))
+    if mask.segments:
+        phi_k_BSKH = jnp.where(is_real(mask.kv_segment_ids)[:, :, None, None], phi_k_BSKH, 0.0)  # phi(0) = 1
+    kv_BSKHE = jnp.einsum("bskh,bske->bskhe", phi_k_BSKH, v.astype(jnp.float32))
+
+    def prefix(x_BS: Array) -> Array:
+        return jnp.concatenate([jnp.zeros_like(x_BS[:, :1]), jnp.cumsum(x_BS, axis=1)], axis=1)
+
+    first_BT, end_BT = mask.key_ranges(batch, q_len, kv_len)
+    kv_BTKHE = _run_sums(prefix(kv_BSKHE), first_BT, end_BT)
+    z_BTKH = _run_sums(prefix(phi_k_BSKH), first_BT, end_BT)
+    num_BTKGE = jnp.einsum("btkgh,btkhe->btkge", phi_q_BTKGH, kv_BTKHE)
+    den_BTKG = jnp.einsum("btkgh,btkh->btkg", phi_q_BTKGH, z_BTKH)
+    # A query that sees no key has a zero denominator: return zeros, with a safe divisor for the gradient.
+    seen_BTKG = den_BTKG > 0
+    out_BTKGE = jnp.where(seen_BTKG[..., None], num_BTKGE / jnp.where(seen_BTKG, den_BTKG, 1.0)[..., None], 0.0)
+    return out_BTKGE.reshape(batch, q_len, num_heads, v.shape[-1]).astype(q.dtype)
 
 
 def lineage_attention(

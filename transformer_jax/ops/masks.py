@@ -13,10 +13,9 @@ The rules, written here once:
   move): beam q of a sentence reads slot l from its sentence's row lineage[q, l], the row where its ancestor at
   step l wrote; the other W - 1 rows' slot l are hidden from it (`lineage_mask`). Causality still applies.
 
-Forms: `dense()` is the [B, 1, T, S] mask (xla); `tile()` rebuilds the pairs of one [X, Y] tile from per-token
-vectors with elementwise ops, so that it also lowers inside Pallas kernels (blockwise, pallas); `loop_bounds()`
-says which tiles to skip and which need no mask; `key_ranges()` gives each query its visible keys as a run of
-key indices (linear attention's prefix sums).
+Forms: `dense()` [B, 1, T, S] (xla); `tile()` of one [X, Y] tile from per-token vectors, with elementwise ops that
+also lower inside Pallas kernels; `loop_bounds()`, the tiles to skip or leave unmasked; `key_ranges()`, each query's
+visible keys as a run of key indices (linear attention).
 
 Axis letters: see transformer_jax/__init__.py.
 """

@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from transformer_jax import runtime
 from transformer_jax.ops.attention import recompute_vjp, register
 from transformer_jax.ops.masks import AttentionMask, pad_tokens
-from transformer_jax.ops.pallas_tpu import TpuBlockSizes, tpu_attention
+from transformer_jax.ops.pallas_tpu import TpuBlockSizes, dot, round_up, tpu_attention
 
 Array = jax.Array
 
@@ -146,8 +146,8 @@ def pallas_attention(
     for name, size in dataclasses.asdict(sizes).items():
         if name.endswith(("_q", "_k")) and (size < 16 or size & (size - 1)):
             raise ValueError(f"pallas attention: block size {name}={size} must be a power of two >= 16 (Triton)")
-    q_pad = _round_up(q_len, max(sizes.fwd_q, sizes.dkdv_q, sizes.dq_q))
-    kv_pad = _round_up(kv_len, max(sizes.fwd_k, sizes.dkdv_k, sizes.dq_k))
+    q_pad = round_up(q_len, max(sizes.fwd_q, sizes.dkdv_q, sizes.dq_q))
+    kv_pad = round_up(kv_len, max(sizes.fwd_k, sizes.dkdv_k, sizes.dq_k))
     mask = mask.pad(batch, q_len, kv_len, q_pad, kv_pad)
     q = _pad_last(pad_tokens(q, q_pad), h_pad)
     k = _pad_last(pad_tokens(k, kv_pad), h_pad)
@@ -161,10 +161,6 @@ def pallas_attention(
     )
     out_BTNE = _attend(q, k, v, mask, _Static(cfg, sizes, backend))
     return out_BTNE[:, :q_len, :, :value_dim]
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def _pad_last(x: Array, size: int) -> Array:
@@ -323,21 +319,15 @@ _attend = recompute_vjp(_forward, _backward)
 # The kernels (the recurrences of the module docstring); lengths and head dims arrive padded.
 
 
-def _dot(a: Array, b: Array, contract_a: int, contract_b: int) -> Array:
-    """2-D matmul contracting axis contract_a of a with contract_b of b, accumulating in float32."""
-    return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _tile_mask(cfg: KernelConfig, q_vecs: tuple, kv_vecs: tuple) -> Array:
-    """[X, Y] mask of a tile from [X] query vectors and [Y] key vectors (segment ids, positions)."""
-    return cfg.mask.tile(*q_vecs, *kv_vecs)
+def _scores(cfg: KernelConfig, q_XH: Array, k_YH: Array, vecs: tuple | None) -> Array:
+    """s = Q K^T * scale * log2(e) [X, Y]; vecs: None for an unmasked tile, else ((segment ids, positions) of the
+    queries [X], those of the keys [Y]), and s is -inf where the mask hides a pair."""
+    s_XY = dot(q_XH, k_YH, 1, 1) * (cfg.scale * LOG2E)
+    return s_XY if vecs is None else jnp.where(cfg.mask.tile(*vecs[0], *vecs[1]), s_XY, -jnp.inf)
 
 
 def _load_vecs(cfg: KernelConfig, seg_ref, pos_ref, index) -> tuple:
-    return (
-        seg_ref[index] if cfg.segments else None,
-        pos_ref[index] if cfg.positions else None,
-    )
+    return (seg_ref[index] if cfg.segments else None, pos_ref[index] if cfg.positions else None)
 
 
 def _three_loops(bounds_ref, num_tiles: int, body, carry):
@@ -369,15 +359,12 @@ def forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, block_k: int, 
     q_XH = q_ref[...]
     block_q, num_tiles = q_XH.shape[0], k_ref.shape[0] // block_k
     q_vecs = _load_vecs(cfg, q_seg_ref, q_pos_ref, slice(None)) if masked else None
-    scale2 = cfg.scale * LOG2E
 
     def body(j, carry: tuple, tile_masked: bool) -> tuple:
         m_X, l_X, acc_XE = carry
         kv_slice = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
-        s_XY = _dot(q_XH, k_ref[kv_slice, :], 1, 1) * scale2
-        if tile_masked:
-            mask_XY = _tile_mask(cfg, q_vecs, _load_vecs(cfg, kv_seg_ref, kv_pos_ref, kv_slice))
-            s_XY = jnp.where(mask_XY, s_XY, -jnp.inf)
+        vecs = (q_vecs, _load_vecs(cfg, kv_seg_ref, kv_pos_ref, kv_slice)) if tile_masked else None
+        s_XY = _scores(cfg, q_XH, k_ref[kv_slice, :], vecs)
         m_new = jnp.maximum(m_X, jnp.max(s_XY, axis=1))
         if tile_masked:
             # A row that has seen no key keeps m = -inf; shift by 0 so that 2^(s - m) is 0, not NaN.
@@ -387,7 +374,7 @@ def forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, block_k: int, 
         alpha_X = jnp.exp2(m_X - m_new_safe)
         p_XY = jnp.exp2(s_XY - m_new_safe[:, None])
         v_YE = v_ref[kv_slice, :]
-        acc_XE = alpha_X[:, None] * acc_XE + _dot(p_XY.astype(v_YE.dtype), v_YE, 1, 0)
+        acc_XE = alpha_X[:, None] * acc_XE + dot(p_XY.astype(v_YE.dtype), v_YE, 1, 0)
         return m_new, alpha_X * l_X + jnp.sum(p_XY, axis=1), acc_XE
 
     init = (
@@ -404,16 +391,7 @@ def forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, block_k: int, 
 
 
 def dkdv_kernel(
-    q_ref,
-    k_ref,
-    v_ref,
-    do_ref,
-    lse_ref,
-    delta_ref,
-    *refs,
-    cfg: KernelConfig,
-    block_q: int,
-    masked: bool,
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: KernelConfig, block_q: int, masked: bool
 ) -> None:
     """One key block [Y, H] against the query blocks of its G query heads; writes dK [Y, H] and dV [Y, E].
 
@@ -423,22 +401,18 @@ def dkdv_kernel(
     k_YH, v_YE = k_ref[...], v_ref[...]
     num_tiles = q_ref.shape[0] // block_q
     kv_vecs = _load_vecs(cfg, kv_seg_ref, kv_pos_ref, slice(None)) if masked else None
-    scale2 = cfg.scale * LOG2E
 
     def head(g, carry: tuple) -> tuple:
         def body(i, carry: tuple, tile_masked: bool) -> tuple:
             dk_YH, dv_YE = carry
             q_slice = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
             q_XH, do_XE = q_ref[q_slice, g, :], do_ref[q_slice, g, :]
-            s_XY = _dot(q_XH, k_YH, 1, 1) * scale2
-            if tile_masked:
-                mask_XY = _tile_mask(cfg, _load_vecs(cfg, q_seg_ref, q_pos_ref, q_slice), kv_vecs)
-                s_XY = jnp.where(mask_XY, s_XY, -jnp.inf)
-            p_XY = jnp.exp2(s_XY - lse_ref[g, q_slice][:, None])
-            dv_YE = dv_YE + _dot(p_XY.astype(do_XE.dtype), do_XE, 0, 0)
-            dp_XY = _dot(do_XE, v_YE, 1, 1)
+            vecs = (_load_vecs(cfg, q_seg_ref, q_pos_ref, q_slice), kv_vecs) if tile_masked else None
+            p_XY = jnp.exp2(_scores(cfg, q_XH, k_YH, vecs) - lse_ref[g, q_slice][:, None])
+            dv_YE = dv_YE + dot(p_XY.astype(do_XE.dtype), do_XE, 0, 0)
+            dp_XY = dot(do_XE, v_YE, 1, 1)
             ds_XY = p_XY * (dp_XY - delta_ref[g, q_slice][:, None])
-            dk_YH = dk_YH + _dot(ds_XY.astype(q_XH.dtype), q_XH, 0, 0)
+            dk_YH = dk_YH + dot(ds_XY.astype(q_XH.dtype), q_XH, 0, 0)
             return dk_YH, dv_YE
 
         return _three_loops(bounds_ref, num_tiles, body, carry)
@@ -450,16 +424,7 @@ def dkdv_kernel(
 
 
 def dq_kernel(
-    q_ref,
-    k_ref,
-    v_ref,
-    do_ref,
-    lse_ref,
-    delta_ref,
-    *refs,
-    cfg: KernelConfig,
-    block_k: int,
-    masked: bool,
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: KernelConfig, block_k: int, masked: bool
 ) -> None:
     """One query block [X, H] against all key blocks; writes dQ [X, H]."""
     q_seg_ref, kv_seg_ref, q_pos_ref, kv_pos_ref, bounds_ref, (dq_ref,) = _split_refs(cfg, refs, masked)
@@ -467,18 +432,14 @@ def dq_kernel(
     lse_X, delta_X = lse_ref[...], delta_ref[...]
     num_tiles = k_ref.shape[0] // block_k
     q_vecs = _load_vecs(cfg, q_seg_ref, q_pos_ref, slice(None)) if masked else None
-    scale2 = cfg.scale * LOG2E
 
     def body(j, dq_XH: Array, tile_masked: bool) -> Array:
         kv_slice = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
         k_YH, v_YE = k_ref[kv_slice, :], v_ref[kv_slice, :]
-        s_XY = _dot(q_XH, k_YH, 1, 1) * scale2
-        if tile_masked:
-            mask_XY = _tile_mask(cfg, q_vecs, _load_vecs(cfg, kv_seg_ref, kv_pos_ref, kv_slice))
-            s_XY = jnp.where(mask_XY, s_XY, -jnp.inf)
-        p_XY = jnp.exp2(s_XY - lse_X[:, None])
-        ds_XY = p_XY * (_dot(do_XE, v_YE, 1, 1) - delta_X[:, None])
-        return dq_XH + _dot(ds_XY.astype(k_YH.dtype), k_YH, 1, 0)
+        vecs = (q_vecs, _load_vecs(cfg, kv_seg_ref, kv_pos_ref, kv_slice)) if tile_masked else None
+        p_XY = jnp.exp2(_scores(cfg, q_XH, k_YH, vecs) - lse_X[:, None])
+        ds_XY = p_XY * (dot(do_XE, v_YE, 1, 1) - delta_X[:, None])
+        return dq_XH + dot(ds_XY.astype(k_YH.dtype), k_YH, 1, 0)
 
     dq_XH = _three_loops(bounds_ref, num_tiles, body, jnp.zeros(q_XH.shape, jnp.float32))
     dq_ref[...] = (dq_XH * cfg.scale).astype(dq_ref.dtype)

@@ -1,8 +1,5 @@
-"""FlashAttention-2 on TPU with our own Pallas kernels, lowered with Mosaic; the custom VJP's backward recomputes
-the tiles from the saved log-sum-exp (a dK/dV kernel over key blocks and a dQ kernel over query blocks).
-`attention(..., impl="pallas")` runs it when platform.target_backend() is "tpu"; on a CPU host it runs in TPU
-interpret mode (jax.experimental.pallas.tpu.force_tpu_interpret_mode) or compiles for a TPU topology
-(accelerators.tpu_devices).
+"""FlashAttention-2 on TPU with our own Pallas kernels, lowered with Mosaic: `attention(..., impl="pallas")` traced
+for TPU (on a CPU host: in TPU interpret mode, or compiled for a TPU topology, accelerators.tpu_devices).
 
 The grid walks (batch, head, resident block, streamed block), one tile per step; the last axis is the reduction,
 carried in VMEM scratch from its first step to its last:
@@ -25,8 +22,6 @@ Mosaic's layout rules, which every shape below obeys (stated here once):
 - Key tiles Y are lanes of the score tile [X, Y] and of the key-vector rows: multiples of 128. Query tiles X are
   sublanes: multiples of 16 (bfloat16 packs two rows per sublane; 16 also serves float32).
 - Scalars that steer the grid (the loop bounds) live in SMEM: scalar prefetch, flattened to 1-D.
-The tile table below obeys them for every head dim; generations differ in MXU size (v4/v5e 128x128, v6e 256x256),
-which 512-wide tiles fill on all of them, so one table serves them all until measurements on a TPU say otherwise.
 
 Axis letters: see transformer_jax/__init__.py.
 """
@@ -73,12 +68,13 @@ class TpuBlockSizes:
 
     def fit(self, q_len: int, kv_len: int) -> TpuBlockSizes:
         """Shrinks tiles to short sequences, so that they are not padded to a whole 512-tile."""
-        tq, tk = _round_up(q_len, SUBLANES), _round_up(kv_len, LANES)
+        tq, tk = round_up(q_len, SUBLANES), round_up(kv_len, LANES)
         return TpuBlockSizes(min(self.fwd_q, tq), min(self.fwd_k, tk), min(self.bwd_q, tq), min(self.bwd_k, tk))
 
 
-# Tile sizes by (padded) head dim: the one table. Untuned on hardware (no TPU was lent); 512 follows splash
-# attention's defaults, and 256 keeps the head-dim-256 backward's float32 tiles within VMEM.
+# Tile sizes by (padded) head dim, for every TPU generation: 512-wide tiles fill the MXU of each (v4/v5e 128x128,
+# v6e 256x256). Untuned on hardware (no TPU was lent); 512 follows splash attention's defaults, and 256 keeps the
+# head-dim-256 backward's float32 tiles within VMEM.
 TPU_BLOCK_SIZES = {
     64: TpuBlockSizes(512, 512, 512, 512),
     128: TpuBlockSizes(512, 512, 512, 512),
@@ -128,13 +124,6 @@ def unsupported(q: Array, k: Array, v: Array) -> str | None:
     return None
 
 
-def check_inputs(q: Array, k: Array, v: Array) -> None:
-    """Raises unsupported(...)'s reason as a ValueError at trace time (never a Mosaic error)."""
-    reason = unsupported(q, k, v)
-    if reason:
-        raise ValueError(reason)
-
-
 def tpu_attention(
     q: Array,
     k: Array,
@@ -150,7 +139,6 @@ def tpu_attention(
     kernels cannot be partitioned by XLA, so they run inside a shard_map that splits the batch over every mesh
     axis, as sharding.batch_sharding splits batches.
     """
-    check_inputs(q, k, v)
 
     def local(q: Array, k: Array, v: Array, mask: AttentionMask) -> Array:
         prepared, mask_p, static = _prepare(q, k, v, mask, scale, block_sizes, count_tiles=False)
@@ -170,11 +158,8 @@ def tpu_attention(
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=rows, check_vma=False)(q, k, v, mask)
 
 
-def tile_counts(
-    q: Array, k: Array, v: Array, mask: AttentionMask, *, block_sizes: TpuBlockSizes | None = None
-) -> dict[str, Array]:
+def tile_counts(q: Array, k: Array, v: Array, mask: AttentionMask, *, block_sizes: TpuBlockSizes | None = None) -> dict:
     """Tiles each kernel computed, counted inside the kernels: forward [B, N, I], dkdv [B, K, J], dq [B, N, I]."""
-    check_inputs(q, k, v)
     (q_p, k_p, v_p), mask_p, static = _prepare(q, k, v, mask, None, block_sizes, count_tiles=True)
     out, lse, fwd_count = _forward_call(q_p, k_p, v_p, mask_p, static)
     *_, dkdv_count, dq_count = _backward_calls((q_p, k_p, v_p, mask_p, out, lse), jnp.ones_like(out), static)
@@ -210,17 +195,20 @@ def prepared_sizes(q_len: int, kv_len: int, head_dim: int, block_sizes: TpuBlock
     sizes = block_sizes_for(head_dim) if block_sizes is None else block_sizes
     sizes.check()
     sizes = sizes.fit(q_len, kv_len)
-    q_pad = _round_up(q_len, math.lcm(sizes.fwd_q, sizes.bwd_q))
-    kv_pad = _round_up(kv_len, math.lcm(sizes.fwd_k, sizes.bwd_k))
+    q_pad = round_up(q_len, math.lcm(sizes.fwd_q, sizes.bwd_q))
+    kv_pad = round_up(kv_len, math.lcm(sizes.fwd_k, sizes.bwd_k))
     return sizes, q_pad, kv_pad
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
 def _prepare(q, k, v, mask, scale, block_sizes, *, count_tiles: bool):
-    """Pads lengths to whole tiles (padding gets segment 0), moves heads first, and builds the static config."""
+    """Pads lengths to whole tiles (padding gets segment 0), moves heads first, and builds the static config.
+    Inputs the kernels cannot take raise unsupported(...)'s reason at trace time, never a Mosaic error."""
+    if reason := unsupported(q, k, v):
+        raise ValueError(reason)
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     sizes, q_pad, kv_pad = prepared_sizes(q_len, kv_len, max(head_dim, value_dim), block_sizes)
@@ -292,11 +280,31 @@ def _prefetch(mask: AttentionMask, cfg: KernelConfig, block_q: int, block_k: int
     return [mask.loop_bounds(block_q, block_k, transpose=transpose).reshape(-1)]
 
 
-def _query_grid_streamed(cfg: KernelConfig):
-    """Key block of grid step (b, n, i, j): j itself, or clamped into the row's visible range."""
-    if not cfg.masked:
-        return lambda b, i, j, *_: j
-    return lambda b, i, j, bounds: streamed_block(bounds, b * cfg.num_i + i, j)
+def _query_grid(mask: AttentionMask, cfg: KernelConfig, rows: tuple[int, int, int], bq: int, bk: int) -> tuple:
+    """The forward's and the dQ kernel's grid (b, n, i, j): query block i resident, key block j streamed (j itself,
+    or clamped into the row's visible range). (q_blk, kv_blk) index maps, mask (specs, args), count (specs, shapes)."""
+    if cfg.masked:
+        kv_j = lambda b, i, j, bounds: streamed_block(bounds, b * cfg.num_i + i, j)
+    else:
+        kv_j = lambda b, i, j, *_: j
+    q_blk = lambda b, n, i, j, *s: (b, n, i, 0)
+    kv_blk = lambda b, n, i, j, *s: (b, lax.div(n, cfg.groups), kv_j(b, i, j, *s), 0)
+    masks = _mask_specs(
+        mask, bq, lambda b, n, i, j, *s: (b, i, 0), bk, lambda b, n, i, j, *s: (b, 0, kv_j(b, i, j, *s))
+    )
+    return q_blk, kv_blk, masks, _count_spec(cfg, rows, lambda b, n, i, j, *s: (b, n, i, 0, 0))
+
+
+def _operand_specs(q_map, kv_map, bq: int, bk: int, head_dim: int, value_dim: int) -> list:
+    """Block specs of q [X, H], k [Y, H], v [Y, E], dO [X, E], lse [X, 1] and delta [X, 1] (the forward: 3)."""
+    return [
+        pl.BlockSpec((None, None, bq, head_dim), q_map),
+        pl.BlockSpec((None, None, bk, head_dim), kv_map),
+        pl.BlockSpec((None, None, bk, value_dim), kv_map),
+        pl.BlockSpec((None, None, bq, value_dim), q_map),
+        pl.BlockSpec((None, None, bq, 1), q_map),
+        pl.BlockSpec((None, None, bq, 1), q_map),
+    ]
 
 
 def _count_spec(cfg: KernelConfig, rows: tuple[int, int, int], index) -> tuple[list, list]:
@@ -329,33 +337,18 @@ def _forward_call(q: Array, k: Array, v: Array, mask: AttentionMask, static: _St
     """out [B, N, T, E], lse [B, N, T, 1] (natural log, +inf where a row sees nothing), and counts if counting."""
     cfg, sizes = static.cfg_fwd, static.blocks
     batch, num_heads, q_len, head_dim = q.shape
-    value_dim, g = v.shape[-1], cfg.groups
-    bq, bk = sizes.fwd_q, sizes.fwd_k
-    kv_j = _query_grid_streamed(cfg)
-    mask_specs, mask_args = _mask_specs(
-        mask, bq, lambda b, n, i, j, *s: (b, i, 0), bk, lambda b, n, i, j, *s: (b, 0, kv_j(b, i, j, *s))
+    value_dim, bq, bk = v.shape[-1], sizes.fwd_q, sizes.fwd_k
+    q_blk, kv_blk, (mask_specs, mask_args), (count_specs, count_shapes) = _query_grid(
+        mask, cfg, (batch, num_heads, cfg.num_i), bq, bk
     )
-    count_specs, count_shapes = _count_spec(cfg, (batch, num_heads, cfg.num_i), lambda b, n, i, j, *s: (b, n, i, 0, 0))
-    out_shape = [
-        jax.ShapeDtypeStruct((batch, num_heads, q_len, value_dim), v.dtype),
-        jax.ShapeDtypeStruct((batch, num_heads, q_len, 1), jnp.float32),
-        *count_shapes,
-    ]
+    out_BNTE = jax.ShapeDtypeStruct((batch, num_heads, q_len, value_dim), v.dtype)
+    out_shape = [out_BNTE, jax.ShapeDtypeStruct((batch, num_heads, q_len, 1), jnp.float32), *count_shapes]
     call = _call(
         forward_kernel,
         cfg,
         (batch, num_heads, cfg.num_i, cfg.num_j),
-        [
-            pl.BlockSpec((None, None, bq, head_dim), lambda b, n, i, j, *s: (b, n, i, 0)),
-            pl.BlockSpec((None, None, bk, head_dim), lambda b, n, i, j, *s: (b, lax.div(n, g), kv_j(b, i, j, *s), 0)),
-            pl.BlockSpec((None, None, bk, value_dim), lambda b, n, i, j, *s: (b, lax.div(n, g), kv_j(b, i, j, *s), 0)),
-            *mask_specs,
-        ],
-        [
-            pl.BlockSpec((None, None, bq, value_dim), lambda b, n, i, j, *s: (b, n, i, 0)),
-            pl.BlockSpec((None, None, bq, 1), lambda b, n, i, j, *s: (b, n, i, 0)),
-            *count_specs,
-        ],
+        [*_operand_specs(q_blk, kv_blk, bq, bk, head_dim, value_dim)[:3], *mask_specs],
+        [pl.BlockSpec((None, None, bq, value_dim), q_blk), pl.BlockSpec((None, None, bq, 1), q_blk), *count_specs],
         out_shape,
         [pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, value_dim), jnp.float32)],
         ("parallel", "parallel", "parallel", "arbitrary"),
@@ -391,54 +384,30 @@ def _backward_calls(res: tuple, do: Array, static: _Static) -> tuple:
     q_row = lambda b, h, j, gi, i, *s: (b, h * g + gi, q_i(b, j, i, *s), 0)
     kv_row = lambda b, h, j, gi, i, *s: (b, h, j, 0)
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype), *count_shapes]
+    operand_specs = _operand_specs(q_row, kv_row, bq, bk, head_dim, value_dim)
     dkdv = _call(
         dkdv_kernel,
         cfg,
         (batch, num_kv_heads, cfg.num_j, g, cfg.num_i),
-        [
-            pl.BlockSpec((None, None, bq, head_dim), q_row),
-            pl.BlockSpec((None, None, bk, head_dim), kv_row),
-            pl.BlockSpec((None, None, bk, value_dim), kv_row),
-            pl.BlockSpec((None, None, bq, value_dim), q_row),
-            pl.BlockSpec((None, None, bq, 1), q_row),
-            pl.BlockSpec((None, None, bq, 1), q_row),
-            *mask_specs,
-        ],
-        [
-            pl.BlockSpec((None, None, bk, head_dim), kv_row),
-            pl.BlockSpec((None, None, bk, value_dim), kv_row),
-            *count_specs,
-        ],
+        [*operand_specs, *mask_specs],
+        [*operand_specs[1:3], *count_specs],  # dK and dV: the blocks of k and v
         out_shape,
         [pltpu.VMEM((bk, head_dim), jnp.float32), pltpu.VMEM((bk, value_dim), jnp.float32)],
         ("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
         _cost("dkdv", static.tiles[1], bq, bk, head_dim, value_dim, q, k, v, do, lse, delta, *mask_args, *out_shape),
         "attention_dkdv_tpu",
     )(*_prefetch(mask, cfg, bq, bk, True), q, k, v, do, lse, delta, *mask_args)
-    dk, dv = dkdv[0], dkdv[1]
 
     # dQ: grid over query blocks, like the forward pass.
-    kv_j = _query_grid_streamed(cfg)
-    mask_specs, mask_args = _mask_specs(
-        mask, bq, lambda b, n, i, j, *s: (b, i, 0), bk, lambda b, n, i, j, *s: (b, 0, kv_j(b, i, j, *s))
+    q_blk, kv_blk, (mask_specs, mask_args), (count_specs, count_shapes) = _query_grid(
+        mask, cfg, (batch, num_heads, cfg.num_i), bq, bk
     )
-    count_specs, count_shapes = _count_spec(cfg, (batch, num_heads, cfg.num_i), lambda b, n, i, j, *s: (b, n, i, 0, 0))
-    q_blk = lambda b, n, i, j, *s: (b, n, i, 0)
-    kv_blk = lambda b, n, i, j, *s: (b, lax.div(n, g), kv_j(b, i, j, *s), 0)
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), *count_shapes]
     dq_out = _call(
         dq_kernel,
         cfg,
         (batch, num_heads, cfg.num_i, cfg.num_j),
-        [
-            pl.BlockSpec((None, None, bq, head_dim), q_blk),
-            pl.BlockSpec((None, None, bk, head_dim), kv_blk),
-            pl.BlockSpec((None, None, bk, value_dim), kv_blk),
-            pl.BlockSpec((None, None, bq, value_dim), q_blk),
-            pl.BlockSpec((None, None, bq, 1), q_blk),
-            pl.BlockSpec((None, None, bq, 1), q_blk),
-            *mask_specs,
-        ],
+        [*_operand_specs(q_blk, kv_blk, bq, bk, head_dim, value_dim), *mask_specs],
         [pl.BlockSpec((None, None, bq, head_dim), q_blk), *count_specs],
         out_shape,
         [pltpu.VMEM((bq, head_dim), jnp.float32)],
@@ -446,28 +415,20 @@ def _backward_calls(res: tuple, do: Array, static: _Static) -> tuple:
         _cost("dq", static.tiles[2], bq, bk, head_dim, value_dim, q, k, v, do, lse, delta, *mask_args, *out_shape),
         "attention_dq_tpu",
     )(*_prefetch(mask, cfg, bq, bk, False), q, k, v, do, lse, delta, *mask_args)
-    if cfg.count_tiles:
-        return dq_out[0], dk, dv, dkdv[2], dq_out[1]
-    return dq_out[0], dk, dv
+    return (dq_out[0], *dkdv, *dq_out[1:])  # dq, dk, dv, then the counts when counting
 
 
-def _forward(q: Array, k: Array, v: Array, mask: AttentionMask, static: _Static) -> tuple[Array, Array]:
-    out, lse, _ = _forward_call(q, k, v, mask, static)
-    return out, lse
-
-
-def _backward(res: tuple, do: Array, static: _Static) -> tuple[Array, Array, Array]:
-    return _backward_calls(res, do, static)[:3]
-
-
-_attend = recompute_vjp(_forward, _backward)
+_attend = recompute_vjp(
+    lambda q, k, v, mask, static: _forward_call(q, k, v, mask, static)[:2],  # (out, lse) without the tile counts
+    lambda res, do, static: _backward_calls(res, do, static)[:3],
+)
 
 
 # The kernels (the recurrences of the module docstring), one tile per grid step.
 
 
-def _dot(a: Array, b: Array, contract_a: int, contract_b: int) -> Array:
-    """2-D matmul contracting axis contract_a of a with contract_b of b, accumulating in float32."""
+def dot(a: Array, b: Array, contract_a: int, contract_b: int) -> Array:
+    """2-D matmul contracting axis contract_a of a with contract_b of b, accumulating in float32 (both kernels')."""
     return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32)
 
 
@@ -487,14 +448,11 @@ class _Refs:
         self.__dict__.update(zip(names, refs, strict=True))
         self.cfg = cfg
 
-    def vectors(self) -> tuple:
-        """(q_seg [X, 1], q_pos [X, 1], kv_seg [1, Y], kv_pos [1, Y]) of this tile; None where off."""
+    def tile_mask(self) -> Array:
+        """[X, Y] from this tile's vectors q_seg, q_pos [X, 1] and kv_seg, kv_pos [1, Y] (None where off)."""
         seg = (self.q_seg[...], self.kv_seg[...]) if self.cfg.segments else (None, None)
         pos = (self.q_pos[...], self.kv_pos[...]) if self.cfg.positions else (None, None)
-        return seg[0], pos[0], seg[1], pos[1]
-
-    def tile_mask(self) -> Array:
-        return self.cfg.mask.pairs(*self.vectors())
+        return self.cfg.mask.pairs(seg[0], pos[0], seg[1], pos[1])
 
 
 def row_bounds(bounds_ref, row: Array) -> tuple[Array, Array, Array, Array]:
@@ -506,6 +464,12 @@ def streamed_block(bounds_ref, row: Array, step: Array) -> Array:
     """The block a grid step reads: `step` clamped into [lo, hi), so a skipped step re-uses a fetched block."""
     lo, _, _, hi = row_bounds(bounds_ref, row)
     return jnp.minimum(jnp.maximum(step, lo), jnp.maximum(hi - 1, lo))
+
+
+def _scores(r: _Refs, cfg: KernelConfig, tile_masked: bool) -> Array:
+    """s = Q K^T * scale [X, Y] of the tile, -inf where masked."""
+    s_XY = dot(r.q[...], r.k[...], 1, 1) * cfg.scale
+    return jnp.where(r.tile_mask(), s_XY, -jnp.inf) if tile_masked else s_XY
 
 
 def _visit(r: _Refs, row: Array, step: Array, compute) -> None:
@@ -549,9 +513,7 @@ def forward_kernel(*refs, cfg: KernelConfig) -> None:
         _start_count(r)
 
     def compute(tile_masked: bool) -> None:
-        s_XY = _dot(r.q[...], r.k[...], 1, 1) * cfg.scale
-        if tile_masked:
-            s_XY = jnp.where(r.tile_mask(), s_XY, -jnp.inf)
+        s_XY = _scores(r, cfg, tile_masked)
         m_prev_X1 = r.m[...]
         m_new_X1 = jnp.maximum(m_prev_X1, jnp.max(s_XY, axis=1, keepdims=True))
         # A row that has seen no key keeps m = -inf; shift by 0 there so that e^(s - m) is 0, not NaN. An
@@ -561,7 +523,7 @@ def forward_kernel(*refs, cfg: KernelConfig) -> None:
         p_XY = jnp.exp(s_XY - m_safe_X1)
         v_YE = r.v[...]
         r.l[...] = alpha_X1 * r.l[...] + jnp.sum(p_XY, axis=1, keepdims=True)
-        r.acc[...] = alpha_X1 * r.acc[...] + _dot(p_XY.astype(v_YE.dtype), v_YE, 1, 0)
+        r.acc[...] = alpha_X1 * r.acc[...] + dot(p_XY.astype(v_YE.dtype), v_YE, 1, 0)
         r.m[...] = m_new_X1
 
     _visit(r, b * cfg.num_i + i, j, compute)
@@ -580,12 +542,8 @@ def forward_kernel(*refs, cfg: KernelConfig) -> None:
 def _probs_and_score_grads(r: _Refs, cfg: KernelConfig, tile_masked: bool) -> tuple[jax.Array, jax.Array]:
     """The backward's recomputation of one tile, shared by both kernels: P = e^(s - lse) [X, Y] from the forward's
     saved lse, and dS = P (dO V^T - delta) [X, Y], the gradient of the (scaled) scores."""
-    q_XH, k_YH, v_YE, do_XE = r.q[...], r.k[...], r.v[...], r.do[...]
-    s_XY = _dot(q_XH, k_YH, 1, 1) * cfg.scale
-    if tile_masked:
-        s_XY = jnp.where(r.tile_mask(), s_XY, -jnp.inf)
-    p_XY = jnp.exp(s_XY - r.lse[...])
-    return p_XY, p_XY * (_dot(do_XE, v_YE, 1, 1) - r.delta[...])
+    p_XY = jnp.exp(_scores(r, cfg, tile_masked) - r.lse[...])
+    return p_XY, p_XY * (dot(r.do[...], r.v[...], 1, 1) - r.delta[...])
 
 
 def dkdv_kernel(*refs, cfg: KernelConfig) -> None:
@@ -603,8 +561,8 @@ def dkdv_kernel(*refs, cfg: KernelConfig) -> None:
     def compute(tile_masked: bool) -> None:
         p_XY, ds_XY = _probs_and_score_grads(r, cfg, tile_masked)
         q_XH, do_XE = r.q[...], r.do[...]
-        r.dv_acc[...] += _dot(p_XY.T.astype(do_XE.dtype), do_XE, 1, 0)
-        r.dk_acc[...] += _dot(ds_XY.T.astype(q_XH.dtype), q_XH, 1, 0)
+        r.dv_acc[...] += dot(p_XY.T.astype(do_XE.dtype), do_XE, 1, 0)
+        r.dk_acc[...] += dot(ds_XY.T.astype(q_XH.dtype), q_XH, 1, 0)
 
     _visit(r, b * cfg.num_j + j, i, compute)
 
@@ -628,7 +586,7 @@ def dq_kernel(*refs, cfg: KernelConfig) -> None:
     def compute(tile_masked: bool) -> None:
         _, ds_XY = _probs_and_score_grads(r, cfg, tile_masked)
         k_YH = r.k[...]
-        r.dq_acc[...] += _dot(ds_XY.astype(k_YH.dtype), k_YH, 1, 0)
+        r.dq_acc[...] += dot(ds_XY.astype(k_YH.dtype), k_YH, 1, 0)
 
     _visit(r, b * cfg.num_i + i, j, compute)
 
