@@ -9,7 +9,7 @@ from flax import nnx
 from tests.helpers import jitted
 from tests.helpers.model import tiny_spec
 from transformer_jax import ops
-from transformer_jax.model.attention import MultiHeadAttention
+from transformer_jax.model.layers import MultiHeadAttention
 
 
 def test_dot_product_variance_is_d_k_and_ops_attention_scales_it_to_one():

@@ -7,25 +7,32 @@ evaluation all go through these two.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 from flax import nnx
 
 from transformer_jax.model import layers
-from transformer_jax.model.attention import (
+from transformer_jax.model.layers import (
     CACHE_SLOT_AXIS,
+    Embedding,
+    FeedForward,
+    LearnedPositions,
     MultiHeadAttention,
     append_lineage,
     append_to_cache,
+    dense,
     grow_self_cache,
     grow_slots,
     heads_first,
     init_self_cache,
+    make_norm,
+    sinusoidal_encoding,
 )
-from transformer_jax.model.layers import Embedding, FeedForward, LearnedPositions, dense, make_norm, sinusoidal_encoding
 from transformer_jax.model.spec import TransformerSpec
 from transformer_jax.ops.attention import SOFTMAX_IMPLEMENTATIONS
 
@@ -317,7 +324,7 @@ class Transformer(nnx.Module):
         """A decoding cache for up to max_len target tokens: cross-attention K/V projected once per sentence.
 
         The source's segment ids (or its tokens, to derive them from) are kept to mask its padding, as in `decode`.
-        Keys and values are held heads-first (model/attention.py CACHE_SLOT_AXIS); `grow_cache` adds slots. With a
+        Keys and values are held heads-first (model/layers.py CACHE_SLOT_AXIS); `grow_cache` adds slots. With a
         softmax attention the cache also holds a beam lineage [B, max_len] (`reorder_cache`).
         """
         if self.spec.positional == "learned" and max_len > self.spec.max_len:
@@ -424,3 +431,33 @@ def capture_attention_weights(model: Transformer, enabled: bool = True) -> None:
     for _, module in nnx.iter_modules(model):
         if isinstance(module, MultiHeadAttention):
             module.capture_weights = enabled
+
+
+def build_model(config: ml_collections.ConfigDict, *, rngs: nnx.Rngs) -> Transformer:
+    """The Transformer described by a full config (groups `model` and `attention`), validated."""
+    return Transformer(TransformerSpec.from_config(config), rngs=rngs)
+
+
+def model_rngs(seed: int) -> nnx.Rngs:
+    """The random streams every model is built with, in training and for evaluation alike.
+
+    Separate streams: parameter init and dropout draw from different keys of the same seed. Dropout masks come from
+    a counter hash (model/layers.py: dropout) that draws only two words per call from this key, so the key's impl costs
+    nothing; it stays "rbg" because the key is part of every checkpoint and another impl has another shape. The
+    streams are part of the model's graph and state, so a model built otherwise (for evaluation) would compile
+    other decoding programs than the ones validation BLEU saved during training (docs/compilation.md).
+    """
+    return nnx.Rngs(params=seed, dropout=jax.random.key(seed + 1, impl="rbg"))
+
+
+def parameter_count(config: ml_collections.ConfigDict) -> int:
+    """The config's model's number of parameters, from shapes only (nothing allocated)."""
+    return _parameter_count(TransformerSpec.from_config(config))
+
+
+@functools.lru_cache(maxsize=64)
+def _parameter_count(spec: TransformerSpec) -> int:
+    # Kept per spec, which is all that shapes the model: tracing the initialisers of a big model takes about a second,
+    # and a sweep counts every variant, many of one spec.
+    model = nnx.eval_shape(lambda: Transformer(spec, rngs=model_rngs(0)))
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
