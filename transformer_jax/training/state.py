@@ -1,9 +1,5 @@
-"""The train state: model, optimizer and counters under their names, split once into a static graph and arrays.
-
-`nnx.split(TrainState)` gives a pytree of arrays whose top-level keys are the field names (`state["model"]`,
-`state["optimizer"]["step"]`, `state["counters"]`); the step functions merge it back and use the fields by name.
-The optimizer is optax's, with the learning-rate schedule, from the `opt` config group; opt.freeze freezes
-parameters by path.
+"""The train state: model, optimizer (optax, with its learning-rate schedule, from the `opt` group) and counters,
+split once into static graphs and a pytree of arrays keyed by field name (`state["model"]`, `state["counters"]`).
 """
 
 from __future__ import annotations
@@ -48,8 +44,8 @@ class TrainState(nnx.Module):
 
 @dataclasses.dataclass(frozen=True)
 class Graphs:
-    """Static halves of the TrainState: one with dropout on (train), one with it off (eval); and the learning rate
-    of each step (0-based), as the optimizer applies it, which the metrics log."""
+    """Static halves of the TrainState, dropout on (train) and off (eval); and the learning rate of each 0-based
+    step, as the optimizer applies it, which the metrics log."""
 
     train: nnx.GraphDef
     eval: nnx.GraphDef
@@ -140,8 +136,7 @@ def create_model(config: ml_collections.ConfigDict, seed: int) -> Transformer:
 
 
 def new_train_state(config: ml_collections.ConfigDict) -> TrainState:
-    """Model + optimizer + counters built from the config (arrays allocated and initialised). The learning-rate
-    schedule is built here, once: the optimizer applies it and the TrainState keeps it for the metrics."""
+    """Model + optimizer + counters built from the config; the one schedule goes to the optimizer and the state."""
     model = create_model(config, config.train.seed)
     schedule = learning_rate_schedule(config.opt, config.train.num_steps)
     optimizer = nnx.Optimizer(model, make_optimizer(config.opt, schedule), wrt=nnx.Param)
@@ -163,7 +158,7 @@ def create_train_state(config: ml_collections.ConfigDict) -> tuple[Graphs, nnx.S
 
 
 def abstract_train_state(config: ml_collections.ConfigDict) -> tuple[Graphs, nnx.State]:
-    """The same as create_train_state with shapes only (no memory, no compute): for restoring and dry runs."""
+    """create_train_state with shapes only (no memory, no compute)."""
     return split_train_state(nnx.eval_shape(lambda: new_train_state(config)))
 
 
