@@ -84,13 +84,6 @@ def run(config: ml_collections.ConfigDict, topology_name: str, search: str = "")
     return result
 
 
-def planned_shape(config: ml_collections.ConfigDict, topology: Topology, mesh) -> tuple[int, int, int]:
-    """The global batch shape (rows, S, T) with the most FLOPs among those data.batching produces on this slice."""
-    shapes = batch_shapes(config.data, topology.hosts, check_batch_shapes(config, mesh))
-    spec = TransformerSpec.from_config(config)
-    return max(shapes, key=lambda shape: (train_step_flops(spec, *shape), shape[2]))
-
-
 def _batch_shape(key: str, rows: int, s_len: int, t_len: int) -> tuple[int, int]:
     return (rows, s_len if key.startswith("src") else t_len)
 
@@ -126,7 +119,10 @@ def plan_train_step(config: ml_collections.ConfigDict, topology: Topology, mesh_
         raise ConfigError(f"config key train.mesh: unknown value {mesh_mode!r}; choose one of {list(MESH_MODES)}")
     chip = topology.chip
     mesh = make_mesh(list(topology.devices()))
-    rows, s_len, t_len = planned_shape(config, topology, mesh)
+    spec = TransformerSpec.from_config(config)
+    # The global batch shape with the most FLOPs among those data.batching produces on this slice.
+    shapes = batch_shapes(config.data, topology.hosts, check_batch_shapes(config, mesh))
+    rows, s_len, t_len = max(shapes, key=lambda shape: (train_step_flops(spec, *shape), shape[2]))
     start = time.perf_counter()
     compiled, abstract = compile_train_step(config, topology, mesh_mode, mesh, (rows, s_len, t_len))
     compile_s = time.perf_counter() - start
@@ -134,7 +130,6 @@ def plan_train_step(config: ml_collections.ConfigDict, topology: Topology, mesh_
     memory = memory_per_chip(compiled)
     used = memory["total"]
     params = nnx.filter_state(abstract["model"], nnx.Param)
-    spec = TransformerSpec.from_config(config)
     formula = train_step_flops(spec, rows, s_len, t_len)
     cost, cost_source = compiled_cost(compiled)
     compiled_flops = cost.get("flops")

@@ -15,8 +15,8 @@ import os
 import pathlib
 import shutil
 import tempfile
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import jax
 import ml_collections
@@ -28,6 +28,8 @@ from transformer_jax.data.tokenizer import MODEL_FILENAME, tokenizer_files
 from transformer_jax.errors import CheckpointError, ConfigError
 from transformer_jax.training import checkpoints
 from transformer_jax.training.state import abstract_train_state
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +58,13 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | os.PathLike, overr
         return Start(_with_architecture(config, own, overrides, workdir, f"the checkpoint in --workdir {workdir}"))
     if checkpoints.list_steps(workdir):  # none of its own checkpoints is readable: restore_latest says which
         return Start(config)
-    step, source_config, merged, params = _read_source(config, source, overrides, workdir)
+
+    def read(step: int) -> tuple[int, ml_collections.ConfigDict, ml_collections.ConfigDict, dict]:
+        source_config = checkpoints.load_config(source, step)
+        merged = _with_architecture(config, source_config, overrides, workdir, f"train.init_from {source}")
+        return step, source_config, merged, checkpoints.load_model_params(source, step, abstract_train_state(merged)[1])
+
+    step, source_config, merged, params = _first_readable(config, source, read)
     _copy_tokenizer(source, source_config, workdir)
     logging.info("starting from the parameters of the checkpoint at step %d in %s", step, source)
     return Start(merged, params, step)
@@ -112,15 +120,8 @@ def planned_config(config: ml_collections.ConfigDict, overrides: Iterable[str] =
     if not config.train.init_from:
         return config
     source = pathlib.Path(config.train.init_from).expanduser().resolve()
-    errors = []
-    for step in _candidate_steps(config, source):
-        try:
-            reference = checkpoints.load_config(source, step)
-        except CheckpointError as e:
-            errors.append(f"step {step}: {e}")
-            continue
-        return _merged(config, reference, set(overrides), f"train.init_from {source}", config.data.tokenizer_model)
-    raise CheckpointError(_unreadable(source, errors))
+    reference = _first_readable(config, source, lambda step: checkpoints.load_config(source, step))
+    return _merged(config, reference, set(overrides), f"train.init_from {source}", config.data.tokenizer_model)
 
 
 def _candidate_steps(config: ml_collections.ConfigDict, source: pathlib.Path) -> list[int]:
@@ -154,31 +155,21 @@ def _candidate_steps(config: ml_collections.ConfigDict, source: pathlib.Path) ->
     raise ConfigError(f"config key train.init_step: {source} has no checkpoint at step {init_step}; its steps: {steps}")
 
 
-def _unreadable(source: pathlib.Path, errors: list[str]) -> str:
-    return (
-        f"config key train.init_from: {source}: no checkpoint could be read ({'; '.join(errors)}); give another "
-        "train.init_from or train.init_step"
-    )
-
-
-def _read_source(
-    config: ml_collections.ConfigDict, source: pathlib.Path, overrides: set[str], workdir: pathlib.Path
-) -> tuple[int, ml_collections.ConfigDict, ml_collections.ConfigDict, dict]:
-    """(step, saved config, the run's config with its architecture, model parameters) of the source checkpoint
-    train.init_step names, trying the next candidate when one is damaged."""
+def _first_readable(config: ml_collections.ConfigDict, source: pathlib.Path, read: Callable[[int], T]) -> T:
+    """read(step) of the first of the source's candidate steps that reads without CheckpointError (each damaged one
+    is logged); one CheckpointError naming them all if none does."""
     errors = []
     for step in _candidate_steps(config, source):
         try:
-            source_config = checkpoints.load_config(source, step)
-            merged = _with_architecture(config, source_config, overrides, workdir, f"train.init_from {source}")
-            params = checkpoints.load_model_params(source, step, abstract_train_state(merged)[1])
+            return read(step)
         except CheckpointError as e:
             errors.append(f"step {step}: {e}")
             best = config.train.init_step == "best"
             logging.error("%s; trying %s", e, "the next best" if best else "the checkpoint before it")
-            continue
-        return step, source_config, merged, params
-    raise CheckpointError(_unreadable(source, errors))
+    raise CheckpointError(
+        f"config key train.init_from: {source}: no checkpoint could be read ({'; '.join(errors)}); give another "
+        "train.init_from or train.init_step"
+    )
 
 
 def _with_architecture(

@@ -52,15 +52,6 @@ BleuEvaluator = Callable[[ml_collections.ConfigDict, Any], Callable[[Any], dict[
 STOP_CHECK_EVERY = 10
 
 
-def should_stop(requested: bool, step: int) -> bool:
-    """Whether to stop before `step` + 1; on several hosts, the same answer on every host."""
-    if jax.process_count() == 1:
-        return requested
-    if step % STOP_CHECK_EVERY:
-        return False
-    return bool(np.any(multihost_utils.process_allgather(np.int32(requested))))
-
-
 def host_block(array: np.ndarray) -> np.ndarray:
     """This host's block of rows of a batch that every host holds whole (validation)."""
     rows = array.shape[0] // jax.process_count()
@@ -113,12 +104,8 @@ def evaluate_loss(eval_step, state, batches, sharding) -> dict[str, float]:
 
 def check_batch_shapes(config: ml_collections.ConfigDict, mesh) -> int:
     """Every batch must split into grad_accum_steps micro-batches, each split over the devices (of all hosts).
-
-    Returns the multiple that bucketed batches' (global) row counts are rounded to so that they always do.
-    """
-    accum = config.train.grad_accum_steps
-    if accum < 1:
-        raise ConfigError(f"config key train.grad_accum_steps: must be >= 1, got {accum}")
+    Returns the multiple that bucketed batches' (global) row counts are rounded to so that they always do."""
+    accum = config.train.grad_accum_steps  # >= 1 (the schema's check)
     if config.data.batching != "bucket" and config.data.batch_size % (accum * mesh.size):
         raise ConfigError(
             f"config key data.batch_size: {config.data.batch_size} rows do not split into {accum} micro-batches "
@@ -186,7 +173,12 @@ class StopRequest:
         signal.signal(signal.SIGTERM, self._previous)
 
     def due(self, step: int) -> bool:
-        return should_stop(self.requested.is_set(), step)
+        """Whether to stop before `step` + 1; on several hosts, the same answer on every host."""
+        if jax.process_count() == 1:
+            return self.requested.is_set()
+        if step % STOP_CHECK_EVERY:
+            return False
+        return bool(np.any(multihost_utils.process_allgather(np.int32(self.requested.is_set()))))
 
 
 class MetricLog:
@@ -288,14 +280,14 @@ class Validation:
         """Runs what is due after `step`; returns every score written, named as in metrics.jsonl (valid_*)."""
         train, num_steps = self.config.train, self.config.train.num_steps
         scores: dict[str, float] = {}
-        if is_due(step, train.eval_every, num_steps):
+        if self.is_due(step):
             for name, batches in self.batches:
                 metrics = evaluate_loss(self.eval_step, state, batches, self.sharding)
                 prefix = f"valid_{name}_" if name else "valid_"
                 self.writer.write(step, metrics, prefix=prefix)
                 scores.update({prefix + k: v for k, v in metrics.items()})
                 logging.info("step %d validation%s: %s", step, f" ({name})" if name else "", json.dumps(metrics))
-        if is_due(step, train.bleu_every, num_steps) or (self.decodes and is_due(step, train.eval_every, num_steps)):
+        if is_due(step, train.bleu_every, num_steps) or (self.decodes and self.is_due(step)):
             bleu = self.bleu(eval_model(self.graphs, state))
             self.writer.write(step, bleu, prefix="valid_")
             scores.update({f"valid_{k}": v for k, v in bleu.items()})
@@ -458,13 +450,9 @@ STOPPED_EARLY_AT = "stopped_early_at"  # run_steps' result: the step where early
 
 
 def run_steps(run: TrainingRun, stop: StopRequest) -> dict[str, float]:
-    """Steps from run.step to train.num_steps (or a stop request): train, log, validate, checkpoint.
-
-    Returns the last logged metrics, with STOPPED_EARLY_AT when early stopping ended the run. A stop request or a
-    run of non-finite updates (NonFiniteError, re-raised) saves a checkpoint of the state reached; non-finite
-    updates were skipped, so that state is the last good one, unless its arrays themselves are non-finite: such a
-    state is never saved (save_if_finite).
-    """
+    """Steps from run.step to train.num_steps (or a stop request): train, log, validate, checkpoint. Returns the
+    last logged metrics, with STOPPED_EARLY_AT when early stopping ended the run. A stop request or NonFiniteError
+    (re-raised) saves the state reached, the last good one since non-finite updates were skipped (save_if_finite)."""
     config, num_steps = run.config, run.config.train.num_steps
     # A restored run has its checkpoint at run.step; a new one has none yet.
     state, step, saved_step, it_state, last_logged = run.state, run.step, run.step or None, None, {}
@@ -559,8 +547,8 @@ def train_and_evaluate(
     """
     if bleu is None and (config.train.bleu_every or decodes_at_validation(config)):
         raise ValueError(
-            f"train.bleu_every={config.train.bleu_every}, train.select_metric={config.train.select_metric}: "
-            "validation translates; pass bleu=transformer_jax.evaluation.validation.bleu_evaluator"
+            f"train.bleu_every={config.train.bleu_every} or train.select_metric={config.train.select_metric} needs "
+            "a BLEU evaluator: pass bleu=transformer_jax.evaluation.validation.bleu_evaluator"
         )
     workdir = pathlib.Path(workdir)
     with bookkeeping.locked(workdir):

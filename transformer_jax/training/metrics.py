@@ -1,23 +1,16 @@
-"""What a run logs and what it costs.
+"""What a run logs: WORKDIR/metrics.jsonl (one JSON object per logged step; the sweep reads it) and the experiment
+trackers of train.trackers (TensorBoard by default, Weights & Biases, MLflow); and what it costs: FLOPs and MFU.
 
-The metric writer: WORKDIR/metrics.jsonl (one JSON object per logged step, which the sweep reads) and the experiment
-trackers of train.trackers (TensorBoard by default, Weights & Biases, MLflow). MetricWriter hands each record to
-`Trackers.log` and the final scores to `Trackers.finish`, so the loop knows no tracker. Each tracker gets the
-resolved config as parameters (dotted keys), every metric at its step, and the final scores (the last value of
-every metric, stopped_early_at, final_step) as W&B's run summary, MLflow's `final/<metric>` metrics and
-TensorBoard's hparams. wandb and mlflow are imported only when named (config/checks.py refuses a missing one
-before any work); W&B reads WANDB_MODE, WANDB_PROJECT and WANDB_DIR (default: WORKDIR/wandb, project
-transformer_jax), MLflow MLFLOW_TRACKING_URI; train.tracker_group is the W&B group and the MLflow experiment.
+Each tracker gets the resolved config as parameters (dotted keys), every metric at its step, and the final scores
+as W&B's run summary, MLflow's `final/<metric>` metrics or TensorBoard's hparams. wandb and mlflow are imported
+only when named; W&B reads WANDB_MODE, WANDB_PROJECT, WANDB_DIR (default WORKDIR/wandb), MLflow
+MLFLOW_TRACKING_URI; train.tracker_group is the W&B group and the MLflow experiment. On resume, WORKDIR/trackers.json
+(each tracker's run id and last step, written before the record is handed over: a crash may lose a step in a
+tracker, never log it twice) continues each run; W&B and MLflow skip the steps they already have, TensorBoard
+purges its events after the checkpoint's step.
 
-Resume: WORKDIR/trackers.json keeps each tracker's run id and the last step it was given, written before the record
-is handed over (a crash may lose a step in a tracker, never log it twice). A resumed run trains the steps after its
-checkpoint again (their old records move to metrics.superseded.jsonl); W&B refuses a step below its last and
-MLflow would keep both values, so both skip every step <= the last one they were given. TensorBoard purges its
-events after the checkpoint's step instead.
-
-The cost: analytic FLOP counts (one multiply-add is 2 FLOPs; every matmul at the batch's padded shape, i.e. the
-work the hardware does; softmax, norms, dropout and elementwise ops, a few percent, are not counted; a training
-step is 3x the forward pass), MFU's measured matmul peak, and `train.py --dry_run`'s summary.
+FLOPs: one multiply-add is 2; every matmul at the batch's padded shape (the work the hardware does); softmax,
+norms, dropout and elementwise ops (a few percent) are not counted; a training step is 3x the forward pass.
 """
 
 from __future__ import annotations
@@ -31,7 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -114,9 +107,9 @@ class MetricWriter:
             self._trackers.close()
 
 
-def drop_records_after(path: pathlib.Path, step: int) -> int:
+def drop_records_after(path: pathlib.Path, step: int) -> None:
     """Moves the records of steps after `step` from a metrics.jsonl file to metrics.superseded.jsonl beside it
-    (appended, kept for inspection); returns how many moved. Lines that are not JSON stay where they are."""
+    (appended, kept for inspection). Lines that are not JSON stay where they are."""
     kept, moved = [], []
     for line in path.read_text().splitlines(keepends=True):
         try:
@@ -130,7 +123,6 @@ def drop_records_after(path: pathlib.Path, step: int) -> int:
             f.writelines(moved)
         runtime.write_text_atomically(path, "".join(kept))  # a crash leaves the old file or the new one
         logging.info("moved %d records of steps after %d from %s to metrics.superseded.jsonl", len(moved), step, path)
-    return len(moved)
 
 
 def read_metrics(path: str | pathlib.Path) -> list[dict]:
@@ -153,22 +145,13 @@ DEFAULT_EXPERIMENT = "transformer_jax"  # MLflow's experiment (and W&B's project
 MLFLOW_BATCH = 100  # MLflow's limit of parameters per log_batch call
 
 
-class Tracker(Protocol):
-    """One experiment tracker's run, continued across restarts. `run_id` is what trackers.json keeps (None for
-    TensorBoard, whose files are in the workdir); `resumed`: whether it continued an earlier start's run."""
-
-    run_id: str | None
-    resumed: bool
-
-    def log(self, step: int, metrics: dict[str, float]) -> None: ...
-
-    def finish(self, step: int, scores: dict[str, float]) -> None: ...
-
-    def close(self, failed: bool) -> None: ...
-
-
 class Trackers:
-    """The trackers a run names, as one: what MetricWriter calls. Opened on process 0 only (as metrics.jsonl)."""
+    """The trackers a run names, as one: what MetricWriter calls. Opened on process 0 only (as metrics.jsonl).
+
+    Each tracker (OPENERS) is one run continued across restarts: `run_id` is what trackers.json keeps (None for
+    TensorBoard, whose files are in the workdir), `resumed` whether it continued an earlier start's run, and it
+    has log(step, metrics), finish(step, scores) and close(failed).
+    """
 
     def __init__(
         self,
@@ -184,7 +167,7 @@ class Trackers:
             json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
         )
         params = dict(params or {})
-        self.trackers: dict[str, Tracker] = {}
+        self.trackers: dict[str, TensorBoard | WandB | MLflow] = {}
         self.floor: dict[str, int] = {}  # records of steps <= floor were logged before this start
         for name in names:
             saved = self.state.get(name, {})

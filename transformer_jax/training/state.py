@@ -59,8 +59,6 @@ def learning_rate_schedule(opt: ml_collections.ConfigDict, num_steps: int) -> op
     rsqrt:    linear warmup to learning_rate, then learning_rate * sqrt(warmup / step_num)
     cosine:   linear warmup to learning_rate, then cosine decay to 0 at num_steps
     constant: linear warmup to learning_rate, then constant
-
-    The `opt` group is the one the command line validated (config/checks.py).
     """
     peak, warmup = float(opt.learning_rate), max(int(opt.warmup_steps), 1)
     if opt.schedule == "paper":
@@ -76,13 +74,9 @@ def learning_rate_schedule(opt: ml_collections.ConfigDict, num_steps: int) -> op
 
 
 def make_optimizer(opt: ml_collections.ConfigDict, schedule: optax.Schedule) -> optax.GradientTransformation:
-    """Adam (b1, b2, eps from the config; paper: 0.9, 0.98, 1e-9) or AdamW at the rates of `schedule`
-    (learning_rate_schedule), with optional global-norm clipping.
-
-    With opt.freeze, the parameters whose path a pattern matches get zero updates (optax.set_to_zero) and no Adam
-    moments, and clipping sees only the trained ones' gradients (optax.multi_transform); a pattern that matches no
-    parameter is a ConfigError when the optimizer state is initialised.
-    """
+    """Adam (paper: b1 0.9, b2 0.98, eps 1e-9) or AdamW at the rates of `schedule`, with optional global-norm
+    clipping. Parameters an opt.freeze pattern matches get zero updates and no moments, and clipping sees only the
+    trained ones (optax.multi_transform); a pattern that matches none is a ConfigError at initialisation."""
     if opt.optimizer == "adam":
         tx = optax.adam(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps)
     else:
@@ -114,10 +108,11 @@ def freeze_labels(params: Any, patterns: list[str]) -> Any:
         matched.update(hits)
         return FROZEN if hits else TRAIN
 
-    labels = jax.tree_util.tree_map_with_path(label, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    is_leaf = lambda x: isinstance(x, nnx.Variable)
+    labels = jax.tree_util.tree_map_with_path(label, params, is_leaf=is_leaf)
     unmatched = [pattern for pattern in patterns if pattern not in matched]
     if unmatched:
-        paths = parameter_paths(params)
+        paths = [param_path(path) for path, _ in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_leaf)]
         raise ConfigError(
             f"config key opt.freeze: {unmatched[0]!r} matches no parameter path (of {len(paths)}: {paths[0]}, ..., "
             f"{paths[-1]}); fix or remove the pattern"
@@ -125,19 +120,9 @@ def freeze_labels(params: Any, patterns: list[str]) -> Any:
     return labels
 
 
-def parameter_paths(params: Any) -> list[str]:
-    """Every parameter's path (param_path), in tree order."""
-    leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return [param_path(path) for path, _ in leaves]
-
-
-def create_model(config: ml_collections.ConfigDict, seed: int) -> Transformer:
-    return build_model(config, rngs=model_rngs(seed))
-
-
 def new_train_state(config: ml_collections.ConfigDict) -> TrainState:
     """Model + optimizer + counters built from the config; the one schedule goes to the optimizer and the state."""
-    model = create_model(config, config.train.seed)
+    model = build_model(config, rngs=model_rngs(config.train.seed))
     schedule = learning_rate_schedule(config.opt, config.train.num_steps)
     optimizer = nnx.Optimizer(model, make_optimizer(config.opt, schedule), wrt=nnx.Param)
     return TrainState(model, optimizer, Counters(), schedule)

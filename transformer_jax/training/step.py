@@ -46,12 +46,8 @@ def smoothed_nll_sums(logits_BTV: Array, targets_BT: Array, weights_BT: Array, e
     return _smoothed_nll_fwd(logits_BTV, targets_BT, weights_BT, eps)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _fused_smoothed_nll_sums(
-    logits_BTV: Array, targets_BT: Array, weights_BT: Array, eps: float
-) -> tuple[Array, Array]:
-    """smoothed_nll_sums with the hand-written backward below."""
-    return _smoothed_nll_fwd(logits_BTV, targets_BT, weights_BT, eps)[0]
+# smoothed_nll_sums with the hand-written backward below.
+_fused_smoothed_nll_sums = jax.custom_vjp(smoothed_nll_sums, nondiff_argnums=(3,))
 
 
 def _smoothed_nll_fwd(logits_BTV, targets_BT, weights_BT, eps):
