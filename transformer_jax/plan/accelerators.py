@@ -231,39 +231,26 @@ def collectives(hlo_text: str, chips: int) -> dict:
     An op inside a while loop counts once per iteration where the compiler states the trip count. An async op is
     counted at its -start; its bytes are its largest array (a start's tuple holds the operand and the result).
     """
-    lines = hlo_text.splitlines()
-    parent, loops, current = {}, {}, None
-    for line in lines:
+    parent, loops, ops, current = {}, {}, [], None  # ops: (computation, op, bytes) in the text's order
+    for line in hlo_text.splitlines():
         header = _COMPUTATION.match(line)
         if header:
             current = header[1]
-            continue
-        loop = _WHILE.search(line)
-        if loop:
+        elif loop := _WHILE.search(line):
             parent[loop[1]], loops[loop[1]] = current, int(loop[2])
-
-    def repeats(computation: str | None) -> int:
-        n = 1
-        while computation in loops:
-            n, computation = n * loops[computation], parent[computation]
-        return n
+        elif op := _OP.match(line):
+            sizes = _array_bytes(op[1])
+            ops.append((current, op[2], max(sizes, default=0) if op[3] else sum(sizes)))
 
     found = {op: {"count": 0, "bytes": 0} for op in COLLECTIVES}
-    wire, current = 0.0, None
-    for line in lines:
-        header = _COMPUTATION.match(line)
-        if header:
-            current = header[1]
-            continue
-        op = _OP.match(line)
-        if not op:
-            continue
-        sizes = _array_bytes(op[1])
-        size = max(sizes, default=0) if op[3] else sum(sizes)
-        n = repeats(current)
-        found[op[2]]["count"] += n
-        found[op[2]]["bytes"] += n * size
-        wire += n * size * _WIRE[op[2]](chips) if chips > 1 else 0.0
+    wire = 0.0
+    for computation, name, size in ops:
+        n = 1  # times the computation runs per step: the trip counts of the loops around it
+        while computation in loops:
+            n, computation = n * loops[computation], parent[computation]
+        found[name]["count"] += n
+        found[name]["bytes"] += n * size
+        wire += n * size * _WIRE[name](chips) if chips > 1 else 0.0
     return {"ops": found, "wire_bytes_per_chip": wire}
 
 

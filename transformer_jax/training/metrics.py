@@ -23,7 +23,6 @@ import pathlib
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -153,20 +152,12 @@ class Trackers:
     has log(step, metrics), finish(step, scores) and close(failed).
     """
 
-    def __init__(
-        self,
-        names: tuple[str, ...],
-        workdir: str | os.PathLike,
-        group: str = "",
-        params: Mapping[str, Any] | None = None,
-        resume_step: int = 0,
-    ):
+    def __init__(self, names: tuple[str, ...], workdir: str | os.PathLike, group: str, params: dict, resume_step: int):
         workdir = pathlib.Path(workdir)
         self.state_path = workdir / STATE_FILE
         self.state: dict[str, dict[str, Any]] = (
             json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
         )
-        params = dict(params or {})
         self.trackers: dict[str, TensorBoard | WandB | MLflow] = {}
         self.floor: dict[str, int] = {}  # records of steps <= floor were logged before this start
         for name in names:
