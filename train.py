@@ -19,8 +19,7 @@ from transformer_jax.config import checks
 from transformer_jax.errors import ConfigError
 from transformer_jax.sharding import initialize_distributed
 from transformer_jax.training import init_from
-from transformer_jax.training.loop import train_and_evaluate
-from transformer_jax.training.summary import dry_run_summary
+from transformer_jax.training.loop import dry_run_summary, train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/multi30k.py:size=small.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, tokenizer, metrics.jsonl, TensorBoard.")

@@ -29,7 +29,7 @@ from benchmarks import fresh_process
 from transformer_jax import cli
 from transformer_jax.model import TransformerSpec
 from transformer_jax.sharding import make_mesh
-from transformer_jax.training import flops
+from transformer_jax.training.metrics import measure_matmul_peak, train_step_flops
 from transformer_jax.training.state import create_train_state
 from transformer_jax.training.step import compile_steps
 
@@ -146,8 +146,8 @@ def main(argv: list[str]) -> None:
     rows, length = config.data.batch_size, config.data.max_len
     batch = random_batch(rows, length, length, spec.vocab_size)
     tokens = 2 * rows * length  # source + target, all real
-    step_flops = flops.train_step_flops(spec, rows, length, length)
-    peak = flops.measure_matmul_peak()
+    step_flops = train_step_flops(spec, rows, length, length)
+    peak = measure_matmul_peak()
     jax_run, jax_params = jax_stepper(config, batch)
     jax_run(2)  # compile + warm-up
     runners = {"jax": jax_run}

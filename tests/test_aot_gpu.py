@@ -18,8 +18,7 @@ from tests.helpers.aot import assert_linear_in_length, compile_attention
 from tests.helpers.training import one_layer_config
 from transformer_jax import runtime
 from transformer_jax.ops import attention
-from transformer_jax.plan import accelerators
-from transformer_jax.plan import train_step as plan
+from transformer_jax.plan import accelerators, report
 from transformer_jax.sharding import make_mesh
 
 needs_cuda_plugin = pytest.mark.skipif(
@@ -69,7 +68,7 @@ def test_train_step_with_pallas_attention_compiles_for_an_h100() -> None:
     config = one_layer_config()
     config.attention.impl = "pallas"
     topology = accelerators.parse_topology("h100:1")
-    compiled, _ = plan.compile_train_step(config, topology, "data", make_mesh(list(topology.devices())), (8, 32, 32))
+    compiled, _ = report.compile_train_step(config, topology, "data", make_mesh(list(topology.devices())), (8, 32, 32))
     assert_our_kernels(compiled)
 
 

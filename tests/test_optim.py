@@ -11,13 +11,8 @@ from configs import common
 from tests.helpers.training import one_layer_config
 from transformer_jax.config import checks
 from transformer_jax.errors import ConfigError
-from transformer_jax.training.state import (
-    create_model,
-    learning_rate_schedule,
-    make_optimizer,
-    new_train_state,
-    split_train_state,
-)
+from transformer_jax.model import build_model, model_rngs
+from transformer_jax.training.state import learning_rate_schedule, make_optimizer, new_train_state, split_train_state
 
 
 def reference(name: str, peak: float, warmup_steps: int, num_steps: int, step: int) -> float:
@@ -107,7 +102,7 @@ def _trained_with_freeze(freeze: tuple[str, ...], optimizer: str = "adamw", step
     config = one_layer_config()
     config.opt.freeze, config.opt.optimizer, config.opt.clip_grad_norm = freeze, optimizer, 1.0
     config.opt.weight_decay = 0.1 if optimizer == "adamw" else 0.0
-    model = create_model(config, 0)
+    model = build_model(config, rngs=model_rngs(0))
     optimizer_ = nnx.Optimizer(model, make_optimizer(config.opt, learning_rate_schedule(config.opt, 10)), wrt=nnx.Param)
     before = jax.tree.map(np.array, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     grads = jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param))

@@ -15,15 +15,15 @@ import pytest
 
 from configs import common
 from tests.helpers import REPO
-from transformer_jax.plan import report
-from transformer_jax.plan import train_step as plan
+from transformer_jax.plan import accelerators
+from transformer_jax.plan import report as plan
 from transformer_jax.plan.accelerators import parse_topology
 from transformer_jax.sharding import make_mesh
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None, reason="needs libtpu: pip install -r requirements-aot.txt"
 )
-# XLA's FLOPs count softmax, norms and elementwise ops that training/flops.py leaves out: a few percent at
+# XLA's FLOPs count softmax, norms and elementwise ops that training/metrics.py leaves out: a few percent at
 # d_model = 256, more for narrower models.
 FLOPS_TOLERANCE = 0.1
 
@@ -113,7 +113,7 @@ def test_a_plan_with_our_pallas_attention_compiles_for_a_tpu_slice():
     compiled, _ = plan.compile_train_step(config, topology, "data", make_mesh(list(topology.devices())), (16, 32, 32))
     hlo = compiled.as_text()
     assert all(kernel in hlo for kernel in ("attention_forward_tpu", "attention_dkdv_tpu", "attention_dq_tpu"))
-    report = plan.memory_per_chip(compiled)
+    report = accelerators.memory_per_chip(compiled)
     assert report["total"] < topology.chip.hbm_bytes and compiled.cost_analysis()["flops"] > 0
 
 
@@ -132,7 +132,7 @@ def test_batch_search_halves_doubles_and_bisects_to_the_largest_batch_that_fits(
         rows = config.data.batch_size
         compiled.append(rows)
         if rows > 256:  # the compiler refuses outright
-            raise plan.DoesNotFit(f"does not fit: {rows} rows")
+            raise accelerators.DoesNotFit(f"does not fit: {rows} rows")
         total = 1_000 * rows
         return {"fits": total <= topology.chip.hbm_bytes, "memory_analysis_per_chip": {"total": total}, "rows": rows}
 
@@ -146,16 +146,16 @@ def test_batch_search_halves_doubles_and_bisects_to_the_largest_batch_that_fits(
     compiled.clear()
     found = plan.search_batch(small_config(batch_size=8), chips, "data", tolerance=0)
     assert found["rows"] == 40 and compiled == [8, 16, 32, 64, 48, 40]  # doubling while it fits
-    with pytest.raises(plan.DoesNotFit, match="even data.batch_size=8, the smallest batch"):
+    with pytest.raises(accelerators.DoesNotFit, match="even data.batch_size=8, the smallest batch"):
         plan.search_batch(small_config(batch_size=8), small_chip_topology(1_000), "data")
 
 
 def test_the_plan_report_prints_as_a_table_and_as_json(both_meshes):
     config = small_config()
-    table = report.render(both_meshes, config)
+    table = plan.render(both_meshes, config)
     assert "ESTIMATES" in table and "estimated step s" in table and "fsdp" in table
     assert table.splitlines()[-1] == f"chosen mesh: {both_meshes['chosen']}"
-    assert json.loads(report.render(both_meshes, config, as_json=True))["chosen"] == both_meshes["chosen"]
+    assert json.loads(plan.render(both_meshes, config, as_json=True))["chosen"] == both_meshes["chosen"]
 
 
 def decode_config():
@@ -168,7 +168,7 @@ def decode_config():
 
 @pytest.fixture(scope="module")
 def decode_plan():
-    return report.plan_decode(decode_config(), parse_topology("v5e:2x2"), "data")
+    return plan.plan_decode(decode_config(), parse_topology("v5e:2x2"), "data")
 
 
 def test_the_decode_plan_is_consistent(both_meshes, decode_plan):
@@ -195,7 +195,7 @@ def test_the_decode_plan_is_consistent(both_meshes, decode_plan):
     estimate = decode_plan["estimate"]
     assert estimate["step_s"] >= max(estimate["compute_s"], estimate["hbm_s"]) > 0
     assert estimate["s_per_output_token"] == pytest.approx(estimate["step_s"] / 16)
-    assert "validation decoding" in report.format_reports({"data": {**train, "decode": decode_plan}})
+    assert "validation decoding" in plan.format_reports({"data": {**train, "decode": decode_plan}})
 
 
 @pytest.mark.slow  # trimmed from the default run: the file keeps a fast representative
@@ -204,10 +204,10 @@ def test_a_small_eval_batch_is_planned_as_its_one_jitted_search(both_meshes):
     # without a per-step estimate (XLA's count of it mixes the encoder with every cache stage's loop).
     config = small_config(d_model=32)
     config.eval.batch_size, config.data.eval_max_len = 8, 32
-    decode = report.plan_decode(config, parse_topology("v5e:2x2"), "data")
+    decode = plan.plan_decode(config, parse_topology("v5e:2x2"), "data")
     assert decode["search"] == "one jitted call" and list(decode["memory_analysis_per_chip"]) == ["search"]
     assert decode["memory_analysis_per_chip"]["search"]["temp"] > 0 and decode["estimate"]["step_s"] is None
-    assert "n/a" in report.format_reports({"data": {**both_meshes["meshes"]["data"], "decode": decode}})
+    assert "n/a" in plan.format_reports({"data": {**both_meshes["meshes"]["data"], "decode": decode}})
 
 
 @pytest.mark.slow  # test_a_batch_that_cannot_fit_is_one_line_and_a_nonzero_exit takes the same CLI path
@@ -228,16 +228,16 @@ def test_an_eval_batch_that_cannot_fit_is_one_line_and_a_nonzero_exit():
 def test_a_plan_whose_decoding_exceeds_the_chip_fails_after_its_report(both_meshes, monkeypatch):
     config = decode_config()
     config.eval.batch_size, config.data.eval_max_len = 64, 256  # decoding needs more than the train step
-    decode = report.plan_decode(config, parse_topology("v5e:2x2"), "data")
+    decode = plan.plan_decode(config, parse_topology("v5e:2x2"), "data")
     train = both_meshes["meshes"]["data"]["memory_analysis_per_chip"]["total"]
     # Chips with room for the train step but not for validation's decoding beside the train state.
     hbm = (decode["total_bytes"] + train) / 2
     assert train < hbm < decode["total_bytes"]
-    monkeypatch.setattr(report, "parse_topology", lambda name: small_chip_topology(hbm))
-    result = report.run(config, "v5e:2x2")
-    assert "NO" in report.render(result, config)  # the table that train.py prints first says so
-    with pytest.raises(plan.DoesNotFit, match="does not fit: validation's decoding .* lower eval.batch_size"):
-        report.check_fits(result, config)
+    monkeypatch.setattr(plan, "parse_topology", lambda name: small_chip_topology(hbm))
+    result = plan.run(config, "v5e:2x2")
+    assert "NO" in plan.render(result, config)  # the table that train.py prints first says so
+    with pytest.raises(accelerators.DoesNotFit, match="does not fit: validation's decoding .* lower eval.batch_size"):
+        plan.check_fits(result, config)
 
 
 @pytest.mark.slow

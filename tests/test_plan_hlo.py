@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from transformer_jax.plan.train_step import collectives
+from transformer_jax.plan.accelerators import collectives
 
 HLO = """HloModule jit_train_step
 

@@ -1,4 +1,4 @@
-"""The one private jax API of transformer_jax (plan/train_step.py: hlo_module_cost_from_private_jax): when a jax
+"""The one private jax API of transformer_jax (plan/accelerators.py: hlo_module_cost_from_private_jax): when a jax
 upgrade moves or removes it, this test says so by name instead of the plan silently falling back to the FLOPs
 formula."""
 
@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from transformer_jax.plan import train_step
+from transformer_jax.plan import accelerators
 
 PRIVATE_API = "jax._src.lib.xla_client._xla.hlo_module_cost_analysis"
 
@@ -19,12 +19,12 @@ def matmul() -> jax.stages.Compiled:
 
 def test_the_private_cost_analysis_still_counts_a_compiled_module():
     try:
-        cost = train_step.hlo_module_cost_from_private_jax(matmul())
+        cost = accelerators.hlo_module_cost_from_private_jax(matmul())
     except (AttributeError, ImportError) as error:
         pytest.fail(
             f"jax {jax.__version__} no longer provides {PRIVATE_API} ({error}); --plan for GPUs reports the FLOPs "
             "formula instead of the compiled count: find its new home and update "
-            "transformer_jax/plan/train_step.py: hlo_module_cost_from_private_jax"
+            "transformer_jax/plan/accelerators.py: hlo_module_cost_from_private_jax"
         )
     assert cost["flops"] == 2 * 8 * 16 * 4  # one multiply and one add per term of the matmul
     assert cost["flops"] == matmul().cost_analysis()["flops"]  # the same count the public API gives on CPU
@@ -41,10 +41,10 @@ class WithoutCount:
 
 
 def test_a_program_the_compiler_gave_no_count_is_counted_by_xla_or_by_the_formula():
-    cost, source = train_step.compiled_cost(WithoutCount(matmul().runtime_executable))
+    cost, source = accelerators.compiled_cost(WithoutCount(matmul().runtime_executable))
     assert cost["flops"] == 2 * 8 * 16 * 4 and source == "compiled (XLA HloCostAnalysis of the compiled module)"
 
     def missing():
         raise AttributeError("no executable")
 
-    assert train_step.compiled_cost(WithoutCount(missing)) == ({}, "formula (the compiler gave no count)")
+    assert accelerators.compiled_cost(WithoutCount(missing)) == ({}, "formula (the compiler gave no count)")

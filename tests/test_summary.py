@@ -14,9 +14,8 @@ from transformer_jax import data
 from transformer_jax.model import TransformerSpec
 from transformer_jax.model.spec import SpecialIds
 from transformer_jax.sharding import make_mesh
-from transformer_jax.training import flops
-from transformer_jax.training.loop import check_batch_shapes
-from transformer_jax.training.summary import dry_run_summary
+from transformer_jax.training.loop import check_batch_shapes, dry_run_summary
+from transformer_jax.training.metrics import train_step_flops
 
 
 def _config(corpus: pathlib.Path, batching: str, accum: int = 1):
@@ -31,7 +30,7 @@ def test_accumulation_splits_the_same_batch_so_flops_and_tokens_do_not_change(co
     one, four = dry_run_summary(_config(corpus, "pack")), dry_run_summary(_config(corpus, "pack", accum=4))
     assert four["batch_shapes_rows_src_tgt"] == one["batch_shapes_rows_src_tgt"] == [(16, 32, 32)]
     spec = TransformerSpec.from_config(_config(corpus, "pack"))
-    assert four["train_flops_per_step"] == one["train_flops_per_step"] == flops.train_step_flops(spec, 16, 32, 32)
+    assert four["train_flops_per_step"] == one["train_flops_per_step"] == train_step_flops(spec, 16, 32, 32)
     assert four["tokens_per_step_per_side"] == one["tokens_per_step_per_side"] == 16 * 32
 
 
@@ -74,4 +73,4 @@ def test_dry_run_prints_the_summary_as_json(corpus):
     rows, length = config.data.batch_size, config.data.max_len
     assert summary["batch_shapes_rows_src_tgt"] == [[rows, length, length]]
     spec = TransformerSpec.from_config(config)
-    assert summary["train_flops_per_step"] == pytest.approx(flops.train_step_flops(spec, rows, length, length))
+    assert summary["train_flops_per_step"] == pytest.approx(train_step_flops(spec, rows, length, length))

@@ -25,7 +25,7 @@ from transformer_jax.errors import ConfigError, DataError
 from transformer_jax.evaluation.validation import bleu_evaluator
 from transformer_jax.model.spec import SpecialIds
 from transformer_jax.sharding import batch_sharding, make_mesh
-from transformer_jax.training import checkpoints, flops, loop
+from transformer_jax.training import checkpoints, loop, metrics
 from transformer_jax.training.loop import (
     NonFiniteError,
     check_batch_shapes,
@@ -174,8 +174,8 @@ def test_setup_builds_the_train_step_program_while_restoring_and_uses_the_kept_m
     the first step calls that program, and MFU divides by the peak kept beside the compilation cache."""
     shutil.copytree(uninterrupted, tmp_path / "run")
     directory = runtime.enable_compile_cache(str(tmp_path / "xla"))  # the test's own cache; the session's is back after
-    (directory / flops.PEAK_FILE).write_text(json.dumps({flops.peak_key(): 3e9}))
-    monkeypatch.setattr(flops, "measure_matmul_peak", lambda: pytest.fail("measured the matmul peak again"))
+    (directory / metrics.PEAK_FILE).write_text(json.dumps({metrics.peak_key(): 3e9}))
+    monkeypatch.setattr(metrics, "measure_matmul_peak", lambda: pytest.fail("measured the matmul peak again"))
     built = []
 
     def on_compile(event: str, seconds: float, fun_name: str = "?", **kwargs) -> None:

@@ -8,7 +8,7 @@ from flax import nnx
 from tests.helpers.training import one_layer_config, synthetic_batch
 from transformer_jax.model import TransformerSpec, build_model
 from transformer_jax.sharding import make_mesh
-from transformer_jax.training import flops
+from transformer_jax.training.metrics import forward_flops
 from transformer_jax.training.state import create_train_state, model_params
 from transformer_jax.training.step import compile_steps, cross_entropy_sums
 
@@ -133,6 +133,6 @@ def test_flop_formula_matches_the_compiled_program():
 
     compiled = jax.jit(forward).lower(state, batch["src_tokens"], batch["tgt_in"]).compile()
     xla_flops = compiled.cost_analysis()["flops"]
-    ours = flops.forward_flops(spec, 4, 16, 16)
+    ours = forward_flops(spec, 4, 16, 16)
     # XLA also counts softmax, norms and elementwise work, which the matmul count leaves out.
     assert 0.8 < ours / xla_flops <= 1.0, (ours, xla_flops)

@@ -1,9 +1,10 @@
 """Accelerators this host does not have, for ahead-of-time compilation (train.py --plan, the compile tests and
-benchmarks): the facts of each chip in one table, the slice names users type, and the devices of such a slice,
-which the real TPU or GPU compiler accepts on a CPU host (libtpu's and the CUDA plugin's topology descriptions).
+benchmarks): the facts of each chip in one table, the slice names users type, the devices of such a slice, which
+the real TPU or GPU compiler accepts on a CPU host (`pip install -r requirements-aot.txt`), and what a program
+compiled for them needs per chip: memory, FLOPs, collectives. Nothing here runs a program.
 
-Install the compilers with `pip install -r requirements-aot.txt`. Nothing here runs a program; the devices only
-serve `jax.jit(f).trace(...).lower(...).compile()` over a Mesh of them.
+hlo_module_cost_from_private_jax holds the one use of a private jax API in transformer_jax (its docstring says
+why); tests/test_layering.py allows it there and nowhere else.
 
 Names (`parse_topology`): Cloud TPU accelerator types `v5e-8`, `v4-32`, `v5p-16`, `v6e-8` (the number counts
 TensorCores, two per chip on v4 and v5p, one on v5e and v6e), libtpu topologies `v5e:2x4`, `v4:2x2x4` (chips
@@ -20,9 +21,11 @@ import re
 from importlib import resources
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import topologies
 
 from transformer_jax.errors import ConfigError
+from transformer_jax.sharding import array_sharding
 
 AOT_REQUIREMENTS = "requirements-aot.txt"
 
@@ -186,3 +189,138 @@ def tpu_devices(topology_name: str) -> tuple[jax.Device, ...]:
     if topology.chip.platform != "tpu":
         raise ConfigError(f"{topology_name!r} is not a TPU slice")
     return topology.devices()
+
+
+# What a program compiled for such a slice needs and does per chip.
+
+
+class DoesNotFit(ConfigError):
+    """The planned step needs more memory per chip than the chip has."""
+
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+# Bytes each chip sends per byte of the op's result in a ring over n chips (reduce-scatter: of its input).
+_WIRE = {
+    "all-reduce": lambda n: 2 * (n - 1) / n,
+    "all-gather": lambda n: (n - 1) / n,
+    "reduce-scatter": lambda n: n - 1,
+    "all-to-all": lambda n: (n - 1) / n,
+    "collective-permute": lambda n: 1.0,
+}
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4}
+_DTYPE_BYTES |= {"f64": 8, "s64": 8, "u64": 8}
+_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_OP = re.compile(r"^\s*(?:ROOT )?%\S+ = (.+?) (" + "|".join(COLLECTIVES) + r")(-start)?\(")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{\s*$")
+_WHILE = re.compile(r" while\(.*body=%([^,\s]+).*\"known_trip_count\":\{\"n\":\"(\d+)\"")
+
+
+def _array_bytes(text: str) -> list[int]:
+    """Bytes of every array type in an HLO type string, e.g. '(bf16[8,128]{1,0}, f32[])'."""
+    sizes = []
+    for dtype, dims in _ARRAY.findall(text):
+        if dtype in _DTYPE_BYTES:
+            sizes.append(_DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d))
+    return sizes
+
+
+def collectives(hlo_text: str, chips: int) -> dict:
+    """Count and result bytes per step of each collective in a compiled module's HLO text, and the bytes each chip
+    puts on the wire for them (ring algorithms over all `chips`: the mesh has one axis).
+
+    An op inside a while loop counts once per iteration where the compiler states the trip count. An async op is
+    counted at its -start; its bytes are its largest array (a start's tuple holds the operand and the result).
+    """
+    parent, loops, ops, current = {}, {}, [], None  # ops: (computation, op, bytes) in the text's order
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            current = header[1]
+        elif loop := _WHILE.search(line):
+            parent[loop[1]], loops[loop[1]] = current, int(loop[2])
+        elif op := _OP.match(line):
+            sizes = _array_bytes(op[1])
+            ops.append((current, op[2], max(sizes, default=0) if op[3] else sum(sizes)))
+
+    found = {op: {"count": 0, "bytes": 0} for op in COLLECTIVES}
+    wire = 0.0
+    for computation, name, size in ops:
+        n = 1  # times the computation runs per step: the trip counts of the loops around it
+        while computation in loops:
+            n, computation = n * loops[computation], parent[computation]
+        found[name]["count"] += n
+        found[name]["bytes"] += n * size
+        wire += n * size * _WIRE[name](chips) if chips > 1 else 0.0
+    return {"ops": found, "wire_bytes_per_chip": wire}
+
+
+def bytes_per_chip(tree, mesh, mode: str) -> int:
+    """Bytes of one chip's shards of a pytree of arrays, sharded as the train state is (sharding.array_sharding)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shard = array_sharding(tuple(x.shape), mesh, mode).shard_shape(tuple(x.shape))
+        total += math.prod(shard) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def compiled_cost(compiled) -> tuple[dict, str]:
+    """XLA's cost analysis of the compiled per-chip program (flops, bytes accessed) and where it came from."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list | tuple):  # older jax: one dict per program
+        cost = cost[0] if cost else None
+    if cost:
+        return dict(cost), "compiled (XLA cost_analysis)"
+    # A deviceless GPU compile returns no cost analysis: XLA's HloCostAnalysis counts the same compiled module
+    # (a private jax API: without it the formula stands in).
+    try:
+        return hlo_module_cost_from_private_jax(compiled), "compiled (XLA HloCostAnalysis of the compiled module)"
+    except (AttributeError, ImportError, IndexError, RuntimeError):
+        return {}, "formula (the compiler gave no count)"
+
+
+def hlo_module_cost_from_private_jax(compiled: jax.stages.Compiled) -> dict[str, float]:
+    """XLA's HloCostAnalysis of a compiled program's first module (flops, bytes accessed, ...), counted by the
+    host's CPU client; ImportError or AttributeError once jax drops the private entry point.
+
+    The CUDA plugin's deviceless compile (`train.py --plan h100:8`) leaves `cost_analysis()` empty; HloCostAnalysis
+    counts the same module, and jax exposes it only as `jax._src.lib.xla_client._xla.hlo_module_cost_analysis`.
+    Without it the plan reports the FLOPs formula (compiled_cost); tests/test_plan_xla_cost.py names the jax version
+    that moved it.
+    """
+    from jax._src.lib import xla_client  # imported here so that its loss costs only this count, not the plan
+
+    module = compiled.runtime_executable().hlo_modules()[0]
+    return dict(xla_client._xla.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module))
+
+
+def compile_or_refuse(traced: jax.stages.Traced, what: str, remedy: str) -> jax.stages.Compiled:
+    """The traced program compiled; DoesNotFit, quoting the compiler, if it refuses for want of memory."""
+    try:
+        return traced.lower().compile()
+    except jax.errors.JaxRuntimeError as error:
+        # The TPU compiler refuses a program whose buffers exceed the chip's HBM and says by how much.
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        detail = str(error).splitlines()[0].removeprefix("RESOURCE_EXHAUSTED: ").rstrip(".")
+        raise DoesNotFit(f"does not fit: {what}: XLA: {detail}; {remedy}") from None
+
+
+def memory_per_chip(compiled: jax.stages.Compiled) -> dict[str, int]:
+    """XLA's memory_analysis() of a compiled per-chip program, and its total: argument + output - alias (donated
+    inputs the outputs reuse) + temp + generated code."""
+    memory = compiled.memory_analysis()
+    found = {
+        "argument": memory.argument_size_in_bytes,
+        "output": memory.output_size_in_bytes,
+        "alias": memory.alias_size_in_bytes,
+        "temp": memory.temp_size_in_bytes,
+        "generated_code": memory.generated_code_size_in_bytes,
+    }
+    return found | {
+        "total": found["argument"] + found["output"] - found["alias"] + found["temp"] + found["generated_code"]
+    }
+
+
+def gb(n: float) -> str:
+    """Bytes as decimal gigabytes: 1.23 GB."""
+    return f"{n / 1e9:.2f} GB"

@@ -1,42 +1,59 @@
-"""`train.py --plan`'s report: the plan of a train step and of validation's decoding on a slice, or a search over
-batch or mesh, as a readable table or JSON; and the one line that says what does not fit.
+"""`train.py --plan`: the loop's train step, and validation's decoding beside it, compiled for a TPU or GPU slice
+on this (CPU) host with no data: memory per chip, fit, collectives and estimated times; the searches over batch and
+mesh; the table or JSON, and the one line that says what does not fit.
 
-`run` plans the train step (train_step.py) and adds each mesh's "decode" section (plan_decode: validation BLEU's
-beam search compiled for the same slice); `render` and `check_fits` turn the result into the table and the
-one-line refusal.
+The train step compiled is the loop's own (`abstract_train_state`, `compile_steps`: the same jitted function,
+shardings, donation, micro-batching, dtype and attention implementation) at the batch shape of `data.batching`
+with the most FLOPs, inside `runtime.compiling_for(target)` so that every choice made from the backend follows the
+target. Nothing runs: the times are roofline estimates (ROOFLINE), never measurements; XLA's `optimal_seconds` is
+not used (it came out negative for this program).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import jax
+import jax.numpy as jnp
 import ml_collections
+from flax import nnx
+from jax.sharding import Mesh
 
 from transformer_jax import decoding, runtime
+from transformer_jax.data.batching import BATCH_KEYS
+from transformer_jax.data.pipeline import batch_shapes
 from transformer_jax.errors import ConfigError
 from transformer_jax.evaluation.translate import batch_shape, input_limit, output_cap, position_limit
 from transformer_jax.evaluation.validation import decoding_settings
-from transformer_jax.plan.accelerators import Topology, parse_topology
-from transformer_jax.plan.train_step import (
+from transformer_jax.model import TransformerSpec
+from transformer_jax.plan.accelerators import (
     COLLECTIVES,
+    Chip,
     DoesNotFit,
+    Topology,
     bytes_per_chip,
     collectives,
     compile_or_refuse,
     compiled_cost,
     gb,
     memory_per_chip,
-    plan_train_step,
-    search_batch,
-    search_mesh,
+    parse_topology,
 )
-from transformer_jax.sharding import array_sharding, make_mesh, replicated, tracing_mesh
-from transformer_jax.training import flops
+from transformer_jax.sharding import MESH_MODES, array_sharding, make_mesh, replicated, tracing_mesh
+from transformer_jax.training.loop import check_batch_shapes
+from transformer_jax.training.metrics import decode_step_flops, train_step_flops
 from transformer_jax.training.state import abstract_train_state, eval_model
+from transformer_jax.training.step import compile_steps
 
 SEARCHES = ("", "batch", "mesh")
+
+ROOFLINE = (
+    "estimated step s = max(compiled FLOPs per chip / bf16 peak, compiled bytes accessed per chip / HBM bandwidth) "
+    "+ collective bytes on the wire per chip (ring algorithms) / interconnect bandwidth; a lower bound with "
+    "nothing overlapped but compute with memory traffic"
+)
 
 DECODE_ROOFLINE = (
     "estimated decoding step s = max(compiled FLOPs per chip / bf16 peak, compiled bytes accessed per chip / HBM "
@@ -61,26 +78,207 @@ def run(config: ml_collections.ConfigDict, topology_name: str, search: str = "")
     if search == "mesh":
         result = search_mesh(config, topology)
     else:
-        report = (search_batch if search == "batch" else plan_train_step)(config, topology, config.train.mesh)
-        result = report
+        result = (search_batch if search == "batch" else plan_train_step)(config, topology, config.train.mesh)
     for mode, report in meshes(result, config).items():
         report["decode"] = plan_decode(config, topology, mode)
     return result
 
 
-def plan_decode(config: ml_collections.ConfigDict, topology: Topology, mesh_mode: str) -> dict:
-    """The report's "decode" section: validation BLEU's beam search compiled for the slice the train step is planned
-    for, at its peak of memory, so that a run that trains but whose validation would not fit is caught too.
+def _batch_shape(key: str, rows: int, s_len: int, t_len: int) -> tuple[int, int]:
+    return (rows, s_len if key.startswith("src") else t_len)
 
-    The programs are the Searcher's own (`decoding.Searcher.peak_programs`): the batch of `validation.bleu_evaluator`
-    (train.bleu_sentences sentences, eval.batch_size at a time: `decoding.batch_rows`), its longest source
-    (data.eval_max_len) and its largest cache stage, with the search `validation.decoding_settings` gives translate().
-    The parameters sit as the train state places them (`sharding.array_sharding` for train.mesh) and the host's inputs
-    are replicated, as jit places the numpy sources validation passes: with mesh `data` nothing is sharded, every chip
-    decodes the whole batch and the numbers are one chip's; with `fsdp` XLA's sharding propagation splits the work
-    around the sharded parameters. During validation the train state stays in HBM, so with train.bleu_every > 0 the
-    fit counts its optimizer state beside the decoding program (without validation BLEU the plan is evaluate.py's,
-    which holds the parameters only). Nothing runs: the times are estimates from DECODE_ROOFLINE.
+
+def compile_train_step(
+    config: ml_collections.ConfigDict, topology: Topology, mesh_mode: str, mesh: Mesh, shape: tuple[int, int, int]
+):
+    """The loop's train step compiled for the slice at one global batch shape; returns (compiled, abstract state)."""
+    rows, s_len, t_len = shape
+    jax.clear_caches()  # a trace made for the host backend must not be reused for the target
+    with runtime.compiling_for(topology.chip.platform), tracing_mesh(mesh):
+        graphs, abstract = abstract_train_state(config)
+        train_step, _, _ = compile_steps(
+            graphs,
+            abstract,
+            mesh,
+            mesh_mode,
+            label_smoothing=config.train.label_smoothing,
+            accum_steps=config.train.grad_accum_steps,
+        )
+        batch = {k: jax.ShapeDtypeStruct(_batch_shape(k, rows, s_len, t_len), jnp.int32) for k in BATCH_KEYS}
+        compiled = compile_or_refuse(
+            train_step.trace(abstract, batch),
+            f"the train step (mesh={mesh_mode}, batch {[rows, s_len, t_len]}) on {topology.name}",
+            "lower the batch (--plan_search=batch finds the largest) or try train.mesh=fsdp",
+        )
+    return compiled, abstract
+
+
+def plan_train_step(config: ml_collections.ConfigDict, topology: Topology, mesh_mode: str) -> dict:
+    """Compiles the train step for the slice and returns the report (see the module docstring)."""
+    if mesh_mode not in MESH_MODES:
+        raise ConfigError(f"config key train.mesh: unknown value {mesh_mode!r}; choose one of {list(MESH_MODES)}")
+    chip = topology.chip
+    mesh = make_mesh(list(topology.devices()))
+    spec = TransformerSpec.from_config(config)
+    # The global batch shape with the most FLOPs among those data.batching produces on this slice.
+    shapes = batch_shapes(config.data, topology.hosts, check_batch_shapes(config, mesh))
+    rows, s_len, t_len = max(shapes, key=lambda shape: (train_step_flops(spec, *shape), shape[2]))
+    start = time.perf_counter()
+    compiled, abstract = compile_train_step(config, topology, mesh_mode, mesh, (rows, s_len, t_len))
+    compile_s = time.perf_counter() - start
+
+    memory = memory_per_chip(compiled)
+    used = memory["total"]
+    params = nnx.filter_state(abstract["model"], nnx.Param)
+    formula = train_step_flops(spec, rows, s_len, t_len)
+    cost, cost_source = compiled_cost(compiled)
+    compiled_flops = cost.get("flops")
+    comms = collectives(compiled.as_text(), topology.chips)
+
+    flops_per_chip = compiled_flops if compiled_flops else formula / topology.chips
+    times = _roofline(flops_per_chip, cost.get("bytes accessed", 0.0), comms["wire_bytes_per_chip"], chip)
+    step_s = times["step_s"]
+    return {
+        "topology": {
+            "name": topology.name,
+            "chip": chip.name,
+            "chips": topology.chips,
+            "hosts": topology.hosts,
+            "device_kind": topology.devices()[0].device_kind,
+        },
+        "step": {
+            "mesh": mesh_mode,
+            "dtype": config.model.dtype,
+            "attention_impl": config.attention.impl,
+            "grad_accum_steps": config.train.grad_accum_steps,
+            "batch_rows_src_tgt": [rows, s_len, t_len],
+            "token_slots_per_side": rows * t_len,
+        },
+        "compile_s": compile_s,
+        "per_chip_bytes": {
+            "parameters": bytes_per_chip(params, mesh, mesh_mode),
+            "optimizer_state": bytes_per_chip(abstract["optimizer"], mesh, mesh_mode),
+            "batch": sum(math.prod(_batch_shape(k, rows, s_len, t_len)) * 4 for k in BATCH_KEYS) // topology.chips,
+        },
+        "memory_analysis_per_chip": memory,
+        "hbm_bytes_per_chip": chip.hbm_bytes,
+        "fits": used <= chip.hbm_bytes,
+        "headroom_bytes": chip.hbm_bytes - used,
+        "flops_per_step": {
+            "compiled": compiled_flops * topology.chips if compiled_flops else None,
+            "formula": formula,
+            "compiled_over_formula": compiled_flops * topology.chips / formula if compiled_flops else None,
+        },
+        "collectives_per_step": comms["ops"],
+        "estimate": {
+            "roofline": ROOFLINE if compiled_flops else ROOFLINE.replace("compiled FLOPs", "formula FLOPs"),
+            "flops_source": cost_source,
+            **times,
+            "mfu": formula / topology.chips / chip.peak_bf16_flops / step_s,
+            "target_token_slots_per_s": rows * t_len / step_s,
+            "num_steps": config.train.num_steps,
+            "hours": step_s * config.train.num_steps / 3600,
+        },
+    }
+
+
+def with_batch(config: ml_collections.ConfigDict, value: int) -> ml_collections.ConfigDict:
+    """The config with its batch (data.batch_size rows, or data.tokens_per_batch for bucket) set to value."""
+    config = config.copy_and_resolve_references()
+    key = "tokens_per_batch" if config.data.batching == "bucket" else "batch_size"
+    config.data[key] = value
+    return config
+
+
+def search_batch(
+    config: ml_collections.ConfigDict, topology: Topology, mesh_mode: str, tolerance: float = 1 / 16
+) -> dict:
+    """The largest batch that fits, by doubling or halving from the config's then bisecting, over compiles.
+
+    Steps are whole rows per device (and micro-batch); for bucket, data.tokens_per_batch moves in steps of that many
+    rows of data.max_len tokens. Stops when the bracket is within `tolerance` of the batch. Returns the report of
+    the largest batch that fits with a "search" entry; DoesNotFit if even one step does not.
+    """
+    key = "tokens_per_batch" if config.data.batching == "bucket" else "batch_size"
+    multiple = check_batch_shapes(config, make_mesh(list(topology.devices())))
+    unit = multiple * (config.data.max_len if key == "tokens_per_batch" else 1)
+    tried = []
+
+    def attempt(value: int) -> dict | None:
+        """The report if the batch fits, else None."""
+        try:
+            report = plan_train_step(with_batch(config, value), topology, mesh_mode)
+        except DoesNotFit as error:
+            tried.append({key: value, "fits": False, "compiler": str(error)})
+            return None
+        tried.append({key: value, "fits": report["fits"], "total_bytes": report["memory_analysis_per_chip"]["total"]})
+        return report if report["fits"] else None
+
+    value = max(unit, config.data[key] // unit * unit)
+    best, low, high = None, 0, None
+    report = attempt(value)
+    if report:
+        best, low = report, value
+        while high is None and value < 64 * config.data[key]:
+            value *= 2
+            report = attempt(value)
+            best, low, high = (report, value, high) if report else (best, low, value)
+    else:
+        high = value
+        while best is None and value > unit:
+            value = max(unit, value // 2 // unit * unit)
+            report = attempt(value)
+            best, low, high = (report, value, high) if report else (best, low, value)
+    if best is None:
+        last = tried[-1]
+        need = last.get("compiler") or f"needs {gb(last['total_bytes'])} per chip of {gb(topology.chip.hbm_bytes)}"
+        raise DoesNotFit(f"does not fit: even data.{key}={unit}, the smallest batch on {topology.name}: {need}")
+    while high is not None and high - low > max(unit, low * tolerance):
+        value = (low + high) // 2 // unit * unit
+        if value <= low:
+            break
+        report = attempt(value)
+        best, low, high = (report, value, high) if report else (best, low, value)
+    best["search"] = {"key": f"data.{key}", "largest_that_fits": low, "first_that_does_not": high, "tried": tried}
+    return best
+
+
+def search_mesh(config: ml_collections.ConfigDict, topology: Topology) -> dict:
+    """Both meshes side by side; `chosen` is the one that fits with the smaller estimated step time."""
+    reports, refused = {}, {}
+    for mode in MESH_MODES:
+        try:
+            reports[mode] = plan_train_step(config, topology, mode)
+        except DoesNotFit as error:  # the compiler refused it
+            refused[mode] = str(error)
+    fitting = [mode for mode in reports if reports[mode]["fits"]]
+    chosen = min(fitting, key=lambda mode: reports[mode]["estimate"]["step_s"]) if fitting else None
+    return {"meshes": reports, "refused_by_compiler": refused, "chosen": chosen}
+
+
+def _roofline(flops_per_chip: float, bytes_accessed: float, wire_bytes: float, chip: Chip) -> dict[str, float]:
+    """ROOFLINE's times of one step from per-chip counts."""
+    compute_s = flops_per_chip / chip.peak_bf16_flops
+    hbm_s = bytes_accessed / chip.hbm_bytes_per_s
+    collective_s = wire_bytes / chip.interconnect_bytes_per_s
+    return {
+        "compute_s": compute_s,
+        "hbm_s": hbm_s,
+        "collective_s": collective_s,
+        "step_s": max(compute_s, hbm_s) + collective_s,
+    }
+
+
+def plan_decode(config: ml_collections.ConfigDict, topology: Topology, mesh_mode: str) -> dict:
+    """The report's "decode" section: validation BLEU's beam search compiled for the slice at its peak of memory,
+    so that a run that trains but whose validation would not fit is caught too.
+
+    The programs are the Searcher's own (`peak_programs`) for validation's batch (train.bleu_sentences sentences,
+    eval.batch_size at a time), its longest source and largest cache stage, with validation's search settings.
+    Parameters sit as the train state places them, host inputs are replicated (as jit places validation's numpy
+    sources): with mesh `data` every chip decodes the whole batch; with `fsdp` XLA's sharding propagation splits
+    the work. With train.bleu_every > 0 the fit counts the optimizer state, which stays in HBM while validation
+    decodes. The times are estimates from DECODE_ROOFLINE.
     """
     settings = decoding_settings(config)
     search, chip = settings.search, topology.chip
@@ -140,7 +338,7 @@ def plan_decode(config: ml_collections.ConfigDict, topology: Topology, mesh_mode
         "flops_per_step": {
             "compiled_per_chip": estimate.pop("flops_per_step_per_chip"),
             # every chip decodes every row (mesh data); with fsdp XLA may split them, so compare per chip with care
-            "formula": flops.decode_step_flops(model.spec, rows * search.beam_size, src_len, max_steps),
+            "formula": decode_step_flops(model.spec, rows * search.beam_size, src_len, max_steps),
         },
         "estimate": estimate,
     }
@@ -152,21 +350,15 @@ def _step_estimate(stage: jax.stages.Compiled | None, topology: Topology, rows: 
     if stage is None:
         keys = ("flops_per_step_per_chip", "compute_s", "hbm_s", "collective_s", "step_s", "s_per_output_token")
         return {"roofline": DECODE_ROOFLINE, "flops_source": None} | dict.fromkeys(keys)
-    chip = topology.chip
     cost, source = compiled_cost(stage)
     wire = collectives(stage.as_text(), topology.chips)["wire_bytes_per_chip"]
-    compute_s = cost.get("flops", 0.0) / chip.peak_bf16_flops
-    hbm_s = cost.get("bytes accessed", 0.0) / chip.hbm_bytes_per_s
-    step_s = max(compute_s, hbm_s) + wire / chip.interconnect_bytes_per_s
+    times = _roofline(cost.get("flops", 0.0), cost.get("bytes accessed", 0.0), wire, topology.chip)
     return {
         "roofline": DECODE_ROOFLINE,
         "flops_source": source,
         "flops_per_step_per_chip": cost.get("flops"),
-        "compute_s": compute_s,
-        "hbm_s": hbm_s,
-        "collective_s": wire / chip.interconnect_bytes_per_s,
-        "step_s": step_s,
-        "s_per_output_token": step_s / rows,
+        **times,
+        "s_per_output_token": times["step_s"] / rows,
     }
 
 
@@ -240,13 +432,16 @@ def _row(label: str, *values) -> str:
     return f"  {label:<34}" + "".join(f"{v:>22}" for v in values)
 
 
+def _or_na(value: float | None, fmt: str) -> str:
+    return "n/a" if value is None else fmt.format(value)
+
+
 def format_reports(reports: dict[str, dict]) -> str:
     """A readable table of one or more reports (columns), every time and rate marked as an estimate."""
     first = next(iter(reports.values()))
     top = first["topology"]
     cols = list(reports.values())
     get = lambda f: [f(r) for r in cols]
-    flops_ = lambda v: "n/a" if v is None else f"{v:.3e}"
     lines = [
         f"plan for {top['name']}: {top['chips']} x {top['device_kind']} on {top['hosts']} host(s); nothing was run",
         _row("", *reports),
@@ -266,18 +461,9 @@ def format_reports(reports: dict[str, dict]) -> str:
         _row("HBM", *get(lambda r: _size(r["hbm_bytes_per_chip"]))),
         _row("fits (headroom)", *get(lambda r: f"{'yes' if r['fits'] else 'NO'} ({_size(r['headroom_bytes'])})")),
         "FLOPs per step (all chips):",
-        _row("compiled (XLA)", *get(lambda r: flops_(r["flops_per_step"]["compiled"]))),
-        _row("formula (training/flops.py)", *get(lambda r: flops_(r["flops_per_step"]["formula"]))),
-        _row(
-            "compiled / formula",
-            *get(
-                lambda r: (
-                    "n/a"
-                    if r["flops_per_step"]["compiled_over_formula"] is None
-                    else f"{r['flops_per_step']['compiled_over_formula']:.3f}"
-                )
-            ),
-        ),
+        _row("compiled (XLA)", *get(lambda r: _or_na(r["flops_per_step"]["compiled"], "{:.3e}"))),
+        _row("formula (training/metrics.py)", *get(lambda r: _or_na(r["flops_per_step"]["formula"], "{:.3e}"))),
+        _row("compiled / formula", *get(lambda r: _or_na(r["flops_per_step"]["compiled_over_formula"], "{:.3f}"))),
         "collectives per step in the compiled HLO (count, result bytes):",
     ]
     for op in COLLECTIVES:
@@ -306,9 +492,8 @@ def format_reports(reports: dict[str, dict]) -> str:
 def _decode_rows(cols: list[dict]) -> list[str]:
     """The table's rows of the reports' "decode" sections (validation BLEU's beam search)."""
     get = lambda f: [f(d) for d in cols]
-    flops_ = lambda v: "n/a" if v is None else f"{v:.3e}"
     first = cols[0]
-    estimate = lambda key, fmt: get(lambda d: "n/a" if d["estimate"][key] is None else fmt.format(d["estimate"][key]))
+    estimate = lambda key, fmt: get(lambda d: _or_na(d["estimate"][key], fmt))
     lines = [
         f"validation decoding (beam {first['beam_size']}, {first['sentences']} sentences x {first['source_len']} "
         f"source tokens, {first['output_slots']} output slots, {first['search']} search), per chip:",
@@ -322,8 +507,11 @@ def _decode_rows(cols: list[dict]) -> list[str]:
         _row("+ optimizer state (bleu_every > 0)", *get(lambda d: _size(d["train_state_resident_bytes"]))),
         _row("total", *get(lambda d: _size(d["total_bytes"]))),
         _row("fits (headroom)", *get(lambda d: f"{'yes' if d['fits'] else 'NO'} ({_size(d['headroom_bytes'])})")),
-        _row("compiled FLOPs per step per chip", *get(lambda d: flops_(d["flops_per_step"]["compiled_per_chip"]))),
-        _row("formula (training/flops.py)", *get(lambda d: flops_(d["flops_per_step"]["formula"]))),
+        _row(
+            "compiled FLOPs per step per chip",
+            *get(lambda d: _or_na(d["flops_per_step"]["compiled_per_chip"], "{:.3e}")),
+        ),
+        _row("formula (training/metrics.py)", *get(lambda d: _or_na(d["flops_per_step"]["formula"], "{:.3e}"))),
         "ESTIMATES (nothing was run): " + first["estimate"]["roofline"],
         _row("estimated decoding step s", *estimate("step_s", "{:.3g}")),
         _row("estimated s per output token", *estimate("s_per_output_token", "{:.3g}")),

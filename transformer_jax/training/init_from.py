@@ -1,16 +1,10 @@
 """Starting a run from another run's parameters (fine-tuning): `train.init_from=WORKDIR`, `train.init_step`.
 
-The source is a workdir of ours (or one of the same shape). Its checkpoint gives the model's parameters; the step
-counter, optimizer state, schedule, dropout RNG and data order start fresh. The keys marked `architecture` in
-config/schema.py (sizes, layers, vocabulary, activation, norms, positions, tokenizer type) come from the source's
-saved config, and a command-line override that contradicts one of them is refused; every other key is the
-fine-tuning run's own. The source's tokenizer is copied into the run's workdir (`spm.model`), so that the run
-never reads the source again once it has a checkpoint of its own: a restart then resumes that checkpoint, taking
-the architecture from it.
-
-`prepare` does every check before anything is written: a missing source, one without checkpoints, one whose
-every checkpoint is damaged, a contradicting override, a workdir holding another run's checkpoints or tokenizer
-are each one line (ConfigError or CheckpointError) and the source is only read.
+The source workdir's checkpoint gives the model's parameters; step, optimizer state, schedule, dropout RNG and data
+order start fresh. The `architecture` keys of config/schema.py come from the source's saved config (a command-line
+override that contradicts one is refused); every other key is the run's own. The source's tokenizer is copied
+into the workdir, so a run with a checkpoint of its own never reads the source again. `prepare` checks everything
+before writing anything, and each refusal is one line (ConfigError or CheckpointError); the source is only read.
 """
 
 from __future__ import annotations
@@ -21,8 +15,8 @@ import os
 import pathlib
 import shutil
 import tempfile
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import jax
 import ml_collections
@@ -34,6 +28,8 @@ from transformer_jax.data.tokenizer import MODEL_FILENAME, tokenizer_files
 from transformer_jax.errors import CheckpointError, ConfigError
 from transformer_jax.training import checkpoints
 from transformer_jax.training.state import abstract_train_state
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,10 +43,9 @@ class Start:
 
 
 def prepare(config: ml_collections.ConfigDict, workdir: str | os.PathLike, overrides: Iterable[str] = ()) -> Start:
-    """The run's start. Without train.init_from: the config as it is. With it, the config takes the architecture
-    keys (schema.ARCHITECTURE) and the tokenizer from the run's own latest checkpoint if it has one (the source is
-    not read), else from the source, whose parameters are then read here. `overrides`: the dotted keys the user set
-    on the command line; one that contradicts the source is refused."""
+    """The run's start. With train.init_from, the config takes the architecture keys and the tokenizer from the
+    run's own latest checkpoint if it has one, else from the source, whose parameters are then read. `overrides`:
+    the dotted keys set on the command line; one that contradicts the source is refused."""
     if not config.train.init_from:
         return Start(config)
     workdir = pathlib.Path(workdir)
@@ -63,15 +58,20 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | os.PathLike, overr
         return Start(_with_architecture(config, own, overrides, workdir, f"the checkpoint in --workdir {workdir}"))
     if checkpoints.list_steps(workdir):  # none of its own checkpoints is readable: restore_latest says which
         return Start(config)
-    step, source_config, merged, params = _read_source(config, source, overrides, workdir)
+
+    def read(step: int) -> tuple[int, ml_collections.ConfigDict, ml_collections.ConfigDict, dict]:
+        source_config = checkpoints.load_config(source, step)
+        merged = _with_architecture(config, source_config, overrides, workdir, f"train.init_from {source}")
+        return step, source_config, merged, checkpoints.load_model_params(source, step, abstract_train_state(merged)[1])
+
+    step, source_config, merged, params = _first_readable(config, source, read)
     _copy_tokenizer(source, source_config, workdir)
     logging.info("starting from the parameters of the checkpoint at step %d in %s", step, source)
     return Start(merged, params, step)
 
 
 def with_params(state: nnx.State, params: dict, shardings: nnx.State) -> nnx.State:
-    """The train state with its model parameters replaced by `params` (a pure dict), placed with the state's
-    shardings; the optimizer state, step and counters are left as they are (fresh)."""
+    """The train state with its model parameters replaced by `params` (a pure dict), placed with its shardings."""
     param_shardings = nnx.to_pure_dict(nnx.filter_state(shardings["model"], nnx.Param))
     nnx.replace_by_pure_dict(state["model"], jax.device_put(params, param_shardings))
     return state
@@ -116,20 +116,12 @@ def _check_same_run(own: ml_collections.ConfigDict, config: ml_collections.Confi
 
 def planned_config(config: ml_collections.ConfigDict, overrides: Iterable[str] = ()) -> ml_collections.ConfigDict:
     """The config a run will train, for `--dry_run` and `--plan`: with train.init_from, the architecture keys of
-    the source checkpoint train.init_step names, read from its saved config only (no parameters are read, nothing
-    is written); ConfigError for a source `prepare` would refuse, or an override that contradicts it."""
+    the source checkpoint train.init_step names, from its saved config only; refused as `prepare` would refuse."""
     if not config.train.init_from:
         return config
     source = pathlib.Path(config.train.init_from).expanduser().resolve()
-    errors = []
-    for step in _candidate_steps(config, source):
-        try:
-            reference = checkpoints.load_config(source, step)
-        except CheckpointError as e:
-            errors.append(f"step {step}: {e}")
-            continue
-        return _merged(config, reference, set(overrides), f"train.init_from {source}", config.data.tokenizer_model)
-    raise CheckpointError(_unreadable(source, errors))
+    reference = _first_readable(config, source, lambda step: checkpoints.load_config(source, step))
+    return _merged(config, reference, set(overrides), f"train.init_from {source}", config.data.tokenizer_model)
 
 
 def _candidate_steps(config: ml_collections.ConfigDict, source: pathlib.Path) -> list[int]:
@@ -163,32 +155,21 @@ def _candidate_steps(config: ml_collections.ConfigDict, source: pathlib.Path) ->
     raise ConfigError(f"config key train.init_step: {source} has no checkpoint at step {init_step}; its steps: {steps}")
 
 
-def _unreadable(source: pathlib.Path, errors: list[str]) -> str:
-    return (
-        f"config key train.init_from: {source}: no checkpoint could be read ({'; '.join(errors)}); give another "
-        "train.init_from or train.init_step"
-    )
-
-
-def _read_source(
-    config: ml_collections.ConfigDict, source: pathlib.Path, overrides: set[str], workdir: pathlib.Path
-) -> tuple[int, ml_collections.ConfigDict, ml_collections.ConfigDict, dict]:
-    """(step, saved config, the run's config with its architecture, model parameters) of the source checkpoint
-    train.init_step names, trying the next candidate (_candidate_steps) when one is damaged; the source is only
-    read."""
+def _first_readable(config: ml_collections.ConfigDict, source: pathlib.Path, read: Callable[[int], T]) -> T:
+    """read(step) of the first of the source's candidate steps that reads without CheckpointError (each damaged one
+    is logged); one CheckpointError naming them all if none does."""
     errors = []
     for step in _candidate_steps(config, source):
         try:
-            source_config = checkpoints.load_config(source, step)
-            merged = _with_architecture(config, source_config, overrides, workdir, f"train.init_from {source}")
-            params = checkpoints.load_model_params(source, step, abstract_train_state(merged)[1])
+            return read(step)
         except CheckpointError as e:
             errors.append(f"step {step}: {e}")
             best = config.train.init_step == "best"
             logging.error("%s; trying %s", e, "the next best" if best else "the checkpoint before it")
-            continue
-        return step, source_config, merged, params
-    raise CheckpointError(_unreadable(source, errors))
+    raise CheckpointError(
+        f"config key train.init_from: {source}: no checkpoint could be read ({'; '.join(errors)}); give another "
+        "train.init_from or train.init_step"
+    )
 
 
 def _with_architecture(
@@ -198,8 +179,7 @@ def _with_architecture(
     workdir: pathlib.Path,
     where: str,
 ) -> ml_collections.ConfigDict:
-    """The config with every architecture key of `reference` and the workdir's copy of the source's tokenizer;
-    ConfigError listing the command-line overrides that contradict them."""
+    """_merged with the workdir's copy of the source's tokenizer."""
     # A source that trained its tokenizer into its workdir (it has exactly model.vocab_size pieces) leaves the key
     # empty, and so does this run: the workdir's spm.model, wherever the workdir is moved. A source given a file
     # (which may have fewer pieces) names the copy explicitly, which get_tokenizer accepts smaller.

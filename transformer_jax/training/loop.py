@@ -1,17 +1,12 @@
 """The training loop: config -> data -> jitted steps -> metrics and checkpoints, resumable exactly.
 
-The Python loop never waits on the device for the step it just dispatched: metrics are fetched one step late,
-batches are prepared and placed on the devices by grain's prefetch thread (data.pipeline.prefetch). The pieces:
-`setup` builds everything from the config into a `TrainingRun`; `run_steps` is the step loop; `MetricLog` fetches
-and logs step metrics; `Validation` runs validation loss and BLEU when due (on data.valid_split and the reported
-eval.extra_valid sets); `StopRequest` turns SIGTERM into a clean stop. With ckpt.keep_best or
-train.early_stop_patience, every validation is ranked by train.select_metric (training.bookkeeping): one that
-improves it saves a checkpoint with its scores, and train.early_stop_patience validations without improvement stop
-the run.
-
-Validation BLEU needs translation, which sits above training (decoding, evaluation): the trainer receives it as a
-function (`BleuEvaluator`), built by the caller (train.py: evaluation.validation.bleu_evaluator), so training
-never imports evaluation.
+The loop never waits on the device for the step it just dispatched: metrics are fetched one step late, batches
+are placed on the devices by grain's prefetch thread. `setup` builds a `TrainingRun` from the config; `run_steps`
+is the step loop; `MetricLog` logs step metrics; `Validation` runs validation loss and BLEU when due; `StopRequest`
+turns SIGTERM into a clean stop. With ckpt.keep_best or train.early_stop_patience every validation is ranked by
+train.select_metric (training.bookkeeping): an improvement saves a checkpoint, and train.early_stop_patience
+validations without one stop the run. Validation BLEU sits above training: the caller passes it as a function
+(`BleuEvaluator`; train.py: evaluation.validation.bleu_evaluator), so training never imports evaluation.
 """
 
 from __future__ import annotations
@@ -38,12 +33,12 @@ from transformer_jax import data, runtime
 from transformer_jax.data.batching import BATCH_KEYS, padded_eval_length
 from transformer_jax.data.pipeline import batch_shapes, place, prefetch
 from transformer_jax.errors import ConfigError, NonFiniteError
-from transformer_jax.model.spec import TransformerSpec
+from transformer_jax.model import TransformerSpec, parameter_count
 from transformer_jax.runtime import Progress
-from transformer_jax.sharding import batch_sharding, make_mesh, state_shardings, tracing_mesh
-from transformer_jax.training import bookkeeping, flops, init_from
+from transformer_jax.sharding import batch_sharding, make_mesh, tracing_mesh
+from transformer_jax.training import bookkeeping, init_from
 from transformer_jax.training.checkpoints import Checkpointer
-from transformer_jax.training.metrics import MetricWriter
+from transformer_jax.training.metrics import MetricWriter, forward_flops, matmul_peak, train_step_flops
 from transformer_jax.training.state import Graphs, abstract_train_state, create_train_state, eval_model
 from transformer_jax.training.step import compile_steps, summarize
 
@@ -55,15 +50,6 @@ BleuEvaluator = Callable[[ml_collections.ConfigDict, Any], Callable[[Any], dict[
 # a launcher signals hosts at slightly different times, and a host that stopped alone would leave the others
 # waiting in the next step's collectives. One host checks its flag every step.
 STOP_CHECK_EVERY = 10
-
-
-def should_stop(requested: bool, step: int) -> bool:
-    """Whether to stop before `step` + 1; on several hosts, the same answer on every host."""
-    if jax.process_count() == 1:
-        return requested
-    if step % STOP_CHECK_EVERY:
-        return False
-    return bool(np.any(multihost_utils.process_allgather(np.int32(requested))))
 
 
 def host_block(array: np.ndarray) -> np.ndarray:
@@ -87,11 +73,7 @@ def validation_batches(
     config: ml_collections.ConfigDict, tokenizer, pairs: list[tuple[str, str]] | None = None
 ) -> list[dict[str, np.ndarray]]:
     """Every validation pair once (`pairs`, default data.valid_split's), sorted by length, each batch cut to its
-    longest row rounded up to a bucket.
-
-    Padding every batch to data.eval_max_len would spend most of a validation on the logits of padding; bucketed
-    lengths (16, 32, 64, ...) keep the compiled shapes few. Loss sums do not depend on the order.
-    """
+    longest row rounded up to a bucket (16, 32, 64, ...: few compiled shapes, little padding; sums ignore order)."""
     if pairs is None:
         pairs = data.load_split(config.data, config.data.valid_split)
     pairs = sorted(pairs, key=lambda pair: (len(pair[1]), len(pair[0])))  # characters: a proxy for tokens
@@ -122,12 +104,8 @@ def evaluate_loss(eval_step, state, batches, sharding) -> dict[str, float]:
 
 def check_batch_shapes(config: ml_collections.ConfigDict, mesh) -> int:
     """Every batch must split into grad_accum_steps micro-batches, each split over the devices (of all hosts).
-
-    Returns the multiple that bucketed batches' (global) row counts are rounded to so that they always do.
-    """
-    accum = config.train.grad_accum_steps
-    if accum < 1:
-        raise ConfigError(f"config key train.grad_accum_steps: must be >= 1, got {accum}")
+    Returns the multiple that bucketed batches' (global) row counts are rounded to so that they always do."""
+    accum = config.train.grad_accum_steps  # >= 1 (the schema's check)
     if config.data.batching != "bucket" and config.data.batch_size % (accum * mesh.size):
         raise ConfigError(
             f"config key data.batch_size: {config.data.batch_size} rows do not split into {accum} micro-batches "
@@ -139,6 +117,40 @@ def check_batch_shapes(config: ml_collections.ConfigDict, mesh) -> int:
             f"{mesh.size} devices; use a multiple of {mesh.size}"
         )
     return math.lcm(8, accum * mesh.size)
+
+
+def dry_run_summary(config: ml_collections.ConfigDict) -> dict:
+    """`train.py --dry_run`: parameters, FLOPs, the batch shapes training will use, the mesh and a time estimate,
+    without data or compute. Gradient accumulation splits the same batch, so it changes neither FLOPs nor tokens."""
+    spec = TransformerSpec.from_config(config)
+    mesh = make_mesh()
+    shapes = batch_shapes(config.data, jax.process_count(), check_batch_shapes(config, mesh))
+    # FLOPs per target token at the longest shape, and per step for the largest batch by tokens.
+    rows, s_len, t_len = max(shapes, key=lambda s: s[0] * s[1])
+    forward = forward_flops(spec, rows, s_len, t_len)
+    step = train_step_flops(spec, rows, s_len, t_len)
+    summary = {
+        "parameters": parameter_count(config),
+        "forward_flops_per_target_token": forward / (rows * t_len),
+        "train_flops_per_target_token": 3 * forward / (rows * t_len),
+        "train_flops_per_step": step,
+        "batch_shapes_rows_src_tgt": shapes,
+        "tokens_per_step_per_side": rows * s_len,
+        "mesh": {"axes": dict(mesh.shape), "devices": [str(d) for d in mesh.devices.flat], "mode": config.train.mesh},
+    }
+    devices = config.train.estimate_devices or mesh.size
+    if config.train.peak_flops:
+        step_s = step / (config.train.peak_flops * devices * config.train.assumed_mfu)
+        summary["estimate"] = {
+            "devices": devices,
+            "peak_flops_per_device": config.train.peak_flops,
+            "assumed_mfu": config.train.assumed_mfu,
+            "step_s": step_s,
+            "total_hours": step_s * config.train.num_steps / 3600,
+        }
+    else:
+        summary["estimate"] = "set --config.train.peak_flops (FLOP/s of one device) for a time estimate"
+    return summary
 
 
 def is_due(step: int, every: int, last_step: int) -> bool:
@@ -161,16 +173,17 @@ class StopRequest:
         signal.signal(signal.SIGTERM, self._previous)
 
     def due(self, step: int) -> bool:
-        return should_stop(self.requested.is_set(), step)
+        """Whether to stop before `step` + 1; on several hosts, the same answer on every host."""
+        if jax.process_count() == 1:
+            return self.requested.is_set()
+        if step % STOP_CHECK_EVERY:
+            return False
+        return bool(np.any(multihost_utils.process_allgather(np.int32(self.requested.is_set()))))
 
 
 class MetricLog:
-    """The train metrics: each step's are fetched from the device one step late (so the loop never waits for the
-    step it just dispatched), summed on the host, and written as one record every train.log_every steps.
-
-    Fetching is also where a run of non-finite updates is noticed: NonFiniteError once there are
-    train.max_nonfinite_steps in a row. `learning_rate` is the optimizer's schedule (Graphs.learning_rate).
-    """
+    """The train metrics: fetched one step late, summed on the host, written every train.log_every steps.
+    Fetching raises NonFiniteError after train.max_nonfinite_steps non-finite updates in a row."""
 
     def __init__(
         self,
@@ -193,8 +206,7 @@ class MetricLog:
         self.corpus_tokens: dict[str, int] = {}
 
     def add(self, metrics: dict, real_tokens: tuple[int, dict[str, int]], step_flops: float, step: int) -> None:
-        """Takes the metrics of the step just dispatched (real tokens: all, and per corpus of data.corpora) and
-        fetches those of the step before."""
+        """Takes the step just dispatched (real tokens: all, and per corpus of data.corpora); fetches the one before."""
         self.flush()
         self.pending = (metrics, real_tokens, step_flops, step)
 
@@ -268,14 +280,14 @@ class Validation:
         """Runs what is due after `step`; returns every score written, named as in metrics.jsonl (valid_*)."""
         train, num_steps = self.config.train, self.config.train.num_steps
         scores: dict[str, float] = {}
-        if is_due(step, train.eval_every, num_steps):
+        if self.is_due(step):
             for name, batches in self.batches:
                 metrics = evaluate_loss(self.eval_step, state, batches, self.sharding)
                 prefix = f"valid_{name}_" if name else "valid_"
                 self.writer.write(step, metrics, prefix=prefix)
                 scores.update({prefix + k: v for k, v in metrics.items()})
                 logging.info("step %d validation%s: %s", step, f" ({name})" if name else "", json.dumps(metrics))
-        if is_due(step, train.bleu_every, num_steps) or (self.decodes and is_due(step, train.eval_every, num_steps)):
+        if is_due(step, train.bleu_every, num_steps) or (self.decodes and self.is_due(step)):
             bleu = self.bleu(eval_model(self.graphs, state))
             self.writer.write(step, bleu, prefix="valid_")
             scores.update({f"valid_{k}": v for k, v in bleu.items()})
@@ -329,8 +341,7 @@ def setup(
         config.data, tokenizer, examples=examples, row_multiple=row_multiple
     )
     graphs, abstract = abstract_train_state(config)
-    shardings = state_shardings(abstract, mesh, config.train.mesh)
-    train_step, eval_step, _ = compile_steps(
+    train_step, eval_step, shardings = compile_steps(
         graphs,
         abstract,
         mesh,
@@ -339,14 +350,8 @@ def setup(
         accum_steps=config.train.grad_accum_steps,
     )
     sharding = batch_sharding(mesh)
-    ahead = compile_ahead(
-        train_step,
-        abstract,
-        shardings,
-        batch_shapes(config.data, jax.process_count(), row_multiple),
-        sharding,
-        mesh,
-    )
+    shapes = batch_shapes(config.data, jax.process_count(), row_multiple)
+    ahead = compile_ahead(train_step, abstract, shardings, shapes, sharding, mesh)
     checkpointer = Checkpointer(
         workdir, config.ckpt, config.train.select_metric if bookkeeping.is_tracked(config) else None
     )
@@ -366,7 +371,7 @@ def setup(
     writer = MetricWriter(workdir, resume_step=step, config=config)
     validation = Validation(config, graphs, tokenizer, eval_step, sharding, writer, bleu)
     ahead.join()  # before the matmul peak is timed, and so that the first step finds the program
-    peak = config.train.peak_flops or flops.matmul_peak(runtime.compile_cache_directory())
+    peak = config.train.peak_flops or matmul_peak(runtime.compile_cache_directory())
     writer.write(step, {f"data_{k}": v for k, v in data_stats.items() if isinstance(v, int)})
     progress = Progress(config.train.num_steps, "step", "steps", initial=step, enabled=jax.process_index() == 0)
     return TrainingRun(
@@ -387,13 +392,10 @@ def setup(
 
 
 def compile_ahead(train_step, abstract_state, shardings, shapes, batch_sharding_, mesh) -> threading.Thread:
-    """Traces, lowers and compiles (or loads from the compilation cache) the train step on a thread, started while
-    the checkpoint is restored (mostly waiting on files and checksumming in numpy, which leave the GIL free).
-
-    Only when the data has one batch shape (`shapes`, global (rows, S, T)): the thread's program is then the one the
-    first step calls, which jax's caches hand to that call. A thread that fails, or a program that is not the one
-    called, costs only its time: the step compiles as it would have without it. Returns the started thread.
-    """
+    """Compiles (or loads from the compilation cache) the train step on a thread, started while the checkpoint is
+    restored (file waits and numpy checksums leave the GIL free). Only when the data has one batch shape (`shapes`,
+    global (rows, S, T)): that program is the one the first step calls, and jax's caches hand it over. A failure
+    costs only its time: the first step then compiles as it would have."""
 
     def work() -> None:
         rows, src_len, tgt_len = shapes[0]
@@ -448,13 +450,9 @@ STOPPED_EARLY_AT = "stopped_early_at"  # run_steps' result: the step where early
 
 
 def run_steps(run: TrainingRun, stop: StopRequest) -> dict[str, float]:
-    """Steps from run.step to train.num_steps (or a stop request): train, log, validate, checkpoint.
-
-    Returns the last logged metrics, with STOPPED_EARLY_AT when early stopping ended the run. A stop request or a
-    run of non-finite updates (NonFiniteError, re-raised) saves a checkpoint of the state reached; non-finite
-    updates were skipped, so that state is the last good one, unless its arrays themselves are non-finite: such a
-    state is never saved (save_if_finite).
-    """
+    """Steps from run.step to train.num_steps (or a stop request): train, log, validate, checkpoint. Returns the
+    last logged metrics, with STOPPED_EARLY_AT when early stopping ended the run. A stop request or NonFiniteError
+    (re-raised) saves the state reached, the last good one since non-finite updates were skipped (save_if_finite)."""
     config, num_steps = run.config, run.config.train.num_steps
     # A restored run has its checkpoint at run.step; a new one has none yet.
     state, step, saved_step, it_state, last_logged = run.state, run.step, run.step or None, None, {}
@@ -481,7 +479,7 @@ def run_steps(run: TrainingRun, stop: StopRequest) -> dict[str, float]:
             if step == run.step + 1:  # what a restart waits for before training moves: mostly compilation
                 jax.block_until_ready(metrics)
                 logging.info("step %d is this process's first", step)
-            run.metric_log.add(metrics, real_tokens, flops.train_step_flops(run.spec, *shape), step)
+            run.metric_log.add(metrics, real_tokens, train_step_flops(run.spec, *shape), step)
             if is_due(step, config.train.log_every, num_steps):
                 last_logged = run.metric_log.write(step)
             if ranked and run.validation.is_due(step):
@@ -543,23 +541,14 @@ def train_and_evaluate(
 ) -> dict[str, float]:
     """Trains (or resumes) in workdir until config.train.num_steps; returns the last logged metrics.
 
-    With train.init_from, a run without a checkpoint of its own starts from the source's parameters, and the
-    architecture comes from there (training.init_from); `overrides` are the keys the user set on the command line,
-    refused where they contradict it.
-
-    `bleu` builds the validation BLEU function (needed when train.bleu_every > 0; train.py passes
-    evaluation.validation.bleu_evaluator). The workdir is locked for the run (training.bookkeeping): a second
-    run in it stops at once with an error.
+    With train.init_from, a run without a checkpoint of its own starts from the source's parameters and
+    architecture (training.init_from); `overrides`, the keys set on the command line, may not contradict it.
+    `bleu` builds the validation BLEU function. The workdir is locked for the run (a second run there stops).
     """
-    if config.train.bleu_every and bleu is None:
+    if bleu is None and (config.train.bleu_every or decodes_at_validation(config)):
         raise ValueError(
-            f"train.bleu_every={config.train.bleu_every} needs a BLEU evaluator: pass "
-            "bleu=transformer_jax.evaluation.validation.bleu_evaluator (or set train.bleu_every=0)"
-        )
-    if decodes_at_validation(config) and bleu is None:
-        raise ValueError(
-            f"train.select_metric={config.train.select_metric} needs a BLEU evaluator: pass "
-            "bleu=transformer_jax.evaluation.validation.bleu_evaluator (or select valid_loss)"
+            f"train.bleu_every={config.train.bleu_every} or train.select_metric={config.train.select_metric} needs "
+            "a BLEU evaluator: pass bleu=transformer_jax.evaluation.validation.bleu_evaluator"
         )
     workdir = pathlib.Path(workdir)
     with bookkeeping.locked(workdir):

@@ -1,27 +1,16 @@
-"""The metric writer: WORKDIR/metrics.jsonl (one JSON object per logged step), always (the sweep reads it), and the
-experiment trackers of train.trackers: TensorBoard by default, Weights & Biases and MLflow. The progress display is
-transformer_jax.runtime.Progress.
+"""What a run logs: WORKDIR/metrics.jsonl (one JSON object per logged step; the sweep reads it) and the experiment
+trackers of train.trackers (TensorBoard by default, Weights & Biases, MLflow); and what it costs: FLOPs and MFU.
 
-MetricWriter hands each record it writes to metrics.jsonl to `Trackers.log` and the run's final scores to
-`Trackers.finish`, so the training loop knows no tracker. Each tracker gets the resolved config as parameters
-(dotted keys: model.d_model, ...), every metric of metrics.jsonl at its step, and the final scores: the last value
-of every metric (and stopped_early_at, final_step) as W&B's run summary, MLflow's `final/<metric>` metrics and
-TensorBoard's hparams (tensorboard/hparams).
+Each tracker gets the resolved config as parameters (dotted keys), every metric at its step, and the final scores
+as W&B's run summary, MLflow's `final/<metric>` metrics or TensorBoard's hparams. wandb and mlflow are imported
+only when named; W&B reads WANDB_MODE, WANDB_PROJECT, WANDB_DIR (default WORKDIR/wandb), MLflow
+MLFLOW_TRACKING_URI; train.tracker_group is the W&B group and the MLflow experiment. On resume, WORKDIR/trackers.json
+(each tracker's run id and last step, written before the record is handed over: a crash may lose a step in a
+tracker, never log it twice) continues each run; W&B and MLflow skip the steps they already have, TensorBoard
+purges its events after the checkpoint's step.
 
-wandb and mlflow are optional packages, imported only here and only when named; train.py and the sweep
-(config/checks.py's validate, training=True) have refused a missing one before any work. W&B takes its mode,
-project and directory from the environment as it always does (WANDB_MODE, WANDB_PROJECT, WANDB_DIR; without
-WANDB_DIR its files go in WORKDIR/wandb, and without WANDB_PROJECT the project is transformer_jax); MLflow its store
-from MLFLOW_TRACKING_URI. train.tracker_group is the W&B group and the MLflow experiment (DEFAULT_EXPERIMENT when
-empty).
-
-Resume: a restarted run continues its tracker runs. WORKDIR/trackers.json keeps each tracker's run id and the last
-step it was given; the step is written there before the record is handed over, so a crash can lose a step in a
-tracker but never log one twice. A resumed run trains the steps after its checkpoint again (their first records
-move to metrics.superseded.jsonl); W&B refuses a step lower than its last and MLflow would keep both values, so
-W&B and MLflow skip every record of a step <= the last step they were given before the restart, and keep the
-interrupted run's values for those steps (a resume is exact: the losses are the same, the timings differ).
-TensorBoard instead purges its events after the checkpoint's step and gets those steps again, as before trackers.
+FLOPs: one multiply-add is 2; every matmul at the batch's padded shape (the work the hardware does); softmax,
+norms, dropout and elementwise ops (a few percent) are not counted; a training step is 3x the forward pass.
 """
 
 from __future__ import annotations
@@ -32,31 +21,27 @@ import logging
 import os
 import pathlib
 import sys
+import tempfile
 import time
-from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 
 from transformer_jax import runtime
 from transformer_jax.config import checks, schema
 from transformer_jax.errors import DiskFullError
 
+if TYPE_CHECKING:  # annotations only: reading metrics.jsonl (the sweep, visualize) need not import the model
+    from transformer_jax.model.spec import TransformerSpec
+
 
 class MetricWriter:
-    """Writes on process 0 only; every record is written through at once so a crash loses nothing already logged.
-
-    A record is one append of one line: a full disk (or any failed write) truncates the file back to the records
-    before it, so metrics.jsonl never ends in a partial line, and is one DiskFullError line naming the file and
-    the step. The trackers get each record's numbers after it is written, and a failed write there is the same line.
-
-    A run resumed from the checkpoint of `resume_step` logs the steps after it again, so the records after that step
-    (written by the run that was interrupted) are first moved out of metrics.jsonl into metrics.superseded.jsonl:
-    each step is logged once (the module's docstring says how each tracker continues).
-
-    `config` names the trackers (train.trackers, train.tracker_group) and is their parameters; None: the default
-    trackers, with no parameters.
+    """Writes on process 0 only, each record at once as one appended line. A failed write truncates the file back
+    to the records before it (never a partial line); a full disk, there or in a tracker, is one DiskFullError line.
+    A run resumed at `resume_step` first moves the later records to metrics.superseded.jsonl, so each step is
+    logged once. `config` names the trackers and is their parameters; None: the default trackers, no parameters.
     """
 
     def __init__(
@@ -98,8 +83,8 @@ class MetricWriter:
             raise self._failed(step, e) from None
 
     def finish(self, result: dict[str, Any]) -> dict[str, Any]:
-        """Gives the trackers the run's final scores: the last value of every number written by this start, with
-        the numbers of `result` (the training loop's: stopped_early_at) and final_step. Returns `result`."""
+        """Gives the trackers the final scores: the last value of every number written by this start, the numbers
+        of `result` (stopped_early_at) and final_step. Returns `result`."""
         if self.enabled:
             final = {**self.latest, **{k: v for k, v in result.items() if isinstance(v, int | float)}}
             self._trackers.finish(self.last_step, {**final, "final_step": self.last_step})
@@ -121,9 +106,9 @@ class MetricWriter:
             self._trackers.close()
 
 
-def drop_records_after(path: pathlib.Path, step: int) -> int:
+def drop_records_after(path: pathlib.Path, step: int) -> None:
     """Moves the records of steps after `step` from a metrics.jsonl file to metrics.superseded.jsonl beside it
-    (appended, kept for inspection); returns how many moved. Lines that are not JSON stay where they are."""
+    (appended, kept for inspection). Lines that are not JSON stay where they are."""
     kept, moved = [], []
     for line in path.read_text().splitlines(keepends=True):
         try:
@@ -137,7 +122,6 @@ def drop_records_after(path: pathlib.Path, step: int) -> int:
             f.writelines(moved)
         runtime.write_text_atomically(path, "".join(kept))  # a crash leaves the old file or the new one
         logging.info("moved %d records of steps after %d from %s to metrics.superseded.jsonl", len(moved), step, path)
-    return len(moved)
 
 
 def read_metrics(path: str | pathlib.Path) -> list[dict]:
@@ -160,39 +144,21 @@ DEFAULT_EXPERIMENT = "transformer_jax"  # MLflow's experiment (and W&B's project
 MLFLOW_BATCH = 100  # MLflow's limit of parameters per log_batch call
 
 
-class Tracker(Protocol):
-    """One experiment tracker's run, continued across restarts. `run_id` is what trackers.json keeps (None: the
-    tracker keeps nothing, like TensorBoard, whose files are in the workdir); `resumed` whether it continued a run
-    of an earlier start."""
-
-    run_id: str | None
-    resumed: bool
-
-    def log(self, step: int, metrics: dict[str, float]) -> None: ...
-
-    def finish(self, step: int, scores: dict[str, float]) -> None: ...
-
-    def close(self, failed: bool) -> None: ...
-
-
 class Trackers:
-    """The trackers a run names, as one: what MetricWriter calls. Opened on process 0 only (as metrics.jsonl)."""
+    """The trackers a run names, as one: what MetricWriter calls. Opened on process 0 only (as metrics.jsonl).
 
-    def __init__(
-        self,
-        names: tuple[str, ...],
-        workdir: str | os.PathLike,
-        group: str = "",
-        params: Mapping[str, Any] | None = None,
-        resume_step: int = 0,
-    ):
+    Each tracker (OPENERS) is one run continued across restarts: `run_id` is what trackers.json keeps (None for
+    TensorBoard, whose files are in the workdir), `resumed` whether it continued an earlier start's run, and it
+    has log(step, metrics), finish(step, scores) and close(failed).
+    """
+
+    def __init__(self, names: tuple[str, ...], workdir: str | os.PathLike, group: str, params: dict, resume_step: int):
         workdir = pathlib.Path(workdir)
         self.state_path = workdir / STATE_FILE
         self.state: dict[str, dict[str, Any]] = (
             json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
         )
-        params = dict(params or {})
-        self.trackers: dict[str, Tracker] = {}
+        self.trackers: dict[str, TensorBoard | WandB | MLflow] = {}
         self.floor: dict[str, int] = {}  # records of steps <= floor were logged before this start
         for name in names:
             saved = self.state.get(name, {})
@@ -338,13 +304,9 @@ OPENERS = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}
 
 
 def _summary_writer_class() -> type:
-    """tensorboardX's SummaryWriter, imported without torch.
-
-    tensorboardX imports torch whenever it is installed (requirements-dev.txt installs it), only to accept torch
-    tensors, which we never pass, and a starting run would wait for that import. The import runs with torch marked
-    unavailable, and the mark is removed at once so that code importing torch afterwards gets it as usual. Imported
-    here, not at the top, because the writer of a process other than 0 never needs it.
-    """
+    """tensorboardX's SummaryWriter, imported without torch: tensorboardX imports an installed torch only to
+    accept its tensors, which we never pass, and a starting run would wait for it. torch is marked unavailable for
+    that import only, so later imports of torch get it as usual."""
     if "tensorboardX" in sys.modules or "torch" in sys.modules:
         from tensorboardX import SummaryWriter
     else:
@@ -354,3 +316,122 @@ def _summary_writer_class() -> type:
         finally:
             del sys.modules["torch"]
     return SummaryWriter
+
+
+# The cost of a run.
+
+PEAK_FILE = "matmul_peak.json"  # in the compilation cache's per-host directory: {peak_key(): FLOP/s}
+
+
+def _projections(spec: TransformerSpec, q_tokens: int, kv_tokens: int) -> float:
+    """Query, key/value and output projections of one attention layer."""
+    d, n, k, hq, hv = spec.d_model, spec.num_heads, spec.heads_kv, spec.d_qk, spec.d_v
+    return 2 * (q_tokens * d * n * hq + kv_tokens * d * k * (hq + hv) + q_tokens * n * hv * d)
+
+
+def _scores_and_mix(spec: TransformerSpec, q_len: int, kv_len: int) -> float:
+    """Attention scores and the weighted sum of the values, for one sequence."""
+    return 2 * q_len * kv_len * spec.num_heads * (spec.d_qk + spec.d_v)
+
+
+def _ffn(spec: TransformerSpec, tokens: int) -> float:
+    return 2 * (3 if spec.activation == "swiglu" else 2) * tokens * spec.d_model * spec.d_ff
+
+
+def forward_flops(spec: TransformerSpec, batch: int, src_len: int, tgt_len: int) -> float:
+    """FLOPs of one forward pass over a [batch, src_len] source and [batch, tgt_len] target."""
+    s_tok, t_tok = batch * src_len, batch * tgt_len
+    encoder = spec.num_encoder_layers * (
+        _projections(spec, s_tok, s_tok) + batch * _scores_and_mix(spec, src_len, src_len) + _ffn(spec, s_tok)
+    )
+    decoder = spec.num_decoder_layers * (
+        _projections(spec, t_tok, t_tok)
+        + batch * _scores_and_mix(spec, tgt_len, tgt_len)
+        + _projections(spec, t_tok, s_tok)
+        + batch * _scores_and_mix(spec, tgt_len, src_len)
+        + _ffn(spec, t_tok)
+    )
+    logits = 2 * t_tok * spec.d_model * spec.vocab_size
+    return float(encoder + decoder + logits)
+
+
+def decode_step_flops(spec: TransformerSpec, rows: int, src_len: int, slots: int) -> float:
+    """FLOPs of one cached decoding step of `rows` rows (sentences x beams): each row's new token through the
+    decoder, self-attention over `slots` cache slots, cross-attention over src_len cached positions, the logits."""
+    decoder = spec.num_decoder_layers * (
+        _projections(spec, rows, rows)
+        + rows * _scores_and_mix(spec, 1, slots)
+        + _projections(spec, rows, 0)
+        + rows * _scores_and_mix(spec, 1, src_len)
+        + _ffn(spec, rows)
+    )
+    return float(decoder + 2 * rows * spec.d_model * spec.vocab_size)
+
+
+def train_step_flops(spec: TransformerSpec, batch: int, src_len: int, tgt_len: int) -> float:
+    """Forward + backward: 3x the forward FLOPs."""
+    return 3.0 * forward_flops(spec, batch, src_len, tgt_len)
+
+
+def measure_matmul_peak(size: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of one device on a float32 size x size matmul: the denominator of MFU when no peak is configured."""
+    a = jnp.ones((size, size), jnp.float32)
+    matmul = jax.jit(lambda x: x @ x)
+    matmul(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def peak_key() -> str:
+    """What a measured peak depends on: the device, the host's CPU type, the cores this process may use (XLA:CPU's
+    thread pool), jax's version and XLA_FLAGS."""
+    device = jax.devices()[0]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (
+        f"{device.platform} {device.device_kind} | host {runtime.host_kind()} | {cores} cores | "
+        f"jax {jax.__version__} | XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}"
+    )
+
+
+def _read_peaks(file: pathlib.Path) -> dict[str, float]:
+    """The peaks a file holds; a missing or damaged file holds none (they are measured again and rewritten)."""
+    try:
+        peaks = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(peaks, dict):
+        return {}
+    return {k: float(v) for k, v in peaks.items() if isinstance(v, int | float) and v > 0}
+
+
+def matmul_peak(directory: pathlib.Path | None) -> float:
+    """MFU's denominator when train.peak_flops is not set: measure_matmul_peak() of this kind of machine
+    (`peak_key`), measured once and kept in directory/PEAK_FILE (the compilation cache's), so that a restart neither
+    waits for it nor reports an MFU against a different, noisy measurement. Measured every time when directory is
+    None; a directory that cannot be written only means measuring again.
+    """
+    if directory is None:
+        return measure_matmul_peak()
+    file, key = pathlib.Path(directory) / PEAK_FILE, peak_key()
+    peaks = _read_peaks(file)
+    if key in peaks:
+        return peaks[key]
+    peaks[key] = measure_matmul_peak()
+    temporary = None
+    try:
+        with tempfile.NamedTemporaryFile("w", dir=directory, prefix=".tmp-peak-", delete=False) as out:
+            temporary = out.name
+            json.dump(peaks, out, indent=1)
+        os.replace(temporary, file)
+        temporary = None
+        logging.info("measured a matmul peak of %.3g FLOP/s per device for MFU; kept in %s", peaks[key], file)
+    except OSError as error:
+        logging.info("the matmul peak is not kept (%s cannot be written: %s)", file, error.strerror or error)
+    finally:
+        if temporary is not None:
+            pathlib.Path(temporary).unlink(missing_ok=True)
+    return peaks[key]

@@ -1,9 +1,5 @@
-"""The train state: model, optimizer and counters under their names, split once into a static graph and arrays.
-
-`nnx.split(TrainState)` gives a pytree of arrays whose top-level keys are the field names (`state["model"]`,
-`state["optimizer"]["step"]`, `state["counters"]`); the step functions merge it back and use the fields by name.
-The optimizer is optax's, with the learning-rate schedule, from the `opt` config group; opt.freeze freezes
-parameters by path.
+"""The train state: model, optimizer (optax, with its learning-rate schedule, from the `opt` group) and counters,
+split once into static graphs and a pytree of arrays keyed by field name (`state["model"]`, `state["counters"]`).
 """
 
 from __future__ import annotations
@@ -48,8 +44,8 @@ class TrainState(nnx.Module):
 
 @dataclasses.dataclass(frozen=True)
 class Graphs:
-    """Static halves of the TrainState: one with dropout on (train), one with it off (eval); and the learning rate
-    of each step (0-based), as the optimizer applies it, which the metrics log."""
+    """Static halves of the TrainState, dropout on (train) and off (eval); and the learning rate of each 0-based
+    step, as the optimizer applies it, which the metrics log."""
 
     train: nnx.GraphDef
     eval: nnx.GraphDef
@@ -63,8 +59,6 @@ def learning_rate_schedule(opt: ml_collections.ConfigDict, num_steps: int) -> op
     rsqrt:    linear warmup to learning_rate, then learning_rate * sqrt(warmup / step_num)
     cosine:   linear warmup to learning_rate, then cosine decay to 0 at num_steps
     constant: linear warmup to learning_rate, then constant
-
-    The `opt` group is the one the command line validated (config/checks.py).
     """
     peak, warmup = float(opt.learning_rate), max(int(opt.warmup_steps), 1)
     if opt.schedule == "paper":
@@ -80,13 +74,9 @@ def learning_rate_schedule(opt: ml_collections.ConfigDict, num_steps: int) -> op
 
 
 def make_optimizer(opt: ml_collections.ConfigDict, schedule: optax.Schedule) -> optax.GradientTransformation:
-    """Adam (b1, b2, eps from the config; paper: 0.9, 0.98, 1e-9) or AdamW at the rates of `schedule`
-    (learning_rate_schedule), with optional global-norm clipping.
-
-    With opt.freeze, the parameters whose path a pattern matches get zero updates (optax.set_to_zero) and no Adam
-    moments, and clipping sees only the trained ones' gradients (optax.multi_transform); a pattern that matches no
-    parameter is a ConfigError when the optimizer state is initialised.
-    """
+    """Adam (paper: b1 0.9, b2 0.98, eps 1e-9) or AdamW at the rates of `schedule`, with optional global-norm
+    clipping. Parameters an opt.freeze pattern matches get zero updates and no moments, and clipping sees only the
+    trained ones (optax.multi_transform); a pattern that matches none is a ConfigError at initialisation."""
     if opt.optimizer == "adam":
         tx = optax.adam(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps)
     else:
@@ -118,10 +108,11 @@ def freeze_labels(params: Any, patterns: list[str]) -> Any:
         matched.update(hits)
         return FROZEN if hits else TRAIN
 
-    labels = jax.tree_util.tree_map_with_path(label, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    is_leaf = lambda x: isinstance(x, nnx.Variable)
+    labels = jax.tree_util.tree_map_with_path(label, params, is_leaf=is_leaf)
     unmatched = [pattern for pattern in patterns if pattern not in matched]
     if unmatched:
-        paths = parameter_paths(params)
+        paths = [param_path(path) for path, _ in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_leaf)]
         raise ConfigError(
             f"config key opt.freeze: {unmatched[0]!r} matches no parameter path (of {len(paths)}: {paths[0]}, ..., "
             f"{paths[-1]}); fix or remove the pattern"
@@ -129,20 +120,9 @@ def freeze_labels(params: Any, patterns: list[str]) -> Any:
     return labels
 
 
-def parameter_paths(params: Any) -> list[str]:
-    """Every parameter's path (param_path), in tree order."""
-    leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return [param_path(path) for path, _ in leaves]
-
-
-def create_model(config: ml_collections.ConfigDict, seed: int) -> Transformer:
-    return build_model(config, rngs=model_rngs(seed))
-
-
 def new_train_state(config: ml_collections.ConfigDict) -> TrainState:
-    """Model + optimizer + counters built from the config (arrays allocated and initialised). The learning-rate
-    schedule is built here, once: the optimizer applies it and the TrainState keeps it for the metrics."""
-    model = create_model(config, config.train.seed)
+    """Model + optimizer + counters built from the config; the one schedule goes to the optimizer and the state."""
+    model = build_model(config, rngs=model_rngs(config.train.seed))
     schedule = learning_rate_schedule(config.opt, config.train.num_steps)
     optimizer = nnx.Optimizer(model, make_optimizer(config.opt, schedule), wrt=nnx.Param)
     return TrainState(model, optimizer, Counters(), schedule)
@@ -163,7 +143,7 @@ def create_train_state(config: ml_collections.ConfigDict) -> tuple[Graphs, nnx.S
 
 
 def abstract_train_state(config: ml_collections.ConfigDict) -> tuple[Graphs, nnx.State]:
-    """The same as create_train_state with shapes only (no memory, no compute): for restoring and dry runs."""
+    """create_train_state with shapes only (no memory, no compute)."""
     return split_train_state(nnx.eval_shape(lambda: new_train_state(config)))
 
 

@@ -1,11 +1,6 @@
-"""The loss and the pure, module-level step functions over the split train state that take its gradient;
-`compile_steps` jits them once with shardings.
-
-The loss is label-smoothed cross-entropy (paper 5.4) as token sums, so that any batching normalises exactly.
-A batch is a dict of int32 arrays [B, ...]: the batch contract of transformer_jax/data/batching.py (`BATCH_KEYS`).
-Segment id 0 marks padding.
-
-Axis letters: see transformer_jax/__init__.py.
+"""The loss (label-smoothed cross-entropy, paper 5.4, as token sums) and the pure step functions over the split
+train state; `compile_steps` jits them once with shardings. A batch is data/batching.py's dict of int32 arrays
+(`BATCH_KEYS`); segment id 0 marks padding. Axis letters: see transformer_jax/__init__.py.
 """
 
 from __future__ import annotations
@@ -31,9 +26,8 @@ def cross_entropy_sums(
     """Sums over real target tokens (weights 1) of the smoothed loss, the true NLL and correct predictions.
 
     The smoothed target puts 1 - eps on the reference token and eps / V on every token (as optax.smooth_labels).
-    Dividing each sum by `tokens` gives per-token means; summing before dividing makes gradient accumulation over
-    micro-batches of different sizes exact (token-weighted). fused_backward: differentiate with the hand-written
-    backward below instead of autodiff (the model's resolved model.fused_backward, spec.fused_backward_on).
+    Sums, divided by `tokens` only at the end, make accumulation over micro-batches of different sizes exact.
+    fused_backward: the hand-written backward below instead of autodiff (spec.fused_backward_on).
     """
     weights_BT = weights_BT.astype(jnp.float32)
     sums = _fused_smoothed_nll_sums if fused_backward else smoothed_nll_sums
@@ -52,12 +46,8 @@ def smoothed_nll_sums(logits_BTV: Array, targets_BT: Array, weights_BT: Array, e
     return _smoothed_nll_fwd(logits_BTV, targets_BT, weights_BT, eps)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _fused_smoothed_nll_sums(
-    logits_BTV: Array, targets_BT: Array, weights_BT: Array, eps: float
-) -> tuple[Array, Array]:
-    """smoothed_nll_sums with the hand-written backward below."""
-    return _smoothed_nll_fwd(logits_BTV, targets_BT, weights_BT, eps)[0]
+# smoothed_nll_sums with the hand-written backward below.
+_fused_smoothed_nll_sums = jax.custom_vjp(smoothed_nll_sums, nondiff_argnums=(3,))
 
 
 def _smoothed_nll_fwd(logits_BTV, targets_BT, weights_BT, eps):
@@ -128,14 +118,12 @@ def train_step(
     graph: nnx.GraphDef, state: nnx.State, batch: dict[str, Array], *, label_smoothing: float, accum_steps: int
 ) -> tuple[nnx.State, dict[str, Array]]:
     """One optimizer step: gradients of the summed loss over `accum_steps` micro-batches, divided by the number
-    of real target tokens, so k micro-batches give exactly the update of one batch k times larger. (optax.MultiSteps
-    averages the k micro-batch gradients with equal weights, so a token of a short micro-batch would count more than
-    one of a long micro-batch; and it spreads one update over k calls instead of one call per batch.)
+    of real target tokens, so k micro-batches give exactly the update of one batch k times larger (optax.MultiSteps
+    would weight micro-batches equally, not tokens, and spread one update over k calls).
 
-    A non-finite loss or gradient skips the update (state unchanged but for the counters). This is hand-written
-    rather than optax.apply_if_finite, which checks only the gradients, not the loss; applies the update anyway
-    after max_consecutive_errors, where training stops with the last good state saved; leaves nnx.Optimizer's step
-    counting skipped updates; and keeps its counters inside the optimizer state, a layout existing checkpoints lack.
+    A non-finite loss or gradient skips the update (only the counters change). Not optax.apply_if_finite: it checks
+    only the gradients, applies the update anyway after max_consecutive_errors, counts skipped updates in
+    nnx.Optimizer's step, and keeps its counters in the optimizer state, a layout existing checkpoints lack.
     """
     train_state = nnx.merge(graph, state)
     model, optimizer, counters = train_state.model, train_state.optimizer, train_state.counters
