@@ -34,7 +34,7 @@ _PLAN_SEARCH = flags.DEFINE_enum(
 def _bleu_evaluator(config, tokenizer):
     # Imported only when a run validates BLEU: a run without it, or a restart before its first step, need not wait
     # for translation's imports (decoding, sacreBLEU).
-    from transformer_jax.evaluation.validation import bleu_evaluator
+    from transformer_jax.evaluation.translate import bleu_evaluator
 
     return bleu_evaluator(config, tokenizer)
 

@@ -13,7 +13,7 @@ SCRIPTS = {"train", "evaluate", "benchmarks", "tests", "configs"}
 
 # The packages (and top-level modules) of transformer_jax, in order: each may import those of earlier layers,
 # never those of its own layer or a later one. training receives validation BLEU as a function
-# (evaluation.validation.bleu_evaluator), so it imports neither decoding nor evaluation; explain draws with visualize.
+# (evaluation.translate.bleu_evaluator), so it imports neither decoding nor evaluation; explain draws with visualize.
 LAYERS = [
     {"errors"},
     {"runtime"},

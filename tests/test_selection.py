@@ -116,7 +116,7 @@ def test_extra_validation_sets_are_records_or_their_comma_joined_form_of_before(
 def test_extra_validation_sets_are_reported_beside_the_selecting_one(corpus, tmp_path):
     config = tiny_train_config(corpus, num_steps=2, eval_every=2, bleu_every=2, bleu_sentences=3)
     config.eval.extra_valid = (("other", str(corpus), "test"),)
-    from transformer_jax.evaluation.validation import bleu_evaluator
+    from transformer_jax.evaluation.translate import bleu_evaluator
 
     train_and_evaluate(config, tmp_path / "w", bleu=bleu_evaluator)
     record = {k: v for r in read_metrics(tmp_path / "w" / "metrics.jsonl") if r["step"] == 2 for k, v in r.items()}

@@ -22,7 +22,7 @@ from tests.helpers.training import synthetic_batch, tiny_train_config, wait_for_
 from transformer_jax import data, runtime
 from transformer_jax.data import pipeline
 from transformer_jax.errors import ConfigError, DataError
-from transformer_jax.evaluation.validation import bleu_evaluator
+from transformer_jax.evaluation.translate import bleu_evaluator
 from transformer_jax.model.spec import SpecialIds
 from transformer_jax.sharding import batch_sharding, make_mesh
 from transformer_jax.training import checkpoints, loop, metrics
@@ -56,7 +56,7 @@ def _final_params(workdir: pathlib.Path, config) -> list[np.ndarray]:
 
 def test_bleu_every_without_a_bleu_evaluator_is_refused_before_any_work(corpus, tmp_path):
     """Training cannot translate (it never imports evaluation): the caller passes the BLEU function."""
-    with pytest.raises(ValueError, match=r"train\.bleu_every=6 .*bleu=transformer_jax\.evaluation\.validation"):
+    with pytest.raises(ValueError, match=r"train\.bleu_every=6 .*bleu=transformer_jax\.evaluation\.translate"):
         train_and_evaluate(tiny_train_config(corpus, bleu_every=6), tmp_path / "run")
     assert not (tmp_path / "run").exists()
 

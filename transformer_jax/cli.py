@@ -2,7 +2,7 @@
 
 A command-line mistake (an unknown or malformed flag, a missing required one, a config file that does not exist,
 does not parse or whose get_config fails, a --config.KEY override of a key the config lacks) ends the program with
-one line `prog: error: message` on stderr, the format of `errors.exit_on_user_error`, and exit status 2. Without
+one line `prog: error: message` on stderr, the format of `exit_on_user_error`, and exit status 2. Without
 this, absl adds a help hint, and ml_collections.config_flags prints the config file's whole traceback or, for a
 missing file, fails with a traceback on first access of the config. Config files are loaded by
 `checks.get_config`, the loader every command shares. A list-valued key (a tuple) also takes one unquoted
@@ -11,9 +11,10 @@ comma-joined value, which its rule splits (`--config.data.corpora=real=text:DIR:
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 from absl import app, flags
@@ -23,7 +24,7 @@ from ml_collections.config_flags.tuple_parser import TupleParser
 
 from transformer_jax import runtime
 from transformer_jax.config import checks
-from transformer_jax.errors import ConfigError, exit_on_user_error
+from transformer_jax.errors import ConfigError, UserError
 
 USAGE_STATUS = 2  # a command line that cannot work: the usage-error status of Unix tools and argparse
 
@@ -31,6 +32,15 @@ USAGE_STATUS = 2  # a command line that cannot work: the usage-error status of U
 def fail(prog: str, message: str, status: int = USAGE_STATUS) -> NoReturn:
     print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
     sys.exit(status)
+
+
+@contextlib.contextmanager
+def exit_on_user_error(prog: str, status: int = 1) -> Iterator[None]:
+    """Inside: a UserError (errors.py) becomes one line `prog: error: message` on stderr and exit `status`."""
+    try:
+        yield
+    except UserError as e:
+        fail(prog, str(e), status)
 
 
 def _one_line(error: BaseException) -> str:

@@ -1,16 +1,12 @@
 """Every error a user can cause (bad config, data, checkpoint, flag or file), under one base class.
 
 Entry points catch `UserError` alone and print its message as one line, without a traceback, exiting non-zero
-(`exit_on_user_error`); any other exception is a bug in this code and keeps its traceback. Each message names the
+(`cli.exit_on_user_error`); any other exception is a bug in this code and keeps its traceback. Each message names the
 key, file, line, flag or checkpoint step and says what to do; the classes only say which part of the input was
 wrong (the ValueError / RuntimeError mixins keep `except ValueError` in callers working).
 """
 
 from __future__ import annotations
-
-import contextlib
-import sys
-from collections.abc import Iterator
 
 
 class UserError(Exception):
@@ -55,13 +51,3 @@ class VisualizeError(UserError, ValueError):
 
 class VariantInterrupted(UserError):
     """A sweep variant stopped before its last step (SIGTERM); rerunning the same command resumes it."""
-
-
-@contextlib.contextmanager
-def exit_on_user_error(prog: str, status: int = 1) -> Iterator[None]:
-    """Inside: a UserError becomes one line `prog: error: message` on stderr and exit `status`."""
-    try:
-        yield
-    except UserError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(status)

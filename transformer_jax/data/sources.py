@@ -558,3 +558,14 @@ def open_corpus(config: ml_collections.ConfigDict, corpus: Corpus) -> TextPairs 
     if not len(stream):  # text: both sides' lines counted here, so unequal sides fail before anything is decoded
         raise DataError(f"{about} ({corpus.where}) has no pairs")
     return stream
+
+
+def validation_sets(config: ml_collections.ConfigDict) -> list[tuple[str, list[tuple[str, str]]]]:
+    """(name, pairs) of every validation set: data.valid_split first (name ""), then each eval.extra_valid set
+    (text files {split}.{lang} in its directory, the run's languages)."""
+    sets = [("", load_split(config.data, config.data.valid_split))]
+    for name, directory, split in config.eval.extra_valid:
+        source = ml_collections.ConfigDict(config.data.to_dict())
+        source.source, source.text_dir = "text", directory
+        sets.append((name, load_split(source, split)))
+    return sets

@@ -6,6 +6,9 @@ bounded number of times: the batch has `batch_size` rows (an input smaller than 
 multiple of 8, the extra rows dummies that are dropped) and the source length is rounded up to a bucket (16, 32,
 64, ... up to max_input_len).
 
+Validation BLEU during training is `bleu_evaluator(config, tokenizer)`: the function the trainer receives, so that
+training never imports evaluation (big_vision's evaluators work this way).
+
 Axis letters: see transformer_jax/__init__.py.
 """
 
@@ -13,15 +16,18 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
+import ml_collections
 import numpy as np
 from flax import nnx
 
 from transformer_jax import decoding
 from transformer_jax.data.batching import padded_eval_length
+from transformer_jax.data.sources import validation_sets
 from transformer_jax.errors import EvalError
+from transformer_jax.evaluation.bleu import score_all
 from transformer_jax.model.spec import SpecialIds
 from transformer_jax.runtime import Progress
 
@@ -246,3 +252,33 @@ def _hypothesis(tokenizer: Tokenizer, result: decoding.BeamResult, beam: int) ->
     ended = bool(ids) and ids[-1] == tokenizer.ids.eos
     text = tokenizer.decode_target([t for t in ids if t not in (tokenizer.ids.eos, tokenizer.ids.pad)])
     return Hypothesis(text, float(result.log_probs[beam]), float(result.scores[beam]), n, ended)
+
+
+def validation_settings(config: ml_collections.ConfigDict) -> DecodeSettings:
+    """translate()'s settings for validation BLEU: config.eval's search (decoding.search_for: greedy or beam, GNMT
+    length penalty), sources cut at data.eval_max_len (as evaluate.py)."""
+    return DecodeSettings(
+        search=decoding.search_for(config.eval.beam_size, config.eval.alpha),
+        max_extra_len=config.eval.max_extra_len,
+        max_len=config.eval.max_len,
+        batch_size=config.eval.batch_size,
+        max_input_len=config.data.eval_max_len,
+    )
+
+
+def bleu_evaluator(config: ml_collections.ConfigDict, tokenizer: Any) -> Callable[[Any], dict[str, float]]:
+    """A function of the model (eval mode) -> sacreBLEU, chrF, chrF++, TER and tokenized BLEU of its beam-search
+    translations of the first train.bleu_sentences validation pairs, decoded with config.eval's settings (as
+    evaluate.py): `bleu`, ... for data.valid_split, `NAME_bleu`, ... for each eval.extra_valid set."""
+    sets = [(name, pairs[: config.train.bleu_sentences]) for name, pairs in validation_sets(config)]
+    settings = validation_settings(config)
+
+    def evaluate(model: Any) -> dict[str, float]:
+        out = {}
+        for name, pairs in sets:
+            hypotheses, _ = translate(model, tokenizer, [s for s, _ in pairs], settings)
+            scores = score_all(hypotheses, [t for _, t in pairs])
+            out.update({f"{name}_{key}" if name else key: float(value["score"]) for key, value in scores.items()})
+        return out
+
+    return evaluate

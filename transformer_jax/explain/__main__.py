@@ -17,8 +17,8 @@ from pathlib import Path
 
 from absl import flags
 
-from transformer_jax.cli import fail, parse_flags
-from transformer_jax.errors import VisualizeError, exit_on_user_error
+from transformer_jax.cli import exit_on_user_error, fail, parse_flags
+from transformer_jax.errors import VisualizeError
 from transformer_jax.evaluation.command import check_writable
 from transformer_jax.evaluation.restore import CheckpointChoice
 from transformer_jax.explain.capture import check_sentence, explain

@@ -25,8 +25,13 @@ from transformer_jax import decoding, runtime
 from transformer_jax.data.batching import BATCH_KEYS
 from transformer_jax.data.pipeline import batch_shapes
 from transformer_jax.errors import ConfigError
-from transformer_jax.evaluation.translate import batch_shape, input_limit, output_cap, position_limit
-from transformer_jax.evaluation.validation import decoding_settings
+from transformer_jax.evaluation.translate import (
+    batch_shape,
+    input_limit,
+    output_cap,
+    position_limit,
+    validation_settings,
+)
 from transformer_jax.model import TransformerSpec
 from transformer_jax.plan.accelerators import (
     COLLECTIVES,
@@ -280,7 +285,7 @@ def plan_decode(config: ml_collections.ConfigDict, topology: Topology, mesh_mode
     the work. With train.bleu_every > 0 the fit counts the optimizer state, which stays in HBM while validation
     decodes. The times are estimates from DECODE_ROOFLINE.
     """
-    settings = decoding_settings(config)
+    settings = validation_settings(config)
     search, chip = settings.search, topology.chip
     mesh = make_mesh(list(topology.devices()))
     rows = decoding.batch_rows(config.train.bleu_sentences, settings.batch_size)

@@ -28,9 +28,9 @@ from collections.abc import Sequence
 from absl import flags
 from ml_collections import config_flags
 
-from transformer_jax.cli import USAGE_STATUS, fail, parse_flags
+from transformer_jax.cli import USAGE_STATUS, exit_on_user_error, fail, parse_flags
 from transformer_jax.config import checks
-from transformer_jax.errors import ConfigError, VariantInterrupted, exit_on_user_error
+from transformer_jax.errors import ConfigError, VariantInterrupted
 from transformer_jax.evaluation.run import split_pairs
 from transformer_jax.sweep import launch
 from transformer_jax.sweep.results import (

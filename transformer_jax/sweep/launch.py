@@ -28,7 +28,8 @@ from typing import Any
 import ml_collections
 
 from transformer_jax import runtime
-from transformer_jax.errors import ConfigError, VariantInterrupted, exit_on_user_error
+from transformer_jax.cli import exit_on_user_error
+from transformer_jax.errors import ConfigError, VariantInterrupted
 from transformer_jax.sharding import initialize_distributed
 from transformer_jax.sweep.results import RESULT_FILE, SPLITS, VALID, Split, decoded
 from transformer_jax.sweep.runner import PROG, configure_logging, snapshot_code, train_and_decode

@@ -26,7 +26,7 @@ from transformer_jax.errors import ConfigError, VariantInterrupted
 from transformer_jax.evaluation import run
 from transformer_jax.evaluation.command import Model, Translate, write_json, write_lines
 from transformer_jax.evaluation.restore import CheckpointChoice
-from transformer_jax.evaluation.validation import bleu_evaluator
+from transformer_jax.evaluation.translate import bleu_evaluator
 from transformer_jax.sweep.results import REFERENCE_METRICS, RESULT_FILE, Split, decoded
 from transformer_jax.training import loop
 from transformer_jax.training.checkpoints import list_steps

@@ -6,7 +6,7 @@ is the step loop; `MetricLog` logs step metrics; `Validation` runs validation lo
 turns SIGTERM into a clean stop. With ckpt.keep_best or train.early_stop_patience every validation is ranked by
 train.select_metric (training.bookkeeping): an improvement saves a checkpoint, and train.early_stop_patience
 validations without one stop the run. Validation BLEU sits above training: the caller passes it as a function
-(`BleuEvaluator`; train.py: evaluation.validation.bleu_evaluator), so training never imports evaluation.
+(`BleuEvaluator`; train.py: evaluation.translate.bleu_evaluator), so training never imports evaluation.
 """
 
 from __future__ import annotations
@@ -29,9 +29,12 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from transformer_jax import data, runtime
+from transformer_jax import runtime
 from transformer_jax.data.batching import BATCH_KEYS, padded_eval_length
-from transformer_jax.data.pipeline import batch_shapes, place, prefetch
+from transformer_jax.data.pipeline import batch_shapes, eval_batches, make_train_iterator, place, prefetch
+from transformer_jax.data.sources import load_split, validation_sets
+from transformer_jax.data.store import open_train_examples
+from transformer_jax.data.tokenizer import model_tokenizer
 from transformer_jax.errors import ConfigError, NonFiniteError
 from transformer_jax.model import TransformerSpec, parameter_count
 from transformer_jax.runtime import Progress
@@ -58,26 +61,15 @@ def host_block(array: np.ndarray) -> np.ndarray:
     return array[jax.process_index() * rows : (jax.process_index() + 1) * rows]
 
 
-def validation_sets(config: ml_collections.ConfigDict) -> list[tuple[str, list[tuple[str, str]]]]:
-    """(name, pairs) of every validation set: data.valid_split first (name ""), then each eval.extra_valid set
-    (text files {split}.{lang} in its directory, the run's languages)."""
-    sets = [("", data.load_split(config.data, config.data.valid_split))]
-    for name, directory, split in config.eval.extra_valid:
-        source = ml_collections.ConfigDict(config.data.to_dict())
-        source.source, source.text_dir = "text", directory
-        sets.append((name, data.load_split(source, split)))
-    return sets
-
-
 def validation_batches(
     config: ml_collections.ConfigDict, tokenizer, pairs: list[tuple[str, str]] | None = None
 ) -> list[dict[str, np.ndarray]]:
     """Every validation pair once (`pairs`, default data.valid_split's), sorted by length, each batch cut to its
     longest row rounded up to a bucket (16, 32, 64, ...: few compiled shapes, little padding; sums ignore order)."""
     if pairs is None:
-        pairs = data.load_split(config.data, config.data.valid_split)
+        pairs = load_split(config.data, config.data.valid_split)
     pairs = sorted(pairs, key=lambda pair: (len(pair[1]), len(pair[0])))  # characters: a proxy for tokens
-    batches, _ = data.eval_batches(
+    batches, _ = eval_batches(
         [s for s, _ in pairs],
         tokenizer,
         config.eval.batch_size,
@@ -333,13 +325,11 @@ def setup(
     logging.info("training on %d devices, mesh %s, train.mesh=%s", mesh.size, dict(mesh.shape), config.train.mesh)
     row_multiple = check_batch_shapes(config, mesh)
     spec = TransformerSpec.from_config(config)
-    tokenizer = data.model_tokenizer(config, workdir, train_if_missing=jax.process_count() == 1)
+    tokenizer = model_tokenizer(config, workdir, train_if_missing=jax.process_count() == 1)
     examples = None  # data.store=False: tokenized in memory by make_train_iterator
     if config.data.store:
-        examples, _ = data.open_train_examples(config.data, tokenizer, build_if_missing=jax.process_count() == 1)
-    train_iter, data_stats = data.make_train_iterator(
-        config.data, tokenizer, examples=examples, row_multiple=row_multiple
-    )
+        examples, _ = open_train_examples(config.data, tokenizer, build_if_missing=jax.process_count() == 1)
+    train_iter, data_stats = make_train_iterator(config.data, tokenizer, examples=examples, row_multiple=row_multiple)
     graphs, abstract = abstract_train_state(config)
     train_step, eval_step, shardings = compile_steps(
         graphs,
@@ -548,7 +538,7 @@ def train_and_evaluate(
     if bleu is None and (config.train.bleu_every or decodes_at_validation(config)):
         raise ValueError(
             f"train.bleu_every={config.train.bleu_every} or train.select_metric={config.train.select_metric} needs "
-            "a BLEU evaluator: pass bleu=transformer_jax.evaluation.validation.bleu_evaluator"
+            "a BLEU evaluator: pass bleu=transformer_jax.evaluation.translate.bleu_evaluator"
         )
     workdir = pathlib.Path(workdir)
     with bookkeeping.locked(workdir):

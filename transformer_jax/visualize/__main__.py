@@ -21,9 +21,9 @@ from pathlib import Path
 from absl import flags
 from ml_collections import config_flags
 
-from transformer_jax.cli import USAGE_STATUS, fail, parse_flags
+from transformer_jax.cli import USAGE_STATUS, exit_on_user_error, fail, parse_flags
 from transformer_jax.config import checks
-from transformer_jax.errors import VisualizeError, exit_on_user_error
+from transformer_jax.errors import VisualizeError
 from transformer_jax.visualize import attention, curves, positional, schedule
 
 PROG = "python -m transformer_jax.visualize"
