@@ -30,8 +30,7 @@ from transformer_jax import cli
 from transformer_jax.model import TransformerSpec
 from transformer_jax.sharding import make_mesh
 from transformer_jax.training.metrics import measure_matmul_peak, train_step_flops
-from transformer_jax.training.state import create_train_state
-from transformer_jax.training.step import compile_steps
+from transformer_jax.training.step import compile_steps, create_train_state
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.")
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps per round.")

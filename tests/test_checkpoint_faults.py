@@ -21,7 +21,7 @@ from tests.helpers.training import tiny_train_config, train_py_on_devices
 from transformer_jax.errors import CheckpointError, DiskFullError, NonFiniteError
 from transformer_jax.training import bookkeeping, checkpoints, loop
 from transformer_jax.training.metrics import read_metrics
-from transformer_jax.training.state import abstract_train_state
+from transformer_jax.training.step import abstract_train_state
 
 
 def _config(corpus: pathlib.Path, **train):

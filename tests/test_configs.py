@@ -230,7 +230,7 @@ def test_bad_config_argument_is_a_clear_error():
 def test_short_sweeps_keep_the_peak_learning_rate(arg):
     """A sweep with fewer steps shortens warmup; the paper schedule's peak, learning_rate * warmup^-0.5, stays."""
     from configs import ablations_table3
-    from transformer_jax.training.state import learning_rate_schedule
+    from transformer_jax.training.step import learning_rate_schedule
 
     full, short = ablations_table3.get_config(arg.split(",")[0]), ablations_table3.get_config(arg)
     assert short.opt.warmup_steps < full.opt.warmup_steps

@@ -24,7 +24,7 @@ from transformer_jax.convert import folder, marian
 from transformer_jax.errors import ConfigError, DataError
 from transformer_jax.evaluation.restore import restore_model, workdir_tokenizer
 from transformer_jax.training import checkpoints
-from transformer_jax.training.state import new_train_state, split_train_state
+from transformer_jax.training.step import new_train_state, split_train_state
 
 
 @pytest.fixture(scope="module")

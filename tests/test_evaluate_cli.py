@@ -322,7 +322,7 @@ def test_each_flag_with_choices_refuses_any_other_value_a_tuning_flag_needs_its_
 def test_end_to_end_with_real_checkpoints_and_tokenizer(tmp_path):
     """Saves two tiny checkpoints with the training code, trains a tokenizer, runs the command line."""
     checkpoints = pytest.importorskip("transformer_jax.training.checkpoints")
-    state_lib = pytest.importorskip("transformer_jax.training.state")
+    state_lib = pytest.importorskip("transformer_jax.training.step")
     multi30k = DATA / "multi30k" / "valid.en"
     if not multi30k.exists():
         pytest.skip(f"real data not found: {multi30k}")

@@ -29,7 +29,7 @@ from transformer_jax.model.layers import sinusoidal_encoding
 from transformer_jax.model.spec import SpecialIds
 from transformer_jax.model.transformer import capture_attention_weights
 from transformer_jax.training.checkpoints import Checkpointer
-from transformer_jax.training.state import create_train_state, eval_model
+from transformer_jax.training.step import create_train_state, eval_model
 from transformer_jax.visualize.figures import sinusoid_table
 
 SENTENCE = "the big dog runs in the park"

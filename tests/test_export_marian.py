@@ -22,7 +22,7 @@ from transformer_jax.evaluation.restore import CheckpointChoice, restore_model
 from transformer_jax.export import marian as export_marian
 from transformer_jax.model.spec import SpecialIds
 from transformer_jax.training import checkpoints
-from transformer_jax.training.state import new_train_state, split_train_state
+from transformer_jax.training.step import new_train_state, split_train_state
 
 VOCAB = 300
 

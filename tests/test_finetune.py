@@ -23,7 +23,7 @@ from transformer_jax.errors import CheckpointError, ConfigError
 from transformer_jax.evaluation import restore
 from transformer_jax.model import parameter_count
 from transformer_jax.training import checkpoints, init_from, loop
-from transformer_jax.training.state import abstract_train_state
+from transformer_jax.training.step import abstract_train_state
 
 SOURCE_D_FF = 48  # the fine-tuning config says 64 (the tiny size's): the source's value must win
 

@@ -12,8 +12,7 @@ from configs import common
 from tests.helpers.training import synthetic_batch
 from transformer_jax.model import build_model
 from transformer_jax.sharding import make_mesh
-from transformer_jax.training.state import create_train_state
-from transformer_jax.training.step import compile_steps
+from transformer_jax.training.step import compile_steps, create_train_state
 
 
 def _losses(impl: str, steps: int = 3) -> list[float]:

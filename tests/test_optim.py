@@ -12,7 +12,7 @@ from tests.helpers.training import one_layer_config
 from transformer_jax.config import checks
 from transformer_jax.errors import ConfigError
 from transformer_jax.model import build_model, model_rngs
-from transformer_jax.training.state import learning_rate_schedule, make_optimizer, new_train_state, split_train_state
+from transformer_jax.training.step import learning_rate_schedule, make_optimizer, new_train_state, split_train_state
 
 
 def reference(name: str, peak: float, warmup_steps: int, num_steps: int, step: int) -> float:

@@ -18,7 +18,7 @@ from transformer_jax.evaluation import restore
 from transformer_jax.training import bookkeeping, checkpoints
 from transformer_jax.training.loop import train_and_evaluate
 from transformer_jax.training.metrics import read_metrics
-from transformer_jax.training.state import abstract_train_state
+from transformer_jax.training.step import abstract_train_state
 
 
 def selecting_config(corpus: pathlib.Path, num_steps: int, **ckpt):

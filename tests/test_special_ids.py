@@ -13,8 +13,7 @@ from transformer_jax import decoding
 from transformer_jax.data import batching
 from transformer_jax.model.spec import SpecialIds
 from transformer_jax.sharding import make_mesh
-from transformer_jax.training.state import create_train_state
-from transformer_jax.training.step import compile_steps, cross_entropy_sums
+from transformer_jax.training.step import compile_steps, create_train_state, cross_entropy_sums
 
 VOCAB = 50
 MARIAN = SpecialIds(pad=VOCAB - 1, eos=0, bos=VOCAB - 1, unk=1)

@@ -13,7 +13,7 @@ from configs import common
 from transformer_jax.errors import CheckpointError
 from transformer_jax.model import Transformer
 from transformer_jax.training import checkpoints
-from transformer_jax.training.state import (
+from transformer_jax.training.step import (
     Counters,
     TrainState,
     abstract_train_state,

@@ -21,7 +21,7 @@ from transformer_jax.sweep import __main__ as sweep
 from transformer_jax.sweep import results, runner
 from transformer_jax.sweep.results import VALID
 from transformer_jax.training import loop
-from transformer_jax.training.state import model_params, new_train_state, split_train_state
+from transformer_jax.training.step import model_params, new_train_state, split_train_state
 
 CONFIG = str(pathlib.Path(__file__).resolve().parent / "tiny_sweep_config.py")
 PNG = b"\x89PNG\r\n\x1a\n"

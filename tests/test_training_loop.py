@@ -33,8 +33,7 @@ from transformer_jax.training.loop import (
     validation_batches,
 )
 from transformer_jax.training.metrics import read_metrics
-from transformer_jax.training.state import abstract_train_state, create_train_state
-from transformer_jax.training.step import compile_steps
+from transformer_jax.training.step import abstract_train_state, compile_steps, create_train_state
 
 
 @pytest.fixture(scope="module")

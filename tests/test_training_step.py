@@ -9,8 +9,7 @@ from tests.helpers.training import one_layer_config, synthetic_batch
 from transformer_jax.model import TransformerSpec, build_model
 from transformer_jax.sharding import make_mesh
 from transformer_jax.training.metrics import forward_flops
-from transformer_jax.training.state import create_train_state, model_params
-from transformer_jax.training.step import compile_steps, cross_entropy_sums
+from transformer_jax.training.step import compile_steps, create_train_state, cross_entropy_sums, model_params
 
 
 def test_label_smoothed_cross_entropy_matches_hand_computation():

@@ -22,7 +22,7 @@ from transformer_jax.data.tokenizer import get_tokenizer
 from transformer_jax.errors import VisualizeError
 from transformer_jax.model.spec import SpecialIds
 from transformer_jax.training.checkpoints import Checkpointer
-from transformer_jax.training.state import create_train_state, eval_model, learning_rate_schedule
+from transformer_jax.training.step import create_train_state, eval_model, learning_rate_schedule
 from transformer_jax.visualize import __main__ as visualize
 from transformer_jax.visualize.attention import (
     ATTENTION_KINDS,

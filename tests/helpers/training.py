@@ -150,7 +150,8 @@ def untrained_workdir(data: pathlib.Path, workdir: pathlib.Path, steps: tuple[in
     checkpoint of the same freshly initialised (untrained) state."""
     from transformer_jax.data.tokenizer import train_tokenizer
     from transformer_jax.model.spec import SpecialIds
-    from transformer_jax.training import checkpoints, state
+    from transformer_jax.training import checkpoints
+    from transformer_jax.training import step as state
 
     config = tiny_train_config(data)
     config.lock()

@@ -49,8 +49,7 @@ from transformer_jax.plan.accelerators import (
 from transformer_jax.sharding import MESH_MODES, array_sharding, make_mesh, replicated, tracing_mesh
 from transformer_jax.training.loop import check_batch_shapes
 from transformer_jax.training.metrics import decode_step_flops, train_step_flops
-from transformer_jax.training.state import abstract_train_state, eval_model
-from transformer_jax.training.step import compile_steps
+from transformer_jax.training.step import abstract_train_state, compile_steps, eval_model
 
 SEARCHES = ("", "batch", "mesh")
 

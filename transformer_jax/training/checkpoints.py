@@ -42,7 +42,7 @@ from transformer_jax import runtime
 from transformer_jax.config import schema
 from transformer_jax.errors import CheckpointError, DiskFullError
 from transformer_jax.training import bookkeeping
-from transformer_jax.training.state import TrainState
+from transformer_jax.training.step import TrainState
 
 ITEMS = ("state", "data", "config", "checksums")
 # Keys whose change makes a checkpoint unusable (the parameter or optimizer structure, what the tokens mean, which
@@ -543,7 +543,7 @@ def load_config(workdir: str | pathlib.Path, step: int | None = None) -> ml_coll
 def load_model_params(workdir: str | pathlib.Path, step: int, abstract_state: nnx.State) -> dict:
     """The model parameters of one checkpoint as a pure dict (nnx.to_pure_dict of nnx.state(model, nnx.Param)).
 
-    abstract_state is the abstract train state of the config (training.state.abstract_train_state); only the model
+    abstract_state is the abstract train state of the config (training.step.abstract_train_state); only the model
     parameters are read from disk: their files checked against the checkpoint's digests first, and the arrays
     against its checksums after, where it has them.
     """

@@ -27,7 +27,7 @@ from transformer_jax.config import checks, schema
 from transformer_jax.data.tokenizer import MODEL_FILENAME, tokenizer_files
 from transformer_jax.errors import CheckpointError, ConfigError
 from transformer_jax.training import checkpoints
-from transformer_jax.training.state import abstract_train_state
+from transformer_jax.training.step import abstract_train_state
 
 T = TypeVar("T")
 

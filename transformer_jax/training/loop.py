@@ -42,8 +42,14 @@ from transformer_jax.sharding import batch_sharding, make_mesh, tracing_mesh
 from transformer_jax.training import bookkeeping, init_from
 from transformer_jax.training.checkpoints import Checkpointer
 from transformer_jax.training.metrics import MetricWriter, forward_flops, matmul_peak, train_step_flops
-from transformer_jax.training.state import Graphs, abstract_train_state, create_train_state, eval_model
-from transformer_jax.training.step import compile_steps, summarize
+from transformer_jax.training.step import (
+    Graphs,
+    abstract_train_state,
+    compile_steps,
+    create_train_state,
+    eval_model,
+    summarize,
+)
 
 # (config, tokenizer) -> a function of the model in eval mode that returns {metric name: score}: validation BLEU,
 # chrF, chrF++ and TER of data.valid_split, and `NAME_bleu`... of each eval.extra_valid set.

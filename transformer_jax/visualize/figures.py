@@ -20,7 +20,7 @@ from matplotlib.figure import Figure
 from transformer_jax.errors import VisualizeError
 from transformer_jax.model.layers import sinusoidal_encoding
 from transformer_jax.training.metrics import read_metrics
-from transformer_jax.training.state import learning_rate_schedule
+from transformer_jax.training.step import learning_rate_schedule
 
 DPI = 100  # pixels per inch of every PNG
 FIGSIZE = (8.0, 5.0)  # inches: every one-panel picture
@@ -106,7 +106,7 @@ class ScheduleResult:
 
 
 def schedule(config: Any, output_dir: str | Path, num_steps: int | None = None) -> ScheduleResult:
-    """The learning rate of every update of a config's training (training.state.learning_rate_schedule)."""
+    """The learning rate of every update of a config's training (training.step.learning_rate_schedule)."""
     num_steps = config.train.num_steps if num_steps is None else num_steps
     if num_steps < 1:
         raise VisualizeError(f"--num_steps must be >= 1, got {num_steps}")
