@@ -38,10 +38,10 @@ import numpy as np
 
 from transformer_jax.data.tokenizer import MODEL_FILENAME
 from transformer_jax.errors import ConfigError, EvalError
-from transformer_jax.evaluation.command import Model, check_folder_writable, check_model
+from transformer_jax.evaluation.command import Model, check_model
 from transformer_jax.evaluation.restore import Restorer
 from transformer_jax.evaluation.translate import DecodeSettings, input_limit, output_cap, output_limit, source_ids
-from transformer_jax.export import output
+from transformer_jax.interop import folders
 from transformer_jax.model.layers import sinusoidal_encoding
 from transformer_jax.model.spec import TransformerSpec
 
@@ -50,10 +50,11 @@ from transformer_jax.model.spec import TransformerSpec
 ENGINE_DEFAULT_POSITIONS = 1024
 # CTranslate2's weight quantizations the export offers (ctranslate2.specs.ModelSpec.optimize); None = float32.
 QUANTIZATIONS = ("int8", "int8_float32", "bfloat16")
+MARKER = "model.bin"  # what makes a directory an earlier export that --force may replace
 
 
-def unsupported(spec: Any) -> list[str]:
-    """Why the model (a model.spec.TransformerSpec) cannot be expressed in CTranslate2: one reason per key."""
+def check_exportable(spec: Any) -> None:
+    """ConfigError naming every key CTranslate2 cannot express (`spec`: a model.spec.TransformerSpec), or nothing."""
     reasons = []
     if spec.d_qk != spec.d_v:
         reasons.append(
@@ -64,12 +65,6 @@ def unsupported(spec: Any) -> list[str]:
             f"attention.window={spec.window}: CTranslate2 attends to every position (its sliding_window keeps the "
             "last tokens of the decoder's cache, another rule)"
         )
-    return reasons
-
-
-def check_exportable(spec: Any) -> None:
-    """ConfigError naming every key CTranslate2 cannot express, or nothing."""
-    reasons = unsupported(spec)
     if reasons:
         raise ConfigError("cannot export to CTranslate2: " + "; ".join(reasons))
 
@@ -156,21 +151,18 @@ def build_spec(model: Any, pieces: Sequence[str], *, max_positions: int) -> Any:
         _set_norm(encoder.layer_norm, model.encoder_norm)
         _set_norm(decoder.layer_norm, model.decoder_norm)
 
-    for ct2_layer, layer in zip(encoder.layer, model.encoder_layers, strict=True):
+    encoder_layers = zip(encoder.layer, model.encoder_layers, strict=True)
+    for ct2_layer, layer in [*encoder_layers, *zip(decoder.layer, model.decoder_layers, strict=True)]:
         attn = layer.self_attn
         _set_norm(ct2_layer.self_attention.layer_norm, layer.self_attn_residual.norm)
         _set_linear(ct2_layer.self_attention.linear[0], attn.q_proj, attn.k_proj, attn.v_proj)
         _set_linear(ct2_layer.self_attention.linear[1], attn.o_proj)
-        _set_ffn(ct2_layer.ffn, layer.ffn_residual, layer.ffn)
-    for ct2_layer, layer in zip(decoder.layer, model.decoder_layers, strict=True):
-        attn, cross = layer.self_attn, layer.cross_attn
-        _set_norm(ct2_layer.self_attention.layer_norm, layer.self_attn_residual.norm)
-        _set_linear(ct2_layer.self_attention.linear[0], attn.q_proj, attn.k_proj, attn.v_proj)
-        _set_linear(ct2_layer.self_attention.linear[1], attn.o_proj)
-        _set_norm(ct2_layer.attention.layer_norm, layer.cross_attn_residual.norm)
-        _set_linear(ct2_layer.attention.linear[0], cross.q_proj)
-        _set_linear(ct2_layer.attention.linear[1], cross.k_proj, cross.v_proj)
-        _set_linear(ct2_layer.attention.linear[2], cross.o_proj)
+        if hasattr(layer, "cross_attn"):  # a decoder layer
+            cross = layer.cross_attn
+            _set_norm(ct2_layer.attention.layer_norm, layer.cross_attn_residual.norm)
+            _set_linear(ct2_layer.attention.linear[0], cross.q_proj)
+            _set_linear(ct2_layer.attention.linear[1], cross.k_proj, cross.v_proj)
+            _set_linear(ct2_layer.attention.linear[2], cross.o_proj)
         _set_ffn(ct2_layer.ffn, layer.ffn_residual, layer.ffn)
 
     ct2.config.layer_norm_epsilon = spec.norm_epsilon
@@ -190,12 +182,6 @@ def check_quantization(quantization: str | None) -> None:
         raise EvalError(f"--quantization {quantization!r}: choose one of {list(QUANTIZATIONS)}, or none for float32")
 
 
-def check_output(output_dir: Path, force: bool) -> None:
-    """EvalError unless `output_dir` may be written (export.output.check_output: --force replaces only an earlier
-    export, a directory holding model.bin)."""
-    output.check_output(output_dir, force, "model.bin", "a CTranslate2 model directory")
-
-
 def to_ctranslate2(
     model: Any,
     tokenizer: Any,
@@ -209,14 +195,13 @@ def to_ctranslate2(
 
     `max_positions`: rows of the sinusoidal position table, the longest input and output the engine can then
     decode (a learned table keeps its own model.max_len rows). `quantization`: one of QUANTIZATIONS, the weights'
-    type in model.bin, or None for float32. The directory is built under a temporary name next
-    to `output_dir` and renamed into place, so an interrupted export leaves no half-written model; an existing
-    `output_dir` is replaced only with `force`.
+    type in model.bin, or None for float32. The directory appears whole or not at all; an existing `output_dir` is
+    replaced only with `force` (folders.check_output).
     """
     output_dir = Path(output_dir)
     check_exportable(model.spec)
     check_quantization(quantization)
-    check_output(output_dir, force)
+    folders.check_output(output_dir, force, MARKER, "a CTranslate2 model directory")
     if tokenizer.name != "spm":  # the export ships the joint SentencePiece model as its tokenizer
         raise EvalError(
             f"the CTranslate2 export needs the joint SentencePiece tokenizer (data.tokenizer='spm'), not "
@@ -236,7 +221,7 @@ def to_ctranslate2(
         ct2.save(str(tmp))
         shutil.copyfile(tokenizer.path, tmp / MODEL_FILENAME)  # the name a workdir gives it
 
-    return output.write_into_place(output_dir, fill)
+    return folders.write_into_place(output_dir, fill)
 
 
 # -- decoding with our limits ---------------------------------------------------------------------------------
@@ -373,21 +358,17 @@ def export_workdir(
     restorer: Any = None,
 ) -> dict[str, Any]:
     """Exports the checkpoints evaluate.py would use (same flags, same selection and averaging); returns a report.
-
-    Everything cheap is checked before the parameters are read: the flags (evaluation.command.check_model, the same
-    messages as evaluate.py), the output directory, that checkpoints exist, that CTranslate2 is installed and can
-    express the architecture of the config.
-    """
+    Everything cheap (flags, output directory, checkpoints, the engine and the architecture) is checked before the
+    parameters are read."""
     options = check_model(Model(workdir, config, checkpoint, average_last, average_steps, average_best=average_best))
     check_quantization(quantization)
     output_dir = Path(output_dir)
-    check_output(output_dir, force)
-    check_folder_writable(output_dir.parent, "--output")
+    folders.check_output(output_dir, force, MARKER, "a CTranslate2 model directory")
     try:
         import ctranslate2  # noqa: F401 - only to fail before the parameters are read
     except ImportError as e:
         raise EvalError(f"ctranslate2 is not installed ({e}); pip install ctranslate2==4.8.5") from e
-    config, model, steps, tokenizer = output.restore_checked(
+    config, model, steps, tokenizer = folders.restore_checked(
         workdir, options, restorer or Restorer(), lambda c: check_exportable(TransformerSpec.from_config(c))
     )
     # Room for evaluate.py's longest decode (eval_max_len source tokens + max_extra_len) and the engine's defaults.
