@@ -2,9 +2,8 @@
 
     python -m transformer_jax.convert --from_marian DIR --workdir W [--allow_pickle]
 
-W then holds config.json, the tokenizer files and a step-0 checkpoint: `evaluate.py --workdir W` translates with
-our search and `train.init_from=W` fine-tunes it. A folder that cannot be converted, or a non-empty W: one line on
-stderr, exit status 1, and nothing left behind. Prints a JSON report.
+W then holds config.json, the tokenizer files and a step-0 checkpoint, for evaluate.py and train.init_from. A
+folder that cannot be converted, or a non-empty W: one line on stderr, exit status 1, nothing left behind.
 """
 
 from __future__ import annotations

@@ -4,13 +4,11 @@
         [--checkpoint latest|best|STEP] [--average_last N | --average_steps A,B | --average_best K] [--force]
         [--quantization none|int8|int8_float32|bfloat16]     (ctranslate2 only)
 
-The checkpoints are chosen and averaged exactly as evaluate.py chooses them (the same flags and defaults). OUT
-appears whole or not at all; an existing OUT is replaced only with --force and only if it is an earlier export of
-the same format. ctranslate2 (interop/ctranslate2.py) writes model.bin, config.json, shared_vocabulary.json and
-spm.model, its weights float32 or of CTranslate2's --quantization; marian (interop/marian_folder.py) writes what
-MarianMTModel.from_pretrained and MarianTokenizer.from_pretrained load, with one warning line on stderr stating
-the largest logit difference when model.norm_epsilon is not Marian's 1e-5. A workdir without checkpoints, a
-model the format cannot express, or an existing OUT: one line on stderr, exit status 1.
+The checkpoints are chosen and averaged as evaluate.py chooses them (the same flags and defaults). OUT appears whole
+or not at all, and replaces an existing directory only with --force and only if it is an earlier export of the
+same format (transformer_jax.interop). A model the format cannot express, a workdir without checkpoints or an
+existing OUT: one line on stderr, exit status 1. A model.norm_epsilon other than Marian's 1e-5 exports to Marian
+with one warning line on stderr stating the largest logit difference it makes.
 """
 
 from __future__ import annotations

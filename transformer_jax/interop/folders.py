@@ -1,6 +1,6 @@
-"""What every format shares: the checkpoints evaluate.py would use, restored after the cheap checks, and an output
-directory that is refused if it exists (unless --force replaces an earlier export of the same format), written
-under a temporary sibling name and renamed into place whole."""
+"""What every format shares: the checkpoints evaluate.py would use, restored after the cheap checks, the vocabulary,
+and an output directory that is refused if it exists (unless --force replaces an earlier export of the same
+format), written under a temporary sibling name and renamed into place whole."""
 
 from __future__ import annotations
 
@@ -77,3 +77,15 @@ def restore_checked(workdir: str, options: Any, restorer: Any, check_exportable:
         average_best=options.average_best,
     )
     return config, model, steps, restorer.tokenizer(config, workdir)
+
+
+def vocabulary(tokenizer: Any, vocab_size: int | None = None) -> list[str]:
+    """The tokenizer's pieces in id order: row i of an exported vocabulary is our id i. EvalError unless they are the
+    model's `vocab_size` rows (when given)."""
+    pieces = tokenizer.target_pieces(range(tokenizer.vocab_size))
+    if vocab_size is not None and len(pieces) != vocab_size:
+        raise EvalError(
+            f"tokenizer {tokenizer.path} has {len(pieces)} pieces but the model has model.vocab_size={vocab_size} "
+            "rows; export with the tokenizer the model was trained with"
+        )
+    return pieces

@@ -1,21 +1,16 @@
 """Hugging Face Marian (OPUS-MT) <-> our Transformer: the one table of parameter names, and the parameters and the
-config both ways (marian_folder.py reads and writes the folders).
-
-Axis letters: see transformer_jax/__init__.py.
+config both ways (marian_folder.py reads and writes the folders). Axis letters: see transformer_jax/__init__.py.
 
 How transformers' MarianMTModel (models/marian/modeling_marian.py) maps onto model/transformer.py:
-- torch's nn.Linear weight is [out, in], our nnx.Linear kernel [in, out]: every linear weight is transposed. Heads
-  are consecutive column blocks of the projections on both sides (q.view(B, T, N, H), our reshape to [B, T, N, H])
-  and both scale q.k by head_dim ** -0.5, so no head axis is reshaped.
-- Both are post-LN: LayerNorm(x + Sublayer(x)) with no final stack norm, embeddings scaled by sqrt(d_model)
-  (scale_embedding), static sinusoidal positions in Marian's concatenated layout (sin of every frequency, then
-  cos), logits y E^T + final_logits_bias, FFN fc2(act(fc1 x)). LayerNorm's epsilon is fixed at 1e-5 in
-  transformers (nn.LayerNorm's default).
-- A model of ours in the paper's interleaved layout exports exactly by permuting the model axis D of every weight
-  (`permutation`): positions then add in Marian's layout, and LayerNorm, whose statistics and elementwise affine
-  do not depend on the order of the features, commutes with the permutation.
+- torch's nn.Linear weight is [out, in], our kernel [in, out]: linear weights are transposed. Heads are
+  consecutive column blocks on both sides and both scale q.k by head_dim ** -0.5: no head axis is reshaped.
+- Both are post-LN without a final stack norm, scale embeddings by sqrt(d_model), add static sinusoidal positions
+  in Marian's concatenated layout (sin of every frequency, then cos), compute logits y E^T + final_logits_bias and
+  FFN fc2(act(fc1 x)). transformers fixes LayerNorm's epsilon at 1e-5 (nn.LayerNorm's default).
+- A model in the paper's interleaved layout exports exactly by permuting the model axis D of every weight
+  (`permutation`): positions then add in Marian's layout, and LayerNorm commutes with a permutation of features.
 - Marian's special ids are kept: `</s>` = 0, `<unk>` = 1, `<pad>` = the last row; decoding starts from pad
-  (decoder_start_token_id), which is our model.bos_id.
+  (decoder_start_token_id), our model.bos_id.
 """
 
 from __future__ import annotations
@@ -117,10 +112,8 @@ def aliases(spec: Any) -> dict[str, str]:
     original (else the weights are not tied as the config says).
     """
     target_embed = "model.shared.weight" if spec.share_embeddings else "model.decoder.embed_tokens.weight"
-    tied = {}
-    if spec.share_embeddings:
-        tied["model.encoder.embed_tokens.weight"] = target_embed
-        tied["model.decoder.embed_tokens.weight"] = target_embed
+    embeds = ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight")
+    tied = dict.fromkeys(embeds if spec.share_embeddings else (), target_embed)
     if spec.tie_output:
         tied["lm_head.weight"] = target_embed
     return tied
@@ -190,9 +183,8 @@ def _aligned_buffers(shapes: dict[tuple, Any]) -> dict[tuple, np.ndarray]:
 
 
 def from_marian_tensors(config: Any, tensors: Iterable[tuple[str, np.ndarray]], where: Path) -> dict:
-    """Our model parameters (a pure dict of float32 numpy arrays, see _aligned_buffers) from Marian's (name, array)
-    pairs, converted one at a time; ConfigError naming a tensor of `where` that is missing, unexpected or of the
-    wrong shape."""
+    """Our parameters (a pure dict of float32 arrays, _aligned_buffers) from Marian's (name, array) pairs, one at a
+    time; ConfigError naming a tensor of `where` that is missing, unexpected or of the wrong shape."""
     spec = TransformerSpec.from_config(config)
     model = nnx.eval_shape(lambda: build_model(config, rngs=model_rngs(0)))  # shapes only
     shapes = flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
@@ -299,8 +291,8 @@ def one_id(hf: Mapping[str, Any], key: str) -> int:
 
 
 def model_keys(hf: Mapping[str, Any], unk_id: int) -> dict[str, Any]:
-    """Our model.* keys (dotted) for a Marian config.json (its model_type checked by the caller); ConfigError naming
-    the first key we cannot represent. `unk_id`: the id of <unk> in vocab.json (config.json does not hold it)."""
+    """Our model.* keys (dotted) for a Marian config.json and the <unk> id of its vocab.json; ConfigError naming the
+    first key we cannot represent."""
     for key, value in FIXED.items():
         if key in hf and hf[key] != value:
             raise ConfigError(f"config.json key {key}={hf[key]!r}: only {value!r} is supported (Marian's own value)")
@@ -357,17 +349,17 @@ def model_keys(hf: Mapping[str, Any], unk_id: int) -> dict[str, Any]:
     }
 
 
+# generation_config.json key -> our eval key. generate() divides a beam's log-probability by
+# length ** length_penalty: our `average` penalty (evaluate.py --length_penalty average) with alpha = length_penalty.
+GENERATION_KEYS = {"num_beams": "beam_size", "length_penalty": "alpha", "max_length": "max_len"}
+
+
 def eval_keys(generation: Mapping[str, Any]) -> dict[str, Any]:
-    """config.eval keys from generation_config.json (num_beams, max_length, length_penalty)."""
+    """config.eval keys (dotted) from generation_config.json."""
     keys = {}
-    if generation.get("num_beams") is not None:
-        keys["eval.beam_size"] = int(generation["num_beams"])
-    if generation.get("max_length") is not None:
-        keys["eval.max_len"] = int(generation["max_length"])
-    if generation.get("length_penalty") is not None:
-        # generate() divides a beam's log-probability by length ** length_penalty: our `average` penalty
-        # (evaluate.py --length_penalty average) with alpha = length_penalty.
-        keys["eval.alpha"] = float(generation["length_penalty"])
+    for theirs, ours in GENERATION_KEYS.items():
+        if generation.get(theirs) is not None:
+            keys[f"eval.{ours}"] = (float if ours == "alpha" else int)(generation[theirs])
     return keys
 
 
@@ -423,9 +415,8 @@ def marian_config(config: Any) -> dict[str, Any]:
 
 
 def generation_config(config: Any) -> dict[str, Any]:
-    """generation_config.json: our evaluation's beam size, length cap and length penalty exponent, and the pad
-    id never generated (decoding's searches never emit it either). generate() needs an absolute cap (its default
-    is 20 tokens): eval.max_len, or every position the model has."""
+    """generation_config.json: our evaluation's beam size, length penalty exponent and length cap (generate()'s
+    default is 20 tokens: eval.max_len, or every position), and the pad id never generated (nor by our searches)."""
     m, e = config.model, config.eval
     return {
         "decoder_start_token_id": m.bos_id,
@@ -433,7 +424,6 @@ def generation_config(config: Any) -> dict[str, Any]:
         "forced_eos_token_id": m.eos_id,
         "pad_token_id": m.pad_id,
         "bad_words_ids": [[m.pad_id]],
-        "num_beams": e.beam_size,
-        "length_penalty": e.alpha,
+        **{theirs: e[ours] for theirs, ours in GENERATION_KEYS.items()},
         "max_length": e.max_len or m.max_len,
     }

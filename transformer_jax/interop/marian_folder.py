@@ -1,16 +1,11 @@
-"""A Hugging Face Marian folder <-> a workdir of ours (config, tokenizer files, checkpoint).
+"""A Hugging Face Marian folder <-> a workdir of ours: read_folder + write_workdir import, export_workdir exports.
 
-    read_folder(DIR) -> MarianFolder; write_workdir(folder, W)     the import: every file checked, then W whole
-    export_workdir(W, OUT)                                          the export: what MarianMTModel.from_pretrained
-                                                                    and MarianTokenizer.from_pretrained load
-
-The folder is what `huggingface-cli download Helsinki-NLP/opus-mt-en-de` fetches: config.json, model.safetensors
-(or pytorch_model.bin), generation_config.json, source.spm, target.spm, vocab.json (target_vocab.json with
-separate vocabularies), tokenizer_config.json. safetensors are read with safetensors.numpy, one tensor at a time,
-and written with it (no torch); a .bin is a pickle (it can run code), read with torch only when the caller allows
-it. The export writes our joint tokenizer (spm.model) as both source.spm and target.spm, with vocab.json listing
-its pieces with their ids. transformers fixes LayerNorm's epsilon at 1e-5: another model.norm_epsilon exports
-with the largest logit difference it makes on a few sentences in the report (`epsilon_logit_difference`).
+The folder is what `huggingface-cli download Helsinki-NLP/opus-mt-en-de` fetches and what MarianMTModel and
+MarianTokenizer.from_pretrained load: config.json, model.safetensors (or pytorch_model.bin), generation_config.json,
+source.spm, target.spm, vocab.json (target_vocab.json with separate vocabularies), tokenizer_config.json.
+safetensors are read one tensor at a time and written without torch; a .bin is a pickle (it can run code), read
+with torch only when the caller allows it. Our joint tokenizer (spm.model) exports as both source.spm and
+target.spm, with vocab.json listing its pieces.
 """
 
 from __future__ import annotations
@@ -25,13 +20,12 @@ from typing import Any
 
 import jax
 import numpy as np
-import sentencepiece as spm
 from flax import nnx
 from flax.traverse_util import flatten_dict
 
 from transformer_jax.config import checks, schema
 from transformer_jax.data import tokenizer as tokenizer_lib
-from transformer_jax.errors import ConfigError, DataError, EvalError
+from transformer_jax.errors import ConfigError, DataError
 from transformer_jax.evaluation.command import Model, check_model
 from transformer_jax.evaluation.restore import Restorer
 from transformer_jax.interop import folders, marian
@@ -143,6 +137,7 @@ def _tensor_reader(path: Path, allow_pickle: bool) -> Callable[[], Iterator[tupl
 
 
 def _our_config(hf: dict, generation: dict, tokenizer_config: dict, unk_id: int) -> Any:
+    """Our validated config of a Marian config.json, generation_config.json and tokenizer_config.json."""
     config = schema.base_config(BASE_SIZE)
     values = {**marian.model_keys(hf, unk_id), **marian.eval_keys(generation)}
     values["eval.average_last"] = 1  # the workdir holds one checkpoint
@@ -202,14 +197,10 @@ def check_workdir(workdir: str | os.PathLike) -> Path:
 
 
 def write_workdir(folder: MarianFolder, workdir: str | os.PathLike) -> dict[str, Any]:
-    """Writes the workdir (config.json, the tokenizer files, the step-0 checkpoint of the model) whole or not at
-    all; returns a report.
-
-    The checkpoint holds the model's parameters alone (TrainState field "model"), all that evaluation and
-    train.init_from read (checkpoints.load_model_params): the optimizer's moments would be twice the weights again.
-    The parameters are jax arrays sharing the converted numpy buffer (DLPack: no copy): Orbax's save of numpy arrays
-    holds more temporaries, and a copy would hold the weights twice (benchmarks/convert_marian.py).
-    """
+    """Writes the workdir (config.json, the tokenizer files, a step-0 checkpoint) whole or not at all; returns a
+    report. The checkpoint holds the model's parameters alone (TrainState field "model"), all that evaluation and
+    train.init_from read, as jax arrays sharing the converted buffer (DLPack: no copy): Orbax's save of numpy arrays
+    holds more temporaries, and a copy would hold the weights twice (benchmarks/convert_marian.py)."""
     workdir, config = check_workdir(workdir), folder.config
     params = marian.from_marian_tensors(config, folder.tensors(), folder.path / SAFETENSORS)
     params = jax.tree.map(jax.dlpack.from_dlpack, params)
@@ -237,58 +228,14 @@ def write_workdir(folder: MarianFolder, workdir: str | os.PathLike) -> dict[str,
 # -- export ---------------------------------------------------------------------------------------------------------
 
 
-def tokenizer_files(config: Any, workdir: Path, tokenizer: Any) -> tuple[dict[str, Path], dict[str, bytes]]:
-    """(files to copy: exported name -> source file, files to write: name -> bytes) of the workdir's tokenizer.
-
-    A Marian workdir (data.tokenizer=marian) exports its files as they are; our joint SentencePiece model is
-    both source.spm and target.spm, with vocab.json mapping each piece to its id.
-    """
+def tokenizer_files(config: Any, workdir: Path, tokenizer: Any) -> dict[str, Path | bytes]:
+    """The exported tokenizer files: name -> the file to copy or the bytes to write. A Marian workdir's files as they
+    are, or our joint model as both source.spm and target.spm, with vocab.json."""
     if config.data.tokenizer == MARIAN_TOKENIZER:
-        return {path.name: path for path in tokenizer_lib.tokenizer_files(config.data, workdir)}, {}
-    sp = spm.SentencePieceProcessor(model_file=str(tokenizer.path))
-    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
-    if len(pieces) != config.model.vocab_size:
-        raise EvalError(
-            f"tokenizer {tokenizer.path} has {len(pieces)} pieces but the model has model.vocab_size="
-            f"{config.model.vocab_size} rows; export with the tokenizer the model was trained with"
-        )
+        return {path.name: path for path in tokenizer_lib.tokenizer_files(config.data, workdir)}
+    pieces = folders.vocabulary(tokenizer, config.model.vocab_size)
     vocab = json.dumps({piece: i for i, piece in enumerate(pieces)}, ensure_ascii=False, indent=2)
-    return {SOURCE_SPM: tokenizer.path, TARGET_SPM: tokenizer.path}, {VOCAB: vocab.encode()}
-
-
-def write_folder(model: Any, config: Any, files: tuple[dict[str, Path], dict[str, bytes]], output_dir: Path) -> Path:
-    """Writes the Marian folder of `model` (its config `config`, its tokenizer `files`) whole or not at all."""
-    marian.check_exportable(config)
-    copies, writes = files
-    tensors = marian.marian_tensors(model)
-    target_vocab = writes.get(VOCAB) or copies.get(TARGET_VOCAB) or copies[VOCAB]
-    text = target_vocab.decode() if isinstance(target_vocab, bytes) else target_vocab.read_text()
-    piece = {i: piece for piece, i in json.loads(text).items()}
-    m = config.model
-    tokenizer_config = {
-        "tokenizer_class": "MarianTokenizer",
-        "source_lang": config.data.src_lang,
-        "target_lang": config.data.tgt_lang,
-        "separate_vocabs": TARGET_VOCAB in copies,
-        "model_max_length": m.max_len,
-        "unk_token": piece[m.unk_id],
-        "eos_token": piece[m.eos_id],
-        "pad_token": piece[m.pad_id],
-    }
-
-    def fill(tmp: Path) -> None:
-        from safetensors.numpy import save_file
-
-        save_file(tensors, str(tmp / SAFETENSORS), metadata={"format": "pt"})  # transformers requires "pt"
-        (tmp / CONFIG).write_text(json.dumps(marian.marian_config(config), indent=2))
-        (tmp / GENERATION).write_text(json.dumps(marian.generation_config(config), indent=2))
-        (tmp / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config, indent=2))
-        for name, source in copies.items():
-            shutil.copyfile(source, tmp / name)
-        for name, data in writes.items():
-            (tmp / name).write_bytes(data)
-
-    return folders.write_into_place(output_dir, fill)
+    return {SOURCE_SPM: tokenizer.path, TARGET_SPM: tokenizer.path, VOCAB: vocab.encode()}
 
 
 def export_workdir(
@@ -303,9 +250,9 @@ def export_workdir(
     force: bool = False,
     restorer: Any = None,
 ) -> dict[str, Any]:
-    """Exports the checkpoints evaluate.py would use (same flags, selection and averaging); returns a report,
-    with `epsilon_logit_difference` when model.norm_epsilon is not Marian's 1e-5 (the caller warns). Everything
-    cheap (flags, output directory, whether Marian can represent the config) is checked before parameters are read.
+    """Exports the checkpoints evaluate.py would use (same flags, selection and averaging) whole or not at all;
+    returns a report, with `epsilon_logit_difference` when model.norm_epsilon is not Marian's 1e-5 (the caller
+    warns). Everything cheap (flags, output, whether Marian can represent the config) is checked first.
     """
     options = check_model(Model(workdir, config, checkpoint, average_last, average_steps, average_best=average_best))
     output_dir = Path(output_dir)
@@ -320,9 +267,38 @@ def export_workdir(
         "workdir": str(workdir),
         "checkpoint_steps": steps,
     }
-    if config.model.norm_epsilon != marian.NORM_EPSILON:
-        ids = [tokenizer.encode_source(s)[: config.model.max_len - 1] + [config.model.eos_id] for s in SAMPLE_SENTENCES]
-        report["norm_epsilon"] = config.model.norm_epsilon
+    m = config.model
+    if m.norm_epsilon != marian.NORM_EPSILON:
+        ids = [tokenizer.encode_source(s)[: m.max_len - 1] + [m.eos_id] for s in SAMPLE_SENTENCES]
+        report["norm_epsilon"] = m.norm_epsilon
         report["epsilon_logit_difference"] = marian.epsilon_logit_difference(model, ids)
-    write_folder(model, config, files, output_dir)
+    tensors = marian.marian_tensors(model)
+    target_vocab = files.get(TARGET_VOCAB) or files[VOCAB]
+    text = target_vocab.decode() if isinstance(target_vocab, bytes) else target_vocab.read_text()
+    piece = {i: piece for piece, i in json.loads(text).items()}
+    tokenizer_config = {
+        "tokenizer_class": "MarianTokenizer",
+        "source_lang": config.data.src_lang,
+        "target_lang": config.data.tgt_lang,
+        "separate_vocabs": TARGET_VOCAB in files,
+        "model_max_length": m.max_len,
+        "unk_token": piece[m.unk_id],
+        "eos_token": piece[m.eos_id],
+        "pad_token": piece[m.pad_id],
+    }
+
+    def fill(tmp: Path) -> None:
+        from safetensors.numpy import save_file
+
+        save_file(tensors, str(tmp / SAFETENSORS), metadata={"format": "pt"})  # transformers requires "pt"
+        (tmp / CONFIG).write_text(json.dumps(marian.marian_config(config), indent=2))
+        (tmp / GENERATION).write_text(json.dumps(marian.generation_config(config), indent=2))
+        (tmp / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config, indent=2))
+        for name, source in files.items():
+            if isinstance(source, bytes):
+                (tmp / name).write_bytes(source)
+            else:
+                shutil.copyfile(source, tmp / name)
+
+    folders.write_into_place(output_dir, fill)
     return report
