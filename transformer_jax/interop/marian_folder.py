@@ -37,6 +37,7 @@ SOURCE_SPM, TARGET_SPM = tokenizer_lib.MARIAN_SOURCE_SPM, tokenizer_lib.MARIAN_T
 VOCAB, TARGET_VOCAB = tokenizer_lib.MARIAN_VOCAB, tokenizer_lib.MARIAN_TARGET_VOCAB
 BASE_SIZE = "base"  # the size row a converted config starts from; every model key is then set from config.json
 MARIAN_TOKENIZER = tokenizer_lib.MarianTokenizer.name  # data.tokenizer of a workdir holding the files above
+LANGUAGE_KEYS = {"source_lang": "src_lang", "target_lang": "tgt_lang"}  # tokenizer_config.json -> config.data
 # The sentences the epsilon difference is measured on: any text shows it, these are short and plain.
 SAMPLE_SENTENCES = (
     "A man in a blue shirt is standing on a ladder.",
@@ -142,9 +143,9 @@ def _our_config(hf: dict, generation: dict, tokenizer_config: dict, unk_id: int)
     values = {**marian.model_keys(hf, unk_id), **marian.eval_keys(generation)}
     values["eval.average_last"] = 1  # the workdir holds one checkpoint
     values["data.tokenizer"] = MARIAN_TOKENIZER
-    for ours, theirs in (("data.src_lang", "source_lang"), ("data.tgt_lang", "target_lang")):
+    for theirs, ours in LANGUAGE_KEYS.items():
         if isinstance(tokenizer_config.get(theirs), str) and tokenizer_config[theirs].isidentifier():
-            values[ours] = tokenizer_config[theirs]
+            values[f"data.{ours}"] = tokenizer_config[theirs]
     for key, value in values.items():
         group, leaf = key.split(".")
         config[group][leaf] = value
@@ -278,8 +279,7 @@ def export_workdir(
     piece = {i: piece for piece, i in json.loads(text).items()}
     tokenizer_config = {
         "tokenizer_class": "MarianTokenizer",
-        "source_lang": config.data.src_lang,
-        "target_lang": config.data.tgt_lang,
+        **{theirs: config.data[ours] for theirs, ours in LANGUAGE_KEYS.items()},
         "separate_vocabs": TARGET_VOCAB in files,
         "model_max_length": m.max_len,
         "unk_token": piece[m.unk_id],
