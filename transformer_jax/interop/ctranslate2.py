@@ -96,14 +96,6 @@ def _set_norm(ct2_norm: Any, norm: Any) -> None:
         ct2_norm.beta = _array(norm.bias_D)
 
 
-def _set_ffn(ct2_ffn: Any, residual: Any, ffn: Any) -> None:
-    _set_norm(ct2_ffn.layer_norm, residual.norm)
-    _set_linear(ct2_ffn.linear_0, ffn.w1)  # the activated half: max(0, x W1), GELU(x W1), Swish(x W1)
-    if ffn.w3 is not None:
-        _set_linear(ct2_ffn.linear_0_noact, ffn.w3)  # SwiGLU's linear half
-    _set_linear(ct2_ffn.linear_1, ffn.w2)
-
-
 def build_spec(model: Any, pieces: Sequence[str], *, max_positions: int) -> Any:
     """The ctranslate2.specs.TransformerSpec holding the model's parameters and the vocabulary `pieces`."""
     from ctranslate2.specs import common_spec, transformer_spec  # optional: pip install -e .[ctranslate2]
@@ -154,7 +146,11 @@ def build_spec(model: Any, pieces: Sequence[str], *, max_positions: int) -> Any:
             _set_linear(ct2_layer.attention.linear[0], cross.q_proj)
             _set_linear(ct2_layer.attention.linear[1], cross.k_proj, cross.v_proj)
             _set_linear(ct2_layer.attention.linear[2], cross.o_proj)
-        _set_ffn(ct2_layer.ffn, layer.ffn_residual, layer.ffn)
+        _set_norm(ct2_layer.ffn.layer_norm, layer.ffn_residual.norm)
+        _set_linear(ct2_layer.ffn.linear_0, layer.ffn.w1)  # the activated half: max(0, x W1), GELU(x W1), Swish(x W1)
+        if layer.ffn.w3 is not None:
+            _set_linear(ct2_layer.ffn.linear_0_noact, layer.ffn.w3)  # SwiGLU's linear half
+        _set_linear(ct2_layer.ffn.linear_1, layer.ffn.w2)
 
     ct2.config.layer_norm_epsilon = spec.norm_epsilon
     ct2.config.unk_token = pieces[spec.unk_id]
