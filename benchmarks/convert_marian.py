@@ -41,7 +41,7 @@ def write_folder(path: Path, seed: int = 0) -> int:
     import sentencepiece as spm
     from safetensors.numpy import save_file
 
-    from transformer_jax.convert import marian
+    from transformer_jax.interop import marian
     from transformer_jax.model import TransformerSpec
 
     s = SHAPES
@@ -126,7 +126,7 @@ def child(source: str, workdir: str) -> None:
 
     runtime.use_cpu_without_accelerators()
 
-    from transformer_jax.convert import folder
+    from transformer_jax.interop import marian_folder as folder
 
     jax.devices()
     (jnp.zeros(3) + 1).block_until_ready()

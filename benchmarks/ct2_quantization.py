@@ -4,7 +4,7 @@
         [--quantizations float32,int8,int8_float32,bfloat16] [--device cpu]
 
 The workdir's model (its latest checkpoint, or the mean of --average_last) is exported once per quantization
-(transformer_jax.export.ctranslate2.to_ctranslate2, as `python -m transformer_jax.export --quantization Q` writes it)
+(transformer_jax.interop.ctranslate2.to_ctranslate2, as `python -m transformer_jax.export --quantization Q` writes it)
 and translates the first --lines sentences of Multi30k test2016 (test.en -> test.de under $TRANSFORMER_JAX_DATA's
 multi30k/, else ../shared/data/multi30k beside this checkout; absent: one JSON line saying so, exit 0) greedily with
 our tokenization and length limits (ctranslate2_translate). One JSON line per quantization: model.bin's bytes, the
@@ -28,7 +28,7 @@ from transformer_jax.errors import EvalError
 from transformer_jax.evaluation import bleu
 from transformer_jax.evaluation.restore import CheckpointChoice, restore_model, workdir_tokenizer
 from transformer_jax.evaluation.translate import DecodeSettings, position_limit
-from transformer_jax.export.ctranslate2 import QUANTIZATIONS, ctranslate2_translate, to_ctranslate2
+from transformer_jax.interop.ctranslate2 import QUANTIZATIONS, ctranslate2_translate, to_ctranslate2
 
 REPO = Path(__file__).resolve().parents[1]
 FLOAT32 = "float32"  # the export without quantization, the reference of the others

@@ -9,8 +9,8 @@ it has one source), the beam size, length penalty, batch size, threads (intra_th
 absent). It imports ctranslate2 and
 sentencepiece only: importing transformer_jax would import JAX, which a CTranslate2 user does not pay for.
 Sources are SentencePiece pieces without EOS (the engine adds it), cut to the job's max_input_pieces; blank lines
-give blank outputs. With "one_call" false: one call per distinct limit, as export.ctranslate2.translate_ids makes
-for beam search (the engine's max_decoding_length is one number per call and counts the EOS it stops at), so that
+give blank outputs. With "one_call" false: one call per distinct limit, as interop.ctranslate2.ctranslate2_translate
+makes for beam search (the engine's max_decoding_length is one number per call and counts the EOS it stops at), so that
 each output has our limit; with "one_call" true: one call with the largest limit, as a CTranslate2 user would make
 it (better batches; a beam output can then differ from ours where a sentence reaches its limit).
 """

@@ -6,7 +6,7 @@
 
 With --workdir (side by side), --modes translate (the default): the workdir's model (the checkpoints evaluate.py
 would average) translates the split with evaluation.translate.translate (evaluate.py's path) and, exported with the
-same weights (transformer_jax.export.ctranslate2), with CTranslate2 on --threads threads; one JSON line per beam
+same weights (transformer_jax.interop.ctranslate2), with CTranslate2 on --threads threads; one JSON line per beam
 size with each engine's first-call time (ours includes XLA compilation), its steady-state time (the best of
 --repeats further calls), sacreBLEU, and how many outputs are identical. Both sides use the same tokenization,
 source truncation and per-sentence output limits (evaluation/translate.py's rules); CTranslate2's length penalty is
@@ -66,7 +66,7 @@ from transformer_jax.evaluation import bleu
 from transformer_jax.evaluation.restore import CheckpointChoice, restore_model, workdir_tokenizer
 from transformer_jax.evaluation.run import split_pairs
 from transformer_jax.evaluation.translate import DecodeSettings, position_limit, translate
-from transformer_jax.export.ctranslate2 import ctranslate2_translate, to_ctranslate2
+from transformer_jax.interop.ctranslate2 import ctranslate2_translate, to_ctranslate2
 from transformer_jax.model import build_model, model_rngs, unpacked_segment_ids
 from transformer_jax.model.spec import SpecialIds
 
@@ -189,7 +189,7 @@ def modes_side_by_side(workdir: str, modes: list[str]) -> None:
         source_ids,
         translate_nbest,
     )
-    from transformer_jax.export.ctranslate2 import to_ctranslate2, vocabulary
+    from transformer_jax.interop.ctranslate2 import to_ctranslate2, vocabulary
 
     config, model, steps = restore_model(workdir, CheckpointChoice(average_last=_AVERAGE_LAST.value))
     tokenizer = workdir_tokenizer(config, workdir)

@@ -31,7 +31,7 @@ from transformer_jax.evaluation import bleu
 from transformer_jax.evaluation.restore import CheckpointChoice, restore_model, workdir_tokenizer
 from transformer_jax.evaluation.run import read_sources, split_pairs
 from transformer_jax.evaluation.translate import input_limit, output_cap, output_limit, position_limit, source_ids
-from transformer_jax.export.ctranslate2 import to_ctranslate2
+from transformer_jax.interop.ctranslate2 import to_ctranslate2
 
 REPO = Path(__file__).resolve().parent.parent
 FIRST_STEP_LINE = "is this process's first"  # training/loop.py's log line after a process's first step

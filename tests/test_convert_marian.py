@@ -20,9 +20,9 @@ from flax.traverse_util import flatten_dict
 
 from tests.helpers import DATA
 from tests.helpers.marian_reference import ROOT, run
-from transformer_jax.convert import folder, marian
 from transformer_jax.errors import ConfigError, DataError
 from transformer_jax.evaluation.restore import restore_model, workdir_tokenizer
+from transformer_jax.interop import marian, marian_folder
 from transformer_jax.training import checkpoints
 from transformer_jax.training.step import new_train_state, split_train_state
 
@@ -42,7 +42,7 @@ def separate_dir(tmp_path_factory):
 
 
 def convert(source: Path, workdir: Path) -> dict:
-    return folder.write_workdir(folder.read_folder(source), workdir)
+    return marian_folder.write_workdir(marian_folder.read_folder(source), workdir)
 
 
 def restored(workdir: Path):
@@ -152,7 +152,8 @@ def test_fine_tuning_starts_from_the_converted_parameters(marian_dir, tmp_path):
 def test_jax_takes_the_converted_parameters_over_without_a_copy(marian_dir):
     """Every converted parameter starts on an address jax's CPU client aliases: a copy would hold the weights twice
     while the checkpoint is written (benchmarks/convert_marian.py's peak)."""
-    params = flatten_dict(folder.convert_params(folder.read_folder(marian_dir)))
+    folder = marian_folder.read_folder(marian_dir)
+    params = flatten_dict(marian.from_marian_tensors(folder.config, folder.tensors(), folder.path))
     copied = [path for path, x in params.items() if jax.dlpack.from_dlpack(x).unsafe_buffer_pointer() != x.ctypes.data]
     assert copied == []
 

@@ -19,7 +19,7 @@ from transformer_jax.evaluation.translate import DecodeSettings, output_limit, s
 from transformer_jax.model.spec import SpecialIds
 
 ctranslate2 = pytest.importorskip("ctranslate2", reason="ctranslate2 is not installed: the comparisons need it")
-from transformer_jax.export import ctranslate2 as export_lib  # noqa: E402 - needs the engine, checked above
+from transformer_jax.interop import ctranslate2 as export_lib  # noqa: E402 - needs the engine, checked above
 
 VOCAB = 320  # byte fallback's 256 ids and the corpus' characters
 MAX_INPUT_LEN, MAX_EXTRA_LEN = 16, 5

@@ -1,4 +1,4 @@
-"""transformer_jax.export and transformer_jax.export.ctranslate2: the exported model computes our model's
+"""python -m transformer_jax.export and transformer_jax.interop.ctranslate2: the exported model computes our model's
 log-probabilities and its greedy outputs equal ours token for token, with our length limits on both sides.
 
 A tiny random model (1+1 layers, d_model 32) with a small SentencePiece vocabulary is exported; its EOS embedding is
@@ -39,7 +39,7 @@ from transformer_jax.training import checkpoints
 ctranslate2 = pytest.importorskip(
     "ctranslate2", reason="ctranslate2 is not installed (pip install ctranslate2==4.8.5): export tests need the engine"
 )
-from transformer_jax.export import ctranslate2 as export_lib  # noqa: E402 - needs the engine, checked above
+from transformer_jax.interop import ctranslate2 as export_lib  # noqa: E402 - needs the engine, checked above
 
 VOCAB = 320  # byte fallback reserves 256 ids, plus the corpus' characters (as helpers.training.tiny_train_config)
 # Greedy, outputs of at most source + 5 tokens, sources cut at 16 tokens: small, and every rule is exercised.

@@ -15,11 +15,10 @@ from flax import nnx
 from tests.helpers import DATA
 from tests.helpers.marian_reference import ROOT, SENTENCES, run
 from transformer_jax.config import schema
-from transformer_jax.convert import marian
 from transformer_jax.data.tokenizer import train_tokenizer
 from transformer_jax.errors import ConfigError, EvalError
 from transformer_jax.evaluation.restore import CheckpointChoice, restore_model
-from transformer_jax.export import marian as export_marian
+from transformer_jax.interop import marian, marian_folder
 from transformer_jax.model.spec import SpecialIds
 from transformer_jax.training import checkpoints
 from transformer_jax.training.step import new_train_state, split_train_state
@@ -160,11 +159,11 @@ def test_an_existing_output_is_replaced_only_with_force_and_only_if_it_is_an_exp
     workdir = make_workdir(tmp_path / "w")
     assert export(workdir, tmp_path / "out").returncode == 0
     with pytest.raises(EvalError, match="exists; choose another directory or pass --force"):
-        export_marian.export_workdir(str(workdir), tmp_path / "out", choice=CheckpointChoice(average_last=1))
-    export_marian.export_workdir(str(workdir), tmp_path / "out", choice=CheckpointChoice(average_last=1), force=True)
+        marian_folder.export_workdir(str(workdir), tmp_path / "out", choice=CheckpointChoice(average_last=1))
+    marian_folder.export_workdir(str(workdir), tmp_path / "out", choice=CheckpointChoice(average_last=1), force=True)
     assert (tmp_path / "out" / "model.safetensors").is_file()
     with pytest.raises(EvalError, match="is not a Marian export"):
-        export_marian.export_workdir(str(workdir), workdir, choice=CheckpointChoice(average_last=1), force=True)
+        marian_folder.export_workdir(str(workdir), workdir, choice=CheckpointChoice(average_last=1), force=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "w"]
 
 

@@ -25,8 +25,8 @@ LAYERS = [
     {"data"},
     {"training", "decoding"},
     {"evaluation"},
-    {"convert"},
-    {"export", "visualize", "sweep", "plan", "translate_corpus"},
+    {"interop"},
+    {"convert", "export", "visualize", "sweep", "plan", "translate_corpus"},
     {"explain"},
 ]
 

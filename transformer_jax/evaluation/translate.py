@@ -45,7 +45,7 @@ class Tokenizer(Protocol):
 
 
 # The rules of what is decoded, shared with every other engine that must decode exactly as we do
-# (export/ctranslate2.py).
+# (interop/ctranslate2.py).
 
 
 def source_ids(tokenizer: Tokenizer, sentence: str, max_input_len: int) -> tuple[list[int] | None, bool]:

@@ -4,19 +4,11 @@
         [--checkpoint latest|best|STEP] [--average_last N | --average_steps A,B | --average_best K] [--force]
         [--quantization none|int8|int8_float32|bfloat16]     (ctranslate2 only)
 
-The checkpoints are chosen and averaged exactly as evaluate.py chooses them (the same flags and defaults:
---average_last defaults to config.eval.average_last). OUT holds model.bin, config.json, shared_vocabulary.json and
-spm.model; an existing OUT is replaced only with --force and only if it is an earlier export (it holds
-model.bin), and OUT appears whole or not at all. --quantization stores the weights in CTranslate2's int8,
-int8_float32 or bfloat16 (its own quantization; default none: float32). A workdir without checkpoints, an
-architecture the engine cannot express, or an existing OUT: one line on stderr, exit status 1.
-The library functions are in transformer_jax.export.ctranslate2 (to_ctranslate2, ctranslate2_translate).
-
---format marian writes what MarianMTModel.from_pretrained and MarianTokenizer.from_pretrained load (config.json,
-generation_config.json, model.safetensors, the tokenizer files; transformer_jax.export.marian); --force replaces
-only an earlier export (a directory holding model.safetensors). A model Marian cannot represent is refused in one
-line naming the keys; a norm epsilon other than Marian's 1e-5 exports with one warning line on stderr stating the
-largest logit difference it makes.
+The checkpoints are chosen and averaged as evaluate.py chooses them (the same flags and defaults). OUT appears whole
+or not at all, and replaces an existing directory only with --force and only if it is an earlier export of the
+same format (transformer_jax.interop). A model the format cannot express, a workdir without checkpoints or an
+existing OUT: one line on stderr, exit status 1. A model.norm_epsilon other than Marian's 1e-5 exports to Marian
+with one warning line on stderr stating the largest logit difference it makes.
 """
 
 from __future__ import annotations
@@ -31,12 +23,12 @@ from absl import flags
 from transformer_jax import cli
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation import command
-from transformer_jax.export import ctranslate2, marian
+from transformer_jax.interop import ctranslate2, marian_folder
 
 PROG = "python -m transformer_jax.export"
 FLAGS = flags.FLAGS
 command.define_checkpoint_flags()  # evaluate.py's: same names, defaults and meaning
-EXPORTERS = {"ctranslate2": ctranslate2.export_workdir, "marian": marian.export_workdir}
+EXPORTERS = {"ctranslate2": ctranslate2.export_workdir, "marian": marian_folder.export_workdir}
 flags.DEFINE_enum("format", "ctranslate2", list(EXPORTERS), "Inference engine or format to export to.")
 flags.DEFINE_string("output", None, "Model directory to write (must not exist, unless --force).")
 flags.DEFINE_enum(
@@ -64,7 +56,7 @@ def main(argv: list[str]) -> None:
         print(
             f"{PROG}: warning: model.norm_epsilon={report['norm_epsilon']} but transformers' Marian uses 1e-5; "
             f"the exported model's logits differ by up to {report['epsilon_logit_difference']:.3g} on "
-            f"{len(marian.SAMPLE_SENTENCES)} sentences",
+            f"{len(marian_folder.SAMPLE_SENTENCES)} sentences",
             file=sys.stderr,
         )
     print(json.dumps(report))

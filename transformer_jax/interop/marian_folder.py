@@ -1,12 +1,11 @@
-"""A local Hugging Face Marian folder -> a workdir of ours: config, tokenizer files and a step-0 checkpoint.
+"""A Hugging Face Marian folder <-> a workdir of ours: read_folder + write_workdir import, export_workdir exports.
 
-    read_folder(DIR) -> MarianFolder      every file checked, nothing written
-    write_workdir(folder, W)              W appears whole or not at all
-
-The folder is what `huggingface-cli download Helsinki-NLP/opus-mt-en-de` fetches: config.json, model.safetensors
-(or pytorch_model.bin), generation_config.json, source.spm, target.spm, vocab.json (target_vocab.json with
-separate vocabularies), tokenizer_config.json. safetensors are read with safetensors.numpy, one tensor at a time;
-a .bin is a pickle (it can run code), read with torch only when the caller allows it.
+The folder is what `huggingface-cli download Helsinki-NLP/opus-mt-en-de` fetches and what MarianMTModel and
+MarianTokenizer.from_pretrained load: config.json, model.safetensors (or pytorch_model.bin), generation_config.json,
+source.spm, target.spm, vocab.json (target_vocab.json with separate vocabularies), tokenizer_config.json.
+safetensors are read one tensor at a time and written without torch; a .bin is a pickle (it can run code), read
+with torch only when the caller allows it. Our joint tokenizer (spm.model) exports as both source.spm and
+target.spm, with vocab.json listing its pieces.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import dataclasses
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,22 +21,28 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from flax.traverse_util import flatten_dict, unflatten_dict
+from flax.traverse_util import flatten_dict
 
 from transformer_jax.config import checks, schema
-from transformer_jax.convert import marian
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import ConfigError, DataError
-from transformer_jax.model import TransformerSpec, build_model, model_rngs
+from transformer_jax.evaluation.restore import LATEST, CheckpointChoice, check_choice
+from transformer_jax.interop import folders, marian
 from transformer_jax.training import checkpoints
 
 CONFIG, GENERATION, TOKENIZER_CONFIG = "config.json", "generation_config.json", "tokenizer_config.json"
-SAFETENSORS, PICKLE = "model.safetensors", "pytorch_model.bin"
-_ALIGN_BYTES = 64  # the alignment at which jax's CPU client aliases a host buffer instead of copying it
+SAFETENSORS, PICKLE = "model.safetensors", "pytorch_model.bin"  # the export's marker for --force: SAFETENSORS
 SOURCE_SPM, TARGET_SPM = tokenizer_lib.MARIAN_SOURCE_SPM, tokenizer_lib.MARIAN_TARGET_SPM  # Marian's names, ours too
 VOCAB, TARGET_VOCAB = tokenizer_lib.MARIAN_VOCAB, tokenizer_lib.MARIAN_TARGET_VOCAB
 BASE_SIZE = "base"  # the size row a converted config starts from; every model key is then set from config.json
 MARIAN_TOKENIZER = tokenizer_lib.MarianTokenizer.name  # data.tokenizer of a workdir holding the files above
+LANGUAGE_KEYS = {"source_lang": "src_lang", "target_lang": "tgt_lang"}  # tokenizer_config.json -> config.data
+# The sentences the epsilon difference is measured on: any text shows it, these are short and plain.
+SAMPLE_SENTENCES = (
+    "A man in a blue shirt is standing on a ladder.",
+    "Two young children are playing in the sand.",
+    "The weather was cold, so we stayed at home and read.",
+)
 
 
 @dataclasses.dataclass
@@ -49,6 +53,9 @@ class MarianFolder:
     config: Any  # ml_collections.ConfigDict, validated
     tensors: Callable[[], Iterator[tuple[str, np.ndarray]]]  # (name, array), one at a time
     tokenizer_files: dict[str, Path]  # workdir file name -> file in the folder
+
+
+# -- import ---------------------------------------------------------------------------------------------------------
 
 
 def _json(path: Path, required: bool = True) -> dict[str, Any]:
@@ -130,13 +137,14 @@ def _tensor_reader(path: Path, allow_pickle: bool) -> Callable[[], Iterator[tupl
 
 
 def _our_config(hf: dict, generation: dict, tokenizer_config: dict, unk_id: int) -> Any:
+    """Our validated config of a Marian config.json, generation_config.json and tokenizer_config.json."""
     config = schema.base_config(BASE_SIZE)
     values = {**marian.model_keys(hf, unk_id), **marian.eval_keys(generation)}
     values["eval.average_last"] = 1  # the workdir holds one checkpoint
     values["data.tokenizer"] = MARIAN_TOKENIZER
-    for ours, theirs in (("data.src_lang", "source_lang"), ("data.tgt_lang", "target_lang")):
+    for theirs, ours in LANGUAGE_KEYS.items():
         if isinstance(tokenizer_config.get(theirs), str) and tokenizer_config[theirs].isidentifier():
-            values[ours] = tokenizer_config[theirs]
+            values[f"data.{ours}"] = tokenizer_config[theirs]
     for key, value in values.items():
         group, leaf = key.split(".")
         config[group][leaf] = value
@@ -163,100 +171,21 @@ def read_folder(path: str | os.PathLike, *, allow_pickle: bool = False) -> Maria
     if not isinstance(rows, int):
         raise ConfigError(f"{path / CONFIG} key vocab_size={rows!r}: expected an integer")
     target_rows = rows if shared else int(hf.get("decoder_vocab_size") or rows)
-    for name in (SOURCE_SPM, TARGET_SPM) + ((TARGET_VOCAB,) if separate else ()):
+    target_vocab = (TARGET_VOCAB,) if separate else ()
+    for name in (SOURCE_SPM, TARGET_SPM, *target_vocab):  # vocab.json: read below
         if not (path / name).is_file():
             raise DataError(f"{path / name} is missing; a Marian folder holds the tokenizer files too")
     try:
         pad_id, eos_id = marian.one_id(hf, "pad_token_id"), marian.one_id(hf, "eos_token_id")
-    except ConfigError as e:
-        raise ConfigError(f"{path / CONFIG}: {e}") from None
-    special = {marian.PAD_PIECE: (pad_id, "pad_token_id"), marian.EOS_PIECE: (eos_id, "eos_token_id")}
-    source_vocab = _vocab(path / VOCAB, rows, {} if separate else special)
-    if separate:
-        _vocab(path / TARGET_VOCAB, target_rows, special)
-    try:
+        special = {marian.PAD_PIECE: (pad_id, "pad_token_id"), marian.EOS_PIECE: (eos_id, "eos_token_id")}
+        source_vocab = _vocab(path / VOCAB, rows, {} if separate else special)
+        if separate:
+            _vocab(path / TARGET_VOCAB, target_rows, special)
         config = _our_config(hf, generation, tokenizer_config, source_vocab[marian.UNK_PIECE])
     except ConfigError as e:
         raise ConfigError(f"{path / CONFIG}: {e}") from None
-    files = {name: path / name for name in (SOURCE_SPM, TARGET_SPM, VOCAB)}
-    if separate:
-        files[TARGET_VOCAB] = path / TARGET_VOCAB
+    files = {name: path / name for name in (SOURCE_SPM, TARGET_SPM, VOCAB, *target_vocab)}
     return MarianFolder(path, config, _tensor_reader(path, allow_pickle), files)
-
-
-def convert_params(folder: MarianFolder) -> dict:
-    """Our model parameters (a pure dict of float32 numpy arrays) from the folder's tensors, read and converted one
-    at a time; ConfigError naming a tensor that is missing, unexpected or of the wrong shape.
-
-    Every parameter is a view of one buffer allocated up front: converted arrays allocated one by one between the
-    reader's temporaries would leave the freed temporaries as holes the allocator keeps (benchmarks/convert_marian.py
-    measured half the weights again).
-    """
-    spec = TransformerSpec.from_config(folder.config)
-    model = nnx.eval_shape(lambda: build_model(folder.config, rngs=model_rngs(0)))  # shapes only
-    shapes = flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-    entries = {entry.marian: entry for entry in marian.table(spec)}
-    tied = marian.aliases(spec)
-    if set(shapes) != {entry.ours for entry in entries.values()}:  # the table and the model disagree: a bug
-        raise AssertionError(f"mapping table and model differ: {set(shapes) ^ {e.ours for e in entries.values()}}")
-    # Each view starts on a 64-byte boundary: jax takes such a buffer over without a copy (jax.dlpack.from_dlpack
-    # in write_workdir); a view at any other address it copies.
-    align = _ALIGN_BYTES // 4
-    sizes = {path: -(-int(np.prod(x.shape)) // align) * align for path, x in shapes.items()}
-    raw = np.empty(sum(sizes.values()) + align, np.float32)
-    buffer = raw[(-raw.ctypes.data % _ALIGN_BYTES) // 4 :]
-    views, offset = {}, 0
-    for path, x in sorted(shapes.items(), key=lambda item: str(item[0])):
-        size = int(np.prod(x.shape))
-        views[path], offset = buffer[offset : offset + size].reshape(x.shape), offset + sizes[path]
-    params: dict[tuple, np.ndarray] = {}
-    copies: dict[str, np.ndarray] = {}
-    where = folder.path / SAFETENSORS
-
-    def put(entry: marian.Entry, array: np.ndarray) -> None:
-        np.copyto(views[entry.ours], marian.from_marian(entry, array, shapes[entry.ours].shape, copy=False))
-        params[entry.ours] = views[entry.ours]
-
-    for name, array in folder.tensors():
-        if name in entries:
-            put(entries[name], array)
-        elif name in tied:
-            copies[name] = array
-        elif name in marian.POSITION_KEYS:
-            expected = marian.marian_positions(array.shape[0], spec.d_model)
-            if array.shape != expected.shape or not np.allclose(array, expected, atol=1e-5):
-                raise ConfigError(
-                    f"{where}: tensor {name} is not Marian's sinusoidal table (learned positions?); it cannot be "
-                    "converted"
-                )
-        else:
-            raise ConfigError(f"{where}: unexpected tensor {name}; not a MarianMTModel of this config.json")
-        del array
-    for name, original in tied.items():
-        if original in entries and entries[original].ours not in params and name in copies:
-            put(entries[original], copies.pop(name))  # only the tied copy was saved
-    for name, copy in copies.items():
-        entry = entries[tied[name]]
-        if not np.array_equal(marian.from_marian(entry, copy, shapes[entry.ours].shape), params[entry.ours]):
-            raise ConfigError(
-                f"{where}: tensor {name} differs from {tied[name]} but config.json ties them; the weights are not "
-                "those of this config"
-            )
-    bias = ("final_logits_bias_V",)
-    if bias not in params:  # transformers leaves it out when it is zero (_keys_to_ignore_on_load_missing)
-        params[bias] = views[bias]
-        params[bias][...] = 0.0
-    missing = [entry.marian for entry in entries.values() if entry.ours not in params]
-    if missing:
-        raise ConfigError(f"{where}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
-    return unflatten_dict(params)
-
-
-def model_state(params: dict) -> nnx.State:
-    """The checkpoint's state: the model's parameters alone (TrainState field "model"), all that evaluation and
-    train.init_from read (checkpoints.load_model_params). The optimizer's moments would be twice the weights again,
-    in memory and on disk; the dropout streams are the config's (evaluation.restore.abstract_model)."""
-    return nnx.State({"model": params})
 
 
 def check_workdir(workdir: str | os.PathLike) -> Path:
@@ -268,37 +197,101 @@ def check_workdir(workdir: str | os.PathLike) -> Path:
 
 
 def write_workdir(folder: MarianFolder, workdir: str | os.PathLike) -> dict[str, Any]:
-    """Writes the workdir (config.json, the tokenizer files, the step-0 checkpoint of the model) under a temporary
-    sibling name and renames it into place; returns a report."""
-    workdir = check_workdir(workdir)
-    workdir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{workdir.name}.", suffix=".tmp", dir=workdir.parent))
-    try:
-        # As jax arrays sharing the numpy buffer (DLPack: no copy): Orbax's save of numpy arrays holds more
-        # temporaries, and a copy would hold the weights twice (benchmarks/convert_marian.py).
-        params = jax.tree.map(jax.dlpack.from_dlpack, convert_params(folder))
+    """Writes the workdir (config.json, the tokenizer files, a step-0 checkpoint) whole or not at all; returns a
+    report. The checkpoint holds the model's parameters alone (TrainState field "model"), all that evaluation and
+    train.init_from read, as jax arrays sharing the converted buffer (DLPack: no copy): Orbax's save of numpy arrays
+    holds more temporaries, and a copy would hold the weights twice (benchmarks/convert_marian.py)."""
+    workdir, config = check_workdir(workdir), folder.config
+    params = marian.from_marian_tensors(config, folder.tensors(), folder.path / SAFETENSORS)
+    params = jax.tree.map(jax.dlpack.from_dlpack, params)
+
+    def fill(tmp: Path) -> None:
         for name, source in folder.tokenizer_files.items():
             shutil.copyfile(source, tmp / name)
-        config = folder.config
         (tmp / "config.json").write_text(config.to_json_best_effort(indent=2))
         ckpt = config.ckpt.copy_and_resolve_references()
         ckpt.async_save = False
         checkpoints.checkpoint_dir(tmp).mkdir()  # Orbax lists it before its first save
         saver = checkpoints.Checkpointer(tmp, ckpt)
-        saver.save(0, model_state(params), None, config)
+        saver.save(0, nnx.State({"model": params}), None, config)
         saver.close()
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700
-        if workdir.exists():
-            workdir.rmdir()  # empty (check_workdir)
-        os.replace(tmp, workdir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    folders.write_into_place(workdir, fill)
     return {
         "workdir": str(workdir),
         "from_marian": str(folder.path),
         "parameters": int(sum(x.size for x in flatten_dict(params).values())),
         "eval": {k: config.eval[k] for k in ("beam_size", "max_len", "alpha")},
     }
+
+
+# -- export ---------------------------------------------------------------------------------------------------------
+
+
+def tokenizer_files(config: Any, workdir: Path, tokenizer: Any) -> dict[str, Path | bytes]:
+    """The exported tokenizer files: name -> the file to copy or the bytes to write. A Marian workdir's files as they
+    are, or our joint model as both source.spm and target.spm, with vocab.json."""
+    if config.data.tokenizer == MARIAN_TOKENIZER:
+        return {path.name: path for path in tokenizer_lib.tokenizer_files(config.data, workdir)}
+    pieces = folders.vocabulary(tokenizer, config.model.vocab_size)
+    vocab = json.dumps({piece: i for i, piece in enumerate(pieces)}, ensure_ascii=False, indent=2)
+    return {SOURCE_SPM: tokenizer.path, TARGET_SPM: tokenizer.path, VOCAB: vocab.encode()}
+
+
+def export_workdir(
+    workdir: str,
+    output_dir: str | os.PathLike,
+    *,
+    config: Any = None,
+    choice: CheckpointChoice = LATEST,
+    force: bool = False,
+) -> dict[str, Any]:
+    """Exports the checkpoints evaluate.py would use (same flags, selection and averaging) whole or not at all;
+    returns a report, with `epsilon_logit_difference` when model.norm_epsilon is not Marian's 1e-5 (the caller
+    warns). Everything cheap (flags, output, whether Marian can represent the config) is checked first.
+    """
+    choice = check_choice(choice)
+    output_dir = Path(output_dir)
+    folders.check_output(output_dir, force, SAFETENSORS, "a Marian export")
+    config, model, steps, tokenizer = folders.restore_checked(workdir, config, choice, marian.check_exportable)
+    files = tokenizer_files(config, Path(workdir), tokenizer)
+    report: dict[str, Any] = {
+        "output": str(output_dir),
+        "format": "marian",
+        "workdir": str(workdir),
+        "checkpoint_steps": steps,
+    }
+    m = config.model
+    if m.norm_epsilon != marian.NORM_EPSILON:
+        ids = [tokenizer.encode_source(s)[: m.max_len - 1] + [m.eos_id] for s in SAMPLE_SENTENCES]
+        report["norm_epsilon"] = m.norm_epsilon
+        report["epsilon_logit_difference"] = marian.epsilon_logit_difference(model, ids)
+    tensors = marian.marian_tensors(model)
+    target_vocab = files.get(TARGET_VOCAB) or files[VOCAB]
+    text = target_vocab.decode() if isinstance(target_vocab, bytes) else target_vocab.read_text()
+    piece = {i: piece for piece, i in json.loads(text).items()}
+    tokenizer_config = {
+        "tokenizer_class": "MarianTokenizer",
+        **{theirs: config.data[ours] for theirs, ours in LANGUAGE_KEYS.items()},
+        "separate_vocabs": TARGET_VOCAB in files,
+        "model_max_length": m.max_len,
+        "unk_token": piece[m.unk_id],
+        "eos_token": piece[m.eos_id],
+        "pad_token": piece[m.pad_id],
+    }
+
+    def fill(tmp: Path) -> None:
+        from safetensors.numpy import save_file
+
+        save_file(tensors, str(tmp / SAFETENSORS), metadata={"format": "pt"})  # transformers requires "pt"
+        (tmp / CONFIG).write_text(json.dumps(marian.marian_config(config), indent=2))
+        (tmp / GENERATION).write_text(json.dumps(marian.generation_config(config), indent=2))
+        (tmp / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config, indent=2))
+        for name, source in files.items():
+            if isinstance(source, bytes):
+                (tmp / name).write_bytes(source)
+            else:
+                shutil.copyfile(source, tmp / name)
+
+    folders.write_into_place(output_dir, fill)
+    return report

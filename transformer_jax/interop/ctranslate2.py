@@ -1,26 +1,22 @@
 """Export to CTranslate2: the model's weights in a ctranslate2 TransformerSpec, and decoding with our length limits.
-
 Axis letters: see transformer_jax/__init__.py.
 
 The exported directory holds model.bin, config.json, shared_vocabulary.json (row i is SentencePiece piece i, so
-CTranslate2's ids are ours) and the SentencePiece model (spm.model), everything a server needs. How our layers map
-onto the engine's, each checked by tests/test_export.py against decoding.Searcher's outputs and the model's logits:
-- nnx.Linear kernels are [in, out]; CTranslate2 weights are [out, in]. Self-attention's Q, K, V are one fused
-  linear [Q; K; V]; cross-attention has Q and a fused [K; V]. Heads are consecutive column blocks on both sides,
-  and with grouped key/value heads query head n reads key/value head n // G on both sides.
-- post-LN (norm_position=post) is CTranslate2's pre_norm=False: LayerNorm(x + Sublayer(x)) in every sublayer,
-  no final norm; pre-LN adds the final encoder and decoder norms. The norm epsilon is a model-level setting
-  (config.json layer_norm_epsilon), written from model.norm_epsilon.
+CTranslate2's ids are ours) and spm.model, everything a server needs. How our layers map onto the engine's, each
+checked by tests/test_export.py against decoding.Searcher's outputs and the model's logits:
+- Kernels [in, out] are the engine's [out, in] weights. Self-attention's Q, K, V are one fused linear [Q; K; V];
+  cross-attention has Q and a fused [K; V]. Heads are consecutive column blocks on both sides, and with grouped
+  key/value heads query head n reads key/value head n // G on both sides.
+- post-LN is CTranslate2's pre_norm=False (no final norm); pre-LN adds the final encoder and decoder norms. The
+  norm epsilon is config.json's layer_norm_epsilon.
 - Positions are an explicit table added after the embedding * sqrt(d_model), as CTranslate2's own Marian loader
-  writes Marian's: our table, computed by layers.sinusoidal_encoding in model.sinusoid_layout (interleaved or
-  concatenated) for `max_positions` positions; a learned table is exported as it is, and positional=none as zeros.
-- activation=swish is the engine's SWISH (SiLU) without GLU, swiglu the same with GLU; final_logits_bias is the
+  writes Marian's: ours in model.sinusoid_layout for `max_positions` positions, a learned table as it is, and
+  positional=none as zeros. swish is the engine's SWISH without GLU, swiglu with GLU; final_logits_bias is the
   output projection's bias, where CTranslate2's Marian loader puts Marian's.
-- Sources end with EOS (add_source_eos in config.json), as in training; decoding starts from BOS and stops at EOS.
-- Weights are written in float32, as trained, unless `quantization` (QUANTIZATIONS, CTranslate2's own weight
-  quantization: int8, int8_float32, bfloat16) asks otherwise; the engine picks its compute type at load time
-  (compute_type). A model.dtype=bfloat16 model decodes in bfloat16 here, so its outputs may differ from the
-  engine's float32 ones.
+- Sources end with EOS (add_source_eos), as in training; decoding starts from BOS and stops at EOS.
+- Weights are float32, as trained, unless `quantization` (QUANTIZATIONS, CTranslate2's own) asks otherwise; the
+  engine picks its compute type at load time. A model.dtype=bfloat16 model decodes in bfloat16 here, so its
+  outputs may differ from the engine's float32 ones.
 """
 
 from __future__ import annotations
@@ -38,10 +34,10 @@ import numpy as np
 
 from transformer_jax.data.tokenizer import MODEL_FILENAME
 from transformer_jax.errors import ConfigError, EvalError
-from transformer_jax.evaluation.command import check_folder_writable
 from transformer_jax.evaluation.restore import LATEST, CheckpointChoice, check_choice
 from transformer_jax.evaluation.translate import DecodeSettings, input_limit, output_cap, output_limit, source_ids
-from transformer_jax.export import output
+from transformer_jax.interop import folders
+from transformer_jax.interop.folders import vocabulary
 from transformer_jax.model.layers import sinusoidal_encoding
 from transformer_jax.model.spec import TransformerSpec
 
@@ -50,10 +46,11 @@ from transformer_jax.model.spec import TransformerSpec
 ENGINE_DEFAULT_POSITIONS = 1024
 # CTranslate2's weight quantizations the export offers (ctranslate2.specs.ModelSpec.optimize); None = float32.
 QUANTIZATIONS = ("int8", "int8_float32", "bfloat16")
+MARKER = "model.bin"  # what makes a directory an earlier export that --force may replace
 
 
-def unsupported(spec: Any) -> list[str]:
-    """Why the model (a model.spec.TransformerSpec) cannot be expressed in CTranslate2: one reason per key."""
+def check_exportable(spec: Any) -> None:
+    """ConfigError naming every key CTranslate2 cannot express (`spec`: a model.spec.TransformerSpec), or nothing."""
     reasons = []
     if spec.d_qk != spec.d_v:
         reasons.append(
@@ -64,19 +61,8 @@ def unsupported(spec: Any) -> list[str]:
             f"attention.window={spec.window}: CTranslate2 attends to every position (its sliding_window keeps the "
             "last tokens of the decoder's cache, another rule)"
         )
-    return reasons
-
-
-def check_exportable(spec: Any) -> None:
-    """ConfigError naming every key CTranslate2 cannot express, or nothing."""
-    reasons = unsupported(spec)
     if reasons:
         raise ConfigError("cannot export to CTranslate2: " + "; ".join(reasons))
-
-
-def vocabulary(tokenizer: Any) -> list[str]:
-    """The tokenizer's pieces in id order: row i of the exported vocabulary is our id i."""
-    return tokenizer.target_pieces(range(tokenizer.vocab_size))
 
 
 def position_table(model: Any, max_positions: int, target: bool) -> np.ndarray:
@@ -109,20 +95,11 @@ def _set_norm(ct2_norm: Any, norm: Any) -> None:
         ct2_norm.beta = _array(norm.bias_D)
 
 
-def _set_ffn(ct2_ffn: Any, residual: Any, ffn: Any) -> None:
-    _set_norm(ct2_ffn.layer_norm, residual.norm)
-    _set_linear(ct2_ffn.linear_0, ffn.w1)  # the activated half: max(0, x W1), GELU(x W1), Swish(x W1)
-    if ffn.w3 is not None:
-        _set_linear(ct2_ffn.linear_0_noact, ffn.w3)  # SwiGLU's linear half
-    _set_linear(ct2_ffn.linear_1, ffn.w2)
-
-
 def build_spec(model: Any, pieces: Sequence[str], *, max_positions: int) -> Any:
     """The ctranslate2.specs.TransformerSpec holding the model's parameters and the vocabulary `pieces`."""
     from ctranslate2.specs import common_spec, transformer_spec  # optional: pip install -e .[ctranslate2]
 
     spec = model.spec
-    check_exportable(spec)
     activation = {
         "relu": common_spec.Activation.RELU,
         "gelu": common_spec.Activation.GELUTanh,  # jax.nn.gelu's default is the tanh approximation
@@ -156,22 +133,23 @@ def build_spec(model: Any, pieces: Sequence[str], *, max_positions: int) -> Any:
         _set_norm(encoder.layer_norm, model.encoder_norm)
         _set_norm(decoder.layer_norm, model.decoder_norm)
 
-    for ct2_layer, layer in zip(encoder.layer, model.encoder_layers, strict=True):
+    encoder_layers = zip(encoder.layer, model.encoder_layers, strict=True)
+    for ct2_layer, layer in [*encoder_layers, *zip(decoder.layer, model.decoder_layers, strict=True)]:
         attn = layer.self_attn
         _set_norm(ct2_layer.self_attention.layer_norm, layer.self_attn_residual.norm)
         _set_linear(ct2_layer.self_attention.linear[0], attn.q_proj, attn.k_proj, attn.v_proj)
         _set_linear(ct2_layer.self_attention.linear[1], attn.o_proj)
-        _set_ffn(ct2_layer.ffn, layer.ffn_residual, layer.ffn)
-    for ct2_layer, layer in zip(decoder.layer, model.decoder_layers, strict=True):
-        attn, cross = layer.self_attn, layer.cross_attn
-        _set_norm(ct2_layer.self_attention.layer_norm, layer.self_attn_residual.norm)
-        _set_linear(ct2_layer.self_attention.linear[0], attn.q_proj, attn.k_proj, attn.v_proj)
-        _set_linear(ct2_layer.self_attention.linear[1], attn.o_proj)
-        _set_norm(ct2_layer.attention.layer_norm, layer.cross_attn_residual.norm)
-        _set_linear(ct2_layer.attention.linear[0], cross.q_proj)
-        _set_linear(ct2_layer.attention.linear[1], cross.k_proj, cross.v_proj)
-        _set_linear(ct2_layer.attention.linear[2], cross.o_proj)
-        _set_ffn(ct2_layer.ffn, layer.ffn_residual, layer.ffn)
+        if hasattr(layer, "cross_attn"):  # a decoder layer
+            cross = layer.cross_attn
+            _set_norm(ct2_layer.attention.layer_norm, layer.cross_attn_residual.norm)
+            _set_linear(ct2_layer.attention.linear[0], cross.q_proj)
+            _set_linear(ct2_layer.attention.linear[1], cross.k_proj, cross.v_proj)
+            _set_linear(ct2_layer.attention.linear[2], cross.o_proj)
+        _set_norm(ct2_layer.ffn.layer_norm, layer.ffn_residual.norm)
+        _set_linear(ct2_layer.ffn.linear_0, layer.ffn.w1)  # the activated half: max(0, x W1), GELU(x W1), Swish(x W1)
+        if layer.ffn.w3 is not None:
+            _set_linear(ct2_layer.ffn.linear_0_noact, layer.ffn.w3)  # SwiGLU's linear half
+        _set_linear(ct2_layer.ffn.linear_1, layer.ffn.w2)
 
     ct2.config.layer_norm_epsilon = spec.norm_epsilon
     ct2.config.unk_token = pieces[spec.unk_id]
@@ -190,12 +168,6 @@ def check_quantization(quantization: str | None) -> None:
         raise EvalError(f"--quantization {quantization!r}: choose one of {list(QUANTIZATIONS)}, or none for float32")
 
 
-def check_output(output_dir: Path, force: bool) -> None:
-    """EvalError unless `output_dir` may be written (export.output.check_output: --force replaces only an earlier
-    export, a directory holding model.bin)."""
-    output.check_output(output_dir, force, "model.bin", "a CTranslate2 model directory")
-
-
 def to_ctranslate2(
     model: Any,
     tokenizer: Any,
@@ -205,29 +177,19 @@ def to_ctranslate2(
     quantization: str | None = None,
     force: bool = False,
 ) -> Path:
-    """Writes the model (an nnx Transformer) and its tokenizer (data.tokenizer.Tokenizer) as a CTranslate2 directory.
-
-    `max_positions`: rows of the sinusoidal position table, the longest input and output the engine can then
-    decode (a learned table keeps its own model.max_len rows). `quantization`: one of QUANTIZATIONS, the weights'
-    type in model.bin, or None for float32. The directory is built under a temporary name next
-    to `output_dir` and renamed into place, so an interrupted export leaves no half-written model; an existing
-    `output_dir` is replaced only with `force`.
-    """
+    """Writes the model and its tokenizer as a CTranslate2 directory, whole or not at all (an existing one only with
+    `force`). `max_positions`: rows of the sinusoidal position table, the longest input and output the engine can
+    then decode. `quantization`: one of QUANTIZATIONS, or None for float32."""
     output_dir = Path(output_dir)
     check_exportable(model.spec)
     check_quantization(quantization)
-    check_output(output_dir, force)
+    folders.check_output(output_dir, force, MARKER, "a CTranslate2 model directory")
     if tokenizer.name != "spm":  # the export ships the joint SentencePiece model as its tokenizer
         raise EvalError(
             f"the CTranslate2 export needs the joint SentencePiece tokenizer (data.tokenizer='spm'), not "
             f"{tokenizer.name!r}; export a converted Marian model with --format marian"
         )
-    pieces = vocabulary(tokenizer)
-    if len(pieces) != model.spec.vocab_size:
-        raise EvalError(
-            f"tokenizer {tokenizer.path} has {len(pieces)} pieces but the model has model.vocab_size="
-            f"{model.spec.vocab_size} rows; export with the tokenizer the model was trained with"
-        )
+    pieces = vocabulary(tokenizer, model.spec.vocab_size)
     ct2 = build_spec(model, pieces, max_positions=max_positions)
     ct2.validate()
     ct2.optimize(quantization=quantization)  # None: float32, as trained; the engine converts at load time
@@ -236,62 +198,10 @@ def to_ctranslate2(
         ct2.save(str(tmp))
         shutil.copyfile(tokenizer.path, tmp / MODEL_FILENAME)  # the name a workdir gives it
 
-    return output.write_into_place(output_dir, fill)
+    return folders.write_into_place(output_dir, fill)
 
 
 # -- decoding with our limits ---------------------------------------------------------------------------------
-# What is decoded (source_ids: the source and its cut; output_limit: the per-sentence limit) is translate()'s own
-# rule, imported from evaluation/translate.py.
-
-
-def translate_ids(
-    translator: Any,
-    pieces: Sequence[str],
-    sources: Sequence[Sequence[int]],
-    limits: Sequence[int],
-    *,
-    beam_size: int,
-    alpha: float,
-    batch_size: int,
-    eos: int,
-) -> list[list[int]]:
-    """The engine's output ids for source ids that end with EOS, output i at most limits[i] tokens.
-
-    Outputs are as a decoding.Searcher returns them: ending with EOS, or cut at the limit without it. The engine's
-    max_decoding_length counts the EOS it stops at, as our limit does (checked: an output that reaches EOS at
-    token k + 1 is cut to k tokens by max_decoding_length = k), but it is one number per call. Greedy search
-    decodes each sentence independently of its limit, so one call with the largest limit, each output then cut to
-    its own, gives exactly the outputs of per-sentence limits (at the cost of a few extra steps); beam search's
-    result depends on when hypotheses are forced to finish, so it makes one call per distinct limit.
-    min_decoding_length=0 lets an output be EOS alone, as ours can; max_input_length=0 keeps the engine from
-    cutting sources (they were cut by our rule). alpha goes to the engine's length_penalty, whose formula differs
-    from ours (decoding/state.py length_penalty), so only greedy outputs are expected to be identical.
-    """
-    index = {piece: i for i, piece in enumerate(pieces)}
-    groups: dict[int, list[int]] = defaultdict(list)
-    longest = max(limits, default=0)
-    for i, limit in enumerate(limits):
-        groups[longest if beam_size == 1 else int(limit)].append(i)
-    outputs: list[list[int]] = [[] for _ in sources]
-    for group_limit, rows in sorted(groups.items()):
-        batch = []
-        for i in rows:
-            if not sources[i] or sources[i][-1] != eos:
-                raise ValueError(f"source {i} does not end with EOS ({eos}): {list(sources[i])[-5:]}")
-            batch.append([pieces[t] for t in sources[i][:-1]])  # the engine adds EOS (add_source_eos)
-        results = translator.translate_batch(
-            batch,
-            max_batch_size=batch_size,
-            beam_size=beam_size,
-            length_penalty=alpha,
-            max_input_length=0,
-            max_decoding_length=int(group_limit),
-            min_decoding_length=0,
-            return_end_token=True,
-        )
-        for i, result in zip(rows, results, strict=True):
-            outputs[i] = [index[piece] for piece in result.hypotheses[0]][: int(limits[i])]
-    return outputs
 
 
 def ctranslate2_translate(
@@ -304,14 +214,18 @@ def ctranslate2_translate(
 ) -> tuple[list[str], dict[str, Any]]:
     """evaluation.translate.translate's outputs and statistics, decoded by a ctranslate2.Translator of an export.
 
-    The same tokenization, source truncation, per-sentence output limit and detokenization as translate(), so
-    that greedy outputs are identical; `position_limit` is evaluation.translate.position_limit(model.spec). The
-    engine searches with the settings' beam size and alpha (its own beam search, GNMT length penalty).
+    The sources, their cut and each output's limit are translate()'s (source_ids, output_limit; `position_limit`
+    is position_limit(model.spec)). The engine's max_decoding_length counts the EOS it stops at, as our limit does,
+    but is one number per call: greedy search decodes each sentence independently of its limit, so one call with the
+    largest limit, each output then cut to its own, gives exactly the per-sentence outputs; beam search's result
+    depends on when hypotheses must finish, so it makes one call per distinct limit. min_decoding_length=0 lets an
+    output be EOS alone, as ours can; max_input_length=0 keeps our cut. alpha goes to the engine's length_penalty
+    (GNMT's formula, not decoding/state.py's), so only greedy outputs are expected to be identical.
     """
-    beam_size, alpha = settings.search.beam_size, settings.search.alpha
-    max_extra_len, batch_size = settings.max_extra_len, settings.batch_size
+    beam_size, eos = settings.search.beam_size, tokenizer.ids.eos
     start = time.perf_counter()
     pieces = vocabulary(tokenizer)
+    index = {piece: i for i, piece in enumerate(pieces)}
     sources: dict[int, list[int]] = {}
     truncated_lines = []
     max_input_len = input_limit(settings.max_input_len, position_limit)
@@ -321,27 +235,31 @@ def ctranslate2_translate(
             sources[i] = ids
         if cut:
             truncated_lines.append(i + 1)
-    rows = sorted(sources)
     cap = output_cap(settings.max_len, position_limit)
-    limits = [output_limit(len(sources[i]), max_extra_len, cap) for i in rows]
-    ids = translate_ids(
-        translator,
-        pieces,
-        [sources[i] for i in rows],
-        limits,
-        beam_size=beam_size,
-        alpha=alpha,
-        batch_size=batch_size,
-        eos=tokenizer.ids.eos,
-    )
-    outputs = [""] * len(sentences)
-    hit_max_len = 0
-    for i, out in zip(rows, ids, strict=True):
-        if out and out[-1] == tokenizer.ids.eos:
-            out = out[:-1]
-        else:
-            hit_max_len += 1  # stopped by the length limit, not by EOS
-        outputs[i] = tokenizer.decode_target([t for t in out if t != tokenizer.ids.pad])
+    limits = {i: output_limit(len(ids), settings.max_extra_len, cap) for i, ids in sources.items()}
+    longest, groups = max(limits.values(), default=0), defaultdict(list)
+    for i in sorted(sources):
+        groups[longest if beam_size == 1 else limits[i]].append(i)
+    outputs, tgt_tokens, hit_max_len = [""] * len(sentences), 0, 0
+    for group_limit, rows in sorted(groups.items()):
+        results = translator.translate_batch(
+            [[pieces[t] for t in sources[i][:-1]] for i in rows],  # the engine adds EOS (add_source_eos)
+            max_batch_size=settings.batch_size,
+            beam_size=beam_size,
+            length_penalty=settings.search.alpha,
+            max_input_length=0,
+            max_decoding_length=int(group_limit),
+            min_decoding_length=0,
+            return_end_token=True,
+        )
+        for i, result in zip(rows, results, strict=True):
+            out = [index[piece] for piece in result.hypotheses[0]][: limits[i]]
+            tgt_tokens += len(out)
+            if out and out[-1] == eos:
+                out = out[:-1]
+            else:
+                hit_max_len += 1  # stopped by the length limit, not by EOS
+            outputs[i] = tokenizer.decode_target([t for t in out if t != tokenizer.ids.pad])
     seconds = time.perf_counter() - start
     stats = {
         "sentences": len(sentences),
@@ -350,7 +268,7 @@ def ctranslate2_translate(
         "truncated_lines": truncated_lines[:100],
         "hit_max_len": hit_max_len,
         "src_tokens": int(sum(len(s) for s in sources.values())),
-        "tgt_tokens": int(sum(len(o) for o in ids)),
+        "tgt_tokens": tgt_tokens,
         "seconds": round(seconds, 3),
     }
     return outputs, stats
@@ -369,21 +287,17 @@ def export_workdir(
     force: bool = False,
 ) -> dict[str, Any]:
     """Exports the checkpoints evaluate.py would use (same flags, same selection and averaging); returns a report.
-
-    Everything cheap is checked before the parameters are read: the flags (evaluation.restore.check_choice, the same
-    messages as evaluate.py), the output directory, that checkpoints exist, that CTranslate2 is installed and can
-    express the architecture of the config.
-    """
+    Everything cheap (flags, output directory, checkpoints, the engine and the architecture) is checked before the
+    parameters are read."""
     choice = check_choice(choice)
     check_quantization(quantization)
     output_dir = Path(output_dir)
-    check_output(output_dir, force)
-    check_folder_writable(output_dir.parent, "--output")
+    folders.check_output(output_dir, force, MARKER, "a CTranslate2 model directory")
     try:
         import ctranslate2  # noqa: F401 - only to fail before the parameters are read
     except ImportError as e:
         raise EvalError(f"ctranslate2 is not installed ({e}); pip install ctranslate2==4.8.5") from e
-    config, model, steps, tokenizer = output.restore_checked(
+    config, model, steps, tokenizer = folders.restore_checked(
         workdir, config, choice, lambda c: check_exportable(TransformerSpec.from_config(c))
     )
     # Room for evaluate.py's longest decode (eval_max_len source tokens + max_extra_len) and the engine's defaults.

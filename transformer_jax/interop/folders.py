@@ -1,5 +1,6 @@
-"""An export's output directory, for every format: refused if it exists (unless --force replaces an earlier export
-of the same format), written under a temporary sibling name and renamed into place whole."""
+"""What every format shares: the checkpoints evaluate.py would use, restored after the cheap checks, the vocabulary,
+and an output directory that is refused if it exists (unless --force replaces an earlier export of the same
+format), written under a temporary sibling name and renamed into place whole."""
 
 from __future__ import annotations
 
@@ -11,29 +12,27 @@ from pathlib import Path
 from typing import Any
 
 from transformer_jax.errors import EvalError
+from transformer_jax.evaluation.command import check_folder_writable
 from transformer_jax.evaluation.restore import CheckpointChoice, restore_model, saved_config, workdir_tokenizer
 
 
 def check_output(output_dir: Path, force: bool, marker: str, what: str) -> None:
-    """EvalError unless `output_dir` may be written: it does not exist, or it is an earlier export and `force`.
-
-    --force replaces only a directory that holds `marker` (an earlier export of `what`), never a workdir or
-    anything else given by mistake.
-    """
-    if not output_dir.exists():
-        return
-    if not force:
-        raise EvalError(f"--output {output_dir} exists; choose another directory or pass --force to replace it")
-    if not (output_dir / marker).is_file():
-        raise EvalError(
-            f"--output {output_dir} exists and is not {what} (no {marker}); --force replaces only an earlier "
-            "export: choose another directory"
-        )
+    """EvalError unless `output_dir` may be written: its parent is writable, and it does not exist or is an earlier
+    export (it holds `marker`, an export of `what`: never a workdir or anything else given by mistake) and `force`."""
+    if output_dir.exists():
+        if not force:
+            raise EvalError(f"--output {output_dir} exists; choose another directory or pass --force to replace it")
+        if not (output_dir / marker).is_file():
+            raise EvalError(
+                f"--output {output_dir} exists and is not {what} (no {marker}); --force replaces only an earlier "
+                "export: choose another directory"
+            )
+    check_folder_writable(output_dir.parent, "--output")
 
 
 def write_into_place(output_dir: Path, fill: Callable[[Path], None]) -> Path:
     """Calls fill(tmp) on a new directory next to `output_dir` and renames it to `output_dir`; an existing one (an
-    earlier export, see check_output) is moved aside first and comes back if the new one cannot take its place.
+    earlier export, or an empty workdir) is moved aside first and comes back if the new one cannot take its place.
     An interrupted export leaves no half-written directory."""
     parent = output_dir.parent
     parent.mkdir(parents=True, exist_ok=True)
@@ -70,3 +69,15 @@ def restore_checked(
     check_exportable(saved_config(workdir, config))
     config, model, steps = restore_model(workdir, choice, config=config)
     return config, model, steps, workdir_tokenizer(config, workdir)
+
+
+def vocabulary(tokenizer: Any, vocab_size: int | None = None) -> list[str]:
+    """The tokenizer's pieces in id order: row i of an exported vocabulary is our id i. EvalError unless they are the
+    model's `vocab_size` rows (when given)."""
+    pieces = tokenizer.target_pieces(range(tokenizer.vocab_size))
+    if vocab_size is not None and len(pieces) != vocab_size:
+        raise EvalError(
+            f"tokenizer {tokenizer.path} has {len(pieces)} pieces but the model has model.vocab_size={vocab_size} "
+            "rows; export with the tokenizer the model was trained with"
+        )
+    return pieces

@@ -1,36 +1,39 @@
-"""Hugging Face Marian (OPUS-MT) <-> our Transformer: the one table of parameter names, and the config both ways.
-
-Axis letters: see transformer_jax/__init__.py.
+"""Hugging Face Marian (OPUS-MT) <-> our Transformer: the one table of parameter names, and the parameters and the
+config both ways (marian_folder.py reads and writes the folders). Axis letters: see transformer_jax/__init__.py.
 
 How transformers' MarianMTModel (models/marian/modeling_marian.py) maps onto model/transformer.py:
-- torch's nn.Linear weight is [out, in], our nnx.Linear kernel [in, out]: every linear weight is transposed. Heads
-  are consecutive column blocks of the projections on both sides (q.view(B, T, N, H), our reshape to [B, T, N, H])
-  and both scale q.k by head_dim ** -0.5, so no head axis is reshaped.
-- Both are post-LN: LayerNorm(x + Sublayer(x)) with no final stack norm, embeddings scaled by sqrt(d_model)
-  (scale_embedding), static sinusoidal positions in Marian's concatenated layout (sin of every frequency, then
-  cos), logits y E^T + final_logits_bias, FFN fc2(act(fc1 x)). LayerNorm's epsilon is fixed at 1e-5 in
-  transformers (nn.LayerNorm's default).
-- A model of ours in the paper's interleaved layout exports exactly by permuting the model axis D of every weight
-  (`PERMUTATION`): positions then add in Marian's layout, and LayerNorm, whose statistics and elementwise affine
-  do not depend on the order of the features, commutes with the permutation.
+- torch's nn.Linear weight is [out, in], our kernel [in, out]: linear weights are transposed. Heads are
+  consecutive column blocks on both sides and both scale q.k by head_dim ** -0.5: no head axis is reshaped.
+- Both are post-LN without a final stack norm, scale embeddings by sqrt(d_model), add static sinusoidal positions
+  in Marian's concatenated layout (sin of every frequency, then cos), compute logits y E^T + final_logits_bias and
+  FFN fc2(act(fc1 x)). transformers fixes LayerNorm's epsilon at 1e-5 (nn.LayerNorm's default).
+- A model in the paper's interleaved layout exports exactly by permuting the model axis D of every weight
+  (`permutation`): positions then add in Marian's layout, and LayerNorm commutes with a permutation of features.
 - Marian's special ids are kept: `</s>` = 0, `<unk>` = 1, `<pad>` = the last row; decoding starts from pad
-  (decoder_start_token_id), which is our model.bos_id.
+  (decoder_start_token_id), our model.bos_id.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from flax.traverse_util import flatten_dict, unflatten_dict
 
 from transformer_jax.data.tokenizer import MARIAN_SPECIAL_PIECES
 from transformer_jax.errors import ConfigError
+from transformer_jax.model import TransformerSpec, build_model, model_rngs
+from transformer_jax.model.layers import LayerNorm
 
 MODEL_TYPE = "marian"
 NORM_EPSILON = 1e-5  # transformers' Marian builds nn.LayerNorm(d_model): torch's default epsilon
 UNK_PIECE, EOS_PIECE, PAD_PIECE = (MARIAN_SPECIAL_PIECES[field] for field in ("unk", "eos", "pad"))
+_ALIGN_BYTES = 64  # the alignment at which jax's CPU client aliases a host buffer instead of copying it
 
 # Marian activation_function -> model.activation. transformers' "swish" and "silu" are both SiLU; its "gelu" is
 # the exact erf form while ours (jax.nn.gelu's default) is the tanh approximation, which it calls gelu_new.
@@ -62,10 +65,13 @@ def _norm(marian: str, ours: tuple) -> Iterator[Entry]:
     yield Entry(f"{marian}.bias", (*ours, "norm", "bias_D"), VECTOR, 0)
 
 
-def _attention(marian: str, ours: tuple) -> Iterator[Entry]:
-    for name in ("q_proj", "k_proj", "v_proj"):
-        yield from _linear(f"{marian}.{name}", (*ours, name), d_in=True)
-    yield from _linear(f"{marian}.out_proj", (*ours, "o_proj"), d_in=False)
+def _attention(marian: str, ours: tuple, name: str) -> Iterator[Entry]:
+    """An attention block and the norm of its residual; `name`: ours, "self_attn" or "cross_attn"."""
+    theirs = {"self_attn": "self_attn", "cross_attn": "encoder_attn"}[name]
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        yield from _linear(f"{marian}.{theirs}.{proj}", (*ours, name, proj), d_in=True)
+    yield from _linear(f"{marian}.{theirs}.out_proj", (*ours, name, "o_proj"), d_in=False)
+    yield from _norm(f"{marian}.{theirs}_layer_norm", (*ours, f"{name}_residual"))
 
 
 def _ffn(marian: str, ours: tuple) -> Iterator[Entry]:
@@ -91,15 +97,10 @@ def table(spec: Any) -> list[Entry]:
     entries.append(Entry("final_logits_bias", ("final_logits_bias_V",), ROW, None))
     for i in range(spec.num_encoder_layers):
         marian, ours = f"model.encoder.layers.{i}", ("encoder_layers", i)
-        entries += _attention(f"{marian}.self_attn", (*ours, "self_attn"))
-        entries += _norm(f"{marian}.self_attn_layer_norm", (*ours, "self_attn_residual"))
-        entries += _ffn(marian, ours)
+        entries += [*_attention(marian, ours, "self_attn"), *_ffn(marian, ours)]
     for i in range(spec.num_decoder_layers):
         marian, ours = f"model.decoder.layers.{i}", ("decoder_layers", i)
-        entries += _attention(f"{marian}.self_attn", (*ours, "self_attn"))
-        entries += _norm(f"{marian}.self_attn_layer_norm", (*ours, "self_attn_residual"))
-        entries += _attention(f"{marian}.encoder_attn", (*ours, "cross_attn"))
-        entries += _norm(f"{marian}.encoder_attn_layer_norm", (*ours, "cross_attn_residual"))
+        entries += [*_attention(marian, ours, "self_attn"), *_attention(marian, ours, "cross_attn")]
         entries += _ffn(marian, ours)
     return entries
 
@@ -111,10 +112,8 @@ def aliases(spec: Any) -> dict[str, str]:
     original (else the weights are not tied as the config says).
     """
     target_embed = "model.shared.weight" if spec.share_embeddings else "model.decoder.embed_tokens.weight"
-    tied = {}
-    if spec.share_embeddings:
-        tied["model.encoder.embed_tokens.weight"] = target_embed
-        tied["model.decoder.embed_tokens.weight"] = target_embed
+    embeds = ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight")
+    tied = dict.fromkeys(embeds if spec.share_embeddings else (), target_embed)
     if spec.tie_output:
         tied["lm_head.weight"] = target_embed
     return tied
@@ -135,7 +134,7 @@ def marian_positions(num_positions: int, d_model: int) -> np.ndarray:
 
 
 def permutation(d_model: int) -> np.ndarray:
-    """[D] int: column j of the concatenated layout is column PERMUTATION[j] of the interleaved one (sin of
+    """[D] int: column j of the concatenated layout is column permutation[j] of the interleaved one (sin of
     frequency i: 2i -> i; cos: 2i + 1 -> D/2 + i)."""
     return np.concatenate([np.arange(0, d_model, 2), np.arange(1, d_model, 2)])
 
@@ -164,6 +163,109 @@ def from_marian(entry: Entry, marian: np.ndarray, expected: tuple[int, ...], cop
     return np.ascontiguousarray(array, dtype=np.float32) if copy else array
 
 
+# -- the parameters both ways --------------------------------------------------------------------------------------
+
+
+def _aligned_buffers(shapes: dict[tuple, Any]) -> dict[tuple, np.ndarray]:
+    """A float32 array of each shape, all views of one buffer allocated up front, each starting on a 64-byte
+    boundary: jax takes such a buffer over without a copy (jax.dlpack.from_dlpack); a view at any other address it
+    copies. Arrays allocated one by one between a reader's temporaries would leave the freed temporaries as holes
+    the allocator keeps (benchmarks/convert_marian.py measured half the weights again)."""
+    align = _ALIGN_BYTES // 4
+    sizes = {path: -(-int(np.prod(x.shape)) // align) * align for path, x in shapes.items()}
+    raw = np.empty(sum(sizes.values()) + align, np.float32)
+    buffer = raw[(-raw.ctypes.data % _ALIGN_BYTES) // 4 :]
+    views, offset = {}, 0
+    for path, x in sorted(shapes.items(), key=lambda item: str(item[0])):
+        size = int(np.prod(x.shape))
+        views[path], offset = buffer[offset : offset + size].reshape(x.shape), offset + sizes[path]
+    return views
+
+
+def from_marian_tensors(config: Any, tensors: Iterable[tuple[str, np.ndarray]], where: Path) -> dict:
+    """Our parameters (a pure dict of float32 arrays, _aligned_buffers) from Marian's (name, array) pairs, one at a
+    time; ConfigError naming a tensor of `where` that is missing, unexpected or of the wrong shape."""
+    spec = TransformerSpec.from_config(config)
+    model = nnx.eval_shape(lambda: build_model(config, rngs=model_rngs(0)))  # shapes only
+    shapes = flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    entries = {entry.marian: entry for entry in table(spec)}
+    tied = aliases(spec)
+    if set(shapes) != {entry.ours for entry in entries.values()}:  # the table and the model disagree: a bug
+        raise AssertionError(f"mapping table and model differ: {set(shapes) ^ {e.ours for e in entries.values()}}")
+    views = _aligned_buffers(shapes)
+    params: dict[tuple, np.ndarray] = {}
+    copies: dict[str, np.ndarray] = {}
+
+    def put(entry: Entry, array: np.ndarray) -> None:
+        np.copyto(views[entry.ours], from_marian(entry, array, shapes[entry.ours].shape, copy=False))
+        params[entry.ours] = views[entry.ours]
+
+    for name, array in tensors:
+        if name in entries:
+            put(entries[name], array)
+        elif name in tied:
+            copies[name] = array
+        elif name in POSITION_KEYS:
+            expected = marian_positions(array.shape[0], spec.d_model)
+            if array.shape != expected.shape or not np.allclose(array, expected, atol=1e-5):
+                raise ConfigError(
+                    f"{where}: tensor {name} is not Marian's sinusoidal table (learned positions?); it cannot be "
+                    "converted"
+                )
+        else:
+            raise ConfigError(f"{where}: unexpected tensor {name}; not a MarianMTModel of this config.json")
+        del array
+    for name, original in tied.items():
+        if original in entries and entries[original].ours not in params and name in copies:
+            put(entries[original], copies.pop(name))  # only the tied copy was saved
+    for name, copy in copies.items():
+        entry = entries[tied[name]]
+        if not np.array_equal(from_marian(entry, copy, shapes[entry.ours].shape), params[entry.ours]):
+            raise ConfigError(
+                f"{where}: tensor {name} differs from {tied[name]} but config.json ties them; the weights are not "
+                "those of this config"
+            )
+    bias = ("final_logits_bias_V",)
+    if bias not in params:  # transformers leaves it out when it is zero (_keys_to_ignore_on_load_missing)
+        params[bias] = views[bias]
+        params[bias][...] = 0.0
+    missing = [entry.marian for entry in entries.values() if entry.ours not in params]
+    if missing:
+        raise ConfigError(f"{where}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
+    return unflatten_dict(params)
+
+
+def marian_tensors(model: Any) -> dict[str, np.ndarray]:
+    """Marian's state dict (name -> float32 array) of a model of ours (check_exportable first)."""
+    spec = model.spec
+    flat = flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    perm = permutation(spec.d_model) if spec.sinusoid_layout == "interleaved" else None
+    tensors = {
+        e.marian: to_marian(e, np.asarray(flat[e.ours], np.float32), perm) for e in table(spec) if e.ours in flat
+    }
+    if "final_logits_bias" not in tensors:  # model.final_logits_bias=False: the bias is zero
+        tensors["final_logits_bias"] = np.zeros((1, spec.vocab_size), np.float32)
+    return tensors
+
+
+def epsilon_logit_difference(model: Any, token_ids: Sequence[Sequence[int]]) -> float:
+    """The largest |logit difference| between the model and the same parameters with LayerNorm epsilon 1e-5
+    (transformers' Marian), decoding each of `token_ids` as source and, after BOS, as forced target."""
+    graph, state = nnx.split(model)
+    fixed = nnx.merge(graph, state)
+    for _, module in nnx.iter_modules(fixed):
+        if isinstance(module, LayerNorm):
+            module.epsilon = NORM_EPSILON
+    largest = 0.0
+    for ids in token_ids:
+        src = jnp.asarray([list(ids)], jnp.int32)
+        tgt = jnp.asarray([[model.spec.bos_id, *ids[:-1]]], jnp.int32)
+        ours = model.decode(model.encode(src), tgt, src_tokens=src)
+        theirs = fixed.decode(fixed.encode(src), tgt, src_tokens=src)
+        largest = max(largest, float(jnp.max(jnp.abs(ours - theirs))))
+    return largest
+
+
 # -- configs -----------------------------------------------------------------------------------------------------
 
 # config.json keys of the BART-era MarianConfig that transformers' Marian no longer reads, with the only value
@@ -189,14 +291,8 @@ def one_id(hf: Mapping[str, Any], key: str) -> int:
 
 
 def model_keys(hf: Mapping[str, Any], unk_id: int) -> dict[str, Any]:
-    """Our model.* keys (dotted) for a Marian config.json; ConfigError naming the first key we cannot represent.
-
-    `unk_id`: the id of <unk> in vocab.json (config.json does not hold it).
-    """
-    if hf.get("model_type") != MODEL_TYPE:
-        raise ConfigError(
-            f"config.json key model_type={hf.get('model_type')!r}: not a Marian model (expected {MODEL_TYPE!r})"
-        )
+    """Our model.* keys (dotted) for a Marian config.json and the <unk> id of its vocab.json; ConfigError naming the
+    first key we cannot represent."""
     for key, value in FIXED.items():
         if key in hf and hf[key] != value:
             raise ConfigError(f"config.json key {key}={hf[key]!r}: only {value!r} is supported (Marian's own value)")
@@ -218,12 +314,11 @@ def model_keys(hf: Mapping[str, Any], unk_id: int) -> dict[str, Any]:
         )
     shared = bool(hf.get("share_encoder_decoder_embeddings", True))
     target_vocab = hf["vocab_size"] if shared else int(hf.get("decoder_vocab_size") or hf["vocab_size"])
-    pad_id, eos_id = one_id(hf, "pad_token_id"), one_id(hf, "eos_token_id")
-    bos_id = one_id(hf, "decoder_start_token_id")
-    for key, value in (("pad_token_id", pad_id), ("eos_token_id", eos_id), ("decoder_start_token_id", bos_id)):
+    ids = {key: one_id(hf, key) for key in ("pad_token_id", "eos_token_id", "decoder_start_token_id")}
+    for key, value in ids.items():
         if not 0 <= value < target_vocab:
             raise ConfigError(f"config.json key {key}={value} is outside the target vocabulary of {target_vocab}")
-    keys = {
+    return {
         "model.vocab_size": target_vocab,
         "model.source_vocab_size": 0 if shared else hf["vocab_size"],
         "model.d_model": hf["d_model"],
@@ -247,30 +342,29 @@ def model_keys(hf: Mapping[str, Any], unk_id: int) -> dict[str, Any]:
         "model.share_embeddings": shared,
         "model.tie_output": bool(hf.get("tie_word_embeddings", True)),
         "model.final_logits_bias": True,
-        "model.pad_id": pad_id,
-        "model.eos_id": eos_id,
-        "model.bos_id": bos_id,
+        "model.pad_id": ids["pad_token_id"],
+        "model.eos_id": ids["eos_token_id"],
+        "model.bos_id": ids["decoder_start_token_id"],
         "model.unk_id": unk_id,
     }
-    return keys
+
+
+# generation_config.json key -> our eval key. generate() divides a beam's log-probability by
+# length ** length_penalty: our `average` penalty (evaluate.py --length_penalty average) with alpha = length_penalty.
+GENERATION_KEYS = {"num_beams": "beam_size", "length_penalty": "alpha", "max_length": "max_len"}
 
 
 def eval_keys(generation: Mapping[str, Any]) -> dict[str, Any]:
-    """config.eval keys from generation_config.json (num_beams, max_length, length_penalty)."""
+    """config.eval keys (dotted) from generation_config.json."""
     keys = {}
-    if generation.get("num_beams") is not None:
-        keys["eval.beam_size"] = int(generation["num_beams"])
-    if generation.get("max_length") is not None:
-        keys["eval.max_len"] = int(generation["max_length"])
-    if generation.get("length_penalty") is not None:
-        # generate() divides a beam's log-probability by length ** length_penalty: our `average` penalty
-        # (evaluate.py --length_penalty average) with alpha = length_penalty.
-        keys["eval.alpha"] = float(generation["length_penalty"])
+    for theirs, ours in GENERATION_KEYS.items():
+        if generation.get(theirs) is not None:
+            keys[f"eval.{ours}"] = (float if ours == "alpha" else int)(generation[theirs])
     return keys
 
 
-def unsupported(config: Any) -> list[str]:
-    """What a config of ours has that Marian cannot represent: one reason per key (empty: it exports)."""
+def check_exportable(config: Any) -> None:
+    """ConfigError naming every key of `config` that Marian cannot represent, or nothing."""
     m, d_head = config.model, config.model.d_model // config.model.num_heads
     checks = (
         (m.norm_position != "post", f"model.norm_position={m.norm_position!r} (Marian is post-LN)"),
@@ -283,12 +377,7 @@ def unsupported(config: Any) -> list[str]:
         (not m.tie_output, "model.tie_output=False (the output layer must be the target embedding)"),
         (config.attention.window != 0, f"attention.window={config.attention.window} (Marian attends everywhere)"),
     )
-    return [reason for bad, reason in checks if bad]
-
-
-def check_exportable(config: Any) -> None:
-    """ConfigError naming every key of `config` that Marian cannot represent, or nothing."""
-    reasons = unsupported(config)
+    reasons = [reason for bad, reason in checks if bad]
     if reasons:
         raise ConfigError("cannot export to Marian: " + "; ".join(reasons))
 
@@ -326,18 +415,15 @@ def marian_config(config: Any) -> dict[str, Any]:
 
 
 def generation_config(config: Any) -> dict[str, Any]:
-    """generation_config.json: our evaluation's beam size, length cap and length penalty exponent, and the pad
-    id never generated (decoding's searches never emit it either)."""
+    """generation_config.json: our evaluation's beam size, length penalty exponent and length cap (generate()'s
+    default is 20 tokens: eval.max_len, or every position), and the pad id never generated (nor by our searches)."""
     m, e = config.model, config.eval
-    generation = {
+    return {
         "decoder_start_token_id": m.bos_id,
         "eos_token_id": m.eos_id,
         "forced_eos_token_id": m.eos_id,
         "pad_token_id": m.pad_id,
         "bad_words_ids": [[m.pad_id]],
-        "num_beams": e.beam_size,
-        "length_penalty": e.alpha,
+        **{theirs: e[ours] for theirs, ours in GENERATION_KEYS.items()},
+        "max_length": e.max_len or m.max_len,
     }
-    # generate() needs an absolute cap (its default is 20 tokens): eval.max_len, or every position the model has.
-    generation["max_length"] = e.max_len or m.max_len
-    return generation
