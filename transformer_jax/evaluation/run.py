@@ -1,5 +1,5 @@
 """Evaluation as a library: each mode record of evaluation.command runs here and returns data; nothing is printed
-and nothing written (evaluation/__main__.py writes the files and prints the summary).
+or written (evaluation/__main__.py does that).
 
     scores_only(ScoresOnly) / compare(Compare)             -> the report
     load(Translate | ScorePairs)                           -> Loaded: the inputs read, the model restored
@@ -7,8 +7,7 @@ and nothing written (evaluation/__main__.py writes the files and prints the summ
     stream(Translate, Loaded, lines) then stream_result    -> stdin's translations one at a time, then the Translation
     score(ScorePairs, Loaded)                              -> Scored: each pair's log-probability, report
 
-`load` reads and checks the inputs before it restores the model, so that a wrong file fails first. Below the modes:
-the inputs, the ensemble's members, MBR's choice and the n-best lists' format.
+`load` reads and checks the inputs before it restores the model, so that a wrong file fails first.
 """
 
 from __future__ import annotations
@@ -48,20 +47,13 @@ STREAM_STATS = ("sentences", "empty", "truncated", "hit_max_len", "src_tokens", 
 
 
 def scores_only(mode: ScoresOnly) -> dict[str, Any]:
-    """The report: the three scores of the hypotheses (bleu.score_files) and the files scored."""
-    scores = bleu.score_files(mode.hypotheses_file, mode.references_file)
-    return {"hypotheses_file": mode.hypotheses_file, "references_file": mode.references_file, **scores}
+    return {**dataclasses.asdict(mode), **bleu.score_files(mode.hypotheses_file, mode.references_file)}
 
 
 def compare(mode: Compare) -> dict[str, Any]:
-    """The report: sacreBLEU's paired bootstrap test of the hypotheses against the baseline (significance.py)."""
+    """sacreBLEU's paired bootstrap test of the hypotheses against the baseline (significance.py)."""
     result = significance.compare_files(mode.hypotheses_file, mode.compare_file, mode.references_file)
-    return {
-        "hypotheses_file": mode.hypotheses_file,
-        "compare_file": mode.compare_file,
-        "references_file": mode.references_file,
-        "comparison": result,
-    }
+    return {**dataclasses.asdict(mode), "comparison": result}
 
 
 @dataclasses.dataclass(frozen=True)

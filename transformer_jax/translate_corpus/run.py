@@ -4,14 +4,11 @@ does the work in chunks and returns the report.
 Unlike evaluation.run, this library writes files: the committed chunks are what makes the work resumable, as a
 training loop's checkpoints are. It prints nothing (the progress bar, when asked, goes to stderr).
 
-Parallelism: the input's chunks are dealt to the hosts (chunk c to process c mod process_count, one process per
-host, as training), and each host's chunks to its local devices: every device holds a copy of the parameters and
-decodes whole chunks in `streams` threads (jax releases the GIL while a device computes), each taking the next
-chunk when it has finished one. On a CPU, CPU_STREAMS threads are the default: one search's step leaves a core
-idle (its attention products and small projections run on one core, and the device waits while the host schedules
-between calls), which another search's step then uses (docs/benchmarks.md). A chunk's translation depends on its
-lines only (its batches are made from its own lines; sampling keys come from the seed and each line's number in
-the whole input), so which device, stream or host made it, and in which order, changes nothing.
+Parallelism: chunk c goes to process c mod process_count (one process per host), and each host's chunks to its
+local devices, each with a copy of the parameters, decoding in `streams` threads (jax releases the GIL while a device
+computes). On a CPU, CPU_STREAMS threads are the default: one search's step leaves a core idle, which another
+search's step then uses (docs/benchmarks.md). A chunk's translation depends on its lines only (sampling keys come
+from the seed and each line's number in the whole input), so which device, stream or host made it changes nothing.
 
 The chunk store: OUT.parts/ holds a state file and one file per committed chunk.
 
@@ -51,22 +48,9 @@ from transformer_jax.evaluation.translate import translate_nbest
 from transformer_jax.runtime import Progress
 
 # evaluate.py's flags that translate_corpus reads (one table: evaluation.command.FLAGS); the checkpoint flags too.
-DECODING_FLAGS = (
-    "beam_size",
-    "alpha",
-    "max_extra_len",
-    "max_len",
-    "batch_size",
-    "length_penalty",
-    "finished",
-    "sampling",
-    "temperature",
-    "top_k",
-    "top_p",
-    "seed",
-    "target_lang",
-    "ensemble_workdirs",
-)
+_SEARCH = ("beam_size", "alpha", "max_extra_len", "max_len", "batch_size", "length_penalty", "finished")
+_SAMPLING = ("sampling", "temperature", "top_k", "top_p", "seed")
+DECODING_FLAGS = (*_SEARCH, *_SAMPLING, "target_lang", "ensemble_workdirs")
 FLAG_NAMES = (*command.CHECKPOINT_FLAGS, *DECODING_FLAGS)
 DEFAULT_CHUNK_LINES = 1000
 CPU_STREAMS = 2  # searches at once on a CPU device (streams=0); an accelerator runs one (docs/benchmarks.md)
