@@ -171,7 +171,6 @@ def _finish(
 
 
 def main(argv: list[str]) -> None:
-    """absl's main: evaluate.py's flags, as `run_command` defined them in absl's FLAGS."""
     del argv  # no positional arguments (transformer_jax.cli.run refuses them)
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs each checkpoint handler it creates at INFO
     evaluate(values_of(flags.FLAGS))

@@ -81,7 +81,6 @@ class Flag:
     needs: str = ""  # the flag it tunes, without which it is refused (--temperature needs --sampling)
 
     def describe(self) -> str:
-        """The --help text: the help, the allowed values and the default."""
         text = self.help
         if self.choices:
             text += f" One of {', '.join(self.choices)}."
@@ -186,7 +185,6 @@ def define(flag_values, names: Sequence[str] | None = None) -> None:
 
 
 def values_of(flag_values) -> dict[str, Any]:
-    """The parsed flag values `parse` takes."""
     return {name: flag_values[name].value for name in (*CHECKPOINT_FLAGS, *FLAG)}
 
 
