@@ -37,8 +37,7 @@ flag with its allowed values and default (one table: evaluation.command.FLAGS).
 
 from __future__ import annotations
 
-# The command line is evaluation/__main__.py's, also `python -m transformer_jax.evaluation`: one flag table
-# (evaluation.command.FLAGS, with the checkpoint flags shared with the export), defined by run_command.
+# The command line is evaluation/__main__.py's, also `python -m transformer_jax.evaluation`.
 from transformer_jax.evaluation.__main__ import run_command
 
 if __name__ == "__main__":

@@ -1,8 +1,6 @@
-"""evaluate.py's command line, behind both its front doors (evaluate.py and `python -m transformer_jax.evaluation`
-call `run_command`, which defines the flags of the one table, command.FLAGS): the flags become a mode record
-(evaluation.command.parse), the library runs it (evaluation.run), and this module writes the files and prints a few
-summary lines; the JSON report goes to its file (--scores_file, default beside the output) and to stdout only with
---json (the summary lines then go to stderr). See evaluate.py for the modes and their flags.
+"""evaluate.py's command line, also `python -m transformer_jax.evaluation` (both call `run_command`): the flags become
+a mode record (command.parse), the library runs it (run.py), and this module writes the files and prints the summary
+lines; the JSON report goes to --scores_file (default beside the output), and to stdout with --json.
 
 Every output location is checked before the model is restored, and no output may be an input (under any spelling or
 link): the default names are checked once the restored checkpoints name them, before anything is translated.
@@ -55,19 +53,43 @@ def evaluate(values: Mapping[str, Any], *, progress: bool = True) -> dict[str, A
     for flag, path in output_files(outputs.output_file, outputs.scores_file, stdin).items():
         if path:
             check_writable(path, flag.split(" ")[0])
+    folder = Path(mode.model.workdir) / DEFAULT_FOLDER
     if outputs.output_file is None and (not stdin or outputs.scores_file is None):
-        folder = "output" if not stdin else "report"
-        check_folder_writable(_folder(mode), f"--workdir (the default {folder} folder WORKDIR/{DEFAULT_FOLDER})")
+        kind = "output" if not stdin else "report"
+        check_folder_writable(folder, f"--workdir (the default {kind} folder WORKDIR/{DEFAULT_FOLDER})")
     loaded = run.load(mode)
+    output_file = outputs.output_file
+    if output_file is None and isinstance(mode, ScorePairs):
+        output_file = str(folder / f"{loaded.name}.{loaded.tag}.scores.txt")
+    elif output_file is None and not stdin:
+        output_file = str(folder / f"{run.output_name(mode, loaded)}.txt")
+    scores_file = outputs.scores_file or (
+        f"{output_file}.json" if output_file else str(folder / f"stdin.{loaded.tag}.json")
+    )
+    written = {"--output_file": output_file, "--scores_file": scores_file}
+    nbest_file = None
+    if isinstance(mode, Translate) and (mode.decoding.nbest is not None or mode.decoding.candidates > 1):
+        nbest_file = written["--nbest (OUTPUT_FILE.nbest)"] = f"{output_file}.nbest"
+    refuse_overwriting_inputs(written, loaded.inputs)
     if isinstance(mode, ScorePairs):
-        return _score(mode, outputs, loaded, progress)
+        report, summary = _score(mode, loaded, output_file, progress)
+        return _finish(report, scores_file, summary, outputs.json)
     if stdin:
-        return _stream(mode, outputs, loaded)
-    return _translate(mode, outputs, loaded, progress)
-
-
-def _folder(mode: Translate | ScorePairs) -> Path:
-    return Path(mode.model.workdir) / DEFAULT_FOLDER
+        translation = _stream(mode, loaded, output_file)
+    else:
+        translation = run.translate(mode, loaded, progress=progress)
+        write_lines(output_file, translation.hypotheses)
+    report = {**translation.report, "hypotheses_file": output_file}
+    summary = [run.lines_summary(report["lines"], report["blank_lines"])]
+    if report["scores"] is not None:
+        summary.append(bleu.format_scores(report["scores"]))
+    if nbest_file:
+        write_lines(nbest_file, list(run.nbest_lines(translation.lists)))
+        report["search"] = {**report["search"], "nbest_file": nbest_file}
+    if not stdin:
+        summary.append(f"hypotheses: {output_file}" + (f"; n-best lists: {nbest_file}" if nbest_file else ""))
+    # With stdin's translations on stdout, the summary goes to stderr.
+    return _finish(report, scores_file, summary, outputs.json, to_stderr=output_file is None)
 
 
 def _no_model(mode: ScoresOnly | Compare, outputs: Outputs) -> dict[str, Any]:
@@ -84,30 +106,8 @@ def _no_model(mode: ScoresOnly | Compare, outputs: Outputs) -> dict[str, Any]:
     return _finish(report, outputs.scores_file, [summary], outputs.json)
 
 
-def _translate(mode: Translate, outputs: Outputs, loaded: run.Loaded, progress: bool) -> dict[str, Any]:
-    output_file = outputs.output_file or str(_folder(mode) / f"{run.output_name(mode, loaded)}.txt")
-    scores_file = outputs.scores_file or f"{output_file}.json"
-    d = mode.decoding
-    nbest_file = f"{output_file}.nbest" if d.nbest is not None or d.candidates > 1 else None
-    written = {"--output_file": output_file, "--scores_file": scores_file, "--nbest (OUTPUT_FILE.nbest)": nbest_file}
-    refuse_overwriting_inputs(written, loaded.inputs)
-    translation = run.translate(mode, loaded, progress=progress)
-    write_lines(output_file, translation.hypotheses)
-    report = {**translation.report, "hypotheses_file": output_file}
-    if nbest_file:
-        write_lines(nbest_file, list(run.nbest_lines(translation.lists)))
-        report["search"] = {**report["search"], "nbest_file": nbest_file}
-    written = f"hypotheses: {output_file}" + (f"; n-best lists: {nbest_file}" if nbest_file else "")
-    return _finish(report, scores_file, [*_summary(report), written], outputs.json)
-
-
-def _stream(mode: Translate, outputs: Outputs, loaded: run.Loaded) -> dict[str, Any]:
+def _stream(mode: Translate, loaded: run.Loaded, output_file: str | None) -> run.Translation:
     """stdin, one line at a time: each translation is written (and flushed) as soon as it is ready."""
-    output_file = outputs.output_file
-    scores_file = outputs.scores_file or (
-        f"{output_file}.json" if output_file else str(_folder(mode) / f"stdin.{loaded.tag}.json")
-    )
-    refuse_overwriting_inputs({"--output_file": output_file, "--scores_file": scores_file}, loaded.inputs)
     # A file is streamed into OUTPUT.partial and renamed when stdin ends: an earlier OUTPUT stays as it was until
     # then, and a run that fails leaves the lines it translated in OUTPUT.partial.
     partial = f"{output_file}.partial" if output_file else None
@@ -123,7 +123,10 @@ def _stream(mode: Translate, outputs: Outputs, loaded: run.Loaded) -> dict[str, 
             except OSError as e:
                 if out is sys.stdout or not runtime.is_disk_full(e):
                     raise
-                raise _stream_disk_full(output_file, len(results)) from None
+                raise DiskFullError(
+                    f"disk full while writing {output_file} ({runtime.space_report(output_file)}): the translations "
+                    f"of the first {len(results)} lines are in {partial}; free space and run again"
+                ) from None
             results.append((hypothesis, stats))
         translation = run.stream_result(mode, loaded, results)  # no lines, or a count unlike the references: raises
     except BaseException:
@@ -137,41 +140,19 @@ def _stream(mode: Translate, outputs: Outputs, loaded: run.Loaded) -> dict[str, 
     if partial:
         out.close()
         os.replace(partial, output_file)
-    report = {**translation.report, "hypotheses_file": output_file}
-    # With the translations on stdout, the summary goes to stderr.
-    return _finish(report, scores_file, _summary(report), outputs.json, to_stderr=output_file is None)
+    return translation
 
 
-def _stream_disk_full(output_file: str, written: int) -> DiskFullError:
-    """The error of a full disk while streaming: OUTPUT.partial holds the lines before it."""
-    partial = f"{output_file}.partial"
-    return DiskFullError(
-        f"disk full while writing {output_file} ({runtime.space_report(output_file)}): the translations of the first "
-        f"{written} lines are in {partial}; free space and run again"
-    )
-
-
-def _score(mode: ScorePairs, outputs: Outputs, loaded: run.Loaded, progress: bool) -> dict[str, Any]:
+def _score(mode: ScorePairs, loaded: run.Loaded, output_file: str, progress: bool) -> tuple[dict[str, Any], list[str]]:
     """--score: each pair's log-probability line (scoring.score_lines), and the report with the perplexity."""
-    output_file = outputs.output_file or str(_folder(mode) / f"{loaded.name}.{loaded.tag}.scores.txt")
-    scores_file = outputs.scores_file or f"{output_file}.json"
-    refuse_overwriting_inputs({"--output_file": output_file, "--scores_file": scores_file}, loaded.inputs)
     scored = run.score(mode, loaded, progress=progress)
     write_lines(output_file, score_lines(scored.scores))
-    report = {**scored.report, "scores_file": output_file}
     stats = scored.report["scoring"]
     summary = (
         f"{len(scored.scores)} pairs scored ({stats['tokens']} target tokens): perplexity {stats['perplexity']:.4f}, "
         f"nll {stats['nll_per_token']:.4f} per token; one line per pair (sum, mean, tokens) in {output_file}"
     )
-    return _finish(report, scores_file, [summary], outputs.json)
-
-
-def _summary(report: dict[str, Any]) -> list[str]:
-    lines = [run.lines_summary(report["lines"], report["blank_lines"])]
-    if report["scores"] is not None:
-        lines.append(bleu.format_scores(report["scores"]))
-    return lines
+    return {**scored.report, "scores_file": output_file}, [summary]
 
 
 def _finish(
@@ -190,7 +171,6 @@ def _finish(
 
 
 def main(argv: list[str]) -> None:
-    """absl's main: evaluate.py's flags, as `run_command` defined them in absl's FLAGS."""
     del argv  # no positional arguments (transformer_jax.cli.run refuses them)
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs each checkpoint handler it creates at INFO
     evaluate(values_of(flags.FLAGS))

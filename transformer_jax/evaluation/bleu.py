@@ -32,11 +32,8 @@ def decode_lines(
     data: bytes, name: str, error: type[UserError] = ScoreError, first_line: int = 1, *, scored: bool = False
 ) -> list[str]:
     """UTF-8 bytes split at LF only, line endings removed; invalid UTF-8 raises `error` naming the line.
-
-    `first_line`: the number of the first line of `data` (for data read a line at a time). A byte-order mark at
-    the start of the file (first_line 1) follows `sources.leading_bom`: dropped from a model input, kept with a
-    warning in a file that is only `scored`.
-    """
+    `first_line`: the number of the first line of `data`. A byte-order mark at the start of the file follows
+    `sources.leading_bom`: dropped from a model input, kept with a warning in a file that is only `scored`."""
     if first_line == 1:
         data = sources.leading_bom(data, name, scored=scored)
     try:
@@ -144,9 +141,7 @@ def format_scores(scores: dict[str, dict[str, Any]]) -> str:
     """Human-readable lines, two decimals each, with the signatures."""
     bleu, tok = scores["bleu"], scores["tokenized_bleu"]
     lines = [f"sacreBLEU {bleu['name']} = {bleu['score']:.2f}  {bleu['verbose']}  signature: {bleu['signature']}"]
-    for key in ("chrf", "chrfpp", "ter"):
-        if key in scores:  # reports written before chrF++ and TER existed lack them
-            score = scores[key]
-            lines.append(f"sacreBLEU {score['name']} = {score['score']:.2f}  signature: {score['signature']}")
+    for score in (scores["chrf"], scores["chrfpp"], scores["ter"]):
+        lines.append(f"sacreBLEU {score['name']} = {score['score']:.2f}  signature: {score['signature']}")
     lines.append(f"{tok['name']} = {tok['score']:.2f}  {tok['verbose']}  ({tok['procedure']})")
     return "\n".join(lines)

@@ -1,9 +1,8 @@
-"""evaluate.py's command line, up to the library: its flags (one table, `FLAGS`; the checkpoint flags shared with
-every command that restores a model), the one small frozen record per mode they become, the checks between them, all
-made before any file is read, and the writers of its outputs (whole or not at all).
+"""evaluate.py's command line, up to the library: its flags (one table, `FLAGS`, and the checkpoint flags shared with
+every command that restores a model), the frozen record per mode they become, and the writers of its outputs.
 
 `parse(values)` turns the flag values into a mode record (`ScoresOnly`, `Compare`, `Translate`, `ScorePairs`) and the
-command line's `Outputs`, or raises EvalError naming the flag and what to do; evaluation/run.py runs the record.
+command line's `Outputs`, or raises EvalError naming the flag and what to do, before any file is read.
 """
 
 from __future__ import annotations
@@ -82,7 +81,6 @@ class Flag:
     needs: str = ""  # the flag it tunes, without which it is refused (--temperature needs --sampling)
 
     def describe(self) -> str:
-        """The --help text: the help, the allowed values and the default."""
         text = self.help
         if self.choices:
             text += f" One of {', '.join(self.choices)}."
@@ -175,30 +173,19 @@ def define(flag_values, names: Sequence[str] | None = None) -> None:
     Every default is None (False for a switch): a flag's value there means "given", and its meaning when unset is
     applied by `parse`."""
     define_checkpoint_flags(flag_values)
-    define_of = {
-        str: flags.DEFINE_string,
-        int: flags.DEFINE_integer,
-        float: flags.DEFINE_float,
-        bool: flags.DEFINE_bool,
-        list: flags.DEFINE_list,
-    }
+    kind = {str: "string", int: "integer", float: "float", bool: "bool", list: "list"}
     for flag in FLAGS if names is None else [FLAG[name] for name in names]:
         unset = False if flag.type is bool else None
-        if flag.name in _ABSL_CHECKED:
+        # --split is checked by absl as the command line is parsed (a usage error, exit status 2), as it always was;
+        # the other choices are checked by `parse` (status 1), so that library callers get the same check.
+        if flag.name == "split":
             flags.DEFINE_enum(flag.name, unset, flag.choices, flag.describe(), flag_values=flag_values)
         else:
-            define_of[flag.type](flag.name, unset, flag.describe(), flag_values=flag_values)
-
-
-# Checked by absl as the command line is parsed (a usage error, exit status 2), as --split always was; the other
-# choices are checked by `parse` (status 1), so that library callers get the same check.
-_ABSL_CHECKED = ("split",)
+            getattr(flags, f"DEFINE_{kind[flag.type]}")(flag.name, unset, flag.describe(), flag_values=flag_values)
 
 
 def values_of(flag_values) -> dict[str, Any]:
-    """The parsed flag values `parse` takes."""
-    names = (*CHECKPOINT_FLAGS, *FLAG)
-    return {name: flag_values[name].value for name in names}
+    return {name: flag_values[name].value for name in (*CHECKPOINT_FLAGS, *FLAG)}
 
 
 # -- the mode records -----------------------------------------------------------------------------------------------
@@ -235,8 +222,7 @@ class Compare:
 @dataclasses.dataclass(frozen=True)
 class Decoding:
     """How to decode: the search flags (None: config.eval's value, or decoding.PLAIN_SAMPLING's) and how to choose
-    among a line's candidates. `run.decoding_settings` and `sampling_of` read it; `parse` checks one as given (every
-    unset flag None) before it fills the defaults."""
+    among a line's candidates. `parse` checks one as given (every unset flag None) before it fills the defaults."""
 
     beam_size: int | None = None
     alpha: float | None = None
@@ -302,16 +288,13 @@ class Outputs:
 
 # -- the checks -----------------------------------------------------------------------------------------------------
 
-_AT_LEAST_ONE = ("beam_size", "batch_size", "max_extra_len")  # --average_last: restore.check_choice
-
 
 def parse(values: Mapping[str, Any]) -> tuple[Mode, Outputs]:
     """The mode record and the outputs the flag values ask for (names as the flags; absent or None: unset), or
     EvalError naming the flag and what to do. Reads no file.
 
-    Every check is made here, once: what the table says of each flag (its allowed values and range, the switch it
-    tunes) by name, then the combinations on the request's records as given (`_check_request`), then the model's
-    checkpoints (restore.check_choice); the table's constant defaults are filled in last (`_with_defaults`)."""
+    Every check is made here, once: each flag by what the table says of it, then the combinations as given
+    (`_check_request`), then the checkpoints (restore.check_choice); the constant defaults are filled in last."""
     unknown = set(values) - {*CHECKPOINT_FLAGS, *FLAG}
     if unknown:
         raise TypeError(f"not evaluate.py flags: {sorted(unknown)}")
@@ -339,7 +322,7 @@ def parse(values: Mapping[str, Any]) -> tuple[Mode, Outputs]:
             raise EvalError("give --split or --source_file, not both")
     elif v["references_file"] is not None:
         raise EvalError("--references_file goes with --source_file; a --split brings its own references")
-    check_numbers({name: v[name] for name in (*_AT_LEAST_ONE, "alpha", "max_len")}, "--")
+    check_numbers({name: v[name] for name in ("beam_size", "batch_size", "max_extra_len", "alpha", "max_len")}, "--")
     for switch in dict.fromkeys(flag.needs for flag in FLAGS if flag.needs):
         tuning = [f"--{f.name}" for f in FLAGS if f.needs == switch and v[f.name] is not None]
         if tuning and not v[switch]:
@@ -348,7 +331,8 @@ def parse(values: Mapping[str, Any]) -> tuple[Mode, Outputs]:
                 f"{', '.join(tuning)} {'goes' if one else 'go'} with --{switch}: add --{switch}, or drop "
                 f"{'it' if one else 'them'}"
             )
-    model = Model(v["workdir"], v["config"], choice_of(v), _tuple(v["ensemble_workdirs"]), v["target_lang"])
+    members = None if v["ensemble_workdirs"] is None else tuple(v["ensemble_workdirs"])
+    model = Model(v["workdir"], v["config"], choice_of(v), members, v["target_lang"])
     split = v["split"] or (FLAG["split"].default if v["source_file"] is None else None)
     given = Decoding(**{f.name: v[f.name] for f in dataclasses.fields(Decoding)})  # as given: None is unset
     request = Translate(model, split, v["source_file"], v["references_file"], v["prefix_file"], given)
@@ -409,10 +393,6 @@ def _with_defaults(given: Decoding) -> Decoding:
         mbr_utility=(given.mbr_utility or FLAG["mbr_utility"].default) if given.mbr is not None else None,
         num_samples=num_samples,
     )
-
-
-def _tuple(values: Sequence[Any] | None) -> tuple[Any, ...] | None:
-    return None if values is None else tuple(values)
 
 
 def check_numbers(values: dict[str, Any], prefix: str) -> None:
@@ -489,16 +469,13 @@ def check_folder_writable(folder: str | os.PathLike, flag: str) -> None:
         raise EvalError(f"{flag}: cannot write in {folder} ({e.strerror or e}); choose another location") from e
 
 
-# -- the decoding modes' checks beyond one search (n-best lists, sampling, MBR, prefixes, forced decoding, ensembles)
-
 # The flags of a search, which --score (forced decoding: no search) would ignore.
 SEARCH_FLAGS = ("beam_size", "alpha", "max_extra_len", "max_len", "length_penalty", "finished", "nbest")
 
 
 def _check_request(request: Translate, score: bool) -> None:
     """EvalError for flags that cannot work together, read from the request's records as given (None: unset; `score`:
-    --score's forced decoding instead): sampling with searching, --nbest over the beam size (when --beam_size is
-    given; the config's is checked once read), --nbest, --mbr or --sampling with stdin."""
+    --score's forced decoding instead)."""
     d, stdin = request.decoding, request.stdin
     if d.mbr is not None:
         if d.mbr < 2:
@@ -553,16 +530,15 @@ def sampling_of(d: Decoding) -> decoding.Sampling | None:
 
 
 def write_lines(path: str | os.PathLike, lines: list[str]) -> None:
-    """One line each, each ended by a newline."""
     _write_whole(str(path), "".join(line + "\n" for line in lines))
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
-    """The JSON report, indented (values JSON cannot hold, as their str)."""
     _write_whole(str(path), to_json(obj) + "\n")
 
 
 def to_json(obj: Any) -> str:
+    """Indented; values JSON cannot hold, as their str."""
     return json.dumps(obj, indent=1, default=str)
 
 

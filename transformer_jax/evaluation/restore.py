@@ -1,8 +1,6 @@
 """A model from a workdir's checkpoints: choose the steps, average their parameters, into the saved config's model.
 
-Every command that restores a model (evaluate.py, translate_corpus, the export, the explanation page, the attention
-pictures, the sweep) makes one CheckpointChoice of its flags and calls `restore_model`, which reads the checkpoints
-through training.checkpoints.
+Every command that restores a model makes one CheckpointChoice of its flags and calls `restore_model`.
 
 Averaging (paper 6.1: the last 5 checkpoints for base models, the last 20 for big ones) takes the element-wise mean
 of the parameter pytrees, accumulated in float64 on the host one checkpoint at a time and cast back to each leaf's
@@ -36,8 +34,7 @@ EVALUATION_MAY_DIFFER = frozenset({"train.init_from", "train.init_step", "opt.fr
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointChoice:
-    """Which checkpoints make the model: the flags --checkpoint, --average_last, --average_steps, --average_best
-    (as given: `check_choice` checks them)."""
+    """Which checkpoints make the model: the checkpoint flags, as given (`check_choice` checks them)."""
 
     checkpoint: str = "latest"  # "latest", "best" (by train.select_metric), or the step of the last checkpoint
     average_last: int | None = None  # the mean of this many ending at `checkpoint`; None: config.eval.average_last
@@ -45,8 +42,7 @@ class CheckpointChoice:
     average_best: int | None = None  # the mean of this many best by train.select_metric
 
     @property
-    def by_score(self) -> bool:
-        """Whether the checkpoints are the best by train.select_metric."""
+    def by_score(self) -> bool:  # the checkpoints are the best by train.select_metric
         return self.checkpoint == "best" or self.average_best is not None
 
 
@@ -55,7 +51,7 @@ LATEST = CheckpointChoice()  # the last config.eval.average_last checkpoints
 
 def check_choice(choice: CheckpointChoice) -> CheckpointChoice:
     """The choice with its checkpoint and average_steps as restore_model takes them (a str, ints), or EvalError
-    naming the flag. Every command that restores a model checks its flags here before it reads any file."""
+    naming the flag; before any file is read."""
     if choice.average_last is not None:
         try:
             checks.RULES["eval.average_last"].check("eval.average_last", choice.average_last, name="--average_last")
@@ -96,8 +92,7 @@ def _is_step(value: Any) -> bool:
 
 
 def choose_steps(available: list[int], workdir: str, choice: CheckpointChoice, average_last: int) -> list[int]:
-    """The checkpoint steps to average, ascending: exactly `choice.average_steps`, or the last `average_last` up to
-    `choice.checkpoint`."""
+    """The checkpoint steps to average, ascending."""
     if choice.average_steps:
         missing = sorted(set(choice.average_steps) - set(available))
         if missing:
@@ -117,10 +112,8 @@ def choose_steps(available: list[int], workdir: str, choice: CheckpointChoice, a
 
 def best_params(workdir: str, count: int, target: nnx.State, used: list[int]) -> Iterator[dict]:
     """The parameters of the `count` best checkpoints that can be read, best first, appending each step to `used`.
-
     A damaged best checkpoint is reported in one line and the next best takes its place (as a restart falls back
-    from a damaged latest checkpoint); EvalError when there is no scored checkpoint or too few readable ones.
-    """
+    from a damaged latest checkpoint)."""
     ranked = checkpoints.best_steps(workdir)
     if not ranked:
         raise EvalError(
@@ -153,12 +146,8 @@ def best_params(workdir: str, count: int, target: nnx.State, used: list[int]) ->
 
 
 def average_params(trees: Iterable[Any]) -> Any:
-    """The element-wise mean of parameter pytrees of identical structure, shapes and dtypes.
-
-    `trees` may be a generator, so checkpoints can be loaded one at a time: memory holds the float64 sum and one
-    checkpoint. Floating leaves are averaged; non-floating leaves (e.g. integer counters) must be equal in all
-    trees and are kept.
-    """
+    """The element-wise mean of parameter pytrees of identical structure, shapes and dtypes. `trees` may be a
+    generator: memory holds the float64 sum and one checkpoint. Non-floating leaves must be equal and are kept."""
     total, treedef, first, count = None, None, None, 0
     for tree in trees:
         leaves_with_path, this_def = jax.tree_util.tree_flatten_with_path(tree)
@@ -193,10 +182,9 @@ def _is_float(x: np.ndarray) -> bool:
 
 
 def abstract_model(config: Any) -> Any:
-    """The config's model with abstract parameters (shapes and dtypes, for the checkpoint's arrays to fill) and its
-    other state (the dropout streams' keys and counts) concrete. Building it eagerly would run every initialiser as
-    a program of its own (a compilation for each of the model's initialisers, before any decoding); here the other
-    state comes from one jitted program in which XLA prunes the unused initialisers."""
+    """The config's model with abstract parameters (for the checkpoint's arrays to fill) and its other state (the
+    dropout streams' keys and counts) concrete. Building it eagerly would compile each initialiser on its own; here
+    the other state comes from one jitted program in which XLA prunes the unused initialisers."""
 
     model = nnx.eval_shape(lambda: build_model(config, rngs=model_rngs(0)))
     nnx.update(model, _other_state(spec=model.spec))
@@ -205,7 +193,6 @@ def abstract_model(config: Any) -> Any:
 
 @functools.partial(jax.jit, static_argnames=("spec",))
 def _other_state(*, spec: TransformerSpec) -> nnx.State:
-    """The state of build_model's model other than its parameters (the dropout streams' keys and counts, seed 0)."""
     return nnx.state(Transformer(spec, rngs=model_rngs(0)), nnx.Not(nnx.Param))
 
 
@@ -228,11 +215,8 @@ def saved_config(workdir: str, config: Any = None) -> Any:
 
 
 def restore_model(workdir: str, choice: CheckpointChoice = LATEST, *, config: Any = None) -> tuple[Any, Any, list[int]]:
-    """(config, model in eval mode with the averaged parameters, steps used) of the checkpoints `choice` names.
-
-    `config` None means the one saved with the checkpoints (`saved_config`). The best checkpoints
-    (`choice.by_score`) are read best first; the steps are listed ascending whatever the choice.
-    """
+    """(config, model in eval mode with the averaged parameters, steps used, ascending) of the checkpoints `choice`
+    names; `config` None: the one saved with them."""
     choice = check_choice(choice)
     config = saved_config(workdir, config)
     model = abstract_model(config)

@@ -1,5 +1,5 @@
 """Evaluation as a library: each mode record of evaluation.command runs here and returns data; nothing is printed
-and nothing written (evaluation/__main__.py writes the files and prints the summary).
+or written (evaluation/__main__.py does that).
 
     scores_only(ScoresOnly) / compare(Compare)             -> the report
     load(Translate | ScorePairs)                           -> Loaded: the inputs read, the model restored
@@ -7,8 +7,7 @@ and nothing written (evaluation/__main__.py writes the files and prints the summ
     stream(Translate, Loaded, lines) then stream_result    -> stdin's translations one at a time, then the Translation
     score(ScorePairs, Loaded)                              -> Scored: each pair's log-probability, report
 
-`load` reads and checks the inputs before it restores the model, so that a wrong file fails first. Below the modes:
-the inputs, the ensemble's members, MBR's choice and the n-best lists' format.
+`load` reads and checks the inputs before it restores the model, so that a wrong file fails first.
 """
 
 from __future__ import annotations
@@ -48,20 +47,13 @@ STREAM_STATS = ("sentences", "empty", "truncated", "hit_max_len", "src_tokens", 
 
 
 def scores_only(mode: ScoresOnly) -> dict[str, Any]:
-    """The report: the three scores of the hypotheses (bleu.score_files) and the files scored."""
-    scores = bleu.score_files(mode.hypotheses_file, mode.references_file)
-    return {"hypotheses_file": mode.hypotheses_file, "references_file": mode.references_file, **scores}
+    return {**dataclasses.asdict(mode), **bleu.score_files(mode.hypotheses_file, mode.references_file)}
 
 
 def compare(mode: Compare) -> dict[str, Any]:
-    """The report: sacreBLEU's paired bootstrap test of the hypotheses against the baseline (significance.py)."""
+    """sacreBLEU's paired bootstrap test of the hypotheses against the baseline (significance.py)."""
     result = significance.compare_files(mode.hypotheses_file, mode.compare_file, mode.references_file)
-    return {
-        "hypotheses_file": mode.hypotheses_file,
-        "compare_file": mode.compare_file,
-        "references_file": mode.references_file,
-        "comparison": result,
-    }
+    return {**dataclasses.asdict(mode), "comparison": result}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,8 +127,8 @@ class Translation:
 
 
 def settings_of(mode: Translate, loaded: Loaded) -> tuple[DecodeSettings, dict[str, Any]]:
-    """(the settings translate() takes, the report's account of the search), the config filling unset flags; an
-    n-best list longer than the config's beam is refused here."""
+    """(translate()'s settings, the report's account of the search); an n-best list longer than the config's beam is
+    refused here."""
     d = mode.decoding
     settings = decoding_settings(d, loaded.config)
     search: dict[str, Any] = {"length_penalty": d.length_penalty, "nbest": d.candidates}
@@ -152,9 +144,7 @@ def settings_of(mode: Translate, loaded: Loaded) -> tuple[DecodeSettings, dict[s
 
 
 def decoding_settings(options: Decoding, config) -> DecodeSettings:
-    """translate()'s settings from the flags, else the config (config.eval); a bad config value names its key. The
-    search is the flags' (decoding.search_for): --sampling (sampling_of; beam size 1), else greedy or beam
-    search with --length_penalty and --finished."""
+    """translate()'s settings from the flags, else config.eval (a bad config value names its key)."""
     keys = ("beam_size", "alpha", "max_extra_len", "max_len", "batch_size")
     from_config = {key: config.eval[key] for key in keys if getattr(options, key) is None}
     check_numbers(from_config, "config.eval.")
@@ -191,9 +181,8 @@ def output_name(mode: Translate, loaded: Loaded) -> str:
 
 
 def translate(mode: Translate, loaded: Loaded, *, progress: bool = False) -> Translation:
-    """Translates the loaded sources (not stdin: `stream`) and scores them when there are references.
-
-    progress: show a progress bar on stderr (a command line's choice; the default prints nothing)."""
+    """Translates the loaded sources (not stdin: `stream`) and scores them when there are references; `progress`: a
+    progress bar on stderr."""
     if mode.stdin:
         raise ValueError("stdin is translated one line at a time: use stream()")
     d = mode.decoding
@@ -218,8 +207,8 @@ def translate(mode: Translate, loaded: Loaded, *, progress: bool = False) -> Tra
 
 
 def stream(mode: Translate, loaded: Loaded, lines: Iterable[str]) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Each line's translation as soon as it is ready (batches of one: nothing waits for a full batch), with the
-    line's statistics; `stream_result` makes the Translation of them."""
+    """Each line's translation and statistics as soon as it is ready (batches of one: nothing waits for a full
+    batch); `stream_result` makes the Translation of them."""
     settings, _ = settings_of(mode, loaded)
     settings = dataclasses.replace(settings, batch_size=1)
     for line in lines:
@@ -228,7 +217,6 @@ def stream(mode: Translate, loaded: Loaded, lines: Iterable[str]) -> Iterator[tu
 
 
 def stream_result(mode: Translate, loaded: Loaded, results: list[tuple[str, dict[str, Any]]]) -> Translation:
-    """The Translation of `stream`'s results: the hypotheses, the summed statistics, the scores."""
     if not results:
         raise EvalError("stdin had no lines: nothing was translated")
     hypotheses = [h for h, _ in results]
@@ -262,14 +250,13 @@ def _report(
 
 @dataclasses.dataclass(frozen=True)
 class Scored:
-    """Forced decoding's outputs: each pair's log-probability (scoring.SentenceScore) and the report."""
+    """Forced decoding's outputs: each pair's log-probability and the report."""
 
     scores: list[SentenceScore]
     report: dict[str, Any]
 
 
 def score(mode: ScorePairs, loaded: Loaded, *, progress: bool = False) -> Scored:
-    """Teacher-forces every pair of the loaded sources and references through the model (scoring.score_pairs)."""
     batch_size = mode.batch_size
     if batch_size is None:
         batch_size = loaded.config.eval.batch_size
@@ -294,7 +281,6 @@ def score(mode: ScorePairs, loaded: Loaded, *, progress: bool = False) -> Scored
 
 
 def lines_summary(lines: int, blank: dict[str, int | None]) -> str:
-    """One line: how many lines were translated and how the blank ones were handled and scored."""
     text = f"{lines} lines translated, one hypothesis each; blank source lines: {blank['sources']} (empty hypotheses)"
     if blank["references"] is None:
         return text + "; no references, not scored"
@@ -328,7 +314,7 @@ def split_pairs(config, split: str) -> tuple[list[str], list[str], str]:
 
 
 def split_files(config, split_name: str) -> dict[str, str]:
-    """The files a text split is read from (for the output-is-not-an-input check); none for other sources."""
+    """The files a text split is read from (for the output-is-not-an-input check)."""
     if config.data.source != "text":
         return {}
     directory = resolve_path(config.data.text_dir)
@@ -367,17 +353,15 @@ def check_prefix_count(prefixes: Sequence[str], sources: Sequence[str], prefix_n
 
 
 def tokenizer_fingerprint(config: Any, tokenizer: Any) -> tuple[str, str]:
-    """(what differs, in words) pairs an ensemble's members must share: the vocabulary size and the tokenizer's
-    fingerprint (a tokenizer without one: its class)."""
+    """What an ensemble's members must share, in words: the vocabulary size and the tokenizer's fingerprint."""
     fingerprint = getattr(tokenizer, "fingerprint", None)
     digest = fingerprint()[:16] if fingerprint else type(tokenizer).__name__
     return (f"vocabulary size {config.model.vocab_size}", f"tokenizer {digest}")
 
 
 def restore_members(workdirs: Sequence[str], config: Any, tokenizer: Any) -> list[Any]:
-    """The members' models (each its latest checkpoints, averaged as its own config says). Every member's saved
-    config and tokenizer are checked first: the first difference from the main model's vocabulary or tokenizer is
-    refused before any member's parameters are read."""
+    """The members' models (each its latest checkpoints, averaged as its own config says); every member's
+    vocabulary and tokenizer are checked before any member's parameters are read."""
     expected = tokenizer_fingerprint(config, tokenizer)
     for workdir in workdirs:
         member_config = checkpoints.load_config(workdir).copy_and_resolve_references()
@@ -420,7 +404,6 @@ def expected_utilities(candidates: Sequence[str], u: Callable[[str, str], float]
 
 
 def mbr_choice(candidates: Sequence[str], u: Callable[[str, str], float]) -> int:
-    """The index of the candidate with the highest expected utility (the first of equals)."""
     scores = expected_utilities(candidates, u)
     return max(range(len(candidates)), key=lambda i: (scores[i], -i))
 
@@ -431,7 +414,6 @@ SEPARATOR = " ||| "
 
 
 def nbest_lines(lists: Sequence[Sequence[Hypothesis]]) -> Iterable[str]:
-    """The lines of the n-best file for each input line's hypotheses (best first)."""
     for i, hypotheses in enumerate(lists):
         for h in hypotheses:
             yield SEPARATOR.join((str(i), h.text, f"F0= {h.log_prob:.6f}", f"{h.score:.6f}"))

@@ -39,8 +39,7 @@ class SentenceScore(NamedTuple):
     tokens: int  # target tokens scored, EOS included
 
     @property
-    def mean(self) -> float:
-        """The per-token mean log-probability."""
+    def mean(self) -> float:  # per token
         return self.log_prob / self.tokens
 
 

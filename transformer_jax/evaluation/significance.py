@@ -29,10 +29,10 @@ def paired_bootstrap(
 ) -> dict[str, Any]:
     """The paired bootstrap test of `system_hyps` against `baseline_hyps`, one reference per line, scored as given.
 
-    Returns {'test', 'n_samples', 'seed', 'identical_outputs', 'bleu', 'chrf', 'tokenized_bleu'}; each metric is
-    {'name', 'signature', 'baseline', 'system', 'p_value'}, a system's entry {'score': corpus score, 'mean': bootstrap
-    mean, 'ci': half-width of the 95% interval}. p_value is sacreBLEU's: the chance of an absolute difference at least
-    as large if both came from the same process, at least 1/(n_samples + 1), which it also gives identical outputs.
+    Each metric of the result is {'name', 'signature', 'baseline', 'system', 'p_value'}, a system's entry {'score',
+    'mean': bootstrap mean, 'ci': half-width of the 95% interval}. p_value is sacreBLEU's: the chance of an absolute
+    difference at least as large if both came from the same process, at least 1/(n_samples + 1), which it also gives
+    identical outputs.
     """
     baseline_hyps, system_hyps, refs = list(baseline_hyps), list(system_hyps), list(refs)
     if not refs:
@@ -86,8 +86,7 @@ def pooled_paired_bootstrap(
     the p-value says how often the choice of test sentences alone gives a seed-pooled difference as large; resampling
     (sentence, seed) items independently would count a sentence's seeds as independent draws and make p-values too
     small. The spread between seeds is not resampled (the sweep's Welch interval covers it). With one seed this is
-    `paired_bootstrap`'s BLEU and chrF. Returns {'test', 'n_samples', 'seed', 'seeds', 'identical_outputs', 'bleu',
-    'chrf'}, each metric as in `paired_bootstrap`, 'score' the corpus score of all seeds' lines together.
+    `paired_bootstrap`'s BLEU and chrF; 'score' is the corpus score of all seeds' lines together.
     """
     if not baseline_runs or len(baseline_runs) != len(system_runs):
         raise ScoreError(

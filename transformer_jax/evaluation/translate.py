@@ -1,10 +1,5 @@
-"""Translate a list of sentences: tokenize, search, detokenize, in input order.
-
-The search (decoding.Searcher.sentences) decodes `batch_size` sentences at a time, shortest sources first, and gives
-a finished sentence's rows to the next waiting one. Shapes come from a small fixed set so that jit compiles a
-bounded number of times: the batch has `batch_size` rows (an input smaller than one batch: its size rounded up to a
-multiple of 8, the extra rows dummies that are dropped) and the source length is rounded up to a bucket (16, 32,
-64, ... up to max_input_len).
+"""Translate a list of sentences: tokenize, search (decoding.Searcher.sentences), detokenize, in input order. Source
+lengths are rounded up to a bucket (16, 32, 64, ... up to max_input_len) so that jit compiles a bounded number of times.
 
 Validation BLEU during training is `bleu_evaluator(config, tokenizer)`: the function the trainer receives, so that
 training never imports evaluation (big_vision's evaluators work this way).
@@ -44,8 +39,7 @@ class Tokenizer(Protocol):
     def decode_target(self, ids: Sequence[int]) -> str: ...
 
 
-# The rules of what is decoded, shared with every other engine that must decode exactly as we do
-# (interop/ctranslate2.py).
+# The rules of what is decoded, shared with every engine that must decode exactly as we do (interop/ctranslate2.py).
 
 
 def source_ids(tokenizer: Tokenizer, sentence: str, max_input_len: int) -> tuple[list[int] | None, bool]:
@@ -68,23 +62,22 @@ def input_limit(max_input_len: int, position_limit: int | None) -> int:
 
 
 def output_cap(max_len: int, position_limit: int | None) -> int | None:
-    """The most tokens any output may have, EOS included, whatever its source: eval.max_len (0 = no cap) and no more
-    than a learned position table has rows (`position_limit`); None = no cap."""
+    """The most tokens any output may have, EOS included: eval.max_len (0 = no cap) and no more than a learned
+    position table has rows; None = no cap."""
     caps = [cap for cap in (max_len, position_limit) if cap]
     return min(caps) if caps else None
 
 
 def output_limit(source_len: int, max_extra_len: int, cap: int | None) -> int:
-    """The most tokens an output may have, EOS included: source tokens (EOS included) + max_extra_len
-    (eval.max_extra_len), and no more than `cap` (output_cap; None: no cap)."""
+    """The most tokens an output may have, EOS included: source tokens (EOS included) + max_extra_len, at most `cap`
+    (output_cap)."""
     limit = source_len + max_extra_len
     return limit if cap is None else min(limit, cap)
 
 
 def batch_shape(longest: int, max_input_len: int, max_extra_len: int, cap: int | None) -> tuple[int, int]:
     """A batch's padded source length (a few lengths that double, to bound compilations) and its most output slots,
-    given its longest source (EOS included), max_input_len as input_limit gives it and the output limits as
-    output_limit takes them."""
+    given its longest source (EOS included)."""
     src_len = padded_eval_length(longest, max_input_len)
     return src_len, output_limit(src_len, max_extra_len, cap)
 
@@ -103,14 +96,12 @@ EMPTY = Hypothesis("", 0.0, 0.0, 0, False)  # a blank input line's output (not d
 
 
 def check_nbest(nbest: int, beam_size: int, flag: str = "--nbest") -> None:
-    """EvalError unless 1 <= nbest <= beam_size: an n-best list holds the beams of one search (`flag`: the option
-    that asked for it)."""
+    """EvalError unless 1 <= nbest <= beam_size: an n-best list holds the beams of one search."""
     if not 1 <= nbest <= beam_size:
         raise EvalError(f"{flag} {nbest} must be between 1 and the beam size ({beam_size}); raise --beam_size")
 
 
 def check_sampling(sampling: decoding.Sampling, num_samples: int) -> None:
-    """EvalError for sampling settings that cannot work, naming the flag."""
     try:
         sampling.check()
     except ValueError as e:
@@ -130,7 +121,6 @@ class DecodeSettings:
     max_input_len: int  # source tokens kept, EOS included: input_limit
 
     def report(self) -> dict[str, Any]:
-        """The settings as evaluate.py's report lists them."""
         return {
             "beam_size": self.search.beam_size,
             "alpha": self.search.alpha,
@@ -168,11 +158,9 @@ def translate_nbest(
 ) -> tuple[list[list[Hypothesis]], dict[str, Any]]:
     """The `nbest` best hypotheses of each input sentence, best first, in input order, and statistics of the 1-best.
 
-    Sources are cut as `source_ids` cuts them (counted); a blank line gives EMPTY outputs without decoding. Each
-    output has at most output_limit tokens. Hypotheses are ranked by log P / lp (decoding/state.py length_penalty).
-    The list is what the search gives for nbest (decoding.Search.nbest), or nbest decodes of the line when the
-    search asks for that (decoding.Search.copies: decoding.Sampled draws nbest samples, reproducible for its seed,
-    best score first; their log_prob is the model's own log P of the sample).
+    Sources are cut as `source_ids` cuts them (counted); a blank line gives EMPTY outputs without decoding. The list
+    is what the search gives for nbest, or nbest decodes of the line when the search asks for that
+    (decoding.Search.copies: sampling's draws, best score first; their log_prob is the model's log P of the sample).
     prefixes: line i's output starts with prefixes[i], tokenized as a target (a blank prefix: none); the hypotheses'
     text and log-probabilities include it. first_line: the number of sentences[0] in a longer input (its chunk's
     start, translate_corpus): sampling keys are drawn from the line's number in the whole input.
@@ -255,8 +243,7 @@ def _hypothesis(tokenizer: Tokenizer, result: decoding.BeamResult, beam: int) ->
 
 
 def validation_settings(config: ml_collections.ConfigDict) -> DecodeSettings:
-    """translate()'s settings for validation BLEU: config.eval's search (decoding.search_for: greedy or beam, GNMT
-    length penalty), sources cut at data.eval_max_len (as evaluate.py)."""
+    """translate()'s settings for validation BLEU: config.eval's search, sources cut at data.eval_max_len."""
     return DecodeSettings(
         search=decoding.search_for(config.eval.beam_size, config.eval.alpha),
         max_extra_len=config.eval.max_extra_len,
@@ -267,9 +254,9 @@ def validation_settings(config: ml_collections.ConfigDict) -> DecodeSettings:
 
 
 def bleu_evaluator(config: ml_collections.ConfigDict, tokenizer: Any) -> Callable[[Any], dict[str, float]]:
-    """A function of the model (eval mode) -> sacreBLEU, chrF, chrF++, TER and tokenized BLEU of its beam-search
-    translations of the first train.bleu_sentences validation pairs, decoded with config.eval's settings (as
-    evaluate.py): `bleu`, ... for data.valid_split, `NAME_bleu`, ... for each eval.extra_valid set."""
+    """A function of the model (eval mode) -> the scores (bleu.score_all) of its translations of the first
+    train.bleu_sentences validation pairs: `bleu`, ... for data.valid_split, `NAME_bleu`, ... for each
+    eval.extra_valid set."""
     sets = [(name, pairs[: config.train.bleu_sentences]) for name, pairs in validation_sets(config)]
     settings = validation_settings(config)
 

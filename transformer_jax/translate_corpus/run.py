@@ -4,14 +4,11 @@ does the work in chunks and returns the report.
 Unlike evaluation.run, this library writes files: the committed chunks are what makes the work resumable, as a
 training loop's checkpoints are. It prints nothing (the progress bar, when asked, goes to stderr).
 
-Parallelism: the input's chunks are dealt to the hosts (chunk c to process c mod process_count, one process per
-host, as training), and each host's chunks to its local devices: every device holds a copy of the parameters and
-decodes whole chunks in `streams` threads (jax releases the GIL while a device computes), each taking the next
-chunk when it has finished one. On a CPU, CPU_STREAMS threads are the default: one search's step leaves a core
-idle (its attention products and small projections run on one core, and the device waits while the host schedules
-between calls), which another search's step then uses (docs/benchmarks.md). A chunk's translation depends on its
-lines only (its batches are made from its own lines; sampling keys come from the seed and each line's number in
-the whole input), so which device, stream or host made it, and in which order, changes nothing.
+Parallelism: chunk c goes to process c mod process_count (one process per host), and each host's chunks to its
+local devices, each with a copy of the parameters, decoding in `streams` threads (jax releases the GIL while a device
+computes). On a CPU, CPU_STREAMS threads are the default: one search's step leaves a core idle, which another
+search's step then uses (docs/benchmarks.md). A chunk's translation depends on its lines only (sampling keys come
+from the seed and each line's number in the whole input), so which device, stream or host made it changes nothing.
 
 The chunk store: OUT.parts/ holds a state file and one file per committed chunk.
 
@@ -51,22 +48,9 @@ from transformer_jax.evaluation.translate import translate_nbest
 from transformer_jax.runtime import Progress
 
 # evaluate.py's flags that translate_corpus reads (one table: evaluation.command.FLAGS); the checkpoint flags too.
-DECODING_FLAGS = (
-    "beam_size",
-    "alpha",
-    "max_extra_len",
-    "max_len",
-    "batch_size",
-    "length_penalty",
-    "finished",
-    "sampling",
-    "temperature",
-    "top_k",
-    "top_p",
-    "seed",
-    "target_lang",
-    "ensemble_workdirs",
-)
+_SEARCH = ("beam_size", "alpha", "max_extra_len", "max_len", "batch_size", "length_penalty", "finished")
+_SAMPLING = ("sampling", "temperature", "top_k", "top_p", "seed")
+DECODING_FLAGS = (*_SEARCH, *_SAMPLING, "target_lang", "ensemble_workdirs")
 FLAG_NAMES = (*command.CHECKPOINT_FLAGS, *DECODING_FLAGS)
 DEFAULT_CHUNK_LINES = 1000
 CPU_STREAMS = 2  # searches at once on a CPU device (streams=0); an accelerator runs one (docs/benchmarks.md)
@@ -75,22 +59,20 @@ STREAMS_ZERO = f"0: {CPU_STREAMS} on a CPU, 1 on an accelerator"  # what streams
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """A corpus to translate: evaluate.py's Translate record (its source_file is --input), where the output goes,
-    the chunk size, the flags given as the state file records them, and the searches each device runs at once
-    (0: CPU_STREAMS on a CPU, else 1; not recorded: it changes no output, only the speed)."""
+    """A corpus to translate: evaluate.py's Translate record (its source_file is --input) and where the output goes."""
 
     mode: command.Translate
     output: str
     chunk_lines: int
-    options: dict[str, Any]
-    streams: int = 0
+    options: dict[str, Any]  # the flags given, as the state file records them
+    streams: int = 0  # searches per device at once (0: streams_per_device); not recorded: it changes only the speed
 
 
 def job_of(
     values: Mapping[str, Any], input_file: str | None, output: str | None, chunk_lines: int, streams: int = 0
 ) -> Job:
     """The Job of translate_corpus's flag values (FLAG_NAMES, absent or None: unset), or EvalError naming the flag.
-    Reads no file; checks that the outputs can be written and that none is an input."""
+    Reads no file."""
     if not input_file:
         raise EvalError("give --input, the file to translate (one sentence a line)")
     if not output:
@@ -135,8 +117,7 @@ def _recorded(name: str, value: Any) -> Any:
 
 def translate_corpus(job: Job, *, progress: bool = False) -> dict[str, Any]:
     """Translates job's input chunk by chunk, resuming from the chunks committed before, and on process 0 writes
-    OUTPUT and OUTPUT.scores once every chunk is there; returns the report. EvalError before any work when the
-    input or the flags differ from those of the chunks found."""
+    OUTPUT and OUTPUT.scores once every chunk is there; returns the report."""
     start = time.perf_counter()
     source = job.mode.source_file
     try:
@@ -240,8 +221,7 @@ def translate_corpus(job: Job, *, progress: bool = False) -> dict[str, Any]:
 
 
 def _committed(parts: Path, print_: str, bounds: dict[int, tuple[int, int]]) -> tuple[dict[int, Chunk], list[int]]:
-    """The chunks of `bounds` (index: first line, end) committed whole under this work, and those found damaged or
-    of other work (to be redone)."""
+    """The chunks of `bounds` (index: first line, end) committed whole under this work, and those to be redone."""
     done, damaged = {}, []
     for c, (first, end) in bounds.items():
         try:
@@ -259,13 +239,11 @@ def _sync(name: str) -> None:
 
 
 def streams_per_device(streams: int) -> int:
-    """The searches each device runs at once: `streams`, or for 0 CPU_STREAMS on a CPU and 1 on an accelerator."""
     return streams or (CPU_STREAMS if jax.default_backend() == "cpu" else 1)
 
 
 def device_models(model: nnx.Module, streams: int = 1) -> list[nnx.Module]:
-    """`streams` models on each local device, one a thread of `_on_devices`: the model itself when that is one,
-    else a copy of the parameters on each device, shared by that device's streams."""
+    """`streams` models on each local device, one a thread of `_on_devices`, sharing that device's parameters."""
     devices = jax.local_devices()
     if len(devices) == 1 and streams == 1:
         return [model]
@@ -280,8 +258,8 @@ def _on_devices(
     translate_chunk: Callable[[nnx.Module, int], Chunk],
     commit: Callable[[int, Chunk], None],
 ) -> None:
-    """Translates the chunks `todo`, each model (one a device) taking the next one when it is free; commits each
-    as it is done (one at a time). The first error stops the others after their current chunk and is raised."""
+    """Translates the chunks `todo`, each model taking the next one when it is free, and commits each (one at a
+    time). The first error stops the others after their current chunk and is raised."""
     if len(models) == 1:
         for c in todo:
             commit(c, translate_chunk(models[0], c))
@@ -319,17 +297,14 @@ COUNTS = ("empty", "truncated", "hit_max_len")  # per-chunk counts of translate_
 
 
 def parts_dir(output: str) -> Path:
-    """Where the chunks of `output` are committed until it is assembled."""
     return Path(f"{output}.parts")
 
 
 def scores_file(output: str) -> str:
-    """The scores beside `output`: one line per line, 'log_prob<TAB>score' (nan for a blank source)."""
     return f"{output}.scores"
 
 
 def input_identity(path: str, data: bytes) -> dict[str, Any]:
-    """What names the input's content: its real path, size and SHA-256."""
     return {"path": os.path.realpath(path), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
@@ -338,8 +313,8 @@ def fingerprint(state: dict[str, Any]) -> str:
 
 
 def check_resume(parts: Path, work: dict[str, Any], flag_of: dict[str, str]) -> None:
-    """EvalError when `parts` holds a state whose input or options differ from `work`'s (any key of `work`):
-    resuming would mix two runs' translations. `flag_of`: the flag each option came from, for the message."""
+    """EvalError when `parts` holds a state whose input or options differ from `work`'s: resuming would mix two
+    runs' translations. `flag_of`: the flag each option came from."""
     state = read_state(parts)
     if state is None:
         return
@@ -383,8 +358,7 @@ def write_state(parts: Path, state: dict[str, Any]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-    """One chunk's translations: the lines from `first`, each line's hypothesis and scores (None: a blank source,
-    not decoded), and the counts of COUNTS."""
+    """One chunk's translations: the lines from `first`, each line's hypothesis and scores (None: a blank source)."""
 
     first: int
     hypotheses: list[str]
@@ -398,8 +372,7 @@ def chunk_path(parts: Path, index: int) -> Path:
 
 
 def write_chunk(parts: Path, index: int, chunk: Chunk, print_: str) -> None:
-    """Commits chunk `index` (made under the state of fingerprint `print_`) whole or not at all; a full disk is
-    DiskFullError (the chunks committed before are kept for the resume)."""
+    """Commits chunk `index` (made under the state of fingerprint `print_`) whole or not at all."""
     record = {"fingerprint": print_, **dataclasses.asdict(chunk)}
     path = chunk_path(parts, index)
     try:
@@ -413,9 +386,9 @@ def write_chunk(parts: Path, index: int, chunk: Chunk, print_: str) -> None:
         ) from None
 
 
-def read_chunk(parts: Path, index: int, print_: str, first: int, lines: int) -> Chunk | None:
-    """Chunk `index` if it is committed, whole and of this work (fingerprint, first line, line count); else None.
-    Raises FileNotFoundError when it was never committed, ValueError when it is there but unusable."""
+def read_chunk(parts: Path, index: int, print_: str, first: int, lines: int) -> Chunk:
+    """Chunk `index` if it is committed, whole and of this work (fingerprint, first line, line count); else
+    FileNotFoundError when it was never committed, ValueError when it is there but unusable."""
     text = chunk_path(parts, index).read_text(encoding="utf-8")
     record = json.loads(text)  # ValueError for a truncated or damaged file
     if not isinstance(record, dict) or record.pop("fingerprint", None) != print_:
@@ -430,10 +403,8 @@ def read_chunk(parts: Path, index: int, print_: str, first: int, lines: int) -> 
 
 
 def assemble(output: str, chunks: list[Chunk]) -> None:
-    """Writes OUT (one hypothesis a line) and OUT.scores from the chunks in order, each whole or not at all (a full
-    disk: DiskFullError, OUT.parts kept), then removes OUT.parts: the work is done."""
+    """Writes OUT and OUT.scores from the chunks in order, each whole or not at all, then removes OUT.parts."""
     hypotheses = [h for c in chunks for h in c.hypotheses]
-    # None: a blank source line, which was not decoded and has no score.
     rows = [(lp, s) for c in chunks for lp, s in zip(c.log_probs, c.scores, strict=True)]
     command.write_lines(scores_file(output), [f"{_number(lp)}\t{_number(s)}" for lp, s in rows])
     command.write_lines(output, hypotheses)
