@@ -1,58 +1,44 @@
-"""The small records a training run keeps in its workdir beside the checkpoints' arrays, each a JSON object: the lock
-of the run, the selection record of its validations, the checksums of every checkpoint's arrays and the digests of
-its files, and the saved configs (with what those written by earlier versions need today). training.checkpoints
-writes and reads the last four with every checkpoint; the training loop holds the lock and keeps the selection record.
+"""The small JSON records a training run keeps in its workdir beside the checkpoints' arrays: the run's lock, the
+selection record of its validations, each checkpoint's array checksums and file digests, and what the configs saved
+by earlier versions need today. training.checkpoints writes and reads the rest with every checkpoint; the
+training loop holds the lock and keeps the selection record.
 
-The lock, WORKDIR/train.lock: one training run per workdir. Two runs in one workdir would both write checkpoints and
-metrics, and one would crash mid-save. The lock file is created atomically (O_EXCL) and holds the pid, host and
-start time of its run; it is removed when the run ends. A lock left by a process that died (SIGKILL, a crash) on
-this host is detected (no such pid) and taken over; one from another host cannot be checked from here, so the
-message says which host and pid to look at. Multi-host: the hosts of one run share the workdir, so one lock stands
-for the run: process 0 takes it, and every process learns the outcome from one all-gather, so that either all start
-or all stop with the same error.
+The lock, WORKDIR/train.lock: one training run per workdir (two would both write checkpoints and metrics, and one
+would crash mid-save). Created atomically (O_EXCL), it holds its run's pid, host and start time and is removed when
+the run ends. A lock whose process died (SIGKILL, a crash) on this host is taken over; one from another host cannot
+be checked from here, so the message names its host and pid. The hosts of one run share the workdir: process 0 takes
+the lock and one all-gather tells every process the outcome, so that all start or all stop with the same error.
 
-The selection record: which validation was best, and whether to stop, for train.select_metric. The record travels
-with every checkpoint (in its `data` item, beside the iterator position), so a restart continues the count of
-validations without improvement, and a run that stopped early knows it has stopped. The checkpoints themselves are
-ranked by Orbax (training.checkpoints: the scores saved beside each checkpoint, a BestN preservation policy); this
-record only holds what early stopping needs.
+The selection record (the best validation for train.select_metric, and whether to stop) travels in every
+checkpoint's `data` item, so a restart continues the count of validations without improvement and a run that stopped
+early knows it has stopped. Orbax ranks the checkpoints themselves (training.checkpoints).
 
-Checksums, written with each checkpoint and verified when it is restored: a flipped bit in a checkpoint's data files
-otherwise restores silently (Orbax checks no content). Each array gets a 64-bit sum over its elements of
-mix(bits(element) + mix(flat global index + 1)) modulo 2**64, where mix is splitmix64's finaliser. A sum over
-elements does not depend on how the array is split into shards, so:
+Checksums, verified on restore: a flipped bit in a checkpoint's data files otherwise restores silently (Orbax checks
+no content). An array's checksum is the sum over its elements of mix(bits(element) + mix(flat global index + 1))
+modulo 2**64, mix being splitmix64's finaliser; a changed element changes its term to an unrelated 64-bit value, so
+the sum misses it with probability 2**-64. A sum over elements does not depend on the sharding: each process hashes
+the shards it holds with replica_id 0 (over all processes, exactly one copy of every element, whatever the mesh), one
+all-gather adds the partial sums and process 0 writes them; a checkpoint saved with one layout (FSDP over 8 devices)
+verifies after a restore onto another (one device). The host copies are hashed just before the (possibly
+asynchronous) save starts, while the arrays are valid (the next train step donates them).
 
-- each process hashes only the shards it holds with replica_id 0 (every element of the global array is in exactly
-  one such shard over all processes, whatever the mesh: replicated arrays are hashed once, by the process holding
-  replica 0, and sharded ones by every process for its own part), and the processes' partial sums are added with
-  one all-gather; process 0 writes them (the JSON item `checksums`, like the other JSON items);
-- a checkpoint saved with one layout (FSDP over 8 devices) verifies after a restore onto another (one device for
-  evaluation), because the sum is the same.
+Digests: the SHA-256 of every file of a checkpoint's items (DIGESTS in its directory), written by process 0 once Orbax
+has written the files and checked before Orbax opens the checkpoint. The checksums cannot refuse a damaged file that
+early, and a restore Orbax abandons at a failed read leaves TensorStore's other reads in flight, reporting after the
+error line (docs/reliability.md). A checkpoint written before digests existed restores without them.
 
-A changed element changes its term to an unrelated 64-bit value, so the sum misses it with probability 2**-64.
-The hashes are computed from the host copies of the arrays just before the (possibly asynchronous) save starts,
-while the arrays are still valid (the next train step donates them).
+Migrations: what checkpoints of earlier versions need to restore today, in one place (such checkpoints exist:
+tests/test_state.py, tests/test_configs.py):
 
-Digests: the SHA-256 of every file of a checkpoint's items (DIGESTS in its directory), written by process 0 once
-Orbax has written the files, and checked before Orbax opens the checkpoint. The checksums cannot refuse a damaged
-file that early (they need the restored arrays), and a restore Orbax abandons at a failed read leaves TensorStore's
-other reads in flight, reporting after the error line (docs/reliability.md, with what the second read costs). A
-checkpoint written before digests existed restores without them.
-
-Migrations: what checkpoints written by earlier versions need to restore today, in one place; nothing else reads old
-layouts. Each is kept because checkpoints of those versions exist (tests/test_state.py, tests/test_configs.py):
-
-- State layout: before the TrainState fields had names, a checkpoint's `state` item stored them under the
-  positions 0, 1, 2 (the same order). `state_keys` maps each field to the key it is saved under.
-- Config: the reserved ids were fixed constants (pad 0, eos 1, bos 2, unk 3: model.spec.SpecialIds.DEFAULT) until the
-  `model.pad_id/eos_id/bos_id/unk_id` keys came; a config saved in between has none of them, and one saved before
-  that held `model.pad_id` alone (it could only be 0) and had no `model.fused_backward` (those versions ran the
-  hand-written backward passes everywhere: 'on'). `upgrade_config` rewrites such a saved config in today's keys;
-  checkpoints.load_config applies it.
-- Config: keys added later (`ADDED_KEYS`) are missing from the configs saved before them; they get the value that
-  does what those versions did.
-- Config: the list-valued keys (data.corpora, opt.freeze, train.trackers, eval.extra_valid) were comma-joined
-  strings until they became tuples; `upgrade_config` splits such a string by the key's rule (config/schema.py).
+- State layout: before the TrainState fields had names, the `state` item stored them under the positions 0, 1, 2
+  (the same order); `state_keys` maps each field to its saved key.
+- Config (`upgrade_config`, applied by checkpoints.load_config): the reserved ids were fixed constants (pad 0, eos 1,
+  bos 2, unk 3: model.spec.SpecialIds.DEFAULT) until the `model.pad_id/eos_id/bos_id/unk_id` keys came; a config
+  saved in between has none of them, and one saved before that held `model.pad_id` alone (it could only be 0) and
+  had no `model.fused_backward` (those versions ran the hand-written backward passes everywhere: 'on').
+- Config: keys added later (`ADDED_KEYS`) get the value that does what the versions without them did.
+- Config: the list-valued keys (data.corpora, opt.freeze, train.trackers, eval.extra_valid) were comma-joined strings
+  until they became tuples; `upgrade_config` splits such a string by the key's rule (config/schema.py).
 """
 
 from __future__ import annotations
@@ -112,11 +98,8 @@ def acquire(workdir: pathlib.Path, name: str = LOCK_NAME, owner: str = "training
 
     `name` and `owner` ("training run") let another command own a directory the same way (a sweep's sweep.lock)."""
     path = workdir / name
-    me = {
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": started}
     for _ in range(3):  # a stale lock removed by us, or one that vanished meanwhile: try again
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -127,8 +110,7 @@ def acquire(workdir: pathlib.Path, name: str = LOCK_NAME, owner: str = "training
                 holder = _holder(path)
             if holder and holder.get("host") == me["host"] and not _alive(int(holder.get("pid", -1))):
                 logging.warning("removing the stale lock %s of process %s, which no longer runs", path, holder["pid"])
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
+                path.unlink(missing_ok=True)
                 continue
             who = (
                 f"process {holder.get('pid')} on host {holder.get('host')} (started {holder.get('started')})"
@@ -151,8 +133,7 @@ def release(path: pathlib.Path) -> None:
     """Removes the lock if it is still this process's."""
     holder = _holder(path)
     if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+        path.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -160,20 +141,18 @@ def locked(workdir: pathlib.Path) -> Iterator[None]:
     """Holds the workdir's lock inside (process 0 takes it; every process raises the same error if it cannot)."""
     workdir.mkdir(parents=True, exist_ok=True)
     path, error = None, None
-    if jax.process_index() == 0:
-        try:
-            path = acquire(workdir)
-        except WorkdirLocked as e:
-            error = e
-    if jax.process_count() > 1:
-        refused = np.asarray(multihost_utils.process_allgather(np.int32(error is not None)))
-        if refused.any() and error is None:
-            error = WorkdirLocked(f"{workdir} is in use by another training run (see process 0's message)")
-    if error is not None:
-        if path is not None:
-            release(path)
-        raise error
     try:
+        if jax.process_index() == 0:
+            try:
+                path = acquire(workdir)
+            except WorkdirLocked as e:
+                error = e
+        if jax.process_count() > 1:
+            refused = np.asarray(multihost_utils.process_allgather(np.int32(error is not None)))
+            if refused.any() and error is None:
+                error = WorkdirLocked(f"{workdir} is in use by another training run (see process 0's message)")
+        if error is not None:
+            raise error
         yield
     finally:
         if path is not None:
@@ -263,8 +242,7 @@ class SelectionRecord:
 
     @classmethod
     def from_json(cls, saved: dict[str, Any] | None, metric: str) -> SelectionRecord:
-        """The saved record; a fresh one if there is none or it ranked another metric (its best means nothing
-        for this one)."""
+        """The saved record; a fresh one if there is none or it ranked another metric (its best means nothing here)."""
         if not saved or saved.get("metric") != metric:
             return cls(metric)
         return cls(**{f.name: saved.get(f.name, f.default) for f in dataclasses.fields(cls)})
@@ -290,11 +268,11 @@ def _shard_sum(values: np.ndarray, index: tuple[slice, ...], shape: tuple[int, .
     values = np.ascontiguousarray(values)
     if values.size == 0:
         return 0
-    bits = values.view(np.dtype(f"u{values.dtype.itemsize}")) if values.dtype.itemsize in (1, 2, 4, 8) else None
-    if bits is None:
+    if values.dtype.itemsize not in (1, 2, 4, 8):
         raise TypeError(f"cannot checksum dtype {values.dtype}")
-    if values.ndim == 0:
-        return int(_mix(bits.astype(np.uint64) + _mix(np.uint64(1))))
+    if values.ndim == 0:  # one element at flat index 0
+        values, shape = values.reshape(1), (1,)
+    bits = values.view(np.dtype(f"u{values.dtype.itemsize}"))
     strides = np.cumprod((1,) + shape[:0:-1])[::-1].astype(np.uint64)  # row-major element strides
     starts = [s.start or 0 for s in index] + [0] * (values.ndim - len(index))
     inner = np.zeros(values.shape[1:], np.uint64)
@@ -319,8 +297,7 @@ def _shard_sum(values: np.ndarray, index: tuple[slice, ...], shape: tuple[int, .
 def _local_sum(x: Any) -> int:
     """This process's part of an array's checksum: its shards with replica_id 0."""
     if not isinstance(x, jax.Array):
-        array = np.asarray(x)
-        return _shard_sum(array, tuple(slice(0, n) for n in array.shape), array.shape)
+        return _shard_sum(np.asarray(x), (), np.shape(x))
     total = 0
     for shard in x.addressable_shards:
         if shard.replica_id == 0:
@@ -336,10 +313,8 @@ def _key_data(x: Any) -> Any:
 
 
 def checksums(tree: dict) -> dict[str, dict]:
-    """{"a/b/c": {"shape", "dtype", "sum"}} for every array of a pure dict; the same on every process.
-
-    With several processes every process must call it (one all-gather of the partial sums).
-    """
+    """{"a/b/c": {"shape", "dtype", "sum"}} for every array of a pure dict; with several processes every process
+    must call it (one all-gather of the partial sums), and gets the same."""
     flat = {"/".join(str(k) for k in path): _key_data(x) for path, x in flatten_dict(tree).items()}
     names = sorted(flat)
     sums = [_local_sum(flat[name]) for name in names]
