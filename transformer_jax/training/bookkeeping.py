@@ -1,7 +1,6 @@
-"""The small JSON records a training run keeps in its workdir beside the checkpoints' arrays: the run's lock, the
-selection record of its validations, each checkpoint's array checksums and file digests, and what the configs saved
-by earlier versions need today. training.checkpoints writes and reads the rest with every checkpoint; the
-training loop holds the lock and keeps the selection record.
+"""The small JSON records a training run keeps beside the checkpoints' arrays: the lock (held by the training loop),
+the selection record (kept by the loop, saved with each checkpoint), each checkpoint's checksums and digests, and
+what configs saved by earlier versions need today (the last three read and written by training.checkpoints).
 
 The lock, WORKDIR/train.lock: one training run per workdir (two would both write checkpoints and metrics, and one
 would crash mid-save). Created atomically (O_EXCL), it holds its run's pid, host and start time and is removed when
@@ -94,9 +93,8 @@ def _holder(path: pathlib.Path) -> dict | None:
 
 
 def acquire(workdir: pathlib.Path, name: str = LOCK_NAME, owner: str = "training run") -> pathlib.Path:
-    """Creates WORKDIR/<name> (train.lock) for this process, or raises WorkdirLocked naming the holder.
-
-    `name` and `owner` ("training run") let another command own a directory the same way (a sweep's sweep.lock)."""
+    """Creates WORKDIR/<name> (train.lock) for this process, or raises WorkdirLocked naming the holder. `name` and
+    `owner` ("training run") let another command own a directory the same way (a sweep's sweep.lock)."""
     path = workdir / name
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     me = {"pid": os.getpid(), "host": socket.gethostname(), "started": started}
@@ -112,11 +110,9 @@ def acquire(workdir: pathlib.Path, name: str = LOCK_NAME, owner: str = "training
                 logging.warning("removing the stale lock %s of process %s, which no longer runs", path, holder["pid"])
                 path.unlink(missing_ok=True)
                 continue
-            who = (
-                f"process {holder.get('pid')} on host {holder.get('host')} (started {holder.get('started')})"
-                if holder
-                else "an unreadable lock"
-            )
+            who = "an unreadable lock"
+            if holder:
+                who = f"process {holder.get('pid')} on host {holder.get('host')} (started {holder.get('started')})"
             raise WorkdirLocked(
                 f"{workdir} is in use by another {owner}: {path} is held by {who}. Wait for it to finish or "
                 f"stop it; if that process is gone, delete {path}"
@@ -275,21 +271,17 @@ def _shard_sum(values: np.ndarray, index: tuple[slice, ...], shape: tuple[int, .
     bits = values.view(np.dtype(f"u{values.dtype.itemsize}"))
     strides = np.cumprod((1,) + shape[:0:-1])[::-1].astype(np.uint64)  # row-major element strides
     starts = [s.start or 0 for s in index] + [0] * (values.ndim - len(index))
-    inner = np.zeros(values.shape[1:], np.uint64)
-    for axis in range(1, values.ndim):
-        offsets = (np.arange(values.shape[axis], dtype=np.uint64) + np.uint64(starts[axis])) * strides[axis]
-        inner = inner + offsets.reshape((-1,) + (1,) * (values.ndim - 1 - axis))
-    inner = inner.reshape(-1)
-    rows = values.shape[0]
-    per_chunk = max(1, _CHUNK // max(1, inner.size))
+    # An element's flat global index is the sum over the axes of (start + its position) * stride.
+    axes = zip(values.shape, starts, strides, strict=True)
+    offsets = [(np.arange(n, dtype=np.uint64) + np.uint64(start)) * stride for n, start, stride in axes]
+    inner = np.asarray(sum(np.ix_(*offsets[1:]), np.uint64(0))).reshape(-1)  # those within a row
+    per_chunk = max(1, _CHUNK // inner.size)
+    bits = bits.reshape(len(offsets[0]), -1)
     total = np.uint64(0)
-    bits = bits.reshape(rows, -1)
     with np.errstate(over="ignore"):
-        for r0 in range(0, rows, per_chunk):
-            r1 = min(rows, r0 + per_chunk)
-            row_offsets = (np.arange(r0, r1, dtype=np.uint64) + np.uint64(starts[0])) * strides[0]
-            flat = row_offsets[:, None] + inner[None, :]
-            terms = _mix(bits[r0:r1].astype(np.uint64) + _mix(flat + np.uint64(1)))
+        for r0 in range(0, len(bits), per_chunk):
+            flat = offsets[0][r0 : r0 + per_chunk, None] + inner[None, :]
+            terms = _mix(bits[r0 : r0 + per_chunk].astype(np.uint64) + _mix(flat + np.uint64(1)))
             total = total + terms.sum(dtype=np.uint64)
     return int(total)
 
@@ -318,9 +310,7 @@ def checksums(tree: dict) -> dict[str, dict]:
     flat = {"/".join(str(k) for k in path): _key_data(x) for path, x in flatten_dict(tree).items()}
     names = sorted(flat)
     sums = [_local_sum(flat[name]) for name in names]
-    if jax.process_count() > 1 and any(
-        isinstance(flat[n], jax.Array) and not flat[n].is_fully_addressable for n in names
-    ):
+    if jax.process_count() > 1 and not all(getattr(x, "is_fully_addressable", True) for x in flat.values()):
         # uint32 halves: without jax_enable_x64 a uint64 would be truncated on the way.
         halves = np.array([[s >> 32, s & 0xFFFFFFFF] for s in sums], np.uint32).reshape(-1, 2)
         gathered = np.asarray(multihost_utils.process_allgather(halves))  # (processes, arrays, 2)
@@ -332,9 +322,8 @@ def checksums(tree: dict) -> dict[str, dict]:
 
 
 def checksum_problem(directory: pathlib.Path, tree: dict) -> str | None:
-    """What differs between the arrays of `tree` restored from the checkpoint in `directory` and their saved
-    checksums (only arrays present in `tree`: evaluation restores the model parameters alone), or None, also for a
-    checkpoint written before checksums existed. With several processes every process must call it."""
+    """What differs between the arrays of `tree` restored from the checkpoint in `directory` (evaluation restores the
+    parameters alone) and their saved checksums, or None (also if it has none). Every process must call it."""
     path = directory / "checksums" / "metadata"
     if not path.exists():
         return None
@@ -382,8 +371,7 @@ def write_digests(directory: pathlib.Path, items: Sequence[str]) -> None:
 
 
 def digest_problem(directory: pathlib.Path, items: Sequence[str]) -> str | None:
-    """The first file of `items` that is missing or differs from its saved digest, or None (also for a checkpoint
-    written before digests existed)."""
+    """The first file of `items` that is missing or differs from its saved digest, or None (also if it has none)."""
     path = directory / DIGESTS
     if not path.exists():
         return None

@@ -23,7 +23,7 @@ import math
 import pathlib
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -58,9 +58,8 @@ def config_differences(saved: dict, current: dict, keys: tuple[str, ...] = STRUC
 
 
 def _manager(workdir, *, read_only: bool = False, async_save: bool = False, **options) -> ocp.CheckpointManager:
-    """Orbax's manager of WORKDIR/checkpoints (`options`: more ocp.CheckpointManagerOptions). A reader lists the steps
-    without reading every checkpoint's scores: one damaged score file would make Orbax's constructor raise
-    (best_scores reads them one by one and reports a damaged one)."""
+    """Orbax's manager of WORKDIR/checkpoints (`options`: more CheckpointManagerOptions). A reader does not read every
+    checkpoint's scores: one damaged file would make the constructor raise (best_scores reports it and goes on)."""
     options = ocp.CheckpointManagerOptions(
         create=not read_only, lightweight_initialize=read_only, enable_async_checkpointing=async_save, **options
     )
@@ -194,8 +193,7 @@ class _OrbaxLogFilter(logging.Filter):
         for name in self.LOGGERS:
             logging.getLogger(name).removeFilter(self)
 
-    def __enter__(self) -> None:
-        self.attach()
+    __enter__ = attach
 
     def __exit__(self, *exc_info) -> None:
         self.detach()
@@ -246,8 +244,7 @@ class Checkpointer:
     """Saves every `ckpt.every_steps` (asynchronously), keeps the last `ckpt.keep`, restores the latest good one."""
 
     def __init__(self, workdir: str | pathlib.Path, ckpt: ml_collections.ConfigDict, select_metric: str | None = None):
-        """`select_metric`: the validation score that ranks checkpoints (train.select_metric) when the run keeps
-        best checkpoints or stops early; saves then carry their scores."""
+        """`select_metric`: train.select_metric if the run ranks its validations; saves then carry their scores."""
         self.workdir = pathlib.Path(workdir)
         # A manager that ranks checkpoints reads every checkpoint's scores when it starts, and one damaged score file
         # would stop it: such a checkpoint is moved aside first, and the restore falls back past it.
@@ -292,8 +289,8 @@ class Checkpointer:
             raise self._disk_full(step, needed)
         synchronous = not (rotate and self._async)  # else Orbax's thread writes the digests (on_saved)
         self._in_flight = (step, needed)
-        self._log_filter.attach()  # detached once the save is awaited (wait) or has failed (_failed_save)
-        try:
+        self._log_filter.attach()  # detached once the save is awaited (wait) or has failed (_saving)
+        with self._saving():
             manager.save(
                 step,
                 args=ocp.args.Composite(
@@ -309,9 +306,6 @@ class Checkpointer:
                 manager.close()  # waits for the save
             if synchronous:
                 self._write_digests()
-        except Exception as e:
-            self._failed_save(e)
-            raise
         if synchronous:
             self.wait()
         if not rotate:
@@ -330,25 +324,27 @@ class Checkpointer:
         """Waits for an asynchronous save; DiskFullError (`_disk_full`) if the disk filled up during it."""
         if self._in_flight is None:
             return
-        try:
+        with self._saving():
             self.manager.wait_until_finished()
-        except Exception as e:
-            self._failed_save(e)
-            raise
         self._in_flight = None
         self._log_filter.detach()
 
-    def _failed_save(self, error: Exception) -> None:
-        """After a save failed: its unfinished directory removed, a full disk re-raised as one DiskFullError line
-        (any other failure is a bug and keeps its traceback)."""
-        step, needed = self._in_flight
-        self._in_flight, self._failed = None, True
-        self._log_filter.detach()
-        if jax.process_index() == 0:
-            for tmp in checkpoint_dir(self.workdir).glob(f"{step}.orbax-checkpoint-tmp*"):
-                shutil.rmtree(tmp, ignore_errors=True)
-        if runtime.is_disk_full(error):
-            raise self._disk_full(step, needed) from None
+    @contextlib.contextmanager
+    def _saving(self) -> Iterator[None]:
+        """Around the save in flight: if it fails, its unfinished directory is removed and a full disk re-raised as one
+        DiskFullError line (any other failure is a bug and keeps its traceback)."""
+        try:
+            yield
+        except Exception as e:
+            step, needed = self._in_flight
+            self._in_flight, self._failed = None, True
+            self._log_filter.detach()
+            if jax.process_index() == 0:
+                for tmp in checkpoint_dir(self.workdir).glob(f"{step}.orbax-checkpoint-tmp*"):
+                    shutil.rmtree(tmp, ignore_errors=True)
+            if runtime.is_disk_full(e):
+                raise self._disk_full(step, needed) from None
+            raise
 
     def _space_needed(self, step: int, array_bytes: int) -> int:
         """Bytes a checkpoint of `step` takes: what the last finished one took on disk (metadata included), else its
@@ -381,10 +377,9 @@ class Checkpointer:
     def restore_latest(
         self, abstract_state: nnx.State, shardings, config: ml_collections.ConfigDict
     ) -> tuple[int, nnx.State, Any] | None:
-        """(step, state, data iterator state) of the newest checkpoint that restores, or None if there is none.
-        A damaged checkpoint (unreadable, incomplete, or an array's checksum differs) is reported and the one before
-        it tried; once one restores, the damaged newer ones are moved aside so that this run can save at their steps
-        again. One written by an incompatible config is an error listing the differing keys."""
+        """(step, state, data iterator state) of the newest checkpoint that restores, or None if there is none. A
+        damaged one is reported and the one before it tried; once one restores, the damaged newer ones are moved aside
+        so that this run can save at their steps again. An incompatible config's is an error naming the keys."""
         current = json.loads(config.to_json())
         target = _abstract(nnx.to_pure_dict(abstract_state), nnx.to_pure_dict(shardings))
         damaged: dict[int, str] = {}
@@ -461,17 +456,15 @@ def load_config(workdir: str | pathlib.Path, step: int | None = None) -> ml_coll
     if not steps:
         raise CheckpointError(f"no checkpoint in {checkpoint_dir(workdir)}; train first or pass the right --workdir")
     step = steps[-1] if step is None else step
+    where = f"the checkpoint at step {step} in {checkpoint_dir(workdir)}"
     if problem := _damage(workdir, step, ("config",)):
-        raise CheckpointError(f"the checkpoint at step {step} in {checkpoint_dir(workdir)} is damaged: {problem}")
+        raise CheckpointError(f"{where} is damaged: {problem}")
     try:
         restored = _manager(workdir, read_only=True).restore(
             step, args=ocp.args.Composite(config=ocp.args.JsonRestore())
         )
     except Exception as e:  # any failure to read is a damaged checkpoint
-        raise CheckpointError(
-            f"the config of the checkpoint at step {step} in {checkpoint_dir(workdir)} cannot be read: "
-            f"{describe_error(e)}"
-        ) from None
+        raise CheckpointError(f"the config of {where} cannot be read: {describe_error(e)}") from None
     return bookkeeping.upgrade_config(ml_collections.ConfigDict(restored.config))
 
 
