@@ -386,7 +386,7 @@ def test_orbax_logs_of_a_failed_restore_are_dropped_only_during_the_call(caplog)
         return [r.exc_info[1] for r in caplog.records] == [exc]
 
     with caplog.at_level(logging.ERROR, logger="asyncio"):
-        with checkpoints._OrbaxLogFilter(checkpoints._is_restore_noise).during():
+        with checkpoints._OrbaxLogFilter(checkpoints._is_restore_noise):
             assert not logged(leftover) and logged(ValueError("an unrelated error"))
         assert logged(leftover) and not logging.getLogger("asyncio").filters and not logging.getLogger("absl").filters
 

@@ -1,58 +1,43 @@
-"""The small records a training run keeps in its workdir beside the checkpoints' arrays, each a JSON object: the lock
-of the run, the selection record of its validations, the checksums of every checkpoint's arrays and the digests of
-its files, and the saved configs (with what those written by earlier versions need today). training.checkpoints
-writes and reads the last four with every checkpoint; the training loop holds the lock and keeps the selection record.
+"""The small JSON records a training run keeps beside the checkpoints' arrays: the lock (held by the training loop),
+the selection record (kept by the loop, saved with each checkpoint), each checkpoint's checksums and digests, and
+what configs saved by earlier versions need today (the last three read and written by training.checkpoints).
 
-The lock, WORKDIR/train.lock: one training run per workdir. Two runs in one workdir would both write checkpoints and
-metrics, and one would crash mid-save. The lock file is created atomically (O_EXCL) and holds the pid, host and
-start time of its run; it is removed when the run ends. A lock left by a process that died (SIGKILL, a crash) on
-this host is detected (no such pid) and taken over; one from another host cannot be checked from here, so the
-message says which host and pid to look at. Multi-host: the hosts of one run share the workdir, so one lock stands
-for the run: process 0 takes it, and every process learns the outcome from one all-gather, so that either all start
-or all stop with the same error.
+The lock, WORKDIR/train.lock: one training run per workdir (two would both write checkpoints and metrics, and one
+would crash mid-save). Created atomically (O_EXCL), it holds its run's pid, host and start time and is removed when
+the run ends. A lock whose process died (SIGKILL, a crash) on this host is taken over; one from another host cannot
+be checked from here, so the message names its host and pid. The hosts of one run share the workdir: process 0 takes
+the lock and one all-gather tells every process the outcome, so that all start or all stop with the same error.
 
-The selection record: which validation was best, and whether to stop, for train.select_metric. The record travels
-with every checkpoint (in its `data` item, beside the iterator position), so a restart continues the count of
-validations without improvement, and a run that stopped early knows it has stopped. The checkpoints themselves are
-ranked by Orbax (training.checkpoints: the scores saved beside each checkpoint, a BestN preservation policy); this
-record only holds what early stopping needs.
+The selection record (the best validation for train.select_metric, and whether to stop) travels in every
+checkpoint's `data` item, so a restart continues the count of validations without improvement and a run that stopped
+early knows it has stopped. Orbax ranks the checkpoints themselves (training.checkpoints).
 
-Checksums, written with each checkpoint and verified when it is restored: a flipped bit in a checkpoint's data files
-otherwise restores silently (Orbax checks no content). Each array gets a 64-bit sum over its elements of
-mix(bits(element) + mix(flat global index + 1)) modulo 2**64, where mix is splitmix64's finaliser. A sum over
-elements does not depend on how the array is split into shards, so:
+Checksums, verified on restore: a flipped bit in a checkpoint's data files otherwise restores silently (Orbax checks
+no content). An array's checksum is the sum over its elements of mix(bits(element) + mix(flat global index + 1))
+modulo 2**64, mix being splitmix64's finaliser; a changed element changes its term to an unrelated 64-bit value, so
+the sum misses it with probability 2**-64. A sum over elements does not depend on the sharding: each process hashes
+the shards it holds with replica_id 0 (over all processes, exactly one copy of every element, whatever the mesh), one
+all-gather adds the partial sums and process 0 writes them; a checkpoint saved with one layout (FSDP over 8 devices)
+verifies after a restore onto another (one device). The host copies are hashed just before the (possibly
+asynchronous) save starts, while the arrays are valid (the next train step donates them).
 
-- each process hashes only the shards it holds with replica_id 0 (every element of the global array is in exactly
-  one such shard over all processes, whatever the mesh: replicated arrays are hashed once, by the process holding
-  replica 0, and sharded ones by every process for its own part), and the processes' partial sums are added with
-  one all-gather; process 0 writes them (the JSON item `checksums`, like the other JSON items);
-- a checkpoint saved with one layout (FSDP over 8 devices) verifies after a restore onto another (one device for
-  evaluation), because the sum is the same.
+Digests: the SHA-256 of every file of a checkpoint's items (DIGESTS in its directory), written by process 0 once Orbax
+has written the files and checked before Orbax opens the checkpoint. The checksums cannot refuse a damaged file that
+early, and a restore Orbax abandons at a failed read leaves TensorStore's other reads in flight, reporting after the
+error line (docs/reliability.md). A checkpoint written before digests existed restores without them.
 
-A changed element changes its term to an unrelated 64-bit value, so the sum misses it with probability 2**-64.
-The hashes are computed from the host copies of the arrays just before the (possibly asynchronous) save starts,
-while the arrays are still valid (the next train step donates them).
+Migrations: what checkpoints of earlier versions need to restore today, in one place (such checkpoints exist:
+tests/test_state.py, tests/test_configs.py):
 
-Digests: the SHA-256 of every file of a checkpoint's items (DIGESTS in its directory), written by process 0 once
-Orbax has written the files, and checked before Orbax opens the checkpoint. The checksums cannot refuse a damaged
-file that early (they need the restored arrays), and a restore Orbax abandons at a failed read leaves TensorStore's
-other reads in flight, reporting after the error line (docs/reliability.md, with what the second read costs). A
-checkpoint written before digests existed restores without them.
-
-Migrations: what checkpoints written by earlier versions need to restore today, in one place; nothing else reads old
-layouts. Each is kept because checkpoints of those versions exist (tests/test_state.py, tests/test_configs.py):
-
-- State layout: before the TrainState fields had names, a checkpoint's `state` item stored them under the
-  positions 0, 1, 2 (the same order). `state_keys` maps each field to the key it is saved under.
-- Config: the reserved ids were fixed constants (pad 0, eos 1, bos 2, unk 3: model.spec.SpecialIds.DEFAULT) until the
-  `model.pad_id/eos_id/bos_id/unk_id` keys came; a config saved in between has none of them, and one saved before
-  that held `model.pad_id` alone (it could only be 0) and had no `model.fused_backward` (those versions ran the
-  hand-written backward passes everywhere: 'on'). `upgrade_config` rewrites such a saved config in today's keys;
-  checkpoints.load_config applies it.
-- Config: keys added later (`ADDED_KEYS`) are missing from the configs saved before them; they get the value that
-  does what those versions did.
-- Config: the list-valued keys (data.corpora, opt.freeze, train.trackers, eval.extra_valid) were comma-joined
-  strings until they became tuples; `upgrade_config` splits such a string by the key's rule (config/schema.py).
+- State layout: before the TrainState fields had names, the `state` item stored them under the positions 0, 1, 2
+  (the same order); `state_keys` maps each field to its saved key.
+- Config (`upgrade_config`, applied by checkpoints.load_config): the reserved ids were fixed constants (pad 0, eos 1,
+  bos 2, unk 3: model.spec.SpecialIds.DEFAULT) until the `model.pad_id/eos_id/bos_id/unk_id` keys came; a config
+  saved in between has none of them, and one saved before that held `model.pad_id` alone (it could only be 0) and
+  had no `model.fused_backward` (those versions ran the hand-written backward passes everywhere: 'on').
+- Config: keys added later (`ADDED_KEYS`) get the value that does what the versions without them did.
+- Config: the list-valued keys (data.corpora, opt.freeze, train.trackers, eval.extra_valid) were comma-joined strings
+  until they became tuples; `upgrade_config` splits such a string by the key's rule (config/schema.py).
 """
 
 from __future__ import annotations
@@ -108,15 +93,11 @@ def _holder(path: pathlib.Path) -> dict | None:
 
 
 def acquire(workdir: pathlib.Path, name: str = LOCK_NAME, owner: str = "training run") -> pathlib.Path:
-    """Creates WORKDIR/<name> (train.lock) for this process, or raises WorkdirLocked naming the holder.
-
-    `name` and `owner` ("training run") let another command own a directory the same way (a sweep's sweep.lock)."""
+    """Creates WORKDIR/<name> (train.lock) for this process, or raises WorkdirLocked naming the holder. `name` and
+    `owner` ("training run") let another command own a directory the same way (a sweep's sweep.lock)."""
     path = workdir / name
-    me = {
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": started}
     for _ in range(3):  # a stale lock removed by us, or one that vanished meanwhile: try again
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -127,14 +108,11 @@ def acquire(workdir: pathlib.Path, name: str = LOCK_NAME, owner: str = "training
                 holder = _holder(path)
             if holder and holder.get("host") == me["host"] and not _alive(int(holder.get("pid", -1))):
                 logging.warning("removing the stale lock %s of process %s, which no longer runs", path, holder["pid"])
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
+                path.unlink(missing_ok=True)
                 continue
-            who = (
-                f"process {holder.get('pid')} on host {holder.get('host')} (started {holder.get('started')})"
-                if holder
-                else "an unreadable lock"
-            )
+            who = "an unreadable lock"
+            if holder:
+                who = f"process {holder.get('pid')} on host {holder.get('host')} (started {holder.get('started')})"
             raise WorkdirLocked(
                 f"{workdir} is in use by another {owner}: {path} is held by {who}. Wait for it to finish or "
                 f"stop it; if that process is gone, delete {path}"
@@ -151,8 +129,7 @@ def release(path: pathlib.Path) -> None:
     """Removes the lock if it is still this process's."""
     holder = _holder(path)
     if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+        path.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -160,20 +137,18 @@ def locked(workdir: pathlib.Path) -> Iterator[None]:
     """Holds the workdir's lock inside (process 0 takes it; every process raises the same error if it cannot)."""
     workdir.mkdir(parents=True, exist_ok=True)
     path, error = None, None
-    if jax.process_index() == 0:
-        try:
-            path = acquire(workdir)
-        except WorkdirLocked as e:
-            error = e
-    if jax.process_count() > 1:
-        refused = np.asarray(multihost_utils.process_allgather(np.int32(error is not None)))
-        if refused.any() and error is None:
-            error = WorkdirLocked(f"{workdir} is in use by another training run (see process 0's message)")
-    if error is not None:
-        if path is not None:
-            release(path)
-        raise error
     try:
+        if jax.process_index() == 0:
+            try:
+                path = acquire(workdir)
+            except WorkdirLocked as e:
+                error = e
+        if jax.process_count() > 1:
+            refused = np.asarray(multihost_utils.process_allgather(np.int32(error is not None)))
+            if refused.any() and error is None:
+                error = WorkdirLocked(f"{workdir} is in use by another training run (see process 0's message)")
+        if error is not None:
+            raise error
         yield
     finally:
         if path is not None:
@@ -263,8 +238,7 @@ class SelectionRecord:
 
     @classmethod
     def from_json(cls, saved: dict[str, Any] | None, metric: str) -> SelectionRecord:
-        """The saved record; a fresh one if there is none or it ranked another metric (its best means nothing
-        for this one)."""
+        """The saved record; a fresh one if there is none or it ranked another metric (its best means nothing here)."""
         if not saved or saved.get("metric") != metric:
             return cls(metric)
         return cls(**{f.name: saved.get(f.name, f.default) for f in dataclasses.fields(cls)})
@@ -290,28 +264,24 @@ def _shard_sum(values: np.ndarray, index: tuple[slice, ...], shape: tuple[int, .
     values = np.ascontiguousarray(values)
     if values.size == 0:
         return 0
-    bits = values.view(np.dtype(f"u{values.dtype.itemsize}")) if values.dtype.itemsize in (1, 2, 4, 8) else None
-    if bits is None:
+    if values.dtype.itemsize not in (1, 2, 4, 8):
         raise TypeError(f"cannot checksum dtype {values.dtype}")
-    if values.ndim == 0:
-        return int(_mix(bits.astype(np.uint64) + _mix(np.uint64(1))))
+    if values.ndim == 0:  # one element at flat index 0
+        values, shape = values.reshape(1), (1,)
+    bits = values.view(np.dtype(f"u{values.dtype.itemsize}"))
     strides = np.cumprod((1,) + shape[:0:-1])[::-1].astype(np.uint64)  # row-major element strides
     starts = [s.start or 0 for s in index] + [0] * (values.ndim - len(index))
-    inner = np.zeros(values.shape[1:], np.uint64)
-    for axis in range(1, values.ndim):
-        offsets = (np.arange(values.shape[axis], dtype=np.uint64) + np.uint64(starts[axis])) * strides[axis]
-        inner = inner + offsets.reshape((-1,) + (1,) * (values.ndim - 1 - axis))
-    inner = inner.reshape(-1)
-    rows = values.shape[0]
-    per_chunk = max(1, _CHUNK // max(1, inner.size))
+    # An element's flat global index is the sum over the axes of (start + its position) * stride.
+    axes = zip(values.shape, starts, strides, strict=True)
+    offsets = [(np.arange(n, dtype=np.uint64) + np.uint64(start)) * stride for n, start, stride in axes]
+    inner = np.asarray(sum(np.ix_(*offsets[1:]), np.uint64(0))).reshape(-1)  # those within a row
+    per_chunk = max(1, _CHUNK // inner.size)
+    bits = bits.reshape(len(offsets[0]), -1)
     total = np.uint64(0)
-    bits = bits.reshape(rows, -1)
     with np.errstate(over="ignore"):
-        for r0 in range(0, rows, per_chunk):
-            r1 = min(rows, r0 + per_chunk)
-            row_offsets = (np.arange(r0, r1, dtype=np.uint64) + np.uint64(starts[0])) * strides[0]
-            flat = row_offsets[:, None] + inner[None, :]
-            terms = _mix(bits[r0:r1].astype(np.uint64) + _mix(flat + np.uint64(1)))
+        for r0 in range(0, len(bits), per_chunk):
+            flat = offsets[0][r0 : r0 + per_chunk, None] + inner[None, :]
+            terms = _mix(bits[r0 : r0 + per_chunk].astype(np.uint64) + _mix(flat + np.uint64(1)))
             total = total + terms.sum(dtype=np.uint64)
     return int(total)
 
@@ -319,8 +289,7 @@ def _shard_sum(values: np.ndarray, index: tuple[slice, ...], shape: tuple[int, .
 def _local_sum(x: Any) -> int:
     """This process's part of an array's checksum: its shards with replica_id 0."""
     if not isinstance(x, jax.Array):
-        array = np.asarray(x)
-        return _shard_sum(array, tuple(slice(0, n) for n in array.shape), array.shape)
+        return _shard_sum(np.asarray(x), (), np.shape(x))
     total = 0
     for shard in x.addressable_shards:
         if shard.replica_id == 0:
@@ -336,16 +305,12 @@ def _key_data(x: Any) -> Any:
 
 
 def checksums(tree: dict) -> dict[str, dict]:
-    """{"a/b/c": {"shape", "dtype", "sum"}} for every array of a pure dict; the same on every process.
-
-    With several processes every process must call it (one all-gather of the partial sums).
-    """
+    """{"a/b/c": {"shape", "dtype", "sum"}} for every array of a pure dict; with several processes every process
+    must call it (one all-gather of the partial sums), and gets the same."""
     flat = {"/".join(str(k) for k in path): _key_data(x) for path, x in flatten_dict(tree).items()}
     names = sorted(flat)
     sums = [_local_sum(flat[name]) for name in names]
-    if jax.process_count() > 1 and any(
-        isinstance(flat[n], jax.Array) and not flat[n].is_fully_addressable for n in names
-    ):
+    if jax.process_count() > 1 and not all(getattr(x, "is_fully_addressable", True) for x in flat.values()):
         # uint32 halves: without jax_enable_x64 a uint64 would be truncated on the way.
         halves = np.array([[s >> 32, s & 0xFFFFFFFF] for s in sums], np.uint32).reshape(-1, 2)
         gathered = np.asarray(multihost_utils.process_allgather(halves))  # (processes, arrays, 2)
@@ -357,9 +322,8 @@ def checksums(tree: dict) -> dict[str, dict]:
 
 
 def checksum_problem(directory: pathlib.Path, tree: dict) -> str | None:
-    """What differs between the arrays of `tree` restored from the checkpoint in `directory` and their saved
-    checksums (only arrays present in `tree`: evaluation restores the model parameters alone), or None, also for a
-    checkpoint written before checksums existed. With several processes every process must call it."""
+    """What differs between the arrays of `tree` restored from the checkpoint in `directory` (evaluation restores the
+    parameters alone) and their saved checksums, or None (also if it has none). Every process must call it."""
     path = directory / "checksums" / "metadata"
     if not path.exists():
         return None
@@ -407,8 +371,7 @@ def write_digests(directory: pathlib.Path, items: Sequence[str]) -> None:
 
 
 def digest_problem(directory: pathlib.Path, items: Sequence[str]) -> str | None:
-    """The first file of `items` that is missing or differs from its saved digest, or None (also for a checkpoint
-    written before digests existed)."""
+    """The first file of `items` that is missing or differs from its saved digest, or None (also if it has none)."""
     path = directory / DIGESTS
     if not path.exists():
         return None
