@@ -12,17 +12,14 @@ not used (it came out negative for this program).
 from __future__ import annotations
 
 import json
-import math
 import time
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 from jax.sharding import Mesh
 
 from transformer_jax import decoding, runtime
-from transformer_jax.data.batching import BATCH_KEYS
 from transformer_jax.data.pipeline import batch_shapes
 from transformer_jax.errors import ConfigError
 from transformer_jax.evaluation.translate import (
@@ -47,7 +44,7 @@ from transformer_jax.plan.accelerators import (
     parse_topology,
 )
 from transformer_jax.sharding import MESH_MODES, array_sharding, make_mesh, replicated, tracing_mesh
-from transformer_jax.training.loop import check_batch_shapes
+from transformer_jax.training.loop import abstract_batch, check_batch_shapes
 from transformer_jax.training.metrics import decode_step_flops, train_step_flops
 from transformer_jax.training.step import abstract_train_state, compile_steps, eval_model
 
@@ -88,10 +85,6 @@ def run(config: ml_collections.ConfigDict, topology_name: str, search: str = "")
     return result
 
 
-def _batch_shape(key: str, rows: int, s_len: int, t_len: int) -> tuple[int, int]:
-    return (rows, s_len if key.startswith("src") else t_len)
-
-
 def compile_train_step(
     config: ml_collections.ConfigDict, topology: Topology, mesh_mode: str, mesh: Mesh, shape: tuple[int, int, int]
 ):
@@ -108,9 +101,8 @@ def compile_train_step(
             label_smoothing=config.train.label_smoothing,
             accum_steps=config.train.grad_accum_steps,
         )
-        batch = {k: jax.ShapeDtypeStruct(_batch_shape(k, rows, s_len, t_len), jnp.int32) for k in BATCH_KEYS}
         compiled = compile_or_refuse(
-            train_step.trace(abstract, batch),
+            train_step.trace(abstract, abstract_batch(rows, s_len, t_len)),
             f"the train step (mesh={mesh_mode}, batch {[rows, s_len, t_len]}) on {topology.name}",
             "lower the batch (--plan_search=batch finds the largest) or try train.mesh=fsdp",
         )
@@ -162,7 +154,8 @@ def plan_train_step(config: ml_collections.ConfigDict, topology: Topology, mesh_
         "per_chip_bytes": {
             "parameters": bytes_per_chip(params, mesh, mesh_mode),
             "optimizer_state": bytes_per_chip(abstract["optimizer"], mesh, mesh_mode),
-            "batch": sum(math.prod(_batch_shape(k, rows, s_len, t_len)) * 4 for k in BATCH_KEYS) // topology.chips,
+            "batch": sum(x.size * x.dtype.itemsize for x in abstract_batch(rows, s_len, t_len).values())
+            // topology.chips,
         },
         "memory_analysis_per_chip": memory,
         "hbm_bytes_per_chip": chip.hbm_bytes,
@@ -207,32 +200,34 @@ def search_batch(
     multiple = check_batch_shapes(config, make_mesh(list(topology.devices())))
     unit = multiple * (config.data.max_len if key == "tokens_per_batch" else 1)
     tried = []
+    best, low, high = None, 0, None  # the report of the largest batch that fits, that batch, the smallest that not
 
-    def attempt(value: int) -> dict | None:
-        """The report if the batch fits, else None."""
+    def attempt(value: int) -> bool:
+        """Plans the batch `value` and narrows the bracket; whether it fits."""
+        nonlocal best, low, high
         try:
             report = plan_train_step(with_batch(config, value), topology, mesh_mode)
         except DoesNotFit as error:
             tried.append({key: value, "fits": False, "compiler": str(error)})
-            return None
-        tried.append({key: value, "fits": report["fits"], "total_bytes": report["memory_analysis_per_chip"]["total"]})
-        return report if report["fits"] else None
+            report = None
+        else:
+            total = report["memory_analysis_per_chip"]["total"]
+            tried.append({key: value, "fits": report["fits"], "total_bytes": total})
+        if report and report["fits"]:
+            best, low = report, value
+            return True
+        high = value
+        return False
 
     value = max(unit, config.data[key] // unit * unit)
-    best, low, high = None, 0, None
-    report = attempt(value)
-    if report:
-        best, low = report, value
+    if attempt(value):
         while high is None and value < 64 * config.data[key]:
             value *= 2
-            report = attempt(value)
-            best, low, high = (report, value, high) if report else (best, low, value)
+            attempt(value)
     else:
-        high = value
         while best is None and value > unit:
             value = max(unit, value // 2 // unit * unit)
-            report = attempt(value)
-            best, low, high = (report, value, high) if report else (best, low, value)
+            attempt(value)
     if best is None:
         last = tried[-1]
         need = last.get("compiler") or f"needs {gb(last['total_bytes'])} per chip of {gb(topology.chip.hbm_bytes)}"
@@ -241,8 +236,7 @@ def search_batch(
         value = (low + high) // 2 // unit * unit
         if value <= low:
             break
-        report = attempt(value)
-        best, low, high = (report, value, high) if report else (best, low, value)
+        attempt(value)
     best["search"] = {"key": f"data.{key}", "largest_that_fits": low, "first_that_does_not": high, "tried": tried}
     return best
 
@@ -394,11 +388,26 @@ def check_fits(result: dict, config: ml_collections.ConfigDict) -> None:
     if not any(r["fits"] for r in reports.values()):
         if not reports:  # both meshes refused by the compiler
             raise DoesNotFit(" | ".join(result["refused_by_compiler"].values()))
-        raise DoesNotFit(does_not_fit_line(min(reports.values(), key=lambda r: r["memory_analysis_per_chip"]["total"])))
+        report = min(reports.values(), key=lambda r: r["memory_analysis_per_chip"]["total"])
+        raise DoesNotFit(
+            f"does not fit: the train step (mesh={report['step']['mesh']}, batch "
+            f"{report['step']['batch_rows_src_tgt']}) needs {gb(report['memory_analysis_per_chip']['total'])} per "
+            f"chip on {report['topology']['name']}, {gb(-report['headroom_bytes'])} more than the chip's "
+            f"{gb(report['hbm_bytes_per_chip'])}; lower the batch (--plan_search=batch finds the largest) or try "
+            "train.mesh=fsdp"
+        )
     trainable = [r for r in reports.values() if r["fits"] and "decode" in r]
     if trainable and not any(r["decode"]["fits"] for r in trainable):
         worst = min(trainable, key=lambda r: r["decode"]["total_bytes"])
-        raise DoesNotFit(decode_does_not_fit_line(worst["decode"], worst["topology"]["name"]))
+        decode, resident = worst["decode"], worst["decode"]["train_state_resident_bytes"]
+        raise DoesNotFit(
+            f"does not fit: validation's decoding (beam {decode['beam_size']}, {decode['sentences']} sentences x "
+            f"{decode['source_len']} source tokens, {decode['output_slots']} output slots) needs "
+            f"{gb(decode['total_bytes'])} per chip on {worst['topology']['name']} (program {decode['peak_program']} "
+            f"{gb(decode['total_bytes'] - resident)} + the train state's optimizer state {gb(resident)}), "
+            f"{gb(-decode['headroom_bytes'])} more than the chip's {gb(decode['hbm_bytes_per_chip'])}; "
+            "lower eval.batch_size or data.eval_max_len"
+        )
 
 
 def _size(n: float) -> str:
@@ -407,29 +416,6 @@ def _size(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.3g} {unit}"
     return f"{n:.0f} B"
-
-
-def does_not_fit_line(report: dict) -> str:
-    total = report["memory_analysis_per_chip"]["total"]
-    return (
-        f"does not fit: the train step (mesh={report['step']['mesh']}, batch {report['step']['batch_rows_src_tgt']}) "
-        f"needs {gb(total)} per chip on {report['topology']['name']}, {gb(-report['headroom_bytes'])} more than "
-        f"the chip's {gb(report['hbm_bytes_per_chip'])}; lower the batch (--plan_search=batch finds the largest) "
-        "or try train.mesh=fsdp"
-    )
-
-
-def decode_does_not_fit_line(decode: dict, topology_name: str) -> str:
-    """One line for a plan whose validation decoding (a report's "decode" section) does not fit."""
-    resident = decode["train_state_resident_bytes"]
-    return (
-        f"does not fit: validation's decoding (beam {decode['beam_size']}, {decode['sentences']} sentences x "
-        f"{decode['source_len']} source tokens, {decode['output_slots']} output slots) needs "
-        f"{gb(decode['total_bytes'])} per chip on {topology_name} (program {decode['peak_program']} "
-        f"{gb(decode['total_bytes'] - resident)} + the train state's optimizer state {gb(resident)}), "
-        f"{gb(-decode['headroom_bytes'])} more than the chip's {gb(decode['hbm_bytes_per_chip'])}; "
-        "lower eval.batch_size or data.eval_max_len"
-    )
 
 
 def _row(label: str, *values) -> str:

@@ -387,6 +387,12 @@ def setup(
     )
 
 
+def abstract_batch(rows: int, src_len: int, tgt_len: int, sharding=None) -> dict[str, jax.ShapeDtypeStruct]:
+    """The shapes and dtypes of a global batch of `rows` rows, S=src_len, T=tgt_len."""
+    shape = {"src": (rows, src_len), "tgt": (rows, tgt_len)}
+    return {k: jax.ShapeDtypeStruct(shape[k[:3]], jnp.int32, sharding=sharding) for k in BATCH_KEYS}
+
+
 def compile_ahead(train_step, abstract_state, shardings, shapes, batch_sharding_, mesh) -> threading.Thread:
     """Compiles (or loads from the compilation cache) the train step on a thread, started while the checkpoint is
     restored (file waits and numpy checksums leave the GIL free). Only when the data has one batch shape (`shapes`,
@@ -394,13 +400,7 @@ def compile_ahead(train_step, abstract_state, shardings, shapes, batch_sharding_
     costs only its time: the first step then compiles as it would have."""
 
     def work() -> None:
-        rows, src_len, tgt_len = shapes[0]
-        batch = {
-            k: jax.ShapeDtypeStruct(
-                (rows, src_len if k.startswith("src") else tgt_len), jnp.int32, sharding=batch_sharding_
-            )
-            for k in BATCH_KEYS
-        }
+        batch = abstract_batch(*shapes[0], sharding=batch_sharding_)
         state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, shardings)
         try:
             with tracing_mesh(mesh):  # as the step loop traces it (a context of this thread only)

@@ -21,7 +21,6 @@ import logging
 import os
 import pathlib
 import sys
-import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -338,34 +337,36 @@ def _ffn(spec: TransformerSpec, tokens: int) -> float:
     return 2 * (3 if spec.activation == "swiglu" else 2) * tokens * spec.d_model * spec.d_ff
 
 
+def _decoder_and_logits(spec: TransformerSpec, rows: int, q_len: int, self_len: int, src_len: int, memory: int) -> int:
+    """`rows` rows of q_len queries through the decoder (self-attention over self_len positions, cross-attention
+    over src_len, projecting `memory` source tokens: 0 when they are cached) and the logits."""
+    tokens = rows * q_len
+    return (
+        spec.num_decoder_layers
+        * (
+            _projections(spec, tokens, tokens)
+            + rows * _scores_and_mix(spec, q_len, self_len)
+            + _projections(spec, tokens, memory)
+            + rows * _scores_and_mix(spec, q_len, src_len)
+            + _ffn(spec, tokens)
+        )
+        + 2 * tokens * spec.d_model * spec.vocab_size
+    )
+
+
 def forward_flops(spec: TransformerSpec, batch: int, src_len: int, tgt_len: int) -> float:
     """FLOPs of one forward pass over a [batch, src_len] source and [batch, tgt_len] target."""
-    s_tok, t_tok = batch * src_len, batch * tgt_len
+    s_tok = batch * src_len
     encoder = spec.num_encoder_layers * (
         _projections(spec, s_tok, s_tok) + batch * _scores_and_mix(spec, src_len, src_len) + _ffn(spec, s_tok)
     )
-    decoder = spec.num_decoder_layers * (
-        _projections(spec, t_tok, t_tok)
-        + batch * _scores_and_mix(spec, tgt_len, tgt_len)
-        + _projections(spec, t_tok, s_tok)
-        + batch * _scores_and_mix(spec, tgt_len, src_len)
-        + _ffn(spec, t_tok)
-    )
-    logits = 2 * t_tok * spec.d_model * spec.vocab_size
-    return float(encoder + decoder + logits)
+    return float(encoder + _decoder_and_logits(spec, batch, tgt_len, tgt_len, src_len, s_tok))
 
 
 def decode_step_flops(spec: TransformerSpec, rows: int, src_len: int, slots: int) -> float:
-    """FLOPs of one cached decoding step of `rows` rows (sentences x beams): each row's new token through the
-    decoder, self-attention over `slots` cache slots, cross-attention over src_len cached positions, the logits."""
-    decoder = spec.num_decoder_layers * (
-        _projections(spec, rows, rows)
-        + rows * _scores_and_mix(spec, 1, slots)
-        + _projections(spec, rows, 0)
-        + rows * _scores_and_mix(spec, 1, src_len)
-        + _ffn(spec, rows)
-    )
-    return float(decoder + 2 * rows * spec.d_model * spec.vocab_size)
+    """FLOPs of one cached decoding step of `rows` rows (sentences x beams): each row's new token, self-attention
+    over `slots` cache slots, cross-attention over src_len cached positions."""
+    return float(_decoder_and_logits(spec, rows, 1, slots, src_len, 0))
 
 
 def train_step_flops(spec: TransformerSpec, batch: int, src_len: int, tgt_len: int) -> float:
@@ -421,17 +422,11 @@ def matmul_peak(directory: pathlib.Path | None) -> float:
     if key in peaks:
         return peaks[key]
     peaks[key] = measure_matmul_peak()
-    temporary = None
     try:
-        with tempfile.NamedTemporaryFile("w", dir=directory, prefix=".tmp-peak-", delete=False) as out:
-            temporary = out.name
-            json.dump(peaks, out, indent=1)
-        os.replace(temporary, file)
-        temporary = None
+        if not file.parent.is_dir():  # write_text_atomically would make it
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(file.parent))
+        runtime.write_text_atomically(file, json.dumps(peaks, indent=1))
         logging.info("measured a matmul peak of %.3g FLOP/s per device for MFU; kept in %s", peaks[key], file)
     except OSError as error:
         logging.info("the matmul peak is not kept (%s cannot be written: %s)", file, error.strerror or error)
-    finally:
-        if temporary is not None:
-            pathlib.Path(temporary).unlink(missing_ok=True)
     return peaks[key]
