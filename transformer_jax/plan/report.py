@@ -1,12 +1,7 @@
-"""`train.py --plan`: the loop's train step, and validation's decoding beside it, compiled for a TPU or GPU slice
-on this (CPU) host with no data: memory per chip, fit, collectives and estimated times; the searches over batch and
-mesh; the table or JSON, and the one line that says what does not fit.
-
-The train step compiled is the loop's own (`abstract_train_state`, `compile_steps`: the same jitted function,
-shardings, donation, micro-batching, dtype and attention implementation) at the batch shape of `data.batching`
-with the most FLOPs, inside `runtime.compiling_for(target)` so that every choice made from the backend follows the
-target. Nothing runs: the times are roofline estimates (ROOFLINE), never measurements; XLA's `optimal_seconds` is
-not used (it came out negative for this program).
+"""`train.py --plan`: the loop's own train step (`compile_steps`) and validation's decoding, compiled for a TPU or
+GPU slice on this CPU host inside `runtime.compiling_for(target)`, so that every choice made from the backend
+follows the target; the searches over batch and mesh; the table or JSON. docs/plan.md describes the report.
+Nothing runs: the times are roofline estimates (ROOFLINE); XLA's `optimal_seconds` came out negative here.
 """
 
 from __future__ import annotations
@@ -71,8 +66,8 @@ PLACEMENT = {
 
 
 def run(config: ml_collections.ConfigDict, topology_name: str, search: str = "") -> dict:
-    """The plan of `config` on the slice (search "": the config as it is; "batch": the largest batch that fits;
-    "mesh": data and fsdp side by side), each mesh's report with a "decode" section for validation's decoding."""
+    """The plan of `config` on the slice (search "": as configured; "batch": the largest batch that fits; "mesh":
+    data and fsdp side by side), each mesh's report with a "decode" section."""
     if search not in SEARCHES:
         raise ConfigError(f"--plan_search={search!r}: choose batch or mesh (or leave it out)")
     topology = parse_topology(topology_name)
@@ -110,13 +105,12 @@ def compile_train_step(
 
 
 def plan_train_step(config: ml_collections.ConfigDict, topology: Topology, mesh_mode: str) -> dict:
-    """Compiles the train step for the slice and returns the report (see the module docstring)."""
+    """The report of the train step compiled for the slice at data.batching's shape with the most FLOPs."""
     if mesh_mode not in MESH_MODES:
         raise ConfigError(f"config key train.mesh: unknown value {mesh_mode!r}; choose one of {list(MESH_MODES)}")
     chip = topology.chip
     mesh = make_mesh(list(topology.devices()))
     spec = TransformerSpec.from_config(config)
-    # The global batch shape with the most FLOPs among those data.batching produces on this slice.
     shapes = batch_shapes(config.data, topology.hosts, check_batch_shapes(config, mesh))
     rows, s_len, t_len = max(shapes, key=lambda shape: (train_step_flops(spec, *shape), shape[2]))
     start = time.perf_counter()
@@ -190,17 +184,14 @@ def with_batch(config: ml_collections.ConfigDict, value: int) -> ml_collections.
 def search_batch(
     config: ml_collections.ConfigDict, topology: Topology, mesh_mode: str, tolerance: float = 1 / 16
 ) -> dict:
-    """The largest batch that fits, by doubling or halving from the config's then bisecting, over compiles.
-
-    Steps are whole rows per device (and micro-batch); for bucket, data.tokens_per_batch moves in steps of that many
-    rows of data.max_len tokens. Stops when the bracket is within `tolerance` of the batch. Returns the report of
-    the largest batch that fits with a "search" entry; DoesNotFit if even one step does not.
-    """
+    """The report of the largest batch that fits, with a "search" entry: doubling or halving from the config's, then
+    bisecting to within `tolerance`, in steps of whole rows per device and micro-batch (for bucket, that many rows
+    of data.max_len tokens). DoesNotFit if even one step does not fit."""
     key = "tokens_per_batch" if config.data.batching == "bucket" else "batch_size"
     multiple = check_batch_shapes(config, make_mesh(list(topology.devices())))
     unit = multiple * (config.data.max_len if key == "tokens_per_batch" else 1)
     tried = []
-    best, low, high = None, 0, None  # the report of the largest batch that fits, that batch, the smallest that not
+    best, low, high = None, 0, None  # the largest batch that fits (its report, its value); the smallest that not
 
     def attempt(value: int) -> bool:
         """Plans the batch `value` and narrows the bracket; whether it fits."""
@@ -268,16 +259,10 @@ def _roofline(flops_per_chip: float, bytes_accessed: float, wire_bytes: float, c
 
 
 def plan_decode(config: ml_collections.ConfigDict, topology: Topology, mesh_mode: str) -> dict:
-    """The report's "decode" section: validation BLEU's beam search compiled for the slice at its peak of memory,
-    so that a run that trains but whose validation would not fit is caught too.
-
-    The programs are the Searcher's own (`peak_programs`) for validation's batch (train.bleu_sentences sentences,
-    eval.batch_size at a time), its longest source and largest cache stage, with validation's search settings.
-    Parameters sit as the train state places them, host inputs are replicated (as jit places validation's numpy
-    sources): with mesh `data` every chip decodes the whole batch; with `fsdp` XLA's sharding propagation splits
-    the work. With train.bleu_every > 0 the fit counts the optimizer state, which stays in HBM while validation
-    decodes. The times are estimates from DECODE_ROOFLINE.
-    """
+    """The report's "decode" section (docs/plan.md): the Searcher's own programs (`peak_programs`) for validation's
+    batch, longest source and largest cache stage, compiled for the slice, so that a run whose validation would not
+    fit is caught too. Parameters sit as the train state places them, host inputs are replicated (as jit places
+    validation's numpy sources)."""
     settings = validation_settings(config)
     search, chip = settings.search, topology.chip
     mesh = make_mesh(list(topology.devices()))
@@ -343,7 +328,7 @@ def plan_decode(config: ml_collections.ConfigDict, topology: Topology, mesh_mode
 
 
 def _step_estimate(stage: jax.stages.Compiled | None, topology: Topology, rows: int) -> dict:
-    """DECODE_ROOFLINE for one decoding step; None values where the search is one jitted call (its count mixes the
+    """DECODE_ROOFLINE for one decoding step; None values for a search in one jitted call (its count mixes the
     encoder with every cache stage's loop)."""
     if stage is None:
         keys = ("flops_per_step_per_chip", "compute_s", "hbm_s", "collective_s", "step_s", "s_per_output_token")

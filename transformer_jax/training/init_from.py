@@ -55,13 +55,15 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | os.PathLike, overr
     own = _own_config(workdir)
     if own is not None:
         _check_same_run(own, config, workdir)
-        return Start(_with_architecture(config, own, overrides, workdir, f"the checkpoint in --workdir {workdir}"))
+        where = f"the checkpoint in --workdir {workdir}"
+        return Start(_merged(config, own, overrides, where, _workdir_tokenizer(own, workdir)))
     if checkpoints.list_steps(workdir):  # none of its own checkpoints is readable: restore_latest says which
         return Start(config)
 
     def read(step: int) -> tuple[int, ml_collections.ConfigDict, ml_collections.ConfigDict, dict]:
         source_config = checkpoints.load_config(source, step)
-        merged = _with_architecture(config, source_config, overrides, workdir, f"train.init_from {source}")
+        tokenizer = _workdir_tokenizer(source_config, workdir)
+        merged = _merged(config, source_config, overrides, f"train.init_from {source}", tokenizer)
         return step, source_config, merged, checkpoints.load_model_params(source, step, abstract_train_state(merged)[1])
 
     step, source_config, merged, params = _first_readable(config, source, read)
@@ -172,19 +174,13 @@ def _first_readable(config: ml_collections.ConfigDict, source: pathlib.Path, rea
     )
 
 
-def _with_architecture(
-    config: ml_collections.ConfigDict,
-    reference: ml_collections.ConfigDict,
-    overrides: set[str],
-    workdir: pathlib.Path,
-    where: str,
-) -> ml_collections.ConfigDict:
-    """_merged with the workdir's copy of the source's tokenizer."""
-    # A source that trained its tokenizer into its workdir (it has exactly model.vocab_size pieces) leaves the key
-    # empty, and so does this run: the workdir's spm.model, wherever the workdir is moved. A source given a file
-    # (which may have fewer pieces) names the copy explicitly, which get_tokenizer accepts smaller.
-    tokenizer = str(workdir.resolve() / MODEL_FILENAME) if reference.data.tokenizer_model else ""
-    return _merged(config, reference, overrides, where, tokenizer)
+def _workdir_tokenizer(reference: ml_collections.ConfigDict, workdir: pathlib.Path) -> str:
+    """data.tokenizer_model for the workdir's copy of the source's tokenizer.
+
+    A source that trained its tokenizer into its workdir (it has exactly model.vocab_size pieces) leaves the key
+    empty, and so does this run: the workdir's spm.model, wherever the workdir is moved. A source given a file
+    (which may have fewer pieces) names the copy explicitly, which get_tokenizer accepts smaller."""
+    return str(workdir.resolve() / MODEL_FILENAME) if reference.data.tokenizer_model else ""
 
 
 def _merged(
