@@ -88,13 +88,9 @@ def compile_train_step(
     jax.clear_caches()  # a trace made for the host backend must not be reused for the target
     with runtime.compiling_for(topology.chip.platform), tracing_mesh(mesh):
         graphs, abstract = abstract_train_state(config)
+        train = config.train
         train_step, _, _ = compile_steps(
-            graphs,
-            abstract,
-            mesh,
-            mesh_mode,
-            label_smoothing=config.train.label_smoothing,
-            accum_steps=config.train.grad_accum_steps,
+            graphs, abstract, mesh, mesh_mode, label_smoothing=train.label_smoothing, accum_steps=train.grad_accum_steps
         )
         compiled = compile_or_refuse(
             train_step.trace(abstract, abstract_batch(rows, s_len, t_len)),

@@ -1,12 +1,10 @@
 """The training loop: config -> data -> jitted steps -> metrics and checkpoints, resumable exactly.
 
 The loop never waits on the device for the step it just dispatched: metrics are fetched one step late, batches
-are placed on the devices by grain's prefetch thread. `setup` builds a `TrainingRun` from the config; `run_steps`
-is the step loop; `MetricLog` logs step metrics; `Validation` runs validation loss and BLEU when due; `StopRequest`
-turns SIGTERM into a clean stop. With ckpt.keep_best or train.early_stop_patience every validation is ranked by
-train.select_metric (training.bookkeeping): an improvement saves a checkpoint, and train.early_stop_patience
-validations without one stop the run. Validation BLEU sits above training: the caller passes it as a function
-(`BleuEvaluator`; train.py: evaluation.translate.bleu_evaluator), so training never imports evaluation.
+are placed on the devices by grain's prefetch thread. With ckpt.keep_best or train.early_stop_patience every
+validation is ranked by train.select_metric (training.bookkeeping): an improvement saves a checkpoint, and
+train.early_stop_patience validations without one stop the run. Validation BLEU sits above training: the caller
+passes it as a function (`BleuEvaluator`), so training never imports evaluation.
 """
 
 from __future__ import annotations
@@ -70,8 +68,8 @@ def host_block(array: np.ndarray) -> np.ndarray:
 def validation_batches(
     config: ml_collections.ConfigDict, tokenizer, pairs: list[tuple[str, str]] | None = None
 ) -> list[dict[str, np.ndarray]]:
-    """Every validation pair once (`pairs`, default data.valid_split's), sorted by length, each batch cut to its
-    longest row rounded up to a bucket (16, 32, 64, ...: few compiled shapes, little padding; sums ignore order)."""
+    """Every validation pair once (default data.valid_split's), sorted by length, each batch cut to its longest row
+    rounded up to a bucket (16, 32, 64, ...: few compiled shapes, little padding; sums ignore order)."""
     if pairs is None:
         pairs = load_split(config.data, config.data.valid_split)
     pairs = sorted(pairs, key=lambda pair: (len(pair[1]), len(pair[0])))  # characters: a proxy for tokens
@@ -118,8 +116,8 @@ def check_batch_shapes(config: ml_collections.ConfigDict, mesh) -> int:
 
 
 def dry_run_summary(config: ml_collections.ConfigDict) -> dict:
-    """`train.py --dry_run`: parameters, FLOPs, the batch shapes training will use, the mesh and a time estimate,
-    without data or compute. Gradient accumulation splits the same batch, so it changes neither FLOPs nor tokens."""
+    """`train.py --dry_run`: parameters, FLOPs, batch shapes, mesh and a time estimate, without data or compute.
+    Gradient accumulation splits the same batch, so it changes neither FLOPs nor tokens."""
     spec = TransformerSpec.from_config(config)
     mesh = make_mesh()
     shapes = batch_shapes(config.data, jax.process_count(), check_batch_shapes(config, mesh))
@@ -204,12 +202,11 @@ class MetricLog:
         self.corpus_tokens: dict[str, int] = {}
 
     def add(self, metrics: dict, real_tokens: tuple[int, dict[str, int]], step_flops: float, step: int) -> None:
-        """Takes the step just dispatched (real tokens: all, and per corpus of data.corpora); fetches the one before."""
+        """Takes the step just dispatched (real tokens: all, per corpus); fetches the one before."""
         self.flush()
         self.pending = (metrics, real_tokens, step_flops, step)
 
     def flush(self) -> None:
-        """Fetches the pending step's metrics (waits for that step)."""
         if self.pending is None:
             return
         metrics, real_tokens, step_flops, step = self.pending
@@ -232,7 +229,7 @@ class MetricLog:
             )
 
     def write(self, step: int) -> dict[str, float]:
-        """Fetches the pending step, writes one record of the steps since the last and returns it."""
+        """Writes and returns one record of the steps since the last."""
         self.flush()
         elapsed = max(time.time() - self.start, 1e-9)
         metrics = summarize(self.sums)
@@ -271,7 +268,6 @@ class Validation:
         self.bleu = bleu(config, tokenizer) if config.train.bleu_every or self.decodes else None
 
     def is_due(self, step: int) -> bool:
-        """Whether a ranked validation (train.eval_every) runs after `step`."""
         return is_due(step, self.config.train.eval_every, self.config.train.num_steps)
 
     def run_due(self, step: int, state) -> dict[str, float]:
@@ -324,8 +320,7 @@ def setup(
     bleu: BleuEvaluator | None = None,
     init_params: dict | None = None,
 ) -> TrainingRun:
-    """Mesh, tokenizer, data, the state (restored from the latest checkpoint, or new: with `init_params`, the model
-    parameters of a fine-tuning source, init_from.prepare), compiled steps, writers."""
+    """The run from its latest checkpoint, or new (with `init_params`, a fine-tuning source's, init_from.prepare)."""
     workdir.mkdir(parents=True, exist_ok=True)
     mesh = make_mesh()
     logging.info("training on %d devices, mesh %s, train.mesh=%s", mesh.size, dict(mesh.shape), config.train.mesh)
@@ -337,13 +332,9 @@ def setup(
         examples, _ = open_train_examples(config.data, tokenizer, build_if_missing=jax.process_count() == 1)
     train_iter, data_stats = make_train_iterator(config.data, tokenizer, examples=examples, row_multiple=row_multiple)
     graphs, abstract = abstract_train_state(config)
+    train = config.train
     train_step, eval_step, shardings = compile_steps(
-        graphs,
-        abstract,
-        mesh,
-        config.train.mesh,
-        label_smoothing=config.train.label_smoothing,
-        accum_steps=config.train.grad_accum_steps,
+        graphs, abstract, mesh, train.mesh, label_smoothing=train.label_smoothing, accum_steps=train.grad_accum_steps
     )
     sharding = batch_sharding(mesh)
     shapes = batch_shapes(config.data, jax.process_count(), row_multiple)
@@ -425,9 +416,9 @@ def _all_finite(state) -> jax.Array:
 def save_if_finite(
     run: TrainingRun, step: int, state, it_state, rotate: bool = True, metrics: dict[str, float] | None = None
 ) -> bool:
-    """Saves a checkpoint unless the state holds a NaN or infinity: such a state must neither become the latest
-    checkpoint nor make ckpt.keep rotate away the last finite one. rotate=False keeps every older checkpoint;
-    `metrics` are the step's validation scores (they rank it among the best). The selection record goes with it."""
+    """Saves a checkpoint (with the selection record, and `metrics`, the validation scores that rank it) unless the
+    state holds a NaN or infinity: such a state must neither become the latest checkpoint nor make ckpt.keep rotate
+    away the last finite one. rotate=False keeps every older checkpoint."""
     if not bool(_all_finite(state)):
         steps = run.checkpointer.manager.all_steps()
         logging.error(
@@ -535,12 +526,8 @@ def train_and_evaluate(
     bleu: BleuEvaluator | None = None,
     overrides: tuple[str, ...] = (),
 ) -> dict[str, float]:
-    """Trains (or resumes) in workdir until config.train.num_steps; returns the last logged metrics.
-
-    With train.init_from, a run without a checkpoint of its own starts from the source's parameters and
-    architecture (training.init_from); `overrides`, the keys set on the command line, may not contradict it.
-    `bleu` builds the validation BLEU function. The workdir is locked for the run (a second run there stops).
-    """
+    """Trains (or resumes) in workdir, locked for the run, until train.num_steps; returns the last logged metrics.
+    `overrides`, the keys set on the command line, may not contradict a train.init_from source's architecture."""
     if bleu is None and (config.train.bleu_every or decodes_at_validation(config)):
         raise ValueError(
             f"train.bleu_every={config.train.bleu_every} or train.select_metric={config.train.select_metric} needs "

@@ -1,13 +1,6 @@
 """What a run logs: WORKDIR/metrics.jsonl (one JSON object per logged step; the sweep reads it) and the experiment
-trackers of train.trackers (TensorBoard by default, Weights & Biases, MLflow); and what it costs: FLOPs and MFU.
-
-Each tracker gets the resolved config as parameters (dotted keys), every metric at its step, and the final scores
-as W&B's run summary, MLflow's `final/<metric>` metrics or TensorBoard's hparams. wandb and mlflow are imported
-only when named; W&B reads WANDB_MODE, WANDB_PROJECT, WANDB_DIR (default WORKDIR/wandb), MLflow
-MLFLOW_TRACKING_URI; train.tracker_group is the W&B group and the MLflow experiment. On resume, WORKDIR/trackers.json
-(each tracker's run id and last step, written before the record is handed over: a crash may lose a step in a
-tracker, never log it twice) continues each run; W&B and MLflow skip the steps they already have, TensorBoard
-purges its events after the checkpoint's step.
+trackers of train.trackers (docs/usage.md: TensorBoard, Weights & Biases, MLflow, each continued on resume); and
+what it costs: FLOPs and MFU.
 
 FLOPs: one multiply-add is 2; every matmul at the batch's padded shape (the work the hardware does); softmax,
 norms, dropout and elementwise ops (a few percent) are not counted; a training step is 3x the forward pass.
@@ -90,7 +83,6 @@ class MetricWriter:
         return result
 
     def _failed(self, step: int, error: OSError) -> Exception:
-        """A full disk as one line; any other failure to write is re-raised as it is."""
         if not runtime.is_disk_full(error):
             return error
         return DiskFullError(
@@ -144,12 +136,10 @@ MLFLOW_BATCH = 100  # MLflow's limit of parameters per log_batch call
 
 
 class Trackers:
-    """The trackers a run names, as one: what MetricWriter calls. Opened on process 0 only (as metrics.jsonl).
-
-    Each tracker (OPENERS) is one run continued across restarts: `run_id` is what trackers.json keeps (None for
-    TensorBoard, whose files are in the workdir), `resumed` whether it continued an earlier start's run, and it
-    has log(step, metrics), finish(step, scores) and close(failed).
-    """
+    """The trackers a run names, as one, for MetricWriter on process 0. Each (OPENERS) is one run continued across
+    restarts: `run_id` is what trackers.json keeps (None for TensorBoard, whose files are in the workdir),
+    `resumed` whether it continued an earlier start's run; it has log(step, metrics), finish(step, scores) and
+    close(failed)."""
 
     def __init__(self, names: tuple[str, ...], workdir: str | os.PathLike, group: str, params: dict, resume_step: int):
         workdir = pathlib.Path(workdir)
@@ -181,7 +171,6 @@ class Trackers:
             self.trackers[name].log(step, metrics)
 
     def finish(self, step: int, scores: dict[str, float]) -> None:
-        """The run's final scores (its end, or a stop that saved a checkpoint; a restart updates them)."""
         for tracker in self.trackers.values():
             tracker.finish(step, scores)
         self.finished = True
