@@ -269,13 +269,9 @@ def compiled_cost(compiled) -> tuple[dict, str]:
 
 def hlo_module_cost_from_private_jax(compiled: jax.stages.Compiled) -> dict[str, float]:
     """XLA's HloCostAnalysis of a compiled program's first module (flops, bytes accessed, ...), counted by the
-    host's CPU client; ImportError or AttributeError once jax drops the private entry point.
-
-    The CUDA plugin's deviceless compile (`train.py --plan h100:8`) leaves `cost_analysis()` empty; HloCostAnalysis
-    counts the same module, and jax exposes it only as `jax._src.lib.xla_client._xla.hlo_module_cost_analysis`.
-    Without it the plan reports the FLOPs formula (compiled_cost); tests/test_plan_xla_cost.py names the jax version
-    that moved it.
-    """
+    host's CPU client. The CUDA plugin's deviceless compile (`--plan h100:8`) leaves `cost_analysis()` empty, and
+    jax exposes HloCostAnalysis only privately; once it moves (ImportError, AttributeError; tests/test_plan_xla_cost.py
+    names the jax version) the plan reports the FLOPs formula."""
     from jax._src.lib import xla_client  # imported here so that its loss costs only this count, not the plan
 
     module = compiled.runtime_executable().hlo_modules()[0]

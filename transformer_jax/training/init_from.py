@@ -1,10 +1,9 @@
 """Starting a run from another run's parameters (fine-tuning): `train.init_from=WORKDIR`, `train.init_step`.
 
-The source workdir's checkpoint gives the model's parameters; step, optimizer state, schedule, dropout RNG and data
-order start fresh. The `architecture` keys of config/schema.py come from the source's saved config (a command-line
-override that contradicts one is refused); every other key is the run's own. The source's tokenizer is copied
-into the workdir, so a run with a checkpoint of its own never reads the source again. `prepare` checks everything
-before writing anything, and each refusal is one line (ConfigError or CheckpointError); the source is only read.
+The source's checkpoint gives the model's parameters; step, optimizer state, schedule, dropout RNG and data order
+start fresh. The `architecture` keys of config/schema.py come from the source's saved config; every other key is
+the run's own. The source's tokenizer is copied into the workdir, so a run with a checkpoint of its own never reads
+the source again. `prepare` checks everything before writing anything; the source is only read.
 """
 
 from __future__ import annotations
@@ -18,9 +17,7 @@ import tempfile
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-import jax
 import ml_collections
-from flax import nnx
 from flax.traverse_util import flatten_dict
 
 from transformer_jax.config import checks, schema
@@ -70,13 +67,6 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | os.PathLike, overr
     _copy_tokenizer(source, source_config, workdir)
     logging.info("starting from the parameters of the checkpoint at step %d in %s", step, source)
     return Start(merged, params, step)
-
-
-def with_params(state: nnx.State, params: dict, shardings: nnx.State) -> nnx.State:
-    """The train state with its model parameters replaced by `params` (a pure dict), placed with its shardings."""
-    param_shardings = nnx.to_pure_dict(nnx.filter_state(shardings["model"], nnx.Param))
-    nnx.replace_by_pure_dict(state["model"], jax.device_put(params, param_shardings))
-    return state
 
 
 def _copy(config: ml_collections.ConfigDict, values: dict[str, Any]) -> ml_collections.ConfigDict:

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from flax import nnx
 from jax.experimental import multihost_utils
 
 from transformer_jax import runtime
@@ -346,8 +347,9 @@ def setup(
     if restored is None:
         state = jax.jit(lambda: create_train_state(config)[1], out_shardings=shardings)()
         step = 0
-        if init_params is not None:
-            state = init_from.with_params(state, init_params, shardings)
+        if init_params is not None:  # a fine-tuning source's model parameters (a pure dict)
+            param_shardings = nnx.to_pure_dict(nnx.filter_state(shardings["model"], nnx.Param))
+            nnx.replace_by_pure_dict(state["model"], jax.device_put(init_params, param_shardings))
     else:
         step, state, it_state = restored
         train_iter.set_state(it_state)
