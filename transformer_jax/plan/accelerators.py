@@ -96,8 +96,7 @@ def valid_names() -> list[str]:
         if chip.platform == "cuda":
             names.append(f"{chip.name}:N (N <= {chip.chips_per_host} or a multiple of {chip.chips_per_host})")
         else:
-            counts = sorted(_TPU_SHAPES[chip.axes])
-            cores = [c * chip.cores_per_chip for c in counts]
+            cores = [c * chip.cores_per_chip for c in sorted(_TPU_SHAPES[chip.axes])]
             axes = "x".join("ABC"[: chip.axes])
             names.append(f"{chip.name}-{cores[0]} .. {chip.name}-{cores[-1]} or {chip.name}:{axes}")
     return names

@@ -13,7 +13,6 @@ import logging
 import os
 import pathlib
 import shutil
-import tempfile
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -21,6 +20,7 @@ import ml_collections
 from flax.traverse_util import flatten_dict
 
 from transformer_jax.config import checks, schema
+from transformer_jax.data.sources import atomic_write
 from transformer_jax.data.tokenizer import MODEL_FILENAME, tokenizer_files
 from transformer_jax.errors import CheckpointError, ConfigError
 from transformer_jax.training import checkpoints
@@ -221,12 +221,5 @@ def _copy_tokenizer(source: pathlib.Path, source_config: ml_collections.ConfigDi
                     f"({tokenizer}); fine-tune into a new --workdir"
                 )
             continue
-        workdir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=workdir)
-        os.close(fd)
-        try:
+        with atomic_write(target) as tmp:
             shutil.copyfile(tokenizer, tmp)
-            os.replace(tmp, target)
-        except BaseException:
-            pathlib.Path(tmp).unlink(missing_ok=True)
-            raise

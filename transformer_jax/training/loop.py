@@ -17,6 +17,7 @@ import pathlib
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -200,7 +201,7 @@ class MetricLog:
     def _reset(self) -> None:
         self.sums = {"loss_sum": 0.0, "nll_sum": 0.0, "correct": 0.0, "tokens": 0.0}
         self.grad_norms, self.real_tokens, self.flops, self.steps, self.start = [], 0, 0.0, 0, time.time()
-        self.corpus_tokens: dict[str, int] = {}
+        self.corpus_tokens: Counter[str] = Counter()  # data.corpora: tokens_NAME, each corpus's share of them
 
     def add(self, metrics: dict, real_tokens: tuple[int, dict[str, int]], step_flops: float, step: int) -> None:
         """Takes the step just dispatched (real tokens: all, per corpus); fetches the one before."""
@@ -218,8 +219,7 @@ class MetricLog:
         if metrics["finite"]:
             self.grad_norms.append(float(metrics["grad_norm"]))
         self.real_tokens += real_tokens[0]
-        for name, count in real_tokens[1].items():  # data.corpora: tokens_NAME, each corpus's share of them
-            self.corpus_tokens[name] = self.corpus_tokens.get(name, 0) + count
+        self.corpus_tokens.update(real_tokens[1])
         self.flops += step_flops
         self.steps += 1
         if int(metrics["nonfinite_in_a_row"]) >= self.max_nonfinite:
@@ -268,21 +268,19 @@ class Validation:
         self.decodes = decodes_at_validation(config)
         self.bleu = bleu(config, tokenizer) if config.train.bleu_every or self.decodes else None
 
-    def is_due(self, step: int) -> bool:
-        return is_due(step, self.config.train.eval_every, self.config.train.num_steps)
-
     def run_due(self, step: int, state) -> dict[str, float]:
         """Runs what is due after `step`; returns every score written, named as in metrics.jsonl (valid_*)."""
         train, num_steps = self.config.train, self.config.train.num_steps
         scores: dict[str, float] = {}
-        if self.is_due(step):
+        validating = is_due(step, train.eval_every, num_steps)
+        if validating:
             for name, batches in self.batches:
                 metrics = evaluate_loss(self.eval_step, state, batches, self.sharding)
                 prefix = f"valid_{name}_" if name else "valid_"
                 self.writer.write(step, metrics, prefix=prefix)
                 scores.update({prefix + k: v for k, v in metrics.items()})
                 logging.info("step %d validation%s: %s", step, f" ({name})" if name else "", json.dumps(metrics))
-        if is_due(step, train.bleu_every, num_steps) or (self.decodes and self.is_due(step)):
+        if is_due(step, train.bleu_every, num_steps) or (self.decodes and validating):
             bleu = self.bleu(eval_model(self.graphs, state))
             self.writer.write(step, bleu, prefix="valid_")
             scores.update({f"valid_{k}": v for k, v in bleu.items()})
@@ -471,7 +469,7 @@ def run_steps(run: TrainingRun, stop: StopRequest) -> dict[str, float]:
             run.metric_log.add(metrics, real_tokens, train_step_flops(run.spec, *shape), step)
             if is_due(step, config.train.log_every, num_steps):
                 last_logged = run.metric_log.write(step)
-            if ranked and run.validation.is_due(step):
+            if ranked and is_due(step, config.train.eval_every, num_steps):
                 # Ranked: the scores decide whether this step is saved, so validation runs before the checkpoint.
                 if _validate_and_rank(run, step, state, it_state):
                     saved_step = step
