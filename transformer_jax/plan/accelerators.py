@@ -1,9 +1,7 @@
 """Accelerators this host does not have, for ahead-of-time compilation (train.py --plan, the compile tests and
 benchmarks): the chips' facts, the slice names users type (docs/plan.md), the devices of a slice that the real TPU
 or GPU compiler accepts on a CPU host, and what a program compiled for them needs per chip. Nothing here runs.
-
-hlo_module_cost_from_private_jax holds the one use of a private jax API in transformer_jax (its docstring says
-why); tests/test_layering.py allows it there and nowhere else.
+hlo_module_cost_from_private_jax is transformer_jax's one private jax use (tests/test_layering.py allows it here).
 """
 
 from __future__ import annotations

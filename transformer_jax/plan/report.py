@@ -84,7 +84,6 @@ def compile_train_step(
     config: ml_collections.ConfigDict, topology: Topology, mesh_mode: str, mesh: Mesh, shape: tuple[int, int, int]
 ):
     """The loop's train step compiled for the slice at one global batch shape; returns (compiled, abstract state)."""
-    rows, s_len, t_len = shape
     jax.clear_caches()  # a trace made for the host backend must not be reused for the target
     with runtime.compiling_for(topology.chip.platform), tracing_mesh(mesh):
         graphs, abstract = abstract_train_state(config)
@@ -93,8 +92,8 @@ def compile_train_step(
             graphs, abstract, mesh, mesh_mode, label_smoothing=train.label_smoothing, accum_steps=train.grad_accum_steps
         )
         compiled = compile_or_refuse(
-            train_step.trace(abstract, abstract_batch(rows, s_len, t_len)),
-            f"the train step (mesh={mesh_mode}, batch {[rows, s_len, t_len]}) on {topology.name}",
+            train_step.trace(abstract, abstract_batch(*shape)),
+            f"the train step (mesh={mesh_mode}, batch {list(shape)}) on {topology.name}",
             "lower the batch (--plan_search=batch finds the largest) or try train.mesh=fsdp",
         )
     return compiled, abstract
@@ -114,8 +113,6 @@ def plan_train_step(config: ml_collections.ConfigDict, topology: Topology, mesh_
     compile_s = time.perf_counter() - start
 
     memory = memory_per_chip(compiled)
-    used = memory["total"]
-    params = nnx.filter_state(abstract["model"], nnx.Param)
     formula = train_step_flops(spec, rows, s_len, t_len)
     cost, cost_source = compiled_cost(compiled)
     compiled_flops = cost.get("flops")
@@ -142,15 +139,15 @@ def plan_train_step(config: ml_collections.ConfigDict, topology: Topology, mesh_
         },
         "compile_s": compile_s,
         "per_chip_bytes": {
-            "parameters": bytes_per_chip(params, mesh, mesh_mode),
+            "parameters": bytes_per_chip(nnx.filter_state(abstract["model"], nnx.Param), mesh, mesh_mode),
             "optimizer_state": bytes_per_chip(abstract["optimizer"], mesh, mesh_mode),
             "batch": sum(x.size * x.dtype.itemsize for x in abstract_batch(rows, s_len, t_len).values())
             // topology.chips,
         },
         "memory_analysis_per_chip": memory,
         "hbm_bytes_per_chip": chip.hbm_bytes,
-        "fits": used <= chip.hbm_bytes,
-        "headroom_bytes": chip.hbm_bytes - used,
+        "fits": memory["total"] <= chip.hbm_bytes,
+        "headroom_bytes": chip.hbm_bytes - memory["total"],
         "flops_per_step": {
             "compiled": compiled_flops * topology.chips if compiled_flops else None,
             "formula": formula,

@@ -40,9 +40,8 @@ class Start:
 
 
 def prepare(config: ml_collections.ConfigDict, workdir: str | os.PathLike, overrides: Iterable[str] = ()) -> Start:
-    """The run's start. With train.init_from, the config takes the architecture keys and the tokenizer from the
-    run's own latest checkpoint if it has one, else from the source, whose parameters are then read. `overrides`:
-    the dotted keys set on the command line; one that contradicts the source is refused."""
+    """The run's start. With train.init_from, the architecture keys and the tokenizer come from the run's own latest
+    checkpoint, else from the source, whose parameters are then read; `overrides` (--config.KEY) may not differ."""
     if not config.train.init_from:
         return Start(config)
     workdir = pathlib.Path(workdir)
@@ -165,11 +164,9 @@ def _first_readable(config: ml_collections.ConfigDict, source: pathlib.Path, rea
 
 
 def _workdir_tokenizer(reference: ml_collections.ConfigDict, workdir: pathlib.Path) -> str:
-    """data.tokenizer_model for the workdir's copy of the source's tokenizer.
-
-    A source that trained its tokenizer into its workdir (it has exactly model.vocab_size pieces) leaves the key
-    empty, and so does this run: the workdir's spm.model, wherever the workdir is moved. A source given a file
-    (which may have fewer pieces) names the copy explicitly, which get_tokenizer accepts smaller."""
+    """data.tokenizer_model for the workdir's copy of the source's tokenizer: empty, as the source's, if the source
+    trained it into its workdir (exactly model.vocab_size pieces), so the workdir's spm.model wherever the workdir
+    moves; the copy's path if the source was given a file (which may have fewer pieces: get_tokenizer accepts it)."""
     return str(workdir.resolve() / MODEL_FILENAME) if reference.data.tokenizer_model else ""
 
 

@@ -254,9 +254,8 @@ def decodes_at_validation(config: ml_collections.ConfigDict) -> bool:
 
 
 class Validation:
-    """Validation loss every train.eval_every steps and BLEU every train.bleu_every steps (and at the last step);
-    BLEU at every train.eval_every too when the ranked select metric needs translations. Each eval.extra_valid
-    set is scored beside data.valid_split, its metrics named valid_NAME_*."""
+    """Validation loss every train.eval_every steps, BLEU every train.bleu_every steps (and at the last step) and at
+    every eval_every when the ranked select metric needs translations; eval.extra_valid sets too (valid_NAME_*)."""
 
     def __init__(
         self, config, graphs: Graphs, tokenizer, eval_step, sharding, writer: MetricWriter, bleu: BleuEvaluator | None
@@ -385,10 +384,9 @@ def abstract_batch(rows: int, src_len: int, tgt_len: int, sharding=None) -> dict
 
 
 def compile_ahead(train_step, abstract_state, shardings, shapes, batch_sharding_, mesh) -> threading.Thread:
-    """Compiles (or loads from the compilation cache) the train step on a thread, started while the checkpoint is
-    restored (file waits and numpy checksums leave the GIL free). Only when the data has one batch shape (`shapes`,
-    global (rows, S, T)): that program is the one the first step calls, and jax's caches hand it over. A failure
-    costs only its time: the first step then compiles as it would have."""
+    """Compiles (or loads from the compilation cache) the train step on a thread while the checkpoint is restored
+    (file waits and numpy checksums leave the GIL free), if the data has one global batch shape: the program the
+    first step calls, handed over by jax's caches. A failure costs only its time: the first step compiles again."""
 
     def work() -> None:
         batch = abstract_batch(*shapes[0], sharding=batch_sharding_)
@@ -437,9 +435,8 @@ STOPPED_EARLY_AT = "stopped_early_at"  # run_steps' result: the step where early
 
 
 def run_steps(run: TrainingRun, stop: StopRequest) -> dict[str, float]:
-    """Steps from run.step to train.num_steps (or a stop request): train, log, validate, checkpoint. Returns the
-    last logged metrics, with STOPPED_EARLY_AT when early stopping ended the run. A stop request or NonFiniteError
-    (re-raised) saves the state reached, the last good one since non-finite updates were skipped (save_if_finite)."""
+    """Steps from run.step to train.num_steps: train, log, validate, checkpoint; returns the last logged metrics (and
+    STOPPED_EARLY_AT). A stop request or NonFiniteError (re-raised) saves the state reached, the last good one."""
     config, num_steps = run.config, run.config.train.num_steps
     # A restored run has its checkpoint at run.step; a new one has none yet.
     state, step, saved_step, it_state, last_logged = run.state, run.step, run.step or None, None, {}

@@ -33,8 +33,7 @@ class MetricWriter:
     """Writes on process 0 only, each record at once as one appended line. A failed write truncates the file back
     to the records before it (never a partial line); a full disk, there or in a tracker, is one DiskFullError line.
     A run resumed at `resume_step` first moves the later records to metrics.superseded.jsonl, so each step is
-    logged once. `config` names the trackers and is their parameters; None: the default trackers, no parameters.
-    """
+    logged once. `config` names the trackers and is their parameters; None: the default trackers, no parameters."""
 
     def __init__(
         self, workdir: str | pathlib.Path, resume_step: int = 0, config: ml_collections.ConfigDict | None = None
@@ -138,8 +137,7 @@ MLFLOW_BATCH = 100  # MLflow's limit of parameters per log_batch call
 class Trackers:
     """The trackers a run names, as one, for MetricWriter on process 0. Each (OPENERS) is one run continued across
     restarts: `run_id` is what trackers.json keeps (None for TensorBoard, whose files are in the workdir),
-    `resumed` whether it continued an earlier start's run; it has log(step, metrics), finish(step, scores) and
-    close(failed)."""
+    `resumed` whether it continued an earlier start's run."""
 
     def __init__(self, names: tuple[str, ...], workdir: str | os.PathLike, group: str, params: dict, resume_step: int):
         workdir = pathlib.Path(workdir)
@@ -400,10 +398,8 @@ def _read_peaks(file: pathlib.Path) -> dict[str, float]:
 
 def matmul_peak(directory: pathlib.Path | None) -> float:
     """MFU's denominator when train.peak_flops is not set: measure_matmul_peak() of this kind of machine
-    (`peak_key`), measured once and kept in directory/PEAK_FILE (the compilation cache's), so that a restart neither
-    waits for it nor reports an MFU against a different, noisy measurement. Measured every time when directory is
-    None; a directory that cannot be written only means measuring again.
-    """
+    (`peak_key`), kept in directory/PEAK_FILE (the compilation cache's; None or unwritable: measured every time), so
+    that a restart neither waits for it nor reports an MFU against a different, noisy measurement."""
     if directory is None:
         return measure_matmul_peak()
     file, key = pathlib.Path(directory) / PEAK_FILE, peak_key()
