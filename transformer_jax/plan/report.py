@@ -184,7 +184,7 @@ def search_batch(
     multiple = check_batch_shapes(config, make_mesh(list(topology.devices())))
     unit = multiple * (config.data.max_len if key == "tokens_per_batch" else 1)
     tried = []
-    best, low, high = None, 0, None  # the largest batch that fits (its report, its value); the smallest that not
+    best, low, high = None, 0, None  # largest fitting batch: its report and value; smallest that does not fit
 
     def attempt(value: int) -> bool:
         """Plans the batch `value` and narrows the bracket; whether it fits."""
