@@ -1,9 +1,7 @@
 """Train a Transformer: python train.py --config configs/<file>.py[:arg] --workdir DIR [--config.<key>=<value>]
 
-Starting in a workdir that has checkpoints resumes from the latest. --dry_run builds the model abstractly, prints
-its size, FLOPs, batch shapes, device mesh and a time estimate, and exits without touching data. --plan TOPOLOGY
-(e.g. v5e-8, v4-32, h100:8) compiles the train step for that TPU or GPU slice on this host and reports memory per
-chip, fit, collectives and an estimated step time (transformer_jax/plan/; needs requirements-aot.txt).
+Starting in a workdir that has checkpoints resumes from the latest. --dry_run and --plan (docs/plan.md, needs
+requirements-aot.txt) touch no data and train nothing.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """Accelerators this host does not have, for ahead-of-time compilation (train.py --plan, the compile tests and
-benchmarks): the facts of each chip in one table, the slice names users type, the devices of such a slice, which
-the real TPU or GPU compiler accepts on a CPU host (`pip install -r requirements-aot.txt`), and what a program
-compiled for them needs per chip: memory, FLOPs, collectives. Nothing here runs a program.
-
-hlo_module_cost_from_private_jax holds the one use of a private jax API in transformer_jax (its docstring says
-why); tests/test_layering.py allows it there and nowhere else.
-
-Names (`parse_topology`): Cloud TPU accelerator types `v5e-8`, `v4-32`, `v5p-16`, `v6e-8` (the number counts
-TensorCores, two per chip on v4 and v5p, one on v5e and v6e), libtpu topologies `v5e:2x4`, `v4:2x2x4` (chips
-along each axis), and GPUs `h100:8`, `h200:16` (GPUs, 8 per host). Slices of several hosts are allowed.
+benchmarks): the chips' facts, the slice names users type (docs/plan.md), the devices of a slice that the real TPU
+or GPU compiler accepts on a CPU host, and what a program compiled for them needs per chip. Nothing here runs.
+hlo_module_cost_from_private_jax is transformer_jax's one private jax use (tests/test_layering.py allows it here).
 """
 
 from __future__ import annotations
@@ -101,15 +94,15 @@ def valid_names() -> list[str]:
         if chip.platform == "cuda":
             names.append(f"{chip.name}:N (N <= {chip.chips_per_host} or a multiple of {chip.chips_per_host})")
         else:
-            counts = sorted(_TPU_SHAPES[chip.axes])
-            cores = [c * chip.cores_per_chip for c in counts]
+            cores = [c * chip.cores_per_chip for c in sorted(_TPU_SHAPES[chip.axes])]
             axes = "x".join("ABC"[: chip.axes])
             names.append(f"{chip.name}-{cores[0]} .. {chip.name}-{cores[-1]} or {chip.name}:{axes}")
     return names
 
 
 def parse_topology(name: str) -> Topology:
-    """The slice a user names (see the module docstring); an unknown name lists the valid forms."""
+    """The slice a user names: Cloud TPU accelerator types `v5e-8`, `v4-32` (TensorCores: two per chip on v4 and
+    v5p), libtpu shapes `v5e:2x4`, `v4:2x2x4` (chips per axis), GPUs `h100:8` (8 per host)."""
     match = _NAME.fullmatch(name.strip().lower())
     chip = CHIPS.get(match["chip"]) if match else None
     if chip is None:
@@ -145,12 +138,6 @@ def parse_topology(name: str) -> Topology:
     return Topology(name, chip, chips, max(1, chips // per_host), shape)
 
 
-def _host_bounds(topology: Topology) -> tuple[int, int, int]:
-    """Chips of one host along each axis: the whole slice if it fits one host, else a 2x2x1 block of 4."""
-    dims = [int(n) for n in topology.shape.split("x")] + [1] * (3 - topology.chip.axes)
-    return tuple(dims) if topology.hosts == 1 else (2, 2, 1)
-
-
 @functools.cache
 def _devices(topology: Topology) -> tuple[jax.Device, ...]:
     chip = topology.chip
@@ -165,10 +152,12 @@ def _devices(topology: Topology) -> tuple[jax.Device, ...]:
             os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
             os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
             os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{chip.name}-{topology.chips * chip.cores_per_chip}")
+            # Chips of one host along each axis: the whole slice if it fits one host, else a 2x2x1 block of 4.
+            dims = [int(n) for n in topology.shape.split("x")] + [1] * (3 - chip.axes)
             desc = topologies.get_topology_desc(
                 platform="tpu",
                 topology_name=f"{chip.name}:{topology.shape}",
-                chips_per_host_bounds=_host_bounds(topology),
+                chips_per_host_bounds=tuple(dims) if topology.hosts == 1 else (2, 2, 1),
                 # One device per chip, as jax shows a v4 or v5p chip's two TensorCores on a real host.
                 **({"chip_config_name": "megacore"} if chip.cores_per_chip == 2 else {}),
             )
@@ -217,20 +206,17 @@ _WHILE = re.compile(r" while\(.*body=%([^,\s]+).*\"known_trip_count\":\{\"n\":\"
 
 def _array_bytes(text: str) -> list[int]:
     """Bytes of every array type in an HLO type string, e.g. '(bf16[8,128]{1,0}, f32[])'."""
-    sizes = []
-    for dtype, dims in _ARRAY.findall(text):
-        if dtype in _DTYPE_BYTES:
-            sizes.append(_DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d))
-    return sizes
+    arrays = _ARRAY.findall(text)
+    return [
+        _DTYPE_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d) for t, dims in arrays if t in _DTYPE_BYTES
+    ]
 
 
 def collectives(hlo_text: str, chips: int) -> dict:
     """Count and result bytes per step of each collective in a compiled module's HLO text, and the bytes each chip
-    puts on the wire for them (ring algorithms over all `chips`: the mesh has one axis).
-
-    An op inside a while loop counts once per iteration where the compiler states the trip count. An async op is
-    counted at its -start; its bytes are its largest array (a start's tuple holds the operand and the result).
-    """
+    puts on the wire for them (ring algorithms over all `chips`: the mesh has one axis). An op inside a while loop
+    counts once per iteration where the compiler states the trip count; an async op counts at its -start, as its
+    largest array (a start's tuple holds the operand and the result)."""
     parent, loops, ops, current = {}, {}, [], None  # ops: (computation, op, bytes) in the text's order
     for line in hlo_text.splitlines():
         header = _COMPUTATION.match(line)
@@ -280,13 +266,9 @@ def compiled_cost(compiled) -> tuple[dict, str]:
 
 def hlo_module_cost_from_private_jax(compiled: jax.stages.Compiled) -> dict[str, float]:
     """XLA's HloCostAnalysis of a compiled program's first module (flops, bytes accessed, ...), counted by the
-    host's CPU client; ImportError or AttributeError once jax drops the private entry point.
-
-    The CUDA plugin's deviceless compile (`train.py --plan h100:8`) leaves `cost_analysis()` empty; HloCostAnalysis
-    counts the same module, and jax exposes it only as `jax._src.lib.xla_client._xla.hlo_module_cost_analysis`.
-    Without it the plan reports the FLOPs formula (compiled_cost); tests/test_plan_xla_cost.py names the jax version
-    that moved it.
-    """
+    host's CPU client. The CUDA plugin's deviceless compile (`--plan h100:8`) leaves `cost_analysis()` empty, and
+    jax exposes HloCostAnalysis only privately; once it moves (ImportError, AttributeError; tests/test_plan_xla_cost.py
+    names the jax version) the plan reports the FLOPs formula."""
     from jax._src.lib import xla_client  # imported here so that its loss costs only this count, not the plan
 
     module = compiled.runtime_executable().hlo_modules()[0]

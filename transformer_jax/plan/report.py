@@ -1,28 +1,20 @@
-"""`train.py --plan`: the loop's train step, and validation's decoding beside it, compiled for a TPU or GPU slice
-on this (CPU) host with no data: memory per chip, fit, collectives and estimated times; the searches over batch and
-mesh; the table or JSON, and the one line that says what does not fit.
-
-The train step compiled is the loop's own (`abstract_train_state`, `compile_steps`: the same jitted function,
-shardings, donation, micro-batching, dtype and attention implementation) at the batch shape of `data.batching`
-with the most FLOPs, inside `runtime.compiling_for(target)` so that every choice made from the backend follows the
-target. Nothing runs: the times are roofline estimates (ROOFLINE), never measurements; XLA's `optimal_seconds` is
-not used (it came out negative for this program).
+"""`train.py --plan`: the loop's own train step (`compile_steps`) and validation's decoding, compiled for a TPU or
+GPU slice on this CPU host inside `runtime.compiling_for(target)`, so that every choice made from the backend
+follows the target; the searches over batch and mesh; the table or JSON. docs/plan.md describes the report.
+Nothing runs: the times are roofline estimates (ROOFLINE); XLA's `optimal_seconds` came out negative here.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 from jax.sharding import Mesh
 
 from transformer_jax import decoding, runtime
-from transformer_jax.data.batching import BATCH_KEYS
 from transformer_jax.data.pipeline import batch_shapes
 from transformer_jax.errors import ConfigError
 from transformer_jax.evaluation.translate import (
@@ -47,7 +39,7 @@ from transformer_jax.plan.accelerators import (
     parse_topology,
 )
 from transformer_jax.sharding import MESH_MODES, array_sharding, make_mesh, replicated, tracing_mesh
-from transformer_jax.training.loop import check_batch_shapes
+from transformer_jax.training.loop import abstract_batch, check_batch_shapes
 from transformer_jax.training.metrics import decode_step_flops, train_step_flops
 from transformer_jax.training.step import abstract_train_state, compile_steps, eval_model
 
@@ -74,8 +66,8 @@ PLACEMENT = {
 
 
 def run(config: ml_collections.ConfigDict, topology_name: str, search: str = "") -> dict:
-    """The plan of `config` on the slice (search "": the config as it is; "batch": the largest batch that fits;
-    "mesh": data and fsdp side by side), each mesh's report with a "decode" section for validation's decoding."""
+    """The plan of `config` on the slice (search "": as configured; "batch": the largest batch that fits; "mesh":
+    data and fsdp side by side), each mesh's report with a "decode" section."""
     if search not in SEARCHES:
         raise ConfigError(f"--plan_search={search!r}: choose batch or mesh (or leave it out)")
     topology = parse_topology(topology_name)
@@ -88,43 +80,32 @@ def run(config: ml_collections.ConfigDict, topology_name: str, search: str = "")
     return result
 
 
-def _batch_shape(key: str, rows: int, s_len: int, t_len: int) -> tuple[int, int]:
-    return (rows, s_len if key.startswith("src") else t_len)
-
-
 def compile_train_step(
     config: ml_collections.ConfigDict, topology: Topology, mesh_mode: str, mesh: Mesh, shape: tuple[int, int, int]
 ):
     """The loop's train step compiled for the slice at one global batch shape; returns (compiled, abstract state)."""
-    rows, s_len, t_len = shape
     jax.clear_caches()  # a trace made for the host backend must not be reused for the target
     with runtime.compiling_for(topology.chip.platform), tracing_mesh(mesh):
         graphs, abstract = abstract_train_state(config)
+        train = config.train
         train_step, _, _ = compile_steps(
-            graphs,
-            abstract,
-            mesh,
-            mesh_mode,
-            label_smoothing=config.train.label_smoothing,
-            accum_steps=config.train.grad_accum_steps,
+            graphs, abstract, mesh, mesh_mode, label_smoothing=train.label_smoothing, accum_steps=train.grad_accum_steps
         )
-        batch = {k: jax.ShapeDtypeStruct(_batch_shape(k, rows, s_len, t_len), jnp.int32) for k in BATCH_KEYS}
         compiled = compile_or_refuse(
-            train_step.trace(abstract, batch),
-            f"the train step (mesh={mesh_mode}, batch {[rows, s_len, t_len]}) on {topology.name}",
+            train_step.trace(abstract, abstract_batch(*shape)),
+            f"the train step (mesh={mesh_mode}, batch {list(shape)}) on {topology.name}",
             "lower the batch (--plan_search=batch finds the largest) or try train.mesh=fsdp",
         )
     return compiled, abstract
 
 
 def plan_train_step(config: ml_collections.ConfigDict, topology: Topology, mesh_mode: str) -> dict:
-    """Compiles the train step for the slice and returns the report (see the module docstring)."""
+    """The report of the train step compiled for the slice at data.batching's shape with the most FLOPs."""
     if mesh_mode not in MESH_MODES:
         raise ConfigError(f"config key train.mesh: unknown value {mesh_mode!r}; choose one of {list(MESH_MODES)}")
     chip = topology.chip
     mesh = make_mesh(list(topology.devices()))
     spec = TransformerSpec.from_config(config)
-    # The global batch shape with the most FLOPs among those data.batching produces on this slice.
     shapes = batch_shapes(config.data, topology.hosts, check_batch_shapes(config, mesh))
     rows, s_len, t_len = max(shapes, key=lambda shape: (train_step_flops(spec, *shape), shape[2]))
     start = time.perf_counter()
@@ -132,8 +113,6 @@ def plan_train_step(config: ml_collections.ConfigDict, topology: Topology, mesh_
     compile_s = time.perf_counter() - start
 
     memory = memory_per_chip(compiled)
-    used = memory["total"]
-    params = nnx.filter_state(abstract["model"], nnx.Param)
     formula = train_step_flops(spec, rows, s_len, t_len)
     cost, cost_source = compiled_cost(compiled)
     compiled_flops = cost.get("flops")
@@ -160,14 +139,15 @@ def plan_train_step(config: ml_collections.ConfigDict, topology: Topology, mesh_
         },
         "compile_s": compile_s,
         "per_chip_bytes": {
-            "parameters": bytes_per_chip(params, mesh, mesh_mode),
+            "parameters": bytes_per_chip(nnx.filter_state(abstract["model"], nnx.Param), mesh, mesh_mode),
             "optimizer_state": bytes_per_chip(abstract["optimizer"], mesh, mesh_mode),
-            "batch": sum(math.prod(_batch_shape(k, rows, s_len, t_len)) * 4 for k in BATCH_KEYS) // topology.chips,
+            "batch": sum(x.size * x.dtype.itemsize for x in abstract_batch(rows, s_len, t_len).values())
+            // topology.chips,
         },
         "memory_analysis_per_chip": memory,
         "hbm_bytes_per_chip": chip.hbm_bytes,
-        "fits": used <= chip.hbm_bytes,
-        "headroom_bytes": chip.hbm_bytes - used,
+        "fits": memory["total"] <= chip.hbm_bytes,
+        "headroom_bytes": chip.hbm_bytes - memory["total"],
         "flops_per_step": {
             "compiled": compiled_flops * topology.chips if compiled_flops else None,
             "formula": formula,
@@ -197,42 +177,41 @@ def with_batch(config: ml_collections.ConfigDict, value: int) -> ml_collections.
 def search_batch(
     config: ml_collections.ConfigDict, topology: Topology, mesh_mode: str, tolerance: float = 1 / 16
 ) -> dict:
-    """The largest batch that fits, by doubling or halving from the config's then bisecting, over compiles.
-
-    Steps are whole rows per device (and micro-batch); for bucket, data.tokens_per_batch moves in steps of that many
-    rows of data.max_len tokens. Stops when the bracket is within `tolerance` of the batch. Returns the report of
-    the largest batch that fits with a "search" entry; DoesNotFit if even one step does not.
-    """
+    """The report of the largest batch that fits, with a "search" entry: doubling or halving from the config's, then
+    bisecting to within `tolerance`, in steps of whole rows per device and micro-batch (for bucket, that many rows
+    of data.max_len tokens). DoesNotFit if even one step does not fit."""
     key = "tokens_per_batch" if config.data.batching == "bucket" else "batch_size"
     multiple = check_batch_shapes(config, make_mesh(list(topology.devices())))
     unit = multiple * (config.data.max_len if key == "tokens_per_batch" else 1)
     tried = []
+    best, low, high = None, 0, None  # largest fitting batch: its report and value; smallest that does not fit
 
-    def attempt(value: int) -> dict | None:
-        """The report if the batch fits, else None."""
+    def attempt(value: int) -> bool:
+        """Plans the batch `value` and narrows the bracket; whether it fits."""
+        nonlocal best, low, high
         try:
             report = plan_train_step(with_batch(config, value), topology, mesh_mode)
         except DoesNotFit as error:
             tried.append({key: value, "fits": False, "compiler": str(error)})
-            return None
-        tried.append({key: value, "fits": report["fits"], "total_bytes": report["memory_analysis_per_chip"]["total"]})
-        return report if report["fits"] else None
+            report = None
+        else:
+            total = report["memory_analysis_per_chip"]["total"]
+            tried.append({key: value, "fits": report["fits"], "total_bytes": total})
+        if report and report["fits"]:
+            best, low = report, value
+            return True
+        high = value
+        return False
 
     value = max(unit, config.data[key] // unit * unit)
-    best, low, high = None, 0, None
-    report = attempt(value)
-    if report:
-        best, low = report, value
+    if attempt(value):
         while high is None and value < 64 * config.data[key]:
             value *= 2
-            report = attempt(value)
-            best, low, high = (report, value, high) if report else (best, low, value)
+            attempt(value)
     else:
-        high = value
         while best is None and value > unit:
             value = max(unit, value // 2 // unit * unit)
-            report = attempt(value)
-            best, low, high = (report, value, high) if report else (best, low, value)
+            attempt(value)
     if best is None:
         last = tried[-1]
         need = last.get("compiler") or f"needs {gb(last['total_bytes'])} per chip of {gb(topology.chip.hbm_bytes)}"
@@ -241,8 +220,7 @@ def search_batch(
         value = (low + high) // 2 // unit * unit
         if value <= low:
             break
-        report = attempt(value)
-        best, low, high = (report, value, high) if report else (best, low, value)
+        attempt(value)
     best["search"] = {"key": f"data.{key}", "largest_that_fits": low, "first_that_does_not": high, "tried": tried}
     return best
 
@@ -274,16 +252,10 @@ def _roofline(flops_per_chip: float, bytes_accessed: float, wire_bytes: float, c
 
 
 def plan_decode(config: ml_collections.ConfigDict, topology: Topology, mesh_mode: str) -> dict:
-    """The report's "decode" section: validation BLEU's beam search compiled for the slice at its peak of memory,
-    so that a run that trains but whose validation would not fit is caught too.
-
-    The programs are the Searcher's own (`peak_programs`) for validation's batch (train.bleu_sentences sentences,
-    eval.batch_size at a time), its longest source and largest cache stage, with validation's search settings.
-    Parameters sit as the train state places them, host inputs are replicated (as jit places validation's numpy
-    sources): with mesh `data` every chip decodes the whole batch; with `fsdp` XLA's sharding propagation splits
-    the work. With train.bleu_every > 0 the fit counts the optimizer state, which stays in HBM while validation
-    decodes. The times are estimates from DECODE_ROOFLINE.
-    """
+    """The report's "decode" section (docs/plan.md): the Searcher's own programs (`peak_programs`) for validation's
+    batch, longest source and largest cache stage, compiled for the slice, so that a run whose validation would not
+    fit is caught too. Parameters sit as the train state places them, host inputs are replicated (as jit places
+    validation's numpy sources)."""
     settings = validation_settings(config)
     search, chip = settings.search, topology.chip
     mesh = make_mesh(list(topology.devices()))
@@ -349,7 +321,7 @@ def plan_decode(config: ml_collections.ConfigDict, topology: Topology, mesh_mode
 
 
 def _step_estimate(stage: jax.stages.Compiled | None, topology: Topology, rows: int) -> dict:
-    """DECODE_ROOFLINE for one decoding step; None values where the search is one jitted call (its count mixes the
+    """DECODE_ROOFLINE for one decoding step; None values for a search in one jitted call (its count mixes the
     encoder with every cache stage's loop)."""
     if stage is None:
         keys = ("flops_per_step_per_chip", "compute_s", "hbm_s", "collective_s", "step_s", "s_per_output_token")
@@ -394,11 +366,26 @@ def check_fits(result: dict, config: ml_collections.ConfigDict) -> None:
     if not any(r["fits"] for r in reports.values()):
         if not reports:  # both meshes refused by the compiler
             raise DoesNotFit(" | ".join(result["refused_by_compiler"].values()))
-        raise DoesNotFit(does_not_fit_line(min(reports.values(), key=lambda r: r["memory_analysis_per_chip"]["total"])))
+        report = min(reports.values(), key=lambda r: r["memory_analysis_per_chip"]["total"])
+        raise DoesNotFit(
+            f"does not fit: the train step (mesh={report['step']['mesh']}, batch "
+            f"{report['step']['batch_rows_src_tgt']}) needs {gb(report['memory_analysis_per_chip']['total'])} per "
+            f"chip on {report['topology']['name']}, {gb(-report['headroom_bytes'])} more than the chip's "
+            f"{gb(report['hbm_bytes_per_chip'])}; lower the batch (--plan_search=batch finds the largest) or try "
+            "train.mesh=fsdp"
+        )
     trainable = [r for r in reports.values() if r["fits"] and "decode" in r]
     if trainable and not any(r["decode"]["fits"] for r in trainable):
         worst = min(trainable, key=lambda r: r["decode"]["total_bytes"])
-        raise DoesNotFit(decode_does_not_fit_line(worst["decode"], worst["topology"]["name"]))
+        decode, resident = worst["decode"], worst["decode"]["train_state_resident_bytes"]
+        raise DoesNotFit(
+            f"does not fit: validation's decoding (beam {decode['beam_size']}, {decode['sentences']} sentences x "
+            f"{decode['source_len']} source tokens, {decode['output_slots']} output slots) needs "
+            f"{gb(decode['total_bytes'])} per chip on {worst['topology']['name']} (program {decode['peak_program']} "
+            f"{gb(decode['total_bytes'] - resident)} + the train state's optimizer state {gb(resident)}), "
+            f"{gb(-decode['headroom_bytes'])} more than the chip's {gb(decode['hbm_bytes_per_chip'])}; "
+            "lower eval.batch_size or data.eval_max_len"
+        )
 
 
 def _size(n: float) -> str:
@@ -407,29 +394,6 @@ def _size(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.3g} {unit}"
     return f"{n:.0f} B"
-
-
-def does_not_fit_line(report: dict) -> str:
-    total = report["memory_analysis_per_chip"]["total"]
-    return (
-        f"does not fit: the train step (mesh={report['step']['mesh']}, batch {report['step']['batch_rows_src_tgt']}) "
-        f"needs {gb(total)} per chip on {report['topology']['name']}, {gb(-report['headroom_bytes'])} more than "
-        f"the chip's {gb(report['hbm_bytes_per_chip'])}; lower the batch (--plan_search=batch finds the largest) "
-        "or try train.mesh=fsdp"
-    )
-
-
-def decode_does_not_fit_line(decode: dict, topology_name: str) -> str:
-    """One line for a plan whose validation decoding (a report's "decode" section) does not fit."""
-    resident = decode["train_state_resident_bytes"]
-    return (
-        f"does not fit: validation's decoding (beam {decode['beam_size']}, {decode['sentences']} sentences x "
-        f"{decode['source_len']} source tokens, {decode['output_slots']} output slots) needs "
-        f"{gb(decode['total_bytes'])} per chip on {topology_name} (program {decode['peak_program']} "
-        f"{gb(decode['total_bytes'] - resident)} + the train state's optimizer state {gb(resident)}), "
-        f"{gb(-decode['headroom_bytes'])} more than the chip's {gb(decode['hbm_bytes_per_chip'])}; "
-        "lower eval.batch_size or data.eval_max_len"
-    )
 
 
 def _row(label: str, *values) -> str:

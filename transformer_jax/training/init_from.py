@@ -1,10 +1,9 @@
 """Starting a run from another run's parameters (fine-tuning): `train.init_from=WORKDIR`, `train.init_step`.
 
-The source workdir's checkpoint gives the model's parameters; step, optimizer state, schedule, dropout RNG and data
-order start fresh. The `architecture` keys of config/schema.py come from the source's saved config (a command-line
-override that contradicts one is refused); every other key is the run's own. The source's tokenizer is copied
-into the workdir, so a run with a checkpoint of its own never reads the source again. `prepare` checks everything
-before writing anything, and each refusal is one line (ConfigError or CheckpointError); the source is only read.
+The source's checkpoint gives the model's parameters; step, optimizer state, schedule, dropout RNG and data order
+start fresh. The `architecture` keys of config/schema.py come from the source's saved config; every other key is
+the run's own. The source's tokenizer is copied into the workdir, so a run with a checkpoint of its own never reads
+the source again. `prepare` checks everything before writing anything; the source is only read.
 """
 
 from __future__ import annotations
@@ -14,16 +13,14 @@ import logging
 import os
 import pathlib
 import shutil
-import tempfile
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-import jax
 import ml_collections
-from flax import nnx
 from flax.traverse_util import flatten_dict
 
 from transformer_jax.config import checks, schema
+from transformer_jax.data.sources import atomic_write
 from transformer_jax.data.tokenizer import MODEL_FILENAME, tokenizer_files
 from transformer_jax.errors import CheckpointError, ConfigError
 from transformer_jax.training import checkpoints
@@ -43,9 +40,8 @@ class Start:
 
 
 def prepare(config: ml_collections.ConfigDict, workdir: str | os.PathLike, overrides: Iterable[str] = ()) -> Start:
-    """The run's start. With train.init_from, the config takes the architecture keys and the tokenizer from the
-    run's own latest checkpoint if it has one, else from the source, whose parameters are then read. `overrides`:
-    the dotted keys set on the command line; one that contradicts the source is refused."""
+    """The run's start. With train.init_from, the architecture keys and the tokenizer come from the run's own latest
+    checkpoint, else from the source, whose parameters are then read; `overrides` (--config.KEY) may not differ."""
     if not config.train.init_from:
         return Start(config)
     workdir = pathlib.Path(workdir)
@@ -55,26 +51,21 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | os.PathLike, overr
     own = _own_config(workdir)
     if own is not None:
         _check_same_run(own, config, workdir)
-        return Start(_with_architecture(config, own, overrides, workdir, f"the checkpoint in --workdir {workdir}"))
+        where = f"the checkpoint in --workdir {workdir}"
+        return Start(_merged(config, own, overrides, where, _workdir_tokenizer(own, workdir)))
     if checkpoints.list_steps(workdir):  # none of its own checkpoints is readable: restore_latest says which
         return Start(config)
 
     def read(step: int) -> tuple[int, ml_collections.ConfigDict, ml_collections.ConfigDict, dict]:
         source_config = checkpoints.load_config(source, step)
-        merged = _with_architecture(config, source_config, overrides, workdir, f"train.init_from {source}")
+        tokenizer = _workdir_tokenizer(source_config, workdir)
+        merged = _merged(config, source_config, overrides, f"train.init_from {source}", tokenizer)
         return step, source_config, merged, checkpoints.load_model_params(source, step, abstract_train_state(merged)[1])
 
     step, source_config, merged, params = _first_readable(config, source, read)
     _copy_tokenizer(source, source_config, workdir)
     logging.info("starting from the parameters of the checkpoint at step %d in %s", step, source)
     return Start(merged, params, step)
-
-
-def with_params(state: nnx.State, params: dict, shardings: nnx.State) -> nnx.State:
-    """The train state with its model parameters replaced by `params` (a pure dict), placed with its shardings."""
-    param_shardings = nnx.to_pure_dict(nnx.filter_state(shardings["model"], nnx.Param))
-    nnx.replace_by_pure_dict(state["model"], jax.device_put(params, param_shardings))
-    return state
 
 
 def _copy(config: ml_collections.ConfigDict, values: dict[str, Any]) -> ml_collections.ConfigDict:
@@ -172,19 +163,11 @@ def _first_readable(config: ml_collections.ConfigDict, source: pathlib.Path, rea
     )
 
 
-def _with_architecture(
-    config: ml_collections.ConfigDict,
-    reference: ml_collections.ConfigDict,
-    overrides: set[str],
-    workdir: pathlib.Path,
-    where: str,
-) -> ml_collections.ConfigDict:
-    """_merged with the workdir's copy of the source's tokenizer."""
-    # A source that trained its tokenizer into its workdir (it has exactly model.vocab_size pieces) leaves the key
-    # empty, and so does this run: the workdir's spm.model, wherever the workdir is moved. A source given a file
-    # (which may have fewer pieces) names the copy explicitly, which get_tokenizer accepts smaller.
-    tokenizer = str(workdir.resolve() / MODEL_FILENAME) if reference.data.tokenizer_model else ""
-    return _merged(config, reference, overrides, where, tokenizer)
+def _workdir_tokenizer(reference: ml_collections.ConfigDict, workdir: pathlib.Path) -> str:
+    """data.tokenizer_model for the workdir's copy of the source's tokenizer: empty, as the source's, if the source
+    trained it into its workdir (exactly model.vocab_size pieces), so the workdir's spm.model wherever the workdir
+    moves; the copy's path if the source was given a file (which may have fewer pieces: get_tokenizer accepts it)."""
+    return str(workdir.resolve() / MODEL_FILENAME) if reference.data.tokenizer_model else ""
 
 
 def _merged(
@@ -235,12 +218,5 @@ def _copy_tokenizer(source: pathlib.Path, source_config: ml_collections.ConfigDi
                     f"({tokenizer}); fine-tune into a new --workdir"
                 )
             continue
-        workdir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=workdir)
-        os.close(fd)
-        try:
+        with atomic_write(target) as tmp:
             shutil.copyfile(tokenizer, tmp)
-            os.replace(tmp, target)
-        except BaseException:
-            pathlib.Path(tmp).unlink(missing_ok=True)
-            raise

@@ -1,12 +1,10 @@
 """The training loop: config -> data -> jitted steps -> metrics and checkpoints, resumable exactly.
 
 The loop never waits on the device for the step it just dispatched: metrics are fetched one step late, batches
-are placed on the devices by grain's prefetch thread. `setup` builds a `TrainingRun` from the config; `run_steps`
-is the step loop; `MetricLog` logs step metrics; `Validation` runs validation loss and BLEU when due; `StopRequest`
-turns SIGTERM into a clean stop. With ckpt.keep_best or train.early_stop_patience every validation is ranked by
-train.select_metric (training.bookkeeping): an improvement saves a checkpoint, and train.early_stop_patience
-validations without one stop the run. Validation BLEU sits above training: the caller passes it as a function
-(`BleuEvaluator`; train.py: evaluation.translate.bleu_evaluator), so training never imports evaluation.
+are placed on the devices by grain's prefetch thread. With ckpt.keep_best or train.early_stop_patience every
+validation is ranked by train.select_metric (training.bookkeeping): an improvement saves a checkpoint, and
+train.early_stop_patience validations without one stop the run. Validation BLEU sits above training: the caller
+passes it as a function (`BleuEvaluator`), so training never imports evaluation.
 """
 
 from __future__ import annotations
@@ -19,6 +17,7 @@ import pathlib
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from flax import nnx
 from jax.experimental import multihost_utils
 
 from transformer_jax import runtime
@@ -70,8 +70,8 @@ def host_block(array: np.ndarray) -> np.ndarray:
 def validation_batches(
     config: ml_collections.ConfigDict, tokenizer, pairs: list[tuple[str, str]] | None = None
 ) -> list[dict[str, np.ndarray]]:
-    """Every validation pair once (`pairs`, default data.valid_split's), sorted by length, each batch cut to its
-    longest row rounded up to a bucket (16, 32, 64, ...: few compiled shapes, little padding; sums ignore order)."""
+    """Every validation pair once (default data.valid_split's), sorted by length, each batch cut to its longest row
+    rounded up to a bucket (16, 32, 64, ...: few compiled shapes, little padding; sums ignore order)."""
     if pairs is None:
         pairs = load_split(config.data, config.data.valid_split)
     pairs = sorted(pairs, key=lambda pair: (len(pair[1]), len(pair[0])))  # characters: a proxy for tokens
@@ -118,8 +118,8 @@ def check_batch_shapes(config: ml_collections.ConfigDict, mesh) -> int:
 
 
 def dry_run_summary(config: ml_collections.ConfigDict) -> dict:
-    """`train.py --dry_run`: parameters, FLOPs, the batch shapes training will use, the mesh and a time estimate,
-    without data or compute. Gradient accumulation splits the same batch, so it changes neither FLOPs nor tokens."""
+    """`train.py --dry_run`: parameters, FLOPs, batch shapes, mesh and a time estimate, without data or compute.
+    Gradient accumulation splits the same batch, so it changes neither FLOPs nor tokens."""
     spec = TransformerSpec.from_config(config)
     mesh = make_mesh()
     shapes = batch_shapes(config.data, jax.process_count(), check_batch_shapes(config, mesh))
@@ -201,15 +201,14 @@ class MetricLog:
     def _reset(self) -> None:
         self.sums = {"loss_sum": 0.0, "nll_sum": 0.0, "correct": 0.0, "tokens": 0.0}
         self.grad_norms, self.real_tokens, self.flops, self.steps, self.start = [], 0, 0.0, 0, time.time()
-        self.corpus_tokens: dict[str, int] = {}
+        self.corpus_tokens: Counter[str] = Counter()  # data.corpora: tokens_NAME, each corpus's share of them
 
     def add(self, metrics: dict, real_tokens: tuple[int, dict[str, int]], step_flops: float, step: int) -> None:
-        """Takes the step just dispatched (real tokens: all, and per corpus of data.corpora); fetches the one before."""
+        """Takes the step just dispatched (real tokens: all, per corpus); fetches the one before."""
         self.flush()
         self.pending = (metrics, real_tokens, step_flops, step)
 
     def flush(self) -> None:
-        """Fetches the pending step's metrics (waits for that step)."""
         if self.pending is None:
             return
         metrics, real_tokens, step_flops, step = self.pending
@@ -220,8 +219,7 @@ class MetricLog:
         if metrics["finite"]:
             self.grad_norms.append(float(metrics["grad_norm"]))
         self.real_tokens += real_tokens[0]
-        for name, count in real_tokens[1].items():  # data.corpora: tokens_NAME, each corpus's share of them
-            self.corpus_tokens[name] = self.corpus_tokens.get(name, 0) + count
+        self.corpus_tokens.update(real_tokens[1])
         self.flops += step_flops
         self.steps += 1
         if int(metrics["nonfinite_in_a_row"]) >= self.max_nonfinite:
@@ -232,7 +230,7 @@ class MetricLog:
             )
 
     def write(self, step: int) -> dict[str, float]:
-        """Fetches the pending step, writes one record of the steps since the last and returns it."""
+        """Writes and returns one record of the steps since the last."""
         self.flush()
         elapsed = max(time.time() - self.start, 1e-9)
         metrics = summarize(self.sums)
@@ -256,9 +254,8 @@ def decodes_at_validation(config: ml_collections.ConfigDict) -> bool:
 
 
 class Validation:
-    """Validation loss every train.eval_every steps and BLEU every train.bleu_every steps (and at the last step);
-    BLEU at every train.eval_every too when the ranked select metric needs translations. Each eval.extra_valid
-    set is scored beside data.valid_split, its metrics named valid_NAME_*."""
+    """Validation loss every train.eval_every steps, BLEU every train.bleu_every steps (and at the last step) and at
+    every eval_every when the ranked select metric needs translations; eval.extra_valid sets too (valid_NAME_*)."""
 
     def __init__(
         self, config, graphs: Graphs, tokenizer, eval_step, sharding, writer: MetricWriter, bleu: BleuEvaluator | None
@@ -270,22 +267,19 @@ class Validation:
         self.decodes = decodes_at_validation(config)
         self.bleu = bleu(config, tokenizer) if config.train.bleu_every or self.decodes else None
 
-    def is_due(self, step: int) -> bool:
-        """Whether a ranked validation (train.eval_every) runs after `step`."""
-        return is_due(step, self.config.train.eval_every, self.config.train.num_steps)
-
     def run_due(self, step: int, state) -> dict[str, float]:
         """Runs what is due after `step`; returns every score written, named as in metrics.jsonl (valid_*)."""
         train, num_steps = self.config.train, self.config.train.num_steps
         scores: dict[str, float] = {}
-        if self.is_due(step):
+        validating = is_due(step, train.eval_every, num_steps)
+        if validating:
             for name, batches in self.batches:
                 metrics = evaluate_loss(self.eval_step, state, batches, self.sharding)
                 prefix = f"valid_{name}_" if name else "valid_"
                 self.writer.write(step, metrics, prefix=prefix)
                 scores.update({prefix + k: v for k, v in metrics.items()})
                 logging.info("step %d validation%s: %s", step, f" ({name})" if name else "", json.dumps(metrics))
-        if is_due(step, train.bleu_every, num_steps) or (self.decodes and self.is_due(step)):
+        if is_due(step, train.bleu_every, num_steps) or (self.decodes and validating):
             bleu = self.bleu(eval_model(self.graphs, state))
             self.writer.write(step, bleu, prefix="valid_")
             scores.update({f"valid_{k}": v for k, v in bleu.items()})
@@ -324,8 +318,7 @@ def setup(
     bleu: BleuEvaluator | None = None,
     init_params: dict | None = None,
 ) -> TrainingRun:
-    """Mesh, tokenizer, data, the state (restored from the latest checkpoint, or new: with `init_params`, the model
-    parameters of a fine-tuning source, init_from.prepare), compiled steps, writers."""
+    """The run from its latest checkpoint, or new (with `init_params`, a fine-tuning source's, init_from.prepare)."""
     workdir.mkdir(parents=True, exist_ok=True)
     mesh = make_mesh()
     logging.info("training on %d devices, mesh %s, train.mesh=%s", mesh.size, dict(mesh.shape), config.train.mesh)
@@ -337,13 +330,9 @@ def setup(
         examples, _ = open_train_examples(config.data, tokenizer, build_if_missing=jax.process_count() == 1)
     train_iter, data_stats = make_train_iterator(config.data, tokenizer, examples=examples, row_multiple=row_multiple)
     graphs, abstract = abstract_train_state(config)
+    train = config.train
     train_step, eval_step, shardings = compile_steps(
-        graphs,
-        abstract,
-        mesh,
-        config.train.mesh,
-        label_smoothing=config.train.label_smoothing,
-        accum_steps=config.train.grad_accum_steps,
+        graphs, abstract, mesh, train.mesh, label_smoothing=train.label_smoothing, accum_steps=train.grad_accum_steps
     )
     sharding = batch_sharding(mesh)
     shapes = batch_shapes(config.data, jax.process_count(), row_multiple)
@@ -355,8 +344,9 @@ def setup(
     if restored is None:
         state = jax.jit(lambda: create_train_state(config)[1], out_shardings=shardings)()
         step = 0
-        if init_params is not None:
-            state = init_from.with_params(state, init_params, shardings)
+        if init_params is not None:  # a fine-tuning source's model parameters (a pure dict)
+            param_shardings = nnx.to_pure_dict(nnx.filter_state(shardings["model"], nnx.Param))
+            nnx.replace_by_pure_dict(state["model"], jax.device_put(init_params, param_shardings))
     else:
         step, state, it_state = restored
         train_iter.set_state(it_state)
@@ -387,20 +377,19 @@ def setup(
     )
 
 
+def abstract_batch(rows: int, src_len: int, tgt_len: int, sharding=None) -> dict[str, jax.ShapeDtypeStruct]:
+    """The shapes and dtypes of a global batch of `rows` rows, S=src_len, T=tgt_len."""
+    shape = {"src": (rows, src_len), "tgt": (rows, tgt_len)}
+    return {k: jax.ShapeDtypeStruct(shape[k[:3]], jnp.int32, sharding=sharding) for k in BATCH_KEYS}
+
+
 def compile_ahead(train_step, abstract_state, shardings, shapes, batch_sharding_, mesh) -> threading.Thread:
-    """Compiles (or loads from the compilation cache) the train step on a thread, started while the checkpoint is
-    restored (file waits and numpy checksums leave the GIL free). Only when the data has one batch shape (`shapes`,
-    global (rows, S, T)): that program is the one the first step calls, and jax's caches hand it over. A failure
-    costs only its time: the first step then compiles as it would have."""
+    """Compiles (or loads from the compilation cache) the train step on a thread while the checkpoint is restored
+    (file waits and numpy checksums leave the GIL free), if the data has one global batch shape: the program the
+    first step calls, handed over by jax's caches. A failure costs only its time: the first step compiles again."""
 
     def work() -> None:
-        rows, src_len, tgt_len = shapes[0]
-        batch = {
-            k: jax.ShapeDtypeStruct(
-                (rows, src_len if k.startswith("src") else tgt_len), jnp.int32, sharding=batch_sharding_
-            )
-            for k in BATCH_KEYS
-        }
+        batch = abstract_batch(*shapes[0], sharding=batch_sharding_)
         state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, shardings)
         try:
             with tracing_mesh(mesh):  # as the step loop traces it (a context of this thread only)
@@ -425,9 +414,9 @@ def _all_finite(state) -> jax.Array:
 def save_if_finite(
     run: TrainingRun, step: int, state, it_state, rotate: bool = True, metrics: dict[str, float] | None = None
 ) -> bool:
-    """Saves a checkpoint unless the state holds a NaN or infinity: such a state must neither become the latest
-    checkpoint nor make ckpt.keep rotate away the last finite one. rotate=False keeps every older checkpoint;
-    `metrics` are the step's validation scores (they rank it among the best). The selection record goes with it."""
+    """Saves a checkpoint (with the selection record, and `metrics`, the validation scores that rank it) unless the
+    state holds a NaN or infinity: such a state must neither become the latest checkpoint nor make ckpt.keep rotate
+    away the last finite one. rotate=False keeps every older checkpoint."""
     if not bool(_all_finite(state)):
         steps = run.checkpointer.manager.all_steps()
         logging.error(
@@ -446,9 +435,8 @@ STOPPED_EARLY_AT = "stopped_early_at"  # run_steps' result: the step where early
 
 
 def run_steps(run: TrainingRun, stop: StopRequest) -> dict[str, float]:
-    """Steps from run.step to train.num_steps (or a stop request): train, log, validate, checkpoint. Returns the
-    last logged metrics, with STOPPED_EARLY_AT when early stopping ended the run. A stop request or NonFiniteError
-    (re-raised) saves the state reached, the last good one since non-finite updates were skipped (save_if_finite)."""
+    """Steps from run.step to train.num_steps: train, log, validate, checkpoint; returns the last logged metrics (and
+    STOPPED_EARLY_AT). A stop request or NonFiniteError (re-raised) saves the state reached, the last good one."""
     config, num_steps = run.config, run.config.train.num_steps
     # A restored run has its checkpoint at run.step; a new one has none yet.
     state, step, saved_step, it_state, last_logged = run.state, run.step, run.step or None, None, {}
@@ -478,7 +466,7 @@ def run_steps(run: TrainingRun, stop: StopRequest) -> dict[str, float]:
             run.metric_log.add(metrics, real_tokens, train_step_flops(run.spec, *shape), step)
             if is_due(step, config.train.log_every, num_steps):
                 last_logged = run.metric_log.write(step)
-            if ranked and run.validation.is_due(step):
+            if ranked and is_due(step, config.train.eval_every, num_steps):
                 # Ranked: the scores decide whether this step is saved, so validation runs before the checkpoint.
                 if _validate_and_rank(run, step, state, it_state):
                     saved_step = step
@@ -535,12 +523,8 @@ def train_and_evaluate(
     bleu: BleuEvaluator | None = None,
     overrides: tuple[str, ...] = (),
 ) -> dict[str, float]:
-    """Trains (or resumes) in workdir until config.train.num_steps; returns the last logged metrics.
-
-    With train.init_from, a run without a checkpoint of its own starts from the source's parameters and
-    architecture (training.init_from); `overrides`, the keys set on the command line, may not contradict it.
-    `bleu` builds the validation BLEU function. The workdir is locked for the run (a second run there stops).
-    """
+    """Trains (or resumes) in workdir, locked for the run, until train.num_steps; returns the last logged metrics.
+    `overrides`, the keys set on the command line, may not contradict a train.init_from source's architecture."""
     if bleu is None and (config.train.bleu_every or decodes_at_validation(config)):
         raise ValueError(
             f"train.bleu_every={config.train.bleu_every} or train.select_metric={config.train.select_metric} needs "

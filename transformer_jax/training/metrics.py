@@ -1,13 +1,6 @@
 """What a run logs: WORKDIR/metrics.jsonl (one JSON object per logged step; the sweep reads it) and the experiment
-trackers of train.trackers (TensorBoard by default, Weights & Biases, MLflow); and what it costs: FLOPs and MFU.
-
-Each tracker gets the resolved config as parameters (dotted keys), every metric at its step, and the final scores
-as W&B's run summary, MLflow's `final/<metric>` metrics or TensorBoard's hparams. wandb and mlflow are imported
-only when named; W&B reads WANDB_MODE, WANDB_PROJECT, WANDB_DIR (default WORKDIR/wandb), MLflow
-MLFLOW_TRACKING_URI; train.tracker_group is the W&B group and the MLflow experiment. On resume, WORKDIR/trackers.json
-(each tracker's run id and last step, written before the record is handed over: a crash may lose a step in a
-tracker, never log it twice) continues each run; W&B and MLflow skip the steps they already have, TensorBoard
-purges its events after the checkpoint's step.
+trackers of train.trackers (docs/usage.md: TensorBoard, Weights & Biases, MLflow, each continued on resume); and
+what it costs: FLOPs and MFU.
 
 FLOPs: one multiply-add is 2; every matmul at the batch's padded shape (the work the hardware does); softmax,
 norms, dropout and elementwise ops (a few percent) are not counted; a training step is 3x the forward pass.
@@ -21,7 +14,6 @@ import logging
 import os
 import pathlib
 import sys
-import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -41,8 +33,7 @@ class MetricWriter:
     """Writes on process 0 only, each record at once as one appended line. A failed write truncates the file back
     to the records before it (never a partial line); a full disk, there or in a tracker, is one DiskFullError line.
     A run resumed at `resume_step` first moves the later records to metrics.superseded.jsonl, so each step is
-    logged once. `config` names the trackers and is their parameters; None: the default trackers, no parameters.
-    """
+    logged once. `config` names the trackers and is their parameters; None: the default trackers, no parameters."""
 
     def __init__(
         self, workdir: str | pathlib.Path, resume_step: int = 0, config: ml_collections.ConfigDict | None = None
@@ -91,7 +82,6 @@ class MetricWriter:
         return result
 
     def _failed(self, step: int, error: OSError) -> Exception:
-        """A full disk as one line; any other failure to write is re-raised as it is."""
         if not runtime.is_disk_full(error):
             return error
         return DiskFullError(
@@ -145,12 +135,9 @@ MLFLOW_BATCH = 100  # MLflow's limit of parameters per log_batch call
 
 
 class Trackers:
-    """The trackers a run names, as one: what MetricWriter calls. Opened on process 0 only (as metrics.jsonl).
-
-    Each tracker (OPENERS) is one run continued across restarts: `run_id` is what trackers.json keeps (None for
-    TensorBoard, whose files are in the workdir), `resumed` whether it continued an earlier start's run, and it
-    has log(step, metrics), finish(step, scores) and close(failed).
-    """
+    """The trackers a run names, as one, for MetricWriter on process 0. Each (OPENERS) is one run continued across
+    restarts: `run_id` is what trackers.json keeps (None for TensorBoard, whose files are in the workdir),
+    `resumed` whether it continued an earlier start's run."""
 
     def __init__(self, names: tuple[str, ...], workdir: str | os.PathLike, group: str, params: dict, resume_step: int):
         workdir = pathlib.Path(workdir)
@@ -182,7 +169,6 @@ class Trackers:
             self.trackers[name].log(step, metrics)
 
     def finish(self, step: int, scores: dict[str, float]) -> None:
-        """The run's final scores (its end, or a stop that saved a checkpoint; a restart updates them)."""
         for tracker in self.trackers.values():
             tracker.finish(step, scores)
         self.finished = True
@@ -338,34 +324,36 @@ def _ffn(spec: TransformerSpec, tokens: int) -> float:
     return 2 * (3 if spec.activation == "swiglu" else 2) * tokens * spec.d_model * spec.d_ff
 
 
+def _decoder_and_logits(spec: TransformerSpec, rows: int, q_len: int, self_len: int, src_len: int, memory: int) -> int:
+    """`rows` rows of q_len queries through the decoder (self-attention over self_len positions, cross-attention
+    over src_len, projecting `memory` source tokens: 0 when they are cached) and the logits."""
+    tokens = rows * q_len
+    return (
+        spec.num_decoder_layers
+        * (
+            _projections(spec, tokens, tokens)
+            + rows * _scores_and_mix(spec, q_len, self_len)
+            + _projections(spec, tokens, memory)
+            + rows * _scores_and_mix(spec, q_len, src_len)
+            + _ffn(spec, tokens)
+        )
+        + 2 * tokens * spec.d_model * spec.vocab_size
+    )
+
+
 def forward_flops(spec: TransformerSpec, batch: int, src_len: int, tgt_len: int) -> float:
     """FLOPs of one forward pass over a [batch, src_len] source and [batch, tgt_len] target."""
-    s_tok, t_tok = batch * src_len, batch * tgt_len
+    s_tok = batch * src_len
     encoder = spec.num_encoder_layers * (
         _projections(spec, s_tok, s_tok) + batch * _scores_and_mix(spec, src_len, src_len) + _ffn(spec, s_tok)
     )
-    decoder = spec.num_decoder_layers * (
-        _projections(spec, t_tok, t_tok)
-        + batch * _scores_and_mix(spec, tgt_len, tgt_len)
-        + _projections(spec, t_tok, s_tok)
-        + batch * _scores_and_mix(spec, tgt_len, src_len)
-        + _ffn(spec, t_tok)
-    )
-    logits = 2 * t_tok * spec.d_model * spec.vocab_size
-    return float(encoder + decoder + logits)
+    return float(encoder + _decoder_and_logits(spec, batch, tgt_len, tgt_len, src_len, s_tok))
 
 
 def decode_step_flops(spec: TransformerSpec, rows: int, src_len: int, slots: int) -> float:
-    """FLOPs of one cached decoding step of `rows` rows (sentences x beams): each row's new token through the
-    decoder, self-attention over `slots` cache slots, cross-attention over src_len cached positions, the logits."""
-    decoder = spec.num_decoder_layers * (
-        _projections(spec, rows, rows)
-        + rows * _scores_and_mix(spec, 1, slots)
-        + _projections(spec, rows, 0)
-        + rows * _scores_and_mix(spec, 1, src_len)
-        + _ffn(spec, rows)
-    )
-    return float(decoder + 2 * rows * spec.d_model * spec.vocab_size)
+    """FLOPs of one cached decoding step of `rows` rows (sentences x beams): each row's new token, self-attention
+    over `slots` cache slots, cross-attention over src_len cached positions."""
+    return float(_decoder_and_logits(spec, rows, 1, slots, src_len, 0))
 
 
 def train_step_flops(spec: TransformerSpec, batch: int, src_len: int, tgt_len: int) -> float:
@@ -410,10 +398,8 @@ def _read_peaks(file: pathlib.Path) -> dict[str, float]:
 
 def matmul_peak(directory: pathlib.Path | None) -> float:
     """MFU's denominator when train.peak_flops is not set: measure_matmul_peak() of this kind of machine
-    (`peak_key`), measured once and kept in directory/PEAK_FILE (the compilation cache's), so that a restart neither
-    waits for it nor reports an MFU against a different, noisy measurement. Measured every time when directory is
-    None; a directory that cannot be written only means measuring again.
-    """
+    (`peak_key`), kept in directory/PEAK_FILE (the compilation cache's; None or unwritable: measured every time), so
+    that a restart neither waits for it nor reports an MFU against a different, noisy measurement."""
     if directory is None:
         return measure_matmul_peak()
     file, key = pathlib.Path(directory) / PEAK_FILE, peak_key()
@@ -421,17 +407,11 @@ def matmul_peak(directory: pathlib.Path | None) -> float:
     if key in peaks:
         return peaks[key]
     peaks[key] = measure_matmul_peak()
-    temporary = None
     try:
-        with tempfile.NamedTemporaryFile("w", dir=directory, prefix=".tmp-peak-", delete=False) as out:
-            temporary = out.name
-            json.dump(peaks, out, indent=1)
-        os.replace(temporary, file)
-        temporary = None
+        if not file.parent.is_dir():  # write_text_atomically would make it
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(file.parent))
+        runtime.write_text_atomically(file, json.dumps(peaks, indent=1))
         logging.info("measured a matmul peak of %.3g FLOP/s per device for MFU; kept in %s", peaks[key], file)
     except OSError as error:
         logging.info("the matmul peak is not kept (%s cannot be written: %s)", file, error.strerror or error)
-    finally:
-        if temporary is not None:
-            pathlib.Path(temporary).unlink(missing_ok=True)
     return peaks[key]
