@@ -1,4 +1,4 @@
-"""transformers' Marian as the reference, run in a process of its own (`python -m tests.helpers.marian_reference`).
+"""transformers' Marian as the reference, run in a process of its own (`python tests/helpers/marian_reference.py`).
 
 torch is never imported into a pytest process (tests/test_torch_reference.py says why: after torch's kernels have
 run, CTranslate2 in the same process finds other beams), so the tests call `run(...)`, which starts this module:
@@ -40,7 +40,8 @@ SENTENCES = [
 def run(*args: str, timeout: int = 300) -> str:
     """Runs this module with `args` in a fresh process; its stdout (AssertionError with the output on failure)."""
     done = subprocess.run(
-        [sys.executable, "-m", "tests.helpers.marian_reference", *args],
+        # the file, not `-m tests.helpers...`: the helpers package imports jax, ~1.5 s this process never uses
+        [sys.executable, __file__, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
