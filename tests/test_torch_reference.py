@@ -58,6 +58,12 @@ def _rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+# Slow: a pytest process of its own that imports torch (~8 s). The default run's representatives are
+# tests/test_convert_marian.py::test_converted_logits_equal_transformers (Marian's variant: swish, concatenated
+# positions, final_logits_bias) and tests/test_export_marian.py::test_our_default_model_exports_exactly[interleaved]
+# (the paper's model): both compare our encoder-decoder's logits with transformers' torch MarianMTModel, an
+# independent implementation, on padded batches.
+@pytest.mark.slow
 def test_the_comparison_passes_in_a_process_of_its_own():
     if os.environ.get(OWN_PROCESS):
         pytest.skip("this is the process of its own")
