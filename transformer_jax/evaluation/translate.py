@@ -51,6 +51,19 @@ def source_ids(tokenizer: Tokenizer, sentence: str, max_input_len: int) -> tuple
     return (ids[: max_input_len - 1] if cut else ids) + [tokenizer.ids.eos], cut
 
 
+def sources_of(tokenizer: Tokenizer, sentences: Sequence[str], max_input_len: int) -> tuple[dict[int, list[int]], list]:
+    """source_ids of every sentence: {index: ids} of the lines that are decoded (blank lines are not), and the
+    1-based numbers of the lines that were cut."""
+    sources, truncated_lines = {}, []
+    for i, sentence in enumerate(sentences):
+        ids, cut = source_ids(tokenizer, sentence, max_input_len)
+        if ids is not None:
+            sources[i] = ids
+        if cut:
+            truncated_lines.append(i + 1)
+    return sources, truncated_lines
+
+
 def position_limit(spec: Any) -> int | None:
     """The most positions the model can encode or decode: a learned table's rows; None (no limit) otherwise."""
     return spec.max_len if spec.positional == "learned" else None
@@ -176,14 +189,7 @@ def translate_nbest(
     max_extra_len, cap = settings.max_extra_len, output_cap(settings.max_len, limit)
 
     outputs = [[EMPTY] * nbest for _ in sentences]
-    sources: dict[int, list[int]] = {}
-    truncated_lines = []
-    for i, sentence in enumerate(sentences):
-        ids, cut = source_ids(tokenizer, sentence, max_input_len)
-        if ids is not None:
-            sources[i] = ids
-        if cut:
-            truncated_lines.append(i + 1)
+    sources, truncated_lines = sources_of(tokenizer, sentences, max_input_len)
 
     stats: dict[str, Any] = {
         "sentences": len(sentences),

@@ -35,7 +35,7 @@ import numpy as np
 from transformer_jax.data.tokenizer import MODEL_FILENAME
 from transformer_jax.errors import ConfigError, EvalError
 from transformer_jax.evaluation.restore import LATEST, CheckpointChoice, check_choice
-from transformer_jax.evaluation.translate import DecodeSettings, input_limit, output_cap, output_limit, source_ids
+from transformer_jax.evaluation.translate import DecodeSettings, input_limit, output_cap, output_limit, sources_of
 from transformer_jax.interop import folders
 from transformer_jax.interop.folders import vocabulary
 from transformer_jax.model.layers import sinusoidal_encoding
@@ -226,15 +226,7 @@ def ctranslate2_translate(
     start = time.perf_counter()
     pieces = vocabulary(tokenizer)
     index = {piece: i for i, piece in enumerate(pieces)}
-    sources: dict[int, list[int]] = {}
-    truncated_lines = []
-    max_input_len = input_limit(settings.max_input_len, position_limit)
-    for i, sentence in enumerate(sentences):
-        ids, cut = source_ids(tokenizer, sentence, max_input_len)
-        if ids is not None:
-            sources[i] = ids
-        if cut:
-            truncated_lines.append(i + 1)
+    sources, truncated_lines = sources_of(tokenizer, sentences, input_limit(settings.max_input_len, position_limit))
     cap = output_cap(settings.max_len, position_limit)
     limits = {i: output_limit(len(ids), settings.max_extra_len, cap) for i, ids in sources.items()}
     longest, groups = max(limits.values(), default=0), defaultdict(list)
