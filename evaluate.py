@@ -37,8 +37,8 @@ flag with its allowed values and default (one table: evaluation.command.FLAGS).
 
 from __future__ import annotations
 
-# The command line is evaluation/__main__.py's, also `python -m transformer_jax.evaluation`.
-from transformer_jax.evaluation.__main__ import run_command
+# The command line is evaluation/command.py's, also `python -m transformer_jax.evaluation`.
+from transformer_jax.evaluation.command import run_command
 
 if __name__ == "__main__":
     run_command("evaluate.py")

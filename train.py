@@ -13,7 +13,6 @@ from absl import flags
 from ml_collections import config_flags
 
 from transformer_jax import cli
-from transformer_jax.config import checks
 from transformer_jax.errors import ConfigError
 from transformer_jax.sharding import initialize_distributed
 from transformer_jax.training import init_from
@@ -57,7 +56,7 @@ def main(argv: list[str]) -> None:
     config = _CONFIG.value
     # Before any work: a bad value, or a tracker whose package is missing, is one line now, not a traceback minutes
     # later; a comma-joined list-valued key becomes its tuple here.
-    checks.validate(config, training=True)
+    cli.validate(config, training=True)
     overrides = tuple(config_flags.get_override_values(flags.FLAGS[_CONFIG.name]))  # --config.KEY=VALUE given
     if _PLAN.value or _DRY_RUN.value:
         config = init_from.planned_config(config, overrides)  # a fine-tuning run's model is its source's
@@ -67,7 +66,7 @@ def main(argv: list[str]) -> None:
     if not _DRY_RUN.value:
         if not _WORKDIR.value:
             raise ConfigError("--workdir is required (checkpoints, tokenizer and metrics go there)")
-        checks.check_workdir(_WORKDIR.value)
+        cli.check_workdir(_WORKDIR.value)
     initialize_distributed()
     if _DRY_RUN.value:
         print(json.dumps(dry_run_summary(config), indent=2))

@@ -8,7 +8,7 @@ flops and bytes accessed. Every figure but compile_s is what the TPU compiler sa
 Pallas kernel declares its own cost (pl.CostEstimate), so for kernels cost_analysis() repeats the kernel's
 declaration. Ours is declared from the causal/window rule at trace time (segment ids are data), so the record
 also gives `kernel_flops_computed_tiles`: the matmul flops of the tiles our kernels visit for this very mask
-(masks.AttentionMask.loop_bounds), and how many tiles that is out of the whole grid.
+(attention.AttentionMask.loop_bounds), and how many tiles that is out of the whole grid.
 
 Implementations: ours (attention impl=pallas on TPU), jax's pallas.ops.tpu.flash_attention (its default
 128-tiles), splash attention (512-tiles) and xla. Masks: causal (T = S), packed (four segments per row of
@@ -29,7 +29,7 @@ import numpy as np
 
 from transformer_jax import ops, runtime
 from transformer_jax.ops import pallas_tpu
-from transformer_jax.ops.masks import AttentionMask
+from transformer_jax.ops.attention import AttentionMask
 from transformer_jax.plan import accelerators
 
 Array = jax.Array

@@ -25,9 +25,8 @@ from absl import flags
 from transformer_jax import cli, decoding
 from transformer_jax.data.sources import local_data_dir
 from transformer_jax.errors import EvalError
-from transformer_jax.evaluation import bleu
 from transformer_jax.evaluation.restore import CheckpointChoice, restore_model, workdir_tokenizer
-from transformer_jax.evaluation.translate import DecodeSettings, position_limit
+from transformer_jax.evaluation.translate import DecodeSettings, position_limit, sacrebleu_scores
 from transformer_jax.interop.ctranslate2 import QUANTIZATIONS, ctranslate2_translate, to_ctranslate2
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,7 +113,7 @@ def main(argv: list[str]) -> None:
                 "threads": _THREADS.value,
                 "model_bin_bytes": (path / "model.bin").stat().st_size,
                 "lines": len(sources),
-                "sacrebleu": round(bleu.sacrebleu_scores(outputs, references)["bleu"]["score"], 2),
+                "sacrebleu": round(sacrebleu_scores(outputs, references)["bleu"]["score"], 2),
                 "lines_per_s": round(len(sources) / seconds, 1),
             }
             if reference_outputs is not None:

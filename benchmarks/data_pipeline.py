@@ -22,7 +22,7 @@ from configs import common
 from transformer_jax import cli
 from transformer_jax.data import batching, pipeline, sources
 from transformer_jax.data import tokenizer as tokenizer_lib
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds
 
 DATA = sources.local_data_dir() or Path("$TRANSFORMER_JAX_DATA")  # the local corpora; unset, it skips
 

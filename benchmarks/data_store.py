@@ -34,7 +34,7 @@ from transformer_jax import cli
 from transformer_jax.data import pipeline, store
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.data.sources import local_data_dir
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = local_data_dir() or Path("$TRANSFORMER_JAX_DATA")  # the local corpora; unset, the benchmark skips

@@ -62,13 +62,12 @@ from transformer_jax import cli, decoding
 from transformer_jax.data.sources import local_data_dir
 from transformer_jax.data.tokenizer import train_tokenizer
 from transformer_jax.errors import DataError
-from transformer_jax.evaluation import bleu
 from transformer_jax.evaluation.restore import CheckpointChoice, restore_model, workdir_tokenizer
 from transformer_jax.evaluation.run import split_pairs
-from transformer_jax.evaluation.translate import DecodeSettings, position_limit, translate
+from transformer_jax.evaluation.translate import DecodeSettings, position_limit, sacrebleu_scores, translate
 from transformer_jax.interop.ctranslate2 import ctranslate2_translate, to_ctranslate2
 from transformer_jax.model import build_model, model_rngs, unpacked_segment_ids
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds
 
 DATA = (local_data_dir() or Path("$TRANSFORMER_JAX_DATA")) / "wmt14_ende" / "test.en"
 NUM_LINES = 500
@@ -161,7 +160,7 @@ def side_by_side(workdir: str) -> None:
                     "first_call_s": round(first, 2),
                     "steady_s": round(steady, 2),
                     "sentences_per_s": round(len(sources) / steady, 1),
-                    "bleu": round(bleu.sacrebleu_scores(hyps, references)["bleu"]["score"], 2),
+                    "bleu": round(sacrebleu_scores(hyps, references)["bleu"]["score"], 2),
                 }
             report["time_ratio_ours_over_ctranslate2"] = round(ours[1] / theirs[1], 2)
             report["identical_outputs"] = sum(a == b for a, b in zip(ours[2][0], theirs[2][0], strict=True))

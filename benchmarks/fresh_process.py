@@ -27,10 +27,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from transformer_jax.evaluation import bleu
 from transformer_jax.evaluation.restore import CheckpointChoice, restore_model, workdir_tokenizer
 from transformer_jax.evaluation.run import read_sources, split_pairs
-from transformer_jax.evaluation.translate import input_limit, output_cap, output_limit, position_limit, source_ids
+from transformer_jax.evaluation.translate import (
+    input_limit,
+    output_cap,
+    output_limit,
+    position_limit,
+    sacrebleu_scores,
+    source_ids,
+)
 from transformer_jax.interop.ctranslate2 import to_ctranslate2
 
 REPO = Path(__file__).resolve().parent.parent
@@ -250,8 +256,8 @@ def _versus_ctranslate2(
             )
             if references is not None:
                 report["bleu"] = {
-                    "ours": round(bleu.sacrebleu_scores(hyps, references)["bleu"]["score"], 2),
-                    "ctranslate2": round(bleu.sacrebleu_scores(theirs_hyps, references)["bleu"]["score"], 2),
+                    "ours": round(sacrebleu_scores(hyps, references)["bleu"]["score"], 2),
+                    "ctranslate2": round(sacrebleu_scores(theirs_hyps, references)["bleu"]["score"], 2),
                 }
             report["identical_outputs"] = sum(a == b for a, b in zip(hyps, theirs_hyps, strict=True))
             reports.append(report)

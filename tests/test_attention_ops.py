@@ -25,7 +25,7 @@ from tests.helpers.attention import (
     reference,
 )
 from transformer_jax import ops
-from transformer_jax.ops.masks import AttentionMask
+from transformer_jax.ops.attention import AttentionMask
 
 BLOCKWISE_CASES = [
     Case("plain_hd32"),

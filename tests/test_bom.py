@@ -13,7 +13,8 @@ import pytest
 
 from tests.helpers.fakes import WordTokenizer
 from transformer_jax.data import batching, sources
-from transformer_jax.evaluation import bleu, run
+from transformer_jax.evaluation import run
+from transformer_jax.evaluation.translate import read_lines, score_files
 
 BOM = b"\xef\xbb\xbf"
 SOURCES = "Ein Mann läuft.\r\nZwei Hunde\n"
@@ -67,11 +68,11 @@ def test_a_reference_with_a_bom_warns_once_and_scores_as_the_sacrebleu_command(t
     hyp.write_text(text, encoding="utf-8")
     ref.write_bytes(BOM + text.encode())
     with caplog.at_level(logging.WARNING):
-        lines = bleu.read_lines(ref)
+        lines = read_lines(ref)
     warnings = [r for r in caplog.records if "byte-order mark" in r.getMessage()]
     assert len(warnings) == 1 and str(ref) in warnings[0].getMessage()
     assert lines[0].startswith("\ufeff")  # what sacrebleu's command reads
-    scores = bleu.score_files(hyp, ref)
+    scores = score_files(hyp, ref)
     assert scores["chrf"]["score"] < 100  # the mark costs the first line its match, as in the command
     for key, metric in (("bleu", "bleu"), ("chrf", "chrf")):
         assert round(scores[key]["score"], 4) == pytest.approx(_sacrebleu_cli(ref, hyp, metric), abs=1e-4)

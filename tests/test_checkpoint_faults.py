@@ -203,7 +203,7 @@ def _poisoned_run(workdir: pathlib.Path, config, checkpointer):
     exponent bit does) and reports non-finite updates."""
     from types import SimpleNamespace
 
-    from transformer_jax.model.spec import TransformerSpec
+    from transformer_jax.model.layers import TransformerSpec
     from transformer_jax.runtime import Progress
 
     step, state, it_state = _restore_latest(workdir, config)

@@ -28,7 +28,7 @@ CASES = [
     ("train.py", ["--config", "nope.py", "--workdir", "w"], "--config nope.py: no such file nope.py"),
     ("train.py", ["--config", TINY, "--config.model.d_modle=8"], "'d_modle' Did you mean"),
     ("train.py", ["--config", TINY], "--workdir is required"),  # ConfigError raised in main
-    # checks.validate, before any work (--dry_run too): this exited 0 having done nothing
+    # cli.validate, before any work (--dry_run too): this exited 0 having done nothing
     ("train.py", ["--config", TINY, "--config.train.num_steps=-1", "--dry_run"], "train.num_steps: must be positive"),
     slow("train.py", ["--config", TINY, "--workdir", "train.py"], "--workdir train.py is a file, not a directory"),
     slow("train.py", ["--config", TINY, "--workdir", "train.py/w"], "--workdir train.py/w: cannot write there"),

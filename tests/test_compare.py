@@ -15,9 +15,9 @@ import pytest
 
 from tests.helpers import DATA, REPO
 from transformer_jax.errors import EvalError, ScoreError
-from transformer_jax.evaluation import bleu, significance
-from transformer_jax.evaluation.__main__ import evaluate
-from transformer_jax.evaluation.command import parse
+from transformer_jax.evaluation import significance
+from transformer_jax.evaluation.command import evaluate, parse
+from transformer_jax.evaluation.translate import read_lines, tokenize_for_bleu, tokenized_bleu
 
 SACREBLEU = str(Path(sys.executable).parent / "sacrebleu")
 MULTI30K_TEST_DE = DATA / "multi30k" / "test.de"
@@ -70,13 +70,13 @@ def test_paired_bootstrap_equals_the_sacrebleu_command(tmp_path):
     assert ours["bleu"]["signature"].startswith("nrefs:1|bs:1000|seed:12345|case:mixed|eff:no|tok:13a")
 
     # The tokenized BLEU: the same test with BLEU on the tokenized, compound-split lines and tokenize none.
-    tok = {name: write(tmp_path / f"{name}.tok", bleu.tokenize_for_bleu(lines)) for name, lines in
+    tok = {name: write(tmp_path / f"{name}.tok", tokenize_for_bleu(lines)) for name, lines in
            (("R", refs), ("B", baseline), ("A", system))}  # fmt: skip
     cli_tok = sacrebleu_paired_bs(tok["R"], tok["B"], tok["A"], "-m", "bleu", "--tokenize", "none", "--force")
     assert rounded(ours["tokenized_bleu"]["baseline"]) == cli_tok["baseline"][0]
     assert rounded(ours["tokenized_bleu"]["system"]) == cli_tok["system"][0]
     assert round(ours["tokenized_bleu"]["p_value"], 4) == cli_tok["p"][0]
-    assert ours["tokenized_bleu"]["system"]["score"] == pytest.approx(bleu.tokenized_bleu(system, refs)["score"])
+    assert ours["tokenized_bleu"]["system"]["score"] == pytest.approx(tokenized_bleu(system, refs)["score"])
     assert "tok:none" in ours["tokenized_bleu"]["signature"]
 
 
@@ -98,9 +98,7 @@ def test_compare_prints_both_systems_and_writes_the_report(three_files, tmp_path
     report = evaluate(
         dict(hypotheses_file=str(a), compare_file=str(b), references_file=str(r), scores_file=str(scores_file))
     )
-    expected = significance.paired_bootstrap(
-        bleu.read_lines(b), bleu.read_lines(a), bleu.read_lines(r)
-    )  # baseline first
+    expected = significance.paired_bootstrap(read_lines(b), read_lines(a), read_lines(r))  # baseline first
     assert report["comparison"] == expected
     assert json.loads(scores_file.read_text()) == json.loads(json.dumps(report))
     out = capsys.readouterr().out

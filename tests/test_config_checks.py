@@ -11,8 +11,9 @@ import tempfile
 import pytest
 
 from configs import common
-from transformer_jax.config import checks, schema
-from transformer_jax.config.checks import RULES, check_workdir, validate
+from transformer_jax import cli
+from transformer_jax.cli import RULES, check_workdir, validate
+from transformer_jax.config import schema
 from transformer_jax.errors import ConfigError
 from transformer_jax.model import TransformerSpec
 
@@ -20,7 +21,7 @@ from transformer_jax.model import TransformerSpec
 @pytest.mark.parametrize("size", sorted(common.SIZES))
 def test_every_leaf_has_a_rule_and_every_rule_a_leaf(size):
     """Every leaf of the config has a rule and every rule a leaf (both derive from schema.KEYS)."""
-    leaves = dict(checks.leaves(common.base_config(size)))
+    leaves = dict(cli.leaves(common.base_config(size)))
     assert sorted(set(leaves) - set(RULES)) == [], "add a Key for each new config key to schema.KEYS"
     assert sorted(set(RULES) - set(leaves)) == [], "remove the rules of keys that no longer exist"
     validate(common.base_config(size))

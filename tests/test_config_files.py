@@ -15,7 +15,6 @@ from ml_collections import config_flags
 
 from tests.helpers import REPO
 from transformer_jax import cli
-from transformer_jax.config import checks
 from transformer_jax.errors import ConfigError
 from transformer_jax.evaluation import command
 from transformer_jax.sweep import runner as sweep
@@ -47,7 +46,7 @@ def test_the_loader_names_the_file_the_line_and_the_error(tmp_path, name, monkey
     monkeypatch.syspath_prepend(str(REPO))
     path = _write(tmp_path, name)
     with pytest.raises(ConfigError) as raised:
-        checks.get_config(f"{path}:size=huge")
+        cli.get_config(f"{path}:size=huge")
     message = str(raised.value)
     assert message.startswith(f"{path}{BROKEN[name][1]}"), message
     assert "\n" not in message and "Traceback" not in message
@@ -55,10 +54,10 @@ def test_the_loader_names_the_file_the_line_and_the_error(tmp_path, name, monkey
 
 def test_a_missing_file_and_a_file_without_get_config(tmp_path):
     with pytest.raises(ConfigError, match="no such file nope.py"):
-        checks.get_config("nope.py")
+        cli.get_config("nope.py")
     (tmp_path / "empty.py").write_text("X = 1\n")
     with pytest.raises(ConfigError, match=r"empty.py: defines no get_config\(arg\)"):
-        checks.get_config(str(tmp_path / "empty.py"))
+        cli.get_config(str(tmp_path / "empty.py"))
 
 
 @pytest.mark.parametrize("define", ["train", "evaluate"])

@@ -10,10 +10,11 @@ import typing
 import pytest
 
 from configs import common
-from transformer_jax.config import checks, schema
+from transformer_jax import cli
+from transformer_jax.config import schema
 from transformer_jax.config.schema import KEYS, MAY_CHANGE, Key
 from transformer_jax.errors import ConfigError
-from transformer_jax.model.spec import TransformerSpec, config_key
+from transformer_jax.model.layers import TransformerSpec, config_key
 from transformer_jax.training import checkpoints
 
 
@@ -39,7 +40,7 @@ def test_a_key_without_a_fact_cannot_be_written():
 @pytest.mark.parametrize("size", sorted(schema.SIZES))
 def test_a_config_holds_every_key_with_its_default_and_validates(size):
     config = common.base_config(size)
-    checks.validate(config)
+    cli.validate(config)
     row = schema.SIZES[size]
     for key in KEYS:
         if key.name != "size":
@@ -62,7 +63,7 @@ def test_a_bad_value_of_any_key_is_refused_naming_the_key(key):
     group, _, leaf = key.name.rpartition(".")
     config[group][leaf] = bad_value(key)
     with pytest.raises(ConfigError, match=rf"^config key {key.name}: "):
-        checks.validate(config)
+        cli.validate(config)
 
 
 def test_a_restart_is_refused_exactly_when_a_must_match_key_changes():

@@ -9,10 +9,10 @@ import pytest
 
 from tests.helpers import REPO
 from tests.helpers.reference import hand_count
-from transformer_jax.config import checks
+from transformer_jax import cli
 from transformer_jax.errors import ConfigError
 from transformer_jax.model import TransformerSpec, parameter_count
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds
 from transformer_jax.training import bookkeeping
 
 CONFIG_DIR = REPO / "configs"
@@ -45,7 +45,7 @@ def _cases() -> list:
 def test_config_loads_locked_and_builds_a_model(name, arg):
     module = importlib.import_module(f"configs.{name}")
     config = module.get_config(arg)
-    checks.validate(config)  # every leaf has a rule and keeps it
+    cli.validate(config)  # every leaf has a rule and keeps it
     assert config.is_locked
     with pytest.raises(AttributeError):
         config.model.d_modle = 3  # a misspelt key fails instead of silently adding one
@@ -53,7 +53,7 @@ def test_config_loads_locked_and_builds_a_model(name, arg):
         variant = module.get_config(arg)
         # A locked config raises on a key that does not exist, so a misspelt override fails here.
         variant.update_from_flattened_dict({k: v for k, v in override.items() if k not in ("name", "reference")})
-        checks.validate(variant)  # every leaf of every variant, and the rules between keys
+        cli.validate(variant)  # every leaf of every variant, and the rules between keys
         TransformerSpec.from_config(variant)  # every variant is a valid model (heads divide, impl exists, ...)
     count = parameter_count(config)  # builds the model abstractly (cached per spec: configs share sizes)
     # Every config's base model is the paper's architecture (variants live in sweeps), so its size is the hand count.
@@ -120,14 +120,15 @@ def test_a_config_saved_by_an_earlier_version_gets_every_key_of_today():
     special ids, the Marian keys, corpus mixing and trackers existed (its text_dir made relative): upgraded as
     checkpoints.load_config does, it has every key of today's schema, passes today's checks and builds the model it
     was trained as. A key added to the schema without its entry in bookkeeping.ADDED_KEYS fails here."""
-    from transformer_jax.config import checks, schema
+    from transformer_jax import cli
+    from transformer_jax.config import schema
 
     saved = json.loads((Path(__file__).parent / "data" / "config_saved_before_the_marian_keys.json").read_text())
     old = bookkeeping.upgrade_config(ml_collections.ConfigDict(saved))
     today = schema.base_config("small")
     keys = {(group, leaf) for group in today for leaf in today[group]}
     assert {(group, leaf) for group in old for leaf in old[group]} == keys
-    checks.validate(old)
+    cli.validate(old)
     spec = TransformerSpec.from_config(old)
     assert (spec.vocab_size, spec.source_vocab_size, spec.sinusoid_layout) == (8000, 0, "interleaved")
     assert not spec.final_logits_bias and SpecialIds.of(old) == SpecialIds.DEFAULT
@@ -159,13 +160,13 @@ def test_configs_saved_with_comma_joined_lists_restore_and_resume_as_the_same_ru
     )
     assert old.eval.extra_valid == (("tatoeba", "/d/tatoeba", "test"), ("news", "/d/news", "valid"))
     assert old.opt.freeze == ("encoder_layers", "src_embed") and old.train.trackers == ("tensorboard", "wandb")
-    checks.validate(old)
+    cli.validate(old)
     assert bookkeeping.upgrade_config(old) is old  # today's values: unchanged
     current = common.base_config("tiny")
     current.data.corpora = (("real", "text", "/d/m30k", 1, ""), ("bt", "files", "/d/bt.en+/d/mono.de", 0.5, "<BT>"))
     current.eval.extra_valid = ("tatoeba=/d/tatoeba:test,news=/d/news",)  # as --config.eval.extra_valid=... gives it
     current.opt.freeze, current.train.trackers = ("encoder_layers", "src_embed"), ("tensorboard,wandb",)
-    checks.validate(current)
+    cli.validate(current)
     saved = json.loads(old.to_json())
     assert checkpoints.config_differences(saved, json.loads(current.to_json())) == []
     current.opt.freeze = ("encoder_layers",)  # a must-match key that changed is still refused
@@ -249,7 +250,7 @@ def test_the_back_translator_config_reverses_the_real_pairs_and_its_arms_refuse_
     from configs import backtranslation
 
     config = backtranslation.get_config("data=runs/bt/data,direction=de-en")  # the de-en back-translator's run
-    checks.validate(config)
+    cli.validate(config)
     assert (config.data.src_lang, config.data.tgt_lang) == ("de", "en")
     assert config.data.corpora == (("real", "files", "runs/bt/data/real.de+runs/bt/data/real.en", 1, ""),)
     with pytest.raises(ValueError, match="arms are en-de"):

@@ -18,7 +18,7 @@ from transformer_jax.data import batching, store
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import ConfigError, DataError
 from transformer_jax.model import TransformerSpec
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds
 
 transformers = pytest.importorskip("transformers", reason="transformers (a test dependency) is not installed")
 
@@ -200,7 +200,7 @@ def test_evaluate_target_lang_overrides_the_configs_for_the_tokenizer(tmp_path, 
     """--target_lang reaches the tokenizer as data.target_lang (the saved config keeps its own)."""
     from tests.helpers.decoding import CharTokenizer, one_checkpoint
     from transformer_jax.evaluation import run
-    from transformer_jax.evaluation.__main__ import evaluate
+    from transformer_jax.evaluation.command import evaluate
     from transformer_jax.training import checkpoints
 
     seen = []

@@ -13,11 +13,11 @@ import pytest
 from tests.helpers.data import config_for, synthetic_pairs, write_pairs
 from tests.helpers.fakes import WordTokenizer
 from tests.helpers.training import tiny_train_config, write_corpus
-from transformer_jax.config.checks import RULES
+from transformer_jax.cli import RULES
 from transformer_jax.data import batching, pipeline, sources, store
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import ConfigError, DataError
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds
 
 Z_999 = 3.29  # two-sided 99.9% normal quantile
 

@@ -17,7 +17,7 @@ from tests.helpers.fakes import WordTokenizer
 from transformer_jax.data import batching, pipeline
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import DataError
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds
 
 
 def unpack(batch: dict[str, np.ndarray]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

@@ -15,7 +15,7 @@ from tests.helpers.training import tiny_train_config, write_corpus
 from transformer_jax.data import store
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import DataError
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds
 
 
 def test_prepare_writes_the_tokenizer_that_training_reuses(tmp_path):

@@ -13,7 +13,7 @@ from tests.helpers import DATA
 from transformer_jax.data import sources
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import DataError
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds
 
 TRICKY = [
     "  two leading, two inner  spaces and a trailing one ",

@@ -16,7 +16,7 @@ from tests.helpers.training import write_corpus
 from transformer_jax import decoding
 from transformer_jax.evaluation.scoring import score_pairs
 from transformer_jax.evaluation.translate import DecodeSettings, output_limit, source_ids, translate_nbest
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds
 
 ctranslate2 = pytest.importorskip("ctranslate2", reason="ctranslate2 is not installed: the comparisons need it")
 from transformer_jax.interop import ctranslate2 as export_lib  # noqa: E402 - needs the engine, checked above

@@ -35,7 +35,7 @@ from transformer_jax import decoding
 from transformer_jax.decoding.specs import best_first, greedy_search, set_aside_search
 from transformer_jax.decoding.state import BeamState, SetAsideState, length_penalty
 from transformer_jax.errors import EvalError
-from transformer_jax.evaluation.__main__ import evaluate
+from transformer_jax.evaluation.command import evaluate
 from transformer_jax.evaluation.restore import workdir_tokenizer
 from transformer_jax.evaluation.run import parse_nbest_line
 from transformer_jax.evaluation.translate import EMPTY, DecodeSettings, translate, translate_nbest
@@ -484,11 +484,11 @@ def test_prefix_file_starts_each_translation_and_a_line_count_mismatch_names_bot
 
 def test_max_len_flag_caps_the_outputs_over_the_configs(tmp_path):
     """--max_len (an absolute cap, EOS included) overrides config.eval.max_len, which caps when the flag is unset."""
-    from transformer_jax.evaluation import command, run
+    from transformer_jax.evaluation import run
 
     config = tiny_eval_config()
-    assert run.decoding_settings(command.Decoding(), config).max_len == config.eval.max_len == 0
-    assert run.decoding_settings(command.Decoding(max_len=3), config).max_len == 3
+    assert run.decoding_settings(run.Decoding(), config).max_len == config.eval.max_len == 0
+    assert run.decoding_settings(run.Decoding(max_len=3), config).max_len == 3
     lines = ["hello world", "the cat sat on the mat"]
     _evaluate(tmp_path / "free", lines, beam_size=1)
     _evaluate(tmp_path / "capped", lines, max_len=3, beam_size=1)

@@ -22,8 +22,7 @@ from transformer_jax import runtime
 from transformer_jax.data import store
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import DiskFullError
-from transformer_jax.evaluation import command
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds
 from transformer_jax.training import metrics
 from transformer_jax.training.metrics import MetricWriter, read_metrics
 
@@ -93,9 +92,9 @@ def test_a_full_disk_while_writing_an_evaluation_output_keeps_the_earlier_file(t
     monkeypatch.setattr(runtime.os, "replace", full)
     with pytest.raises(DiskFullError, match=rf"disk full while writing {out} \(needs about .* free\); nothing was"):
         if which == "hypotheses":
-            command.write_lines(str(out), ["ein hund", "eine katze"])
+            runtime.write_lines(str(out), ["ein hund", "eine katze"])
         else:
-            command.write_json(str(out), {"scores": 1})
+            runtime.write_json(str(out), {"scores": 1})
     monkeypatch.setattr(runtime.os, "replace", real_replace)
     assert out.read_text() == "an earlier complete file\n"
     assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]  # the temporary file is gone

@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers import REPO
 from tests.helpers.training import scripted, tiny_train_config
-from transformer_jax.config import checks
+from transformer_jax import cli
 from transformer_jax.training import checkpoints
 from transformer_jax.training.loop import train_and_evaluate
 from transformer_jax.training.metrics import read_metrics
@@ -25,7 +25,7 @@ def stopping_config(corpus: pathlib.Path, num_steps: int = 20, patience: int = 2
         corpus, num_steps=num_steps, eval_every=2, select_metric=metric, early_stop_patience=patience
     )
     config.ckpt.every_steps = 100  # only the improvements and the stop are saved
-    checks.validate(config)
+    cli.validate(config)
     return config
 
 

@@ -14,7 +14,7 @@ from tests.helpers.model import forward, tiny_model
 from transformer_jax import decoding
 from transformer_jax.decoding.ensemble import Ensemble
 from transformer_jax.errors import EvalError
-from transformer_jax.evaluation.__main__ import evaluate
+from transformer_jax.evaluation.command import evaluate
 from transformer_jax.evaluation.scoring import score_pairs
 
 

@@ -1,4 +1,4 @@
-"""evaluate.py (transformer_jax.evaluation.__main__) and the library under it (transformer_jax.evaluation.run and
+"""evaluate.py (transformer_jax.evaluation.command) and the library under it (transformer_jax.evaluation.run and
 .restore): scores-only mode against the sacrebleu command on real data, and the model mode on a workdir of real
 checkpoints whose parameters have a known mean (fakes.three_checkpoints): step selection, averaging, the config
 check, one output line per input line, the report and where it goes, that bad inputs fail early with clear messages,
@@ -23,21 +23,12 @@ from flax import nnx
 from tests.helpers import DATA, REPO
 from tests.helpers.fakes import base_params, reads, three_checkpoints, tiny_config, write_workdir
 from transformer_jax.data.tokenizer import train_tokenizer
-from transformer_jax.errors import CheckpointError, EvalError
-from transformer_jax.evaluation import bleu, restore, run
-from transformer_jax.evaluation.__main__ import evaluate
-from transformer_jax.evaluation.command import (
-    FLAGS,
-    Compare,
-    Model,
-    ScorePairs,
-    ScoresOnly,
-    Translate,
-    define,
-    parse,
-    values_of,
-)
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.errors import CheckpointError, EvalError, ScoreError
+from transformer_jax.evaluation import restore, run
+from transformer_jax.evaluation.command import FLAGS, define, evaluate, parse, values_of
+from transformer_jax.evaluation.run import Compare, Model, ScorePairs, ScoresOnly, Translate
+from transformer_jax.evaluation.translate import read_lines, score_files
+from transformer_jax.model.layers import SpecialIds
 
 PYTHON = sys.executable
 SACREBLEU = str(Path(sys.executable).parent / "sacrebleu")
@@ -73,7 +64,7 @@ def test_scores_only_mode_equals_the_sacrebleu_command_on_newstest2014(tmp_path)
     if not WMT14_TEST_DE.exists():
         pytest.skip(f"real data not found: {WMT14_TEST_DE} (the shared data folder is absent on this machine)")
     # 600 of the 3,003 lines: real text, at a fifth of the scoring work of the three processes below.
-    lines = bleu.read_lines(WMT14_TEST_DE)[:600]
+    lines = read_lines(WMT14_TEST_DE)[:600]
     ref, hyp = tmp_path / "ref.de", tmp_path / "hyp.de"
     ref.write_text("\n".join(lines) + "\n", encoding="utf-8")
     hyp.write_text("\n".join(perturb(lines)) + "\n", encoding="utf-8")
@@ -171,7 +162,7 @@ def test_references_with_another_line_count_fail_before_the_model_is_restored(tm
     ref.write_text("a\nb\n", encoding="utf-8")
     read = reads(monkeypatch)
     options = dict(workdir=str(three_checkpoints(tmp_path / "w")), source_file=str(src), references_file=str(ref))
-    with pytest.raises(bleu.ScoreError, match=r"src\.en has 3 lines, .*ref\.de has 2"):
+    with pytest.raises(ScoreError, match=r"src\.en has 3 lines, .*ref\.de has 2"):
         evaluate(options)
     assert read == []
 
@@ -187,7 +178,7 @@ def test_translate_a_file_one_output_per_input_line_and_report(tmp_path, capsys)
         workdir=str(workdir), source_file=str(src), references_file=str(ref), output_file=str(out), alpha=0.0
     )
     report = evaluate(options)
-    hypotheses = bleu.read_lines(out)
+    hypotheses = read_lines(out)
     assert len(hypotheses) == len(sources) and hypotheses[1] == ""
     assert report["checkpoint_steps"] == [200, 300]
     assert report["decoding"] == {
@@ -265,9 +256,7 @@ def test_scores_only_prints_the_scores_and_with_json_only_the_report_on_stdout(t
     as_json = run_evaluate("--hypotheses_file", str(hyp), "--references_file", str(ref), "--json")
     assert as_json.returncode == 0 and as_json.stderr.splitlines() == plain.stdout.splitlines()
     report = json.loads(as_json.stdout)
-    assert (
-        report["hypotheses_file"] == str(hyp) and report["bleu"]["score"] == bleu.score_files(hyp, ref)["bleu"]["score"]
-    )
+    assert report["hypotheses_file"] == str(hyp) and report["bleu"]["score"] == score_files(hyp, ref)["bleu"]["score"]
 
 
 def test_the_library_prints_nothing(tmp_path, capfd, monkeypatch):
@@ -333,7 +322,7 @@ def test_end_to_end_with_real_checkpoints_and_tokenizer(tmp_path):
     saver.save(10, state, {"position": 0}, config)
     saver.save(20, state, {"position": 1}, config)
     saver.close()
-    lines = bleu.read_lines(multi30k)[:500]
+    lines = read_lines(multi30k)[:500]
     train_tokenizer(lines, tmp_path / "spm.model", vocab_size=500, model_type="unigram", ids=SpecialIds.DEFAULT)
     src = tmp_path / "src.en"
     src.write_text("\n".join(lines[:5] + ["", lines[5]]) + "\n", encoding="utf-8")
@@ -341,7 +330,7 @@ def test_end_to_end_with_real_checkpoints_and_tokenizer(tmp_path):
     args = ["--workdir", str(tmp_path), "--source_file", str(src), "--references_file", str(src)]
     result = run_evaluate(*args, "--output_file", str(out), "--beam_size", "2")
     assert result.returncode == 0, result.stderr
-    assert len(bleu.read_lines(out)) == 7 and bleu.read_lines(out)[5] == ""
+    assert len(read_lines(out)) == 7 and read_lines(out)[5] == ""
     report = json.loads(Path(f"{out}.json").read_text())
     assert report["checkpoint_steps"] == [10, 20] and report["decoding"]["beam_size"] == 2
     missing = run_evaluate(*args, "--checkpoint", "15")

@@ -21,8 +21,8 @@ from tests.helpers import REPO
 from tests.helpers.fakes import three_checkpoints, tiny_config
 from transformer_jax.data import sources as sources_lib
 from transformer_jax.errors import EvalError, ScoreError
-from transformer_jax.evaluation import bleu
-from transformer_jax.evaluation.__main__ import evaluate
+from transformer_jax.evaluation.command import evaluate
+from transformer_jax.evaluation.translate import read_lines, score_all
 from transformer_jax.training import checkpoints
 
 
@@ -145,12 +145,12 @@ def test_split_with_blank_lines_gives_one_hypothesis_per_line_and_scores_them_al
     three_checkpoints(tmp_path, config)
     out = tmp_path / "hyp.txt"
     report = evaluate(dict(workdir=str(tmp_path), output_file=str(out), alpha=0.0))
-    hypotheses = bleu.read_lines(out)
+    hypotheses = read_lines(out)
     assert len(hypotheses) == len(en)  # before: 7, the pairs with an empty side were dropped
     assert report["lines"] == len(en)
     assert hypotheses[1] == hypotheses[4] == ""
     assert report["blank_lines"] == {"sources": 2, "references": 2}
-    assert report["scores"]["bleu"]["score"] == bleu.score_all(hypotheses, de)["bleu"]["score"]
+    assert report["scores"]["bleu"]["score"] == score_all(hypotheses, de)["bleu"]["score"]
     assert "10 lines translated" in capsys.readouterr().out
     assert json.loads(Path(f"{out}.json").read_text())["blank_lines"] == {"sources": 2, "references": 2}
     # Training still skips pairs with an empty side (3 of the 10).

@@ -19,14 +19,13 @@ from matplotlib.image import imread
 
 from tests.helpers.training import tiny_train_config, write_corpus
 from transformer_jax.data.tokenizer import get_tokenizer
-from transformer_jax.evaluation.__main__ import evaluate
+from transformer_jax.evaluation.command import evaluate
 from transformer_jax.evaluation.translate import source_ids
 from transformer_jax.explain import __main__ as explain_cli
 from transformer_jax.explain.capture import explain
 from transformer_jax.explain.page import figures, fmt, header, position_check, render, rotation, summary
 from transformer_jax.explain.text import TEXT
-from transformer_jax.model.layers import sinusoidal_encoding
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds, sinusoidal_encoding
 from transformer_jax.model.transformer import capture_attention_weights
 from transformer_jax.training.checkpoints import Checkpointer
 from transformer_jax.training.step import create_train_state, eval_model

@@ -28,12 +28,11 @@ from tests.helpers.training import tiny_train_config, untrained_workdir, write_c
 from transformer_jax import decoding
 from transformer_jax.data.tokenizer import Tokenizer, train_tokenizer
 from transformer_jax.errors import ConfigError, EvalError
-from transformer_jax.evaluation.__main__ import evaluate
-from transformer_jax.evaluation.command import Decoding
+from transformer_jax.evaluation.command import evaluate
 from transformer_jax.evaluation.restore import CheckpointChoice
-from transformer_jax.evaluation.run import decoding_settings
+from transformer_jax.evaluation.run import Decoding, decoding_settings
 from transformer_jax.evaluation.translate import DecodeSettings, position_limit, translate
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds
 from transformer_jax.training import checkpoints
 
 ctranslate2 = pytest.importorskip(

@@ -19,7 +19,7 @@ from transformer_jax.data.tokenizer import train_tokenizer
 from transformer_jax.errors import ConfigError, EvalError
 from transformer_jax.evaluation.restore import CheckpointChoice, restore_model
 from transformer_jax.interop import marian, marian_folder
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds
 from transformer_jax.training import checkpoints
 from transformer_jax.training.step import new_train_state, split_train_state
 

@@ -18,7 +18,8 @@ from flax import nnx
 
 from tests.helpers import REPO
 from tests.helpers.training import scripted, tiny_train_config
-from transformer_jax.config import checks, schema
+from transformer_jax import cli
+from transformer_jax.config import schema
 from transformer_jax.errors import CheckpointError, ConfigError
 from transformer_jax.evaluation import restore
 from transformer_jax.model import parameter_count
@@ -246,10 +247,10 @@ def test_an_init_step_the_source_lacks_is_refused(source, corpus, tmp_path, step
 def test_init_step_is_checked_with_the_config(corpus):
     config = tiny_train_config(corpus, init_step="newest")
     with pytest.raises(ConfigError, match="train.init_step: must be latest, best or a step number, got 'newest'"):
-        checks.validate(config)
+        cli.validate(config)
     config = tiny_train_config(corpus, init_step="3")
     with pytest.raises(ConfigError, match="train.init_step: '3' names a checkpoint of train.init_from, which is"):
-        checks.validate(config)
+        cli.validate(config)
 
 
 def test_architecture_and_must_match_on_resume_are_two_rules():

@@ -12,8 +12,7 @@ import pytest
 from flax import nnx
 
 from tests.helpers.model import random_tokens, tiny_model, tiny_spec
-from transformer_jax.model.layers import fused_dot_general, logits_from_table, tied_logits
-from transformer_jax.model.spec import fused_backward_enabled
+from transformer_jax.model.layers import fused_backward_enabled, fused_dot_general, logits_from_table, tied_logits
 from transformer_jax.training.step import cross_entropy_sums
 
 # One encoder and one decoder layer: the two backward passes are per layer, so depth adds only compile time.

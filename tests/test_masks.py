@@ -15,7 +15,7 @@ from tests.helpers import jitted
 from tests.helpers.reference import naive_linear_attention
 from transformer_jax import ops
 from transformer_jax.ops import blockwise, pallas_gpu
-from transformer_jax.ops.masks import AttentionMask
+from transformer_jax.ops.attention import AttentionMask
 
 
 def packed_side(rng: np.random.Generator, batch: int, length: int) -> tuple[np.ndarray, np.ndarray]:

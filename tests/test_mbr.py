@@ -11,8 +11,8 @@ from tests.helpers.decoding import one_checkpoint
 from tests.helpers.fakes import reads
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation import run
-from transformer_jax.evaluation.__main__ import evaluate
-from transformer_jax.evaluation.command import UTILITIES
+from transformer_jax.evaluation.command import evaluate
+from transformer_jax.evaluation.run import UTILITIES
 
 # The search's best (first) is the outlier; the consensus is the second.
 CANDIDATES = ["dogs bark loudly tonight", "the cat sat on the mat", "the cat sat on a mat", "a cat sat on the mat"]

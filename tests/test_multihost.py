@@ -20,7 +20,7 @@ import pytest
 from tests.helpers import REPO
 from tests.helpers.training import tiny_train_config, wait_for_checkpoint
 from transformer_jax import data
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds
 from transformer_jax.training import checkpoints, loop
 from transformer_jax.training.metrics import read_metrics
 

@@ -9,7 +9,7 @@ from flax import nnx
 
 from configs import common
 from tests.helpers.training import one_layer_config
-from transformer_jax.config import checks
+from transformer_jax import cli
 from transformer_jax.errors import ConfigError
 from transformer_jax.model import build_model, model_rngs
 from transformer_jax.training.step import learning_rate_schedule, make_optimizer, new_train_state, split_train_state
@@ -67,7 +67,7 @@ def test_other_schedules_warm_up_to_the_peak(name):
 
 
 def test_bad_optimizer_settings_name_the_key():
-    """Checked with the whole config, before any work (checks.validate at every command line)."""
+    """Checked with the whole config, before any work (cli.validate at every command line)."""
     for key, value, match in (
         ("opt.schedule", "linear", "opt.schedule"),
         ("opt.weight_decay", 0.1, "opt.weight_decay.*adamw"),
@@ -76,7 +76,7 @@ def test_bad_optimizer_settings_name_the_key():
         config = common.base_config("tiny")
         config.update_from_flattened_dict({key: value})
         with pytest.raises(ConfigError, match=match):
-            checks.validate(config)
+            cli.validate(config)
 
 
 def test_the_logged_learning_rate_is_the_one_the_optimizer_applies():

@@ -23,7 +23,7 @@ from tests.helpers.attention import TPU_SMALL as SMALL
 from tests.helpers.attention import Case, assert_matches, forward_backward, make_inputs, reference
 from transformer_jax import ops, runtime
 from transformer_jax.ops import pallas_gpu, pallas_tpu
-from transformer_jax.ops.masks import AttentionMask, array_module
+from transformer_jax.ops.attention import AttentionMask, array_module
 
 
 @pytest.fixture

@@ -14,9 +14,9 @@ import pytest
 
 from tests.helpers import REPO
 from transformer_jax import runtime
-from transformer_jax.model.spec import fused_backward_enabled
+from transformer_jax.model.layers import fused_backward_enabled
 from transformer_jax.ops import choose_impl
-from transformer_jax.ops.masks import AttentionMask
+from transformer_jax.ops.attention import AttentionMask
 
 
 def test_target_backend_is_the_host_outside_compiling_for():

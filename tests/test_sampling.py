@@ -14,7 +14,7 @@ from tests.helpers.decoding import EOS, IDS, one_checkpoint, shared_model
 from transformer_jax import decoding
 from transformer_jax.decoding.specs import greedy_search, inverse_cdf, nucleus_threshold
 from transformer_jax.errors import EvalError
-from transformer_jax.evaluation.__main__ import evaluate
+from transformer_jax.evaluation.command import evaluate
 from transformer_jax.evaluation.translate import DecodeSettings, translate_nbest
 
 # One step over 8 tokens: PAD, BOS and UNK impossible, EOS and four words with these logits.

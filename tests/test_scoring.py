@@ -13,7 +13,7 @@ from transformer_jax import decoding
 from transformer_jax.data import batching
 from transformer_jax.data.pipeline import eval_batches
 from transformer_jax.errors import EvalError, UserError
-from transformer_jax.evaluation.__main__ import evaluate
+from transformer_jax.evaluation.command import evaluate
 from transformer_jax.evaluation.scoring import packed_batches, score_pairs
 from transformer_jax.evaluation.translate import DecodeSettings, translate_nbest
 from transformer_jax.training.step import cross_entropy_sums

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.helpers.training import scripted, tiny_train_config
-from transformer_jax.config import checks
+from transformer_jax import cli
 from transformer_jax.errors import ConfigError, EvalError
 from transformer_jax.evaluation import restore
 from transformer_jax.training import bookkeeping, checkpoints
@@ -24,7 +24,7 @@ from transformer_jax.training.step import abstract_train_state
 def selecting_config(corpus: pathlib.Path, num_steps: int, **ckpt):
     config = tiny_train_config(corpus, num_steps=num_steps, eval_every=2, select_metric="valid_bleu")
     config.ckpt.update({"every_steps": 6, "keep": 1, "keep_best": 2, **ckpt})
-    checks.validate(config)
+    cli.validate(config)
     return config
 
 
@@ -84,7 +84,7 @@ def test_keep_best_and_early_stopping_without_validation_are_refused(corpus):
         group, leaf = key.split(".")
         config[group][leaf] = value
         with pytest.raises(ConfigError, match=rf"^config key {key}={value} needs a validation.*train\.eval_every=0"):
-            checks.validate(config)
+            cli.validate(config)
 
 
 @pytest.mark.parametrize(
@@ -100,16 +100,16 @@ def test_malformed_extra_validation_sets_are_refused(corpus, spec, message):
     config = tiny_train_config(corpus).to_dict()  # a plain dict takes the string form as a config saved before did
     config["eval"]["extra_valid"] = spec
     with pytest.raises(ConfigError, match=rf"^config key eval\.extra_valid: .*{message}"):
-        checks.validate(config)
+        cli.validate(config)
 
 
 def test_extra_validation_sets_are_records_or_their_comma_joined_form_of_before(corpus):
     config = tiny_train_config(corpus, eval_every=2)
     config.eval.extra_valid = ("t=/d/tatoeba:dev, m=/d/m",)  # --config.eval.extra_valid=t=/d/tatoeba:dev,m=/d/m
-    checks.validate(config)
+    cli.validate(config)
     assert config.eval.extra_valid == (("t", "/d/tatoeba", "dev"), ("m", "/d/m", "valid"))
     config.eval.extra_valid = (("t", "/d/tatoeba", "dev"), ("m", "/d/m"))  # the split may be left out
-    checks.validate(config)
+    cli.validate(config)
     assert config.eval.extra_valid == (("t", "/d/tatoeba", "dev"), ("m", "/d/m", "valid"))
 
 

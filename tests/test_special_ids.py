@@ -1,4 +1,4 @@
-"""Reserved ids as a property of the vocabulary (model.spec.SpecialIds, model.*_id): a model with Marian's ids (eos 0,
+"""Reserved ids as a property of the vocabulary (model.layers.SpecialIds, model.*_id): a model with Marian's ids (eos 0,
 unk 1, pad = bos = V - 1, so its decoder starts from pad) batches, trains and decodes as one with the default ids."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from tests.helpers.model import forward, tiny_model
 from tests.helpers.training import one_layer_config
 from transformer_jax import decoding
 from transformer_jax.data import batching
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds
 from transformer_jax.sharding import make_mesh
 from transformer_jax.training.step import compile_steps, create_train_state, cross_entropy_sums
 

@@ -12,7 +12,7 @@ from tests.helpers import REPO
 from tests.helpers.training import tiny_train_config
 from transformer_jax import data
 from transformer_jax.model import TransformerSpec
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds
 from transformer_jax.sharding import make_mesh
 from transformer_jax.training.loop import check_batch_shapes, dry_run_summary
 from transformer_jax.training.metrics import train_step_flops

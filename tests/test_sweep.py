@@ -8,10 +8,10 @@ import pytest
 from matplotlib.figure import Figure
 
 from tests.helpers.sweeps import fails
-from transformer_jax.evaluation import bleu, run
-from transformer_jax.evaluation.command import Model, Translate
+from transformer_jax.evaluation import run
 from transformer_jax.evaluation.restore import CheckpointChoice
-from transformer_jax.evaluation.run import split_pairs
+from transformer_jax.evaluation.run import Model, Translate, split_pairs
+from transformer_jax.evaluation.translate import score_all
 from transformer_jax.sweep import __main__ as sweep
 from transformer_jax.sweep import results, runner
 from transformer_jax.sweep.results import TEST, VALID
@@ -153,7 +153,7 @@ def test_split_test_decodes_a_trained_sweep_on_the_test_split_only(trained_sweep
     assert refs != split_pairs(config, "valid")[1]
     report = json.loads((base / TEST.scores_file).read_text())
     assert report["checkpoint_steps"] == [2] and report["lines"] == len(refs)
-    assert report["scores"]["chrf"]["score"] == bleu.score_all(expected.hypotheses, refs)["chrf"]["score"]
+    assert report["scores"]["chrf"]["score"] == score_all(expected.hypotheses, refs)["chrf"]["score"]
     rows = list(csv.DictReader(open(workdir / "results_test.csv")))
     valid_rows = list(csv.DictReader(open(workdir / "results.csv")))
     assert float(rows[0]["test_bleu"]) == round(report["scores"]["bleu"]["score"], 2)

@@ -24,7 +24,7 @@ import pytest
 
 from tests.helpers import REPO
 from tests.helpers.training import tiny_train_config
-from transformer_jax.config import checks
+from transformer_jax import cli
 from transformer_jax.config.schema import TRACKERS
 from transformer_jax.errors import ConfigError
 from transformer_jax.training import metrics
@@ -180,7 +180,7 @@ def test_a_run_logs_config_metrics_and_final_scores_to_offline_wandb_and_mlflow(
     train_and_evaluate(config, workdir)
     want = jsonl_by_step(workdir / "metrics.jsonl")
     assert {1, 3, 6} <= set(want) and "valid_loss" in want[6]
-    params = dict(checks.leaves(config))
+    params = dict(cli.leaves(config))
     last = {k: v for step in sorted(want) for k, v in want[step].items()}
     ids = json.loads((workdir / metrics.STATE_FILE).read_text())
     assert ids["wandb"]["last_step"] == ids["mlflow"]["last_step"] == 6
@@ -217,7 +217,7 @@ def test_a_resumed_writer_continues_the_tracker_runs_and_skips_the_steps_they_ha
     pytest.importorskip("mlflow", reason="mlflow is optional: pip install -r requirements-dev.txt")
     root, _ = env
     config = tiny_train_config(corpus, trackers=("wandb", "mlflow"), tracker_group="resumed")
-    params = dict(checks.leaves(config))
+    params = dict(cli.leaves(config))
     writer = MetricWriter(tmp_path, config=config)
     _write(writer, range(0, 6), offset=0.0)
     writer.close()  # no finish: the first start was interrupted
@@ -284,12 +284,12 @@ def test_an_interrupted_training_run_resumes_the_same_tracker_runs(env, corpus, 
 def test_an_unknown_tracker_is_one_line_naming_the_key_and_the_known_ones(corpus):
     config = tiny_train_config(corpus, trackers=("tensorboard", "comet"))
     with pytest.raises(ConfigError) as error:
-        checks.validate(config)
+        cli.validate(config)
     message = str(error.value)
     assert "\n" not in message and "config key train.trackers" in message and "'comet'" in message
     assert all(name in message for name in TRACKERS)
     config = tiny_train_config(corpus, trackers=(" wandb,tensorboard,,wandb ",))  # --config.train.trackers=...
-    checks.validate(config)
+    cli.validate(config)
     assert config.train.trackers == ("wandb", "tensorboard")  # split by the key's rule: each once, in order
 
 
@@ -298,9 +298,9 @@ def test_a_missing_tracker_package_is_one_line_saying_what_to_install(corpus, mo
     source that logged to MLflow), so only the validation of a config to train (train.py, the sweep) refuses it."""
     monkeypatch.setitem(sys.modules, "mlflow", None)  # what `import mlflow` finds when it is not installed
     config = tiny_train_config(corpus, trackers=("tensorboard", "mlflow"))
-    checks.validate(config)
+    cli.validate(config)
     with pytest.raises(ConfigError) as error:
-        checks.validate(config, training=True)
+        cli.validate(config, training=True)
     message = str(error.value)
     assert "\n" not in message and "config key train.trackers: mlflow needs its package" in message
     assert f"pip install {TRACKERS['mlflow']}" in message

@@ -23,7 +23,7 @@ from transformer_jax import data, runtime
 from transformer_jax.data import pipeline
 from transformer_jax.errors import ConfigError, DataError
 from transformer_jax.evaluation.translate import bleu_evaluator
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds
 from transformer_jax.sharding import batch_sharding, make_mesh
 from transformer_jax.training import checkpoints, loop, metrics
 from transformer_jax.training.loop import (

@@ -20,7 +20,7 @@ from tests.helpers.training import tiny_train_config, write_corpus
 from transformer_jax import visualize as viz
 from transformer_jax.data.tokenizer import get_tokenizer
 from transformer_jax.errors import VisualizeError
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds
 from transformer_jax.training.checkpoints import Checkpointer
 from transformer_jax.training.step import create_train_state, eval_model, learning_rate_schedule
 from transformer_jax.visualize import __main__ as visualize

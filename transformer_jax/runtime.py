@@ -49,6 +49,7 @@ import contextlib
 import contextvars
 import errno
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -63,6 +64,8 @@ from typing import Any
 import jax
 import tqdm
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
+
+from transformer_jax.errors import DiskFullError
 
 log = logging.getLogger(__name__)  # the standard logger, which train.py shows at INFO (it quiets absl's)
 
@@ -288,6 +291,35 @@ def write_text_atomically(path: str | os.PathLike, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+# The outputs of the command lines (evaluate.py, translate_corpus, the sweep), written whole or not at all: a full disk
+# is one line and leaves any earlier file of that name unchanged.
+
+
+def write_lines(path: str | os.PathLike, lines: list[str]) -> None:
+    _write_whole(str(path), "".join(line + "\n" for line in lines))
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    _write_whole(str(path), to_json(obj) + "\n")
+
+
+def to_json(obj: Any) -> str:
+    """Indented; values JSON cannot hold, as their str."""
+    return json.dumps(obj, indent=1, default=str)
+
+
+def _write_whole(path: str, text: str) -> None:
+    try:
+        write_text_atomically(path, text)
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        raise DiskFullError(
+            f"disk full while writing {path} ({space_report(path, len(text.encode()))}); nothing was written "
+            "there (an earlier file of that name is unchanged): free space or choose another location"
+        ) from None
 
 
 class Progress:

@@ -14,7 +14,7 @@ import numpy as np
 
 from tests.helpers.fakes import ALPHABET, JointTokenizer, cached_workdir, write_workdir
 from tests.helpers.model import random_tokens, tiny_model
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds
 
 IDS = SpecialIds.DEFAULT  # the stubs' and the tiny models' reserved ids
 PAD, EOS, BOS = IDS.pad, IDS.eos, IDS.bos

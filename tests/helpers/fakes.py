@@ -16,7 +16,7 @@ from flax import nnx
 
 from configs import common
 from transformer_jax.model import build_model
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds
 from transformer_jax.training import checkpoints
 from transformer_jax.training.checkpoints import Checkpointer
 

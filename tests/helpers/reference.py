@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 from tests.helpers import jitted
 from transformer_jax import ops
-from transformer_jax.ops.attention import feature_map
+from transformer_jax.ops.blockwise import feature_map
 
 
 def hand_count(vocab: int, d: int, d_ff: int, n_layers: int) -> int:

@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from transformer_jax.evaluation import bleu
+from transformer_jax.evaluation.translate import score_all
 from transformer_jax.sweep import __main__ as sweep
 from transformer_jax.sweep.results import RESULT_FILE, VALID, Split
 
@@ -33,5 +33,5 @@ def write_run(directory: pathlib.Path, hyps: list[str], refs: list[str], perplex
 def write_decode(directory: pathlib.Path, split: Split, hyps: list[str], refs: list[str], steps: int = 2) -> None:
     """A run's stored translation of a split (hypotheses and evaluate.py's report on them), as the sweep writes it."""
     (directory / split.hypotheses_file).write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
-    report = {"checkpoint_steps": [steps], "scores": bleu.score_all(hyps, refs)}
+    report = {"checkpoint_steps": [steps], "scores": score_all(hyps, refs)}
     (directory / split.scores_file).write_text(json.dumps(report))

@@ -149,7 +149,7 @@ def untrained_workdir(data: pathlib.Path, workdir: pathlib.Path, steps: tuple[in
     """A workdir of tiny_train_config(data): a tokenizer trained on data's train split and, at each of `steps`, a
     checkpoint of the same freshly initialised (untrained) state."""
     from transformer_jax.data.tokenizer import train_tokenizer
-    from transformer_jax.model.spec import SpecialIds
+    from transformer_jax.model.layers import SpecialIds
     from transformer_jax.training import checkpoints
     from transformer_jax.training import step as state
 

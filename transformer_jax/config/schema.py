@@ -1,11 +1,11 @@
 """Every config key, written once: its default, its unit and meaning, what it may hold, and whether it must match
 on resume. Everything else derives from `KEYS`: the config groups of configs/common.py (`group`), the rules
-config/checks.py applies (`RULES`), the keys a restart must share with its checkpoint's config (`MUST_MATCH`), the
-keys a fine-tuning run takes from its source (`ARCHITECTURE`) and the model's hyperparameters (model/spec.py's
+transformer_jax/cli.py applies (`RULES`), the keys a restart must share with its checkpoint's config (`MUST_MATCH`), the
+keys a fine-tuning run takes from its source (`ARCHITECTURE`) and the model's hyperparameters (model/layers.py's
 TransformerSpec has one field per `model.*`/`attention.*` key).
 
 A default is a value, or a function of the model size's row of `SIZES`. Its `doc` says what the number counts;
-checks.py's one-line errors quote it. `resume=MATCH` marks a key whose change makes a checkpoint unusable: the
+cli.py's one-line errors quote it. `resume=MATCH` marks a key whose change makes a checkpoint unusable: the
 parameter or optimizer structure, what the tokens mean, or which batches the saved data-iterator position stands for
 (docs/reliability.md). `architecture=True` is a separate rule: the key shapes the parameters or the computation, or
 says what the token ids mean, so a run started from another's parameters (`train.init_from`) takes its value from the
@@ -64,7 +64,7 @@ SIZES = {
     "big": Size(1024, 16, 4096, 6, 6, 0.3),  # paper Table 3, big
 }
 
-# Choice sets of string-valued keys whose implementation has no registry of its own (model/spec.py maps DTYPES to
+# Choice sets of string-valued keys whose implementation has no registry of its own (model/layers.py maps DTYPES to
 # jax dtypes).
 ACTIVATIONS = ("relu", "gelu", "swiglu", "swish")
 NORMS = ("layernorm", "rmsnorm")
@@ -141,7 +141,7 @@ KEYS: tuple[Key, ...] = (
     Key("size", None, NAME, "label of the model size the config started from (SIZES)", MAY_CHANGE, architecture=True),
     # model: what the modules are built from (TransformerSpec)
     Key("model.vocab_size", 32000, count(1), "tokens in the joint source-target vocabulary", MATCH, architecture=True),
-    # The vocabulary's reserved ids (model.spec.SpecialIds): what the token ids mean, so a fine-tuning run takes them.
+    # The vocabulary's reserved ids (model.layers.SpecialIds): what the token ids mean, so a fine-tuning run takes them.
     *(
         Key(f"model.{f}_id", SPECIAL_IDS[f], count(0), doc, MATCH, architecture=True)
         for f, doc in (

@@ -17,8 +17,8 @@ Planners take the example ids of one window (carried-over ids first) and return 
 completely plus the ids they leave over for the next window, so every batch has a fixed shape and no example is
 dropped or repeated within an epoch.
 
-The reserved ids (EOS, BOS, PAD) are the vocabulary's (model.spec.SpecialIds, the tokenizer's `ids`). Whether a slot is
-real is its segment id's business (> 0), never its token's: BOS may equal PAD (Marian's decoder starts from pad).
+The reserved ids (EOS, BOS, PAD) are the vocabulary's (model.layers.SpecialIds, the tokenizer's `ids`). Whether a slot
+is real is its segment id's business (> 0), never its token's: BOS may equal PAD (Marian's decoder starts from pad).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import numpy as np
 
 from transformer_jax.data.tokenizer import Tokenizer
 from transformer_jax.errors import DataError
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds
 
 ROW_MULTIPLE = 8  # default: bucket batches have a multiple of 8 rows, so they split evenly over up to 8 devices
 MIN_EVAL_LENGTH = 16  # tokens; the shortest padded length of an evaluation batch

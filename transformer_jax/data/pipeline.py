@@ -42,7 +42,7 @@ from absl import logging
 from transformer_jax.data import batching, sources
 from transformer_jax.data.tokenizer import Tokenizer
 from transformer_jax.errors import DataError
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,6 @@ from absl import flags
 from ml_collections import config_flags
 
 from transformer_jax import cli
-from transformer_jax.config import checks
 from transformer_jax.data import sources, store
 from transformer_jax.data.tokenizer import model_tokenizer
 
@@ -31,7 +30,7 @@ _VERIFY = flags.DEFINE_bool("verify", False, "Reread the whole store and check t
 def main(argv: list[str]) -> None:
     del argv  # no positional arguments (transformer_jax.cli.run refuses them)
     config, data = _CONFIG.value, _CONFIG.value.data
-    checks.validate(config)  # before any download, as train.py does
+    cli.validate(config)  # before any download, as train.py does
     splits = {split: len(sources.open_split(data, split)) for split in (data.valid_split, data.test_split)}
     mix = sources.corpora(data)
     trains = [sources.open_corpus(data, c) for c in mix] or [sources.open_stream(data, data.train_split)]

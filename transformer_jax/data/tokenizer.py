@@ -4,7 +4,7 @@ target_vocab.json when the vocabularies are separate).
 
 Both have one interface, which every user of a tokenizer goes through: `encode_source(text)` / `encode_target(text)`
 -> ids without EOS (the pipeline appends it), their `_batch` forms, `decode_target(ids)` -> text (reserved ids
-dropped, up to the first EOS), the pieces of ids on either side, `ids` (model.spec.SpecialIds), `vocab_size` (the
+dropped, up to the first EOS), the pieces of ids on either side, `ids` (model.layers.SpecialIds), `vocab_size` (the
 target's: the output softmax), `source_vocab_size`, and `fingerprint()`, what the tokenized store is keyed on. With
 `target_lang` (data.target_lang), every source starts with the one id of its `>>lang<<` token.
 
@@ -33,7 +33,7 @@ from absl import logging
 
 from transformer_jax.data import sources
 from transformer_jax.errors import DataError
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds
 
 MODEL_FILENAME = "spm.model"
 # A converted Marian model's tokenizer in the workdir: transformers' MarianTokenizer files, under their names there.

@@ -26,7 +26,7 @@ from flax import nnx
 
 from transformer_jax.decoding.specs import BeamResult, RowInputs, Search, run_search
 from transformer_jax.decoding.state import Decoder, DecodeStep, beam_rows, cache_stages, gather_rows, tile_beams
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds
 from transformer_jax.model.transformer import unpacked_segment_ids
 
 Array = jax.Array

@@ -33,7 +33,7 @@ from flax import nnx
 from transformer_jax.decoding import model_calls
 from transformer_jax.decoding.specs import BeamResult, Search
 from transformer_jax.decoding.state import cache_stages
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds
 
 Array = jax.Array
 PyTree = Any

@@ -11,7 +11,7 @@ decodes of a line make its n-best list (`copies`). The Searcher, the scheduler a
 ask it; none of them knows which search runs. A new search is a new subclass (tests/test_decoding_protocol.py).
 
 Specs are jax pytrees: `alpha` (and a sampling seed) are leaves, so a new alpha does not recompile; every other field
-is static. A spec's `ids` are the model's reserved ids (model.spec.SpecialIds), set by the Searcher (`with_ids`), so
+is static. A spec's `ids` are the model's reserved ids (model.layers.SpecialIds), set by the Searcher (`with_ids`), so
 settings never carry a second copy of them. `search_for` maps evaluate.py's settings to a spec; `run_search` runs a
 spec in one loop inside a traced function, and `greedy_search`, `beam_search` and `set_aside_search` over a bare
 decode step (tests drive them with stubs).
@@ -53,7 +53,7 @@ from transformer_jax.decoding.state import (
     tile_beams,
     top_k,
 )
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds
 
 Array = jax.Array
 PyTree = Any
@@ -482,7 +482,7 @@ def greedy_search(
 
     With `grow` (see state.Decoder), the cache starts small and grows in stages (state.py). With prefix_BP (target
     prefixes, PAD-padded), each sentence first emits its prefix (state.forced_tokens), its log-probabilities counted,
-    then continues; the length limit still holds. ids: the model's reserved ids (model.spec.SpecialIds).
+    then continues; the length limit still holds. ids: the model's reserved ids (model.layers.SpecialIds).
     """
     first = max_steps if grow is None else cache_stages(max_steps)[0]
     init = GreedyState.start(cache, max_len_B.shape[0], first, ids)

@@ -8,7 +8,7 @@ cache is any pytree whose non-scalar leaves have the rows on axis 0 (scalar leav
 are shared by all rows). The states need only this interface (and `Decoder`'s grow and reorder), so tests drive them
 with stubs whose distributions they control.
 
-Search (every state; the reserved ids are the model's, a model.spec.SpecialIds `ids`): the decoder input starts with
+Search (every state; the reserved ids are the model's, a model.layers.SpecialIds `ids`): the decoder input starts with
 BOS; PAD is never emitted (its logit is masked, as Marian's bad_words_ids do; log-probabilities keep their
 normalisation over the whole vocabulary); a hypothesis finishes when it emits EOS or reaches its sentence's maximum
 length `max_len_B` (then it is kept as it is, without EOS); after that only PAD follows and its score never changes.
@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds
 
 Array = jax.Array
 PyTree = Any

@@ -1,28 +1,48 @@
-"""evaluate.py's command line, up to the library: its flags (one table, `FLAGS`, and the checkpoint flags shared with
-every command that restores a model), the frozen record per mode they become, and the writers of its outputs.
+"""evaluate.py's command line, also `python -m transformer_jax.evaluation` (both call `run_command`): its flags (one
+table, `FLAGS`, and the checkpoint flags shared with every command that restores a model), the checks that turn them
+into a mode record of evaluation.run, and the outputs: the files written, the summary lines printed; the JSON report
+goes to --scores_file (default beside the output), and to stdout with --json.
 
 `parse(values)` turns the flag values into a mode record (`ScoresOnly`, `Compare`, `Translate`, `ScorePairs`) and the
-command line's `Outputs`, or raises EvalError naming the flag and what to do, before any file is read.
+command line's `Outputs`, or raises EvalError naming the flag and what to do, before any file is read; the library
+(evaluation/run.py) runs the record; `evaluate(values)` writes what it returns. Every output location is checked
+before the model is restored, and no output may be an input (under any spelling or link): the default names are
+checked once the restored checkpoints name them, before anything is translated.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
+import logging
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from absl import flags
 from ml_collections import config_flags
 
-from transformer_jax import decoding, runtime
-from transformer_jax.config import checks
-from transformer_jax.decoding import PLAIN_SAMPLING
-from transformer_jax.errors import ConfigError, DiskFullError, EvalError
-from transformer_jax.evaluation.restore import LATEST, CheckpointChoice, check_choice
-from transformer_jax.evaluation.translate import check_nbest, check_sampling
+from transformer_jax import cli, decoding, runtime
+from transformer_jax.errors import DiskFullError, EvalError
+from transformer_jax.evaluation import run, significance
+from transformer_jax.evaluation.restore import CheckpointChoice, check_choice
+from transformer_jax.evaluation.run import (
+    UTILITIES,
+    Compare,
+    Decoding,
+    Mode,
+    Model,
+    ScorePairs,
+    ScoresOnly,
+    Translate,
+    check_numbers,
+    input_files,
+    sampling_of,
+)
+from transformer_jax.evaluation.scoring import score_lines
+from transformer_jax.evaluation.translate import check_nbest, check_sampling, format_scores
 
 # -- the checkpoint flags: evaluate.py's, the export's, translate_corpus's (same names, defaults, help), so that
 # an export serves exactly the parameters evaluate.py scored -----------------------------------------------------
@@ -62,7 +82,6 @@ def choice_of(values: Mapping[str, Any]) -> CheckpointChoice:
 
 
 SPLITS = ("valid", "test")
-UTILITIES = ("bleu", "chrf")  # MBR's utilities (run.utility)
 
 # The modes a flag can be read by: scores only and compare (no model), and the model's modes (translate, --score).
 NO_MODEL, MODEL = "no_model", "model"
@@ -123,7 +142,7 @@ FLAGS = (
         "Score normalisation (average: score / len^alpha).",
         (MODEL,),
         decoding.LENGTH_PENALTIES,
-        decoding.GNMT,
+        Decoding.length_penalty,
     ),
     Flag(
         "finished",
@@ -131,7 +150,7 @@ FLAGS = (
         "Beam search's rule for ended hypotheses (set_aside: CTranslate2's).",
         (MODEL,),
         decoding.FINISHED_RULES,
-        decoding.IN_BEAM,
+        Decoding.finished,
     ),
     Flag("nbest", int, "Also write each line's N (<= beam) best to OUTPUT_FILE.nbest (Marian format).", (MODEL,)),
     Flag("prefix_file", str, "Line i's translation starts with line i of this file (empty line: none).", (MODEL,)),
@@ -150,7 +169,12 @@ FLAGS = (
         needs="sampling",
     ),
     Flag(
-        "seed", int, "The seed; a line's samples depend on it and the line only.", (MODEL,), default=0, needs="sampling"
+        "seed",
+        int,
+        "The seed; a line's samples depend on it and the line only.",
+        (MODEL,),
+        default=Decoding.seed,
+        needs="sampling",
     ),
     Flag("mbr", int, "Choose among N candidates (the N-best, or N samples) by expected utility (MBR).", (MODEL,)),
     Flag("mbr_utility", str, "The utility of MBR's choice.", (MODEL,), UTILITIES, UTILITIES[0], needs="mbr"),
@@ -188,105 +212,16 @@ def values_of(flag_values) -> dict[str, Any]:
     return {name: flag_values[name].value for name in (*CHECKPOINT_FLAGS, *FLAG)}
 
 
-# -- the mode records -----------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Model:
-    """Which model: a workdir's checkpoints (the steps averaged), and the ensemble's other members."""
-
-    workdir: str
-    config: Any = None  # ml_collections.ConfigDict, or None: the one saved with the checkpoints
-    choice: CheckpointChoice = LATEST
-    ensemble_workdirs: tuple[str, ...] | None = None  # more models decoding with workdir's (decoding/ensemble.py)
-    target_lang: str | None = None  # None: config.data.target_lang (the >>lang<< token every source starts with)
-
-
-@dataclasses.dataclass(frozen=True)
-class ScoresOnly:
-    """Score existing translations against references (no model)."""
-
-    hypotheses_file: str
-    references_file: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Compare:
-    """sacreBLEU's paired bootstrap test of a system's translations against a baseline's (no model)."""
-
-    hypotheses_file: str
-    compare_file: str  # the baseline
-    references_file: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Decoding:
-    """How to decode: the search flags (None: config.eval's value, or decoding.PLAIN_SAMPLING's) and how to choose
-    among a line's candidates. `parse` checks one as given (every unset flag None) before it fills the defaults."""
-
-    beam_size: int | None = None
-    alpha: float | None = None
-    max_extra_len: int | None = None
-    max_len: int | None = None
-    batch_size: int | None = None
-    length_penalty: str = FLAG["length_penalty"].default
-    finished: str = FLAG["finished"].default  # (sampling does not search)
-    nbest: int | None = None  # each line's N best also go to the n-best list
-    sampling: bool = False
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    num_samples: int | None = None  # samples per line (with sampling)
-    seed: int = FLAG["seed"].default
-    mbr: int | None = None  # choose among this many candidates by expected utility (run.mbr_choice)
-    mbr_utility: str | None = None  # with mbr
-
-    @property
-    def candidates(self) -> int:
-        """How many hypotheses each line's search gives: the n-best, the samples, or MBR's candidates."""
-        return self.mbr or self.nbest or self.num_samples or 1
-
-
-@dataclasses.dataclass(frozen=True)
-class Translate:
-    """Translate a split, a file or stdin (source_file '-') with a model, and score it when there are references."""
-
-    model: Model
-    split: str | None = None  # None with a source_file
-    source_file: str | None = None
-    references_file: str | None = None  # with a source_file (a split brings its own)
-    prefix_file: str | None = None
-    decoding: Decoding = Decoding()
-
-    @property
-    def stdin(self) -> bool:
-        return self.source_file == "-"
-
-
-@dataclasses.dataclass(frozen=True)
-class ScorePairs:
-    """Forced decoding: the model's log P(reference | source) of each pair of a split or of two files."""
-
-    model: Model
-    split: str | None = None
-    source_file: str | None = None
-    references_file: str | None = None
-    batch_size: int | None = None  # None: config.eval.batch_size
-
-
-Mode = ScoresOnly | Compare | Translate | ScorePairs
+# -- the command line's outputs, and the checks -------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class Outputs:
     """What the command line writes: the hypotheses (or --score's lines) and the JSON report, and where it prints."""
 
-    output_file: str | None = None  # None: the default (evaluation/__main__.py), or stdout for stdin
+    output_file: str | None = None  # None: the default (`evaluate`), or stdout for stdin
     scores_file: str | None = None  # None: OUTPUT_FILE.json
     json: bool = False  # the report on stdout
-
-
-# -- the checks -----------------------------------------------------------------------------------------------------
 
 
 def parse(values: Mapping[str, Any]) -> tuple[Mode, Outputs]:
@@ -395,27 +330,6 @@ def _with_defaults(given: Decoding) -> Decoding:
     )
 
 
-def check_numbers(values: dict[str, Any], prefix: str) -> None:
-    """EvalError for a decoding value that cannot work, by the rule of its config key (checks.RULES, the
-    one source of allowed ranges); `prefix` + key is the name a user set it by (--beam_size, config.eval.alpha)."""
-    for key, value in values.items():
-        if value is None:
-            continue
-        try:
-            checks.RULES[f"eval.{key}"].check(f"eval.{key}", value, name=f"{prefix}{key}")
-        except ConfigError as e:
-            raise EvalError(str(e)) from e
-
-
-def input_files(mode: Translate | ScorePairs) -> dict[str, str | None]:
-    """The files a model mode reads, by flag (a split's files are known once its config is: run.split_files)."""
-    return {
-        "--source_file": None if mode.source_file == "-" else mode.source_file,
-        "--references_file": mode.references_file,
-        "--prefix_file": getattr(mode, "prefix_file", None),
-    }
-
-
 def output_files(output_file: str | None, scores_file: str | None, stdin: bool) -> dict[str, str | None]:
     if scores_file is None and output_file is not None:
         return {"--output_file": output_file, "--scores_file (default OUTPUT_FILE.json)": f"{output_file}.json"}
@@ -517,38 +431,149 @@ def _check_request(request: Translate, score: bool) -> None:
         check_nbest(d.nbest, d.nbest if d.beam_size is None else d.beam_size)
 
 
-def sampling_of(d: Decoding) -> decoding.Sampling | None:
-    """The decoding.Sampling the flags ask for (unset ones: decoding.PLAIN_SAMPLING's), or None without --sampling."""
-    if not d.sampling:
-        return None
-    given = {k: getattr(d, k) for k in ("temperature", "top_k", "top_p") if getattr(d, k) is not None}
-    return dataclasses.replace(PLAIN_SAMPLING, **given)
+# -- the command: evaluate.py, also `python -m transformer_jax.evaluation` ----------------------------------------
+
+DEFAULT_FOLDER = "eval"  # WORKDIR/eval holds the outputs that have no name given
 
 
-# -- the outputs, written whole or not at all: a full disk is one line and leaves any earlier file of that name
-# unchanged (for the command lines: evaluate.py, translate_corpus, the sweep) -------------------------------------
+def evaluate(values: Mapping[str, Any], *, progress: bool = True) -> dict[str, Any]:
+    """What evaluate.py does with these flag values (by name; absent: unset): writes the outputs, prints the
+    summary, returns the report."""
+    mode, outputs = parse(values)
+    if isinstance(mode, ScoresOnly | Compare):
+        return _write_scores(mode, outputs)
+    stdin = getattr(mode, "stdin", False)
+    for flag, path in output_files(outputs.output_file, outputs.scores_file, stdin).items():
+        if path:
+            check_writable(path, flag.split(" ")[0])
+    folder = Path(mode.model.workdir) / DEFAULT_FOLDER
+    if outputs.output_file is None and (not stdin or outputs.scores_file is None):
+        kind = "output" if not stdin else "report"
+        check_folder_writable(folder, f"--workdir (the default {kind} folder WORKDIR/{DEFAULT_FOLDER})")
+    loaded = run.load(mode)
+    output_file = outputs.output_file
+    if output_file is None and isinstance(mode, ScorePairs):
+        output_file = str(folder / f"{loaded.name}.{loaded.tag}.scores.txt")
+    elif output_file is None and not stdin:
+        output_file = str(folder / f"{run.output_name(mode, loaded)}.txt")
+    scores_file = outputs.scores_file or (
+        f"{output_file}.json" if output_file else str(folder / f"stdin.{loaded.tag}.json")
+    )
+    written = {"--output_file": output_file, "--scores_file": scores_file}
+    nbest_file = None
+    if isinstance(mode, Translate) and (mode.decoding.nbest is not None or mode.decoding.candidates > 1):
+        nbest_file = written["--nbest (OUTPUT_FILE.nbest)"] = f"{output_file}.nbest"
+    refuse_overwriting_inputs(written, loaded.inputs)
+    if isinstance(mode, ScorePairs):
+        report, summary = _score(mode, loaded, output_file, progress)
+        return _finish(report, scores_file, summary, outputs.json)
+    if stdin:
+        translation = _stream(mode, loaded, output_file)
+    else:
+        translation = run.translate(mode, loaded, progress=progress)
+        runtime.write_lines(output_file, translation.hypotheses)
+    report = {**translation.report, "hypotheses_file": output_file}
+    summary = [run.lines_summary(report["lines"], report["blank_lines"])]
+    if report["scores"] is not None:
+        summary.append(format_scores(report["scores"]))
+    if nbest_file:
+        runtime.write_lines(nbest_file, list(run.nbest_lines(translation.lists)))
+        report["search"] = {**report["search"], "nbest_file": nbest_file}
+    if not stdin:
+        summary.append(f"hypotheses: {output_file}" + (f"; n-best lists: {nbest_file}" if nbest_file else ""))
+    # With stdin's translations on stdout, the summary goes to stderr.
+    return _finish(report, scores_file, summary, outputs.json, to_stderr=output_file is None)
 
 
-def write_lines(path: str | os.PathLike, lines: list[str]) -> None:
-    _write_whole(str(path), "".join(line + "\n" for line in lines))
+def _write_scores(mode: ScoresOnly | Compare, outputs: Outputs) -> dict[str, Any]:
+    if outputs.scores_file:
+        check_writable(outputs.scores_file, "--scores_file")
+    if isinstance(mode, Compare):
+        report = run.compare(mode)
+        summary = significance.format_comparison(
+            report["comparison"], system_name=mode.hypotheses_file, baseline_name=mode.compare_file
+        )
+    else:
+        report = run.scores_only(mode)
+        summary = format_scores(report)
+    return _finish(report, outputs.scores_file, [summary], outputs.json)
 
 
-def write_json(path: str | os.PathLike, obj: Any) -> None:
-    _write_whole(str(path), to_json(obj) + "\n")
-
-
-def to_json(obj: Any) -> str:
-    """Indented; values JSON cannot hold, as their str."""
-    return json.dumps(obj, indent=1, default=str)
-
-
-def _write_whole(path: str, text: str) -> None:
+def _stream(mode: Translate, loaded: run.Loaded, output_file: str | None) -> run.Translation:
+    """stdin, one line at a time: each translation is written (and flushed) as soon as it is ready."""
+    # A file is streamed into OUTPUT.partial and renamed when stdin ends: an earlier OUTPUT stays as it was until
+    # then, and a run that fails leaves the lines it translated in OUTPUT.partial.
+    partial = f"{output_file}.partial" if output_file else None
+    if partial:
+        Path(partial).parent.mkdir(parents=True, exist_ok=True)
+    out = open(partial, "w", encoding="utf-8") if partial else sys.stdout
+    results = []
     try:
-        runtime.write_text_atomically(path, text)
-    except OSError as e:
-        if not runtime.is_disk_full(e):
-            raise
-        raise DiskFullError(
-            f"disk full while writing {path} ({runtime.space_report(path, len(text.encode()))}); nothing was written "
-            "there (an earlier file of that name is unchanged): free space or choose another location"
-        ) from None
+        for hypothesis, stats in run.stream(mode, loaded, run.stdin_lines()):
+            try:
+                out.write(hypothesis + "\n")
+                out.flush()
+            except OSError as e:
+                if out is sys.stdout or not runtime.is_disk_full(e):
+                    raise
+                raise DiskFullError(
+                    f"disk full while writing {output_file} ({runtime.space_report(output_file)}): the translations "
+                    f"of the first {len(results)} lines are in {partial}; free space and run again"
+                ) from None
+            results.append((hypothesis, stats))
+        translation = run.stream_result(mode, loaded, results)  # no lines, or a count unlike the references: raises
+    except BaseException:
+        if partial:
+            with contextlib.suppress(OSError):  # closing flushes a line that did not fit again
+                out.close()
+            if not results:  # nothing translated: no partial output to keep
+                with contextlib.suppress(OSError):
+                    os.unlink(partial)
+        raise
+    if partial:
+        out.close()
+        os.replace(partial, output_file)
+    return translation
+
+
+def _score(mode: ScorePairs, loaded: run.Loaded, output_file: str, progress: bool) -> tuple[dict[str, Any], list[str]]:
+    """--score: each pair's log-probability line (scoring.score_lines), and the report with the perplexity."""
+    scored = run.score(mode, loaded, progress=progress)
+    runtime.write_lines(output_file, score_lines(scored.scores))
+    stats = scored.report["scoring"]
+    summary = (
+        f"{len(scored.scores)} pairs scored ({stats['tokens']} target tokens): perplexity {stats['perplexity']:.4f}, "
+        f"nll {stats['nll_per_token']:.4f} per token; one line per pair (sum, mean, tokens) in {output_file}"
+    )
+    return {**scored.report, "scores_file": output_file}, [summary]
+
+
+def _finish(
+    report: dict[str, Any], scores_file: str | None, summary: list[str], as_json: bool, to_stderr: bool = False
+) -> dict[str, Any]:
+    """Writes the report (when it has a file) and prints the summary, or with --json the report on stdout and the
+    summary on stderr; returns the report."""
+    if scores_file:
+        runtime.write_json(scores_file, report)
+        summary = [*summary, f"report: {scores_file}"]
+    out: TextIO = sys.stderr if (as_json or to_stderr) else sys.stdout
+    print("\n".join(summary), file=out)
+    if as_json:
+        print(runtime.to_json(report))
+    return report
+
+
+def main(argv: list[str]) -> None:
+    del argv  # no positional arguments (transformer_jax.cli.run refuses them)
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs each checkpoint handler it creates at INFO
+    evaluate(values_of(flags.FLAGS))
+
+
+def run_command(prog: str) -> None:
+    """The command line `prog` (evaluate.py, or `python -m transformer_jax.evaluation`): defines the flags in absl's
+    FLAGS, lists them in --help as the running program's own (absl names the main module by sys.argv[0]), runs main."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    define(flags.FLAGS)
+    for name in (*CHECKPOINT_FLAGS, *FLAG):
+        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[name])
+    cli.run(main, prog)

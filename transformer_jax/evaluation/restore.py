@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from transformer_jax.config import checks
+from transformer_jax.config import schema
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import AveragingError, CheckpointError, ConfigError, EvalError
 from transformer_jax.model import Transformer, TransformerSpec, build_model, model_rngs
@@ -54,7 +54,7 @@ def check_choice(choice: CheckpointChoice) -> CheckpointChoice:
     naming the flag; before any file is read."""
     if choice.average_last is not None:
         try:
-            checks.RULES["eval.average_last"].check("eval.average_last", choice.average_last, name="--average_last")
+            schema.RULES["eval.average_last"].check("eval.average_last", choice.average_last, name="--average_last")
         except ConfigError as e:
             raise EvalError(str(e)) from e
     checkpoint = str(choice.checkpoint)

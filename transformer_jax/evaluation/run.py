@@ -1,5 +1,5 @@
-"""Evaluation as a library: each mode record of evaluation.command runs here and returns data; nothing is printed
-or written (evaluation/__main__.py does that).
+"""Evaluation as a library: the frozen record of each mode (what evaluate.py's flags become: evaluation.command.parse)
+runs here and returns data; nothing is printed or written (evaluation/command.py does that).
 
     scores_only(ScoresOnly) / compare(Compare)             -> the report
     load(Translate | ScorePairs)                           -> Loaded: the inputs read, the model restored
@@ -20,34 +20,154 @@ from typing import Any
 
 from sacrebleu.metrics import BLEU, CHRF
 
-from transformer_jax import decoding
-from transformer_jax.config import checks
+from transformer_jax import cli, decoding
+from transformer_jax.config import schema
 from transformer_jax.data.sources import open_split, read_all, resolve_path
-from transformer_jax.decoding import Ensemble
-from transformer_jax.errors import EvalError
-from transformer_jax.evaluation import bleu, significance
-from transformer_jax.evaluation.command import (
-    UTILITIES,
-    Compare,
-    Decoding,
-    ScorePairs,
-    ScoresOnly,
-    Translate,
-    check_numbers,
-    input_files,
-    sampling_of,
-)
-from transformer_jax.evaluation.restore import restore_model, workdir_tokenizer
+from transformer_jax.decoding import PLAIN_SAMPLING, Ensemble
+from transformer_jax.errors import ConfigError, EvalError
+from transformer_jax.evaluation import significance
+from transformer_jax.evaluation.restore import LATEST, CheckpointChoice, restore_model, workdir_tokenizer
 from transformer_jax.evaluation.scoring import SentenceScore, score_pairs
-from transformer_jax.evaluation.translate import DecodeSettings, Hypothesis, check_nbest, translate_nbest
+from transformer_jax.evaluation.translate import (
+    DecodeSettings,
+    Hypothesis,
+    check_line_counts,
+    check_nbest,
+    decode_lines,
+    read_lines,
+    score_all,
+    score_files,
+    translate_nbest,
+)
 from transformer_jax.evaluation.translate import translate as translate_sentences
 from transformer_jax.training import checkpoints
+
+UTILITIES = ("bleu", "chrf")  # MBR's utilities (`utility`)
+
+
+# -- the mode records: what evaluate.py's flags become (evaluation.command.parse) ------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """Which model: a workdir's checkpoints (the steps averaged), and the ensemble's other members."""
+
+    workdir: str
+    config: Any = None  # ml_collections.ConfigDict, or None: the one saved with the checkpoints
+    choice: CheckpointChoice = LATEST
+    ensemble_workdirs: tuple[str, ...] | None = None  # more models decoding with workdir's (decoding/ensemble.py)
+    target_lang: str | None = None  # None: config.data.target_lang (the >>lang<< token every source starts with)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoresOnly:
+    """Score existing translations against references (no model)."""
+
+    hypotheses_file: str
+    references_file: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Compare:
+    """sacreBLEU's paired bootstrap test of a system's translations against a baseline's (no model)."""
+
+    hypotheses_file: str
+    compare_file: str  # the baseline
+    references_file: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoding:
+    """How to decode: the search flags (None: config.eval's value, or decoding.PLAIN_SAMPLING's) and how to choose
+    among a line's candidates. `parse` checks one as given (every unset flag None) before it fills the defaults."""
+
+    beam_size: int | None = None
+    alpha: float | None = None
+    max_extra_len: int | None = None
+    max_len: int | None = None
+    batch_size: int | None = None
+    length_penalty: str = decoding.GNMT
+    finished: str = decoding.IN_BEAM  # (sampling does not search)
+    nbest: int | None = None  # each line's N best also go to the n-best list
+    sampling: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    num_samples: int | None = None  # samples per line (with sampling)
+    seed: int = 0
+    mbr: int | None = None  # choose among this many candidates by expected utility (run.mbr_choice)
+    mbr_utility: str | None = None  # with mbr
+
+    @property
+    def candidates(self) -> int:
+        """How many hypotheses each line's search gives: the n-best, the samples, or MBR's candidates."""
+        return self.mbr or self.nbest or self.num_samples or 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Translate:
+    """Translate a split, a file or stdin (source_file '-') with a model, and score it when there are references."""
+
+    model: Model
+    split: str | None = None  # None with a source_file
+    source_file: str | None = None
+    references_file: str | None = None  # with a source_file (a split brings its own)
+    prefix_file: str | None = None
+    decoding: Decoding = Decoding()
+
+    @property
+    def stdin(self) -> bool:
+        return self.source_file == "-"
+
+
+@dataclasses.dataclass(frozen=True)
+class ScorePairs:
+    """Forced decoding: the model's log P(reference | source) of each pair of a split or of two files."""
+
+    model: Model
+    split: str | None = None
+    source_file: str | None = None
+    references_file: str | None = None
+    batch_size: int | None = None  # None: config.eval.batch_size
+
+
+Mode = ScoresOnly | Compare | Translate | ScorePairs
+
+
+def check_numbers(values: dict[str, Any], prefix: str) -> None:
+    """EvalError for a decoding value that cannot work, by the rule of its config key (schema.RULES, the
+    one source of allowed ranges); `prefix` + key is the name a user set it by (--beam_size, config.eval.alpha)."""
+    for key, value in values.items():
+        if value is None:
+            continue
+        try:
+            schema.RULES[f"eval.{key}"].check(f"eval.{key}", value, name=f"{prefix}{key}")
+        except ConfigError as e:
+            raise EvalError(str(e)) from e
+
+
+def input_files(mode: Translate | ScorePairs) -> dict[str, str | None]:
+    """The files a model mode reads, by flag (a split's files are known once its config is: run.split_files)."""
+    return {
+        "--source_file": None if mode.source_file == "-" else mode.source_file,
+        "--references_file": mode.references_file,
+        "--prefix_file": getattr(mode, "prefix_file", None),
+    }
+
+
+def sampling_of(d: Decoding) -> decoding.Sampling | None:
+    """The decoding.Sampling the flags ask for (unset ones: decoding.PLAIN_SAMPLING's), or None without --sampling."""
+    if not d.sampling:
+        return None
+    given = {k: getattr(d, k) for k in ("temperature", "top_k", "top_p") if getattr(d, k) is not None}
+    return dataclasses.replace(PLAIN_SAMPLING, **given)
+
 
 STREAM_STATS = ("sentences", "empty", "truncated", "hit_max_len", "src_tokens", "tgt_tokens", "seconds")
 
 
 def scores_only(mode: ScoresOnly) -> dict[str, Any]:
-    return {**dataclasses.asdict(mode), **bleu.score_files(mode.hypotheses_file, mode.references_file)}
+    return {**dataclasses.asdict(mode), **score_files(mode.hypotheses_file, mode.references_file)}
 
 
 def compare(mode: Compare) -> dict[str, Any]:
@@ -80,13 +200,13 @@ def load(mode: Translate | ScorePairs) -> Loaded:
     """Reads and checks the inputs, then restores the model (and the ensemble's members)."""
     m = mode.model
     if m.config is not None:  # a --config the user gave; the one saved with the checkpoints was checked
-        checks.validate(m.config)
-    references = bleu.read_lines(mode.references_file) if mode.references_file else None
+        cli.validate(m.config)
+    references = read_lines(mode.references_file) if mode.references_file else None
     sources = None
     if mode.source_file and mode.source_file != "-":
         sources = read_sources(mode.source_file)
         if references is not None:
-            bleu.check_line_counts(sources, references, mode.source_file, mode.references_file)
+            check_line_counts(sources, references, mode.source_file, mode.references_file)
         if not sources:
             raise EvalError(f"--source_file {mode.source_file} has no lines: nothing to translate")
     prefix_file = getattr(mode, "prefix_file", None)
@@ -221,7 +341,7 @@ def stream_result(mode: Translate, loaded: Loaded, results: list[tuple[str, dict
         raise EvalError("stdin had no lines: nothing was translated")
     hypotheses = [h for h, _ in results]
     if loaded.references is not None:
-        bleu.check_line_counts(hypotheses, loaded.references, "stdin", mode.references_file)
+        check_line_counts(hypotheses, loaded.references, "stdin", mode.references_file)
     totals = {key: sum(stats[key] for _, stats in results) for key in STREAM_STATS}
     settings, search = settings_of(mode, loaded)
     return Translation(hypotheses, None, _report(mode, loaded, settings, search, hypotheses, totals))
@@ -244,7 +364,7 @@ def _report(
             "references": sum(not r.strip() for r in references) if references is not None else None,
         },
         "stats": stats,
-        "scores": bleu.score_all(hypotheses, references) if references is not None else None,
+        "scores": score_all(hypotheses, references) if references is not None else None,
     }
 
 
@@ -301,7 +421,7 @@ def read_sources(path: str) -> list[str]:
             data = f.read()
     except OSError as e:
         raise EvalError(f"cannot read {path}: {e.strerror or e}") from e
-    return [line.rstrip("\r") for line in bleu.decode_lines(data, path, EvalError)]
+    return [line.rstrip("\r") for line in decode_lines(data, path, EvalError)]
 
 
 def split_pairs(config, split: str) -> tuple[list[str], list[str], str]:
@@ -334,7 +454,7 @@ def stdin_lines() -> Iterator[str]:
             except UnicodeEncodeError:
                 raw = raw.encode("utf-8", "surrogatepass")  # still invalid UTF-8, reported below
         try:
-            [line] = bleu.decode_lines(raw, "stdin", EvalError, first_line=number)
+            [line] = decode_lines(raw, "stdin", EvalError, first_line=number)
         except EvalError as e:
             raise EvalError(f"{e}; the {number - 1} lines before it were translated") from None
         yield line.rstrip("\r")

@@ -18,7 +18,7 @@ from sacrebleu.significance import PairedTest
 from sacrebleu.utils import sum_of_lists
 
 from transformer_jax.errors import ScoreError
-from transformer_jax.evaluation import bleu
+from transformer_jax.evaluation.translate import TOKENIZED_BLEU_LABEL, read_lines, tokenize_for_bleu
 
 N_SAMPLES = 1000  # sacreBLEU's default number of bootstrap resamples (--paired-bs-n)
 TEST_NAME = "paired bootstrap resampling (sacreBLEU PairedTest, Koehn 2004)"
@@ -46,9 +46,9 @@ def paired_bootstrap(
     out: dict[str, Any] = {"test": TEST_NAME, "n_samples": n_samples, "seed": _seed(), "identical_outputs": identical}
     out.update(_run({"bleu": BLEU(), "chrf": CHRF()}, baseline_hyps, system_hyps, refs, n_samples))
     tokenized_bleu = {"tokenized_bleu": BLEU(tokenize="none", force=True)}
-    tok = bleu.tokenize_for_bleu
+    tok = tokenize_for_bleu
     tokenized = _run(tokenized_bleu, tok(baseline_hyps), tok(system_hyps), tok(refs), n_samples)
-    tokenized["tokenized_bleu"]["name"] = bleu.TOKENIZED_BLEU_LABEL
+    tokenized["tokenized_bleu"]["name"] = TOKENIZED_BLEU_LABEL
     return {**out, **tokenized}
 
 
@@ -151,7 +151,7 @@ def _numbers(result: Any) -> dict[str, float]:
 def compare_files(system_file: str, baseline_file: str, references_file: str) -> dict[str, Any]:
     """`paired_bootstrap` on files read as the `sacrebleu` command reads them; the flags name the files in errors."""
     files = {"--hypotheses_file": system_file, "--compare_file": baseline_file, "--references_file": references_file}
-    lines = {flag: bleu.read_lines(path) for flag, path in files.items()}
+    lines = {flag: read_lines(path) for flag, path in files.items()}
     counts = {flag: len(v) for flag, v in lines.items()}
     if len(set(counts.values())) > 1:
         listed = ", ".join(f"{flag} {files[flag]} has {n}" for flag, n in counts.items())

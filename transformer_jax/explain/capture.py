@@ -19,9 +19,8 @@ import numpy as np
 
 from transformer_jax import decoding
 from transformer_jax.errors import VisualizeError
-from transformer_jax.evaluation.command import Decoding, check_numbers
 from transformer_jax.evaluation.restore import LATEST, CheckpointChoice, check_choice, restore_model, workdir_tokenizer
-from transformer_jax.evaluation.run import decoding_settings
+from transformer_jax.evaluation.run import Decoding, check_numbers, decoding_settings
 from transformer_jax.evaluation.translate import (
     DecodeSettings,
     batch_shape,
@@ -32,7 +31,7 @@ from transformer_jax.evaluation.translate import (
     source_ids,
     translate,
 )
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds
 from transformer_jax.model.transformer import capture_intermediates
 from transformer_jax.visualize.attention import check_selection, sown_forward
 

@@ -38,8 +38,7 @@ from transformer_jax.evaluation.restore import LATEST, CheckpointChoice, check_c
 from transformer_jax.evaluation.translate import DecodeSettings, input_limit, output_cap, output_limit, sources_of
 from transformer_jax.interop import folders
 from transformer_jax.interop.folders import vocabulary
-from transformer_jax.model.layers import sinusoidal_encoding
-from transformer_jax.model.spec import TransformerSpec
+from transformer_jax.model.layers import TransformerSpec, sinusoidal_encoding
 
 # CTranslate2's translate_batch defaults: inputs cut at 1024 tokens, outputs at 256. A table covering both lets
 # the exported model serve with the engine's defaults (positions beyond the table are an error in the engine).
@@ -50,7 +49,7 @@ MARKER = "model.bin"  # what makes a directory an earlier export that --force ma
 
 
 def check_exportable(spec: Any) -> None:
-    """ConfigError naming every key CTranslate2 cannot express (`spec`: a model.spec.TransformerSpec), or nothing."""
+    """ConfigError naming every key CTranslate2 cannot express (`spec`: a model.layers.TransformerSpec), or nothing."""
     reasons = []
     if spec.d_qk != spec.d_v:
         reasons.append(

@@ -81,7 +81,7 @@ def _ffn(marian: str, ours: tuple) -> Iterator[Entry]:
 
 
 def table(spec: Any) -> list[Entry]:
-    """Every parameter of a model of `spec` (model.spec.TransformerSpec) with its Marian name: the one mapping.
+    """Every parameter of a model of `spec` (model.layers.TransformerSpec) with its Marian name: the one mapping.
 
     Embeddings: shared ones are Marian's model.shared.weight; separate ones its encoder and decoder embed_tokens.
     A tied output layer has no entry of its own (`aliases` names Marian's tied copies); an untied one is lm_head.

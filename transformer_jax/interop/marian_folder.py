@@ -23,7 +23,8 @@ import numpy as np
 from flax import nnx
 from flax.traverse_util import flatten_dict
 
-from transformer_jax.config import checks, schema
+from transformer_jax import cli
+from transformer_jax.config import schema
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import ConfigError, DataError
 from transformer_jax.evaluation.restore import LATEST, CheckpointChoice, check_choice
@@ -148,7 +149,7 @@ def _our_config(hf: dict, generation: dict, tokenizer_config: dict, unk_id: int)
     for key, value in values.items():
         group, leaf = key.split(".")
         config[group][leaf] = value
-    checks.validate(config)
+    cli.validate(config)
     return config
 
 

@@ -1,6 +1,6 @@
 """Flax NNX modules of the Transformer; each equation of the paper has one home here (see README)."""
 
-from transformer_jax.model.spec import SpecialIds, TransformerSpec
+from transformer_jax.model.layers import SpecialIds, TransformerSpec
 from transformer_jax.model.transformer import (
     Transformer,
     build_model,

@@ -23,6 +23,7 @@ from transformer_jax.model.layers import (
     FeedForward,
     LearnedPositions,
     MultiHeadAttention,
+    TransformerSpec,
     append_lineage,
     append_to_cache,
     dense,
@@ -33,7 +34,6 @@ from transformer_jax.model.layers import (
     make_norm,
     sinusoidal_encoding,
 )
-from transformer_jax.model.spec import TransformerSpec
 from transformer_jax.ops.attention import SOFTMAX_IMPLEMENTATIONS
 
 Array = jax.Array
@@ -351,7 +351,7 @@ class Transformer(nnx.Module):
         """The per-step cache (`index`, `self`, `lineage`) following beam search's survivors: row r continues the
         hypothesis of row rows_R[r], a row of the same sentence (decoding/state.py's Decoder.reorder).
 
-        With a beam lineage (ops/masks.py) the cached keys and values stay where they were written and only the
+        With a beam lineage (ops/attention.py) the cached keys and values stay where they were written and only the
         lineage and the write index follow the beams; without one, every row moves. Only for a context with a row
         per sentence of several beams: with a context tiled to every row, `decode` reads each row's own slots.
         """

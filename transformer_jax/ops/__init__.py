@@ -1,8 +1,8 @@
-"""Attention functions: one signature, several implementations, chosen by name; one mask (masks.AttentionMask).
+"""Attention functions: one signature, several implementations, chosen by name; one mask (attention.AttentionMask).
 
 Here: cuDNN attention (through jax.nn.dot_product_attention) and `auto`, which picks an implementation per call.
-The modules imported below register the others: xla and linear (attention.py), blockwise, and pallas (pallas_gpu,
-our Triton kernels, which hands calls traced for TPU to pallas_tpu's Mosaic kernels).
+The modules imported below register the others: xla (attention.py), blockwise and linear (blockwise.py), and pallas
+(pallas_gpu, our Triton kernels, which hands calls traced for TPU to pallas_tpu's Mosaic kernels).
 
 Axis letters: see transformer_jax/__init__.py.
 """
@@ -13,9 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax import runtime
-from transformer_jax.ops import blockwise, masks, pallas_gpu, pallas_tpu
-from transformer_jax.ops.attention import IMPLEMENTATIONS, Array, attention, attention_mask, register
-from transformer_jax.ops.masks import AttentionMask
+from transformer_jax.ops import blockwise, pallas_gpu, pallas_tpu
+from transformer_jax.ops.attention import IMPLEMENTATIONS, Array, AttentionMask, attention, attention_mask, register
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -25,7 +24,6 @@ __all__ = [
     "blockwise",
     "choose_impl",
     "cudnn_unsupported",
-    "masks",
     "pallas_gpu",
     "pallas_tpu",
     "register",
@@ -42,7 +40,7 @@ TPU_PALLAS_MIN_LEN = 512
 
 
 def cudnn_unsupported(q: Array, k: Array, v: Array, mask: AttentionMask, *, backend: str | None = None) -> list[str]:
-    """Reasons why impl='cudnn' cannot compute this call exactly as ops/masks.py specifies (empty if it can)."""
+    """Reasons why impl='cudnn' cannot compute this call exactly as ops/attention.py specifies (empty if it can)."""
     backend = runtime.target_backend() if backend is None else backend
     reasons = []
     if backend != "gpu":
@@ -60,7 +58,7 @@ def cudnn_unsupported(q: Array, k: Array, v: Array, mask: AttentionMask, *, back
     if mask.window is not None:
         reasons.append("does not support a sliding window")
     if mask.causal and q.shape[1] != k.shape[1]:
-        # cuDNN aligns the causal diagonal to the first key; ops/masks.py aligns queries to the end of the keys.
+        # cuDNN aligns the causal diagonal to the first key; ops/attention.py aligns queries to the end of the keys.
         reasons.append(f"does not support causal masking with query length {q.shape[1]} != key length {k.shape[1]}")
     return reasons
 

@@ -13,7 +13,7 @@ Each kernel keeps one block resident and loops over the other axis's blocks with
 with s = Q K^T * scale * log2(e) (base-2 exponentials save a multiply per score) and delta = rowsum(dO * O).
 
 Loops visit only the tiles [lo, hi) that some query can see and skip the mask on the run [a, c) of tiles that
-every query sees fully (bounds from masks.AttentionMask.loop_bounds), so causal, windowed and packed attention do
+every query sees fully (bounds from attention.AttentionMask.loop_bounds), so causal, windowed and packed attention do
 no wasted work.
 
 Written for the Triton lowering: tiles are powers of two >= 16, head dims and lengths T, S are padded by
@@ -35,8 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from transformer_jax import runtime
-from transformer_jax.ops.attention import recompute_vjp, register
-from transformer_jax.ops.masks import AttentionMask, pad_tokens
+from transformer_jax.ops.attention import AttentionMask, pad_tokens, recompute_vjp, register
 from transformer_jax.ops.pallas_tpu import TpuBlockSizes, dot, round_up, tpu_attention
 
 Array = jax.Array

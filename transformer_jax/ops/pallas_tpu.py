@@ -10,7 +10,7 @@ carried in VMEM scratch from its first step to its last:
     dQ (per query block):       dQ += dS K,
 with s = Q K^T * scale and delta = rowsum(dO * O).
 
-Tiles outside a row's [lo, hi) of masks.AttentionMask.loop_bounds (read from SMEM by scalar prefetch) are
+Tiles outside a row's [lo, hi) of attention.AttentionMask.loop_bounds (read from SMEM by scalar prefetch) are
 skipped: no compute, and the index maps clamp the streamed block into [lo, hi) so that the pipeline does not
 fetch it either. Tiles in [a, c) are seen whole and skip the mask.
 
@@ -40,8 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
-from transformer_jax.ops.attention import recompute_vjp
-from transformer_jax.ops.masks import AttentionMask, pad_tokens
+from transformer_jax.ops.attention import AttentionMask, pad_tokens, recompute_vjp
 
 Array = jax.Array
 
@@ -167,7 +166,7 @@ def tile_counts(q: Array, k: Array, v: Array, mask: AttentionMask, *, block_size
 
 
 def planned_tiles(mask: AttentionMask, batch: int, num_heads: int, num_kv_heads: int, sizes: TpuBlockSizes) -> dict:
-    """Tiles the kernels visit by masks.AttentionMask.loop_bounds, totalled: forward and dQ over query-block rows,
+    """Tiles the kernels visit by attention.AttentionMask.loop_bounds, totalled: forward and dQ over query-block rows,
     dK/dV over key-block rows of each group's query heads. `mask` is padded to whole tiles and masks something;
     a mask of one row stands for `batch` equal rows."""
     groups = num_heads // num_kv_heads

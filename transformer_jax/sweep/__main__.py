@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from absl import flags
 from ml_collections import config_flags
 
+from transformer_jax import cli
 from transformer_jax.cli import USAGE_STATUS, exit_on_user_error, fail, parse_flags
-from transformer_jax.config import checks
 from transformer_jax.errors import ConfigError, VariantInterrupted
 from transformer_jax.evaluation.run import split_pairs
 from transformer_jax.sweep import launch
@@ -174,7 +174,7 @@ def _run(fv: flags.FlagValues) -> int:
             print(f"{t.label}\t{state}" + (f"\t{detail}" if detail else ""))
         return 0
     launcher = _launcher(fv)
-    checks.check_workdir(workdir)
+    cli.check_workdir(workdir)
     with launch.owned(workdir):
         interrupted = None if fv.aggregate_only else _train(launcher, tasks, workdir)
         _aggregate(config_arg, all_variants, all_runs, workdir, seeds, split)

@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from transformer_jax.errors import ScoreError
-from transformer_jax.evaluation import bleu
 from transformer_jax.evaluation.significance import pooled_paired_bootstrap
+from transformer_jax.evaluation.translate import read_lines
 from transformer_jax.model import parameter_count
 from transformer_jax.training.metrics import read_metrics
 
@@ -226,7 +226,7 @@ def compare_runs(
     lines: dict[pathlib.Path, list[str]] = {}
     for directory in {d for pair in pairs for d in pair}:
         path = directory / split.hypotheses_file
-        lines[directory] = bleu.read_lines(path)
+        lines[directory] = read_lines(path)
         if len(lines[directory]) != len(references):
             raise ScoreError(
                 f"{path} has {len(lines[directory])} lines, the {split.description} split {len(references)}; delete "

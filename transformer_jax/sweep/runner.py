@@ -21,11 +21,11 @@ import jax
 import ml_collections
 
 import transformer_jax
-from transformer_jax.config import checks
+from transformer_jax import cli, runtime
 from transformer_jax.errors import ConfigError, VariantInterrupted
 from transformer_jax.evaluation import run
-from transformer_jax.evaluation.command import Model, Translate, write_json, write_lines
 from transformer_jax.evaluation.restore import CheckpointChoice
+from transformer_jax.evaluation.run import Model, Translate
 from transformer_jax.evaluation.translate import bleu_evaluator
 from transformer_jax.sweep.results import REFERENCE_METRICS, RESULT_FILE, Split, decoded
 from transformer_jax.training import loop
@@ -47,7 +47,7 @@ class Variant(NamedTuple):
 def load_config_module(path: str):
     """Imports a config file by path (the part before ':') once: the sweep needs its get_sweep(arg), SEEDS and
     REFERENCE, and a fresh get_config(arg) for each variant, where --config hands back one get_config() result."""
-    return checks.load_module(path, f"sweep_config_{pathlib.Path(path).stem}")
+    return cli.load_module(path, f"sweep_config_{pathlib.Path(path).stem}")
 
 
 def variants(config_arg: str, common: dict[str, Any] | None = None) -> list[Variant]:
@@ -58,7 +58,7 @@ def variants(config_arg: str, common: dict[str, Any] | None = None) -> list[Vari
     if not hasattr(module, "get_sweep"):
         raise ConfigError(f"config file {path} defines no get_sweep(arg); add one returning a list of override dicts")
     out: list[Variant] = []
-    for i, override in enumerate(checks.call(module, path, "get_sweep", arg or None)):
+    for i, override in enumerate(cli.call(module, path, "get_sweep", arg or None)):
         override = dict(override)
         name = override.pop("name", None)
         if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
@@ -72,7 +72,7 @@ def variants(config_arg: str, common: dict[str, Any] | None = None) -> list[Vari
         unknown = sorted(set(reference) - set(REFERENCE_METRICS))
         if unknown:
             raise ConfigError(f"{path}: sweep variant {name!r}: reference keys {unknown}; known: {REFERENCE_METRICS}")
-        config = checks.call(module, path, "get_config", arg or None)
+        config = cli.call(module, path, "get_config", arg or None)
         config.update_from_flattened_dict(common or {})
         for key, value in override.items():
             try:
@@ -82,7 +82,7 @@ def variants(config_arg: str, common: dict[str, Any] | None = None) -> list[Vari
             except TypeError as e:
                 raise ConfigError(f"{path}: sweep variant {name!r}: {key}={value!r} has the wrong type ({e})") from e
         try:
-            checks.validate(config, training=True)  # as train.py validates its config: the sweep trains them
+            cli.validate(config, training=True)  # as train.py validates its config: the sweep trains them
         except ConfigError as e:
             raise ConfigError(f"{path}: sweep variant {name!r}: {e}") from e
         out.append(Variant(name, override, config, reference))
@@ -131,7 +131,7 @@ def runs(variant: Variant, seeds: int) -> list[Run]:
         config.update_from_flattened_dict(overrides)
         try:
             for key, value in overrides.items():
-                checks.check_value(key, value)
+                cli.check_value(key, value)
         except ConfigError as e:
             raise ConfigError(f"sweep variant {variant.name!r}, seed {i} of --seeds {seeds}: {e}") from e
         out.append(Run(variant, f"{variant.name}/seed{i}", overrides, config))
@@ -188,8 +188,8 @@ def decode_run(name: str, run_dir: pathlib.Path, split: Split) -> None:
     finally:
         signal.signal(signal.SIGTERM, previous)
     hypotheses = run_dir / split.hypotheses_file
-    write_lines(hypotheses, translation.hypotheses)
-    write_json(run_dir / split.scores_file, {**translation.report, "hypotheses_file": str(hypotheses)})
+    runtime.write_lines(hypotheses, translation.hypotheses)
+    runtime.write_json(run_dir / split.scores_file, {**translation.report, "hypotheses_file": str(hypotheses)})
 
 
 def configure_logging() -> None:

@@ -32,7 +32,7 @@ tests/test_state.py, tests/test_configs.py):
 - State layout: before the TrainState fields had names, the `state` item stored them under the positions 0, 1, 2
   (the same order); `state_keys` maps each field to its saved key.
 - Config (`upgrade_config`, applied by checkpoints.load_config): the reserved ids were fixed constants (pad 0, eos 1,
-  bos 2, unk 3: model.spec.SpecialIds.DEFAULT) until the `model.pad_id/eos_id/bos_id/unk_id` keys came; a config
+  bos 2, unk 3: model.layers.SpecialIds.DEFAULT) until the `model.pad_id/eos_id/bos_id/unk_id` keys came; a config
   saved in between has none of them, and one saved before that held `model.pad_id` alone (it could only be 0) and
   had no `model.fused_backward` (those versions ran the hand-written backward passes everywhere: 'on').
 - Config: keys added later (`ADDED_KEYS`) get the value that does what the versions without them did.
@@ -64,7 +64,7 @@ from jax.experimental import multihost_utils
 from transformer_jax import runtime
 from transformer_jax.config import schema
 from transformer_jax.errors import ConfigError, UserError
-from transformer_jax.model.spec import SpecialIds
+from transformer_jax.model.layers import SpecialIds
 
 # The lock.
 

@@ -19,7 +19,8 @@ from typing import Any, TypeVar
 import ml_collections
 from flax.traverse_util import flatten_dict
 
-from transformer_jax.config import checks, schema
+from transformer_jax import cli
+from transformer_jax.config import schema
 from transformer_jax.data.sources import atomic_write
 from transformer_jax.data.tokenizer import MODEL_FILENAME, tokenizer_files
 from transformer_jax.errors import CheckpointError, ConfigError
@@ -40,10 +41,9 @@ class Start:
 
 
 def prepare(config: ml_collections.ConfigDict, workdir: str | os.PathLike, overrides: Iterable[str] = ()) -> Start:
-    """The run's start. With train.init_from, the architecture keys and the tokenizer come from the run's own latest
-    checkpoint, else from the source, whose parameters are then read; `overrides` (--config.KEY) may not differ."""
-    if not config.train.init_from:
-        return Start(config)
+    """A fine-tuning run's start (config.train.init_from set): the architecture keys and the tokenizer come from the
+    run's own latest checkpoint, else from the source, whose parameters are then read; `overrides` (--config.KEY)
+    may not differ."""
     workdir = pathlib.Path(workdir)
     source = pathlib.Path(config.train.init_from).expanduser().resolve()
     config = _copy(config, {"train.init_from": str(source)})  # a restart from another directory names the same
@@ -196,7 +196,7 @@ def _merged(
     merged = _copy(config, {**values, "data.tokenizer_model": tokenizer})
     # Every value was checked, the run's by its command line and the source's when it trained; the rules between
     # keys may not hold for the two together (data.max_len against the source's learned positions).
-    checks.check_between(dict(checks.leaves(merged)))
+    cli.check_between(dict(cli.leaves(merged)))
     return merged
 
 

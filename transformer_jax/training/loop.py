@@ -532,7 +532,8 @@ def train_and_evaluate(
         )
     workdir = pathlib.Path(workdir)
     with bookkeeping.locked(workdir):
-        start = init_from.prepare(config, workdir, overrides)
+        # A fine-tuning run starts from its source's architecture and parameters; any other from its config.
+        start = init_from.prepare(config, workdir, overrides) if config.train.init_from else init_from.Start(config)
         run = setup(start.config, workdir, bleu, start.params)
         try:
             with StopRequest() as stop, tracing_mesh(run.mesh):

@@ -21,12 +21,12 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from transformer_jax import runtime
-from transformer_jax.config import checks, schema
+from transformer_jax import cli, runtime
+from transformer_jax.config import schema
 from transformer_jax.errors import DiskFullError
 
 if TYPE_CHECKING:  # annotations only: reading metrics.jsonl (the sweep, visualize) need not import the model
-    from transformer_jax.model.spec import TransformerSpec
+    from transformer_jax.model.layers import TransformerSpec
 
 
 class MetricWriter:
@@ -50,7 +50,7 @@ class MetricWriter:
             if config is None:
                 names, group, params = schema.BY_NAME["train.trackers"].default, "", {}
             else:
-                names, group, params = config.train.trackers, config.train.tracker_group, dict(checks.leaves(config))
+                names, group, params = config.train.trackers, config.train.tracker_group, dict(cli.leaves(config))
             self._trackers = Trackers(names, workdir, group, params, resume_step)
 
     def write(self, step: int, metrics: dict[str, float], prefix: str = "") -> None:

@@ -61,7 +61,7 @@ STREAMS_ZERO = f"0: {CPU_STREAMS} on a CPU, 1 on an accelerator"  # what streams
 class Job:
     """A corpus to translate: evaluate.py's Translate record (its source_file is --input) and where the output goes."""
 
-    mode: command.Translate
+    mode: evaluation.Translate
     output: str
     chunk_lines: int
     options: dict[str, Any]  # the flags given, as the state file records them
@@ -87,7 +87,7 @@ def job_of(
     if unknown:
         raise TypeError(f"not translate_corpus flags: {sorted(unknown)}")
     mode, _ = command.parse({**values, "source_file": input_file})
-    assert isinstance(mode, command.Translate) and mode.decoding.candidates == 1
+    assert isinstance(mode, evaluation.Translate) and mode.decoding.candidates == 1
     written = {
         "--output": output,
         "--output's scores (OUTPUT.scores)": scores_file(output),
@@ -406,8 +406,8 @@ def assemble(output: str, chunks: list[Chunk]) -> None:
     """Writes OUT and OUT.scores from the chunks in order, each whole or not at all, then removes OUT.parts."""
     hypotheses = [h for c in chunks for h in c.hypotheses]
     rows = [(lp, s) for c in chunks for lp, s in zip(c.log_probs, c.scores, strict=True)]
-    command.write_lines(scores_file(output), [f"{_number(lp)}\t{_number(s)}" for lp, s in rows])
-    command.write_lines(output, hypotheses)
+    runtime.write_lines(scores_file(output), [f"{_number(lp)}\t{_number(s)}" for lp, s in rows])
+    runtime.write_lines(output, hypotheses)
     shutil.rmtree(parts_dir(output))
 
 

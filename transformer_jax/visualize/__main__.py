@@ -21,8 +21,8 @@ from pathlib import Path
 from absl import flags
 from ml_collections import config_flags
 
+from transformer_jax import cli
 from transformer_jax.cli import USAGE_STATUS, exit_on_user_error, fail, parse_flags
-from transformer_jax.config import checks
 from transformer_jax.errors import VisualizeError
 from transformer_jax.visualize import attention, curves, positional, schedule
 
@@ -96,7 +96,7 @@ def _parse(argv: Sequence[str]) -> tuple[str, flags.FlagValues, list[str]]:
 def run(command: str, fv: flags.FlagValues, more_metrics: Sequence[str] = ()) -> list[Path]:
     """Runs one parsed command, its --config validated first; returns the files written."""
     if fv.config is not None:
-        checks.validate(fv.config)
+        cli.validate(fv.config)
     if command == "attention":
         return attention(
             fv.workdir,
