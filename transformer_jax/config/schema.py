@@ -71,6 +71,8 @@ NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("post", "pre")
 POSITIONALS = ("sinusoidal", "learned", "none")
 SINUSOID_LAYOUTS = ("interleaved", "concatenated")
+# Where the language tokens of a multilingual model go (data/languages.py says what each does).
+LANG_TOKENS = ("none", "source", "target", "source_and_target")
 DTYPES = ("float32", "bfloat16", "float16")
 FUSED_BACKWARD = ("auto", "on", "off")
 SCHEDULES = ("paper", "rsqrt", "cosine", "constant")
@@ -93,6 +95,15 @@ def _number(text: str) -> float | None:
         return float(text)
     except ValueError:
         return None
+
+
+def _is_direction(text: str) -> bool:
+    """SRC-TGT (two language suffixes without '-'), `all`, or LANG-centric; data/languages.py gives them meaning."""
+    head, dash, tail = text.partition("-")
+    return text == "all" or (bool(dash) and bool(head) and bool(tail) and "-" not in tail and head != tail)
+
+
+DIRECTION = Rule(str, test=_is_direction, what="SRC-TGT (two different languages), all, or LANG-centric")
 
 
 def _corpus_from_text(text: str) -> tuple | None:
@@ -235,6 +246,15 @@ KEYS: tuple[Key, ...] = (
         architecture=True,
     ),
     Key(
+        "model.lang_token",
+        "none",
+        choice(LANG_TOKENS),
+        "language tokens of a multilingual model (data.directions): none, source (the target's starts the source),"
+        " target (the decoder's first token), source_and_target (target, and the source's own starts the source)",
+        MATCH,
+        architecture=True,
+    ),
+    Key(
         "model.max_len",
         1024,
         count(1),
@@ -328,6 +348,21 @@ KEYS: tuple[Key, ...] = (
     ),
     Key("data.tokenizer", "spm", choice(TOKENIZERS), "spm (joint, trained here) or marian", MATCH, architecture=True),
     Key("data.target_lang", "", TEXT, "a >>lang<< token starts every source; empty = none", MATCH),
+    Key(
+        "data.directions",
+        (),
+        Entries(each=DIRECTION, noun="direction"),
+        "directions SRC-TGT of the multi-way data.text_dir trained by one model, or all, or LANG-centric (to and from"
+        " LANG); empty = the one pair data.src_lang-data.tgt_lang",
+        MATCH,
+    ),
+    Key(
+        "data.temperature",
+        1.0,
+        positive(),
+        "directions are drawn with probability proportional to pairs^(1/T): 1 = by size, larger = flatter",
+        MATCH,
+    ),
     Key(
         "data.tokenizer_sample_sentences",
         1_000_000,

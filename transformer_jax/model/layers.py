@@ -104,6 +104,7 @@ class TransformerSpec:
     norm_epsilon: float
     positional: str
     sinusoid_layout: str  # interleaved (paper) or concatenated (Marian): layers.sinusoidal_encoding
+    lang_token: str  # where a multilingual model's language tokens go (data/languages.py); vocab_size counts them
     max_len: int
     share_embeddings: bool
     tie_output: bool

@@ -407,6 +407,9 @@ ADDED_KEYS: dict[str, Any] = {
     "eval.max_len": 0,  # no absolute cap on outputs, only eval.max_extra_len
     "model.source_vocab_size": 0,  # the source vocabulary is the target's
     "data.tokenizer": "spm",  # one joint SentencePiece model, the only tokenizer there was
+    "model.lang_token": "none",  # bilingual: no language tokens
+    "data.directions": (),  # the one pair data.src_lang-data.tgt_lang
+    "data.temperature": 1.0,  # (no directions to draw)
     "data.target_lang": "",  # no >>xx<< token before the source
     "data.corpora": (),  # one training corpus
     "train.trackers": ("tensorboard",),  # TensorBoard beside metrics.jsonl, as then
