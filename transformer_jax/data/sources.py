@@ -254,6 +254,28 @@ def text_split(directory: str | os.PathLike, split: str, src_lang: str, tgt_lang
     return TextPairs(*paths)
 
 
+def multiway_sides(directory: str | os.PathLike, split: str, langs: Sequence[str]) -> dict[str, Path]:
+    """The files `{split}.{lang}` of a multi-way folder (line i the same sentence in every language), one per
+    language, after checking that each exists and that all have one line count (DataError naming two files that
+    differ)."""
+    directory = resolve_path(directory)
+    if not directory.is_dir():
+        raise DataError(f"text data directory {directory} does not exist (data.text_dir)")
+    paths = {lang: directory / f"{split}.{lang}" for lang in langs}
+    for lang, path in paths.items():
+        if not path.is_file():
+            raise DataError(f"data.directions: no file {path} (split {split!r}, language {lang!r})")
+    counts = {lang: count_lines(path) for lang, path in paths.items()}
+    first = next(iter(paths))
+    for lang, n in counts.items():
+        if n != counts[first]:
+            raise DataError(
+                f"line counts differ: {paths[first]} has {counts[first]} lines, {paths[lang]} has {n}; in a "
+                "multi-way folder line i of every file must be the same sentence"
+            )
+    return paths
+
+
 def read_text_split(
     directory: str | os.PathLike, split: str, src_lang: str, tgt_lang: str, *, keep_blank: bool = False
 ) -> tuple[list[Pair], int]:
