@@ -70,6 +70,10 @@ class Examples:
         """Tokens per target row segment (len(y) + 1: tgt_in has BOS, tgt_out has EOS)."""
         return np.diff(self.tgt_starts)
 
+    def empty(self) -> np.ndarray:
+        """Whether each example has an empty side (EOS only): the length filter drops those."""
+        return (self.src_lens <= 1) | (self.tgt_lens <= 1)
+
     def take(self, ids: np.ndarray) -> Examples:
         """Examples `ids`, copied into compact arrays in that order."""
         return Examples(*_take(self.src, self.src_starts, ids), *_take(self.tgt, self.tgt_starts, ids))
@@ -80,7 +84,7 @@ class Examples:
         return src, self.tgt[self.tgt_starts[i] : self.tgt_starts[i + 1] - 1]
 
 
-def _ragged(ids: Sequence[Sequence[int]], eos: int, max_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def ragged(ids: Sequence[Sequence[int]], eos: int, max_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Concatenates id lists with an EOS after each; with max_len, keeps at most max_len - 1 ids (EOS stays)."""
     if max_len is not None:
         ids = [x[: max_len - 1] for x in ids]
@@ -98,8 +102,8 @@ def from_ids(
     src_ids: Sequence[Sequence[int]], tgt_ids: Sequence[Sequence[int]], max_len: int | None = None, *, eos: int
 ) -> Examples:
     """Examples of id lists (no EOS yet): each side gets `eos` appended, after at most max_len - 1 ids."""
-    src, src_starts = _ragged(src_ids, eos, max_len)
-    tgt, tgt_starts = _ragged(tgt_ids, eos, max_len)
+    src, src_starts = ragged(src_ids, eos, max_len)
+    tgt, tgt_starts = ragged(tgt_ids, eos, max_len)
     return Examples(src, src_starts, tgt, tgt_starts)
 
 
@@ -136,7 +140,7 @@ def tokenize_pairs(
 def length_filter(examples: Examples, max_len: int) -> tuple[np.ndarray, dict[str, int]]:
     """Ids of examples whose both sides are non-empty and at most max_len tokens (EOS counted), and the counts."""
     src_lens, tgt_lens = examples.src_lens, examples.tgt_lens
-    empty = (src_lens <= 1) | (tgt_lens <= 1)
+    empty = examples.empty()
     too_long = ~empty & ((src_lens > max_len) | (tgt_lens > max_len))
     kept = np.flatnonzero(~empty & ~too_long)
     return kept, {
@@ -387,33 +391,82 @@ MIX_SEED = 0x6D6978  # separates the corpus draws' seed sequence from the planne
 
 
 class MixedExamples:
-    """The examples of several corpora (`parts`, named by `names`, drawn with `weights`) under one id space."""
+    """The examples of several corpora or directions (`parts`, named by `names`, drawn with `weights`) under one id
+    space. A part's `src_prefix` / `tgt_prefix` (a language token id, or None) is inserted when its examples are
+    gathered for a batch: before the source, and as the target's first token (tgt_out = [LT, y..., EOS], so
+    tgt_in = [BOS, LT, y...]); the lengths the planners and the length filter see count it."""
 
-    def __init__(self, parts: Sequence[Examples], names: Sequence[str], weights: Sequence[float]):
+    def __init__(
+        self,
+        parts: Sequence[Examples],
+        names: Sequence[str],
+        weights: Sequence[float],
+        src_prefix: Sequence[int | None] | None = None,
+        tgt_prefix: Sequence[int | None] | None = None,
+    ):
         self.parts, self.names = list(parts), list(names)
         self.probabilities = np.asarray(weights, np.float64) / np.sum(weights)
+        self.src_prefix = list(src_prefix or [None] * len(self.parts))
+        self.tgt_prefix = list(tgt_prefix or [None] * len(self.parts))
         self.first = np.concatenate([[0], np.cumsum([len(p) for p in self.parts])]).astype(np.int64)
-        self.src_lens = np.concatenate([p.src_lens for p in self.parts])
-        self.tgt_lens = np.concatenate([p.tgt_lens for p in self.parts])
+        self.src_lens = np.concatenate(
+            [p.src_lens + (x is not None) for p, x in zip(self.parts, self.src_prefix, strict=True)]
+        )
+        self.tgt_lens = np.concatenate(
+            [p.tgt_lens + (x is not None) for p, x in zip(self.parts, self.tgt_prefix, strict=True)]
+        )
 
     def __len__(self) -> int:
         return int(self.first[-1])
+
+    def empty(self) -> np.ndarray:
+        """Whether each example has an empty side before any prefix (a blank line of a multi-way folder)."""
+        return np.concatenate([p.empty() for p in self.parts])
 
     def corpus_of(self, ids: np.ndarray) -> np.ndarray:
         """The corpus index of each global example id."""
         return np.searchsorted(self.first, ids, side="right") - 1
 
     def gather(self, plan: Plan) -> tuple[Examples, Plan, np.ndarray]:
-        """(the plan's examples copied into compact Examples, the plan renumbered to them, real tokens per corpus)."""
+        """(the plan's examples copied into compact Examples, prefixes inserted, the plan renumbered to them, real
+        tokens per part)."""
         corpus = self.corpus_of(plan.items)
         order = np.argsort(corpus, kind="stable")  # the plan's examples grouped by corpus
         ids = plan.items[order]
-        examples = concat([self.parts[c].take(ids[corpus[order] == c] - self.first[c]) for c in np.unique(corpus)])
+        examples = concat(
+            [
+                _prefixed(
+                    self.parts[c].take(ids[corpus[order] == c] - self.first[c]), self.src_prefix[c], self.tgt_prefix[c]
+                )
+                for c in np.unique(corpus)
+            ]
+        )
         renumbered = np.empty(len(order), np.int64)
         renumbered[order] = np.arange(len(order))
         tokens = self.src_lens[plan.items] + self.tgt_lens[plan.items]
         per_corpus = np.bincount(corpus, weights=tokens, minlength=len(self.parts)).astype(np.int64)
         return examples, dataclasses.replace(plan, items=renumbered), per_corpus
+
+
+def _prepend(flat: np.ndarray, starts: np.ndarray, token: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """A ragged array with `token` in front of every row (unchanged for None)."""
+    if token is None:
+        return flat, starts
+    rows = len(starts) - 1
+    new_starts = starts + np.arange(rows + 1)
+    out = np.empty(len(flat) + rows, flat.dtype)
+    first = np.zeros(len(out), bool)
+    first[new_starts[:-1]] = True
+    out[first] = token
+    out[~first] = flat
+    return out, new_starts
+
+
+def _prefixed(examples: Examples, src_prefix: int | None, tgt_prefix: int | None) -> Examples:
+    return Examples(
+        *_prepend(examples.src, examples.src_starts, src_prefix),
+        *_prepend(examples.tgt, examples.tgt_starts, tgt_prefix),
+    )
 
 
 def _take(flat: np.ndarray, starts: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -39,7 +39,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from transformer_jax.data import batching, sources
+from transformer_jax.data import batching, languages, sources, store
 from transformer_jax.data.tokenizer import Tokenizer
 from transformer_jax.errors import DataError
 from transformer_jax.model.layers import SpecialIds
@@ -233,6 +233,30 @@ def tokenize_in_memory(
         pairs = [pair for _, chunk in chunks for pair in sources.tagged(chunk, corpus.tag)]
         parts.append(batching.tokenize_pairs(pairs, tokenizer, num_threads=num_threads))
     return batching.MixedExamples(parts, [c.name for c in mix], [c.weight for c in mix])
+
+
+def multilingual_examples(
+    config: ml_collections.ConfigDict, tokenizer: Tokenizer, *, build_if_missing: bool, num_threads: int | None = None
+) -> batching.MixedExamples:
+    """The training examples of a multilingual run (`config` the full config, data.directions explicit): one part
+    per direction, its two language sides' arrays (each side tokenized and stored once: store.open_sides), its
+    language tokens by model.lang_token, drawn with the temperature's probabilities (languages.probabilities; a
+    direction's size is its lines, blank ones included, before the length filter)."""
+    data, directions = config.data, languages.directions(config.data)
+    langs = sorted({lang for d in directions for lang in (d.src, d.tgt)})
+    files = sources.multiway_sides(data.text_dir, data.train_split, langs)
+    sides = store.open_sides(
+        data, tokenizer, files, store=data.store, build_if_missing=build_if_missing, num_threads=num_threads
+    )
+    placement = languages.Placement.of(config)
+    parts = [batching.Examples(*sides[d.src], *sides[d.tgt]) for d in directions]
+    return batching.MixedExamples(
+        parts,
+        [d.name for d in directions],
+        languages.probabilities([len(p) for p in parts], data.temperature),
+        [placement.source_prefix(d) for d in directions],
+        [placement.target_prefix(d) for d in directions],
+    )
 
 
 class PlacedBatches(grain.DatasetIterator):

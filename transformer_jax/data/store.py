@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)  # the standard logger, which train.py shows a
 FORMAT = 1  # bump when the layout changes: older stores then count as built from other input and are rebuilt
 MANIFEST = "manifest.json"
 ARRAYS = ("src", "src_starts", "tgt", "tgt_starts")  # the fields of batching.Examples, one .npy file each
+SIDE_ARRAYS = ("tokens", "starts")  # one language side of a multi-way folder
 HEADER_BYTES = 128  # the .npy v1.0 header of any 1-D array of these dtypes (numpy pads headers to 64 bytes)
 CHUNK_PAIRS = 100_000  # pairs read and tokenized at a time (bounds the Python strings and id lists held)
 SAMPLE_BLOCKS, SAMPLE_BYTES = 64, 4096  # what a start hashes of each file
@@ -237,8 +238,8 @@ def _install(tmp: Path, path: Path) -> None:
 # Opening and checking.
 
 
-def read_manifest(path: Path) -> dict[str, Any] | None:
-    """The store's manifest, or None when there is no store at `path`."""
+def read_manifest(path: Path, arrays: tuple[str, ...] = ARRAYS) -> dict[str, Any] | None:
+    """The store's manifest (a store of `arrays`), or None when there is no store at `path`."""
     file = path / MANIFEST
     if not file.is_file():
         return None
@@ -247,7 +248,7 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
         if (
             not isinstance(manifest, dict)
             or "identity" not in manifest
-            or set(manifest.get("files", ())) != set(ARRAYS)
+            or set(manifest.get("files", ())) != set(arrays)
         ):
             raise ValueError("not a store manifest")
     except (OSError, ValueError) as e:
@@ -262,10 +263,11 @@ def _damaged(file: Path, what: str, path: Path) -> DataError:
     )
 
 
-def open_examples(path: Path, manifest: dict[str, Any]) -> batching.Examples:
-    """The store's arrays, memory-mapped, after the cheap checks of the module docstring."""
+def _open_arrays(path: Path, manifest: dict[str, Any], names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The store's arrays `names`, memory-mapped, after the cheap checks of the module docstring; each pair of
+    (tokens, starts) arrays is checked to be a ragged array."""
     arrays = {}
-    for name in ARRAYS:
+    for name in names:
         file, info = path / f"{name}.npy", manifest["files"][name]
         size = file.stat().st_size if file.is_file() else None
         if size != info["bytes"]:
@@ -281,11 +283,17 @@ def open_examples(path: Path, manifest: dict[str, Any]) -> batching.Examples:
                 file, f"holds {array.dtype}{array.shape}, the manifest {info['dtype']}({info['length']},)", path
             )
         arrays[name] = np.asarray(array)  # a plain ndarray view of the map: no np.memmap overhead per indexing
-    for side in ("src", "tgt"):
-        starts, tokens = arrays[f"{side}_starts"], arrays[side]
+    for tokens_name in names[::2]:
+        starts_name = "starts" if tokens_name == "tokens" else f"{tokens_name}_starts"
+        starts, tokens = arrays[starts_name], arrays[tokens_name]
         if not (len(starts) and starts[0] == 0 and starts[-1] == len(tokens) and np.all(starts[1:] > starts[:-1])):
-            raise _damaged(path / f"{side}_starts.npy", "offsets do not increase from 0 to the token count", path)
-    return batching.Examples(**arrays)
+            raise _damaged(path / f"{starts_name}.npy", "offsets do not increase from 0 to the token count", path)
+    return arrays
+
+
+def open_examples(path: Path, manifest: dict[str, Any]) -> batching.Examples:
+    """The store's examples, memory-mapped."""
+    return batching.Examples(**_open_arrays(path, manifest, ARRAYS))
 
 
 def verify(path: Path) -> dict[str, Any]:
@@ -352,3 +360,106 @@ def open_train_store(
     log.info("the tokenized training store %s %s: building it", path, why)
     manifest = build(config, tokenizer, path, num_threads=num_threads or os.cpu_count() or 1, corpus=corpus)
     return open_examples(path, manifest), path
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Multilingual runs (data.directions): one store per language side of the multi-way folder, `spm.train.de.side.store`,
+# whatever the number of directions that read it. Every line is stored, blank ones as an empty side (EOS only), so
+# that line i is example i in every language; a direction's examples are two sides' arrays side by side, and the
+# length filter drops a pair with an empty side. Language tokens are never stored (data/languages.py).
+
+
+def side_path(config: ml_collections.ConfigDict, tokenizer: Tokenizer, lang: str) -> Path:
+    directory = Path(config.store_dir).expanduser() if config.store_dir else tokenizer.path.parent
+    return directory / f"{tokenizer.name}.{config.train_split}.{lang}.side.store"
+
+
+def _side_identity(config: ml_collections.ConfigDict, tokenizer: Tokenizer, file: Path, lang: str) -> dict[str, Any]:
+    stat = file.stat()
+    return {
+        "format": FORMAT,
+        "source": "multiway",
+        "input": {"path": str(file.resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns},
+        "split": config.train_split,
+        "lang": lang,
+        "tokenizer_sha256": tokenizer.fingerprint(),
+        "token_dtype": _token_dtype(tokenizer).str,
+    }
+
+
+def encode_side(lines: list[str], tokenizer: Tokenizer, num_threads: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, starts) of lines, an EOS after each (a blank line: EOS only)."""
+    return batching.ragged(tokenizer.encode_target_batch(lines, num_threads), tokenizer.ids.eos)
+
+
+def build_side(
+    config: ml_collections.ConfigDict, tokenizer: Tokenizer, path: Path, file: Path, lang: str, *, num_threads: int
+) -> dict[str, Any]:
+    """Tokenizes one language file into a new side store at `path` (streamed, written whole or not at all)."""
+    start = time.perf_counter()
+    total = sources.count_lines(file)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".building", dir=path.parent))
+    except OSError as e:
+        raise _unwritable(path, e) from e
+    try:
+        writers = {"tokens": _NpyWriter(tmp / "tokens.npy", _token_dtype(tokenizer))}
+        writers["starts"] = _NpyWriter(tmp / "starts.npy", np.dtype("<i8"))
+        writers["starts"].append(np.zeros(1, np.int64))
+        with Progress(total, f"tokenizing {file.name}", "lines") as bar:
+            for lines in sources.iter_lines(file):
+                tokens, starts = encode_side(lines, tokenizer, num_threads)
+                writers["starts"].append(starts[1:] + writers["tokens"].length)
+                writers["tokens"].append(tokens)
+                bar.update(len(lines))
+        files = {name: writer.close() for name, writer in writers.items()}
+        manifest = {
+            "identity": _side_identity(config, tokenizer, file, lang),
+            "counts": {"lines": files["starts"]["length"] - 1, "tokens": files["tokens"]["length"]},
+            "files": files,
+            "build_seconds": round(time.perf_counter() - start, 1),
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+        os.chmod(tmp, 0o755)
+        _install(tmp, path)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _unwritable(path, e) from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("built %s in %.0f s: %s", path, manifest["build_seconds"], manifest["counts"])
+    return manifest
+
+
+def open_sides(
+    config: ml_collections.ConfigDict,
+    tokenizer: Tokenizer,
+    files: dict[str, Path],
+    *,
+    store: bool,
+    build_if_missing: bool,
+    num_threads: int | None = None,
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """(tokens, starts) of each language file (`files`, sources.multiway_sides): from its side store (built first
+    if missing or stale; a multi-host run fails with the prepare command instead), or tokenized in memory."""
+    threads = num_threads or os.cpu_count() or 1
+    out = {}
+    for lang, file in files.items():
+        if not store:
+            out[lang] = encode_side([x for block in sources.iter_lines(file) for x in block], tokenizer, threads)
+            continue
+        path = side_path(config, tokenizer, lang)
+        manifest = read_manifest(path, SIDE_ARRAYS)
+        if manifest is None or manifest["identity"] != _side_identity(config, tokenizer, file, lang):
+            if not build_if_missing:
+                raise DataError(
+                    f"the tokenized store {path} is missing or stale, and this run may not build it (several hosts "
+                    "would each build their own): `python -m transformer_jax.data.prepare --config <the same config> "
+                    f"--workdir <the same workdir>` builds it once"
+                )
+            manifest = build_side(config, tokenizer, path, file, lang, num_threads=threads)
+        arrays = _open_arrays(path, manifest, SIDE_ARRAYS)
+        out[lang] = arrays["tokens"], arrays["starts"]
+    return out

@@ -30,8 +30,16 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from transformer_jax import runtime
+from transformer_jax.data import languages
 from transformer_jax.data.batching import BATCH_KEYS, padded_eval_length
-from transformer_jax.data.pipeline import batch_shapes, eval_batches, make_train_iterator, place, prefetch
+from transformer_jax.data.pipeline import (
+    batch_shapes,
+    eval_batches,
+    make_train_iterator,
+    multilingual_examples,
+    place,
+    prefetch,
+)
 from transformer_jax.data.sources import load_split, validation_sets
 from transformer_jax.data.store import open_train_examples
 from transformer_jax.data.tokenizer import model_tokenizer
@@ -326,7 +334,9 @@ def setup(
     spec = TransformerSpec.from_config(config)
     tokenizer = model_tokenizer(config, workdir, train_if_missing=jax.process_count() == 1)
     examples = None  # data.store=False: tokenized in memory by make_train_iterator
-    if config.data.store:
+    if config.data.directions:
+        examples = multilingual_examples(config, tokenizer, build_if_missing=jax.process_count() == 1)
+    elif config.data.store:
         examples, _ = open_train_examples(config.data, tokenizer, build_if_missing=jax.process_count() == 1)
     train_iter, data_stats = make_train_iterator(config.data, tokenizer, examples=examples, row_multiple=row_multiple)
     graphs, abstract = abstract_train_state(config)
@@ -531,6 +541,7 @@ def train_and_evaluate(
             "a BLEU evaluator: pass bleu=transformer_jax.evaluation.translate.bleu_evaluator"
         )
     workdir = pathlib.Path(workdir)
+    config = languages.expand_config(config)  # data.directions explicit before any config is compared or saved
     with bookkeeping.locked(workdir):
         # A fine-tuning run starts from its source's architecture and parameters; any other from its config.
         start = init_from.prepare(config, workdir, overrides) if config.train.init_from else init_from.Start(config)
