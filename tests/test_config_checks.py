@@ -124,6 +124,7 @@ LIST_VALUES = {
     ),
     "opt.freeze": (("encoder_layers/0/.*", "src_embed"), "encoder_layers/0/.*,src_embed"),
     "train.trackers": (("tensorboard", "wandb"), "tensorboard,wandb"),
+    "data.directions": (("en-de", "all", "fr-centric"), "en-de,all,fr-centric"),
 }
 
 
@@ -155,16 +156,21 @@ def test_a_list_valued_key_on_the_command_line(tmp_path):
 
     file = tmp_path / "c.py"
     file.write_text("from configs import common\n\ndef get_config():\n    return common.base_config('tiny').lock()\n")
-    argv = ["prog", f"--config={file}", *(f"--config.{key}={joined}" for key, (_, joined) in LIST_VALUES.items())]
-    argv[-1] = "--config.train.trackers=('tensorboard', 'wandb')"
-    fv = flags.FlagValues()
-    config_flags.DEFINE_config_file("config", None, "config", flag_values=fv, sys_argv=argv)
-    cli.parse_flags("prog", argv, fv)
-    config = fv.config
-    validate(config)
-    for key, (records, _) in LIST_VALUES.items():
-        group, _, leaf = key.rpartition(".")
-        assert config[group][leaf] == records, key
+    # data.directions goes alone: a multilingual run has no data.corpora (a rule between keys)
+    for keys in ([k for k in LIST_VALUES if k != "data.directions"], ["data.directions"]):
+        argv = ["prog", f"--config={file}", *(f"--config.{key}={LIST_VALUES[key][1]}" for key in keys)]
+        if "train.trackers" in keys:
+            argv[argv.index("--config.train.trackers=tensorboard,wandb")] = (
+                "--config.train.trackers=('tensorboard', 'wandb')"
+            )
+        fv = flags.FlagValues()
+        config_flags.DEFINE_config_file("config", None, "config", flag_values=fv, sys_argv=argv)
+        cli.parse_flags("prog", argv, fv)
+        config = fv.config
+        validate(config)
+        for key in keys:
+            group, _, leaf = key.rpartition(".")
+            assert config[group][leaf] == LIST_VALUES[key][0], key
 
 
 def test_a_missing_key_fails():
@@ -190,3 +196,20 @@ def test_workdir_is_made_and_must_be_a_writable_directory(tmp_path, monkeypatch)
     with pytest.raises(ConfigError, match=r"--workdir .*: cannot write there \(Permission denied\)"):
         check_workdir(tmp_path)
     assert not list(pathlib.Path(tmp_path / "a" / "b").iterdir())  # the probe leaves nothing behind
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        ({"model": {"lang_token": "target"}}, "model.lang_token='target' needs data.directions"),
+        ({"data": {"directions": ("en-de",), "source": "multi30k"}}, "config key data.source: a multilingual run"),
+        ({"data": {"directions": ("en-de",), "source": "text", "target_lang": "de"}}, "config key data.target_lang"),
+        ({"data": {"directions": ("en-en",), "source": "text"}}, "data.directions"),
+    ],
+)
+def test_a_multilingual_config_that_cannot_work_is_one_line(changes, message):
+    config = common.base_config("tiny").to_dict()
+    for group, values in changes.items():
+        config[group].update(values)
+    with pytest.raises(ConfigError, match=message):
+        validate(config)

@@ -26,6 +26,7 @@ CONFIG_ARGS = {
     "ablations_architecture": ["scale=small,steps=100"],
     "backtranslation": ["data=runs/bt/data", "data=runs/bt/data,steps=50"],
     "distillation": ["data=runs/kd/data"],
+    "multilingual": [None, "size=tiny", "directions=en-centric,lang_token=source,temperature=1"],
 }
 
 

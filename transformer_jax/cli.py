@@ -319,11 +319,37 @@ def check_between(values: Mapping[str, Any]) -> None:
                 f"set train.eval_every > 0 or {key}=0"
             )
     check_init(values["train.init_step"], values["train.init_from"])
+    _check_languages(values)
     if values["model.positional"] == "learned" and values["data.max_len"] > values["model.max_len"]:
         raise ConfigError(
             f"config key data.max_len: {values['data.max_len']} tokens per side exceed the {values['model.max_len']} "
             "positions of the learned positional embedding (model.max_len); lower one or raise the other"
         )
+
+
+def _check_languages(values: Mapping[str, Any]) -> None:
+    """A multilingual run (data.directions) reads one multi-way text folder with a tokenizer trained here."""
+    directions, scheme = values["data.directions"], values["model.lang_token"]
+    if not directions:
+        if scheme != "none":
+            raise ConfigError(
+                f"config key model.lang_token={scheme!r} needs data.directions (the languages to make tokens for); "
+                "set data.directions or model.lang_token=none"
+            )
+        return
+    clashes = {
+        "data.source": values["data.source"] != "text",
+        "data.corpora": bool(values["data.corpora"]),
+        "data.target_lang": bool(values["data.target_lang"]),
+        "data.tokenizer": values["data.tokenizer"] != "spm" or bool(values["data.tokenizer_model"]),
+    }
+    for key, clash in clashes.items():
+        if clash:
+            raise ConfigError(
+                f"config key {key}: a multilingual run (data.directions) reads a multi-way folder (data.source=text, "
+                "data.text_dir) with a tokenizer trained here, without data.corpora, data.target_lang or "
+                "data.tokenizer_model; unset it, or data.directions"
+            )
 
 
 def tracker_packages(names: tuple[str, ...]) -> None:
