@@ -296,13 +296,14 @@ def open_examples(path: Path, manifest: dict[str, Any]) -> batching.Examples:
     return batching.Examples(**_open_arrays(path, manifest, ARRAYS))
 
 
-def verify(path: Path) -> dict[str, Any]:
-    """Rereads every byte of the store and compares each file's SHA-256 with the manifest's; returns it."""
-    manifest = read_manifest(path)
+def verify(path: Path, arrays: tuple[str, ...] = ARRAYS) -> dict[str, Any]:
+    """Rereads every byte of the store (of `arrays`: SIDE_ARRAYS for a language side) and compares each file's
+    SHA-256 with the manifest's; returns it."""
+    manifest = read_manifest(path, arrays)
     if manifest is None:
         raise DataError(f"no store at {path} ({MANIFEST} missing)")
-    open_examples(path, manifest)
-    for name in ARRAYS:
+    _open_arrays(path, manifest, arrays)
+    for name in arrays:
         file, digest = path / f"{name}.npy", hashlib.sha256()
         with open(file, "rb") as f:
             f.seek(HEADER_BYTES)
