@@ -1,0 +1,75 @@
+"""A tiny many-to-many run end to end: one model, three languages, six directions, language tokens, validation per
+direction; a restart must keep the language token scheme."""
+
+import json
+import os
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+from tests.helpers.training import tiny_train_config
+from tests.test_multilingual_data import write_multiway
+from transformer_jax.data import languages
+from transformer_jax.errors import ConfigError
+from transformer_jax.evaluation.translate import bleu_evaluator
+from transformer_jax.training.checkpoints import load_config
+from transformer_jax.training.loop import train_and_evaluate
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def many_to_many_config(text_dir, **train) -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict(tiny_train_config(text_dir, **train).to_dict())
+    config.model.vocab_size = 323  # 320 pieces and the three languages
+    config.model.lang_token = "target"
+    config.data.directions = ("all",)
+    config.data.temperature = 5.0
+    config.data.tokenizer_type = "bpe"
+    return config
+
+
+def test_a_tiny_many_to_many_run_trains_every_direction_and_validates_each(tmp_path):
+    text_dir = write_multiway(tmp_path / "d", n=150)
+    workdir = tmp_path / "run"
+    config = many_to_many_config(text_dir, num_steps=6, bleu_every=6, bleu_sentences=4)
+    train_and_evaluate(config, workdir, bleu=bleu_evaluator)
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    names = languages.expand_config(config).data.directions
+    assert len(names) == 6 and load_config(workdir).data.directions == names  # saved explicit
+    trained = {k for r in records for k in r if k.startswith("tokens_") and k[len("tokens_") :] in names}
+    assert trained == {f"tokens_{n}" for n in names}
+    last = records[-1] | next(r for r in reversed(records) if "valid_loss" in r)
+    for name in names:
+        assert f"valid_{name}_loss" in last
+    assert last["valid_loss"] == pytest.approx(sum(last[f"valid_{n}_loss"] for n in names) / len(names))
+
+
+def test_a_restart_with_another_language_token_scheme_is_refused_in_one_line(tmp_path):
+    text_dir = write_multiway(tmp_path / "d", n=150)
+    workdir = tmp_path / "run"
+    train_and_evaluate(many_to_many_config(text_dir, num_steps=3, eval_every=0), workdir)
+    changed = many_to_many_config(text_dir, num_steps=6, eval_every=0)
+    changed.model.lang_token = "source"
+    with pytest.raises(ConfigError, match="model.lang_token"):
+        train_and_evaluate(changed, workdir)
+
+
+@pytest.mark.slow
+def test_train_py_refuses_a_direction_the_folder_lacks(tmp_path):
+    text_dir = write_multiway(tmp_path / "d", n=20)
+    args = [
+        sys.executable,
+        "train.py",
+        "--config",
+        "configs/multilingual.py:size=tiny",
+        "--workdir",
+        str(tmp_path / "w"),
+        f"--config.data.text_dir={text_dir}",
+        "--config.data.directions=en-fr",
+    ]
+    done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "has no language 'fr'" in done.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "w").exists() or not any((tmp_path / "w").iterdir())
