@@ -206,3 +206,15 @@ def test_a_multiway_folder_is_sampled_uniformly_per_language(tmp_path, monkeypat
     (tmp_path / "train.fr").write_text("fr 0\n", encoding="utf-8")
     with pytest.raises(DataError, match="line counts differ"):
         tokenizer_lib.training_sample(config)
+
+
+def test_model_tokenizer_of_a_full_config_agrees_with_its_placement(tmp_path):
+    """The run's entry point: the ids batching places (Placement.of the full config) are the tokenizer's."""
+    config = common.base_config("tiny")
+    config.data = multilingual_config(write_multiway(tmp_path / "data"))
+    config.model.vocab_size = VOCAB_SIZE
+    config.model.lang_token = "source_and_target"
+    tok = tokenizer_lib.model_tokenizer(config, tmp_path / "run")
+    assert tok.pieces == VOCAB_SIZE - len(LANGS) and tok.vocab_size == config.model.vocab_size
+    placement = languages.Placement.of(config)
+    assert {lang: tok.language_id(lang) for lang in LANGS} == placement.ids
