@@ -14,6 +14,11 @@ any string: BLEU is computed on exactly the text the tokenizer was given, and no
 tokenizer gives the ids transformers' MarianTokenizer gives. With data.corpora, the model trained here learns from
 a sample of the mix (each corpus's share by its weight) and holds each corpus tag as a user-defined symbol, one
 piece never split; any tokenizer that would split a tag or map it to <unk> is refused (`check_tags`).
+
+A multilingual run (data.directions) trains its model with model.vocab_size - L pieces, L its languages, on a sample
+balanced across languages (`language_sample`); the Tokenizer then knows the languages: their ids follow the pieces
+(languages.Placement's table), text never encodes to one, decoding drops them, and their pieces are their codes
+`>>xx<<`. Placing them in a sequence is the batches' business (languages.Placement), not the tokenizer's.
 """
 
 from __future__ import annotations
@@ -24,15 +29,16 @@ import json
 import os
 import random
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import ml_collections
+import numpy as np
 import sentencepiece as spm
 from absl import logging
 
-from transformer_jax.data import sources
-from transformer_jax.errors import DataError
+from transformer_jax.data import languages, sources
+from transformer_jax.errors import ConfigError, DataError
 from transformer_jax.model.layers import SpecialIds
 
 MODEL_FILENAME = "spm.model"
@@ -93,11 +99,19 @@ class _Encoder:
 
 
 class Tokenizer(_Encoder):
-    """A joint SentencePiece model that reserves `ids` (the config's); ids are SentencePiece's own."""
+    """A joint SentencePiece model that reserves `ids` (the config's); ids are SentencePiece's own. With
+    `language_table` (a multilingual run's languages.Placement), the languages' ids follow the pieces: the vocabulary
+    is pieces + languages, and a language id is never text (see the module docstring)."""
 
     name = "spm"
 
-    def __init__(self, model_path: str | os.PathLike, ids: SpecialIds, target_lang: str = ""):
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        ids: SpecialIds,
+        target_lang: str = "",
+        language_table: languages.Placement | None = None,
+    ):
         self.path = Path(model_path)
         self.files = (self.path,)
         self.ids = ids
@@ -111,16 +125,34 @@ class Tokenizer(_Encoder):
             )
         self.target_lang = target_lang
         self._prefix = [] if not target_lang else [_language_id(self, target_lang, self._sp.piece_to_id)]
+        self.language_table = language_table
+        # get_tokenizer checks that the language ids follow the pieces (`pieces` <= language_table.first_id).
+        self._codes = {} if language_table is None else {i: languages.code(x) for x, i in language_table.ids.items()}
+
+    @property
+    def pieces(self) -> int:
+        """The SentencePiece model's pieces: ids 0 .. pieces - 1, all that text encodes to."""
+        return self._sp.get_piece_size()
 
     @property
     def vocab_size(self) -> int:
-        return self._sp.get_piece_size()
+        """The pieces, and after them the languages' ids when it has languages."""
+        return max(self._codes) + 1 if self._codes else self.pieces
 
     source_vocab_size = vocab_size
 
+    def language_id(self, lang: str) -> int:
+        """The id of a language named by its suffix or its code >>xx<< (ConfigError for one it lacks)."""
+        if self.language_table is None:
+            raise ConfigError(f"language {lang!r}: this tokenizer has no language tokens (data.directions is empty)")
+        return self.language_table.id(lang)
+
     def fingerprint(self) -> str:
-        """What a store tokenized with this tokenizer depends on: its model file (and the language token)."""
+        """What a store tokenized with this tokenizer depends on: its model file (and the language token, or the
+        languages: their ids follow the pieces)."""
         digest = hashlib.sha256(self.path.read_bytes()).hexdigest()
+        if self._codes:
+            digest += "+" + ",".join(f"{code}={i}" for i, code in sorted(self._codes.items()))
         return digest if not self.target_lang else f"{digest}+{language_token(self.target_lang)}"
 
     def encode_source_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
@@ -133,10 +165,13 @@ class Tokenizer(_Encoder):
     def decode_target(self, ids: Iterable[int]) -> str:
         """The text of `ids` up to the first EOS, on one line (`one_line`); padding and BOS are dropped (model outputs
         can be passed as is)."""
-        return one_line(self._sp.decode(_content(ids, self.ids, drop=(self.ids.pad, self.ids.bos))))
+        drop = (self.ids.pad, self.ids.bos, *self._codes)
+        return one_line(self._sp.decode(_content(ids, self.ids, drop=drop)))
 
     def source_pieces(self, ids: Iterable[int]) -> list[str]:
-        return [self._sp.id_to_piece(int(i)) for i in ids]
+        """The pieces of `ids`; a language id's is its code `>>xx<<`."""
+        codes = self._codes
+        return [codes[i] if i in codes else self._sp.id_to_piece(i) for i in map(int, ids)]
 
     target_pieces = source_pieces
 
@@ -307,9 +342,45 @@ def sample_sentences(pairs: sources.TextPairs | sources.TfdsPairs, num_sentences
     return [s for pair in pairs.pick(indices) for s in pair if s.strip()]
 
 
+def pick_lines(path: Path, indices: Sequence[int]) -> list[str]:
+    """The lines of `path` at sorted `indices`, read in one streaming pass, blank ones left out."""
+    wanted = np.asarray(indices, np.int64)
+    out: list[str] = []
+    first = 0
+    for lines in sources.iter_lines(path):
+        lo, hi = np.searchsorted(wanted, [first, first + len(lines)])
+        out += [line for line in (lines[i] for i in (wanted[lo:hi] - first).tolist()) if line.strip()]
+        first += len(lines)
+        if hi == len(wanted):
+            break
+    return out
+
+
+def language_sample(files: Mapping[str, Path], num_sentences: int, temperature: float) -> list[str]:
+    """About `num_sentences` sentences balanced across languages (`files`: one file per language), so that a small
+    language is not split into characters: language l's share is proportional to n_l^(1/T) (languages.probabilities,
+    the temperature that samples the directions; n_l its lines), at most all its lines, drawn uniformly by index with
+    a seed of its own (one file's sample is not the others' translations) in one streaming pass, blank lines left
+    out. In a multi-way folder every n_l is equal, so the shares are too."""
+    langs = sorted(files)
+    sizes = [sources.count_lines(files[lang]) for lang in langs]
+    if not any(sizes):
+        raise DataError(f"no lines to train the tokenizer on: {', '.join(str(files[x]) for x in langs)} are empty")
+    out: list[str] = []
+    for lang, size, p in zip(langs, sizes, languages.probabilities(sizes, temperature), strict=True):
+        share = min(size, max(1, round(num_sentences * p)))
+        indices = sorted(random.Random(zlib.crc32(lang.encode())).sample(range(size), share))
+        out += pick_lines(files[lang], indices)
+    return out
+
+
 def training_sample(config: ml_collections.ConfigDict) -> list[str]:
     """The sentences a tokenizer is trained on (`config` is the data group): data.tokenizer_sample_sentences of
-    the training split, or of the mix of data.corpora, each corpus sampled in proportion to its weight."""
+    the training split, or of the mix of data.corpora, each corpus sampled in proportion to its weight; of a
+    multilingual run (data.directions), of the multi-way folder's languages (`language_sample`)."""
+    if langs := languages.languages(config):
+        files = sources.multiway_sides(config.text_dir, config.train_split, langs)
+        return language_sample(files, config.tokenizer_sample_sentences, config.temperature)
     mix = sources.corpora(config)
     if not mix:
         return sample_sentences(sources.open_stream(config, config.train_split), config.tokenizer_sample_sentences)
@@ -355,27 +426,33 @@ def get_tokenizer(
     size means the workdir belongs to another config); a given SentencePiece model may be smaller.
     `train_if_missing=False` (multi-host runs: every host must use the same file) fails instead of training.
     Every tag of data.corpora must be one piece of it (`check_tags`).
+
+    A multilingual run (data.directions, L languages) keeps the last L ids of vocab_size for the languages
+    (languages.Placement): its SentencePiece model has vocab_size - L pieces (a given one at most that many).
     """
     path = Path(workdir) / MODEL_FILENAME
+    table = _language_table(config, vocab_size)
+    pieces = vocab_size if table is None else table.first_id
     if config.tokenizer == "marian":
         tokenizer = _marian_tokenizer(config, Path(workdir), ids, vocab_size, source_vocab_size or vocab_size)
         key = "data.tokenizer=marian"  # the setting that chose the tokenizer, for check_tags's message
     elif config.tokenizer_model:
-        tokenizer = Tokenizer(sources.resolve_path(config.tokenizer_model), ids, config.target_lang)
+        tokenizer = Tokenizer(sources.resolve_path(config.tokenizer_model), ids, config.target_lang, table)
         key = "data.tokenizer_model"
-        if tokenizer.vocab_size > vocab_size:
+        if tokenizer.pieces > pieces:
             raise DataError(
-                f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but model.vocab_size is {vocab_size}; "
-                "ids would fall outside the embedding table"
+                f"tokenizer {tokenizer.path} has {tokenizer.pieces} pieces but model.vocab_size is {vocab_size}"
+                f"{_languages_part(table)}; ids would fall outside the embedding table"
+                + ("" if table is None else " or take the languages' ids")
             )
     elif path.exists():
-        tokenizer = Tokenizer(path, ids, config.target_lang)
-        if tokenizer.vocab_size != vocab_size:
+        tokenizer = Tokenizer(path, ids, config.target_lang, table)
+        if tokenizer.pieces != pieces:
             raise DataError(
-                f"{path} has {tokenizer.vocab_size} pieces but model.vocab_size is {vocab_size}; "
+                f"{path} has {tokenizer.pieces} pieces but model.vocab_size is {vocab_size}{_languages_part(table)}; "
                 "delete it to train a new one, or use the matching config"
             )
-        logging.info("reusing tokenizer %s (%d pieces)", path, vocab_size)
+        logging.info("reusing tokenizer %s (%d pieces)", path, pieces)
         key = f"the workdir's {MODEL_FILENAME}, trained before: delete it to train one with the tags"
     elif not train_if_missing:
         raise DataError(
@@ -386,13 +463,38 @@ def get_tokenizer(
     else:
         sentences = training_sample(config)
         logging.info(
-            "training a %s tokenizer with %d pieces on %d sentences", config.tokenizer_type, vocab_size, len(sentences)
+            "training a %s tokenizer with %d pieces on %d sentences", config.tokenizer_type, pieces, len(sentences)
         )
         tags = sorted({c.tag for c in sources.corpora(config) if c.tag})
-        train_tokenizer(sentences, path, vocab_size=vocab_size, model_type=config.tokenizer_type, ids=ids, symbols=tags)
-        tokenizer, key = Tokenizer(path, ids, config.target_lang), "data.tokenizer=spm"
+        train_tokenizer(sentences, path, vocab_size=pieces, model_type=config.tokenizer_type, ids=ids, symbols=tags)
+        tokenizer, key = Tokenizer(path, ids, config.target_lang, table), "data.tokenizer=spm"
     check_tags(tokenizer, config, key)
     return tokenizer
+
+
+def _language_table(config: ml_collections.ConfigDict, vocab_size: int) -> languages.Placement | None:
+    """A multilingual run's language ids (languages.Placement's, of a model with `vocab_size` ids), or None; refuses
+    the keys a multilingual run cannot use with them."""
+    if not languages.languages(config):
+        return None
+    if config.target_lang:
+        raise ConfigError(
+            f"data.target_lang={config.target_lang!r} with data.directions: a multilingual run has a token for each "
+            "language (model.lang_token places them); leave data.target_lang empty"
+        )
+    if config.tokenizer != "spm":
+        raise ConfigError(
+            f"data.tokenizer={config.tokenizer!r} with data.directions: a multilingual run's language ids follow the "
+            "pieces of a SentencePiece model trained here or given by data.tokenizer_model; set data.tokenizer=spm"
+        )
+    # The scheme that places the ids is the model's (model.lang_token); the tokenizer only needs their table.
+    view = ml_collections.ConfigDict({"data": config.to_dict(), "model": {"vocab_size": vocab_size}})
+    return languages.Placement.of(view)
+
+
+def _languages_part(table: languages.Placement | None) -> str:
+    """What a piece count is checked against, in an error message: a multilingual model's pieces."""
+    return "" if table is None else f" - {len(table.ids)} languages = {table.first_id} pieces"
 
 
 def model_tokenizer(
