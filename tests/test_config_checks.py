@@ -205,6 +205,7 @@ def test_workdir_is_made_and_must_be_a_writable_directory(tmp_path, monkeypatch)
         ({"data": {"directions": ("en-de",), "source": "multi30k"}}, "config key data.source: a multilingual run"),
         ({"data": {"directions": ("en-de",), "source": "text", "target_lang": "de"}}, "config key data.target_lang"),
         ({"data": {"directions": ("en-en",), "source": "text"}}, "data.directions"),
+        ({"data": {"directions": ("en-de",), "tokenizer": "marian"}}, "config key data.tokenizer: a multilingual"),
     ],
 )
 def test_a_multilingual_config_that_cannot_work_is_one_line(changes, message):

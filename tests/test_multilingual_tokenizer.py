@@ -146,19 +146,6 @@ def test_a_given_model_may_not_reach_the_language_ids(run):
         tokenizer_lib.get_tokenizer(given, workdir / "x", vocab_size=VOCAB_SIZE - 1, ids=SpecialIds.DEFAULT)
 
 
-def test_target_lang_or_a_marian_tokenizer_with_directions_is_refused(run):
-    config, workdir = run
-    for key, value, match in (
-        ("target_lang", "de", "data.target_lang='de' with data.directions"),
-        ("tokenizer", "marian", "data.tokenizer='marian' with data.directions"),
-    ):
-        bad = ml_collections.ConfigDict(config.to_dict())
-        bad[key] = value
-        with pytest.raises(ConfigError, match=match) as e:
-            tokenizer_lib.get_tokenizer(bad, workdir, vocab_size=VOCAB_SIZE, ids=SpecialIds.DEFAULT)
-        assert "\n" not in str(e.value)
-
-
 def _marked(directory: Path, sizes: dict[str, int], blank_every: int = 0) -> dict[str, Path]:
     """One file per language, line i `lang i` (blank every `blank_every`-th line)."""
     directory.mkdir(parents=True, exist_ok=True)

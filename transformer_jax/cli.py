@@ -328,7 +328,8 @@ def check_between(values: Mapping[str, Any]) -> None:
 
 
 def _check_languages(values: Mapping[str, Any]) -> None:
-    """A multilingual run (data.directions) reads one multi-way text folder with a tokenizer trained here."""
+    """A multilingual run (data.directions) reads one multi-way text folder with a SentencePiece tokenizer, whose
+    language ids follow its pieces (a converted Marian vocabulary has no room after them)."""
     directions, scheme = values["data.directions"], values["model.lang_token"]
     if not directions:
         if scheme != "none":
@@ -341,14 +342,14 @@ def _check_languages(values: Mapping[str, Any]) -> None:
         "data.source": values["data.source"] != "text",
         "data.corpora": bool(values["data.corpora"]),
         "data.target_lang": bool(values["data.target_lang"]),
-        "data.tokenizer": values["data.tokenizer"] != "spm" or bool(values["data.tokenizer_model"]),
+        "data.tokenizer": values["data.tokenizer"] != "spm",
     }
     for key, clash in clashes.items():
         if clash:
             raise ConfigError(
                 f"config key {key}: a multilingual run (data.directions) reads a multi-way folder (data.source=text, "
-                "data.text_dir) with a tokenizer trained here, without data.corpora, data.target_lang or "
-                "data.tokenizer_model; unset it, or data.directions"
+                "data.text_dir) with a SentencePiece tokenizer (data.tokenizer=spm), without data.corpora or "
+                "data.target_lang; change it, or unset data.directions"
             )
 
 

@@ -477,16 +477,7 @@ def _language_table(config: ml_collections.ConfigDict, vocab_size: int) -> langu
     the keys a multilingual run cannot use with them."""
     if not languages.languages(config):
         return None
-    if config.target_lang:
-        raise ConfigError(
-            f"data.target_lang={config.target_lang!r} with data.directions: a multilingual run has a token for each "
-            "language (model.lang_token places them); leave data.target_lang empty"
-        )
-    if config.tokenizer != "spm":
-        raise ConfigError(
-            f"data.tokenizer={config.tokenizer!r} with data.directions: a multilingual run's language ids follow the "
-            "pieces of a SentencePiece model trained here or given by data.tokenizer_model; set data.tokenizer=spm"
-        )
+    # data.target_lang and a Marian tokenizer are refused with directions by the config's checks (cli.py).
     # The scheme that places the ids is the model's (model.lang_token); the tokenizer only needs their table.
     view = ml_collections.ConfigDict({"data": config.to_dict(), "model": {"vocab_size": vocab_size}})
     return languages.Placement.of(view)
