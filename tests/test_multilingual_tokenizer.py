@@ -205,3 +205,33 @@ def test_model_tokenizer_of_a_full_config_agrees_with_its_placement(tmp_path):
     assert tok.pieces == VOCAB_SIZE - len(LANGS) and tok.vocab_size == config.model.vocab_size
     placement = languages.Placement.of(config)
     assert {lang: tok.language_id(lang) for lang in LANGS} == placement.ids
+
+
+def test_the_marian_export_gives_a_source_models_language_token_its_id(run, tok, tmp_path):
+    """A `source` model's sources start with the target's id; the exported vocabulary names that id >>xx<<, so
+    transformers' MarianTokenizer turns `>>de<<text` into the ids our batches hold (data.target_lang's way)."""
+    import json
+    import shutil
+
+    from tests.helpers.marian_reference import run as reference
+    from transformer_jax.interop import marian_folder
+
+    config, workdir = run
+    full = ml_collections.ConfigDict({"data": config.to_dict(), "model": {"vocab_size": VOCAB_SIZE}})
+    files = marian_folder.tokenizer_files(full, workdir, tok)
+    out = tmp_path / "export"
+    out.mkdir()
+    for name, content in files.items():
+        if isinstance(content, bytes):
+            (out / name).write_bytes(content)
+        else:
+            shutil.copy(content, out / name)
+    special = {"unk_token": "<unk>", "eos_token": "</s>", "pad_token": "<pad>"}
+    (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "MarianTokenizer", **special}))
+    sentences = ["A dog runs on the beach.", "Two men."]
+    # The code written without a space after it: MarianTokenizer removes the code only, and a space left in front
+    # of the text would become one more piece, which our ids (the language id, then the text's) do not hold.
+    (tmp_path / "s.json").write_text(json.dumps([f">>de<<{s}" for s in sentences]))
+    reference("tokenize", str(out), str(tmp_path / "s.json"), str(tmp_path / "ids.json"))
+    theirs = json.loads((tmp_path / "ids.json").read_text())
+    assert theirs == [[tok.language_id("de"), *tok.encode_source(s), tok.ids.eos] for s in sentences]
