@@ -275,6 +275,7 @@ def test_options_the_engine_expresses_give_our_log_probs_and_greedy_outputs(corp
     [
         (dict(qk_head_dim=8, v_head_dim=16), "model.qk_head_dim=8 differs from model.v_head_dim=16"),
         (dict(window=4), "attention.window=4"),
+        (dict(lang_token="target"), "model.lang_token=target: its translations start with a forced language token"),
     ],
 )
 def test_options_the_engine_cannot_express_are_refused_in_one_line(overrides, key):

@@ -73,3 +73,15 @@ def test_train_py_refuses_a_direction_the_folder_lacks(tmp_path):
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "has no language 'fr'" in done.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "w").exists() or not any((tmp_path / "w").iterdir())
+
+
+def test_evaluate_refuses_a_multilingual_model_in_one_line(tmp_path):
+    from transformer_jax.errors import EvalError
+    from transformer_jax.evaluation import run
+    from transformer_jax.evaluation.restore import CheckpointChoice
+
+    text_dir = write_multiway(tmp_path / "d", n=150)
+    workdir = tmp_path / "run"
+    train_and_evaluate(many_to_many_config(text_dir, num_steps=2, eval_every=0), workdir)
+    with pytest.raises(EvalError, match="holds a multilingual model .* cannot choose yet"):
+        run.load(run.Translate(run.Model(str(workdir), choice=CheckpointChoice(average_last=1)), split="test"))

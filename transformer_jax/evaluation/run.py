@@ -218,6 +218,11 @@ def load(mode: Translate | ScorePairs) -> Loaded:
         if not checkpoints.list_steps(workdir):
             raise EvalError(f"--ensemble_workdirs member {workdir} has no checkpoint; train it first or drop it")
     config, model, steps = restore_model(m.workdir, m.choice, config=m.config)
+    if config.data.directions:  # without its language tokens a translation would be silently wrong
+        raise EvalError(
+            f"{m.workdir} holds a multilingual model (data.directions {', '.join(config.data.directions)}), whose "
+            "direction evaluate.py cannot choose yet; its validation loss and BLEU per direction are in metrics.jsonl"
+        )
     if m.target_lang is not None:  # --target_lang: the sources' >>lang<< token instead of data.target_lang's
         config = config.copy_and_resolve_references()
         with config.unlocked():

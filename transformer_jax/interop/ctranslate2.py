@@ -60,6 +60,11 @@ def check_exportable(spec: Any) -> None:
             f"attention.window={spec.window}: CTranslate2 attends to every position (its sliding_window keeps the "
             "last tokens of the decoder's cache, another rule)"
         )
+    if spec.lang_token in ("target", "source_and_target"):
+        reasons.append(
+            f"model.lang_token={spec.lang_token}: its translations start with a forced language token, which the "
+            "export does not pass as CTranslate2's target_prefix yet"
+        )
     if reasons:
         raise ConfigError("cannot export to CTranslate2: " + "; ".join(reasons))
 
