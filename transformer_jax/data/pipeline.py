@@ -39,9 +39,9 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from transformer_jax.data import batching, sources
+from transformer_jax.data import batching, languages, sources
 from transformer_jax.data.tokenizer import Tokenizer
-from transformer_jax.errors import DataError
+from transformer_jax.errors import ConfigError, DataError
 from transformer_jax.model.layers import SpecialIds
 
 
@@ -274,12 +274,21 @@ def eval_batches(
     max_len: int,
     *,
     targets: Sequence[str] | None = None,
+    source_prefix: int | None = None,
+    target_prefix: int | None = None,
 ) -> tuple[Iterator[dict[str, np.ndarray]], dict[str, int]]:
     """Batches that keep every sentence, in order: [batch_size, max_len] per side, one sentence per row, and
     `example_index` [B] (-1 on rows that only pad the last batch). Longer sentences are cut to max_len - 1 ids plus
-    EOS and counted. With `targets` (validation loss), the contract's target keys too."""
+    EOS and counted. With `targets` (validation loss), the contract's target keys too. A multilingual run's language
+    ids (`languages.Placement`) go where training's batches have them: `source_prefix` before every source's ids,
+    `target_prefix` before every target's (so tgt_in = [BOS, LT, y...], tgt_out = [LT, y..., EOS]); max_len counts
+    them."""
     src_ids = tokenizer.encode_source_batch(sentences)
     tgt_ids = tokenizer.encode_target_batch(targets) if targets is not None else [[] for _ in sentences]
+    if source_prefix is not None:
+        src_ids = [[source_prefix, *ids] for ids in src_ids]
+    if target_prefix is not None and targets is not None:
+        tgt_ids = [[target_prefix, *ids] for ids in tgt_ids]
     if len(tgt_ids) != len(src_ids):
         raise DataError(f"eval_batches: {len(src_ids)} sentences but {len(tgt_ids)} targets")
     stats = {
@@ -305,3 +314,27 @@ def eval_batches(
             yield batch
 
     return generate(), stats
+
+
+def validation_directions(
+    config: ml_collections.ConfigDict, split: str | None = None
+) -> list[tuple[languages.Direction, list[sources.Pair]]]:
+    """A multilingual run's validation sets (`config` the full config): each direction of data.directions with the
+    pairs of `split` (default data.valid_split), line-aligned lines of {split}.{src} and {split}.{tgt} of the
+    multi-way data.text_dir (every language's file checked for one line count), pairs with an empty side left out.
+    eval.extra_valid is refused with directions: its folders are language pairs, not multi-way folders."""
+    data = config.data
+    if config.eval.extra_valid:
+        raise ConfigError(
+            "eval.extra_valid is not supported with data.directions (validation covers every direction of the "
+            "multi-way data.text_dir); leave eval.extra_valid empty"
+        )
+    if not data.text_dir:
+        raise DataError("data.directions needs data.text_dir: a multi-way folder of {split}.{lang} files")
+    split = data.valid_split if split is None else split
+    paths = sources.multiway_sides(data.text_dir, split, languages.languages(data))
+    out = []
+    for d in languages.directions(data):
+        files = sources.TextPairs(paths[d.src], paths[d.tgt])
+        out.append((d, [pair for _, chunk in files.chunks(1 << 16) for pair in chunk]))
+    return out
