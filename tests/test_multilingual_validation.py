@@ -10,7 +10,8 @@ import pytest
 from tests.helpers.training import WORDS_DE, WORDS_EN, tiny_train_config
 from transformer_jax import data
 from transformer_jax.data import languages
-from transformer_jax.data.pipeline import eval_batches, validation_directions
+from transformer_jax.data.pipeline import eval_batches
+from transformer_jax.data.sources import validation_directions
 from transformer_jax.data.tokenizer import train_tokenizer
 from transformer_jax.errors import ConfigError, DataError
 from transformer_jax.evaluation import translate as translate_lib

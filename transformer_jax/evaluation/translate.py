@@ -38,8 +38,7 @@ from sacrebleu.tokenizers.tokenizer_intl import TokenizerV14International
 from transformer_jax import decoding
 from transformer_jax.data import languages, sources
 from transformer_jax.data.batching import padded_eval_length
-from transformer_jax.data.pipeline import validation_directions
-from transformer_jax.data.sources import validation_sets
+from transformer_jax.data.sources import validation_directions, validation_sets
 from transformer_jax.errors import EvalError, ScoreError, UserError
 from transformer_jax.model.layers import SpecialIds
 from transformer_jax.runtime import Progress

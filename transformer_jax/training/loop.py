@@ -38,9 +38,8 @@ from transformer_jax.data.pipeline import (
     make_train_iterator,
     place,
     prefetch,
-    validation_directions,
 )
-from transformer_jax.data.sources import load_split, validation_sets
+from transformer_jax.data.sources import load_split, validation_directions, validation_sets
 from transformer_jax.data.store import open_train_examples
 from transformer_jax.data.tokenizer import model_tokenizer
 from transformer_jax.errors import ConfigError, NonFiniteError
