@@ -100,6 +100,13 @@ def test_extra_valid_with_directions_is_refused_in_one_line(folder):
         validation_directions(config)
 
 
+def test_directions_without_a_text_dir_are_one_line(folder):
+    config = multilingual_config(folder)
+    config.data.text_dir = ""
+    with pytest.raises(DataError, match=r"^data.directions needs data.text_dir: a multi-way folder"):
+        validation_directions(config)
+
+
 def test_a_valid_file_with_another_line_count_names_both_files(tmp_path):
     folder = write_multiway(tmp_path / "m")
     (folder / "valid.fr").write_text("un chien\n", encoding="utf-8")
@@ -235,3 +242,11 @@ def test_a_bilingual_runs_validation_writes_the_keys_it_wrote_before(corpus, tmp
     bleu = {f"valid_{k}" for k in ("bleu", "chrf", "chrfpp", "ter", "tokenized_bleu")}
     assert [set(r) - {"step"} for r in records] == [loss, bleu]
     assert set(scores) == loss | bleu
+
+
+def test_select_metric_valid_bleu_ranks_the_mean_over_directions(folder, tokenizer, tmp_path):
+    config = multilingual_config(folder, bleu_sentences=2, select_metric="valid_bleu", early_stop_patience=2)
+    validation, state, *_ = build_validation(config, tokenizer, tmp_path, bleu_evaluator)
+    scores = validation.run_due(config.train.eval_every, state)  # no bleu_every: the ranked metric decodes
+    assert scores["valid_bleu"] == pytest.approx(np.mean([scores[f"valid_{d}_bleu"] for d in DIRECTIONS]))
+    assert scores["valid_loss"] == pytest.approx(np.mean([scores[f"valid_{d}_loss"] for d in DIRECTIONS]))

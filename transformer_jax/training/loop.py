@@ -283,8 +283,9 @@ class Validation:
     every eval_every when the ranked select metric needs translations; eval.extra_valid sets too (valid_NAME_*).
 
     A multilingual run (data.directions) validates every direction on its lines of the multi-way folder:
-    valid_<src>-<tgt>_* per direction and their unweighted mean as valid_* (what select_metric ranks). BLEU then
-    translates train.bleu_sentences per direction (see translate.bleu_evaluator)."""
+    valid_<src>-<tgt>_* per direction and their unweighted mean as valid_* (what select_metric ranks). Each
+    validation then scores directions x the valid split's lines (12 directions of Multi30k: 12 x 1,014 pairs), and
+    BLEU translates directions x train.bleu_sentences (translate.direction_bleu_evaluator)."""
 
     def __init__(
         self, config, graphs: Graphs, tokenizer, eval_step, sharding, writer: MetricWriter, bleu: BleuEvaluator | None
