@@ -298,12 +298,21 @@ def eval_batches(
     max_len: int,
     *,
     targets: Sequence[str] | None = None,
+    source_prefix: int | None = None,
+    target_prefix: int | None = None,
 ) -> tuple[Iterator[dict[str, np.ndarray]], dict[str, int]]:
     """Batches that keep every sentence, in order: [batch_size, max_len] per side, one sentence per row, and
     `example_index` [B] (-1 on rows that only pad the last batch). Longer sentences are cut to max_len - 1 ids plus
-    EOS and counted. With `targets` (validation loss), the contract's target keys too."""
+    EOS and counted. With `targets` (validation loss), the contract's target keys too. A multilingual run's language
+    ids (`languages.Placement`) go where training's batches have them: `source_prefix` before every source's ids,
+    `target_prefix` before every target's (so tgt_in = [BOS, LT, y...], tgt_out = [LT, y..., EOS]); max_len counts
+    them."""
     src_ids = tokenizer.encode_source_batch(sentences)
     tgt_ids = tokenizer.encode_target_batch(targets) if targets is not None else [[] for _ in sentences]
+    if source_prefix is not None:
+        src_ids = [[source_prefix, *ids] for ids in src_ids]
+    if target_prefix is not None and targets is not None:
+        tgt_ids = [[target_prefix, *ids] for ids in tgt_ids]
     if len(tgt_ids) != len(src_ids):
         raise DataError(f"eval_batches: {len(src_ids)} sentences but {len(tgt_ids)} targets")
     stats = {

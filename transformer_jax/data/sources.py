@@ -32,7 +32,8 @@ import numpy as np
 from absl import logging
 
 from transformer_jax import runtime
-from transformer_jax.errors import DataError
+from transformer_jax.data import languages
+from transformer_jax.errors import ConfigError, DataError
 from transformer_jax.runtime import Progress
 
 Pair = tuple[str, str]
@@ -591,3 +592,27 @@ def validation_sets(config: ml_collections.ConfigDict) -> list[tuple[str, list[t
         source.source, source.text_dir = "text", directory
         sets.append((name, load_split(source, split)))
     return sets
+
+
+def validation_directions(
+    config: ml_collections.ConfigDict, split: str | None = None
+) -> list[tuple[languages.Direction, list[Pair]]]:
+    """A multilingual run's validation sets (`config` the full config): each direction of data.directions with the
+    pairs of `split` (default data.valid_split), line-aligned lines of {split}.{src} and {split}.{tgt} of the
+    multi-way data.text_dir (every language's file checked for one line count), pairs with an empty side left out.
+    eval.extra_valid is refused with directions: its folders are language pairs, not multi-way folders."""
+    data = config.data
+    if config.eval.extra_valid:
+        raise ConfigError(
+            "eval.extra_valid is not supported with data.directions (validation covers every direction of the "
+            "multi-way data.text_dir); leave eval.extra_valid empty"
+        )
+    if not data.text_dir:
+        raise DataError("data.directions needs data.text_dir: a multi-way folder of {split}.{lang} files")
+    split = data.valid_split if split is None else split
+    paths = multiway_sides(data.text_dir, split, languages.languages(data))
+    out = []
+    for d in languages.directions(data):
+        files = TextPairs(paths[d.src], paths[d.tgt])
+        out.append((d, [pair for _, chunk in files.chunks(1 << 16) for pair in chunk]))
+    return out

@@ -36,9 +36,9 @@ from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 from sacrebleu.tokenizers.tokenizer_intl import TokenizerV14International
 
 from transformer_jax import decoding
-from transformer_jax.data import sources
+from transformer_jax.data import languages, sources
 from transformer_jax.data.batching import padded_eval_length
-from transformer_jax.data.sources import validation_sets
+from transformer_jax.data.sources import validation_directions, validation_sets
 from transformer_jax.errors import EvalError, ScoreError, UserError
 from transformer_jax.model.layers import SpecialIds
 from transformer_jax.runtime import Progress
@@ -59,21 +59,26 @@ class Tokenizer(Protocol):
 # The rules of what is decoded, shared with every engine that must decode exactly as we do (interop/ctranslate2.py).
 
 
-def source_ids(tokenizer: Tokenizer, sentence: str, max_input_len: int) -> tuple[list[int] | None, bool]:
-    """(ids then EOS, cut to max_input_len - 1 ids + EOS; None for a blank line, which is not decoded), was_cut."""
+def source_ids(
+    tokenizer: Tokenizer, sentence: str, max_input_len: int, prefix: Sequence[int] = ()
+) -> tuple[list[int] | None, bool]:
+    """(ids then EOS, cut to max_input_len - 1 ids + EOS; None for a blank line, which is not decoded), was_cut.
+    `prefix` (a language id) comes before the sentence's ids and counts towards max_input_len."""
     if not sentence.strip():
         return None, False
-    ids = list(tokenizer.encode_source(sentence))
+    ids = [*prefix, *tokenizer.encode_source(sentence)]
     cut = len(ids) + 1 > max_input_len
     return (ids[: max_input_len - 1] if cut else ids) + [tokenizer.ids.eos], cut
 
 
-def sources_of(tokenizer: Tokenizer, sentences: Sequence[str], max_input_len: int) -> tuple[dict[int, list[int]], list]:
-    """source_ids of every sentence: {index: ids} of the lines that are decoded (blank lines are not), and the
-    1-based numbers of the lines that were cut."""
+def sources_of(
+    tokenizer: Tokenizer, sentences: Sequence[str], max_input_len: int, prefix: Sequence[int] = ()
+) -> tuple[dict[int, list[int]], list]:
+    """source_ids of every sentence (each after `prefix`): {index: ids} of the lines that are decoded (blank lines
+    are not), and the 1-based numbers of the lines that were cut."""
     sources, truncated_lines = {}, []
     for i, sentence in enumerate(sentences):
-        ids, cut = source_ids(tokenizer, sentence, max_input_len)
+        ids, cut = source_ids(tokenizer, sentence, max_input_len, prefix)
         if ids is not None:
             sources[i] = ids
         if cut:
@@ -125,6 +130,20 @@ class Hypothesis(NamedTuple):
 EMPTY = Hypothesis("", 0.0, 0.0, 0, False)  # a blank input line's output (not decoded)
 
 
+class LanguageIds(NamedTuple):
+    """One direction's language tokens for translating (languages.Placement): `source` starts every source's ids,
+    `target` is forced as the output's first token (as training teaches it); ids from `first` on are language
+    tokens, never text, dropped from the hypotheses' text."""
+
+    source: int | None
+    target: int | None
+    first: int | None
+
+    @classmethod
+    def of(cls, placement: languages.Placement, direction: languages.Direction) -> LanguageIds:
+        return cls(placement.source_prefix(direction), placement.target_prefix(direction), placement.first_id)
+
+
 def check_nbest(nbest: int, beam_size: int, flag: str = "--nbest") -> None:
     """EvalError unless 1 <= nbest <= beam_size: an n-best list holds the beams of one search."""
     if not 1 <= nbest <= beam_size:
@@ -169,9 +188,19 @@ def translate(
     *,
     prefixes: Sequence[str] | None = None,
     progress: bool = False,
+    language_ids: LanguageIds | None = None,
 ) -> tuple[list[str], dict[str, Any]]:
     """One output per input sentence, in order, and statistics (see translate_nbest, of which this is the 1-best)."""
-    found, stats = translate_nbest(model, tokenizer, sentences, settings, nbest=1, prefixes=prefixes, progress=progress)
+    found, stats = translate_nbest(
+        model,
+        tokenizer,
+        sentences,
+        settings,
+        nbest=1,
+        prefixes=prefixes,
+        progress=progress,
+        language_ids=language_ids,
+    )
     return [hypotheses[0].text for hypotheses in found], stats
 
 
@@ -185,6 +214,7 @@ def translate_nbest(
     prefixes: Sequence[str] | None = None,
     progress: bool = False,
     first_line: int = 0,
+    language_ids: LanguageIds | None = None,
 ) -> tuple[list[list[Hypothesis]], dict[str, Any]]:
     """The `nbest` best hypotheses of each input sentence, best first, in input order, and statistics of the 1-best.
 
@@ -194,6 +224,9 @@ def translate_nbest(
     prefixes: line i's output starts with prefixes[i], tokenized as a target (a blank prefix: none); the hypotheses'
     text and log-probabilities include it. first_line: the number of sentences[0] in a longer input (its chunk's
     start, translate_corpus): sampling keys are drawn from the line's number in the whole input.
+    language_ids: a multilingual model's tokens of the direction (LanguageIds): the source's id starts every source
+    (counted in max_input_len), the target's is forced before any prefix (it takes one output slot, its
+    log-probability counted) and left out of the text.
     """
     copies = settings.search.copies(nbest)
     check_nbest(nbest, settings.search.beam_size if copies == 1 else nbest)  # n decodes: any n >= 1
@@ -206,7 +239,9 @@ def translate_nbest(
     max_extra_len, cap = settings.max_extra_len, output_cap(settings.max_len, limit)
 
     outputs = [[EMPTY] * nbest for _ in sentences]
-    sources, truncated_lines = sources_of(tokenizer, sentences, max_input_len)
+    lang = LanguageIds(None, None, None) if language_ids is None else language_ids
+    source_prefix = [] if lang.source is None else [lang.source]
+    sources, truncated_lines = sources_of(tokenizer, sentences, max_input_len, source_prefix)
 
     stats: dict[str, Any] = {
         "sentences": len(sentences),
@@ -235,15 +270,15 @@ def translate_nbest(
         batch_size=settings.batch_size,
         shape=shape,
         progress=None if bar is None else bar.update,
-        prefixes=None if prefixes is None else [list(tokenizer.encode_target(prefixes[i])) for i in lines],
+        prefixes=target_prefixes(tokenizer, lines, prefixes, lang.target),
         row_inputs_N=row_inputs,
     )
     for j in range(0, len(lines), copies):
         i = lines[j]
         if copies == 1:
-            outputs[i] = [_hypothesis(tokenizer, found[j], w) for w in range(nbest)]
+            outputs[i] = [_hypothesis(tokenizer, found[j], w, lang.first) for w in range(nbest)]
         else:  # the decodes, best score first
-            drawn = [_hypothesis(tokenizer, found[j + k], 0) for k in range(copies)]
+            drawn = [_hypothesis(tokenizer, found[j + k], 0, lang.first) for k in range(copies)]
             outputs[i] = sorted(drawn, key=lambda h: -h.score)
         stats["hit_max_len"] += not outputs[i][0].ended
         stats["tgt_tokens"] += outputs[i][0].length
@@ -256,12 +291,27 @@ def translate_nbest(
     return outputs, stats
 
 
-def _hypothesis(tokenizer: Tokenizer, result: decoding.BeamResult, beam: int) -> Hypothesis:
-    """Beam `beam` of one sentence's result, detokenized without EOS and PAD."""
+def target_prefixes(
+    tokenizer: Tokenizer, lines: Sequence[int], prefixes: Sequence[str] | None, language: int | None
+) -> list[list[int]] | None:
+    """The forced start of each decoded row (line `lines[r]`): the target language's id, then the line's prefix
+    tokenized as a target; None when there is neither (the search then runs without prefixes)."""
+    if prefixes is None and language is None:
+        return None
+    head = [] if language is None else [language]
+    return [head + ([] if prefixes is None else list(tokenizer.encode_target(prefixes[i]))) for i in lines]
+
+
+def _hypothesis(tokenizer: Tokenizer, result: decoding.BeamResult, beam: int, first_language: int | None) -> Hypothesis:
+    """Beam `beam` of one sentence's result, detokenized without EOS and PAD (and language ids: those from
+    `first_language` on)."""
     n = int(result.lengths[beam])
     ids = result.tokens[beam, :n].tolist()
     ended = bool(ids) and ids[-1] == tokenizer.ids.eos
-    text = tokenizer.decode_target([t for t in ids if t not in (tokenizer.ids.eos, tokenizer.ids.pad)])
+    text_ids = [t for t in ids if t not in (tokenizer.ids.eos, tokenizer.ids.pad)]
+    if first_language is not None:  # language ids follow the tokenizer's pieces: its decode may not know them
+        text_ids = [t for t in text_ids if t < first_language]
+    text = tokenizer.decode_target(text_ids)
     return Hypothesis(text, float(result.log_probs[beam]), float(result.scores[beam]), n, ended)
 
 
@@ -279,7 +329,9 @@ def validation_settings(config: ml_collections.ConfigDict) -> DecodeSettings:
 def bleu_evaluator(config: ml_collections.ConfigDict, tokenizer: Any) -> Callable[[Any], dict[str, float]]:
     """A function of the model (eval mode) -> the scores (score_all) of its translations of the first
     train.bleu_sentences validation pairs: `bleu`, ... for data.valid_split, `NAME_bleu`, ... for each
-    eval.extra_valid set."""
+    eval.extra_valid set. A multilingual run's: see direction_bleu_evaluator."""
+    if config.data.directions:
+        return direction_bleu_evaluator(config, tokenizer)
     sets = [(name, pairs[: config.train.bleu_sentences]) for name, pairs in validation_sets(config)]
     settings = validation_settings(config)
 
@@ -289,6 +341,31 @@ def bleu_evaluator(config: ml_collections.ConfigDict, tokenizer: Any) -> Callabl
             hypotheses, _ = translate(model, tokenizer, [s for s, _ in pairs], settings)
             scores = score_all(hypotheses, [t for _, t in pairs])
             out.update({f"{name}_{key}" if name else key: float(value["score"]) for key, value in scores.items()})
+        return out
+
+    return evaluate
+
+
+def direction_bleu_evaluator(config: ml_collections.ConfigDict, tokenizer: Any) -> Callable[[Any], dict[str, float]]:
+    """bleu_evaluator of a multilingual run (data.directions): the first train.bleu_sentences pairs of each direction
+    translated with its language tokens (LanguageIds), scored as `<src>-<tgt>_bleu`, ..., and each score's unweighted
+    mean over the directions as `bleu`, ... (what train.select_metric=valid_bleu ranks).
+
+    Cost: directions x train.bleu_sentences translations per validation BLEU (12 directions x 200 = 2,400 sentences
+    where a bilingual run decodes 200), in one search call per direction."""
+    placement = languages.Placement.of(config)
+    sets = [(d, pairs[: config.train.bleu_sentences]) for d, pairs in validation_directions(config)]
+    settings = validation_settings(config)
+
+    def evaluate(model: Any) -> dict[str, float]:
+        out, per_direction = {}, []
+        for d, pairs in sets:
+            ids = LanguageIds.of(placement, d)
+            hypotheses, _ = translate(model, tokenizer, [s for s, _ in pairs], settings, language_ids=ids)
+            scores = {key: float(value["score"]) for key, value in score_all(hypotheses, [t for _, t in pairs]).items()}
+            out.update({f"{d.name}_{key}": value for key, value in scores.items()})
+            per_direction.append(scores)
+        out.update({key: float(np.mean([s[key] for s in per_direction])) for key in per_direction[0]})
         return out
 
     return evaluate

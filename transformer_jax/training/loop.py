@@ -40,7 +40,7 @@ from transformer_jax.data.pipeline import (
     place,
     prefetch,
 )
-from transformer_jax.data.sources import load_split, validation_sets
+from transformer_jax.data.sources import load_split, validation_directions, validation_sets
 from transformer_jax.data.store import open_train_examples
 from transformer_jax.data.tokenizer import model_tokenizer
 from transformer_jax.errors import ConfigError, NonFiniteError
@@ -76,19 +76,31 @@ def host_block(array: np.ndarray) -> np.ndarray:
 
 
 def validation_batches(
-    config: ml_collections.ConfigDict, tokenizer, pairs: list[tuple[str, str]] | None = None
+    config: ml_collections.ConfigDict,
+    tokenizer,
+    pairs: list[tuple[str, str]] | None = None,
+    direction: languages.Direction | None = None,
 ) -> list[dict[str, np.ndarray]]:
     """Every validation pair once (default data.valid_split's), sorted by length, each batch cut to its longest row
-    rounded up to a bucket (16, 32, 64, ...: few compiled shapes, little padding; sums ignore order)."""
+    rounded up to a bucket (16, 32, 64, ...: few compiled shapes, little padding; sums ignore order). The pairs of a
+    multilingual run's `direction` carry its language ids as its training batches do (languages.Placement)."""
     if pairs is None:
         pairs = load_split(config.data, config.data.valid_split)
     pairs = sorted(pairs, key=lambda pair: (len(pair[1]), len(pair[0])))  # characters: a proxy for tokens
+    prefixes = {}
+    if direction is not None:
+        placement = languages.Placement.of(config)
+        prefixes = {
+            "source_prefix": placement.source_prefix(direction),
+            "target_prefix": placement.target_prefix(direction),
+        }
     batches, _ = eval_batches(
         [s for s, _ in pairs],
         tokenizer,
         config.eval.batch_size,
         config.data.eval_max_len,
         targets=[t for _, t in pairs],
+        **prefixes,
     )
     out = []
     for b in batches:
@@ -261,17 +273,33 @@ def decodes_at_validation(config: ml_collections.ConfigDict) -> bool:
     return bookkeeping.is_tracked(config) and config.train.select_metric in bookkeeping.DECODED
 
 
+def mean_over_directions(per_direction: list[dict[str, float]]) -> dict[str, float]:
+    """Each score's unweighted mean over a multilingual run's directions: every direction counts the same, however
+    many pairs or tokens it has (the valid_* that train.select_metric and early stopping rank)."""
+    return {k: float(np.mean([scores[k] for scores in per_direction])) for k in per_direction[0]}
+
+
 class Validation:
     """Validation loss every train.eval_every steps, BLEU every train.bleu_every steps (and at the last step) and at
-    every eval_every when the ranked select metric needs translations; eval.extra_valid sets too (valid_NAME_*)."""
+    every eval_every when the ranked select metric needs translations; eval.extra_valid sets too (valid_NAME_*).
+
+    A multilingual run (data.directions) validates every direction on its lines of the multi-way folder:
+    valid_<src>-<tgt>_* per direction and their unweighted mean as valid_* (what select_metric ranks). Each
+    validation then scores directions x the valid split's lines (12 directions of Multi30k: 12 x 1,014 pairs), and
+    BLEU translates directions x train.bleu_sentences (translate.direction_bleu_evaluator)."""
 
     def __init__(
         self, config, graphs: Graphs, tokenizer, eval_step, sharding, writer: MetricWriter, bleu: BleuEvaluator | None
     ):
         self.config, self.graphs = config, graphs
         self.eval_step, self.sharding, self.writer = eval_step, sharding, writer
-        sets = validation_sets(config) if config.train.eval_every else []
-        self.batches = [(name, validation_batches(config, tokenizer, pairs)) for name, pairs in sets]
+        self.multilingual = bool(config.data.directions)
+        if self.multilingual:
+            directions = validation_directions(config) if config.train.eval_every else []
+            self.batches = [(d.name, validation_batches(config, tokenizer, pairs, d)) for d, pairs in directions]
+        else:
+            sets = validation_sets(config) if config.train.eval_every else []
+            self.batches = [(name, validation_batches(config, tokenizer, pairs)) for name, pairs in sets]
         self.decodes = decodes_at_validation(config)
         self.bleu = bleu(config, tokenizer) if config.train.bleu_every or self.decodes else None
 
@@ -281,12 +309,19 @@ class Validation:
         scores: dict[str, float] = {}
         validating = is_due(step, train.eval_every, num_steps)
         if validating:
+            per_set = []
             for name, batches in self.batches:
                 metrics = evaluate_loss(self.eval_step, state, batches, self.sharding)
                 prefix = f"valid_{name}_" if name else "valid_"
                 self.writer.write(step, metrics, prefix=prefix)
                 scores.update({prefix + k: v for k, v in metrics.items()})
                 logging.info("step %d validation%s: %s", step, f" ({name})" if name else "", json.dumps(metrics))
+                per_set.append(metrics)
+            if self.multilingual:
+                mean = mean_over_directions(per_set)
+                self.writer.write(step, mean, prefix="valid_")
+                scores.update({f"valid_{k}": v for k, v in mean.items()})
+                logging.info("step %d validation (mean over directions): %s", step, json.dumps(mean))
         if is_due(step, train.bleu_every, num_steps) or (self.decodes and validating):
             bleu = self.bleu(eval_model(self.graphs, state))
             self.writer.write(step, bleu, prefix="valid_")
