@@ -206,6 +206,10 @@ def test_workdir_is_made_and_must_be_a_writable_directory(tmp_path, monkeypatch)
         ({"data": {"directions": ("en-de",), "source": "text", "target_lang": "de"}}, "config key data.target_lang"),
         ({"data": {"directions": ("en-en",), "source": "text"}}, "data.directions"),
         ({"data": {"directions": ("en-de",), "tokenizer": "marian"}}, "config key data.tokenizer: a multilingual"),
+        (
+            {"data": {"directions": ("en-de",)}, "eval": {"extra_valid": (("t", "/d", "valid"),)}},
+            "config key eval.extra_valid: a multilingual",
+        ),
     ],
 )
 def test_a_multilingual_config_that_cannot_work_is_one_line(changes, message):

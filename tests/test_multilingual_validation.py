@@ -10,10 +10,10 @@ import pytest
 from tests.helpers.training import WORDS_DE, WORDS_EN, tiny_train_config
 from transformer_jax import data
 from transformer_jax.data import languages
+from transformer_jax.data.languages import validation_directions
 from transformer_jax.data.pipeline import eval_batches
-from transformer_jax.data.sources import validation_directions
-from transformer_jax.data.tokenizer import train_tokenizer
-from transformer_jax.errors import ConfigError, DataError
+from transformer_jax.data.tokenizer import Tokenizer, train_tokenizer
+from transformer_jax.errors import DataError
 from transformer_jax.evaluation import translate as translate_lib
 from transformer_jax.evaluation.translate import LanguageIds, bleu_evaluator, source_ids
 from transformer_jax.model.layers import SpecialIds
@@ -52,7 +52,9 @@ def tokenizer(folder, tmp_path_factory):
     """A SentencePiece model of VOCAB - 3 pieces: the language ids follow them (languages.Placement)."""
     sentences = [line for lang in WORDS for line in (folder / f"train.{lang}").read_text().splitlines()]
     path = tmp_path_factory.mktemp("tok") / "spm.model"
-    return train_tokenizer(sentences, path, vocab_size=VOCAB - 3, model_type="bpe", ids=SpecialIds.DEFAULT)
+    train_tokenizer(sentences, path, vocab_size=VOCAB - 3, model_type="bpe", ids=SpecialIds.DEFAULT)
+    table = languages.Placement.of(multilingual_config(folder))
+    return Tokenizer(path, SpecialIds.DEFAULT, language_table=table)
 
 
 def multilingual_config(folder: pathlib.Path, scheme: str = "source_and_target", **train):
@@ -91,13 +93,6 @@ def test_a_direction_pair_with_an_empty_side_is_left_out(tmp_path):
     (folder / "valid.de").write_text("\n".join(["", *de[1:]]) + "\n", encoding="utf-8")
     sets = dict(validation_directions(multilingual_config(folder)))
     assert [len(sets[languages.Direction.parse(n)]) for n in DIRECTIONS] == [11, 11, 12]
-
-
-def test_extra_valid_with_directions_is_refused_in_one_line(folder):
-    config = multilingual_config(folder)
-    config.eval.extra_valid = (("t", str(folder), "valid"),)
-    with pytest.raises(ConfigError, match=r"^eval.extra_valid is not supported with data.directions[^\n]*$"):
-        validation_directions(config)
 
 
 def test_directions_without_a_text_dir_are_one_line(folder):
@@ -213,10 +208,10 @@ def test_bleu_per_direction_forces_the_language_ids_and_drops_them_from_the_text
 
 
 def test_a_hypothesis_of_language_ids_only_is_empty_text(tokenizer):
-    """An untrained model may emit any language id; none reaches the tokenizer (whose pieces end before them)."""
+    """An untrained model may emit any language id; the tokenizer's decode drops them (its pieces end before them)."""
     tokens = np.array([[317, 319, 318, SpecialIds.DEFAULT.eos]])
     result = translate_lib.decoding.BeamResult(tokens, np.zeros(1), np.zeros(1), np.array([4]))
-    hypothesis = translate_lib._hypothesis(tokenizer, result, 0, 317)
+    hypothesis = translate_lib._hypothesis(tokenizer, result, 0)
     assert (hypothesis.text, hypothesis.length, hypothesis.ended) == ("", 4, True)
 
 
@@ -224,11 +219,7 @@ def test_the_source_language_id_counts_towards_max_input_len(tokenizer):
     plain, _ = source_ids(tokenizer, "the big red dog", 64)
     ids, cut = source_ids(tokenizer, "the big red dog", 4, [319])
     assert cut and ids == [319, *plain[:2], SpecialIds.DEFAULT.eos]
-    assert LanguageIds.of(languages.Placement("target", {"de": 317}), languages.Direction("en", "de")) == (
-        None,
-        317,
-        317,
-    )
+    assert LanguageIds.of(languages.Placement("target", {"de": 317}), languages.Direction("en", "de")) == (None, 317)
 
 
 def test_a_bilingual_runs_validation_writes_the_keys_it_wrote_before(corpus, tmp_path):

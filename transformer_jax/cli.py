@@ -343,13 +343,15 @@ def _check_languages(values: Mapping[str, Any]) -> None:
         "data.corpora": bool(values["data.corpora"]),
         "data.target_lang": bool(values["data.target_lang"]),
         "data.tokenizer": values["data.tokenizer"] != "spm",
+        "eval.extra_valid": bool(values["eval.extra_valid"]),
     }
     for key, clash in clashes.items():
         if clash:
             raise ConfigError(
                 f"config key {key}: a multilingual run (data.directions) reads a multi-way folder (data.source=text, "
-                "data.text_dir) with a SentencePiece tokenizer (data.tokenizer=spm), without data.corpora or "
-                "data.target_lang; change it, or unset data.directions"
+                "data.text_dir) with a SentencePiece tokenizer (data.tokenizer=spm) and validates every direction of "
+                "that folder, without data.corpora, data.target_lang or eval.extra_valid; change it, or unset "
+                "data.directions"
             )
 
 

@@ -28,6 +28,7 @@ language sides the same way.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,6 +36,7 @@ import ml_collections
 import numpy as np
 
 from transformer_jax.config.schema import LANG_TOKENS as SCHEMES
+from transformer_jax.data import sources
 from transformer_jax.errors import ConfigError, DataError
 
 ALL = "all"
@@ -178,3 +180,44 @@ def probabilities(sizes: Sequence[int], temperature: float, weights: Sequence[fl
     w = np.ones_like(n) if weights is None else np.asarray(weights, np.float64)
     scores = w * n ** (1.0 / temperature)
     return scores / scores.sum()
+
+
+def multiway_sides(directory: str | os.PathLike, split: str, langs: Sequence[str]) -> dict[str, Path]:
+    """The files `{split}.{lang}` of a multi-way folder (line i the same sentence in every language), one per
+    language, after checking that each exists and that all have one line count (DataError naming two files that
+    differ)."""
+    directory = sources.resolve_path(directory)
+    if not directory.is_dir():
+        raise DataError(f"text data directory {directory} does not exist (data.text_dir)")
+    paths = {lang: directory / f"{split}.{lang}" for lang in langs}
+    for lang, path in paths.items():
+        if not path.is_file():
+            raise DataError(f"data.directions: no file {path} (split {split!r}, language {lang!r})")
+    counts = {lang: sources.count_lines(path) for lang, path in paths.items()}
+    first = next(iter(paths))
+    for lang, n in counts.items():
+        if n != counts[first]:
+            raise DataError(
+                f"line counts differ: {paths[first]} has {counts[first]} lines, {paths[lang]} has {n}; in a "
+                "multi-way folder line i of every file must be the same sentence"
+            )
+    return paths
+
+
+def validation_directions(
+    config: ml_collections.ConfigDict, split: str | None = None
+) -> list[tuple[Direction, list[tuple[str, str]]]]:
+    """A multilingual run's validation sets (`config` the full config): each direction of data.directions with the
+    pairs of `split` (default data.valid_split), line-aligned lines of {split}.{src} and {split}.{tgt} of the
+    multi-way data.text_dir (every language's file checked for one line count), pairs with an empty side left out.
+    (eval.extra_valid is refused with directions by the config's checks: its folders are language pairs.)"""
+    data = config.data
+    if not data.text_dir:
+        raise DataError("data.directions needs data.text_dir: a multi-way folder of {split}.{lang} files")
+    split = data.valid_split if split is None else split
+    paths = multiway_sides(data.text_dir, split, languages(data))
+    out = []
+    for d in directions(data):
+        files = sources.TextPairs(paths[d.src], paths[d.tgt])
+        out.append((d, [pair for _, chunk in files.chunks(1 << 16) for pair in chunk]))
+    return out

@@ -244,7 +244,7 @@ def multilingual_examples(
     direction's size is its lines, blank ones included, before the length filter)."""
     data, directions = config.data, languages.directions(config.data)
     langs = sorted({lang for d in directions for lang in (d.src, d.tgt)})
-    files = sources.multiway_sides(data.text_dir, data.train_split, langs)
+    files = languages.multiway_sides(data.text_dir, data.train_split, langs)
     sides = store.open_sides(
         data, tokenizer, files, store=data.store, build_if_missing=build_if_missing, num_threads=num_threads
     )

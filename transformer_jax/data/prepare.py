@@ -64,7 +64,7 @@ def _prepare_multilingual(config) -> dict:
     langs = languages.languages(data)
     splits = {}
     for split in (data.train_split, data.valid_split, data.test_split):
-        files = sources.multiway_sides(data.text_dir, split, langs)  # one line count for all, or a DataError
+        files = languages.multiway_sides(data.text_dir, split, langs)  # one line count for all, or a DataError
         splits[split] = sources.count_lines(next(iter(files.values())))
     tokenizer = model_tokenizer(config, workdir)
     report = {"directions": list(data.directions), "lines": splits, "tokenizer": str(tokenizer.path)}

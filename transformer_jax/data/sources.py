@@ -32,8 +32,7 @@ import numpy as np
 from absl import logging
 
 from transformer_jax import runtime
-from transformer_jax.data import languages
-from transformer_jax.errors import ConfigError, DataError
+from transformer_jax.errors import DataError
 from transformer_jax.runtime import Progress
 
 Pair = tuple[str, str]
@@ -253,28 +252,6 @@ def text_split(directory: str | os.PathLike, split: str, src_lang: str, tgt_lang
         if not path.is_file():
             raise DataError(f"missing split {split!r}: no file {path}; available splits for {lang}: {available[lang]}")
     return TextPairs(*paths)
-
-
-def multiway_sides(directory: str | os.PathLike, split: str, langs: Sequence[str]) -> dict[str, Path]:
-    """The files `{split}.{lang}` of a multi-way folder (line i the same sentence in every language), one per
-    language, after checking that each exists and that all have one line count (DataError naming two files that
-    differ)."""
-    directory = resolve_path(directory)
-    if not directory.is_dir():
-        raise DataError(f"text data directory {directory} does not exist (data.text_dir)")
-    paths = {lang: directory / f"{split}.{lang}" for lang in langs}
-    for lang, path in paths.items():
-        if not path.is_file():
-            raise DataError(f"data.directions: no file {path} (split {split!r}, language {lang!r})")
-    counts = {lang: count_lines(path) for lang, path in paths.items()}
-    first = next(iter(paths))
-    for lang, n in counts.items():
-        if n != counts[first]:
-            raise DataError(
-                f"line counts differ: {paths[first]} has {counts[first]} lines, {paths[lang]} has {n}; in a "
-                "multi-way folder line i of every file must be the same sentence"
-            )
-    return paths
 
 
 def read_text_split(
@@ -592,27 +569,3 @@ def validation_sets(config: ml_collections.ConfigDict) -> list[tuple[str, list[t
         source.source, source.text_dir = "text", directory
         sets.append((name, load_split(source, split)))
     return sets
-
-
-def validation_directions(
-    config: ml_collections.ConfigDict, split: str | None = None
-) -> list[tuple[languages.Direction, list[Pair]]]:
-    """A multilingual run's validation sets (`config` the full config): each direction of data.directions with the
-    pairs of `split` (default data.valid_split), line-aligned lines of {split}.{src} and {split}.{tgt} of the
-    multi-way data.text_dir (every language's file checked for one line count), pairs with an empty side left out.
-    eval.extra_valid is refused with directions: its folders are language pairs, not multi-way folders."""
-    data = config.data
-    if config.eval.extra_valid:
-        raise ConfigError(
-            "eval.extra_valid is not supported with data.directions (validation covers every direction of the "
-            "multi-way data.text_dir); leave eval.extra_valid empty"
-        )
-    if not data.text_dir:
-        raise DataError("data.directions needs data.text_dir: a multi-way folder of {split}.{lang} files")
-    split = data.valid_split if split is None else split
-    paths = multiway_sides(data.text_dir, split, languages.languages(data))
-    out = []
-    for d in languages.directions(data):
-        files = TextPairs(paths[d.src], paths[d.tgt])
-        out.append((d, [pair for _, chunk in files.chunks(1 << 16) for pair in chunk]))
-    return out

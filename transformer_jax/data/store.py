@@ -443,7 +443,7 @@ def open_sides(
     build_if_missing: bool,
     num_threads: int | None = None,
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """(tokens, starts) of each language file (`files`, sources.multiway_sides): from its side store (built first
+    """(tokens, starts) of each language file (`files`, languages.multiway_sides): from its side store (built first
     if missing or stale; a multi-host run fails with the prepare command instead), or tokenized in memory."""
     threads = num_threads or os.cpu_count() or 1
     out = {}

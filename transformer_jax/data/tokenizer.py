@@ -379,7 +379,7 @@ def training_sample(config: ml_collections.ConfigDict) -> list[str]:
     the training split, or of the mix of data.corpora, each corpus sampled in proportion to its weight; of a
     multilingual run (data.directions), of the multi-way folder's languages (`language_sample`)."""
     if langs := languages.languages(config):
-        files = sources.multiway_sides(config.text_dir, config.train_split, langs)
+        files = languages.multiway_sides(config.text_dir, config.train_split, langs)
         return language_sample(files, config.tokenizer_sample_sentences, config.temperature)
     mix = sources.corpora(config)
     if not mix:

@@ -38,7 +38,8 @@ from sacrebleu.tokenizers.tokenizer_intl import TokenizerV14International
 from transformer_jax import decoding
 from transformer_jax.data import languages, sources
 from transformer_jax.data.batching import padded_eval_length
-from transformer_jax.data.sources import validation_directions, validation_sets
+from transformer_jax.data.languages import validation_directions
+from transformer_jax.data.sources import validation_sets
 from transformer_jax.errors import EvalError, ScoreError, UserError
 from transformer_jax.model.layers import SpecialIds
 from transformer_jax.runtime import Progress
@@ -132,16 +133,14 @@ EMPTY = Hypothesis("", 0.0, 0.0, 0, False)  # a blank input line's output (not d
 
 class LanguageIds(NamedTuple):
     """One direction's language tokens for translating (languages.Placement): `source` starts every source's ids,
-    `target` is forced as the output's first token (as training teaches it); ids from `first` on are language
-    tokens, never text, dropped from the hypotheses' text."""
+    `target` is forced as the output's first token (as training teaches it); the tokenizer's decode drops them."""
 
     source: int | None
     target: int | None
-    first: int | None
 
     @classmethod
     def of(cls, placement: languages.Placement, direction: languages.Direction) -> LanguageIds:
-        return cls(placement.source_prefix(direction), placement.target_prefix(direction), placement.first_id)
+        return cls(placement.source_prefix(direction), placement.target_prefix(direction))
 
 
 def check_nbest(nbest: int, beam_size: int, flag: str = "--nbest") -> None:
@@ -239,7 +238,7 @@ def translate_nbest(
     max_extra_len, cap = settings.max_extra_len, output_cap(settings.max_len, limit)
 
     outputs = [[EMPTY] * nbest for _ in sentences]
-    lang = LanguageIds(None, None, None) if language_ids is None else language_ids
+    lang = LanguageIds(None, None) if language_ids is None else language_ids
     source_prefix = [] if lang.source is None else [lang.source]
     sources, truncated_lines = sources_of(tokenizer, sentences, max_input_len, source_prefix)
 
@@ -276,9 +275,9 @@ def translate_nbest(
     for j in range(0, len(lines), copies):
         i = lines[j]
         if copies == 1:
-            outputs[i] = [_hypothesis(tokenizer, found[j], w, lang.first) for w in range(nbest)]
+            outputs[i] = [_hypothesis(tokenizer, found[j], w) for w in range(nbest)]
         else:  # the decodes, best score first
-            drawn = [_hypothesis(tokenizer, found[j + k], 0, lang.first) for k in range(copies)]
+            drawn = [_hypothesis(tokenizer, found[j + k], 0) for k in range(copies)]
             outputs[i] = sorted(drawn, key=lambda h: -h.score)
         stats["hit_max_len"] += not outputs[i][0].ended
         stats["tgt_tokens"] += outputs[i][0].length
@@ -302,16 +301,12 @@ def target_prefixes(
     return [head + ([] if prefixes is None else list(tokenizer.encode_target(prefixes[i]))) for i in lines]
 
 
-def _hypothesis(tokenizer: Tokenizer, result: decoding.BeamResult, beam: int, first_language: int | None) -> Hypothesis:
-    """Beam `beam` of one sentence's result, detokenized without EOS and PAD (and language ids: those from
-    `first_language` on)."""
+def _hypothesis(tokenizer: Tokenizer, result: decoding.BeamResult, beam: int) -> Hypothesis:
+    """Beam `beam` of one sentence's result, detokenized without EOS and PAD (and language ids: the tokenizer's)."""
     n = int(result.lengths[beam])
     ids = result.tokens[beam, :n].tolist()
     ended = bool(ids) and ids[-1] == tokenizer.ids.eos
-    text_ids = [t for t in ids if t not in (tokenizer.ids.eos, tokenizer.ids.pad)]
-    if first_language is not None:  # language ids follow the tokenizer's pieces: its decode may not know them
-        text_ids = [t for t in text_ids if t < first_language]
-    text = tokenizer.decode_target(text_ids)
+    text = tokenizer.decode_target([t for t in ids if t not in (tokenizer.ids.eos, tokenizer.ids.pad)])
     return Hypothesis(text, float(result.log_probs[beam]), float(result.scores[beam]), n, ended)
 
 

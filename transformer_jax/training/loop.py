@@ -32,6 +32,7 @@ from jax.experimental import multihost_utils
 from transformer_jax import runtime
 from transformer_jax.data import languages
 from transformer_jax.data.batching import BATCH_KEYS, padded_eval_length
+from transformer_jax.data.languages import validation_directions
 from transformer_jax.data.pipeline import (
     batch_shapes,
     eval_batches,
@@ -40,7 +41,7 @@ from transformer_jax.data.pipeline import (
     place,
     prefetch,
 )
-from transformer_jax.data.sources import load_split, validation_directions, validation_sets
+from transformer_jax.data.sources import load_split, validation_sets
 from transformer_jax.data.store import open_train_examples
 from transformer_jax.data.tokenizer import model_tokenizer
 from transformer_jax.errors import ConfigError, NonFiniteError
