@@ -3,6 +3,7 @@ direction; a restart must keep the language token scheme."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -30,30 +31,47 @@ def many_to_many_config(text_dir, **train) -> ml_collections.ConfigDict:
     return config
 
 
-def test_a_tiny_many_to_many_run_trains_every_direction_and_validates_each(tmp_path):
-    text_dir = write_multiway(tmp_path / "d", n=150)
-    workdir = tmp_path / "run"
-    config = many_to_many_config(text_dir, num_steps=6, bleu_every=6, bleu_sentences=4)
-    train_and_evaluate(config, workdir, bleu=bleu_evaluator)
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(config, workdir) of a 6-step many-to-many run with validation loss and BLEU at its end, shared by the tests
+    below: each reads it or copies it."""
+    root = tmp_path_factory.mktemp("m2m")
+    config = many_to_many_config(write_multiway(root / "d", n=150), num_steps=6, bleu_every=6, bleu_sentences=4)
+    train_and_evaluate(config, root / "run", bleu=bleu_evaluator)
+    return config, root / "run"
+
+
+def test_a_tiny_many_to_many_run_trains_every_direction_and_validates_each(trained):
+    config, workdir = trained
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     names = languages.expand_config(config).data.directions
     assert len(names) == 6 and load_config(workdir).data.directions == names  # saved explicit
-    trained = {k for r in records for k in r if k.startswith("tokens_") and k[len("tokens_") :] in names}
-    assert trained == {f"tokens_{n}" for n in names}
+    trained_on = {k for r in records for k in r if k.startswith("tokens_") and k[len("tokens_") :] in names}
+    assert trained_on == {f"tokens_{n}" for n in names}
     last = {k: v for r in records if r["step"] == 6 for k, v in r.items()}  # the final step's records together
     for name in names:
-        assert f"valid_{name}_loss" in last
+        assert f"valid_{name}_loss" in last and f"valid_{name}_bleu" in last
     assert last["valid_loss"] == pytest.approx(sum(last[f"valid_{n}_loss"] for n in names) / len(names))
 
 
-def test_a_restart_with_another_language_token_scheme_is_refused_in_one_line(tmp_path):
-    text_dir = write_multiway(tmp_path / "d", n=150)
-    workdir = tmp_path / "run"
-    train_and_evaluate(many_to_many_config(text_dir, num_steps=3, eval_every=0), workdir)
-    changed = many_to_many_config(text_dir, num_steps=6, eval_every=0)
+def test_a_restart_with_another_language_token_scheme_is_refused_in_one_line(trained, tmp_path):
+    config, workdir = trained
+    shutil.copytree(workdir, tmp_path / "run")
+    changed = ml_collections.ConfigDict(config.to_dict())
     changed.model.lang_token = "source"
+    changed.train.num_steps = 9
     with pytest.raises(CheckpointError, match="model.lang_token: .target. -> .source."):
-        train_and_evaluate(changed, workdir)
+        train_and_evaluate(changed, tmp_path / "run", bleu=bleu_evaluator)
+
+
+def test_evaluate_refuses_a_multilingual_model_in_one_line(trained):
+    from transformer_jax.errors import EvalError
+    from transformer_jax.evaluation import run
+    from transformer_jax.evaluation.restore import CheckpointChoice
+
+    _, workdir = trained
+    with pytest.raises(EvalError, match="holds a multilingual model .* cannot choose yet"):
+        run.load(run.Translate(run.Model(str(workdir), choice=CheckpointChoice(average_last=1)), split="test"))
 
 
 @pytest.mark.slow
@@ -73,15 +91,3 @@ def test_train_py_refuses_a_direction_the_folder_lacks(tmp_path):
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "has no language 'fr'" in done.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "w").exists() or not any((tmp_path / "w").iterdir())
-
-
-def test_evaluate_refuses_a_multilingual_model_in_one_line(tmp_path):
-    from transformer_jax.errors import EvalError
-    from transformer_jax.evaluation import run
-    from transformer_jax.evaluation.restore import CheckpointChoice
-
-    text_dir = write_multiway(tmp_path / "d", n=150)
-    workdir = tmp_path / "run"
-    train_and_evaluate(many_to_many_config(text_dir, num_steps=2, eval_every=0), workdir)
-    with pytest.raises(EvalError, match="holds a multilingual model .* cannot choose yet"):
-        run.load(run.Translate(run.Model(str(workdir), choice=CheckpointChoice(average_last=1)), split="test"))
