@@ -48,3 +48,20 @@ def test_multi_host_run_without_a_tokenizer_says_how_to_make_one(tmp_path):
             config.data, tmp_path / "run", vocab_size=320, ids=SpecialIds.DEFAULT, train_if_missing=False
         )
     assert not (tmp_path / "run" / "spm.model").exists()
+
+
+@pytest.mark.slow  # fast representatives: tests/test_multilingual_data.py (stores), test_multilingual_tokenizer.py
+def test_prepare_of_a_multilingual_config_trains_its_tokenizer_and_stores_each_language_once(tmp_path):
+    from tests.test_multilingual_data import LANGS, write_multiway
+
+    folder = write_multiway(tmp_path / "d", n=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "transformer_jax.data.prepare", "--config", "configs/multilingual.py:size=tiny",
+         f"--config.data.text_dir={folder}", "--config.model.vocab_size=283", "--workdir", str(tmp_path / "w"),
+         "--verify"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(report["directions"]) == 6 and report["lines"] == {"train": 120, "valid": 120, "test": 120}
+    assert (report["pieces"], report["languages"], report["verified"]) == (280, 3, True)
+    assert sorted(pathlib.Path(p).name for p in report["stores"]) == [f"spm.train.{x}.side.store" for x in LANGS]

@@ -21,7 +21,7 @@ def write_multiway(directory: pathlib.Path, n: int = 60, langs=LANGS, blank: int
     rng = np.random.default_rng(0)
     rows = [rng.integers(0, 20, rng.integers(2, 7)) for _ in range(n)]
     directory.mkdir(parents=True, exist_ok=True)
-    for split in ("train", "valid"):
+    for split in ("train", "valid", "test"):
         for lang in langs:
             lines = ["" if i == blank else " ".join(f"{lang}{j}" for j in row) for i, row in enumerate(rows)]
             (directory / f"{split}.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")

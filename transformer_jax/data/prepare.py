@@ -68,7 +68,7 @@ def _prepare_multilingual(config) -> dict:
         splits[split] = sources.count_lines(next(iter(files.values())))
     tokenizer = model_tokenizer(config, workdir)
     report = {"directions": list(data.directions), "lines": splits, "tokenizer": str(tokenizer.path)}
-    report["pieces"] = tokenizer.vocab_size
+    report.update(pieces=tokenizer.pieces, languages=len(langs))
     if data.store:
         pipeline.multilingual_examples(config, tokenizer, build_if_missing=True, num_threads=os.cpu_count())
         paths = [store.side_path(data, tokenizer, lang) for lang in langs]
