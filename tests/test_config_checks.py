@@ -125,6 +125,7 @@ LIST_VALUES = {
     "opt.freeze": (("encoder_layers/0/.*", "src_embed"), "encoder_layers/0/.*,src_embed"),
     "train.trackers": (("tensorboard", "wandb"), "tensorboard,wandb"),
     "data.directions": (("en-de", "all", "fr-centric"), "en-de,all,fr-centric"),
+    "data.direction_lines": ((("en-cs", 3000), ("cs-en", 3000)), "en-cs=3000,cs-en=3000"),
 }
 
 
@@ -157,7 +158,8 @@ def test_a_list_valued_key_on_the_command_line(tmp_path):
     file = tmp_path / "c.py"
     file.write_text("from configs import common\n\ndef get_config():\n    return common.base_config('tiny').lock()\n")
     # data.directions goes alone: a multilingual run has no data.corpora (a rule between keys)
-    for keys in ([k for k in LIST_VALUES if k != "data.directions"], ["data.directions"]):
+    alone = ["data.directions", "data.direction_lines"]
+    for keys in ([k for k in LIST_VALUES if k not in alone], alone):
         argv = ["prog", f"--config={file}", *(f"--config.{key}={LIST_VALUES[key][1]}" for key in keys)]
         if "train.trackers" in keys:
             argv[argv.index("--config.train.trackers=tensorboard,wandb")] = (

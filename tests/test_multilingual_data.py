@@ -168,3 +168,21 @@ def test_a_resumed_multilingual_stream_continues_with_the_same_batches(tmp_path)
         got = next(resumed)
         assert all(np.array_equal(got[k], want[k]) for k in want)
     assert set(first.last_corpus_tokens) == set(config.data.directions)  # tokens_<src>-<tgt> in metrics.jsonl
+
+
+def test_a_limited_direction_trains_on_its_first_lines_and_counts_them_for_the_temperature(tmp_path):
+    config = multilingual_config(write_multiway(tmp_path / "d", n=60), ["en-centric"], temperature=5.0)
+    config.data.direction_lines = (("en-cs", 10), ("cs-en", 10))
+    tokenizer = SideTokenizer(tmp_path / "spm.model")
+    examples = pipeline.multilingual_examples(config, tokenizer, build_if_missing=True)
+    sizes = dict(zip(examples.names, (len(p) for p in examples.parts), strict=True))
+    assert sizes == {"en-cs": 10, "cs-en": 10, "en-de": 60, "de-en": 60}
+    np.testing.assert_allclose(examples.probabilities, languages.probabilities([10, 10, 60, 60], 5.0))
+    cs_first = examples.parts[0]  # en-cs: English then Czech line i, for i < 10 only
+    assert np.array_equal(cs_first.tgt[: cs_first.tgt_starts[-1]], examples.parts[1].src[: cs_first.tgt_starts[-1]])
+    assert (
+        languages.language_lines(config.data, "cs", 60) == 10 and languages.language_lines(config.data, "en", 60) == 60
+    )
+    config.data.direction_lines = (("fr-en", 10),)
+    with pytest.raises(ConfigError, match=r"data.direction_lines names \['fr-en'\], which data.directions"):
+        languages.expand_config(config)

@@ -179,6 +179,15 @@ def test_a_small_language_gives_at_most_its_lines_and_blank_lines_are_left_out(t
         tokenizer_lib.language_sample(empty, 10, 1.0)
 
 
+def test_a_language_only_limited_directions_use_is_sampled_from_their_first_lines(tmp_path):
+    """data.direction_lines (languages.language_lines): Czech trained on its first 40 lines gives only those, and
+    its share is that of 40 lines."""
+    files = _marked(tmp_path, {"xa": 400, "xb": 400})
+    sample = tokenizer_lib.language_sample(files, 200, 1.0, lambda lang, lines: 40 if lang == "xb" else lines)
+    xb = [s for s in sample if s.startswith("xb")]
+    assert len(xb) == round(200 * 40 / 440) and all(int(s.split()[1]) < 40 for s in xb)
+
+
 def test_a_multiway_folder_is_sampled_uniformly_per_language(tmp_path, monkeypatch):
     """Its languages have one line count, so each gets a quarter, whatever the temperature; read in one pass."""
     monkeypatch.setattr(sources, "READ_BYTES", 64)

@@ -106,6 +106,12 @@ def _is_direction(text: str) -> bool:
 DIRECTION = Rule(str, test=_is_direction, what="SRC-TGT (two different languages), all, or LANG-centric")
 
 
+def _direction_lines_from_text(text: str) -> tuple | None:
+    """A data.direction_lines record from the command line's SRC-TGT=LINES; None for another form."""
+    name, equals, lines = text.partition("=")
+    return (name, int(lines)) if equals and lines.isdigit() else None
+
+
 def _corpus_from_text(text: str) -> tuple | None:
     """A data.corpora record from its form of before, NAME=KIND:WHERE:WEIGHT[:TAG] (WHERE may hold ':'; a last part
     that is not a number is the TAG); None for another form."""
@@ -354,6 +360,18 @@ KEYS: tuple[Key, ...] = (
         Entries(each=DIRECTION, noun="direction"),
         "directions SRC-TGT of the multi-way data.text_dir trained by one model, or all, or LANG-centric (to and from"
         " LANG); empty = the one pair data.src_lang-data.tgt_lang",
+        MATCH,
+    ),
+    Key(
+        "data.direction_lines",
+        (),
+        Entries(
+            fields=(Field("direction", DIRECTION), Field("lines", count(1))),
+            text=_direction_lines_from_text,
+            noun="direction limit",
+        ),
+        "a direction of data.directions trained on the first LINES lines only (a low-resource direction), e.g."
+        " en-cs=3000,cs-en=3000; the others: every line",
         MATCH,
     ),
     Key(

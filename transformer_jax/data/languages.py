@@ -100,17 +100,37 @@ def expand(entries: Sequence[str], available: Sequence[str], where: str) -> tupl
 
 
 def expand_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """The config with data.directions explicit (unchanged when it is empty or explicit already)."""
+    """The config with data.directions explicit (unchanged when it is empty or explicit already), checked against
+    the folder, and data.direction_lines against the directions."""
     entries = tuple(config.data.directions)
-    if not entries or all(e != ALL and not e.endswith(CENTRIC) for e in entries):
-        if entries:  # explicit: still checked against the folder
-            expand(entries, folder_languages(config.data.text_dir, config.data.train_split), config.data.text_dir)
-        return config
-    available = folder_languages(config.data.text_dir, config.data.train_split)
-    expanded = expand(entries, available, config.data.text_dir)
-    config = ml_collections.ConfigDict(config.to_dict())
-    config.data.directions = expanded
+    if entries:
+        available = folder_languages(config.data.text_dir, config.data.train_split)
+        expanded = expand(entries, available, config.data.text_dir)
+        if expanded != entries:
+            config = ml_collections.ConfigDict(config.to_dict())
+            config.data.directions = expanded
+    line_limits(config.data)
     return config
+
+
+def line_limits(data: ml_collections.ConfigDict) -> dict[str, int]:
+    """data.direction_lines by direction name: a direction trained on its first lines only (ConfigError for one that
+    is not among data.directions)."""
+    limits = {name: int(lines) for name, lines in data.direction_lines}
+    unknown = sorted(set(limits) - set(data.directions))
+    if unknown:
+        raise ConfigError(
+            f"data.direction_lines names {unknown}, which data.directions {list(data.directions)} does not train"
+        )
+    return limits
+
+
+def language_lines(data: ml_collections.ConfigDict, lang: str, lines: int) -> int:
+    """How many of a language file's first `lines` lines some direction trains on (all, unless every direction
+    with that language is limited by data.direction_lines): what the tokenizer's sample draws from."""
+    limits = line_limits(data)
+    used = [limits.get(d.name, lines) for d in directions(data) if lang in (d.src, d.tgt)]
+    return min(lines, max(used, default=lines))
 
 
 def directions(data: ml_collections.ConfigDict) -> list[Direction]:

@@ -241,15 +241,20 @@ def multilingual_examples(
     """The training examples of a multilingual run (`config` the full config, data.directions explicit): one part
     per direction, its two language sides' arrays (each side tokenized and stored once: store.open_sides), its
     language tokens by model.lang_token, drawn with the temperature's probabilities (languages.probabilities; a
-    direction's size is its lines, blank ones included, before the length filter)."""
+    direction's size is its lines, blank ones included, before the length filter; data.direction_lines keeps a
+    direction to its first lines)."""
     data, directions = config.data, languages.directions(config.data)
     langs = sorted({lang for d in directions for lang in (d.src, d.tgt)})
     files = languages.multiway_sides(data.text_dir, data.train_split, langs)
     sides = store.open_sides(
         data, tokenizer, files, store=data.store, build_if_missing=build_if_missing, num_threads=num_threads
     )
-    placement = languages.Placement.of(config)
-    parts = [batching.Examples(*sides[d.src], *sides[d.tgt]) for d in directions]
+    placement, limits = languages.Placement.of(config), languages.line_limits(data)
+    parts = []
+    for d in directions:
+        (src, src_starts), (tgt, tgt_starts) = sides[d.src], sides[d.tgt]
+        n = min(limits.get(d.name, len(src_starts) - 1), len(src_starts) - 1)  # the first n lines: views, no copy
+        parts.append(batching.Examples(src, src_starts[: n + 1], tgt, tgt_starts[: n + 1]))
     return batching.MixedExamples(
         parts,
         [d.name for d in directions],

@@ -23,13 +23,14 @@ balanced across languages (`language_sample`); the Tokenizer then knows the lang
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
 import os
 import random
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import ml_collections
@@ -356,14 +357,20 @@ def pick_lines(path: Path, indices: Sequence[int]) -> list[str]:
     return out
 
 
-def language_sample(files: Mapping[str, Path], num_sentences: int, temperature: float) -> list[str]:
+def language_sample(
+    files: Mapping[str, Path], num_sentences: int, temperature: float, used: Callable[[str, int], int] | None = None
+) -> list[str]:
     """About `num_sentences` sentences balanced across languages (`files`: one file per language), so that a small
     language is not split into characters: language l's share is proportional to n_l^(1/T) (languages.probabilities,
     the temperature that samples the directions; n_l its lines), at most all its lines, drawn uniformly by index with
     a seed of its own (one file's sample is not the others' translations) in one streaming pass, blank lines left
-    out. In a multi-way folder every n_l is equal, so the shares are too."""
+    out. In a multi-way folder every n_l is equal, so the shares are too. `used(lang, lines)`: how many of a file's
+    first lines the run trains on (languages.language_lines; default all), the lines n_l counts and the sample
+    draws from."""
     langs = sorted(files)
     sizes = [sources.count_lines(files[lang]) for lang in langs]
+    if used is not None:
+        sizes = [used(lang, size) for lang, size in zip(langs, sizes, strict=True)]
     if not any(sizes):
         raise DataError(f"no lines to train the tokenizer on: {', '.join(str(files[x]) for x in langs)} are empty")
     out: list[str] = []
@@ -380,7 +387,8 @@ def training_sample(config: ml_collections.ConfigDict) -> list[str]:
     multilingual run (data.directions), of the multi-way folder's languages (`language_sample`)."""
     if langs := languages.languages(config):
         files = languages.multiway_sides(config.text_dir, config.train_split, langs)
-        return language_sample(files, config.tokenizer_sample_sentences, config.temperature)
+        used = functools.partial(languages.language_lines, config)
+        return language_sample(files, config.tokenizer_sample_sentences, config.temperature, used)
     mix = sources.corpora(config)
     if not mix:
         return sample_sentences(sources.open_stream(config, config.train_split), config.tokenizer_sample_sentences)

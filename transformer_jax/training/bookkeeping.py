@@ -410,6 +410,7 @@ ADDED_KEYS: dict[str, Any] = {
     "model.lang_token": "none",  # bilingual: no language tokens
     "data.directions": (),  # the one pair data.src_lang-data.tgt_lang
     "data.temperature": 1.0,  # (no directions to draw)
+    "data.direction_lines": (),  # every line
     "data.target_lang": "",  # no >>xx<< token before the source
     "data.corpora": (),  # one training corpus
     "train.trackers": ("tensorboard",),  # TensorBoard beside metrics.jsonl, as then
