@@ -36,7 +36,9 @@ def trained(tmp_path_factory):
     """(config, workdir) of a 6-step many-to-many run with validation loss and BLEU at its end, shared by the tests
     below: each reads it or copies it."""
     root = tmp_path_factory.mktemp("m2m")
-    config = many_to_many_config(write_multiway(root / "d", n=150), num_steps=6, bleu_every=6, bleu_sentences=4)
+    config = many_to_many_config(
+        write_multiway(root / "d", n=60), num_steps=6, eval_every=6, bleu_every=6, bleu_sentences=2
+    )
     train_and_evaluate(config, root / "run", bleu=bleu_evaluator)
     return config, root / "run"
 
