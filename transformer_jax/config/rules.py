@@ -1,6 +1,6 @@
 """What a config key is and what it may hold: `Rule` (a value's type, bounds or choices, and the one-line error
-when a value breaks it), `Entries` (the rule of every list-valued key) and `Key`; config/schema.py declares every
-key with them."""
+when a value breaks it), `Entries` (the rule of every list-valued key), the string forms of the records some keys
+hold, and `Key`; config/schema.py declares every key with them."""
 
 from __future__ import annotations
 
@@ -115,6 +115,54 @@ FLAG, TEXT, NAME = Rule(bool), Rule(str), Rule(str, nonempty=True)
 IDENTIFIER = Rule(str, test=str.isidentifier, what="a name of letters, digits and _ (not starting with a digit)")
 WORD = Rule(str, test=lambda text: not any(c.isspace() for c in text), what="a string without spaces")
 REGEX = Rule(str, test=_compiles, what="a regular expression (Python re)")
+
+
+# The string forms of schema.py's records and entries: what a user may type on the command line (and what a saved
+# config of before holds).
+
+
+def number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def is_direction(text: str) -> bool:
+    """SRC-TGT (two language suffixes without '-'), `all`, or LANG-centric; data/languages.py gives them meaning."""
+    head, dash, tail = text.partition("-")
+    return text == "all" or (bool(dash) and bool(head) and bool(tail) and "-" not in tail and head != tail)
+
+
+DIRECTION = Rule(str, test=is_direction, what="SRC-TGT (two different languages), all, or LANG-centric")
+
+
+def direction_lines_from_text(text: str) -> tuple | None:
+    """A data.direction_lines record from the command line's SRC-TGT=LINES; None for another form."""
+    name, equals, lines = text.partition("=")
+    return (name, int(lines)) if equals and lines.isdigit() else None
+
+
+def corpus_from_text(text: str) -> tuple | None:
+    """A data.corpora record from its form of before, NAME=KIND:WHERE:WEIGHT[:TAG] (WHERE may hold ':'; a last part
+    that is not a number is the TAG); None for another form."""
+    name, equals, rest = text.partition("=")
+    parts = rest.split(":")
+    tag = parts.pop() if len(parts) > 3 and number(parts[-1]) is None else ""
+    if not equals or len(parts) < 3 or number(parts[-1]) is None:
+        return None
+    return (name, parts[0], ":".join(parts[1:-1]), number(parts[-1]), tag)
+
+
+def valid_set_from_text(text: str) -> tuple | None:
+    """An eval.extra_valid record from its form of before, NAME=TEXT_DIR[:SPLIT]; None for another form."""
+    name, equals, where = text.partition("=")
+    return (name, *(where.rsplit(":", 1) if ":" in where else (where, "valid"))) if equals else None
+
+
+def files_pair(corpus: tuple) -> str:
+    ok = corpus[1] != "files" or len([path for path in corpus[2].split("+") if path]) == 2
+    return "" if ok else f"files needs SRC_FILE+TGT_FILE, got {corpus[2]!r}"
 
 
 @dataclasses.dataclass(frozen=True)

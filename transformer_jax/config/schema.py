@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import ml_collections
 
 from transformer_jax.config.rules import (
+    DIRECTION,
     FLAG,
     IDENTIFIER,
     MATCH,
@@ -38,9 +39,13 @@ from transformer_jax.config.rules import (
     Rule,
     at_least_zero,
     choice,
+    corpus_from_text,
     count,
+    direction_lines_from_text,
+    files_pair,
     fraction,
     positive,
+    valid_set_from_text,
 )
 from transformer_jax.errors import ConfigError
 
@@ -88,50 +93,6 @@ SEED_LIMIT = 2**32
 # package it needs (None: a runtime dependency). requirements-dev.txt pins the same; tests/test_trackers.py checks it.
 TRACKERS = {"tensorboard": None, "wandb": "wandb==0.31.0", "mlflow": "mlflow==3.17.2"}
 CORPUS_KINDS = ("text", "tfds", "files")  # a {split}.{lang} directory, a TFDS builder, a file pair SRC+TGT
-
-
-def _number(text: str) -> float | None:
-    try:
-        return float(text)
-    except ValueError:
-        return None
-
-
-def _is_direction(text: str) -> bool:
-    """SRC-TGT (two language suffixes without '-'), `all`, or LANG-centric; data/languages.py gives them meaning."""
-    head, dash, tail = text.partition("-")
-    return text == "all" or (bool(dash) and bool(head) and bool(tail) and "-" not in tail and head != tail)
-
-
-DIRECTION = Rule(str, test=_is_direction, what="SRC-TGT (two different languages), all, or LANG-centric")
-
-
-def _direction_lines_from_text(text: str) -> tuple | None:
-    """A data.direction_lines record from the command line's SRC-TGT=LINES; None for another form."""
-    name, equals, lines = text.partition("=")
-    return (name, int(lines)) if equals and lines.isdigit() else None
-
-
-def _corpus_from_text(text: str) -> tuple | None:
-    """A data.corpora record from its form of before, NAME=KIND:WHERE:WEIGHT[:TAG] (WHERE may hold ':'; a last part
-    that is not a number is the TAG); None for another form."""
-    name, equals, rest = text.partition("=")
-    parts = rest.split(":")
-    tag = parts.pop() if len(parts) > 3 and _number(parts[-1]) is None else ""
-    if not equals or len(parts) < 3 or _number(parts[-1]) is None:
-        return None
-    return (name, parts[0], ":".join(parts[1:-1]), _number(parts[-1]), tag)
-
-
-def _valid_set_from_text(text: str) -> tuple | None:
-    """An eval.extra_valid record from its form of before, NAME=TEXT_DIR[:SPLIT]; None for another form."""
-    name, equals, where = text.partition("=")
-    return (name, *(where.rsplit(":", 1) if ":" in where else (where, "valid"))) if equals else None
-
-
-def _files_pair(corpus: tuple) -> str:
-    ok = corpus[1] != "files" or len([path for path in corpus[2].split("+") if path]) == 2
-    return "" if ok else f"files needs SRC_FILE+TGT_FILE, got {corpus[2]!r}"
 
 
 def _attention_impls() -> list[str]:
@@ -367,7 +328,7 @@ KEYS: tuple[Key, ...] = (
         (),
         Entries(
             fields=(Field("direction", DIRECTION), Field("lines", count(1))),
-            text=_direction_lines_from_text,
+            text=direction_lines_from_text,
             noun="direction limit",
         ),
         "a direction of data.directions trained on the first LINES lines only (a low-resource direction), e.g."
@@ -406,8 +367,8 @@ KEYS: tuple[Key, ...] = (
                 Field("weight", positive()),
                 Field("tag", WORD, default=""),
             ),
-            text=_corpus_from_text,
-            together=_files_pair,
+            text=corpus_from_text,
+            together=files_pair,
             noun="corpus",
         ),
         "training corpora mixed by weight (the probability of each next pair); kind text (where: a {split}.{lang}"
@@ -589,7 +550,7 @@ KEYS: tuple[Key, ...] = (
         (),
         Entries(
             fields=(Field("name", IDENTIFIER), Field("text_dir", NAME), Field("split", NAME, default="valid")),
-            text=_valid_set_from_text,
+            text=valid_set_from_text,
             noun="validation set",
         ),
         "validation sets of {split}.{lang} files reported beside data.valid_split, never selecting; empty = none",
