@@ -30,6 +30,7 @@ and tag); `open_train_examples` opens them all as one `MixedExamples`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -37,6 +38,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -157,12 +159,7 @@ def build(
     start = time.perf_counter()
     stream, expected = open_input(config, tokenizer, corpus)
     total = len(stream)  # text: counts both files' lines, so a mismatch fails before any tokenizing
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".building", dir=path.parent))
-    except OSError as e:
-        raise _unwritable(path, e) from e
-    try:
+    with _building(path) as tmp:
         token_dtype, start_dtype = _token_dtype(tokenizer), np.dtype("<i8")
         writers = {
             name: _NpyWriter(tmp / f"{name}.npy", start_dtype if name.endswith("_starts") else token_dtype)
@@ -193,6 +190,21 @@ def build(
             "build_seconds": round(time.perf_counter() - start, 1),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    log.info("built %s in %.0f s: %s", path, manifest["build_seconds"], manifest["counts"])
+    return manifest
+
+
+@contextlib.contextmanager
+def _building(path: Path) -> Iterator[Path]:
+    """A new temporary directory beside `path`, installed as `path` when the block completes; on any failure it is
+    removed (no store is left), and a failed write (disk full, permissions) is one line (`_unwritable`)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".building", dir=path.parent))
+    except OSError as e:
+        raise _unwritable(path, e) from e
+    try:
+        yield tmp
         os.chmod(tmp, 0o755)  # mkdtemp's 0o700 would hide the store from the other hosts' users
         _install(tmp, path)
     except OSError as e:  # reading errors are DataErrors already: this is a write (disk full, permissions)
@@ -201,8 +213,6 @@ def build(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info("built %s in %.0f s: %s", path, manifest["build_seconds"], manifest["counts"])
-    return manifest
 
 
 def _unwritable(path: Path, error: OSError) -> DataError | DiskFullError:
@@ -399,12 +409,7 @@ def build_side(
     """Tokenizes one language file into a new side store at `path` (streamed, written whole or not at all)."""
     start = time.perf_counter()
     total = sources.count_lines(file)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".building", dir=path.parent))
-    except OSError as e:
-        raise _unwritable(path, e) from e
-    try:
+    with _building(path) as tmp:
         writers = {"tokens": _NpyWriter(tmp / "tokens.npy", _token_dtype(tokenizer))}
         writers["starts"] = _NpyWriter(tmp / "starts.npy", np.dtype("<i8"))
         writers["starts"].append(np.zeros(1, np.int64))
@@ -422,14 +427,6 @@ def build_side(
             "build_seconds": round(time.perf_counter() - start, 1),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
-        os.chmod(tmp, 0o755)
-        _install(tmp, path)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise _unwritable(path, e) from e
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info("built %s in %.0f s: %s", path, manifest["build_seconds"], manifest["counts"])
     return manifest
 
