@@ -26,12 +26,13 @@ from tests.helpers.fakes import three_checkpoints, tiny_config
 from tests.helpers.model import forward, tiny_model, tiny_spec
 from tests.helpers.training import tiny_train_config, untrained_workdir, write_corpus
 from transformer_jax import decoding
+from transformer_jax.data import languages
 from transformer_jax.data.tokenizer import Tokenizer, train_tokenizer
 from transformer_jax.errors import ConfigError, EvalError
 from transformer_jax.evaluation.command import evaluate
 from transformer_jax.evaluation.restore import CheckpointChoice
 from transformer_jax.evaluation.run import Decoding, decoding_settings
-from transformer_jax.evaluation.translate import DecodeSettings, position_limit, translate
+from transformer_jax.evaluation.translate import DecodeSettings, LanguageIds, position_limit, translate
 from transformer_jax.model.layers import SpecialIds
 from transformer_jax.training import checkpoints
 
@@ -275,13 +276,34 @@ def test_options_the_engine_expresses_give_our_log_probs_and_greedy_outputs(corp
     [
         (dict(qk_head_dim=8, v_head_dim=16), "model.qk_head_dim=8 differs from model.v_head_dim=16"),
         (dict(window=4), "attention.window=4"),
-        (dict(lang_token="target"), "model.lang_token=target: its translations start with a forced language token"),
     ],
 )
 def test_options_the_engine_cannot_express_are_refused_in_one_line(overrides, key):
     with pytest.raises(ConfigError, match="^cannot export to CTranslate2: " + key) as e:
         export_lib.check_exportable(tiny_spec(**overrides))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("scheme", ["source", "target", "source_and_target"])
+def test_a_multilingual_export_decodes_a_direction_as_we_do(corpus, tmp_path, scheme):
+    """A multilingual model's export (language ids after the pieces, named >>xx<< in its vocabulary): the source
+    language token starts each source, the forced target token is the engine's target_prefix; greedy outputs and
+    statistics equal translate()'s with the same direction."""
+    directory, tokenizer = corpus
+    table = languages.Placement(scheme, {"de": VOCAB, "en": VOCAB + 1})
+    multilingual = Tokenizer(tokenizer.path, SpecialIds.DEFAULT, language_table=table)
+    model = tiny_model(0, num_encoder_layers=1, num_decoder_layers=1, vocab_size=VOCAB + 2, lang_token=scheme)
+    path = export_lib.to_ctranslate2(model, multilingual, tmp_path / "ct2", max_positions=64)
+    for direction in (languages.Direction("en", "de"), languages.Direction("de", "en")):
+        ids = LanguageIds.of(table, direction)
+        lines = sentences(directory, tokenizer)
+        ours, ours_stats = translate(model, multilingual, lines, SETTINGS, language_ids=ids)
+        theirs, stats = export_lib.ctranslate2_translate(
+            translator(path), multilingual, lines, SETTINGS, position_limit=position_limit(model.spec), language_ids=ids
+        )
+        assert theirs == ours
+        for key in ("sentences", "empty", "truncated", "hit_max_len", "src_tokens", "tgt_tokens"):
+            assert stats[key] == ours_stats[key], key
 
 
 # What each quantization keeps of float32's scores on every x86 CPU. bfloat16 rounds each weight to 8 significant

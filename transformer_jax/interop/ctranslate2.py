@@ -35,7 +35,14 @@ import numpy as np
 from transformer_jax.data.tokenizer import MODEL_FILENAME
 from transformer_jax.errors import ConfigError, EvalError
 from transformer_jax.evaluation.restore import LATEST, CheckpointChoice, check_choice
-from transformer_jax.evaluation.translate import DecodeSettings, input_limit, output_cap, output_limit, sources_of
+from transformer_jax.evaluation.translate import (
+    DecodeSettings,
+    LanguageIds,
+    input_limit,
+    output_cap,
+    output_limit,
+    sources_of,
+)
 from transformer_jax.interop import folders
 from transformer_jax.interop.folders import vocabulary
 from transformer_jax.model.layers import TransformerSpec, sinusoidal_encoding
@@ -59,11 +66,6 @@ def check_exportable(spec: Any) -> None:
         reasons.append(
             f"attention.window={spec.window}: CTranslate2 attends to every position (its sliding_window keeps the "
             "last tokens of the decoder's cache, another rule)"
-        )
-    if spec.lang_token in ("target", "source_and_target"):
-        reasons.append(
-            f"model.lang_token={spec.lang_token}: its translations start with a forced language token, which the "
-            "export does not pass as CTranslate2's target_prefix yet"
         )
     if reasons:
         raise ConfigError("cannot export to CTranslate2: " + "; ".join(reasons))
@@ -215,8 +217,13 @@ def ctranslate2_translate(
     settings: DecodeSettings,
     *,
     position_limit: int | None = None,
+    language_ids: LanguageIds | None = None,
 ) -> tuple[list[str], dict[str, Any]]:
     """evaluation.translate.translate's outputs and statistics, decoded by a ctranslate2.Translator of an export.
+
+    A multilingual model's direction (`language_ids`, as translate takes them): the source language token starts
+    each source, and the forced target token is the engine's `target_prefix`, one output slot as in ours; the
+    tokenizer's decode drops it.
 
     The sources, their cut and each output's limit are translate()'s (source_ids, output_limit; `position_limit`
     is position_limit(model.spec)). The engine's max_decoding_length counts the EOS it stops at, as our limit does,
@@ -230,7 +237,11 @@ def ctranslate2_translate(
     start = time.perf_counter()
     pieces = vocabulary(tokenizer)
     index = {piece: i for i, piece in enumerate(pieces)}
-    sources, truncated_lines = sources_of(tokenizer, sentences, input_limit(settings.max_input_len, position_limit))
+    lang = language_ids or LanguageIds(None, None)
+    source_prefix = () if lang.source is None else (lang.source,)
+    limit = input_limit(settings.max_input_len, position_limit)
+    sources, truncated_lines = sources_of(tokenizer, sentences, limit, source_prefix)
+    target_prefix = None if lang.target is None else [pieces[lang.target]]
     cap = output_cap(settings.max_len, position_limit)
     limits = {i: output_limit(len(ids), settings.max_extra_len, cap) for i, ids in sources.items()}
     longest, groups = max(limits.values(), default=0), defaultdict(list)
@@ -245,6 +256,7 @@ def ctranslate2_translate(
             length_penalty=settings.search.alpha,
             max_input_length=0,
             max_decoding_length=int(group_limit),
+            target_prefix=None if target_prefix is None else [target_prefix] * len(rows),
             min_decoding_length=0,
             return_end_token=True,
         )
