@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from tests.helpers import REPO
+from tests.helpers.data import MULTIWAY_LANGS, write_multiway
 from tests.helpers.training import tiny_train_config, write_corpus
 from transformer_jax.data import store
 from transformer_jax.data import tokenizer as tokenizer_lib
@@ -52,8 +53,6 @@ def test_multi_host_run_without_a_tokenizer_says_how_to_make_one(tmp_path):
 
 @pytest.mark.slow  # fast representatives: tests/test_multilingual_data.py (stores), test_multilingual_tokenizer.py
 def test_prepare_of_a_multilingual_config_trains_its_tokenizer_and_stores_each_language_once(tmp_path):
-    from tests.test_multilingual_data import LANGS, write_multiway
-
     folder = write_multiway(tmp_path / "d", n=120)
     out = subprocess.run(
         [sys.executable, "-m", "transformer_jax.data.prepare", "--config", "configs/multilingual.py:size=tiny",
@@ -64,4 +63,6 @@ def test_prepare_of_a_multilingual_config_trains_its_tokenizer_and_stores_each_l
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(report["directions"]) == 6 and report["lines"] == {"train": 120, "valid": 120, "test": 120}
     assert (report["pieces"], report["languages"], report["verified"]) == (280, 3, True)
-    assert sorted(pathlib.Path(p).name for p in report["stores"]) == [f"spm.train.{x}.side.store" for x in LANGS]
+    assert sorted(pathlib.Path(p).name for p in report["stores"]) == [
+        f"spm.train.{x}.side.store" for x in MULTIWAY_LANGS
+    ]

@@ -8,24 +8,12 @@ import ml_collections
 import numpy as np
 import pytest
 
+from tests.helpers.data import MULTIWAY_LANGS as LANGS
+from tests.helpers.data import write_multiway
 from tests.helpers.fakes import WordTokenizer
 from tests.helpers.training import tiny_train_config
 from transformer_jax.data import batching, languages, pipeline
 from transformer_jax.errors import ConfigError, DataError
-
-LANGS = ("cs", "de", "en")
-
-
-def write_multiway(directory: pathlib.Path, n: int = 60, langs=LANGS, blank: int | None = 3) -> pathlib.Path:
-    """Line i of every language is `LANG-wJ ...` for the same J's: aligned, with one blank line (line `blank`)."""
-    rng = np.random.default_rng(0)
-    rows = [rng.integers(0, 20, rng.integers(2, 7)) for _ in range(n)]
-    directory.mkdir(parents=True, exist_ok=True)
-    for split in ("train", "valid", "test"):
-        for lang in langs:
-            lines = ["" if i == blank else " ".join(f"{lang}{j}" for j in row) for i, row in enumerate(rows)]
-            (directory / f"{split}.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return directory
 
 
 class SideTokenizer(WordTokenizer):

@@ -10,8 +10,8 @@ import sys
 import ml_collections
 import pytest
 
+from tests.helpers.data import write_multiway
 from tests.helpers.training import tiny_train_config
-from tests.test_multilingual_data import write_multiway
 from transformer_jax.data import languages
 from transformer_jax.errors import CheckpointError
 from transformer_jax.evaluation.translate import bleu_evaluator

@@ -32,3 +32,18 @@ def config_for(directory: Path, **overrides):
     for key, value in overrides.items():
         config[key] = value
     return config
+
+
+MULTIWAY_LANGS = ("cs", "de", "en")
+
+
+def write_multiway(directory: Path, n: int = 60, langs=MULTIWAY_LANGS, blank: int | None = 3) -> Path:
+    """Line i of every language is `LANG-wJ ...` for the same J's: aligned, with one blank line (line `blank`)."""
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, 20, rng.integers(2, 7)) for _ in range(n)]
+    directory.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "valid", "test"):
+        for lang in langs:
+            lines = ["" if i == blank else " ".join(f"{lang}{j}" for j in row) for i, row in enumerate(rows)]
+            (directory / f"{split}.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return directory
