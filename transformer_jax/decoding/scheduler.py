@@ -22,6 +22,7 @@ search's: a sentence's rows never interact with another's.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,7 +59,9 @@ class Searcher:
     (dropout off) without changing the caller's model; later changes to the model's parameters are not seen.
     """
 
-    def __init__(self, model: nnx.Module, *, use_cache: bool = True, compact: bool = True):
+    def __init__(
+        self, model: nnx.Module, *, use_cache: bool = True, compact: bool = True, languages: Sequence[int] = ()
+    ):
         graphdef, state = nnx.split(model)
         # Key the compilation on the eval-mode graph, so a model in train mode (validation during training) and the
         # same model in eval mode share one compiled search. The copy shares the arrays; the caller's model is
@@ -67,7 +70,9 @@ class Searcher:
         copy.eval()
         self.graphdef, self.params = nnx.split(copy)
         self.use_cache = use_cache
-        self.ids = SpecialIds.of(model.spec)  # every search runs with the model's reserved ids (Search.with_ids)
+        # Every search runs with the model's reserved ids (Search.with_ids); `languages`: its language tokens, which
+        # the search emits only where a target prefix forces them (state.choosable).
+        self.ids = dataclasses.replace(SpecialIds.of(model.spec), languages=tuple(sorted(map(int, languages))))
         leaves, treedef = jax.tree.flatten(self.params)
         graph = model_calls.graph(self.graphdef, treedef)
         self.calls = model_calls.ModelCalls(graph, leaves) if use_cache and compact else None

@@ -10,8 +10,10 @@ with stubs whose distributions they control.
 
 Search (every state; the reserved ids are the model's, a model.layers.SpecialIds `ids`): the decoder input starts with
 BOS; PAD is never emitted (its logit is masked, as Marian's bad_words_ids do; log-probabilities keep their
-normalisation over the whole vocabulary); a hypothesis finishes when it emits EOS or reaches its sentence's maximum
-length `max_len_B` (then it is kept as it is, without EOS); after that only PAD follows and its score never changes.
+normalisation over the whole vocabulary), nor is a multilingual model's language token except where a target prefix
+forces it (`choosable`), adding 0 to the log-probability and one to the length; a hypothesis finishes when it emits
+EOS or reaches its sentence's maximum length `max_len_B` (then it is kept as it is, without EOS); after that only
+PAD follows and its score never changes.
 Lengths |Y| count the emitted tokens, EOS included. `jax.lax.while_loop` runs the steps and stops as soon as every
 hypothesis of every sentence has finished.
 
@@ -174,16 +176,24 @@ def forced_tokens(prefix_BP: Array, step_B: Array, pad: int) -> Array:
     return jnp.where(step_B < width, at_B, pad)
 
 
-def choosable(logits_RV: Array, prefix_BP: Array | None, step_B: Array, width: int, pad: int) -> Array:
-    """The logits of the tokens each row may emit (the others -inf): never PAD; inside its target prefix, a
-    sentence's W beams can only emit the prefix's next token (`forced_tokens`); without prefixes, every other token."""
+def choosable(logits_RV: Array, prefix_BP: Array | None, step_B: Array, width: int, ids: SpecialIds) -> Array:
+    """The logits of the tokens each row may emit (the others -inf): never PAD or a language token (ids.languages);
+    inside its target prefix, a sentence's W beams can only emit the prefix's next token (`forced_tokens`), which may
+    be a language token; past it, every other token."""
     vocab_V = jnp.arange(logits_RV.shape[-1])
-    logits_RV = jnp.where(vocab_V == pad, NEG_INF, logits_RV)
+    barred_V = vocab_V == ids.pad
+    if ids.languages:
+        barred_V = barred_V | is_language(vocab_V, ids)
     if prefix_BP is None:
-        return logits_RV
-    forced_B1 = forced_tokens(prefix_BP, step_B, pad)[:, None]
-    allowed_RV = jnp.repeat((forced_B1 == pad) | (vocab_V == forced_B1), width, axis=0)
+        return jnp.where(barred_V, NEG_INF, logits_RV)
+    forced_B1 = forced_tokens(prefix_BP, step_B, ids.pad)[:, None]
+    allowed_RV = jnp.repeat(jnp.where(forced_B1 == ids.pad, ~barred_V, vocab_V == forced_B1), width, axis=0)
     return jnp.where(allowed_RV, logits_RV, NEG_INF)
+
+
+def is_language(tokens: Array, ids: SpecialIds) -> Array:
+    """Whether each token is one of the model's language tokens (ids.languages)."""
+    return jnp.isin(tokens, jnp.asarray(ids.languages, jnp.int32))
 
 
 def pad_tokens(tokens: Array, slots: int, pad: int) -> Array:
@@ -208,8 +218,11 @@ def beam_candidates(
     logits_RV = logits_R1V.reshape(batch * width, -1).astype(jnp.float32)
     per_beam = min(per_beam, logits_RV.shape[-1])
     max_R1, lse_R1 = max_and_logsumexp(logits_RV)
-    top_RC, token_RC = top_k(choosable(logits_RV, prefix_BP, s.step_B, width, ids.pad), per_beam)
-    return ((top_RC - max_R1) - lse_R1).reshape(batch, width, per_beam), token_RC, cache
+    top_RC, token_RC = top_k(choosable(logits_RV, prefix_BP, s.step_B, width, ids), per_beam)
+    log_probs_RC = (top_RC - max_R1) - lse_R1
+    if ids.languages:  # a language token is only ever forced: probability 1, as transformers' forced BOS gives it
+        log_probs_RC = jnp.where(is_language(token_RC, ids) & (top_RC > NEG_INF), 0.0, log_probs_RC)
+    return log_probs_RC.reshape(batch, width, per_beam), token_RC, cache
 
 
 def beam_rows(rows_K: Array, width: int) -> Array:
@@ -289,12 +302,14 @@ class GreedyState(NamedTuple):
         # the [B, V] log_softmax; a token other than the argmax (PAD's logit the largest, sampled, forced) adds its
         # logit's distance to the max.
         max_B1, lse_B1 = max_and_logsumexp(logits_BV)
-        allowed_BV = choosable(logits_BV, None, self.step_B, 1, ids.pad)
+        allowed_BV = choosable(logits_BV, None, self.step_B, 1, ids)
         token_B = first_argmax(allowed_BV) if choose is None else choose(allowed_BV, self.step_B)
         if prefix_BP is not None:
             forced_B = forced_tokens(prefix_BP, self.step_B, ids.pad)
             token_B = jnp.where(forced_B == ids.pad, token_B, forced_B)
         gain_B = jnp.take_along_axis(logits_BV, token_B[:, None], axis=1)[:, 0] - max_B1[:, 0] - lse_B1[:, 0]
+        if ids.languages:  # only ever forced (choosable): it adds 0, as transformers' forced BOS does
+            gain_B = jnp.where(is_language(token_B, ids), 0.0, gain_B)
         token_B = jnp.where(self.done_B, ids.pad, token_B)
         return GreedyState(
             step_B=jnp.where(self.done_B, self.step_B, self.step_B + 1),

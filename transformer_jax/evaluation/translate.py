@@ -73,13 +73,13 @@ def source_ids(
 
 
 def sources_of(
-    tokenizer: Tokenizer, sentences: Sequence[str], max_input_len: int, prefix: Sequence[int] = ()
+    tokenizer: Tokenizer, sentences: Sequence[str], max_input_len: int, prefixes: Sequence[Sequence[int]] | None = None
 ) -> tuple[dict[int, list[int]], list]:
-    """source_ids of every sentence (each after `prefix`): {index: ids} of the lines that are decoded (blank lines
-    are not), and the 1-based numbers of the lines that were cut."""
+    """source_ids of every sentence (sentence i after prefixes[i]): {index: ids} of the lines that are decoded (blank
+    lines are not), and the 1-based numbers of the lines that were cut."""
     sources, truncated_lines = {}, []
     for i, sentence in enumerate(sentences):
-        ids, cut = source_ids(tokenizer, sentence, max_input_len, prefix)
+        ids, cut = source_ids(tokenizer, sentence, max_input_len, () if prefixes is None else prefixes[i])
         if ids is not None:
             sources[i] = ids
         if cut:
@@ -142,6 +142,26 @@ class LanguageIds(NamedTuple):
     def of(cls, placement: languages.Placement, direction: languages.Direction) -> LanguageIds:
         return cls(placement.source_prefix(direction), placement.target_prefix(direction))
 
+    @staticmethod
+    def per_line(language_ids: LanguageIds | Sequence[LanguageIds] | None, lines: int) -> list[LanguageIds]:
+        """One LanguageIds per line: the same for every line, or each line its own (ValueError for a count that
+        differs)."""
+        if language_ids is None or isinstance(language_ids, LanguageIds):
+            return [language_ids or NO_LANGUAGE] * lines
+        if len(language_ids) != lines:
+            raise ValueError(f"{lines} sentences but {len(language_ids)} language_ids: give one per sentence")
+        return list(language_ids)
+
+
+NO_LANGUAGE = LanguageIds(None, None)
+
+
+def language_tokens(tokenizer: Any) -> tuple[int, ...]:
+    """The ids of a multilingual tokenizer's language tokens (its languages.Placement), which a search emits only
+    where it is forced to; () for a bilingual one."""
+    table = getattr(tokenizer, "language_table", None)
+    return () if table is None else tuple(sorted(table.ids.values()))
+
 
 def check_nbest(nbest: int, beam_size: int, flag: str = "--nbest") -> None:
     """EvalError unless 1 <= nbest <= beam_size: an n-best list holds the beams of one search."""
@@ -187,7 +207,7 @@ def translate(
     *,
     prefixes: Sequence[str] | None = None,
     progress: bool = False,
-    language_ids: LanguageIds | None = None,
+    language_ids: LanguageIds | Sequence[LanguageIds] | None = None,
 ) -> tuple[list[str], dict[str, Any]]:
     """One output per input sentence, in order, and statistics (see translate_nbest, of which this is the 1-best)."""
     found, stats = translate_nbest(
@@ -213,7 +233,7 @@ def translate_nbest(
     prefixes: Sequence[str] | None = None,
     progress: bool = False,
     first_line: int = 0,
-    language_ids: LanguageIds | None = None,
+    language_ids: LanguageIds | Sequence[LanguageIds] | None = None,
 ) -> tuple[list[list[Hypothesis]], dict[str, Any]]:
     """The `nbest` best hypotheses of each input sentence, best first, in input order, and statistics of the 1-best.
 
@@ -223,9 +243,10 @@ def translate_nbest(
     prefixes: line i's output starts with prefixes[i], tokenized as a target (a blank prefix: none); the hypotheses'
     text and log-probabilities include it. first_line: the number of sentences[0] in a longer input (its chunk's
     start, translate_corpus): sampling keys are drawn from the line's number in the whole input.
-    language_ids: a multilingual model's tokens of the direction (LanguageIds): the source's id starts every source
-    (counted in max_input_len), the target's is forced before any prefix (it takes one output slot, its
-    log-probability counted) and left out of the text.
+    language_ids: a multilingual model's tokens of the direction (LanguageIds), or one LanguageIds per sentence (a
+    batch then mixes directions): the source's id starts the source (counted in max_input_len), the target's is
+    forced before any prefix: it takes one output slot and counts one in the length, adds 0 to the log-probability,
+    and is left out of the text. The search never emits a language token otherwise (decoding/state.py choosable).
     """
     copies = settings.search.copies(nbest)
     check_nbest(nbest, settings.search.beam_size if copies == 1 else nbest)  # n decodes: any n >= 1
@@ -238,9 +259,9 @@ def translate_nbest(
     max_extra_len, cap = settings.max_extra_len, output_cap(settings.max_len, limit)
 
     outputs = [[EMPTY] * nbest for _ in sentences]
-    lang = LanguageIds(None, None) if language_ids is None else language_ids
-    source_prefix = [] if lang.source is None else [lang.source]
-    sources, truncated_lines = sources_of(tokenizer, sentences, max_input_len, source_prefix)
+    lang = LanguageIds.per_line(language_ids, len(sentences))
+    source_prefixes = [[] if x.source is None else [x.source] for x in lang]
+    sources, truncated_lines = sources_of(tokenizer, sentences, max_input_len, source_prefixes)
 
     stats: dict[str, Any] = {
         "sentences": len(sentences),
@@ -262,14 +283,14 @@ def translate_nbest(
     # Each line is decoded `copies` times (sampling: its nbest draws), copy j of line i with its own row inputs.
     lines = [i for i in sources for _ in range(copies)]
     row_inputs = search.row_inputs(np.array(lines, np.int64) + first_line, np.tile(np.arange(copies), len(sources)))
-    found = decoding.Searcher(model).sentences(
+    found = decoding.Searcher(model, languages=language_tokens(tokenizer)).sentences(
         [sources[i] for i in lines],
         [output_limit(len(sources[i]), max_extra_len, cap) for i in lines],
         search,
         batch_size=settings.batch_size,
         shape=shape,
         progress=None if bar is None else bar.update,
-        prefixes=target_prefixes(tokenizer, lines, prefixes, lang.target),
+        prefixes=target_prefixes(tokenizer, lines, prefixes, [x.target for x in lang]),
         row_inputs_N=row_inputs,
     )
     for j in range(0, len(lines), copies):
@@ -291,14 +312,15 @@ def translate_nbest(
 
 
 def target_prefixes(
-    tokenizer: Tokenizer, lines: Sequence[int], prefixes: Sequence[str] | None, language: int | None
+    tokenizer: Tokenizer, lines: Sequence[int], prefixes: Sequence[str] | None, languages: Sequence[int | None]
 ) -> list[list[int]] | None:
-    """The forced start of each decoded row (line `lines[r]`): the target language's id, then the line's prefix
-    tokenized as a target; None when there is neither (the search then runs without prefixes)."""
-    if prefixes is None and language is None:
+    """The forced start of each decoded row (line `lines[r]`): its target language's id (languages[line], None:
+    none), then the line's prefix tokenized as a target; None when no line has either (the search then runs without
+    prefixes)."""
+    if prefixes is None and all(x is None for x in languages):
         return None
-    head = [] if language is None else [language]
-    return [head + ([] if prefixes is None else list(tokenizer.encode_target(prefixes[i]))) for i in lines]
+    head = [[] if x is None else [x] for x in languages]
+    return [head[i] + ([] if prefixes is None else list(tokenizer.encode_target(prefixes[i]))) for i in lines]
 
 
 def _hypothesis(tokenizer: Tokenizer, result: decoding.BeamResult, beam: int) -> Hypothesis:

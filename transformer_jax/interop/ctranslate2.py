@@ -39,6 +39,7 @@ from transformer_jax.evaluation.translate import (
     DecodeSettings,
     LanguageIds,
     input_limit,
+    language_tokens,
     output_cap,
     output_limit,
     sources_of,
@@ -217,13 +218,14 @@ def ctranslate2_translate(
     settings: DecodeSettings,
     *,
     position_limit: int | None = None,
-    language_ids: LanguageIds | None = None,
+    language_ids: LanguageIds | Sequence[LanguageIds] | None = None,
 ) -> tuple[list[str], dict[str, Any]]:
     """evaluation.translate.translate's outputs and statistics, decoded by a ctranslate2.Translator of an export.
 
-    A multilingual model's direction (`language_ids`, as translate takes them): the source language token starts
-    each source, and the forced target token is the engine's `target_prefix`, one output slot as in ours; the
-    tokenizer's decode drops it.
+    A multilingual model's directions (`language_ids`, as translate takes them: one, or one per sentence): the source
+    language token starts each source, and the forced target token is the engine's `target_prefix`, one output slot
+    as in ours; the other language tokens are `suppress_sequences`, as our search bars them; the tokenizer's decode
+    drops them.
 
     The sources, their cut and each output's limit are translate()'s (source_ids, output_limit; `position_limit`
     is position_limit(model.spec)). The engine's max_decoding_length counts the EOS it stops at, as our limit does,
@@ -237,11 +239,13 @@ def ctranslate2_translate(
     start = time.perf_counter()
     pieces = vocabulary(tokenizer)
     index = {piece: i for i, piece in enumerate(pieces)}
-    lang = language_ids or LanguageIds(None, None)
-    source_prefix = () if lang.source is None else (lang.source,)
+    lang = LanguageIds.per_line(language_ids, len(sentences))
     limit = input_limit(settings.max_input_len, position_limit)
-    sources, truncated_lines = sources_of(tokenizer, sentences, limit, source_prefix)
-    target_prefix = None if lang.target is None else [pieces[lang.target]]
+    sources, truncated_lines = sources_of(
+        tokenizer, sentences, limit, [[] if x.source is None else [x.source] for x in lang]
+    )
+    target_prefix = None if all(x.target is None for x in lang) else [[pieces[x.target]] for x in lang]
+    barred = [[pieces[t]] for t in language_tokens(tokenizer)] or None
     cap = output_cap(settings.max_len, position_limit)
     limits = {i: output_limit(len(ids), settings.max_extra_len, cap) for i, ids in sources.items()}
     longest, groups = max(limits.values(), default=0), defaultdict(list)
@@ -256,7 +260,8 @@ def ctranslate2_translate(
             length_penalty=settings.search.alpha,
             max_input_length=0,
             max_decoding_length=int(group_limit),
-            target_prefix=None if target_prefix is None else [target_prefix] * len(rows),
+            target_prefix=None if target_prefix is None else [target_prefix[i] for i in rows],
+            suppress_sequences=barred,
             min_decoding_length=0,
             return_end_token=True,
         )

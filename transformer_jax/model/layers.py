@@ -44,6 +44,9 @@ class SpecialIds:
     eos: int  # end of sentence: ends every source and target, and stops the search
     bos: int  # the first decoder input (may equal pad, as Marian's decoder_start_token_id does)
     unk: int  # unknown piece
+    # A multilingual model's language tokens (data/languages.py): the search emits one only where it is forced, as
+    # the output's first token, where it adds 0 to the log-probability (transformers' forced BOS); none after it.
+    languages: tuple[int, ...] = ()
 
     DEFAULT: ClassVar[SpecialIds]
 
