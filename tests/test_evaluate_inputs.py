@@ -20,7 +20,7 @@ import pytest
 from tests.helpers import REPO
 from tests.helpers.fakes import three_checkpoints, tiny_config
 from transformer_jax.data import sources as sources_lib
-from transformer_jax.errors import EvalError, ScoreError
+from transformer_jax.errors import DataError, EvalError, ScoreError
 from transformer_jax.evaluation.command import evaluate
 from transformer_jax.evaluation.translate import read_lines, score_all
 from transformer_jax.training import checkpoints
@@ -157,6 +157,23 @@ def test_split_with_blank_lines_gives_one_hypothesis_per_line_and_scores_them_al
     assert len(sources_lib.load_split(config.data, "test")) == 7
 
 
+def test_any_split_of_another_text_folder_is_translated_and_a_missing_one_is_one_line(tmp_path):
+    """--text_dir replaces data.text_dir and --split names any {split}.{lang} pair there (a TFDS-trained model too:
+    the folder is read as text)."""
+    config = tiny_config()
+    config.data.update(source="tfds")
+    three_checkpoints(tmp_path / "run", config)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "news.en").write_text("hello world\nshort\n", encoding="utf-8")
+    (data / "news.de").write_text("hallo welt\nkurz\n", encoding="utf-8")
+    report = evaluate(dict(workdir=str(tmp_path / "run"), split="news", text_dir=str(data)))
+    assert report["lines"] == 2 and report["source"] == "news(news)"
+    with pytest.raises(DataError, match=r"missing split 'dev': no file .*dev\.en; available splits for en: \['news'\]"):
+        evaluate(dict(workdir=str(tmp_path / "run"), split="dev", text_dir=str(data), output_file=str(tmp_path / "o")))
+    assert not (tmp_path / "o").exists()
+
+
 # -- 9: invalid UTF-8 -------------------------------------------------------------------------------------------
 
 
@@ -275,7 +292,8 @@ BAD_OPTIONS = [
     (dict(average_best=0), r"--average_best must be >= 1 \(checkpoints averaged\), got 0"),
     (dict(average_best=2, average_last=3), "give one of --average_best, --average_last and --average_steps"),
     (dict(average_best=2, checkpoint="200"), "--average_best takes the best checkpoints; --checkpoint STEP"),
-    (dict(split="train"), "--split 'train': choose one of valid, test"),
+    (dict(split=" "), "--split is empty"),
+    (dict(text_dir="d", source_file="s.en"), "--text_dir holds --split's files; --source_file names its own"),
     (dict(split="test", source_file="s.en"), "--split or --source_file, not both"),
     (dict(references_file="r.de"), "--references_file goes with --source_file"),
     (dict(workdir=None), "give --workdir"),

@@ -288,7 +288,7 @@ def test_options_the_engine_cannot_express_are_refused_in_one_line(overrides, ke
 def test_a_multilingual_export_decodes_a_direction_as_we_do(corpus, tmp_path, scheme):
     """A multilingual model's export (language ids after the pieces, named >>xx<< in its vocabulary): the source
     language token starts each source, the forced target token is the engine's target_prefix; greedy outputs and
-    statistics equal translate()'s with the same direction."""
+    statistics equal translate()'s with the same direction, and with directions mixed in one batch."""
     directory, tokenizer = corpus
     table = languages.Placement(scheme, {"de": VOCAB, "en": VOCAB + 1})
     multilingual = Tokenizer(tokenizer.path, SpecialIds.DEFAULT, language_table=table)
@@ -304,6 +304,15 @@ def test_a_multilingual_export_decodes_a_direction_as_we_do(corpus, tmp_path, sc
         assert theirs == ours
         for key in ("sentences", "empty", "truncated", "hit_max_len", "src_tokens", "tgt_tokens"):
             assert stats[key] == ours_stats[key], key
+    # A batch that mixes the directions: per-row target_prefix, the other language tokens suppressed as ours bars them.
+    lines = sentences(directory, tokenizer)
+    mixed = [LanguageIds.of(table, languages.Direction(*pair)) for pair in [("en", "de"), ("de", "en")] * len(lines)]
+    mixed = mixed[: len(lines)]
+    ours, _ = translate(model, multilingual, lines, SETTINGS, language_ids=mixed)
+    theirs, _ = export_lib.ctranslate2_translate(
+        translator(path), multilingual, lines, SETTINGS, position_limit=position_limit(model.spec), language_ids=mixed
+    )
+    assert theirs == ours
 
 
 # What each quantization keeps of float32's scores on every x86 CPU. bfloat16 rounds each weight to 8 significant

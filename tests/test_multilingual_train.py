@@ -66,14 +66,20 @@ def test_a_restart_with_another_language_token_scheme_is_refused_in_one_line(tra
         train_and_evaluate(changed, tmp_path / "run", bleu=bleu_evaluator)
 
 
-def test_evaluate_refuses_a_multilingual_model_in_one_line(trained):
-    from transformer_jax.errors import EvalError
+def test_evaluate_translates_the_trained_model_into_the_language_asked_for(trained):
     from transformer_jax.evaluation import run
     from transformer_jax.evaluation.restore import CheckpointChoice
 
     _, workdir = trained
-    with pytest.raises(EvalError, match="holds a multilingual model .* cannot choose yet"):
-        run.load(run.Translate(run.Model(str(workdir), choice=CheckpointChoice(average_last=1)), split="test"))
+    seen = set()
+    for src, tgt in (("en", "de"), ("en", "cs")):
+        model = run.Model(str(workdir), choice=CheckpointChoice(average_last=1), target_lang=tgt, source_lang=src)
+        mode = run.Translate(model, split="test", decoding=run.Decoding(beam_size=1, max_len=8))
+        loaded = run.load(mode)
+        assert loaded.name == f"test(test.{src}-{tgt})" and loaded.references[0].startswith(tgt)
+        seen.add(loaded.language_ids)
+        assert len(run.translate(mode, loaded).hypotheses) == len(loaded.sources)
+    assert len(seen) == 2  # each direction forces its own target token
 
 
 @pytest.mark.slow

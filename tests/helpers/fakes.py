@@ -55,20 +55,22 @@ class JointTokenizer:
 ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 .,;:!?'-("
 
 
-def write_workdir(workdir, config, params_of_step: dict) -> pathlib.Path:
+def write_workdir(workdir, config, params_of_step: dict, pieces: int | None = None) -> pathlib.Path:
     """A real workdir of `config` (vocabulary >= 50): a checkpoint at each step of `params_of_step` holding those model
-    parameters (pure dicts), and an spm.model that encodes ALPHABET's characters to ids 4..49 (others: unk)."""
+    parameters (pure dicts), and an spm.model of `pieces` (default the vocabulary; fewer: a multilingual model's
+    language ids follow them) that encodes ALPHABET's characters to ids 4..49 (others: unk)."""
+    pieces = config.model.vocab_size if pieces is None else pieces
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     # All but the last character are user-defined pieces (ids in the order given); the last is learned from the
     # corpus, which SentencePiece needs; a space is the model's meta symbol U+2581.
     symbols = [c.replace(" ", "\u2581") for c in ALPHABET[:-1]]
-    symbols += [f"<extra{i}>" for i in range(config.model.vocab_size - 50)]  # a larger vocabulary's other pieces
+    symbols += [f"<extra{i}>" for i in range(pieces - 50)]  # a larger vocabulary's other pieces
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter([ALPHABET[-1] * 2]),
         model_writer=model,
-        vocab_size=config.model.vocab_size,
+        vocab_size=pieces,
         model_type="char",
         user_defined_symbols=symbols,
         pad_id=SpecialIds.DEFAULT.pad,

@@ -81,8 +81,6 @@ def choice_of(values: Mapping[str, Any]) -> CheckpointChoice:
     return CheckpointChoice(**given)
 
 
-SPLITS = ("valid", "test")
-
 # The modes a flag can be read by: scores only and compare (no model), and the model's modes (translate, --score).
 NO_MODEL, MODEL = "no_model", "model"
 
@@ -112,7 +110,15 @@ class Flag:
 
 BOTH = (NO_MODEL, MODEL)
 FLAGS = (
-    Flag("split", str, "Split of the configured data to translate.", (MODEL,), SPLITS, "test"),
+    Flag(
+        "split",
+        str,
+        "Split to translate: valid or test (data.valid_split, data.test_split), or the name of {split}.{lang} files "
+        "of the text folder.",
+        (MODEL,),
+        default="test",
+    ),
+    Flag("text_dir", str, "Read --split's {split}.{lang} files from this folder instead of data.text_dir.", (MODEL,)),
     Flag("source_file", str, "Translate this file (one sentence a line; '-' = stdin) instead of --split.", (MODEL,)),
     Flag("references_file", str, "References, one a line, for --source_file or --hypotheses_file.", BOTH),
     Flag("hypotheses_file", str, "Score this file against --references_file; no model is loaded.", (NO_MODEL,)),
@@ -181,7 +187,15 @@ FLAGS = (
     Flag(
         "target_lang",
         str,
-        "Start every source with >>LANG<< (multilingual models; default data.target_lang).",
+        "Translate into this language: a multilingual model's (its name or >>code<<; default the only one it "
+        "translates into), or a Marian model's >>LANG<< source token (default data.target_lang).",
+        (MODEL,),
+    ),
+    Flag(
+        "source_lang",
+        str,
+        "A multilingual model's source language: names --split's source file; with --source_file only for models "
+        "whose sources carry their own language's token (model.lang_token=source_and_target).",
         (MODEL,),
     ),
     Flag("ensemble_workdirs", list, "More workdirs whose models decode with --workdir's (one tokenizer).", (MODEL,)),
@@ -200,12 +214,8 @@ def define(flag_values, names: Sequence[str] | None = None) -> None:
     kind = {str: "string", int: "integer", float: "float", bool: "bool", list: "list"}
     for flag in FLAGS if names is None else [FLAG[name] for name in names]:
         unset = False if flag.type is bool else None
-        # --split is checked by absl as the command line is parsed (a usage error, exit status 2), as it always was;
-        # the other choices are checked by `parse` (status 1), so that library callers get the same check.
-        if flag.name == "split":
-            flags.DEFINE_enum(flag.name, unset, flag.choices, flag.describe(), flag_values=flag_values)
-        else:
-            getattr(flags, f"DEFINE_{kind[flag.type]}")(flag.name, unset, flag.describe(), flag_values=flag_values)
+        # Choices are checked by `parse` (exit status 1), so that library callers get the same check.
+        getattr(flags, f"DEFINE_{kind[flag.type]}")(flag.name, unset, flag.describe(), flag_values=flag_values)
 
 
 def values_of(flag_values) -> dict[str, Any]:
@@ -257,6 +267,10 @@ def parse(values: Mapping[str, Any]) -> tuple[Mode, Outputs]:
             raise EvalError("give --split or --source_file, not both")
     elif v["references_file"] is not None:
         raise EvalError("--references_file goes with --source_file; a --split brings its own references")
+    if v["text_dir"] is not None and v["source_file"] is not None:
+        raise EvalError("--text_dir holds --split's files; --source_file names its own: drop one of them")
+    if v["split"] is not None and not v["split"].strip():
+        raise EvalError("--split is empty: give valid, test, or the name of a split of the text folder")
     check_numbers({name: v[name] for name in ("beam_size", "batch_size", "max_extra_len", "alpha", "max_len")}, "--")
     for switch in dict.fromkeys(flag.needs for flag in FLAGS if flag.needs):
         tuning = [f"--{f.name}" for f in FLAGS if f.needs == switch and v[f.name] is not None]
@@ -267,10 +281,12 @@ def parse(values: Mapping[str, Any]) -> tuple[Mode, Outputs]:
                 f"{'it' if one else 'them'}"
             )
     members = None if v["ensemble_workdirs"] is None else tuple(v["ensemble_workdirs"])
-    model = Model(v["workdir"], v["config"], choice_of(v), members, v["target_lang"])
+    model = Model(v["workdir"], v["config"], choice_of(v), members, v["target_lang"], v["source_lang"])
     split = v["split"] or (FLAG["split"].default if v["source_file"] is None else None)
     given = Decoding(**{f.name: v[f.name] for f in dataclasses.fields(Decoding)})  # as given: None is unset
-    request = Translate(model, split, v["source_file"], v["references_file"], v["prefix_file"], given)
+    request = Translate(
+        model, split, v["source_file"], v["references_file"], v["prefix_file"], given, text_dir=v["text_dir"]
+    )
     _check_request(request, bool(v["score"]))
     if outputs.json and request.stdin and outputs.output_file is None:
         raise EvalError("--json prints the report on stdout, where stdin's translations go: give --output_file")
@@ -279,7 +295,9 @@ def parse(values: Mapping[str, Any]) -> tuple[Mode, Outputs]:
     if given.nbest is not None and outputs.output_file is not None:
         written["--nbest (OUTPUT_FILE.nbest)"] = f"{outputs.output_file}.nbest"
     if v["score"]:
-        mode = ScorePairs(model, split, request.source_file, request.references_file, given.batch_size)
+        mode = ScorePairs(
+            model, split, request.source_file, request.references_file, given.batch_size, text_dir=v["text_dir"]
+        )
     else:
         mode = dataclasses.replace(request, model=model, decoding=_with_defaults(given))
         if mode.decoding.sampling:

@@ -22,6 +22,7 @@ from sacrebleu.metrics import BLEU, CHRF
 
 from transformer_jax import cli, decoding
 from transformer_jax.config import schema
+from transformer_jax.data import languages
 from transformer_jax.data.sources import open_split, read_all, resolve_path
 from transformer_jax.decoding import PLAIN_SAMPLING, Ensemble
 from transformer_jax.errors import ConfigError, EvalError
@@ -31,6 +32,7 @@ from transformer_jax.evaluation.scoring import SentenceScore, score_pairs
 from transformer_jax.evaluation.translate import (
     DecodeSettings,
     Hypothesis,
+    LanguageIds,
     check_line_counts,
     check_nbest,
     decode_lines,
@@ -56,7 +58,10 @@ class Model:
     config: Any = None  # ml_collections.ConfigDict, or None: the one saved with the checkpoints
     choice: CheckpointChoice = LATEST
     ensemble_workdirs: tuple[str, ...] | None = None  # more models decoding with workdir's (decoding/ensemble.py)
-    target_lang: str | None = None  # None: config.data.target_lang (the >>lang<< token every source starts with)
+    # The language to translate into: a bilingual Marian model's >>lang<< source token (None: config.data.target_lang);
+    # a multilingual model's language (data/languages.py; None: the one its directions translate into, if only one).
+    target_lang: str | None = None
+    source_lang: str | None = None  # a multilingual model's source language (its split file; its token if it has one)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +119,7 @@ class Translate:
     references_file: str | None = None  # with a source_file (a split brings its own)
     prefix_file: str | None = None
     decoding: Decoding = Decoding()
+    text_dir: str | None = None  # the split's {split}.{lang} files are read here instead of data.text_dir
 
     @property
     def stdin(self) -> bool:
@@ -129,6 +135,7 @@ class ScorePairs:
     source_file: str | None = None
     references_file: str | None = None
     batch_size: int | None = None  # None: config.eval.batch_size
+    text_dir: str | None = None  # as Translate's
 
 
 Mode = ScoresOnly | Compare | Translate | ScorePairs
@@ -189,6 +196,7 @@ class Loaded:
     references: list[str] | None
     prefixes: list[str] | None
     inputs: dict[str, str | None]  # every file read, by the flag (or split) it came from
+    language_ids: LanguageIds | None = None  # a multilingual model's direction (translate.LanguageIds)
 
     @property
     def tag(self) -> str:
@@ -218,28 +226,96 @@ def load(mode: Translate | ScorePairs) -> Loaded:
         if not checkpoints.list_steps(workdir):
             raise EvalError(f"--ensemble_workdirs member {workdir} has no checkpoint; train it first or drop it")
     config, model, steps = restore_model(m.workdir, m.choice, config=m.config)
-    if config.data.directions:  # without its language tokens a translation would be silently wrong
+    config = with_text_dir(config, mode.text_dir)
+    direction = None
+    if config.data.directions:
+        direction = direction_of(config, m, given_file=mode.source_file is not None)
+    elif m.source_lang is not None:
         raise EvalError(
-            f"{m.workdir} holds a multilingual model (data.directions {', '.join(config.data.directions)}), whose "
-            "direction evaluate.py cannot choose yet; its validation loss and BLEU per direction are in metrics.jsonl"
+            f"--source_lang: {m.workdir} holds a bilingual model ({config.data.src_lang}-{config.data.tgt_lang}); "
+            "drop --source_lang"
         )
-    if m.target_lang is not None:  # --target_lang: the sources' >>lang<< token instead of data.target_lang's
+    elif m.target_lang is not None:  # --target_lang: the sources' >>lang<< token instead of data.target_lang's
         config = config.copy_and_resolve_references()
         with config.unlocked():
             config.data.target_lang = m.target_lang
     tokenizer = workdir_tokenizer(config, m.workdir)
+    language_ids = None
+    if direction is not None:
+        language_ids = LanguageIds.of(languages.Placement.of(config), direction)
+        if mode.source_file is None:  # the split's files of this direction's two languages
+            config = config.copy_and_resolve_references()
+            with config.unlocked():
+                config.data.src_lang, config.data.tgt_lang = direction.src, direction.tgt
     if m.ensemble_workdirs:
         model = Ensemble([model, *restore_members(m.ensemble_workdirs, config, tokenizer)])
     inputs = input_files(mode)
     if mode.source_file is None:
         sources, references, split_name = split_pairs(config, mode.split)
-        name = f"{mode.split}({split_name})"
+        name = f"{mode.split}({split_name}{'' if direction is None else '.' + direction.name})"
         if prefixes is not None:
             check_prefix_count(prefixes, sources, prefix_file, f"--split {mode.split}")
         inputs.update(split_files(config, split_name))
     else:
         name = "stdin" if mode.source_file == "-" else Path(mode.source_file).name
-    return Loaded(config, model, tokenizer, steps, name, sources, references, prefixes, inputs)
+        if direction is not None:
+            name += f".{direction.name if direction.src else 'to-' + direction.tgt}"
+    return Loaded(config, model, tokenizer, steps, name, sources, references, prefixes, inputs, language_ids)
+
+
+def with_text_dir(config: Any, text_dir: str | None) -> Any:
+    """The config reading its splits from `text_dir` (--text_dir: a folder of {split}.{lang} files), or as it is."""
+    if text_dir is None:
+        return config
+    if not Path(text_dir).expanduser().is_dir():
+        raise EvalError(f"--text_dir {text_dir} is not a directory; give the folder of {{split}}.{{lang}} files")
+    config = config.copy_and_resolve_references()
+    with config.unlocked():
+        config.data.source, config.data.text_dir = "text", str(text_dir)
+    return config
+
+
+def direction_of(config: Any, model: Model, *, given_file: bool) -> languages.Direction:
+    """The direction a multilingual model translates in (--source_lang, --target_lang; each defaults to the only
+    one its directions have), checked against its language tokens. A file's source language matters only to a
+    model whose sources carry their own language's token (model.lang_token=source_and_target): elsewhere it is
+    refused (it would change nothing) and the direction's source is empty; a split needs it for its file."""
+    trained = languages.directions(config.data)
+    known = languages.languages(config.data)
+    scheme = config.model.lang_token
+    own_token = scheme == "source_and_target"
+
+    def language(flag: str, given: str | None, choices: list[str]) -> str:
+        if given is None:
+            if len(set(choices)) == 1:
+                return choices[0]
+            raise EvalError(
+                f"{model.workdir} holds a multilingual model (data.directions {', '.join(config.data.directions)}): "
+                f"give --{flag}, one of {', '.join(known)}"
+            )
+        name = given[2:-2] if given.startswith(">>") and given.endswith("<<") else given
+        if name not in known:
+            raise EvalError(
+                f"--{flag} {given}: the model of {model.workdir} has no token for it; it has "
+                f"{', '.join(f'{x} ({languages.code(x)})' for x in known)}"
+            )
+        return name
+
+    if given_file and not own_token and model.source_lang is not None:
+        raise EvalError(
+            f"--source_lang: the sources of {model.workdir}'s model carry no language token of their own "
+            f"(model.lang_token={scheme}), so a file's language changes nothing; drop --source_lang"
+        )
+    tgt = language("target_lang", model.target_lang, [d.tgt for d in trained])
+    if given_file and not own_token:
+        return languages.Direction("", tgt)  # no source token: its language is not needed
+    # A split's source file defaults to the only language trained into tgt; a file's language, to the only source
+    # language the model has (its token describes the input: it is never guessed among several).
+    sources = [d.src for d in trained if d.tgt == tgt or given_file]
+    src = language("source_lang", model.source_lang, sources or known)
+    if src == tgt:
+        raise EvalError(f"--source_lang and --target_lang are both {src}: give two different languages")
+    return languages.Direction(src, tgt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,6 +396,7 @@ def translate(mode: Translate, loaded: Loaded, *, progress: bool = False) -> Tra
         nbest=search["nbest"],
         prefixes=loaded.prefixes,
         progress=progress,
+        language_ids=loaded.language_ids,
     )
     hypotheses = [x[0].text for x in lists]
     if d.mbr is not None:
@@ -337,7 +414,9 @@ def stream(mode: Translate, loaded: Loaded, lines: Iterable[str]) -> Iterator[tu
     settings, _ = settings_of(mode, loaded)
     settings = dataclasses.replace(settings, batch_size=1)
     for line in lines:
-        [hypothesis], stats = translate_sentences(loaded.model, loaded.tokenizer, [line], settings)
+        [hypothesis], stats = translate_sentences(
+            loaded.model, loaded.tokenizer, [line], settings, language_ids=loaded.language_ids
+        )
         yield hypothesis, stats
 
 
@@ -394,6 +473,7 @@ def score(mode: ScorePairs, loaded: Loaded, *, progress: bool = False) -> Scored
         batch_size=batch_size,
         max_len=loaded.config.data.eval_max_len,
         progress=progress,
+        language_ids=loaded.language_ids,
     )
     report = {
         "workdir": mode.model.workdir,
@@ -431,7 +511,7 @@ def read_sources(path: str) -> list[str]:
 
 def split_pairs(config, split: str) -> tuple[list[str], list[str], str]:
     """Every line of the split, blank ones included: evaluation gives one hypothesis per source line."""
-    name = config.data.valid_split if split == "valid" else config.data.test_split
+    name = {"valid": config.data.valid_split, "test": config.data.test_split}.get(split, split)
     pairs = read_all(open_split(config.data, name, keep_blank=True))
     if not pairs:
         raise EvalError(f"split {name!r} of data.source={config.data.source} has no lines: nothing to translate")

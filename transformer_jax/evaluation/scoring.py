@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from transformer_jax.data import batching
-from transformer_jax.evaluation.translate import Tokenizer, input_limit, position_limit
+from transformer_jax.evaluation.translate import NO_LANGUAGE, LanguageIds, Tokenizer, input_limit, position_limit
 from transformer_jax.runtime import Progress
 from transformer_jax.training.step import batch_logits
 
@@ -63,25 +63,36 @@ def score_pairs(
     batch_size: int,
     max_len: int,
     progress: bool = False,
+    language_ids: LanguageIds | None = None,
 ) -> tuple[list[SentenceScore], dict[str, Any]]:
     """Every pair's SentenceScore, in input order, and statistics with the corpus perplexity.
 
     Sources and targets are cut to max_len tokens (EOS included; no more than a learned position table has rows),
     as validation cuts them; blank lines are scored as empty sentences (EOS only). Runs the model in eval mode
     without changing the caller's model.
+
+    language_ids: a multilingual model's direction, its tokens placed as training places them (the source's before
+    the source, the target's first in the target); a forced target token is teacher-forced but neither scored nor
+    counted, as decoding forces it with probability 1.
     """
     if len(sources) != len(targets):
         raise ValueError(f"{len(sources)} sources but {len(targets)} targets")
     start = time.perf_counter()
     limit = input_limit(max_len, position_limit(model.spec))
     src_ids, tgt_ids = tokenizer.encode_source_batch(sources), tokenizer.encode_target_batch(targets)
+    lang = language_ids or NO_LANGUAGE
+    if lang.source is not None:
+        src_ids = [[lang.source, *ids] for ids in src_ids]
+    forced = int(lang.target is not None)  # target slots not scored: the forced language token
+    if forced:
+        tgt_ids = [[lang.target, *ids] for ids in tgt_ids]
     examples = batching.from_ids(src_ids, tgt_ids, limit, eos=tokenizer.ids.eos)
     graphdef, state = nnx.split(model)
     copy = nnx.merge(graphdef, state)
     copy.eval()
     graphdef, state = nnx.split(copy)
 
-    log_probs, tokens = np.zeros(len(examples)), examples.tgt_lens.copy()
+    log_probs, tokens = np.zeros(len(examples)), examples.tgt_lens - forced
     longest = int(max(examples.src_lens.max(initial=1), examples.tgt_lens.max(initial=1)))
     row_len = batching.padded_eval_length(longest, limit)
     bar = Progress(len(examples), "scoring", "sentences") if progress else None
@@ -90,8 +101,8 @@ def score_pairs(
         log_probs_BT = np.asarray(_token_log_probs(graphdef, state, batch), np.float64)
         # Each pair's sum over its own slots (its segment of its row), from prefix sums of the flat batch.
         prefix = np.concatenate([[0.0], np.cumsum(log_probs_BT.reshape(-1))])
-        first = plan.rows * row_len + plan.tgt_offsets
-        log_probs[plan.items] = prefix[first + examples.tgt_lens[plan.items]] - prefix[first]
+        first = plan.rows * row_len + plan.tgt_offsets + forced
+        log_probs[plan.items] = prefix[first + tokens[plan.items]] - prefix[first]
         if bar is not None:
             bar.update(len(plan.items))
     if bar is not None:
@@ -106,7 +117,7 @@ def score_pairs(
         "nll_per_token": -total / count if count else None,
         "perplexity": math.exp(-total / count) if count else None,
         "truncated_sources": sum(len(x) + 1 > limit for x in src_ids),
-        "truncated_targets": sum(len(y) + 1 > limit for y in tgt_ids),
+        "truncated_targets": sum(len(y) + 1 > limit for y in tgt_ids),  # the forced token counts in the cut
         "seconds": round(seconds, 3),
     }
     return scores, stats

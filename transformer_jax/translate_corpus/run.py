@@ -50,7 +50,7 @@ from transformer_jax.runtime import Progress
 # evaluate.py's flags that translate_corpus reads (one table: evaluation.command.FLAGS); the checkpoint flags too.
 _SEARCH = ("beam_size", "alpha", "max_extra_len", "max_len", "batch_size", "length_penalty", "finished")
 _SAMPLING = ("sampling", "temperature", "top_k", "top_p", "seed")
-DECODING_FLAGS = (*_SEARCH, *_SAMPLING, "target_lang", "ensemble_workdirs")
+DECODING_FLAGS = (*_SEARCH, *_SAMPLING, "target_lang", "source_lang", "ensemble_workdirs")
 FLAG_NAMES = (*command.CHECKPOINT_FLAGS, *DECODING_FLAGS)
 DEFAULT_CHUNK_LINES = 1000
 CPU_STREAMS = 2  # searches at once on a CPU device (streams=0); an accelerator runs one (docs/benchmarks.md)
@@ -165,7 +165,14 @@ def translate_corpus(job: Job, *, progress: bool = False) -> dict[str, Any]:
     def translate_chunk(model: nnx.Module, c: int) -> Chunk:
         first, end = bounds[c]
         lists, stats = translate_nbest(
-            model, loaded.tokenizer, sources[first:end], settings, nbest=1, prefixes=None, first_line=first
+            model,
+            loaded.tokenizer,
+            sources[first:end],
+            settings,
+            nbest=1,
+            prefixes=None,
+            first_line=first,
+            language_ids=loaded.language_ids,
         )
         blank = [not line.strip() for line in sources[first:end]]
         best = [x[0] for x in lists]
