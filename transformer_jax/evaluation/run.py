@@ -6,6 +6,7 @@ runs here and returns data; nothing is printed or written (evaluation/command.py
     translate(Translate, Loaded)                           -> Translation: hypotheses, n-best lists, report
     stream(Translate, Loaded, lines) then stream_result    -> stdin's translations one at a time, then the Translation
     score(ScorePairs, Loaded)                              -> Scored: each pair's log-probability, report
+    Matrix                                                 -> evaluation/matrix.py
 
 `load` reads and checks the inputs before it restores the model, so that a wrong file fails first.
 """
@@ -131,7 +132,20 @@ class ScorePairs:
     batch_size: int | None = None  # None: config.eval.batch_size
 
 
-Mode = ScoresOnly | Compare | Translate | ScorePairs
+@dataclasses.dataclass(frozen=True)
+class Matrix:
+    """A multilingual model's language matrix: every direction between the languages of a multi-way folder
+    (evaluation/matrix.py runs it)."""
+
+    model: Model
+    directions: tuple[str, ...]  # ("all",) or SRC-TGT names
+    split: str = "test"  # the files {split}.{lang}; valid and test: data.valid_split and data.test_split
+    text_dir: str | None = None  # None: config.data.text_dir
+    pivot: str | None = None  # also translate the zero-shot directions through this language
+    decoding: Decoding = Decoding()  # beam search only
+
+
+Mode = ScoresOnly | Compare | Translate | ScorePairs | Matrix
 
 
 def check_numbers(values: dict[str, Any], prefix: str) -> None:
