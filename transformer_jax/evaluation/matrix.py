@@ -244,8 +244,10 @@ def translate(mode: run.Matrix, plan: Plan, loaded: run.Loaded, *, progress: boo
     return Result(outputs, report, meta)
 
 
-def scores(hypotheses: list[str], references: list[str], target: str, identifier: Identifier) -> dict[str, Any]:
-    """{bleu, chrf, off_target} of one direction's outputs."""
+def scores(outputs: list[str], references: list[str], target: str, identifier: Identifier) -> dict[str, Any]:
+    """{bleu, chrf, off_target} of one direction's outputs, as the `sacrebleu` command reads them from the written
+    file (trailing blanks stripped, as translate.read_lines)."""
+    hypotheses = [h.rstrip() for h in outputs]
     return {
         "bleu": BLEU().corpus_score(hypotheses, [references]).score,
         "chrf": CHRF().corpus_score(hypotheses, [references]).score,
