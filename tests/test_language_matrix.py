@@ -208,7 +208,7 @@ def test_an_output_folder_holding_other_files_is_refused_and_left_alone(workdir,
     out.mkdir()
     (out / "notes.txt").write_text("mine\n")
     values = {"workdir": str(workdir), "directions": ["en-de"], "output_dir": str(out), **SEARCH}
-    with pytest.raises(EvalError, match="holds files that are not a matrix's .no report.json"):
+    with pytest.raises(EvalError, match="holds files that are not a matrix's .no meta.json"):
         command.evaluate(values, progress=False)
     assert [f.name for f in out.iterdir()] == ["notes.txt"]
     (out / "notes.txt").unlink()

@@ -559,9 +559,9 @@ def _write_matrix(mode: Matrix, outputs: Outputs, progress: bool) -> dict[str, A
         check_output_dir(folder, f"--workdir (the default folder WORKDIR/{DEFAULT_FOLDER}/matrix.<split>.<steps>)")
     result = matrix.translate(mode, plan, loaded, progress=progress)
     folder.mkdir(parents=True, exist_ok=True)
+    runtime.write_json(folder / matrix.META, result.meta)  # first: it marks the folder as a matrix's
     for name, lines in result.outputs.items():
         runtime.write_lines(folder / f"{name}.txt", lines)
-    runtime.write_json(folder / matrix.META, result.meta)
     matrix.heatmap(result.report, plan.languages, folder / matrix.HEATMAP)
     summary = [f"{len(plan.directions)} directions of {plan.text_dir}/{plan.split}.{{{','.join(plan.languages)}}}"]
     if plan.skipped:
@@ -574,13 +574,13 @@ def _write_matrix(mode: Matrix, outputs: Outputs, progress: bool) -> dict[str, A
 
 
 def check_output_dir(folder: Path, flag: str) -> None:
-    """EvalError unless `folder` can hold a matrix: new, empty, or a previous matrix's (it holds report.json), whose
-    files of the same names are written over."""
+    """EvalError unless `folder` can hold a matrix: new, empty, or a previous matrix's (it holds meta.json, written
+    first), whose files of the same names are written over."""
     if folder.exists() and not folder.is_dir():
         raise EvalError(f"{flag} {folder} is a file; give a folder")
-    if folder.is_dir() and any(folder.iterdir()) and not (folder / matrix.REPORT).is_file():
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / matrix.META).is_file():
         raise EvalError(
-            f"{flag} {folder} holds files that are not a matrix's (no {matrix.REPORT}); choose a new or empty folder"
+            f"{flag} {folder} holds files that are not a matrix's (no {matrix.META}); choose a new or empty folder"
         )
     check_folder_writable(folder, flag)
 

@@ -20,10 +20,10 @@ restricted to the model's languages that it knows, identifies as another languag
 cannot say: the target is not a language py3langid knows (a synthetic suffix), fewer than two of the model's
 languages are known to it, or the direction has no non-blank output.
 
-The command (evaluation/command.py) writes Result.outputs as `<name>.txt` files, `report.json` (keys: direction names
-`src-tgt` only, each {bleu, chrf, off_target, supervised, pivot: {bleu, chrf, off_target} | None, lines}),
-`meta.json` (everything that is not a direction: checkpoints, split, folder, languages skipped and unidentifiable,
-settings) and `heatmap.png`.
+The command (evaluation/command.py) writes `meta.json` first (everything that is not a direction: checkpoints, split,
+folder, languages skipped and unidentifiable, settings; it marks the folder as a matrix's), then Result.outputs as
+`<name>.txt` files, `heatmap.png` and `report.json` (keys: direction names `src-tgt` only, each {bleu, chrf,
+off_target, supervised, pivot: {bleu, chrf, off_target} | None, lines}).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from typing import Any
 
 from sacrebleu.metrics import BLEU, CHRF
 
+from transformer_jax import cli
 from transformer_jax.data import languages
 from transformer_jax.data.languages import Direction
 from transformer_jax.data.sources import resolve_path
@@ -64,10 +65,6 @@ class Plan:
     pivoted: list[Direction]  # the zero-shot directions also translated through the pivot
     lines: dict[str, list[str]]  # each language's lines (sources and references)
 
-    @property
-    def files(self) -> dict[str, Path]:
-        return {lang: self.text_dir / f"{self.split}.{lang}" for lang in self.lines}
-
 
 def split_name(config: Any, split: str) -> str:
     """The files' prefix: `valid` and `test` are the config's data.valid_split and data.test_split (as for a
@@ -78,6 +75,8 @@ def split_name(config: Any, split: str) -> str:
 def check(mode: run.Matrix) -> Plan:
     """The Plan of `mode`, or EvalError naming the flag and what to do; reads the saved config and the folder's files,
     restores no model."""
+    if mode.model.config is not None:  # a --config the user gave; the one saved with the checkpoints was checked
+        cli.validate(mode.model.config)
     config = saved_config(mode.model.workdir, mode.model.config)
     if not config.data.directions:
         raise EvalError(
@@ -239,7 +238,7 @@ def translate(mode: run.Matrix, plan: Plan, loaded: run.Loaded, *, progress: boo
         "pivot": plan.pivot,
         "decoding": settings.report(),
         "search": {"length_penalty": mode.decoding.length_penalty, "finished": mode.decoding.finished},
-        "stats": {"direct": _jsonable(stats), **{k: _jsonable(v) for k, v in legs.items()}},
+        "stats": {"direct": stats, **legs},
     }
     return Result(outputs, report, meta)
 
@@ -253,10 +252,6 @@ def scores(outputs: list[str], references: list[str], target: str, identifier: I
         "chrf": CHRF().corpus_score(hypotheses, [references]).score,
         "off_target": identifier.off_target(hypotheses, target),
     }
-
-
-def _jsonable(stats: dict[str, Any]) -> dict[str, Any]:
-    return {k: [list(s) for s in v] if k == "shapes" else v for k, v in stats.items()}
 
 
 # -- what the command shows: the tables and the heatmap ------------------------------------------------------------
