@@ -57,7 +57,7 @@ class Plan:
     split: str  # the files' prefix: {split}.{lang}
     text_dir: Path
     model_languages: list[str]  # those the model has a token for, sorted
-    languages: list[str]  # the folder's languages with a token, sorted: the matrix's rows and columns
+    languages: list[str]  # the directions' languages (all: the folder's with a token), sorted: rows and columns
     skipped: list[str]  # the folder's languages without a token
     directions: list[Direction]
     supervised: frozenset[str]  # the names of config.data.directions
@@ -107,18 +107,15 @@ def check(mode: run.Matrix) -> Plan:
     if mode.pivot is not None and mode.pivot not in ids:
         raise EvalError(f"--pivot {mode.pivot}: the model has no token for it; choose one of {known}")
     supervised = frozenset(config.data.directions)
-    pivoted = [
-        d
-        for d in directions
-        if d.name not in supervised and mode.pivot is not None and mode.pivot not in (d.src, d.tgt)
-    ]
+    zero_shot = [d for d in directions if d.name not in supervised]
+    pivoted = [] if mode.pivot is None else [d for d in zero_shot if mode.pivot not in (d.src, d.tgt)]
     used = sorted({lang for d in directions for lang in (d.src, d.tgt)})
     paths = languages.multiway_sides(text_dir, split, used)  # one line count for all
     lines = {lang: run.read_sources(str(path)) for lang, path in paths.items()}
     if not lines[used[0]]:
         raise EvalError(f"{paths[used[0]]} has no lines: nothing to translate")
     skipped = [lang for lang in found if lang not in ids]
-    return Plan(split, text_dir, known, langs, skipped, directions, supervised, mode.pivot, pivoted, lines)
+    return Plan(split, text_dir, known, used, skipped, directions, supervised, mode.pivot, pivoted, lines)
 
 
 def parse_directions(entries: Sequence[str], langs: list[str], known: list[str], where: str) -> list[Direction]:
