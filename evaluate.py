@@ -28,6 +28,12 @@ line before the model is restored.
 --json prints the JSON report on stdout, in every mode (the summary lines go to stderr); the report file is written
 as without it.
 
+A multilingual model's language matrix (docs/usage.md, "The language matrix"):
+    python evaluate.py --workdir DIR --directions all|SRC-TGT,... [--split S --text_dir T --pivot en --output_dir O]
+translates every direction between the languages of T's {S}.{lang} files in one search and prints tables of BLEU/chrF
+and the off-target rate (zero-shot directions marked); writes each direction's outputs, report.json, meta.json and
+heatmap.png in O (default WORKDIR/eval/matrix.<split>.<steps>/).
+
 Decoding modes (docs/decoding.md): --length_penalty, --finished (what beam search does with a hypothesis that ends:
 keeps it among its beams, or sets it aside as CTranslate2 does), --nbest N (OUTPUT_FILE.nbest), --score (forced
 decoding of --source_file/--references_file), --prefix_file P, --sampling [--temperature --top_k --top_p

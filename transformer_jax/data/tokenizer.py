@@ -102,7 +102,8 @@ class _Encoder:
 class Tokenizer(_Encoder):
     """A joint SentencePiece model that reserves `ids` (the config's); ids are SentencePiece's own. With
     `language_table` (a multilingual run's languages.Placement), the languages' ids follow the pieces: the vocabulary
-    is pieces + languages, and a language id is never text (see the module docstring)."""
+    is pieces + languages, and a language id is never text (see the module docstring). Only its ids are the
+    tokenizer's: where they go is the model's (languages.Placement.of(config), with model.lang_token)."""
 
     name = "spm"
 

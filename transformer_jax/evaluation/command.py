@@ -26,12 +26,13 @@ from ml_collections import config_flags
 
 from transformer_jax import cli, decoding, runtime
 from transformer_jax.errors import DiskFullError, EvalError
-from transformer_jax.evaluation import run, significance
+from transformer_jax.evaluation import matrix, run, significance
 from transformer_jax.evaluation.restore import CheckpointChoice, check_choice
 from transformer_jax.evaluation.run import (
     UTILITIES,
     Compare,
     Decoding,
+    Matrix,
     Mode,
     Model,
     ScorePairs,
@@ -200,6 +201,20 @@ FLAGS = (
     ),
     Flag("ensemble_workdirs", list, "More workdirs whose models decode with --workdir's (one tokenizer).", (MODEL,)),
     Flag("score", bool, "Forced decoding: log P(reference | source) per line and the perplexity.", (MODEL,)),
+    Flag(
+        "directions",
+        list,
+        "A multilingual model's language matrix of --split's files: all, or SRC-TGT directions (comma-separated).",
+        (MODEL,),
+    ),
+    Flag("pivot", str, "Also translate the zero-shot directions through this language.", (MODEL,), needs="directions"),
+    Flag(
+        "output_dir",
+        str,
+        "The matrix's folder; default WORKDIR/eval/matrix.<split>.<steps>.",
+        (MODEL,),
+        needs="directions",
+    ),
 )
 FLAG = {flag.name: flag for flag in FLAGS}
 
@@ -232,6 +247,7 @@ class Outputs:
     output_file: str | None = None  # None: the default (`evaluate`), or stdout for stdin
     scores_file: str | None = None  # None: OUTPUT_FILE.json
     json: bool = False  # the report on stdout
+    output_dir: str | None = None  # --directions' folder; None: WORKDIR/eval/matrix.<split>.<steps>
 
 
 def parse(values: Mapping[str, Any]) -> tuple[Mode, Outputs]:
@@ -251,7 +267,7 @@ def parse(values: Mapping[str, Any]) -> tuple[Mode, Outputs]:
             "--compare_file needs --hypotheses_file and --references_file: it compares two systems' translations "
             "of the same references"
         )
-    outputs = Outputs(v["output_file"], v["scores_file"], bool(v["json"]))
+    outputs = Outputs(v["output_file"], v["scores_file"], bool(v["json"]), v["output_dir"])
     if v["hypotheses_file"] is not None:
         return _no_model(v), outputs
     if not v["workdir"]:
@@ -280,6 +296,8 @@ def parse(values: Mapping[str, Any]) -> tuple[Mode, Outputs]:
                 f"{', '.join(tuning)} {'goes' if one else 'go'} with --{switch}: add --{switch}, or drop "
                 f"{'it' if one else 'them'}"
             )
+    if v["directions"] is not None:
+        return _matrix(v), outputs
     members = None if v["ensemble_workdirs"] is None else tuple(v["ensemble_workdirs"])
     model = Model(v["workdir"], v["config"], choice_of(v), members, v["target_lang"], v["source_lang"])
     split = v["split"] or (FLAG["split"].default if v["source_file"] is None else None)
@@ -330,6 +348,32 @@ def _no_model(v: Mapping[str, Any]) -> ScoresOnly | Compare:
     inputs = {"--hypotheses_file": hypotheses, "--compare_file": baseline, "--references_file": references}
     refuse_overwriting_inputs({"--scores_file": v["scores_file"]}, inputs)
     return ScoresOnly(hypotheses, references) if baseline is None else Compare(hypotheses, baseline, references)
+
+
+# What a matrix cannot honour: it reads every language's --split file, writes its own folder, and beam-searches.
+MATRIX_REFUSES = (
+    *("source_file", "references_file", "prefix_file", "output_file", "scores_file", "target_lang", "source_lang"),
+    *("nbest", "sampling", "mbr", "score", "ensemble_workdirs"),
+)
+
+
+def _matrix(v: Mapping[str, Any]) -> Matrix:
+    """--directions' record (evaluation/matrix.py), the flags it cannot honour refused."""
+    given = [f"--{name}" for name in MATRIX_REFUSES if v.get(name) not in (None, False)]
+    if given:
+        raise EvalError(
+            f"--directions translates --split's files of every language into --output_dir; {', '.join(given)} "
+            "cannot go with it: drop them"
+        )
+    entries = tuple(v["directions"])
+    if not entries or not all(entries) or ("all" in entries and len(entries) > 1):
+        raise EvalError(f"--directions {','.join(entries)!r}: give all, or SRC-TGT directions joined by commas")
+    if v["pivot"] is not None and not v["pivot"]:
+        raise EvalError("--pivot is empty: give one of the model's languages")
+    model = Model(v["workdir"], v["config"], check_choice(choice_of(v)))
+    search = ("beam_size", "alpha", "max_extra_len", "max_len", "batch_size", "length_penalty", "finished")
+    decoding = _with_defaults(Decoding(**{name: v[name] for name in search}))
+    return Matrix(model, entries, v["split"] or FLAG["split"].default, v["text_dir"], v["pivot"], decoding)
 
 
 def _with_defaults(given: Decoding) -> Decoding:
@@ -460,6 +504,8 @@ def evaluate(values: Mapping[str, Any], *, progress: bool = True) -> dict[str, A
     mode, outputs = parse(values)
     if isinstance(mode, ScoresOnly | Compare):
         return _write_scores(mode, outputs)
+    if isinstance(mode, Matrix):
+        return _write_matrix(mode, outputs, progress)
     stdin = getattr(mode, "stdin", False)
     for flag, path in output_files(outputs.output_file, outputs.scores_file, stdin).items():
         if path:
@@ -515,6 +561,28 @@ def _write_scores(mode: ScoresOnly | Compare, outputs: Outputs) -> dict[str, Any
         report = run.scores_only(mode)
         summary = format_scores(report)
     return _finish(report, outputs.scores_file, [summary], outputs.json)
+
+
+def _write_matrix(mode: Matrix, outputs: Outputs, progress: bool) -> dict[str, Any]:
+    """--directions: the folder, languages, directions and the output folder checked before anything is translated;
+    then each direction's outputs, report.json, meta.json and heatmap.png (evaluation/matrix.py) in the folder."""
+    plan = matrix.check(mode)
+    flag = "--output_dir"
+    if outputs.output_dir is not None:
+        check_output_dir(Path(outputs.output_dir), flag)
+    loaded = matrix.restore(mode)
+    folder = Path(outputs.output_dir or Path(mode.model.workdir) / DEFAULT_FOLDER / f"matrix.{plan.split}.{loaded.tag}")
+    if outputs.output_dir is None:
+        check_output_dir(folder, f"--workdir (the default folder WORKDIR/{DEFAULT_FOLDER}/matrix.<split>.<steps>)")
+    result = matrix.translate(mode, plan, loaded, progress=progress)
+    summary = matrix.write(result, plan, folder)
+    return _finish(result.report, str(folder / matrix.REPORT), summary, outputs.json)
+
+
+def check_output_dir(folder: Path, flag: str) -> None:
+    """EvalError unless `folder` can hold a matrix (matrix.check_folder) and be written in."""
+    matrix.check_folder(folder, flag)
+    check_folder_writable(folder, flag)
 
 
 def _stream(mode: Translate, loaded: run.Loaded, output_file: str | None) -> run.Translation:

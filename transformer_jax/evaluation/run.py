@@ -6,6 +6,7 @@ runs here and returns data; nothing is printed or written (evaluation/command.py
     translate(Translate, Loaded)                           -> Translation: hypotheses, n-best lists, report
     stream(Translate, Loaded, lines) then stream_result    -> stdin's translations one at a time, then the Translation
     score(ScorePairs, Loaded)                              -> Scored: each pair's log-probability, report
+    Matrix                                                 -> evaluation/matrix.py
 
 `load` reads and checks the inputs before it restores the model, so that a wrong file fails first.
 """
@@ -138,7 +139,20 @@ class ScorePairs:
     text_dir: str | None = None  # as Translate's
 
 
-Mode = ScoresOnly | Compare | Translate | ScorePairs
+@dataclasses.dataclass(frozen=True)
+class Matrix:
+    """A multilingual model's language matrix: every direction between the languages of a multi-way folder
+    (evaluation/matrix.py runs it)."""
+
+    model: Model
+    directions: tuple[str, ...]  # ("all",) or SRC-TGT names
+    split: str = "test"  # the files {split}.{lang}; valid and test: data.valid_split and data.test_split
+    text_dir: str | None = None  # None: config.data.text_dir
+    pivot: str | None = None  # also translate the zero-shot directions through this language
+    decoding: Decoding = Decoding()  # beam search only
+
+
+Mode = ScoresOnly | Compare | Translate | ScorePairs | Matrix
 
 
 def check_numbers(values: dict[str, Any], prefix: str) -> None:
@@ -509,9 +523,15 @@ def read_sources(path: str) -> list[str]:
     return [line.rstrip("\r") for line in decode_lines(data, path, EvalError)]
 
 
+def split_name(config: Any, split: str) -> str:
+    """The files' name of --split: `valid` and `test` are the config's data.valid_split and data.test_split; any
+    other name is a split of the text folder as it is."""
+    return {"valid": config.data.valid_split, "test": config.data.test_split}.get(split, split)
+
+
 def split_pairs(config, split: str) -> tuple[list[str], list[str], str]:
     """Every line of the split, blank ones included: evaluation gives one hypothesis per source line."""
-    name = {"valid": config.data.valid_split, "test": config.data.test_split}.get(split, split)
+    name = split_name(config, split)
     pairs = read_all(open_split(config.data, name, keep_blank=True))
     if not pairs:
         raise EvalError(f"split {name!r} of data.source={config.data.source} has no lines: nothing to translate")
