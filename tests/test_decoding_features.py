@@ -37,8 +37,7 @@ from transformer_jax.decoding.state import BeamState, SetAsideState, length_pena
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation.command import evaluate
 from transformer_jax.evaluation.restore import workdir_tokenizer
-from transformer_jax.evaluation.run import parse_nbest_line
-from transformer_jax.evaluation.translate import EMPTY, DecodeSettings, translate, translate_nbest
+from transformer_jax.evaluation.translate import EMPTY, DecodeSettings, parse_nbest_line, translate, translate_nbest
 
 
 @functools.partial(jax.jit, static_argnames=("beam_size", "max_steps", "table_seed", "penalty", "settle"))

@@ -13,6 +13,7 @@ from transformer_jax.errors import EvalError
 from transformer_jax.evaluation import run
 from transformer_jax.evaluation.command import evaluate
 from transformer_jax.evaluation.run import UTILITIES
+from transformer_jax.evaluation.translate import parse_nbest_line
 
 # The search's best (first) is the outlier; the consensus is the second.
 CANDIDATES = ["dogs bark loudly tonight", "the cat sat on the mat", "the cat sat on a mat", "a cat sat on the mat"]
@@ -42,7 +43,7 @@ def _evaluate(tmp_path, **flags):
 def test_mbr_flag_chooses_among_the_nbest_by_expected_utility(tmp_path):
     report = _evaluate(tmp_path, mbr=2, mbr_utility="chrf")
     out = tmp_path / "o" / "h"
-    entries = [run.parse_nbest_line(x) for x in Path(f"{out}.nbest").read_text(encoding="utf-8").splitlines()]
+    entries = [parse_nbest_line(x) for x in Path(f"{out}.nbest").read_text(encoding="utf-8").splitlines()]
     chosen = out.read_text(encoding="utf-8").splitlines()
     u = run.utility("chrf")
     for i, line in enumerate(chosen):

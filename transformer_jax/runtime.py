@@ -35,6 +35,8 @@ command checks its output locations with `probe_writable` before any work, and w
 half way (a full disk) leaves the previous file or none, never a partial one that looks complete. `is_disk_full`
 recognises a full disk however it arrives: an OSError from Python, or TensorStore's RESOURCE_EXHAUSTED wrapped in
 Orbax's and asyncio's exceptions. `space_report` says how much was needed and how much is free, for the line.
+`check_writable`, `check_folder_writable` and `refuse_overwriting_inputs` are the commands' one-line refusals
+(EvalError) of an output that cannot be written or that is an input, or another output, under any spelling or link.
 
 **The one progress display** of the package: a tqdm bar on a terminal, plain log lines otherwise (a log file). Used
 for training steps (training.metrics), tokenizing a split (data.store) and translating (evaluation.translate). Log
@@ -65,7 +67,7 @@ import jax
 import tqdm
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
-from transformer_jax.errors import DiskFullError
+from transformer_jax.errors import DiskFullError, EvalError
 
 log = logging.getLogger(__name__)  # the standard logger, which train.py shows at INFO (it quiets absl's)
 
@@ -274,6 +276,53 @@ def probe_writable(folder: str | os.PathLike, create: bool = True) -> Path:
     with tempfile.TemporaryFile(dir=where):
         pass
     return folder
+
+
+def same_file(a: str, b: str) -> bool:
+    """Whether a and b name one file: any spelling, symbolic or hard links (paths that do not exist: spelling)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def refuse_overwriting_inputs(outputs: dict[str, str | None], inputs: dict[str, str | None]) -> None:
+    """EvalError (one line, naming both flags) where an output is an input, or two outputs are one file; None
+    values are ignored. Every command checks its outputs so before it reads anything."""
+    outputs = {k: v for k, v in outputs.items() if v}
+    inputs = {k: v for k, v in inputs.items() if v}
+    for out_flag, out in outputs.items():
+        for in_flag, path in inputs.items():
+            if same_file(out, path):
+                raise EvalError(
+                    f"{out_flag} {out} is the input {in_flag} {path}: writing it would destroy the input; "
+                    "choose another output file"
+                )
+    names = list(outputs.items())
+    for i, (flag_a, a) in enumerate(names):
+        for flag_b, b in names[i + 1 :]:
+            if same_file(a, b):
+                raise EvalError(f"{flag_a} and {flag_b} are the same file {a}; choose two different files")
+
+
+def check_writable(path: str | os.PathLike, flag: str) -> None:
+    """EvalError unless file `path` can be written, its folder created: tested without leaving anything behind."""
+    path = Path(path)
+    if path.is_dir():
+        raise EvalError(f"{flag} {path} is a directory; give a file name")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise EvalError(f"{flag} {path}: permission denied; choose another output file")
+    check_folder_writable(path.parent, flag)
+
+
+def check_folder_writable(folder: str | os.PathLike, flag: str) -> None:
+    """EvalError unless files can be written in `folder`, which may not exist yet (then: can it be created)."""
+    try:
+        probe_writable(folder, create=False)
+    except NotADirectoryError as e:
+        raise EvalError(f"{flag}: {e.strerror}, so {folder} cannot be created; choose another location") from e
+    except OSError as e:
+        raise EvalError(f"{flag}: cannot write in {folder} ({e.strerror or e}); choose another location") from e
 
 
 def write_text_atomically(path: str | os.PathLike, text: str) -> None:

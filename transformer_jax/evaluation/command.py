@@ -43,7 +43,7 @@ from transformer_jax.evaluation.run import (
     sampling_of,
 )
 from transformer_jax.evaluation.scoring import score_lines
-from transformer_jax.evaluation.translate import check_nbest, check_sampling, format_scores
+from transformer_jax.evaluation.translate import check_nbest, check_sampling, format_scores, nbest_lines
 
 # -- the checkpoint flags: evaluate.py's, the export's, translate_corpus's (same names, defaults, help), so that
 # an export serves exactly the parameters evaluate.py scored -----------------------------------------------------
@@ -320,7 +320,7 @@ def parse(values: Mapping[str, Any]) -> tuple[Mode, Outputs]:
         mode = dataclasses.replace(request, model=model, decoding=_with_defaults(given))
         if mode.decoding.sampling:
             check_sampling(sampling_of(mode.decoding), mode.decoding.mbr or mode.decoding.num_samples)
-    refuse_overwriting_inputs(written, input_files(mode))
+    runtime.refuse_overwriting_inputs(written, input_files(mode))
     return mode, outputs
 
 
@@ -332,7 +332,7 @@ def _no_model(v: Mapping[str, Any]) -> ScoresOnly | Compare:
     if baseline is not None:
         if not baseline:
             raise EvalError("--compare_file is empty: give the baseline system's translations")
-        if _same_file(baseline, hypotheses):
+        if runtime.same_file(baseline, hypotheses):
             raise EvalError(
                 f"--compare_file {baseline} is --hypotheses_file {hypotheses}: a system compared "
                 "with itself differs by nothing; give the other system's translations"
@@ -346,7 +346,7 @@ def _no_model(v: Mapping[str, Any]) -> ScoresOnly | Compare:
             "would be ignored: drop them, or drop --hypotheses_file to translate"
         )
     inputs = {"--hypotheses_file": hypotheses, "--compare_file": baseline, "--references_file": references}
-    refuse_overwriting_inputs({"--scores_file": v["scores_file"]}, inputs)
+    runtime.refuse_overwriting_inputs({"--scores_file": v["scores_file"]}, inputs)
     return ScoresOnly(hypotheses, references) if baseline is None else Compare(hypotheses, baseline, references)
 
 
@@ -398,51 +398,6 @@ def output_files(output_file: str | None, scores_file: str | None, stdin: bool) 
     if output_file is None and not stdin:
         return {"--scores_file": scores_file}  # the default output is checked once its name is known
     return {"--output_file": output_file, "--scores_file": scores_file}
-
-
-def _same_file(a: str, b: str) -> bool:
-    """Whether a and b name one file: any spelling, symbolic or hard links (paths that do not exist: spelling)."""
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return os.path.realpath(a) == os.path.realpath(b)
-
-
-def refuse_overwriting_inputs(outputs: dict[str, str | None], inputs: dict[str, str | None]) -> None:
-    outputs = {k: v for k, v in outputs.items() if v}
-    inputs = {k: v for k, v in inputs.items() if v}
-    for out_flag, out in outputs.items():
-        for in_flag, path in inputs.items():
-            if _same_file(out, path):
-                raise EvalError(
-                    f"{out_flag} {out} is the input {in_flag} {path}: writing it would destroy the input; "
-                    "choose another output file"
-                )
-    names = list(outputs.items())
-    for i, (flag_a, a) in enumerate(names):
-        for flag_b, b in names[i + 1 :]:
-            if _same_file(a, b):
-                raise EvalError(f"{flag_a} and {flag_b} are the same file {a}; choose two different files")
-
-
-def check_writable(path: str | os.PathLike, flag: str) -> None:
-    """EvalError unless file `path` can be written, its folder created: tested without leaving anything behind."""
-    path = Path(path)
-    if path.is_dir():
-        raise EvalError(f"{flag} {path} is a directory; give a file name")
-    if path.exists() and not os.access(path, os.W_OK):
-        raise EvalError(f"{flag} {path}: permission denied; choose another output file")
-    check_folder_writable(path.parent, flag)
-
-
-def check_folder_writable(folder: str | os.PathLike, flag: str) -> None:
-    """EvalError unless files can be written in `folder`, which may not exist yet (then: can it be created)."""
-    try:
-        runtime.probe_writable(folder, create=False)
-    except NotADirectoryError as e:
-        raise EvalError(f"{flag}: {e.strerror}, so {folder} cannot be created; choose another location") from e
-    except OSError as e:
-        raise EvalError(f"{flag}: cannot write in {folder} ({e.strerror or e}); choose another location") from e
 
 
 # The flags of a search, which --score (forced decoding: no search) would ignore.
@@ -509,11 +464,11 @@ def evaluate(values: Mapping[str, Any], *, progress: bool = True) -> dict[str, A
     stdin = getattr(mode, "stdin", False)
     for flag, path in output_files(outputs.output_file, outputs.scores_file, stdin).items():
         if path:
-            check_writable(path, flag.split(" ")[0])
+            runtime.check_writable(path, flag.split(" ")[0])
     folder = Path(mode.model.workdir) / DEFAULT_FOLDER
     if outputs.output_file is None and (not stdin or outputs.scores_file is None):
         kind = "output" if not stdin else "report"
-        check_folder_writable(folder, f"--workdir (the default {kind} folder WORKDIR/{DEFAULT_FOLDER})")
+        runtime.check_folder_writable(folder, f"--workdir (the default {kind} folder WORKDIR/{DEFAULT_FOLDER})")
     loaded = run.load(mode)
     output_file = outputs.output_file
     if output_file is None and isinstance(mode, ScorePairs):
@@ -527,7 +482,7 @@ def evaluate(values: Mapping[str, Any], *, progress: bool = True) -> dict[str, A
     nbest_file = None
     if isinstance(mode, Translate) and (mode.decoding.nbest is not None or mode.decoding.candidates > 1):
         nbest_file = written["--nbest (OUTPUT_FILE.nbest)"] = f"{output_file}.nbest"
-    refuse_overwriting_inputs(written, loaded.inputs)
+    runtime.refuse_overwriting_inputs(written, loaded.inputs)
     if isinstance(mode, ScorePairs):
         report, summary = _score(mode, loaded, output_file, progress)
         return _finish(report, scores_file, summary, outputs.json)
@@ -541,7 +496,7 @@ def evaluate(values: Mapping[str, Any], *, progress: bool = True) -> dict[str, A
     if report["scores"] is not None:
         summary.append(format_scores(report["scores"]))
     if nbest_file:
-        runtime.write_lines(nbest_file, list(run.nbest_lines(translation.lists)))
+        runtime.write_lines(nbest_file, list(nbest_lines(translation.lists)))
         report["search"] = {**report["search"], "nbest_file": nbest_file}
     if not stdin:
         summary.append(f"hypotheses: {output_file}" + (f"; n-best lists: {nbest_file}" if nbest_file else ""))
@@ -551,7 +506,7 @@ def evaluate(values: Mapping[str, Any], *, progress: bool = True) -> dict[str, A
 
 def _write_scores(mode: ScoresOnly | Compare, outputs: Outputs) -> dict[str, Any]:
     if outputs.scores_file:
-        check_writable(outputs.scores_file, "--scores_file")
+        runtime.check_writable(outputs.scores_file, "--scores_file")
     if isinstance(mode, Compare):
         report = run.compare(mode)
         summary = significance.format_comparison(
@@ -582,7 +537,7 @@ def _write_matrix(mode: Matrix, outputs: Outputs, progress: bool) -> dict[str, A
 def check_output_dir(folder: Path, flag: str) -> None:
     """EvalError unless `folder` can hold a matrix (matrix.check_folder) and be written in."""
     matrix.check_folder(folder, flag)
-    check_folder_writable(folder, flag)
+    runtime.check_folder_writable(folder, flag)
 
 
 def _stream(mode: Translate, loaded: run.Loaded, output_file: str | None) -> run.Translation:

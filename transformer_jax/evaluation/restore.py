@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import logging
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -252,3 +252,31 @@ def workdir_tokenizer(config: Any, workdir: str) -> Any:
                 "empty; evaluate with the workdir the model was trained in"
             )
     return tokenizer_lib.model_tokenizer(config, workdir)
+
+
+# -- ensembles ----------------------------------------------------------------------------------------------------
+
+
+def tokenizer_fingerprint(config: Any, tokenizer: Any) -> tuple[str, str]:
+    """What an ensemble's members must share, in words: the vocabulary size and the tokenizer's fingerprint."""
+    fingerprint = getattr(tokenizer, "fingerprint", None)
+    digest = fingerprint()[:16] if fingerprint else type(tokenizer).__name__
+    return (f"vocabulary size {config.model.vocab_size}", f"tokenizer {digest}")
+
+
+def restore_members(workdirs: Sequence[str], config: Any, tokenizer: Any) -> list[Any]:
+    """The members' models (each its latest checkpoints, averaged as its own config says); every member's
+    vocabulary and tokenizer are checked before any member's parameters are read."""
+    expected = tokenizer_fingerprint(config, tokenizer)
+    for workdir in workdirs:
+        member_config = checkpoints.load_config(workdir).copy_and_resolve_references()
+        with member_config.unlocked():
+            member_config.data.target_lang = config.data.target_lang  # the members read the same sources
+        got = tokenizer_fingerprint(member_config, workdir_tokenizer(member_config, workdir))
+        for want, have in zip(expected, got, strict=True):
+            if want != have:
+                raise EvalError(
+                    f"--ensemble_workdirs member {workdir} has {have}, --workdir has {want}: ensemble members must "
+                    "share one tokenizer"
+                )
+    return [restore_model(workdir)[1] for workdir in workdirs]

@@ -28,7 +28,13 @@ from transformer_jax.data.sources import open_split, read_all, resolve_path
 from transformer_jax.decoding import PLAIN_SAMPLING, Ensemble
 from transformer_jax.errors import ConfigError, EvalError
 from transformer_jax.evaluation import significance
-from transformer_jax.evaluation.restore import LATEST, CheckpointChoice, restore_model, workdir_tokenizer
+from transformer_jax.evaluation.restore import (
+    LATEST,
+    CheckpointChoice,
+    restore_members,
+    restore_model,
+    workdir_tokenizer,
+)
 from transformer_jax.evaluation.scoring import SentenceScore, score_pairs
 from transformer_jax.evaluation.translate import (
     DecodeSettings,
@@ -574,34 +580,6 @@ def check_prefix_count(prefixes: Sequence[str], sources: Sequence[str], prefix_n
         )
 
 
-# -- ensembles ----------------------------------------------------------------------------------------------------
-
-
-def tokenizer_fingerprint(config: Any, tokenizer: Any) -> tuple[str, str]:
-    """What an ensemble's members must share, in words: the vocabulary size and the tokenizer's fingerprint."""
-    fingerprint = getattr(tokenizer, "fingerprint", None)
-    digest = fingerprint()[:16] if fingerprint else type(tokenizer).__name__
-    return (f"vocabulary size {config.model.vocab_size}", f"tokenizer {digest}")
-
-
-def restore_members(workdirs: Sequence[str], config: Any, tokenizer: Any) -> list[Any]:
-    """The members' models (each its latest checkpoints, averaged as its own config says); every member's
-    vocabulary and tokenizer are checked before any member's parameters are read."""
-    expected = tokenizer_fingerprint(config, tokenizer)
-    for workdir in workdirs:
-        member_config = checkpoints.load_config(workdir).copy_and_resolve_references()
-        with member_config.unlocked():
-            member_config.data.target_lang = config.data.target_lang  # the members read the same sources
-        got = tokenizer_fingerprint(member_config, workdir_tokenizer(member_config, workdir))
-        for want, have in zip(expected, got, strict=True):
-            if want != have:
-                raise EvalError(
-                    f"--ensemble_workdirs member {workdir} has {have}, --workdir has {want}: ensemble members must "
-                    "share one tokenizer"
-                )
-    return [restore_model(workdir)[1] for workdir in workdirs]
-
-
 # -- minimum Bayes risk decoding (Freitag et al., 2022): among a line's N candidates (an n-best list or samples),
 # the one with the highest expected utility, the other candidates standing in for references drawn from the model:
 #     argmax_i  1/(N-1) sum_{j != i} u(h_i, h_j)
@@ -631,23 +609,3 @@ def expected_utilities(candidates: Sequence[str], u: Callable[[str, str], float]
 def mbr_choice(candidates: Sequence[str], u: Callable[[str, str], float]) -> int:
     scores = expected_utilities(candidates, u)
     return max(range(len(candidates)), key=lambda i: (scores[i], -i))
-
-
-# -- n-best lists in Marian's text format -------------------------------------------------------------------------
-
-SEPARATOR = " ||| "
-
-
-def nbest_lines(lists: Sequence[Sequence[Hypothesis]]) -> Iterable[str]:
-    for i, hypotheses in enumerate(lists):
-        for h in hypotheses:
-            yield SEPARATOR.join((str(i), h.text, f"F0= {h.log_prob:.6f}", f"{h.score:.6f}"))
-
-
-def parse_nbest_line(line: str) -> tuple[int, str, float, float]:
-    """(input line, hypothesis, log_prob, score) of one line of an n-best file."""
-    index, text, features, score = line.rstrip("\n").split(SEPARATOR)
-    name, value = features.split()
-    if name != "F0=":
-        raise ValueError(f"unexpected feature {name!r} in n-best line {line!r}")
-    return int(index), text, float(value), float(score)

@@ -25,7 +25,7 @@ import dataclasses
 import os
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import ml_collections
@@ -510,3 +510,23 @@ def format_scores(scores: dict[str, dict[str, Any]]) -> str:
         lines.append(f"sacreBLEU {score['name']} = {score['score']:.2f}  signature: {score['signature']}")
     lines.append(f"{tok['name']} = {tok['score']:.2f}  {tok['verbose']}  ({tok['procedure']})")
     return "\n".join(lines)
+
+
+# -- n-best lists in Marian's text format -------------------------------------------------------------------------
+
+SEPARATOR = " ||| "
+
+
+def nbest_lines(lists: Sequence[Sequence[Hypothesis]]) -> Iterable[str]:
+    for i, hypotheses in enumerate(lists):
+        for h in hypotheses:
+            yield SEPARATOR.join((str(i), h.text, f"F0= {h.log_prob:.6f}", f"{h.score:.6f}"))
+
+
+def parse_nbest_line(line: str) -> tuple[int, str, float, float]:
+    """(input line, hypothesis, log_prob, score) of one line of an n-best file."""
+    index, text, features, score = line.rstrip("\n").split(SEPARATOR)
+    name, value = features.split()
+    if name != "F0=":
+        raise ValueError(f"unexpected feature {name!r} in n-best line {line!r}")
+    return int(index), text, float(value), float(score)

@@ -19,11 +19,11 @@ from absl import flags
 
 from transformer_jax.cli import exit_on_user_error, fail, parse_flags
 from transformer_jax.errors import VisualizeError
-from transformer_jax.evaluation.command import check_writable
 from transformer_jax.evaluation.restore import CheckpointChoice
 from transformer_jax.explain.capture import check_sentence, explain
 from transformer_jax.explain.page import figures, render, summary
 from transformer_jax.explain.text import LANGUAGES
+from transformer_jax.runtime import check_writable
 
 PROG = "python -m transformer_jax.explain"
 

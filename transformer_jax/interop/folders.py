@@ -11,8 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from transformer_jax import runtime
 from transformer_jax.errors import EvalError
-from transformer_jax.evaluation.command import check_folder_writable
 from transformer_jax.evaluation.restore import CheckpointChoice, restore_model, saved_config, workdir_tokenizer
 
 
@@ -27,7 +27,7 @@ def check_output(output_dir: Path, force: bool, marker: str, what: str) -> None:
                 f"--output {output_dir} exists and is not {what} (no {marker}); --force replaces only an earlier "
                 "export: choose another directory"
             )
-    check_folder_writable(output_dir.parent, "--output")
+    runtime.check_folder_writable(output_dir.parent, "--output")
 
 
 def write_into_place(output_dir: Path, fill: Callable[[Path], None]) -> Path:

@@ -95,12 +95,12 @@ def job_of(
     }
     for flag, path in written.items():
         if flag.endswith("(OUTPUT.parts)"):
-            command.check_folder_writable(path, flag)
+            runtime.check_folder_writable(path, flag)
         else:
-            command.check_writable(path, flag)
+            runtime.check_writable(path, flag)
     models = {"--workdir": mode.model.workdir}
     models.update({f"--ensemble_workdirs ({w})": w for w in mode.model.ensemble_workdirs or ()})
-    command.refuse_overwriting_inputs(written, {"--input": input_file, **models})
+    runtime.refuse_overwriting_inputs(written, {"--input": input_file, **models})
     given = {name: _recorded(name, values[name]) for name in FLAG_NAMES if values.get(name) not in (None, False)}
     return Job(mode, output, chunk_lines, given, streams)
 
