@@ -108,6 +108,8 @@ def test_every_direction_scores_as_sacrebleu_and_py3langid_on_its_written_file(w
             assert r["off_target"] is None
         else:
             assert r["off_target"] == off_target(folder / f"{name}.txt", tgt)
+            counts, said = meta["identified_languages"][name], sum(bool(h.strip()) for h in hyps)
+            assert sum(counts.values()) == said and 1 - counts.get(tgt, 0) / said == pytest.approx(r["off_target"])
         if name in zero_shot:
             via = folder / f"{src}-en-{tgt}.txt"
             refs_scores = BLEU().corpus_score(read_lines(via), [refs]).score

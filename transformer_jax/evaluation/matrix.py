@@ -28,6 +28,7 @@ off_target, supervised, pivot: {bleu, chrf, off_target} | None, lines}).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 from collections.abc import Sequence
@@ -158,6 +159,12 @@ class Identifier:
     def language(self, text: str) -> str:
         return self._identifier.classify(text)[0]
 
+    def counts(self, hypotheses: Sequence[str]) -> dict[str, int] | None:
+        """How many non-blank hypotheses are identified as each language (None: it identifies nothing)."""
+        if self._identifier is None:
+            return None
+        return dict(collections.Counter(self.language(h) for h in hypotheses if h.strip()).most_common())
+
     def off_target(self, hypotheses: Sequence[str], target: str) -> float | None:
         """The share of the non-blank hypotheses identified as another language than `target` (None: cannot say)."""
         said = [h for h in hypotheses if h.strip()]
@@ -225,6 +232,10 @@ def translate(mode: run.Matrix, plan: Plan, loaded: run.Loaded, *, progress: boo
         "model_languages": plan.model_languages,
         "unidentifiable_languages": identifier.unknown,  # py3langid does not know them: off_target None
         "identified_among": identifier.known if len(identifier.known) >= 2 else [],
+        # where the off-target outputs went: each output file's non-blank lines by identified language
+        "identified_languages": {
+            name: identifier.counts([h.rstrip() for h in lines]) for name, lines in outputs.items()
+        },
         "supervised_directions": sorted(plan.supervised),
         "pivot": plan.pivot,
         "decoding": settings.report(),
