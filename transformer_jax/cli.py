@@ -238,6 +238,16 @@ def check_model(values: Mapping[str, Any]) -> None:
         raise ConfigError(
             f"config key model.d_model: the sinusoidal positional encoding needs an even d_model, got {d_model}"
         )
+    if m["positional"] == "sinusoidal" and m["sinusoid_layout"] == "fairseq" and d_model < 4:
+        raise ConfigError(
+            f"config key model.sinusoid_layout: fairseq's frequencies need d_model >= 4, got {d_model}; "
+            "raise model.d_model or choose another layout"
+        )
+    if m["positional"] == "learned" and m["position_offset"] >= m["max_len"]:
+        raise ConfigError(
+            f"config key model.position_offset: {m['position_offset']} leaves none of the {m['max_len']} rows of "
+            "the learned positional embedding (model.max_len) for position 0; lower it or raise model.max_len"
+        )
     if m["attention_dropout_rate"] > 0 and m["attention.impl"] != "xla":
         raise ConfigError(
             f"config key model.attention_dropout_rate: attention-weight dropout needs the materialised weights of "
@@ -320,10 +330,11 @@ def check_between(values: Mapping[str, Any]) -> None:
             )
     check_init(values["train.init_step"], values["train.init_from"])
     _check_languages(values)
-    if values["model.positional"] == "learned" and values["data.max_len"] > values["model.max_len"]:
+    positions = values["model.max_len"] - values["model.position_offset"]  # a learned table's rows from the offset
+    if values["model.positional"] == "learned" and values["data.max_len"] > positions:
         raise ConfigError(
-            f"config key data.max_len: {values['data.max_len']} tokens per side exceed the {values['model.max_len']} "
-            "positions of the learned positional embedding (model.max_len); lower one or raise the other"
+            f"config key data.max_len: {values['data.max_len']} tokens per side exceed the {positions} positions of "
+            "the learned positional embedding (model.max_len less model.position_offset); lower one or raise the other"
         )
 
 
