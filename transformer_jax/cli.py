@@ -257,7 +257,8 @@ def check_model(values: Mapping[str, Any]) -> None:
 
 def check_special_ids(m: Mapping[str, Any]) -> None:
     """model.pad_id/eos_id/bos_id/unk_id (keys without `model.`): each a row of the vocabulary; pad, eos and unk
-    distinct, bos distinct from eos and unk (it may be pad: Marian's decoder starts from pad)."""
+    distinct, bos distinct from unk (it may be pad: Marian's decoder starts from pad; or eos: fairseq's starts from
+    `</s>`, and the search stops only when it emits eos, never at its first input)."""
     ids = {f"{f}_id": m[f"{f}_id"] for f in ("pad", "eos", "bos", "unk")}
     for key, value in ids.items():
         if value >= m["vocab_size"]:
@@ -268,7 +269,6 @@ def check_special_ids(m: Mapping[str, Any]) -> None:
         ("pad_id", "eos_id"),
         ("pad_id", "unk_id"),
         ("eos_id", "unk_id"),
-        ("bos_id", "eos_id"),
         ("bos_id", "unk_id"),
     ):
         if ids[a] == ids[b]:
