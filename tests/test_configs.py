@@ -188,7 +188,7 @@ def test_configs_saved_before_the_special_id_keys_keep_the_constants_of_their_ve
         ({"pad_id": 50}, "model.pad_id: 50 is not a row of the vocabulary"),
         ({"eos_id": 0}, "model.eos_id: equals model.pad_id"),
         ({"unk_id": 1}, "model.unk_id: equals model.eos_id"),
-        ({"bos_id": 1}, "model.eos_id: equals model.bos_id"),
+        ({"bos_id": 3}, "model.unk_id: equals model.bos_id"),  # bos may equal eos (fairseq), never unk
         ({"pad_id": -1}, "model.pad_id: must be"),
     ],
 )

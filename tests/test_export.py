@@ -8,6 +8,7 @@ stopping rules are compared. Skipped when ctranslate2 is not installed.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -140,14 +141,14 @@ def assert_same_log_probs(model, path, tokenizer, directory: Path) -> None:
     src_BS = np.zeros((8, max(map(len, sources)) + 1), np.int32)
     tgt_BT = np.zeros((8, max(map(len, targets)) + 1), np.int32)
     for b, (s, t) in enumerate(zip(sources, targets, strict=True)):
-        src_BS[b, : len(s) + 1] = s + [SpecialIds.DEFAULT.eos]
-        tgt_BT[b, : len(t) + 1] = [SpecialIds.DEFAULT.bos] + t
+        src_BS[b, : len(s) + 1] = s + [tokenizer.ids.eos]
+        tgt_BT[b, : len(t) + 1] = [tokenizer.ids.bos] + t
     log_probs_BTV = np.asarray(jax.nn.log_softmax(forward(model, jnp.asarray(src_BS), jnp.asarray(tgt_BT)), -1))
     results = translator(path).score_batch(
         [[pieces[i] for i in s] for s in sources], [[pieces[i] for i in t] for t in targets]
     )
     for b, (t, result) in enumerate(zip(targets, results, strict=True)):
-        ours = log_probs_BTV[b, np.arange(len(t) + 1), t + [SpecialIds.DEFAULT.eos]]  # y_1 .. y_n then EOS
+        ours = log_probs_BTV[b, np.arange(len(t) + 1), t + [tokenizer.ids.eos]]  # y_1 .. y_n then EOS
         np.testing.assert_allclose(result.log_probs, ours, atol=1e-4, rtol=0)
 
 
@@ -231,9 +232,15 @@ ONE_OPTION = [
     dict(activation="swish"),
     dict(final_logits_bias=True),
     dict(sinusoid_layout="concatenated"),
+    dict(sinusoid_layout="fairseq"),
+    dict(position_offset=2),
+    dict(positional="learned", max_len=20, position_offset=2),  # rows 2 .. 19: 18 positions, as above
 ]
 # What a Marian (OPUS-MT) model is besides the paper's: each maps onto the engine as its own Marian loader does.
 MARIAN_OPTIONS = dict(activation="swish", final_logits_bias=True, sinusoid_layout="concatenated", norm_epsilon=1e-5)
+
+# What an M2M-100 / NLLB-200 model is besides the paper's (bos = eos: its decoder starts from </s>).
+FAIRSEQ_OPTIONS = dict(sinusoid_layout="fairseq", position_offset=2, norm_position="pre", norm_epsilon=1e-5)
 
 
 def export_options(tokenizer, directory: Path, overrides: dict):
@@ -260,6 +267,28 @@ def test_marian_options_give_our_log_probs_and_greedy_outputs_with_eval_max_len(
     assert_same_greedy_outputs(model, path, tokenizer, lines, SETTINGS)
     capped = assert_same_greedy_outputs(model, path, tokenizer, lines, dataclasses.replace(SETTINGS, max_len=4))
     assert capped["tgt_tokens"] <= 4 * (capped["sentences"] - capped["empty"])
+
+
+def test_fairseq_positions_and_a_decoder_starting_from_eos_give_our_log_probs_and_greedy_outputs(corpus, tmp_path):
+    """fairseq's sinusoids from position 2 (the engine's table from the offset on, as its own M2M-100 loader writes
+    it), pre-LN, and decoding from </s> (bos = eos: the engine's decoder_start_token)."""
+    directory, tokenizer = corpus
+    fairseq = copy.copy(tokenizer)  # the same pieces, read as a converted fairseq model's: bos = eos
+    fairseq.ids = dataclasses.replace(SpecialIds.DEFAULT, bos=SpecialIds.DEFAULT.eos)
+    # EOS is also the first input, whose own tied logit wins at once: an untied output layer whose EOS column is
+    # 1.05 x that of piece 172 (which its outputs often emit) ends some outputs early and leaves others to the limit.
+    eos = SpecialIds.DEFAULT.eos
+    model = tiny_model(
+        0, num_encoder_layers=1, num_decoder_layers=1, vocab_size=VOCAB, tie_output=False, bos_id=eos, **FAIRSEQ_OPTIONS
+    )
+    kernel = model.output_proj.kernel
+    kernel[...] = kernel[...].at[:, eos].set(1.05 * kernel[...][:, 172])
+    path = export_lib.to_ctranslate2(model, fairseq, tmp_path / "ct2", max_positions=64)
+    config = json.loads((path / "config.json").read_text())
+    assert config["decoder_start_token"] == config["eos_token"] == config["bos_token"]
+    assert_same_log_probs(model, path, fairseq, directory)
+    stats = assert_same_greedy_outputs(model, path, fairseq, sentences(directory, tokenizer), SETTINGS)
+    assert 0 < stats["hit_max_len"] < stats["sentences"] - stats["empty"], "both stopping rules must be exercised"
 
 
 @pytest.mark.slow

@@ -238,6 +238,16 @@ def check_model(values: Mapping[str, Any]) -> None:
         raise ConfigError(
             f"config key model.d_model: the sinusoidal positional encoding needs an even d_model, got {d_model}"
         )
+    if m["positional"] == "sinusoidal" and m["sinusoid_layout"] == "fairseq" and d_model < 4:
+        raise ConfigError(
+            f"config key model.sinusoid_layout: fairseq's frequencies need d_model >= 4, got {d_model}; "
+            "raise model.d_model or choose another layout"
+        )
+    if m["positional"] == "learned" and m["position_offset"] >= m["max_len"]:
+        raise ConfigError(
+            f"config key model.position_offset: {m['position_offset']} leaves none of the {m['max_len']} rows of "
+            "the learned positional embedding (model.max_len) for position 0; lower it or raise model.max_len"
+        )
     if m["attention_dropout_rate"] > 0 and m["attention.impl"] != "xla":
         raise ConfigError(
             f"config key model.attention_dropout_rate: attention-weight dropout needs the materialised weights of "
@@ -247,7 +257,8 @@ def check_model(values: Mapping[str, Any]) -> None:
 
 def check_special_ids(m: Mapping[str, Any]) -> None:
     """model.pad_id/eos_id/bos_id/unk_id (keys without `model.`): each a row of the vocabulary; pad, eos and unk
-    distinct, bos distinct from eos and unk (it may be pad: Marian's decoder starts from pad)."""
+    distinct, bos distinct from unk (it may be pad: Marian's decoder starts from pad; or eos: fairseq's starts from
+    `</s>`, and the search stops only when it emits eos, never at its first input)."""
     ids = {f"{f}_id": m[f"{f}_id"] for f in ("pad", "eos", "bos", "unk")}
     for key, value in ids.items():
         if value >= m["vocab_size"]:
@@ -258,7 +269,6 @@ def check_special_ids(m: Mapping[str, Any]) -> None:
         ("pad_id", "eos_id"),
         ("pad_id", "unk_id"),
         ("eos_id", "unk_id"),
-        ("bos_id", "eos_id"),
         ("bos_id", "unk_id"),
     ):
         if ids[a] == ids[b]:
@@ -320,10 +330,11 @@ def check_between(values: Mapping[str, Any]) -> None:
             )
     check_init(values["train.init_step"], values["train.init_from"])
     _check_languages(values)
-    if values["model.positional"] == "learned" and values["data.max_len"] > values["model.max_len"]:
+    positions = values["model.max_len"] - values["model.position_offset"]  # a learned table's rows from the offset
+    if values["model.positional"] == "learned" and values["data.max_len"] > positions:
         raise ConfigError(
-            f"config key data.max_len: {values['data.max_len']} tokens per side exceed the {values['model.max_len']} "
-            "positions of the learned positional embedding (model.max_len); lower one or raise the other"
+            f"config key data.max_len: {values['data.max_len']} tokens per side exceed the {positions} positions of "
+            "the learned positional embedding (model.max_len less model.position_offset); lower one or raise the other"
         )
 
 

@@ -75,7 +75,7 @@ ACTIVATIONS = ("relu", "gelu", "swiglu", "swish")
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("post", "pre")
 POSITIONALS = ("sinusoidal", "learned", "none")
-SINUSOID_LAYOUTS = ("interleaved", "concatenated")
+SINUSOID_LAYOUTS = ("interleaved", "concatenated", "fairseq")  # model/layers.py sinusoidal_encoding
 # Where the language tokens of a multilingual model go (data/languages.py says what each does).
 LANG_TOKENS = ("none", "source", "target", "source_and_target")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -125,7 +125,7 @@ KEYS: tuple[Key, ...] = (
         for f, doc in (
             ("pad", "token id of padding, never emitted"),
             ("eos", "token id ending every sentence"),
-            ("bos", "token id of the first decoder input (may equal model.pad_id)"),
+            ("bos", "token id of the first decoder input (may equal model.pad_id or model.eos_id)"),
             ("unk", "token id of an unknown piece"),
         )
     ),
@@ -207,8 +207,18 @@ KEYS: tuple[Key, ...] = (
         "model.sinusoid_layout",
         "interleaved",
         choice(SINUSOID_LAYOUTS),
-        "columns of the sinusoidal table: interleaved (paper: PE[p, 2i] = sin, PE[p, 2i+1] = cos) or concatenated"
-        " (Marian, fairseq: the sines in the first d_model/2 columns, the cosines in the last)",
+        "columns of the sinusoidal table: interleaved (paper: PE[p, 2i] = sin, PE[p, 2i+1] = cos), concatenated"
+        " (Marian's: the same sines in the first d_model/2 columns, the cosines in the last) or fairseq (sin | cos"
+        " halves of the frequencies exp(-ln(10000) i / (d_model/2 - 1)): fairseq's, M2M-100's, NLLB-200's)",
+        MATCH,
+        architecture=True,
+    ),
+    Key(
+        "model.position_offset",
+        0,
+        count(0),
+        "positions added to every source and target position before the positional encoding (M2M-100, NLLB-200:"
+        " 2, fairseq's padding_idx + 1); a learned table then holds model.max_len - offset positions",
         MATCH,
         architecture=True,
     ),

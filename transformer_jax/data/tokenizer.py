@@ -254,8 +254,12 @@ def one_line(text: str) -> str:
 
 
 def _content(ids: Iterable[int], reserved: SpecialIds, *, drop: tuple[int, ...]) -> list[int]:
-    """ids up to the first EOS, those in `drop` left out."""
-    return [i for i in itertools.takewhile(lambda i: i != reserved.eos, map(int, ids)) if i not in drop]
+    """ids up to the first EOS, those in `drop` left out. A leading BOS (the decoder's first input, not an emission)
+    is dropped before EOS is looked for: where bos = eos (fairseq's decoder starts from `</s>`) it ends nothing."""
+    ids = list(map(int, ids))
+    if ids and ids[0] == reserved.bos:
+        ids = ids[1:]
+    return [i for i in itertools.takewhile(lambda i: i != reserved.eos, ids) if i not in drop]
 
 
 def _load_vocab(path: Path, ids: SpecialIds) -> dict[str, int]:
@@ -298,11 +302,12 @@ def train_tokenizer(
 ) -> Tokenizer:
     """Trains a SentencePiece model (unigram or bpe) reserving `ids` on `sentences`; writes it atomically to
     `model_path`. `symbols` (corpus tags) become user-defined pieces: one id each, never split."""
-    if ids.bos == ids.pad:
-        raise DataError(
-            f"a SentencePiece model trained here needs model.bos_id ({ids.bos}) other than model.pad_id; "
-            "set them apart, or give the workdir a converted model's tokenizer"
-        )
+    for other in ("pad", "eos"):  # SentencePiece reserves a piece of its own for each
+        if ids.bos == getattr(ids, other):
+            raise DataError(
+                f"a SentencePiece model trained here needs model.bos_id ({ids.bos}) other than model.{other}_id; "
+                "set them apart, or give the workdir a converted model's tokenizer"
+            )
     if model_type not in ("unigram", "bpe"):
         raise DataError(f"unknown data.tokenizer_type {model_type!r}; choose unigram or bpe")
     model_path = Path(model_path)

@@ -51,9 +51,9 @@ class Ensemble(nnx.Module):
 
     @property
     def spec(self) -> Any:
-        """The spec whose position limit is the tightest (a learned table's rows; sinusoidal: none)."""
+        """The spec whose position limit is the tightest (a learned table's rows from its offset; sinusoidal: none)."""
         learned = [m.spec for m in self.members if m.spec.positional == "learned"]
-        return min(learned, key=lambda s: s.max_len) if learned else self.members[0].spec
+        return min(learned, key=lambda s: s.max_len - s.position_offset) if learned else self.members[0].spec
 
     def _parts(self, cache: Cache) -> list[Cache]:
         """Each member's own cache (its layers of whichever per-layer lists the cache has: the search binding splits

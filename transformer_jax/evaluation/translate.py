@@ -88,8 +88,9 @@ def sources_of(
 
 
 def position_limit(spec: Any) -> int | None:
-    """The most positions the model can encode or decode: a learned table's rows; None (no limit) otherwise."""
-    return spec.max_len if spec.positional == "learned" else None
+    """The most positions the model can encode or decode: a learned table's rows from model.position_offset on; None
+    (no limit) otherwise."""
+    return spec.max_len - spec.position_offset if spec.positional == "learned" else None
 
 
 def input_limit(max_input_len: int, position_limit: int | None) -> int:

@@ -167,7 +167,7 @@ def explain(
     else:
         tgt_ids = [t for t in best if t not in (ids.eos, ids.pad)]
     if spec.positional == "learned":
-        tgt_ids = tgt_ids[: spec.max_len - 1]
+        tgt_ids = tgt_ids[: position_limit(spec) - 1]
     tgt_in_ids = [ids.bos, *tgt_ids]
     logits_TV, sown = sown_forward(model, src_ids, tgt_in_ids, capture_intermediates)
     return Explanation(

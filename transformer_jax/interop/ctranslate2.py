@@ -10,10 +10,12 @@ checked by tests/test_export.py against decoding.Searcher's outputs and the mode
 - post-LN is CTranslate2's pre_norm=False (no final norm); pre-LN adds the final encoder and decoder norms. The
   norm epsilon is config.json's layer_norm_epsilon.
 - Positions are an explicit table added after the embedding * sqrt(d_model), as CTranslate2's own Marian loader
-  writes Marian's: ours in model.sinusoid_layout for `max_positions` positions, a learned table as it is, and
-  positional=none as zeros. swish is the engine's SWISH without GLU, swiglu with GLU; final_logits_bias is the
-  output projection's bias, where CTranslate2's Marian loader puts Marian's.
-- Sources end with EOS (add_source_eos), as in training; decoding starts from BOS and stops at EOS.
+  writes Marian's: ours in model.sinusoid_layout (fairseq's included) for `max_positions` positions, a learned table
+  as it is, and positional=none as zeros; each from model.position_offset on, as its M2M-100 loader writes
+  fairseq's. swish is the engine's SWISH without GLU, swiglu with GLU; final_logits_bias is the output projection's
+  bias, where CTranslate2's Marian loader puts Marian's.
+- Sources end with EOS (add_source_eos), as in training; decoding starts from BOS (decoder_start_token, which may
+  be EOS, as fairseq's) and stops at an emitted EOS.
 - Weights are float32, as trained, unless `quantization` (QUANTIZATIONS, CTranslate2's own) asks otherwise; the
   engine picks its compute type at load time. A model.dtype=bfloat16 model decodes in bfloat16 here, so its
   outputs may differ from the engine's float32 ones.
@@ -44,6 +46,7 @@ from transformer_jax.evaluation.translate import (
     output_limit,
     sources_of,
 )
+from transformer_jax.evaluation.translate import position_limit as learned_positions
 from transformer_jax.interop import folders
 from transformer_jax.interop.folders import vocabulary
 from transformer_jax.model.layers import TransformerSpec, sinusoidal_encoding
@@ -73,14 +76,16 @@ def check_exportable(spec: Any) -> None:
 
 
 def position_table(model: Any, max_positions: int, target: bool) -> np.ndarray:
-    """[P, D] float32: the positional encoding added at positions 0 .. P-1 (the learned table: its own rows)."""
+    """[P, D] float32: the positional encoding added at positions 0 .. P-1, each shifted by model.position_offset (the
+    engine's row p is the model's position p + offset, as CTranslate2's own M2M-100 loader writes fairseq's table
+    from its offset on; a learned table: its rows from the offset on)."""
     spec = model.spec
     if spec.positional == "learned":
         table = model.tgt_positions if target else model.src_positions
-        return _array(table.table_LD)
+        return _array(table.table_LD)[spec.position_offset :]
     if spec.positional == "none":
         return np.zeros((max_positions, spec.d_model), np.float32)
-    positions_1P = jnp.arange(max_positions, dtype=jnp.int32)[None]
+    positions_1P = spec.position_offset + jnp.arange(max_positions, dtype=jnp.int32)[None]
     return np.array(sinusoidal_encoding(positions_1P, spec.d_model, spec.sinusoid_layout)[0], np.float32)
 
 
@@ -322,7 +327,7 @@ def export_workdir(
         "quantization": quantization or "float32",
         "workdir": str(workdir),
         "checkpoint_steps": steps,
-        "max_positions": model.spec.max_len if model.spec.positional == "learned" else max_positions,
+        "max_positions": learned_positions(model.spec) or max_positions,
         "eval": {
             "max_extra_len": config.eval.max_extra_len,
             "max_len": config.eval.max_len,

@@ -374,6 +374,11 @@ def check_exportable(config: Any) -> None:
         (m.qk_head_dim not in (0, d_head), f"model.qk_head_dim={m.qk_head_dim} (Marian's heads are d_model/h)"),
         (m.v_head_dim not in (0, d_head), f"model.v_head_dim={m.v_head_dim} (Marian's heads are d_model/h)"),
         (m.positional != "sinusoidal", f"model.positional={m.positional!r} (Marian's positions are sinusoidal)"),
+        (
+            m.sinusoid_layout == "fairseq",
+            "model.sinusoid_layout='fairseq' (Marian's sinusoids have other frequencies: interleaved or concatenated)",
+        ),
+        (m.position_offset != 0, f"model.position_offset={m.position_offset} (Marian's positions start at 0)"),
         (not m.tie_output, "model.tie_output=False (the output layer must be the target embedding)"),
         (config.attention.window != 0, f"attention.window={config.attention.window} (Marian attends everywhere)"),
     )

@@ -35,14 +35,15 @@ class SpecialIds:
     functions).
 
     A SentencePiece model trained here reserves `DEFAULT` (schema.SPECIAL_IDS); a converted Marian model keeps its
-    own (eos 0, unk 1, pad = bos = vocab_size - 1: its decoder starts from pad). Batches pad with `pad`, every
-    source and target ends with `eos`, decoding starts from `bos` and stops at `eos`. Since bos may equal pad,
-    whether a target position is real comes from the batch's segment ids or lengths, never from `tokens != pad`.
+    own (eos 0, unk 1, pad = bos = vocab_size - 1: its decoder starts from pad); a fairseq model's decoder starts
+    from eos (bos = eos). Batches pad with `pad`, every source and target ends with `eos`, decoding starts from `bos`
+    and stops when it emits `eos` (the input bos is not an emission). Since bos may equal pad, whether a target
+    position is real comes from the batch's segment ids or lengths, never from `tokens != pad`.
     """
 
     pad: int  # padding: never a real token, never emitted by the search
     eos: int  # end of sentence: ends every source and target, and stops the search
-    bos: int  # the first decoder input (may equal pad, as Marian's decoder_start_token_id does)
+    bos: int  # the first decoder input (may equal pad, as Marian's decoder_start_token_id does, or eos, as fairseq's)
     unk: int  # unknown piece
     # A multilingual model's language tokens (data/languages.py): the search emits one only where it is forced, as
     # the output's first token, where it adds 0 to the log-probability (transformers' forced BOS); none after it.
@@ -88,7 +89,7 @@ class TransformerSpec:
     source_vocab_size: int  # 0 = vocab_size
     pad_id: int
     eos_id: int
-    bos_id: int  # may equal pad_id (Marian's decoder starts from pad)
+    bos_id: int  # may equal pad_id (Marian's decoder starts from pad) or eos_id (fairseq's starts from eos)
     unk_id: int
     d_model: int
     num_heads: int
@@ -106,7 +107,8 @@ class TransformerSpec:
     norm_position: str
     norm_epsilon: float
     positional: str
-    sinusoid_layout: str  # interleaved (paper) or concatenated (Marian): layers.sinusoidal_encoding
+    sinusoid_layout: str  # interleaved (paper), concatenated (Marian) or fairseq: layers.sinusoidal_encoding
+    position_offset: int  # added to every position before the positional encoding (fairseq's start at 2)
     lang_token: str  # where a multilingual model's language tokens go (data/languages.py); vocab_size counts them
     max_len: int
     share_embeddings: bool
@@ -344,18 +346,29 @@ tied_logits.defvjp(_tied_logits_fwd, _tied_logits_bwd)
 def sinusoidal_encoding(positions_BT: Array, d_model: int, layout: str) -> Array:
     """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)) (paper 3.5).
 
-    layout (model.sinusoid_layout): "interleaved" indexes the columns as the formula does; "concatenated" (Marian,
-    fairseq) holds the same frequencies as PE(pos, i) = sin, PE(pos, d_model/2 + i) = cos. Computed from explicit
-    positions so that packed sequences restart at 0. Returns float32 [B, T, D].
+    layout (model.sinusoid_layout): "interleaved" indexes the columns as the formula does; "concatenated" (Marian's,
+    as transformers' MarianSinusoidalPositionalEmbedding computes it) holds the same frequencies as PE(pos, i) = sin,
+    PE(pos, d_model/2 + i) = cos; "fairseq" (fairseq's and tensor2tensor's get_timing_signal_1d, transformers'
+    M2M100SinusoidalPositionalEmbedding) concatenates sin | cos of other frequencies, exp(-log(10000) i / (d_model/2
+    - 1)) for i = 0 .. d_model/2 - 1, so that the last is exactly 1/10000 (it needs d_model >= 4). Computed from
+    explicit positions so that packed sequences restart at 0 (the caller adds model.position_offset). Returns float32
+    [B, T, D].
     """
     if d_model % 2:
         raise ValueError(f"sinusoidal positional encoding needs an even model.d_model, got {d_model}")
-    if layout not in ("interleaved", "concatenated"):
+    if layout not in schema.SINUSOID_LAYOUTS:
         raise ValueError(f"unknown model.sinusoid_layout {layout!r}")
-    two_i = jnp.arange(0, d_model, 2, dtype=jnp.float32)  # 2i for i = 0 .. d_model/2 - 1
-    inv_freq_Z = 1.0 / (10000.0 ** (two_i / d_model))
+    if layout == "fairseq":
+        if d_model < 4:
+            raise ValueError(f"model.sinusoid_layout=fairseq needs model.d_model >= 4, got {d_model}")
+        # As fairseq computes it, in float32: the step of the log-frequencies, then exp of i times it.
+        step = math.log(10000.0) / (d_model // 2 - 1)
+        inv_freq_Z = jnp.exp(jnp.arange(d_model // 2, dtype=jnp.float32) * -step)
+    else:
+        two_i = jnp.arange(0, d_model, 2, dtype=jnp.float32)  # 2i for i = 0 .. d_model/2 - 1
+        inv_freq_Z = 1.0 / (10000.0 ** (two_i / d_model))
     angles_BTZ = positions_BT.astype(jnp.float32)[..., None] * inv_freq_Z
-    if layout == "concatenated":
+    if layout != "interleaved":
         return jnp.concatenate([jnp.sin(angles_BTZ), jnp.cos(angles_BTZ)], axis=-1)
     # Interleave so that even features are sines and odd features cosines, exactly as the formula indexes them.
     pe_BTZ2 = jnp.stack([jnp.sin(angles_BTZ), jnp.cos(angles_BTZ)], axis=-1)

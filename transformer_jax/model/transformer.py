@@ -202,10 +202,15 @@ class Transformer(nnx.Module):
     # -- pieces ------------------------------------------------------------------------------------------------
 
     def _embed(self, tokens_BT: Array, positions_BT: Array, target: bool) -> Array:
-        """Dropout(Embedding(tokens) * sqrt(d_model) + PE(positions)) (paper 3.4, 3.5, 5.4)."""
+        """Dropout(Embedding(tokens) * sqrt(d_model) + PE(positions + model.position_offset)) (paper 3.4, 3.5, 5.4).
+
+        The offset shifts only what the positional encoding reads (every source and target position, the cached
+        decoder's included): attention's masks take the unshifted positions, whose differences it leaves alone."""
         embed = self.tgt_embed if (target and self.tgt_embed is not None) else self.src_embed
         x = embed(tokens_BT)
         scaled = x
+        if self.spec.position_offset:  # a Python int: the default model traces exactly as without the key
+            positions_BT = positions_BT + self.spec.position_offset
         if self.spec.positional == "sinusoidal":
             pe_BTD = sinusoidal_encoding(positions_BT, self.spec.d_model, self.spec.sinusoid_layout)
             x = x + pe_BTD.astype(x.dtype)
@@ -223,13 +228,20 @@ class Transformer(nnx.Module):
     ) -> tuple[Array, Array]:
         """Unpacked inputs: segment 1 for real tokens, 0 for padding (`unpacked_segment_ids`); positions 0, 1, ..."""
         batch, length = tokens_BT.shape
-        if self.spec.positional == "learned" and length > self.spec.max_len:
-            raise ValueError(f"sequence of {length} tokens exceeds model.max_len={self.spec.max_len}")
+        self._check_positions(length, "sequence of")
         if segment_ids is None:
             segment_ids = unpacked_segment_ids(tokens_BT, self.spec.pad_id, target=target)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
         return segment_ids, positions
+
+    def _check_positions(self, length: int, what: str) -> None:
+        """ValueError when a learned table has no row for `length` positions from model.position_offset on (out-of-range
+        rows cannot raise inside jit)."""
+        spec = self.spec
+        if spec.positional == "learned" and length + spec.position_offset > spec.max_len:
+            offset = f" from model.position_offset={spec.position_offset}" if spec.position_offset else ""
+            raise ValueError(f"{what} {length} tokens{offset} exceeds model.max_len={spec.max_len}")
 
     def logits(self, y_BTD: Array) -> Array:
         """The pre-softmax linear transformation, sharing the embedding matrix when tied (paper 3.4), in float32;
@@ -327,8 +339,7 @@ class Transformer(nnx.Module):
         Keys and values are held heads-first (model/layers.py CACHE_SLOT_AXIS); `grow_cache` adds slots. With a
         softmax attention the cache also holds a beam lineage [B, max_len] (`reorder_cache`).
         """
-        if self.spec.positional == "learned" and max_len > self.spec.max_len:
-            raise ValueError(f"decoding {max_len} tokens exceeds model.max_len={self.spec.max_len}")
+        self._check_positions(max_len, "decoding")
         src_segment_ids = _source_segment_ids(src_tokens, src_segment_ids, self.spec.pad_id, "init_cache")
         batch = memory.shape[0]
         dtype = self.spec.compute_dtype
@@ -362,8 +373,7 @@ class Transformer(nnx.Module):
     def grow_cache(self, cache: Cache, max_len: int) -> Cache:
         """`cache` with room for max_len target tokens (at least its own), the tokens decoded so far kept: a step
         reads only as many slots as the longest output may have reached (decoding/state.py's cache stages)."""
-        if self.spec.positional == "learned" and max_len > self.spec.max_len:
-            raise ValueError(f"decoding {max_len} tokens exceeds model.max_len={self.spec.max_len}")
+        self._check_positions(max_len, "decoding")
         grown = {**cache, "self": [grow_self_cache(c, max_len) for c in cache["self"]]}
         if "lineage" in cache:
             grown["lineage"] = jnp.pad(cache["lineage"], [(0, 0), (0, max_len - cache["lineage"].shape[1])])

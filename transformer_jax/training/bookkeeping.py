@@ -404,6 +404,7 @@ def state_keys(saved_keys: Iterable[str], fields: Sequence[str]) -> dict[str, An
 ADDED_KEYS: dict[str, Any] = {
     "model.final_logits_bias": False,  # no bias on the logits
     "model.sinusoid_layout": "interleaved",  # the paper's, the only layout there was
+    "model.position_offset": 0,  # positions start at 0
     "eval.max_len": 0,  # no absolute cap on outputs, only eval.max_extra_len
     "model.source_vocab_size": 0,  # the source vocabulary is the target's
     "data.tokenizer": "spm",  # one joint SentencePiece model, the only tokenizer there was
