@@ -167,6 +167,15 @@ def test_the_direction_places_the_model_s_language_tokens(tmp_path):
         assert run.load(run.Translate(model, split="test")).language_ids == expected
 
 
+def test_a_workdir_tokenizer_places_language_ids_as_the_model_does(tmp_path):
+    from transformer_jax.evaluation.restore import saved_config, workdir_tokenizer
+
+    for scheme in ("source", "target", "source_and_target"):
+        workdir = multilingual_workdir(tmp_path / scheme, scheme)
+        config = saved_config(str(workdir), None)
+        assert workdir_tokenizer(config, str(workdir)).language_table == languages.Placement.of(config)
+
+
 def test_score_excludes_the_forced_token(workdir):
     report = evaluate(dict(workdir=str(workdir), split="test", target_lang="de", score=True))
     lines = Path(report["scores_file"]).read_text(encoding="utf-8").splitlines()

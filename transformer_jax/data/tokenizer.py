@@ -102,8 +102,8 @@ class _Encoder:
 class Tokenizer(_Encoder):
     """A joint SentencePiece model that reserves `ids` (the config's); ids are SentencePiece's own. With
     `language_table` (a multilingual run's languages.Placement), the languages' ids follow the pieces: the vocabulary
-    is pieces + languages, and a language id is never text (see the module docstring). Only its ids are the
-    tokenizer's: where they go is the model's (languages.Placement.of(config), with model.lang_token)."""
+    is pieces + languages, and a language id is never text (see the module docstring). Built from a full config
+    (model_tokenizer), the table is languages.Placement.of(config): its scheme is the model's model.lang_token."""
 
     name = "spm"
 
@@ -430,6 +430,7 @@ def get_tokenizer(
     ids: SpecialIds,
     source_vocab_size: int = 0,
     train_if_missing: bool = True,
+    lang_token: str = "none",
 ) -> Tokenizer | MarianTokenizer:
     """The configured tokenizer (`config` is the data group). data.tokenizer="marian": the MARIAN_* files in the
     workdir (a converted model's). "spm": `config.tokenizer_model` if set, else `workdir/spm.model`, trained if
@@ -445,7 +446,7 @@ def get_tokenizer(
     (languages.Placement): its SentencePiece model has vocab_size - L pieces (a given one at most that many).
     """
     path = Path(workdir) / MODEL_FILENAME
-    table = _language_table(config, vocab_size)
+    table = _language_table(config, vocab_size, lang_token)
     pieces = vocab_size if table is None else table.first_id
     if config.tokenizer == "marian":
         tokenizer = _marian_tokenizer(config, Path(workdir), ids, vocab_size, source_vocab_size or vocab_size)
@@ -486,14 +487,17 @@ def get_tokenizer(
     return tokenizer
 
 
-def _language_table(config: ml_collections.ConfigDict, vocab_size: int) -> languages.Placement | None:
+def _language_table(config: ml_collections.ConfigDict, vocab_size: int, lang_token: str) -> languages.Placement | None:
     """A multilingual run's language ids (languages.Placement's, of a model with `vocab_size` ids), or None; refuses
     the keys a multilingual run cannot use with them."""
     if not languages.languages(config):
         return None
     # data.target_lang and a Marian tokenizer are refused with directions by the config's checks (cli.py).
-    # The scheme that places the ids is the model's (model.lang_token); the tokenizer only needs their table.
-    view = ml_collections.ConfigDict({"data": config.to_dict(), "model": {"vocab_size": vocab_size}})
+    # The scheme that places the ids is the model's (model.lang_token, which model_tokenizer passes): the table is
+    # the one Placement.of(full config) gives, so a caller placing ids from the tokenizer places them right.
+    view = ml_collections.ConfigDict(
+        {"data": config.to_dict(), "model": {"vocab_size": vocab_size, "lang_token": lang_token}}
+    )
     return languages.Placement.of(view)
 
 
@@ -513,6 +517,7 @@ def model_tokenizer(
         ids=SpecialIds.of(config),
         source_vocab_size=config.model.source_vocab_size,
         train_if_missing=train_if_missing,
+        lang_token=config.model.lang_token,
     )
 
 

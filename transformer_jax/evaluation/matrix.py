@@ -183,7 +183,7 @@ class Result:
 def translate(mode: run.Matrix, plan: Plan, loaded: run.Loaded, *, progress: bool = False) -> Result:
     """Every direction of the plan in one search (and the pivot's two legs, one search each), scored."""
     settings = run.decoding_settings(mode.decoding, loaded.config)
-    placement = languages.Placement.of(loaded.config)  # the model's scheme places the ids (not the tokenizer's table)
+    placement = languages.Placement.of(loaded.config)
 
     def search(jobs: list[tuple[Direction, list[str]]]) -> tuple[list[list[str]], dict[str, Any]]:
         """Each job's outputs: one translate() call whose lines carry their own direction's tokens."""
