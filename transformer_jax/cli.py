@@ -340,10 +340,11 @@ def check_between(values: Mapping[str, Any]) -> None:
 
 def _check_languages(values: Mapping[str, Any]) -> None:
     """A multilingual run (data.directions) reads one multi-way text folder with a SentencePiece tokenizer, whose
-    language ids follow its pieces (a converted Marian vocabulary has no room after them)."""
-    directions, scheme = values["data.directions"], values["model.lang_token"]
+    language ids follow its pieces (a converted Marian vocabulary has no room after them), or with a converted
+    model's tokenizer and its language codes (model.language_codes)."""
+    directions, scheme, codes = values["data.directions"], values["model.lang_token"], values["model.language_codes"]
     if not directions:
-        if scheme != "none":
+        if scheme != "none" and not codes:
             raise ConfigError(
                 f"config key model.lang_token={scheme!r} needs data.directions (the languages to make tokens for); "
                 "set data.directions or model.lang_token=none"
@@ -353,7 +354,7 @@ def _check_languages(values: Mapping[str, Any]) -> None:
         "data.source": values["data.source"] != "text",
         "data.corpora": bool(values["data.corpora"]),
         "data.target_lang": bool(values["data.target_lang"]),
-        "data.tokenizer": values["data.tokenizer"] != "spm",
+        "data.tokenizer": values["data.tokenizer"] != ("fairseq" if codes else "spm"),
         "eval.extra_valid": bool(values["eval.extra_valid"]),
     }
     for key, clash in clashes.items():

@@ -143,6 +143,9 @@ def direction_lines_from_text(text: str) -> tuple | None:
     return (name, int(lines)) if equals and lines.isdigit() else None
 
 
+language_code_from_text = direction_lines_from_text  # model.language_codes' CODE=ID, the same NAME=NUMBER form
+
+
 def corpus_from_text(text: str) -> tuple | None:
     """A data.corpora record from its form of before, NAME=KIND:WHERE:WEIGHT[:TAG] (WHERE may hold ':'; a last part
     that is not a number is the TAG); None for another form."""

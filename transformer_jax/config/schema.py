@@ -44,6 +44,7 @@ from transformer_jax.config.rules import (
     direction_lines_from_text,
     files_pair,
     fraction,
+    language_code_from_text,
     positive,
     valid_set_from_text,
 )
@@ -85,7 +86,8 @@ OPTIMIZERS = ("adam", "adamw")
 DATA_SOURCES = ("text", "multi30k", "tfds")
 BATCHINGS = ("pack", "bucket", "pad")
 TOKENIZER_TYPES = ("unigram", "bpe")
-TOKENIZERS = ("spm", "marian")  # data/tokenizer.py: a joint SentencePiece model trained here, or a Marian model's
+# data/tokenizer.py: a joint SentencePiece model trained here, a Marian model's, or an M2M-100 / NLLB-200 model's
+TOKENIZERS = ("spm", "marian", "fairseq")
 # What selects the best checkpoints and stops early: validation loss, or a score of the decoded validation sentences.
 SELECT_METRICS = ("valid_bleu", "valid_chrf", "valid_chrfpp", "valid_ter", "valid_loss")
 SEED_LIMIT = 2**32
@@ -232,6 +234,19 @@ KEYS: tuple[Key, ...] = (
         architecture=True,
     ),
     Key(
+        "model.language_codes",
+        (),
+        Entries(
+            fields=(Field("code", WORD), Field("id", count(0))),
+            text=language_code_from_text,
+            noun="language code",
+        ),
+        "a converted model's language tokens (M2M-100's __en__, NLLB-200's eng_Latn) and their ids, e.g."
+        " eng_Latn=256047,ces_Latn=256042; empty = the languages of data.directions take the last ids",
+        MATCH,
+        architecture=True,
+    ),
+    Key(
         "model.max_len",
         1024,
         count(1),
@@ -323,7 +338,14 @@ KEYS: tuple[Key, ...] = (
     Key(
         "data.tokenizer_type", "unigram", choice(TOKENIZER_TYPES), "SentencePiece model type", MATCH, architecture=True
     ),
-    Key("data.tokenizer", "spm", choice(TOKENIZERS), "spm (joint, trained here) or marian", MATCH, architecture=True),
+    Key(
+        "data.tokenizer",
+        "spm",
+        choice(TOKENIZERS),
+        "spm (joint, trained here), marian or fairseq (a converted M2M-100 / NLLB-200 model's)",
+        MATCH,
+        architecture=True,
+    ),
     Key("data.target_lang", "", TEXT, "a >>lang<< token starts every source; empty = none", MATCH),
     Key(
         "data.directions",

@@ -9,8 +9,11 @@ saved, so a saved config always holds it and a restart must match it.
 
 Language tokens: one id per language of the run, after the SentencePiece pieces (as NLLB lays out its codes): the
 tokenizer is trained with model.vocab_size - (number of languages) pieces, and language i (in sorted order) is
-id vocab_size - L + i. Text never produces them and detokenising drops them; a language is named by its file suffix
-or by its code `>>xx<<` (as Marian spells it). Where the ids go (`Placement`), by model.lang_token:
+id vocab_size - L + i. A converted model (M2M-100, NLLB-200) brings its own table instead, model.language_codes
+(`__en__` or `eng_Latn` -> id), whatever data.directions names. Text never produces them and detokenising drops
+them. A user names a language by its file suffix, its code, `>>xx<<` (Marian's spelling), `__xx__` (M2M-100's),
+or its ISO 639-1 or 639-3 name (`resolve`: `en` finds `eng_Latn`). Where the ids go (`Placement`), by
+model.lang_token:
 - `none`: nowhere (bilingual models);
 - `source`: the target language's token starts the source (Johnson et al. 2017);
 - `target`: the target language's token is the decoder's first token after the start (mBART, M2M-100): the loss
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import ml_collections
@@ -148,48 +151,161 @@ def code(lang: str) -> str:
     return f">>{lang}<<"
 
 
+# The language codes of the converted families, in their tokenizers' order (transformers' NllbTokenizer and
+# M2M100Tokenizer; tests/test_language_names.py checks them equal): NLLB-200's `eng_Latn` (ISO 639-3 and script)
+# and M2M-100's `xx` (its tokens are `__xx__`), by the tokenizer_config.json name `language_codes`.
+NLLB_CODES = tuple(
+    """ace_Arab ace_Latn acm_Arab acq_Arab aeb_Arab afr_Latn ajp_Arab aka_Latn amh_Ethi apc_Arab arb_Arab ars_Arab
+    ary_Arab arz_Arab asm_Beng ast_Latn awa_Deva ayr_Latn azb_Arab azj_Latn bak_Cyrl bam_Latn ban_Latn bel_Cyrl
+    bem_Latn ben_Beng bho_Deva bjn_Arab bjn_Latn bod_Tibt bos_Latn bug_Latn bul_Cyrl cat_Latn ceb_Latn ces_Latn
+    cjk_Latn ckb_Arab crh_Latn cym_Latn dan_Latn deu_Latn dik_Latn dyu_Latn dzo_Tibt ell_Grek eng_Latn epo_Latn
+    est_Latn eus_Latn ewe_Latn fao_Latn pes_Arab fij_Latn fin_Latn fon_Latn fra_Latn fur_Latn fuv_Latn gla_Latn
+    gle_Latn glg_Latn grn_Latn guj_Gujr hat_Latn hau_Latn heb_Hebr hin_Deva hne_Deva hrv_Latn hun_Latn hye_Armn
+    ibo_Latn ilo_Latn ind_Latn isl_Latn ita_Latn jav_Latn jpn_Jpan kab_Latn kac_Latn kam_Latn kan_Knda kas_Arab
+    kas_Deva kat_Geor knc_Arab knc_Latn kaz_Cyrl kbp_Latn kea_Latn khm_Khmr kik_Latn kin_Latn kir_Cyrl kmb_Latn
+    kon_Latn kor_Hang kmr_Latn lao_Laoo lvs_Latn lij_Latn lim_Latn lin_Latn lit_Latn lmo_Latn ltg_Latn ltz_Latn
+    lua_Latn lug_Latn luo_Latn lus_Latn mag_Deva mai_Deva mal_Mlym mar_Deva min_Latn mkd_Cyrl plt_Latn mlt_Latn
+    mni_Beng khk_Cyrl mos_Latn mri_Latn zsm_Latn mya_Mymr nld_Latn nno_Latn nob_Latn npi_Deva nso_Latn nus_Latn
+    nya_Latn oci_Latn gaz_Latn ory_Orya pag_Latn pan_Guru pap_Latn pol_Latn por_Latn prs_Arab pbt_Arab quy_Latn
+    ron_Latn run_Latn rus_Cyrl sag_Latn san_Deva sat_Beng scn_Latn shn_Mymr sin_Sinh slk_Latn slv_Latn smo_Latn
+    sna_Latn snd_Arab som_Latn sot_Latn spa_Latn als_Latn srd_Latn srp_Cyrl ssw_Latn sun_Latn swe_Latn swh_Latn
+    szl_Latn tam_Taml tat_Cyrl tel_Telu tgk_Cyrl tgl_Latn tha_Thai tir_Ethi taq_Latn taq_Tfng tpi_Latn tsn_Latn
+    tso_Latn tuk_Latn tum_Latn tur_Latn twi_Latn tzm_Tfng uig_Arab ukr_Cyrl umb_Latn urd_Arab uzn_Latn vec_Latn
+    vie_Latn war_Latn wol_Latn xho_Latn ydd_Hebr yor_Latn yue_Hant zho_Hans zho_Hant zul_Latn""".split()
+)
+M2M100_CODES = {
+    "m2m100": tuple(
+        """af am ar ast az ba be bg bn br bs ca ceb cs cy da de el en es et fa ff fi fr fy ga gd gl gu ha he hi hr ht
+        hu hy id ig ilo is it ja jv ka kk km kn ko lb lg ln lo lt lv mg mk ml mn mr ms my ne nl no ns oc or pa pl ps
+        pt ro ru sd si sk sl so sq sr ss su sv sw ta th tl tn tr uk ur uz vi wo xh yi yo zh zu""".split()
+    ),
+    "wmt21": ("en", "ha", "is", "ja", "cs", "ru", "zh", "de"),
+}
+
+# The name table: an ISO 639-1 name (and M2M-100's `ns`) -> the ISO 639-3 code NLLB-200 spells. For a
+# macrolanguage, the individual language NLLB-200 has (ar: Standard Arabic arb, fa: Western Persian pes, ms:
+# Standard Malay zsm, lv: Standard Latvian lvs, uz: Northern Uzbek uzn, sw: Swahili swh, ne: npi, mn: Halh khk,
+# az: North Azerbaijani azj, sq: Tosk als, ps: Southern Pashto pbt, om: West Central Oromo gaz, mg: Plateau
+# Malagasy plt, ff: Nigerian Fulfulde fuv, ku: Kurmanji kmr, qu: Ayacucho quy, ay: Central Aymara ayr, kr: Central
+# Kanuri knc, no and nb: Bokmal nob, yi: Eastern Yiddish ydd); et, zh, ks and kg keep the macrolanguage's code,
+# which NLLB-200 spells so. br (bre) and fy (fry) are M2M-100's only.
+ISO639_3 = dict(
+    pair.split(":")
+    for pair in """af:afr ak:aka am:amh ar:arb as:asm ay:ayr az:azj ba:bak be:bel bg:bul bm:bam bn:ben bo:bod br:bre
+    bs:bos ca:cat cs:ces cy:cym da:dan de:deu dz:dzo ee:ewe el:ell en:eng eo:epo es:spa et:est eu:eus fa:pes ff:fuv
+    fi:fin fj:fij fo:fao fr:fra fy:fry ga:gle gd:gla gl:glg gn:grn gu:guj ha:hau he:heb hi:hin hr:hrv ht:hat hu:hun
+    hy:hye id:ind ig:ibo is:isl it:ita ja:jpn jv:jav ka:kat kg:kon ki:kik kk:kaz km:khm kn:kan ko:kor kr:knc ks:kas
+    ku:kmr ky:kir lb:ltz lg:lug li:lim ln:lin lo:lao lt:lit lv:lvs mg:plt mi:mri mk:mkd ml:mal mn:khk mr:mar ms:zsm
+    mt:mlt my:mya nb:nob ne:npi nl:nld nn:nno no:nob ns:nso ny:nya oc:oci om:gaz or:ory pa:pan pl:pol ps:pbt pt:por
+    qu:quy rn:run ro:ron ru:rus rw:kin sa:san sc:srd sd:snd sg:sag si:sin sk:slk sl:slv sm:smo sn:sna so:som sq:als
+    sr:srp ss:ssw st:sot su:sun sv:swe sw:swh ta:tam te:tel tg:tgk th:tha ti:tir tk:tuk tl:tgl tn:tsn tr:tur ts:tso
+    tt:tat tw:twi ug:uig uk:ukr ur:urd uz:uzn vi:vie wo:wol xh:xho yi:ydd yo:yor zh:zho zu:zul""".split()
+)
+
+
+def _bare(name: str) -> str:
+    """`name` without Marian's `>>x<<` or M2M-100's `__x__` around it."""
+    for left, right in ((">>", "<<"), ("__", "__")):
+        if len(name) > len(left + right) and name.startswith(left) and name.endswith(right):
+            return name[len(left) : -len(right)]
+    return name
+
+
+def resolve(name: str, codes: Collection[str]) -> str:
+    """The one of a model's `codes` that a user's `name` means: the code itself; its spellings `>>x<<` and `__x__`;
+    through ISO639_3 (2 letters to NLLB-200's 3, and 3 back to 2 for M2M-100's `__xx__`); then the codes whose part
+    before `_` is those 3 letters (`en` -> `eng_Latn`). ConfigError where none or several match."""
+    if name in codes:
+        return name
+    bare = _bare(name)
+    prefix = bare.split("_")[0]
+    three = ISO639_3.get(prefix, prefix)
+    twos = [two for two, code3 in ISO639_3.items() if three == code3]
+    for candidate in (x for b in (bare, *twos) for x in (b, f">>{b}<<", f"__{b}__")):
+        if candidate in codes:
+            return candidate
+    found = [c for c in codes if three and c.split("_")[0] == three]
+    if len(found) == 1:
+        return found[0]
+    if found:
+        raise ConfigError(f"language {name!r} is more than one of the model's codes: give one of {found}")
+    listed = sorted(codes)
+    few = f"{listed}" if len(listed) <= 12 else f"{listed[:8]} ... ({len(listed)} in all)"
+    raise ConfigError(
+        f"language {name!r}: the model has no code for it; it has {few}: name a language by its code, its ISO 639-1 "
+        "or 639-3 name (en, eng, eng_Latn), >>en<< or __en__"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """The run's language tokens: `ids[lang]`, and where `scheme` puts them (one source for batching, decoding and
-    validation)."""
+    """The model's language tokens: `ids[lang]` (a run's languages by file suffix, or a converted model's codes), and
+    where `scheme` puts them (one source for batching, decoding and validation). Callers name languages as users do
+    (`resolve`)."""
 
     scheme: str
     ids: dict[str, int]
 
     @classmethod
     def of(cls, config: ml_collections.ConfigDict) -> Placement:
-        """From a full config: the languages of data.directions take the last ids of model.vocab_size."""
+        """From a full config: model.language_codes when it has them (every code of the table; data.directions'
+        languages must resolve to them), else the languages of data.directions take the last ids of
+        model.vocab_size."""
         langs = languages(config.data)
         scheme = config.model.get("lang_token", "none")
+        table = tuple(config.model.get("language_codes", ()))
         if scheme not in SCHEMES:
             raise ConfigError(f"model.lang_token: unknown value {scheme!r}; choose one of {list(SCHEMES)}")
-        if scheme != "none" and not langs:
+        if scheme != "none" and not langs and not table:
             raise ConfigError(f"model.lang_token={scheme!r} needs data.directions (the languages to make tokens for)")
-        first = config.model.vocab_size - len(langs)
-        return cls(scheme, {lang: first + i for i, lang in enumerate(langs)})
+        if not table:
+            first = config.model.vocab_size - len(langs)
+            return cls(scheme, {lang: first + i for i, lang in enumerate(langs)})
+        placement = cls(scheme, {name: int(i) for name, i in table})
+        outside = [name for name, i in table if not 0 <= i < config.model.vocab_size]
+        if outside or len(set(placement.ids.values())) != len(table):
+            raise ConfigError(
+                f"model.language_codes: each code needs an id of its own below model.vocab_size="
+                f"{config.model.vocab_size}; {outside or 'two codes share one id'}"
+            )
+        for lang in langs:
+            try:
+                placement.code_of(lang)
+            except ConfigError as e:
+                raise ConfigError(f"data.directions: {e}") from None
+        return placement
 
     @property
     def first_id(self) -> int | None:
         return min(self.ids.values()) if self.ids else None
 
+    def code_of(self, lang: str) -> str:
+        """The model's code (a key of `ids`) of a language as a user names it (`resolve`)."""
+        return resolve(lang, self.ids)
+
+    def has(self, lang: str) -> bool:
+        """Whether `lang` names exactly one of the model's languages."""
+        try:
+            self.code_of(lang)
+        except ConfigError:
+            return False
+        return True
+
     def id(self, lang: str) -> int:
-        """The token id of a language named by its suffix or its code >>xx<<."""
-        name = lang[2:-2] if lang.startswith(">>") and lang.endswith("<<") else lang
-        if name not in self.ids:
-            raise ConfigError(f"language {lang!r}: the model has tokens for {sorted(self.ids)}")
-        return self.ids[name]
+        """The token id of a language as a user names it (ConfigError for one the model lacks)."""
+        return self.ids[self.code_of(lang)]
 
     def source_prefix(self, d: Direction) -> int | None:
         """The id that starts direction d's sources, or None."""
         if self.scheme == "source":
-            return self.ids[d.tgt]
+            return self.id(d.tgt)
         if self.scheme == "source_and_target":
-            return self.ids[d.src]
+            return self.id(d.src)
         return None
 
     def target_prefix(self, d: Direction) -> int | None:
         """The id the decoder predicts first (after BOS) for direction d, or None."""
-        return self.ids[d.tgt] if self.scheme in ("target", "source_and_target") else None
+        return self.id(d.tgt) if self.scheme in ("target", "source_and_target") else None
 
 
 def probabilities(sizes: Sequence[int], temperature: float, weights: Sequence[float] | None = None) -> np.ndarray:

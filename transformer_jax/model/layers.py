@@ -110,6 +110,7 @@ class TransformerSpec:
     sinusoid_layout: str  # interleaved (paper), concatenated (Marian) or fairseq: layers.sinusoidal_encoding
     position_offset: int  # added to every position before the positional encoding (fairseq's start at 2)
     lang_token: str  # where a multilingual model's language tokens go (data/languages.py); vocab_size counts them
+    language_codes: tuple  # a converted model's (code, id) pairs (data/languages.py Placement); () = none
     max_len: int
     share_embeddings: bool
     tie_output: bool

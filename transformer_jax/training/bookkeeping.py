@@ -409,6 +409,7 @@ ADDED_KEYS: dict[str, Any] = {
     "model.source_vocab_size": 0,  # the source vocabulary is the target's
     "data.tokenizer": "spm",  # one joint SentencePiece model, the only tokenizer there was
     "model.lang_token": "none",  # bilingual: no language tokens
+    "model.language_codes": (),  # language ids from data.directions
     "data.directions": (),  # the one pair data.src_lang-data.tgt_lang
     "data.temperature": 1.0,  # (no directions to draw)
     "data.direction_lines": (),  # every line
