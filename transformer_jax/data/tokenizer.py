@@ -1,8 +1,9 @@
-"""The tokenizers: one joint SentencePiece vocabulary trained here (`data.tokenizer="spm"`, the default), or a converted
+"""The tokenizers: one joint SentencePiece vocabulary trained here (`data.tokenizer="spm"`, the default), a converted
 Marian model's (`"marian"`: source and target SentencePiece models whose pieces map to ids through vocab.json, and
-target_vocab.json when the vocabularies are separate).
+target_vocab.json when the vocabularies are separate), or a converted M2M-100 / NLLB-200 model's (`"fairseq"`: one
+SentencePiece model whose pieces map to ids through vocab.json, and the model's language codes, model.language_codes).
 
-Both have one interface, which every user of a tokenizer goes through: `encode_source(text)` / `encode_target(text)`
+All have one interface, which every user of a tokenizer goes through: `encode_source(text)` / `encode_target(text)`
 -> ids without EOS (the pipeline appends it), their `_batch` forms, `decode_target(ids)` -> text (reserved ids
 dropped, up to the first EOS), the pieces of ids on either side, `ids` (model.layers.SpecialIds), `vocab_size` (the
 target's: the output softmax), `source_vocab_size`, and `fingerprint()`, what the tokenized store is keyed on. With
@@ -50,6 +51,10 @@ MARIAN_VOCAB = "vocab.json"  # piece -> id, the source's, and the target's unles
 MARIAN_TARGET_VOCAB = "target_vocab.json"
 MARIAN_REQUIRED = (MARIAN_SOURCE_SPM, MARIAN_TARGET_SPM, MARIAN_VOCAB)
 MARIAN_SPECIAL_PIECES = {"eos": "</s>", "unk": "<unk>", "pad": "<pad>"}  # the pieces of the reserved ids
+# A converted M2M-100 / NLLB-200 model's tokenizer in the workdir (interop/m2m100_vocab.py writes them).
+FAIRSEQ_SPM = "sentencepiece.bpe.model"
+FAIRSEQ_VOCAB = "vocab.json"  # piece -> id of every id the tokenizer names: specials, pieces, codes, added tokens
+SURPLUS_PIECE = "<surplus{}>"  # the piece of an embedding row past the vocabulary (NLLB-200 has 2)
 SPIECE_UNDERLINE = "\u2581"
 
 
@@ -242,6 +247,89 @@ class MarianTokenizer(_Encoder):
         return [self._target_pieces[int(i)] for i in ids]
 
 
+class FairseqTokenizer(_Encoder):
+    """A converted M2M-100 or NLLB-200 model's tokenizer in `directory`: text through FAIRSEQ_SPM into pieces, pieces
+    to ids through FAIRSEQ_VOCAB (a piece missing from it is unk), as transformers' M2M100Tokenizer and NllbTokenizer
+    do; the language codes are `language_table`'s (languages.Placement.of the config: model.language_codes). Text
+    never encodes to a code or a special (a sentence holding "eng_Latn" is ordinary pieces).
+
+    Trailing spaces: the text is encoded by the SentencePiece model as fairseq encoded the model's training data, so
+    its normalizer decides; NLLB-200's and M2M-100's drop trailing (and repeated) spaces. transformers' NllbTokenizer
+    (the `tokenizers` library) keeps a trailing space as one more piece `▁`: a line ending in a space is the one
+    place where its ids differ from these (and from M2M100Tokenizer's, which uses SentencePiece as here).
+
+    Decoding does what the oracles' decode(ids, skip_special_tokens=True) does: ids up to the first EOS (a leading
+    BOS, the decoder's first input, dropped), keeping only the SentencePiece model's own pieces (so pad, <s>, unk,
+    <mask>, the codes, M2M-100's madeup words and the surplus rows are dropped), detokenised by SentencePiece with
+    the outer spaces stripped: M2M100Tokenizer's text; NllbTokenizer's keeps a space where the ids start with a lone
+    `▁` before a dropped id (unk) or end with one.
+    `vocab_size` is the model's embedding rows (model.vocab_size), which may exceed the vocabulary: a row past it has
+    the piece SURPLUS_PIECE."""
+
+    name = "fairseq"
+
+    def __init__(
+        self, directory: str | os.PathLike, ids: SpecialIds, vocab_size: int, language_table: languages.Placement
+    ):
+        self.directory = Path(directory)
+        self.path = self.directory / FAIRSEQ_VOCAB
+        self.files = (self.directory / FAIRSEQ_SPM, self.path)
+        self.ids = ids
+        self.target_lang = ""
+        self.language_table = language_table
+        self._sp = _load_spm(self.files[0])
+        self._map = _load_vocab(self.path, ids, contiguous=False)
+        outside = [(p, i) for p, i in self._map.items() if i >= vocab_size][:3]
+        if outside:
+            raise DataError(
+                f"{self.path} gives {outside} ids at or past model.vocab_size={vocab_size}; the vocabulary and the "
+                "config are of different models"
+            )
+        self._pieces = {i: p for p, i in self._map.items()}
+        self._vocab_size = vocab_size
+        sp = self._sp
+        self._text = frozenset(
+            i for p, i in self._map.items() if (j := sp.piece_to_id(p)) != sp.unk_id() and not sp.is_control(j)
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    source_vocab_size = vocab_size
+
+    def language_id(self, lang: str) -> int:
+        """The id of the model's code for a language as a user names it (languages.resolve)."""
+        return self.language_table.id(lang)
+
+    def fingerprint(self) -> str:
+        """What a store tokenized with this tokenizer depends on: every file's name and contents, the code table."""
+        digest = hashlib.sha256()
+        for file in self.files:
+            digest.update(file.name.encode() + b"\0" + file.read_bytes())
+        digest.update(",".join(f"{code}={i}" for code, i in sorted(self.language_table.ids.items())).encode())
+        return digest.hexdigest()
+
+    def encode_source_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
+        pieces = self._sp.encode(list(texts), out_type=str, num_threads=num_threads)
+        vocab, unk = self._map, self.ids.unk
+        return [[vocab.get(p, unk) for p in line] for line in pieces]
+
+    encode_target_batch = encode_source_batch
+
+    def decode_target(self, ids: Iterable[int]) -> str:
+        """The text of `ids` up to the first EOS, only the SentencePiece model's pieces kept, on one line (see the
+        class docstring)."""
+        text = self._text
+        pieces = [self._pieces[i] for i in _content(ids, self.ids, drop=()) if i in text]
+        return one_line(self._sp.decode_pieces(pieces).strip())
+
+    def source_pieces(self, ids: Iterable[int]) -> list[str]:
+        return [self._pieces.get(i, SURPLUS_PIECE.format(i)) for i in map(int, ids)]
+
+    target_pieces = source_pieces
+
+
 # str.splitlines' line boundaries. A translation is one line of a file, but byte-fallback pieces (<0x0A>, <0x0C>, ...)
 # decode to any character: a sampled one would shift every later line of translate_corpus's or evaluate.py's output.
 LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
@@ -262,13 +350,18 @@ def _content(ids: Iterable[int], reserved: SpecialIds, *, drop: tuple[int, ...])
     return [i for i in itertools.takewhile(lambda i: i != reserved.eos, ids) if i not in drop]
 
 
-def _load_vocab(path: Path, ids: SpecialIds) -> dict[str, int]:
-    """A Marian vocab.json (piece -> id): ids 0 .. n-1, the reserved pieces at the config's ids."""
+def _load_vocab(path: Path, ids: SpecialIds, contiguous: bool = True) -> dict[str, int]:
+    """A vocab.json (piece -> id): distinct ids (0 .. n-1, if `contiguous`: Marian's), the reserved pieces at the
+    config's ids."""
     try:
         vocab = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise DataError(f"cannot read the Marian vocabulary {path}: {e}") from e
-    if not isinstance(vocab, dict) or sorted(vocab.values()) != list(range(len(vocab))):
+        raise DataError(f"cannot read the vocabulary {path}: {e}") from e
+    ok = isinstance(vocab, dict) and all(type(i) is int and i >= 0 for i in vocab.values())
+    values = sorted(vocab.values()) if ok else []
+    if not ok or len(set(values)) != len(values):
+        raise DataError(f"{path} is not a vocabulary: it must map each piece to an id of its own")
+    if contiguous and values != list(range(len(vocab))):
         raise DataError(f"{path} is not a Marian vocabulary: it must map each piece to one of the ids 0 .. n-1")
     for field, piece in MARIAN_SPECIAL_PIECES.items():
         if vocab.get(piece) != getattr(ids, field):
@@ -431,10 +524,13 @@ def get_tokenizer(
     source_vocab_size: int = 0,
     train_if_missing: bool = True,
     lang_token: str = "none",
-) -> Tokenizer | MarianTokenizer:
+    language_codes: tuple = (),
+) -> Tokenizer | MarianTokenizer | FairseqTokenizer:
     """The configured tokenizer (`config` is the data group). data.tokenizer="marian": the MARIAN_* files in the
-    workdir (a converted model's). "spm": `config.tokenizer_model` if set, else `workdir/spm.model`, trained if
-    missing. config.target_lang, when set, makes every source start with its `>>lang<<` token.
+    workdir (a converted model's); "fairseq": the FAIRSEQ_* files (a converted M2M-100 / NLLB-200 model's, whose
+    codes are `language_codes`, model.language_codes). "spm": `config.tokenizer_model` if set, else
+    `workdir/spm.model`, trained if missing. config.target_lang, when set, makes every source start with its
+    `>>lang<<` token.
 
     `vocab_size`, `ids` and `source_vocab_size` are the model's (config.model.vocab_size, SpecialIds.of(config),
     config.model.source_vocab_size; 0 = vocab_size). A reused model must have exactly that many pieces (a different
@@ -446,9 +542,17 @@ def get_tokenizer(
     (languages.Placement): its SentencePiece model has vocab_size - L pieces (a given one at most that many).
     """
     path = Path(workdir) / MODEL_FILENAME
-    table = _language_table(config, vocab_size, lang_token)
+    table = _language_table(config, vocab_size, lang_token, language_codes)
     pieces = vocab_size if table is None else table.first_id
-    if config.tokenizer == "marian":
+    if bool(language_codes) != (config.tokenizer == "fairseq"):
+        raise DataError(
+            f"data.tokenizer={config.tokenizer!r} with model.language_codes={'set' if language_codes else 'empty'}: "
+            "a converted M2M-100 / NLLB-200 model's tokenizer (fairseq) and its code table come together"
+        )
+    if config.tokenizer == "fairseq":
+        tokenizer = _fairseq_tokenizer(config, Path(workdir), ids, vocab_size, table)
+        key = "data.tokenizer=fairseq"
+    elif config.tokenizer == "marian":
         tokenizer = _marian_tokenizer(config, Path(workdir), ids, vocab_size, source_vocab_size or vocab_size)
         key = "data.tokenizer=marian"  # the setting that chose the tokenizer, for check_tags's message
     elif config.tokenizer_model:
@@ -487,16 +591,21 @@ def get_tokenizer(
     return tokenizer
 
 
-def _language_table(config: ml_collections.ConfigDict, vocab_size: int, lang_token: str) -> languages.Placement | None:
-    """A multilingual run's language ids (languages.Placement's, of a model with `vocab_size` ids), or None; refuses
-    the keys a multilingual run cannot use with them."""
-    if not languages.languages(config):
+def _language_table(
+    config: ml_collections.ConfigDict, vocab_size: int, lang_token: str, language_codes: tuple
+) -> languages.Placement | None:
+    """A multilingual run's or a converted model's language ids (languages.Placement's, of a model with `vocab_size`
+    ids), or None; refuses the keys a multilingual run cannot use with them."""
+    if not languages.languages(config) and not language_codes:
         return None
     # data.target_lang and a Marian tokenizer are refused with directions by the config's checks (cli.py).
     # The scheme that places the ids is the model's (model.lang_token, which model_tokenizer passes): the table is
     # the one Placement.of(full config) gives, so a caller placing ids from the tokenizer places them right.
     view = ml_collections.ConfigDict(
-        {"data": config.to_dict(), "model": {"vocab_size": vocab_size, "lang_token": lang_token}}
+        {
+            "data": config.to_dict(),
+            "model": {"vocab_size": vocab_size, "lang_token": lang_token, "language_codes": language_codes},
+        }
     )
     return languages.Placement.of(view)
 
@@ -508,7 +617,7 @@ def _languages_part(table: languages.Placement | None) -> str:
 
 def model_tokenizer(
     config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, train_if_missing: bool = True
-) -> Tokenizer | MarianTokenizer:
+) -> Tokenizer | MarianTokenizer | FairseqTokenizer:
     """`get_tokenizer` of a full config: its data group, with the model's vocabulary keys."""
     return get_tokenizer(
         config.data,
@@ -518,6 +627,7 @@ def model_tokenizer(
         source_vocab_size=config.model.source_vocab_size,
         train_if_missing=train_if_missing,
         lang_token=config.model.lang_token,
+        language_codes=tuple(config.model.get("language_codes", ())),
     )
 
 
@@ -526,6 +636,8 @@ def tokenizer_files(config: ml_collections.ConfigDict, directory: str | os.PathL
     directory = Path(directory)
     if config.tokenizer == "marian":
         return marian_files(directory)
+    if config.tokenizer == "fairseq":
+        return [directory / FAIRSEQ_SPM, directory / FAIRSEQ_VOCAB]
     return [Path(config.tokenizer_model).expanduser() if config.tokenizer_model else directory / MODEL_FILENAME]
 
 
@@ -555,3 +667,21 @@ def _marian_tokenizer(
                 "the vocabulary's"
             )
     return tokenizer
+
+
+def _fairseq_tokenizer(
+    config: ml_collections.ConfigDict, workdir: Path, ids: SpecialIds, vocab_size: int, table: languages.Placement
+) -> FairseqTokenizer:
+    for key in ("tokenizer_model", "target_lang"):
+        if config[key]:
+            raise DataError(
+                f"data.{key}={config[key]!r}: data.tokenizer='fairseq' reads the workdir's {FAIRSEQ_SPM} and "
+                f"{FAIRSEQ_VOCAB} and names languages by their codes (--target_lang, data.directions); leave it empty"
+            )
+    missing = [name for name in (FAIRSEQ_SPM, FAIRSEQ_VOCAB) if not (workdir / name).is_file()]
+    if missing:
+        raise DataError(
+            f"data.tokenizer='fairseq' needs {', '.join(missing)} in {workdir}: convert the model into this workdir "
+            "with `python -m transformer_jax.convert --from_hf DIR --workdir WORKDIR`"
+        )
+    return FairseqTokenizer(workdir, ids, vocab_size, table)
