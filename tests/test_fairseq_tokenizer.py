@@ -17,7 +17,7 @@ from transformer_jax.data import languages
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.data.languages import Direction
 from transformer_jax.data.pipeline import eval_batches
-from transformer_jax.errors import DataError
+from transformer_jax.errors import DataError, EvalError
 from transformer_jax.interop import m2m100_vocab
 from transformer_jax.model.layers import SpecialIds
 
@@ -223,3 +223,75 @@ def test_a_folder_whose_files_disagree_is_refused_naming_the_file(spm_model, tmp
     (folder / "tokenizer_config.json").unlink()
     with pytest.raises(DataError, match=r"has neither tokenizer.json \(NLLB-200\) nor vocab.json \(M2M-100\)"):
         m2m100_vocab.read_vocabulary(folder)
+
+
+@pytest.fixture(scope="module")
+def converted(spm_model, tmp_path_factory) -> tuple[Path, Path, dict[str, int]]:
+    """(workdir, folder, codes): a workdir as an NLLB-200 import writes it (random parameters, the fairseq tokenizer
+    and code table, no data.directions) and a multi-way folder of a few Multi30k test lines, Italian too."""
+    from tests.helpers.fakes import base_params, tiny_config, write_workdir
+
+    tmp = tmp_path_factory.mktemp("converted")
+    vocab = m2m100_vocab.read_vocabulary(_nllb(spm_model, tmp / "hf")[0])
+    config = tiny_config(
+        vocab_size=len(vocab.pieces) + SURPLUS,
+        lang_token="source_and_target",
+        language_codes=tuple(vocab.codes.items()),
+        pad_id=IDS.pad,
+        eos_id=IDS.eos,
+        bos_id=IDS.bos,
+        unk_id=IDS.unk,
+    )
+    config.data.tokenizer = "fairseq"
+    config.eval.average_last = 1
+    workdir = write_workdir(tmp / "workdir", config, {0: base_params(config)})
+    m2m100_vocab.write_vocabulary(vocab, workdir)
+    folder = tmp / "data"
+    folder.mkdir()
+    for lang in ("en", "de", "cs", "zh"):
+        lines = _lines("test", "en" if lang == "zh" else lang)[:3]
+        (folder / f"test.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return workdir, folder, vocab.codes
+
+
+def test_a_converted_model_translates_between_languages_named_any_way(converted):
+    """Both languages are required (transformers would assume English); each may be named by its suffix, its ISO
+    639-3 name or its code, and places the model's codes."""
+    from transformer_jax.evaluation import run
+    from transformer_jax.evaluation.command import evaluate
+    from transformer_jax.evaluation.restore import saved_config
+    from transformer_jax.evaluation.translate import LanguageIds
+
+    workdir, folder, codes = converted
+    config = saved_config(str(workdir))
+    placement = languages.Placement.of(config)
+    for src, tgt in (("en", "cs"), ("eng", "ces_Latn"), (">>en<<", "__cs__")):
+        direction = run.direction_of(config, run.Model(str(workdir), target_lang=tgt, source_lang=src), given_file=True)
+        assert LanguageIds.of(placement, direction) == (codes["eng_Latn"], codes["ces_Latn"])
+    source = str(folder / "test.en")
+    with pytest.raises(EvalError, match=r"holds a converted model, .*give --source_lang \(converted models require"):
+        evaluate(dict(workdir=str(workdir), source_file=source, target_lang="cs"))
+    with pytest.raises(EvalError, match=r"--target_lang zh: language 'zh' is more than one .*\['zho_Hans', 'zho_Ha"):
+        evaluate(dict(workdir=str(workdir), source_file=source, source_lang="en", target_lang="zh"))
+    with pytest.raises(EvalError, match=r"--source_lang and --target_lang are both eng_Latn"):
+        evaluate(dict(workdir=str(workdir), source_file=source, source_lang="en", target_lang="eng"))
+    report = evaluate(dict(workdir=str(workdir), source_file=source, source_lang="en", target_lang="cs", beam_size=1))
+    assert report["lines"] == 3 and report["source"] == "test.en.en-cs"
+    report = evaluate(
+        dict(workdir=str(workdir), split="test", text_dir=str(folder), source_lang="en", target_lang="de")
+    )
+    assert report["source"] == "test(test.en-de)"
+
+
+def test_the_language_matrix_of_a_converted_model_is_all_zero_shot(converted, tmp_path):
+    """The folder's suffixes name the files and directions; a suffix the model cannot resolve (zh: two codes) is
+    skipped; no direction is supervised."""
+    from transformer_jax.evaluation import command
+
+    workdir, folder, _ = converted
+    values = {"workdir": str(workdir), "directions": ["all"], "text_dir": str(folder), "output_dir": str(tmp_path)}
+    report = command.evaluate({**values, "beam_size": 1, "max_len": 6}, progress=False)
+    assert set(report) == {f"{s}-{t}" for s in ("cs", "de", "en") for t in ("cs", "de", "en") if s != t}
+    assert not any(r["supervised"] for r in report.values())
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["skipped_languages"] == ["zh"] and meta["model_languages"] == ["cs", "de", "en"]

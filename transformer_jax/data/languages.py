@@ -212,16 +212,17 @@ def _bare(name: str) -> str:
 
 
 def resolve(name: str, codes: Collection[str]) -> str:
-    """The one of a model's `codes` that a user's `name` means: the code itself; its spellings `>>x<<` and `__x__`;
-    through ISO639_3 (2 letters to NLLB-200's 3, and 3 back to 2 for M2M-100's `__xx__`); then the codes whose part
-    before `_` is those 3 letters (`en` -> `eng_Latn`). ConfigError where none or several match."""
+    """The one of a model's `codes` that a user's `name` means: the code itself; its spellings `>>x<<` and `__x__`
+    (of the name, and of its part before `_`: `ast_Latn` -> `__ast__`); through ISO639_3 (2 letters to NLLB-200's
+    3, and 3 back to 2 for M2M-100's `__xx__`: `eng_Latn` -> `__en__`); then the codes whose part before `_` is
+    those 3 letters (`en` -> `eng_Latn`). ConfigError where none or several match."""
     if name in codes:
         return name
     bare = _bare(name)
     prefix = bare.split("_")[0]
     three = ISO639_3.get(prefix, prefix)
     twos = [two for two, code3 in ISO639_3.items() if three == code3]
-    for candidate in (x for b in (bare, *twos) for x in (b, f">>{b}<<", f"__{b}__")):
+    for candidate in (x for b in (bare, prefix, *twos) for x in (b, f">>{b}<<", f"__{b}__")):
         if candidate in codes:
             return candidate
     found = [c for c in codes if three and c.split("_")[0] == three]

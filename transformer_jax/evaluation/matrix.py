@@ -7,8 +7,10 @@ directions (one LanguageIds per line), each scored against the folder's own line
     translate(Plan, Loaded) -> Result: every output, report (by direction), meta
 
 Directions: `all` (every ordered pair of the folder's languages that the model has a token for; the folder's other
-languages are listed and skipped) or SRC-TGT names. A direction is supervised when config.data.directions trains it,
-zero-shot otherwise. With a pivot P, every zero-shot direction S-T without P is also translated S->P, then P->T with
+languages are listed and skipped) or SRC-TGT names. A converted model's codes (model.language_codes) resolve the
+folder's suffixes (languages.resolve: `en` -> `eng_Latn`); files and directions keep the suffixes. A direction is
+supervised when config.data.directions trains it, zero-shot otherwise (every direction of a converted model that
+was not fine-tuned). With a pivot P, every zero-shot direction S-T without P is also translated S->P, then P->T with
 the same model (each leg one search mixing all of them; S->P's outputs are the matrix's own when it holds S-P): the
 baseline every zero-shot paper reports.
 
@@ -57,7 +59,7 @@ class Plan:
 
     split: str  # the files' prefix: {split}.{lang}
     text_dir: Path
-    model_languages: list[str]  # those the model has a token for, sorted
+    model_languages: list[str]  # those the model has a token for, sorted (a converted model's: the folder's)
     languages: list[str]  # the directions' languages (all: the folder's with a token), sorted: rows and columns
     skipped: list[str]  # the folder's languages without a token
     directions: list[Direction]
@@ -73,13 +75,13 @@ def check(mode: run.Matrix) -> Plan:
     if mode.model.config is not None:  # a --config the user gave; the one saved with the checkpoints was checked
         cli.validate(mode.model.config)
     config = saved_config(mode.model.workdir, mode.model.config)
-    if not config.data.directions:
+    converted = bool(config.model.get("language_codes"))  # its codes, not the folder's suffixes
+    if not config.data.directions and not converted:
         raise EvalError(
             f"--directions: {mode.model.workdir} holds a bilingual model ({config.data.src_lang}-"
             f"{config.data.tgt_lang}); translate it with --split or --source_file, without --directions"
         )
-    ids = languages.Placement.of(config).ids
-    known = sorted(ids)
+    placement = languages.Placement.of(config)
     split = run.split_name(config, mode.split)
     where = mode.text_dir or config.data.text_dir
     flag = "--text_dir" if mode.text_dir else "config.data.text_dir (set --text_dir)"
@@ -92,15 +94,16 @@ def check(mode: run.Matrix) -> Plan:
     if not found:
         there = sorted(f.name for f in text_dir.iterdir() if f.is_file())[:20]
         raise EvalError(f"{flag} {text_dir} has no files of split {split!r} ({split}.LANG); it holds {there}")
-    langs = [lang for lang in found if lang in ids]
-    directions = parse_directions(mode.directions, langs, known, f"{text_dir}/{split}.*")
+    langs = [lang for lang in found if placement.has(lang)]
+    known = langs if converted else sorted(placement.ids)  # the model's languages, as the folder names them
+    directions = parse_directions(mode.directions, langs, placement, f"{text_dir}/{split}.*")
     if not directions:
         raise EvalError(
             f"{flag} {text_dir} has split {split!r} in {found}, of which the model has tokens for {langs}: a matrix "
-            f"needs two; the model's languages are {known}"
+            f"needs two; the model's languages are {_listed(placement)}"
         )
-    if mode.pivot is not None and mode.pivot not in ids:
-        raise EvalError(f"--pivot {mode.pivot}: the model has no token for it; choose one of {known}")
+    if mode.pivot is not None and not placement.has(mode.pivot):
+        raise EvalError(f"--pivot {mode.pivot}: the model has no token for it; choose one of {_listed(placement)}")
     supervised = frozenset(config.data.directions)
     zero_shot = [d for d in directions if d.name not in supervised]
     pivoted = [] if mode.pivot is None else [d for d in zero_shot if mode.pivot not in (d.src, d.tgt)]
@@ -109,13 +112,21 @@ def check(mode: run.Matrix) -> Plan:
     lines = {lang: run.read_sources(str(path)) for lang, path in paths.items()}
     if not lines[used[0]]:
         raise EvalError(f"{paths[used[0]]} has no lines: nothing to translate")
-    skipped = [lang for lang in found if lang not in ids]
+    skipped = [lang for lang in found if lang not in langs]
     return Plan(split, text_dir, known, used, skipped, directions, supervised, mode.pivot, pivoted, lines)
 
 
-def parse_directions(entries: Sequence[str], langs: list[str], known: list[str], where: str) -> list[Direction]:
+def _listed(placement: languages.Placement) -> str:
+    """The model's languages in an error message: all of a run's, a few of a converted model's codes."""
+    names = sorted(placement.ids)
+    return str(names) if len(names) <= 12 else f"{names[:8]} ... ({len(names)} codes)"
+
+
+def parse_directions(
+    entries: Sequence[str], langs: list[str], placement: languages.Placement, where: str
+) -> list[Direction]:
     """`all` (every ordered pair of `langs`: none for fewer than two) or SRC-TGT names, each once, in order;
-    EvalError for a language the model has no token for (`known`) or that has no file (`langs`)."""
+    EvalError for a language the model has no token for (`placement`) or that has no file (`langs`)."""
     if tuple(entries) == (languages.ALL,):
         return [Direction(s, t) for s, t in itertools.permutations(langs, 2)]
     out: list[Direction] = []
@@ -124,8 +135,10 @@ def parse_directions(entries: Sequence[str], langs: list[str], known: list[str],
         if not dash or not src or not tgt or "-" in tgt or src == tgt:
             raise EvalError(f"--directions {entry!r}: give all, or SRC-TGT names of two languages joined by commas")
         for lang in (src, tgt):
-            if lang not in known:
-                raise EvalError(f"--directions {entry}: the model has no token for {lang!r}; it has {known}")
+            if not placement.has(lang):
+                raise EvalError(
+                    f"--directions {entry}: the model has no token for {lang!r}; it has {_listed(placement)}"
+                )
             if lang not in langs:
                 raise EvalError(f"--directions {entry}: no file for {lang!r} among {where}; there are {langs}")
         if Direction(src, tgt) not in out:

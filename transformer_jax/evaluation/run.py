@@ -248,7 +248,7 @@ def load(mode: Translate | ScorePairs) -> Loaded:
     config, model, steps = restore_model(m.workdir, m.choice, config=m.config)
     config = with_text_dir(config, mode.text_dir)
     direction = None
-    if config.data.directions:
+    if config.data.directions or config.model.get("language_codes"):
         direction = direction_of(config, m, given_file=mode.source_file is not None)
     elif m.source_lang is not None:
         raise EvalError(
@@ -297,11 +297,14 @@ def with_text_dir(config: Any, text_dir: str | None) -> Any:
 
 def direction_of(config: Any, model: Model, *, given_file: bool) -> languages.Direction:
     """The direction a multilingual model translates in (--source_lang, --target_lang; each defaults to the only
-    one its directions have), checked against its language tokens. A file's source language matters only to a
-    model whose sources carry their own language's token (model.lang_token=source_and_target): elsewhere it is
-    refused (it would change nothing) and the direction's source is empty; a split needs it for its file."""
+    one its directions have), checked against its language tokens (a converted model's codes resolve a language's
+    names: languages.resolve). A file's source language matters only to a model whose sources carry their own
+    language's token (model.lang_token=source_and_target): elsewhere it is refused (it would change nothing) and the
+    direction's source is empty; a split needs it for its file. A converted model without data.directions has no
+    trained direction, so both languages must be given (transformers silently assumes English)."""
     trained = languages.directions(config.data)
     known = languages.languages(config.data)
+    placement = languages.Placement.of(config)
     scheme = config.model.lang_token
     own_token = scheme == "source_and_target"
 
@@ -309,16 +312,25 @@ def direction_of(config: Any, model: Model, *, given_file: bool) -> languages.Di
         if given is None:
             if len(set(choices)) == 1:
                 return choices[0]
+            if not trained:
+                raise EvalError(
+                    f"{model.workdir} holds a converted model, which has no trained direction: give --{flag} "
+                    "(converted models require a source language and a target language)"
+                )
             raise EvalError(
                 f"{model.workdir} holds a multilingual model (data.directions {', '.join(config.data.directions)}): "
                 f"give --{flag}, one of {', '.join(known)}"
             )
         name = given[2:-2] if given.startswith(">>") and given.endswith("<<") else given
-        if name not in known:
+        try:
+            placement.code_of(name)
+        except ConfigError as e:
+            if config.model.get("language_codes"):
+                raise EvalError(f"--{flag} {given}: {e}") from None
             raise EvalError(
                 f"--{flag} {given}: the model of {model.workdir} has no token for it; it has "
                 f"{', '.join(f'{x} ({languages.code(x)})' for x in known)}"
-            )
+            ) from None
         return name
 
     if given_file and not own_token and model.source_lang is not None:
@@ -333,8 +345,10 @@ def direction_of(config: Any, model: Model, *, given_file: bool) -> languages.Di
     # language the model has (its token describes the input: it is never guessed among several).
     sources = [d.src for d in trained if d.tgt == tgt or given_file]
     src = language("source_lang", model.source_lang, sources or known)
-    if src == tgt:
-        raise EvalError(f"--source_lang and --target_lang are both {src}: give two different languages")
+    if placement.code_of(src) == placement.code_of(tgt):
+        raise EvalError(
+            f"--source_lang and --target_lang are both {placement.code_of(src)}: give two different languages"
+        )
     return languages.Direction(src, tgt)
 
 
