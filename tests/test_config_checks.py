@@ -126,6 +126,7 @@ LIST_VALUES = {
     "train.trackers": (("tensorboard", "wandb"), "tensorboard,wandb"),
     "data.directions": (("en-de", "all", "fr-centric"), "en-de,all,fr-centric"),
     "data.direction_lines": ((("en-cs", 3000), ("cs-en", 3000)), "en-cs=3000,cs-en=3000"),
+    "model.language_codes": ((("eng_Latn", 256047), ("ces_Latn", 256042)), "eng_Latn=256047,ces_Latn=256042"),
 }
 
 

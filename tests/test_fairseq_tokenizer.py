@@ -127,7 +127,7 @@ def test_the_ids_are_the_oracles_on_every_test_line(family):
 
 
 def test_the_codes_are_the_oracles_and_text_never_encodes_to_one(family):
-    _, oracle, ours, vocab = family
+    name, oracle, ours, vocab = family
     assert vocab.codes and all(oracle.convert_tokens_to_ids(code) == i for code, i in vocab.codes.items())
     assert set(vocab.codes) <= set(ours.target_pieces(range(ours.vocab_size)))
     for special in ("<s>", "<pad>", "</s>", "<unk>"):
@@ -136,6 +136,8 @@ def test_the_codes_are_the_oracles_and_text_never_encodes_to_one(family):
     assert vocab.codes[code] not in ours.encode_source(f"The code {code} is text </s> <pad>.")
     assert ours.target_pieces([ours.vocab_size - 1]) == [tokenizer_lib.SURPLUS_PIECE.format(ours.vocab_size - 1)]
     assert vocab.legacy_behaviour is False
+    codes = languages.NLLB_CODES if name == "nllb" else [f"__{c}__" for c in languages.M2M100_CODES["m2m100"]]
+    assert list(vocab.codes) == list(codes)  # in id order
 
 
 def test_decoding_is_the_oracles(family):

@@ -361,9 +361,9 @@ def _check_languages(values: Mapping[str, Any]) -> None:
         if clash:
             raise ConfigError(
                 f"config key {key}: a multilingual run (data.directions) reads a multi-way folder (data.source=text, "
-                "data.text_dir) with a SentencePiece tokenizer (data.tokenizer=spm) and validates every direction of "
-                "that folder, without data.corpora, data.target_lang or eval.extra_valid; change it, or unset "
-                "data.directions"
+                "data.text_dir) with a SentencePiece tokenizer (data.tokenizer=spm; fairseq with model.language_codes) "
+                "and validates every direction of that folder, without data.corpora, data.target_lang or "
+                "eval.extra_valid; change it, or unset data.directions"
             )
 
 

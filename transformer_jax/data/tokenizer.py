@@ -58,11 +58,6 @@ SURPLUS_PIECE = "<surplus{}>"  # the piece of an embedding row past the vocabula
 SPIECE_UNDERLINE = "\u2581"
 
 
-def language_token(lang: str) -> str:
-    """The token that makes a multilingual Marian model translate into `lang` (data.target_lang)."""
-    return f">>{lang}<<"
-
-
 def _language_code(text: str) -> tuple[list[str], str]:
     """(a leading `>>xx<<` code, the rest): MarianTokenizer's remove_language_code, so texts given with a code
     encode as there."""
@@ -160,7 +155,7 @@ class Tokenizer(_Encoder):
         digest = hashlib.sha256(self.path.read_bytes()).hexdigest()
         if self._codes:
             digest += "+" + ",".join(f"{code}={i}" for i, code in sorted(self._codes.items()))
-        return digest if not self.target_lang else f"{digest}+{language_token(self.target_lang)}"
+        return digest if not self.target_lang else f"{digest}+{languages.code(self.target_lang)}"
 
     def encode_source_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
         """Encodes many strings in one call; `num_threads` threads inside SentencePiece (1 = this core only)."""
@@ -218,7 +213,7 @@ class MarianTokenizer(_Encoder):
         digest = hashlib.sha256()
         for file in self.files:
             digest.update(file.name.encode() + b"\0" + file.read_bytes())
-        digest.update(language_token(self.target_lang).encode() if self.target_lang else b"")
+        digest.update(languages.code(self.target_lang).encode() if self.target_lang else b"")
         return digest.hexdigest()
 
     def _encode(self, sp: spm.SentencePieceProcessor, vocab: dict, texts: Sequence[str], num_threads: int):
@@ -374,7 +369,7 @@ def _load_vocab(path: Path, ids: SpecialIds, contiguous: bool = True) -> dict[st
 
 def _language_id(tokenizer: Tokenizer | MarianTokenizer, lang: str, lookup) -> int:
     """The id of `>>lang<<`, which must be one entry of the source vocabulary."""
-    token = language_token(lang)
+    token = languages.code(lang)
     i = lookup(token)
     if i is None or tokenizer.source_pieces([i]) != [token]:
         raise DataError(
