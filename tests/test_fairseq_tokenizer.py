@@ -13,6 +13,7 @@ import pytest
 import sentencepiece as spm
 
 from tests.helpers import DATA
+from transformer_jax import cli
 from transformer_jax.data import languages
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.data.languages import Direction
@@ -297,3 +298,24 @@ def test_the_language_matrix_of_a_converted_model_is_all_zero_shot(converted, tm
     assert not any(r["supervised"] for r in report.values())
     meta = json.loads((tmp_path / "meta.json").read_text())
     assert meta["skipped_languages"] == ["zh"] and meta["model_languages"] == ["cs", "de", "en"]
+
+
+def test_fine_tuning_a_converted_model_on_directions_places_its_codes(converted, tmp_path):
+    """data.directions=en-cs on a converted model: the batches' language ids are the codes of en and cs (nothing is
+    appended to the vocabulary), the sides tokenized by the fairseq tokenizer."""
+    from transformer_jax.data.pipeline import multilingual_examples
+    from transformer_jax.evaluation.restore import saved_config
+
+    workdir, folder, codes = converted
+    config = saved_config(str(workdir)).copy_and_resolve_references()
+    config.data.update(directions=("en-cs", "cs-en"), text_dir=str(folder), train_split="test", store_dir=str(tmp_path))
+    cli.validate(config)
+    tokenizer = tokenizer_lib.model_tokenizer(config, workdir)
+    examples = multilingual_examples(config, tokenizer, build_if_missing=True, num_threads=1)
+    assert examples.names == ["en-cs", "cs-en"]
+    assert examples.src_prefix == [codes["eng_Latn"], codes["ces_Latn"]]
+    assert examples.tgt_prefix == [codes["ces_Latn"], codes["eng_Latn"]]
+    first = examples.parts[0]
+    english = _lines("test", "en")[0]
+    assert list(first.src[first.src_starts[0] : first.src_starts[1]]) == [*tokenizer.encode_source(english), IDS.eos]
+    assert tokenizer.pieces == 1000 - 3  # what text encodes to: the SentencePiece pieces but unk, <s>, </s>

@@ -288,6 +288,11 @@ class FairseqTokenizer(_Encoder):
         )
 
     @property
+    def pieces(self) -> int:
+        """The ids text encodes to (the SentencePiece model's pieces in vocab.json)."""
+        return len(self._text)
+
+    @property
     def vocab_size(self) -> int:
         return self._vocab_size
 
