@@ -1,9 +1,12 @@
-"""Convert a local Hugging Face Marian (OPUS-MT) folder into a workdir of ours (see docs/pretrained.md).
+"""Convert a local Hugging Face folder into a workdir of ours (see docs/pretrained.md).
 
+    python -m transformer_jax.convert --from_hf DIR --workdir W [--allow_pickle]
     python -m transformer_jax.convert --from_marian DIR --workdir W [--allow_pickle]
 
-W then holds config.json, the tokenizer files and a step-0 checkpoint, for evaluate.py and train.init_from. A
-folder that cannot be converted, or a non-empty W: one line on stderr, exit status 1, nothing left behind.
+--from_hf picks the family from DIR/config.json's model_type: marian (OPUS-MT) or m2m_100 (M2M-100 and the dense
+NLLB-200 models); --from_marian reads a Marian folder. W then holds config.json, the tokenizer files and a step-0
+checkpoint, for evaluate.py and train.init_from. A folder that cannot be converted, or a non-empty W: one line on
+stderr, exit status 1, nothing left behind.
 """
 
 from __future__ import annotations
@@ -11,25 +14,45 @@ from __future__ import annotations
 import json
 import logging
 import os
+from pathlib import Path
 
 from absl import flags
 
 from transformer_jax import cli
-from transformer_jax.interop import marian_folder
+from transformer_jax.errors import ConfigError, DataError
+from transformer_jax.interop import m2m100, m2m100_folder, marian, marian_folder
 
 PROG = "python -m transformer_jax.convert"
+FAMILIES = {marian.MODEL_TYPE: marian_folder.read_folder, m2m100.MODEL_TYPE: m2m100_folder.read_folder}
 FLAGS = flags.FLAGS
+flags.DEFINE_string("from_hf", None, f"Local Hugging Face folder of a {' or '.join(FAMILIES)} model.")
 flags.DEFINE_string("from_marian", None, "Local Hugging Face Marian folder (config.json, model.safetensors, ...).")
 flags.DEFINE_string("workdir", None, "Workdir to create (must not exist, or be empty).")
 flags.DEFINE_bool("allow_pickle", False, "Read pytorch_model.bin (a pickle: it can run code; needs torch).")
-flags.mark_flags_as_required(["from_marian", "workdir"])
+flags.mark_flags_as_required(["workdir"])
+flags.mark_flags_as_mutual_exclusive(["from_hf", "from_marian"], required=True)
+
+
+def reader(folder: str):
+    """The family's read_folder for --from_hf `folder` (its config.json's model_type)."""
+    path = Path(folder)
+    if not path.is_dir():
+        raise DataError(f"--from_hf {folder} is not a directory; give a Hugging Face model folder")
+    model_type = marian_folder.read_json(path / marian_folder.CONFIG).get("model_type")
+    if model_type not in FAMILIES:
+        raise ConfigError(
+            f"{path / marian_folder.CONFIG} key model_type={model_type!r}: not supported; --from_hf converts "
+            f"{', '.join(FAMILIES)} (Marian/OPUS-MT, M2M-100 and dense NLLB-200; not NLLB-MoE)"
+        )
+    return FAMILIES[model_type]
 
 
 def main(argv: list[str]) -> None:
     del argv  # no positional arguments (cli.run refuses them)
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs each checkpoint handler it creates at INFO
     marian_folder.check_workdir(FLAGS.workdir)  # before the folder is read
-    folder = marian_folder.read_folder(FLAGS.from_marian, allow_pickle=FLAGS.allow_pickle)
+    read = marian_folder.read_folder if FLAGS.from_marian else reader(FLAGS.from_hf)
+    folder = read(FLAGS.from_marian or FLAGS.from_hf, allow_pickle=FLAGS.allow_pickle)
     print(json.dumps(marian_folder.write_workdir(folder, FLAGS.workdir)))
 
 

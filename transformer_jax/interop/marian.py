@@ -16,7 +16,7 @@ How transformers' MarianMTModel (models/marian/modeling_marian.py) maps onto mod
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +61,9 @@ def _linear(marian: str, ours: tuple, d_in: bool) -> Iterator[Entry]:
 
 
 def _norm(marian: str, ours: tuple) -> Iterator[Entry]:
-    yield Entry(f"{marian}.weight", (*ours, "norm", "scale_D"), VECTOR, 0)
-    yield Entry(f"{marian}.bias", (*ours, "norm", "bias_D"), VECTOR, 0)
+    """A LayerNorm: `ours` is the path of our norm module (a residual's (..., "norm") or a stack's "encoder_norm")."""
+    yield Entry(f"{marian}.weight", (*ours, "scale_D"), VECTOR, 0)
+    yield Entry(f"{marian}.bias", (*ours, "bias_D"), VECTOR, 0)
 
 
 def _attention(marian: str, ours: tuple, name: str) -> Iterator[Entry]:
@@ -71,13 +72,13 @@ def _attention(marian: str, ours: tuple, name: str) -> Iterator[Entry]:
     for proj in ("q_proj", "k_proj", "v_proj"):
         yield from _linear(f"{marian}.{theirs}.{proj}", (*ours, name, proj), d_in=True)
     yield from _linear(f"{marian}.{theirs}.out_proj", (*ours, name, "o_proj"), d_in=False)
-    yield from _norm(f"{marian}.{theirs}_layer_norm", (*ours, f"{name}_residual"))
+    yield from _norm(f"{marian}.{theirs}_layer_norm", (*ours, f"{name}_residual", "norm"))
 
 
 def _ffn(marian: str, ours: tuple) -> Iterator[Entry]:
     yield from _linear(f"{marian}.fc1", (*ours, "ffn", "w1"), d_in=True)
     yield from _linear(f"{marian}.fc2", (*ours, "ffn", "w2"), d_in=False)
-    yield from _norm(f"{marian}.final_layer_norm", (*ours, "ffn_residual"))
+    yield from _norm(f"{marian}.final_layer_norm", (*ours, "ffn_residual", "norm"))
 
 
 def table(spec: Any) -> list[Entry]:
@@ -94,7 +95,11 @@ def table(spec: Any) -> list[Entry]:
         entries.append(Entry("model.decoder.embed_tokens.weight", ("tgt_embed", "table_VD"), VECTOR, 1))
     if not spec.tie_output:
         entries.append(Entry("lm_head.weight", ("output_proj", "kernel"), LINEAR, 0))
-    entries.append(Entry("final_logits_bias", ("final_logits_bias_V",), ROW, None))
+    if spec.final_logits_bias:  # Marian's; M2M-100 has none
+        entries.append(Entry("final_logits_bias", ("final_logits_bias_V",), ROW, None))
+    if spec.norm_position == "pre":  # each stack's final norm (M2M-100's; Marian is post-LN)
+        entries += _norm("model.encoder.layer_norm", ("encoder_norm",))
+        entries += _norm("model.decoder.layer_norm", ("decoder_norm",))
     for i in range(spec.num_encoder_layers):
         marian, ours = f"model.encoder.layers.{i}", ("encoder_layers", i)
         entries += [*_attention(marian, ours, "self_attn"), *_ffn(marian, ours)]
@@ -182,9 +187,19 @@ def _aligned_buffers(shapes: dict[tuple, Any]) -> dict[tuple, np.ndarray]:
     return views
 
 
-def from_marian_tensors(config: Any, tensors: Iterable[tuple[str, np.ndarray]], where: Path) -> dict:
-    """Our parameters (a pure dict of float32 arrays, _aligned_buffers) from Marian's (name, array) pairs, one at a
-    time; ConfigError naming a tensor of `where` that is missing, unexpected or of the wrong shape."""
+def from_marian_tensors(
+    config: Any,
+    tensors: Iterable[tuple[str, np.ndarray]],
+    where: Path,
+    *,
+    position_keys: Sequence[str] = POSITION_KEYS,
+    positions: Callable[[int, int], np.ndarray] = marian_positions,
+    architecture: str = "MarianMTModel",
+) -> dict:
+    """Our parameters (a pure dict of float32 arrays, _aligned_buffers) from the (name, array) pairs of a model of
+    `table`'s names (Marian's, or M2M-100's: m2m100.py), one at a time; ConfigError naming a tensor of `where` that
+    is missing, unexpected or of the wrong shape. A saved sinusoid table (`position_keys`) must equal
+    `positions(rows, d_model)`: the model computes its own."""
     spec = TransformerSpec.from_config(config)
     model = nnx.eval_shape(lambda: build_model(config, rngs=model_rngs(0)))  # shapes only
     shapes = flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
@@ -205,15 +220,15 @@ def from_marian_tensors(config: Any, tensors: Iterable[tuple[str, np.ndarray]], 
             put(entries[name], array)
         elif name in tied:
             copies[name] = array
-        elif name in POSITION_KEYS:
-            expected = marian_positions(array.shape[0], spec.d_model)
+        elif name in position_keys:
+            expected = positions(array.shape[0], spec.d_model)
             if array.shape != expected.shape or not np.allclose(array, expected, atol=1e-5):
                 raise ConfigError(
-                    f"{where}: tensor {name} is not Marian's sinusoidal table (learned positions?); it cannot be "
-                    "converted"
+                    f"{where}: tensor {name} is not {architecture}'s sinusoidal table (learned positions?); it "
+                    "cannot be converted"
                 )
         else:
-            raise ConfigError(f"{where}: unexpected tensor {name}; not a MarianMTModel of this config.json")
+            raise ConfigError(f"{where}: unexpected tensor {name}; not a {architecture} of this config.json")
         del array
     for name, original in tied.items():
         if original in entries and entries[original].ours not in params and name in copies:
@@ -226,7 +241,7 @@ def from_marian_tensors(config: Any, tensors: Iterable[tuple[str, np.ndarray]], 
                 "those of this config"
             )
     bias = ("final_logits_bias_V",)
-    if bias not in params:  # transformers leaves it out when it is zero (_keys_to_ignore_on_load_missing)
+    if bias in shapes and bias not in params:  # transformers leaves it out when it is zero
         params[bias] = views[bias]
         params[bias][...] = 0.0
     missing = [entry.marian for entry in entries.values() if entry.ours not in params]

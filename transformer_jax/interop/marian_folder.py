@@ -47,22 +47,25 @@ SAMPLE_SENTENCES = (
 
 
 @dataclasses.dataclass
-class MarianFolder:
-    """A checked Marian folder: our config and where its tensors and tokenizer files are."""
+class HfFolder:
+    """A checked Hugging Face folder (Marian's, or M2M-100's: m2m100_folder.py): our config, its tensors and how its
+    tokenizer goes into a workdir."""
 
     path: Path
     config: Any  # ml_collections.ConfigDict, validated
     tensors: Callable[[], Iterator[tuple[str, np.ndarray]]]  # (name, array), one at a time
-    tokenizer_files: dict[str, Path]  # workdir file name -> file in the folder
+    write_tokenizer: Callable[[Path], None]  # writes the workdir's tokenizer files into the given directory
+    params: Callable[[Any, Iterator[tuple[str, np.ndarray]], Path], dict] = marian.from_marian_tensors
 
 
 # -- import ---------------------------------------------------------------------------------------------------------
 
 
-def _json(path: Path, required: bool = True) -> dict[str, Any]:
+def read_json(path: Path, required: bool = True) -> dict[str, Any]:
+    """A JSON object file of a Hugging Face folder ({} for a missing optional one); DataError naming it."""
     if not path.is_file():
         if required:
-            raise DataError(f"{path} is missing; give a Hugging Face Marian folder (see docs/pretrained.md)")
+            raise DataError(f"{path} is missing; give a Hugging Face model folder (see docs/pretrained.md)")
         return {}
     try:
         value = json.loads(path.read_text())
@@ -76,7 +79,7 @@ def _json(path: Path, required: bool = True) -> dict[str, Any]:
 def _vocab(path: Path, rows: int, special: dict[str, tuple[int, str]]) -> dict[str, int]:
     """vocab.json (piece -> id), checked against the embedding's rows and `special`: piece -> (the id config.json
     gives it, that key)."""
-    vocab = _json(path)
+    vocab = read_json(path)
     ids = list(vocab.values())
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise DataError(f"{path}: every value must be an integer id")
@@ -93,7 +96,7 @@ def _vocab(path: Path, rows: int, special: dict[str, tuple[int, str]]) -> dict[s
     return vocab
 
 
-def _tensor_reader(path: Path, allow_pickle: bool) -> Callable[[], Iterator[tuple[str, np.ndarray]]]:
+def tensor_reader(path: Path, allow_pickle: bool) -> Callable[[], Iterator[tuple[str, np.ndarray]]]:
     """A function yielding the folder's tensors as float32 numpy arrays, one at a time."""
     safetensors = path / SAFETENSORS
     if safetensors.is_file():
@@ -153,14 +156,14 @@ def _our_config(hf: dict, generation: dict, tokenizer_config: dict, unk_id: int)
     return config
 
 
-def read_folder(path: str | os.PathLike, *, allow_pickle: bool = False) -> MarianFolder:
+def read_folder(path: str | os.PathLike, *, allow_pickle: bool = False) -> HfFolder:
     """Checks a Marian folder's files and config (DataError/ConfigError naming the file or key); reads no weights."""
     path = Path(path)
     if not path.is_dir():
-        raise DataError(f"--from_marian {path} is not a directory")
-    hf = _json(path / CONFIG)
-    generation = _json(path / GENERATION, required=False)
-    tokenizer_config = _json(path / TOKENIZER_CONFIG, required=False)
+        raise DataError(f"{path} is not a directory; give a Hugging Face model folder")
+    hf = read_json(path / CONFIG)
+    generation = read_json(path / GENERATION, required=False)
+    tokenizer_config = read_json(path / TOKENIZER_CONFIG, required=False)
     if hf.get("model_type") != marian.MODEL_TYPE:
         raise ConfigError(
             f"{path / CONFIG} key model_type={hf.get('model_type')!r}: not a Marian model (expected "
@@ -185,8 +188,13 @@ def read_folder(path: str | os.PathLike, *, allow_pickle: bool = False) -> Maria
         config = _our_config(hf, generation, tokenizer_config, source_vocab[marian.UNK_PIECE])
     except ConfigError as e:
         raise ConfigError(f"{path / CONFIG}: {e}") from None
-    files = {name: path / name for name in (SOURCE_SPM, TARGET_SPM, VOCAB, *target_vocab)}
-    return MarianFolder(path, config, _tensor_reader(path, allow_pickle), files)
+    files = [path / name for name in (SOURCE_SPM, TARGET_SPM, VOCAB, *target_vocab)]
+
+    def write_tokenizer(directory: Path) -> None:
+        for file in files:
+            shutil.copyfile(file, directory / file.name)
+
+    return HfFolder(path, config, tensor_reader(path, allow_pickle), write_tokenizer)
 
 
 def check_workdir(workdir: str | os.PathLike) -> Path:
@@ -197,18 +205,17 @@ def check_workdir(workdir: str | os.PathLike) -> Path:
     return workdir
 
 
-def write_workdir(folder: MarianFolder, workdir: str | os.PathLike) -> dict[str, Any]:
+def write_workdir(folder: HfFolder, workdir: str | os.PathLike) -> dict[str, Any]:
     """Writes the workdir (config.json, the tokenizer files, a step-0 checkpoint) whole or not at all; returns a
     report. The checkpoint holds the model's parameters alone (TrainState field "model"), all that evaluation and
     train.init_from read, as jax arrays sharing the converted buffer (DLPack: no copy): Orbax's save of numpy arrays
     holds more temporaries, and a copy would hold the weights twice (benchmarks/convert_marian.py)."""
     workdir, config = check_workdir(workdir), folder.config
-    params = marian.from_marian_tensors(config, folder.tensors(), folder.path / SAFETENSORS)
+    params = folder.params(config, folder.tensors(), folder.path / SAFETENSORS)
     params = jax.tree.map(jax.dlpack.from_dlpack, params)
 
     def fill(tmp: Path) -> None:
-        for name, source in folder.tokenizer_files.items():
-            shutil.copyfile(source, tmp / name)
+        folder.write_tokenizer(tmp)
         (tmp / "config.json").write_text(config.to_json_best_effort(indent=2))
         ckpt = config.ckpt.copy_and_resolve_references()
         ckpt.async_save = False
@@ -220,7 +227,7 @@ def write_workdir(folder: MarianFolder, workdir: str | os.PathLike) -> dict[str,
     folders.write_into_place(workdir, fill)
     return {
         "workdir": str(workdir),
-        "from_marian": str(folder.path),
+        "from": str(folder.path),
         "parameters": int(sum(x.size for x in flatten_dict(params).values())),
         "eval": {k: config.eval[k] for k in ("beam_size", "max_len", "alpha")},
     }
