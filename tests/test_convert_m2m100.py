@@ -8,6 +8,7 @@ than ids; the M2M-100 folder a vocab.json with its 100 __xx__ codes and 8 madeup
 """
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -19,12 +20,14 @@ import pytest
 from flax import nnx
 from flax.traverse_util import flatten_dict
 
+from tests.helpers import DATA
 from tests.helpers.m2m100_reference import ROOT, run
 from tests.helpers.model import tiny_spec
 from transformer_jax.errors import ConfigError, DataError
 from transformer_jax.evaluation.restore import restore_model, workdir_tokenizer
 from transformer_jax.interop import m2m100, m2m100_folder, marian, marian_folder
 from transformer_jax.model.transformer import Transformer
+from transformer_jax.training import checkpoints
 
 SENTENCES = [
     "A man in a blue shirt is standing on a ladder.",
@@ -221,3 +224,28 @@ def test_a_saved_position_table_must_be_fairseqs():
     table = m2m100.fairseq_positions(10, 8, padding_idx=1)
     assert np.all(table[1] == 0.0) and table.shape == (10, 8)
     np.testing.assert_allclose(table[2, :4], np.sin(2.0 * np.exp(-np.arange(4) * np.log(10000.0) / 3)), rtol=1e-6)
+
+
+@pytest.mark.slow  # tests/test_fairseq_tokenizer.py checks fast that a converted model's batches carry its codes
+def test_fine_tuning_a_converted_model_on_directions_starts_from_its_parameters(nllb_dir, tmp_path):
+    """train.py with train.init_from on a converted NLLB workdir and data.directions of the 4-way Multi30k: the run
+    takes the architecture, the code table and the tokenizer files from it, starts from its parameters and trains."""
+    if not (DATA / "multi30k" / "train.cs").is_file():
+        pytest.skip(f"the 4-way Multi30k is not under {DATA} (set TRANSFORMER_JAX_DATA to ../shared/data)")
+    convert(nllb_dir, tmp_path / "w")
+    done = subprocess.run(
+        [sys.executable, "train.py", "--config", "configs/multilingual.py:size=mini,directions=en-cs,lang_token=none"]
+        + ["--config.train.init_from", str(tmp_path / "w"), "--config.train.num_steps", "2"]
+        + ["--config.train.eval_every", "0", "--config.train.bleu_every", "0", "--workdir", str(tmp_path / "ft")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "TRANSFORMER_JAX_DATA": str(DATA), "JAX_PLATFORMS": "cpu"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    source, tuned = checkpoints.load_config(tmp_path / "w"), checkpoints.load_config(tmp_path / "ft")
+    assert tuned.model.language_codes == source.model.language_codes and tuned.data.tokenizer == "fairseq"
+    assert tuned.model.lang_token == "source_and_target"  # the source's: architecture keys come from it
+    assert (tmp_path / "ft" / "vocab.json").read_bytes() == (tmp_path / "w" / "vocab.json").read_bytes()
+    assert checkpoints.list_steps(tmp_path / "ft") == [2]
