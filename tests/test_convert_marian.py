@@ -76,7 +76,8 @@ def test_converted_logits_equal_transformers(marian_dir, tmp_path):
     m = config.model
     assert (m.activation, m.sinusoid_layout, m.final_logits_bias) == ("swish", "concatenated", True)
     assert (m.eos_id, m.unk_id, m.pad_id, m.bos_id) == (0, 1, m.vocab_size - 1, m.vocab_size - 1)
-    assert (config.eval.beam_size, config.eval.max_len) == (3, 40)  # generation_config.json
+    # generation_config.json: num_beams 3, max_length 40 counting the decoder's start token
+    assert (config.eval.beam_size, config.eval.max_len) == (3, 39)
     assert config.eval.average_last == 1  # evaluate.py --workdir W uses the one checkpoint
     assert config.data.tokenizer == "marian"
     assert sorted(p.name for p in (tmp_path / "w").iterdir()) == [

@@ -366,7 +366,9 @@ def model_keys(hf: Mapping[str, Any], unk_id: int) -> dict[str, Any]:
 
 # generation_config.json key -> our eval key. generate() divides a beam's log-probability by
 # length ** length_penalty: our `average` penalty (evaluate.py --length_penalty average) with alpha = length_penalty.
-GENERATION_KEYS = {"num_beams": "beam_size", "length_penalty": "alpha", "max_length": "max_len"}
+GENERATION_KEYS = {"num_beams": "beam_size", "length_penalty": "alpha"}
+# generate()'s max_length counts the decoder's start token, eval.max_len only the output's tokens (EOS included).
+START_TOKEN = 1
 
 
 def eval_keys(generation: Mapping[str, Any]) -> dict[str, Any]:
@@ -375,6 +377,8 @@ def eval_keys(generation: Mapping[str, Any]) -> dict[str, Any]:
     for theirs, ours in GENERATION_KEYS.items():
         if generation.get(theirs) is not None:
             keys[f"eval.{ours}"] = (float if ours == "alpha" else int)(generation[theirs])
+    if generation.get("max_length") is not None:
+        keys["eval.max_len"] = max(int(generation["max_length"]) - START_TOKEN, 1)
     return keys
 
 
@@ -436,7 +440,8 @@ def marian_config(config: Any) -> dict[str, Any]:
 
 def generation_config(config: Any) -> dict[str, Any]:
     """generation_config.json: our evaluation's beam size, length penalty exponent and length cap (generate()'s
-    default is 20 tokens: eval.max_len, or every position), and the pad id never generated (nor by our searches)."""
+    default is 20 tokens: eval.max_len and the start token, or every position), and the pad id never generated (nor
+    by our searches)."""
     m, e = config.model, config.eval
     return {
         "decoder_start_token_id": m.bos_id,
@@ -445,5 +450,5 @@ def generation_config(config: Any) -> dict[str, Any]:
         "pad_token_id": m.pad_id,
         "bad_words_ids": [[m.pad_id]],
         **{theirs: e[ours] for theirs, ours in GENERATION_KEYS.items()},
-        "max_length": e.max_len or m.max_len,
+        "max_length": e.max_len + START_TOKEN if e.max_len else m.max_len,
     }
