@@ -1,8 +1,10 @@
 """Export to CTranslate2: the model's weights in a ctranslate2 TransformerSpec, and decoding with our length limits.
 Axis letters: see transformer_jax/__init__.py.
 
-The exported directory holds model.bin, config.json, shared_vocabulary.json (row i is SentencePiece piece i, so
-CTranslate2's ids are ours) and spm.model, everything a server needs. How our layers map onto the engine's, each
+The exported directory holds model.bin, config.json, shared_vocabulary.json (row i is our id i's piece, so
+CTranslate2's ids are ours) and the tokenizer, everything a server needs: spm.model, or a converted M2M-100 /
+NLLB-200 model's files (data.tokenizer=fairseq: sentencepiece.bpe.model, vocab.json, and TOKENIZER_KEYS, the config
+keys its tokenizer is built from: `exported_tokenizer` reads them). How our layers map onto the engine's, each
 checked by tests/test_export.py against decoding.Searcher's outputs and the model's logits:
 - Kernels [in, out] are the engine's [out, in] weights. Self-attention's Q, K, V are one fused linear [Q; K; V];
   cross-attention has Q and a fused [K; V]. Heads are consecutive column blocks on both sides, and with grouped
@@ -23,10 +25,11 @@ checked by tests/test_export.py against decoding.Searcher's outputs and the mode
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,7 +37,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.data.tokenizer import MODEL_FILENAME
+from transformer_jax.data import languages
+from transformer_jax.data.tokenizer import MODEL_FILENAME, FairseqTokenizer, Tokenizer
 from transformer_jax.errors import ConfigError, EvalError
 from transformer_jax.evaluation.restore import LATEST, CheckpointChoice, check_choice
 from transformer_jax.evaluation.translate import (
@@ -49,7 +53,7 @@ from transformer_jax.evaluation.translate import (
 from transformer_jax.evaluation.translate import position_limit as learned_positions
 from transformer_jax.interop import folders
 from transformer_jax.interop.folders import vocabulary
-from transformer_jax.model.layers import TransformerSpec, sinusoidal_encoding
+from transformer_jax.model.layers import SpecialIds, TransformerSpec, sinusoidal_encoding
 
 # CTranslate2's translate_batch defaults: inputs cut at 1024 tokens, outputs at 256. A table covering both lets
 # the exported model serve with the engine's defaults (positions beyond the table are an error in the engine).
@@ -57,6 +61,7 @@ ENGINE_DEFAULT_POSITIONS = 1024
 # CTranslate2's weight quantizations the export offers (ctranslate2.specs.ModelSpec.optimize); None = float32.
 QUANTIZATIONS = ("int8", "int8_float32", "bfloat16")
 MARKER = "model.bin"  # what makes a directory an earlier export that --force may replace
+TOKENIZER_KEYS = "tokenizer_keys.json"  # a fairseq tokenizer's config keys, beside its files (exported_tokenizer)
 
 
 def check_exportable(spec: Any) -> None:
@@ -196,21 +201,54 @@ def to_ctranslate2(
     check_exportable(model.spec)
     check_quantization(quantization)
     folders.check_output(output_dir, force, MARKER, "a CTranslate2 model directory")
-    if tokenizer.name != "spm":  # the export ships the joint SentencePiece model as its tokenizer
+    if tokenizer.name not in ("spm", "fairseq"):  # the tokenizers whose files the export ships
         raise EvalError(
-            f"the CTranslate2 export needs the joint SentencePiece tokenizer (data.tokenizer='spm'), not "
+            f"the CTranslate2 export needs a joint vocabulary (data.tokenizer='spm' or 'fairseq'), not "
             f"{tokenizer.name!r}; export a converted Marian model with --format marian"
         )
     pieces = vocabulary(tokenizer, model.spec.vocab_size)
+    twice = sorted(piece for piece, n in Counter(pieces).items() if n > 1)
+    if twice:  # the engine maps pieces to ids: each must name one row
+        raise EvalError(f"tokenizer {tokenizer.path} names several ids {twice[:3]}; each piece must name one id")
     ct2 = build_spec(model, pieces, max_positions=max_positions)
     ct2.validate()
     ct2.optimize(quantization=quantization)  # None: float32, as trained; the engine converts at load time
 
     def fill(tmp: Path) -> None:
         ct2.save(str(tmp))
-        shutil.copyfile(tokenizer.path, tmp / MODEL_FILENAME)  # the name a workdir gives it
+        if tokenizer.name == "spm":
+            shutil.copyfile(tokenizer.path, tmp / MODEL_FILENAME)  # the name a workdir gives it
+            return
+        for file in tokenizer.files:  # the names a converted workdir gives them
+            shutil.copyfile(file, tmp / file.name)
+        (tmp / TOKENIZER_KEYS).write_text(json.dumps(tokenizer_keys(tokenizer), indent=1) + "\n", encoding="utf-8")
 
     return folders.write_into_place(output_dir, fill)
+
+
+def tokenizer_keys(tokenizer: FairseqTokenizer) -> dict[str, Any]:
+    """The config keys a fairseq tokenizer is built from (data/tokenizer.py get_tokenizer), as TOKENIZER_KEYS holds
+    them."""
+    ids = tokenizer.ids
+    return {
+        "data.tokenizer": tokenizer.name,
+        "model.vocab_size": tokenizer.vocab_size,
+        **{f"model.{field}_id": getattr(ids, field) for field in ("pad", "eos", "bos", "unk")},
+        "model.lang_token": tokenizer.language_table.scheme,
+        "model.language_codes": sorted(tokenizer.language_table.ids.items(), key=lambda code: code[1]),
+    }
+
+
+def exported_tokenizer(directory: str | os.PathLike) -> Any:
+    """The tokenizer an export ships: a fairseq one (TOKENIZER_KEYS and its files), or spm.model with the default
+    reserved ids."""
+    directory = Path(directory)
+    if not (directory / TOKENIZER_KEYS).is_file():
+        return Tokenizer(directory / MODEL_FILENAME, SpecialIds.DEFAULT)
+    keys = json.loads((directory / TOKENIZER_KEYS).read_text(encoding="utf-8"))
+    ids = SpecialIds(*(keys[f"model.{field}_id"] for field in ("pad", "eos", "bos", "unk")))
+    table = languages.Placement(keys["model.lang_token"], {code: int(i) for code, i in keys["model.language_codes"]})
+    return FairseqTokenizer(directory, ids, keys["model.vocab_size"], table)
 
 
 # -- decoding with our limits ---------------------------------------------------------------------------------

@@ -1,0 +1,171 @@
+"""CTranslate2 for converted M2M-100 and NLLB-200 workdirs (data.tokenizer=fairseq): our export translates as
+evaluate.py does, CTranslate2's own converter (the oracle) gives the same greedy tokens as our export, and
+translate_corpus --engine ctranslate2 writes a jax greedy run's outputs.
+
+The folders are random-weight models built offline by transformers in a process of its own, which also runs
+CTranslate2's converter on them (tests/helpers/m2m100_reference.py make_ct2): torch never enters this process.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.helpers.m2m100_reference import run
+from transformer_jax.data import languages
+from transformer_jax.errors import EvalError
+from transformer_jax.evaluation.command import evaluate
+from transformer_jax.evaluation.restore import LATEST, restore_model
+from transformer_jax.evaluation.run import Decoding, decoding_settings
+from transformer_jax.evaluation.translate import LanguageIds, language_tokens, position_limit
+from transformer_jax.interop import m2m100_folder, marian_folder
+
+ctranslate2 = pytest.importorskip("ctranslate2", reason="ctranslate2 is not installed (pip install ctranslate2==4.8.5)")
+from transformer_jax.interop import ctranslate2 as export_lib  # noqa: E402 - needs the engine, checked above
+
+SENTENCES = [
+    "A man in a blue shirt is standing on a ladder.",
+    "Two young children are playing in the sand.",
+    "",
+    "The dog runs across the green field.",
+    "Several people are waiting at the bus stop.",
+    "A woman with a red hat is reading a book in the park while her dog sleeps.",
+    "Men.",
+]
+FOLDERS = {"nllb": {"family": "nllb"}, "m2m100": {"family": "m2m100", "seed": 1}}
+FAMILIES = ["nllb", pytest.param("m2m100", marks=pytest.mark.slow)]
+EN_DE = languages.Direction("en", "de")
+
+
+class Converted:
+    """A family's Hugging Face folder, CTranslate2's conversion of it, our workdir of it and our export."""
+
+    def __init__(self, root: Path, family: str):
+        self.folder, self.oracle = root / "hf", root / "oracle"
+        run("make_ct2", str(self.folder), json.dumps(FOLDERS[family]), str(self.oracle))
+        self.workdir, self.export = root / "workdir", root / "ct2"
+        marian_folder.write_workdir(m2m100_folder.read_folder(self.folder), self.workdir)
+        self.report = export_lib.export_workdir(str(self.workdir), self.export)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    made: dict[str, Converted] = {}
+
+    def get(family: str) -> Converted:
+        if family not in made:
+            made[family] = Converted(tmp_path_factory.mktemp(family), family)
+        return made[family]
+
+    return get
+
+
+def translator(path: Path):
+    return ctranslate2.Translator(str(path), device="cpu", intra_threads=1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_export_translates_as_evaluate_greedy_does(family, converted, tmp_path):
+    """evaluate.py --source_lang en --target_lang de --beam_size 1 on the workdir, and ctranslate2_translate of the
+    export with the direction's language ids (sources `[src_code] X </s>`, target_prefix `[tgt_code]`, the codes
+    suppressed), with the tokenizer the export ships: the same lines, the same statistics."""
+    c = converted(family)
+    (tmp_path / "in.txt").write_text("".join(s + "\n" for s in SENTENCES), encoding="utf-8")
+    flags = dict(workdir=str(c.workdir), beam_size=1, source_file=str(tmp_path / "in.txt"))
+    flags.update(source_lang="en", target_lang="de", output_file=str(tmp_path / "ours.txt"))
+    report = evaluate(flags)
+    ours = (tmp_path / "ours.txt").read_text(encoding="utf-8").splitlines()
+    config, model, _ = restore_model(str(c.workdir), LATEST)
+    tokenizer = export_lib.exported_tokenizer(c.export)
+    ids = LanguageIds.of(tokenizer.language_table, EN_DE)
+    assert ids == (tokenizer.language_id("en"), tokenizer.language_id("de"))
+    theirs, stats = export_lib.ctranslate2_translate(
+        translator(c.export),
+        tokenizer,
+        SENTENCES,
+        decoding_settings(Decoding(beam_size=1), config),
+        position_limit=position_limit(model.spec),
+        language_ids=ids,
+    )
+    assert theirs == ours and len(ours) == len(SENTENCES)
+    assert sum(bool(line) for line in ours) >= len(SENTENCES) - 2, ours  # the random model writes something
+    for key in ("empty", "truncated", "hit_max_len", "src_tokens", "tgt_tokens"):
+        assert stats[key] == report["stats"][key], key
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ctranslate2s_own_converter_gives_the_exports_greedy_tokens(family, converted):
+    """The oracle (CTranslate2's converter on the Hugging Face folder) and our export, given the same token ids (the
+    source `[eng code] X </s>`, target_prefix the deu code, every code suppressed, as ctranslate2_translate does),
+    emit the same greedy tokens."""
+    c = converted(family)
+    tokenizer = export_lib.exported_tokenizer(c.export)
+    src, tgt = tokenizer.language_id("en"), tokenizer.language_id("de")
+    sources = [[src, *tokenizer.encode_source(s), tokenizer.ids.eos] for s in SENTENCES if s]
+    codes = language_tokens(tokenizer)
+
+    def greedy(path: Path, with_eos: bool) -> list[list[int]]:
+        pieces = json.loads((path / "shared_vocabulary.json").read_text(encoding="utf-8"))
+        index = {piece: i for i, piece in enumerate(pieces)}
+        results = translator(path).translate_batch(
+            [[pieces[i] for i in (ids if with_eos else ids[:-1])] for ids in sources],
+            beam_size=1,
+            max_decoding_length=24,
+            min_decoding_length=0,
+            max_input_length=0,
+            target_prefix=[[pieces[tgt]]] * len(sources),
+            suppress_sequences=[[pieces[i]] for i in codes],
+            return_end_token=True,
+        )
+        return [[index[p] for p in r.hypotheses[0]] for r in results]
+
+    ours = greedy(c.export, with_eos=False)  # our export adds </s> itself (add_source_eos)
+    assert greedy(c.oracle, with_eos=True) == ours  # the oracle's sources carry it, as transformers' tokenizer's
+    assert all(x[0] == tgt for x in ours)
+
+    # The random models' greedy outputs vary little: the log-probabilities of every target token say more.
+    targets = [[tgt, *tokenizer.encode_target(s)] for s in reversed(SENTENCES) if s]
+
+    def log_probs(path: Path, with_eos: bool) -> np.ndarray:
+        pieces = json.loads((path / "shared_vocabulary.json").read_text(encoding="utf-8"))
+        results = translator(path).score_batch(
+            [[pieces[i] for i in (ids if with_eos else ids[:-1])] for ids in sources],
+            [[pieces[i] for i in ids] for ids in targets],
+        )
+        return np.concatenate([r.log_probs for r in results])
+
+    np.testing.assert_allclose(log_probs(c.oracle, True), log_probs(c.export, False), atol=1e-4, rtol=0)
+
+
+def test_the_export_ships_the_tokenizer_and_every_id_once(converted):
+    c = converted("nllb")
+    assert sorted(p.name for p in c.export.iterdir()) == [
+        "config.json",
+        "model.bin",
+        "sentencepiece.bpe.model",
+        "shared_vocabulary.json",
+        "tokenizer_keys.json",
+        "vocab.json",
+    ]
+    config, _, _ = restore_model(str(c.workdir), LATEST)
+    pieces = json.loads((c.export / "shared_vocabulary.json").read_text(encoding="utf-8"))
+    assert len(pieces) == len(set(pieces)) == config.model.vocab_size
+    vocab = json.loads((c.workdir / "vocab.json").read_text(encoding="utf-8"))
+    assert all(pieces[i] == piece for piece, i in vocab.items())
+    assert pieces[-2:] == ["<surplus284>", "<surplus285>"]  # NLLB-200's rows past its tokenizer's ids
+    engine = json.loads((c.export / "config.json").read_text(encoding="utf-8"))
+    assert engine["decoder_start_token"] == engine["eos_token"] == "</s>" and engine["add_source_eos"]
+    assert c.report["checkpoint_steps"] == [0]
+
+
+def test_a_vocabulary_naming_one_piece_twice_is_refused_in_one_line(converted, tmp_path):
+    c = converted("nllb")
+    _, model, _ = restore_model(str(c.workdir), LATEST)
+    tokenizer = export_lib.exported_tokenizer(c.export)
+    tokenizer._pieces[5] = tokenizer._pieces[6]
+    with pytest.raises(EvalError, match=r"^tokenizer \S+vocab.json names several ids \[") as e:
+        export_lib.to_ctranslate2(model, tokenizer, tmp_path / "out")
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
