@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers.m2m100_reference import run
+from tests.helpers import m2m100_reference
 from transformer_jax.data import languages
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation.command import evaluate
@@ -22,6 +22,8 @@ from transformer_jax.evaluation.restore import LATEST, restore_model
 from transformer_jax.evaluation.run import Decoding, decoding_settings
 from transformer_jax.evaluation.translate import LanguageIds, language_tokens, position_limit
 from transformer_jax.interop import m2m100_folder, marian_folder
+from transformer_jax.translate_corpus import run
+from transformer_jax.translate_corpus.run import job_of, translate_corpus
 
 ctranslate2 = pytest.importorskip("ctranslate2", reason="ctranslate2 is not installed (pip install ctranslate2==4.8.5)")
 from transformer_jax.interop import ctranslate2 as export_lib  # noqa: E402 - needs the engine, checked above
@@ -45,7 +47,7 @@ class Converted:
 
     def __init__(self, root: Path, family: str):
         self.folder, self.oracle = root / "hf", root / "oracle"
-        run("make_ct2", str(self.folder), json.dumps(FOLDERS[family]), str(self.oracle))
+        m2m100_reference.run("make_ct2", str(self.folder), json.dumps(FOLDERS[family]), str(self.oracle))
         self.workdir, self.export = root / "workdir", root / "ct2"
         marian_folder.write_workdir(m2m100_folder.read_folder(self.folder), self.workdir)
         self.report = export_lib.export_workdir(str(self.workdir), self.export)
@@ -169,3 +171,86 @@ def test_a_vocabulary_naming_one_piece_twice_is_refused_in_one_line(converted, t
     with pytest.raises(EvalError, match=r"^tokenizer \S+vocab.json names several ids \[") as e:
         export_lib.to_ctranslate2(model, tokenizer, tmp_path / "out")
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
+# -- translate_corpus --engine ctranslate2 ----------------------------------------------------------------------
+
+CORPUS_FLAGS = {"beam_size": 1, "max_extra_len": 4, "batch_size": 4, "source_lang": "en", "target_lang": "de"}
+CHUNK = 3
+
+
+def corpus_run(c: Converted, source: Path, out: Path, engine: str, **flags) -> dict:
+    values = {"workdir": str(c.workdir), **CORPUS_FLAGS, **flags}
+    return translate_corpus(job_of(values, str(source), str(out), CHUNK, engine=engine))
+
+
+def scores(out: Path) -> np.ndarray:
+    return np.array([line.split("\t") for line in Path(run.scores_file(str(out))).read_text().splitlines()], float)
+
+
+@pytest.fixture(scope="module")
+def jax_corpus(converted, tmp_path_factory):
+    """--engine jax's greedy run on the NLLB workdir: (input, OUT)."""
+    root = tmp_path_factory.mktemp("corpus")
+    source = root / "in.txt"
+    source.write_text("".join(s + "\n" for s in SENTENCES * 2), encoding="utf-8")
+    corpus_run(converted("nllb"), source, root / "jax.txt", run.JAX)
+    return source, root / "jax.txt"
+
+
+def test_translate_corpus_on_ctranslate2_writes_the_jax_runs_lines_and_scores(converted, jax_corpus, tmp_path):
+    source, jax_out = jax_corpus
+    report = corpus_run(converted("nllb"), source, tmp_path / "ct2.txt", run.CTRANSLATE2)
+    assert (tmp_path / "ct2.txt").read_bytes() == jax_out.read_bytes()
+    np.testing.assert_allclose(scores(tmp_path / "ct2.txt"), scores(jax_out), atol=1e-4, rtol=0)  # nan: blank lines
+    assert report["engine"] == "ctranslate2" and report["counts"]["empty"] == 2
+    assert not run.parts_dir(str(tmp_path / "ct2.txt")).exists()
+
+
+class Stop(Exception):
+    """Raised to stop a run after some chunks are committed (as a Ctrl-C would)."""
+
+
+def test_a_stopped_ctranslate2_run_resumes_to_the_same_bytes_reusing_its_export(
+    converted, jax_corpus, tmp_path, monkeypatch
+):
+    source, jax_out = jax_corpus
+    out = tmp_path / "ct2.txt"
+    write = run.write_chunk
+    monkeypatch.setattr(run, "write_chunk", lambda *a: write(*a) if a[1] == 0 else (_ for _ in ()).throw(Stop()))
+    with pytest.raises(Stop):
+        corpus_run(converted("nllb"), source, out, run.CTRANSLATE2)
+    monkeypatch.undo()
+    parts = run.parts_dir(str(out))
+    assert sorted(p.name for p in parts.iterdir()) == ["0000000.json", "ctranslate2", "state.json"]
+    with pytest.raises(EvalError, match=r"^\S+ was started with other settings \(--engine 'ctranslate2' -> None\)"):
+        corpus_run(converted("nllb"), source, out, run.JAX)
+    monkeypatch.setattr(export_lib, "to_ctranslate2", lambda *a, **k: pytest.fail("exported again"))
+    report = corpus_run(converted("nllb"), source, out, run.CTRANSLATE2)
+    assert report["chunks_resumed"] == 1 and out.read_bytes() == jax_out.read_bytes()
+    np.testing.assert_allclose(scores(out), scores(jax_out), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ({"sampling": True}, "--engine ctranslate2 cannot take --sampling: sampling keys come from --seed"),
+        ({"ensemble_workdirs": ["w2"]}, "--engine ctranslate2 cannot take --ensemble_workdirs: it decodes one model"),
+        ({"streams": 2}, "--engine ctranslate2 cannot take --streams"),
+        ({"engine": "onnx"}, r"--engine 'onnx': choose one of \['jax', 'ctranslate2'\]"),
+    ],
+)
+def test_what_the_engine_cannot_do_is_refused_in_one_line(converted, tmp_path, flags, message):
+    flags = {"engine": run.CTRANSLATE2, "streams": 0, **flags}
+    values = {"workdir": str(tmp_path / "w"), **CORPUS_FLAGS}
+    values.update({k: v for k, v in flags.items() if k not in ("engine", "streams")})
+    with pytest.raises(EvalError, match="^" + message) as e:
+        job_of(values, str(tmp_path / "in"), str(tmp_path / "out"), CHUNK, flags["streams"], flags["engine"])
+    assert "\n" not in str(e.value)
+
+
+def test_beam_search_other_than_ctranslate2s_is_refused_in_one_line(converted, jax_corpus, tmp_path):
+    source, _ = jax_corpus
+    with pytest.raises(EvalError, match=r"^--engine ctranslate2 with --beam_size 4 ranks by its own rules") as e:
+        corpus_run(converted("nllb"), source, tmp_path / "out.txt", run.CTRANSLATE2, beam_size=4)
+    assert "\n" not in str(e.value) and not run.parts_dir(str(tmp_path / "out.txt")).exists()

@@ -39,10 +39,13 @@ import numpy as np
 
 from transformer_jax.data import languages
 from transformer_jax.data.tokenizer import MODEL_FILENAME, FairseqTokenizer, Tokenizer
+from transformer_jax.decoding.state import length_penalty
 from transformer_jax.errors import ConfigError, EvalError
 from transformer_jax.evaluation.restore import LATEST, CheckpointChoice, check_choice
 from transformer_jax.evaluation.translate import (
+    EMPTY,
     DecodeSettings,
+    Hypothesis,
     LanguageIds,
     input_limit,
     language_tokens,
@@ -278,8 +281,62 @@ def ctranslate2_translate(
     output be EOS alone, as ours can; max_input_length=0 keeps our cut. alpha goes to the engine's length_penalty
     (GNMT's formula, not decoding/state.py's), so only greedy outputs are expected to be identical.
     """
-    beam_size, eos = settings.search.beam_size, tokenizer.ids.eos
     start = time.perf_counter()
+    _, outs, _, stats = _decode(translator, tokenizer, sentences, settings, position_limit, language_ids)
+    outputs = [""] * len(sentences)
+    for i, out in outs.items():
+        outputs[i] = tokenizer.decode_target([t for t in out if t not in (tokenizer.ids.eos, tokenizer.ids.pad)])
+    return outputs, {**stats, "seconds": round(time.perf_counter() - start, 3)}
+
+
+def ctranslate2_hypotheses(
+    translator: Any,
+    tokenizer: Any,
+    sentences: Sequence[str],
+    settings: DecodeSettings,
+    *,
+    position_limit: int | None = None,
+    language_ids: LanguageIds | Sequence[LanguageIds] | None = None,
+) -> tuple[list[Hypothesis], dict[str, Any]]:
+    """ctranslate2_translate's outputs as translate_nbest's 1-best Hypothesis records (EMPTY for a blank line), with
+    the statistics. log_prob is the engine's score_batch of the output: its per-token log-probabilities summed, EOS's
+    where the output emitted it, a forced target language token's left out (it adds 0 in ours); score is log_prob /
+    lp(length) by settings.search's length penalty (decoding.length_penalty), the length counting the forced token
+    and EOS, as ours does."""
+    start = time.perf_counter()
+    sources, outs, lang, stats = _decode(translator, tokenizer, sentences, settings, position_limit, language_ids)
+    pieces, eos = vocabulary(tokenizer), tokenizer.ids.eos
+    rows = sorted(outs)
+    ended = {i: bool(outs[i]) and outs[i][-1] == eos for i in rows}
+    scored = translator.score_batch(
+        [[pieces[t] for t in sources[i][:-1]] for i in rows],  # the engine adds EOS to sources and targets
+        [[pieces[t] for t in (outs[i][:-1] if ended[i] else outs[i])] for i in rows],
+        max_batch_size=settings.batch_size,
+        max_input_length=0,
+    )
+    search = settings.search
+    hypotheses = [EMPTY] * len(sentences)
+    for i, result in zip(rows, scored, strict=True):
+        log_probs = np.asarray(result.log_probs, np.float32)[: None if ended[i] else -1]  # EOS's only if emitted
+        log_prob = float(np.sum(log_probs[0 if lang[i].target is None else 1 :]))
+        length = len(outs[i])
+        score = float(log_prob / length_penalty(length, search.alpha, search.penalty))
+        text = tokenizer.decode_target([t for t in outs[i] if t not in (eos, tokenizer.ids.pad)])
+        hypotheses[i] = Hypothesis(text, log_prob, score, length, ended[i])
+    return hypotheses, {**stats, "seconds": round(time.perf_counter() - start, 3)}
+
+
+def _decode(
+    translator: Any,
+    tokenizer: Any,
+    sentences: Sequence[str],
+    settings: DecodeSettings,
+    position_limit: int | None,
+    language_ids: LanguageIds | Sequence[LanguageIds] | None,
+) -> tuple[dict[int, list[int]], dict[int, list[int]], list[LanguageIds], dict[str, Any]]:
+    """(sources, each decoded line's output ids cut to its limit (the forced language token first, EOS last where
+    emitted), each line's LanguageIds, the statistics but seconds): ctranslate2_translate's search."""
+    beam_size, eos = settings.search.beam_size, tokenizer.ids.eos
     pieces = vocabulary(tokenizer)
     index = {piece: i for i, piece in enumerate(pieces)}
     lang = LanguageIds.per_line(language_ids, len(sentences))
@@ -294,7 +351,7 @@ def ctranslate2_translate(
     longest, groups = max(limits.values(), default=0), defaultdict(list)
     for i in sorted(sources):
         groups[longest if beam_size == 1 else limits[i]].append(i)
-    outputs, tgt_tokens, hit_max_len = [""] * len(sentences), 0, 0
+    outs, tgt_tokens, hit_max_len = {}, 0, 0
     for group_limit, rows in sorted(groups.items()):
         results = translator.translate_batch(
             [[pieces[t] for t in sources[i][:-1]] for i in rows],  # the engine adds EOS (add_source_eos)
@@ -309,14 +366,9 @@ def ctranslate2_translate(
             return_end_token=True,
         )
         for i, result in zip(rows, results, strict=True):
-            out = [index[piece] for piece in result.hypotheses[0]][: limits[i]]
-            tgt_tokens += len(out)
-            if out and out[-1] == eos:
-                out = out[:-1]
-            else:
-                hit_max_len += 1  # stopped by the length limit, not by EOS
-            outputs[i] = tokenizer.decode_target([t for t in out if t != tokenizer.ids.pad])
-    seconds = time.perf_counter() - start
+            outs[i] = [index[piece] for piece in result.hypotheses[0]][: limits[i]]
+            tgt_tokens += len(outs[i])
+            hit_max_len += not (outs[i] and outs[i][-1] == eos)  # stopped by the length limit, not by EOS
     stats = {
         "sentences": len(sentences),
         "empty": len(sentences) - len(sources),
@@ -325,9 +377,8 @@ def ctranslate2_translate(
         "hit_max_len": hit_max_len,
         "src_tokens": int(sum(len(s) for s in sources.values())),
         "tgt_tokens": tgt_tokens,
-        "seconds": round(seconds, 3),
     }
-    return outputs, stats
+    return sources, outs, lang, stats
 
 
 # -- a workdir's checkpoints --------------------------------------------------------------------------------------
