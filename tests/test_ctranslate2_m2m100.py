@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import m2m100_reference
+from tests.helpers.training import untrained_workdir, write_corpus
 from transformer_jax.data import languages
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation.command import evaluate
@@ -249,8 +250,34 @@ def test_what_the_engine_cannot_do_is_refused_in_one_line(converted, tmp_path, f
     assert "\n" not in str(e.value)
 
 
-def test_beam_search_other_than_ctranslate2s_is_refused_in_one_line(converted, jax_corpus, tmp_path):
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ({"beam_size": 4}, r"with --beam_size 4 ranks by its own rules: give --length_penalty average"),
+        (dict(beam_size=2, length_penalty="average", finished="set_aside"), "with --beam_size 2: its beam search"),
+    ],
+)
+def test_beam_search_that_ranks_otherwise_than_ours_is_refused_in_one_line(
+    converted, jax_corpus, tmp_path, flags, message
+):
+    """Beam search by other rules than CTranslate2's, or with a forced target language token (CTranslate2 scores it,
+    ours adds 0): one line, before anything is written."""
     source, _ = jax_corpus
-    with pytest.raises(EvalError, match=r"^--engine ctranslate2 with --beam_size 4 ranks by its own rules") as e:
-        corpus_run(converted("nllb"), source, tmp_path / "out.txt", run.CTRANSLATE2, beam_size=4)
+    with pytest.raises(EvalError, match="^--engine ctranslate2 " + message) as e:
+        corpus_run(converted("nllb"), source, tmp_path / "out.txt", run.CTRANSLATE2, **flags)
     assert "\n" not in str(e.value) and not run.parts_dir(str(tmp_path / "out.txt")).exists()
+
+
+@pytest.mark.slow
+def test_a_bilingual_models_beam_search_by_ctranslate2s_rules_writes_the_jax_runs_lines(tmp_path):
+    """Without language tokens, beam search with --length_penalty average --finished set_aside is CTranslate2's
+    own: both engines write the same OUT."""
+    data = write_corpus(tmp_path / "data", n_train=100)
+    workdir = untrained_workdir(data, tmp_path / "workdir")
+    source = tmp_path / "in.txt"
+    source.write_text("the red dog runs\n\nthe man in the green park\na cat\n", encoding="utf-8")
+    flags = dict(workdir=str(workdir), beam_size=3, length_penalty="average", finished="set_aside", max_extra_len=4)
+    for engine in run.ENGINES:
+        translate_corpus(job_of({**flags, "average_last": 1}, str(source), str(tmp_path / engine), 2, engine=engine))
+    assert (tmp_path / "ctranslate2").read_bytes() == (tmp_path / "jax").read_bytes()
+    np.testing.assert_allclose(scores(tmp_path / "ctranslate2"), scores(tmp_path / "jax"), atol=1e-4, rtol=0)

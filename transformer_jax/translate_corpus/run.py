@@ -140,14 +140,20 @@ def check_ctranslate2(values: Mapping[str, Any]) -> None:
         raise EvalError(f"--engine ctranslate2 needs ctranslate2 ({e}): pip install ctranslate2==4.8.5") from e
 
 
-def check_ctranslate2_search(settings: DecodeSettings, search: Mapping[str, Any]) -> None:
+def check_ctranslate2_search(settings: DecodeSettings, search: Mapping[str, Any], forced_language: bool) -> None:
     """EvalError unless CTranslate2's search is ours: greedy, or beam search with the length penalty `average` and
-    finished hypotheses set aside (its rules; tests/test_decoding_ctranslate2.py)."""
+    finished hypotheses set aside (its rules; tests/test_decoding_ctranslate2.py) and no forced target language
+    token (`forced_language`), whose log-probability its scores count and ours do not."""
     beam = settings.search.beam_size
     if beam > 1 and (search["length_penalty"], search["finished"]) != (AVERAGE, SET_ASIDE):
         raise EvalError(
             f"--engine ctranslate2 with --beam_size {beam} ranks by its own rules: give --length_penalty average "
             f"--finished set_aside (its rules) or --beam_size 1 (got {search['length_penalty']}, {search['finished']})"
+        )
+    if beam > 1 and forced_language:
+        raise EvalError(
+            f"--engine ctranslate2 with --beam_size {beam}: its beam search counts the forced target language "
+            "token's log-probability in every score (ours adds 0), so it ranks otherwise; give --beam_size 1"
         )
 
 
@@ -185,7 +191,7 @@ def translate_corpus(job: Job, *, progress: bool = False) -> dict[str, Any]:
     loaded = evaluation.load(job.mode)  # reads the lines as evaluate.py does (UTF-8, blank lines kept)
     settings, search = evaluation.settings_of(job.mode, loaded)
     if job.engine == CTRANSLATE2:
-        check_ctranslate2_search(settings, search)
+        check_ctranslate2_search(settings, search, getattr(loaded.language_ids, "target", None) is not None)
     work["model"] = {"checkpoint_steps": loaded.steps, "decoding": settings.report(), "search": search}
     flag_of["checkpoint_steps"] = "checkpoint steps (--checkpoint latest moves as training goes on)"
     check_resume(parts, work, flag_of)
