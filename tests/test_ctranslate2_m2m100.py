@@ -9,12 +9,15 @@ CTranslate2's converter on them (tests/helpers/m2m100_reference.py make_ct2): to
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.helpers import m2m100_reference
+from tests.helpers import REPO, m2m100_reference
 from tests.helpers.training import untrained_workdir, write_corpus
 from transformer_jax.data import languages
 from transformer_jax.errors import EvalError
@@ -281,3 +284,23 @@ def test_a_bilingual_models_beam_search_by_ctranslate2s_rules_writes_the_jax_run
         translate_corpus(job_of({**flags, "average_last": 1}, str(source), str(tmp_path / engine), 2, engine=engine))
     assert (tmp_path / "ctranslate2").read_bytes() == (tmp_path / "jax").read_bytes()
     np.testing.assert_allclose(scores(tmp_path / "ctranslate2"), scores(tmp_path / "jax"), atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_the_decode_benchmark_runs_a_converted_workdir_on_ctranslate2(converted, tmp_path):
+    c = converted("nllb")
+    (tmp_path / "in.txt").write_text("".join(s + "\n" for s in SENTENCES), encoding="utf-8")
+    flags = ["--workdir", str(c.workdir), "--source_file", str(tmp_path / "in.txt"), "--beam_sizes", "1"]
+    flags += ["--source_lang", "en", "--target_lang", "de", "--repeats", "1", "--threads", "1"]
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.decode", *flags],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["identical_outputs"] == report["sentences"] == len(SENTENCES)
+    assert report["ours"]["bleu"] is None and report["ctranslate2"]["sentences_per_s"] > 0
