@@ -167,6 +167,29 @@ def test_the_export_ships_the_tokenizer_and_every_id_once(converted):
     assert c.report["checkpoint_steps"] == [0]
 
 
+@pytest.mark.slow
+def test_the_command_line_exports_a_converted_workdir(converted, tmp_path):
+    """python -m transformer_jax.export --format ctranslate2: the files export_workdir writes, byte for byte."""
+    c = converted("m2m100")
+    out = tmp_path / "ct2"
+    done = subprocess.run(
+        [sys.executable, "-m", "transformer_jax.export", "--workdir", str(c.workdir), "--format", "ctranslate2"]
+        + ["--output", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["checkpoint_steps"] == [0]
+    assert sorted(os.listdir(out)) == sorted(os.listdir(c.export))
+    for name in os.listdir(out):
+        assert (out / name).read_bytes() == (c.export / name).read_bytes(), name
+    keys = json.loads((out / "tokenizer_keys.json").read_text(encoding="utf-8"))
+    assert keys["data.tokenizer"] == "fairseq" and len(keys["model.language_codes"]) == 100
+
+
 def test_a_vocabulary_naming_one_piece_twice_is_refused_in_one_line(converted, tmp_path):
     c = converted("nllb")
     _, model, _ = restore_model(str(c.workdir), LATEST)
