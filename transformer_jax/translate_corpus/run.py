@@ -9,6 +9,9 @@ local devices, each with a copy of the parameters, decoding in `streams` threads
 computes). On a CPU, CPU_STREAMS threads are the default: one search's step leaves a core idle, which another
 search's step then uses (docs/benchmarks.md). A chunk's translation depends on its lines only (sampling keys come
 from the seed and each line's number in the whole input), so which device, stream or host made it changes nothing.
+With engine ctranslate2, the restored model is exported once into OUT.parts/ctranslate2 and one CTranslate2
+translator per host decodes its chunks (interop/ctranslate2.py ctranslate2_hypotheses: our sources, limits, language
+tokens and length penalty), as greedy as ours: what it would decode otherwise than ours is refused before any work.
 
 The chunk store: OUT.parts/ holds a state file and one file per committed chunk.
 
@@ -255,7 +258,7 @@ def translate_corpus(job: Job, *, progress: bool = False) -> dict[str, Any]:
         bar.update(len(chunk.hypotheses), **{"lines/s": lines / (time.perf_counter() - bar.start)})
 
     if job.engine == CTRANSLATE2:
-        workers = [exported_translator(parts, loaded, settings)] if todo else []
+        workers = [exported_translator(parts, loaded, settings)]  # every host: it syncs
     else:
         workers = device_models(loaded.model, streams)
     try:
