@@ -18,14 +18,15 @@ import numpy as np
 import pytest
 
 from tests.helpers import REPO, m2m100_reference
-from tests.helpers.training import untrained_workdir, write_corpus
+from tests.helpers.training import tiny_train_config, untrained_workdir, write_corpus
 from transformer_jax.data import languages
 from transformer_jax.errors import EvalError
 from transformer_jax.evaluation.command import evaluate
-from transformer_jax.evaluation.restore import LATEST, restore_model
+from transformer_jax.evaluation.restore import LATEST, CheckpointChoice, restore_model
 from transformer_jax.evaluation.run import Decoding, decoding_settings
 from transformer_jax.evaluation.translate import LanguageIds, language_tokens, position_limit
 from transformer_jax.interop import m2m100_folder, marian_folder
+from transformer_jax.training import loop
 from transformer_jax.translate_corpus import run
 from transformer_jax.translate_corpus.run import job_of, translate_corpus
 
@@ -73,23 +74,21 @@ def translator(path: Path):
     return ctranslate2.Translator(str(path), device="cpu", intra_threads=1)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_the_export_translates_as_evaluate_greedy_does(family, converted, tmp_path):
+def assert_export_translates_as_evaluate(workdir: Path, export: Path, tmp_path: Path) -> None:
     """evaluate.py --source_lang en --target_lang de --beam_size 1 on the workdir, and ctranslate2_translate of the
     export with the direction's language ids (sources `[src_code] X </s>`, target_prefix `[tgt_code]`, the codes
     suppressed), with the tokenizer the export ships: the same lines, the same statistics."""
-    c = converted(family)
     (tmp_path / "in.txt").write_text("".join(s + "\n" for s in SENTENCES), encoding="utf-8")
-    flags = dict(workdir=str(c.workdir), beam_size=1, source_file=str(tmp_path / "in.txt"))
+    flags = dict(workdir=str(workdir), beam_size=1, source_file=str(tmp_path / "in.txt"), average_last=1)
     flags.update(source_lang="en", target_lang="de", output_file=str(tmp_path / "ours.txt"))
     report = evaluate(flags)
     ours = (tmp_path / "ours.txt").read_text(encoding="utf-8").splitlines()
-    config, model, _ = restore_model(str(c.workdir), LATEST)
-    tokenizer = export_lib.exported_tokenizer(c.export)
+    config, model, _ = restore_model(str(workdir), CheckpointChoice(average_last=1))
+    tokenizer = export_lib.exported_tokenizer(export)
     ids = LanguageIds.of(tokenizer.language_table, EN_DE)
     assert ids == (tokenizer.language_id("en"), tokenizer.language_id("de"))
     theirs, stats = export_lib.ctranslate2_translate(
-        translator(c.export),
+        translator(export),
         tokenizer,
         SENTENCES,
         decoding_settings(Decoding(beam_size=1), config),
@@ -100,6 +99,25 @@ def test_the_export_translates_as_evaluate_greedy_does(family, converted, tmp_pa
     assert sum(bool(line) for line in ours) >= len(SENTENCES) - 2, ours  # the random model writes something
     for key in ("empty", "truncated", "hit_max_len", "src_tokens", "tgt_tokens"):
         assert stats[key] == report["stats"][key], key
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_export_translates_as_evaluate_greedy_does(family, converted, tmp_path):
+    c = converted(family)
+    assert_export_translates_as_evaluate(c.workdir, c.export, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_model_fine_tuned_from_a_converted_one_exports_and_translates_as_evaluate_does(converted, tmp_path):
+    """train.init_from the converted NLLB workdir, 2 steps on en-de: its workdir (the tokenizer files copied, the
+    code table among the architecture keys) exports as a converted one does."""
+    data = write_corpus(tmp_path / "data", n_train=60, n_valid=8)
+    config = tiny_train_config(data, eval_every=0, init_from=str(converted("nllb").workdir), num_steps=2)
+    config.data.directions, config.ckpt.every_steps = ("en-de",), 2
+    loop.train_and_evaluate(config, tmp_path / "run")
+    report = export_lib.export_workdir(str(tmp_path / "run"), tmp_path / "ct2", choice=CheckpointChoice(average_last=1))
+    assert report["checkpoint_steps"] == [2]
+    assert_export_translates_as_evaluate(tmp_path / "run", tmp_path / "ct2", tmp_path)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
