@@ -3,6 +3,8 @@
     python -m benchmarks.decode --workdir runs/m30k [--split test --batch_size 64 --threads 2 --beam_sizes 4,1]
     python -m benchmarks.decode --config configs/wmt14_ende.py:size=base --beam_size 4 --num_sentences 16
     python -m benchmarks.decode --workdir runs/m30k --corpus data/multi30k/train.en [--corpus_lines 500]
+    python -m benchmarks.decode --workdir runs/nllb --source_file in.txt [--references_file ref.txt] \
+        --source_lang en --target_lang de --beam_sizes 1
 
 With --workdir (side by side), --modes translate (the default): the workdir's model (the checkpoints evaluate.py
 would average) translates the split with evaluation.translate.translate (evaluate.py's path) and, exported with the
@@ -13,6 +15,10 @@ source truncation and per-sentence output limits (evaluation/translate.py's rule
 its own formula, so only greedy outputs are expected to be identical, unless ours is `--length_penalty average`
 (CTranslate2's formula) with `--finished set_aside` (its search: decoding/state.py SetAsideState), one line per
 --finished rule for each beam size above 1. XLA uses every core of the machine: run with --threads equal to that count.
+--source_file (and --references_file for BLEU) translates a file instead of the split; a multilingual model, such as
+a converted M2M-100 or NLLB-200 one, takes --source_lang and --target_lang as evaluate.py does, and both engines
+get the direction's language tokens (a converted model's beam search ranks otherwise on CTranslate2, which scores
+the forced target code: compare it greedy).
 
 --fresh_process: whole processes instead of calls, start to exit: evaluate.py with the compilation cache cold and
 warm against a CTranslate2 process that loads the export and translates (benchmarks/fresh_process.py).
@@ -62,8 +68,8 @@ from transformer_jax import cli, decoding
 from transformer_jax.data.sources import local_data_dir
 from transformer_jax.data.tokenizer import train_tokenizer
 from transformer_jax.errors import DataError
-from transformer_jax.evaluation.restore import CheckpointChoice, restore_model, workdir_tokenizer
-from transformer_jax.evaluation.run import split_pairs
+from transformer_jax.evaluation.restore import CheckpointChoice
+from transformer_jax.evaluation.run import Model, Translate, load, split_name
 from transformer_jax.evaluation.translate import DecodeSettings, position_limit, sacrebleu_scores, translate
 from transformer_jax.interop.ctranslate2 import ctranslate2_translate, to_ctranslate2
 from transformer_jax.model import build_model, model_rngs, unpacked_segment_ids
@@ -104,6 +110,10 @@ _CORPUS = flags.DEFINE_string(
 )
 _CORPUS_LINES = flags.DEFINE_integer("corpus_lines", 0, "With --corpus: its first N lines (0: all).")
 _AVERAGE_LAST = flags.DEFINE_integer("average_last", None, "Checkpoints to average (default: the config's).")
+_SOURCE_FILE = flags.DEFINE_string("source_file", None, "translate mode: translate this file instead of --split.")
+_REFERENCES_FILE = flags.DEFINE_string("references_file", None, "With --source_file: its references (for BLEU).")
+_SOURCE_LANG = flags.DEFINE_string("source_lang", None, "translate mode: a multilingual model's source language.")
+_TARGET_LANG = flags.DEFINE_string("target_lang", None, "translate mode: the language to translate into.")
 
 
 def timed_calls(fn, repeats: int) -> tuple[float, float, object]:
@@ -119,13 +129,26 @@ def timed_calls(fn, repeats: int) -> tuple[float, float, object]:
     return first, min(steady), result
 
 
+def bleu(hypotheses: list[str], references: list[str] | None) -> float | None:
+    """sacreBLEU, rounded; None without references (a --source_file alone)."""
+    return None if references is None else round(sacrebleu_scores(hypotheses, references)["bleu"]["score"], 2)
+
+
 def side_by_side(workdir: str) -> None:
     """One JSON line per beam size: our translate() against CTranslate2 with the same weights (module docstring)."""
     import ctranslate2  # optional (pip install -e .[ctranslate2]): only this comparison needs it
 
-    config, model, steps = restore_model(workdir, CheckpointChoice(average_last=_AVERAGE_LAST.value))
-    tokenizer = workdir_tokenizer(config, workdir)
-    sources, references, split = split_pairs(config, _SPLIT.value)
+    model_flags = Model(
+        workdir,
+        choice=CheckpointChoice(average_last=_AVERAGE_LAST.value),
+        source_lang=_SOURCE_LANG.value,
+        target_lang=_TARGET_LANG.value,
+    )
+    split = None if _SOURCE_FILE.value else _SPLIT.value
+    loaded = load(Translate(model_flags, split, _SOURCE_FILE.value, references_file=_REFERENCES_FILE.value))
+    config, model, steps, tokenizer = loaded.config, loaded.model, loaded.steps, loaded.tokenizer
+    sources, references, language_ids = loaded.sources, loaded.references, loaded.language_ids
+    split = loaded.name if _SOURCE_FILE.value else split_name(config, _SPLIT.value)
     with tempfile.TemporaryDirectory() as tmp:
         export_dir = to_ctranslate2(model, tokenizer, Path(tmp) / "ct2")
         translator = ctranslate2.Translator(
@@ -140,7 +163,10 @@ def side_by_side(workdir: str) -> None:
                 batch_size=_BATCH_SIZE.value,
                 max_input_len=config.data.eval_max_len,
             )
-            ours = timed_calls(functools.partial(translate, model, tokenizer, sources, settings), _REPEATS.value)
+            ours = timed_calls(
+                functools.partial(translate, model, tokenizer, sources, settings, language_ids=language_ids),
+                _REPEATS.value,
+            )
             theirs = timed_calls(
                 functools.partial(
                     ctranslate2_translate,
@@ -149,6 +175,7 @@ def side_by_side(workdir: str) -> None:
                     sources,
                     settings,
                     position_limit=position_limit(model.spec),
+                    language_ids=language_ids,
                 ),
                 _REPEATS.value,
             )
@@ -160,7 +187,7 @@ def side_by_side(workdir: str) -> None:
                     "first_call_s": round(first, 2),
                     "steady_s": round(steady, 2),
                     "sentences_per_s": round(len(sources) / steady, 1),
-                    "bleu": round(sacrebleu_scores(hyps, references)["bleu"]["score"], 2),
+                    "bleu": bleu(hyps, references),
                 }
             report["time_ratio_ours_over_ctranslate2"] = round(ours[1] / theirs[1], 2)
             report["identical_outputs"] = sum(a == b for a, b in zip(ours[2][0], theirs[2][0], strict=True))

@@ -11,6 +11,7 @@ process: tests/helpers/marian_reference.py says why):
     logits DIR IN OUT      the model's logits for IN's (src, tgt) arrays (.npz) -> OUT
     generate DIR IN OUT J  generate() outputs for IN's src array (.npz) -> OUT (.json); J: generate's arguments
     tokenize DIR IN OUT L  the tokenizer's source ids (src_lang L, special tokens added) of IN's sentences (.json)
+    make_ct2 DIR JSON OUT  `make`, then CTranslate2's own converter (TransformersConverter) writes DIR's model to OUT
     translate DIR IN OUT N S T
                            greedy translations of IN's lines from language code S into T -> OUT (text), one
                            sentence at a time, forced_bos_token_id T, each capped at its source's token count + N
@@ -211,11 +212,38 @@ def translate(directory: str, sentences: str, output: str, max_extra: str, src_l
     Path(output).write_text("".join(line + "\n" for line in out), encoding="utf-8")
 
 
+def _converter(directory: str):
+    """CTranslate2's TransformersConverter, given M2M100Tokenizer as transformers 4 built it: with its codes among the
+    additional_special_tokens, where the converter's M2M-100 loader looks for them (transformers 5 lists none, and the
+    converter would then leave the 100 codes out of the vocabulary and refuse the model)."""
+    from ctranslate2.converters import TransformersConverter
+
+    class Converter(TransformersConverter):
+        def load_tokenizer(self, tokenizer_class, model_name_or_path, **kwargs):
+            tokenizer = super().load_tokenizer(tokenizer_class, model_name_or_path, **kwargs)
+            codes = list(getattr(tokenizer, "lang_token_to_id", {}))
+            if codes:
+                base = type(tokenizer)
+                listed = property(lambda t: {**base.special_tokens_map.fget(t), "additional_special_tokens": codes})
+                tokenizer.__class__ = type(base.__name__, (base,), {"special_tokens_map": listed})
+            return tokenizer
+
+    return Converter(directory)
+
+
+def make_ct2(directory: str, overrides: dict, output: str) -> None:
+    """`make`, then CTranslate2's converter on the folder (one process: both import torch and transformers)."""
+    make(directory, dict(overrides))
+    _converter(directory).convert(output)
+
+
 if __name__ == "__main__":
     command, *rest = sys.argv[1:]
     commands = {"logits": logits, "generate": generate, "tokenize": tokenize, "translate": translate}
     if command == "make":
         make(rest[0], json.loads(rest[1]) if len(rest) > 1 else {})
+    elif command == "make_ct2":
+        make_ct2(rest[0], json.loads(rest[1]), rest[2])
     elif command in commands:
         commands[command](*rest)
     else:

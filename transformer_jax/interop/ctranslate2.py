@@ -1,8 +1,10 @@
 """Export to CTranslate2: the model's weights in a ctranslate2 TransformerSpec, and decoding with our length limits.
 Axis letters: see transformer_jax/__init__.py.
 
-The exported directory holds model.bin, config.json, shared_vocabulary.json (row i is SentencePiece piece i, so
-CTranslate2's ids are ours) and spm.model, everything a server needs. How our layers map onto the engine's, each
+The exported directory holds model.bin, config.json, shared_vocabulary.json (row i is our id i's piece, so
+CTranslate2's ids are ours) and the tokenizer, everything a server needs: spm.model, or a converted M2M-100 /
+NLLB-200 model's files (data.tokenizer=fairseq: sentencepiece.bpe.model, vocab.json, and TOKENIZER_KEYS, the config
+keys its tokenizer is built from: `exported_tokenizer` reads them). How our layers map onto the engine's, each
 checked by tests/test_export.py against decoding.Searcher's outputs and the model's logits:
 - Kernels [in, out] are the engine's [out, in] weights. Self-attention's Q, K, V are one fused linear [Q; K; V];
   cross-attention has Q and a fused [K; V]. Heads are consecutive column blocks on both sides, and with grouped
@@ -23,10 +25,11 @@ checked by tests/test_export.py against decoding.Searcher's outputs and the mode
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,11 +37,15 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.data.tokenizer import MODEL_FILENAME
+from transformer_jax.data import languages
+from transformer_jax.data.tokenizer import MODEL_FILENAME, FairseqTokenizer, Tokenizer
+from transformer_jax.decoding.state import length_penalty
 from transformer_jax.errors import ConfigError, EvalError
 from transformer_jax.evaluation.restore import LATEST, CheckpointChoice, check_choice
 from transformer_jax.evaluation.translate import (
+    EMPTY,
     DecodeSettings,
+    Hypothesis,
     LanguageIds,
     input_limit,
     language_tokens,
@@ -49,7 +56,7 @@ from transformer_jax.evaluation.translate import (
 from transformer_jax.evaluation.translate import position_limit as learned_positions
 from transformer_jax.interop import folders
 from transformer_jax.interop.folders import vocabulary
-from transformer_jax.model.layers import TransformerSpec, sinusoidal_encoding
+from transformer_jax.model.layers import SpecialIds, TransformerSpec, sinusoidal_encoding
 
 # CTranslate2's translate_batch defaults: inputs cut at 1024 tokens, outputs at 256. A table covering both lets
 # the exported model serve with the engine's defaults (positions beyond the table are an error in the engine).
@@ -57,6 +64,7 @@ ENGINE_DEFAULT_POSITIONS = 1024
 # CTranslate2's weight quantizations the export offers (ctranslate2.specs.ModelSpec.optimize); None = float32.
 QUANTIZATIONS = ("int8", "int8_float32", "bfloat16")
 MARKER = "model.bin"  # what makes a directory an earlier export that --force may replace
+TOKENIZER_KEYS = "tokenizer_keys.json"  # a fairseq tokenizer's config keys, beside its files (exported_tokenizer)
 
 
 def check_exportable(spec: Any) -> None:
@@ -196,21 +204,54 @@ def to_ctranslate2(
     check_exportable(model.spec)
     check_quantization(quantization)
     folders.check_output(output_dir, force, MARKER, "a CTranslate2 model directory")
-    if tokenizer.name != "spm":  # the export ships the joint SentencePiece model as its tokenizer
+    if tokenizer.name not in ("spm", "fairseq"):  # the tokenizers whose files the export ships
         raise EvalError(
-            f"the CTranslate2 export needs the joint SentencePiece tokenizer (data.tokenizer='spm'), not "
+            f"the CTranslate2 export needs a joint vocabulary (data.tokenizer='spm' or 'fairseq'), not "
             f"{tokenizer.name!r}; export a converted Marian model with --format marian"
         )
     pieces = vocabulary(tokenizer, model.spec.vocab_size)
+    twice = sorted(piece for piece, n in Counter(pieces).items() if n > 1)
+    if twice:  # the engine maps pieces to ids: each must name one row
+        raise EvalError(f"tokenizer {tokenizer.path} names several ids {twice[:3]}; each piece must name one id")
     ct2 = build_spec(model, pieces, max_positions=max_positions)
     ct2.validate()
     ct2.optimize(quantization=quantization)  # None: float32, as trained; the engine converts at load time
 
     def fill(tmp: Path) -> None:
         ct2.save(str(tmp))
-        shutil.copyfile(tokenizer.path, tmp / MODEL_FILENAME)  # the name a workdir gives it
+        if tokenizer.name == "spm":
+            shutil.copyfile(tokenizer.path, tmp / MODEL_FILENAME)  # the name a workdir gives it
+            return
+        for file in tokenizer.files:  # the names a converted workdir gives them
+            shutil.copyfile(file, tmp / file.name)
+        (tmp / TOKENIZER_KEYS).write_text(json.dumps(tokenizer_keys(tokenizer), indent=1) + "\n", encoding="utf-8")
 
     return folders.write_into_place(output_dir, fill)
+
+
+def tokenizer_keys(tokenizer: FairseqTokenizer) -> dict[str, Any]:
+    """The config keys a fairseq tokenizer is built from (data/tokenizer.py get_tokenizer), as TOKENIZER_KEYS holds
+    them."""
+    ids = tokenizer.ids
+    return {
+        "data.tokenizer": tokenizer.name,
+        "model.vocab_size": tokenizer.vocab_size,
+        **{f"model.{field}_id": getattr(ids, field) for field in ("pad", "eos", "bos", "unk")},
+        "model.lang_token": tokenizer.language_table.scheme,
+        "model.language_codes": sorted(tokenizer.language_table.ids.items(), key=lambda code: code[1]),
+    }
+
+
+def exported_tokenizer(directory: str | os.PathLike) -> Any:
+    """The tokenizer an export ships: a fairseq one (TOKENIZER_KEYS and its files), or spm.model with the default
+    reserved ids."""
+    directory = Path(directory)
+    if not (directory / TOKENIZER_KEYS).is_file():
+        return Tokenizer(directory / MODEL_FILENAME, SpecialIds.DEFAULT)
+    keys = json.loads((directory / TOKENIZER_KEYS).read_text(encoding="utf-8"))
+    ids = SpecialIds(*(keys[f"model.{field}_id"] for field in ("pad", "eos", "bos", "unk")))
+    table = languages.Placement(keys["model.lang_token"], {code: int(i) for code, i in keys["model.language_codes"]})
+    return FairseqTokenizer(directory, ids, keys["model.vocab_size"], table)
 
 
 # -- decoding with our limits ---------------------------------------------------------------------------------
@@ -240,8 +281,62 @@ def ctranslate2_translate(
     output be EOS alone, as ours can; max_input_length=0 keeps our cut. alpha goes to the engine's length_penalty
     (GNMT's formula, not decoding/state.py's), so only greedy outputs are expected to be identical.
     """
-    beam_size, eos = settings.search.beam_size, tokenizer.ids.eos
     start = time.perf_counter()
+    _, outs, _, stats = _decode(translator, tokenizer, sentences, settings, position_limit, language_ids)
+    outputs = [""] * len(sentences)
+    for i, out in outs.items():
+        outputs[i] = tokenizer.decode_target([t for t in out if t not in (tokenizer.ids.eos, tokenizer.ids.pad)])
+    return outputs, {**stats, "seconds": round(time.perf_counter() - start, 3)}
+
+
+def ctranslate2_hypotheses(
+    translator: Any,
+    tokenizer: Any,
+    sentences: Sequence[str],
+    settings: DecodeSettings,
+    *,
+    position_limit: int | None = None,
+    language_ids: LanguageIds | Sequence[LanguageIds] | None = None,
+) -> tuple[list[Hypothesis], dict[str, Any]]:
+    """ctranslate2_translate's outputs as translate_nbest's 1-best Hypothesis records (EMPTY for a blank line), with
+    the statistics. log_prob is the engine's score_batch of the output: its per-token log-probabilities summed, EOS's
+    where the output emitted it, a forced target language token's left out (it adds 0 in ours); score is log_prob /
+    lp(length) by settings.search's length penalty (decoding.length_penalty), the length counting the forced token
+    and EOS, as ours does."""
+    start = time.perf_counter()
+    sources, outs, lang, stats = _decode(translator, tokenizer, sentences, settings, position_limit, language_ids)
+    pieces, eos = vocabulary(tokenizer), tokenizer.ids.eos
+    rows = sorted(outs)
+    ended = {i: bool(outs[i]) and outs[i][-1] == eos for i in rows}
+    scored = translator.score_batch(
+        [[pieces[t] for t in sources[i][:-1]] for i in rows],  # the engine adds EOS to sources and targets
+        [[pieces[t] for t in (outs[i][:-1] if ended[i] else outs[i])] for i in rows],
+        max_batch_size=settings.batch_size,
+        max_input_length=0,
+    )
+    search = settings.search
+    hypotheses = [EMPTY] * len(sentences)
+    for i, result in zip(rows, scored, strict=True):
+        log_probs = np.asarray(result.log_probs, np.float32)[: None if ended[i] else -1]  # EOS's only if emitted
+        log_prob = float(np.sum(log_probs[0 if lang[i].target is None else 1 :]))
+        length = len(outs[i])
+        score = float(log_prob / length_penalty(length, search.alpha, search.penalty))
+        text = tokenizer.decode_target([t for t in outs[i] if t not in (eos, tokenizer.ids.pad)])
+        hypotheses[i] = Hypothesis(text, log_prob, score, length, ended[i])
+    return hypotheses, {**stats, "seconds": round(time.perf_counter() - start, 3)}
+
+
+def _decode(
+    translator: Any,
+    tokenizer: Any,
+    sentences: Sequence[str],
+    settings: DecodeSettings,
+    position_limit: int | None,
+    language_ids: LanguageIds | Sequence[LanguageIds] | None,
+) -> tuple[dict[int, list[int]], dict[int, list[int]], list[LanguageIds], dict[str, Any]]:
+    """(sources, each decoded line's output ids cut to its limit (the forced language token first, EOS last where
+    emitted), each line's LanguageIds, the statistics but seconds): ctranslate2_translate's search."""
+    beam_size, eos = settings.search.beam_size, tokenizer.ids.eos
     pieces = vocabulary(tokenizer)
     index = {piece: i for i, piece in enumerate(pieces)}
     lang = LanguageIds.per_line(language_ids, len(sentences))
@@ -256,7 +351,7 @@ def ctranslate2_translate(
     longest, groups = max(limits.values(), default=0), defaultdict(list)
     for i in sorted(sources):
         groups[longest if beam_size == 1 else limits[i]].append(i)
-    outputs, tgt_tokens, hit_max_len = [""] * len(sentences), 0, 0
+    outs, tgt_tokens, hit_max_len = {}, 0, 0
     for group_limit, rows in sorted(groups.items()):
         results = translator.translate_batch(
             [[pieces[t] for t in sources[i][:-1]] for i in rows],  # the engine adds EOS (add_source_eos)
@@ -271,14 +366,9 @@ def ctranslate2_translate(
             return_end_token=True,
         )
         for i, result in zip(rows, results, strict=True):
-            out = [index[piece] for piece in result.hypotheses[0]][: limits[i]]
-            tgt_tokens += len(out)
-            if out and out[-1] == eos:
-                out = out[:-1]
-            else:
-                hit_max_len += 1  # stopped by the length limit, not by EOS
-            outputs[i] = tokenizer.decode_target([t for t in out if t != tokenizer.ids.pad])
-    seconds = time.perf_counter() - start
+            outs[i] = [index[piece] for piece in result.hypotheses[0]][: limits[i]]
+            tgt_tokens += len(outs[i])
+            hit_max_len += not (outs[i] and outs[i][-1] == eos)  # stopped by the length limit, not by EOS
     stats = {
         "sentences": len(sentences),
         "empty": len(sentences) - len(sources),
@@ -287,9 +377,8 @@ def ctranslate2_translate(
         "hit_max_len": hit_max_len,
         "src_tokens": int(sum(len(s) for s in sources.values())),
         "tgt_tokens": tgt_tokens,
-        "seconds": round(seconds, 3),
     }
-    return outputs, stats
+    return sources, outs, lang, stats
 
 
 # -- a workdir's checkpoints --------------------------------------------------------------------------------------

@@ -9,6 +9,9 @@ local devices, each with a copy of the parameters, decoding in `streams` threads
 computes). On a CPU, CPU_STREAMS threads are the default: one search's step leaves a core idle, which another
 search's step then uses (docs/benchmarks.md). A chunk's translation depends on its lines only (sampling keys come
 from the seed and each line's number in the whole input), so which device, stream or host made it changes nothing.
+With engine ctranslate2, the restored model is exported once into OUT.parts/ctranslate2 and one CTranslate2
+translator per host decodes its chunks (interop/ctranslate2.py ctranslate2_hypotheses: our sources, limits, language
+tokens and length penalty), as greedy as ours: what it would decode otherwise than ours is refused before any work.
 
 The chunk store: OUT.parts/ holds a state file and one file per committed chunk.
 
@@ -41,10 +44,13 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from transformer_jax import runtime
+from transformer_jax.decoding.specs import SET_ASIDE
+from transformer_jax.decoding.state import AVERAGE
 from transformer_jax.errors import DiskFullError, EvalError
 from transformer_jax.evaluation import command
 from transformer_jax.evaluation import run as evaluation
-from transformer_jax.evaluation.translate import translate_nbest
+from transformer_jax.evaluation.translate import DecodeSettings, position_limit, translate_nbest
+from transformer_jax.interop import ctranslate2
 from transformer_jax.runtime import Progress
 
 # evaluate.py's flags that translate_corpus reads (one table: evaluation.command.FLAGS); the checkpoint flags too.
@@ -55,6 +61,15 @@ FLAG_NAMES = (*command.CHECKPOINT_FLAGS, *DECODING_FLAGS)
 DEFAULT_CHUNK_LINES = 1000
 CPU_STREAMS = 2  # searches at once on a CPU device (streams=0); an accelerator runs one (docs/benchmarks.md)
 STREAMS_ZERO = f"0: {CPU_STREAMS} on a CPU, 1 on an accelerator"  # what streams=0 means (streams_per_device)
+JAX, CTRANSLATE2 = "jax", "ctranslate2"
+ENGINES = (JAX, CTRANSLATE2)  # what decodes the chunks: our search, or CTranslate2 on an export of the same weights
+EXPORT = "ctranslate2"  # --engine ctranslate2's export, in OUT.parts/
+# What CTranslate2 cannot do, as the flags that ask for it (values: what to do instead).
+NOT_CTRANSLATE2 = {
+    "sampling": "sampling keys come from --seed and each line's number in our search: use --engine jax",
+    "ensemble_workdirs": "it decodes one model: use --engine jax to ensemble",
+    "streams": "it runs one translator with threads of its own: drop --streams",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,13 +81,23 @@ class Job:
     chunk_lines: int
     options: dict[str, Any]  # the flags given, as the state file records them
     streams: int = 0  # searches per device at once (0: streams_per_device); not recorded: it changes only the speed
+    engine: str = JAX  # ENGINES; recorded when not jax (a resume with the other engine is refused)
 
 
 def job_of(
-    values: Mapping[str, Any], input_file: str | None, output: str | None, chunk_lines: int, streams: int = 0
+    values: Mapping[str, Any],
+    input_file: str | None,
+    output: str | None,
+    chunk_lines: int,
+    streams: int = 0,
+    engine: str = JAX,
 ) -> Job:
     """The Job of translate_corpus's flag values (FLAG_NAMES, absent or None: unset), or EvalError naming the flag.
     Reads no file."""
+    if engine not in ENGINES:
+        raise EvalError(f"--engine {engine!r}: choose one of {list(ENGINES)}")
+    if engine == CTRANSLATE2:
+        check_ctranslate2({**values, "streams": streams})
     if not input_file:
         raise EvalError("give --input, the file to translate (one sentence a line)")
     if not output:
@@ -102,7 +127,37 @@ def job_of(
     models.update({f"--ensemble_workdirs ({w})": w for w in mode.model.ensemble_workdirs or ()})
     runtime.refuse_overwriting_inputs(written, {"--input": input_file, **models})
     given = {name: _recorded(name, values[name]) for name in FLAG_NAMES if values.get(name) not in (None, False)}
-    return Job(mode, output, chunk_lines, given, streams)
+    if engine != JAX:
+        given["engine"] = engine
+    return Job(mode, output, chunk_lines, given, streams, engine)
+
+
+def check_ctranslate2(values: Mapping[str, Any]) -> None:
+    """EvalError naming the first flag CTranslate2 cannot serve (NOT_CTRANSLATE2), or an engine not installed."""
+    for name, instead in NOT_CTRANSLATE2.items():
+        if values.get(name) not in (None, False, 0, ()):
+            raise EvalError(f"--engine ctranslate2 cannot take --{name}: {instead}")
+    try:
+        import ctranslate2 as engine  # noqa: F401 - only to fail before the model is restored
+    except ImportError as e:
+        raise EvalError(f"--engine ctranslate2 needs ctranslate2 ({e}): pip install ctranslate2==4.8.5") from e
+
+
+def check_ctranslate2_search(settings: DecodeSettings, search: Mapping[str, Any], forced_language: bool) -> None:
+    """EvalError unless CTranslate2's search is ours: greedy, or beam search with the length penalty `average` and
+    finished hypotheses set aside (its rules; tests/test_decoding_ctranslate2.py) and no forced target language
+    token (`forced_language`), whose log-probability its scores count and ours do not."""
+    beam = settings.search.beam_size
+    if beam > 1 and (search["length_penalty"], search["finished"]) != (AVERAGE, SET_ASIDE):
+        raise EvalError(
+            f"--engine ctranslate2 with --beam_size {beam} ranks by its own rules: give --length_penalty average "
+            f"--finished set_aside (its rules) or --beam_size 1 (got {search['length_penalty']}, {search['finished']})"
+        )
+    if beam > 1 and forced_language:
+        raise EvalError(
+            f"--engine ctranslate2 with --beam_size {beam}: its beam search counts the forced target language "
+            "token's log-probability in every score (ours adds 0), so it ranks otherwise; give --beam_size 1"
+        )
 
 
 def _recorded(name: str, value: Any) -> Any:
@@ -128,7 +183,7 @@ def translate_corpus(job: Job, *, progress: bool = False) -> dict[str, Any]:
     if not data:
         raise EvalError(f"--input {source} is empty: nothing to translate")
     parts = parts_dir(job.output)
-    flag_of = {name: f"--{name}" for name in FLAG_NAMES} | {"chunk_lines": "--chunk_lines"}
+    flag_of = {name: f"--{name}" for name in (*FLAG_NAMES, "chunk_lines", "engine")}
     work = {
         "format": FORMAT,
         "input": input_identity(source, data),
@@ -138,6 +193,8 @@ def translate_corpus(job: Job, *, progress: bool = False) -> dict[str, Any]:
     check_resume(parts, work, flag_of)  # before the model is restored: a wrong resume fails at once
     loaded = evaluation.load(job.mode)  # reads the lines as evaluate.py does (UTF-8, blank lines kept)
     settings, search = evaluation.settings_of(job.mode, loaded)
+    if job.engine == CTRANSLATE2:
+        check_ctranslate2_search(settings, search, getattr(loaded.language_ids, "target", None) is not None)
     work["model"] = {"checkpoint_steps": loaded.steps, "decoding": settings.report(), "search": search}
     flag_of["checkpoint_steps"] = "checkpoint steps (--checkpoint latest moves as training goes on)"
     check_resume(parts, work, flag_of)
@@ -147,7 +204,7 @@ def translate_corpus(job: Job, *, progress: bool = False) -> dict[str, Any]:
     _sync("translate_corpus state")
 
     sources = loaded.sources
-    streams = streams_per_device(job.streams)
+    streams = 1 if job.engine == CTRANSLATE2 else streams_per_device(job.streams)
     n, size = len(sources), job.chunk_lines
     bounds = [(first, min(first + size, n)) for first in range(0, n, size)]
     mine = [c for c in range(len(bounds)) if c % jax.process_count() == jax.process_index()]
@@ -162,20 +219,30 @@ def translate_corpus(job: Job, *, progress: bool = False) -> dict[str, Any]:
     )
     resumed = len(done)
 
-    def translate_chunk(model: nnx.Module, c: int) -> Chunk:
+    def translate_chunk(model: Any, c: int) -> Chunk:
         first, end = bounds[c]
-        lists, stats = translate_nbest(
-            model,
-            loaded.tokenizer,
-            sources[first:end],
-            settings,
-            nbest=1,
-            prefixes=None,
-            first_line=first,
-            language_ids=loaded.language_ids,
-        )
+        if job.engine == CTRANSLATE2:  # `model`: a ctranslate2.Translator of the export
+            best, stats = ctranslate2.ctranslate2_hypotheses(
+                model,
+                loaded.tokenizer,
+                sources[first:end],
+                settings,
+                position_limit=position_limit(loaded.model.spec),
+                language_ids=loaded.language_ids,
+            )
+        else:
+            lists, stats = translate_nbest(
+                model,
+                loaded.tokenizer,
+                sources[first:end],
+                settings,
+                nbest=1,
+                prefixes=None,
+                first_line=first,
+                language_ids=loaded.language_ids,
+            )
+            best = [x[0] for x in lists]
         blank = [not line.strip() for line in sources[first:end]]
-        best = [x[0] for x in lists]
         return Chunk(
             first=first,
             hypotheses=[h.text for h in best],
@@ -190,8 +257,12 @@ def translate_corpus(job: Job, *, progress: bool = False) -> dict[str, Any]:
         lines = bar.done + len(chunk.hypotheses) - bar.first  # translated by this process so far
         bar.update(len(chunk.hypotheses), **{"lines/s": lines / (time.perf_counter() - bar.start)})
 
+    if job.engine == CTRANSLATE2:
+        workers = [exported_translator(parts, loaded, settings)]  # every host: it syncs
+    else:
+        workers = device_models(loaded.model, streams)
     try:
-        _on_devices(device_models(loaded.model, streams), todo, translate_chunk, commit)
+        _on_devices(workers, todo, translate_chunk, commit)
     finally:
         bar.close()
     _sync("translate_corpus chunks")
@@ -217,6 +288,7 @@ def translate_corpus(job: Job, *, progress: bool = False) -> dict[str, Any]:
         "chunks_of_this_host": len(mine),
         "chunks_resumed": resumed,
         "chunks_redone": redone,
+        "engine": job.engine,
         "devices": jax.local_device_count(),
         "streams": streams,
         "checkpoint_steps": loaded.steps,
@@ -225,6 +297,19 @@ def translate_corpus(job: Job, *, progress: bool = False) -> dict[str, Any]:
         "counts": {key: sum(c.counts[key] for c in every) for key in COUNTS},
         "seconds": round(seconds, 3),
     }
+
+
+def exported_translator(parts: Path, loaded: evaluation.Loaded, settings: DecodeSettings) -> Any:
+    """A ctranslate2.Translator of the restored model, exported once into OUT.parts/EXPORT (by process 0; a resume
+    reuses it: its checkpoints and settings are the state's), with positions for the longest decode."""
+    import ctranslate2 as engine
+
+    export = parts / EXPORT
+    if jax.process_index() == 0 and not (export / ctranslate2.MARKER).is_file():
+        positions = max(ctranslate2.ENGINE_DEFAULT_POSITIONS, settings.max_input_len + settings.max_extra_len)
+        ctranslate2.to_ctranslate2(loaded.model, loaded.tokenizer, export, max_positions=positions)
+    _sync("translate_corpus export")
+    return engine.Translator(str(export), device="auto")
 
 
 def _committed(parts: Path, print_: str, bounds: dict[int, tuple[int, int]]) -> tuple[dict[int, Chunk], list[int]]:
