@@ -4,6 +4,7 @@ folders they came from; our own multilingual models export with their rows permu
 tokenizer as a tokenizer.json giving our ids, and translate in transformers as evaluate.py does."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,8 @@ from tests.helpers.m2m100_reference import ROOT, run
 from tests.helpers.marian_reference import SENTENCES
 from transformer_jax.config import schema
 from transformer_jax.data.tokenizer import train_tokenizer
-from transformer_jax.evaluation.restore import CheckpointChoice, restore_model
+from transformer_jax.errors import ConfigError, EvalError
+from transformer_jax.evaluation.restore import CheckpointChoice, restore_model, workdir_tokenizer
 from transformer_jax.interop import m2m100_export, m2m100_folder, marian_folder
 from transformer_jax.model.layers import SpecialIds
 from transformer_jax.training import checkpoints
@@ -107,3 +109,118 @@ def test_import_export_import_is_bit_identical(family, nllb_dir, tmp_path):
         theirs = json.loads((source / "tokenizer.json").read_text())
         ours = json.loads((tmp_path / "out" / "tokenizer.json").read_text())
         assert ours == theirs
+
+
+def test_our_model_exports_with_its_rows_in_fairseqs_order(tmp_path):
+    """Our own multilingual model: the logits of M2M100ForConditionalGeneration on the permuted ids are ours,
+    permuted; the specials, the pieces and the codes sit where fairseq's dictionary puts them."""
+    workdir = make_workdir(tmp_path / "w", seed=1)
+    done = export(workdir, tmp_path / "out")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "warning" not in done.stderr
+    hf = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (hf["bos_token_id"], hf["pad_token_id"], hf["eos_token_id"], hf["decoder_start_token_id"]) == (0, 1, 2, 0)
+    tokens = json.loads((tmp_path / "out" / "tokenizer.json").read_text())
+    codes = {t["content"]: t["id"] for t in tokens["added_tokens"] if t["id"] > 3}
+    assert codes == {"ces_Latn": PIECES, "deu_Latn": PIECES + 1, "eng_Latn": PIECES + 2, "fra_Latn": PIECES + 3}
+
+    config, model, _ = restore_model(str(workdir), LAST)
+    order = m2m100_export.own_vocabulary(config, workdir_tokenizer(config, str(workdir))).order
+    new_id = np.argsort(order)  # our id -> the exported one
+    rng = np.random.default_rng(0)
+    src = rng.integers(4, PIECES, size=(3, 9))
+    src[:, 0] = PIECES + 2  # eng_Latn
+    src[:, -1] = config.model.eos_id
+    src[1, 4], src[1, 5:] = config.model.eos_id, config.model.pad_id
+    tgt = rng.integers(4, PIECES, size=(3, 6))
+    tgt[:, 0], tgt[:, 1] = config.model.bos_id, PIECES + 1  # <s> deu_Latn
+    np.savez(tmp_path / "in.npz", src=new_id[src], tgt=new_id[tgt])
+    run("logits", str(tmp_path / "out"), str(tmp_path / "in.npz"), str(tmp_path / "out.npz"))
+    theirs = np.load(tmp_path / "out.npz")["logits"]
+    src_j, tgt_j = jnp.asarray(src, jnp.int32), jnp.asarray(tgt, jnp.int32)
+    ours = np.asarray(model.decode(model.encode(src_j), tgt_j, src_tokens=src_j))[..., order]
+    assert np.abs(ours - theirs).max() < 1e-4
+
+
+@pytest.mark.slow  # the merges and vocabulary of transformers' own conversion of the same SentencePiece model
+def test_the_bpe_model_is_transformers_conversion_of_ours(tmp_path):
+    workdir = make_workdir(tmp_path / "w")
+    m2m100_export.export_workdir(str(workdir), tmp_path / "out", choice=LAST)
+    run("spm_to_bpe", str(workdir / "spm.model"), str(tmp_path / "bpe.json"))
+    theirs = json.loads((tmp_path / "bpe.json").read_text())
+    ours = json.loads((tmp_path / "out" / "tokenizer.json").read_text())["model"]
+    assert ours["merges"] == theirs["merges"] and len(ours["merges"]) > 50
+    assert set(ours["vocab"]) == set(theirs["vocab"])
+    assert ours["byte_fallback"] is True
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        ({"norm_position": "post"}, "model.norm_position='post'"),
+        ({"norm": "rmsnorm"}, "model.norm='rmsnorm'"),
+        ({"activation": "swiglu"}, "model.activation='swiglu'"),
+        ({"num_kv_heads": 1}, "model.num_kv_heads=1"),
+        ({"qk_head_dim": 3}, "model.qk_head_dim=3"),
+        ({"positional": "learned"}, "model.positional='learned'"),
+        ({"sinusoid_layout": "interleaved"}, "model.sinusoid_layout='interleaved'"),
+        ({"position_offset": 0}, "model.position_offset=0"),
+        ({"share_embeddings": False}, "model.share_embeddings=False"),
+        ({"tie_output": False}, "model.tie_output=False"),
+        ({"final_logits_bias": True}, "model.final_logits_bias=True"),
+        ({"lang_token": "none"}, "model.lang_token='none'"),
+        ({"lang_token": "source"}, "model.lang_token='source'"),
+        ({"attention.window": 8}, "attention.window=8"),
+        ({"data.tokenizer_type": "unigram"}, "data.tokenizer_type='unigram'"),
+    ],
+)
+def test_what_m2m100_cannot_hold_is_refused_naming_the_key(overrides, key):
+    config = schema.base_config("tiny")
+    config.model.update(**EXPORTABLE, lang_token="target")
+    config.data.update(tokenizer_type="bpe", directions=("en-de", "de-en"))
+    for name, value in overrides.items():
+        group, leaf = name.split(".") if "." in name else ("model", name)
+        config[group][leaf] = value
+    with pytest.raises(ConfigError, match="cannot export to M2M-100: " + re.escape(key)):
+        m2m100_export.check_exportable(config)
+
+
+@pytest.mark.parametrize("lang, message", [("zh", "more than one of the model's codes"), ("xx", "has no code")])
+def test_a_language_nllb_cannot_name_is_refused(lang, message):
+    config = schema.base_config("tiny")
+    config.model.update(**EXPORTABLE, lang_token="target")
+    config.data.update(tokenizer_type="bpe", directions=(f"en-{lang}",))
+    with pytest.raises(ConfigError, match=f"data.directions language '{lang}': .*{message}"):
+        m2m100_export.check_exportable(config)
+
+
+def test_a_refused_export_is_one_line_and_writes_nothing(tmp_path):
+    workdir = make_workdir(tmp_path / "w", lang_token="source", norm_position="post")
+    done = export(workdir, tmp_path / "out")
+    assert done.returncode == 1
+    assert done.stderr.strip().count("\n") == 0, done.stderr
+    assert "model.norm_position='post'" in done.stderr and "model.lang_token='source'" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w"]
+
+
+@pytest.mark.slow  # folders.write_into_place's rules, tested with every format
+def test_an_existing_output_is_replaced_only_with_force_and_only_if_it_is_an_export(tmp_path):
+    workdir = make_workdir(tmp_path / "w")
+    m2m100_export.export_workdir(str(workdir), tmp_path / "out", choice=LAST)
+    with pytest.raises(EvalError, match="exists; choose another directory or pass --force"):
+        m2m100_export.export_workdir(str(workdir), tmp_path / "out", choice=LAST)
+    m2m100_export.export_workdir(str(workdir), tmp_path / "out", choice=LAST, force=True)
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    with pytest.raises(EvalError, match="is not an M2M-100 export"):
+        m2m100_export.export_workdir(str(workdir), workdir, choice=LAST, force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "w"]
+
+
+@pytest.mark.slow
+def test_another_norm_epsilon_exports_with_one_warning_line_stating_the_difference(tmp_path):
+    workdir = make_workdir(tmp_path / "w", norm_epsilon=1e-2)
+    done = export(workdir, tmp_path / "out")
+    assert done.returncode == 0, done.stderr[-2000:]
+    warnings = [line for line in done.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "model.norm_epsilon=0.01" in warnings[0] and "M2M-100" in warnings[0], done.stderr
+    assert float(warnings[0].split("differ by up to ")[1].split()[0]) > 1e-4

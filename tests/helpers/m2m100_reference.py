@@ -16,6 +16,11 @@ process: tests/helpers/marian_reference.py says why):
                            sentence at a time, forced_bos_token_id T, each capped at its source's token count + N
                            tokens (evaluate.py's --max_extra_len), language codes and pad suppressed (as our search
                            never emits them)
+    translate_plain DIR IN OUT N T
+                           as translate, with sources that carry no language code (a model of ours with
+                           model.lang_token=target): tokenizer(line, add_special_tokens=False) and </s>
+    spm_to_bpe SPM OUT     transformers' own conversion of a SentencePiece BPE model (SentencePieceExtractor): its
+                           vocab and merges -> OUT (.json)
 """
 
 from __future__ import annotations
@@ -176,10 +181,21 @@ def tokenize(directory: str, sentences: str, output: str, src_lang: str) -> None
 
 
 def translate(directory: str, sentences: str, output: str, max_extra: str, src_lang: str, tgt_lang: str) -> None:
+    _translate(directory, sentences, output, max_extra, tgt_lang, src_lang)
+
+
+def translate_plain(directory: str, sentences: str, output: str, max_extra: str, tgt_lang: str) -> None:
+    _translate(directory, sentences, output, max_extra, tgt_lang, None)
+
+
+def _translate(directory: str, sentences: str, output: str, max_extra: str, tgt_lang: str, src_lang) -> None:
     import torch
     from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList, M2M100ForConditionalGeneration
 
-    tokenizer = AutoTokenizer.from_pretrained(directory, src_lang=src_lang)
+    if src_lang is None:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(directory, src_lang=src_lang)
     model = M2M100ForConditionalGeneration.from_pretrained(directory).eval()
     specials = ("<s>", "</s>", "<unk>", "<mask>")
     if hasattr(tokenizer, "lang_token_to_id"):  # M2M100Tokenizer keeps its codes out of the added vocabulary
@@ -196,7 +212,10 @@ def translate(directory: str, sentences: str, output: str, max_extra: str, src_l
 
     out = []
     for line in Path(sentences).read_text(encoding="utf-8").splitlines():
-        ids = tokenizer(line, return_tensors="pt").input_ids
+        if src_lang is None:
+            ids = torch.tensor([tokenizer(line, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]])
+        else:
+            ids = tokenizer(line, return_tensors="pt").input_ids
         with torch.no_grad():
             tokens = model.generate(
                 ids,
@@ -211,9 +230,25 @@ def translate(directory: str, sentences: str, output: str, max_extra: str, src_l
     Path(output).write_text("".join(line + "\n" for line in out), encoding="utf-8")
 
 
+def spm_to_bpe(model: str, output: str) -> None:
+    from tokenizers.models import BPE
+    from transformers.convert_slow_tokenizer import SentencePieceExtractor
+
+    extracted = SentencePieceExtractor(model).extract(BPE)
+    merges = [list(merge) for merge in extracted["merges"]]
+    Path(output).write_text(json.dumps({"vocab": extracted["vocab"], "merges": merges}, ensure_ascii=False))
+
+
 if __name__ == "__main__":
     command, *rest = sys.argv[1:]
-    commands = {"logits": logits, "generate": generate, "tokenize": tokenize, "translate": translate}
+    commands = {
+        "logits": logits,
+        "generate": generate,
+        "tokenize": tokenize,
+        "translate": translate,
+        "translate_plain": translate_plain,
+        "spm_to_bpe": spm_to_bpe,
+    }
     if command == "make":
         make(rest[0], json.loads(rest[1]) if len(rest) > 1 else {})
     elif command in commands:
