@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 from flax.traverse_util import flatten_dict
 
+from tests.helpers import DATA
 from tests.helpers.m2m100_reference import ROOT, run
 from tests.helpers.marian_reference import SENTENCES
 from transformer_jax.config import schema
@@ -115,9 +116,9 @@ def test_our_model_exports_with_its_rows_in_fairseqs_order(tmp_path):
     """Our own multilingual model: the logits of M2M100ForConditionalGeneration on the permuted ids are ours,
     permuted; the specials, the pieces and the codes sit where fairseq's dictionary puts them."""
     workdir = make_workdir(tmp_path / "w", seed=1)
-    done = export(workdir, tmp_path / "out")
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "warning" not in done.stderr
+    report = m2m100_export.export_workdir(str(workdir), tmp_path / "out", choice=LAST)
+    assert report["languages"] == ["ces_Latn", "deu_Latn", "eng_Latn", "fra_Latn"]
+    assert "epsilon_logit_difference" not in report
     hf = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (hf["bos_token_id"], hf["pad_token_id"], hf["eos_token_id"], hf["decoder_start_token_id"]) == (0, 1, 2, 0)
     tokens = json.loads((tmp_path / "out" / "tokenizer.json").read_text())
@@ -194,6 +195,7 @@ def test_a_language_nllb_cannot_name_is_refused(lang, message):
         m2m100_export.check_exportable(config)
 
 
+@pytest.mark.slow  # a fast representative: the check_exportable tests above
 def test_a_refused_export_is_one_line_and_writes_nothing(tmp_path):
     workdir = make_workdir(tmp_path / "w", lang_token="source", norm_position="post")
     done = export(workdir, tmp_path / "out")
@@ -224,3 +226,88 @@ def test_another_norm_epsilon_exports_with_one_warning_line_stating_the_differen
     warnings = [line for line in done.stderr.splitlines() if "warning" in line]
     assert len(warnings) == 1 and "model.norm_epsilon=0.01" in warnings[0] and "M2M-100" in warnings[0], done.stderr
     assert float(warnings[0].split("differ by up to ")[1].split()[0]) > 1e-4
+
+
+@pytest.mark.slow  # the ids on real text: the trained model's test; this one, the source layout with codes
+def test_autotokenizer_gives_the_source_code_our_ids_and_eos(tmp_path):
+    workdir = make_workdir(tmp_path / "w")
+    m2m100_export.export_workdir(str(workdir), tmp_path / "out", choice=LAST)
+    config, _, _ = restore_model(str(workdir), LAST)
+    tokenizer = workdir_tokenizer(config, str(workdir))
+    new_id = np.argsort(m2m100_export.own_vocabulary(config, tokenizer).order)
+    (tmp_path / "s.json").write_text(json.dumps(SENTENCES))
+    run("tokenize", str(tmp_path / "out"), str(tmp_path / "s.json"), str(tmp_path / "ids.json"), "fra_Latn")
+    theirs = json.loads((tmp_path / "ids.json").read_text())
+    assert theirs == [[PIECES + 3, *new_id[tokenizer.encode_source(s)].tolist(), 2] for s in SENTENCES]
+
+
+MULTI30K = DATA / "multi30k"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (MULTI30K / "train.cs").is_file(), reason="needs the shared 4-way Multi30k copy")
+def test_an_exported_trained_model_tokenizes_and_translates_in_transformers_as_evaluate_does(tmp_path):
+    """A tiny lang_token=target model of ours trained 400 steps on Multi30k's en-centric directions, exported:
+    its tokenizer.json gives our ids (permuted, `X </s>`) and our text back on every test line of the four
+    languages, and AutoTokenizer (NllbTokenizer) on every line our tokenizer spells without bytes and that does not
+    start with a space (docs/pretrained.md); generate(num_beams=1, forced_bos_token_id=deu_Latn) on sources
+    without a code, decoded by tokenizer.json, equals evaluate.py --target_lang de's greedy text."""
+    workdir, steps = tmp_path / "w", 400
+    trained = subprocess.run(
+        [sys.executable, "train.py", "--config", "configs/multilingual.py:size=tiny,directions=en-centric"]
+        + ["--workdir", str(workdir), f"--config.train.num_steps={steps}", f"--config.ckpt.every_steps={steps}"]
+        + ["--config.opt.warmup_steps=100", "--config.train.eval_every=0", "--config.train.bleu_every=0"]
+        + [f"--config.model.{key}={value}" for key, value in EXPORTABLE.items()],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=1200,
+    )
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert export(workdir, tmp_path / "out").returncode == 0
+
+    lines = [line for lang in LANGS for line in (MULTI30K / f"test.{lang}").read_text(encoding="utf-8").splitlines()]
+    lines += ["  two spaces first", "Zürich 42 € 日本"]
+    (tmp_path / "lines.json").write_text(json.dumps(lines))
+    run("tokenize_plain", str(tmp_path / "out"), str(tmp_path / "lines.json"), str(tmp_path / "ids.json"))
+    theirs = json.loads((tmp_path / "ids.json").read_text())
+    config, _, _ = restore_model(str(workdir), LAST)
+    tokenizer = workdir_tokenizer(config, str(workdir))
+    new_id = np.argsort(m2m100_export.own_vocabulary(config, tokenizer).order)
+    ours = [new_id[tokenizer.encode_source(line)].tolist() for line in lines]
+    assert theirs["file"] == [ids + [2] for ids in ours]
+    assert theirs["decoded"] == [tokenizer.decode_target(tokenizer.encode_source(line)) for line in lines]
+    spelled = [
+        not line.startswith(" ") and not any(p.startswith("<0x") for p in tokenizer.source_pieces(ids))
+        for line, ids in zip(lines, map(tokenizer.encode_source, lines), strict=True)
+    ]
+    assert [i for i, ok in enumerate(spelled) if ok and theirs["auto"][i] != ours[i]] == []
+    assert sum(spelled) > 0.9 * len(lines)
+
+    source = tmp_path / "src.en"
+    source.write_text("".join(MULTI30K.joinpath("test.en").read_text(encoding="utf-8").splitlines(True)[:60]))
+    evaluated = subprocess.run(
+        [sys.executable, "evaluate.py", "--workdir", str(workdir), "--average_last", "1", "--beam_size", "1"]
+        + ["--max_extra_len", "10", "--source_file", str(source), "--target_lang", "de"]
+        + ["--output_file", str(tmp_path / "ours.de")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    run(
+        "translate_plain",
+        str(tmp_path / "out"),
+        str(source),
+        str(tmp_path / "theirs.de"),
+        "10",
+        "deu_Latn",
+        timeout=900,
+    )
+    mine = (tmp_path / "ours.de").read_text(encoding="utf-8").splitlines()
+    theirs = (tmp_path / "theirs.de").read_text(encoding="utf-8").splitlines()
+    assert len(mine) == len(theirs) == 60 and len(set(mine)) > 20  # outputs that differ from line to line
+    assert [i for i in range(60) if mine[i] != theirs[i]] == []

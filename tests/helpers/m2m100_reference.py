@@ -17,8 +17,11 @@ process: tests/helpers/marian_reference.py says why):
                            tokens (evaluate.py's --max_extra_len), language codes and pad suppressed (as our search
                            never emits them)
     translate_plain DIR IN OUT N T
-                           as translate, with sources that carry no language code (a model of ours with
-                           model.lang_token=target): tokenizer(line, add_special_tokens=False) and </s>
+                           as translate, for a model of ours with model.lang_token=target (sources carry no code):
+                           the tokenizer is DIR's tokenizer.json as it is (PreTrainedTokenizerFast), `X </s>`
+    tokenize_plain DIR IN OUT
+                           IN's sentences (.json) without specials by AutoTokenizer and by DIR's tokenizer.json as it
+                           is (with its post-processor), and the latter's decoding of its ids -> OUT (.json)
     spm_to_bpe SPM OUT     transformers' own conversion of a SentencePiece BPE model (SentencePieceExtractor): its
                            vocab and merges -> OUT (.json)
 """
@@ -190,10 +193,16 @@ def translate_plain(directory: str, sentences: str, output: str, max_extra: str,
 
 def _translate(directory: str, sentences: str, output: str, max_extra: str, tgt_lang: str, src_lang) -> None:
     import torch
-    from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList, M2M100ForConditionalGeneration
+    from transformers import (
+        AutoTokenizer,
+        LogitsProcessor,
+        LogitsProcessorList,
+        M2M100ForConditionalGeneration,
+        PreTrainedTokenizerFast,
+    )
 
     if src_lang is None:
-        tokenizer = AutoTokenizer.from_pretrained(directory)
+        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(Path(directory) / "tokenizer.json"))
     else:
         tokenizer = AutoTokenizer.from_pretrained(directory, src_lang=src_lang)
     model = M2M100ForConditionalGeneration.from_pretrained(directory).eval()
@@ -212,10 +221,7 @@ def _translate(directory: str, sentences: str, output: str, max_extra: str, tgt_
 
     out = []
     for line in Path(sentences).read_text(encoding="utf-8").splitlines():
-        if src_lang is None:
-            ids = torch.tensor([tokenizer(line, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]])
-        else:
-            ids = tokenizer(line, return_tensors="pt").input_ids
+        ids = tokenizer(line, return_tensors="pt").input_ids
         with torch.no_grad():
             tokens = model.generate(
                 ids,
@@ -228,6 +234,21 @@ def _translate(directory: str, sentences: str, output: str, max_extra: str, tgt_
             )
         out.append(tokenizer.decode(tokens[0], skip_special_tokens=True))
     Path(output).write_text("".join(line + "\n" for line in out), encoding="utf-8")
+
+
+def tokenize_plain(directory: str, sentences: str, output: str) -> None:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    auto = AutoTokenizer.from_pretrained(directory)
+    plain = PreTrainedTokenizerFast(tokenizer_file=str(Path(directory) / "tokenizer.json"))
+    lines = json.loads(Path(sentences).read_text())
+    ids = [plain(s).input_ids for s in lines]
+    out = {
+        "auto": [auto(s, add_special_tokens=False).input_ids for s in lines],
+        "file": ids,
+        "decoded": [plain.decode(x, skip_special_tokens=True) for x in ids],
+    }
+    Path(output).write_text(json.dumps(out, ensure_ascii=False))
 
 
 def spm_to_bpe(model: str, output: str) -> None:
@@ -247,6 +268,7 @@ if __name__ == "__main__":
         "tokenize": tokenize,
         "translate": translate,
         "translate_plain": translate_plain,
+        "tokenize_plain": tokenize_plain,
         "spm_to_bpe": spm_to_bpe,
     }
     if command == "make":

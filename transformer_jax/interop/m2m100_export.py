@@ -174,11 +174,11 @@ def _template(vocab: Vocabulary, source_code: str | None) -> dict[str, Any]:
 
 def tokenizer_json(vocab: Vocabulary, source_code: str | None) -> dict[str, Any]:
     """tokenizer.json of a `tokenizers` BPE model giving `vocab`'s ids: the SentencePiece pieces (and fairseq's
-    specials) as the BPE vocabulary with the model's merges and byte fallback, its normalizer (the precompiled
-    character map; runs of spaces folded where it removes extra whitespace) and the Metaspace pre-tokenizer and
-    decoder (a leading `▁` where it adds a dummy prefix); every other id (specials, codes, user-defined pieces) is
-    an added token. The post-processor makes sources `[source_code] X </s>` (`X </s>` for None), as NllbTokenizer
-    does, which replaces it with the template of its src_lang."""
+    specials) as the BPE vocabulary with the model's merges and byte fallback, its normalizer (a converted model's
+    precompiled character map, runs of spaces folded where it removes extra whitespace; ours is the identity) and
+    the Metaspace pre-tokenizer and decoder (a leading `▁` where it adds a dummy prefix); every other id (specials,
+    codes, user-defined pieces) is an added token. The post-processor makes sources `[source_code] X </s>` (`X </s>`
+    for None), as NllbTokenizer does, which replaces it with the template of its src_lang."""
     proto = _proto(vocab.spm)
     spec = proto.normalizer_spec
     kinds = {p.piece: p.type for p in proto.pieces}
@@ -197,26 +197,26 @@ def tokenizer_json(vocab: Vocabulary, source_code: str | None) -> dict[str, Any]
         for i, token in ids
         if token in SPECIALS or kinds.get(token, USER_DEFINED) in (CONTROL, USER_DEFINED)
     ]
-    normalizers = (
-        [{"type": "Precompiled", "precompiled_charsmap": _charsmap(spec)}] if spec.precompiled_charsmap else []
-    )
-    if spec.remove_extra_whitespaces:
-        normalizers.append({"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "})
-    metaspace = {
-        "type": "Metaspace",
-        "replacement": "\u2581",
-        "prepend_scheme": "always" if spec.add_dummy_prefix else "never",
-        "split": True,
-    }
+    metaspace = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "never", "split": True}
+    decoder = {**metaspace, "prepend_scheme": "always" if spec.add_dummy_prefix else "never"}
+    if spec.precompiled_charsmap:  # transformers' NLLB form (NllbTokenizer rebuilds it, whatever the file says)
+        normalizers = [{"type": "Precompiled", "precompiled_charsmap": _charsmap(spec)}]
+        if spec.remove_extra_whitespaces:
+            normalizers.append({"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "})
+        pre_tokenizer = decoder
+    else:  # SentencePiece's dummy prefix starts every text, one starting with a space too (Metaspace's does not)
+        normalizers = [{"type": "Prepend", "prepend": "\u2581"}] if spec.add_dummy_prefix else []
+        pre_tokenizer = metaspace
     byte_fallback = bool(proto.trainer_spec.byte_fallback)
-    decoder = {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, metaspace]} if byte_fallback else metaspace
+    if byte_fallback:
+        decoder = {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, decoder]}
     return {
         "version": "1.0",
         "truncation": None,
         "padding": None,
         "added_tokens": added,
         "normalizer": {"type": "Sequence", "normalizers": normalizers} if normalizers else None,
-        "pre_tokenizer": metaspace,
+        "pre_tokenizer": pre_tokenizer,
         "post_processor": _template(vocab, source_code),
         "decoder": decoder,
         "model": {
