@@ -44,6 +44,7 @@ MASK = "<mask>"  # NLLB-200's added token, normalised and stripping the space on
 # SentencePiece's ModelProto.SentencePiece.Type and TrainerSpec.ModelType values
 CONTROL, USER_DEFINED, BPE = 3, 4, 2
 M2M100_CODE = re.compile(r"__[a-z]+__")
+MADEUP_WORD = re.compile(r"madeupword\d{4}")  # m2m100_vocab.MADEUP_WORD's words
 
 
 def _languages(config: Any) -> dict[str, str]:
@@ -317,7 +318,7 @@ def _m2m100_files(config: Any, vocab: Vocabulary) -> dict[str, bytes]:
     names = [name for name, codes in languages.M2M100_CODES.items() if [f"__{c}__" for c in codes] == list(vocab.codes)]
     if not names or sorted(vocab.codes.values()) != list(range(first, first + len(vocab.codes))):
         raise ConfigError("cannot export to M2M-100: model.language_codes are not one of M2M-100's code lists in order")
-    madeup = sum(1 for token in vocab.tokens.values() if token.startswith(m2m100_vocab.MADEUP_WORD[:10]))
+    madeup = sum(1 for token in vocab.tokens.values() if MADEUP_WORD.fullmatch(token))
     pieces = {token: i for i, token in sorted(vocab.tokens.items()) if i < first}
     tokenizer_config = {
         "tokenizer_class": "M2M100Tokenizer",
