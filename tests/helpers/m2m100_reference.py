@@ -17,6 +17,14 @@ process: tests/helpers/marian_reference.py says why):
                            sentence at a time, forced_bos_token_id T, each capped at its source's token count + N
                            tokens (evaluate.py's --max_extra_len), language codes and pad suppressed (as our search
                            never emits them)
+    translate_plain DIR IN OUT N T
+                           as translate, for a model of ours with model.lang_token=target (sources carry no code):
+                           the tokenizer is DIR's tokenizer.json as it is (PreTrainedTokenizerFast), `X </s>`
+    tokenize_plain DIR IN OUT
+                           IN's sentences (.json) without specials by AutoTokenizer and by DIR's tokenizer.json as it
+                           is (with its post-processor), and the latter's decoding of its ids -> OUT (.json)
+    spm_to_bpe SPM OUT     transformers' own conversion of a SentencePiece BPE model (SentencePieceExtractor): its
+                           vocab and merges -> OUT (.json)
 """
 
 from __future__ import annotations
@@ -177,10 +185,27 @@ def tokenize(directory: str, sentences: str, output: str, src_lang: str) -> None
 
 
 def translate(directory: str, sentences: str, output: str, max_extra: str, src_lang: str, tgt_lang: str) -> None:
-    import torch
-    from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList, M2M100ForConditionalGeneration
+    _translate(directory, sentences, output, max_extra, tgt_lang, src_lang)
 
-    tokenizer = AutoTokenizer.from_pretrained(directory, src_lang=src_lang)
+
+def translate_plain(directory: str, sentences: str, output: str, max_extra: str, tgt_lang: str) -> None:
+    _translate(directory, sentences, output, max_extra, tgt_lang, None)
+
+
+def _translate(directory: str, sentences: str, output: str, max_extra: str, tgt_lang: str, src_lang) -> None:
+    import torch
+    from transformers import (
+        AutoTokenizer,
+        LogitsProcessor,
+        LogitsProcessorList,
+        M2M100ForConditionalGeneration,
+        PreTrainedTokenizerFast,
+    )
+
+    if src_lang is None:
+        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(Path(directory) / "tokenizer.json"))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(directory, src_lang=src_lang)
     model = M2M100ForConditionalGeneration.from_pretrained(directory).eval()
     specials = ("<s>", "</s>", "<unk>", "<mask>")
     if hasattr(tokenizer, "lang_token_to_id"):  # M2M100Tokenizer keeps its codes out of the added vocabulary
@@ -237,9 +262,41 @@ def make_ct2(directory: str, overrides: dict, output: str) -> None:
     _converter(directory).convert(output)
 
 
+def tokenize_plain(directory: str, sentences: str, output: str) -> None:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    auto = AutoTokenizer.from_pretrained(directory)
+    plain = PreTrainedTokenizerFast(tokenizer_file=str(Path(directory) / "tokenizer.json"))
+    lines = json.loads(Path(sentences).read_text())
+    ids = [plain(s).input_ids for s in lines]
+    out = {
+        "auto": [auto(s, add_special_tokens=False).input_ids for s in lines],
+        "file": ids,
+        "decoded": [plain.decode(x, skip_special_tokens=True) for x in ids],
+    }
+    Path(output).write_text(json.dumps(out, ensure_ascii=False))
+
+
+def spm_to_bpe(model: str, output: str) -> None:
+    from tokenizers.models import BPE
+    from transformers.convert_slow_tokenizer import SentencePieceExtractor
+
+    extracted = SentencePieceExtractor(model).extract(BPE)
+    merges = [list(merge) for merge in extracted["merges"]]
+    Path(output).write_text(json.dumps({"vocab": extracted["vocab"], "merges": merges}, ensure_ascii=False))
+
+
 if __name__ == "__main__":
     command, *rest = sys.argv[1:]
-    commands = {"logits": logits, "generate": generate, "tokenize": tokenize, "translate": translate}
+    commands = {
+        "logits": logits,
+        "generate": generate,
+        "tokenize": tokenize,
+        "translate": translate,
+        "translate_plain": translate_plain,
+        "tokenize_plain": tokenize_plain,
+        "spm_to_bpe": spm_to_bpe,
+    }
     if command == "make":
         make(rest[0], json.loads(rest[1]) if len(rest) > 1 else {})
     elif command == "make_ct2":
