@@ -47,6 +47,27 @@ from tests.helpers.training import write_corpus  # noqa: E402
 from transformer_jax import runtime  # noqa: E402
 
 
+@pytest.fixture(scope="session")
+def nllb_dir(tmp_path_factory) -> pathlib.Path:
+    """A random-weight NLLB-200-style Hugging Face folder with its tokenizer (tests/helpers/m2m100_reference.py), built
+    once per test process: the import, export and CTranslate2 tests read it and never write into it."""
+    from tests.helpers.m2m100_reference import run
+
+    path = tmp_path_factory.mktemp("hf") / "nllb-tiny"
+    run("make", str(path), '{"family": "nllb"}')
+    return path
+
+
+@pytest.fixture(scope="session")
+def m2m_dir(tmp_path_factory) -> pathlib.Path:
+    """As nllb_dir, an M2M-100-style folder (vocab.json, 100 __xx__ codes, 8 madeup words)."""
+    from tests.helpers.m2m100_reference import run
+
+    path = tmp_path_factory.mktemp("hf") / "m2m100-tiny"
+    run("make", str(path), '{"family": "m2m100", "seed": 1}')
+    return path
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> pathlib.Path:
     """The training helpers' word-for-word corpus (write_corpus), written once per test module."""

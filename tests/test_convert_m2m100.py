@@ -38,20 +38,6 @@ SENTENCES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def nllb_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hf") / "nllb-tiny"
-    run("make", str(path), json.dumps({"family": "nllb"}))
-    return path
-
-
-@pytest.fixture(scope="module")
-def m2m_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hf") / "m2m100-tiny"
-    run("make", str(path), json.dumps({"family": "m2m100", "seed": 1}))
-    return path
-
-
 def convert(source: Path, workdir: Path) -> dict:
     return marian_folder.write_workdir(m2m100_folder.read_folder(source), workdir)
 

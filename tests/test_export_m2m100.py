@@ -76,27 +76,16 @@ def export(workdir: Path, output: Path, *extra: str) -> subprocess.CompletedProc
     )
 
 
-@pytest.fixture(scope="module")
-def nllb_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hf") / "nllb-tiny"
-    run("make", str(path), json.dumps({"family": "nllb"}))
-    return path
-
-
 def params_of(workdir: Path) -> dict:
     _, model, _ = restore_model(str(workdir), LAST)
     return {k: np.asarray(v) for k, v in flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()}
 
 
 @pytest.mark.parametrize("family", ["nllb", pytest.param("m2m100", marks=pytest.mark.slow)])
-def test_import_export_import_is_bit_identical(family, nllb_dir, tmp_path):
+def test_import_export_import_is_bit_identical(family, request, tmp_path):
     """A converted folder exported and converted again gives the same workdir: parameters, config (the code table
     in it) and tokenizer files; an NLLB folder's tokenizer.json comes back as transformers wrote it."""
-    if family == "nllb":
-        source = nllb_dir
-    else:
-        source = tmp_path / "m2m100-tiny"
-        run("make", str(source), json.dumps({"family": "m2m100", "seed": 1}))
+    source = request.getfixturevalue("nllb_dir" if family == "nllb" else "m2m_dir")
     marian_folder.write_workdir(m2m100_folder.read_folder(source), tmp_path / "w1")
     report = m2m100_export.export_workdir(str(tmp_path / "w1"), tmp_path / "out", choice=LAST)
     assert report["format"] == "m2m100" and "epsilon_logit_difference" not in report
