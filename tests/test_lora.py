@@ -26,7 +26,7 @@ from transformer_jax.training import checkpoints, loop
 from transformer_jax.training.step import abstract_train_state, create_train_state, train_step
 
 ALL_TARGETS = ("q", "k", "v", "o", "ffn", "embed")
-D_FF = 48  # no other array of the tiny model has a side of 48: a [32, 48] product is an FFN kernel's gradient
+D_FF = 48  # no other array of the tiny model has a side of 48 (or 60, the vocabulary): see _kernel_gradients
 
 
 def lora_config(data_dir: pathlib.Path, source: str = "/nowhere", rank: int = 2, **train):
@@ -114,9 +114,10 @@ def _lowered_step(config):
 
 
 def _kernel_gradients(hlo: str) -> list[str]:
-    """The products of an optimized HLO module that have an FFN kernel's shape [32, 48] or its transpose (the
-    kernels themselves appear, as parameters and copies of the state, but no product computes one)."""
-    return [line for line in hlo.splitlines() if re.search(rf"= f32\[(32,{D_FF}|{D_FF},32)\]\S* dot\(", line)]
+    """The products of an optimized HLO module shaped as an FFN kernel [32, 48] or the embedding table [60, 32], or
+    their transposes (the weights themselves appear, as parameters and copies of the state; no product makes one)."""
+    shapes = f"32,{D_FF}|{D_FF},32|60,32|32,60"
+    return [line for line in hlo.splitlines() if re.search(rf"= f32\[({shapes})\]\S* dot\(", line)]
 
 
 def test_only_the_adapters_train_and_no_base_gradient_is_computed(tmp_path):
@@ -137,7 +138,7 @@ def test_only_the_adapters_train_and_no_base_gradient_is_computed(tmp_path):
     after = jax.device_get(nnx.to_pure_dict(nnx.filter_state(new_state["model"], nnx.LoRAParam)))
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(adapters), strict=True))
 
-    # The compiled step holds no [32, 48] array (an FFN kernel's gradient); full fine-tuning's does.
+    # The compiled step computes no FFN kernel's or embedding table's gradient; full fine-tuning's does.
     assert _kernel_gradients(hlo) == []
     full = lora_config(tmp_path, source="", rank=0)
     full_step, full_state = _lowered_step(full)
