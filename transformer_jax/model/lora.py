@@ -1,12 +1,12 @@
 """Low-rank adapters (LoRA, Hu et al. 2021): W x + s (x A) B beside a frozen W, s = opt.lora_alpha / opt.lora_rank.
 
-A [in, r] starts random (flax nnx.LoRA's lecun-normal for a linear layer; unit normal rows for the embedding,
-whose input is one row of V) and B [r, out] at zero, so a model with new adapters computes exactly what its base
-does. The adapters are `nnx.LoRAParam`s: the train step differentiates and the optimizer updates those alone
-(training/step.py `trainable`), so no gradient of a base weight is ever computed. Targets (opt.lora_targets): the
-attention projections q, k, v, o of every attention module, ffn (every linear layer of every feed-forward network)
-and embed (the shared embedding table: rows [V, r] and [r, D]; the tied output projection reads the same table, so
-its logits change with it). `merge` folds trained adapters into plain weights, W + s A B, for evaluation and export.
+A [in, r] starts as a random Gaussian (Hu et al.) and B [r, out] at zero, so a model with new adapters computes
+exactly what its base does. The adapters are `nnx.LoRAParam`s: the train step differentiates and the optimizer
+updates those alone (training/step.py `trainable`), so no gradient of a base weight is ever computed. Targets
+(opt.lora_targets): the attention projections q, k, v, o of every attention module, ffn (every linear layer of every
+feed-forward network) and embed (the embedding tables: rows [V, r] and [r, D]; the tied output projection reads the
+same table, so its logits change with it). `merge` folds trained adapters into plain weights, W + s A B, for
+evaluation and export.
 """
 
 from __future__ import annotations
@@ -26,6 +26,11 @@ Array = jax.Array
 
 _PROJECTIONS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
 BASE = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))  # the frozen base's parameters, a filter
+# A's initializers: variance 1/in for a linear layer (lecun normal; flax's nnx.LoRA draws he_uniform); an embedding
+# reads one row of A per token, not a mix of `in` inputs, so its rows are unit normal (as loralib's random embedding
+# factor).
+LINEAR_A_INIT = nnx.initializers.lecun_normal()
+EMBED_A_INIT = nnx.initializers.normal(1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +58,8 @@ class LoRASpec:
 class Adapter(nnx.Module):
     """s (x A) B of a linear layer of width in -> out, computed in the layer's dtype."""
 
-    def __init__(self, d_in: int, d_out: int, spec: LoRASpec, dtype: jnp.dtype, *, rngs: nnx.Rngs, std: float = 0.0):
-        init = nnx.initializers.normal(std) if std else nnx.initializers.lecun_normal()
+    def __init__(self, d_in: int, d_out: int, spec: LoRASpec, dtype: jnp.dtype, init: Any, *, rngs: nnx.Rngs):
+        """init: A's initializer; B starts at zero."""
         self.a = nnx.LoRAParam(init(rngs.params(), (d_in, spec.rank), jnp.float32))
         self.b = nnx.LoRAParam(jnp.zeros((spec.rank, d_out), jnp.float32))
         self.scale = spec.scale
@@ -97,11 +102,11 @@ def add_adapters(model: nnx.Module, spec: LoRASpec, *, rngs: nnx.Rngs) -> None:
         elif isinstance(module, Embedding) and "embed" in spec.targets:
             rows, width = module.table_VD.shape
             _width_check(spec, "embed", where, rows, width)
-            module.adapter = Adapter(rows, width, spec, jnp.float32, rngs=rngs, std=1.0)
+            module.adapter = Adapter(rows, width, spec, jnp.float32, EMBED_A_INIT, rngs=rngs)
         for target, layer in layers:
             d_in, d_out = layer.kernel.shape
             _width_check(spec, target, where, d_in, d_out)
-            layer.adapter = Adapter(d_in, d_out, spec, layer.dtype, rngs=rngs)
+            layer.adapter = Adapter(d_in, d_out, spec, layer.dtype, LINEAR_A_INIT, rngs=rngs)
 
 
 def merge(params: dict, adapters: dict, spec: LoRASpec) -> dict:
