@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import pathlib
 import re
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,10 +19,13 @@ import pytest
 from flax import nnx
 from flax.traverse_util import flatten_dict
 
+from tests.helpers import DATA
+from tests.helpers.m2m100_reference import ROOT, run
 from tests.helpers.training import synthetic_batch, tiny_train_config
 from transformer_jax import cli
 from transformer_jax.errors import CheckpointError, ConfigError
 from transformer_jax.evaluation import restore
+from transformer_jax.interop import m2m100_folder, marian_folder
 from transformer_jax.model import build_model, model_rngs
 from transformer_jax.model.lora import BASE, LoRASpec, add_adapters, merge
 from transformer_jax.training import checkpoints, loop
@@ -315,3 +321,36 @@ def test_adapters_on_a_changed_or_missing_base_are_refused_in_one_line(corpus, b
         restore.restore_model(str(run), restore.CheckpointChoice(average_last=1))
     assert "\n" not in str(error.value)
     assert checkpoints.list_steps(run) == [2]  # nothing more was written
+
+
+@pytest.mark.slow
+def test_lora_on_a_converted_nllb_model(tmp_path):
+    """train.py with LoRA on a converted NLLB workdir (pre-LN, final norms, fairseq positions, language codes): only
+    adapters are saved, and the model evaluation restores is the base with them merged."""
+    if not (DATA / "multi30k" / "train.cs").is_file():
+        pytest.skip(f"the 4-way Multi30k is not under {DATA} (set TRANSFORMER_JAX_DATA to ../shared/data)")
+    run("make", str(tmp_path / "hf"), json.dumps({"family": "nllb"}))
+    marian_folder.write_workdir(m2m100_folder.read_folder(tmp_path / "hf"), tmp_path / "w")
+    done = subprocess.run(
+        [sys.executable, "train.py", "--config", "configs/multilingual.py:size=mini,directions=en-cs,lang_token=none"]
+        + ["--config.train.init_from", str(tmp_path / "w"), "--config.train.num_steps", "2"]
+        + ["--config.opt.lora_rank", "2", "--config.opt.lora_targets", "q,v,ffn,embed"]
+        + ["--config.train.eval_every", "0", "--config.train.bleu_every", "0", "--workdir", str(tmp_path / "ft")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "TRANSFORMER_JAX_DATA": str(DATA), "JAX_PLATFORMS": "cpu"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    config = checkpoints.load_config(tmp_path / "ft")
+    step = checkpoints.list_steps(tmp_path / "ft")[-1]
+    abstract = abstract_train_state(config)[1]
+    base = checkpoints.load_model_params(tmp_path / "w", checkpoints.list_steps(tmp_path / "w")[-1], abstract)
+    adapters = _adapters(tmp_path / "ft", step, config)
+    assert any(np.any(b) for b in jax.tree.leaves(adapters))
+    _, model, _ = restore.restore_model(str(tmp_path / "ft"), restore.CheckpointChoice(average_last=1))
+    want = flatten_dict(merge(base, adapters, LoRASpec.of(config)))
+    got = flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    for path in want:
+        np.testing.assert_array_equal(np.asarray(got[path]), np.asarray(want[path]))
