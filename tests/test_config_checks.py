@@ -123,6 +123,7 @@ LIST_VALUES = {
         "tatoeba=/d/tatoeba:test,news=/d/news",
     ),
     "opt.freeze": (("encoder_layers/0/.*", "src_embed"), "encoder_layers/0/.*,src_embed"),
+    "opt.lora_targets": (("q", "v", "ffn"), "q,v,ffn"),
     "train.trackers": (("tensorboard", "wandb"), "tensorboard,wandb"),
     "data.directions": (("en-de", "all", "fr-centric"), "en-de,all,fr-centric"),
     "data.direction_lines": ((("en-cs", 3000), ("cs-en", 3000)), "en-cs=3000,cs-en=3000"),

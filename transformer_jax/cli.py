@@ -329,12 +329,30 @@ def check_between(values: Mapping[str, Any]) -> None:
                 f"set train.eval_every > 0 or {key}=0"
             )
     check_init(values["train.init_step"], values["train.init_from"])
+    _check_lora(values)
     _check_languages(values)
     positions = values["model.max_len"] - values["model.position_offset"]  # a learned table's rows from the offset
     if values["model.positional"] == "learned" and values["data.max_len"] > positions:
         raise ConfigError(
             f"config key data.max_len: {values['data.max_len']} tokens per side exceed the {positions} positions of "
             "the learned positional embedding (model.max_len less model.position_offset); lower one or raise the other"
+        )
+
+
+def _check_lora(values: Mapping[str, Any]) -> None:
+    """LoRA (opt.lora_rank > 0) trains adapters on a frozen base: a trained one (train.init_from), all of it frozen."""
+    rank = values["opt.lora_rank"]
+    if not rank:
+        return
+    if not values["train.init_from"]:
+        raise ConfigError(
+            f"config key opt.lora_rank={rank} trains adapters on a frozen base, but train.init_from is empty (a random "
+            "base would stay random); set train.init_from to the workdir of a trained or converted model"
+        )
+    if values["opt.freeze"]:
+        raise ConfigError(
+            f"config key opt.freeze: with opt.lora_rank={rank} the whole base is frozen and only the adapters train "
+            "(choose them with opt.lora_targets); set opt.freeze=() or opt.lora_rank=0"
         )
 
 

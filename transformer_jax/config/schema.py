@@ -89,6 +89,7 @@ TOKENIZER_TYPES = ("unigram", "bpe")
 # data/tokenizer.py: a joint SentencePiece model trained here, a Marian model's, or an M2M-100 / NLLB-200 model's
 TOKENIZERS = ("spm", "marian", "fairseq")
 # What selects the best checkpoints and stops early: validation loss, or a score of the decoded validation sentences.
+LORA_TARGETS = ("q", "k", "v", "o", "ffn", "embed")  # model/lora.py: attention projections, feed-forward, embedding
 SELECT_METRICS = ("valid_bleu", "valid_chrf", "valid_chrfpp", "valid_ter", "valid_loss")
 SEED_LIMIT = 2**32
 # The experiment trackers of train.trackers (training/metrics.py), each with the pinned requirement of the optional
@@ -468,6 +469,23 @@ KEYS: tuple[Key, ...] = (
         Entries(each=REGEX),
         "regexes (a tuple, or comma-joined); parameters whose path (e.g. encoder_layers/0/ffn/w1/kernel) one matches"
         " stay fixed; empty = train all",
+        MATCH,
+    ),
+    # Low-rank adapters on a frozen base (model/lora.py): the adapters and their moments are the optimizer's state.
+    Key(
+        "opt.lora_rank",
+        0,
+        count(0),
+        "r, the rank of each LoRA adapter (A [in, r], B [r, out]) trained on the frozen train.init_from base; 0 = off",
+        MATCH,
+    ),
+    Key("opt.lora_alpha", 8.0, positive(), "LoRA scale numerator: each update s A B has s = alpha / rank", MATCH),
+    Key(
+        "opt.lora_targets",
+        ("q", "v"),
+        Entries(each=choice(LORA_TARGETS)),
+        f"weights that get an adapter, a tuple or comma-joined, from {list(LORA_TARGETS)} (ffn: every feed-forward"
+        " linear layer; embed: the embedding tables, and with them the tied output projection)",
         MATCH,
     ),
     Key(

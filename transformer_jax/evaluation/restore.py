@@ -5,6 +5,10 @@ Every command that restores a model makes one CheckpointChoice of its flags and 
 Averaging (paper 6.1: the last 5 checkpoints for base models, the last 20 for big ones) takes the element-wise mean
 of the parameter pytrees, accumulated in float64 on the host one checkpoint at a time and cast back to each leaf's
 dtype once at the end: the correctly rounded mean whatever the number of checkpoints.
+
+A LoRA run's checkpoints (opt.lora_rank > 0) hold adapters: each is merged into the base its record names
+(W + s A B, model/lora.py merge) before averaging, since the mean of the A_i times the mean of the B_i is not the
+mean of the products. The model restored is a plain one with merged weights, which evaluation and every export use.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import dataclasses
 import functools
 import logging
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +29,7 @@ from transformer_jax.config import schema
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import AveragingError, CheckpointError, ConfigError, EvalError
 from transformer_jax.model import Transformer, TransformerSpec, build_model, model_rngs
+from transformer_jax.model.lora import LoRASpec, add_adapters, merge
 from transformer_jax.training import checkpoints
 
 # Keys a restart must keep that say only how the training began (the source a fine-tuned run started from, as its
@@ -110,10 +115,10 @@ def choose_steps(available: list[int], workdir: str, choice: CheckpointChoice, a
     return candidates[-average_last:]
 
 
-def best_params(workdir: str, count: int, target: nnx.State, used: list[int]) -> Iterator[dict]:
+def best_params(workdir: str, count: int, load: Callable[[int], dict], used: list[int]) -> Iterator[dict]:
     """The parameters of the `count` best checkpoints that can be read, best first, appending each step to `used`.
     A damaged best checkpoint is reported in one line and the next best takes its place (as a restart falls back
-    from a damaged latest checkpoint)."""
+    from a damaged latest checkpoint). load(step): the parameters of a step (`params_loader`)."""
     ranked = checkpoints.best_steps(workdir)
     if not ranked:
         raise EvalError(
@@ -131,7 +136,7 @@ def best_params(workdir: str, count: int, target: nnx.State, used: list[int]) ->
         if len(used) == count:
             return
         try:
-            params = checkpoints.load_model_params(workdir, step, {"model": target})
+            params = load(step)
         except CheckpointError as e:
             logging.warning("best checkpoint at step %d is damaged (%s); using the next best", step, e)
             damaged.append(step)
@@ -196,6 +201,34 @@ def _other_state(*, spec: TransformerSpec) -> nnx.State:
     return nnx.state(Transformer(spec, rngs=model_rngs(0)), nnx.Not(nnx.Param))
 
 
+def params_loader(workdir: str, config: Any, target: nnx.State) -> Callable[[int], dict]:
+    """step -> the plain parameters (a pure dict shaped as `target`, the model's nnx.Param state) of a checkpoint of
+    workdir; a LoRA run's adapters merged into their base, which is read once and checked against every record."""
+    spec = LoRASpec.of(config)
+    if spec is None:
+        return lambda step: checkpoints.load_model_params(workdir, step, {"model": target})
+
+    def build() -> Transformer:
+        rngs = model_rngs(0)
+        model = build_model(config, rngs=rngs)
+        add_adapters(model, spec, rngs=rngs)
+        return model
+
+    adapters = nnx.state(nnx.eval_shape(build), nnx.LoRAParam)
+    bases: dict[tuple, dict] = {}  # (workdir, step, checksum) -> base parameters: a run's checkpoints share one
+
+    def load(step: int) -> dict:
+        record = checkpoints.load_base_record(workdir, step)
+        key = tuple(sorted(record.items())) if record else ()
+        where = f"the checkpoint at step {step} in {checkpoints.checkpoint_dir(workdir)}"
+        if key not in bases:
+            bases[key] = checkpoints.load_base(record, {"model": target}, where)
+        trained = checkpoints.load_model_params(workdir, step, {"model": adapters}, wrt=nnx.LoRAParam)
+        return merge(bases[key], trained, spec)
+
+    return load
+
+
 def saved_config(workdir: str, config: Any = None) -> Any:
     """The config saved with the checkpoints, or `config` when it agrees with that one on every key that shapes the
     model (those a restart must keep, but for EVALUATION_MAY_DIFFER); EvalError without checkpoints."""
@@ -216,17 +249,18 @@ def saved_config(workdir: str, config: Any = None) -> Any:
 
 def restore_model(workdir: str, choice: CheckpointChoice = LATEST, *, config: Any = None) -> tuple[Any, Any, list[int]]:
     """(config, model in eval mode with the averaged parameters, steps used, ascending) of the checkpoints `choice`
-    names; `config` None: the one saved with them."""
+    names; `config` None: the one saved with them. A LoRA run's model has its adapters merged (`params_loader`)."""
     choice = check_choice(choice)
     config = saved_config(workdir, config)
     model = abstract_model(config)
     target = nnx.state(model, nnx.Param)
+    load = params_loader(workdir, config, target)
     with warnings.catch_warnings():
         # Orbax warns that it reads the shardings from the checkpoint: expected, restoring on one device.
         warnings.filterwarnings("ignore", "Sharding info not provided", UserWarning)
         if choice.by_score:
             steps: list[int] = []
-            params = average_params(best_params(workdir, choice.average_best or 1, target, steps))
+            params = average_params(best_params(workdir, choice.average_best or 1, load, steps))
             steps.sort()
         else:
             available = checkpoints.list_steps(workdir)
@@ -236,7 +270,7 @@ def restore_model(workdir: str, choice: CheckpointChoice = LATEST, *, config: An
                 available = available[-config.ckpt.keep :]
             average_last = config.eval.average_last if choice.average_last is None else choice.average_last
             steps = choose_steps(available, workdir, choice, average_last)
-            params = average_params(checkpoints.load_model_params(workdir, s, {"model": target}) for s in steps)
+            params = average_params(load(s) for s in steps)
     nnx.replace_by_pure_dict(target, params)
     nnx.update(model, target)
     model.eval()

@@ -173,9 +173,19 @@ def config_key(field: dataclasses.Field) -> str:
 DENSE_INIT = nnx.initializers.xavier_uniform()
 
 
+class Dense(nnx.Linear):
+    """nnx.Linear, plus a low-rank adapter's x A B s where model/lora.py attached one (None: nnx.Linear's trace)."""
+
+    adapter = None
+
+    def __call__(self, x: Array) -> Array:
+        y = super().__call__(x)
+        return y if self.adapter is None else y + self.adapter(x)
+
+
 def dense(in_features: int, out_features: int, spec: TransformerSpec, rngs: nnx.Rngs, *, bias: bool = True):
     """A float32-parameter linear layer that computes in the spec's dtype."""
-    return nnx.Linear(
+    return Dense(
         in_features,
         out_features,
         use_bias=bias,
@@ -292,7 +302,10 @@ class Embedding(nnx.Module):
     """Token embedding scaled by sqrt(d_model) (paper 3.4); `attend` is the tied pre-softmax projection.
 
     fused_backward: `attend` uses the hand-written backward of `tied_logits` (resolved model.fused_backward).
+    An adapter (model/lora.py) adds its low-rank rows to both.
     """
+
+    adapter = None
 
     def __init__(self, vocab_size: int, d_model: int, dtype: jnp.dtype, *, fused_backward: bool, rngs: nnx.Rngs):
         # std d_model^-0.5 so that the sqrt(d_model)-scaled embedding has unit variance, as in tensor2tensor.
@@ -304,12 +317,16 @@ class Embedding(nnx.Module):
 
     def __call__(self, tokens_BT: Array) -> Array:
         """x = E[token] * sqrt(d_model)."""
-        return (self.table_VD[...][tokens_BT] * jnp.sqrt(float(self.d_model))).astype(self.dtype)
+        rows_BTD = self.table_VD[...][tokens_BT]
+        if self.adapter is not None:
+            rows_BTD = rows_BTD + self.adapter.rows(tokens_BT)
+        return (rows_BTD * jnp.sqrt(float(self.d_model))).astype(self.dtype)
 
     def attend(self, x_BTD: Array) -> Array:
         """logits = x E^T, in float32."""
         project = tied_logits if self.fused_backward else logits_from_table
-        return project(x_BTD.astype(self.dtype), self.table_VD[...].astype(self.dtype))
+        logits_BTV = project(x_BTD.astype(self.dtype), self.table_VD[...].astype(self.dtype))
+        return logits_BTV if self.adapter is None else logits_BTV + self.adapter.attend(x_BTD.astype(self.dtype))
 
 
 def logits_from_table(x_BTD: Array, table_VD: Array) -> Array:

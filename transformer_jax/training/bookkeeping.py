@@ -417,6 +417,9 @@ ADDED_KEYS: dict[str, Any] = {
     "data.corpora": (),  # one training corpus
     "train.trackers": ("tensorboard",),  # TensorBoard beside metrics.jsonl, as then
     "train.tracker_group": "",
+    "opt.lora_rank": 0,  # no adapters: every parameter trained
+    "opt.lora_alpha": 8.0,
+    "opt.lora_targets": ("q", "v"),
 }
 
 

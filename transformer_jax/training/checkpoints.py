@@ -6,6 +6,10 @@ of `state`'s arrays; beside them `digests.json` (training.bookkeeping holds both
 layouts). With several processes each writes its shards of `state` and process 0 alone the JSON items: every host's
 iterator state is the same (hosts plan the same global batches; see data.pipeline).
 
+A LoRA run's checkpoint (opt.lora_rank > 0) holds everything but the frozen base's parameters, and names its base in
+the `data` item: {"workdir", "step", "checksum"} (`base_record`); restoring it reads the base again and refuses one
+whose parameters changed or cannot be read (`load_base`).
+
 A checkpoint that cannot be read or verified is reported in one line naming its step and what is wrong; training
 then falls back to the one before it and moves the damaged one aside (`<step>.damaged-<time>`, never deleted).
 
@@ -17,6 +21,7 @@ Orbax's `metrics` item, and a save removes only what neither LatestN (ckpt.keep)
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -36,6 +41,7 @@ from jax.experimental import multihost_utils
 from transformer_jax import runtime
 from transformer_jax.config import schema
 from transformer_jax.errors import CheckpointError, DiskFullError
+from transformer_jax.model.lora import BASE, LoRASpec
 from transformer_jax.training import bookkeeping
 from transformer_jax.training.step import TrainState
 
@@ -229,6 +235,58 @@ def _abstract(tree, shardings=None):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
+def saved_part(state: nnx.State, config: ml_collections.ConfigDict) -> nnx.State:
+    """What a checkpoint holds of a train state (or of its shardings): all of it, or under LoRA all but the base's
+    parameters, which stay where train.init_from has them."""
+    return nnx.filter_state(state, nnx.Not(BASE)) if LoRASpec.of(config) else state
+
+
+def base_checksum(params: dict) -> str:
+    """One sha256 of the per-array checksums of a pure dict of parameters (bookkeeping.checksums)."""
+    return hashlib.sha256(json.dumps(bookkeeping.checksums(params), sort_keys=True).encode()).hexdigest()[:32]
+
+
+def base_record(workdir: str | pathlib.Path, step: int, params: dict) -> dict:
+    """What a LoRA run's checkpoints say of their base: its workdir, its step and the checksum of its parameters."""
+    return {"workdir": str(workdir), "step": int(step), "checksum": base_checksum(params)}
+
+
+def load_base(record: dict | None, abstract_state: nnx.State, where: str) -> dict:
+    """The base parameters (a pure dict) that the adapters of `where` (a checkpoint, in words) were trained on, read
+    from the workdir and step of their record; CheckpointError naming the base when it is missing, unreadable or
+    changed since. abstract_state: the run's abstract train state (training.step.abstract_train_state)."""
+    if not record:
+        raise CheckpointError(
+            f"{where} holds LoRA adapters (its config has opt.lora_rank > 0) but no record of their base; it was not "
+            "written by a LoRA run: evaluate it with the config it was trained with"
+        )
+    base = f"base {record['workdir']} (step {record['step']})"
+    try:
+        params = load_model_params(record["workdir"], record["step"], abstract_state)
+    except CheckpointError as e:
+        raise CheckpointError(
+            f"the adapters of {where} need their {base}, which cannot be read ({e}); restore that workdir"
+        ) from None
+    if (checksum := base_checksum(params)) != record["checksum"]:
+        raise CheckpointError(
+            f"the adapters of {where} were trained on the {base} with parameter checksum {record['checksum']}, but it "
+            f"now holds {checksum}: the base changed; restore it, or train new adapters on the new one"
+        )
+    return params
+
+
+def load_base_record(workdir: str | pathlib.Path, step: int) -> dict | None:
+    """The base record a LoRA run's checkpoint of `step` keeps in its `data` item, or None."""
+    where = f"the checkpoint at step {step} in {checkpoint_dir(workdir)}"
+    if problem := _damage(workdir, step, ("data",)):
+        raise CheckpointError(f"{where} is damaged: {problem}")
+    try:
+        restored = _manager(workdir, read_only=True).restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))
+    except Exception as e:  # any failure to read is a damaged checkpoint
+        raise CheckpointError(f"the data item of {where} cannot be read: {describe_error(e)}") from None
+    return restored.data.get("base")
+
+
 def _saved_keys(workdir: str | pathlib.Path, step: int) -> dict[str, Any]:
     """TrainState field -> the top-level key the checkpoint of `step` stores it under (bookkeeping.state_keys)."""
     # A bare handler: a manager knows the metadata only after a save in this process; a checkpointer syncs the hosts.
@@ -260,6 +318,7 @@ class Checkpointer:
             **_rotation(ckpt.keep, select_metric, ckpt.get("keep_best", 0)),
         )
         self.selection: dict | None = None  # the selection record of the checkpoint restore_latest restored
+        self.base: dict | None = None  # a LoRA run's base record (base_record): restored, and written with every save
         self._async = ckpt.async_save
         self._in_flight: tuple[int, int] | None = None  # (step, bytes) of a save not yet awaited
         self._log_filter = _OrbaxLogFilter(_is_save_noise)
@@ -277,10 +336,11 @@ class Checkpointer:
     ) -> None:
         """Saves the checkpoint of `step`; rotate=False keeps every older one, for a state that may be worse (a stop
         after non-finite updates). `metrics`: this step's validation scores; `selection_record`: a SelectionRecord's.
+        Under LoRA the base's parameters are left out (`saved_part`) and `self.base` names them.
         A full disk (now, at an earlier asynchronous save, or too little free space for the checkpoint) is a
         DiskFullError (`_disk_full`); ckpt.keep then has removed nothing."""
         self.wait()  # the previous save's failure is reported for its own step, before this one starts
-        pure = nnx.to_pure_dict(state)
+        pure = nnx.to_pure_dict(saved_part(state, config))
         # Hashed before the save starts: the arrays are valid until the next train step donates them.
         sums = {"version": bookkeeping.CHECKSUMS_VERSION, "arrays": bookkeeping.checksums(pure)}
         manager = self.manager if rotate else _manager(self.workdir)
@@ -295,7 +355,10 @@ class Checkpointer:
                 step,
                 args=ocp.args.Composite(
                     state=ocp.args.StandardSave(pure),
-                    data=ocp.args.JsonSave({"iterator": data_state, "selection": selection_record}),
+                    data=ocp.args.JsonSave(
+                        {"iterator": data_state, "selection": selection_record}
+                        | ({"base": self.base} if self.base is not None else {})
+                    ),
                     config=ocp.args.JsonSave(json.loads(config.to_json())),
                     checksums=ocp.args.JsonSave(sums),
                 ),
@@ -379,9 +442,12 @@ class Checkpointer:
     ) -> tuple[int, nnx.State, Any] | None:
         """(step, state, data iterator state) of the newest checkpoint that restores, or None if there is none. A
         damaged one is reported and the one before it tried; once one restores, the damaged newer ones are moved aside
-        so that this run can save at their steps again. An incompatible config's is an error naming the keys."""
+        so that this run can save at their steps again. An incompatible config's is an error naming the keys. Under
+        LoRA the base's parameters stay abstract: the caller reads them (`load_base` of `self.base`)."""
         current = json.loads(config.to_json())
-        target = _abstract(nnx.to_pure_dict(abstract_state), nnx.to_pure_dict(shardings))
+        target = _abstract(
+            nnx.to_pure_dict(saved_part(abstract_state, config)), nnx.to_pure_dict(saved_part(shardings, config))
+        )
         damaged: dict[int, str] = {}
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
@@ -397,6 +463,7 @@ class Checkpointer:
             state = jax.tree.map(lambda x: x, abstract_state)  # a copy to fill
             nnx.replace_by_pure_dict(state, {name: restored.state[keys[name]] for name in TrainState.FIELDS})
             self.selection = restored.data.get("selection")
+            self.base = restored.data.get("base")
             return step, state, restored.data["iterator"]
         if not damaged:
             return None
@@ -468,9 +535,10 @@ def load_config(workdir: str | pathlib.Path, step: int | None = None) -> ml_coll
     return bookkeeping.upgrade_config(ml_collections.ConfigDict(restored.config))
 
 
-def load_model_params(workdir: str | pathlib.Path, step: int, abstract_state: nnx.State) -> dict:
-    """The model parameters of one checkpoint as a pure dict (nnx.to_pure_dict of nnx.state(model, nnx.Param)),
-    alone read from disk. abstract_state: the config's abstract train state (training.step.abstract_train_state)."""
+def load_model_params(workdir: str | pathlib.Path, step: int, abstract_state: nnx.State, wrt: Any = BASE) -> dict:
+    """The model parameters of one checkpoint that the filter `wrt` selects (default: all but LoRA adapters) as a pure
+    dict (nnx.to_pure_dict of nnx.state(model, wrt)), alone read from disk. abstract_state: the config's abstract
+    train state (training.step.abstract_train_state)."""
     steps = list_steps(workdir)
     if step not in steps:
         raise CheckpointError(f"no checkpoint for step {step} in {checkpoint_dir(workdir)}; available steps: {steps}")
@@ -480,7 +548,7 @@ def load_model_params(workdir: str | pathlib.Path, step: int, abstract_state: nn
     try:
         with _OrbaxLogFilter(_is_restore_noise):
             key = _saved_keys(workdir, step)["model"]
-            target = {key: _abstract(nnx.to_pure_dict(nnx.filter_state(abstract_state["model"], nnx.Param)))}
+            target = {key: _abstract(nnx.to_pure_dict(nnx.filter_state(abstract_state["model"], wrt)))}
             # The restore arguments carry this process's device for every array: without them Orbax reuses the saved
             # shardings, which fails for a checkpoint written by other devices (another host, FSDP over 8 GPUs).
             restore = ocp.args.PyTreeRestore(

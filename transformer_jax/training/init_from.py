@@ -3,7 +3,9 @@
 The source's checkpoint gives the model's parameters; step, optimizer state, schedule, dropout RNG and data order
 start fresh. The `architecture` keys of config/schema.py come from the source's saved config; every other key is
 the run's own. The source's tokenizer is copied into the workdir, so a run with a checkpoint of its own never reads
-the source again. `prepare` checks everything before writing anything; the source is only read.
+the source again, but under LoRA (opt.lora_rank > 0): the source is its frozen base, read again at every restart
+and checked against the checkpoint's record of it (training/checkpoints.py load_base). `prepare` checks everything
+before writing anything; the source is only read.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from transformer_jax.config import schema
 from transformer_jax.data.sources import atomic_write
 from transformer_jax.data.tokenizer import MODEL_FILENAME, tokenizer_files
 from transformer_jax.errors import CheckpointError, ConfigError
+from transformer_jax.model.lora import LoRASpec
 from transformer_jax.training import checkpoints
 from transformer_jax.training.step import abstract_train_state
 
@@ -58,6 +61,11 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | os.PathLike, overr
 
     def read(step: int) -> tuple[int, ml_collections.ConfigDict, ml_collections.ConfigDict, dict]:
         source_config = checkpoints.load_config(source, step)
+        if LoRASpec.of(source_config):
+            raise ConfigError(
+                f"config key train.init_from: {source} holds LoRA adapters, not a model (its checkpoints leave out "
+                f"their base); start from that base instead: train.init_from={source_config.train.init_from}"
+            )
         tokenizer = _workdir_tokenizer(source_config, workdir)
         merged = _merged(config, source_config, overrides, f"train.init_from {source}", tokenizer)
         return step, source_config, merged, checkpoints.load_model_params(source, step, abstract_train_state(merged)[1])

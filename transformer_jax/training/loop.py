@@ -46,9 +46,10 @@ from transformer_jax.data.store import open_train_examples
 from transformer_jax.data.tokenizer import model_tokenizer
 from transformer_jax.errors import ConfigError, NonFiniteError
 from transformer_jax.model import TransformerSpec, parameter_count
+from transformer_jax.model.lora import BASE, LoRASpec
 from transformer_jax.runtime import Progress
 from transformer_jax.sharding import batch_sharding, make_mesh, tracing_mesh
-from transformer_jax.training import bookkeeping, init_from
+from transformer_jax.training import bookkeeping, checkpoints, init_from
 from transformer_jax.training.checkpoints import Checkpointer
 from transformer_jax.training.metrics import MetricWriter, forward_flops, matmul_peak, train_step_flops
 from transformer_jax.training.step import (
@@ -361,8 +362,11 @@ def setup(
     workdir: pathlib.Path,
     bleu: BleuEvaluator | None = None,
     init_params: dict | None = None,
+    source_step: int | None = None,
 ) -> TrainingRun:
-    """The run from its latest checkpoint, or new (with `init_params`, a fine-tuning source's, init_from.prepare)."""
+    """The run from its latest checkpoint, or new (with `init_params`, a fine-tuning source's of `source_step`,
+    init_from.prepare). Under LoRA the base's parameters are the source's, read again on a restart (checked against
+    the checkpoint's base record)."""
     workdir.mkdir(parents=True, exist_ok=True)
     mesh = make_mesh()
     logging.info("training on %d devices, mesh %s, train.mesh=%s", mesh.size, dict(mesh.shape), config.train.mesh)
@@ -387,16 +391,21 @@ def setup(
         workdir, config.ckpt, config.train.select_metric if bookkeeping.is_tracked(config) else None
     )
     restored = checkpointer.restore_latest(abstract, shardings, config)
+    lora = LoRASpec.of(config) is not None
     if restored is None:
         state = jax.jit(lambda: create_train_state(config)[1], out_shardings=shardings)()
         step = 0
-        if init_params is not None:  # a fine-tuning source's model parameters (a pure dict)
-            param_shardings = nnx.to_pure_dict(nnx.filter_state(shardings["model"], nnx.Param))
-            nnx.replace_by_pure_dict(state["model"], jax.device_put(init_params, param_shardings))
+        if lora:  # saved with every checkpoint
+            checkpointer.base = checkpoints.base_record(config.train.init_from, source_step, init_params)
     else:
         step, state, it_state = restored
         train_iter.set_state(it_state)
         logging.info("resumed from the checkpoint at step %d in %s", step, workdir)
+        where = f"the checkpoint at step {step} in {checkpoints.checkpoint_dir(workdir)}"
+        init_params = checkpoints.load_base(checkpointer.base, abstract, where) if lora else None
+    if init_params is not None:  # a fine-tuning source's model parameters (a pure dict), or a LoRA run's base
+        param_shardings = nnx.to_pure_dict(nnx.filter_state(shardings["model"], BASE))
+        nnx.replace_by_pure_dict(state["model"], jax.device_put(init_params, param_shardings))
     # Written only once the checkpoint is accepted: a refused restart leaves the workdir as it was.
     if jax.process_index() == 0:
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
@@ -581,7 +590,7 @@ def train_and_evaluate(
     with bookkeeping.locked(workdir):
         # A fine-tuning run starts from its source's architecture and parameters; any other from its config.
         start = init_from.prepare(config, workdir, overrides) if config.train.init_from else init_from.Start(config)
-        run = setup(start.config, workdir, bleu, start.params)
+        run = setup(start.config, workdir, bleu, start.params, start.source_step)
         try:
             with StopRequest() as stop, tracing_mesh(run.mesh):
                 return run.writer.finish(run_steps(run, stop))  # the trackers' final scores

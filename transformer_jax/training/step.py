@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 
 from transformer_jax.errors import ConfigError
 from transformer_jax.model import Transformer, build_model, model_rngs
+from transformer_jax.model.lora import LoRASpec, add_adapters
 from transformer_jax.sharding import batch_sharding, state_shardings
 
 Array = jax.Array
@@ -132,11 +133,22 @@ def freeze_labels(params: Any, patterns: list[str]) -> Any:
     return labels
 
 
+def trainable(model: Transformer) -> type[nnx.Param]:
+    """The variables a train step differentiates and the optimizer updates: the adapters alone where the model has
+    any (opt.lora_rank > 0; its base stays frozen and gets no gradient), else every parameter."""
+    has_adapters = any(isinstance(v, nnx.LoRAParam) for _, v in nnx.iter_graph(model))
+    return nnx.LoRAParam if has_adapters else nnx.Param
+
+
 def new_train_state(config: ml_collections.ConfigDict) -> TrainState:
-    """Model + optimizer + counters built from the config; the one schedule goes to the optimizer and the state."""
-    model = build_model(config, rngs=model_rngs(config.train.seed))
+    """Model (with the adapters of opt.lora_*) + optimizer + counters built from the config; the one schedule goes to
+    the optimizer and the state."""
+    rngs = model_rngs(config.train.seed)
+    model = build_model(config, rngs=rngs)
+    if lora := LoRASpec.of(config):
+        add_adapters(model, lora, rngs=rngs)
     schedule = learning_rate_schedule(config.opt, config.train.num_steps)
-    optimizer = nnx.Optimizer(model, make_optimizer(config.opt, schedule), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, make_optimizer(config.opt, schedule), wrt=trainable(model))
     return TrainState(model, optimizer, Counters(), schedule)
 
 
@@ -276,7 +288,8 @@ def train_step(
     """
     train_state = nnx.merge(graph, state)
     model, optimizer, counters = train_state.model, train_state.optimizer, train_state.counters
-    model_graph, params, rest = nnx.split(model, nnx.Param, ...)
+    wrt = trainable(model)
+    model_graph, params, rest = nnx.split(model, wrt, ...)
     micro = jax.tree.map(lambda x: x.reshape(accum_steps, x.shape[0] // accum_steps, *x.shape[1:]), batch)
 
     def micro_step(carry, micro_batch):
@@ -285,8 +298,8 @@ def train_step(
         # every variable, dropout RNG counters included, at this trace level.
         m = nnx.merge(model_graph, params, rest)
         loss_fn = lambda m: (lambda s: (s["loss_sum"], s))(_batch_sums(m, micro_batch, label_smoothing))
-        (_, sums), grads = nnx.value_and_grad(loss_fn, has_aux=True)(m)
-        _, _, rest = nnx.split(m, nnx.Param, ...)
+        (_, sums), grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True)(m)
+        _, _, rest = nnx.split(m, wrt, ...)
         add = lambda a, b: jax.tree.map(jnp.add, a, b)
         return (params, rest, add(grads_acc, grads), add(sums_acc, sums)), None
 
