@@ -23,6 +23,7 @@ from flax.traverse_util import flatten_dict
 from tests.helpers import DATA
 from tests.helpers.m2m100_reference import ROOT, run
 from tests.helpers.model import tiny_spec
+from transformer_jax.convert import read_hf_folder
 from transformer_jax.errors import ConfigError, DataError
 from transformer_jax.evaluation.restore import restore_model, workdir_tokenizer
 from transformer_jax.interop import m2m100, m2m100_folder, marian, marian_folder
@@ -113,6 +114,7 @@ def evaluate(workdir: Path, *flags: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # tests/test_fairseq_tokenizer.py checks it in-process; this one, evaluate.py's one line
 def test_a_converted_model_requires_a_source_language(nllb_dir, tmp_path):
     """transformers assumes English when no src_lang is given; a converted model refuses to guess."""
     convert(nllb_dir, tmp_path / "w")
@@ -187,11 +189,18 @@ def test_a_folder_we_cannot_convert_is_one_line_naming_the_file_or_key(nllb_dir,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
 
 
-def test_the_command_line_picks_the_family_and_refuses_others_in_one_line(nllb_dir, tmp_path):
+def test_the_command_line_picks_the_family(nllb_dir, tmp_path):
     done = _cli("--from_hf", str(nllb_dir), "--workdir", str(tmp_path / "w"))
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1])["workdir"] == str(tmp_path / "w")
+    source = _copy(nllb_dir, tmp_path)
+    _edit_json(source / "config.json", model_type="nllb-moe")
+    with pytest.raises(ConfigError, match="model_type='nllb-moe': not supported"):
+        read_hf_folder(source)
 
+
+@pytest.mark.slow  # a fast representative: test_the_command_line_picks_the_family
+def test_the_command_line_refuses_other_families_and_flags_in_one_line(nllb_dir, tmp_path):
     source = _copy(nllb_dir, tmp_path)
     _edit_json(source / "config.json", model_type="nllb-moe")
     for flags, message in [

@@ -14,16 +14,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-from pathlib import Path
 
 from absl import flags
 
 from transformer_jax import cli
-from transformer_jax.errors import ConfigError, DataError
-from transformer_jax.interop import m2m100, m2m100_folder, marian, marian_folder
+from transformer_jax.convert import FAMILIES, read_hf_folder
+from transformer_jax.interop import marian_folder
 
 PROG = "python -m transformer_jax.convert"
-FAMILIES = {marian.MODEL_TYPE: marian_folder.read_folder, m2m100.MODEL_TYPE: m2m100_folder.read_folder}
 FLAGS = flags.FLAGS
 flags.DEFINE_string("from_hf", None, f"Local Hugging Face folder of a {' or '.join(FAMILIES)} model.")
 flags.DEFINE_string("from_marian", None, "Local Hugging Face Marian folder (config.json, model.safetensors, ...).")
@@ -33,26 +31,14 @@ flags.mark_flags_as_required(["workdir"])
 flags.mark_flags_as_mutual_exclusive(["from_hf", "from_marian"], required=True)
 
 
-def reader(folder: str):
-    """The family's read_folder for --from_hf `folder` (its config.json's model_type)."""
-    path = Path(folder)
-    if not path.is_dir():
-        raise DataError(f"--from_hf {folder} is not a directory; give a Hugging Face model folder")
-    model_type = marian_folder.read_json(path / marian_folder.CONFIG).get("model_type")
-    if model_type not in FAMILIES:
-        raise ConfigError(
-            f"{path / marian_folder.CONFIG} key model_type={model_type!r}: not supported; --from_hf converts "
-            f"{', '.join(FAMILIES)} (Marian/OPUS-MT, M2M-100 and dense NLLB-200; not NLLB-MoE)"
-        )
-    return FAMILIES[model_type]
-
-
 def main(argv: list[str]) -> None:
     del argv  # no positional arguments (cli.run refuses them)
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs each checkpoint handler it creates at INFO
     marian_folder.check_workdir(FLAGS.workdir)  # before the folder is read
-    read = marian_folder.read_folder if FLAGS.from_marian else reader(FLAGS.from_hf)
-    folder = read(FLAGS.from_marian or FLAGS.from_hf, allow_pickle=FLAGS.allow_pickle)
+    if FLAGS.from_marian:
+        folder = marian_folder.read_folder(FLAGS.from_marian, allow_pickle=FLAGS.allow_pickle)
+    else:
+        folder = read_hf_folder(FLAGS.from_hf, allow_pickle=FLAGS.allow_pickle)
     print(json.dumps(marian_folder.write_workdir(folder, FLAGS.workdir)))
 
 
