@@ -101,6 +101,7 @@ def test_import_export_import_is_bit_identical(family, request, tmp_path):
         assert ours == theirs
 
 
+@pytest.mark.slow  # a fast representative: the import-export-import test (the same writer, a converted workdir)
 def test_our_model_exports_with_its_rows_in_fairseqs_order(tmp_path):
     """Our own multilingual model: the logits of M2M100ForConditionalGeneration on the permuted ids are ours,
     permuted; the specials, the pieces and the codes sit where fairseq's dictionary puts them."""
