@@ -333,3 +333,20 @@ def test_dry_run_and_plan_size_the_source_model_without_reading_its_parameters(s
     assert not (tmp_path / "ft").exists()
     with pytest.raises(ConfigError, match=r"model.d_ff=64 \(source: 48\)"):
         init_from.planned_config(config, ["model.d_ff"])
+
+
+def test_finetune_config_takes_any_directions_lora_and_a_short_run_without_validation():
+    """configs/finetune.py (issue 64): directions of a multi-way folder besides Multi30k's two, lora=RANK, and a
+    short run without validation: keep-best and early stopping off, the warmup at most a tenth of the run."""
+    from configs import finetune
+
+    bilingual = finetune.get_config("init_from=runs/source,direction=de-en")
+    assert (bilingual.data.source, bilingual.data.src_lang, bilingual.data.tgt_lang) == ("multi30k", "de", "en")
+    assert (bilingual.opt.warmup_steps, bilingual.ckpt.keep_best, bilingual.train.early_stop_patience) == (200, 3, 4)
+    config = finetune.get_config("init_from=runs/source,directions=en-cs+cs-en,lora=4,num_steps=300,eval_every=0")
+    cli.validate(config, training=True)  # today's refusal of keep-best without validation does not fire
+    assert (config.data.source, config.data.directions, config.opt.lora_rank) == ("text", ("en-cs", "cs-en"), 4)
+    assert (config.train.eval_every, config.ckpt.keep_best, config.train.early_stop_patience) == (0, 0, 0)
+    assert config.opt.warmup_steps == 30
+    with pytest.raises(ConfigError, match="ckpt.keep_best=3 needs a validation"):  # the override alone stays refused
+        cli.check_between({**dict(cli.leaves(bilingual)), "train.eval_every": 0})
