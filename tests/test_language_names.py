@@ -94,7 +94,7 @@ def test_a_converted_models_placement_is_its_code_table():
     with pytest.raises(ConfigError, match=r"^data.directions: language 'br': the model has no code for it"):
         Placement.of(config)
     config.data.directions = ("en-cs",)
-    config.data.tokenizer = "spm"
+    config.data.tokenizer = "marian"  # spm may hold codes: ours, after data.add_languages
     with pytest.raises(ConfigError, match="config key data.tokenizer"):
         cli.validate(config)
     with pytest.raises(ConfigError, match=r"model.language_codes: .* below model.vocab_size=256202; \['zul_Latn'\]"):

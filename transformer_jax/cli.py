@@ -329,6 +329,11 @@ def check_between(values: Mapping[str, Any]) -> None:
                 f"set train.eval_every > 0 or {key}=0"
             )
     check_init(values["train.init_step"], values["train.init_from"])
+    if values["data.add_languages"] and not values["train.init_from"]:
+        raise ConfigError(
+            f"config key data.add_languages={values['data.add_languages']} adds languages to a trained model, but "
+            "train.init_from is empty; set it to the workdir of a multilingual or converted model"
+        )
     _check_lora(values)
     _check_languages(values)
     positions = values["model.max_len"] - values["model.position_offset"]  # a learned table's rows from the offset
@@ -372,7 +377,8 @@ def _check_languages(values: Mapping[str, Any]) -> None:
         "data.source": values["data.source"] != "text",
         "data.corpora": bool(values["data.corpora"]),
         "data.target_lang": bool(values["data.target_lang"]),
-        "data.tokenizer": values["data.tokenizer"] != ("fairseq" if codes else "spm"),
+        # With codes: a converted model's fairseq tokenizer, or ours whose table data.add_languages wrote out.
+        "data.tokenizer": values["data.tokenizer"] not in (("fairseq", "spm") if codes else ("spm",)),
         "eval.extra_valid": bool(values["eval.extra_valid"]),
     }
     for key, clash in clashes.items():

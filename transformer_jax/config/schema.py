@@ -357,6 +357,14 @@ KEYS: tuple[Key, ...] = (
         MATCH,
     ),
     Key(
+        "data.add_languages",
+        (),
+        Entries(each=NAME, noun="language"),
+        "languages a fine-tuning run (train.init_from) adds to its source: one embedding row and language code each,"
+        " after the source's ids (training/add_languages.py); a code (slk_Latn, __sk__, a folder suffix) or a name",
+        MATCH,
+    ),
+    Key(
         "data.direction_lines",
         (),
         Entries(
@@ -507,6 +515,13 @@ KEYS: tuple[Key, ...] = (
         MATCH,
     ),
     Key("train.init_step", "latest", NAME, "checkpoint of train.init_from: latest, best, or a step number", MATCH),
+    Key(
+        "train.new_language_init",
+        "mean",
+        NAME,
+        "each data.add_languages row starts as: mean (of the source's language rows) or a language it has (ces)",
+        MATCH,
+    ),
     Key("train.grad_accum_steps", 1, count(1), "micro-batches per optimizer step (the same global batch)", MAY_CHANGE),
     Key("train.label_smoothing", 0.1, fraction(), "epsilon_ls (paper)", MAY_CHANGE),
     Key("train.log_every", 100, count(1), "steps between metric logs", MAY_CHANGE),

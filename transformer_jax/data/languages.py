@@ -203,7 +203,7 @@ ISO639_3 = dict(
 )
 
 
-def _bare(name: str) -> str:
+def bare(name: str) -> str:
     """`name` without Marian's `>>x<<` or M2M-100's `__x__` around it."""
     for left, right in ((">>", "<<"), ("__", "__")):
         if len(name) > len(left + right) and name.startswith(left) and name.endswith(right):
@@ -218,11 +218,11 @@ def resolve(name: str, codes: Collection[str]) -> str:
     those 3 letters (`en` -> `eng_Latn`). ConfigError where none or several match."""
     if name in codes:
         return name
-    bare = _bare(name)
-    prefix = bare.split("_")[0]
+    bare_name = bare(name)
+    prefix = bare_name.split("_")[0]
     three = ISO639_3.get(prefix, prefix)
     twos = [two for two, code3 in ISO639_3.items() if three == code3]
-    for candidate in (x for b in (bare, prefix, *twos) for x in (b, f">>{b}<<", f"__{b}__")):
+    for candidate in (x for b in (bare_name, prefix, *twos) for x in (b, f">>{b}<<", f"__{b}__")):
         if candidate in codes:
             return candidate
     found = [c for c in codes if three and c.split("_")[0] == three]

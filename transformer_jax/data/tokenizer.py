@@ -544,7 +544,7 @@ def get_tokenizer(
     path = Path(workdir) / MODEL_FILENAME
     table = _language_table(config, vocab_size, lang_token, language_codes)
     pieces = vocab_size if table is None else table.first_id
-    if bool(language_codes) != (config.tokenizer == "fairseq"):
+    if config.tokenizer == ("marian" if language_codes else "fairseq"):  # ours may have codes: data.add_languages
         raise DataError(
             f"data.tokenizer={config.tokenizer!r} with model.language_codes={'set' if language_codes else 'empty'}: "
             "a converted M2M-100 / NLLB-200 model's tokenizer (fairseq) and its code table come together"

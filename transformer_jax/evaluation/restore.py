@@ -30,7 +30,7 @@ from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import AveragingError, CheckpointError, ConfigError, EvalError
 from transformer_jax.model import Transformer, TransformerSpec, build_model, model_rngs
 from transformer_jax.model.lora import LoRASpec, add_adapters, merge
-from transformer_jax.training import checkpoints
+from transformer_jax.training import add_languages, checkpoints
 
 # Keys a restart must keep that say only how the training began (the source a fine-tuned run started from, as its
 # saved config resolved it, and what it froze): a --config given to evaluate or export need not repeat them.
@@ -222,7 +222,7 @@ def params_loader(workdir: str, config: Any, target: nnx.State) -> Callable[[int
         key = tuple(sorted(record.items())) if record else ()
         where = f"the checkpoint at step {step} in {checkpoints.checkpoint_dir(workdir)}"
         if key not in bases:
-            bases[key] = checkpoints.load_base(record, {"model": target}, where)
+            bases[key] = add_languages.load_base(config, record, {"model": target}, where)
         trained = checkpoints.load_model_params(workdir, step, {"model": adapters}, wrt=nnx.LoRAParam)
         return merge(bases[key], trained, spec)
 

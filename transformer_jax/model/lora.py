@@ -6,7 +6,8 @@ updates those alone (training/step.py `trainable`), so no gradient of a base wei
 (opt.lora_targets): the attention projections q, k, v, o of every attention module, ffn (every linear layer of every
 feed-forward network) and embed (the embedding tables: rows [V, r] and [r, D]; the tied output projection reads the
 same table, so its logits change with it). `merge` folds trained adapters into plain weights, W + s A B, for
-evaluation and export.
+evaluation and export. The rows of languages a run adds (data.add_languages) train as NewRows, deltas beside the
+frozen table (training/add_languages.py).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class LoRASpec:
     rank: int
     alpha: float
     targets: tuple[str, ...]
+    new_rows: int = 0  # data.add_languages: the last rows of each embedding table, trained as NewRows
 
     @property
     def scale(self) -> float:
@@ -52,7 +54,8 @@ class LoRASpec:
         opt = config.opt
         if not opt.get("lora_rank", 0):
             return None
-        return cls(int(opt.lora_rank), float(opt.lora_alpha), tuple(opt.lora_targets))
+        added = len(config.data.get("add_languages", ())) if "data" in config else 0
+        return cls(int(opt.lora_rank), float(opt.lora_alpha), tuple(opt.lora_targets), added)
 
 
 class Adapter(nnx.Module):
@@ -80,6 +83,33 @@ class Adapter(nnx.Module):
         return jnp.einsum("btr,vr->btv", x_BTR, a, preferred_element_type=jnp.float32) * self.scale
 
 
+class NewRows(nnx.Module):
+    """The rows of added languages (data.add_languages) under LoRA, whose base table is frozen: a delta [n, D] on the
+    table's last n rows, starting at zero (so the model starts as its grown base), trained as adapters are, and
+    added into the table by `merge`. It stands in an Embedding's `adapter` place with that interface, wrapping the
+    embedding's own adapter (opt.lora_targets embed), if any, as `inner`."""
+
+    def __init__(self, vocab_size: int, d_model: int, new_rows: int, inner: Adapter | None):
+        self.delta_ND = nnx.LoRAParam(jnp.zeros((new_rows, d_model), jnp.float32))
+        self.first = vocab_size - new_rows
+        self.inner = inner
+
+    def rows(self, tokens_BT: Array) -> Array:
+        """The delta of each token's row [B, T, D] (zero for the source's tokens), float32 as the table's rows."""
+        new_BT = tokens_BT >= self.first
+        delta_BTD = self.delta_ND[...][jnp.where(new_BT, tokens_BT - self.first, 0)]
+        rows_BTD = jnp.where(new_BT[..., None], delta_BTD, 0.0)
+        return rows_BTD if self.inner is None else self.inner.rows(tokens_BT) + rows_BTD
+
+    def attend(self, x_BTD: Array) -> Array:
+        """The deltas' share of the tied logits [B, T, V] (zero for the source's ids), in float32."""
+        new_BTN = jnp.einsum(
+            "btd,nd->btn", x_BTD, self.delta_ND[...].astype(x_BTD.dtype), preferred_element_type=jnp.float32
+        )
+        logits_BTV = jnp.pad(new_BTN, ((0, 0), (0, 0), (self.first, 0)))
+        return logits_BTV if self.inner is None else self.inner.attend(x_BTD) + logits_BTV
+
+
 def _width_check(spec: LoRASpec, target: str, where: str, d_in: int, d_out: int) -> None:
     if spec.rank > min(d_in, d_out):
         raise ConfigError(
@@ -103,6 +133,9 @@ def add_adapters(model: nnx.Module, spec: LoRASpec, *, rngs: nnx.Rngs) -> None:
             rows, width = module.table_VD.shape
             _width_check(spec, "embed", where, rows, width)
             module.adapter = Adapter(rows, width, spec, jnp.float32, EMBED_A_INIT, rngs=rngs)
+        if isinstance(module, Embedding) and spec.new_rows:
+            rows, width = module.table_VD.shape
+            module.adapter = NewRows(rows, width, spec.new_rows, module.adapter)
         for target, layer in layers:
             d_in, d_out = layer.kernel.shape
             _width_check(spec, target, where, d_in, d_out)
@@ -116,8 +149,12 @@ def merge(params: dict, adapters: dict, spec: LoRASpec) -> dict:
     for path, a in flat_adapters.items():
         if path[-1] != "a":
             continue
-        module = path[:-2]  # .../<layer>/adapter/a
+        module = path[: path.index("adapter")]  # .../<layer>/adapter/a, or .../<embedding>/adapter/inner/a
         b = flat_adapters[(*path[:-1], "b")]
         weight = (*module, "table_VD") if (*module, "table_VD") in flat else (*module, "kernel")
         flat[weight] = flat[weight] + jnp.matmul(a, b) * spec.scale
+    for path, delta_ND in flat_adapters.items():  # added languages' rows: the last n of their table
+        if path[-1] == "delta_ND":
+            table = (*path[: path.index("adapter")], "table_VD")
+            flat[table] = flat[table].at[-delta_ND.shape[0] :].add(delta_ND)
     return unflatten_dict(flat)

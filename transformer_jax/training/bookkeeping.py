@@ -420,6 +420,8 @@ ADDED_KEYS: dict[str, Any] = {
     "opt.lora_rank": 0,  # no adapters: every parameter trained
     "opt.lora_alpha": 8.0,
     "opt.lora_targets": ("q", "v"),
+    "data.add_languages": (),  # the source's languages only
+    "train.new_language_init": "mean",
 }
 
 

@@ -2,7 +2,9 @@
 
 The source's checkpoint gives the model's parameters; step, optimizer state, schedule, dropout RNG and data order
 start fresh. The `architecture` keys of config/schema.py come from the source's saved config; every other key is
-the run's own. The source's tokenizer is copied into the workdir, so a run with a checkpoint of its own never reads
+the run's own. The one exception: data.add_languages grows model.vocab_size by exactly the languages it adds and
+appends their codes to model.language_codes (training/add_languages.py); an override of either is still refused.
+The source's tokenizer is copied into the workdir, so a run with a checkpoint of its own never reads
 the source again, but under LoRA (opt.lora_rank > 0): the source is its frozen base, read again at every restart
 and checked against the checkpoint's record of it (training/checkpoints.py load_base). `prepare` checks everything
 before writing anything; the source is only read.
@@ -14,7 +16,6 @@ import dataclasses
 import logging
 import os
 import pathlib
-import shutil
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -27,7 +28,7 @@ from transformer_jax.data.sources import atomic_write
 from transformer_jax.data.tokenizer import MODEL_FILENAME, tokenizer_files
 from transformer_jax.errors import CheckpointError, ConfigError
 from transformer_jax.model.lora import LoRASpec
-from transformer_jax.training import checkpoints
+from transformer_jax.training import add_languages, checkpoints
 from transformer_jax.training.step import abstract_train_state
 
 T = TypeVar("T")
@@ -68,10 +69,12 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | os.PathLike, overr
             )
         tokenizer = _workdir_tokenizer(source_config, workdir)
         merged = _merged(config, source_config, overrides, f"train.init_from {source}", tokenizer)
-        return step, source_config, merged, checkpoints.load_model_params(source, step, abstract_train_state(merged)[1])
+        grown = add_languages.extend(merged, source_config, source) if add_languages.count(merged) else merged
+        params = checkpoints.load_model_params(source, step, abstract_train_state(merged)[1])
+        return step, source_config, grown, add_languages.grow(params, grown) if grown is not merged else params
 
     step, source_config, merged, params = _first_readable(config, source, read)
-    _copy_tokenizer(source, source_config, workdir)
+    _copy_tokenizer(source, source_config, workdir, merged)
     logging.info("starting from the parameters of the checkpoint at step %d in %s", step, source)
     return Start(merged, params, step)
 
@@ -120,7 +123,8 @@ def planned_config(config: ml_collections.ConfigDict, overrides: Iterable[str] =
         return config
     source = pathlib.Path(config.train.init_from).expanduser().resolve()
     reference = _first_readable(config, source, lambda step: checkpoints.load_config(source, step))
-    return _merged(config, reference, set(overrides), f"train.init_from {source}", config.data.tokenizer_model)
+    merged = _merged(config, reference, set(overrides), f"train.init_from {source}", config.data.tokenizer_model)
+    return add_languages.extend(merged, reference, source) if add_languages.count(merged) else merged
 
 
 def _candidate_steps(config: ml_collections.ConfigDict, source: pathlib.Path) -> list[int]:
@@ -208,9 +212,15 @@ def _merged(
     return merged
 
 
-def _copy_tokenizer(source: pathlib.Path, source_config: ml_collections.ConfigDict, workdir: pathlib.Path) -> None:
-    """Copies the source's tokenizer files into workdir (spm.model; a converted Marian model's MARIAN_* files), each
-    whole or not at all; ConfigError if one is missing or the workdir holds another file under its name."""
+def _copy_tokenizer(
+    source: pathlib.Path,
+    source_config: ml_collections.ConfigDict,
+    workdir: pathlib.Path,
+    config: ml_collections.ConfigDict,
+) -> None:
+    """Copies the source's tokenizer files into workdir (spm.model; a converted model's MARIAN_* or FAIRSEQ_* files,
+    vocab.json with the codes of data.add_languages), each whole or not at all; ConfigError if one is missing or the
+    workdir holds another file under its name."""
     for tokenizer in tokenizer_files(source_config.data, source):
         if not tokenizer.is_file():
             raise ConfigError(
@@ -219,12 +229,14 @@ def _copy_tokenizer(source: pathlib.Path, source_config: ml_collections.ConfigDi
             )
         # A given SentencePiece file (data.tokenizer_model) becomes the workdir's spm.model, as its config says.
         target = workdir / (MODEL_FILENAME if source_config.data.tokenizer == "spm" else tokenizer.name)
+        added = add_languages.count(config) and add_languages.is_vocab(tokenizer)
+        content = add_languages.vocab_json(tokenizer, config) if added else tokenizer.read_bytes()
         if target.exists():
-            if target.read_bytes() != tokenizer.read_bytes():
+            if target.read_bytes() != content:
                 raise ConfigError(
                     f"--workdir {workdir} holds a tokenizer ({target}) other than the source's "
                     f"({tokenizer}); fine-tune into a new --workdir"
                 )
             continue
         with atomic_write(target) as tmp:
-            shutil.copyfile(tokenizer, tmp)
+            pathlib.Path(tmp).write_bytes(content)

@@ -49,7 +49,7 @@ from transformer_jax.model import TransformerSpec, parameter_count
 from transformer_jax.model.lora import BASE, LoRASpec
 from transformer_jax.runtime import Progress
 from transformer_jax.sharding import batch_sharding, make_mesh, tracing_mesh
-from transformer_jax.training import bookkeeping, checkpoints, init_from
+from transformer_jax.training import add_languages, bookkeeping, checkpoints, init_from
 from transformer_jax.training.checkpoints import Checkpointer
 from transformer_jax.training.metrics import MetricWriter, forward_flops, matmul_peak, train_step_flops
 from transformer_jax.training.step import (
@@ -396,13 +396,14 @@ def setup(
         state = jax.jit(lambda: create_train_state(config)[1], out_shardings=shardings)()
         step = 0
         if lora:  # saved with every checkpoint
-            checkpointer.base = checkpoints.base_record(config.train.init_from, source_step, init_params)
+            source = add_languages.source_part(init_params, config)  # the source's, as its record covers
+            checkpointer.base = checkpoints.base_record(config.train.init_from, source_step, source)
     else:
         step, state, it_state = restored
         train_iter.set_state(it_state)
         logging.info("resumed from the checkpoint at step %d in %s", step, workdir)
         where = f"the checkpoint at step {step} in {checkpoints.checkpoint_dir(workdir)}"
-        init_params = checkpoints.load_base(checkpointer.base, abstract, where) if lora else None
+        init_params = add_languages.load_base(config, checkpointer.base, abstract, where) if lora else None
     if init_params is not None:  # a fine-tuning source's model parameters (a pure dict), or a LoRA run's base
         param_shardings = nnx.to_pure_dict(nnx.filter_state(shardings["model"], BASE))
         nnx.replace_by_pure_dict(state["model"], jax.device_put(init_params, param_shardings))
