@@ -1,12 +1,14 @@
 """Fine-tuning from a trained run (continued training, e.g. after a general-domain corpus, or a converted model).
 
 --config configs/finetune.py:init_from=WORKDIR[,direction=en-de][,directions=en-cs+cs-en][,lora=RANK]
-    [,num_steps=2000][,eval_every=250]
+    [,num_steps=2000][,eval_every=250][,add=cs[+sk]][,init=mean|LANG]
     direction: en-de or de-en of the Multi30k download (a bilingual source); directions: instead, SRC-TGT names
     joined by '+' (or all, LANG-centric) of a multi-way folder, data.text_dir (default $TRANSFORMER_JAX_DATA/multi30k,
     the 4-way en/de/fr/cs Multi30k), for a multilingual or converted source; lora: opt.lora_rank (0 = full
     fine-tuning); eval_every=0: no validation, so keep-best and early stopping are off too (nothing to select on;
-    --config.train.eval_every=0 alone is refused while they are on).
+    --config.train.eval_every=0 alone is refused while they are on); add: data.add_languages joined by '+', new
+    languages the model gets a row and a code for, each starting as train.new_language_init (init: mean of the
+    source's language rows, or a language it has), training/add_languages.py.
 
 The source workdir (train.init_from) gives the model's parameters, its architecture and its tokenizer; this file
 sets what is the fine-tuning run's own: the data and batches, regularisation and a schedule for continued training.
@@ -24,7 +26,15 @@ from configs import common
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     args = common.parse_arg(
-        arg, init_from="", direction="en-de", directions="", lora="0", num_steps="2000", eval_every="250"
+        arg,
+        init_from="",
+        direction="en-de",
+        directions="",
+        lora="0",
+        num_steps="2000",
+        eval_every="250",
+        add="",
+        init="mean",
     )
     if not args["init_from"]:
         raise ValueError("name the trained run to start from: configs/finetune.py:init_from=WORKDIR")
@@ -46,6 +56,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.data.batch_size = 32  # rows of max_len tokens per side, as configs/multi30k.py
     config.data.max_len = 64
     config.model.dropout_rate = 0.1  # a small in-domain corpus: keep the regularisation of training from scratch
+    config.data.add_languages = tuple(filter(None, args["add"].split("+")))
+    config.train.new_language_init = args["init"]
     config.opt.lora_rank = int(args["lora"])  # adapters on the frozen source (model/lora.py); 0 = every parameter
     # Continued training: the parameters are trained already, so a short warmup (the fresh Adam moments need a few
     # hundred steps, and at most a tenth of the run, which must leave warmup) to a peak half that of

@@ -343,10 +343,12 @@ def test_finetune_config_takes_any_directions_lora_and_a_short_run_without_valid
     bilingual = finetune.get_config("init_from=runs/source,direction=de-en")
     assert (bilingual.data.source, bilingual.data.src_lang, bilingual.data.tgt_lang) == ("multi30k", "de", "en")
     assert (bilingual.opt.warmup_steps, bilingual.ckpt.keep_best, bilingual.train.early_stop_patience) == (200, 3, 4)
-    config = finetune.get_config("init_from=runs/source,directions=en-cs+cs-en,lora=4,num_steps=300,eval_every=0")
+    arg = "init_from=runs/source,directions=en-cs+cs-en,lora=4,num_steps=300,eval_every=0,add=cs,init=de"
+    config = finetune.get_config(arg)
     cli.validate(config, training=True)  # today's refusal of keep-best without validation does not fire
     assert (config.data.source, config.data.directions, config.opt.lora_rank) == ("text", ("en-cs", "cs-en"), 4)
     assert (config.train.eval_every, config.ckpt.keep_best, config.train.early_stop_patience) == (0, 0, 0)
     assert config.opt.warmup_steps == 30
+    assert (config.data.add_languages, config.train.new_language_init) == (("cs",), "de")
     with pytest.raises(ConfigError, match="ckpt.keep_best=3 needs a validation"):  # the override alone stays refused
         cli.check_between({**dict(cli.leaves(bilingual)), "train.eval_every": 0})
