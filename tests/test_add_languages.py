@@ -145,12 +145,15 @@ def test_under_lora_the_new_rows_are_deltas_that_merge_into_the_table(source, te
     np.testing.assert_allclose(plain.src_embed.attend(x), model.src_embed.attend(x), rtol=1e-5, atol=1e-5)
 
 
-def _fine_tune(text_dir: pathlib.Path, source: pathlib.Path, workdir: pathlib.Path, **opt) -> ml_collections.ConfigDict:
+def _fine_tune(
+    text_dir: pathlib.Path, source: pathlib.Path, workdir: pathlib.Path, steps: int = 40, every: int = 40, **opt
+) -> ml_collections.ConfigDict:
+    """A fine-tuning run adding Czech (constant rate: the same schedule whatever `steps`)."""
     from transformer_jax.training import loop
 
     config = finetune_config(text_dir, source)
     config.data.directions = ("en-cs", "de-cs")
-    config.train.num_steps, config.ckpt.every_steps, config.eval.average_last = 40, 40, 1
+    config.train.num_steps, config.ckpt.every_steps, config.eval.average_last = steps, every, 1
     config.opt.learning_rate = 1e-2
     config.opt.update(opt)
     loop.train_and_evaluate(config, workdir)
@@ -186,11 +189,19 @@ def test_after_fine_tuning_the_model_translates_into_the_new_language_and_export
 def test_under_lora_the_base_table_is_unchanged_and_the_new_rows_trained(source, text_dir, tmp_path):
     from transformer_jax.evaluation.restore import restore_model
 
-    config = _fine_tune(text_dir, source, tmp_path / "lora", lora_rank=2, lora_targets=("q", "v"))
+    lora = {"lora_rank": 2, "lora_targets": ("q", "v")}
+    config = _fine_tune(text_dir, source, tmp_path / "lora", **lora)
     adapters = nnx.state(nnx.eval_shape(lambda: state.new_train_state(config).model), nnx.LoRAParam)
-    trained = checkpoints.load_model_params(tmp_path / "lora", 40, {"model": adapters}, wrt=nnx.LoRAParam)
-    delta = np.asarray(trained["src_embed"]["adapter"]["delta_ND"])
+
+    def delta_of(workdir: pathlib.Path) -> np.ndarray:
+        trained = checkpoints.load_model_params(workdir, 40, {"model": adapters}, wrt=nnx.LoRAParam)
+        return np.asarray(trained["src_embed"]["adapter"]["delta_ND"])
+
+    delta = delta_of(tmp_path / "lora")
     assert delta.shape == (1, config.model.d_model) and np.abs(delta).max() > 0  # the new row learned
+    _fine_tune(text_dir, source, tmp_path / "resumed", steps=20, every=20, **lora)
+    _fine_tune(text_dir, source, tmp_path / "resumed", steps=40, every=20, **lora)  # reads the grown base again
+    np.testing.assert_array_equal(delta_of(tmp_path / "resumed"), delta)
     old = _table(_source_params(source))
     _, model, _ = restore_model(str(tmp_path / "lora"))
     merged = np.asarray(model.src_embed.table_VD[...])
@@ -230,3 +241,62 @@ def test_evaluate_py_takes_the_new_language_as_target(source, text_dir, tmp_path
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert any(line.startswith("cs") for line in out.read_text().splitlines())
+
+
+@pytest.mark.slow
+def test_a_converted_nllb_model_gets_a_code_spelt_as_its_own_and_exports_it(nllb_dir, tmp_path):
+    """A converted NLLB-200 workdir fine-tuned with a language NLLB-200 lacks (Western Frisian): the code is spelt
+    fry_Latn, vocab.json's copy names it, the model translates into it, and the NLLB and CTranslate2 exports hold it."""
+    import json
+
+    from transformer_jax.evaluation.restore import CheckpointChoice
+    from transformer_jax.interop import ctranslate2 as ct2_export
+    from transformer_jax.interop import m2m100_export, m2m100_folder, marian_folder
+    from transformer_jax.training import loop
+
+    pytest.importorskip("ctranslate2")
+    marian_folder.write_workdir(m2m100_folder.read_folder(nllb_dir), tmp_path / "w")
+    vocab = checkpoints.load_config(tmp_path / "w").model.vocab_size
+    text_dir = write_multiway(tmp_path / "d", n=40, langs=("en", "fy"))
+    config = tiny_train_config(text_dir, eval_every=0, init_from=str(tmp_path / "w"), num_steps=20)
+    config.data.directions, config.data.add_languages = ("en-fy",), ("fy",)
+    config.ckpt.every_steps, config.eval.average_last = 20, 1
+    with pytest.raises(ConfigError, match="no NLLB-200 spelling we know; give its code as ISO 639-3 and script"):
+        init_from.prepare(config, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+    config.data.add_languages = ("fry_Latn",)
+    loop.train_and_evaluate(config, tmp_path / "run")
+    tuned = checkpoints.load_config(tmp_path / "run")
+    assert tuned.model.vocab_size == vocab + 1 and tuple(tuned.model.language_codes[-1]) == ("fry_Latn", vocab)
+    assert json.loads((tmp_path / "run" / "vocab.json").read_text())["fry_Latn"] == vocab
+    assert languages.Placement.of(tuned).id("fy") == vocab
+    choice = CheckpointChoice(average_last=1)
+    report = m2m100_export.export_workdir(str(tmp_path / "run"), tmp_path / "hf", choice=choice)
+    assert "fry_Latn" in report["languages"]
+    assert "fry_Latn" in json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["extra_special_tokens"]
+    ct2_export.export_workdir(str(tmp_path / "run"), tmp_path / "ct2", choice=choice)
+    assert json.loads((tmp_path / "ct2" / "shared_vocabulary.json").read_text())[vocab] == "fry_Latn"
+
+
+@pytest.mark.slow
+def test_a_converted_m2m100_model_spells_the_new_code_as_its_own(m2m_dir, tmp_path):
+    """M2M-100's codes are __xx__: Basque, which it lacks, named by its ISO 639-3 name, becomes __eu__ after the
+    madeup words' ids; M2M100Tokenizer names one of its fixed code lists, so the M2M-100 export refuses in one line."""
+    import json
+
+    from transformer_jax.evaluation.restore import CheckpointChoice
+    from transformer_jax.interop import m2m100_export, m2m100_folder, marian_folder
+    from transformer_jax.training import loop
+
+    marian_folder.write_workdir(m2m100_folder.read_folder(m2m_dir), tmp_path / "w")
+    vocab = checkpoints.load_config(tmp_path / "w").model.vocab_size
+    text_dir = write_multiway(tmp_path / "d", n=40, langs=("en", "eu"))
+    config = tiny_train_config(text_dir, eval_every=0, init_from=str(tmp_path / "w"), num_steps=2)
+    config.data.directions, config.data.add_languages = ("en-eu",), ("eus",)
+    config.ckpt.every_steps, config.eval.average_last = 2, 1
+    loop.train_and_evaluate(config, tmp_path / "run")
+    tuned = checkpoints.load_config(tmp_path / "run")
+    assert tuple(tuned.model.language_codes[-1]) == ("__eu__", vocab)
+    assert json.loads((tmp_path / "run" / "vocab.json").read_text())["__eu__"] == vocab
+    with pytest.raises(ConfigError, match="not one of M2M-100's code lists"):
+        m2m100_export.export_workdir(str(tmp_path / "run"), tmp_path / "hf", choice=CheckpointChoice(average_last=1))
