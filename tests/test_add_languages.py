@@ -112,7 +112,33 @@ def test_bad_input_is_one_line_and_writes_nothing(source, text_dir, tmp_path, ch
     with pytest.raises(ConfigError, match=match) as error:
         init_from.prepare(config, tmp_path / "ft")
     assert "\n" not in str(error.value)
-    assert not (tmp_path / "ft").exists()
+    assert list((tmp_path / "ft").iterdir()) == []  # train.py makes the folder; nothing is written in it
+
+
+def test_dry_run_and_plan_size_the_grown_model(source, text_dir):
+    planned = init_from.planned_config(finetune_config(text_dir, source))
+    assert planned.model.vocab_size == SOURCE_VOCAB + 1 and dict(planned.model.language_codes)["cs"] == 282
+
+
+@pytest.mark.slow
+def test_train_py_refuses_a_language_the_source_has_in_one_line(source, text_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    done = subprocess.run(
+        [sys.executable, "train.py", "--config", f"configs/finetune.py:init_from={source},directions=en-de,add=de"]
+        + ["--config.data.text_dir", str(text_dir), "--workdir", str(tmp_path / "ft")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert done.returncode != 0
+    assert "has 'de' already" in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert list((tmp_path / "ft").iterdir()) == []  # train.py makes the folder; nothing is written in it
 
 
 def test_adding_languages_needs_a_source():
