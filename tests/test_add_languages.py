@@ -209,6 +209,8 @@ def test_after_fine_tuning_the_model_translates_into_the_new_language_and_export
     export_lib.export_workdir(str(tmp_path / "ft"), tmp_path / "ct2")
     vocabulary = __import__("json").loads((tmp_path / "ct2" / "shared_vocabulary.json").read_text())
     assert vocabulary[282] == ">>cs<<" and len(vocabulary) == SOURCE_VOCAB + 1
+    _fine_tune(text_dir, source, tmp_path / "ft", steps=42, every=42)  # resumes its own grown checkpoint
+    assert checkpoints.list_steps(tmp_path / "ft")[-1] == 42
 
 
 @pytest.mark.slow
