@@ -128,6 +128,7 @@ LIST_VALUES = {
     "data.directions": (("en-de", "all", "fr-centric"), "en-de,all,fr-centric"),
     "data.direction_lines": ((("en-cs", 3000), ("cs-en", 3000)), "en-cs=3000,cs-en=3000"),
     "model.language_codes": ((("eng_Latn", 256047), ("ces_Latn", 256042)), "eng_Latn=256047,ces_Latn=256042"),
+    "data.add_languages": (("cs", "slk_Latn"), "cs,slk_Latn"),
 }
 
 
