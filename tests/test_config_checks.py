@@ -132,6 +132,10 @@ LIST_VALUES = {
 }
 
 
+# Keys valid only in a fine-tuning run (a rule between keys): the source workdir they are checked with.
+NEEDS_INIT_FROM = {"data.add_languages": "/runs/source"}
+
+
 def test_every_list_valued_key_is_tested_here():
     assert set(LIST_VALUES) == set(schema.LISTS)
 
@@ -146,6 +150,7 @@ def test_a_list_valued_key_takes_a_tuple_or_one_comma_joined_value(key):
     for given in (records, (joined,), joined):
         config = common.base_config("tiny").to_dict()
         config[group][leaf] = given
+        config["train"]["init_from"] = NEEDS_INIT_FROM.get(key, "")
         validate(config)
         assert config[group][leaf] == records, given
 
@@ -164,6 +169,7 @@ def test_a_list_valued_key_on_the_command_line(tmp_path):
     alone = ["data.directions", "data.direction_lines"]
     for keys in ([k for k in LIST_VALUES if k not in alone], alone):
         argv = ["prog", f"--config={file}", *(f"--config.{key}={LIST_VALUES[key][1]}" for key in keys)]
+        argv += [f"--config.train.init_from={NEEDS_INIT_FROM[key]}" for key in keys if key in NEEDS_INIT_FROM]
         if "train.trackers" in keys:
             argv[argv.index("--config.train.trackers=tensorboard,wandb")] = (
                 "--config.train.trackers=('tensorboard', 'wandb')"
