@@ -229,9 +229,9 @@ def test_a_fine_tuning_run_copies_a_marian_sources_tokenizer_files(tmp_path, mod
     names = [f.name for f in tokenizer_lib.tokenizer_files(config.data, source)]
     assert names == ["source.spm", "target.spm", "vocab.json", "target_vocab.json"]
     run = tmp_path / "run"
-    init_from._copy_tokenizer(source, config, run)
+    init_from._copy_tokenizer(source, config, run, config)
     assert all((run / name).read_bytes() == (source / name).read_bytes() for name in names)
     assert _ours(run).fingerprint() == _ours(source).fingerprint()
     (run / "vocab.json").write_text("{}", encoding="utf-8")
     with pytest.raises(ConfigError, match="holds a tokenizer .*vocab.json.* other than the source's"):
-        init_from._copy_tokenizer(source, config, run)
+        init_from._copy_tokenizer(source, config, run, config)
