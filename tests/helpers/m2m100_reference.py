@@ -30,7 +30,6 @@ process: tests/helpers/marian_reference.py says why):
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -38,26 +37,14 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from marian_reference import ROOT, SENTENCES  # noqa: E402  (a file run as a script: its folder's neighbour)
+from marian_reference import ROOT, SENTENCES, run_script  # noqa: E402  (a file run as a script: its folder's neighbour)
 
 __all__ = ["ROOT", "run"]
 
 
 def run(*args: str, timeout: int = 300) -> str:
     """Runs this module with `args` in a fresh process; its stdout (AssertionError with the output on failure)."""
-    import subprocess
-
-    done = subprocess.run(
-        [sys.executable, __file__, *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout
+    return run_script(__file__, *args, timeout=timeout)
 
 
 def _spm(prefix: Path, vocab_size: int) -> Path:

@@ -39,9 +39,15 @@ SENTENCES = [
 
 def run(*args: str, timeout: int = 300) -> str:
     """Runs this module with `args` in a fresh process; its stdout (AssertionError with the output on failure)."""
+    return run_script(__file__, *args, timeout=timeout)
+
+
+def run_script(script: str, *args: str, timeout: int = 300) -> str:
+    """Runs a reference `script` with `args` in a fresh process; its stdout (AssertionError with the output on
+    failure)."""
     done = subprocess.run(
         # the file, not `-m tests.helpers...`: the helpers package imports jax, ~1.5 s this process never uses
-        [sys.executable, __file__, *args],
+        [sys.executable, script, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

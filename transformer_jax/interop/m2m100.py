@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 
-from transformer_jax.errors import ConfigError
 from transformer_jax.interop import marian
 
 MODEL_TYPE = "m2m_100"
@@ -51,62 +50,20 @@ def fairseq_positions(num_positions: int, d_model: int, padding_idx: int) -> np.
 def model_keys(hf: Mapping[str, Any], unk_id: int) -> dict[str, Any]:
     """Our model.* keys (dotted) for an M2M-100 / NLLB-200 config.json and the <unk> id of its vocabulary;
     ConfigError naming the first key we cannot represent."""
-    for key, value in FIXED.items():
-        if key in hf and hf[key] != value:
-            raise ConfigError(f"config.json key {key}={hf[key]!r}: only {value!r} is supported")
-    for a, b in (
-        ("encoder_attention_heads", "decoder_attention_heads"),
-        ("encoder_ffn_dim", "decoder_ffn_dim"),
-    ):
-        if hf.get(a) != hf.get(b):
-            raise ConfigError(f"config.json keys {a}={hf.get(a)!r} and {b}={hf.get(b)!r} differ; ours are one value")
-    activation = hf.get("activation_function", "relu")
-    if activation not in ACTIVATIONS:
-        raise ConfigError(
-            f"config.json key activation_function={activation!r} is not supported; supported: {sorted(ACTIVATIONS)}"
-        )
-    for key in ("d_model", "encoder_attention_heads", "encoder_ffn_dim", "vocab_size"):
-        if not isinstance(hf.get(key), int) or hf[key] < 1:
-            raise ConfigError(f"config.json key {key}={hf.get(key)!r}: expected a positive integer")
-    if hf["d_model"] % hf["encoder_attention_heads"] or hf["d_model"] % 2 or hf["d_model"] < 4:
-        raise ConfigError(
-            f"config.json key d_model={hf['d_model']} must be even, at least 4 and divisible by "
-            f"encoder_attention_heads={hf['encoder_attention_heads']}"
-        )
-    ids = {key: marian.one_id(hf, key) for key in ("pad_token_id", "eos_token_id", "decoder_start_token_id")}
-    for key, value in ids.items():
-        if not 0 <= value < hf["vocab_size"]:
-            raise ConfigError(f"config.json key {key}={value} is outside the vocabulary of {hf['vocab_size']}")
+    rows = hf.get("vocab_size")
+    keys = marian.bart_keys(
+        hf, unk_id, fixed=FIXED, activations=ACTIVATIONS, default_activation="relu", target_rows=rows
+    )
     return {
-        "model.vocab_size": hf["vocab_size"],
+        **keys,
         "model.source_vocab_size": 0,
-        "model.d_model": hf["d_model"],
-        "model.num_heads": hf["encoder_attention_heads"],
-        "model.num_kv_heads": 0,
-        "model.qk_head_dim": 0,
-        "model.v_head_dim": 0,
-        "model.d_ff": hf["encoder_ffn_dim"],
-        "model.num_encoder_layers": int(hf.get("encoder_layers", 0)),
-        "model.num_decoder_layers": int(hf.get("decoder_layers", 0)),
-        "model.dropout_rate": float(hf.get("dropout", 0.1)),
-        "model.attention_dropout_rate": float(hf.get("attention_dropout", 0.0)),
-        "model.ffn_dropout_rate": float(hf.get("activation_dropout", 0.0)),
-        "model.activation": ACTIVATIONS[activation],
-        "model.norm": "layernorm",
         "model.norm_position": "pre",
-        "model.norm_epsilon": NORM_EPSILON,
-        "model.positional": "sinusoidal",
         "model.sinusoid_layout": "fairseq",
-        "model.position_offset": ids["pad_token_id"] + 1,
+        "model.position_offset": keys["model.pad_id"] + 1,
         "model.lang_token": "source_and_target",
-        "model.max_len": int(hf.get("max_position_embeddings", 1024)),
         "model.share_embeddings": True,
         "model.tie_output": True,
         "model.final_logits_bias": False,
-        "model.pad_id": ids["pad_token_id"],
-        "model.eos_id": ids["eos_token_id"],
-        "model.bos_id": ids["decoder_start_token_id"],
-        "model.unk_id": unk_id,
     }
 
 

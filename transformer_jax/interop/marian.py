@@ -305,37 +305,44 @@ def one_id(hf: Mapping[str, Any], key: str) -> int:
     return value
 
 
-def model_keys(hf: Mapping[str, Any], unk_id: int) -> dict[str, Any]:
-    """Our model.* keys (dotted) for a Marian config.json and the <unk> id of its vocab.json; ConfigError naming the
-    first key we cannot represent."""
-    for key, value in FIXED.items():
+def bart_keys(
+    hf: Mapping[str, Any],
+    unk_id: int,
+    *,
+    fixed: Mapping[str, Any],
+    activations: Mapping[str, str],
+    default_activation: str | None,
+    target_rows: int,
+) -> dict[str, Any]:
+    """The model.* keys (dotted) every BART-family config.json (Marian's, M2M-100's) gives the same way, after the
+    checks they share: the `fixed` keys at their one value, encoder and decoder heads and FFN widths equal, an
+    activation of `activations`, positive sizes, d_model even (at least 4) and divisible by the heads, the special
+    ids inside `target_rows`. ConfigError naming the first key we cannot represent."""
+    for key, value in fixed.items():
         if key in hf and hf[key] != value:
-            raise ConfigError(f"config.json key {key}={hf[key]!r}: only {value!r} is supported (Marian's own value)")
+            raise ConfigError(f"config.json key {key}={hf[key]!r}: only {value!r} is supported")
     for a, b in (("encoder_attention_heads", "decoder_attention_heads"), ("encoder_ffn_dim", "decoder_ffn_dim")):
         if hf.get(a) != hf.get(b):
             raise ConfigError(f"config.json keys {a}={hf.get(a)!r} and {b}={hf.get(b)!r} differ; ours are one value")
-    activation = hf.get("activation_function")
-    if activation not in ACTIVATIONS:
+    activation = hf.get("activation_function", default_activation)
+    if activation not in activations:
         raise ConfigError(
-            f"config.json key activation_function={activation!r} is not supported; supported: {sorted(ACTIVATIONS)}"
+            f"config.json key activation_function={activation!r} is not supported; supported: {sorted(activations)}"
         )
     for key in ("d_model", "encoder_attention_heads", "encoder_ffn_dim", "vocab_size"):
         if not isinstance(hf.get(key), int) or hf[key] < 1:
             raise ConfigError(f"config.json key {key}={hf.get(key)!r}: expected a positive integer")
-    if hf["d_model"] % hf["encoder_attention_heads"] or hf["d_model"] % 2:
+    if hf["d_model"] % hf["encoder_attention_heads"] or hf["d_model"] % 2 or hf["d_model"] < 4:
         raise ConfigError(
-            f"config.json key d_model={hf['d_model']} must be even and divisible by encoder_attention_heads="
-            f"{hf['encoder_attention_heads']}"
+            f"config.json key d_model={hf['d_model']} must be even, at least 4 and divisible by "
+            f"encoder_attention_heads={hf['encoder_attention_heads']}"
         )
-    shared = bool(hf.get("share_encoder_decoder_embeddings", True))
-    target_vocab = hf["vocab_size"] if shared else int(hf.get("decoder_vocab_size") or hf["vocab_size"])
     ids = {key: one_id(hf, key) for key in ("pad_token_id", "eos_token_id", "decoder_start_token_id")}
     for key, value in ids.items():
-        if not 0 <= value < target_vocab:
-            raise ConfigError(f"config.json key {key}={value} is outside the target vocabulary of {target_vocab}")
+        if not 0 <= value < target_rows:
+            raise ConfigError(f"config.json key {key}={value} is outside the target vocabulary of {target_rows}")
     return {
-        "model.vocab_size": target_vocab,
-        "model.source_vocab_size": 0 if shared else hf["vocab_size"],
+        "model.vocab_size": target_rows,
         "model.d_model": hf["d_model"],
         "model.num_heads": hf["encoder_attention_heads"],
         "model.num_kv_heads": 0,
@@ -347,20 +354,33 @@ def model_keys(hf: Mapping[str, Any], unk_id: int) -> dict[str, Any]:
         "model.dropout_rate": float(hf.get("dropout", 0.1)),
         "model.attention_dropout_rate": float(hf.get("attention_dropout", 0.0)),
         "model.ffn_dropout_rate": float(hf.get("activation_dropout", 0.0)),
-        "model.activation": ACTIVATIONS[activation],
+        "model.activation": activations[activation],
         "model.norm": "layernorm",
-        "model.norm_position": "post",
         "model.norm_epsilon": NORM_EPSILON,
         "model.positional": "sinusoidal",
-        "model.sinusoid_layout": "concatenated",
         "model.max_len": int(hf.get("max_position_embeddings", 1024)),
-        "model.share_embeddings": shared,
-        "model.tie_output": bool(hf.get("tie_word_embeddings", True)),
-        "model.final_logits_bias": True,
         "model.pad_id": ids["pad_token_id"],
         "model.eos_id": ids["eos_token_id"],
         "model.bos_id": ids["decoder_start_token_id"],
         "model.unk_id": unk_id,
+    }
+
+
+def model_keys(hf: Mapping[str, Any], unk_id: int) -> dict[str, Any]:
+    """Our model.* keys (dotted) for a Marian config.json and the <unk> id of its vocab.json; ConfigError naming the
+    first key we cannot represent."""
+    shared = bool(hf.get("share_encoder_decoder_embeddings", True))
+    rows = hf.get("vocab_size")
+    target_rows = rows if shared or not isinstance(rows, int) else int(hf.get("decoder_vocab_size") or rows)
+    keys = bart_keys(hf, unk_id, fixed=FIXED, activations=ACTIVATIONS, default_activation=None, target_rows=target_rows)
+    return {
+        **keys,
+        "model.source_vocab_size": 0 if shared else hf["vocab_size"],
+        "model.norm_position": "post",
+        "model.sinusoid_layout": "concatenated",
+        "model.share_embeddings": shared,
+        "model.tie_output": bool(hf.get("tie_word_embeddings", True)),
+        "model.final_logits_bias": True,
     }
 
 
