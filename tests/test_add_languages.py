@@ -77,6 +77,7 @@ def test_a_new_language_gets_one_id_after_the_sources_and_the_mean_row(source, t
     start = init_from.prepare(finetune_config(text_dir, source), tmp_path / "ft")
     config = start.config
     assert config.model.vocab_size == SOURCE_VOCAB + 1
+    assert config.train.source_directions == ("en-de", "de-en")  # what the source trained: supervised in a matrix
     assert dict(config.model.language_codes) == {"de": 280, "en": 281, "cs": 282}  # the old ids stay
     placement = languages.Placement.of(config)
     tokenizer = model_tokenizer(config, tmp_path / "ft")
@@ -118,6 +119,24 @@ def test_bad_input_is_one_line_and_writes_nothing(source, text_dir, tmp_path, ch
 def test_dry_run_and_plan_size_the_grown_model(source, text_dir):
     planned = init_from.planned_config(finetune_config(text_dir, source))
     assert planned.model.vocab_size == SOURCE_VOCAB + 1 and dict(planned.model.language_codes)["cs"] == 282
+    assert planned.train.source_directions == ("en-de", "de-en")
+
+
+def test_a_source_that_was_fine_tuned_passes_on_its_own_sources_directions(source, text_dir, tmp_path):
+    """train.source_directions is the chain's: a source fine-tuned from an en-fr run gives en-fr, then its own."""
+    config = source_config(text_dir)
+    config.train.source_directions = ("en-fr", "en-de")
+    _, train_state = state.create_train_state(config)
+    saver = checkpoints.Checkpointer(tmp_path / "second", config.ckpt)
+    saver.save(3, train_state, {"position": 3}, config)
+    saver.close()
+    (tmp_path / "second" / "spm.model").write_bytes((source / "spm.model").read_bytes())
+    config = finetune_config(text_dir, tmp_path / "second")
+    assert init_from.prepare(config, tmp_path / "ft").config.train.source_directions == ("en-fr", "en-de", "de-en")
+    config.train.source_directions = ("en-cs",)
+    with pytest.raises(ConfigError, match="train.source_directions=.*contradicts the directions the source trained"):
+        init_from.prepare(config, tmp_path / "other", overrides={"train.source_directions"})
+    assert not (tmp_path / "other").exists()
 
 
 @pytest.mark.slow

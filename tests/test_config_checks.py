@@ -129,6 +129,7 @@ LIST_VALUES = {
     "data.direction_lines": ((("en-cs", 3000), ("cs-en", 3000)), "en-cs=3000,cs-en=3000"),
     "model.language_codes": ((("eng_Latn", 256047), ("ces_Latn", 256042)), "eng_Latn=256047,ces_Latn=256042"),
     "data.add_languages": (("cs", "slk_Latn"), "cs,slk_Latn"),
+    "train.source_directions": (("en-de", "de-en"), "en-de,de-en"),
 }
 
 

@@ -149,6 +149,21 @@ def test_the_mixed_search_gives_what_one_direction_at_a_time_gives(workdir, writ
     assert LanguageIds.of(placement, Direction("de", "fr")) == (None, placement.ids["fr"])  # target: forced
 
 
+def test_the_directions_a_fine_tuning_runs_sources_trained_are_supervised(workdir, tmp_path):
+    """A model fine-tuned from this one on de-fr alone was still trained on the English-centric six: the matrix
+    counts train.source_directions (written by the fine-tuning run from its source) as supervised too."""
+    from transformer_jax.training import checkpoints, step
+
+    config = checkpoints.load_config(str(workdir))
+    english_centric = tuple(config.data.directions)
+    config.train.source_directions, config.data.directions = english_centric, ("de-fr",)
+    saver = checkpoints.Checkpointer(tmp_path / "ft", config.ckpt)
+    saver.save(2, step.create_train_state(config)[1], {"position": 2}, config)
+    saver.close()
+    plan = matrix.check(run.Matrix(run.Model(str(tmp_path / "ft")), ("all",), decoding=run.Decoding(**SEARCH)))
+    assert plan.supervised == {*english_centric, "de-fr"} and len(english_centric) == 6
+
+
 def test_the_printed_tables_mark_zero_shot_cells():
     report = {
         "de-en": {"bleu": 10.0, "chrf": 40.0, "off_target": 0.25, "supervised": True, "pivot": None},

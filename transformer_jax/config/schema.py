@@ -515,6 +515,14 @@ KEYS: tuple[Key, ...] = (
         MATCH,
     ),
     Key("train.init_step", "latest", NAME, "checkpoint of train.init_from: latest, best, or a step number", MATCH),
+    Key(
+        "train.source_directions",
+        (),
+        Entries(each=DIRECTION, noun="direction"),
+        "the directions train.init_from's chain of sources trained (their data.directions and their own"
+        " train.source_directions), written by the run from its source; the language matrix counts them as supervised",
+        MATCH,
+    ),
     Key("train.new_language_init", "mean", NAME, "added rows start as: mean of the code rows, or a code's row", MATCH),
     Key("train.grad_accum_steps", 1, count(1), "micro-batches per optimizer step (the same global batch)", MAY_CHANGE),
     Key("train.label_smoothing", 0.1, fraction(), "epsilon_ls (paper)", MAY_CHANGE),

@@ -102,6 +102,12 @@ def expand(entries: Sequence[str], available: Sequence[str], where: str) -> tupl
     return tuple(out)
 
 
+def trained(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+    """The directions a run's model was trained on: those of its chain of train.init_from sources
+    (train.source_directions, which a config saved before the key lacks), then its own data.directions."""
+    return tuple(dict.fromkeys((*config.train.get("source_directions", ()), *config.data.directions)))
+
+
 def expand_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """The config with data.directions explicit (unchanged when it is empty or explicit already), checked against
     the folder, and data.direction_lines against the directions."""

@@ -9,10 +9,10 @@ directions (one LanguageIds per line), each scored against the folder's own line
 Directions: `all` (every ordered pair of the folder's languages that the model has a token for; the folder's other
 languages are listed and skipped) or SRC-TGT names. A converted model's codes (model.language_codes) resolve the
 folder's suffixes (languages.resolve: `en` -> `eng_Latn`); files and directions keep the suffixes. A direction is
-supervised when config.data.directions trains it, zero-shot otherwise (every direction of a converted model that
-was not fine-tuned). With a pivot P, every zero-shot direction S-T without P is also translated S->P, then P->T with
-the same model (each leg one search mixing all of them; S->P's outputs are the matrix's own when it holds S-P): the
-baseline every zero-shot paper reports.
+supervised when config.data.directions or train.init_from's sources trained it (train.source_directions), zero-shot
+otherwise (every direction of a converted model that was not fine-tuned). With a pivot P, every zero-shot direction S-T
+without P is also translated S->P, then P->T with the same model (each leg one search mixing all of them; S->P's outputs
+are the matrix's own when it holds S-P): the baseline every zero-shot paper reports.
 
 Scores: sacreBLEU corpus BLEU and chrF (BLEU(), CHRF(): the `sacrebleu` command's defaults, as score_all) of the
 outputs against the target language's lines, every line counted (a blank source gives a blank output).
@@ -63,7 +63,7 @@ class Plan:
     languages: list[str]  # the directions' languages (all: the folder's with a token), sorted: rows and columns
     skipped: list[str]  # the folder's languages without a token
     directions: list[Direction]
-    supervised: frozenset[str]  # the names of config.data.directions
+    supervised: frozenset[str]  # the directions the model was trained on (languages.trained)
     pivot: str | None
     pivoted: list[Direction]  # the zero-shot directions also translated through the pivot
     lines: dict[str, list[str]]  # each language's lines (sources and references)
@@ -104,7 +104,7 @@ def check(mode: run.Matrix) -> Plan:
         )
     if mode.pivot is not None and not placement.has(mode.pivot):
         raise EvalError(f"--pivot {mode.pivot}: the model has no token for it; choose one of {_listed(placement)}")
-    supervised = frozenset(config.data.directions)
+    supervised = frozenset(languages.trained(config))
     zero_shot = [d for d in directions if d.name not in supervised]
     pivoted = [] if mode.pivot is None else [d for d in zero_shot if mode.pivot not in (d.src, d.tgt)]
     used = sorted({lang for d in directions for lang in (d.src, d.tgt)})

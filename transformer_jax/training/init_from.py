@@ -24,6 +24,7 @@ from flax.traverse_util import flatten_dict
 
 from transformer_jax import cli
 from transformer_jax.config import schema
+from transformer_jax.data import languages
 from transformer_jax.data.sources import atomic_write
 from transformer_jax.data.tokenizer import MODEL_FILENAME, tokenizer_files
 from transformer_jax.errors import CheckpointError, ConfigError
@@ -56,7 +57,8 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | os.PathLike, overr
     if own is not None:
         _check_same_run(own, config, workdir)
         where = f"the checkpoint in --workdir {workdir}"
-        return Start(_merged(config, own, overrides, where, _workdir_tokenizer(own, workdir)))
+        merged = _merged(config, own, overrides, where, _workdir_tokenizer(own, workdir))
+        return Start(_inherited(merged, own.train.get("source_directions", ()), overrides, where))
     if checkpoints.list_steps(workdir):  # none of its own checkpoints is readable: restore_latest says which
         return Start(config)
 
@@ -68,7 +70,9 @@ def prepare(config: ml_collections.ConfigDict, workdir: str | os.PathLike, overr
                 f"their base); start from that base instead: train.init_from={source_config.train.init_from}"
             )
         tokenizer = _workdir_tokenizer(source_config, workdir)
-        merged = _merged(config, source_config, overrides, f"train.init_from {source}", tokenizer)
+        where = f"train.init_from {source}"
+        merged = _merged(config, source_config, overrides, where, tokenizer)
+        merged = _inherited(merged, languages.trained(source_config), overrides, where)
         grown = add_languages.extend(merged, source_config, source) if add_languages.count(merged) else merged
         params = checkpoints.load_model_params(source, step, abstract_train_state(merged)[1])
         return step, source_config, grown, add_languages.grow(params, grown) if grown is not merged else params
@@ -123,7 +127,9 @@ def planned_config(config: ml_collections.ConfigDict, overrides: Iterable[str] =
         return config
     source = pathlib.Path(config.train.init_from).expanduser().resolve()
     reference = _first_readable(config, source, lambda step: checkpoints.load_config(source, step))
-    merged = _merged(config, reference, set(overrides), f"train.init_from {source}", config.data.tokenizer_model)
+    where = f"train.init_from {source}"
+    merged = _merged(config, reference, set(overrides), where, config.data.tokenizer_model)
+    merged = _inherited(merged, languages.trained(reference), set(overrides), where)
     return add_languages.extend(merged, reference, source) if add_languages.count(merged) else merged
 
 
@@ -210,6 +216,19 @@ def _merged(
     # keys may not hold for the two together (data.max_len against the source's learned positions).
     cli.check_between(dict(cli.leaves(merged)))
     return merged
+
+
+def _inherited(
+    config: ml_collections.ConfigDict, directions: tuple[str, ...], overrides: set[str], where: str
+) -> ml_collections.ConfigDict:
+    """The config with train.source_directions = `directions` (a fact of the source, like the architecture keys);
+    ConfigError if the command line set it otherwise."""
+    if "train.source_directions" in overrides and tuple(config.train.source_directions) != tuple(directions):
+        raise ConfigError(
+            f"{where}: --config.train.source_directions={config.train.source_directions!r} contradicts the "
+            f"directions the source trained ({directions!r}); remove it (the run takes it from its source)"
+        )
+    return _copy(config, {"train.source_directions": tuple(directions)})
 
 
 def _copy_tokenizer(
