@@ -14,6 +14,8 @@ end: tests never read a user's cache, and a program compiled by one test process
 """
 
 import gc
+import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -47,25 +49,53 @@ from tests.helpers.training import write_corpus  # noqa: E402
 from transformer_jax import runtime  # noqa: E402
 
 
-@pytest.fixture(scope="session")
-def nllb_dir(tmp_path_factory) -> pathlib.Path:
-    """A random-weight NLLB-200-style Hugging Face folder with its tokenizer (tests/helpers/m2m100_reference.py), built
-    once per test process: the import, export and CTranslate2 tests read it and never write into it."""
-    from tests.helpers.m2m100_reference import run
+def shared_path(tmp_path_factory, worker_id: str, name: str, build) -> pathlib.Path:
+    """`name` in a folder all the run's processes share, built by `build(path)` once per run: under xdist the
+    workers' base temps sit in one folder, and a lock makes the first worker build while the other waits. A marker
+    written after the build says it finished; a failed build is redone by the next user. Its users treat it as
+    read-only (copying it first where they change it)."""
+    from filelock import FileLock
 
-    path = tmp_path_factory.mktemp("hf") / "nllb-tiny"
-    run("make", str(path), '{"family": "nllb"}')
+    root = tmp_path_factory.getbasetemp()
+    if worker_id != "master":
+        root = root.parent
+    path, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            build(path)
+            done.touch()
     return path
 
 
+def _hf_folders(family: str):
+    """A builder of m2m100_reference.FOLDERS[family]'s random-weight Hugging Face folder (PATH/hf) and, where
+    ctranslate2 is installed, CTranslate2's own conversion of it (PATH/ct2, m2m100_reference.ct2_oracle) in one
+    process: the two share its ~10 s of torch and transformers imports."""
+
+    def build(path: pathlib.Path) -> None:
+        from tests.helpers.m2m100_reference import FOLDERS, ct2_oracle, run
+
+        hf, spec = path / "hf", json.dumps(FOLDERS[family])
+        if importlib.util.find_spec("ctranslate2") is None:
+            run("make", str(hf), spec)
+        else:
+            run("make_ct2", str(hf), spec, str(ct2_oracle(hf)))
+
+    return build
+
+
 @pytest.fixture(scope="session")
-def m2m_dir(tmp_path_factory) -> pathlib.Path:
+def nllb_dir(tmp_path_factory, worker_id) -> pathlib.Path:
+    """A random-weight NLLB-200-style Hugging Face folder with its tokenizer, built once per test run: the import,
+    export and CTranslate2 tests read it and never write into it."""
+    return shared_path(tmp_path_factory, worker_id, "nllb", _hf_folders("nllb")) / "hf"
+
+
+@pytest.fixture(scope="session")
+def m2m_dir(tmp_path_factory, worker_id) -> pathlib.Path:
     """As nllb_dir, an M2M-100-style folder (vocab.json, 100 __xx__ codes, 8 madeup words)."""
-    from tests.helpers.m2m100_reference import run
-
-    path = tmp_path_factory.mktemp("hf") / "m2m100-tiny"
-    run("make", str(path), '{"family": "m2m100", "seed": 1}')
-    return path
+    return shared_path(tmp_path_factory, worker_id, "m2m100", _hf_folders("m2m100")) / "hf"
 
 
 @pytest.fixture(scope="module")

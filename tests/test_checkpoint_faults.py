@@ -339,7 +339,9 @@ def test_no_readable_checkpoint_is_one_line_listing_each_step(trained, corpus, t
     assert checkpoints.list_steps(workdir) == [3, 6]  # nothing moved when nothing restores
 
 
-@pytest.mark.parametrize("program", ["train.py", "evaluate.py"])
+# train.py's message is test_no_readable_checkpoint_is_one_line_listing_each_step's, in-process; evaluate.py's process
+# is the fast check that the damaged files leave nothing from asyncio or TensorStore after the error line.
+@pytest.mark.parametrize("program", [pytest.param("train.py", marks=pytest.mark.slow), "evaluate.py"])
 def test_a_damaged_checkpoint_is_one_error_line_in_a_fresh_process(trained, corpus, tmp_path, program):
     """train.py with no readable checkpoint, evaluate.py with a damaged latest one: stderr holds log lines and one
     error line, last; no traceback and nothing from asyncio or TensorStore (the damaged files are refused before

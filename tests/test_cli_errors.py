@@ -25,9 +25,11 @@ def slow(*case):
 
 CASES = [
     # (program, arguments, words the error line contains)
-    ("train.py", ["--config", "nope.py", "--workdir", "w"], "--config nope.py: no such file nope.py"),
+    # A missing config file: the parse that train.py-1 takes (config_flags), the message visualize-11's and
+    # data.prepare-13's.
+    slow("train.py", ["--config", "nope.py", "--workdir", "w"], "--config nope.py: no such file nope.py"),
     ("train.py", ["--config", TINY, "--config.model.d_modle=8"], "'d_modle' Did you mean"),
-    ("train.py", ["--config", TINY], "--workdir is required"),  # ConfigError raised in main
+    slow("train.py", ["--config", TINY], "--workdir is required"),  # ConfigError raised in main, as train.py-3's
     # cli.validate, before any work (--dry_run too): this exited 0 having done nothing
     ("train.py", ["--config", TINY, "--config.train.num_steps=-1", "--dry_run"], "train.num_steps: must be positive"),
     slow("train.py", ["--config", TINY, "--workdir", "train.py"], "--workdir train.py is a file, not a directory"),

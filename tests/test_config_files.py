@@ -86,6 +86,10 @@ def test_the_sweep_loads_its_config_files_with_the_same_loader(tmp_path):
         sweep.variants(str(tmp_path / "sweep_raises.py"))
 
 
+# In-process: test_the_loader_names_the_file_the_line_and_the_error[syntax] and
+# test_every_config_file_flag_uses_the_loader_and_fails_in_one_line[train] (cli.parse_flags under train.py's --config);
+# a train.py process's --config parse error as its one line: tests/test_cli_errors.py's train.py-1.
+@pytest.mark.slow
 def test_train_py_prints_one_line_for_a_syntax_error(tmp_path):
     program, name = "train.py", "syntax"
     path = _write(tmp_path, name)

@@ -42,29 +42,29 @@ SENTENCES = [
     "A woman with a red hat is reading a book in the park while her dog sleeps.",
     "Men.",
 ]
-FOLDERS = {"nllb": {"family": "nllb"}, "m2m100": {"family": "m2m100", "seed": 1}}
 FAMILIES = ["nllb", pytest.param("m2m100", marks=pytest.mark.slow)]
 EN_DE = languages.Direction("en", "de")
 
 
 class Converted:
-    """A family's Hugging Face folder, CTranslate2's conversion of it, our workdir of it and our export."""
+    """A family's Hugging Face folder (conftest's nllb_dir or m2m_dir), CTranslate2's conversion of it (built with it),
+    our workdir of it and our export."""
 
-    def __init__(self, root: Path, family: str):
-        self.folder, self.oracle = root / "hf", root / "oracle"
-        m2m100_reference.run("make_ct2", str(self.folder), json.dumps(FOLDERS[family]), str(self.oracle))
+    def __init__(self, folder: Path, root: Path):
+        self.folder, self.oracle = folder, m2m100_reference.ct2_oracle(folder)
         self.workdir, self.export = root / "workdir", root / "ct2"
         marian_folder.write_workdir(m2m100_folder.read_folder(self.folder), self.workdir)
         self.report = export_lib.export_workdir(str(self.workdir), self.export)
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
+def converted(request, tmp_path_factory):
     made: dict[str, Converted] = {}
 
     def get(family: str) -> Converted:
-        if family not in made:
-            made[family] = Converted(tmp_path_factory.mktemp(family), family)
+        if family not in made:  # the session folder asked for when first used: the m2m100 cases are slow
+            folder = request.getfixturevalue("nllb_dir" if family == "nllb" else "m2m_dir")
+            made[family] = Converted(folder, tmp_path_factory.mktemp(family))
         return made[family]
 
     return get

@@ -95,6 +95,9 @@ def test_validation_loss_selects_and_stops_without_decoding(corpus, tmp_path):
     assert checkpoints.best_steps(tmp_path / "w")[0] == min(steps, key=losses.get)
 
 
+# In-process: tests/test_selection.py's test_keep_best_and_early_stopping_without_validation_are_refused; train.py's
+# one line for a cli.validate refusal before any work: tests/test_cli_errors.py's train.py-3.
+@pytest.mark.slow
 def test_train_py_refuses_early_stopping_without_validation_in_one_line(corpus, tmp_path):
     command = [
         sys.executable,

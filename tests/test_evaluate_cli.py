@@ -103,6 +103,8 @@ def test_scores_only_mode_equals_the_sacrebleu_command_on_newstest2014(tmp_path)
     assert 10 < ours_bleu < 90 and ours_tok != ours_bleu  # a real, different, number
 
 
+@pytest.mark.slow  # in-process: tests/test_bleu.py's test_read_lines_like_sacrebleu_and_line_count_check; evaluate.py's
+# one line for scores-only line counts: tests/test_compare.py's test_line_count_mismatch_is_one_line_naming_the_files
 def test_scores_only_mode_line_count_mismatch_names_both_files(tmp_path):
     hyp, ref = tmp_path / "hyp.txt", tmp_path / "ref.txt"
     hyp.write_text("a\nb\nc\n", encoding="utf-8")

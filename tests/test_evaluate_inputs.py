@@ -108,6 +108,8 @@ def test_scores_only_refuses_a_scores_file_that_is_an_input_and_output_equal_to_
         evaluate(same)
 
 
+@pytest.mark.slow  # in-process: test_an_output_that_is_an_input_is_refused_before_restoring; evaluate.py's one line:
+# test_bad_flag_values_on_the_command_line_are_one_line
 def test_command_line_output_over_source_is_one_line(tmp_path, files):
     src, ref = files
     result = run_evaluate(
@@ -262,6 +264,8 @@ def test_empty_source_file_and_empty_stdin_are_clear_errors(tmp_path, capsys, mo
         evaluate(dict(workdir=str(three_checkpoints(tmp_path)), source_file="-"))
 
 
+@pytest.mark.slow  # in-process: test_empty_source_file_and_empty_stdin_are_clear_errors; evaluate.py's one line of a
+# scores-only mistake: tests/test_cli_errors.py's evaluate.py-7
 def test_scoring_two_empty_files_is_one_line(tmp_path):
     hyp, ref = tmp_path / "h.txt", tmp_path / "r.txt"
     hyp.write_bytes(b"")

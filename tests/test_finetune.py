@@ -306,13 +306,20 @@ def _train_py(corpus, workdir, *flags):
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_train_py_refuses_a_missing_source_and_a_contradicting_override_in_one_line(source, corpus, tmp_path):
+# In-process: test_a_missing_or_empty_source_is_refused; train.py's one line for a source it refuses:
+# test_train_py_refuses_an_override_contradicting_the_source_in_one_line.
+@pytest.mark.slow
+def test_train_py_refuses_a_missing_source_in_one_line(corpus, tmp_path):
     result = _train_py(corpus, tmp_path / "ft", f"--config.train.init_from={tmp_path / 'nowhere'}")
     assert result.returncode != 0
     assert result.stderr.strip().splitlines()[-1] == (
         f"train.py: error: config key train.init_from: {tmp_path / 'nowhere'} does not exist; give the workdir of a "
         "trained run"
     )
+
+
+def test_train_py_refuses_an_override_contradicting_the_source_in_one_line(source, corpus, tmp_path):
+    """Only the command line knows which keys it was given: those that contradict the source are refused."""
     result = _train_py(corpus, tmp_path / "ft", f"--config.train.init_from={source}", "--config.model.d_ff=64")
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]

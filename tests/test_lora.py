@@ -20,7 +20,7 @@ from flax import nnx
 from flax.traverse_util import flatten_dict
 
 from tests.helpers import DATA
-from tests.helpers.m2m100_reference import ROOT, run
+from tests.helpers.m2m100_reference import ROOT
 from tests.helpers.training import synthetic_batch, tiny_train_config
 from transformer_jax import cli
 from transformer_jax.errors import CheckpointError, ConfigError
@@ -324,13 +324,12 @@ def test_adapters_on_a_changed_or_missing_base_are_refused_in_one_line(corpus, b
 
 
 @pytest.mark.slow
-def test_lora_on_a_converted_nllb_model(tmp_path):
+def test_lora_on_a_converted_nllb_model(nllb_dir, tmp_path):
     """train.py with LoRA on a converted NLLB workdir (pre-LN, final norms, fairseq positions, language codes): only
     adapters are saved, and the model evaluation restores is the base with them merged."""
     if not (DATA / "multi30k" / "train.cs").is_file():
         pytest.skip(f"the 4-way Multi30k is not under {DATA} (set TRANSFORMER_JAX_DATA to ../shared/data)")
-    run("make", str(tmp_path / "hf"), json.dumps({"family": "nllb"}))
-    marian_folder.write_workdir(m2m100_folder.read_folder(tmp_path / "hf"), tmp_path / "w")
+    marian_folder.write_workdir(m2m100_folder.read_folder(nllb_dir), tmp_path / "w")
     done = subprocess.run(
         [sys.executable, "train.py", "--config", "configs/multilingual.py:size=mini,directions=en-cs,lang_token=none"]
         + ["--config.train.init_from", str(tmp_path / "w"), "--config.train.num_steps", "2"]

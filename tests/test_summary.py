@@ -57,6 +57,10 @@ def test_shapes_are_the_ones_the_data_pipeline_produces(corpus, tmp_path_factory
         assert produced == set(shapes)
 
 
+# In-process: test_accumulation_splits_the_same_batch_so_flops_and_tokens_do_not_change (dry_run_summary's shapes and
+# FLOPs under grad_accum_steps=4); train.py --dry_run printing it as JSON: tests/test_finetune.py's
+# test_dry_run_and_plan_size_the_source_model_without_reading_its_parameters.
+@pytest.mark.slow
 def test_dry_run_prints_the_summary_as_json(corpus):
     args = ["--config", str(REPO / "tests" / "tiny_train_config.py"), f"--config.data.text_dir={corpus}"]
     out = subprocess.run(

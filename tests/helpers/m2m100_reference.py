@@ -39,7 +39,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from marian_reference import ROOT, SENTENCES, run_script  # noqa: E402  (a file run as a script: its folder's neighbour)
 
-__all__ = ["ROOT", "run"]
+__all__ = ["FOLDERS", "ROOT", "ct2_oracle", "run"]
+
+# `make`'s settings of the two families' folders (tests/conftest.py's nllb_dir and m2m_dir).
+FOLDERS = {"nllb": {"family": "nllb"}, "m2m100": {"family": "m2m100", "seed": 1}}
+
+
+def ct2_oracle(folder: Path) -> Path:
+    """Where CTranslate2's own conversion of a conftest folder lies (`make_ct2` writes it beside the folder)."""
+    return folder.with_name("ct2")
 
 
 def run(*args: str, timeout: int = 300) -> str:
