@@ -422,6 +422,7 @@ ADDED_KEYS: dict[str, Any] = {
     "opt.lora_targets": ("q", "v"),
     "data.add_languages": (),  # the source's languages only
     "train.new_language_init": "mean",
+    "train.source_directions": (),  # a run saved before the key: only its own data.directions count as trained
 }
 
 
