@@ -290,6 +290,22 @@ def test_evaluate_py_takes_the_new_language_as_target(source, text_dir, tmp_path
     assert any(line.startswith("cs") for line in out.read_text().splitlines())
 
 
+def _converted_run_config(
+    hf_dir: pathlib.Path, tmp_path: pathlib.Path, lang: str, added: str, steps: int
+) -> tuple[ml_collections.ConfigDict, int]:
+    """(config, the source's vocab_size) of a run from hf_dir's conversion (tmp_path/w) adding `added` on the en-`lang`
+    folder tmp_path/d, checkpointing its last step only."""
+    from transformer_jax.interop import m2m100_folder, marian_folder
+
+    marian_folder.write_workdir(m2m100_folder.read_folder(hf_dir), tmp_path / "w")
+    vocab = checkpoints.load_config(tmp_path / "w").model.vocab_size
+    text_dir = write_multiway(tmp_path / "d", n=40, langs=("en", lang))
+    config = tiny_train_config(text_dir, eval_every=0, init_from=str(tmp_path / "w"), num_steps=steps)
+    config.data.directions, config.data.add_languages = (f"en-{lang}",), (added,)
+    config.ckpt.every_steps, config.eval.average_last = steps, 1
+    return config, vocab
+
+
 @pytest.mark.slow
 def test_a_converted_nllb_model_gets_a_code_spelt_as_its_own_and_exports_it(nllb_dir, tmp_path):
     """A converted NLLB-200 workdir fine-tuned with a language NLLB-200 lacks (Western Frisian): the code is spelt
@@ -298,16 +314,11 @@ def test_a_converted_nllb_model_gets_a_code_spelt_as_its_own_and_exports_it(nllb
 
     from transformer_jax.evaluation.restore import CheckpointChoice
     from transformer_jax.interop import ctranslate2 as ct2_export
-    from transformer_jax.interop import m2m100_export, m2m100_folder, marian_folder
+    from transformer_jax.interop import m2m100_export
     from transformer_jax.training import loop
 
     pytest.importorskip("ctranslate2")
-    marian_folder.write_workdir(m2m100_folder.read_folder(nllb_dir), tmp_path / "w")
-    vocab = checkpoints.load_config(tmp_path / "w").model.vocab_size
-    text_dir = write_multiway(tmp_path / "d", n=40, langs=("en", "fy"))
-    config = tiny_train_config(text_dir, eval_every=0, init_from=str(tmp_path / "w"), num_steps=20)
-    config.data.directions, config.data.add_languages = ("en-fy",), ("fy",)
-    config.ckpt.every_steps, config.eval.average_last = 20, 1
+    config, vocab = _converted_run_config(nllb_dir, tmp_path, "fy", "fy", steps=20)
     with pytest.raises(ConfigError, match="no NLLB-200 spelling we know; give its code as ISO 639-3 and script"):
         init_from.prepare(config, tmp_path / "run")
     assert not (tmp_path / "run").exists()
@@ -332,15 +343,10 @@ def test_a_converted_m2m100_model_spells_the_new_code_as_its_own(m2m_dir, tmp_pa
     import json
 
     from transformer_jax.evaluation.restore import CheckpointChoice
-    from transformer_jax.interop import m2m100_export, m2m100_folder, marian_folder
+    from transformer_jax.interop import m2m100_export
     from transformer_jax.training import loop
 
-    marian_folder.write_workdir(m2m100_folder.read_folder(m2m_dir), tmp_path / "w")
-    vocab = checkpoints.load_config(tmp_path / "w").model.vocab_size
-    text_dir = write_multiway(tmp_path / "d", n=40, langs=("en", "eu"))
-    config = tiny_train_config(text_dir, eval_every=0, init_from=str(tmp_path / "w"), num_steps=2)
-    config.data.directions, config.data.add_languages = ("en-eu",), ("eus",)
-    config.ckpt.every_steps, config.eval.average_last = 2, 1
+    config, vocab = _converted_run_config(m2m_dir, tmp_path, "eu", "eus", steps=2)
     loop.train_and_evaluate(config, tmp_path / "run")
     tuned = checkpoints.load_config(tmp_path / "run")
     assert tuple(tuned.model.language_codes[-1]) == ("__eu__", vocab)
