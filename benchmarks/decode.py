@@ -433,6 +433,7 @@ def main(argv: list[str]) -> None:
             modes_side_by_side(_WORKDIR.value, extra)
         return
     config = _CONFIG.value
+    cli.validate(config)  # as evaluate.py: list-valued overrides become their tuples, every key checked
     model = build_model(config, rngs=model_rngs(0))
     model.eval()
     ids, how = source_ids(_TOKENIZER.value, config.model.vocab_size, _NUM_SENTENCES.value, config.data.eval_max_len)

@@ -141,6 +141,9 @@ def main(argv: list[str]) -> None:
         print(json.dumps(fresh_process.restart_times(fresh_process.config_arguments(sys.argv[1:]), _REPEATS.value)))
         return
     config = _CONFIG.value
+    # As train.py: list-valued overrides (--config.opt.lora_targets=q,k,v) become their tuples, and every key is
+    # checked; unchecked, a comma-joined value would reach the model as one string.
+    cli.validate(config)
     spec = TransformerSpec.from_config(config)
     rows, length = config.data.batch_size, config.data.max_len
     batch = random_batch(rows, length, length, spec.vocab_size)

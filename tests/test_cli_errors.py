@@ -48,6 +48,9 @@ CASES = [
     slow("benchmarks.data_pipeline", ["--epochs", "many"], "--epochs"),
     slow("benchmarks.train_step", ["--config", "nope.py"], "--config nope.py: no such file"),
     ("benchmarks.train_step", ["--config", TINY, "stray"], "unexpected arguments: ['stray']"),
+    # The benchmarks check their config as train.py does (a comma-joined list override is split, then checked).
+    ("benchmarks.train_step", ["--config", TINY, "--config.opt.lora_targets=q,nope"], "opt.lora_targets"),
+    slow("benchmarks.decode", ["--config", TINY, "--config.opt.lora_targets=q,nope"], "opt.lora_targets"),
 ]
 
 
