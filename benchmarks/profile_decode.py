@@ -94,14 +94,15 @@ def summarise(xplane: pathlib.Path) -> dict:
     for name, ns in self_ns.items():
         by_kind["matmul" if name.startswith(MATMUL_KINDS) else "other"] += ns
     window = (min(s for s, _ in busy), max(e for _, e in busy)) if busy else (0, 0)
+    # Seconds to the microsecond: rounded to the millisecond, a short trace's operations summed to 0.
     return {
-        "window_s": round((window[1] - window[0]) / 1e9, 3),  # from the first operation's start to the last's end
-        "some_operation_running_s": round(_union_s(busy), 3),
-        "self_s_by_kind": {k: round(v / 1e9, 3) for k, v in by_kind.items()},
+        "window_s": round((window[1] - window[0]) / 1e9, 6),  # from the first operation's start to the last's end
+        "some_operation_running_s": round(_union_s(busy), 6),
+        "self_s_by_kind": {k: round(v / 1e9, 6) for k, v in by_kind.items()},
         "largest": [
             {
                 "op": name,
-                "self_s": round(ns / 1e9, 3),
+                "self_s": round(ns / 1e9, 6),
                 "calls": calls[name],
                 "us_each": round(ns / 1e3 / calls[name], 1),
             }
