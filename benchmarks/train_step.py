@@ -162,7 +162,7 @@ def main(argv: list[str]) -> None:
     step_flops = train_step_flops(spec, rows, length, length)
     peak = measure_matmul_peak()
     jax_run, jax_params, xla_estimate = jax_stepper(config, batch)
-    jax_run(2)  # compile + warm-up
+    jax_run(2)  # warm-up (jax_stepper compiled the step)
     runners = {"jax": jax_run}
     params = {"jax": jax_params}
     if _TORCH.value:
