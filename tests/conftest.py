@@ -7,6 +7,7 @@ in the resume tests) inherit it, so compared runs share it.
 The tests run on the CPU (JAX_PLATFORMS=cpu unless set): on a CPU host with libtpu installed (requirements-aot.txt,
 for the TPU compile tests) jax would otherwise try the TPU first and print its initialisation errors; several test
 processes may load libtpu at once (ALLOW_MULTIPLE_LIBTPU_LOAD: its lock guards a TPU this host does not have).
+oneDNN's matmuls are capped at AVX2 (ONEDNN_MAX_CPU_ISA unless set), so results are the same bits on any x86 CPU.
 
 jax's persistent compilation cache (transformer_jax/runtime.py) lives in a directory of the test session's
 own, shared by the xdist workers and the subprocesses they start (through the environment), and removed at the
@@ -38,6 +39,10 @@ os.environ.setdefault("JAX_EXEC_TIME_OPTIMIZATION_EFFORT", "-1.0")
 gc.set_threshold(50_000, 20, 20)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# XLA:CPU's matmuls call oneDNN's sgemm, which picks its kernels by the CPU's instruction set: an AVX-512 machine and
+# an AVX2 one sum in different orders and differ in the last bits. Capped at AVX2, every x86 machine the suite runs on
+# computes the same bits, so stored values (tests/test_lora.py) hold on all of them.
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
 
 # Imported after XLA_FLAGS is set: importing the helpers imports JAX.
