@@ -287,15 +287,30 @@ def load_base_record(workdir: str | pathlib.Path, step: int) -> dict | None:
     return restored.data.get("base")
 
 
-def _saved_keys(workdir: str | pathlib.Path, step: int) -> dict[str, Any]:
-    """TrainState field -> the top-level key the checkpoint of `step` stores it under (bookkeeping.state_keys)."""
+def _saved_tree(workdir: str | pathlib.Path, step: int) -> dict[str, Any]:
+    """The metadata tree (Orbax's ArrayMetadata leaves: shape, dtype) of the state the checkpoint of `step` holds."""
     # A bare handler: a manager knows the metadata only after a save in this process; a checkpointer syncs the hosts.
     handler = ocp.PyTreeCheckpointHandler()
     try:
-        saved = handler.metadata(checkpoint_dir(workdir) / str(step) / "state").tree.keys()
+        return handler.metadata(checkpoint_dir(workdir) / str(step) / "state").tree
     finally:
         handler.close()
-    return bookkeeping.state_keys(saved, TrainState.FIELDS)
+
+
+def _misfit(saved: dict, target: dict) -> str | None:
+    """The first array of `target` whose shape differs from the one the metadata tree `saved` records, in words, or
+    None. Checked before Orbax reads: a read that fails leaves the other arrays' reads pending, and at exit Python
+    reports each of them as an ignored exception hundreds of lines long."""
+
+    def name(path) -> str:
+        return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+    shapes = {name(path): getattr(leaf, "shape", None) for path, leaf in jax.tree_util.tree_leaves_with_path(saved)}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(target):
+        stored = shapes.get(name(path))
+        if stored is not None and tuple(stored) != tuple(leaf.shape):
+            return f"its array {name(path)} has shape {tuple(stored)}, but the config builds {tuple(leaf.shape)}"
+    return None
 
 
 class Checkpointer:
@@ -491,7 +506,7 @@ class Checkpointer:
                 "saved config (config item of the checkpoint)."
             )
         try:
-            keys = _saved_keys(self.workdir, step)
+            keys = bookkeeping.state_keys(_saved_tree(self.workdir, step).keys(), TrainState.FIELDS)
             on_disk = {keys[name]: target[name] for name in TrainState.FIELDS}
             restored = self.manager.restore(
                 step, args=ocp.args.Composite(state=ocp.args.StandardRestore(on_disk), data=ocp.args.JsonRestore())
@@ -547,8 +562,15 @@ def load_model_params(workdir: str | pathlib.Path, step: int, abstract_state: nn
         raise CheckpointError(f"{where} is damaged: {problem}")
     try:
         with _OrbaxLogFilter(_is_restore_noise):
-            key = _saved_keys(workdir, step)["model"]
-            target = {key: _abstract(nnx.to_pure_dict(nnx.filter_state(abstract_state["model"], wrt)))}
+            saved_tree = _saved_tree(workdir, step)
+    except Exception as e:  # any failure to read is a damaged checkpoint
+        raise CheckpointError(f"{where} cannot be read: {describe_error(e)}") from None
+    key = bookkeeping.state_keys(saved_tree.keys(), TrainState.FIELDS)["model"]
+    target = {key: _abstract(nnx.to_pure_dict(nnx.filter_state(abstract_state["model"], wrt)))}
+    if problem := _misfit(saved_tree, target):
+        raise CheckpointError(f"{where} does not fit the config: {problem}; use the config it was trained with")
+    try:
+        with _OrbaxLogFilter(_is_restore_noise):
             # The restore arguments carry this process's device for every array: without them Orbax reuses the saved
             # shardings, which fails for a checkpoint written by other devices (another host, FSDP over 8 GPUs).
             restore = ocp.args.PyTreeRestore(
