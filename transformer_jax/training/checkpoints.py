@@ -301,15 +301,12 @@ def _misfit(saved: dict, target: dict) -> str | None:
     """The first array of `target` whose shape differs from the one the metadata tree `saved` records, in words, or
     None. Checked before Orbax reads: a read that fails leaves the other arrays' reads pending, and at exit Python
     reports each of them as an ignored exception hundreds of lines long."""
-
-    def name(path) -> str:
-        return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-    shapes = {name(path): getattr(leaf, "shape", None) for path, leaf in jax.tree_util.tree_leaves_with_path(saved)}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(target):
-        stored = shapes.get(name(path))
+    shapes = {"/".join(map(str, path)): getattr(leaf, "shape", None) for path, leaf in flatten_dict(saved).items()}
+    for path, leaf in flatten_dict(target).items():
+        name = "/".join(map(str, path))
+        stored = shapes.get(name)
         if stored is not None and tuple(stored) != tuple(leaf.shape):
-            return f"its array {name(path)} has shape {tuple(stored)}, but the config builds {tuple(leaf.shape)}"
+            return f"its array {name} has shape {tuple(stored)}, but the config builds {tuple(leaf.shape)}"
     return None
 
 
